@@ -1,0 +1,209 @@
+"""Gated delta rule (Gated DeltaNet's token mixer): pure-torch reference ops.
+
+Per value head, with state S in R^{K x V} (row = key channel) and log-decay g_t <= 0:
+
+    S_t = exp(g_t) * S_{t-1} + k_t (beta_t * (v_t - (exp(g_t) * S_{t-1})^T k_t))^T,
+    o_t = S_t^T (q_t * scale)
+
+Signatures follow flash-linear-attention (`chunk_gated_delta_rule`,
+`fused_recurrent_gated_delta_rule`) plus SGLang's pool extension: with `initial_state_indices`,
+`initial_state` is the whole state pool [slots, HV, K, V]; each sequence starts from
+`pool[idx]` and its final state is written back in place. Grouped value heads: value head `h`
+reads query/key head `h // (HV // H)`. All math is fp32; outputs come back in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """[B,T,H*,D] inputs -> fp32 head-first [B,HV,T,D] with GVA expanded, q scaled."""
+    num_v_heads, num_k_heads = v.shape[2], k.shape[2]
+    if num_v_heads != num_k_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).float() for x in (g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return q * scale, k, v, g, beta
+
+
+def _chunk_dense(q, k, v, g, beta, state, chunk_size):
+    """One batch of equal-length sequences, head-first fp32. state: [B,HV,K,V] (updated copy)."""
+    T = q.shape[2]
+    pad = (-T) % chunk_size
+    if pad:  # zero g and beta: padded steps neither decay nor write the state
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    B, HV, Tp, K = k.shape
+    n, C = Tp // chunk_size, chunk_size
+    q, k, v = (x.reshape(B, HV, n, C, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(B, HV, n, C), beta.reshape(B, HV, n, C)
+
+    G = g.cumsum(-1)  # [B,HV,n,C] log decay from chunk start to t (inclusive)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    # WY form: (I + strict_lower(beta k k^T * decay)) [u | w] = [beta v | beta k e^G]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    system = system.masked_fill(~causal.tril(-1), 0.0) + torch.eye(C, device=q.device)
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * G.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    intra = (q @ k.transpose(-1, -2)) * decay  # [B,HV,n,C,C], diagonal included
+    q_decayed = q * G.exp().unsqueeze(-1)
+    k_to_end = k * (G[..., -1:] - G).exp().unsqueeze(-1)
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [B,HV,n,1,1]
+
+    out = torch.empty_like(v)
+    for c in range(n):
+        v_new = u[:, :, c] - w[:, :, c] @ state  # [B,HV,C,V] what the state does not predict
+        out[:, :, c] = q_decayed[:, :, c] @ state + intra[:, :, c] @ v_new
+        state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+    return out.reshape(B, HV, Tp, -1)[:, :, :T], state
+
+
+def _split_states(initial_state, initial_state_indices, n, shape, device):
+    if initial_state is None:
+        return torch.zeros(n, *shape, dtype=torch.float32, device=device)
+    if initial_state_indices is not None:
+        return initial_state[initial_state_indices].float()
+    return initial_state.float()
+
+
+def _run(
+    step_fn,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    use_qk_l2norm_in_kernel,
+    initial_state_indices,
+):
+    in_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, HV, T, K = k.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        bounds = [(b, 0, T) for b in range(B)]
+    else:
+        assert B == 1, "varlen inputs are packed into batch 1"
+        cu = cu_seqlens.tolist()
+        bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    states = _split_states(initial_state, initial_state_indices, len(bounds), (HV, K, V), q.device)
+    out = torch.empty_like(v)
+    finals = torch.empty_like(states)
+    if cu_seqlens is None:  # dense batch: one call
+        o, s = step_fn(q, k, v, g, beta, states)
+        out, finals = o, s
+    else:
+        for i, (b, lo, hi) in enumerate(bounds):
+            sl = slice(lo, hi)
+            o, s = step_fn(
+                q[b : b + 1, :, sl],
+                k[b : b + 1, :, sl],
+                v[b : b + 1, :, sl],
+                g[b : b + 1, :, sl],
+                beta[b : b + 1, :, sl],
+                states[i : i + 1],
+            )
+            out[b : b + 1, :, sl] = o
+            finals[i : i + 1] = s
+    out = out.transpose(1, 2).to(in_dtype)
+    if initial_state_indices is not None:
+        initial_state[initial_state_indices] = finals.to(initial_state.dtype)
+        return out, None
+    return out, (finals if output_final_state else None)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,  # [B,T,H,K]
+    k: torch.Tensor,  # [B,T,H,K]
+    v: torch.Tensor,  # [B,T,HV,V]
+    g: torch.Tensor,  # [B,T,HV] log-space decay
+    beta: torch.Tensor,  # [B,T,HV]
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,  # [N,HV,K,V], or the pool with indices
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,  # [N+1], B == 1
+    use_qk_l2norm_in_kernel: bool = False,
+    initial_state_indices: torch.Tensor | None = None,  # [N] rows of the pool
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked (WY) form for prefill.
+
+    Returns (o [B,T,HV,V], final state [N,HV,K,V] fp32, or None).
+    """
+
+    def step(q, k, v, g, beta, state):
+        return _chunk_dense(q, k, v, g, beta, state, chunk_size)
+
+    return _run(
+        step,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        use_qk_l2norm_in_kernel,
+        initial_state_indices,
+    )
+
+
+def _recurrent_dense(q, k, v, g, beta, state):
+    out = torch.empty_like(v)
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        predicted = (state * k[:, :, t].unsqueeze(-1)).sum(-2)  # S^T k  [B,HV,V]
+        delta = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
+        state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, :, t] = (state * q[:, :, t].unsqueeze(-1)).sum(-2)
+    return out, state
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    initial_state_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token form (decode, and the test oracle). Same contract as the chunked form."""
+    return _run(
+        _recurrent_dense,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        use_qk_l2norm_in_kernel,
+        initial_state_indices,
+    )

@@ -1,0 +1,252 @@
+"""Per-slot recurrent state of the Gated DeltaNet (linear-attention) layers.
+
+One slot holds, for every linear-attention layer, the short-convolution window and the delta-rule
+state of one sequence. A running request owns one slot (``mamba_slot``), extra-buffer strategies
+also own track slots, and radix-tree nodes and sessions own slots of their own; every slot has
+exactly one owner at a time (invariant I2). Slot 0 is reserved: padded decode rows may write
+garbage there, and it is never handed out (invariant I1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from mem_cache.req_pool import SlotAllocator, SlotIds, as_slot_list
+
+
+class MambaPool:
+    """State tensors for ``size`` slots (plus the reserved slot 0) and their free list.
+
+    - ``conv_state``: ``[num_layers, size + 1, conv_dim, conv_kernel - 1]`` in ``conv_dtype``, the
+      last ``conv_kernel - 1`` pre-convolution inputs, channel-first, oldest first.
+    - ``ssm_state``: ``[num_layers, size + 1, num_v_heads, k_head_dim, v_head_dim]`` in
+      ``ssm_dtype`` (fp32 by default), K-major as in flash-linear-attention.
+
+    ``num_layers`` counts linear-attention layers; the model addresses them by their dense index.
+    Both tensors start zeroed.
+
+    Ownership: `alloc` hands zeroed slots to the caller, who owns them until it passes them on or
+    frees them, exactly once. Slot ids are host-side bookkeeping: `alloc` returns int64 CPU tensors
+    whatever the state device; every method also accepts ids as ints, lists or tensors on any device
+    (a device tensor costs a synchronisation).
+
+    Grouped allocation (after SGLang PR #25000): the scheduler opens a group for a prefill round
+    with `alloc_group_begin(n)`, which draws up to ``n`` slots from the free list at once;
+    `alloc` then serves from the group first and `alloc_group_end()` puts the undrawn rest back.
+    While a group is open, `available()` counts the free list plus the undrawn group slots, so
+    opening or closing a group never changes `available()`.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        conv_dim: int,
+        conv_kernel: int,
+        num_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_dtype: torch.dtype,
+        ssm_dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_layers < 0 or conv_dim < 1 or conv_kernel < 1:
+            raise ValueError(
+                f"bad conv state shape: num_layers={num_layers}, conv_dim={conv_dim}, "
+                f"conv_kernel={conv_kernel}"
+            )
+        if num_v_heads < 1 or k_head_dim < 1 or v_head_dim < 1:
+            raise ValueError(
+                f"bad ssm state shape: num_v_heads={num_v_heads}, k_head_dim={k_head_dim}, "
+                f"v_head_dim={v_head_dim}"
+            )
+        self.size = size
+        self.num_layers = num_layers
+        self.conv_dim = conv_dim
+        self.conv_kernel = conv_kernel
+        self.num_v_heads = num_v_heads
+        self.k_head_dim = k_head_dim
+        self.v_head_dim = v_head_dim
+        self.conv_dtype = conv_dtype
+        self.ssm_dtype = ssm_dtype
+        self.device = torch.device(device)
+        self.allocator = SlotAllocator(size, name="MambaPool")
+        self.conv_state = torch.zeros(
+            (num_layers, size + 1, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=self.device
+        )
+        self.ssm_state = torch.zeros(
+            (num_layers, size + 1, num_v_heads, k_head_dim, v_head_dim),
+            dtype=ssm_dtype,
+            device=self.device,
+        )
+
+    # ---------------------------------------------------------------------------------- sizing
+
+    @staticmethod
+    def state_bytes_per_slot(
+        num_layers: int,
+        conv_dim: int,
+        conv_kernel: int,
+        num_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_dtype: torch.dtype,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> int:
+        """Bytes one slot occupies over all layers (conv plus ssm state), for sizing the pool."""
+        conv = conv_dim * (conv_kernel - 1) * conv_dtype.itemsize
+        ssm = num_v_heads * k_head_dim * v_head_dim * ssm_dtype.itemsize
+        return num_layers * (conv + ssm)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """`state_bytes_per_slot` for this pool's shapes."""
+        return self.state_bytes_per_slot(
+            self.num_layers,
+            self.conv_dim,
+            self.conv_kernel,
+            self.num_v_heads,
+            self.k_head_dim,
+            self.v_head_dim,
+            self.conv_dtype,
+            self.ssm_dtype,
+        )
+
+    # ------------------------------------------------------------------------------ allocation
+
+    def alloc(self, n: int = 1, *, zero: bool = True) -> torch.Tensor | None:
+        """Hand out ``n`` distinct slots as an int64 CPU tensor, or ``None`` if short.
+
+        While a group is open, slots come from the group first and then from the free list. All or
+        nothing: on ``None`` nothing changes; shortage never raises (a negative ``n`` does).
+        Postcondition (with ``zero=True``, the default): the conv and ssm states of the returned
+        slots are zero in every layer. ``zero=False`` skips that for a caller that overwrites the
+        whole state at once, e.g. a copy-on-write destination filled by `copy`.
+        """
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            return None
+        out = torch.tensor(slots, dtype=torch.int64)
+        if zero and slots:
+            self._zero(out)
+        return out
+
+    def free(self, slots: SlotIds) -> None:
+        """Return handed-out slots to the free list.
+
+        Raises `ValueError` naming the offending ids, and frees nothing, for: slot 0, an id outside
+        ``1..size``, a free slot (double free), a slot drawn into the open group but not handed
+        out, or an id repeated in the call. Freed states are not cleared (`alloc` zeroes).
+        """
+        self.allocator.free(slots)
+
+    def available(self) -> int:
+        """Slots `alloc` can still hand out: free list plus undrawn slots of an open group."""
+        return self.allocator.available()
+
+    def allocated_slots(self) -> set[int]:
+        """Slots currently handed out; undrawn group slots are not included (for leak checks)."""
+        return self.allocator.allocated_slots()
+
+    def check_integrity(self) -> None:
+        """Raise `RuntimeError` if the free-list bookkeeping is inconsistent."""
+        self.allocator.check_integrity()
+
+    def clear(self) -> None:
+        """Mark every slot free and close any group (full flush); states are left as they are."""
+        self.allocator.reset()
+
+    # ---------------------------------------------------------------------- grouped allocation
+
+    def alloc_group_begin(self, n: int) -> int:
+        """Open a group: draw ``min(n, available())`` free slots in one bulk step; return the count.
+
+        The draw only moves ids (no state is touched; `alloc` zeroes when it hands a slot out).
+        Never raises for shortage. Raises `RuntimeError` if a group is already open, since nesting
+        is a bug. Drawn slots cannot be freed until handed out by `alloc`.
+        """
+        return self.allocator.group_begin(n)
+
+    def alloc_group_end(self) -> int:
+        """Close the group, returning undrawn slots to the front of the free list; return the count.
+
+        Harmless without an open group (returns 0), so it can run unconditionally in ``finally``.
+        """
+        return self.allocator.group_end()
+
+    @contextmanager
+    def alloc_group(self, n: int) -> Iterator[int]:
+        """``with pool.alloc_group(n) as got:`` - begin/end pair that also ends on exceptions."""
+        got = self.alloc_group_begin(n)
+        try:
+            yield got
+        finally:
+            self.alloc_group_end()
+
+    @property
+    def group_open(self) -> bool:
+        return self.allocator.group_open
+
+    def group_remaining(self) -> int:
+        """Undrawn slots of the open group (0 when none is open)."""
+        return self.allocator.group_remaining()
+
+    # --------------------------------------------------------------------------- state access
+
+    def get_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(conv_state[layer], ssm_state[layer])`` of one linear-attention layer.
+
+        Shapes ``[size + 1, conv_dim, conv_kernel - 1]`` and
+        ``[size + 1, num_v_heads, k_head_dim, v_head_dim]``; kernels update them in place.
+        """
+        return self.conv_state[layer], self.ssm_state[layer]
+
+    def zero_slots(self, slots: SlotIds) -> None:
+        """Zero conv and ssm state of handed-out ``slots`` in all layers.
+
+        Raises `ValueError` naming any id that is not currently handed out.
+        """
+        ids = as_slot_list(slots)
+        self._require_allocated(ids, "zero")
+        if ids:
+            self._zero(torch.tensor(ids, dtype=torch.int64))
+
+    def copy(self, src: SlotIds, dst: SlotIds) -> None:
+        """Copy conv and ssm state of ``src[i]`` into ``dst[i]`` in every layer (copy-on-write).
+
+        Preconditions, checked (`ValueError` naming the ids): equal lengths; every id currently
+        handed out (so never slot 0, a free slot or an undrawn group slot); no id repeated in
+        ``dst``. ``src`` and ``dst`` may overlap: all sources are read before any write. Only the
+        ``dst`` slots change.
+        """
+        src_ids = as_slot_list(src)
+        dst_ids = as_slot_list(dst)
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"MambaPool.copy: {len(src_ids)} sources but {len(dst_ids)} targets")
+        self._require_allocated(src_ids, "copy from")
+        self._require_allocated(dst_ids, "copy into")
+        if len(set(dst_ids)) != len(dst_ids):
+            seen: set[int] = set()
+            dup = sorted({s for s in dst_ids if s in seen or seen.add(s)})
+            raise ValueError(f"MambaPool.copy: target slot(s) {dup} given more than once")
+        if not src_ids:
+            return
+        s = torch.tensor(src_ids, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst_ids, dtype=torch.int64, device=self.device)
+        self.conv_state.index_copy_(1, d, self.conv_state.index_select(1, s))
+        self.ssm_state.index_copy_(1, d, self.ssm_state.index_select(1, s))
+
+    # -------------------------------------------------------------------------------- helpers
+
+    def _require_allocated(self, ids: list[int], what: str) -> None:
+        bad = [s for s in ids if not self.allocator.is_allocated(s)]
+        if bad:
+            raise ValueError(f"MambaPool: cannot {what} slot(s) {bad}: not currently handed out")
+
+    def _zero(self, slots: torch.Tensor) -> None:
+        idx = slots.to(self.device)
+        self.conv_state.index_fill_(1, idx, 0)
+        self.ssm_state.index_fill_(1, idx, 0)

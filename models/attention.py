@@ -1,0 +1,78 @@
+"""Gated full attention of Qwen3-Next: GQA softmax attention with q/k RMSNorm, partial RoPE and
+a sigmoid output gate.
+
+    [q | gate] = q_proj(x) (interleaved per head)
+    q = rope(q_norm(q)),  k = rope(k_norm(k_proj(x)))
+    y = o_proj(softmax(q k^T / sqrt(d)) v * sigmoid(gate))
+
+New K/V are written into the KV pool at `ForwardBatch.out_loc`; keys are read back through
+`req_to_token`, so cached prefixes and new tokens are handled alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.attention import decode_attention, extend_attention
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch
+from models.layers import RMSNorm, RotaryEmbedding
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attn_layer_id: int) -> None:
+        super().__init__()
+        c = config
+        self.attn_layer_id = attn_layer_id  # index among the full-attention layers
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)  # [T, nH, hd]
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, nKV, hd]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
+
+        pool = batch.kv_pool
+        pool.set_kv(self.attn_layer_id, batch.out_loc, k, v)
+        k_buf, v_buf = pool.get_kv(self.attn_layer_id)
+        if batch.is_decode:
+            o = decode_attention(
+                q,
+                k_buf,
+                v_buf,
+                batch.req_to_token,
+                batch.req_slots,
+                batch.seq_lens,
+                self.scale,
+                batch.max_seq_len or None,
+            )
+        else:
+            o = extend_attention(
+                q,
+                k_buf,
+                v_buf,
+                batch.req_to_token,
+                batch.req_slots,
+                batch.prefix_lens_cpu,
+                batch.extend_lens_cpu,
+                self.scale,
+            )  # [T, nH, hd]
+        o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(o)

@@ -1,0 +1,187 @@
+"""What a Qwen3-Next checkpoint is: its `config.json`, read into one frozen dataclass.
+
+`ModelConfig.from_hf(path)` accepts `model_type: qwen3_next` and both the transformers 4.x keys
+(`rope_theta`, `partial_rotary_factor`) and the 5.x `rope_parameters` dict. A missing field or an
+unsupported architecture is a `ValueError` whose one line names it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_next",)
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    partial_rotary_factor: float
+    rope_theta: float
+    attention_bias: bool
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MLP / MoE
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    norm_topk_prob: bool
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
+        if bad:
+            raise ValueError(f"config.json: unsupported layer type {bad[0]!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"config.json: layer_types has {len(self.layer_types)} entries, "
+                f"num_hidden_layers is {self.num_hidden_layers}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError("config.json: num_experts_per_tok must be in 1..num_experts")
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:  # H * dk
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:  # HV * dv
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @cached_property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @cached_property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            layer_id not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read `path/config.json` (or that file); `generation_config.json` adds EOS ids."""
+        path = Path(path)
+        cfg_file = path / "config.json" if path.is_dir() else path
+        if not cfg_file.is_file():
+            raise ValueError(f"no config.json at {cfg_file}")
+        raw = json.loads(cfg_file.read_text())
+        gen_file = cfg_file.parent / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        return cls.from_dict(raw, generation_config=gen)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation_config: dict | None = None) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture: model_type {model_type!r} "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ValueError(f"config.json: missing field {key!r}")
+            return raw[key]
+
+        n_layers = int(need("num_hidden_layers"))
+        if "layer_types" in raw:
+            layer_types = tuple(raw["layer_types"])
+        else:
+            interval = int(raw.get("full_attention_interval", 4))
+            layer_types = tuple(
+                FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)
+            )
+
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+        rope_type = rope.get(
+            "rope_type", (raw.get("rope_scaling") or {}).get("rope_type", "default")
+        )
+        if rope_type != "default":
+            raise ValueError(f"config.json: unsupported rope_type {rope_type!r}")
+        hidden = int(need("hidden_size"))
+        n_heads = int(need("num_attention_heads"))
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: unsupported hidden_act {raw['hidden_act']!r}")
+
+        eos = (generation_config or {}).get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_experts = int(raw.get("num_experts", 0))
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            layer_types=layer_types,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(need("num_key_value_heads")),
+            head_dim=int(raw.get("head_dim") or hidden // n_heads),
+            partial_rotary_factor=float(partial),
+            rope_theta=float(rope_theta),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            linear_num_key_heads=int(need("linear_num_key_heads")),
+            linear_num_value_heads=int(need("linear_num_value_heads")),
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
+            intermediate_size=int(need("intermediate_size")),
+            num_experts=num_experts,
+            num_experts_per_tok=int(need("num_experts_per_tok")) if num_experts else 0,
+            moe_intermediate_size=int(need("moe_intermediate_size")) if num_experts else 0,
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers", [])),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            eos_token_ids=eos_ids,
+        )

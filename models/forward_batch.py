@@ -1,0 +1,59 @@
+"""`ForwardBatch`: everything the model may read for one forward pass, and nothing else.
+
+A flat ragged batch: the new tokens of N requests are packed one after another. Request i
+already has `prefix_lens[i]` tokens in the caches (its KV is reachable through `req_to_token`
+and its Gated DeltaNet state sits in `mamba_pool` at `mamba_slots[i]`), and computes
+`extend_lens[i]` new tokens now. Decode is the case extend_len == 1 for every request.
+
+Padding rows (decode batches padded to a captured size) use request row 0, KV location 0 and
+Mamba slot 0: every pool reserves those, so padding can write there but never touches a live
+request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from mem_cache.kv_pool import KVPool
+    from mem_cache.mamba_pool import MambaPool
+
+Phase = Literal["prefill", "decode"]
+
+
+@dataclass
+class ForwardBatch:
+    phase: Phase
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    out_loc: torch.Tensor  # [T] int64, KV location each new token's K/V is written to
+    req_slots: torch.Tensor  # [N] int64, rows of req_to_token
+    mamba_slots: torch.Tensor  # [N] int64, Mamba pool slots (0 = padding)
+    seq_lens: torch.Tensor  # [N] int64, prefix + extend
+    prefix_lens_cpu: list[int]  # [N] tokens already cached (KV and recurrent state)
+    extend_lens_cpu: list[int]  # [N] tokens computed now; sum == T
+    req_to_token: torch.Tensor  # [rows, max_context] int32
+    kv_pool: KVPool
+    mamba_pool: MambaPool
+    max_seq_len: int = 0  # decode: longest seq_len in the batch (host side, avoids a sync)
+    return_all_logits: bool = False  # prefill: logits for every new token, not only the last
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+    def query_start_loc(self) -> torch.Tensor:
+        """[N+1] int64 offsets of each request's tokens in the packed batch."""
+        lens = torch.tensor([0, *self.extend_lens_cpu], dtype=torch.int64)
+        return lens.cumsum(0).to(self.input_ids.device)
+
+    def last_token_indices(self) -> torch.Tensor:
+        """[N] index of each request's last new token in the packed batch."""
+        return self.query_start_loc()[1:] - 1

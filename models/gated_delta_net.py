@@ -1,0 +1,133 @@
+"""Gated DeltaNet (Yang et al., 2024), the linear-attention token mixer of Qwen3-Next.
+
+Per value head the layer keeps a recurrent state S [dk, dv] and a short causal-conv window:
+
+    q, k, v = silu(conv1d([q|k|v] projections));  q, k l2-normalised, q scaled by dk^-0.5
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
+    g_t = -exp(A_log) * softplus(a_t + dt_bias),   beta_t = sigmoid(b_t)
+    y = out_proj(RMSNormGated(o, z))
+
+Both states live in the Mamba pool and are addressed by `ForwardBatch.mamba_slots`; prefill
+continues from whatever the slot holds (zeros for a fresh request), decode steps it by one token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch
+from models.layers import RMSNormGated
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, linear_layer_id: int) -> None:
+        super().__init__()
+        c = config
+        self.linear_layer_id = linear_layer_id  # index among the linear-attention layers
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = (
+            c.linear_key_dim,
+            c.linear_value_dim,
+            c.conv_dim,
+        )
+        # Rows are kept in contiguous [q | k | v | z] and [b | a] order (see `regroup_qkvz`).
+        self.in_proj_qkvz = nn.Linear(
+            c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False
+        )
+        self.in_proj_ba = nn.Linear(c.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = RMSNormGated(self.head_v_dim, eps=c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        pool = batch.mamba_pool
+        conv_state = pool.conv_state[self.linear_layer_id]  # [slots, conv_dim, Kc-1]
+        ssm_state = pool.ssm_state[self.linear_layer_id]  # [slots, HV, dk, dv]
+        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, Kc]
+
+        mixed_qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)  # [T, HV]
+
+        if batch.is_decode:
+            mixed_qkv = causal_conv1d_update(
+                mixed_qkv, conv_state, weight, None, "silu", batch.mamba_slots
+            )  # [T, conv_dim]
+        else:
+            has_state = torch.tensor([p > 0 for p in batch.prefix_lens_cpu], device=x.device)
+            mixed_qkv = causal_conv1d_fn(
+                mixed_qkv.t(),
+                weight,
+                None,
+                conv_state,
+                batch.query_start_loc(),
+                batch.mamba_slots,
+                has_state,
+                "silu",
+            ).t()  # [T, conv_dim]
+
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(1, T, self.num_k_heads, self.head_k_dim)  # [1, T, H, dk]
+        k = k.reshape(1, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(1, T, self.num_v_heads, self.head_v_dim)  # [1, T, HV, dv]
+        beta = b.sigmoid().unsqueeze(0)  # [1, T, HV]
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).unsqueeze(0)
+
+        if batch.is_decode:  # one token per request: requests are the batch dimension
+            core, _ = fused_recurrent_gated_delta_rule(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                g.transpose(0, 1),
+                beta.transpose(0, 1),
+                initial_state=ssm_state,
+                initial_state_indices=batch.mamba_slots,
+                use_qk_l2norm_in_kernel=True,
+            )  # [T, 1, HV, dv]
+        else:
+            core, _ = chunk_gated_delta_rule(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=ssm_state,
+                initial_state_indices=batch.mamba_slots,
+                cu_seqlens=batch.query_start_loc(),
+                use_qk_l2norm_in_kernel=True,
+            )  # [1, T, HV, dv]
+
+        core = self.norm(
+            core.reshape(T * self.num_v_heads, self.head_v_dim),
+            z.reshape(T * self.num_v_heads, self.head_v_dim),
+        )
+        return self.out_proj(core.reshape(T, self.value_dim))
+
+    @staticmethod
+    def regroup_qkvz(w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        """Checkpoint rows grouped per key head [q_g|k_g|v_g|z_g]... -> contiguous [Q|K|V|Z]."""
+        c = config
+        r = c.linear_num_value_heads // c.linear_num_key_heads
+        dk, rdv = c.linear_key_head_dim, r * c.linear_value_head_dim
+        grouped = w.reshape(c.linear_num_key_heads, 2 * dk + 2 * rdv, -1)  # [H, 2dk+2r*dv, hidden]
+        parts = grouped.split([dk, dk, rdv, rdv], dim=1)
+        return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts], dim=0)
+
+    @staticmethod
+    def regroup_ba(w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        """Checkpoint rows grouped per key head [b_g|a_g]... -> contiguous [B|A]."""
+        c = config
+        r = c.linear_num_value_heads // c.linear_num_key_heads
+        grouped = w.reshape(c.linear_num_key_heads, 2 * r, -1)  # [H, 2r, hidden]
+        b, a = grouped.split([r, r], dim=1)
+        return torch.cat([b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])], dim=0)

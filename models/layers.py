@@ -1,0 +1,144 @@
+"""Building blocks shared by the Qwen3-Next layers: norms, rotary embedding, MLP and sparse MoE.
+
+Numerics follow transformers' Qwen3-Next exactly (fp32 inside the norms, fp32 router softmax),
+because the reference model is the judge of this one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), in fp32, cast back after the scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class RMSNormGated(nn.Module):
+    """Gated DeltaNet output norm: y = w * (x / rms(x)) * silu(z); plain weight, norm first."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(dtype)
+        return (y * F.silu(z.float())).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Partial NeoX RoPE: the first `rotary_dim` channels of a head rotate, pairs (j, j+rot/2)."""
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        super().__init__()
+        # A plain attribute built on the CPU, so a model constructed on the meta device keeps it.
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu") / rotary_dim
+        self.inv_freq = 1.0 / (theta**exponent)
+        self.rotary_dim = rotary_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, rot/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rot]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D]; cos/sin [T, rot]."""
+        rot = cos.shape[-1]
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """E routed SwiGLU experts, fused: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden]; topk_ids / topk_w [T, k] -> sum_k w_k * expert_{id_k}(x)."""
+        out = torch.zeros_like(x)
+        flat_ids = topk_ids.flatten()  # [T*k]
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // topk_ids.shape[1]
+        weight_of = topk_w.flatten()[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[start : start + n]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weight_of[start : start + n, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            start += n
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax router over E experts plus a sigmoid-gated shared expert."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        shared_intermediate_size: int,
+        norm_topk_prob: bool,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, moe_intermediate_size)
+        self.shared_expert = MLP(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        logits = self.gate(x)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        routed = self.experts(x, topk_ids, topk_w.to(x.dtype))
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared

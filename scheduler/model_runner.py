@@ -1,0 +1,208 @@
+"""`ModelRunner`: the model with its pools, and the only code that builds `ForwardBatch`es.
+
+The runner owns the request pool, the KV pool (attention layers) and the Mamba pool (Gated
+DeltaNet layers) sized from `RunnerConfig`. Callers (the scheduler, tests) own the slots they
+allocate; the runner only turns host-side descriptions of a step into device tensors:
+
+    prefill: ExtendInput(req_slot, mamba_slot, prefix_len, input_ids) per request
+    decode:  DecodeInput(req_slot, mamba_slot, seq_len, input_id) per request
+
+KV for the new tokens is allocated with `alloc_kv`, which records the locations in
+`req_to_token`; `free_kv` gives a request's pages back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mem_cache.kv_pool import KVPool
+from mem_cache.mamba_pool import MambaPool
+from mem_cache.req_pool import ReqToTokenPool
+from models.forward_batch import ForwardBatch
+from models.loader import load_model
+from models.qwen3_next import Qwen3NextForCausalLM
+from scheduler.sampler import SampleOutput, Sampler
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    max_running_requests: int = 64  # rows of req_to_token
+    max_total_tokens: int = 65536  # KV capacity in tokens
+    max_context_len: int = 4096
+    page_size: int = 1
+    mamba_cache_size: int = 0  # Mamba slots; 0 means 3 * max_running_requests
+    dtype: str = "auto"
+    device: str = "cpu"
+
+    @property
+    def mamba_slots(self) -> int:
+        return self.mamba_cache_size or 3 * self.max_running_requests
+
+
+@dataclass
+class ExtendInput:
+    req_slot: int
+    mamba_slot: int
+    prefix_len: int  # tokens already in KV and in the state of mamba_slot
+    input_ids: list[int]  # the new tokens to compute now
+
+
+@dataclass
+class DecodeInput:
+    req_slot: int
+    mamba_slot: int
+    seq_len: int  # tokens already cached; the new token goes to position seq_len
+    input_id: int
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3NextForCausalLM, config: RunnerConfig) -> None:
+        self.model, self.config = model, config
+        mc = model.config
+        device = torch.device(config.device)
+        dtype = next(model.parameters()).dtype
+        self.device = device
+        self.req_pool = ReqToTokenPool(config.max_running_requests, config.max_context_len, device)
+        num_pages = -(-config.max_total_tokens // config.page_size)
+        self.kv_pool = KVPool(
+            num_pages,
+            config.page_size,
+            len(mc.full_attention_layers),
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype,
+            device,
+        )
+        self.mamba_pool = MambaPool(
+            config.mamba_slots,
+            len(mc.linear_attention_layers),
+            mc.conv_dim,
+            mc.linear_conv_kernel_dim,
+            mc.linear_num_value_heads,
+            mc.linear_key_head_dim,
+            mc.linear_value_head_dim,
+            conv_dtype=dtype,
+            device=device,
+        )
+        self.sampler = Sampler()
+
+    @classmethod
+    def from_path(cls, model_path: str, config: RunnerConfig | None = None) -> ModelRunner:
+        config = config or RunnerConfig()
+        return cls(load_model(model_path, config.dtype, config.device), config)
+
+    # ---- KV bookkeeping ------------------------------------------------------------------
+    def alloc_kv(self, req_slot: int, prefix_len: int, extend_len: int) -> torch.Tensor | None:
+        """Locations for positions [prefix_len, prefix_len + extend_len) of a request, written
+        into its req_to_token row. New pages are drawn only where a position starts a page; the
+        rest go into the request's last partial page. None (nothing changed) when short."""
+        ps = self.config.page_size
+        end = prefix_len + extend_len
+        if end > self.config.max_context_len:
+            raise ValueError(
+                f"sequence of {end} tokens exceeds the context of {self.config.max_context_len}"
+            )
+        first_new_page = -(-prefix_len // ps)  # page index within the request
+        n_new = -(-end // ps) - first_new_page
+        pages = self.kv_pool.alloc(n_new) if n_new > 0 else torch.empty(0, dtype=torch.int64)
+        if pages is None:
+            return None
+        row = self.req_pool.req_to_token[req_slot]
+        if n_new > 0:
+            locs = self.kv_pool.page_locs(pages)
+            row[first_new_page * ps : (first_new_page + n_new) * ps] = locs.to(row)
+        return row[prefix_len:end].long()
+
+    def req_pages(self, req_slot: int, seq_len: int) -> torch.Tensor:
+        """Pages holding positions [0, seq_len) of a request."""
+        ps = self.config.page_size
+        return self.req_pool.req_to_token[req_slot, :seq_len:ps].long() // ps
+
+    def free_kv(self, req_slot: int, seq_len: int, keep: int = 0) -> None:
+        """Free the pages of positions [keep, seq_len) (keep is page-aligned)."""
+        assert keep % self.config.page_size == 0
+        pages = self.req_pages(req_slot, seq_len)[keep // self.config.page_size :]
+        if pages.numel():
+            self.kv_pool.free(pages)
+
+    # ---- batches -------------------------------------------------------------------------
+    def build_prefill(
+        self,
+        items: list[ExtendInput],
+        out_locs: list[torch.Tensor],
+        return_all_logits: bool = False,
+    ) -> ForwardBatch:
+        dev = self.device
+        ids = [t for it in items for t in it.input_ids]
+        positions = [
+            p for it in items for p in range(it.prefix_len, it.prefix_len + len(it.input_ids))
+        ]
+        return ForwardBatch(
+            phase="prefill",
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_loc=torch.cat(out_locs).to(dev),
+            req_slots=torch.tensor([it.req_slot for it in items], dtype=torch.int64, device=dev),
+            mamba_slots=torch.tensor(
+                [it.mamba_slot for it in items], dtype=torch.int64, device=dev
+            ),
+            seq_lens=torch.tensor(
+                [it.prefix_len + len(it.input_ids) for it in items], dtype=torch.int64, device=dev
+            ),
+            prefix_lens_cpu=[it.prefix_len for it in items],
+            extend_lens_cpu=[len(it.input_ids) for it in items],
+            req_to_token=self.req_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            mamba_pool=self.mamba_pool,
+            return_all_logits=return_all_logits,
+        )
+
+    def build_decode(
+        self, items: list[DecodeInput], out_loc: torch.Tensor, pad_to: int | None = None
+    ) -> ForwardBatch:
+        """A decode batch; with pad_to, extra rows use request row 0, KV location 0 and Mamba
+        slot 0 (reserved in every pool), so they never touch a live request."""
+        n_pad = (pad_to or len(items)) - len(items)
+        assert n_pad >= 0
+        dev = self.device
+        pad = [0] * n_pad
+
+        def col(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values + pad, dtype=torch.int64, device=dev)
+
+        seq_lens = [it.seq_len + 1 for it in items]
+        return ForwardBatch(
+            phase="decode",
+            input_ids=col([it.input_id for it in items]),
+            positions=col([it.seq_len for it in items]),
+            out_loc=torch.cat([out_loc.to(dev), torch.zeros(n_pad, dtype=torch.int64, device=dev)]),
+            req_slots=col([it.req_slot for it in items]),
+            mamba_slots=col([it.mamba_slot for it in items]),
+            seq_lens=torch.tensor(seq_lens + [1] * n_pad, dtype=torch.int64, device=dev),
+            prefix_lens_cpu=[it.seq_len for it in items] + pad,
+            extend_lens_cpu=[1] * (len(items) + n_pad),
+            req_to_token=self.req_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            mamba_pool=self.mamba_pool,
+            max_seq_len=max(seq_lens, default=1),
+        )
+
+    # ---- compute -------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [N, vocab] fp32 (padding rows included for padded decode batches)."""
+        return self.model(batch)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        histories: list[list[int]] | None = None,
+    ) -> SampleOutput:
+        return self.sampler(logits[: len(params)], params, generators, histories)

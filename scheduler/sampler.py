@@ -1,0 +1,109 @@
+"""Next-token sampling for a batch of requests with their own parameters.
+
+Greedy rows take the argmax. Other rows apply penalties, temperature, top-k, top-p and min-p,
+then sample with the exponential race (argmax of p / Exp(1) noise), which draws exactly from p.
+A request with a `seed` owns a `torch.Generator` seeded once, so its tokens depend only on its
+seed and its own history, never on which other requests share the batch.
+Log-probabilities are those of the model's raw distribution (temperature 1, no filtering).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: list[int]
+    logprobs: list[float] | None = None  # of the chosen tokens
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob)
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]] | None
+) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over generated tokens; HF repetition penalty over
+    prompt and generated tokens (`histories[i]` = (prompt_ids, output_ids) flattened by caller)."""
+    if histories is None:
+        return logits
+    for i, p in enumerate(params):
+        if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
+            continue
+        if not histories[i]:
+            continue
+        ids, counts = torch.tensor(histories[i], device=logits.device).unique(return_counts=True)
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = row[ids]
+            row[ids] = torch.where(
+                seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty
+            )
+        row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row of logits -> probabilities after temperature, top-k, top-p and min-p."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [N, V] fp32
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        histories: list[list[int]] | None = None,
+    ) -> SampleOutput:
+        logprobs_all = None
+        if any(p.return_logprob for p in params):
+            logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+        logits = apply_penalties(logits.clone(), params, histories)
+        next_ids = logits.argmax(dim=-1)
+        for i, p in enumerate(params):
+            if p.is_greedy:
+                continue
+            probs = _filter(logits[i], p)
+            noise = torch.empty_like(probs).exponential_(generator=generators[i])
+            next_ids[i] = (probs / noise).argmax()
+        out = SampleOutput(next_token_ids=next_ids.tolist())
+        if logprobs_all is not None:
+            out.logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
+            k = max(p.top_logprobs_num for p in params)
+            if k:
+                vals, ids = logprobs_all.topk(k, dim=-1)
+                out.top_logprobs = [
+                    list(
+                        zip(
+                            ids[i, : p.top_logprobs_num].tolist(),
+                            vals[i, : p.top_logprobs_num].tolist(),
+                            strict=True,
+                        )
+                    )
+                    for i, p in enumerate(params)
+                ]
+        return out
