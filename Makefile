@@ -4,7 +4,7 @@ PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
-MODEL_DIR   ?= $(HOME)/.cache/hybrid-serve/tiny
+MODEL_PATH  ?=
 PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve: $(STAMP)
-	$(VENV)/bin/hybrid-serve serve --model-path $(MODEL_DIR)
+	$(VENV)/bin/hybrid-serve generate $(if $(MODEL_PATH),--model-path $(MODEL_PATH),)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -83,8 +83,8 @@ def causal_conv1d_update(
     y = _act(y, activation)
     new_state = window[:, :, 1:].to(conv_state.dtype)
     if bool(live.all()):
-        conv_state[idx] = new_state
+        conv_state.index_copy_(0, idx, new_state)
     else:
-        conv_state[idx[live]] = new_state[live]
+        conv_state.index_copy_(0, idx[live], new_state[live])
         y = y * live.unsqueeze(-1)
     return y.to(x.dtype)

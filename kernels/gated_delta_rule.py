@@ -125,7 +125,7 @@ def _run(
             finals[i : i + 1] = s
     out = out.transpose(1, 2).to(in_dtype)
     if initial_state_indices is not None:
-        initial_state[initial_state_indices] = finals.to(initial_state.dtype)
+        initial_state.index_copy_(0, initial_state_indices.long(), finals.to(initial_state.dtype))
         return out, None
     return out, (finals if output_final_state else None)
 

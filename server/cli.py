@@ -1,0 +1,151 @@
+"""`hybrid-serve` command line.
+
+    hybrid-serve make-model --preset tiny|small --out DIR [--seed N]
+    hybrid-serve generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N] ...
+
+`generate` runs one offline greedy (or sampled) generation through the model runner; it is what
+`make serve` starts until the HTTP server lands. With no `--model-path` it uses the `tiny` preset,
+written on first use to `~/.cache/hybrid-serve/tiny`. Bad input ends with a one-line message and
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger("hybrid-serve")
+
+DEFAULT_CACHE = Path(os.environ.get("HYBRID_SERVE_CACHE", Path.home() / ".cache" / "hybrid-serve"))
+
+
+def default_model_path(preset: str = "tiny") -> Path:
+    """The preset checkpoint under the cache directory, written on first use."""
+    from models.presets import write_preset
+
+    path = DEFAULT_CACHE / preset
+    if not (path / "config.json").is_file():
+        logger.info("writing the %s preset to %s", preset, path)
+        write_preset(preset, path)
+    return path
+
+
+def cmd_make_model(args: argparse.Namespace) -> None:
+    from models.presets import count_parameters, preset_config, write_preset
+
+    start = time.perf_counter()
+    out = write_preset(args.preset, args.out, seed=args.seed)
+    n = count_parameters(preset_config(args.preset))
+    logger.info(
+        "wrote %s (%s preset, %.1fM parameters) in %.1fs",
+        out,
+        args.preset,
+        n / 1e6,
+        time.perf_counter() - start,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+    from scheduler.sampler import make_generator
+    from scheduler.sampling_params import SamplingParams
+
+    path = Path(args.model_path) if args.model_path else default_model_path()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"no checkpoint at {path} (config.json not found)")
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    runner = ModelRunner.from_path(
+        str(path),
+        RunnerConfig(
+            max_running_requests=1,
+            max_total_tokens=len(ids) + params.max_new_tokens + 1,
+            max_context_len=len(ids) + params.max_new_tokens + 1,
+            dtype=args.dtype,
+        ),
+    )
+    eos = set(runner.model.config.eos_token_ids)
+    req, mamba = runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])
+    gen = [make_generator(params.seed)]
+    start = time.perf_counter()
+    logits = runner.forward(
+        runner.build_prefill([ExtendInput(req, mamba, 0, ids)], [runner.alloc_kv(req, 0, len(ids))])
+    )
+    out: list[int] = []
+    seq_len = len(ids)
+    while True:
+        token = runner.sample(logits, [params], gen).next_token_ids[0]
+        out.append(token)
+        if token in eos or len(out) >= params.max_new_tokens:
+            break
+        loc = runner.alloc_kv(req, seq_len, 1)
+        logits = runner.forward(runner.build_decode([DecodeInput(req, mamba, seq_len, token)], loc))
+        seq_len += 1
+    elapsed = time.perf_counter() - start
+    runner.free_kv(req, seq_len)
+    runner.req_pool.free(req)
+    runner.mamba_pool.free([mamba])
+    sys.stdout.write(tokenizer.decode(out) + "\n")
+    logger.info(
+        "%d prompt + %d new tokens in %.2fs (%.1f tok/s)",
+        len(ids),
+        len(out),
+        elapsed,
+        len(out) / elapsed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-serve", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mk = sub.add_parser("make-model", help="write a deterministic random-weight checkpoint")
+    mk.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=cmd_make_model)
+
+    gen = sub.add_parser("generate", help="one offline generation (no server)")
+    gen.add_argument(
+        "--model-path", default=None, help="checkpoint directory (default: tiny preset)"
+    )
+    gen.add_argument("--prompt", default="The answer to 12 + 30 is")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        sys.stderr.write(f"hybrid-serve: error: {e}\n")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

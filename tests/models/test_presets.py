@@ -1,0 +1,286 @@
+"""Tests for models.presets / models.tokenizer_builder (CPU, offline, a few seconds in total)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from models.presets import (
+    PRESETS,
+    checkpoint_shapes,
+    count_parameters,
+    preset_config,
+    write_checkpoint,
+    write_preset,
+)
+from models.tokenizer_builder import ENDOFTEXT, IM_END, IM_START, build_tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _stored_keys(d: Path) -> dict[str, torch.dtype]:
+    files = sorted(d.glob("model*.safetensors"))
+    out: dict[str, torch.dtype] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_slice(k).get_dtype()
+    return out
+
+
+def _load_hf(d: Path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(d), output_loading_info=True
+    )
+    for field in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info[field], (field, info[field])
+    return model.eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny model gains nothing from 2 threads, and OpenMP spin-waiting makes 2 threads
+    several times slower when the 2-core machine is shared with other jobs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_preset("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+def test_preset_config_is_a_copy_and_rejects_unknown_names() -> None:
+    cfg = preset_config("tiny")
+    cfg["hidden_size"] = 1
+    cfg["mlp_only_layers"].append(0)
+    assert PRESETS["tiny"]["hidden_size"] == 128
+    assert PRESETS["tiny"]["mlp_only_layers"] == []
+    with pytest.raises(ValueError, match="huge"):
+        preset_config("huge")
+
+
+def test_parameter_counts() -> None:
+    # Recorded: tiny 2,051,568 (~2.1M), small 109,012,368 (~109M).
+    assert count_parameters(preset_config("tiny")) == 2_051_568
+    assert count_parameters(preset_config("small")) == 109_012_368
+
+
+def test_same_seed_gives_identical_files_other_seed_differs(tmp_path: Path, tiny_dir: Path) -> None:
+    again = _files(write_preset("tiny", tmp_path / "a", seed=0))
+    first = _files(tiny_dir)
+    assert again.keys() == first.keys()
+    assert again == first
+    other = _files(write_preset("tiny", tmp_path / "b", seed=1))
+    assert other["model.safetensors"] != first["model.safetensors"]
+    assert other["tokenizer.json"] == first["tokenizer.json"]
+
+
+def test_tokenizer_is_identical_across_processes() -> None:
+    code = (
+        "import hashlib; from models.tokenizer_builder import build_tokenizer; "
+        "print(hashlib.sha256(build_tokenizer(2048).to_str().encode()).hexdigest())"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    here = hashlib.sha256(build_tokenizer(2048).to_str().encode()).hexdigest()
+    assert child.stdout.strip() == here
+
+
+def test_config_and_tokenizer_are_consistent(tiny_dir: Path) -> None:
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    gen = json.loads((tiny_dir / "generation_config.json").read_text())
+    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
+    assert cfg["model_type"] == "qwen3_next"
+    assert cfg["architectures"] == ["Qwen3NextForCausalLM"]
+    assert len(tok) <= cfg["vocab_size"]
+    assert len(tok) == cfg["vocab_size"] == 2048  # the BPE fills the embedding exactly
+    eot, im_end = tok.convert_tokens_to_ids(ENDOFTEXT), tok.convert_tokens_to_ids(IM_END)
+    assert cfg["eos_token_id"] == im_end == tok.eos_token_id
+    assert cfg["pad_token_id"] == cfg["bos_token_id"] == eot == tok.pad_token_id
+    assert sorted(gen["eos_token_id"]) == sorted([eot, im_end])
+    assert max(eot, im_end, tok.convert_tokens_to_ids(IM_START)) < cfg["vocab_size"]
+    hf_cfg = transformers.AutoConfig.from_pretrained(str(tiny_dir))
+    assert hf_cfg.layer_types.count("full_attention") == 2
+    assert hf_cfg.rope_parameters["partial_rotary_factor"] == 0.25
+
+
+def test_tokenizer_specials_round_trip_and_chat_template(tiny_dir: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
+    for text in (ENDOFTEXT, IM_START, IM_END):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == 1 and tok.decode(ids) == text
+    samples = [
+        "Alice has 23 apples and buys 17 more.",
+        "  leading spaces, tabs\tand\nnewlines\r\n",
+        "Ünïcödé: 日本語, Ελληνικά, русский, emoji 🙂👍🏽, math ∑∫√π ≠ ≤, zero\u200bwidth",
+        "\x00\x01 control bytes and a lone combining mark \u0301",
+    ]
+    for text in samples:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 4 + 4?"},
+    ]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n5<|im_end|>\n"
+        "<|im_start|>user\nAnd 4 + 4?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=False)
+    assert no_prompt.endswith("What is 2 + 3?<|im_end|>\n")
+    ids = tok(rendered, add_special_tokens=False).input_ids
+    assert ids.count(tok.convert_tokens_to_ids(IM_START)) == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"expert_layout": "per_expert"},
+        {"expert_layout": "fused"},
+        {"max_shard_bytes": 1_500_000},
+        {"dtype": torch.bfloat16, "expert_layout": "fused"},
+    ],
+    ids=["per_expert", "fused", "sharded", "bf16"],
+)
+def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path: Path, kwargs) -> None:
+    cfg = preset_config("tiny")
+    d = write_checkpoint(tmp_path, cfg, seed=3, **kwargs)
+    model = _load_hf(d)
+    layout = kwargs.get("expert_layout", "per_expert")
+    stored = _stored_keys(d)
+    assert list(stored) != [] and set(stored) == set(checkpoint_shapes(cfg, expert_layout=layout))
+    if "max_shard_bytes" in kwargs:
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        shards = sorted(d.glob("model-*-of-*.safetensors"))
+        assert len(shards) > 1 and not (d / "model.safetensors").exists()
+        assert set(index["weight_map"]) == set(stored)
+        assert set(index["weight_map"].values()) == {p.name for p in shards}
+        assert index["metadata"]["total_size"] == sum(
+            p.numel() * p.element_size() for p in model.parameters()
+        )
+    if kwargs.get("dtype") == torch.bfloat16:
+        assert model.dtype == torch.bfloat16
+        for key, dt in stored.items():
+            want = "F32" if key.endswith((".A_log", ".dt_bias")) else "BF16"
+            assert dt == want, key
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    assert tok.eos_token == IM_END
+
+
+def test_fused_and_per_expert_layouts_hold_the_same_numbers(tmp_path: Path) -> None:
+    cfg = preset_config("tiny")
+    a = _load_hf(write_checkpoint(tmp_path / "a", cfg, seed=5, expert_layout="per_expert"))
+    b = _load_hf(write_checkpoint(tmp_path / "b", cfg, seed=5, expert_layout="fused"))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def test_greedy_generation_is_varied_with_healthy_margins(tiny_dir: Path) -> None:
+    model = _load_hf(tiny_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Alice has 23 apples. How many are left?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        new = out[0, ids.shape[1] :].tolist()
+        assert len(new) == 16
+        assert len(set(new)) > 8, new
+        logits = model(out).logits[0, ids.shape[1] - 1 : -1].float()
+    top2 = logits.topk(2, dim=-1).values
+    margins = top2[:, 0] - top2[:, 1]
+    assert (margins > 1e-3).float().mean() >= 0.75, margins
+
+
+def test_key_set_with_mlp_only_layers_and_tied_embeddings(tmp_path: Path) -> None:
+    cfg = preset_config("tiny") | {
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        "mlp_only_layers": [0, 3],
+        "tie_word_embeddings": True,
+    }
+    d = write_checkpoint(tmp_path, cfg, seed=0)
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(4):
+        p = f"model.layers.{i}"
+        expected |= {f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"}
+        if i in (1, 3):
+            expected |= {
+                f"{p}.self_attn.{n}.weight"
+                for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+            }
+        else:
+            expected |= {
+                f"{p}.linear_attn.{n}"
+                for n in (
+                    "in_proj_qkvz.weight",
+                    "in_proj_ba.weight",
+                    "conv1d.weight",
+                    "A_log",
+                    "dt_bias",
+                    "norm.weight",
+                    "out_proj.weight",
+                )
+            }
+        if i in (0, 3):
+            expected |= {f"{p}.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        else:
+            expected |= {f"{p}.mlp.gate.weight", f"{p}.mlp.shared_expert_gate.weight"}
+            expected |= {f"{p}.mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")}
+            expected |= {
+                f"{p}.mlp.experts.{e}.{n}_proj.weight"
+                for e in range(4)
+                for n in ("gate", "up", "down")
+            }
+    assert set(_stored_keys(d)) == expected
+    shapes = checkpoint_shapes(json.loads((d / "config.json").read_text()))
+    assert shapes["model.layers.1.self_attn.q_proj.weight"] == (2 * 4 * 32, 128)
+    assert shapes["model.layers.0.linear_attn.conv1d.weight"] == (2 * 2 * 32 + 4 * 32, 1, 4)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (256, 128)
+    model = _load_hf(d)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="expert_layout"):
+        write_checkpoint(tmp_path, preset_config("tiny"), expert_layout="stacked")
+    cfg = preset_config("tiny")
+    del cfg["head_dim"]
+    with pytest.raises(ValueError, match="head_dim"):
+        write_checkpoint(tmp_path, cfg)
+    with pytest.raises(ValueError, match="vocab_size"):
+        write_checkpoint(tmp_path, preset_config("tiny") | {"vocab_size": 100})
