@@ -1,0 +1,36 @@
+"""How the scheduler runs: one frozen dataclass with SGLang's option names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STRATEGIES = ("no_buffer",)
+POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_prefill_tokens: int = 16384  # new tokens in one prefill batch
+    chunked_prefill_size: int = 2048  # max new tokens of one request per round; <= 0: no chunking
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    mamba_scheduler_strategy: str = "no_buffer"
+    cuda_graph_bs: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # padded decode sizes
+    disable_cuda_graph: bool = False  # off: decode batches run at their own size
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {POLICIES}")
+        if self.mamba_scheduler_strategy not in STRATEGIES:
+            raise ValueError(
+                f"--mamba-scheduler-strategy {self.mamba_scheduler_strategy!r} is not supported "
+                f"yet (supported: {', '.join(STRATEGIES)})"
+            )
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens must be >= 1")
+
+    def padded_size(self, n: int) -> int | None:
+        """The decode batch size a batch of n runs at, or None to run unpadded."""
+        if self.disable_cuda_graph:
+            return None
+        return next((bs for bs in self.cuda_graph_bs if bs >= n), None)

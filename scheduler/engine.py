@@ -1,0 +1,124 @@
+"""Offline `Engine`: the scheduler driven in-process, without sockets.
+
+    engine = Engine(model_path="/tmp/tiny", chunked_prefill_size=64)
+    outs = engine.generate(["Hello", [1, 2, 3]], {"max_new_tokens": 16, "temperature": 0})
+
+Options are the fields of `RunnerConfig` and `SchedulerConfig` (SGLang's names). Each result is
+a dict with `text`, `output_ids` and `meta_info` (`id`, `prompt_tokens`, `completion_tokens`,
+`cached_tokens`, `finish_reason`, and `output_token_logprobs` when asked).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import fields
+from typing import Any
+
+from scheduler.config import SchedulerConfig
+from scheduler.leak_check import leak_report
+from scheduler.model_runner import ModelRunner, RunnerConfig
+from scheduler.request import Req
+from scheduler.sampler import make_generator
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, model_path: str, **options: Any) -> None:
+        runner_keys = {f.name for f in fields(RunnerConfig)}
+        sched_keys = {f.name for f in fields(SchedulerConfig)}
+        unknown = set(options) - runner_keys - sched_keys
+        if unknown:
+            raise ValueError(f"unknown Engine option(s): {', '.join(sorted(unknown))}")
+        runner_cfg = RunnerConfig(**{k: v for k, v in options.items() if k in runner_keys})
+        sched_cfg = SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys})
+        self.model_path = model_path
+        self.runner = ModelRunner.from_path(model_path, runner_cfg)
+        self.scheduler = Scheduler(self.runner, sched_cfg)
+        self._tokenizer = None
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    def _make_req(self, prompt: Prompt, params: dict | SamplingParams | None) -> Req:
+        sp = params if isinstance(params, SamplingParams) else SamplingParams(**(params or {}))
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        req = Req(rid=f"req-{next(self._ids)}", prompt_ids=ids, params=sp)
+        req.generator = make_generator(sp.seed)
+        return req
+
+    def _result(self, req: Req) -> dict:
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_len,
+            "finish_reason": req.finish_reason.value if req.finish_reason else None,
+        }
+        if req.params.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids, strict=True)
+            ]
+        return {
+            "text": self.tokenizer.decode(req.output_ids),
+            "output_ids": list(req.output_ids),
+            "meta_info": meta,
+        }
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: dict | list[dict] | None = None,
+    ) -> list[dict] | dict:
+        """Run all prompts concurrently to completion; one result per prompt, in order."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+        )
+        reqs = [self._make_req(p, sp) for p, sp in zip(batch, params, strict=True)]
+        for req in reqs:
+            self.scheduler.add_request(req)
+        while any(not r.finished for r in reqs):
+            if not self.scheduler.has_work():
+                raise RuntimeError("scheduler went idle with unfinished requests")
+            self.scheduler.step()
+        results = [self._result(r) for r in reqs]
+        return results[0] if single else results
+
+    def generate_stream(
+        self, prompt: Prompt, sampling_params: dict | None = None
+    ) -> Iterator[dict]:
+        """Yield {'output_ids': new ids, 'finish_reason': ...} as tokens arrive (other requests
+        already queued keep running alongside)."""
+        req = self._make_req(prompt, sampling_params)
+        self.scheduler.add_request(req)
+        sent = 0
+        while not req.finished:
+            self.scheduler.step()
+            if len(req.output_ids) > sent:
+                yield {"output_ids": req.output_ids[sent:], "finish_reason": None}
+                sent = len(req.output_ids)
+        yield {
+            "output_ids": req.output_ids[sent:],
+            "finish_reason": req.finish_reason.value,
+            "meta_info": self._result(req)["meta_info"],
+        }
+
+    def leak_report(self) -> list[str]:
+        return leak_report(self.scheduler)
+
+    def flush_cache(self) -> bool:
+        if self.scheduler.has_work():
+            return False
+        self.scheduler.tree.reset()
+        return True

@@ -1,0 +1,95 @@
+"""`Req`: one request's tokens, lengths, slots and outcome, as the scheduler sees it.
+
+Lengths (all in tokens):
+
+    |<------------------------- seq_len = prompt_len + len(output_ids) -------------------->|
+    |<-- cached_len (radix hit) -->|<-- computed by prefill chunks -->|<-- decoded tokens -->|
+    |<----------------- kv_len: tokens whose KV and state are committed --------------->|last|
+
+`kv_len` trails `seq_len` by one while decoding: the last sampled token has no KV yet; it is the
+input of the next decode step. Ownership: while running, the request owns `req_slot`, the KV
+locations `req_to_token[req_slot, cache_protected_len:kv_len]` and `mamba_slot`; the prefix
+`[:cache_protected_len]` belongs to the radix tree and is pinned by a lock on `last_node`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from scheduler.sampling_params import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    # slots (None until admitted)
+    req_slot: int | None = None
+    mamba_slot: int | None = None
+    # progress
+    kv_len: int = 0  # tokens with committed KV and recurrent state
+    fill_len: int = (
+        0  # prefill target set at admission: seq_len then (prompt, or more if retracted)
+    )
+    cached_len: int = 0  # prefix tokens served by the radix cache at (first) admission
+    cache_protected_len: int = 0  # prefix owned by the tree (locked through last_node)
+    last_node: Any = None  # radix node locked for this request
+    # outcome
+    finish_reason: FinishReason | None = None
+    finish_detail: str | None = None  # e.g. which stop token matched, or an abort message
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    arrival: int = 0  # admission order tiebreak
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.fill_len > 0 and self.kv_len >= self.fill_len
+
+    def check_finished(self, eos_ids: tuple[int, ...], max_context_len: int) -> None:
+        """Set finish_reason after a new output token (stop strings are the API layer's job)."""
+        if self.finished or not self.output_ids:
+            return
+        last = self.output_ids[-1]
+        if last in self.params.stop_token_ids:
+            self.finish_reason, self.finish_detail = FinishReason.STOP, f"stop token {last}"
+        elif not self.params.ignore_eos and last in eos_ids:
+            self.finish_reason, self.finish_detail = FinishReason.STOP, f"eos {last}"
+        elif len(self.output_ids) >= self.params.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        elif self.seq_len >= max_context_len:
+            self.finish_reason = FinishReason.LENGTH
+
+    def reset_for_retract(self) -> None:
+        """Back to the waiting queue with nothing held; the prefix is matched again on re-admission,
+        and prompt + output so far are recomputed as the new prompt."""
+        self.req_slot = self.mamba_slot = self.last_node = None
+        self.kv_len = self.cache_protected_len = self.fill_len = 0

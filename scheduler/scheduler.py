@@ -1,0 +1,304 @@
+"""The continuous-batching loop: admit -> prefill or decode -> sample -> cache or free.
+
+Each `step()` runs one forward: a prefill batch when something waits (the chunked request first,
+then the waiting queue within `max_prefill_tokens` and `max_running_requests`), otherwise one
+decode step of every running request. Prefill has priority, as in SGLang.
+
+Prefix caching (strategy `no_buffer`): on admission a request matches its prompt (at most
+prompt_len - 1 tokens) in the radix tree, locks the deepest node that holds a Mamba state and
+copies that state into its own fresh slot. After each prefill chunk the state is copied into a
+new slot and inserted under exactly the prefilled tokens; on finish the request's own slot is
+donated to the tree under exactly its committed tokens. Invariant: a tree state is always the
+recurrent state after the tokens from the root to its node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from mem_cache.radix_cache import MambaRadixCache
+from scheduler.config import SchedulerConfig
+from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
+from scheduler.request import FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig) -> None:
+        self.runner, self.config = runner, config
+        if runner.config.page_size != 1 and not config.disable_radix_cache:
+            raise ValueError(
+                "the no_buffer strategy needs --page-size 1 (or --disable-radix-cache)"
+            )
+        self.tree = MambaRadixCache(
+            runner.kv_pool,
+            runner.mamba_pool,
+            page_size=runner.config.page_size,
+            disable=config.disable_radix_cache,
+        )
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.eos_ids = tuple(runner.model.config.eos_token_ids)
+        self.max_context_len = runner.config.max_context_len
+        self._arrivals = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        if req.prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if req.prompt_len >= self.max_context_len:
+            raise ValueError(
+                f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
+            )
+        self._arrivals += 1
+        req.arrival = self._arrivals
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        """Finish a request wherever it is; everything it holds goes back (KV is not cached)."""
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish_reason = FinishReason.ABORT
+                return req
+        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
+            if req.rid == rid:
+                req.finish_reason = FinishReason.ABORT
+                if req is self.chunked:
+                    self.chunked = None
+                else:
+                    self.running.remove(req)
+                self._release(req, insert=False)
+                return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one forward; return the requests that got a token or finished in it."""
+        batch = self._admit()
+        if batch:
+            return self._run_prefill(batch)
+        if self.running:
+            return self._run_decode()
+        return []
+
+    # ---- admission -----------------------------------------------------------------------
+    def _admit(self) -> list[tuple[Req, int]]:
+        """Pick (request, extend_len) pairs for one prefill batch and give them slots and KV.
+
+        The batch holds at most `max_prefill_tokens` new tokens, and at most
+        `chunked_prefill_size` when chunking is on; the one request that does not fit whole is
+        cut to the remaining budget and becomes the chunked request (continued first next round).
+        """
+        cfg, runner = self.config, self.runner
+        chunking = cfg.chunked_prefill_size > 0
+        budget = min(cfg.max_prefill_tokens, cfg.chunked_prefill_size if chunking else 1 << 62)
+        batch: list[tuple[Req, int]] = []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            n = min(req.fill_len - req.kv_len, budget)
+            if not self._alloc_kv(req, n):
+                raise RuntimeError("out of KV memory for a chunked request")  # retraction: TODO
+            batch.append((req, n))
+            budget -= n
+            if req.kv_len + n < req.fill_len:
+                return batch
+        if cfg.schedule_policy == "lpm":
+            self.waiting = deque(sorted(self.waiting, key=self._match_len, reverse=True))
+        pool = runner.mamba_pool
+        pool.alloc_group_begin(len(self.waiting))
+        try:
+            while self.waiting and budget > 0:
+                if len(self.running) + len(batch) >= runner.config.max_running_requests:
+                    break
+                req = self.waiting[0]
+                if not self._take_slots(req):
+                    break
+                remaining = req.fill_len - req.kv_len
+                if remaining > budget and not chunking and batch:
+                    self._release(req, insert=False)  # waits for a batch of its own
+                    break
+                n = min(remaining, budget) if chunking else remaining
+                if not self._alloc_kv(req, n):
+                    self._release(req, insert=False)  # stays first in the queue
+                    break
+                self.waiting.popleft()
+                batch.append((req, n))
+                budget -= n
+                if n < remaining:
+                    break  # it is the chunked request: nothing else fits
+        finally:
+            pool.alloc_group_end()
+        return batch
+
+    def _match_len(self, req: Req) -> int:
+        return len(self.tree.match_prefix(req.all_ids[:-1]).kv_indices)
+
+    def _take_slots(self, req: Req) -> bool:
+        """Match the prefix, lock it, take a request row and a Mamba slot holding its state."""
+        runner = self.runner
+        req.fill_len = req.seq_len
+        rows = runner.req_pool.alloc(1)
+        if rows is None:
+            return False
+        slot = runner.mamba_pool.alloc(1)
+        if slot is None and self.tree.evict_mamba(1):
+            slot = runner.mamba_pool.alloc(1)
+        if slot is None:
+            runner.req_pool.free(rows)
+            return False
+        req.req_slot, req.mamba_slot = rows[0], int(slot[0])
+        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+        prefix = len(match.kv_indices)
+        self.tree.inc_lock_ref(match.last_node)
+        req.last_node = match.last_node
+        if prefix:
+            runner.req_pool.req_to_token[req.req_slot, :prefix] = match.kv_indices.to(torch.int32)
+            runner.mamba_pool.copy(match.mamba_slot, req.mamba_slot)  # copy-on-write
+        req.kv_len = req.cache_protected_len = prefix
+        if not req.output_ids:
+            req.cached_len = prefix
+        return True
+
+    def _alloc_kv(self, req: Req, n: int) -> bool:
+        locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
+        if locs is None:
+            self.tree.evict(num_tokens=n)
+            locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
+        return locs is not None
+
+    # ---- prefill -------------------------------------------------------------------------
+    def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[Req]:
+        runner = self.runner
+        items = [
+            ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n])
+            for r, n in batch
+        ]
+        rows = runner.req_pool.req_to_token
+        locs = [rows[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in batch]
+        logits = runner.forward(runner.build_prefill(items, locs))
+        done_rows, done_reqs = [], []
+        for i, (req, n) in enumerate(batch):
+            req.kv_len += n
+            if req.prefill_done:
+                done_rows.append(i)
+                done_reqs.append(req)
+            else:
+                self._cache_unfinished(req)
+                self.chunked = req
+        if done_reqs:
+            self._sample(logits[done_rows], done_reqs)
+        for req in done_reqs:
+            if req.finished:
+                self._release(req, insert=True)
+            else:
+                self._cache_unfinished(req)
+                self.running.append(req)
+        return done_reqs
+
+    # ---- decode --------------------------------------------------------------------------
+    def _run_decode(self) -> list[Req]:
+        runner = self.runner
+        for req in list(self.running):
+            if not self._alloc_kv(req, 1):
+                self._retract(req)
+        if not self.running:
+            return []
+        reqs = list(self.running)
+        items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
+        rows = runner.req_pool.req_to_token
+        out_loc = torch.stack([rows[r.req_slot, r.kv_len] for r in reqs]).long()
+        batch = runner.build_decode(items, out_loc, self.config.padded_size(len(reqs)))
+        logits = runner.forward(batch)[: len(reqs)]
+        for req in reqs:
+            req.kv_len += 1
+        self._sample(logits, reqs)
+        for req in [r for r in reqs if r.finished]:
+            self.running.remove(req)
+            self._release(req, insert=True)
+        return list(reqs)
+
+    def _retract(self, req: Req) -> None:
+        """Out of KV: give everything back and re-queue; it is recomputed later (output kept)."""
+        logger.warning("retracting %s: out of KV memory", req.rid)
+        self.running.remove(req)
+        self._release(req, insert=False, requeue=True)
+
+    # ---- sampling ------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        params = [r.params for r in reqs]
+        histories = None
+        if any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
+        ):
+            histories = [r.all_ids for r in reqs]
+        out = self.runner.sample(logits, params, [r.generator for r in reqs], histories)
+        for i, req in enumerate(reqs):
+            req.output_ids.append(out.next_token_ids[i])
+            if out.logprobs is not None:
+                req.output_logprobs.append(out.logprobs[i])
+            if out.top_logprobs is not None:
+                req.output_top_logprobs.append(out.top_logprobs[i])
+            req.check_finished(self.eos_ids, self.max_context_len)
+
+    # ---- cache / release -----------------------------------------------------------------
+    def _cache_unfinished(self, req: Req) -> None:
+        """Insert the prefilled tokens with a copy of the state; move the lock to the new node."""
+        if self.config.disable_radix_cache:
+            return
+        pool = self.runner.mamba_pool
+        slot = pool.alloc(1, zero=False)
+        if slot is None and self.tree.evict_mamba(1):
+            slot = pool.alloc(1, zero=False)
+        if slot is None:
+            return  # nothing cached this time; the request keeps running unchanged
+        pool.copy(req.mamba_slot, slot)
+        key = req.all_ids[: req.kv_len]
+        row = self.runner.req_pool.req_to_token[req.req_slot]
+        _, exists = self.tree.insert(
+            key, row[: req.kv_len].long(), int(slot[0]), prev_prefix_len=req.cache_protected_len
+        )
+        if exists:
+            pool.free(slot)
+        match = self.tree.match_prefix(key)  # the tree's own KV for what it just took over
+        assert len(match.kv_indices) == req.kv_len
+        row[req.cache_protected_len : req.kv_len] = match.kv_indices[req.cache_protected_len :].to(
+            row
+        )
+        self.tree.dec_lock_ref(req.last_node)
+        self.tree.inc_lock_ref(match.last_node)
+        req.last_node, req.cache_protected_len = match.last_node, req.kv_len
+
+    def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:
+        """Give back everything a request holds; with insert, donate KV and state to the tree."""
+        runner = self.runner
+        if req.req_slot is None:
+            return
+        row = runner.req_pool.req_to_token[req.req_slot]
+        if insert and not self.config.disable_radix_cache and req.kv_len > 0:
+            _, exists = self.tree.insert(
+                req.all_ids[: req.kv_len],
+                row[: req.kv_len].long(),
+                req.mamba_slot,
+                prev_prefix_len=req.cache_protected_len,
+            )
+            if exists:
+                runner.mamba_pool.free([req.mamba_slot])
+        else:
+            runner.free_kv(req.req_slot, req.kv_len, keep=req.cache_protected_len)
+            if req.mamba_slot is not None:
+                runner.mamba_pool.free([req.mamba_slot])
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        runner.req_pool.free(req.req_slot)
+        req.reset_for_retract()
+        if requeue:
+            self.waiting.appendleft(req)
