@@ -1,0 +1,114 @@
+"""Offline output throughput: our `Engine` at several concurrencies beside transformers `generate`.
+
+Workload (issue 3's figures): `--num-prompts`-free waves of C requests submitted at once, each a
+prompt of `--prompt-len` random token ids and exactly `--output-len` new tokens (ignore_eos,
+greedy). Output throughput = C * output_len / wall time of the wave (prefill included). The
+transformers baseline runs `generate` on static batches of the same prompts in the same process
+(eos disabled, so every row produces output_len tokens). Medians over `--repeats` waves.
+
+Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+
+import torch
+
+from scheduler.engine import Engine
+
+logger = logging.getLogger("benchmarks.engine_throughput")
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o["output_ids"]) == output_len for o in outs)
+    assert engine.leak_report() == [], engine.leak_report()
+    engine.flush_cache()
+    return len(prompts) * output_len / elapsed
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int) -> float:
+    ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=output_len,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == ids.shape[1] + output_len
+    return len(prompts) * output_len / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--hf-batch", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    if args.model_path is None:
+        from server.cli import default_model_path
+
+        args.model_path = str(default_model_path(args.preset))
+    conc = [int(c) for c in args.concurrency.split(",")]
+    engine = Engine(
+        args.model_path,
+        max_running_requests=max(conc),
+        dtype="float32",
+        max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
+    )
+    vocab = engine.runner.model.config.vocab_size
+    hf = None
+    hf_batches = [int(b) for b in args.hf_batch.split(",") if b]
+    if hf_batches:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
+    run_engine(engine, _prompts(2, args.prompt_len, vocab, 99), 4)  # warm-up (tokenizer, kernels)
+    if hf is not None:
+        run_hf(hf, _prompts(1, args.prompt_len, vocab, 99), 4)
+    results: dict[str, list[float]] = {}
+    for rep in range(args.repeats):  # interleave ours and transformers so noise hits both
+        for c in conc:
+            tps = run_engine(engine, _prompts(c, args.prompt_len, vocab, rep), args.output_len)
+            results.setdefault(f"ours c={c}", []).append(tps)
+            logger.info("rep %d ours c=%d: %.1f tok/s", rep, c, tps)
+        for b in hf_batches:
+            tps = run_hf(hf, _prompts(b, args.prompt_len, vocab, rep), args.output_len)
+            results.setdefault(f"transformers batch={b}", []).append(tps)
+            logger.info("rep %d transformers batch=%d: %.1f tok/s", rep, b, tps)
+    table = {k: {"median_tok_s": statistics.median(v), "runs": v} for k, v in results.items()}
+    print(f"{'config':<28}{'median tok/s':>14}  runs")
+    for k, v in table.items():
+        print(f"{k:<28}{v['median_tok_s']:>14.1f}  {', '.join(f'{x:.1f}' for x in v['runs'])}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "results": table}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
