@@ -88,6 +88,11 @@ class Scheduler:
             return self._run_prefill(batch)
         if self.running:
             return self._run_decode()
+        if self.waiting:  # nothing runs and the head still does not fit: it never will
+            req = self.waiting.popleft()
+            req.finish_reason = FinishReason.ABORT
+            req.finish_detail = "not enough KV cache or Mamba slots for this request"
+            return [req]
         return []
 
     # ---- admission -----------------------------------------------------------------------
@@ -106,7 +111,9 @@ class Scheduler:
             req, self.chunked = self.chunked, None
             n = min(req.fill_len - req.kv_len, budget)
             if not self._alloc_kv(req, n):
-                raise RuntimeError("out of KV memory for a chunked request")  # retraction: TODO
+                # Its finished chunks are in the tree: re-queued, it resumes from there.
+                self._release(req, insert=False, requeue=True)
+                return batch
             batch.append((req, n))
             budget -= n
             if req.kv_len + n < req.fill_len:

@@ -106,3 +106,13 @@ def test_stream_and_abort(setup):
     assert engine.scheduler.abort(victim.rid) is victim
     assert victim.finish_reason.value == "abort"
     assert engine.leak_report() == []
+
+
+def test_request_larger_than_kv_pool_is_aborted_cleanly(setup):
+    path, prompts, expected = setup
+    engine = Engine(path, max_total_tokens=64, chunked_prefill_size=16)
+    outs = engine.generate([prompts[8], list(range(3, 103))], GREEDY)  # 17 tokens fit, 100 don't
+    assert outs[0]["output_ids"] == expected[8]
+    assert outs[1]["meta_info"]["finish_reason"] == "abort"
+    assert outs[1]["output_ids"] == []
+    assert engine.leak_report() == []
