@@ -73,11 +73,12 @@ def _chunk_dense(q, k, v, g, beta, state, chunk_size):
 
 
 def _split_states(initial_state, initial_state_indices, n, shape, device):
+    """Per-sequence fp32 start states, always a fresh tensor (steps may update it in place)."""
     if initial_state is None:
         return torch.zeros(n, *shape, dtype=torch.float32, device=device)
     if initial_state_indices is not None:
         return initial_state[initial_state_indices].float()
-    return initial_state.float()
+    return initial_state.to(torch.float32, copy=True)
 
 
 def _run(
@@ -169,14 +170,21 @@ def chunk_gated_delta_rule(
 
 
 def _recurrent_dense(q, k, v, g, beta, state):
+    """Head-first fp32 [B,HV,T,*]; updates a private copy of `state` in place, step by step,
+    with batched mat-vec products (no [B,HV,K,V] temporaries besides the state itself)."""
+    B, HV, T, K = k.shape
+    V = v.shape[-1]
+    state = state.reshape(B * HV, K, V)  # a fresh tensor from _split_states
     out = torch.empty_like(v)
-    for t in range(q.shape[2]):
-        state = state * g[:, :, t].exp()[..., None, None]
-        predicted = (state * k[:, :, t].unsqueeze(-1)).sum(-2)  # S^T k  [B,HV,V]
-        delta = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
-        state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
-        out[:, :, t] = (state * q[:, :, t].unsqueeze(-1)).sum(-2)
-    return out, state
+    decay = g.exp()
+    for t in range(T):
+        k_t = k[:, :, t].reshape(B * HV, 1, K)
+        state.mul_(decay[:, :, t].reshape(B * HV, 1, 1))
+        predicted = torch.bmm(k_t, state)  # S^T k  [B*HV, 1, V]
+        delta = (v[:, :, t].reshape(B * HV, 1, V) - predicted) * beta[:, :, t].reshape(-1, 1, 1)
+        state.baddbmm_(k_t.transpose(1, 2), delta)  # S += k delta^T
+        out[:, :, t] = torch.bmm(q[:, :, t].reshape(B * HV, 1, K), state).reshape(B, HV, V)
+    return out, state.reshape(B, HV, K, V)
 
 
 def fused_recurrent_gated_delta_rule(

@@ -44,6 +44,7 @@ class Req:
         0  # prefill target set at admission: seq_len then (prompt, or more if retracted)
     )
     cached_len: int = 0  # prefix tokens served by the radix cache at (first) admission
+    admitted: bool = False  # entered a batch at least once (cached_len is set then)
     cache_protected_len: int = 0  # prefix owned by the tree (locked through last_node)
     last_node: Any = None  # radix node locked for this request
     # outcome

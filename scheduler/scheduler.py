@@ -138,6 +138,8 @@ class Scheduler:
                     self._release(req, insert=False)  # stays first in the queue
                     break
                 self.waiting.popleft()
+                if not req.admitted:
+                    req.cached_len, req.admitted = req.kv_len, True
                 batch.append((req, n))
                 budget -= n
                 if n < remaining:
@@ -171,8 +173,6 @@ class Scheduler:
             runner.req_pool.req_to_token[req.req_slot, :prefix] = match.kv_indices.to(torch.int32)
             runner.mamba_pool.copy(match.mamba_slot, req.mamba_slot)  # copy-on-write
         req.kv_len = req.cache_protected_len = prefix
-        if not req.output_ids:
-            req.cached_len = prefix
         return True
 
     def _alloc_kv(self, req: Req, n: int) -> bool:

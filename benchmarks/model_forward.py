@@ -1,0 +1,246 @@
+"""Forward-pass latency: our `ModelRunner` against transformers' `Qwen3NextForCausalLM`.
+
+Both models load the same checkpoint in one process and are timed round-robin (one repeat of
+ours, then one of transformers, ...), so machine noise hits both alike. Reported: median and min
+wall time in ms, tokens/s (from the median), the ratio ours / transformers of medians and of
+minimums (below 1 means we are faster), and the largest |logit| difference of the last run.
+
+- prefill: one prompt of `--prefill-len` random token ids from position 0. Ours: every repeat
+  gets a fresh request row, Mamba slot (zeroed) and KV locations, freed after the repeat; the
+  clock covers `runner.forward(batch)` only. Transformers: `model(ids, use_cache=True,
+  logits_to_keep=1)` with no prior cache (a new cache is built inside the timed call). Both
+  compute logits for the last token only, as our runner does.
+- decode at batch B: B distinct prompts of `--context-len` tokens are prefilled once. Every timed
+  step then starts from exactly `--context-len` cached tokens per sequence: ours copies each
+  request's recurrent state back from a snapshot slot (outside the clock) and writes the new
+  token's K/V to the same location every step; transformers gets a `copy.deepcopy` of the
+  prefilled cache (outside the clock) and runs one single-token forward with it.
+
+On a small machine shared with other CPU-bound work, libgomp's spin-waiting makes each parallel
+region of a 2-thread run wait for a scheduler tick (~4 ms): whole runs get 5-30x slower, for
+both models alike but not equally. Compare minimums, use --threads 1, or set
+OMP_WAIT_POLICY=PASSIVE in the environment there.
+
+Example: python -m benchmarks.model_forward --preset small --json-out /tmp/forward.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+
+logger = logging.getLogger("benchmarks.model_forward")
+
+# make() prepares one repeat off the clock and returns (run, cleanup); run() is what is timed.
+Step = Callable[[], tuple[Callable[[], torch.Tensor], Callable[[], None]]]
+
+
+def measure(steps: dict[str, Step], warmup: int, repeats: int, desc: str) -> dict[str, list]:
+    """Round-robin over `steps`; per name, the timed runs in ms and the last run's logits."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    last: dict[str, torch.Tensor] = {}
+    for i in tqdm(range(warmup + repeats), desc=desc, leave=False):
+        for name, make in steps.items():
+            run, cleanup = make()
+            start = time.perf_counter()
+            last[name] = run()
+            elapsed = (time.perf_counter() - start) * 1e3
+            cleanup()
+            if i >= warmup:
+                times[name].append(elapsed)
+    return {name: [times[name], last[name]] for name in steps}
+
+
+def ours_prefill(runner: ModelRunner, ids: list[int]) -> Step:
+    def make():
+        req = runner.req_pool.alloc(1)[0]
+        slot = int(runner.mamba_pool.alloc(1)[0])  # alloc zeroes the state
+        loc = runner.alloc_kv(req, 0, len(ids))
+        batch = runner.build_prefill([ExtendInput(req, slot, 0, ids)], [loc])
+
+        def cleanup() -> None:
+            runner.free_kv(req, len(ids))
+            runner.mamba_pool.free([slot])
+            runner.req_pool.free(req)
+
+        return lambda: runner.forward(batch), cleanup
+
+    return make
+
+
+def ours_decode(
+    runner: ModelRunner, contexts: torch.Tensor, next_ids: torch.Tensor
+) -> tuple[Step, Callable[[], None]]:
+    """Prefill B contexts once; return (step, free) where each step decodes at context length."""
+    b, ctx = contexts.shape
+    reqs = runner.req_pool.alloc(b)
+    live = runner.mamba_pool.alloc(b).tolist()
+    snap = runner.mamba_pool.alloc(b).tolist()
+    rows = contexts.tolist()
+    items = [ExtendInput(r, s, 0, row) for r, s, row in zip(reqs, live, rows, strict=True)]
+    locs = [runner.alloc_kv(r, 0, ctx) for r in reqs]
+    runner.forward(runner.build_prefill(items, locs))
+    runner.mamba_pool.copy(live, snap)
+    out_loc = torch.cat([runner.alloc_kv(r, ctx, 1) for r in reqs])
+    dec = [DecodeInput(r, s, ctx, t) for r, s, t in zip(reqs, live, next_ids.tolist(), strict=True)]
+
+    def make():
+        runner.mamba_pool.copy(snap, live)  # back to exactly ctx tokens of state
+        batch = runner.build_decode(dec, out_loc)
+        return lambda: runner.forward(batch), lambda: None
+
+    def free() -> None:
+        for r in reqs:
+            runner.free_kv(r, ctx + 1)
+        runner.mamba_pool.free(live + snap)
+        runner.req_pool.free(reqs)
+
+    return make, free
+
+
+def hf_prefill(model, ids: list[int]) -> Step:
+    x = torch.tensor([ids])
+
+    def run() -> torch.Tensor:
+        return model(input_ids=x, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    return lambda: (run, lambda: None)
+
+
+def hf_decode(model, contexts: torch.Tensor, next_ids: torch.Tensor) -> Step:
+    cache = model(input_ids=contexts, use_cache=True, logits_to_keep=1).cache
+    x = next_ids[:, None]
+
+    def make():
+        fresh = copy.deepcopy(cache)  # every step starts from ctx cached tokens
+
+        def run() -> torch.Tensor:
+            return model(input_ids=x, cache=fresh, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+        return run, lambda: None
+
+    return make
+
+
+def summarize(name: str, tokens: int, res: dict[str, list]) -> dict:
+    row: dict = {"case": name, "tokens": tokens}
+    for who, (times, _) in res.items():
+        med = statistics.median(times)
+        row[who] = {"median_ms": med, "min_ms": min(times), "tok_s": tokens / med * 1e3}
+        row[who]["times_ms"] = times
+    row["ratio"] = row["ours"]["median_ms"] / row["hf"]["median_ms"]
+    row["ratio_of_min"] = row["ours"]["min_ms"] / row["hf"]["min_ms"]  # robust to busy spells
+    row["max_abs_logit_diff"] = float((res["ours"][1] - res["hf"][1].float()).abs().max())
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'case':<14}{'ours ms (min)':>18}{'hf ms (min)':>18}{'ours tok/s':>12}"
+    print(head + f"{'hf tok/s':>11}{'ours/hf':>9}{'(min)':>7}{'max|dlogit|':>13}")
+    for r in rows:
+        o, h = r["ours"], r["hf"]
+        print(
+            f"{r['case']:<14}{o['median_ms']:>9.1f} ({o['min_ms']:>6.1f})"
+            f"{h['median_ms']:>10.1f} ({h['min_ms']:>6.1f}){o['tok_s']:>12.1f}"
+            f"{h['tok_s']:>11.1f}{r['ratio']:>9.2f}{r['ratio_of_min']:>7.2f}"
+            f"{r['max_abs_logit_diff']:>13.2e}"
+        )
+
+
+def resolve_model_path(args: argparse.Namespace) -> Path:
+    if args.model_path:
+        return Path(args.model_path)
+    from models.presets import write_preset
+
+    out = Path.home() / ".cache" / "hybrid-serve" / args.preset
+    complete = (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    if args.rewrite_preset or not complete:
+        logger.info("writing preset %s to %s", args.preset, out)
+        write_preset(args.preset, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", help="checkpoint directory (default: write --preset)")
+    p.add_argument("--preset", help="preset to write (to ~/.cache) when no --model-path")
+    p.add_argument("--rewrite-preset", action="store_true", help="rewrite a cached preset")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--decode-batch-sizes", default="1,8,32")
+    p.add_argument("--context-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", help="also write the results here")
+    args = p.parse_args(argv)
+    if not (args.model_path or args.preset):
+        p.error("give --model-path or --preset")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.decode_batch_sizes.split(",")]
+    path = resolve_model_path(args)
+
+    from transformers import AutoModelForCausalLM
+
+    max_b = max(batch_sizes)
+    cfg = RunnerConfig(
+        max_running_requests=max_b + 1,
+        max_total_tokens=max_b * (args.context_len + 1) + args.prefill_len + 64,
+        max_context_len=max(args.prefill_len, args.context_len + 1),
+        mamba_cache_size=2 * max_b + 1,
+        dtype=args.dtype,
+    )
+    runner = ModelRunner.from_path(str(path), cfg)
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    vocab = runner.model.config.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(vocab, (args.prefill_len,), generator=gen).tolist()
+    contexts = torch.randint(vocab, (max_b, args.context_len), generator=gen)
+    next_ids = torch.randint(vocab, (max_b,), generator=gen)
+
+    rows = []
+    load_before = os.getloadavg()[0]  # others' work on a small shared machine skews timings
+    with torch.inference_mode():
+        steps = {"ours": ours_prefill(runner, prompt), "hf": hf_prefill(hf, prompt)}
+        res = measure(steps, args.warmup, args.repeats, f"prefill {args.prefill_len}")
+        rows.append(summarize(f"prefill {args.prefill_len}", args.prefill_len, res))
+        for b in batch_sizes:
+            ours_step, free = ours_decode(runner, contexts[:b], next_ids[:b])
+            steps = {"ours": ours_step, "hf": hf_decode(hf, contexts[:b], next_ids[:b])}
+            res = measure(steps, args.warmup, args.repeats, f"decode b={b}")
+            rows.append(summarize(f"decode b={b}", b, res))
+            free()
+    load = (load_before, os.getloadavg()[0])
+
+    print(
+        f"\n{path.name}: {args.dtype}, {args.threads} threads, decode context {args.context_len},"
+        f" {args.repeats} repeats (+{args.warmup} warmup), torch {torch.__version__},"
+        f" load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print_table(rows)
+    if args.json_out:
+        meta = {"model_path": str(path), "torch": torch.__version__, "load_average": load}
+        meta |= {"machine": platform.machine(), "cpus": os.cpu_count()}
+        report = {"args": vars(args), **meta, "results": rows}
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        logger.info("wrote %s", args.json_out)
+
+
+if __name__ == "__main__":
+    main()
