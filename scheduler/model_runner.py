@@ -119,6 +119,28 @@ class ModelRunner:
             row[first_new_page * ps : (first_new_page + n_new) * ps] = locs.to(row)
         return row[prefix_len:end].long()
 
+    def alloc_decode_kv(self, req_slots: list[int], positions: list[int]) -> torch.Tensor | None:
+        """One location per request for its token at `positions[i]`, all or nothing (None when
+        short). Page size 1 takes one bulk draw; larger pages go request by request."""
+        if self.config.page_size > 1:
+            locs = []
+            for i, (slot, pos) in enumerate(zip(req_slots, positions, strict=True)):
+                loc = self.alloc_kv(slot, pos, 1)
+                if loc is None:  # undo the ones taken so far
+                    for s, p in zip(req_slots[:i], positions[:i], strict=True):
+                        if p % self.config.page_size == 0:
+                            self.kv_pool.free(self.req_pages(s, p + 1)[-1:])
+                    return None
+                locs.append(loc)
+            return torch.cat(locs)
+        if max(positions, default=0) >= self.config.max_context_len:
+            raise ValueError(f"a sequence exceeds the context of {self.config.max_context_len}")
+        locs = self.kv_pool.alloc(len(req_slots))
+        if locs is None:
+            return None
+        self.req_pool.req_to_token[req_slots, positions] = locs.to(torch.int32)
+        return locs
+
     def req_pages(self, req_slot: int, seq_len: int) -> torch.Tensor:
         """Pages holding positions [0, seq_len) of a request."""
         ps = self.config.page_size

@@ -214,15 +214,19 @@ class Scheduler:
     # ---- decode --------------------------------------------------------------------------
     def _run_decode(self) -> list[Req]:
         runner = self.runner
-        for req in list(self.running):
-            if not self._alloc_kv(req, 1):
-                self._retract(req)
-        if not self.running:
-            return []
+        out_loc = self._alloc_decode_kv()
+        if out_loc is None:  # short even after eviction: retract until the rest fits
+            while len(self.running) > 1 and out_loc is None:
+                self._retract(self.running[-1])
+                out_loc = self._alloc_decode_kv()
+            if out_loc is None:
+                req = self.running.pop()
+                req.finish_reason = FinishReason.ABORT
+                req.finish_detail = "out of KV memory even after retracting"
+                self._release(req, insert=False)
+                return [req]
         reqs = list(self.running)
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
-        rows = runner.req_pool.req_to_token
-        out_loc = torch.stack([rows[r.req_slot, r.kv_len] for r in reqs]).long()
         batch = runner.build_decode(items, out_loc, self.config.padded_size(len(reqs)))
         logits = runner.forward(batch)[: len(reqs)]
         for req in reqs:
@@ -232,6 +236,15 @@ class Scheduler:
             self.running.remove(req)
             self._release(req, insert=True)
         return list(reqs)
+
+    def _alloc_decode_kv(self) -> torch.Tensor | None:
+        slots = [r.req_slot for r in self.running]
+        positions = [r.kv_len for r in self.running]
+        locs = self.runner.alloc_decode_kv(slots, positions)
+        if locs is None:
+            self.tree.evict(num_tokens=len(slots) * self.runner.config.page_size)
+            locs = self.runner.alloc_decode_kv(slots, positions)
+        return locs
 
     def _retract(self, req: Req) -> None:
         """Out of KV: give everything back and re-queue; it is recomputed later (output kept)."""

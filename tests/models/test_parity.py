@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from models.loader import load_model
 from models.presets import preset_config, write_checkpoint
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from tests.hf_reference import hf_greedy
 
 PROMPT_LENS = [1, 17, 64, 129, 300]
 DECODE_STEPS = 32
@@ -182,17 +183,7 @@ def test_chunked_prefill_equals_one_shot(checkpoint, chunk):
 
 def test_greedy_decode_matches_generate(checkpoint):
     hf, ours, prompts = checkpoint
-    with torch.no_grad():
-        expected = [
-            hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=DECODE_STEPS,
-                do_sample=False,
-                eos_token_id=None,
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    expected = hf_greedy(hf, prompts, DECODE_STEPS)
     runner = _runner(ours)
     slots = _admit(runner, len(prompts))
     tokens = _prefill(runner, prompts, slots, chunk=None).argmax(-1).tolist()

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
+from tests.hf_reference import hf_greedy
 
 NEW_TOKENS = 12
 
@@ -27,17 +28,7 @@ def setup(tmp_path_factory):
     prompts += [shared[:60] + rand(n) for n in (5, 30)]  # a branch inside the shared part
     prompts += [rand(n) for n in (1, 2, 3, 17, 33, 64, 65, 100, 129, 200)]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = [
-            hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    expected = hf_greedy(hf, prompts, NEW_TOKENS)
     return str(path), prompts, expected
 
 

@@ -1,0 +1,69 @@
+"""Scheduler overhead per decode step, with the model replaced by a no-op of the same output shape.
+
+Everything but the forward runs for real: batch building, KV allocation, padding, sampling
+(greedy over a [B, vocab] logits tensor), finish checks and bookkeeping. Reported: median time
+of a decode step at each batch size.
+
+Example: python -m benchmarks.scheduler_overhead --batch-sizes 1,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from scheduler.engine import Engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model_path is None:
+        from server.cli import default_model_path
+
+        args.model_path = str(default_model_path("tiny"))
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    engine = Engine(
+        args.model_path,
+        max_running_requests=max(sizes),
+        max_total_tokens=max(sizes) * (args.steps + 64),
+    )
+    vocab = engine.runner.model.config.vocab_size
+    real_forward = engine.runner.forward
+
+    def no_op_forward(batch):
+        if not batch.is_decode:
+            return real_forward(batch)  # prefill stays real so the requests are set up honestly
+        return torch.zeros(len(batch.extend_lens_cpu), vocab)
+
+    engine.runner.forward = no_op_forward
+    sched = engine.scheduler
+    print(f"{'batch':>6}{'median ms/step':>16}{'p90 ms':>10}")
+    for bs in sizes:
+        params = {"max_new_tokens": args.steps + 2, "temperature": 0.0, "ignore_eos": True}
+        reqs = [engine._make_req(list(range(3, 19)), params) for _ in range(bs)]
+        for r in reqs:
+            sched.add_request(r)
+        while sched.waiting or sched.chunked:
+            sched.step()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            sched.step()
+            times.append((time.perf_counter() - start) * 1e3)
+        for r in reqs:
+            sched.abort(r.rid)
+        times.sort()
+        print(f"{bs:>6}{statistics.median(times):>16.3f}{times[int(0.9 * len(times))]:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()
