@@ -110,14 +110,13 @@ class Scheduler:
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
             n = min(req.fill_len - req.kv_len, budget)
-            if not self._alloc_kv(req, n):
-                # Its finished chunks are in the tree: re-queued, it resumes from there.
+            if self._alloc_kv(req, n):
+                batch.append((req, n))
+                budget -= n
+                if req.kv_len + n < req.fill_len:
+                    return batch
+            else:  # its finished chunks are in the tree: re-queued, it resumes from there
                 self._release(req, insert=False, requeue=True)
-                return batch
-            batch.append((req, n))
-            budget -= n
-            if req.kv_len + n < req.fill_len:
-                return batch
         if cfg.schedule_policy == "lpm":
             self.waiting = deque(sorted(self.waiting, key=self._match_len, reverse=True))
         pool = runner.mamba_pool

@@ -1,0 +1,79 @@
+"""Time to first token with a long shared prefix, cached vs not cached (offline Engine).
+
+A prefix P of `--prefix-len` random tokens is followed by a fresh `--suffix-len`-token question.
+Uncached: the radix cache is flushed before each request. Cached: P was served once before (as a
+request of its own), so the `no_buffer` strategy holds the state after exactly P and the request
+prefills only its question. TTFT = time from submission to the first streamed token. Medians.
+
+Example: python -m benchmarks.prefix_ttft --preset small --prefix-len 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from scheduler.engine import Engine
+
+
+def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    start = time.perf_counter()
+    stream = engine.generate_stream(prompt, {"max_new_tokens": 2, "temperature": 0.0})
+    next(stream)
+    elapsed = time.perf_counter() - start
+    last = list(stream)[-1]
+    return elapsed, last["meta_info"]["cached_tokens"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--prefix-len", type=int, default=2000)
+    ap.add_argument("--suffix-len", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model_path is None:
+        from server.cli import default_model_path
+
+        args.model_path = str(default_model_path(args.preset))
+    engine = Engine(
+        args.model_path,
+        max_running_requests=4,
+        dtype="float32",
+        max_total_tokens=4 * (args.prefix_len + args.suffix_len + 64),
+        max_context_len=args.prefix_len + args.suffix_len + 64,
+    )
+    vocab = engine.runner.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+    prefix = rand(args.prefix_len)
+    ttft(engine, rand(8))  # warm-up
+    cold, warm, hits = [], [], []
+    for _ in range(args.repeats):
+        engine.flush_cache()
+        cold.append(ttft(engine, prefix + rand(args.suffix_len))[0])
+        engine.flush_cache()
+        engine.generate(prefix, {"max_new_tokens": 1})  # P served once: its end state is cached
+        t, cached = ttft(engine, prefix + rand(args.suffix_len))
+        warm.append(t)
+        hits.append(cached)
+    assert engine.leak_report() == []
+    c, w = statistics.median(cold), statistics.median(warm)
+    print(f"prefix {args.prefix_len} + question {args.suffix_len} tokens, {args.threads} threads")
+    print(
+        f"TTFT uncached: {c * 1e3:.1f} ms   cached: {w * 1e3:.1f} ms   ratio: {w / c:.3f}   "
+        f"cached_tokens: {statistics.median(hits):.0f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
