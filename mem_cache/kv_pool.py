@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from mem_cache.req_pool import SlotAllocator, SlotIds
+from mem_cache.req_pool import SlotAllocator, SlotIds, SlotPool
 
 
-class KVPool:
+class KVPool(SlotPool):
     """K and V buffers of every attention layer, each ``[rows, num_kv_heads, head_dim]``.
 
     ``rows = (num_pages + 1) * page_size``: page 0 is the reserved padding page.
@@ -95,25 +95,9 @@ class KVPool:
         (and then nothing is freed)."""
         self.allocator.free(pages)
 
-    def available(self) -> int:
-        """Free pages."""
-        return self.allocator.available()
-
     def available_tokens(self) -> int:
         """Free token capacity: free pages times ``page_size``."""
         return self.allocator.available() * self.page_size
-
-    def allocated_slots(self) -> set[int]:
-        """Page ids currently handed out (for the idle leak checker)."""
-        return self.allocator.allocated_slots()
-
-    def check_integrity(self) -> None:
-        """Raise `RuntimeError` if the free-list bookkeeping is inconsistent."""
-        self.allocator.check_integrity()
-
-    def clear(self) -> None:
-        """Mark every page free (full flush); buffer contents are left as they are."""
-        self.allocator.reset()
 
     def page_locs(self, pages: torch.Tensor) -> torch.Tensor:
         """Token locations of ``pages``, page by page: int64 ``[len(pages) * page_size]``.

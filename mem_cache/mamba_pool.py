@@ -14,10 +14,10 @@ from contextlib import contextmanager
 
 import torch
 
-from mem_cache.req_pool import SlotAllocator, SlotIds, as_slot_list
+from mem_cache.req_pool import SlotAllocator, SlotIds, SlotPool, as_slot_list
 
 
-class MambaPool:
+class MambaPool(SlotPool):
     """State tensors for ``size`` slots (plus the reserved slot 0) and their free list.
 
     - ``conv_state``: ``[num_layers, size + 1, conv_dim, conv_kernel - 1]`` in ``conv_dtype``, the
@@ -142,22 +142,6 @@ class MambaPool:
         out, or an id repeated in the call. Freed states are not cleared (`alloc` zeroes).
         """
         self.allocator.free(slots)
-
-    def available(self) -> int:
-        """Slots `alloc` can still hand out: free list plus undrawn slots of an open group."""
-        return self.allocator.available()
-
-    def allocated_slots(self) -> set[int]:
-        """Slots currently handed out; undrawn group slots are not included (for leak checks)."""
-        return self.allocator.allocated_slots()
-
-    def check_integrity(self) -> None:
-        """Raise `RuntimeError` if the free-list bookkeeping is inconsistent."""
-        self.allocator.check_integrity()
-
-    def clear(self) -> None:
-        """Mark every slot free and close any group (full flush); states are left as they are."""
-        self.allocator.reset()
 
     # ---------------------------------------------------------------------- grouped allocation
 

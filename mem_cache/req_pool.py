@@ -251,7 +251,29 @@ class SlotAllocator:
             raise RuntimeError(f"{self.name}: slot states do not add up to size {self.size}")
 
 
-class ReqToTokenPool:
+class SlotPool:
+    """Bookkeeping every pool shares: a `SlotAllocator` of ids 1..size (id 0 reserved)."""
+
+    allocator: SlotAllocator
+
+    def available(self) -> int:
+        """Ids that can still be handed out (with an open group: free list plus undrawn)."""
+        return self.allocator.available()
+
+    def allocated_slots(self) -> set[int]:
+        """Ids currently handed out; undrawn group ids excluded (for the idle leak checker)."""
+        return self.allocator.allocated_slots()
+
+    def check_integrity(self) -> None:
+        """Raise `RuntimeError` if the free-list bookkeeping is inconsistent."""
+        self.allocator.check_integrity()
+
+    def clear(self) -> None:
+        """Mark every id free and close any group (full flush); tensor contents are kept."""
+        self.allocator.reset()
+
+
+class ReqToTokenPool(SlotPool):
     """Table mapping (request row, token position) to a KV token location.
 
     ``req_to_token`` is an int32 tensor ``[size + 1, max_context_len]`` on ``device``. Row 0 is the
@@ -282,19 +304,3 @@ class ReqToTokenPool:
     def free(self, slot: SlotIds) -> None:
         """Return one row or several; raises `ValueError` naming bad rows (nothing freed then)."""
         self.allocator.free(slot)
-
-    def available(self) -> int:
-        """Rows that can still be handed out."""
-        return self.allocator.available()
-
-    def allocated_slots(self) -> set[int]:
-        """Rows currently handed out (for the idle leak checker)."""
-        return self.allocator.allocated_slots()
-
-    def check_integrity(self) -> None:
-        """Raise `RuntimeError` if the free-list bookkeeping is inconsistent."""
-        self.allocator.check_integrity()
-
-    def clear(self) -> None:
-        """Mark every row free (full flush); ``req_to_token`` contents are left as they are."""
-        self.allocator.reset()
