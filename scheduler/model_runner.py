@@ -225,6 +225,6 @@ class ModelRunner:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        histories: list[list[int]] | None = None,
+        histories: list[tuple[list[int], list[int]]] | None = None,
     ) -> SampleOutput:
         return self.sampler(logits[: len(params)], params, generators, histories)

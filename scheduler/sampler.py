@@ -31,26 +31,29 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
     return gen
 
 
+History = tuple[list[int], list[int]]  # (prompt_ids, output_ids) of one request
+
+
 def apply_penalties(
-    logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]] | None
+    logits: torch.Tensor, params: list[SamplingParams], histories: list[History] | None
 ) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over generated tokens; HF repetition penalty over
-    prompt and generated tokens (`histories[i]` = (prompt_ids, output_ids) flattened by caller)."""
+    """In place on `logits`: HF's repetition penalty over every token seen (prompt and output:
+    positive logits divided, negative multiplied); OpenAI's presence and frequency penalties over
+    generated tokens only (subtract `presence` once per distinct token, `frequency` per count)."""
     if histories is None:
         return logits
     for i, p in enumerate(params):
-        if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
-            continue
-        if not histories[i]:
-            continue
-        ids, counts = torch.tensor(histories[i], device=logits.device).unique(return_counts=True)
+        prompt_ids, output_ids = histories[i]
         row = logits[i]
-        if p.repetition_penalty != 1.0:
+        if p.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+            ids = torch.tensor(prompt_ids + output_ids, device=logits.device).unique()
             seen = row[ids]
             row[ids] = torch.where(
                 seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty
             )
-        row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
+        if (p.presence_penalty or p.frequency_penalty) and output_ids:
+            ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+            row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
     return logits
 
 
@@ -77,7 +80,7 @@ class Sampler:
         logits: torch.Tensor,  # [N, V] fp32
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        histories: list[list[int]] | None = None,
+        histories: list[History] | None = None,
     ) -> SampleOutput:
         logprobs_all = None
         if any(p.return_logprob for p in params):

@@ -258,7 +258,7 @@ class Scheduler:
         if any(
             p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
         ):
-            histories = [r.all_ids for r in reqs]
+            histories = [(r.prompt_ids, r.output_ids) for r in reqs]
         out = self.runner.sample(logits, params, [r.generator for r in reqs], histories)
         for i, req in enumerate(reqs):
             req.output_ids.append(out.next_token_ids[i])

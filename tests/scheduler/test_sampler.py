@@ -216,7 +216,7 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
         SamplingParams(temperature=1.0, top_k=4, return_logprob=True, top_logprobs_num=3, seed=2),
         SamplingParams(temperature=1.0, return_logprob=True, top_logprobs_num=0, seed=3),
     ]
-    histories = [[], [int(logits[1].argmax())], [], []]
+    histories = [([], []), ([], [int(logits[1].argmax())]), ([], []), ([], [])]
     out = Sampler()(logits.clone(), params, [make_generator(p.seed) for p in params], histories)
 
     ref = torch.log_softmax(logits.double(), -1)
@@ -245,7 +245,8 @@ def test_no_logprobs_unless_requested() -> None:
 
 def greedy_pick(logits: list[float], history: list[int], **penalties: float) -> int:
     params = SamplingParams(temperature=0.0, **penalties)
-    return Sampler()(torch.tensor([logits]), [params], [None], [history]).next_token_ids[0]
+    history_pair = ([], history)  # all seen tokens counted as generated ones
+    return Sampler()(torch.tensor([logits]), [params], [None], [history_pair]).next_token_ids[0]
 
 
 def test_presence_penalty_once_per_seen_token() -> None:
@@ -279,7 +280,7 @@ def test_apply_penalties_exact_amounts() -> None:
         SamplingParams(presence_penalty=0.4, frequency_penalty=0.25),
         SamplingParams(repetition_penalty=2.0),
     ]
-    out = apply_penalties(logits.clone(), params, [[3, 3, 5], [1, 2, 2]])
+    out = apply_penalties(logits.clone(), params, [([], [3, 3, 5]), ([1], [2, 2])])
     torch.testing.assert_close(out[0], torch.tensor([1.0, -2.0, 3.0, -0.4, -0.5, 1.35]))
     torch.testing.assert_close(out[1], torch.tensor([1.0, -4.0, 1.5, 0.5, -0.5, 2.0]))
     assert torch.equal(apply_penalties(logits.clone(), params, None), logits)
@@ -321,3 +322,13 @@ def test_sampling_params_accepts_boundaries() -> None:
     assert SamplingParams(temperature=0.0).is_greedy
     assert SamplingParams(top_k=1).is_greedy
     assert not SamplingParams().is_greedy
+
+
+def test_presence_and_frequency_ignore_prompt_tokens() -> None:
+    """OpenAI semantics: only generated tokens are penalised; repetition covers the prompt."""
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    params = [SamplingParams(presence_penalty=1.0, frequency_penalty=1.0)]
+    out = apply_penalties(logits.clone(), params, [([0, 0], [])])
+    assert torch.equal(out, logits)
+    out = apply_penalties(logits.clone(), [SamplingParams(repetition_penalty=2.0)], [([0], [])])
+    torch.testing.assert_close(out, torch.tensor([[1.0, 1.9, 0.0]]))
