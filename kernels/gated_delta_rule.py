@@ -99,30 +99,27 @@ def _run(
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     B, HV, T, K = k.shape
     V = v.shape[-1]
-    if cu_seqlens is None:
-        bounds = [(b, 0, T) for b in range(B)]
-    else:
+    if cu_seqlens is None:  # dense batch: one call over all B sequences
+        states = _split_states(initial_state, initial_state_indices, B, (HV, K, V), q.device)
+        out, finals = step_fn(q, k, v, g, beta, states)
+    else:  # packed varlen: one call per sequence
         assert B == 1, "varlen inputs are packed into batch 1"
         cu = cu_seqlens.tolist()
-        bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
-    states = _split_states(initial_state, initial_state_indices, len(bounds), (HV, K, V), q.device)
-    out = torch.empty_like(v)
-    finals = torch.empty_like(states)
-    if cu_seqlens is None:  # dense batch: one call
-        o, s = step_fn(q, k, v, g, beta, states)
-        out, finals = o, s
-    else:
-        for i, (b, lo, hi) in enumerate(bounds):
-            sl = slice(lo, hi)
+        states = _split_states(
+            initial_state, initial_state_indices, len(cu) - 1, (HV, K, V), q.device
+        )
+        out, finals = torch.empty_like(v), torch.empty_like(states)
+        for i in range(len(cu) - 1):
+            sl = slice(cu[i], cu[i + 1])
             o, s = step_fn(
-                q[b : b + 1, :, sl],
-                k[b : b + 1, :, sl],
-                v[b : b + 1, :, sl],
-                g[b : b + 1, :, sl],
-                beta[b : b + 1, :, sl],
+                q[:, :, sl],
+                k[:, :, sl],
+                v[:, :, sl],
+                g[:, :, sl],
+                beta[:, :, sl],
                 states[i : i + 1],
             )
-            out[b : b + 1, :, sl] = o
+            out[:, :, sl] = o
             finals[i : i + 1] = s
     out = out.transpose(1, 2).to(in_dtype)
     if initial_state_indices is not None:

@@ -13,6 +13,7 @@ request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -49,11 +50,17 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return self.phase == "decode"
 
+    @cached_property
     def query_start_loc(self) -> torch.Tensor:
-        """[N+1] int64 offsets of each request's tokens in the packed batch."""
+        """[N+1] int64 offsets of each request's tokens in the packed batch (built once)."""
         lens = torch.tensor([0, *self.extend_lens_cpu], dtype=torch.int64)
         return lens.cumsum(0).to(self.input_ids.device)
 
+    @cached_property
+    def has_initial_state(self) -> torch.Tensor:
+        """[N] bool: the request continues from a cached state (prefix_len > 0)."""
+        return torch.tensor([p > 0 for p in self.prefix_lens_cpu], device=self.input_ids.device)
+
     def last_token_indices(self) -> torch.Tensor:
         """[N] index of each request's last new token in the packed batch."""
-        return self.query_start_loc()[1:] - 1
+        return self.query_start_loc[1:] - 1

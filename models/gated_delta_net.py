@@ -64,15 +64,14 @@ class GatedDeltaNet(nn.Module):
                 mixed_qkv, conv_state, weight, None, "silu", batch.mamba_slots
             )  # [T, conv_dim]
         else:
-            has_state = torch.tensor([p > 0 for p in batch.prefix_lens_cpu], device=x.device)
             mixed_qkv = causal_conv1d_fn(
                 mixed_qkv.t(),
                 weight,
                 None,
                 conv_state,
-                batch.query_start_loc(),
+                batch.query_start_loc,
                 batch.mamba_slots,
-                has_state,
+                batch.has_initial_state,
                 "silu",
             ).t()  # [T, conv_dim]
 
@@ -103,7 +102,7 @@ class GatedDeltaNet(nn.Module):
                 beta,
                 initial_state=ssm_state,
                 initial_state_indices=batch.mamba_slots,
-                cu_seqlens=batch.query_start_loc(),
+                cu_seqlens=batch.query_start_loc,
                 use_qk_l2norm_in_kernel=True,
             )  # [1, T, HV, dv]
 
