@@ -7,8 +7,9 @@ allocate; the runner only turns host-side descriptions of a step into device ten
     prefill: ExtendInput(req_slot, mamba_slot, prefix_len, input_ids) per request
     decode:  DecodeInput(req_slot, mamba_slot, seq_len, input_id) per request
 
-KV for the new tokens is allocated with `alloc_kv`, which records the locations in
-`req_to_token`; `free_kv` gives a request's pages back.
+KV for the new tokens is allocated with `alloc_kv` (one request) or `alloc_decode_kv` (one token
+for each of many requests), which record the locations in `req_to_token`; `free_kv` gives a
+request's pages back.
 """
 
 from __future__ import annotations
