@@ -71,3 +71,17 @@ def decode_attention(
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1).to(q.dtype)
     return (probs @ v).reshape(B, nH, D)
+
+
+def store_kv(
+    k_buffer: torch.Tensor,  # [locs, nKV, D], written in place
+    v_buffer: torch.Tensor,  # [locs, nKV, D], written in place
+    loc: torch.Tensor,  # [N] int token locations
+    k: torch.Tensor,  # [N, nKV, D]
+    v: torch.Tensor,  # [N, nKV, D]
+) -> None:
+    """k_buffer[loc] = k and v_buffer[loc] = v, cast to the buffer dtype. All tensors on one
+    device; repeated locations get one of their rows."""
+    loc = loc.long()
+    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import store_kv
 from mem_cache.req_pool import SlotAllocator, SlotIds, SlotPool
 
 
@@ -126,8 +127,8 @@ class KVPool(SlotPool):
                 f"k {list(k.shape)}, v {list(v.shape)}"
             )
         loc = loc.to(device=self.device, dtype=torch.int64)
-        self.k_buffer[layer].index_copy_(0, loc, k.to(self.device, self.dtype))
-        self.v_buffer[layer].index_copy_(0, loc, v.to(self.device, self.dtype))
+        k, v = k.to(self.device), v.to(self.device)
+        store_kv(self.k_buffer[layer], self.v_buffer[layer], loc, k, v)
 
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_buffer[layer], v_buffer[layer])``: the live buffers, not copies."""

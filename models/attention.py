@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attention import decode_attention, extend_attention
+from kernels import decode_attention, extend_attention
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import RMSNorm, RotaryEmbedding

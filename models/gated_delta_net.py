@@ -17,8 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from kernels import (
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+)
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import RMSNormGated

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import rms_norm_gated
+
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), in fp32, cast back after the scale."""
@@ -34,11 +36,7 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(dtype)
-        return (y * F.silu(z.float())).to(dtype)
+        return rms_norm_gated(x, z, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -8,6 +8,11 @@ import torch
 # transformers must never reach a hub from the test suite.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without CUDA, Triton kernels can only be tested in triton's interpreter, which must be chosen
+# before triton is first imported. Nothing else in the suite runs Triton on CPU (the kernels
+# dispatch to torch there unless forced), so this changes no other test.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tiny models: one thread is as fast and does not collapse when the machine is shared.
 torch.set_num_threads(1)
 
@@ -19,3 +24,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def triton_device() -> torch.device:
+    """Where Triton kernels under test run: CUDA when present, else CPU tensors in triton's
+    interpreter (enabled above). Skips when triton does not import."""
+    from kernels.dispatch import interpreter_ready, triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not importable, so the Triton kernels cannot be tested")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if not interpreter_ready():
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: no CPU interpreter")
+    return torch.device("cpu")

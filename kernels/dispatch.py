@@ -1,0 +1,112 @@
+"""Pick the Triton kernel or the pure-torch reference for each call.
+
+`HYBRID_SERVE_KERNELS` (read at every call, so tests can flip it) chooses:
+
+- ``auto`` (default): Triton for CUDA tensors when triton imports, the torch reference otherwise;
+- ``triton``: always Triton. On CPU tensors that means Triton's interpreter, which only works
+  when ``TRITON_INTERPRET=1`` was set before triton itself was first imported. If triton is not
+  imported yet, the first such call sets the variable for the process and imports it; if it was
+  already imported for the GPU, the call raises RuntimeError saying so. (The test suite sets the
+  variable in `tests/conftest.py` on machines without CUDA.)
+- ``torch``: always the reference.
+
+Triton is imported lazily, only when a Triton kernel is about to run, so the CPU path works on
+machines where triton is missing or broken. In ``auto`` mode such a machine silently uses torch;
+in ``triton`` mode it raises ImportError with the original reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "HYBRID_SERVE_KERNELS"
+MODES = ("auto", "triton", "torch")
+
+_import_error: list[BaseException] = []  # first failure importing triton, if any
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def triton_available() -> bool:
+    """True when `import triton` succeeds (tried once per process)."""
+    if _import_error:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # a broken install can raise more than ImportError
+        _import_error.append(e)
+        logger.info("triton unavailable, using torch kernels: %s", e)
+        return False
+    return True
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether a call whose main input is `x` runs the Triton kernel."""
+    mode = kernel_mode()
+    if mode == "torch":
+        return False
+    if mode == "auto":
+        return x.is_cuda and triton_available()
+    if not x.is_cuda and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+    if not triton_available():
+        raise ImportError(f"{ENV_VAR}=triton but triton cannot be imported") from _import_error[0]
+    return True
+
+
+def interpreter_ready() -> bool:
+    """True when triton was imported in interpreter mode (its own helpers such as `tl.sum` are
+    then interpreted functions), so kernels can run on CPU tensors."""
+    import triton.language as tl
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def triton_module(name: str, device: torch.device) -> ModuleType:
+    """Import `kernels.<name>` (a Triton module) for use on `device`, in interpreter mode if
+    `device` is not CUDA (see the module docstring). Every Triton module records whether its
+    kernels were defined for the interpreter in its `INTERPRETED` attribute."""
+    interpret = device.type != "cuda"
+    full_name = f"kernels.{name}"
+    if interpret and full_name not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    module = importlib.import_module(full_name)
+    if interpret and not (module.INTERPRETED and interpreter_ready()):
+        raise RuntimeError(
+            f"Triton kernels on {device} tensors need triton's interpreter, but triton was "
+            "imported without TRITON_INTERPRET=1; set it before anything imports triton"
+        )
+    return module
+
+
+def dispatching(reference: Callable, module: str) -> Callable:
+    """Wrap a torch reference op so that each call runs the same-named function of Triton
+    module `kernels.<module>` instead when `use_triton` says so for its first tensor argument.
+    Arguments are passed through unchanged: both implementations share the signature."""
+    first = next(iter(inspect.signature(reference).parameters))
+
+    @functools.wraps(reference)
+    def run(*args, **kwargs):
+        x = args[0] if args else kwargs[first]
+        if use_triton(x):
+            impl = getattr(triton_module(module, x.device), reference.__name__)
+            return impl(*args, **kwargs)
+        return reference(*args, **kwargs)
+
+    return run
