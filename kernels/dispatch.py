@@ -66,7 +66,8 @@ def use_triton(x: torch.Tensor) -> bool:
     if not x.is_cuda and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
     if not triton_available():
-        raise ImportError(f"{ENV_VAR}=triton but triton cannot be imported") from _import_error[0]
+        reason = _import_error[0] if _import_error else None
+        raise ImportError(f"{ENV_VAR}=triton but triton cannot be imported") from reason
     return True
 
 

@@ -1,0 +1,76 @@
+"""Which implementation the exported kernel names run: `HYBRID_SERVE_KERNELS` and devices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import dispatch, rmsnorm
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[str]:
+    """Names of the Triton modules the dispatcher loads (the call then fails on purpose)."""
+    seen: list[str] = []
+
+    def fake(name: str, device: torch.device):
+        seen.append(name)
+        raise RuntimeError("triton path taken")
+
+    monkeypatch.setattr(dispatch, "triton_module", fake)
+    return seen
+
+
+def norm_args() -> tuple:
+    return torch.randn(3, 8), torch.randn(3, 8), torch.ones(8), 1e-6
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch", ""])
+def test_cpu_tensors_run_the_torch_reference(monkeypatch, calls, mode) -> None:
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", mode)
+    args = norm_args()
+    assert torch.equal(kernels.rms_norm_gated(*args), rmsnorm.rms_norm_gated(*args))
+    assert calls == []
+
+
+def test_forced_triton_takes_the_triton_path(monkeypatch, calls) -> None:
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "triton")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    with pytest.raises(RuntimeError, match="triton path taken"):
+        kernels.rms_norm_gated(*norm_args())
+    assert calls == ["rmsnorm_triton"]
+
+
+def test_missing_triton(monkeypatch, calls) -> None:
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "auto")
+    kernels.rms_norm_gated(*norm_args())  # silently torch
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "triton")
+    with pytest.raises(ImportError, match="cannot be imported"):
+        kernels.rms_norm_gated(*norm_args())
+    assert calls == []
+
+
+def test_unknown_mode_raises(monkeypatch) -> None:
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="HYBRID_SERVE_KERNELS"):
+        kernels.rms_norm_gated(*norm_args())
+
+
+def test_forced_triton_on_cpu_runs_the_interpreter(monkeypatch, triton_device) -> None:
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "triton")
+    args = [a.to(triton_device) if isinstance(a, torch.Tensor) else a for a in norm_args()]
+    out = kernels.rms_norm_gated(*args)
+    torch.testing.assert_close(out, rmsnorm.rms_norm_gated(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_importing_the_model_does_not_import_triton() -> None:
+    code = (
+        "import sys, kernels, models.qwen3_next, mem_cache.kv_pool\n"
+        "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
