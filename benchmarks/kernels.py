@@ -1,0 +1,245 @@
+"""Kernel timings beside flash-linear-attention's, and the decode step with CUDA graphs.
+
+1. Every op exported by `kernels` on inputs shaped like the `small` preset's layers (bf16 on
+   GPU), timed as the dispatcher runs it (Triton on CUDA). Where flash-linear-attention (fla)
+   has the same op and is importable, fla runs on the same inputs beside it; otherwise the
+   table says fla is absent. fla has no pool form, so both sides get plain per-sequence states.
+2. With CUDA: one decode step of the `small` preset at batch 1, 8 and 64, eager against
+   CUDA-graph replay of the same step. A step that cannot be captured is reported with the
+   reason instead of a time.
+
+Without CUDA it runs tiny shapes through the torch references as a smoke test (the timings
+mean nothing there) and skips the decode section.
+
+Example: python -m benchmarks.kernels --json-out /tmp/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+import kernels
+from kernels.dispatch import use_triton
+
+DECODE_BATCHES = (1, 8, 64)
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, repeats: int = 20) -> float:
+    """Mean wall time of fn in ms (CUDA events on GPU)."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / repeats
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / repeats
+
+
+def load_fla() -> dict[str, Callable] | str:
+    """fla's ops by our names, or the reason fla cannot be used."""
+    try:
+        gdr = importlib.import_module("fla.ops.gated_delta_rule")
+        conv = importlib.import_module("fla.modules.convolution")
+    except Exception as e:  # absent, or present but broken
+        return f"flash-linear-attention is not importable ({type(e).__name__}: {e})"
+    return {
+        "chunk_gated_delta_rule": gdr.chunk_gated_delta_rule,
+        "fused_recurrent_gated_delta_rule": gdr.fused_recurrent_gated_delta_rule,
+        "causal_conv1d_fn": conv.causal_conv1d,
+    }
+
+
+def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Callable | None]]:
+    """(name, run ours, run fla or None) on shared inputs."""
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    n_seq, seq = (2, 64) if small else (8, 512)
+    H, HV, K, dim = (2, 4, 32, 256) if small else (4, 8, 128, 2048)
+    batch, ctx, nH, nKV, D = (4, 64, 4, 2, 32) if small else (64, 1024, 8, 2, 64)
+    T = n_seq * seq
+    fla = load_fla()
+    fla = fla if isinstance(fla, dict) else {}
+
+    def rnd(*shape, dtype=dt):
+        return torch.randn(*shape, device=dev).to(dtype)
+
+    cu = torch.arange(n_seq + 1, device=dev) * seq
+    x, w = rnd(T, dim).t(), rnd(dim, 4)
+    conv_states = rnd(n_seq + 1, dim, 3)
+    slots = torch.arange(1, n_seq + 1, device=dev)
+    has_init = torch.ones(n_seq, dtype=torch.bool, device=dev)
+    cases = [
+        (
+            "causal_conv1d_fn",
+            lambda: kernels.causal_conv1d_fn(x, w, None, conv_states, cu, slots, has_init),
+            fla.get("causal_conv1d_fn")
+            and (lambda: fla["causal_conv1d_fn"](x.t()[None], w, activation="silu", cu_seqlens=cu)),
+        ),
+    ]
+    xb, states_b = rnd(batch, dim), rnd(batch + 1, dim, 3)
+    rows = torch.arange(1, batch + 1, device=dev)
+    cases.append(
+        (
+            "causal_conv1d_update",
+            lambda: kernels.causal_conv1d_update(xb, states_b, w, None, "silu", rows),
+            None,
+        )
+    )
+
+    q, k, v = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, HV, K)
+    g = -torch.rand(1, T, HV, device=dev)
+    beta = torch.rand(1, T, HV, device=dev).to(dt)
+    h0 = torch.randn(n_seq, HV, K, K, device=dev)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ops = kernels.chunk_gated_delta_rule, fla.get("chunk_gated_delta_rule")
+    cases.append(
+        (
+            "chunk_gated_delta_rule",
+            lambda: ops[0](q, k, v, g, beta, cu_seqlens=cu, **kw),
+            ops[1] and (lambda: ops[1](q, k, v, g, beta, cu_seqlens=cu, **kw)),
+        )
+    )
+    qd, kd, vd = rnd(batch, 1, H, K), rnd(batch, 1, H, K), rnd(batch, 1, HV, K)
+    gd, bd = -torch.rand(batch, 1, HV, device=dev), torch.rand(batch, 1, HV, device=dev).to(dt)
+    kw_d = dict(kw, initial_state=torch.randn(batch, HV, K, K, device=dev))
+    ops_d = kernels.fused_recurrent_gated_delta_rule, fla.get("fused_recurrent_gated_delta_rule")
+    cases.append(
+        (
+            "fused_recurrent_gated_delta_rule",
+            lambda: ops_d[0](qd, kd, vd, gd, bd, **kw_d),
+            ops_d[1] and (lambda: ops_d[1](qd, kd, vd, gd, bd, **kw_d)),
+        )
+    )
+
+    locs = batch * ctx + 1
+    k_buf, v_buf = rnd(locs, nKV, D), rnd(locs, nKV, D)
+    r2t = (torch.arange(batch * ctx, device=dev) + 1).reshape(batch, ctx).to(torch.int32)
+    req = torch.arange(batch, device=dev)
+    qa = rnd(batch * 16, nH, D)
+    prefix, extend = [ctx - 16] * batch, [16] * batch
+    seq_lens = torch.full((batch,), ctx, device=dev)
+    cases += [
+        (
+            "extend_attention",
+            lambda: kernels.extend_attention(qa, k_buf, v_buf, r2t, req, prefix, extend, 0.125),
+            None,
+        ),
+        (
+            "decode_attention",
+            lambda: kernels.decode_attention(qa[:batch], k_buf, v_buf, r2t, req, seq_lens, 0.125),
+            None,
+        ),
+        (
+            "store_kv",
+            lambda: kernels.store_kv(k_buf, v_buf, r2t[0, :16], qa[:16, :nKV], qa[:16, :nKV]),
+            None,
+        ),
+    ]
+    xn, zn, wn = rnd(T * HV, K), rnd(T * HV, K), torch.ones(K, device=dev, dtype=dt)
+    cases.append(("rms_norm_gated", lambda: kernels.rms_norm_gated(xn, zn, wn, 1e-6), None))
+    return cases
+
+
+def bench_kernels(dev: torch.device, small: bool) -> list[dict]:
+    fla = load_fla()
+    if isinstance(fla, str):
+        print(f"{fla}: timing ours alone")
+    impl = "triton" if use_triton(torch.empty(0, device=dev)) else "torch"
+    print(f"{'kernel':34s} {'ours (' + impl + ') ms':>16s} {'fla ms':>10s}")
+    rows = []
+    for name, ours, theirs in kernel_cases(dev, small):
+        row = {"kernel": name, "impl": impl, "ours_ms": time_ms(ours), "fla_ms": None}
+        if theirs:
+            try:
+                row["fla_ms"] = time_ms(theirs)
+            except Exception as e:  # report, do not abort the table
+                row["fla_error"] = f"{type(e).__name__}: {e}"
+        fla_txt = "absent" if not theirs else f"{row['fla_ms']:.3f}" if row["fla_ms"] else "error"
+        print(f"{name:34s} {row['ours_ms']:16.3f} {fla_txt:>10s}")
+        rows.append(row)
+    return rows
+
+
+def bench_decode_graphs(preset: str = "small", device: str = "cuda", steps: int = 20) -> list[dict]:
+    """Decode step of `preset`, eager and CUDA-graph replay (CUDA only)."""
+    from models.presets import write_preset
+    from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_preset(preset, tmp)
+        config = RunnerConfig(
+            max_running_requests=max(DECODE_BATCHES),
+            max_total_tokens=65536,
+            dtype="bfloat16" if device == "cuda" else "float32",
+            device=device,
+        )
+        runner = ModelRunner.from_path(str(path), config)
+        for bs in DECODE_BATCHES:
+            reqs, slots = runner.req_pool.alloc(bs), runner.mamba_pool.alloc(bs).tolist()
+            prompt = list(range(3, 35))
+            items = [ExtendInput(r, m, 0, prompt) for r, m in zip(reqs, slots, strict=True)]
+            locs = [runner.alloc_kv(r, 0, len(prompt)) for r in reqs]
+            runner.forward(runner.build_prefill(items, locs))
+            step = [DecodeInput(r, m, len(prompt), 5) for r, m in zip(reqs, slots, strict=True)]
+            batch = runner.build_decode(step, runner.alloc_decode_kv(reqs, [len(prompt)] * bs))
+            row = {"batch": bs, "eager_ms": time_ms(lambda b=batch: runner.forward(b), 3, steps)}
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(3):  # compiles the Triton kernels outside the capture
+                        runner.forward(batch)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    runner.forward(batch)
+                row["graph_ms"] = time_ms(graph.replay, 3, steps)
+            except Exception as e:  # e.g. a host sync inside the step
+                row["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            graph_txt = f"{row['graph_ms']:.3f} ms" if "graph_ms" in row else row["graph_error"]
+            print(f"decode bs={bs:3d}: eager {row['eager_ms']:.3f} ms, graph {graph_txt}")
+            rows.append(row)
+            for r in reqs:
+                runner.free_kv(r, len(prompt) + 1)
+            runner.req_pool.free(reqs)
+            runner.mamba_pool.free(slots)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (default off CUDA)")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        print("no CUDA: tiny shapes through the torch references, a smoke run only")
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    result["kernels"] = bench_kernels(dev, args.small or not cuda)
+    if cuda:
+        result["decode"] = bench_decode_graphs()
+    else:
+        print("no CUDA: skipping the CUDA-graph decode benchmark")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
