@@ -52,6 +52,8 @@ class ExtendInput:
     mamba_slot: int
     prefix_len: int  # tokens already in KV and in the state of mamba_slot
     input_ids: list[int]  # the new tokens to compute now
+    track_offset: int = 0  # > 0: also leave the state after this many new tokens in track_slot
+    track_slot: int = 0
 
 
 @dataclass
@@ -184,6 +186,17 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             mamba_pool=self.mamba_pool,
             return_all_logits=return_all_logits,
+            **self._track_fields(items),
+        )
+
+    def _track_fields(self, items: list[ExtendInput]) -> dict:
+        if not any(it.track_offset for it in items):
+            return {}
+        return dict(
+            mamba_track_slots=torch.tensor(
+                [it.track_slot for it in items], dtype=torch.int64, device=self.device
+            ),
+            mamba_track_offsets_cpu=[it.track_offset for it in items],
         )
 
     def build_decode(
