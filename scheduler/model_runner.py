@@ -37,7 +37,8 @@ class RunnerConfig:
     max_total_tokens: int = 65536  # KV capacity in tokens
     max_context_len: int = 4096
     page_size: int = 1
-    mamba_cache_size: int = 0  # Mamba slots; 0 means 3 * max_running_requests
+    mamba_cache_size: int = 0  # Mamba slots; 0: 3 * max_running_requests (the Engine sizes it
+    # per strategy, see SchedulerConfig.mamba_slots_for)
     dtype: str = "auto"
     device: str = "cpu"
 
