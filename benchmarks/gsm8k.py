@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the evaluation; returns the result line that was appended to `--result-file`."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     train = gsm8k_data.load_split(args.data_path, "train", download_missing=args.download)
     test = gsm8k_data.load_split(args.data_path, "test", download_missing=args.download)
     test = test[: args.num_questions] if args.num_questions is not None else test

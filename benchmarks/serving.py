@@ -6,7 +6,8 @@ Workloads (`--dataset`): `random` (random-token prompts of `--random-input-len` 
 (`--gsp-num-groups` random system prompts of `--gsp-system-prompt-len` tokens, each followed by
 `--gsp-prompts-per-group` random questions of `--gsp-question-len` tokens, shuffled) and `gsm8k`
 (few-shot GSM8K prompts). Tokens are counted with `--tokenizer`, a local checkpoint directory
-(default: `--model` when that is one); `--token-ids` sends random prompts as token ids.
+(default: `--model`, or else the model `root` listed by the server's /v1/models, when that is
+one); `--token-ids` sends the random prompts as token ids instead of decoded text.
 
 Requests are streamed (`/v1/completions`, or `/v1/chat/completions` with `--chat`) at
 temperature 0 with `ignore_eos`, so every request produces its full output length. They arrive
@@ -56,7 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--base-url", default="http://127.0.0.1:30000", help="with or without /v1")
     a("--model", default=None, help="model name (default: first of /v1/models)")
     a("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    a("--tokenizer", default=None, help="local checkpoint dir (default: --model if a dir)")
+    a(
+        "--tokenizer",
+        default=None,
+        help="local checkpoint dir (default: --model or the server's model root)",
+    )
     a("--chat", action="store_true", help="use /v1/chat/completions")
     a("--dataset", choices=serving_datasets.DATASETS, default="random")
     a("--num-prompts", type=int, default=100, help="random and gsm8k datasets")
@@ -70,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--gsp-system-prompt-len", type=int, default=1024)
     a("--gsp-question-len", type=int, default=32)
     a("--gsp-output-len", type=int, default=32)
-    a("--gsp-prewarm", action="store_true", help="send each system prompt once before the run")
+    a("--gsp-prewarm", action="store_true", help="send each system prompt alone first")
     a("--data-path", default=str(gsm8k_data.default_data_dir()), help="GSM8K jsonl directory")
     a("--download", action="store_true", help="fetch missing GSM8K files from GitHub")
     a("--num-shots", type=int, default=5)
@@ -94,9 +99,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def tokenizer_path(args: argparse.Namespace) -> str | None:
+    """`--tokenizer`, else `--model` if it is a local directory, else the `root` that the server's
+    `/v1/models` lists for its first model if that is a local directory, else None."""
+    if args.tokenizer:
+        return args.tokenizer
+    if args.model and Path(args.model).is_dir():
+        return args.model
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = httpx.get(
+            api_root(args.base_url) + "/v1/models", headers=headers, timeout=30, trust_env=False
+        )
+        root = (resp.json().get("data") or [{}])[0].get("root")
+    except (httpx.HTTPError, ValueError, AttributeError, IndexError):
+        return None
+    return root if root and Path(root).is_dir() else None
+
+
 def build_dataset(args: argparse.Namespace) -> tuple[list[DatasetRow], list]:
     """The rows to send and the prefixes to pre-warm (shared-prefix only)."""
-    tok_path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+    tok_path = tokenizer_path(args)
     if args.dataset == "gsm8k":
         tok = serving_datasets.load_tokenizer(tok_path) if tok_path else None
         rows = serving_datasets.sample_gsm8k(
@@ -198,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the JSON record (also appended to `--output-file`)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     rows, prefixes = build_dataset(args)
     logger.info(
         "%s: %d requests, %d input tokens (by the tokenizer), %d output tokens asked",

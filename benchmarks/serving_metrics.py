@@ -109,16 +109,17 @@ def print_table(m: dict, title: dict[str, object]) -> None:
     ]
     for key, value in lines:
         print(f"{key + ':':<42}{value}")
-    labels = {
-        "e2e_latency": "End-to-End Latency",
-        "ttft": "Time to First Token",
-        "tpot": "Time per Output Token (excl. 1st token)",
-        "itl": "Inter-Token Latency",
+    sections = {
+        "e2e_latency": ("End-to-End Latency", "E2E Latency"),
+        "ttft": ("Time to First Token", "TTFT"),
+        "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+        "itl": ("Inter-Token Latency", "ITL"),
     }
-    for name in ("e2e_latency", "ttft", "tpot", "itl"):
-        print(f"{labels[name]:-^60}")
+    for name, (title, short) in sections.items():
+        print(f"{title:-^60}")
         for stat in ("mean", "median", "p99"):
-            print(f"{f'{stat.capitalize()} {name.upper()} (ms):':<42}{m[f'{stat}_{name}_ms']:.2f}")
+            print(f"{f'{stat.capitalize()} {short} (ms):':<42}{m[f'{stat}_{name}_ms']:.2f}")
+    print(f"{'Max ITL (ms):':<42}{m['max_itl_ms']:.2f}")
     print("=" * 60)
 
 

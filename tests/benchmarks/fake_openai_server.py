@@ -8,7 +8,7 @@ of a token-id prompt). The answer to a prompt is looked up by the last "Question
 `max_tokens` tokens. `stop` strings truncate the answer (finish_reason "stop"). Usage reports
 `cached_tokens` = the longest token prefix shared with any earlier prompt, like a prefix cache.
 Requests whose arrival index (0-based, all endpoints together) is in `fail_requests` get HTTP 500.
-Every request body is kept in `bodies`.
+Every request body is kept in `bodies`; `/v1/models` lists "fake-model" with `root=model_root`.
 """
 
 from __future__ import annotations
@@ -46,9 +46,13 @@ def _common_prefix(a: list[str], b: list[str]) -> int:
 
 class FakeOpenAIServer:
     def __init__(
-        self, answers: dict[str, str | None] | None = None, fail_requests: set[int] | None = None
+        self,
+        answers: dict[str, str | None] | None = None,
+        fail_requests: set[int] | None = None,
+        model_root: str | None = None,
     ) -> None:
         self.answers = answers or {}
+        self.model_root = model_root
         self.fail_requests = fail_requests or set()
         self.bodies: list[dict] = []
         self._seen: list[list[str]] = []
@@ -105,7 +109,8 @@ class FakeOpenAIServer:
 
         @app.get("/v1/models")
         async def models() -> dict:
-            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+            card = {"id": "fake-model", "object": "model", "root": self.model_root}
+            return {"object": "list", "data": [card]}
 
         @app.post("/v1/completions")
         async def completions(request: Request):

@@ -54,9 +54,9 @@ def test_gsm8k_scores_counts_errors_and_writes_json(
 def test_serving_random_counts_failures(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "serving.jsonl"
     # arrival 0 is the warm-up, so exactly one timed request fails
-    with FakeOpenAIServer(fail_requests={3}) as server:
-        record = serving.main(
-            f"--base-url {server.url} --tokenizer {tiny_ckpt} --dataset random --num-prompts 6"
+    with FakeOpenAIServer(fail_requests={3}, model_root=str(tiny_ckpt)) as server:
+        record = serving.main(  # the tokenizer comes from the model's root in /v1/models
+            f"--base-url {server.url} --dataset random --num-prompts 6"
             " --random-input-len 16 --random-output-len 4 --max-concurrency 2"
             f" --output-file {out} --output-details --no-progress".split()
         )
