@@ -104,8 +104,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
-    train = gsm8k_data.load_split(args.data_path, "train", download_missing=args.download)
-    test = gsm8k_data.load_split(args.data_path, "test", download_missing=args.download)
+    try:
+        train = gsm8k_data.load_split(args.data_path, "train", download_missing=args.download)
+        test = gsm8k_data.load_split(args.data_path, "test", download_missing=args.download)
+    except OSError as exc:  # missing files or a failed download
+        raise SystemExit(f"error: {exc}") from exc
     test = test[: args.num_questions] if args.num_questions is not None else test
     prompts = gsm8k_data.build_prompts(train, test, args.num_shots)
     model, results, latency = asyncio.run(ask_all(args, prompts))

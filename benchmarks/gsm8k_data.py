@@ -39,12 +39,16 @@ def default_data_dir() -> Path:
 
 
 def download(data_dir: Path, split: str) -> Path:
-    """Fetch one split from the public GSM8K repository (pinned commit) into `data_dir`."""
+    """Fetch one split from the public GSM8K repository (pinned commit) into `data_dir`;
+    OSError when that fails."""
     data_dir.mkdir(parents=True, exist_ok=True)
     url = f"{BASE_URL}/{split}.jsonl"
     logger.info("downloading %s", url)
-    with urllib.request.urlopen(url, timeout=60) as resp:
-        body = resp.read()
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            body = resp.read()
+    except OSError as exc:  # URLError, timeouts
+        raise OSError(f"could not download {url} ({exc}); put {split}.jsonl in {data_dir}") from exc
     digest = hashlib.sha256(body).hexdigest()
     if digest != SHA256[split]:
         logger.warning(
@@ -61,7 +65,8 @@ def load_split(data_path: str | Path, split: str, *, download_missing: bool = Fa
     """The `split` lines of the data directory `data_path`, as dicts.
 
     `data_path` may also be a jsonl file, which is then read for every split. A missing file is
-    downloaded when `download_missing`, else it is a FileNotFoundError naming the fix.
+    downloaded when `download_missing`, else it is a FileNotFoundError naming the fix. Both
+    errors are OSErrors.
     """
     path = Path(data_path)
     file = path if path.is_file() else path / f"{split}.jsonl"

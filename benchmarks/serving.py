@@ -222,7 +222,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
-    rows, prefixes = build_dataset(args)
+    try:
+        rows, prefixes = build_dataset(args)
+    except (OSError, ValueError) as exc:  # missing GSM8K files, a tokenizer that is not a dir
+        raise SystemExit(f"error: {exc}") from exc
     logger.info(
         "%s: %d requests, %d input tokens (by the tokenizer), %d output tokens asked",
         args.dataset,

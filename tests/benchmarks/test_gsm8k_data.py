@@ -47,3 +47,14 @@ def test_download_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert (tmp_path / "d" / "test.jsonl").read_bytes() == body
     gsm8k_data.load_split(tmp_path / "d", "test", download_missing=True)  # present: no fetch
     assert len(urls) == 1
+
+
+def test_scripts_exit_with_a_message_when_data_is_missing(tmp_path: Path, tiny_ckpt: Path) -> None:
+    from benchmarks import gsm8k, serving
+
+    with pytest.raises(SystemExit, match="--download"):
+        gsm8k.main(["--data-path", str(tmp_path), "--result-file", str(tmp_path / "r.jsonl")])
+    with pytest.raises(SystemExit, match="--download"):
+        serving.main(
+            ["--dataset", "gsm8k", "--data-path", str(tmp_path), "--tokenizer", str(tiny_ckpt)]
+        )
