@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gsm8k, serving
-from tests.benchmarks.conftest import TEST
 from tests.benchmarks.fake_openai_server import FakeOpenAIServer
+from tests.benchmarks.sample_data import TEST
 
 ANSWERS = {
     TEST[0]["question"]: " 3 + 4 = 7 apples.\n#### 7\n\nQuestion: what comes next? 99",

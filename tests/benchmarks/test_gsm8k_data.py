@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gsm8k_data
-from tests.benchmarks.conftest import TEST, TRAIN
+from tests.benchmarks.sample_data import TEST, TRAIN
 
 
 def test_prompt_format(gsm8k_dir: Path) -> None:

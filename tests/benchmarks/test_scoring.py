@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import gsm8k_data, scoring
-from tests.benchmarks.conftest import SHARED_GSM8K
+from tests.benchmarks.sample_data import SHARED_GSM8K
 
 
 @pytest.mark.skipif(not (SHARED_GSM8K / "test.jsonl").is_file(), reason="no shared GSM8K copy")
