@@ -4,12 +4,11 @@ Each `step()` runs one forward: a prefill batch when something waits (the chunke
 then the waiting queue within `max_prefill_tokens` and `max_running_requests`), otherwise one
 decode step of every running request. Prefill has priority, as in SGLang.
 
-Prefix caching (strategy `no_buffer`): on admission a request matches its prompt (at most
-prompt_len - 1 tokens) in the radix tree, locks the deepest node that holds a Mamba state and
-copies that state into its own fresh slot. After each prefill chunk the state is copied into a
-new slot and inserted under exactly the prefilled tokens; on finish the request's own slot is
-donated to the tree under exactly its committed tokens. Invariant: a tree state is always the
-recurrent state after the tokens from the root to its node.
+Prefix caching: on admission a request matches its prompt (at most prompt_len - 1 tokens) in
+the radix tree, locks the deepest node that holds a Mamba state and copies that state into its
+own fresh slot. What enters the tree after each prefill round, at decode boundaries and on
+finish depends on the Mamba strategy (`scheduler/prefix_cache.py`). Invariant: a tree state is
+always the recurrent state after the tokens from the root to its node.
 """
 
 from __future__ import annotations
@@ -22,7 +21,9 @@ import torch
 from mem_cache.radix_cache import MambaRadixCache
 from scheduler.config import SchedulerConfig
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
+from scheduler.session import SessionManager
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +32,15 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig) -> None:
         self.runner, self.config = runner, config
         if runner.config.page_size != 1 and not config.disable_radix_cache:
-            raise ValueError(
-                "the no_buffer strategy needs --page-size 1 (or --disable-radix-cache)"
-            )
+            raise ValueError("the radix cache needs --page-size 1 (or --disable-radix-cache)")
         self.tree = MambaRadixCache(
             runner.kv_pool,
             runner.mamba_pool,
             page_size=runner.config.page_size,
             disable=config.disable_radix_cache,
         )
+        self.cache = PrefixCache(runner, self.tree, config)
+        self.sessions = SessionManager(self.cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -49,12 +50,20 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        if req.prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        if req.prompt_len >= self.max_context_len:
-            raise ValueError(
-                f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
-            )
+        """Queue a request; ValueError (SessionError for session problems) when it cannot run."""
+        if req.session is not None:
+            self.sessions.prepare(req)  # prepends the session context
+        try:
+            if req.prompt_len == 0:
+                raise ValueError("the prompt is empty")
+            if req.prompt_len >= self.max_context_len:
+                raise ValueError(
+                    f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
+                )
+        except ValueError:
+            if req.session is not None:
+                self.sessions.done(req)
+            raise
         self._arrivals += 1
         req.arrival = self._arrivals
         self.waiting.append(req)
@@ -65,6 +74,8 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 req.finish_reason = FinishReason.ABORT
+                if req.session is not None:
+                    self.sessions.done(req)
                 return req
         for req in [*self.running, *([self.chunked] if self.chunked else [])]:
             if req.rid == rid:
@@ -92,6 +103,8 @@ class Scheduler:
             req = self.waiting.popleft()
             req.finish_reason = FinishReason.ABORT
             req.finish_detail = "not enough KV cache or Mamba slots for this request"
+            if req.session is not None:
+                self.sessions.done(req)
             return [req]
         return []
 
@@ -126,7 +139,8 @@ class Scheduler:
                 if len(self.running) + len(batch) >= runner.config.max_running_requests:
                     break
                 req = self.waiting[0]
-                if not self._take_slots(req):
+                restored = req.session is not None and self.sessions.restore(req)
+                if not restored and not self.cache.take_slots(req):
                     break
                 remaining = req.fill_len - req.kv_len
                 if remaining > budget and not chunking and batch:
@@ -137,6 +151,7 @@ class Scheduler:
                     self._release(req, insert=False)  # stays first in the queue
                     break
                 self.waiting.popleft()
+                self.sessions.admitted(req)
                 if not req.admitted:
                     req.cached_len, req.admitted = req.kv_len, True
                 batch.append((req, n))
@@ -150,30 +165,6 @@ class Scheduler:
     def _match_len(self, req: Req) -> int:
         return len(self.tree.match_prefix(req.all_ids[:-1]).kv_indices)
 
-    def _take_slots(self, req: Req) -> bool:
-        """Match the prefix, lock it, take a request row and a Mamba slot holding its state."""
-        runner = self.runner
-        req.fill_len = req.seq_len
-        rows = runner.req_pool.alloc(1)
-        if rows is None:
-            return False
-        slot = runner.mamba_pool.alloc(1)
-        if slot is None and self.tree.evict_mamba(1):
-            slot = runner.mamba_pool.alloc(1)
-        if slot is None:
-            runner.req_pool.free(rows)
-            return False
-        req.req_slot, req.mamba_slot = rows[0], int(slot[0])
-        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
-        prefix = len(match.kv_indices)
-        self.tree.inc_lock_ref(match.last_node)
-        req.last_node = match.last_node
-        if prefix:
-            runner.req_pool.req_to_token[req.req_slot, :prefix] = match.kv_indices.to(torch.int32)
-            runner.mamba_pool.copy(match.mamba_slot, req.mamba_slot)  # copy-on-write
-        req.kv_len = req.cache_protected_len = prefix
-        return True
-
     def _alloc_kv(self, req: Req, n: int) -> bool:
         locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
         if locs is None:
@@ -184,10 +175,11 @@ class Scheduler:
     # ---- prefill -------------------------------------------------------------------------
     def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[Req]:
         runner = self.runner
-        items = [
-            ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n])
-            for r, n in batch
-        ]
+        items = []
+        for r, n in batch:
+            offset, slot = self.cache.prefill_track(r, n)
+            ids = r.all_ids[r.kv_len : r.kv_len + n]
+            items.append(ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, ids, offset, slot))
         rows = runner.req_pool.req_to_token
         locs = [rows[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in batch]
         logits = runner.forward(runner.build_prefill(items, locs))
@@ -231,6 +223,7 @@ class Scheduler:
         for req in reqs:
             req.kv_len += 1
         self._sample(logits, reqs)
+        self.cache.after_decode(reqs)
         for req in [r for r in reqs if r.finished]:
             self.running.remove(req)
             self._release(req, insert=True)
@@ -270,54 +263,36 @@ class Scheduler:
 
     # ---- cache / release -----------------------------------------------------------------
     def _cache_unfinished(self, req: Req) -> None:
-        """Insert the prefilled tokens with a copy of the state; move the lock to the new node."""
-        if self.config.disable_radix_cache:
-            return
-        pool = self.runner.mamba_pool
-        slot = pool.alloc(1, zero=False)
-        if slot is None and self.tree.evict_mamba(1):
-            slot = pool.alloc(1, zero=False)
-        if slot is None:
-            return  # nothing cached this time; the request keeps running unchanged
-        pool.copy(req.mamba_slot, slot)
-        key = req.all_ids[: req.kv_len]
-        row = self.runner.req_pool.req_to_token[req.req_slot]
-        _, exists = self.tree.insert(
-            key, row[: req.kv_len].long(), int(slot[0]), prev_prefix_len=req.cache_protected_len
-        )
-        if exists:
-            pool.free(slot)
-        match = self.tree.match_prefix(key)  # the tree's own KV for what it just took over
-        assert len(match.kv_indices) == req.kv_len
-        row[req.cache_protected_len : req.kv_len] = match.kv_indices[req.cache_protected_len :].to(
-            row
-        )
-        self.tree.dec_lock_ref(req.last_node)
-        self.tree.inc_lock_ref(match.last_node)
-        req.last_node, req.cache_protected_len = match.last_node, req.kv_len
+        self.cache.cache_unfinished(req)
 
     def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:
         """Give back everything a request holds; with insert, donate KV and state to the tree."""
-        runner = self.runner
         if req.req_slot is None:
             return
-        row = runner.req_pool.req_to_token[req.req_slot]
-        if insert and not self.config.disable_radix_cache and req.kv_len > 0:
-            _, exists = self.tree.insert(
-                req.all_ids[: req.kv_len],
-                row[: req.kv_len].long(),
-                req.mamba_slot,
-                prev_prefix_len=req.cache_protected_len,
-            )
-            if exists:
-                runner.mamba_pool.free([req.mamba_slot])
-        else:
-            runner.free_kv(req.req_slot, req.kv_len, keep=req.cache_protected_len)
-            if req.mamba_slot is not None:
-                runner.mamba_pool.free([req.mamba_slot])
-        if req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
-        runner.req_pool.free(req.req_slot)
-        req.reset_for_retract()
+        if req.session_restored:  # not admitted: the session keeps its slot
+            self.sessions.unrestore(req)
+            return
+        if req.session is not None and insert and req.finish_reason != FinishReason.ABORT:
+            self.sessions.save(req)  # the next turn continues from here
+            return
+        self.cache.release(req, insert)
         if requeue:
             self.waiting.appendleft(req)
+        elif req.session is not None and req.finished:
+            self.sessions.done(req)
+
+    # ---- sessions ------------------------------------------------------------------------
+    def open_session(
+        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+    ) -> str:
+        return self.sessions.open(session_id, capacity_of_str_len)
+
+    def close_session(self, session_id: str) -> bool:
+        """Abort the session's request in flight, if any, and free everything it holds."""
+        session = self.sessions.sessions.get(session_id)
+        if session is None:
+            return False
+        if session.in_flight is not None:
+            self.abort(session.in_flight.rid)
+        self.sessions.close(session_id)
+        return True
