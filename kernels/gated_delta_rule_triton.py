@@ -251,7 +251,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     initial_state_indices: torch.Tensor | None = None,  # [N] rows of the pool
     chunk_size: int = 64,
-    track_offsets: torch.Tensor | None = None,  # [N] 0 or a multiple of 64 <= the length
+    track_offsets: torch.Tensor | None = None,  # [N] 0 or a multiple of chunk_size <= length
     track_indices: torch.Tensor | None = None,  # [N] pool slots for those snapshots
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked prefill. Returns (o [B,T,HV,V] in q's dtype, final state [N,HV,K,V] fp32 or None;
@@ -268,7 +268,10 @@ def chunk_gated_delta_rule(
     )
     track = track_offsets is not None
     if track:
-        assert initial_state_indices is not None and track_indices is not None
+        if initial_state_indices is None or cu_seqlens is None or track_indices is None:
+            raise ValueError("state tracking needs the pool form with cu_seqlens")
+        if bool((track_offsets % chunk_size).any()):
+            raise ValueError(f"track_offsets must be multiples of the chunk size {chunk_size}")
     qf, kf, vf, gf, bf = _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta)
     total = qf.shape[0]
     o = torch.empty(total, HV, V, dtype=q.dtype, device=q.device)
