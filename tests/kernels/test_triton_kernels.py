@@ -284,3 +284,79 @@ def test_rms_norm_gated(triton_device, dtype) -> None:
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding step
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_decode_kernels_replay_in_a_cuda_graph(triton_device) -> None:
+    """The decode-path kernels do not sync with the host: captured once, a replay on new
+    inputs matches an eager call on the same inputs and pool contents."""
+    dev = triton_device
+    torch.manual_seed(10)
+    gdr, conv, attn = (triton_module(m, dev) for m in (GDR, CONV, ATTN))
+    B, H, HV, K, dim = 4, 2, 4, 32, 64
+    idx = torch.tensor([3, 1, PAD_SLOT_ID, 2], device=dev)
+    pool, conv_pool = torch.randn(5, HV, K, K, device=dev), torch.randn(5, dim, 3, device=dev)
+    weight = torch.randn(dim, 4, device=dev)
+    k_buf, v_buf, r2t = paged_kv([5, 9, 1, 30], [0, 1, 2, 3], 2, 32, torch.float32, dev)
+    slots, seq_lens = torch.arange(4, device=dev), torch.tensor([5, 9, 1, 30], device=dev)
+    static = [torch.randn(B, 1, H, K, device=dev) for _ in range(2)] + [
+        torch.randn(B, 1, HV, K, device=dev),
+        -torch.rand(B, 1, HV, device=dev),
+        torch.rand(B, 1, HV, device=dev),
+        torch.randn(B, dim, device=dev),
+        torch.randn(B, 4, 32, device=dev),
+    ]
+
+    def step():
+        q, k, v, g, beta, x, qa = static
+        o, _ = gdr.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        y = conv.causal_conv1d_update(x, conv_pool, weight, None, "silu", idx)
+        a = attn.decode_attention(qa, k_buf, v_buf, r2t, slots, seq_lens, 0.2)
+        return o, y, a
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in static:
+        t.copy_(torch.rand_like(t) - (t < 0).float())  # new inputs, keep the decays <= 0
+    saved = pool.clone(), conv_pool.clone()
+    graph.replay()
+    replayed = [o.clone() for o in outs], pool.clone(), conv_pool.clone()
+    pool.copy_(saved[0])
+    conv_pool.copy_(saved[1])
+    eager = step()
+    for r, e in zip(replayed[0], eager, strict=True):
+        torch.testing.assert_close(r, e)
+    torch.testing.assert_close(replayed[1], pool)
+    torch.testing.assert_close(replayed[2], conv_pool)
+
+
+@pytest.mark.gpu
+def test_chunk_gated_delta_rule_bf16(triton_device) -> None:
+    dev = triton_device
+    torch.manual_seed(11)
+    lengths = [100, 64, 7]
+    q, k, v, g, beta = gdr_inputs(sum(lengths), 2, 4, 128, 128, torch.bfloat16, dev)
+    h0 = torch.randn(3, 4, 128, 128, device=dev)
+    kw = dict(
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu_seqlens(lengths, dev),
+        use_qk_l2norm_in_kernel=True,
+    )
+    ref, ref_ht = gated_delta_rule.chunk_gated_delta_rule(
+        *(x.float() for x in (q, k, v, g, beta)), **kw
+    )
+    out, ht = triton_module(GDR, dev).chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=1e-2)
+    assert rel_rms(out, ref) < 5e-3 and rel_rms(ht, ref_ht) < 5e-3
