@@ -86,14 +86,19 @@ def triton_module(name: str, device: torch.device) -> ModuleType:
     interpret = device.type != "cuda"
     full_name = f"kernels.{name}"
     if interpret and full_name not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
+        if "triton" in sys.modules and not interpreter_ready():
+            raise RuntimeError(_NO_INTERPRETER.format(device=device))
+        os.environ["TRITON_INTERPRET"] = "1"  # our kernels are defined at import
     module = importlib.import_module(full_name)
     if interpret and not (module.INTERPRETED and interpreter_ready()):
-        raise RuntimeError(
-            f"Triton kernels on {device} tensors need triton's interpreter, but triton was "
-            "imported without TRITON_INTERPRET=1; set it before anything imports triton"
-        )
+        raise RuntimeError(_NO_INTERPRETER.format(device=device))
     return module
+
+
+_NO_INTERPRETER = (
+    "Triton kernels on {device} tensors need triton's interpreter, but triton (or the kernel "
+    "module) was imported without TRITON_INTERPRET=1; set it before anything imports triton"
+)
 
 
 def dispatching(reference: Callable, module: str) -> Callable:
