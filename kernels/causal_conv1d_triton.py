@@ -83,9 +83,9 @@ def _conv_fn_kernel(
     if i_t == 0:  # the only program that reads the old window also writes the new one
         tl.debug_barrier()
         for s in tl.static_range(KC - 1):
-            p = seq_len - (KC - 1) + s  # column s of the new window is input position p
-            if p >= 0:
-                col = tl.load(x_ptr + chans * stride_xc + (bos + p) * stride_xt, mask=m_c)
+            src = seq_len - (KC - 1) + s  # column s of the new window is input position src
+            if src >= 0:
+                col = tl.load(x_ptr + chans * stride_xc + (bos + src) * stride_xt, mask=m_c)
                 col = col.to(tl.float32)
             else:  # column seq_len + s > s of the old window: not yet overwritten
                 col = tl.load(state + (seq_len + s) * stride_sk, mask=m_c & has_init, other=0.0)

@@ -298,7 +298,7 @@ def chunk_gated_delta_rule(
         qf, kf, G, w, u, o, h0, ht_arg, idx,
         track_offsets if track else cu, track_indices if track else cu, cu,
         qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), *strides, scale,
-        BV=BV, TRACK=track, **common, **flags, num_warps=4,
+        BV=BV, TRACK=track, **common, **flags, num_warps=4, num_stages=1,
     )  # fmt: skip
     return o.view(B, T, HV, V), ht
 
