@@ -1,0 +1,129 @@
+"""Server options: `ServerConfig` plus the command line generated from three frozen dataclasses.
+
+    hybrid-serve [--model-path DIR] [--host H] [--port P] [--api-key K] [--served-model-name N]
+                 [every RunnerConfig / SchedulerConfig field as --flag-name]
+
+Each dataclass field `some_name` becomes `--some-name` (SGLang's spelling); a few fields also
+answer to SGLang's own flag where our field name differs (`--context-length` for
+`max_context_len`, `--max-mamba-cache-size` for `mamba_cache_size`). Booleans are switches,
+tuples take several values. Values are validated by the dataclasses' `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from scheduler.config import SchedulerConfig
+from scheduler.model_runner import RunnerConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the HTTP front end runs; `model_path=None` means the tiny preset in the cache dir."""
+
+    model_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
+
+
+HELP: dict[str, str] = {
+    "model_path": "checkpoint directory (default: the tiny preset, written on first use)",
+    "host": "address to bind",
+    "port": "port to bind",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health and /metrics",
+    "served_model_name": "model name in the API (default: the checkpoint directory's name)",
+    "log_level": "logging level",
+    "max_running_requests": "requests decoded together (rows of req_to_token)",
+    "max_total_tokens": "KV cache capacity in tokens",
+    "max_context_len": "longest sequence (prompt + output) in tokens",
+    "page_size": "tokens per KV page",
+    "mamba_cache_size": "Mamba state slots (0: 3 x max running requests)",
+    "dtype": "weights and activations dtype (auto: the checkpoint's)",
+    "device": "cpu or cuda",
+    "max_prefill_tokens": "new tokens in one prefill batch",
+    "chunked_prefill_size": "max new tokens of one request per prefill round (<= 0: no chunking)",
+    "schedule_policy": "waiting queue order: fcfs or lpm (longest prefix match)",
+    "disable_radix_cache": "turn prefix caching off",
+    "mamba_scheduler_strategy": "when Mamba states are snapshotted for the radix cache",
+    "cuda_graph_bs": "decode batch sizes (batches are padded up to one of them)",
+    "disable_cuda_graph": "run decode batches at their own size",
+}
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    "max_context_len": ("--context-length",),
+    "mamba_cache_size": ("--max-mamba-cache-size",),
+}
+
+CONFIG_CLASSES = (ServerConfig, RunnerConfig, SchedulerConfig)
+
+
+def _add_field(parser: argparse.ArgumentParser, name: str, default: Any) -> None:
+    flags = (f"--{name.replace('_', '-')}", *ALIASES.get(name, ()))
+    kwargs: dict[str, Any] = {"dest": name, "default": default, "help": HELP.get(name, "")}
+    if isinstance(default, bool):
+        parser.add_argument(*flags, action="store_true", **kwargs)
+        return
+    if isinstance(default, tuple):
+        kwargs.update(nargs="+", type=type(default[0]) if default else int)
+    elif default is not None:
+        kwargs["type"] = type(default)
+    if kwargs["help"] and default not in (None, ()):
+        kwargs["help"] += f" (default: {default})"
+    parser.add_argument(*flags, **kwargs)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of ServerConfig, RunnerConfig and SchedulerConfig."""
+    seen: set[str] = set()
+    for cls in CONFIG_CLASSES:
+        group = parser.add_argument_group(cls.__name__)
+        for f in fields(cls):
+            if f.name in seen:
+                raise RuntimeError(f"option {f.name} is defined twice")
+            seen.add(f.name)
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            _add_field(group, f.name, default)
+
+
+def configs_from_args(
+    args: argparse.Namespace,
+) -> tuple[ServerConfig, RunnerConfig, SchedulerConfig]:
+    """Split parsed flags back into the three dataclasses (ValueError on bad values)."""
+    values = vars(args)
+    out = []
+    for cls in CONFIG_CLASSES:
+        kw = {f.name: values[f.name] for f in fields(cls) if f.name in values}
+        for k, v in kw.items():
+            if isinstance(v, list):
+                kw[k] = tuple(v)
+        out.append(cls(**kw))
+    return out[0], out[1], out[2]
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybrid-serve",
+        description="Serve a hybrid Mamba/attention model over HTTP (OpenAI and SGLang APIs). "
+        "Other commands: 'hybrid-serve make-model --help', 'hybrid-serve generate --help'.",
+    )
+    add_config_arguments(parser)
+    return parser
+
+
+def parse_serve_args(
+    argv: list[str] | None = None,
+) -> tuple[ServerConfig, RunnerConfig, SchedulerConfig]:
+    return configs_from_args(build_serve_parser().parse_args(argv))
