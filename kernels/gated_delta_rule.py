@@ -10,9 +10,17 @@ Signatures follow flash-linear-attention (`chunk_gated_delta_rule`,
 `initial_state` is the whole state pool [slots, HV, K, V]; each sequence starts from
 `pool[idx]` and its final state is written back in place. Grouped value heads: value head `h`
 reads query/key head `h // (HV // H)`. All math is fp32; outputs come back in q's dtype.
+
+State tracking (prefix caching, pool form only): `chunk_gated_delta_rule` also takes
+`track_offsets` [N] and `track_indices` [N]. Where `track_offsets[i] > 0` (a multiple of the
+chunk size, at most sequence i's length) the state after that many tokens of sequence i is
+written to `pool[track_indices[i]]` as well. Chunks count from each sequence's own start, so
+this is a chunk-boundary state the chunked form computes anyway.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +102,8 @@ def _run(
     cu_seqlens,
     use_qk_l2norm_in_kernel,
     initial_state_indices,
+    track_offsets=None,
+    track_indices=None,
 ):
     in_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
@@ -109,21 +119,28 @@ def _run(
             initial_state, initial_state_indices, len(cu) - 1, (HV, K, V), q.device
         )
         out, finals = torch.empty_like(v), torch.empty_like(states)
+        offsets = [0] * (len(cu) - 1) if track_offsets is None else track_offsets.tolist()
+        tracked, tracked_rows = [], []
         for i in range(len(cu) - 1):
-            sl = slice(cu[i], cu[i + 1])
-            o, s = step_fn(
-                q[:, :, sl],
-                k[:, :, sl],
-                v[:, :, sl],
-                g[:, :, sl],
-                beta[:, :, sl],
-                states[i : i + 1],
-            )
-            out[:, :, sl] = o
+            # A tracked sequence runs as two pieces split at its (chunk-aligned) offset, which
+            # is exactly the one-piece computation with the boundary state made visible.
+            bounds = [cu[i], cu[i] + offsets[i], cu[i + 1]] if offsets[i] else [cu[i], cu[i + 1]]
+            s = states[i : i + 1]
+            for piece, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                if hi > lo:
+                    o, s = step_fn(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi],
+                                   g[:, :, lo:hi], beta[:, :, lo:hi], s)  # fmt: skip
+                    out[:, :, lo:hi] = o
+                if offsets[i] and piece == 0:
+                    tracked.append(s.clone())
+                    tracked_rows.append(i)
             finals[i : i + 1] = s
     out = out.transpose(1, 2).to(in_dtype)
     if initial_state_indices is not None:
         initial_state.index_copy_(0, initial_state_indices.long(), finals.to(initial_state.dtype))
+        if cu_seqlens is not None and tracked:
+            dst = track_indices.long()[tracked_rows]
+            initial_state.index_copy_(0, dst, torch.cat(tracked).to(initial_state.dtype))
         return out, None
     return out, (finals if output_final_state else None)
 
@@ -141,11 +158,18 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     initial_state_indices: torch.Tensor | None = None,  # [N] rows of the pool
     chunk_size: int = 64,
+    track_offsets: torch.Tensor | None = None,  # [N] 0 or a multiple of chunk_size
+    track_indices: torch.Tensor | None = None,  # [N] pool rows receiving the tracked states
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked (WY) form for prefill.
 
     Returns (o [B,T,HV,V], final state [N,HV,K,V] fp32, or None).
     """
+    if track_offsets is not None:
+        if initial_state_indices is None or cu_seqlens is None or track_indices is None:
+            raise ValueError("state tracking needs the pool form with cu_seqlens")
+        if bool((track_offsets % chunk_size).any()):
+            raise ValueError(f"track_offsets must be multiples of the chunk size {chunk_size}")
 
     def step(q, k, v, g, beta, state):
         return _chunk_dense(q, k, v, g, beta, state, chunk_size)
@@ -163,6 +187,8 @@ def chunk_gated_delta_rule(
         cu_seqlens,
         use_qk_l2norm_in_kernel,
         initial_state_indices,
+        track_offsets,
+        track_indices,
     )
 
 

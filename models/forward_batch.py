@@ -41,6 +41,11 @@ class ForwardBatch:
     mamba_pool: MambaPool
     max_seq_len: int = 0  # decode: longest seq_len in the batch (host side, avoids a sync)
     return_all_logits: bool = False  # prefill: logits for every new token, not only the last
+    # prefill state tracking (extra_buffer): request i also leaves the conv and recurrent state
+    # after `mamba_track_offsets_cpu[i]` of its new tokens (0 = none; a multiple of the GDN
+    # chunk size) in Mamba slot `mamba_track_slots[i]`
+    mamba_track_slots: torch.Tensor | None = None  # [N] int64
+    mamba_track_offsets_cpu: list[int] | None = None  # [N]
 
     @property
     def num_reqs(self) -> int:
@@ -60,6 +65,10 @@ class ForwardBatch:
     def has_initial_state(self) -> torch.Tensor:
         """[N] bool: the request continues from a cached state (prefix_len > 0)."""
         return torch.tensor([p > 0 for p in self.prefix_lens_cpu], device=self.input_ids.device)
+
+    @property
+    def tracks_states(self) -> bool:
+        return self.mamba_track_offsets_cpu is not None and any(self.mamba_track_offsets_cpu)
 
     def last_token_indices(self) -> torch.Tensor:
         """[N] index of each request's last new token in the packed batch."""

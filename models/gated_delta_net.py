@@ -9,6 +9,9 @@ Per value head the layer keeps a recurrent state S [dk, dv] and a short causal-c
 
 Both states live in the Mamba pool and are addressed by `ForwardBatch.mamba_slots`; prefill
 continues from whatever the slot holds (zeros for a fresh request), decode steps it by one token.
+A prefill batch may also ask for snapshots at chunk-aligned offsets (`mamba_track_slots`): the
+conv window there is the Kc-1 raw inputs before the offset, the recurrent state a chunk-boundary
+state of the chunked kernel.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)  # [T, HV]
 
+        if batch.tracks_states:
+            self._track_conv_states(mixed_qkv, conv_state, batch)
         if batch.is_decode:
             mixed_qkv = causal_conv1d_update(
                 mixed_qkv, conv_state, weight, None, "silu", batch.mamba_slots
@@ -94,6 +99,12 @@ class GatedDeltaNet(nn.Module):
                 use_qk_l2norm_in_kernel=True,
             )  # [T, 1, HV, dv]
         else:
+            track = {}
+            if batch.tracks_states:
+                track = dict(
+                    track_offsets=torch.tensor(batch.mamba_track_offsets_cpu, device=x.device),
+                    track_indices=batch.mamba_track_slots,
+                )
             core, _ = chunk_gated_delta_rule(
                 q,
                 k,
@@ -104,6 +115,7 @@ class GatedDeltaNet(nn.Module):
                 initial_state_indices=batch.mamba_slots,
                 cu_seqlens=batch.query_start_loc,
                 use_qk_l2norm_in_kernel=True,
+                **track,
             )  # [1, T, HV, dv]
 
         core = self.norm(
@@ -111,6 +123,20 @@ class GatedDeltaNet(nn.Module):
             z.reshape(T * self.num_v_heads, self.head_v_dim),
         )
         return self.out_proj(core.reshape(T, self.value_dim))
+
+    @staticmethod
+    def _track_conv_states(
+        raw: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch
+    ) -> None:
+        """conv_state[track slot] = the Kc-1 raw inputs just before each tracked offset."""
+        width = conv_state.shape[-1]  # Kc-1; offsets are >= one chunk, so all inside the extend
+        starts = batch.query_start_loc.tolist()
+        rows = [i for i, off in enumerate(batch.mamba_track_offsets_cpu) if off]
+        ends = torch.tensor([starts[i] + batch.mamba_track_offsets_cpu[i] for i in rows])
+        pos = ends.unsqueeze(1) - width + torch.arange(width).unsqueeze(0)  # [n, Kc-1]
+        window = raw[pos.to(raw.device)].transpose(1, 2)  # [n, conv_dim, Kc-1]
+        dst = batch.mamba_track_slots[torch.tensor(rows, device=raw.device)]
+        conv_state.index_copy_(0, dst, window.to(conv_state.dtype))
 
     @staticmethod
     def regroup_qkvz(w: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRATEGIES = ("no_buffer",)
+STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
+# Mamba slots per running request (running + track slots + a share for tree states), as SGLang's
+# ratios without the overlap scheduler; sizes the pool when --mamba-cache-size is not given.
+MAMBA_SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 5, "extra_buffer_lazy": 4}
 POLICIES = ("fcfs", "lpm")
 
 
@@ -15,6 +18,7 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     mamba_scheduler_strategy: str = "no_buffer"
+    mamba_track_interval: int = 256  # decode snapshot every this many tokens (extra_buffer*)
     cuda_graph_bs: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # padded decode sizes
     disable_cuda_graph: bool = False  # off: decode batches run at their own size
 
@@ -23,11 +27,24 @@ class SchedulerConfig:
             raise ValueError(f"--schedule-policy must be one of {POLICIES}")
         if self.mamba_scheduler_strategy not in STRATEGIES:
             raise ValueError(
-                f"--mamba-scheduler-strategy {self.mamba_scheduler_strategy!r} is not supported "
-                f"yet (supported: {', '.join(STRATEGIES)})"
+                f"--mamba-scheduler-strategy must be one of {', '.join(STRATEGIES)}, "
+                f"got {self.mamba_scheduler_strategy!r}"
             )
+        if self.mamba_scheduler_strategy != "no_buffer" and self.disable_radix_cache:
+            raise ValueError(
+                f"--mamba-scheduler-strategy {self.mamba_scheduler_strategy} needs the radix "
+                "cache (drop --disable-radix-cache)"
+            )
+        if self.mamba_track_interval < 1:
+            raise ValueError("--mamba-track-interval must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
+
+    def mamba_slots_for(self, max_running_requests: int) -> int:
+        """Default Mamba pool size for this strategy."""
+        if self.disable_radix_cache:
+            return max_running_requests
+        return MAMBA_SLOTS_PER_REQUEST[self.mamba_scheduler_strategy] * max_running_requests
 
     def padded_size(self, n: int) -> int | None:
         """The decode batch size a batch of n runs at, or None to run unpadded."""

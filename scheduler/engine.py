@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from scheduler.config import SchedulerConfig
@@ -26,6 +26,17 @@ from scheduler.scheduler import Scheduler
 Prompt = str | list[int]
 
 
+def build_scheduler(
+    model_path: str, runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig
+) -> Scheduler:
+    """Load the model and pools and make the scheduler; a Mamba pool size of 0 takes the
+    strategy's default (`SchedulerConfig.mamba_slots_for`)."""
+    if runner_cfg.mamba_cache_size == 0:
+        slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
+        runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
+    return Scheduler(ModelRunner.from_path(model_path, runner_cfg), sched_cfg)
+
+
 class Engine:
     def __init__(self, model_path: str, **options: Any) -> None:
         runner_keys = {f.name for f in fields(RunnerConfig)}
@@ -36,8 +47,8 @@ class Engine:
         runner_cfg = RunnerConfig(**{k: v for k, v in options.items() if k in runner_keys})
         sched_cfg = SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys})
         self.model_path = model_path
-        self.runner = ModelRunner.from_path(model_path, runner_cfg)
-        self.scheduler = Scheduler(self.runner, sched_cfg)
+        self.scheduler = build_scheduler(model_path, runner_cfg, sched_cfg)
+        self.runner = self.scheduler.runner
         self._tokenizer = None
         self._ids = itertools.count()
 

@@ -37,7 +37,8 @@ class RunnerConfig:
     max_total_tokens: int = 65536  # KV capacity in tokens
     max_context_len: int = 4096
     page_size: int = 1
-    mamba_cache_size: int = 0  # Mamba slots; 0 means 3 * max_running_requests
+    mamba_cache_size: int = 0  # Mamba slots; 0: 3 * max_running_requests (the Engine sizes it
+    # per strategy, see SchedulerConfig.mamba_slots_for)
     dtype: str = "auto"
     device: str = "cpu"
 
@@ -52,6 +53,8 @@ class ExtendInput:
     mamba_slot: int
     prefix_len: int  # tokens already in KV and in the state of mamba_slot
     input_ids: list[int]  # the new tokens to compute now
+    track_offset: int = 0  # > 0: also leave the state after this many new tokens in track_slot
+    track_slot: int = 0
 
 
 @dataclass
@@ -184,6 +187,17 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             mamba_pool=self.mamba_pool,
             return_all_logits=return_all_logits,
+            **self._track_fields(items),
+        )
+
+    def _track_fields(self, items: list[ExtendInput]) -> dict:
+        if not any(it.track_offset for it in items):
+            return {}
+        return dict(
+            mamba_track_slots=torch.tensor(
+                [it.track_slot for it in items], dtype=torch.int64, device=self.device
+            ),
+            mamba_track_offsets_cpu=[it.track_offset for it in items],
         )
 
     def build_decode(

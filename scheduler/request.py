@@ -47,6 +47,12 @@ class Req:
     admitted: bool = False  # entered a batch at least once (cached_len is set then)
     cache_protected_len: int = 0  # prefix owned by the tree (locked through last_node)
     last_node: Any = None  # radix node locked for this request
+    # state tracking (extra_buffer strategies, see scheduler/prefix_cache.py)
+    track_slots: list[int] = field(default_factory=list)
+    next_track: int = 0  # index into track_slots written by the next snapshot
+    last_track_len: int | None = None  # tokens behind the latest snapshot not yet inserted
+    branching_len: int | None = None  # chunk-aligned branch point to snapshot in prefill
+    lazy_insert_ok: bool = True  # extra_buffer_lazy: False once the only snapshot was overwritten
     # outcome
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # e.g. which stop token matched, or an abort message
@@ -94,3 +100,6 @@ class Req:
         and prompt + output so far are recomputed as the new prompt."""
         self.req_slot = self.mamba_slot = self.last_node = None
         self.kv_len = self.cache_protected_len = self.fill_len = 0
+        self.track_slots, self.next_track = [], 0
+        self.last_track_len = self.branching_len = None
+        self.lazy_insert_ok = True

@@ -4,12 +4,11 @@ Each `step()` runs one forward: a prefill batch when something waits (the chunke
 then the waiting queue within `max_prefill_tokens` and `max_running_requests`), otherwise one
 decode step of every running request. Prefill has priority, as in SGLang.
 
-Prefix caching (strategy `no_buffer`): on admission a request matches its prompt (at most
-prompt_len - 1 tokens) in the radix tree, locks the deepest node that holds a Mamba state and
-copies that state into its own fresh slot. After each prefill chunk the state is copied into a
-new slot and inserted under exactly the prefilled tokens; on finish the request's own slot is
-donated to the tree under exactly its committed tokens. Invariant: a tree state is always the
-recurrent state after the tokens from the root to its node.
+Prefix caching: on admission a request matches its prompt (at most prompt_len - 1 tokens) in
+the radix tree, locks the deepest node that holds a Mamba state and copies that state into its
+own fresh slot. What enters the tree after each prefill round, at decode boundaries and on
+finish depends on the Mamba strategy (`scheduler/prefix_cache.py`). Invariant: a tree state is
+always the recurrent state after the tokens from the root to its node.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import torch
 from mem_cache.radix_cache import MambaRadixCache
 from scheduler.config import SchedulerConfig
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -31,15 +31,14 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig) -> None:
         self.runner, self.config = runner, config
         if runner.config.page_size != 1 and not config.disable_radix_cache:
-            raise ValueError(
-                "the no_buffer strategy needs --page-size 1 (or --disable-radix-cache)"
-            )
+            raise ValueError("the radix cache needs --page-size 1 (or --disable-radix-cache)")
         self.tree = MambaRadixCache(
             runner.kv_pool,
             runner.mamba_pool,
             page_size=runner.config.page_size,
             disable=config.disable_radix_cache,
         )
+        self.cache = PrefixCache(runner, self.tree, config)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -126,7 +125,7 @@ class Scheduler:
                 if len(self.running) + len(batch) >= runner.config.max_running_requests:
                     break
                 req = self.waiting[0]
-                if not self._take_slots(req):
+                if not self.cache.take_slots(req):
                     break
                 remaining = req.fill_len - req.kv_len
                 if remaining > budget and not chunking and batch:
@@ -150,30 +149,6 @@ class Scheduler:
     def _match_len(self, req: Req) -> int:
         return len(self.tree.match_prefix(req.all_ids[:-1]).kv_indices)
 
-    def _take_slots(self, req: Req) -> bool:
-        """Match the prefix, lock it, take a request row and a Mamba slot holding its state."""
-        runner = self.runner
-        req.fill_len = req.seq_len
-        rows = runner.req_pool.alloc(1)
-        if rows is None:
-            return False
-        slot = runner.mamba_pool.alloc(1)
-        if slot is None and self.tree.evict_mamba(1):
-            slot = runner.mamba_pool.alloc(1)
-        if slot is None:
-            runner.req_pool.free(rows)
-            return False
-        req.req_slot, req.mamba_slot = rows[0], int(slot[0])
-        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
-        prefix = len(match.kv_indices)
-        self.tree.inc_lock_ref(match.last_node)
-        req.last_node = match.last_node
-        if prefix:
-            runner.req_pool.req_to_token[req.req_slot, :prefix] = match.kv_indices.to(torch.int32)
-            runner.mamba_pool.copy(match.mamba_slot, req.mamba_slot)  # copy-on-write
-        req.kv_len = req.cache_protected_len = prefix
-        return True
-
     def _alloc_kv(self, req: Req, n: int) -> bool:
         locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
         if locs is None:
@@ -184,10 +159,11 @@ class Scheduler:
     # ---- prefill -------------------------------------------------------------------------
     def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[Req]:
         runner = self.runner
-        items = [
-            ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n])
-            for r, n in batch
-        ]
+        items = []
+        for r, n in batch:
+            offset, slot = self.cache.prefill_track(r, n)
+            ids = r.all_ids[r.kv_len : r.kv_len + n]
+            items.append(ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, ids, offset, slot))
         rows = runner.req_pool.req_to_token
         locs = [rows[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in batch]
         logits = runner.forward(runner.build_prefill(items, locs))
@@ -231,6 +207,7 @@ class Scheduler:
         for req in reqs:
             req.kv_len += 1
         self._sample(logits, reqs)
+        self.cache.after_decode(reqs)
         for req in [r for r in reqs if r.finished]:
             self.running.remove(req)
             self._release(req, insert=True)
@@ -270,54 +247,12 @@ class Scheduler:
 
     # ---- cache / release -----------------------------------------------------------------
     def _cache_unfinished(self, req: Req) -> None:
-        """Insert the prefilled tokens with a copy of the state; move the lock to the new node."""
-        if self.config.disable_radix_cache:
-            return
-        pool = self.runner.mamba_pool
-        slot = pool.alloc(1, zero=False)
-        if slot is None and self.tree.evict_mamba(1):
-            slot = pool.alloc(1, zero=False)
-        if slot is None:
-            return  # nothing cached this time; the request keeps running unchanged
-        pool.copy(req.mamba_slot, slot)
-        key = req.all_ids[: req.kv_len]
-        row = self.runner.req_pool.req_to_token[req.req_slot]
-        _, exists = self.tree.insert(
-            key, row[: req.kv_len].long(), int(slot[0]), prev_prefix_len=req.cache_protected_len
-        )
-        if exists:
-            pool.free(slot)
-        match = self.tree.match_prefix(key)  # the tree's own KV for what it just took over
-        assert len(match.kv_indices) == req.kv_len
-        row[req.cache_protected_len : req.kv_len] = match.kv_indices[req.cache_protected_len :].to(
-            row
-        )
-        self.tree.dec_lock_ref(req.last_node)
-        self.tree.inc_lock_ref(match.last_node)
-        req.last_node, req.cache_protected_len = match.last_node, req.kv_len
+        self.cache.cache_unfinished(req)
 
     def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:
         """Give back everything a request holds; with insert, donate KV and state to the tree."""
-        runner = self.runner
         if req.req_slot is None:
             return
-        row = runner.req_pool.req_to_token[req.req_slot]
-        if insert and not self.config.disable_radix_cache and req.kv_len > 0:
-            _, exists = self.tree.insert(
-                req.all_ids[: req.kv_len],
-                row[: req.kv_len].long(),
-                req.mamba_slot,
-                prev_prefix_len=req.cache_protected_len,
-            )
-            if exists:
-                runner.mamba_pool.free([req.mamba_slot])
-        else:
-            runner.free_kv(req.req_slot, req.kv_len, keep=req.cache_protected_len)
-            if req.mamba_slot is not None:
-                runner.mamba_pool.free([req.mamba_slot])
-        if req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
-        runner.req_pool.free(req.req_slot)
-        req.reset_for_retract()
+        self.cache.release(req, insert)
         if requeue:
             self.waiting.appendleft(req)

@@ -251,6 +251,50 @@ def test_gdr_pool_form_writes_exactly_the_indexed_rows(op: str) -> None:
     assert torch.equal(pool[untouched], before[untouched])
 
 
+def test_gdr_chunk_tracks_chunk_aligned_states() -> None:
+    """track_offsets: the state after that many tokens lands in the track row; outputs, final
+    states and every other row are as without tracking."""
+    torch.manual_seed(7)
+    lengths = [130, 64, 40, 128]
+    offsets = torch.tensor([128, 64, 0, 64])  # mid-sequence, whole sequence, none, first chunk
+    cu_seqlens, bounds = varlen_bounds(lengths)
+    H, HV, slots = 1, 2, 10
+    q, k, v, g, beta = make_gdr_inputs(1, sum(lengths), H, HV)
+    pool = torch.randn(slots, HV, K_DIM, V_DIM)
+    indices, track = torch.tensor([1, 2, 3, 4]), torch.tensor([6, 7, 8, 9])
+    plain = pool.clone()
+    kwargs = dict(
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, initial_state_indices=indices
+    )
+    o_plain, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=plain, **kwargs)
+    before = pool.clone()
+    o, _ = chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=pool, track_offsets=offsets, track_indices=track, **kwargs
+    )
+    torch.testing.assert_close(o, o_plain, atol=1e-6, rtol=0)
+    torch.testing.assert_close(pool[indices], plain[indices], atol=1e-6, rtol=0)
+    for i, (lo, _hi) in enumerate(bounds):
+        off, dst = int(offsets[i]), int(track[i])
+        if not off:
+            assert torch.equal(pool[dst], before[dst])
+            continue
+        _, ref_s = naive_gated_delta_rule(
+            q[0, lo : lo + off],
+            k[0, lo : lo + off],
+            v[0, lo : lo + off],
+            g[0, lo : lo + off],
+            beta[0, lo : lo + off],
+            h0=before[int(indices[i])],
+        )
+        torch.testing.assert_close(pool[dst].double(), ref_s, atol=CHUNK_ATOL, rtol=0)
+    assert torch.equal(pool[[0, 5]], before[[0, 5]])
+    with pytest.raises(ValueError, match="multiples"):
+        chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=pool, track_offsets=offsets + 1, track_indices=track,
+            **kwargs,
+        )  # fmt: skip
+
+
 def test_gdr_pool_form_decode_steps_match_oracle() -> None:
     """Decode shape: one token per sequence, packed, state pool updated step after step."""
     torch.manual_seed(4)

@@ -86,3 +86,45 @@ def test_padding_rows_never_touch_live_state(model):
         assert changed <= live | {0}, "a padding row wrote KV outside location 0"
     unpadded, _ = _generate(_runner(model), [list(range(3, 20))], steps=6)
     assert padded == unpadded
+
+
+def test_prefill_tracks_chunk_aligned_states(model):
+    """A tracked prefill leaves in the track slot exactly the states a prefill of the first
+    `offset` tokens alone leaves (conv window and recurrent state), and changes nothing else."""
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 2000, (n,)).tolist() for n in (150, 70, 64)]
+    offsets = [128, 64, 64]  # mid-prompt, mid-prompt, whole prompt
+    r = _runner(model, mamba_cache_size=12)
+    rows = [r.req_pool.alloc(1)[0] for _ in prompts]
+    slots = r.mamba_pool.alloc(3).tolist()
+    tracks = r.mamba_pool.alloc(3).tolist()
+    items = [
+        ExtendInput(q, m, 0, p, track_offset=off, track_slot=t)
+        for q, m, p, off, t in zip(rows, slots, prompts, offsets, tracks, strict=True)
+    ]
+    locs = [r.alloc_kv(q, 0, len(p)) for q, p in zip(rows, prompts, strict=True)]
+    logits = r.forward(r.build_prefill(items, locs))
+
+    ref = _runner(model, mamba_cache_size=12)
+    ref_rows = [ref.req_pool.alloc(1)[0] for _ in prompts]
+    ref_slots = ref.mamba_pool.alloc(3).tolist()
+    ref_items = [
+        ExtendInput(q, m, 0, p[:off])
+        for q, m, p, off in zip(ref_rows, ref_slots, prompts, offsets, strict=True)
+    ]
+    ref_locs = [ref.alloc_kv(q, 0, off) for q, off in zip(ref_rows, offsets, strict=True)]
+    ref.forward(ref.build_prefill(ref_items, ref_locs))
+    for t, m in zip(tracks, ref_slots, strict=True):
+        torch.testing.assert_close(r.mamba_pool.conv_state[:, t], ref.mamba_pool.conv_state[:, m])
+        torch.testing.assert_close(
+            r.mamba_pool.ssm_state[:, t], ref.mamba_pool.ssm_state[:, m], atol=2e-5, rtol=0
+        )
+    plain = _runner(model, mamba_cache_size=12)
+    p_rows = [plain.req_pool.alloc(1)[0] for _ in prompts]
+    p_slots = plain.mamba_pool.alloc(3).tolist()
+    p_items = [ExtendInput(q, m, 0, p) for q, m, p in zip(p_rows, p_slots, prompts, strict=True)]
+    p_locs = [plain.alloc_kv(q, 0, len(p)) for q, p in zip(p_rows, prompts, strict=True)]
+    torch.testing.assert_close(logits, plain.forward(plain.build_prefill(p_items, p_locs)))
+    torch.testing.assert_close(
+        r.mamba_pool.ssm_state[:, slots], plain.mamba_pool.ssm_state[:, p_slots]
+    )

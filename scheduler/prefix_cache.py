@@ -1,0 +1,205 @@
+"""How a request's KV and Mamba states enter and leave the radix tree, per Mamba strategy.
+
+`no_buffer`: a request owns one Mamba slot, its running state. After each prefill round a copy
+of the running state is inserted under exactly the prefilled tokens; on finish the running slot
+itself is donated under the committed tokens.
+
+`extra_buffer` / `extra_buffer_lazy`: the running slot is never cached. The request also owns
+track slots that receive snapshots: in prefill at the last chunk-aligned offset of each extend (or
+at the branching point `match_prefix` reported, so the next request on that branch hits), in
+decode whenever `kv_len` reaches a multiple of `--mamba-track-interval`. The latest snapshot
+(`last_track_len` tokens) is inserted after each prefill round and on finish; its slot is donated
+to the tree and replaced. `extra_buffer` keeps two track slots used in turn (ping-pong: the one
+written last is kept, the other is written next). `extra_buffer_lazy` keeps one and takes a
+second only for the copy at a decode boundary (evicting one tree state when short); when even
+that fails it overwrites its only snapshot, and a request finishing on that step skips its insert.
+
+Invariant (I6): a slot inserted under n tokens holds exactly the state after those n tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from mem_cache.radix_cache import MambaRadixCache
+from scheduler.config import SchedulerConfig
+from scheduler.model_runner import ModelRunner
+from scheduler.request import Req
+
+logger = logging.getLogger(__name__)
+
+LAZY_ALLOC_FAIL_ENV = "HYBRID_SERVE_TEST_MAMBA_LAZY_ALLOC_FAIL"  # test switch, as SGLang's
+
+
+class PrefixCache:
+    def __init__(self, runner: ModelRunner, tree: MambaRadixCache, config: SchedulerConfig):
+        self.runner, self.tree, self.config = runner, tree, config
+        self.pool = runner.mamba_pool
+        self.enabled = not config.disable_radix_cache
+        self.tracking = self.enabled and config.mamba_scheduler_strategy != "no_buffer"
+        self.lazy = config.mamba_scheduler_strategy == "extra_buffer_lazy"
+        self.num_tracks = (1 if self.lazy else 2) if self.tracking else 0
+        self.chunk = tree.chunk_size
+        self.interval = config.mamba_track_interval
+        self.force_lazy_alloc_fail = os.environ.get(LAZY_ALLOC_FAIL_ENV) == "1"
+
+    # ---- slots ---------------------------------------------------------------------------
+    def alloc_slot(self, zero: bool = True) -> int | None:
+        """One Mamba slot, evicting one unlocked tree state when the pool is dry."""
+        slot = self.pool.alloc(1, zero=zero)
+        if slot is None and self.tree.evict_mamba(1):
+            slot = self.pool.alloc(1, zero=zero)
+        return None if slot is None else int(slot[0])
+
+    def take_slots(self, req: Req) -> bool:
+        """Give a waiting request a row, a running slot (holding the matched prefix's state,
+        copy-on-write, or zeros) and its track slots; lock the matched node. All or nothing."""
+        runner = self.runner
+        req.fill_len = req.seq_len
+        rows = runner.req_pool.alloc(1)
+        if rows is None:
+            return False
+        slots: list[int] = []
+        for i in range(1 + self.num_tracks):
+            slot = self.alloc_slot(zero=i == 0)  # track slots are written before being read
+            if slot is None:
+                runner.req_pool.free(rows)
+                if slots:
+                    self.pool.free(slots)
+                return False
+            slots.append(slot)
+        req.req_slot, req.mamba_slot, req.track_slots = rows[0], slots[0], slots[1:]
+        req.next_track, req.last_track_len, req.lazy_insert_ok = 0, None, True
+        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+        prefix = len(match.kv_indices)
+        self.tree.inc_lock_ref(match.last_node)
+        req.last_node = match.last_node
+        req.branching_len = match.branching_seqlen if self.tracking else None
+        if prefix:
+            runner.req_pool.req_to_token[req.req_slot, :prefix] = match.kv_indices.to(torch.int32)
+            self.pool.copy(match.mamba_slot, req.mamba_slot)
+        req.kv_len = req.cache_protected_len = prefix
+        return True
+
+    def _keep_idx(self, req: Req) -> int:
+        """Index of the track slot holding the latest snapshot."""
+        return req.next_track if self.lazy else req.next_track ^ 1
+
+    # ---- snapshots -----------------------------------------------------------------------
+    def prefill_track(self, req: Req, extend_len: int) -> tuple[int, int]:
+        """(offset into this extend, track slot) to snapshot, or (0, 0); records the length."""
+        if not self.tracking:
+            return 0, 0
+        start, offset = req.kv_len, extend_len // self.chunk * self.chunk
+        branch = req.branching_len
+        if branch is not None and start < branch <= start + extend_len:
+            if (branch - start) % self.chunk == 0:
+                offset = branch - start
+            req.branching_len = None
+        if offset == 0:
+            return 0, 0
+        slot = req.track_slots[req.next_track]
+        req.last_track_len = start + offset
+        if not self.lazy:
+            req.next_track ^= 1
+        return offset, slot
+
+    def after_decode(self, reqs: list[Req]) -> None:
+        """Snapshot the running state of requests whose kv_len just reached a track boundary."""
+        if not self.tracking:
+            return
+        src, dst = [], []
+        for req in reqs:
+            if req.kv_len % self.interval:
+                continue
+            if self.lazy:
+                new = None if self.force_lazy_alloc_fail else self.alloc_slot(zero=False)
+                if new is None:  # overwrite the only snapshot; a request ending now skips insert
+                    if req.finished:
+                        req.lazy_insert_ok = False
+                    target = req.track_slots[0]
+                else:
+                    self.pool.free([req.track_slots[0]])
+                    req.track_slots[0] = target = new
+            else:
+                target = req.track_slots[req.next_track]
+                req.next_track ^= 1
+            src.append(req.mamba_slot)
+            dst.append(target)
+            req.last_track_len = req.kv_len
+        if src:
+            self.pool.copy(src, dst)
+
+    # ---- into the tree -------------------------------------------------------------------
+    def cache_unfinished(self, req: Req) -> None:
+        """After a prefill round: insert the newest state (a copy of the running state, or the
+        latest track snapshot) with its tokens' KV, and move the request's lock down to it."""
+        if not self.enabled:
+            return
+        if not self.tracking:
+            slot = self.alloc_slot(zero=False)
+            if slot is None:
+                return  # nothing cached this time; the request keeps running unchanged
+            self.pool.copy(req.mamba_slot, slot)
+            self._insert_and_relock(req, req.kv_len, slot)
+            return
+        length = req.last_track_len
+        if length is None or length <= req.cache_protected_len:
+            return
+        replacement = self.alloc_slot(zero=False)
+        if replacement is None:
+            return  # keep the snapshot; it may still be inserted on finish
+        keep = self._keep_idx(req)
+        slot, req.track_slots[keep] = req.track_slots[keep], replacement
+        self._insert_and_relock(req, length, slot)
+        req.last_track_len = None
+
+    def _insert_and_relock(self, req: Req, length: int, slot: int) -> None:
+        key = req.all_ids[:length]
+        row = self.runner.req_pool.req_to_token[req.req_slot]
+        _, exists = self.tree.insert(
+            key, row[:length].long(), slot, prev_prefix_len=req.cache_protected_len
+        )
+        if exists:
+            self.pool.free([slot])
+        match = self.tree.match_prefix(key)  # the tree's own KV for what it just took over
+        assert len(match.kv_indices) == length
+        protected = req.cache_protected_len
+        row[protected:length] = match.kv_indices[protected:].to(row)
+        self.tree.dec_lock_ref(req.last_node)
+        self.tree.inc_lock_ref(match.last_node)
+        req.last_node, req.cache_protected_len = match.last_node, length
+
+    def release(self, req: Req, insert: bool) -> None:
+        """Give back everything the request holds; with insert, donate the newest state and its
+        tokens' KV to the tree first. The request row and all other slots are freed."""
+        runner = self.runner
+        row = runner.req_pool.req_to_token[req.req_slot]
+        kv_len, protected = req.kv_len, req.cache_protected_len
+        donated: int | None = None
+        if insert and self.enabled and not self.tracking and kv_len > 0:
+            donated = req.mamba_slot  # no_buffer: the running state itself
+            length = kv_len
+        elif insert and self.tracking and req.lazy_insert_ok and req.last_track_len:
+            length = req.last_track_len
+            if length > protected:
+                donated = req.track_slots[self._keep_idx(req)]
+        if donated is not None:
+            runner.free_kv(req.req_slot, kv_len, keep=length)
+            _, exists = self.tree.insert(
+                req.all_ids[:length], row[:length].long(), donated, prev_prefix_len=protected
+            )
+            if exists:
+                self.pool.free([donated])
+        else:
+            runner.free_kv(req.req_slot, kv_len, keep=protected)
+        rest = [s for s in (req.mamba_slot, *req.track_slots) if s is not None and s != donated]
+        if rest:
+            self.pool.free(rest)
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        runner.req_pool.free(req.req_slot)
+        req.reset_for_retract()
