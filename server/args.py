@@ -58,6 +58,7 @@ HELP: dict[str, str] = {
     "schedule_policy": "waiting queue order: fcfs or lpm (longest prefix match)",
     "disable_radix_cache": "turn prefix caching off",
     "mamba_scheduler_strategy": "when Mamba states are snapshotted for the radix cache",
+    "mamba_track_interval": "decode tokens between Mamba state snapshots (extra_buffer*)",
     "cuda_graph_bs": "decode batch sizes (batches are padded up to one of them)",
     "disable_cuda_graph": "run decode batches at their own size",
 }

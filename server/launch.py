@@ -9,6 +9,7 @@ because its end of the pipe closes. If the model fails to load the server exits 
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 import uvicorn
@@ -63,6 +64,10 @@ def serve(
         config.host,
         config.port,
     )
+    # Uvicorn handles SIGINT/SIGTERM and, once shut down, re-raises them to the handlers that
+    # were installed before it; with these no-ops the process then exits 0 instead of dying.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
     if failures:
         logger.error("exiting: %s", failures[0])
