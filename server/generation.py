@@ -144,7 +144,9 @@ class Generator:
                 elif d.finish_reason:
                     piece.text += text.finish()
                     piece.finish_reason, piece.finish_detail = d.finish_reason, d.finish_detail
-                    if d.finish_reason == "stop" and n_out:
+                    if text.matched is not None:  # found in the text flushed at the end
+                        piece.finish_reason, piece.matched_stop = "stop", text.matched
+                    elif d.finish_reason == "stop" and n_out:
                         piece.matched_stop = self._matched_token(d.finish_detail)
                 finished = piece.finish_reason is not None
                 if finished:

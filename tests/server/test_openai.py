@@ -179,6 +179,11 @@ def test_n2_and_seed_reproducibility(client):
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert a.choices[0].text != a.choices[1].text  # seeds 1234 and 1235
     assert a.usage.completion_tokens == 24
+    streamed = ["", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in a.choices]
     single = client.completions.create(**{**kw, "n": 1})
     assert single.usage.prompt_tokens == a.usage.prompt_tokens  # the prompt counts once
     assert single.choices[0].text == a.choices[0].text
