@@ -442,6 +442,14 @@ class MambaRadixCache:
 
     # ------------------------------------------------------------------------------ sanity
 
+    def iter_nodes(self):
+        """Every non-root node, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
     def sanity_check(self) -> None:
         """Check invariants I1/I2/I4 of the tree; raise `AssertionError` naming the broken one."""
         root, ps = self.root, self.page_size

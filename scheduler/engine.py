@@ -18,7 +18,7 @@ from typing import Any
 from scheduler.config import SchedulerConfig
 from scheduler.leak_check import leak_report
 from scheduler.model_runner import ModelRunner, RunnerConfig
-from scheduler.request import Req
+from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -60,10 +60,18 @@ class Engine:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return self._tokenizer
 
-    def _make_req(self, prompt: Prompt, params: dict | SamplingParams | None) -> Req:
+    def _make_req(
+        self,
+        prompt: Prompt,
+        params: dict | SamplingParams | None,
+        session_params: dict | SessionParams | None = None,
+    ) -> Req:
         sp = params if isinstance(params, SamplingParams) else SamplingParams(**(params or {}))
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        req = Req(rid=f"req-{next(self._ids)}", prompt_ids=ids, params=sp)
+        session = session_params
+        if isinstance(session, dict):
+            session = SessionParams(**session)
+        req = Req(rid=f"req-{next(self._ids)}", prompt_ids=ids, params=sp, session=session)
         req.generator = make_generator(sp.seed)
         return req
 
@@ -89,14 +97,18 @@ class Engine:
         self,
         prompts: Prompt | list[Prompt],
         sampling_params: dict | list[dict] | None = None,
+        session_params: dict | SessionParams | None = None,
     ) -> list[dict] | dict:
-        """Run all prompts concurrently to completion; one result per prompt, in order."""
+        """Run all prompts concurrently to completion; one result per prompt, in order. With
+        session_params (one prompt only) the prompt continues that session."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
+        if session_params is not None and len(batch) != 1:
+            raise ValueError("a session request takes exactly one prompt")
         params = (
             sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         )
-        reqs = [self._make_req(p, sp) for p, sp in zip(batch, params, strict=True)]
+        reqs = [self._make_req(p, sp, session_params) for p, sp in zip(batch, params, strict=True)]
         for req in reqs:
             self.scheduler.add_request(req)
         while any(not r.finished for r in reqs):
@@ -107,11 +119,14 @@ class Engine:
         return results[0] if single else results
 
     def generate_stream(
-        self, prompt: Prompt, sampling_params: dict | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: dict | None = None,
+        session_params: dict | SessionParams | None = None,
     ) -> Iterator[dict]:
         """Yield {'output_ids': new ids, 'finish_reason': ...} as tokens arrive (other requests
         already queued keep running alongside)."""
-        req = self._make_req(prompt, sampling_params)
+        req = self._make_req(prompt, sampling_params, session_params)
         self.scheduler.add_request(req)
         sent = 0
         while not req.finished:
@@ -125,11 +140,20 @@ class Engine:
             "meta_info": self._result(req)["meta_info"],
         }
 
+    def open_session(
+        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+    ) -> str:
+        return self.scheduler.open_session(session_id, capacity_of_str_len)
+
+    def close_session(self, session_id: str) -> bool:
+        return self.scheduler.close_session(session_id)
+
     def leak_report(self) -> list[str]:
         return leak_report(self.scheduler)
 
     def flush_cache(self) -> bool:
-        if self.scheduler.has_work():
+        """Empty the radix tree; refused (False) while requests run or sessions hold state."""
+        if self.scheduler.has_work() or self.scheduler.sessions.held()[0]:
             return False
         self.scheduler.tree.reset()
         return True

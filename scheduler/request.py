@@ -23,6 +23,18 @@ import torch
 from scheduler.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class SessionParams:
+    """SGLang's `session_params`: continue session `id` from turn `rid` (default: the latest),
+    its context cut at `offset` tokens when given; `replace` branches from an earlier turn and
+    forgets the turns after it."""
+
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+
+
 class FinishReason(str, Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_new_tokens or the context limit
@@ -60,6 +72,8 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     arrival: int = 0  # admission order tiebreak
+    session: SessionParams | None = None
+    session_restored: bool = False  # holds its session's slot, lent until admitted
 
     @property
     def prompt_len(self) -> int:

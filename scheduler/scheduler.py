@@ -23,6 +23,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
+from scheduler.session import SessionManager
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Scheduler:
             disable=config.disable_radix_cache,
         )
         self.cache = PrefixCache(runner, self.tree, config)
+        self.sessions = SessionManager(self.cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -48,12 +50,20 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        if req.prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        if req.prompt_len >= self.max_context_len:
-            raise ValueError(
-                f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
-            )
+        """Queue a request; ValueError (SessionError for session problems) when it cannot run."""
+        if req.session is not None:
+            self.sessions.prepare(req)  # prepends the session context
+        try:
+            if req.prompt_len == 0:
+                raise ValueError("the prompt is empty")
+            if req.prompt_len >= self.max_context_len:
+                raise ValueError(
+                    f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
+                )
+        except ValueError:
+            if req.session is not None:
+                self.sessions.done(req)
+            raise
         self._arrivals += 1
         req.arrival = self._arrivals
         self.waiting.append(req)
@@ -64,6 +74,8 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 req.finish_reason = FinishReason.ABORT
+                if req.session is not None:
+                    self.sessions.done(req)
                 return req
         for req in [*self.running, *([self.chunked] if self.chunked else [])]:
             if req.rid == rid:
@@ -91,6 +103,8 @@ class Scheduler:
             req = self.waiting.popleft()
             req.finish_reason = FinishReason.ABORT
             req.finish_detail = "not enough KV cache or Mamba slots for this request"
+            if req.session is not None:
+                self.sessions.done(req)
             return [req]
         return []
 
@@ -125,7 +139,8 @@ class Scheduler:
                 if len(self.running) + len(batch) >= runner.config.max_running_requests:
                     break
                 req = self.waiting[0]
-                if not self.cache.take_slots(req):
+                restored = req.session is not None and self.sessions.restore(req)
+                if not restored and not self.cache.take_slots(req):
                     break
                 remaining = req.fill_len - req.kv_len
                 if remaining > budget and not chunking and batch:
@@ -136,6 +151,7 @@ class Scheduler:
                     self._release(req, insert=False)  # stays first in the queue
                     break
                 self.waiting.popleft()
+                self.sessions.admitted(req)
                 if not req.admitted:
                     req.cached_len, req.admitted = req.kv_len, True
                 batch.append((req, n))
@@ -253,6 +269,30 @@ class Scheduler:
         """Give back everything a request holds; with insert, donate KV and state to the tree."""
         if req.req_slot is None:
             return
+        if req.session_restored:  # not admitted: the session keeps its slot
+            self.sessions.unrestore(req)
+            return
+        if req.session is not None and insert and req.finish_reason != FinishReason.ABORT:
+            self.sessions.save(req)  # the next turn continues from here
+            return
         self.cache.release(req, insert)
         if requeue:
             self.waiting.appendleft(req)
+        elif req.session is not None and req.finished:
+            self.sessions.done(req)
+
+    # ---- sessions ------------------------------------------------------------------------
+    def open_session(
+        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+    ) -> str:
+        return self.sessions.open(session_id, capacity_of_str_len)
+
+    def close_session(self, session_id: str) -> bool:
+        """Abort the session's request in flight, if any, and free everything it holds."""
+        session = self.sessions.sessions.get(session_id)
+        if session is None:
+            return False
+        if session.in_flight is not None:
+            self.abort(session.in_flight.rid)
+        self.sessions.close(session_id)
+        return True

@@ -69,6 +69,33 @@ CASES = {
         },
         ("kv_evicted", "mamba_evicted", "retracted", "requeued", "cache_hits"),
     ),
+    # extra_buffer: three slots per request (running + two track slots); chunks of 64 and decode
+    # snapshots every 4 tokens.
+    "extra-buffer-chunk-64": Case(
+        6,
+        {
+            **BASE,
+            "max_total_tokens": 320,
+            "mamba_cache_size": 16,
+            "chunked_prefill_size": 64,
+            "mamba_scheduler_strategy": "extra_buffer",
+            "mamba_track_interval": 4,
+        },
+        ("kv_evicted", "mamba_evicted", "retracted", "requeued", "cache_hits"),
+    ),
+    # extra_buffer_lazy, Mamba-bound: the boundary borrow evicts tree states to succeed.
+    "lazy-mamba": Case(
+        8,
+        {
+            **BASE,
+            "max_total_tokens": 250,
+            "mamba_cache_size": 9,
+            "chunked_prefill_size": 0,
+            "mamba_scheduler_strategy": "extra_buffer_lazy",
+            "mamba_track_interval": 3,
+        },
+        ("kv_evicted", "mamba_evicted", "retracted", "cache_hits"),
+    ),
     # Whole-request prefill: KV runs out in decode only.
     "no-chunk-kv": Case(
         4,
@@ -166,6 +193,7 @@ def check_invariants(sched: Scheduler) -> None:
         assert not req.finished, f"{req.rid} finished but still queued"
     for req in sched.waiting:
         assert req.req_slot is None and req.mamba_slot is None and req.last_node is None
+        assert not req.track_slots
         assert req.kv_len == req.cache_protected_len == 0, f"waiting {req.rid} holds KV"
 
     # Request rows: exactly the live requests', never row 0.
@@ -173,8 +201,11 @@ def check_invariants(sched: Scheduler) -> None:
     assert 0 not in rows and len(set(rows)) == len(rows), f"request rows {rows}"
     assert set(rows) == runner.req_pool.allocated_slots(), "request rows leaked or lost"
 
-    # Mamba slots: the live requests' and the tree's, disjoint, never slot 0, nothing else.
-    req_slots = [r.mamba_slot for r in live]
+    # Mamba slots (running and track slots): the live requests' and the tree's, disjoint, never
+    # slot 0, nothing else.
+    req_slots = [s for r in live for s in (r.mamba_slot, *r.track_slots)]
+    for req in live:
+        assert len(req.track_slots) == sched.cache.num_tracks
     tree_slots = tree.held_mamba_slots()
     assert 0 not in req_slots and 0 not in tree_slots, "Mamba slot 0 handed out"
     assert len(set(req_slots)) == len(req_slots), f"Mamba slot shared by requests {req_slots}"

@@ -1,0 +1,173 @@
+"""Streaming sessions end to end: multi-turn parity with one request on the concatenated input,
+only new tokens prefilled, ownership of the held slot (restore, not-admitted, abort, close,
+branching), errors, and the leak checker with session-held resources."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.presets import preset_config, write_checkpoint
+from scheduler.engine import Engine
+from scheduler.session import SessionError
+from tests.hf_reference import hf_greedy
+
+NEW = 8
+GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+POOLS = {"max_running_requests": 4, "max_total_tokens": 2048}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("tiny"), preset_config("tiny"), seed=21)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(4)
+    vocab = preset_config("tiny")["vocab_size"]
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+    return str(path), hf, rand
+
+
+MODES = {
+    "no-buffer": {},
+    "extra-buffer": {"mamba_scheduler_strategy": "extra_buffer", "mamba_track_interval": 4},
+    "lazy": {"mamba_scheduler_strategy": "extra_buffer_lazy", "mamba_track_interval": 4},
+    "radix-off": {"disable_radix_cache": True},
+    "chunk-16": {"chunked_prefill_size": 16},
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_three_turns_equal_one_request_and_prefill_only_new_tokens(ckpt, mode):
+    path, hf, rand = ckpt
+    engine = Engine(path, **POOLS, **MODES[mode])
+    sid = engine.open_session(capacity_of_str_len=1000)
+    turns = [rand(70), rand(9), rand(30)]
+    context: list[int] = []
+    rid = None
+    for i, new in enumerate(turns):
+        out = engine.generate(new, GREEDY, session_params={"id": sid, "rid": rid})
+        expected = hf_greedy(hf, [context + new], NEW)[0]
+        assert out["output_ids"] == expected, f"turn {i + 1}"
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(context) + len(new)
+        if i:  # everything but the previous turn's last sampled token was held
+            assert meta["cached_tokens"] == len(context) - 1
+        context += new + expected
+        rid = meta["id"]
+        assert engine.leak_report() == []  # session-held resources are accounted for
+        # other traffic in between does not disturb the held state
+        engine.generate(rand(20), GREEDY)
+    assert not engine.flush_cache()  # the session still holds tree locks
+    assert engine.close_session(sid)
+    assert not engine.close_session(sid)
+    assert engine.leak_report() == []
+    assert engine.flush_cache()
+    r = engine.runner
+    assert r.kv_pool.available() == r.kv_pool.size
+    assert r.mamba_pool.available() == r.mamba_pool.size
+    assert r.req_pool.available() == r.req_pool.size
+
+
+def test_session_errors(ckpt):
+    path, hf, rand = ckpt
+    engine = Engine(path, **POOLS)
+    with pytest.raises(SessionError, match="not found") as err:
+        engine.generate(rand(5), GREEDY, session_params={"id": "nope"})
+    assert err.value.status == 404
+    sid = engine.open_session("s1", capacity_of_str_len=40)
+    with pytest.raises(SessionError, match="already open"):
+        engine.open_session("s1")
+    first = engine.generate(rand(10), GREEDY, session_params={"id": sid})
+    with pytest.raises(SessionError, match="not a turn"):
+        engine.generate(rand(5), GREEDY, session_params={"id": sid, "rid": "req-x"})
+    with pytest.raises(SessionError, match="outside the context"):
+        engine.generate(rand(5), GREEDY, session_params={"id": sid, "offset": 99})
+    with pytest.raises(SessionError, match="capacity"):
+        engine.generate(rand(30), GREEDY, session_params={"id": sid})
+    # one request in flight at a time
+    req = engine._make_req(rand(3), GREEDY, {"id": sid, "rid": first["meta_info"]["id"]})
+    engine.scheduler.add_request(req)
+    with pytest.raises(SessionError, match="in flight"):
+        engine.scheduler.add_request(engine._make_req(rand(3), GREEDY, {"id": sid}))
+    engine.scheduler.step()  # prefill: the held slot is now the request's
+    assert engine.close_session(sid)  # aborts the turn in flight, frees everything once
+    assert req.finish_reason.value == "abort"
+    assert engine.leak_report() == []
+    assert engine.flush_cache()
+    assert engine.runner.mamba_pool.available() == engine.runner.mamba_pool.size
+
+
+def test_turn_not_admitted_leaves_the_slot_with_the_session(ckpt):
+    """A restored turn that does not get in gives nothing back (the slot stays the session's)
+    and restores again later: no double free (SGLang #23327)."""
+    path, hf, rand = ckpt
+    engine = Engine(path, **POOLS)
+    sched = engine.scheduler
+    sid = engine.open_session()
+    p1 = rand(12)
+    o1 = engine.generate(p1, GREEDY, session_params={"id": sid})["output_ids"]
+    slot = sched.sessions.sessions[sid].slot
+    free = (engine.runner.kv_pool.available(), engine.runner.mamba_pool.available())
+    p2 = rand(6)
+    req = engine._make_req(p2, GREEDY, {"id": sid})
+    sched.add_request(req)
+    assert sched.sessions.restore(req) and req.req_slot == slot.req_slot
+    sched._release(req, insert=False)  # what admission does when the turn does not fit
+    assert req.req_slot is None and sched.sessions.sessions[sid].slot is slot
+    assert (engine.runner.kv_pool.available(), engine.runner.mamba_pool.available()) == free
+    while not req.finished:
+        sched.step()
+    assert req.cached_len == len(p1) + NEW - 1
+    assert req.output_ids == hf_greedy(hf, [p1 + o1 + p2], NEW)[0]
+    engine.close_session(sid)
+    assert engine.leak_report() == []
+
+
+def test_abort_mid_turn_then_continue_through_the_radix_cache(ckpt):
+    path, hf, rand = ckpt
+    engine = Engine(path, **POOLS)
+    sched = engine.scheduler
+    sid = engine.open_session()
+    p1 = rand(20)
+    out1 = engine.generate(p1, GREEDY, session_params={"id": sid})
+    req = engine._make_req(rand(4), GREEDY, {"id": sid, "rid": out1["meta_info"]["id"]})
+    sched.add_request(req)
+    sched.step()
+    sched.step()
+    assert sched.abort(req.rid) is req
+    assert engine.leak_report() == []
+    # the aborted turn is not part of the context; the session has no slot: radix path
+    p3 = rand(5)
+    out3 = engine.generate(p3, GREEDY, session_params={"id": sid})
+    full = p1 + out1["output_ids"] + p3
+    assert out3["output_ids"] == hf_greedy(hf, [full], NEW)[0]
+    assert out3["meta_info"]["cached_tokens"] == len(p1)  # the first turn's prompt state
+    engine.close_session(sid)
+    assert engine.leak_report() == []
+
+
+def test_replace_branches_from_an_earlier_turn(ckpt):
+    path, hf, rand = ckpt
+    engine = Engine(path, **POOLS)
+    sid = engine.open_session()
+    p1, p2, p3 = rand(15), rand(6), rand(7)
+    t1 = engine.generate(p1, GREEDY, session_params={"id": sid})
+    t2 = engine.generate(p2, GREEDY, session_params={"id": sid})
+    with pytest.raises(SessionError, match="not the latest"):
+        engine.generate(p3, GREEDY, session_params={"id": sid, "rid": t1["meta_info"]["id"]})
+    branch = engine.generate(
+        p3, GREEDY, session_params={"id": sid, "rid": t1["meta_info"]["id"], "replace": True}
+    )
+    base = p1 + t1["output_ids"]
+    assert branch["output_ids"] == hf_greedy(hf, [base + p3], NEW)[0]
+    with pytest.raises(SessionError, match="not a turn"):  # forgotten by replace
+        engine.generate(p3, GREEDY, session_params={"id": sid, "rid": t2["meta_info"]["id"]})
+    # offset: splice into the branch's context, keeping only its first 10 tokens
+    spliced = engine.generate(p2, GREEDY, session_params={"id": sid, "offset": 10})
+    assert spliced["output_ids"] == hf_greedy(hf, [p1[:10] + p2], NEW)[0]
+    engine.close_session(sid)
+    assert engine.leak_report() == []
