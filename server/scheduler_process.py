@@ -22,7 +22,7 @@ from typing import Any
 from scheduler.config import SchedulerConfig
 from scheduler.leak_check import leak_report
 from scheduler.model_runner import ModelRunner, RunnerConfig
-from scheduler.request import Req
+from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.scheduler import Scheduler
 from server.messages import (
@@ -38,21 +38,12 @@ from server.messages import (
 
 logger = logging.getLogger(__name__)
 
-try:  # sessions land in the scheduler separately
-    from scheduler.request import SessionParams
-except ImportError:  # pragma: no cover - depends on the scheduler version
-    SessionParams = None  # type: ignore[assignment,misc]
-
 
 def error_status(exc: Exception) -> int:
-    """404 for an unknown or closed session, 400 for any other refused request."""
+    """The HTTP status of a refused request: `SessionError.status` (404 for an unknown
+    session), else 400."""
     status = getattr(exc, "status", None)
-    if isinstance(status, int):
-        return status
-    text = str(exc).lower()
-    if "session" in text and any(w in text for w in ("unknown", "not open", "closed", "no such")):
-        return 404
-    return 400
+    return status if isinstance(status, int) else 400
 
 
 class SchedulerLoop:
@@ -106,8 +97,6 @@ class SchedulerLoop:
         req.generator = make_generator(msg.params.seed)
         try:
             if msg.session is not None:
-                if SessionParams is None:
-                    raise ValueError("sessions are not supported by this scheduler")
                 req.session = SessionParams(**msg.session)
             self.scheduler.add_request(req)
         except ValueError as e:
@@ -155,6 +144,7 @@ class SchedulerLoop:
         return {
             "num_running_reqs": len(s.running) + (1 if s.chunked else 0),
             "num_waiting_reqs": len(s.waiting),
+            "num_sessions": len(s.sessions.sessions),
             "kv_pages_total": kv.size,
             "kv_pages_free": kv.available(),
             "kv_pages_cached": len(s.tree.held_kv_locs()) // kv.page_size,
@@ -178,21 +168,20 @@ class SchedulerLoop:
         }
 
     def _q_flush(self) -> bool:
+        """Empty the radix tree; refused while requests run or sessions hold state."""
         if self.scheduler.has_work():
             raise ValueError("cannot flush the cache while requests are running or waiting")
+        if self.scheduler.sessions.held()[0]:
+            raise ValueError("cannot flush the cache while sessions hold state; close them first")
         self.scheduler.tree.reset()
         return True
 
     def _q_open_session(
         self, session_id: str | None = None, capacity_of_str_len: int | None = None
     ) -> str:
-        if not hasattr(self.scheduler, "open_session"):
-            raise ValueError("sessions are not supported by this scheduler")
         return self.scheduler.open_session(session_id, capacity_of_str_len)
 
     def _q_close_session(self, session_id: str) -> bool:
-        if not hasattr(self.scheduler, "close_session"):
-            raise ValueError("sessions are not supported by this scheduler")
         return self.scheduler.close_session(session_id)
 
 

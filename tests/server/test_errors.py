@@ -9,7 +9,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import CONTEXT, MODEL_NAME, wait_idle_and_clean
-from tests.server.test_native import needs_sessions
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -60,7 +59,6 @@ def test_bad_input(http, case):
     assert isinstance(err["type"], str)
 
 
-@needs_sessions
 def test_unknown_session(http):
     r = http.post("/close_session", json={"session_id": "never-opened"})
     assert r.status_code == 404 and r.json()["object"] == "error"

@@ -10,13 +10,8 @@ import time
 import pytest
 import torch
 
-from scheduler.scheduler import Scheduler
 from tests.server.conftest import CONTEXT, MODEL_NAME, wait_idle_and_clean
 
-HAS_SESSIONS = hasattr(Scheduler, "open_session")
-needs_sessions = pytest.mark.xfail(
-    not HAS_SESSIONS, reason="Scheduler.open_session/close_session have not landed on main yet"
-)
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -88,7 +83,6 @@ def test_prefix_cache_hit_is_reported(http):
     assert again["meta_info"]["prompt_tokens"] == len(prompt) + 3
 
 
-@needs_sessions
 def test_session_turns_equal_one_request(http):
     sid = http.post("/open_session", json={"capacity_of_str_len": 1000}).json()
     assert isinstance(sid, str)
@@ -101,18 +95,20 @@ def test_session_turns_equal_one_request(http):
     ref = generate(http, full, 6, return_logprob=True)
     assert t2["output_ids"] == ref["output_ids"]
     assert t2["meta_info"]["prompt_tokens"] == len(full)
+    assert t2["meta_info"]["cached_tokens"] >= len(turn1_ids)  # turn 2 prefilled its own tokens
     for (a, _, _), (b, _, _) in zip(
         t2["meta_info"]["output_token_logprobs"],
         ref["meta_info"]["output_token_logprobs"],
         strict=True,
     ):
         assert a == pytest.approx(b, abs=1e-3)
+    assert wait_idle_and_clean(http)["problems"] == []  # session-held state is accounted for
+    assert http.post("/flush_cache").status_code == 400  # the session still holds state
     assert http.post("/close_session", json={"session_id": sid}).status_code == 200
     assert http.post("/close_session", json={"session_id": sid}).status_code == 404
     assert wait_idle_and_clean(http)["problems"] == []
 
 
-@needs_sessions
 def test_session_id_reuse_and_unknown_session(http):
     sid = http.post("/open_session", json={"capacity_of_str_len": 100, "session_id": "s-x"}).json()
     assert sid == "s-x"
