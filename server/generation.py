@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,8 @@ from server.detokenizer import TextStream
 from server.errors import APIError
 from server.messages import GenerateMsg
 from server.metrics import Metrics
+
+DISCONNECT_POLL_S = 0.5
 
 
 @dataclass
@@ -234,12 +236,21 @@ async def merge(
             await s.aclose()
 
 
-async def run_all(coros: list) -> list:
-    """gather() that cancels the rest (aborting their requests) when one fails."""
+async def run_all(coros: list, disconnected: Callable[[], Awaitable[bool]] | None = None) -> list:
+    """gather() that cancels the rest (aborting their requests) when one fails, or all of them
+    when `disconnected()` turns true (checked every `DISCONNECT_POLL_S`): then 499."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            if not pending:
+                return [t.result() for t in tasks]
+            if disconnected is not None and await disconnected():
+                raise APIError("the client disconnected", 499)
+    finally:
         for t in tasks:
             t.cancel()
-        raise
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -17,6 +17,7 @@ LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+OUTCOMES = ("stop", "length", "abort", "error")
 
 
 class Metrics:
@@ -50,6 +51,12 @@ class Metrics:
         self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens")
         self._prompt_total = 0
         self._cached_total = 0
+        for outcome in OUTCOMES:  # every series exists (at 0) from the first scrape
+            self.requests.labels(**label, outcome=outcome)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.ttft,
+                       self.itl, self.e2e, self.running, self.waiting, self.token_usage,
+                       self.mamba_usage, self.cache_hit_rate):  # fmt: skip
+            metric.labels(**label)
 
     def request_done(
         self, outcome: str, prompt: int, generated: int, cached: int, latency: float | None

@@ -130,7 +130,8 @@ async def generate(body: GenerateRequest, request: Request):
             [
                 s.generator.run(ids, sp, **kw)
                 for ids, sp, kw in zip(prompts, params, kws, strict=True)
-            ]
+            ],
+            request.is_disconnected,
         )
         out = [answer(s, r, body, start) for r in results]
         return JSONResponse(out if batch else out[0])

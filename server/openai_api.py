@@ -160,7 +160,8 @@ async def completions(body: CompletionRequest, request: Request):
                     ids, sp, session=session, skip_special_tokens=body.skip_special_tokens
                 )
                 for ids, sp in jobs
-            ]
+            ],
+            request.is_disconnected,
         )
         choices = []
         for k, r in enumerate(results):
@@ -271,7 +272,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     gen_kw = {"session": session, "skip_special_tokens": body.skip_special_tokens}
 
     if not body.stream:
-        results: list[Result] = await run_all([s.generator.run(ids, sp, **gen_kw) for sp in params])
+        results: list[Result] = await run_all(
+            [s.generator.run(ids, sp, **gen_kw) for sp in params], request.is_disconnected
+        )
         choices = [
             {
                 "index": k,

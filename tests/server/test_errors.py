@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -102,6 +103,18 @@ def test_disconnect_mid_stream_frees_memory(http):
     assert after["hybrid_serve_generation_tokens_total"] < (
         before["hybrid_serve_generation_tokens_total"] + CONTEXT - 10
     )
+
+
+def test_disconnect_while_waiting_for_a_plain_response(server, http):
+    before = metrics(http)
+    body = {**COMPLETION, "max_tokens": CONTEXT - 10, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+    check = wait_idle_and_clean(http, timeout=60)
+    assert check == {"idle": True, "problems": []}
+    after = metrics(http)
+    key = "hybrid_serve_requests_total{abort}"
+    assert after.get(key, 0) == before.get(key, 0) + 1  # aborted, not run to the end
 
 
 def test_metrics_parse_and_move(http):
