@@ -114,9 +114,9 @@ def completion_logprobs(
     ids, lps, tops = list(r.token_ids), list(r.logprobs), list(r.top_logprobs)
     tokens = [token_text(s, t) for t in ids]
     token_lps: list[float | None] = list(lps)
-    top: list[dict | None] = [{token_text(s, t): lp for t, lp in row} for row in tops] or [
-        None
-    ] * len(ids)
+    top: list[dict | None] = (
+        [{token_text(s, t): lp for t, lp in row} for row in tops] if tops else [None] * len(ids)
+    )
     if prompt_ids:  # echo: prompt tokens have no logprobs here
         tokens = [token_text(s, t) for t in prompt_ids] + tokens
         token_lps = [None] * len(prompt_ids) + token_lps

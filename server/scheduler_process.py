@@ -208,11 +208,14 @@ def run_scheduler(
         return
     mc = runner.model.config
     logger.info("model loaded from %s in %.1fs", model_path, time.perf_counter() - start)
-    outbox.send(
-        ReadyMsg(
-            max_context_len=runner_config.max_context_len,
-            eos_token_ids=list(mc.eos_token_ids),
-            vocab_size=mc.vocab_size,
-        )
+    ready = ReadyMsg(
+        max_context_len=runner_config.max_context_len,
+        eos_token_ids=list(mc.eos_token_ids),
+        vocab_size=mc.vocab_size,
     )
+    try:
+        outbox.send(ready)
+    except (BrokenPipeError, ConnectionResetError):
+        logger.info("API process is gone; scheduler exits")
+        return
     SchedulerLoop(scheduler, inbox, outbox).run()
