@@ -12,7 +12,7 @@ tuples take several values. Values are validated by the dataclasses' `__post_ini
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from scheduler.config import SchedulerConfig
@@ -21,16 +21,26 @@ from scheduler.model_runner import RunnerConfig
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How the HTTP front end runs; `model_path=None` means the tiny preset in the cache dir."""
 
-    model_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    log_level: str = "info"
+    model_path: str | None = _opt(
+        None, "checkpoint directory (default: the tiny preset, written on first use)"
+    )
+    host: str = _opt("127.0.0.1", "address to bind")
+    port: int = _opt(30000, "port to bind")
+    api_key: str | None = _opt(
+        None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"
+    )
+    served_model_name: str | None = _opt(
+        None, "model name in the API (default: the checkpoint directory's name)"
+    )
+    log_level: str = _opt("info", f"logging level: {', '.join(LOG_LEVELS)}")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -39,18 +49,13 @@ class ServerConfig:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
 
 
+# Help for the scheduler's dataclasses (ServerConfig carries its own in field metadata).
 HELP: dict[str, str] = {
-    "model_path": "checkpoint directory (default: the tiny preset, written on first use)",
-    "host": "address to bind",
-    "port": "port to bind",
-    "api_key": "require 'Authorization: Bearer KEY' on every route but /health and /metrics",
-    "served_model_name": "model name in the API (default: the checkpoint directory's name)",
-    "log_level": "logging level",
     "max_running_requests": "requests decoded together (rows of req_to_token)",
     "max_total_tokens": "KV cache capacity in tokens",
     "max_context_len": "longest sequence (prompt + output) in tokens",
     "page_size": "tokens per KV page",
-    "mamba_cache_size": "Mamba state slots (0: 3 x max running requests)",
+    "mamba_cache_size": "Mamba state slots (0: sized from the strategy and max running requests)",
     "dtype": "weights and activations dtype (auto: the checkpoint's)",
     "device": "cpu or cuda",
     "max_prefill_tokens": "new tokens in one prefill batch",
@@ -71,9 +76,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
 CONFIG_CLASSES = (ServerConfig, RunnerConfig, SchedulerConfig)
 
 
-def _add_field(parser: argparse.ArgumentParser, name: str, default: Any) -> None:
+def _add_field(parser: argparse._ActionsContainer, name: str, default: Any, help: str) -> None:
     flags = (f"--{name.replace('_', '-')}", *ALIASES.get(name, ()))
-    kwargs: dict[str, Any] = {"dest": name, "default": default, "help": HELP.get(name, "")}
+    kwargs: dict[str, Any] = {"dest": name, "default": default, "help": help}
     if isinstance(default, bool):
         parser.add_argument(*flags, action="store_true", **kwargs)
         return
@@ -96,7 +101,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 raise RuntimeError(f"option {f.name} is defined twice")
             seen.add(f.name)
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            _add_field(group, f.name, default)
+            _add_field(group, f.name, default, f.metadata.get("help") or HELP.get(f.name, ""))
 
 
 def configs_from_args(

@@ -38,7 +38,6 @@ class Piece:
     finish_detail: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    completion_tokens: int = 0  # so far
 
 
 @dataclass
@@ -138,7 +137,6 @@ class Generator:
                     top_logprobs=d.top_logprobs,
                     prompt_tokens=prompt,
                     cached_tokens=cached,
-                    completion_tokens=n_out,
                 )
                 if text.matched is not None:  # a stop string: done here, free it there
                     self.client.abort(rid, forget=True)

@@ -71,3 +71,14 @@ def test_api_key_and_sigterm(tiny_path, tmp_path):
     finally:
         status = srv.stop(signal.SIGTERM)
     assert status == 0, srv.log.read_text()[-3000:]
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--model-path", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "config.json not found" in out.stderr
