@@ -102,6 +102,19 @@ def test_session_turns_equal_one_request(http):
         strict=True,
     ):
         assert a == pytest.approx(b, abs=1e-3)
+    # the same session through the OpenAI route: a third turn continues the second
+    t3 = http.post(
+        "/v1/completions",
+        json={
+            "model": "default",
+            "prompt": [9, 10, 11],
+            "max_tokens": 3,
+            "temperature": 0,
+            "ignore_eos": True,
+            "session_params": {"id": sid, "rid": t2["meta_info"]["id"]},
+        },
+    ).json()
+    assert t3["usage"]["prompt_tokens"] == len(full) + 6 + 3
     assert wait_idle_and_clean(http)["problems"] == []  # session-held state is accounted for
     assert http.post("/flush_cache").status_code == 400  # the session still holds state
     assert http.post("/close_session", json={"session_id": sid}).status_code == 200

@@ -4,6 +4,7 @@ transformers on the same checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -218,3 +219,25 @@ def test_logprobs(client):
     content = chat.choices[0].logprobs.content
     assert len(content) == 5
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_concurrent_streams_match_one_at_a_time(server, client):
+    prompts = [f"Item {i}: the colour of the sky is" for i in range(8)]
+    alone = [
+        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=8, **GREEDY)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+
+    async def one(ac: openai.AsyncOpenAI, p: str) -> str:
+        stream = await ac.completions.create(
+            model=MODEL_NAME, prompt=p, max_tokens=8, stream=True, **GREEDY
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_at_once() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x") as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    assert asyncio.run(all_at_once()) == alone
