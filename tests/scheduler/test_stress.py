@@ -11,10 +11,10 @@ capped); a session is closed now and then (aborting its turn in flight) and at t
 
 After every abort and every step: the tree's own `sanity_check`; slot 0 is never held; every
 request row, Mamba slot and KV location that is allocated has exactly one owner (a live request,
-i.e. running or chunked, an idle session's held slot, or the tree; waiting requests hold nothing). For KV (page_size 1) that is
-allocated == tree locations + each live request's row[cache_protected_len:kv_len], disjoint; and
-row[:cache_protected_len] is exactly the KV of the path to the node the request locks, whose
-tokens are the request's own first cache_protected_len tokens.
+i.e. running or chunked, an idle session's held slot, or the tree; waiting requests hold
+nothing). For KV (page_size 1) that is allocated == tree locations + each owner's
+row[cache_protected_len:kv_len], disjoint; and row[:cache_protected_len] is exactly the KV of the
+path to the node the owner locks, whose tokens are its own first cache_protected_len tokens.
 
 At the end (drained): no leaks, every completed request's output equals the greedy output of its
 prompt from a second engine (radix cache off, pools that never run short), and `flush_cache`
