@@ -6,6 +6,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL_PATH  ?=
 PYTEST_ARGS ?=
+SERVE_ARGS  ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -24,8 +25,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The HTTP server on 127.0.0.1:30000; with no MODEL_PATH it serves the tiny preset (written on
+# first use to ~/.cache/hybrid-serve/tiny). More flags: make serve SERVE_ARGS="--port 8000".
 serve: $(STAMP)
-	$(VENV)/bin/hybrid-serve generate $(if $(MODEL_PATH),--model-path $(MODEL_PATH),)
+	$(VENV)/bin/hybrid-serve $(if $(MODEL_PATH),--model-path $(MODEL_PATH)) $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

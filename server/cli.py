@@ -1,12 +1,13 @@
 """`hybrid-serve` command line.
 
+    hybrid-serve [--model-path DIR] [--host H] [--port P] [...]   the HTTP server (server/args.py)
     hybrid-serve make-model --preset tiny|small --out DIR [--seed N]
     hybrid-serve generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N] ...
 
-`generate` runs one offline greedy (or sampled) generation through the model runner; it is what
-`make serve` starts until the HTTP server lands. With no `--model-path` it uses the `tiny` preset,
-written on first use to `~/.cache/hybrid-serve/tiny`. Bad input ends with a one-line message and
-exit status 2.
+With no `--model-path` the server (and `generate`) use the `tiny` preset, written on first use to
+`~/.cache/hybrid-serve/tiny` (`$HYBRID_SERVE_CACHE` moves the cache). `generate` runs one offline
+generation through the model runner, without a server. Bad input ends with a one-line message
+and exit status 2.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 logger = logging.getLogger("hybrid-serve")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 DEFAULT_CACHE = Path(os.environ.get("HYBRID_SERVE_CACHE", Path.home() / ".cache" / "hybrid-serve"))
 
@@ -111,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid-serve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="hybrid-serve", description="offline commands")
     sub = parser.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-model", help="write a deterministic random-weight checkpoint")
@@ -135,16 +137,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SUBCOMMANDS = ("make-model", "generate")
+
+
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        args = build_parser().parse_args(argv)
+        try:
+            args.func(args)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            sys.stderr.write(f"hybrid-serve: error: {e}\n")
+            sys.exit(2)
+        return
+    from server.args import build_serve_parser, configs_from_args
+    from server.launch import serve
+
+    parser = build_serve_parser()
+    args = parser.parse_args(argv)
     try:
-        args.func(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+        configs = configs_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=configs[0].log_level.upper(), format=LOG_FORMAT)
+    try:
+        status = serve(*configs)
+    except (ValueError, FileNotFoundError) as e:
         sys.stderr.write(f"hybrid-serve: error: {e}\n")
         sys.exit(2)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

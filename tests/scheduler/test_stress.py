@@ -6,13 +6,15 @@ chunking, a chunked request re-queued when its next chunk does not fit. Prompts 
 prefixes (node splits, tombstones), repeat earlier prompts, or extend finished requests' prompt +
 output (hits on their end states). 0-2 requests arrive per step; each step may abort one random
 waiting request (2%) and one random running or chunked request (3%), ~15% of all requests.
+About a quarter of the requests are session turns (one session open at a time, its context
+capped); a session is closed now and then (aborting its turn in flight) and at the end.
 
 After every abort and every step: the tree's own `sanity_check`; slot 0 is never held; every
 request row, Mamba slot and KV location that is allocated has exactly one owner (a live request,
-i.e. running or chunked, or the tree; waiting requests hold nothing). For KV (page_size 1) that is
-allocated == tree locations + each live request's row[cache_protected_len:kv_len], disjoint; and
-row[:cache_protected_len] is exactly the KV of the path to the node the request locks, whose
-tokens are the request's own first cache_protected_len tokens.
+i.e. running or chunked, an idle session's held slot, or the tree; waiting requests hold
+nothing). For KV (page_size 1) that is allocated == tree locations + each owner's
+row[cache_protected_len:kv_len], disjoint; and row[:cache_protected_len] is exactly the KV of the
+path to the node the owner locks, whose tokens are its own first cache_protected_len tokens.
 
 At the end (drained): no leaks, every completed request's output equals the greedy output of its
 prompt from a second engine (radix cache off, pools that never run short), and `flush_cache`
@@ -40,6 +42,7 @@ NUM_REQUESTS = 36  # per case
 MAX_STEPS = 400  # per case, drain included
 TIME_LIMIT_S = 30.0  # per case: a wall-clock guard against livelock
 ABORT_P = {"waiting": 0.02, "live": 0.03}  # per step: abort one random request of that kind
+SESSION_CAPACITY, SESSION_TURN = 48, 12  # tokens: a session's context, a turn's new prompt
 
 
 @dataclass(frozen=True)
@@ -53,13 +56,13 @@ BASE = {"max_running_requests": 4}
 CASES = {
     # KV-bound: eviction, decode retraction and chunked requests re-queued short of KV.
     "chunk-16-kv": Case(
-        0,
+        9,
         {**BASE, "max_total_tokens": 200, "mamba_cache_size": 10, "chunked_prefill_size": 16},
-        ("kv_evicted", "mamba_evicted", "retracted", "requeued", "cache_hits"),
+        ("kv_evicted", "mamba_evicted", "retracted", "requeued", "cache_hits", "session_turns"),
     ),
     # Mamba-bound: six slots for four requests (each holds its own and a locked tree state).
     "chunk-32-lpm-mamba": Case(
-        2,
+        22,
         {
             **BASE,
             "max_total_tokens": 250,
@@ -67,25 +70,25 @@ CASES = {
             "chunked_prefill_size": 32,
             "schedule_policy": "lpm",
         },
-        ("kv_evicted", "mamba_evicted", "retracted", "requeued", "cache_hits"),
+        ("kv_evicted", "mamba_evicted", "retracted", "requeued", "cache_hits", "session_turns"),
     ),
     # extra_buffer: three slots per request (running + two track slots); chunks of 64 and decode
     # snapshots every 4 tokens.
     "extra-buffer-chunk-64": Case(
-        6,
+        0,
         {
             **BASE,
-            "max_total_tokens": 320,
-            "mamba_cache_size": 16,
+            "max_total_tokens": 240,
+            "mamba_cache_size": 14,
             "chunked_prefill_size": 64,
             "mamba_scheduler_strategy": "extra_buffer",
             "mamba_track_interval": 4,
         },
-        ("kv_evicted", "mamba_evicted", "retracted", "requeued", "cache_hits"),
+        ("kv_evicted", "mamba_evicted", "retracted", "requeued", "cache_hits", "session_turns"),
     ),
     # extra_buffer_lazy, Mamba-bound: the boundary borrow evicts tree states to succeed.
     "lazy-mamba": Case(
-        8,
+        3,
         {
             **BASE,
             "max_total_tokens": 250,
@@ -94,13 +97,13 @@ CASES = {
             "mamba_scheduler_strategy": "extra_buffer_lazy",
             "mamba_track_interval": 3,
         },
-        ("kv_evicted", "mamba_evicted", "retracted", "cache_hits"),
+        ("kv_evicted", "mamba_evicted", "retracted", "cache_hits", "session_turns"),
     ),
     # Whole-request prefill: KV runs out in decode only.
     "no-chunk-kv": Case(
-        4,
+        0,
         {**BASE, "max_total_tokens": 180, "mamba_cache_size": 6, "chunked_prefill_size": 0},
-        ("kv_evicted", "mamba_evicted", "retracted", "cache_hits"),
+        ("kv_evicted", "mamba_evicted", "retracted", "cache_hits", "session_turns"),
     ),
 }
 
@@ -169,6 +172,18 @@ class Workload:
         self.seen.append(p)
         return p
 
+    def session_turn(self, sched: Scheduler) -> dict | None:
+        """Session params for the next request (~25%): open a session (one at a time, its
+        context capped at SESSION_CAPACITY so the pools always fit a request besides it), or
+        continue it when nothing is in flight; None for a plain request."""
+        rng, sessions = self.rng, sched.sessions.sessions
+        if rng.random() > 0.25:
+            return None
+        if not sessions:
+            return {"id": sched.open_session(capacity_of_str_len=SESSION_CAPACITY)}
+        idle = [sid for sid, s in sessions.items() if s.in_flight is None]
+        return {"id": idle[0]} if idle else None
+
     def params(self) -> dict:
         return {
             "max_new_tokens": self.rng.randint(1, MAX_NEW),
@@ -196,14 +211,23 @@ def check_invariants(sched: Scheduler) -> None:
         assert not req.track_slots
         assert req.kv_len == req.cache_protected_len == 0, f"waiting {req.rid} holds KV"
 
-    # Request rows: exactly the live requests', never row 0.
-    rows = [r.req_slot for r in live]
+    # Sessions: a held slot belongs to its session only; a turn in flight is queued or live.
+    held = [s.slot for s in sched.sessions.sessions.values() if s.slot is not None]
+    for session in sched.sessions.sessions.values():
+        if session.in_flight is not None:
+            assert session.in_flight in [*sched.waiting, *live], f"{session.id}: lost turn"
+    for req in [*sched.waiting, *live]:
+        assert not req.session_restored, f"{req.rid} still borrows its session's slot"
+
+    # Request rows: exactly the live requests' and the sessions', never row 0.
+    rows = [r.req_slot for r in live] + [h.req_slot for h in held]
     assert 0 not in rows and len(set(rows)) == len(rows), f"request rows {rows}"
     assert set(rows) == runner.req_pool.allocated_slots(), "request rows leaked or lost"
 
     # Mamba slots (running and track slots): the live requests' and the tree's, disjoint, never
     # slot 0, nothing else.
     req_slots = [s for r in live for s in (r.mamba_slot, *r.track_slots)]
+    req_slots += [s for h in held for s in (h.mamba_slot, *h.track_slots)]
     for req in live:
         assert len(req.track_slots) == sched.cache.num_tracks
     tree_slots = tree.held_mamba_slots()
@@ -217,23 +241,25 @@ def check_invariants(sched: Scheduler) -> None:
     tree_locs = tree.held_kv_locs()
     owned: list[int] = []
     pins: Counter[int] = Counter()
-    for req in live:
+    for req in [*live, *held]:
         assert 0 <= req.cache_protected_len <= req.kv_len
         if req is sched.chunked:
             assert 0 < req.kv_len < req.fill_len == req.seq_len, f"chunked {req.rid}: lengths"
-        else:  # decoding: the last sampled token has no KV yet
+        elif isinstance(req, Req):  # decoding: the last sampled token has no KV yet
             assert req.fill_len <= req.kv_len == req.seq_len - 1, f"running {req.rid}: lengths"
         path, node = [], req.last_node
-        assert node is tree.root or node.mamba_slot is not None, f"{req.rid} pins a tombstone"
+        ids = req.all_ids if isinstance(req, Req) else req.ids
+        name = req.rid if isinstance(req, Req) else "a session"
+        assert node is tree.root or node.mamba_slot is not None, f"{name} pins a tombstone"
         pins[node.id] += node is not tree.root
         while node is not tree.root:
             path.insert(0, node)
             node = node.parent
         keys = [t for n in path for t in n.key]
-        assert keys == req.all_ids[: req.cache_protected_len], f"{req.rid}: pinned path differs"
+        assert keys == ids[: req.cache_protected_len], f"{name}: pinned path differs"
         row = runner.req_pool.req_to_token[req.req_slot]
         prefix = [loc for n in path for loc in n.value.tolist()]
-        assert row[: req.cache_protected_len].tolist() == prefix, f"{req.rid}: prefix KV differs"
+        assert row[: req.cache_protected_len].tolist() == prefix, f"{name}: prefix KV differs"
         owned += row[req.cache_protected_len : req.kv_len].tolist()
     assert 0 not in owned and 0 not in tree_locs, "KV location 0 handed out"
     assert len(set(owned)) == len(owned), "KV location owned by two requests"
@@ -260,6 +286,10 @@ class Stats:
     kv_evicted: int = 0  # tokens freed by tree.evict
     mamba_evicted: int = 0  # states freed by tree.evict_mamba
     cache_hits: int = 0  # completed requests admitted with a radix hit (re-queued ones aside)
+    session_turns: int = 0  # completed session turns that continued a held slot
+    closed_sessions: int = 0
+    closed_turns: int = 0  # session turns aborted by closing their session
+    session_rejected: int = 0
 
     def reached(self, pressure: str) -> bool:
         return bool(getattr(self, pressure))
@@ -290,8 +320,19 @@ def run_workload(engine: Engine, seed: int) -> tuple[list[Req], Stats]:
         assert time.monotonic() < deadline, f"not drained after {TIME_LIMIT_S} s"
         for _ in range(rng.randint(0, 2)):
             if len(reqs) < NUM_REQUESTS:
-                reqs.append(engine._make_req(work.prompt(), work.params()))
-                sched.add_request(reqs[-1])
+                session = work.session_turn(sched)
+                prompt = work.prompt()[: SESSION_TURN if session else MAX_PROMPT]
+                reqs.append(engine._make_req(prompt, work.params(), session))
+                try:
+                    sched.add_request(reqs[-1])
+                except ValueError:  # the session context would outgrow its capacity
+                    reqs.pop()
+                    stats.session_rejected += 1
+        if sched.sessions.sessions and rng.random() < 0.01:  # close one (aborts its turn)
+            sid = rng.choice(list(sched.sessions.sessions))
+            stats.closed_turns += sched.sessions.sessions[sid].in_flight is not None
+            stats.closed_sessions += sched.close_session(sid)
+            check_invariants(sched)
         for kind, among in (("waiting", list(sched.waiting)), ("live", live_requests(sched))):
             if among and rng.random() < ABORT_P[kind]:
                 req = rng.choice(among)
@@ -315,6 +356,10 @@ def run_workload(engine: Engine, seed: int) -> tuple[list[Req], Stats]:
                 work.done.append(req)
         check_invariants(sched)
     stats.cache_hits = sum(r.cached_len > 0 and r.rid not in stats.requeued for r in work.done)
+    stats.session_turns = sum(r.session is not None and r.cached_len > 0 for r in work.done)
+    for sid in list(sched.sessions.sessions):
+        check_invariants(sched)
+        sched.close_session(sid)
     return reqs, stats
 
 
@@ -323,7 +368,7 @@ def check_outcome(engine: Engine, reqs: list[Req], stats: Stats, reference) -> N
     assert engine.leak_report() == []
     assert stats.scheduler_aborted == []  # every request fits the pools on its own
     done = [r for r in reqs if r.finish_reason != FinishReason.ABORT]
-    assert len(done) + sum(stats.aborted.values()) == len(reqs)
+    assert len(done) + sum(stats.aborted.values()) + stats.closed_turns == len(reqs)
     for req, expected in zip(done, reference([r.prompt_ids for r in done]), strict=True):
         assert req.req_slot is None and req.mamba_slot is None and req.last_node is None
         assert req.finish_reason == FinishReason.LENGTH

@@ -1,0 +1,75 @@
+"""`hybrid-serve` (the server): resolve the model, build the app, run uvicorn until a signal.
+
+Uvicorn owns SIGINT/SIGTERM: it stops accepting connections, gives open streams a few seconds,
+then runs the app's lifespan shutdown, which asks the scheduler process to exit and joins it
+(terminating it if it hangs). The scheduler process also exits on its own if this process dies,
+because its end of the pipe closes. If the model fails to load the server exits with status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import uvicorn
+
+from scheduler.config import SchedulerConfig
+from scheduler.model_runner import RunnerConfig
+from server.args import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def resolve_model_path(config: ServerConfig) -> str:
+    """The checkpoint to serve: `--model-path`, or the tiny preset written on first use."""
+    from server.cli import default_model_path
+
+    path = Path(config.model_path) if config.model_path else default_model_path("tiny")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"no checkpoint at {path} (config.json not found)")
+    return str(path)
+
+
+def serve(
+    config: ServerConfig, runner_config: RunnerConfig, scheduler_config: SchedulerConfig
+) -> int:
+    """Run the server in the foreground; the exit status (0 after a clean signal shutdown)."""
+    from server.http_server import create_app
+
+    model_path = resolve_model_path(config)
+    app = create_app(config, runner_config, scheduler_config, model_path)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    failures: list[str] = []
+
+    def on_failure(message: str) -> None:
+        failures.append(message)
+        server.should_exit = True
+
+    app.state.hs.client.on_failure = on_failure
+    logger.info(
+        "serving %s as %r on http://%s:%d",
+        model_path,
+        app.state.hs.model_name,
+        config.host,
+        config.port,
+    )
+    # Uvicorn handles SIGINT/SIGTERM and, once shut down, re-raises them to the handlers that
+    # were installed before it; with these no-ops the process then exits 0 instead of dying.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if failures:
+        logger.error("exiting: %s", failures[0])
+        return 1
+    return 0 if server.started else 1

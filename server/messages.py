@@ -1,0 +1,81 @@
+"""Messages between the API process and the scheduler process (pickled over `multiprocessing`
+pipes; one pipe each way).
+
+API -> scheduler: `GenerateMsg`, `AbortMsg`, `QueryMsg` (info, stats, flush, sessions),
+`ShutdownMsg`.
+Scheduler -> API: `ReadyMsg` once the model is loaded (or `FailedMsg`), then `list[TokenDelta]`
+after every step and `QueryReply` for each query. A `TokenDelta` carries only what is new since
+the previous one for that request; the last one has `finish_reason` set (or `error` when the
+request was refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateMsg:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    session: dict[str, Any] | None = None  # SessionParams fields: id, rid, offset, replace
+
+
+@dataclass
+class AbortMsg:
+    rid: str | None = None  # None with abort_all
+    abort_all: bool = False
+
+
+@dataclass
+class QueryMsg:
+    """kind: 'info' (config, pools, leak check), 'stats' (cheap gauges), 'flush',
+    'open_session' / 'close_session' (args: session_id, capacity_of_str_len)."""
+
+    qid: int
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ShutdownMsg:
+    pass
+
+
+@dataclass
+class ReadyMsg:
+    max_context_len: int
+    eos_token_ids: list[int]
+    vocab_size: int
+
+
+@dataclass
+class FailedMsg:
+    message: str
+
+
+@dataclass
+class TokenDelta:
+    rid: str
+    output_ids: list[int]  # new tokens
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # stop / length / abort
+    finish_detail: str | None = None
+    prompt_tokens: int = 0  # full context (session requests: with the session's history)
+    cached_tokens: int = 0
+    error: str | None = None  # refused at add_request: nothing ran
+    error_status: int = 400
+
+
+@dataclass
+class QueryReply:
+    qid: int
+    ok: bool
+    result: Any = None
+    error: str | None = None
+    status: int = 400

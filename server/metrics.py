@@ -1,0 +1,92 @@
+"""Prometheus metrics of one server (own registry, so several apps can live in one process).
+
+Counters and histograms are updated by the API process as requests run; the gauges (running and
+waiting requests, pool usage) are refreshed from the scheduler's stats on every scrape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "hybrid_serve_"
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+OUTCOMES = ("stop", "length", "abort", "error")
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        label = {"model_name": model_name}
+        self._label = label
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, ("model_name", *labels), registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, ("model_name",), registry=r)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, ("model_name",), buckets=LATENCY_BUCKETS, registry=r
+            )
+
+        self.requests = counter("requests", "Finished requests by outcome", ("outcome",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served by the prefix cache")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end")
+        self.running = gauge("num_running_reqs", "Requests being prefilled or decoded")
+        self.waiting = gauge("num_queue_reqs", "Requests waiting for admission")
+        self.token_usage = gauge("token_usage", "Fraction of KV pages in use (tree included)")
+        self.mamba_usage = gauge("mamba_usage", "Fraction of Mamba state slots in use")
+        self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens")
+        self._prompt_total = 0
+        self._cached_total = 0
+        for outcome in OUTCOMES:  # every series exists (at 0) from the first scrape
+            self.requests.labels(**label, outcome=outcome)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.ttft,
+                       self.itl, self.e2e, self.running, self.waiting, self.token_usage,
+                       self.mamba_usage, self.cache_hit_rate):  # fmt: skip
+            metric.labels(**label)
+
+    def request_done(
+        self, outcome: str, prompt: int, generated: int, cached: int, latency: float | None
+    ) -> None:
+        """Count one finished request (outcome: stop, length, abort or error)."""
+        self.requests.labels(**self._label, outcome=outcome).inc()
+        self.prompt_tokens.labels(**self._label).inc(prompt)
+        self.generation_tokens.labels(**self._label).inc(generated)
+        self.cached_tokens.labels(**self._label).inc(cached)
+        self._prompt_total += prompt
+        self._cached_total += cached
+        if latency is not None:
+            self.e2e.labels(**self._label).observe(latency)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.labels(**self._label).observe(seconds)
+
+    def next_tokens(self, seconds: float, n: int) -> None:
+        """`n` tokens arrived together `seconds` after the previous ones."""
+        h = self.itl.labels(**self._label)
+        for _ in range(n):
+            h.observe(seconds / n)
+
+    def update_gauges(self, stats: dict[str, Any]) -> None:
+        self.running.labels(**self._label).set(stats["num_running_reqs"])
+        self.waiting.labels(**self._label).set(stats["num_waiting_reqs"])
+        self.token_usage.labels(**self._label).set(stats["token_usage"])
+        self.mamba_usage.labels(**self._label).set(stats["mamba_usage"])
+        rate = self._cached_total / self._prompt_total if self._prompt_total else 0.0
+        self.cache_hit_rate.labels(**self._label).set(rate)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

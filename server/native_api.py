@@ -1,0 +1,246 @@
+"""SGLang-native routes: /generate, sessions, and the admin routes.
+
+/generate takes `text` or `input_ids` (one or a batch), SGLang's `sampling_params`, `stream`,
+`return_logprob`, `top_logprobs_num` and `session_params`; each answer is
+`{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
+"cached_tokens", "finish_reason", "e2e_latency", ["output_token_logprobs"]}}` with
+`finish_reason` in SGLang's shape (`{"type": "stop", "matched": ...}`,
+`{"type": "length", "length": N}`, `{"type": "abort", "message": ...}`) and logprobs as
+`[logprob, token_id, text or null]`. Streamed events repeat that shape with the text and ids so far
+(cumulative, as SGLang's bench_serving reads them), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from scheduler.sampling_params import SamplingParams
+from server.errors import APIError, error_body
+from server.generation import Result, merge, run_all, start_all
+from server.http_server import VERSION, AppState, get_state
+from server.openai_api import DONE, completion_prompts, sse
+from server.protocol import (
+    AbortRequest,
+    CloseSessionRequest,
+    GenerateRequest,
+    NativeSamplingParams,
+    OpenSessionRequest,
+)
+
+router = APIRouter()
+
+
+def to_sampling_params(sp: NativeSamplingParams, body: GenerateRequest) -> SamplingParams:
+    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    try:
+        return SamplingParams(
+            max_new_tokens=sp.max_new_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
+            stop_token_ids=list(sp.stop_token_ids or []),
+            stop=stop,
+            ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            return_logprob=body.return_logprob,
+            top_logprobs_num=body.top_logprobs_num if body.return_logprob else 0,
+        )
+    except ValueError as e:
+        raise APIError(str(e), 400, "sampling_params") from e
+
+
+def finish_reason(r: Result) -> dict | None:
+    if r.finish_reason == "stop":
+        return {"type": "stop", "matched": r.matched_stop}
+    if r.finish_reason == "length":
+        return {"type": "length", "length": len(r.token_ids)}
+    if r.finish_reason == "abort":
+        return {"type": "abort", "message": r.finish_detail or "aborted"}
+    return None
+
+
+def answer(s: AppState, r: Result, body: GenerateRequest, start: float) -> dict:
+    meta: dict[str, Any] = {
+        "id": r.rid,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": len(r.token_ids),
+        "cached_tokens": r.cached_tokens,
+        "finish_reason": finish_reason(r),
+        "e2e_latency": time.perf_counter() - start,
+    }
+    if body.return_logprob:
+        text = body.return_text_in_logprobs
+
+        def item(lp: float, t: int) -> list:
+            return [lp, t, s.tokenizer.decode([t]) if text else None]
+
+        meta["output_token_logprobs"] = [
+            item(lp, t) for lp, t in zip(r.logprobs, r.token_ids, strict=False)
+        ]
+        if body.top_logprobs_num:
+            meta["output_top_logprobs"] = [[item(lp, t) for t, lp in row] for row in r.top_logprobs]
+    return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(body: GenerateRequest, request: Request):
+    s = get_state(request)
+    s.check_ready()
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError("give exactly one of 'text' and 'input_ids'", 400)
+    raw = body.text if body.text is not None else body.input_ids
+    batch = isinstance(raw, list) and bool(raw) and not isinstance(raw[0], int)
+    prompts = completion_prompts(s, raw)
+    sps = body.sampling_params if body.sampling_params is not None else NativeSamplingParams()
+    if isinstance(sps, list):
+        if len(sps) != len(prompts):
+            raise APIError("sampling_params must be one object or one per prompt", 400)
+    else:
+        sps = [sps] * len(prompts)
+    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+    if len(rids) != len(prompts) or (len(prompts) > 1 and body.rid and None in rids):
+        raise APIError("rid must be one id per prompt", 400, "rid")
+    session = body.session_params.model_dump() if body.session_params else None
+    if session and len(prompts) != 1:
+        raise APIError("a session request takes one prompt", 400, "session_params")
+    params = [to_sampling_params(sp, body) for sp in sps]
+    for ids, sp in zip(prompts, params, strict=True):
+        if session is None:
+            s.generator.check_lengths(len(ids), sp.max_new_tokens, "max_new_tokens")
+        elif not ids:
+            raise APIError("the prompt is empty", 400, "prompt")
+    skip = [sp.skip_special_tokens for sp in sps]
+    start = time.perf_counter()
+    kws = [
+        {"rid": rid, "session": session, "skip_special_tokens": sk}
+        for rid, sk in zip(rids, skip, strict=True)
+    ]
+    if not body.stream:
+        results: list[Result] = await run_all(
+            [
+                s.generator.run(ids, sp, **kw)
+                for ids, sp, kw in zip(prompts, params, kws, strict=True)
+            ],
+            request.is_disconnected,
+        )
+        out = [answer(s, r, body, start) for r in results]
+        return JSONResponse(out if batch else out[0])
+
+    streams = [
+        s.generator.stream(ids, sp, **kw) for ids, sp, kw in zip(prompts, params, kws, strict=True)
+    ]
+    firsts = await start_all(streams)
+
+    async def events() -> AsyncIterator[str]:
+        results = [Result(rid=p.rid) for p in firsts]
+        merged = merge(streams, firsts)
+        try:
+            async for k, p in merged:
+                results[k].add(p)
+                data = answer(s, results[k], body, start)
+                if batch:
+                    data["index"] = k
+                yield sse(data)
+        except APIError as e:
+            yield sse(error_body(e.message, e.status, e.param))
+        finally:
+            await merged.aclose()
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---- sessions ------------------------------------------------------------------------------
+@router.api_route("/open_session", methods=["POST", "GET"])
+async def open_session(body: OpenSessionRequest, request: Request) -> JSONResponse:
+    """Answers the session id as a bare JSON string; 400 if that id is already open."""
+    s = get_state(request)
+    sid = await s.query(
+        "open_session", session_id=body.session_id, capacity_of_str_len=body.capacity_of_str_len
+    )
+    return JSONResponse(sid)
+
+
+@router.api_route("/close_session", methods=["POST", "GET"])
+async def close_session(body: CloseSessionRequest, request: Request) -> Response:
+    s = get_state(request)
+    if not await s.query("close_session", session_id=body.session_id):
+        raise APIError(f"unknown session {body.session_id!r}", 404, "session_id")
+    return Response(status_code=200)
+
+
+# ---- admin ---------------------------------------------------------------------------------
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 once a one-token generation went through the whole pipeline."""
+    s = get_state(request)
+    if s.client.ready is None or not s.client.alive:
+        raise APIError("the model is not loaded", 503)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        await s.generator.run(
+            [s.client.ready.eos_token_ids[0] if s.client.ready.eos_token_ids else 0], params
+        )
+    except APIError as e:
+        raise APIError(f"generation failed: {e.message}", 503) from e
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> JSONResponse:
+    s = get_state(request)
+    return JSONResponse(
+        {
+            "model_path": s.model_path,
+            "tokenizer_path": s.model_path,
+            "served_model_name": s.model_name,
+            "is_generation": True,
+            "max_context_len": s.runner_config.max_context_len,
+            "weight_version": "default",
+        }
+    )
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> JSONResponse:
+    """Configuration, pool usage and the leak checker's verdict (run by the scheduler when idle:
+    `leak_check.problems` is [] when clean and null while requests run)."""
+    s = get_state(request)
+    info = await s.query("info")
+    server = asdict(s.config)
+    server["api_key"] = "<set>" if s.config.api_key else None
+    return JSONResponse(
+        {
+            "version": VERSION,
+            "model_path": s.model_path,
+            "served_model_name": s.model_name,
+            "server_config": server,
+            **info,
+        }
+    )
+
+
+@router.api_route("/flush_cache", methods=["POST", "GET"])
+async def flush_cache(request: Request) -> PlainTextResponse:
+    await get_state(request).query("flush")
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request) -> Response:
+    s = get_state(request)
+    s.check_ready()
+    if body.rid is None and not body.abort_all:
+        raise APIError("give 'rid' or 'abort_all': true", 400)
+    s.client.abort(body.rid, abort_all=body.abort_all)
+    return Response(status_code=200)

@@ -1,0 +1,322 @@
+"""OpenAI-compatible routes: /v1/completions and /v1/chat/completions (plain and SSE streaming).
+
+Each prompt times `n` becomes one scheduler request (choice index = prompt index * n + j); with a
+`seed`, choice j samples with seed + j, so a seed reproduces the whole response. Usage counts each
+prompt once, every choice's tokens, and the prefix-cache hits in
+`prompt_tokens_details.cached_tokens`. Streams are `data: {chunk}` lines ending in
+`data: [DONE]`; with `stream_options.include_usage` a last chunk carries empty choices and usage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from scheduler.sampling_params import SamplingParams
+from server.errors import APIError, error_body
+from server.generation import Piece, Result, merge, run_all, start_all
+from server.http_server import AppState, get_state
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+router = APIRouter()
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def sampling_params(
+    body: SamplingFields, max_new_tokens: int, top_logprobs: int | None, j: int
+) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            seed=None if body.seed is None else body.seed + j,
+            stop_token_ids=list(body.stop_token_ids or []),
+            stop=stop,
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            return_logprob=top_logprobs is not None,
+            top_logprobs_num=top_logprobs or 0,
+        )
+    except ValueError as e:
+        raise APIError(str(e), 400) from e
+
+
+def session_of(body: SamplingFields) -> dict | None:
+    if body.session_params is None:
+        return None
+    if body.n != 1:
+        raise APIError("session requests need n=1", 400, "n")
+    return body.session_params.model_dump()
+
+
+def usage(prompt_tokens: int, completion: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def usage_of(results: list[Result], n: int) -> dict:
+    """Each prompt counted once (its first choice), every choice's output."""
+    first = results[::n]
+    return usage(
+        sum(r.prompt_tokens for r in first),
+        sum(len(r.token_ids) for r in results),
+        sum(r.cached_tokens for r in first),
+    )
+
+
+def token_text(s: AppState, token_id: int) -> str:
+    return s.tokenizer.decode([token_id])
+
+
+# ---- /v1/completions -----------------------------------------------------------------------
+def completion_prompts(s: AppState, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError("the prompt is empty", 400, "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    vocab = s.client.ready.vocab_size if s.client.ready else None
+    out = []
+    for p in prompt:
+        ids = s.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise APIError(f"token ids must be in [0, {vocab})", 400, "prompt")
+        out.append(ids)
+    return out
+
+
+def completion_logprobs(
+    s: AppState, r: Result | Piece, prompt_ids: list[int] | None, offset: int
+) -> dict:
+    ids, lps, tops = list(r.token_ids), list(r.logprobs), list(r.top_logprobs)
+    tokens = [token_text(s, t) for t in ids]
+    token_lps: list[float | None] = list(lps)
+    top: list[dict | None] = (
+        [{token_text(s, t): lp for t, lp in row} for row in tops] if tops else [None] * len(ids)
+    )
+    if prompt_ids:  # echo: prompt tokens have no logprobs here
+        tokens = [token_text(s, t) for t in prompt_ids] + tokens
+        token_lps = [None] * len(prompt_ids) + token_lps
+        top = [None] * len(prompt_ids) + top
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    s = get_state(request)
+    s.check_ready()
+    s.check_model(body.model)
+    prompts = completion_prompts(s, body.prompt)
+    for ids in prompts:
+        s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")
+    session = session_of(body)
+    n = body.n
+    jobs = [
+        (ids, sampling_params(body, body.max_tokens, body.logprobs, j))
+        for ids in prompts
+        for j in range(n)
+    ]
+    echo = [s.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": cid, "object": "text_completion", "created": created, "model": s.model_name}
+    want_lp = body.logprobs is not None
+
+    if not body.stream:
+        results: list[Result] = await run_all(
+            [
+                s.generator.run(
+                    ids, sp, session=session, skip_special_tokens=body.skip_special_tokens
+                )
+                for ids, sp in jobs
+            ],
+            request.is_disconnected,
+        )
+        choices = []
+        for k, r in enumerate(results):
+            pi = k // n
+            choices.append(
+                {
+                    "index": k,
+                    "text": echo[pi] + r.text,
+                    "logprobs": completion_logprobs(s, r, prompts[pi] if body.echo else None, 0)
+                    if want_lp
+                    else None,
+                    "finish_reason": r.finish_reason,
+                    "matched_stop": r.matched_stop,
+                }
+            )
+        return JSONResponse({**head, "choices": choices, "usage": usage_of(results, n)})
+
+    streams = [
+        s.generator.stream(ids, sp, session=session, skip_special_tokens=body.skip_special_tokens)
+        for ids, sp in jobs
+    ]
+    firsts = await start_all(streams)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        results = [Result(rid=p.rid) for p in firsts]
+        started = [False] * len(jobs)
+        offsets = [0] * len(jobs)
+        merged = merge(streams, firsts)
+        try:
+            async for k, p in merged:
+                results[k].add(p)
+                text = p.text
+                prefix_ids = None
+                if not started[k]:
+                    started[k] = True
+                    text = echo[k // n] + text
+                    prefix_ids = prompts[k // n] if body.echo else None
+                if not (text or p.finish_reason or (want_lp and p.token_ids)):
+                    continue
+                lp = completion_logprobs(s, p, prefix_ids, offsets[k]) if want_lp else None
+                offsets[k] += len(text)
+                choice = {
+                    "index": k,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": p.finish_reason,
+                }
+                if p.finish_reason:
+                    choice["matched_stop"] = p.matched_stop
+                yield sse({**head, "choices": [choice], "usage": None})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage_of(results, n)})
+        except APIError as e:
+            yield sse(error_body(e.message, e.status, e.param))
+        finally:
+            await merged.aclose()
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------
+def chat_prompt(s: AppState, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    if getattr(s.tokenizer, "chat_template", None) is None:
+        raise APIError("this checkpoint has no chat template; use /v1/completions", 400)
+    try:
+        text = s.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # template errors are the client's (e.g. an unsupported role order)
+        raise APIError(f"chat template failed: {e}", 400, "messages") from e
+    return s.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_logprobs(s: AppState, p: Result | Piece) -> dict:
+    def entry(t: int, lp: float) -> dict:
+        text = token_text(s, t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    content = []
+    for i, (t, lp) in enumerate(zip(p.token_ids, p.logprobs, strict=False)):
+        e = entry(t, lp)
+        e["top_logprobs"] = (
+            [entry(tt, tlp) for tt, tlp in p.top_logprobs[i]] if p.top_logprobs else []
+        )
+        content.append(e)
+    return {"content": content}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    s = get_state(request)
+    s.check_ready()
+    s.check_model(body.model)
+    ids = chat_prompt(s, body)
+    max_new = body.max_completion_tokens or body.max_tokens
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    if max_new is None:
+        s.generator.check_lengths(len(ids), 1, field)
+        max_new = s.generator.max_context_len - len(ids)
+    s.generator.check_lengths(len(ids), max_new, field)
+    session = session_of(body)
+    n = body.n
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = [sampling_params(body, max_new, top, j) for j in range(n)]
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": cid, "created": created, "model": s.model_name}
+    gen_kw = {"session": session, "skip_special_tokens": body.skip_special_tokens}
+
+    if not body.stream:
+        results: list[Result] = await run_all(
+            [s.generator.run(ids, sp, **gen_kw) for sp in params], request.is_disconnected
+        )
+        choices = [
+            {
+                "index": k,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(s, r) if body.logprobs else None,
+                "finish_reason": r.finish_reason,
+                "matched_stop": r.matched_stop,
+            }
+            for k, r in enumerate(results)
+        ]
+        return JSONResponse(
+            {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(results, n)}
+        )
+
+    streams = [s.generator.stream(ids, sp, **gen_kw) for sp in params]
+    firsts = await start_all(streams)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk = {**head, "object": "chat.completion.chunk"}
+
+    def event(k: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> str:
+        choice = {"index": k, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return sse({**chunk, "choices": [choice]})
+
+    async def events() -> AsyncIterator[str]:
+        results = [Result(rid=p.rid) for p in firsts]
+        for k in range(n):
+            yield event(k, {"role": "assistant", "content": ""})
+        merged = merge(streams, firsts)
+        try:
+            async for k, p in merged:
+                results[k].add(p)
+                if p.text or (body.logprobs and p.token_ids):
+                    lp = chat_logprobs(s, p) if body.logprobs else None
+                    yield event(k, {"content": p.text}, lp=lp)
+                if p.finish_reason:
+                    yield event(k, {}, p.finish_reason)
+            if include_usage:
+                yield sse({**chunk, "choices": [], "usage": usage_of(results, n)})
+        except APIError as e:
+            yield sse(error_body(e.message, e.status, e.param))
+        finally:
+            await merged.aclose()
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,221 @@
+"""The scheduler process: owns the model runner, the pools and the scheduler loop.
+
+    loop: drain every message waiting on the inbox -> one `scheduler.step()` if there is work ->
+          send the new tokens of every request that moved -> block on the inbox when idle
+
+It never tokenizes; requests arrive as token ids and leave as token ids. A request refused by
+`Scheduler.add_request` (prompt too long, unknown session, ...) is answered by one `TokenDelta`
+with `error` set. The process exits on `ShutdownMsg` or when the API process's end of the pipe
+closes (so it cannot outlive its parent); it ignores SIGINT, which a terminal sends to the
+whole process group, and leaves shutdown to the parent.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from typing import Any
+
+from scheduler.config import SchedulerConfig
+from scheduler.leak_check import leak_report
+from scheduler.model_runner import ModelRunner, RunnerConfig
+from scheduler.request import Req, SessionParams
+from scheduler.sampler import make_generator
+from scheduler.scheduler import Scheduler
+from server.messages import (
+    AbortMsg,
+    FailedMsg,
+    GenerateMsg,
+    QueryMsg,
+    QueryReply,
+    ReadyMsg,
+    ShutdownMsg,
+    TokenDelta,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def error_status(exc: Exception) -> int:
+    """The HTTP status of a refused request: `SessionError.status` (404 for an unknown
+    session), else 400."""
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else 400
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, inbox: Connection, outbox: Connection) -> None:
+        self.scheduler, self.inbox, self.outbox = scheduler, inbox, outbox
+        self.reqs: dict[str, Req] = {}
+        self.sent: dict[str, int] = {}
+        self.pending: list[TokenDelta] = []
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        sched = self.scheduler
+        while True:
+            try:
+                if not sched.has_work():
+                    self.inbox.poll(None)  # idle: sleep until a message arrives
+                while self.inbox.poll():
+                    if not self.handle(self.inbox.recv()):
+                        return
+                if sched.has_work():
+                    for req in sched.step():
+                        self._emit(req)
+                if self.pending:
+                    self.outbox.send(self.pending)
+                    self.pending = []
+            except (EOFError, BrokenPipeError, ConnectionResetError):
+                logger.info("API process is gone; scheduler exits")
+                return
+
+    def handle(self, msg: Any) -> bool:
+        """Apply one message; False means shut down."""
+        if isinstance(msg, GenerateMsg):
+            self._add(msg)
+        elif isinstance(msg, AbortMsg):
+            rids = list(self.reqs) if msg.abort_all else [msg.rid]
+            for rid in rids:
+                req = self.scheduler.abort(rid) if rid in self.reqs else None
+                if req is not None:
+                    self._emit(req)
+        elif isinstance(msg, QueryMsg):
+            self.outbox.send(self._query(msg))
+        elif isinstance(msg, ShutdownMsg):
+            return False
+        else:
+            logger.error("unknown message %r", type(msg).__name__)
+        return True
+
+    # ---- requests ------------------------------------------------------------------------
+    def _add(self, msg: GenerateMsg) -> None:
+        req = Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params)
+        req.generator = make_generator(msg.params.seed)
+        try:
+            if msg.session is not None:
+                req.session = SessionParams(**msg.session)
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            self.pending.append(
+                TokenDelta(rid=msg.rid, output_ids=[], error=str(e), error_status=error_status(e))
+            )
+            return
+        self.reqs[req.rid] = req
+        self.sent[req.rid] = 0
+
+    def _emit(self, req: Req) -> None:
+        if req.rid not in self.reqs:
+            return
+        n = self.sent[req.rid]
+        delta = TokenDelta(
+            rid=req.rid,
+            output_ids=req.output_ids[n:],
+            logprobs=req.output_logprobs[n:],
+            top_logprobs=req.output_top_logprobs[n:],
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.cached_len,
+        )
+        self.sent[req.rid] = len(req.output_ids)
+        if req.finished:
+            delta.finish_reason = req.finish_reason.value
+            delta.finish_detail = req.finish_detail
+            del self.reqs[req.rid], self.sent[req.rid]
+        if delta.output_ids or delta.finish_reason:
+            self.pending.append(delta)
+
+    # ---- queries -------------------------------------------------------------------------
+    def _query(self, msg: QueryMsg) -> QueryReply:
+        try:
+            handler = getattr(self, f"_q_{msg.kind}")
+            return QueryReply(msg.qid, True, handler(**msg.args))
+        except AttributeError as e:
+            return QueryReply(msg.qid, False, error=f"unknown query {msg.kind!r}: {e}")
+        except ValueError as e:
+            return QueryReply(msg.qid, False, error=str(e), status=error_status(e))
+
+    def _q_stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        r = s.runner
+        kv, mamba, rows = r.kv_pool, r.mamba_pool, r.req_pool
+        return {
+            "num_running_reqs": len(s.running) + (1 if s.chunked else 0),
+            "num_waiting_reqs": len(s.waiting),
+            "num_sessions": len(s.sessions.sessions),
+            "kv_pages_total": kv.size,
+            "kv_pages_free": kv.available(),
+            "kv_pages_cached": len(s.tree.held_kv_locs()) // kv.page_size,
+            "mamba_slots_total": mamba.size,
+            "mamba_slots_free": mamba.available(),
+            "mamba_slots_cached": len(s.tree.held_mamba_slots()),
+            "req_slots_total": rows.size,
+            "req_slots_free": rows.available(),
+            "token_usage": 1.0 - kv.available() / kv.size,
+            "mamba_usage": 1.0 - mamba.available() / mamba.size,
+        }
+
+    def _q_info(self) -> dict[str, Any]:
+        s = self.scheduler
+        idle = not s.has_work()
+        return {
+            "runner_config": asdict(s.runner.config),
+            "scheduler_config": asdict(s.config),
+            "pools": self._q_stats(),
+            "leak_check": {"idle": idle, "problems": leak_report(s) if idle else None},
+        }
+
+    def _q_flush(self) -> bool:
+        """Empty the radix tree; refused while requests run or sessions hold state."""
+        if self.scheduler.has_work():
+            raise ValueError("cannot flush the cache while requests are running or waiting")
+        if self.scheduler.sessions.held()[0]:
+            raise ValueError("cannot flush the cache while sessions hold state; close them first")
+        self.scheduler.tree.reset()
+        return True
+
+    def _q_open_session(
+        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+    ) -> str:
+        return self.scheduler.open_session(session_id, capacity_of_str_len)
+
+    def _q_close_session(self, session_id: str) -> bool:
+        return self.scheduler.close_session(session_id)
+
+
+def run_scheduler(
+    model_path: str,
+    runner_config: RunnerConfig,
+    scheduler_config: SchedulerConfig,
+    inbox: Connection,
+    outbox: Connection,
+    log_level: str = "info",
+) -> None:
+    """Entry point of the spawned process: load, announce `ReadyMsg` (or `FailedMsg`), loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
+    )
+    start = time.perf_counter()
+    try:
+        runner = ModelRunner.from_path(model_path, runner_config)
+        scheduler = Scheduler(runner, scheduler_config)
+    except Exception as e:  # reported to the API process, which exits with the message
+        logger.exception("loading %s failed", model_path)
+        outbox.send(FailedMsg(f"{type(e).__name__}: {e}"))
+        return
+    mc = runner.model.config
+    logger.info("model loaded from %s in %.1fs", model_path, time.perf_counter() - start)
+    ready = ReadyMsg(
+        max_context_len=runner_config.max_context_len,
+        eos_token_ids=list(mc.eos_token_ids),
+        vocab_size=mc.vocab_size,
+    )
+    try:
+        outbox.send(ready)
+    except (BrokenPipeError, ConnectionResetError):
+        logger.info("API process is gone; scheduler exits")
+        return
+    SchedulerLoop(scheduler, inbox, outbox).run()

@@ -1,0 +1,79 @@
+"""Incremental detokenization (never a broken character, same text as one decode) and stop
+strings across token boundaries, token by token on the tiny preset's byte-level tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from server.detokenizer import REPLACEMENT, IncrementalDetokenizer, TextStream
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_path):
+    return AutoTokenizer.from_pretrained(tiny_path)
+
+
+def feed(stream, ids: list[int]) -> list[str]:
+    return [stream.push([t]) for t in ids]
+
+
+def test_multibyte_characters_split_across_tokens(tok):
+    text = "naïve café — 你好世界 🙂👍 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(REPLACEMENT in tok.decode([t]) for t in ids)  # some tokens are partial characters
+    d = IncrementalDetokenizer(tok)
+    deltas = feed(d, ids)
+    assert not any(REPLACEMENT in x for x in deltas)
+    assert "".join(deltas) + d.flush() == text
+
+
+def test_random_ids_join_to_one_decode(tok):
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        d = IncrementalDetokenizer(tok)
+        pieces = []
+        i = 0
+        while i < len(ids):
+            n = rng.randrange(1, 4)
+            pieces.append(d.push(ids[i : i + n]))
+            i += n
+        pieces.append(d.flush())
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_spanning_tokens_is_trimmed(tok):
+    text = "The answer is 42. Question: what next? Question again"
+    ids = tok.encode(text, add_special_tokens=False)
+    s = TextStream(tok, stop=["Question", "zzz"])
+    out = "".join(feed(s, ids)) + s.finish()
+    assert out == "The answer is 42. "
+    assert s.matched == "Question"
+    # the partial "Quest" was held back, never emitted before the match
+    s2 = TextStream(tok, stop=["Question"])
+    emitted = ""
+    for t in ids:
+        emitted += s2.push([t])
+        assert "Q" not in emitted
+        if s2.matched:
+            break
+
+
+def test_no_stop_match_flushes_the_held_tail(tok):
+    text = "ends with Quest"
+    ids = tok.encode(text, add_special_tokens=False)
+    s = TextStream(tok, stop=["Question"])
+    streamed = "".join(feed(s, ids))
+    assert not streamed.endswith("Quest")  # held: it may still become the stop string
+    assert streamed + s.finish() == text
+    assert s.matched is None
+
+
+def test_special_tokens_skipped(tok):
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("hello", add_special_tokens=False) + [eos]
+    d = IncrementalDetokenizer(tok)
+    assert "".join(feed(d, ids)) + d.flush() == "hello"

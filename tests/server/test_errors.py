@@ -1,0 +1,154 @@
+"""Bad input gets its status and an error body, and the server keeps serving; a client that
+disconnects mid-stream frees its request; /metrics parses and its counters move."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import CONTEXT, MODEL_NAME, wait_idle_and_clean
+
+COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+CASES = {
+    "malformed-json": ("/v1/completions", '{"model": "x", "prompt": ', 400),
+    "not-an-object": ("/v1/completions", "[1, 2]", 400),
+    "wrong-type": ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, 400),
+    "wrong-prompt-type": ("/v1/completions", {**COMPLETION, "prompt": {"a": 1}}, 400),
+    "missing-prompt": ("/v1/completions", {"model": MODEL_NAME}, 400),
+    "missing-messages": ("/v1/chat/completions", {"model": MODEL_NAME}, 400),
+    "empty-messages": ("/v1/chat/completions", {**CHAT, "messages": []}, 400),
+    "bad-role": (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "x", "content": "a"}]},
+        400,
+    ),
+    "max-tokens-0": ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400),
+    "max-tokens-past-context": ("/v1/completions", {**COMPLETION, "max_tokens": CONTEXT}, 400),
+    "chat-max-tokens-past-context": ("/v1/chat/completions", {**CHAT, "max_tokens": CONTEXT}, 400),
+    "prompt-past-context": ("/v1/completions", {**COMPLETION, "prompt": [5] * (CONTEXT + 3)}, 400),
+    "empty-prompt": ("/v1/completions", {**COMPLETION, "prompt": ""}, 400),
+    "token-out-of-vocab": ("/v1/completions", {**COMPLETION, "prompt": [1, 10**6]}, 400),
+    "unknown-model": ("/v1/completions", {**COMPLETION, "model": "gpt-9"}, 404),
+    "unknown-model-chat": ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404),
+    "n-0": ("/v1/completions", {**COMPLETION, "n": 0}, 400),
+    "temperature-negative": ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400),
+    "top-p-0": ("/v1/completions", {**COMPLETION, "top_p": 0}, 400),
+    "native-both-inputs": ("/generate", {"text": "a", "input_ids": [1]}, 400),
+    "native-no-input": ("/generate", {"sampling_params": {"max_new_tokens": 2}}, 400),
+    "native-unknown-param": ("/generate", {"text": "a", "sampling_params": {"max_tokens": 2}}, 400),
+    "native-prompt-past-context": ("/generate", {"input_ids": [7] * CONTEXT}, 400),
+    "unknown-route": ("/v1/embeddings", {"input": "a"}, 404),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(http, case):
+    path, body, status = CASES[case]
+    if isinstance(body, str):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["object"] == "error" and err["code"] == status
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+
+
+def test_unknown_session(http):
+    r = http.post("/close_session", json={"session_id": "never-opened"})
+    assert r.status_code == 404 and r.json()["object"] == "error"
+
+
+def test_server_still_serves_after_bad_input(http):
+    for path, body, _ in CASES.values():
+        if isinstance(body, dict):
+            http.post(path, json=body)
+    r = http.post("/v1/completions", json={**COMPLETION, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert wait_idle_and_clean(http)["problems"] == []
+
+
+def metrics(http) -> dict[str, float]:
+    text = http.get("/metrics").text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + (
+                "{" + s.labels.get("outcome", "") + "}" if "outcome" in s.labels else ""
+            )
+            out[key] = s.value
+    return out
+
+
+def test_disconnect_mid_stream_frees_memory(http):
+    before = metrics(http)
+    body = {**COMPLETION, "max_tokens": CONTEXT - 10, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 3:
+                break  # leave with the request still running
+    check = wait_idle_and_clean(http, timeout=60)
+    assert check == {"idle": True, "problems": []}
+    after = metrics(http)
+    assert after.get("hybrid_serve_requests_total{abort}", 0) == (
+        before.get("hybrid_serve_requests_total{abort}", 0) + 1
+    )
+    assert after["hybrid_serve_generation_tokens_total"] < (
+        before["hybrid_serve_generation_tokens_total"] + CONTEXT - 10
+    )
+
+
+def test_disconnect_while_waiting_for_a_plain_response(server, http):
+    before = metrics(http)
+    body = {**COMPLETION, "max_tokens": CONTEXT - 10, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+    check = wait_idle_and_clean(http, timeout=60)
+    assert check == {"idle": True, "problems": []}
+    after = metrics(http)
+    key = "hybrid_serve_requests_total{abort}"
+    assert after.get(key, 0) == before.get(key, 0) + 1  # aborted, not run to the end
+
+
+def test_metrics_parse_and_move(http):
+    before = metrics(http)
+    prompt = list(range(100, 160))
+    for _ in range(2):  # the second time the prefix cache serves part of the prompt
+        body = {
+            **COMPLETION,
+            "prompt": prompt,
+            "max_tokens": 4,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            list(r.iter_lines())
+        prompt = prompt + [200, 201, 202]
+    time.sleep(0.1)
+    after = metrics(http)
+    assert after["hybrid_serve_requests_total{length}"] == (
+        before.get("hybrid_serve_requests_total{length}", 0) + 2
+    )
+    assert (
+        after["hybrid_serve_prompt_tokens_total"]
+        == before["hybrid_serve_prompt_tokens_total"] + 123
+    )
+    assert after["hybrid_serve_generation_tokens_total"] == (
+        before["hybrid_serve_generation_tokens_total"] + 8
+    )
+    assert after["hybrid_serve_cached_tokens_total"] > before["hybrid_serve_cached_tokens_total"]
+    ttft = "hybrid_serve_time_to_first_token_seconds_count"
+    assert after[ttft] == before[ttft] + 2
+    itl = "hybrid_serve_inter_token_latency_seconds_count"
+    assert after[itl] == before[itl] + 6
+    assert after["hybrid_serve_num_running_reqs"] == 0
+    assert 0 < after["hybrid_serve_token_usage"] < 1
+    assert 0 < after["hybrid_serve_cache_hit_rate"] <= 1

@@ -1,0 +1,173 @@
+"""SGLang-native routes over HTTP: /generate (plain, batch, streaming, logprobs, prefix-cache
+hits), sessions, and the admin routes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.server.conftest import CONTEXT, MODEL_NAME, wait_idle_and_clean
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 2048, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate(http, ids: list[int], n: int, **extra) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}, **extra}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_generate_shape_and_logprobs(http):
+    r = http.post(
+        "/generate",
+        json={
+            "text": "Hello world",
+            "sampling_params": {"max_new_tokens": 5, **GREEDY},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+        },
+    ).json()
+    meta = r["meta_info"]
+    assert set(meta) >= {
+        "id",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "finish_reason",
+        "output_token_logprobs",
+    }
+    assert meta["completion_tokens"] == len(r["output_ids"]) == 5
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == r["output_ids"]
+    assert all(lp <= 0 and isinstance(text, str) for lp, _, text in lps)
+    plain = generate(http, rand_ids(4, 0), 3, return_logprob=True)
+    assert all(text is None for _, _, text in plain["meta_info"]["output_token_logprobs"])
+
+
+def test_generate_batch_and_stream(http):
+    prompts = [rand_ids(5, 1), rand_ids(9, 2)]
+    batch = http.post(
+        "/generate", json={"input_ids": prompts, "sampling_params": {"max_new_tokens": 6, **GREEDY}}
+    ).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    body = {
+        "input_ids": prompts[1],
+        "sampling_params": {"max_new_tokens": 6, **GREEDY},
+        "stream": True,
+    }
+    with http.stream("POST", "/generate", json=body) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert events[-1]["output_ids"] == batch[1]["output_ids"]  # cumulative
+    assert events[-1]["text"] == batch[1]["text"]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_prefix_cache_hit_is_reported(http):
+    prompt = rand_ids(60, 3)
+    first = generate(http, prompt, 6)
+    again = generate(http, prompt + first["output_ids"][:3], 3)
+    assert again["meta_info"]["cached_tokens"] >= len(prompt)
+    assert again["output_ids"] == first["output_ids"][3:6]
+    assert again["meta_info"]["prompt_tokens"] == len(prompt) + 3
+
+
+def test_session_turns_equal_one_request(http):
+    sid = http.post("/open_session", json={"capacity_of_str_len": 1000}).json()
+    assert isinstance(sid, str)
+    turn1_ids, turn2_ids = rand_ids(20, 4), rand_ids(7, 5)
+    sp = {"session_params": {"id": sid, "rid": None}}
+    t1 = generate(http, turn1_ids, 5, **sp)
+    sp2 = {"session_params": {"id": sid, "rid": t1["meta_info"]["id"]}}
+    t2 = generate(http, turn2_ids, 6, return_logprob=True, **sp2)
+    full = turn1_ids + t1["output_ids"] + turn2_ids
+    ref = generate(http, full, 6, return_logprob=True)
+    assert t2["output_ids"] == ref["output_ids"]
+    assert t2["meta_info"]["prompt_tokens"] == len(full)
+    assert t2["meta_info"]["cached_tokens"] >= len(turn1_ids)  # turn 2 prefilled its own tokens
+    for (a, _, _), (b, _, _) in zip(
+        t2["meta_info"]["output_token_logprobs"],
+        ref["meta_info"]["output_token_logprobs"],
+        strict=True,
+    ):
+        assert a == pytest.approx(b, abs=1e-3)
+    # the same session through the OpenAI route: a third turn continues the second
+    t3 = http.post(
+        "/v1/completions",
+        json={
+            "model": "default",
+            "prompt": [9, 10, 11],
+            "max_tokens": 3,
+            "temperature": 0,
+            "ignore_eos": True,
+            "session_params": {"id": sid, "rid": t2["meta_info"]["id"]},
+        },
+    ).json()
+    assert t3["usage"]["prompt_tokens"] == len(full) + 6 + 3
+    assert wait_idle_and_clean(http)["problems"] == []  # session-held state is accounted for
+    assert http.post("/flush_cache").status_code == 400  # the session still holds state
+    assert http.post("/close_session", json={"session_id": sid}).status_code == 200
+    assert http.post("/close_session", json={"session_id": sid}).status_code == 404
+    assert wait_idle_and_clean(http)["problems"] == []
+
+
+def test_session_id_reuse_and_unknown_session(http):
+    sid = http.post("/open_session", json={"capacity_of_str_len": 100, "session_id": "s-x"}).json()
+    assert sid == "s-x"
+    dup = http.post("/open_session", json={"session_id": "s-x"})
+    assert dup.status_code == 400 and dup.json()["object"] == "error"
+    http.post("/close_session", json={"session_id": "s-x"})
+    r = http.post(
+        "/generate",
+        json={
+            "input_ids": [5, 6],
+            "session_params": {"id": "nope"},
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    )
+    assert r.status_code == 404 and r.json()["object"] == "error"
+
+
+def test_admin_routes(http):
+    info = http.get("/get_model_info").json()
+    assert info["served_model_name"] == MODEL_NAME and info["is_generation"] is True
+    assert http.get("/health_generate").status_code == 200
+    server = http.get("/get_server_info").json()
+    assert server["runner_config"]["max_context_len"] == CONTEXT
+    assert server["scheduler_config"]["chunked_prefill_size"] == 64
+    assert server["pools"]["kv_pages_total"] > 0
+    assert server["leak_check"] == {"idle": True, "problems": []}
+    assert http.post("/flush_cache").status_code == 200
+    assert http.get("/get_server_info").json()["pools"]["kv_pages_cached"] == 0
+
+
+def test_abort_request(http):
+    rid = "abort-me"
+    result: dict = {}
+
+    def long_request() -> None:
+        result["r"] = generate(http, rand_ids(8, 6), CONTEXT - 20, rid=rid)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and http.get("/get_server_info").json()["leak_check"]["idle"]:
+        time.sleep(0.05)
+    assert http.post("/abort_request", json={"rid": rid}).status_code == 200
+    t.join(60)
+    meta = result["r"]["meta_info"]
+    assert meta["id"] == rid
+    assert meta["finish_reason"]["type"] == "abort"
+    assert meta["completion_tokens"] < CONTEXT - 20
+    assert wait_idle_and_clean(http)["problems"] == []
