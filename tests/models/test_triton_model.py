@@ -1,10 +1,10 @@
-"""The whole model with every kernel forced to Triton (the interpreter, without CUDA) against the
-torch path: same greedy tokens for a short ragged batch that is prefilled in two rounds (so
-the second round continues from cached KV and Mamba states) and then decoded padded."""
+"""The whole model with every kernel forced to Triton (on CUDA, or in the interpreter without it)
+against the torch path on the same device: same greedy tokens for a short ragged batch that is
+prefilled in two rounds (the second continues from cached KV and Mamba states) and then decoded
+in a padded batch."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kernels import dispatch
@@ -17,9 +17,10 @@ FIRST_ROUND = 12  # tokens per request in the first prefill round
 DECODE_STEPS = 4
 
 
-def greedy(model, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+def greedy(model, prompts: list[list[int]], device: str) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens per prompt, and the logits of the first decode step."""
-    runner = ModelRunner(model, RunnerConfig(max_running_requests=4, max_total_tokens=256))
+    config = RunnerConfig(max_running_requests=4, max_total_tokens=256, device=device)
+    runner = ModelRunner(model, config)
     n = len(prompts)
     slots = list(zip(runner.req_pool.alloc(n), runner.mamba_pool.alloc(n).tolist(), strict=True))
     done = [0] * len(prompts)
@@ -53,19 +54,18 @@ def greedy(model, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tens
 
 
 def test_tiny_model_triton_matches_torch(tmp_path, triton_device, monkeypatch) -> None:
-    if triton_device.type != "cpu":
-        pytest.skip("the CPU interpreter run; on CUDA the default dispatch already uses Triton")
-    model = load_model(write_preset("tiny", tmp_path, seed=3), dtype="float32")
+    dev = str(triton_device)
+    model = load_model(write_preset("tiny", tmp_path, seed=3), dtype="float32", device=dev)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2048, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
     monkeypatch.setenv("HYBRID_SERVE_KERNELS", "torch")
-    ref_tokens, ref_logits = greedy(model, prompts)
+    ref_tokens, ref_logits = greedy(model, prompts, dev)
     monkeypatch.setenv("HYBRID_SERVE_KERNELS", "triton")
     used: set[str] = set()
     load = dispatch.triton_module
     monkeypatch.setattr(dispatch, "triton_module", lambda name, d: used.add(name) or load(name, d))
-    tokens, logits = greedy(model, prompts)
+    tokens, logits = greedy(model, prompts, dev)
 
     assert used == {
         "causal_conv1d_triton",
