@@ -281,7 +281,7 @@ def chunk_gated_delta_rule(
     chunks = [(i, c) for i, n_tok in enumerate(lens) for c in range(triton.cdiv(n_tok, chunk_size))]
     chunk_idx = torch.tensor(chunks, dtype=torch.int32).to(q.device, non_blocking=True)
     BK = max(16, triton.next_power_of_2(K))
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models get exact fp32 dots
     G = torch.empty(total, HV, dtype=torch.float32, device=q.device)
     w = torch.empty(total, HV, K, dtype=torch.float32, device=q.device)
     u = torch.empty(total, HV, V, dtype=torch.float32, device=q.device)
@@ -294,6 +294,8 @@ def chunk_gated_delta_rule(
     )  # fmt: skip
     BV = min(32 if BK > 64 else 64, max(16, triton.next_power_of_2(V)))
     scale = K**-0.5 if scale is None else scale
+    # num_stages=1: pipelining the chunk loop would multi-buffer its [C, K] tiles in shared
+    # memory, 200-300 KB at K=128 (over the sm_90 limit); see tests/kernels/aot_compile.py
     _chunk_state_kernel[(triton.cdiv(V, BV), n * HV)](
         qf, kf, G, w, u, o, h0, ht_arg, idx,
         track_offsets if track else cu, track_indices if track else cu, cu,
