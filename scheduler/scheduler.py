@@ -207,6 +207,8 @@ class Scheduler:
         runner = self.runner
         out_loc = self._alloc_decode_kv()
         if out_loc is None:  # short even after eviction: retract until the rest fits
+            # as SGLang: keep the requests with more output (and then shorter prompts) running
+            self.running.sort(key=lambda r: (-len(r.output_ids), r.prompt_len))
             while len(self.running) > 1 and out_loc is None:
                 self._retract(self.running[-1])
                 out_loc = self._alloc_decode_kv()
