@@ -20,6 +20,7 @@ class SchedulerConfig:
     mamba_scheduler_strategy: str = "no_buffer"
     mamba_track_interval: int = 256  # decode snapshot every this many tokens (extra_buffer*)
     cuda_graph_bs: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # padded decode sizes
+    cuda_graph_max_bs: int = 64  # largest padded size (also added to the list)
     disable_cuda_graph: bool = False  # off: decode batches run at their own size
 
     def __post_init__(self) -> None:
@@ -37,6 +38,8 @@ class SchedulerConfig:
             )
         if self.mamba_track_interval < 1:
             raise ValueError("--mamba-track-interval must be >= 1")
+        if self.cuda_graph_max_bs < 1 or any(bs < 1 for bs in self.cuda_graph_bs):
+            raise ValueError("--cuda-graph-bs sizes and --cuda-graph-max-bs must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
 
@@ -46,8 +49,10 @@ class SchedulerConfig:
             return max_running_requests
         return MAMBA_SLOTS_PER_REQUEST[self.mamba_scheduler_strategy] * max_running_requests
 
-    def padded_size(self, n: int) -> int | None:
-        """The decode batch size a batch of n runs at, or None to run unpadded."""
+    def decode_graph_sizes(self, max_running_requests: int) -> list[int]:
+        """Padded decode sizes: cuda_graph_bs up to min(cuda_graph_max_bs, max running), plus
+        that bound itself; none with --disable-cuda-graph."""
         if self.disable_cuda_graph:
-            return None
-        return next((bs for bs in self.cuda_graph_bs if bs >= n), None)
+            return []
+        max_bs = min(self.cuda_graph_max_bs, max_running_requests)
+        return sorted({bs for bs in self.cuda_graph_bs if bs <= max_bs} | {max_bs})

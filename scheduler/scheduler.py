@@ -20,6 +20,7 @@ import torch
 
 from mem_cache.radix_cache import MambaRadixCache
 from scheduler.config import SchedulerConfig
+from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
@@ -41,6 +42,8 @@ class Scheduler:
         )
         self.cache = PrefixCache(runner, self.tree, config)
         self.sessions = SessionManager(self.cache)
+        sizes = config.decode_graph_sizes(runner.config.max_running_requests)
+        self.graph_runner = DecodeGraphRunner(runner, sizes)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -204,9 +207,10 @@ class Scheduler:
 
     # ---- decode --------------------------------------------------------------------------
     def _run_decode(self) -> list[Req]:
-        runner = self.runner
         out_loc = self._alloc_decode_kv()
         if out_loc is None:  # short even after eviction: retract until the rest fits
+            # as SGLang: keep the requests with more output (and then shorter prompts) running
+            self.running.sort(key=lambda r: (-len(r.output_ids), r.prompt_len))
             while len(self.running) > 1 and out_loc is None:
                 self._retract(self.running[-1])
                 out_loc = self._alloc_decode_kv()
@@ -218,8 +222,7 @@ class Scheduler:
                 return [req]
         reqs = list(self.running)
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
-        batch = runner.build_decode(items, out_loc, self.config.padded_size(len(reqs)))
-        logits = runner.forward(batch)[: len(reqs)]
+        logits = self.graph_runner.forward(items, out_loc)
         for req in reqs:
             req.kv_len += 1
         self._sample(logits, reqs)

@@ -65,6 +65,7 @@ HELP: dict[str, str] = {
     "mamba_scheduler_strategy": "when Mamba states are snapshotted for the radix cache",
     "mamba_track_interval": "decode tokens between Mamba state snapshots (extra_buffer*)",
     "cuda_graph_bs": "decode batch sizes (batches are padded up to one of them)",
+    "cuda_graph_max_bs": "largest padded decode size (CUDA graphs captured up to it)",
     "disable_cuda_graph": "run decode batches at their own size",
 }
 

@@ -1,0 +1,127 @@
+"""Padded decode batches, replayed from CUDA graphs on GPU (seed #24243).
+
+A decode batch of n requests runs at the smallest size bs >= n (`--cuda-graph-bs` up to
+`--cuda-graph-max-bs`, which is added; see `SchedulerConfig.decode_graph_sizes`); larger
+batches, and every batch with `--disable-cuda-graph`, run at their own size. Padding rows use
+request row 0, KV location 0, position 0 and Mamba slot 0, all reserved in their pools: a
+padding row reads and writes only scratch memory and never a live request's state, and its
+logits are dropped.
+
+On CUDA each size is captured once at start-up over static input buffers (`torch.cuda.CUDAGraph`,
+one shared memory pool, largest first); a step copies its inputs into the buffers of its size and
+replays. Capturing needs a decode forward without host syncs or data-dependent shapes: the Triton
+kernels are (they read lengths and slots on the device), and the MoE takes its static-shape path
+while a stream is capturing (`models.layers.Experts`). Elsewhere (CPU) the same padded batch runs
+eagerly; `static_buffers=True` runs the CUDA path's buffer filling without capture, for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from models.forward_batch import ForwardBatch
+from scheduler.model_runner import DecodeInput, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sizes: list[int],
+        use_graphs: bool | None = None,
+        static_buffers: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.sizes = sorted(sizes)  # SchedulerConfig.decode_graph_sizes
+        self.use_graphs = runner.device.type == "cuda" if use_graphs is None else use_graphs
+        self.batches: dict[int, ForwardBatch] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.use_graphs or static_buffers:
+            self.batches = {bs: self._static_batch(bs) for bs in self.sizes}
+        if self.use_graphs:
+            self.capture()
+
+    def padded_size(self, n: int) -> int | None:
+        return next((bs for bs in self.sizes if bs >= n), None)
+
+    # ---- running -------------------------------------------------------------------------
+    def forward(self, items: list[DecodeInput], out_loc: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] for one decode step of `items` (KV already allocated at out_loc)."""
+        n, runner = len(items), self.runner
+        bs = self.padded_size(n)
+        batch = self.batches.get(bs) if bs is not None else None
+        if batch is None:
+            return runner.forward(runner.build_decode(items, out_loc, bs))[:n]
+        self._fill(batch, items, out_loc)
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            return self.outputs[bs][:n]
+        return runner.forward(batch)[:n]
+
+    def _fill(self, batch: ForwardBatch, items: list[DecodeInput], out_loc: torch.Tensor) -> None:
+        """Copy one step's inputs into the static buffers; padding rows get the reserved 0s."""
+        bs, n = batch.num_reqs, len(items)
+        host = torch.zeros(5, bs, dtype=torch.int64)  # ids, positions, rows, slots, seq_lens
+        host[0, :n] = torch.tensor([it.input_id for it in items])
+        host[1, :n] = torch.tensor([it.seq_len for it in items])
+        host[2, :n] = torch.tensor([it.req_slot for it in items])
+        host[3, :n] = torch.tensor([it.mamba_slot for it in items])
+        host[4] = host[1] + 1  # padding: seq_len 1 (position 0)
+        dev = host.to(batch.input_ids.device, non_blocking=True)
+        for dst, src in zip(
+            (batch.input_ids, batch.positions, batch.req_slots, batch.mamba_slots, batch.seq_lens),
+            dev,
+            strict=True,
+        ):
+            dst.copy_(src)
+        batch.out_loc[:n].copy_(out_loc)
+        batch.out_loc[n:].zero_()
+        batch.max_seq_len = max((it.seq_len + 1 for it in items), default=1)
+
+    # ---- capture -------------------------------------------------------------------------
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        runner, dev = self.runner, self.runner.device
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(bs, dtype=torch.int64, device=dev)
+
+        return ForwardBatch(
+            phase="decode",
+            input_ids=zeros(),
+            positions=zeros(),
+            out_loc=zeros(),
+            req_slots=zeros(),
+            mamba_slots=zeros(),
+            seq_lens=torch.ones(bs, dtype=torch.int64, device=dev),
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
+            req_to_token=runner.req_pool.req_to_token,
+            kv_pool=runner.kv_pool,
+            mamba_pool=runner.mamba_pool,
+            max_seq_len=runner.config.max_context_len,  # a static bound; kernels read seq_lens
+        )
+
+    def capture(self) -> None:
+        """Capture every size (largest first, one memory pool). The buffers hold padding rows
+        while capturing, so warm-up and capture touch only the reserved slots."""
+        runner, pool = self.runner, None
+        side = torch.cuda.Stream()
+        for bs in reversed(self.sizes):
+            batch = self.batches[bs]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: Triton compilation, allocator growth
+                    runner.forward(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = runner.forward(batch)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
