@@ -4,9 +4,9 @@
    GPU), timed as the dispatcher runs it (Triton on CUDA). Where flash-linear-attention (fla)
    has the same op and is importable, fla runs on the same inputs beside it; otherwise the
    table says fla is absent. fla has no pool form, so both sides get plain per-sequence states.
-2. With CUDA: one decode step of the `small` preset at batch 1, 8 and 64, eager against
-   CUDA-graph replay of the same step. A step that cannot be captured is reported with the
-   reason instead of a time.
+2. With CUDA: one decode step of the `small` preset at batch 1, 8 and 64 through
+   `scheduler.graph_runner.DecodeGraphRunner`, eager against CUDA-graph replay (both include
+   the host-side input copy of a real step). A failed capture is reported with its reason.
 
 Without CUDA it runs tiny shapes through the torch references as a smoke test (the timings
 mean nothing there) and skips the decode section.
@@ -22,6 +22,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -175,43 +176,43 @@ def bench_kernels(dev: torch.device, small: bool) -> list[dict]:
 
 
 def bench_decode_graphs(preset: str = "small", device: str = "cuda", steps: int = 20) -> list[dict]:
-    """Decode step of `preset`, eager and CUDA-graph replay (CUDA only)."""
+    """Decode step of `preset` through `DecodeGraphRunner`: eager padded batches against CUDA-graph
+    replay (graphs are captured on CUDA only; elsewhere the replay column reports why not)."""
     from models.presets import write_preset
+    from scheduler.graph_runner import DecodeGraphRunner
     from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_preset(preset, tmp)
         config = RunnerConfig(
             max_running_requests=max(DECODE_BATCHES),
             max_total_tokens=65536,
             dtype="bfloat16" if device == "cuda" else "float32",
             device=device,
         )
-        runner = ModelRunner.from_path(str(path), config)
+        runner = ModelRunner.from_path(str(write_preset(preset, tmp)), config)
+        eager = DecodeGraphRunner(runner, list(DECODE_BATCHES), use_graphs=False)
+        graphs, graph_error = None, "no CUDA"
+        if device == "cuda":
+            try:
+                graphs = DecodeGraphRunner(runner, list(DECODE_BATCHES), use_graphs=True)
+            except Exception as e:  # e.g. a host sync inside the step
+                graph_error = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+        prompt = list(range(3, 35))
         for bs in DECODE_BATCHES:
             reqs, slots = runner.req_pool.alloc(bs), runner.mamba_pool.alloc(bs).tolist()
-            prompt = list(range(3, 35))
             items = [ExtendInput(r, m, 0, prompt) for r, m in zip(reqs, slots, strict=True)]
             locs = [runner.alloc_kv(r, 0, len(prompt)) for r in reqs]
             runner.forward(runner.build_prefill(items, locs))
             step = [DecodeInput(r, m, len(prompt), 5) for r, m in zip(reqs, slots, strict=True)]
-            batch = runner.build_decode(step, runner.alloc_decode_kv(reqs, [len(prompt)] * bs))
-            row = {"batch": bs, "eager_ms": time_ms(lambda b=batch: runner.forward(b), 3, steps)}
-            try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(3):  # compiles the Triton kernels outside the capture
-                        runner.forward(batch)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    runner.forward(batch)
-                row["graph_ms"] = time_ms(graph.replay, 3, steps)
-            except Exception as e:  # e.g. a host sync inside the step
-                row["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-            graph_txt = f"{row['graph_ms']:.3f} ms" if "graph_ms" in row else row["graph_error"]
+            out_loc = runner.alloc_decode_kv(reqs, [len(prompt)] * bs)
+            row = {"batch": bs}
+            row["eager_ms"] = time_ms(partial(eager.forward, step, out_loc), 3, steps)
+            if graphs is not None:
+                row["graph_ms"] = time_ms(partial(graphs.forward, step, out_loc), 3, steps)
+            else:
+                row["graph_error"] = graph_error
+            graph_txt = f"{row['graph_ms']:.3f} ms" if "graph_ms" in row else graph_error
             print(f"decode bs={bs:3d}: eager {row['eager_ms']:.3f} ms, graph {graph_txt}")
             rows.append(row)
             for r in reqs:
