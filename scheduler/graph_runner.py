@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from kernels.dispatch import kernel_mode
 from models.forward_batch import ForwardBatch
 from scheduler.model_runner import DecodeInput, ModelRunner
 
@@ -37,7 +38,9 @@ class DecodeGraphRunner:
     ) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)  # SchedulerConfig.decode_graph_sizes
-        self.use_graphs = runner.device.type == "cuda" if use_graphs is None else use_graphs
+        if use_graphs is None:  # the torch reference kernels sync with the host: no capture
+            use_graphs = runner.device.type == "cuda" and kernel_mode() != "torch"
+        self.use_graphs = use_graphs
         self.batches: dict[int, ForwardBatch] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
