@@ -76,7 +76,8 @@ def causal_conv1d_update(
     )
     live = idx != pad_slot_id
     safe = torch.where(live, idx, torch.zeros_like(idx))
-    window = torch.cat([conv_state[safe].to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)], -1)
+    history = conv_state.index_select(0, safe).to(weight.dtype)
+    window = torch.cat([history, x.unsqueeze(-1).to(weight.dtype)], -1)
     y = (window * weight.unsqueeze(0)).sum(-1)  # [B, dim]
     if bias is not None:
         y = y + bias

@@ -80,12 +80,30 @@ def _chunk_dense(q, k, v, g, beta, state, chunk_size):
     return out.reshape(B, HV, Tp, -1)[:, :, :T], state
 
 
+_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def _gather_scratch(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """fp32 copy of pool[indices] in a reused buffer. A fresh tensor of this size (tens of MB at
+    large decode batches) costs more in page faults than the copy itself; the buffer is only
+    valid until the next call, which the pool form satisfies (written back before returning)."""
+    n = indices.numel() * pool[0].numel()
+    buf = _scratch.get(pool.device)
+    if buf is None or buf.numel() < n:
+        buf = _scratch[pool.device] = torch.empty(n, dtype=torch.float32, device=pool.device)
+    out = buf[:n].view(indices.numel(), *pool.shape[1:])
+    if pool.dtype == torch.float32:
+        return torch.index_select(pool, 0, indices, out=out)
+    return out.copy_(pool.index_select(0, indices))
+
+
 def _split_states(initial_state, initial_state_indices, n, shape, device):
-    """Per-sequence fp32 start states, always a fresh tensor (steps may update it in place)."""
+    """Per-sequence fp32 start states that steps may update in place: a fresh tensor, or with
+    pool indices a scratch buffer (consumed by the write-back before `_run` returns)."""
     if initial_state is None:
         return torch.zeros(n, *shape, dtype=torch.float32, device=device)
     if initial_state_indices is not None:
-        return initial_state[initial_state_indices].float()
+        return _gather_scratch(initial_state, initial_state_indices.long())
     return initial_state.to(torch.float32, copy=True)
 
 
