@@ -20,8 +20,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from scheduler.config import SchedulerConfig
+from scheduler.engine import build_scheduler
 from scheduler.leak_check import leak_report
-from scheduler.model_runner import ModelRunner, RunnerConfig
+from scheduler.model_runner import RunnerConfig
 from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.scheduler import Scheduler
@@ -200,8 +201,8 @@ def run_scheduler(
     )
     start = time.perf_counter()
     try:
-        runner = ModelRunner.from_path(model_path, runner_config)
-        scheduler = Scheduler(runner, scheduler_config)
+        scheduler = build_scheduler(model_path, runner_config, scheduler_config)
+        runner = scheduler.runner
     except Exception as e:  # reported to the API process, which exits with the message
         logger.exception("loading %s failed", model_path)
         outbox.send(FailedMsg(f"{type(e).__name__}: {e}"))
