@@ -1,9 +1,11 @@
 """Time to first token with a long shared prefix, cached vs not cached (offline Engine).
 
 A prefix P of `--prefix-len` random tokens is followed by a fresh `--suffix-len`-token question.
-Uncached: the radix cache is flushed before each request. Cached: P was served once before (as a
-request of its own), so the `no_buffer` strategy holds the state after exactly P and the request
-prefills only its question. TTFT = time from submission to the first streamed token. Medians.
+Uncached: the radix cache is flushed before each request. Cached, `no_buffer` (default): P was
+served once before as a request of its own, so the tree holds the state after exactly P. Cached,
+`--mamba-scheduler-strategy extra_buffer`: P was served once followed by a different question,
+and the request reuses the snapshot at P's last chunk-aligned position (a multiple of 64) and
+prefills the rest. TTFT = time from submission to the first streamed token. Medians.
 
 Example: python -m benchmarks.prefix_ttft --preset small --prefix-len 2000
 """
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--suffix-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mamba-scheduler-strategy", default="no_buffer")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_path is None:
@@ -48,7 +51,9 @@ def main() -> None:
         dtype="float32",
         max_total_tokens=4 * (args.prefix_len + args.suffix_len + 64),
         max_context_len=args.prefix_len + args.suffix_len + 64,
+        mamba_scheduler_strategy=args.mamba_scheduler_strategy,
     )
+    snapshots = args.mamba_scheduler_strategy != "no_buffer"
     vocab = engine.runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
@@ -62,13 +67,17 @@ def main() -> None:
         engine.flush_cache()
         cold.append(ttft(engine, prefix + rand(args.suffix_len))[0])
         engine.flush_cache()
-        engine.generate(prefix, {"max_new_tokens": 1})  # P served once: its end state is cached
+        first = prefix + rand(args.suffix_len) if snapshots else prefix  # P served once before
+        engine.generate(first, {"max_new_tokens": 1})
         t, cached = ttft(engine, prefix + rand(args.suffix_len))
         warm.append(t)
         hits.append(cached)
     assert engine.leak_report() == []
     c, w = statistics.median(cold), statistics.median(warm)
-    print(f"prefix {args.prefix_len} + question {args.suffix_len} tokens, {args.threads} threads")
+    print(
+        f"prefix {args.prefix_len} + question {args.suffix_len} tokens, {args.threads} threads, "
+        f"{args.mamba_scheduler_strategy}"
+    )
     print(
         f"TTFT uncached: {c * 1e3:.1f} ms   cached: {w * 1e3:.1f} ms   ratio: {w / c:.3f}   "
         f"cached_tokens: {statistics.median(hits):.0f}"
