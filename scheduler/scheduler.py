@@ -73,23 +73,44 @@ class Scheduler:
 
     def abort(self, rid: str) -> Req | None:
         """Finish a request wherever it is; everything it holds goes back (KV is not cached)."""
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.finish_reason = FinishReason.ABORT
-                if req.session is not None:
-                    self.sessions.done(req)
-                return req
-        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
-            if req.rid == rid:
-                req.finish_reason = FinishReason.ABORT
-                if req is self.chunked:
-                    self.chunked = None
-                else:
-                    self.running.remove(req)
-                self._release(req, insert=False)
-                return req
-        return None
+        req = self._find(rid)
+        if req is not None:
+            self._abort_req(req)
+        return req
+
+    def stop(self, rid: str, keep_output_tokens: int) -> Req | None:
+        """A stop string matched (in the API layer) after `keep_output_tokens` outputs: finish
+        with STOP, dropping later tokens. Nothing is cached (the state may be ahead of the kept
+        tokens); a session turn is recorded with the kept tokens, without a held slot. If the turn
+        already finished, its recorded context is trimmed instead."""
+        req = self._find(rid)
+        if req is None:
+            self.sessions.trim_turn(rid, keep_output_tokens)
+            return None
+        del req.output_ids[keep_output_tokens:]
+        del req.output_logprobs[keep_output_tokens:]
+        del req.output_top_logprobs[keep_output_tokens:]
+        self._abort_req(req, FinishReason.STOP)
+        if req.session is not None:
+            self.sessions.record(req)
+        return req
+
+    def _find(self, rid: str) -> Req | None:
+        live = [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
+        return next((r for r in live if r.rid == rid), None)
+
+    def _abort_req(self, req: Req, reason: FinishReason = FinishReason.ABORT) -> None:
+        req.finish_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+            if req.session is not None:
+                self.sessions.done(req)
+            return
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
+        self._release(req, insert=False)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
@@ -296,6 +317,6 @@ class Scheduler:
         if session is None:
             return False
         if session.in_flight is not None:
-            self.abort(session.in_flight.rid)
+            self._abort_req(session.in_flight)
         self.sessions.close(session_id)
         return True

@@ -55,6 +55,7 @@ class Session:
     id: str
     capacity: int | None  # most context tokens a turn may have (None: the model's context)
     turns: dict[str, list[int]] = field(default_factory=dict)  # rid -> context after that turn
+    prompt_lens: dict[str, int] = field(default_factory=dict)  # rid -> that turn's prompt length
     order: list[str] = field(default_factory=list)
     slot: SessionSlot | None = None
     in_flight: Req | None = None
@@ -85,13 +86,16 @@ class SessionManager:
 
     # ---- a turn --------------------------------------------------------------------------
     def prepare(self, req: Req) -> None:
-        """Resolve the context the request continues and prepend it to its prompt."""
+        """Resolve the context the request continues and prepend it to its prompt. Everything
+        is checked before anything changes: a refused turn leaves the session as it was."""
         params = req.session
         session = self.sessions.get(params.id)
         if session is None:
             raise SessionError(f"session {params.id!r} not found", status=404)
         if session.in_flight is not None:
             raise SessionError(f"session {params.id!r} already has a request in flight")
+        if req.rid in session.turns:
+            raise SessionError(f"request id {req.rid!r} is already a turn of session {params.id!r}")
         rid = params.rid if params.rid is not None else (session.order[-1:] or [None])[0]
         if rid is not None and rid not in session.turns:
             raise SessionError(f"request {rid!r} is not a turn of session {params.id!r}")
@@ -111,10 +115,16 @@ class SessionManager:
                 f"the session context would hold {len(prompt)} tokens; its capacity is "
                 f"{session.capacity}"
             )
+        limit = self.cache.runner.config.max_context_len
+        if not prompt or len(prompt) >= limit:
+            raise SessionError(
+                f"the turn's prompt has {len(prompt)} tokens; the context is {limit}"
+            )
         if params.replace:  # later turns are forgotten
             keep = session.order[: session.order.index(rid) + 1] if rid is not None else []
             for gone in session.order[len(keep) :]:
-                del session.turns[gone]
+                session.turns.pop(gone, None)
+                session.prompt_lens.pop(gone, None)
             session.order = keep
         slot = session.slot
         if slot is not None and not (
@@ -162,10 +172,32 @@ class SessionManager:
             req.last_node,
             req.all_ids[: req.kv_len],
         )
-        session.turns[req.rid] = req.all_ids
-        session.order.append(req.rid)
         req.reset_for_retract()
+        self.record(req)
         self.done(req)
+
+    def record(self, req: Req) -> None:
+        """Make a finished turn's context (prompt + output) one the next turn can continue."""
+        session = self.sessions.get(req.session.id)
+        if session is not None and req.rid not in session.turns:
+            session.turns[req.rid] = req.all_ids
+            session.prompt_lens[req.rid] = req.prompt_len
+            session.order.append(req.rid)
+
+    def trim_turn(self, rid: str, keep_output_tokens: int) -> None:
+        """A stop string was found after the turn finished: keep only that many of its output
+        tokens in the context, and drop the held slot if it is now past the context."""
+        for session in self.sessions.values():
+            if rid not in session.turns:
+                continue
+            context = session.turns[rid]
+            kept = context[: session.prompt_lens[rid] + keep_output_tokens]
+            if len(kept) < len(context):
+                session.turns[rid] = kept
+                slot = session.slot
+                if slot is not None and session.order[-1] == rid and slot.kv_len >= len(kept):
+                    self._drop_slot(session)
+            return
 
     def done(self, req: Req) -> None:
         session = self.sessions.get(req.session.id)

@@ -169,13 +169,20 @@ class SchedulerClient:
         self._out.send(msg)
         return q
 
-    def abort(self, rid: str | None = None, abort_all: bool = False, forget: bool = False) -> None:
+    def abort(
+        self,
+        rid: str | None = None,
+        abort_all: bool = False,
+        forget: bool = False,
+        keep_output_tokens: int | None = None,
+    ) -> None:
         """Abort `rid` (or all) in the scheduler, freeing what it holds (no-op if finished). With
-        `forget` the caller stops listening now; otherwise its waiter gets the abort delta."""
+        `forget` the caller stops listening now; otherwise its waiter gets the abort delta. With
+        `keep_output_tokens` it is a stop-string finish after that many tokens."""
         if forget and rid is not None:
             self._queues.pop(rid, None)
         if self.alive:
-            self._out.send(AbortMsg(rid=rid, abort_all=abort_all))
+            self._out.send(AbortMsg(rid, abort_all, keep_output_tokens))
 
     async def query(self, kind: str, timeout: float = 60.0, **args: Any) -> Any:
         if not self.alive:

@@ -139,7 +139,7 @@ class Generator:
                     cached_tokens=cached,
                 )
                 if text.matched is not None:  # a stop string: done here, free it there
-                    self.client.abort(rid, forget=True)
+                    self.client.abort(rid, forget=True, keep_output_tokens=n_out)
                     piece.finish_reason, piece.matched_stop = "stop", text.matched
                 elif d.finish_reason:
                     piece.text += text.finish()

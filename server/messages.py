@@ -29,6 +29,9 @@ class GenerateMsg:
 class AbortMsg:
     rid: str | None = None  # None with abort_all
     abort_all: bool = False
+    # a stop string matched in the API process after this many output tokens: the request
+    # finishes with "stop" and a session turn is recorded with those tokens only
+    keep_output_tokens: int | None = None
 
 
 @dataclass

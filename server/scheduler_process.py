@@ -79,6 +79,12 @@ class SchedulerLoop:
         if isinstance(msg, GenerateMsg):
             self._add(msg)
         elif isinstance(msg, AbortMsg):
+            if msg.keep_output_tokens is not None and msg.rid is not None:
+                req = self.scheduler.stop(msg.rid, msg.keep_output_tokens)
+                if req is not None and req.rid in self.reqs:
+                    self.sent[req.rid] = min(self.sent[req.rid], len(req.output_ids))
+                    self._emit(req)
+                return True
             rids = list(self.reqs) if msg.abort_all else [msg.rid]
             for rid in rids:
                 req = self.scheduler.abort(rid) if rid in self.reqs else None
@@ -100,7 +106,9 @@ class SchedulerLoop:
             if msg.session is not None:
                 req.session = SessionParams(**msg.session)
             self.scheduler.add_request(req)
-        except ValueError as e:
+        except Exception as e:  # refused (ValueError / SessionError); never kills the loop
+            if not isinstance(e, ValueError):
+                logger.exception("refusing %s", msg.rid)
             self.pending.append(
                 TokenDelta(rid=msg.rid, output_ids=[], error=str(e), error_status=error_status(e))
             )
@@ -183,7 +191,12 @@ class SchedulerLoop:
         return self.scheduler.open_session(session_id, capacity_of_str_len)
 
     def _q_close_session(self, session_id: str) -> bool:
-        return self.scheduler.close_session(session_id)
+        session = self.scheduler.sessions.sessions.get(session_id)
+        turn = session.in_flight if session is not None else None
+        closed = self.scheduler.close_session(session_id)
+        if turn is not None:  # aborted by the close: its waiter gets the abort
+            self._emit(turn)
+        return closed
 
 
 def run_scheduler(

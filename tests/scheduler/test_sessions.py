@@ -171,3 +171,53 @@ def test_replace_branches_from_an_earlier_turn(ckpt):
     assert spliced["output_ids"] == hf_greedy(hf, [p1[:10] + p2], NEW)[0]
     engine.close_session(sid)
     assert engine.leak_report() == []
+
+
+def test_refused_turns_leave_the_session_unchanged(ckpt):
+    path, hf, rand = ckpt
+    engine = Engine(path, max_context_len=64, **POOLS)
+    sid = engine.open_session()
+    p1 = rand(20)
+    t1 = engine.generate(p1, GREEDY, session_params={"id": sid})
+    session = engine.scheduler.sessions.sessions[sid]
+    slot = session.slot
+    with pytest.raises(SessionError, match="context is 64"):  # too long: nothing changes
+        engine.generate(rand(40), GREEDY, session_params={"id": sid, "rid": None})
+    with pytest.raises(SessionError, match="already a turn"):  # a rid used twice
+        req = engine._make_req(rand(3), GREEDY, {"id": sid})
+        req.rid = t1["meta_info"]["id"]
+        engine.scheduler.add_request(req)
+    assert session.slot is slot and session.in_flight is None and len(session.order) == 1
+    p2 = rand(4)
+    out = engine.generate(p2, GREEDY, session_params={"id": sid})
+    assert out["output_ids"] == hf_greedy(hf, [p1 + t1["output_ids"] + p2], NEW)[0]
+    engine.close_session(sid)
+    assert engine.leak_report() == []
+
+
+def test_stop_finishes_a_session_turn_with_the_kept_tokens(ckpt):
+    """Scheduler.stop (a stop string matched by the API layer): the turn is recorded with the
+    kept tokens only, and the next turn is exact on that context; after the fact, trim_turn."""
+    path, hf, rand = ckpt
+    engine = Engine(path, **POOLS)
+    sched = engine.scheduler
+    sid = engine.open_session()
+    p1 = rand(10)
+    req = engine._make_req(p1, GREEDY, {"id": sid})
+    sched.add_request(req)
+    while len(req.output_ids) < 5:
+        sched.step()
+    assert sched.stop(req.rid, 3) is req
+    assert req.finish_reason.value == "stop" and len(req.output_ids) == 3
+    assert engine.leak_report() == []
+    p2 = rand(4)
+    out = engine.generate(p2, GREEDY, session_params={"id": sid})
+    assert out["output_ids"] == hf_greedy(hf, [p1 + req.output_ids + p2], NEW)[0]
+    # the stop string only showed up after the turn had finished: trim its recorded context
+    assert sched.stop(out["meta_info"]["id"], 2) is None
+    p3 = rand(3)
+    out3 = engine.generate(p3, GREEDY, session_params={"id": sid})
+    context = p1 + req.output_ids + p2 + out["output_ids"][:2] + p3
+    assert out3["output_ids"] == hf_greedy(hf, [context], NEW)[0]
+    engine.close_session(sid)
+    assert engine.leak_report() == []

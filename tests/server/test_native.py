@@ -171,3 +171,46 @@ def test_abort_request(http):
     assert meta["finish_reason"]["type"] == "abort"
     assert meta["completion_tokens"] < CONTEXT - 20
     assert wait_idle_and_clean(http)["problems"] == []
+
+
+def test_close_session_with_a_turn_in_flight_answers_it(http):
+    """Closing a session aborts its running turn: the waiting /generate gets an answer."""
+    sid = http.post("/open_session", json={"capacity_of_str_len": CONTEXT}).json()
+    result: dict = {}
+
+    def long_turn() -> None:
+        body = {"input_ids": rand_ids(8, 7), "session_params": {"id": sid}}
+        body["sampling_params"] = {"max_new_tokens": CONTEXT - 20, **GREEDY}
+        result["r"] = http.post("/generate", json=body)
+
+    t = threading.Thread(target=long_turn)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and http.get("/get_server_info").json()["leak_check"]["idle"]:
+        time.sleep(0.05)
+    assert http.post("/close_session", json={"session_id": sid}).status_code == 200
+    t.join(60)
+    assert not t.is_alive()
+    assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert wait_idle_and_clean(http)["problems"] == []
+
+
+def test_stop_string_turn_stays_in_the_session(http):
+    """A turn that ends on a stop string (matched in the API process) is still a turn: the next
+    turn continues from its trimmed output, exactly like one request on that context."""
+    sid = http.post("/open_session", json={"capacity_of_str_len": CONTEXT}).json()
+    ids = rand_ids(12, 8)
+    probe = generate(http, ids, 12)
+    stop = probe["text"][len(probe["text"]) // 2 :][:2] or probe["text"][:1]
+    body = {"input_ids": ids, "session_params": {"id": sid}}
+    body["sampling_params"] = {"max_new_tokens": 12, "stop": [stop], **GREEDY}
+    t1 = http.post("/generate", json=body).json()
+    assert t1["meta_info"]["finish_reason"]["type"] == "stop"
+    kept = t1["output_ids"]
+    assert kept == probe["output_ids"][: len(kept)]
+    t2 = generate(http, [21, 22, 23], 4, session_params={"id": sid, "rid": t1["meta_info"]["id"]})
+    ref = generate(http, ids + kept + [21, 22, 23], 4)
+    assert t2["output_ids"] == ref["output_ids"]
+    assert t2["meta_info"]["prompt_tokens"] == len(ids) + len(kept) + 3
+    assert http.post("/close_session", json={"session_id": sid}).status_code == 200
+    assert wait_idle_and_clean(http)["problems"] == []
