@@ -164,7 +164,10 @@ class Scheduler:
                     break
                 req = self.waiting[0]
                 restored = req.session is not None and self.sessions.restore(req)
-                if not restored and not self.cache.take_slots(req):
+                while not restored and not self.cache.take_slots(req):
+                    if not self.sessions.evict_one():  # idle sessions' slots are a cache too
+                        break
+                if req.req_slot is None:
                     break
                 remaining = req.fill_len - req.kv_len
                 if remaining > budget and not chunking and batch:
@@ -190,10 +193,13 @@ class Scheduler:
         return len(self.tree.match_prefix(req.all_ids[:-1]).kv_indices)
 
     def _alloc_kv(self, req: Req, n: int) -> bool:
+        """KV for n more tokens of req, evicting the tree and then idle sessions' slots."""
         locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
-        if locs is None:
+        while locs is None:
             self.tree.evict(num_tokens=n)
             locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
+            if locs is None and not self.sessions.evict_one():
+                break
         return locs is not None
 
     # ---- prefill -------------------------------------------------------------------------
@@ -257,9 +263,11 @@ class Scheduler:
         slots = [r.req_slot for r in self.running]
         positions = [r.kv_len for r in self.running]
         locs = self.runner.alloc_decode_kv(slots, positions)
-        if locs is None:
+        while locs is None:
             self.tree.evict(num_tokens=len(slots) * self.runner.config.page_size)
             locs = self.runner.alloc_decode_kv(slots, positions)
+            if locs is None and not self.sessions.evict_one():
+                break
         return locs
 
     def _retract(self, req: Req) -> None:

@@ -13,7 +13,9 @@ admitted (a turn that is not admitted leaves it there, so it can try again: no d
 SGLang #23327), then to that request, and back to the session when the turn finishes. An abort
 or a retraction frees the request's resources as usual and the session simply has no slot: the
 next turn goes through the radix cache. Branching (`replace`, or an `offset` inside the held
-context) also drops the slot. Close releases everything exactly once.
+context) also drops the slot. Close releases everything exactly once. Held slots are a cache:
+when a live request cannot get a row, a Mamba slot or KV, the least recently used idle session's
+slot is freed (`evict_one`), so idle sessions never starve the server.
 """
 
 from __future__ import annotations
@@ -59,13 +61,14 @@ class Session:
     order: list[str] = field(default_factory=list)
     slot: SessionSlot | None = None
     in_flight: Req | None = None
+    last_used: int = 0  # when its slot was saved (LRU order for `evict_one`)
 
 
 class SessionManager:
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
         self.sessions: dict[str, Session] = {}
-        self._ids = itertools.count()
+        self._clock = itertools.count(1)
 
     # ---- open / close --------------------------------------------------------------------
     def open(self, session_id: str | None = None, capacity_of_str_len: int | None = None) -> str:
@@ -161,6 +164,7 @@ class SessionManager:
     def save(self, req: Req) -> None:
         """A turn finished: its resources become the session's slot, its context a turn."""
         session = self.sessions[req.session.id]
+        session.last_used = next(self._clock)
         session.slot = SessionSlot(
             req.req_slot,
             req.mamba_slot,
@@ -203,6 +207,15 @@ class SessionManager:
         session = self.sessions.get(req.session.id)
         if session is not None and session.in_flight is req:
             session.in_flight = None
+
+    def evict_one(self) -> bool:
+        """Free the held slot of the least recently used idle session (its next turn goes
+        through the radix cache instead), so idle sessions never starve live requests."""
+        idle = [s for s in self.sessions.values() if s.slot is not None and s.in_flight is None]
+        if not idle:
+            return False
+        self._drop_slot(min(idle, key=lambda s: s.last_used))
+        return True
 
     def _drop_slot(self, session: Session) -> None:
         slot, session.slot = session.slot, None

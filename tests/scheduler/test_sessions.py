@@ -221,3 +221,29 @@ def test_stop_finishes_a_session_turn_with_the_kept_tokens(ckpt):
     assert out3["output_ids"] == hf_greedy(hf, [context], NEW)[0]
     engine.close_session(sid)
     assert engine.leak_report() == []
+
+
+def test_idle_sessions_give_way_to_live_requests(ckpt):
+    """Two idle sessions hold both request rows: a plain request evicts the least recently used
+    one's slot and runs; that session's next turn goes through the radix cache, still exact."""
+    path, hf, rand = ckpt
+    engine = Engine(path, max_running_requests=2, max_total_tokens=2048)
+    sids = [engine.open_session() for _ in range(2)]
+    firsts = [rand(12), rand(15)]
+    outs = [
+        engine.generate(p, GREEDY, session_params={"id": s})
+        for p, s in zip(firsts, sids, strict=True)
+    ]
+    assert engine.runner.req_pool.available() == 0
+    plain = rand(9)
+    assert engine.generate(plain, GREEDY)["output_ids"] == hf_greedy(hf, [plain], NEW)[0]
+    sessions = engine.scheduler.sessions.sessions
+    assert sessions[sids[0]].slot is None and sessions[sids[1]].slot is not None  # LRU went
+    p2 = rand(5)
+    again = engine.generate(p2, GREEDY, session_params={"id": sids[0]})
+    context = firsts[0] + outs[0]["output_ids"] + p2
+    assert again["output_ids"] == hf_greedy(hf, [context], NEW)[0]
+    assert again["meta_info"]["cached_tokens"] == len(firsts[0])  # the radix path
+    for s in sids:
+        engine.close_session(s)
+    assert engine.leak_report() == []

@@ -3,6 +3,7 @@ curl-like request, SIGINT and SIGTERM shutdowns without orphans, and the API key
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
@@ -18,12 +19,15 @@ from tests.server.conftest import REPO, start
 def make_serve_command() -> list[str]:
     """The command `make serve` runs (its last recipe line, from `make -n`), with this
     interpreter's environment as the venv."""
+    # under `make test` the parent make's MAKEFLAGS/MAKELEVEL would add "Entering directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     out = subprocess.run(
-        ["make", "-n", "serve", f"VENV={sys.prefix}"],
+        ["make", "-n", "--no-print-directory", "serve", f"VENV={sys.prefix}"],
         cwd=REPO,
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     )
     cmd = shlex.split(out.stdout.strip().splitlines()[-1])
     assert cmd == [f"{sys.prefix}/bin/hybrid-serve"], cmd  # the server, on the default model
