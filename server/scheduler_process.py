@@ -138,13 +138,16 @@ class SchedulerLoop:
 
     # ---- queries -------------------------------------------------------------------------
     def _query(self, msg: QueryMsg) -> QueryReply:
+        handler = getattr(self, f"_q_{msg.kind}", None)
+        if handler is None:
+            return QueryReply(msg.qid, False, error=f"unknown query {msg.kind!r}")
         try:
-            handler = getattr(self, f"_q_{msg.kind}")
             return QueryReply(msg.qid, True, handler(**msg.args))
-        except AttributeError as e:
-            return QueryReply(msg.qid, False, error=f"unknown query {msg.kind!r}: {e}")
         except ValueError as e:
             return QueryReply(msg.qid, False, error=str(e), status=error_status(e))
+        except Exception as e:  # a bug answers 500; the loop keeps serving
+            logger.exception("query %s failed", msg.kind)
+            return QueryReply(msg.qid, False, error=f"{type(e).__name__}: {e}", status=500)
 
     def _q_stats(self) -> dict[str, Any]:
         s = self.scheduler

@@ -62,7 +62,7 @@ CASES = {
     ),
     # Mamba-bound: six slots for four requests (each holds its own and a locked tree state).
     "chunk-32-lpm-mamba": Case(
-        22,
+        29,
         {
             **BASE,
             "max_total_tokens": 250,
@@ -75,7 +75,7 @@ CASES = {
     # extra_buffer: three slots per request (running + two track slots); chunks of 64 and decode
     # snapshots every 4 tokens.
     "extra-buffer-chunk-64": Case(
-        0,
+        35,
         {
             **BASE,
             "max_total_tokens": 240,
@@ -88,7 +88,7 @@ CASES = {
     ),
     # extra_buffer_lazy, Mamba-bound: the boundary borrow evicts tree states to succeed.
     "lazy-mamba": Case(
-        3,
+        9,
         {
             **BASE,
             "max_total_tokens": 250,
@@ -289,6 +289,7 @@ class Stats:
     session_turns: int = 0  # completed session turns that continued a held slot
     closed_sessions: int = 0
     closed_turns: int = 0  # session turns aborted by closing their session
+    session_evicted: int = 0  # idle sessions' held slots freed for live requests
     session_rejected: int = 0
 
     def reached(self, pressure: str) -> bool:
@@ -313,6 +314,7 @@ def run_workload(engine: Engine, seed: int) -> tuple[list[Req], Stats]:
     work, stats = Workload(rng), Stats()
     stats.count(sched.tree, "evict", "kv_evicted", lambda out: out[0])
     stats.count(sched.tree, "evict_mamba", "mamba_evicted", lambda out: out)
+    stats.count(sched.sessions, "evict_one", "session_evicted", int)
     reqs: list[Req] = []
     deadline = time.monotonic() + TIME_LIMIT_S
     while len(reqs) < NUM_REQUESTS or sched.has_work():
