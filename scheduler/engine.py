@@ -153,7 +153,8 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Empty the radix tree; refused (False) while requests run or sessions hold state."""
-        if self.scheduler.has_work() or self.scheduler.sessions.held()[0]:
+        try:
+            self.scheduler.flush_cache()
+        except ValueError:
             return False
-        self.scheduler.tree.reset()
         return True

@@ -55,18 +55,13 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         """Queue a request; ValueError (SessionError for session problems) when it cannot run."""
         if req.session is not None:
-            self.sessions.prepare(req)  # prepends the session context
-        try:
-            if req.prompt_len == 0:
-                raise ValueError("the prompt is empty")
-            if req.prompt_len >= self.max_context_len:
-                raise ValueError(
-                    f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
-                )
-        except ValueError:
-            if req.session is not None:
-                self.sessions.done(req)
-            raise
+            self.sessions.prepare(req)  # prepends the context; checks the whole length itself
+        elif req.prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        elif req.prompt_len >= self.max_context_len:
+            raise ValueError(
+                f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
+            )
         self._arrivals += 1
         req.arrival = self._arrivals
         self.waiting.append(req)
@@ -124,11 +119,9 @@ class Scheduler:
         if self.running:
             return self._run_decode()
         if self.waiting:  # nothing runs and the head still does not fit: it never will
-            req = self.waiting.popleft()
-            req.finish_reason = FinishReason.ABORT
+            req = self.waiting[0]
+            self._abort_req(req)
             req.finish_detail = "not enough KV cache or Mamba slots for this request"
-            if req.session is not None:
-                self.sessions.done(req)
             return [req]
         return []
 
@@ -220,7 +213,7 @@ class Scheduler:
                 done_rows.append(i)
                 done_reqs.append(req)
             else:
-                self._cache_unfinished(req)
+                self.cache.cache_unfinished(req)
                 self.chunked = req
         if done_reqs:
             self._sample(logits[done_rows], done_reqs)
@@ -228,7 +221,7 @@ class Scheduler:
             if req.finished:
                 self._release(req, insert=True)
             else:
-                self._cache_unfinished(req)
+                self.cache.cache_unfinished(req)
                 self.running.append(req)
         return done_reqs
 
@@ -242,10 +235,9 @@ class Scheduler:
                 self._retract(self.running[-1])
                 out_loc = self._alloc_decode_kv()
             if out_loc is None:
-                req = self.running.pop()
-                req.finish_reason = FinishReason.ABORT
+                req = self.running[-1]
+                self._abort_req(req)
                 req.finish_detail = "out of KV memory even after retracting"
-                self._release(req, insert=False)
                 return [req]
         reqs = list(self.running)
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
@@ -294,9 +286,6 @@ class Scheduler:
             req.check_finished(self.eos_ids, self.max_context_len)
 
     # ---- cache / release -----------------------------------------------------------------
-    def _cache_unfinished(self, req: Req) -> None:
-        self.cache.cache_unfinished(req)
-
     def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:
         """Give back everything a request holds; with insert, donate KV and state to the tree."""
         if req.req_slot is None:
@@ -312,6 +301,14 @@ class Scheduler:
             self.waiting.appendleft(req)
         elif req.session is not None and req.finished:
             self.sessions.done(req)
+
+    def flush_cache(self) -> None:
+        """Empty the radix tree; ValueError while requests run or sessions hold state."""
+        if self.has_work():
+            raise ValueError("cannot flush the cache while requests are running or waiting")
+        if self.sessions.held()[0]:
+            raise ValueError("cannot flush the cache while sessions hold state; close them first")
+        self.tree.reset()
 
     # ---- sessions ------------------------------------------------------------------------
     def open_session(

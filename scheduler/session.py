@@ -58,10 +58,14 @@ class Session:
     capacity: int | None  # most context tokens a turn may have (None: the model's context)
     turns: dict[str, list[int]] = field(default_factory=dict)  # rid -> context after that turn
     prompt_lens: dict[str, int] = field(default_factory=dict)  # rid -> that turn's prompt length
-    order: list[str] = field(default_factory=list)
     slot: SessionSlot | None = None
     in_flight: Req | None = None
     last_used: int = 0  # when its slot was saved (LRU order for `evict_one`)
+
+    @property
+    def order(self) -> list[str]:
+        """Turn rids, oldest first (`turns` keeps insertion order)."""
+        return list(self.turns)
 
 
 class SessionManager:
@@ -99,7 +103,9 @@ class SessionManager:
             raise SessionError(f"session {params.id!r} already has a request in flight")
         if req.rid in session.turns:
             raise SessionError(f"request id {req.rid!r} is already a turn of session {params.id!r}")
-        rid = params.rid if params.rid is not None else (session.order[-1:] or [None])[0]
+        order = session.order
+        latest = order[-1] if order else None
+        rid = params.rid if params.rid is not None else latest
         if rid is not None and rid not in session.turns:
             raise SessionError(f"request {rid!r} is not a turn of session {params.id!r}")
         context = session.turns[rid] if rid is not None else []
@@ -109,7 +115,6 @@ class SessionManager:
                     f"offset {params.offset} is outside the context (0..{len(context)})"
                 )
             context = context[: params.offset]
-        latest = session.order[-1] if session.order else None
         if rid != latest and not params.replace:
             raise SessionError(f"request {rid!r} is not the latest turn; set replace to branch")
         prompt = context + req.prompt_ids
@@ -124,11 +129,8 @@ class SessionManager:
                 f"the turn's prompt has {len(prompt)} tokens; the context is {limit}"
             )
         if params.replace:  # later turns are forgotten
-            keep = session.order[: session.order.index(rid) + 1] if rid is not None else []
-            for gone in session.order[len(keep) :]:
-                session.turns.pop(gone, None)
-                session.prompt_lens.pop(gone, None)
-            session.order = keep
+            for gone in order[order.index(rid) + 1 if rid is not None else 0 :]:
+                del session.turns[gone], session.prompt_lens[gone]
         slot = session.slot
         if slot is not None and not (
             slot.kv_len < len(prompt) and prompt[: slot.kv_len] == slot.ids
@@ -143,13 +145,18 @@ class SessionManager:
         slot = session.slot if session is not None else None
         if slot is None:
             return False
+        self._lend(slot, req)
+        req.fill_len, req.session_restored = req.seq_len, True
+        return True
+
+    @staticmethod
+    def _lend(slot: SessionSlot, req: Req) -> None:
+        """Point the request at everything the slot holds (ownership is the caller's call)."""
         req.req_slot, req.mamba_slot = slot.req_slot, slot.mamba_slot
         req.track_slots, req.next_track = list(slot.track_slots), slot.next_track
         req.last_track_len, req.branching_len = slot.last_track_len, None
         req.kv_len, req.cache_protected_len = slot.kv_len, slot.cache_protected_len
-        req.last_node, req.fill_len = slot.last_node, req.seq_len
-        req.session_restored = True
-        return True
+        req.last_node = slot.last_node
 
     def unrestore(self, req: Req) -> None:
         """The turn was not admitted: the slot stays the session's, the request holds nothing."""
@@ -186,7 +193,6 @@ class SessionManager:
         if session is not None and req.rid not in session.turns:
             session.turns[req.rid] = req.all_ids
             session.prompt_lens[req.rid] = req.prompt_len
-            session.order.append(req.rid)
 
     def trim_turn(self, rid: str, keep_output_tokens: int) -> None:
         """A stop string was found after the turn finished: keep only that many of its output
@@ -222,9 +228,7 @@ class SessionManager:
         if slot is None:
             return
         holder = Req(rid=f"session-{session.id}", prompt_ids=slot.ids, params=None)  # type: ignore[arg-type]
-        holder.req_slot, holder.mamba_slot = slot.req_slot, slot.mamba_slot
-        holder.track_slots, holder.last_node = slot.track_slots, slot.last_node
-        holder.kv_len, holder.cache_protected_len = slot.kv_len, slot.cache_protected_len
+        self._lend(slot, holder)
         self.cache.release(holder, insert=False)
 
     # ---- accounting ----------------------------------------------------------------------

@@ -181,11 +181,7 @@ class SchedulerLoop:
 
     def _q_flush(self) -> bool:
         """Empty the radix tree; refused while requests run or sessions hold state."""
-        if self.scheduler.has_work():
-            raise ValueError("cannot flush the cache while requests are running or waiting")
-        if self.scheduler.sessions.held()[0]:
-            raise ValueError("cannot flush the cache while sessions hold state; close them first")
-        self.scheduler.tree.reset()
+        self.scheduler.flush_cache()
         return True
 
     def _q_open_session(
