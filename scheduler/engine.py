@@ -72,7 +72,7 @@ class Engine:
         if isinstance(session, dict):
             session = SessionParams(**session)
         req = Req(rid=f"req-{next(self._ids)}", prompt_ids=ids, params=sp, session=session)
-        req.generator = make_generator(sp.seed)
+        req.generator = make_generator(sp.seed, self.runner.device)
         return req
 
     def _result(self, req: Req) -> dict:

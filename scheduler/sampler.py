@@ -24,6 +24,8 @@ class SampleOutput:
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """A generator for one seeded request, on the device its logits live on (a CPU generator
+    cannot draw into CUDA tensors)."""
     if seed is None:
         return None
     gen = torch.Generator(device=device)

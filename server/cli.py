@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
     eos = set(runner.model.config.eos_token_ids)
     req, mamba = runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])
-    gen = [make_generator(params.seed)]
+    gen = [make_generator(params.seed, runner.device)]
     start = time.perf_counter()
     logits = runner.forward(
         runner.build_prefill([ExtendInput(req, mamba, 0, ids)], [runner.alloc_kv(req, 0, len(ids))])

@@ -101,7 +101,7 @@ class SchedulerLoop:
     # ---- requests ------------------------------------------------------------------------
     def _add(self, msg: GenerateMsg) -> None:
         req = Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params)
-        req.generator = make_generator(msg.params.seed)
+        req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
         try:
             if msg.session is not None:
                 req.session = SessionParams(**msg.session)

@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 512
 MODEL_NAME = "tiny-test"
 START_TIMEOUT_S = 180
+# `HYBRID_SERVE_TEST_DEVICE=cuda` runs the shared server (and so every test that uses it) on CUDA.
+TEST_DEVICE = os.environ.get("HYBRID_SERVE_TEST_DEVICE", "cpu")
 
 
 def free_port() -> int:
@@ -130,6 +132,8 @@ def server(tiny_path, tmp_path_factory):
             "16",
             "--chunked-prefill-size",
             "64",
+            "--device",
+            TEST_DEVICE,
         ],
         log,
     )
