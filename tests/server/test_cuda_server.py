@@ -79,10 +79,12 @@ def test_seeded_sampling_is_reproducible(cuda_server):
 def test_concurrent_requests_equal_one_at_a_time(cuda_server):
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 2048, (int(n),), generator=gen).tolist() for n in range(3, 67, 8)]
-    alone = [_generate(cuda_server, p, temperature=0, ignore_eos=True)["output_ids"] for p in prompts]
+
+    def greedy(p: list[int]) -> list[int]:
+        return _generate(cuda_server, p, temperature=0, ignore_eos=True)["output_ids"]
+
+    alone = [greedy(p) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(
-            pool.map(lambda p: _generate(cuda_server, p, temperature=0, ignore_eos=True), prompts)
-        )
-    assert [t["output_ids"] for t in together] == alone
+        together = list(pool.map(greedy, prompts))
+    assert together == alone
     assert wait_idle_and_clean(cuda_server)["problems"] == []
