@@ -142,7 +142,8 @@ class ModelRunner:
         locs = self.kv_pool.alloc(len(req_slots))
         if locs is None:
             return None
-        self.req_pool.req_to_token[req_slots, positions] = locs.to(torch.int32)
+        table = self.req_pool.req_to_token
+        table[req_slots, positions] = locs.to(device=table.device, dtype=torch.int32)
         return locs
 
     def req_pages(self, req_slot: int, seq_len: int) -> torch.Tensor:

@@ -79,7 +79,8 @@ class PrefixCache:
         req.last_node = match.last_node
         req.branching_len = match.branching_seqlen if self.tracking else None
         if prefix:
-            runner.req_pool.req_to_token[req.req_slot, :prefix] = match.kv_indices.to(torch.int32)
+            table = runner.req_pool.req_to_token
+            table[req.req_slot, :prefix] = match.kv_indices.to(table.device, torch.int32)
             self.pool.copy(match.mamba_slot, req.mamba_slot)
         req.kv_len = req.cache_protected_len = prefix
         return True
