@@ -95,7 +95,8 @@ def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Serve
     port = free_port()
     # One torch thread: tiny models gain nothing from more, and on a shared 2-core machine two
     # threads per process collapse (seconds per token instead of milliseconds).
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     fh = log.open("w")
     proc = subprocess.Popen(
         [*cmd, "--port", str(port), "--log-level", "warning"],
