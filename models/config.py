@@ -1,8 +1,13 @@
-"""What a Qwen3-Next checkpoint is: its `config.json`, read into one frozen dataclass.
+"""What a hybrid checkpoint is: its `config.json`, read into one frozen dataclass.
 
-`ModelConfig.from_hf(path)` accepts `model_type: qwen3_next` and both the transformers 4.x keys
-(`rope_theta`, `partial_rotary_factor`) and the 5.x `rope_parameters` dict. A missing field or an
-unsupported architecture is a `ValueError` whose one line names it.
+`ModelConfig.from_hf(path)` accepts Qwen3-Next (`qwen3_next`) and the Qwen3.5 text family
+(`qwen3_5_text`, `qwen3_5_moe_text`, and the multimodal wrappers `qwen3_5` / `qwen3_5_moe`, whose
+`text_config` is read and whose language-model weights sit under `model.language_model.`), with
+both the transformers 4.x RoPE keys (`rope_theta`, `partial_rotary_factor`) and the 5.x
+`rope_parameters` dict (M-RoPE keys are ignored: with text-only positions it equals 1-D RoPE).
+Qwen3.5 differs only in its checkpoint layout (split GDN projections) and its MLP choice (dense on
+every layer, or MoE on every layer). A missing field or an unsupported architecture is a
+`ValueError` whose one line names it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next",)
+QWEN3_5_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
+# multimodal wrapper -> the model_type its text_config must carry
+WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+SUPPORTED_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TEXT, *WRAPPERS)
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -50,6 +58,10 @@ class ModelConfig:
     norm_topk_prob: bool
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
+    # checkpoint layout: "grouped" in_proj_qkvz/in_proj_ba (Qwen3-Next) or "split"
+    # in_proj_qkv/z/b/a (Qwen3.5); where the language model's tensors live in the file
+    gdn_projections: str = "grouped"
+    weight_prefix: str = "model."
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
@@ -124,6 +136,20 @@ class ModelConfig:
                 f"unsupported architecture: model_type {model_type!r} "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        prefix = "model."
+        if model_type in WRAPPERS:
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"config.json: missing field 'text_config' ({model_type})")
+            outer = {k: raw[k] for k in ("eos_token_id", "tie_word_embeddings") if k in raw}
+            raw = {**outer, **text, "model_type": text.get("model_type", WRAPPERS[model_type])}
+            if raw["model_type"] != WRAPPERS[model_type]:
+                raise ValueError(
+                    f"config.json: text_config.model_type {raw['model_type']!r} in a "
+                    f"{model_type} config (expected {WRAPPERS[model_type]!r})"
+                )
+            model_type, prefix = raw["model_type"], "model.language_model."
+        qwen3_5 = model_type in QWEN3_5_TEXT
 
         def need(key: str) -> Any:
             if key not in raw:
@@ -154,7 +180,13 @@ class ModelConfig:
 
         eos = (generation_config or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        num_experts = int(raw.get("num_experts", 0))
+        if model_type == "qwen3_5_text":  # dense MLP on every layer
+            num_experts = 0
+        elif model_type == "qwen3_5_moe_text":  # MoE on every layer, always renormalised
+            num_experts = int(need("num_experts"))
+        else:
+            num_experts = int(raw.get("num_experts", 0))
+        all_moe = model_type == "qwen3_5_moe_text"
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
@@ -174,14 +206,18 @@ class ModelConfig:
             linear_key_head_dim=int(need("linear_key_head_dim")),
             linear_value_head_dim=int(need("linear_value_head_dim")),
             linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=0 if all_moe else int(need("intermediate_size")),
             num_experts=num_experts,
             num_experts_per_tok=int(need("num_experts_per_tok")) if num_experts else 0,
             moe_intermediate_size=int(need("moe_intermediate_size")) if num_experts else 0,
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
-            decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers", [])),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            decoder_sparse_step=1 if qwen3_5 else int(raw.get("decoder_sparse_step", 1)),
+            mlp_only_layers=()
+            if qwen3_5
+            else tuple(int(i) for i in raw.get("mlp_only_layers", [])),
+            norm_topk_prob=True if qwen3_5 else bool(raw.get("norm_topk_prob", True)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            gdn_projections="split" if qwen3_5 else "grouped",
+            weight_prefix=prefix,
         )

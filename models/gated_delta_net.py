@@ -43,7 +43,8 @@ class GatedDeltaNet(nn.Module):
             c.linear_value_dim,
             c.conv_dim,
         )
-        # Rows are kept in contiguous [q | k | v | z] and [b | a] order (see `regroup_qkvz`).
+        # Rows are kept in contiguous [q | k | v | z] and [b | a] order (the loader regroups
+        # Qwen3-Next's per-key-head rows and stacks Qwen3.5's split ones: `models.weight_map`).
         self.in_proj_qkvz = nn.Linear(
             c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False
         )
@@ -141,22 +142,3 @@ class GatedDeltaNet(nn.Module):
         window = raw[pos.to(raw.device)].transpose(1, 2)  # [n, conv_dim, Kc-1]
         dst = batch.mamba_track_slots[torch.tensor(rows, device=raw.device)]
         conv_state.index_copy_(0, dst, window.to(conv_state.dtype))
-
-    @staticmethod
-    def regroup_qkvz(w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-        """Checkpoint rows grouped per key head [q_g|k_g|v_g|z_g]... -> contiguous [Q|K|V|Z]."""
-        c = config
-        r = c.linear_num_value_heads // c.linear_num_key_heads
-        dk, rdv = c.linear_key_head_dim, r * c.linear_value_head_dim
-        grouped = w.reshape(c.linear_num_key_heads, 2 * dk + 2 * rdv, -1)  # [H, 2dk+2r*dv, hidden]
-        parts = grouped.split([dk, dk, rdv, rdv], dim=1)
-        return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts], dim=0)
-
-    @staticmethod
-    def regroup_ba(w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-        """Checkpoint rows grouped per key head [b_g|a_g]... -> contiguous [B|A]."""
-        c = config
-        r = c.linear_num_value_heads // c.linear_num_key_heads
-        grouped = w.reshape(c.linear_num_key_heads, 2 * r, -1)  # [H, 2r, hidden]
-        b, a = grouped.split([r, r], dim=1)
-        return torch.cat([b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])], dim=0)

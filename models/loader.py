@@ -1,15 +1,15 @@
-"""Strict safetensors loading of a Qwen3-Next checkpoint directory.
+"""Strict safetensors loading of a Qwen3-Next or Qwen3.5 checkpoint directory.
 
 Reads `model.safetensors` or the shards named by `model.safetensors.index.json`. Every tensor
-the model needs must be present exactly once and every tensor present must be used (`mtp.*`
-excepted); otherwise a `ValueError` names the first offender.
+the model needs must be present exactly once and every tensor present must be used (the MTP head
+and a multimodal wrapper's vision tower excepted, named in one info line); otherwise a
+`ValueError` names the first offender. Names map to parameters through `models.weight_map`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from models.config import ModelConfig
 from models.qwen3_next import Qwen3NextForCausalLM
+from models.weight_map import checkpoint_map, expert_layout_of, is_skipped
 
 logger = logging.getLogger(__name__)
 
@@ -45,37 +46,74 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    seen: set[str] = set()
-    for file in checkpoint_files(path):
+def checkpoint_names(files: list[Path]) -> dict[str, Path]:
+    """Every tensor name -> its file (headers only, no data read); a repeated name raises."""
+    where: dict[str, Path] = {}
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name in seen:
+                if name in where:
                     raise ValueError(f"checkpoint tensor {name} appears twice")
-                seen.add(name)
-                yield name, f.get_tensor(name)
+                where[name] = file
+    return where
 
 
 def load_model(
     model_path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
 ) -> Qwen3NextForCausalLM:
+    """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
+
+    The key set is checked against `checkpoint_map` before any data is read (a missing or extra
+    tensor is a `ValueError` naming it). Parameters are allocated once, in the target dtype, and
+    each checkpoint tensor is converted while copied, so peak memory is the model plus the
+    largest single tensor (never a full-size copy in another dtype).
+    """
     path = Path(model_path)
     config = ModelConfig.from_hf(path)
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config)
-    model = model.to_empty(device=device).to(torch_dtype)
+    model = model.to(torch_dtype).to_empty(device=device)  # the cast is free on meta
     if config.tie_word_embeddings:  # to_empty() unties: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
-    try:
-        filled = model.load_weights(iter_checkpoint(path))
-    except KeyError as e:
-        raise ValueError(str(e.args[0])) from None
-    layout = (
-        "fused" if any(n.endswith("mlp.experts.gate_up_proj") for n in filled) else "per_expert"
-    )
-    missing = sorted(model.expected_checkpoint_names(layout) - filled)
+
+    where = checkpoint_names(checkpoint_files(path))
+    skipped = sorted(n for n in where if is_skipped(n))
+    if config.tie_word_embeddings and "lm_head.weight" in where:
+        skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy
+    names = set(where) - set(skipped)
+    table = checkpoint_map(model, expert_layout_of(names))
+    extra = sorted(names - table.keys())
+    if extra:
+        raise ValueError(f"unexpected checkpoint tensor {extra[0]} ({len(extra)} unexpected)")
+    missing = sorted(table.keys() - names)
     if missing:
         raise ValueError(f"checkpoint is missing tensor {missing[0]} ({len(missing)} missing)")
+    if skipped:
+        groups = sorted(
+            {n.split(".")[0] if n.startswith("mtp.") else n.rsplit(".", 2)[0] for n in skipped}
+        )
+        logger.info(
+            "skipped %d checkpoint tensors not used here (%s)", len(skipped), ", ".join(groups[:4])
+        )
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for file in sorted(set(where.values())):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118
+                    target = table.get(name)
+                    if target is None:
+                        continue
+                    w = f.get_tensor(name)
+                    if target.transform is not None:
+                        w = target.transform(w)
+                    dst = params[target.param].data[target.index]
+                    if dst.shape != w.shape:
+                        raise ValueError(
+                            f"checkpoint tensor {name}: shape {tuple(w.shape)}, "
+                            f"expected {tuple(dst.shape)}"
+                        )
+                    dst.copy_(w)
     logger.info("loaded %s (%s, %s)", path, torch_dtype, device)
     return model.eval()

@@ -104,6 +104,30 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+# Qwen3.5 text family: split GDN projections; dense MLP on every layer (qwen3_5_text) or MoE on
+# every layer (qwen3_5_moe_text, which has no intermediate_size / sparse-step fields).
+_QWEN3_5_TINY = {
+    key: value
+    for key, value in PRESETS["tiny"].items()
+    if key not in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+}
+PRESETS["tiny-qwen3.5"] = {
+    **copy.deepcopy(_QWEN3_5_TINY),
+    "model_type": "qwen3_5_text",
+    "num_experts": 0,
+}
+for _key in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+    PRESETS["tiny-qwen3.5"].pop(_key)
+PRESETS["tiny-qwen3.5-moe"] = {**copy.deepcopy(_QWEN3_5_TINY), "model_type": "qwen3_5_moe_text"}
+PRESETS["tiny-qwen3.5-moe"].pop("intermediate_size")
+
+MODEL_TYPES = {  # model_type -> transformers class (text-only)
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+}
+WRAPPERS = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -156,6 +180,8 @@ def is_moe_layer(config: dict, layer: int) -> bool:
 
 
 def _validate(config: dict) -> None:
+    if config.get("model_type", "qwen3_next") not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {sorted(MODEL_TYPES)}")
     missing = [k for k in _REQUIRED if k not in config]
     n = config.get("num_hidden_layers", 0)
     moe = [is_moe_layer(config, i) for i in range(n)]
@@ -212,6 +238,7 @@ def _tensor_specs(config: dict, layout: str) -> list[tuple[str, tuple[int, ...],
     kh, vh = c["linear_num_key_heads"], c["linear_num_value_heads"]
     kd, vd = c["linear_key_head_dim"], c["linear_value_head_dim"]
     kc = c.get("linear_conv_kernel_dim", 4)
+    split_gdn = c.get("model_type", "qwen3_next") != "qwen3_next"
     specs: list[tuple[str, tuple[int, ...], str]] = [
         ("model.embed_tokens.weight", (vocab, hid), "w")
     ]
@@ -226,9 +253,19 @@ def _tensor_specs(config: dict, layout: str) -> list[tuple[str, tuple[int, ...],
         specs.append((f"{p}.input_layernorm.weight", (hid,), "norm0"))
         if kind == "linear_attention":
             a = f"{p}.linear_attn"
+            if split_gdn:  # Qwen3.5: [q|k|v] and z, b, a as separate linears
+                specs += [
+                    (f"{a}.in_proj_qkv.weight", (2 * kh * kd + vh * vd, hid), "w"),
+                    (f"{a}.in_proj_z.weight", (vh * vd, hid), "w"),
+                    (f"{a}.in_proj_b.weight", (vh, hid), "w"),
+                    (f"{a}.in_proj_a.weight", (vh, hid), "w"),
+                ]
+            else:  # Qwen3-Next: rows grouped per key head
+                specs += [
+                    (f"{a}.in_proj_qkvz.weight", (2 * kh * kd + 2 * vh * vd, hid), "w"),
+                    (f"{a}.in_proj_ba.weight", (2 * vh, hid), "w"),
+                ]
             specs += [
-                (f"{a}.in_proj_qkvz.weight", (2 * kh * kd + 2 * vh * vd, hid), "w"),
-                (f"{a}.in_proj_ba.weight", (2 * vh, hid), "w"),
                 (f"{a}.conv1d.weight", (2 * kh * kd + vh * vd, 1, kc), "conv"),
                 (f"{a}.A_log", (vh,), "a_log"),
                 (f"{a}.dt_bias", (vh,), "dt_bias"),
@@ -349,9 +386,10 @@ def complete_config(
         rope_type=rope.get("rope_type", "default"), rope_theta=theta, partial_rotary_factor=factor
     )
     ids = special_token_ids()
+    model_type = cfg.get("model_type", "qwen3_next")
     cfg.update(
-        model_type="qwen3_next",
-        architectures=["Qwen3NextForCausalLM"],
+        model_type=model_type,
+        architectures=[MODEL_TYPES[model_type]],
         layer_types=layer_types(cfg),
         rope_theta=theta,
         partial_rotary_factor=factor,
@@ -396,8 +434,15 @@ def write_checkpoint(
     expert_layout: str = "per_expert",
     init_range: float = 0.1,
     max_shard_bytes: int | None = None,
+    multimodal: bool = False,
 ) -> Path:
     """Write a complete random-weight checkpoint directory for ``config``; return its path.
+
+    ``multimodal=True`` (Qwen3.5 configs only) writes the layout of the vision-language release:
+    the config nested as ``text_config`` of a ``qwen3_5`` / ``qwen3_5_moe`` wrapper, the language
+    model's tensors under ``model.language_model.``, plus a token vision tower (``model.visual.*``)
+    and MTP head (``mtp.*``) that a text server must skip. The language model's numbers are the
+    same as those of the text-only checkpoint with the same seed.
 
     ``out_dir`` is created if missing; existing weight files in it are replaced. With
     ``max_shard_bytes`` the weights are always written as ``model-0000k-of-0000N.safetensors``
@@ -413,10 +458,15 @@ def write_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    if multimodal and cfg["model_type"] not in WRAPPERS:
+        raise ValueError(f"multimodal layout needs a Qwen3.5 config, not {cfg['model_type']}")
     tensors = _random_tensors(cfg, seed, init_range, expert_layout)
     for key, t in tensors.items():
         keep_fp32 = key.endswith((".A_log", ".dt_bias"))
         tensors[key] = t if keep_fp32 else t.to(dtype)
+    file_cfg = cfg
+    if multimodal:
+        tensors, file_cfg = _wrap_multimodal(tensors, cfg, dtype)
 
     _clear_weights(out)
     meta = {"format": "pt"}
@@ -439,7 +489,7 @@ def write_checkpoint(
     if n_tok > cfg["vocab_size"]:  # pragma: no cover - BpeTrainer never exceeds vocab_size
         raise RuntimeError(f"tokenizer has {n_tok} tokens > vocab_size {cfg['vocab_size']}")
     ids = special_token_ids()
-    _write_json(out / "config.json", cfg)
+    _write_json(out / "config.json", file_cfg)
     generation = {
         "bos_token_id": ids[ENDOFTEXT],
         "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
@@ -458,6 +508,35 @@ def write_checkpoint(
         time.perf_counter() - start,
     )
     return out
+
+
+def _wrap_multimodal(
+    tensors: dict[str, torch.Tensor], text_cfg: dict, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Language-model tensors moved under ``model.language_model.``, with small stand-ins for
+    the vision tower and the MTP head; the wrapper config around ``text_cfg``."""
+    out = {
+        (f"model.language_model.{k.removeprefix('model.')}" if k.startswith("model.") else k): t
+        for k, t in tensors.items()
+    }
+    hid = text_cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(0)
+    for key, shape in (
+        ("model.visual.patch_embed.proj.weight", (hid, 3, 2, 2)),
+        ("model.visual.merger.linear_fc1.weight", (hid, hid)),
+        ("mtp.fc.weight", (hid, 2 * hid)),
+        ("mtp.norm.weight", (hid,)),
+    ):
+        out[key] = torch.randn(shape, generator=gen).to(dtype)
+    wrapper = {
+        "model_type": WRAPPERS[text_cfg["model_type"]],
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text_cfg,
+        "vision_config": {"hidden_size": hid, "depth": 1},
+        "tie_word_embeddings": text_cfg["tie_word_embeddings"],
+        "dtype": text_cfg["dtype"],
+    }
+    return out, wrapper
 
 
 def write_preset(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:

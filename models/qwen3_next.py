@@ -3,13 +3,12 @@
     h = x + mixer(norm(x))          mixer = GatedDeltaNet or GatedAttention, by `layer_types`
     y = h + mlp(norm(h))            mlp   = sparse MoE with shared expert, or a dense SwiGLU
 
-Module names equal the checkpoint's, so loading is a name table (`load_weights`). The model reads
-one `ForwardBatch` and returns logits for the last new token of each request (or every token).
+Module names equal Qwen3-Next's checkpoint names; `models.weight_map` maps every layout onto
+them. The model reads one `ForwardBatch` and returns logits for the last new token of each
+request (or every token).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -87,72 +86,3 @@ class Qwen3NextForCausalLM(nn.Module):
         if not (batch.return_all_logits and not batch.is_decode):
             x = x if batch.is_decode else x[batch.last_token_indices()]
         return self.lm_head(self.model.norm(x)).float()
-
-    # ---- checkpoint names ----------------------------------------------------------------
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into parameters; returns the checkpoint names consumed.
-
-        Accepts per-expert (`experts.{e}.gate_proj.weight`) and fused (`experts.gate_up_proj`)
-        expert layouts and the grouped GDN projections. An unexpected name raises `KeyError`
-        naming it; the caller checks for missing ones. `mtp.*` is skipped.
-        """
-        params = dict(self.named_parameters(remove_duplicate=False))
-        filled: set[str] = set()
-        num_experts = self.config.num_experts
-        for name, w in tensors:
-            if name.startswith("mtp."):
-                continue
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue  # some tied checkpoints still carry a copy
-            target, rows = name, None
-            if ".mlp.experts." in name and not name.endswith(("gate_up_proj", "down_proj")):
-                prefix, rest = name.split(".mlp.experts.")
-                expert, proj, _ = rest.split(".")  # "{e}.{gate|up|down}_proj.weight"
-                e = int(expert)
-                if not 0 <= e < num_experts:
-                    raise KeyError(f"unexpected checkpoint tensor {name}")
-                target = (
-                    f"{prefix}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-                )
-                inter = self.config.moe_intermediate_size
-                rows = {"gate_proj": (e, 0), "up_proj": (e, inter), "down_proj": (e, None)}.get(
-                    proj
-                )
-                if rows is None:
-                    raise KeyError(f"unexpected checkpoint tensor {name}")
-            elif name.endswith("linear_attn.in_proj_qkvz.weight"):
-                w = GatedDeltaNet.regroup_qkvz(w, self.config)
-            elif name.endswith("linear_attn.in_proj_ba.weight"):
-                w = GatedDeltaNet.regroup_ba(w, self.config)
-            param = params.get(target)
-            if param is None:
-                raise KeyError(f"unexpected checkpoint tensor {name}")
-            if rows is None:
-                dst = param.data
-            else:
-                e, off = rows
-                dst = param.data[e] if off is None else param.data[e, off : off + w.shape[0]]
-            if dst.shape != w.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name}: shape {tuple(w.shape)}, expected {tuple(dst.shape)}"
-                )
-            dst.copy_(w)
-            filled.add(name)
-        return filled
-
-    def expected_checkpoint_names(self, expert_layout: str) -> set[str]:
-        """Names a complete checkpoint provides for this model (the strict loader's contract)."""
-        names = set()
-        for pname, _ in self.named_parameters():
-            if pname.endswith("mlp.experts.gate_up_proj") and expert_layout == "per_expert":
-                base = pname.removesuffix("gate_up_proj")
-                for e in range(self.config.num_experts):
-                    names |= {f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"}
-            elif pname.endswith("mlp.experts.down_proj") and expert_layout == "per_expert":
-                base = pname.removesuffix("down_proj")
-                names |= {f"{base}{e}.down_proj.weight" for e in range(self.config.num_experts)}
-            else:
-                names.add(pname)
-        if self.config.tie_word_embeddings:
-            names.discard("lm_head.weight")
-        return names

@@ -30,7 +30,7 @@ def _variant(**overrides) -> dict:
     return cfg
 
 
-# name -> (config, checkpoint dtype, expert layout, shard size)
+# name -> (config, checkpoint dtype, expert layout, shard size[, multimodal layout])
 CONFIGS = {
     "tiny": (preset_config("tiny"), torch.float32, "per_expert", None),
     # dense MLP layers, unnormalised top-k, GQA 4:1, GDN key/value heads 1:1, tied embeddings
@@ -72,15 +72,29 @@ CONFIGS = {
         "per_expert",
         200_000,
     ),
+    # Qwen3.5 dense: split GDN projections, dense MLP on every layer
+    "qwen3.5": (preset_config("tiny-qwen3.5"), torch.float32, "per_expert", None),
+    # Qwen3.5 MoE as released: multimodal wrapper (text_config, model.language_model.*, vision
+    # tower and MTP head to skip), fused experts; judged against the text-only twin
+    "qwen3.5-moe-multimodal": (
+        preset_config("tiny-qwen3.5-moe"),
+        torch.float32,
+        "fused",
+        None,
+        True,
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    config, dtype, layout, shard = CONFIGS[request.param]
+    config, dtype, layout, shard, *wrapped = CONFIGS[request.param]
     path = tmp_path_factory.mktemp(request.param)
     write_checkpoint(path, config, seed=1, dtype=dtype, expert_layout=layout, max_shard_bytes=shard)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if wrapped:  # same seed: the same language-model numbers in the multimodal layout
+        path = tmp_path_factory.mktemp(request.param + "-wrapped")
+        write_checkpoint(path, config, seed=1, dtype=dtype, expert_layout=layout, multimodal=True)
     ours = load_model(path, dtype="float32")
     gen = torch.Generator().manual_seed(7)
     vocab = config["vocab_size"]

@@ -1,0 +1,119 @@
+"""One table from checkpoint tensor names to the model's parameters (and row slices of them).
+
+`checkpoint_map(model, expert_layout)` is the whole loading contract: the strict key set a
+checkpoint must provide is exactly the table's keys, so the loader can name a missing or extra
+tensor before reading any data. The table covers every layout we read:
+
+    Qwen3-Next   linear_attn.in_proj_qkvz   grouped per key head -> regrouped to [Q|K|V|Z]
+                 linear_attn.in_proj_ba     grouped per key head -> regrouped to [B|A]
+    Qwen3.5      linear_attn.in_proj_qkv    rows [0, conv_dim) of in_proj_qkvz ([Q|K|V] already)
+                 linear_attn.in_proj_z      rows [conv_dim, conv_dim + HV*dv) of in_proj_qkvz
+                 linear_attn.in_proj_b / _a rows [0, HV) / [HV, 2HV) of in_proj_ba
+    experts      per-expert experts.{e}.{gate,up,down}_proj.weight -> rows of the fused
+                 experts.gate_up_proj [E, 2I, hidden] / experts.down_proj [E, hidden, I];
+                 or those fused tensors themselves (no `.weight` suffix)
+
+Checkpoint names carry the config's `weight_prefix` in place of `model.` (`model.language_model.`
+in the multimodal Qwen3.5 wrappers); `lm_head.weight` never moves. Names under `mtp.` (the
+multi-token-prediction head) and the wrappers' vision tower are not ours (`is_skipped`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+
+SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: `param[index]` after `transform(tensor)`."""
+
+    param: str
+    index: tuple = ()
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def is_skipped(name: str) -> bool:
+    return name.startswith(SKIPPED_PREFIXES)
+
+
+def expert_layout_of(names: list[str] | set[str]) -> str:
+    """`fused` when the checkpoint stores stacked expert tensors, else `per_expert`."""
+    return "fused" if any(n.endswith("mlp.experts.gate_up_proj") for n in names) else "per_expert"
+
+
+def _regroup_qkvz(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows grouped per key head [q_g|k_g|v_g|z_g]... -> contiguous [Q|K|V|Z]."""
+    r = c.linear_num_value_heads // c.linear_num_key_heads
+    dk, rdv = c.linear_key_head_dim, r * c.linear_value_head_dim
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        grouped = w.reshape(c.linear_num_key_heads, 2 * dk + 2 * rdv, -1)  # [H, 2dk+2r*dv, hid]
+        parts = grouped.split([dk, dk, rdv, rdv], dim=1)
+        return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts], dim=0)
+
+    return f
+
+
+def _regroup_ba(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows grouped per key head [b_g|a_g]... -> contiguous [B|A]."""
+    r = c.linear_num_value_heads // c.linear_num_key_heads
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        grouped = w.reshape(c.linear_num_key_heads, 2 * r, -1)  # [H, 2r, hidden]
+        b, a = grouped.split([r, r], dim=1)
+        return torch.cat([b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])], dim=0)
+
+    return f
+
+
+def _param_entries(pname: str, c: ModelConfig, expert_layout: str) -> dict[str, Target]:
+    """Checkpoint names (without the prefix change) that fill parameter `pname`."""
+    if pname.endswith("linear_attn.in_proj_qkvz.weight"):
+        base = pname.removesuffix("in_proj_qkvz.weight")
+        if c.gdn_projections == "grouped":
+            return {pname: Target(pname, transform=_regroup_qkvz(c))}
+        rows = (slice(0, c.conv_dim), slice(c.conv_dim, c.conv_dim + c.linear_value_dim))
+        return {
+            f"{base}in_proj_qkv.weight": Target(pname, (rows[0],)),
+            f"{base}in_proj_z.weight": Target(pname, (rows[1],)),
+        }
+    if pname.endswith("linear_attn.in_proj_ba.weight"):
+        base = pname.removesuffix("in_proj_ba.weight")
+        if c.gdn_projections == "grouped":
+            return {pname: Target(pname, transform=_regroup_ba(c))}
+        hv = c.linear_num_value_heads
+        return {
+            f"{base}in_proj_b.weight": Target(pname, (slice(0, hv),)),
+            f"{base}in_proj_a.weight": Target(pname, (slice(hv, 2 * hv),)),
+        }
+    if expert_layout == "per_expert" and pname.endswith("mlp.experts.gate_up_proj"):
+        base, inter = pname.removesuffix("gate_up_proj"), c.moe_intermediate_size
+        out = {}
+        for e in range(c.num_experts):
+            out[f"{base}{e}.gate_proj.weight"] = Target(pname, (e, slice(0, inter)))
+            out[f"{base}{e}.up_proj.weight"] = Target(pname, (e, slice(inter, 2 * inter)))
+        return out
+    if expert_layout == "per_expert" and pname.endswith("mlp.experts.down_proj"):
+        base = pname.removesuffix("down_proj")
+        return {f"{base}{e}.down_proj.weight": Target(pname, (e,)) for e in range(c.num_experts)}
+    return {pname: Target(pname)}
+
+
+def checkpoint_map(model: nn.Module, expert_layout: str) -> dict[str, Target]:
+    """Checkpoint name -> Target for every tensor a complete checkpoint of `model` holds."""
+    c: ModelConfig = model.config
+    table: dict[str, Target] = {}
+    for pname, _ in model.named_parameters():  # tied lm_head is listed once, as the embedding
+        for name, target in _param_entries(pname, c, expert_layout).items():
+            if name.startswith("model."):
+                name = c.weight_prefix + name.removeprefix("model.")
+            table[name] = target
+    return table
