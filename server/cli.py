@@ -1,7 +1,8 @@
 """`hybrid-serve` command line.
 
     hybrid-serve [--model-path DIR] [--host H] [--port P] [...]   the HTTP server (server/args.py)
-    hybrid-serve make-model --preset tiny|small --out DIR [--seed N]
+    hybrid-serve make-model --preset tiny|small|tiny-qwen3.5|tiny-qwen3.5-moe --out DIR
+        [--seed N] [--multimodal]
     hybrid-serve generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N] ...
 
 With no `--model-path` the server (and `generate`) use the `tiny` preset, written on first use to
@@ -36,11 +37,17 @@ def default_model_path(preset: str = "tiny") -> Path:
     return path
 
 
+# models.presets' names, spelled out so that the CLI imports no torch to build its parser
+PRESET_NAMES = ("tiny", "small", "tiny-qwen3.5", "tiny-qwen3.5-moe")
+
+
 def cmd_make_model(args: argparse.Namespace) -> None:
-    from models.presets import count_parameters, preset_config, write_preset
+    from models.presets import count_parameters, preset_config, write_checkpoint
 
     start = time.perf_counter()
-    out = write_preset(args.preset, args.out, seed=args.seed)
+    out = write_checkpoint(
+        args.out, preset_config(args.preset), seed=args.seed, multimodal=args.multimodal
+    )
     n = count_parameters(preset_config(args.preset))
     logger.info(
         "wrote %s (%s preset, %.1fM parameters) in %.1fs",
@@ -117,9 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-model", help="write a deterministic random-weight checkpoint")
-    mk.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    mk.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="Qwen3.5 presets: the vision-language release's layout (text_config, "
+        "model.language_model.* weights, a vision tower and MTP head to skip)",
+    )
     mk.set_defaults(func=cmd_make_model)
 
     gen = sub.add_parser("generate", help="one offline generation (no server)")
