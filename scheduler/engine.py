@@ -11,17 +11,22 @@ a dict with `text`, `output_ids` and `meta_info` (`id`, `prompt_tokens`, `comple
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import Any
 
+from models.loader import load_model
 from scheduler.config import SchedulerConfig
 from scheduler.leak_check import leak_report
 from scheduler.model_runner import ModelRunner, RunnerConfig
+from scheduler.pool_sizing import describe, pool_bytes, size_pools
 from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -30,11 +35,16 @@ def build_scheduler(
     model_path: str, runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig
 ) -> Scheduler:
     """Load the model and pools and make the scheduler; a Mamba pool size of 0 takes the
-    strategy's default (`SchedulerConfig.mamba_slots_for`)."""
+    strategy's default (`SchedulerConfig.mamba_slots_for`), and a memory budget sizes the KV
+    pool (`scheduler.pool_sizing`). The sizes are logged."""
     if runner_cfg.mamba_cache_size == 0:
         slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
         runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
-    return Scheduler(ModelRunner.from_path(model_path, runner_cfg), sched_cfg)
+    model = load_model(model_path, runner_cfg.dtype, runner_cfg.device)
+    sizes = pool_bytes(model)
+    runner_cfg = size_pools(runner_cfg, sizes)
+    logger.info(describe(runner_cfg, sizes))
+    return Scheduler(ModelRunner(model, runner_cfg), sched_cfg)
 
 
 class Engine:

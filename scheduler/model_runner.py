@@ -41,6 +41,17 @@ class RunnerConfig:
     # per strategy, see SchedulerConfig.mamba_slots_for)
     dtype: str = "auto"
     device: str = "cpu"
+    # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
+    mem_fraction_static: float = 0.0
+    pool_memory_gb: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.mem_fraction_static < 1.0:
+            raise ValueError(
+                f"--mem-fraction-static must be in [0, 1), got {self.mem_fraction_static}"
+            )
+        if self.pool_memory_gb < 0:
+            raise ValueError(f"--pool-memory-gb must be >= 0, got {self.pool_memory_gb}")
 
     @property
     def mamba_slots(self) -> int:

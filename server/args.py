@@ -58,6 +58,10 @@ HELP: dict[str, str] = {
     "mamba_cache_size": "Mamba state slots (0: sized from the strategy and max running requests)",
     "dtype": "weights and activations dtype (auto: the checkpoint's)",
     "device": "cpu or cuda",
+    "mem_fraction_static": "CUDA: fraction of GPU memory for weights + KV/Mamba pools; sizes the "
+    "KV pool (0: --max-total-tokens decides)",
+    "pool_memory_gb": "GB for the KV and Mamba pools on any device; sizes the KV pool "
+    "(0: --max-total-tokens decides)",
     "max_prefill_tokens": "new tokens in one prefill batch",
     "chunked_prefill_size": "max new tokens of one request per prefill round (<= 0: no chunking)",
     "schedule_policy": "waiting queue order: fcfs or lpm (longest prefix match)",

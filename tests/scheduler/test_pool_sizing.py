@@ -1,0 +1,74 @@
+"""Pools sized from a memory budget: the per-unit byte counts equal what the pools allocate, the
+KV pool takes what the Mamba pool and request table leave, and impossible budgets are refused."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from models.presets import preset_config, write_checkpoint
+from scheduler.engine import Engine
+from scheduler.model_runner import RunnerConfig
+from scheduler.pool_sizing import GB, PoolBytes, pool_bytes, size_pools
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return str(write_checkpoint(tmp_path_factory.mktemp("t"), preset_config("tiny"), seed=2))
+
+
+def test_unit_sizes_equal_the_pools(path):
+    runner = Engine(path, max_running_requests=4, max_total_tokens=1000).runner
+    sizes = pool_bytes(runner.model)
+    kv, mamba = runner.kv_pool, runner.mamba_pool
+    kv_rows = kv._k.shape[1]  # pages + the reserved page 0, times page size
+    assert sizes.kv_per_token == (kv._k.nbytes + kv._v.nbytes) // kv_rows
+    per_slot = (mamba.conv_state.nbytes + mamba.ssm_state.nbytes) // mamba.conv_state.shape[1]
+    assert sizes.mamba_per_slot == per_slot
+    assert sizes.weights == sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def test_budget_sizes_the_kv_pool(path, caplog):
+    budget_gb = 0.02
+    with caplog.at_level(logging.INFO, logger="scheduler.engine"):
+        engine = Engine(path, max_running_requests=4, pool_memory_gb=budget_gb, page_size=1)
+    runner = engine.runner
+    sizes = pool_bytes(runner.model)
+    used = (
+        runner.config.max_total_tokens * sizes.kv_per_token
+        + runner.config.mamba_slots * sizes.mamba_per_slot
+        + 4 * runner.config.max_context_len * 4
+    )
+    assert used <= budget_gb * GB < used + sizes.kv_per_token  # all of it, to one token
+    assert runner.config.max_total_tokens > 10_000  # not the default 65536, not tiny
+    assert any("KV pool" in r.getMessage() for r in caplog.records)
+    out = engine.generate([[5, 6, 7]], GREEDY)
+    assert len(out[0]["output_ids"]) == 4 and engine.leak_report() == []
+
+
+def test_impossible_budgets_are_refused():
+    sizes = PoolBytes(kv_per_token=1000, mamba_per_slot=10**6, weights=10**8)
+    cfg = RunnerConfig(max_running_requests=4, mamba_cache_size=12, pool_memory_gb=0.01)
+    with pytest.raises(ValueError, match="need at least the context length 4096"):
+        size_pools(cfg, sizes)
+    assert size_pools(RunnerConfig(mamba_cache_size=12), sizes) == RunnerConfig(mamba_cache_size=12)
+    with pytest.raises(ValueError, match="on CPU use --pool-memory-gb"):
+        size_pools(RunnerConfig(mem_fraction_static=0.8), sizes)
+    with pytest.raises(ValueError, match="not both"):
+        size_pools(RunnerConfig(mem_fraction_static=0.8, pool_memory_gb=1), sizes)
+    with pytest.raises(ValueError, match="mem-fraction-static"):
+        RunnerConfig(mem_fraction_static=1.5)
+
+
+@pytest.mark.gpu
+def test_mem_fraction_static_on_cuda(path):
+    engine = Engine(path, device="cuda", max_running_requests=4, mem_fraction_static=0.05)
+    total = torch.cuda.get_device_properties(0).total_memory
+    sizes = pool_bytes(engine.runner.model)
+    kv = engine.runner.config.max_total_tokens * sizes.kv_per_token
+    assert kv <= 0.05 * total - sizes.weights
+    assert engine.generate([[5, 6, 7]], GREEDY)[0]["output_ids"]
