@@ -35,12 +35,26 @@ class ServerConfig:
     host: str = _opt("127.0.0.1", "address to bind")
     port: int = _opt(30000, "port to bind")
     api_key: str | None = _opt(
-        None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health and /metrics (visible "
+        "in ps: prefer HYBRID_SERVE_API_KEY or --api-key-file)",
     )
     served_model_name: str | None = _opt(
         None, "model name in the API (default: the checkpoint directory's name)"
     )
     log_level: str = _opt("info", f"logging level: {', '.join(LOG_LEVELS)}")
+    api_key_file: str | None = _opt(None, "file of API keys, one per line (# comments)")
+    admin_api_key: str | None = _opt(
+        None,
+        "key for the admin routes (/flush_cache, abort_all); without it they take any API key "
+        "(also HYBRID_SERVE_ADMIN_API_KEY)",
+    )
+    allowed_hosts: tuple[str, ...] = _opt(
+        (), "Host header names accepted (default: loopback names when bound to loopback; * any)"
+    )
+    allowed_origins: tuple[str, ...] = _opt(
+        (), "browser origins allowed to call the server, with CORS (default: none)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -81,14 +95,16 @@ ALIASES: dict[str, tuple[str, ...]] = {
 CONFIG_CLASSES = (ServerConfig, RunnerConfig, SchedulerConfig)
 
 
-def _add_field(parser: argparse._ActionsContainer, name: str, default: Any, help: str) -> None:
+def _add_field(
+    parser: argparse._ActionsContainer, name: str, default: Any, help: str, elem_type: type = int
+) -> None:
     flags = (f"--{name.replace('_', '-')}", *ALIASES.get(name, ()))
     kwargs: dict[str, Any] = {"dest": name, "default": default, "help": help}
     if isinstance(default, bool):
         parser.add_argument(*flags, action="store_true", **kwargs)
         return
     if isinstance(default, tuple):
-        kwargs.update(nargs="+", type=type(default[0]) if default else int)
+        kwargs.update(nargs="+", type=type(default[0]) if default else elem_type)
     elif default is not None:
         kwargs["type"] = type(default)
     if kwargs["help"] and default not in (None, ()):
@@ -106,7 +122,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 raise RuntimeError(f"option {f.name} is defined twice")
             seen.add(f.name)
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            _add_field(group, f.name, default, f.metadata.get("help") or HELP.get(f.name, ""))
+            elem = str if "tuple[str" in str(f.type) else int  # for empty tuple defaults
+            _add_field(group, f.name, default, f.metadata.get("help") or HELP.get(f.name, ""), elem)
 
 
 def configs_from_args(
@@ -126,6 +143,7 @@ def configs_from_args(
 
 def build_serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="hybrid-serve",
         description="Serve a hybrid Mamba/attention model over HTTP (OpenAI and SGLang APIs). "
         "Other commands: 'hybrid-serve make-model --help', 'hybrid-serve generate --help'.",

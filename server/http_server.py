@@ -2,14 +2,13 @@
 
 Routes live in `openai_api.py` (/v1/...) and `native_api.py` (SGLang's /generate, sessions and
 admin routes). `/health` answers 503 until the scheduler process has loaded the model, then 200.
-With an API key every route but /health and /metrics wants `Authorization: Bearer KEY` (401).
+Keys, the admin key, the Host/Origin allow-lists and JSON-only bodies: `server/security.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from scheduler.config import SchedulerConfig
@@ -26,6 +26,7 @@ from server.client import SchedulerClient, SchedulerError
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import Generator
 from server.metrics import CONTENT_TYPE, Metrics
+from server.security import KeyCheck, Keys, RequestGuard, default_allowed_hosts
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class AppState:
     generator: Generator
     metrics: Metrics
     created: int
+    keys: Keys
 
     def check_model(self, name: str | None) -> None:
         """404 unless `name` is the served model's name (or 'default')."""
@@ -65,21 +67,6 @@ class AppState:
             raise APIError(str(e), e.status) from e
 
 
-class JSONBodyByDefault:
-    """Read a body sent without a JSON content type (`curl -d` sends a form type) as JSON."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT"):
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            given = dict(scope["headers"]).get(b"content-type", b"")
-            if not given or given.startswith(b"application/x-www-form-urlencoded"):
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
-
-
 def get_state(request: Request) -> AppState:
     return request.app.state.hs
 
@@ -96,6 +83,7 @@ def create_app(
     from server.native_api import router as native_router
     from server.openai_api import router as openai_router
 
+    keys = Keys.load(config.api_key, config.api_key_file, config.admin_api_key)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     name = config.served_model_name or Path(model_path).name
     client = SchedulerClient(model_path, runner_config, scheduler_config, config.log_level)
@@ -111,6 +99,7 @@ def create_app(
         generator=Generator(client, tokenizer, metrics),
         metrics=metrics,
         created=int(time.time()),
+        keys=keys,
     )
 
     @asynccontextmanager
@@ -124,18 +113,18 @@ def create_app(
     app = FastAPI(title="hybrid-serve", version=VERSION, lifespan=lifespan)
     app.state.hs = state
     install_error_handlers(app)
-    app.add_middleware(JSONBodyByDefault)
 
-    if config.api_key:
-        expected = f"Bearer {config.api_key}"
-
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next):
-            if request.url.path not in OPEN_PATHS:
-                given = request.headers.get("authorization", "")
-                if not secrets.compare_digest(given.encode(), expected.encode()):
-                    return error_response("invalid or missing API key", 401)
-            return await call_next(request)
+    app.add_middleware(KeyCheck, keys=keys, open_paths=OPEN_PATHS)
+    # Added last = outermost: the guard answers before CORS, which answers before auth.
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    hosts = config.allowed_hosts or default_allowed_hosts(config.host)
+    app.add_middleware(RequestGuard, allowed_hosts=hosts, allowed_origins=config.allowed_origins)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -32,6 +32,7 @@ from server.protocol import (
     NativeSamplingParams,
     OpenSessionRequest,
 )
+from server.security import require_admin
 
 router = APIRouter()
 
@@ -218,7 +219,8 @@ async def get_server_info(request: Request) -> JSONResponse:
     s = get_state(request)
     info = await s.query("info")
     server = asdict(s.config)
-    server["api_key"] = "<set>" if s.config.api_key else None
+    for key in ("api_key", "admin_api_key"):  # never shown
+        server[key] = "<set>" if server[key] else None
     return JSONResponse(
         {
             "version": VERSION,
@@ -232,6 +234,7 @@ async def get_server_info(request: Request) -> JSONResponse:
 
 @router.api_route("/flush_cache", methods=["POST", "GET"])
 async def flush_cache(request: Request) -> PlainTextResponse:
+    require_admin(request)
     await get_state(request).query("flush")
     return PlainTextResponse("Cache flushed.\n")
 
@@ -242,5 +245,7 @@ async def abort_request(body: AbortRequest, request: Request) -> Response:
     s.check_ready()
     if body.rid is None and not body.abort_all:
         raise APIError("give 'rid' or 'abort_all': true", 400)
+    if body.abort_all:
+        require_admin(request)
     s.client.abort(body.rid, abort_all=body.abort_all)
     return Response(status_code=200)

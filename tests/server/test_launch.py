@@ -42,10 +42,11 @@ def test_make_serve_starts_the_default_model(tmp_path):
         srv.wait_healthy(seen)
         assert 503 in seen, seen  # answered before the model was loaded
         assert (cache / "tiny" / "config.json").is_file()  # the preset, written on first use
-        r = httpx.post(
-            f"{srv.url}/v1/completions",
-            content=b'{"model": "tiny", "prompt": "Say hi", "max_tokens": 4}',
-        )  # as `curl -d` sends it: no JSON content type
+        body = b'{"model": "tiny", "prompt": "Say hi", "max_tokens": 4}'
+        url = f"{srv.url}/v1/completions"
+        # as bare `curl -d` sends it (a form type): refused, so no HTML form can pass for it
+        assert httpx.post(url, content=body).status_code == 415
+        r = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
     finally:
