@@ -73,14 +73,19 @@ class PrefixCache:
             slots.append(slot)
         req.req_slot, req.mamba_slot, req.track_slots = rows[0], slots[0], slots[1:]
         req.next_track, req.last_track_len, req.lazy_insert_ok = 0, None, True
+        # match -> load back what only the host tier holds (its state straight into the running
+        # slot) -> lock and take the prefix
         match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+        match = self.tree.load_back(match, req.mamba_slot)
         prefix = len(match.kv_indices)
         self.tree.inc_lock_ref(match.last_node)
+        self.tree.note_hit(match.last_node)
         req.last_node = match.last_node
         req.branching_len = match.branching_seqlen if self.tracking else None
         if prefix:
             runner.req_pool.req_to_token[req.req_slot, :prefix] = match.kv_indices.to(torch.int32)
-            self.pool.copy(match.mamba_slot, req.mamba_slot)
+            if not match.state_loaded:
+                self.pool.copy(match.mamba_slot, req.mamba_slot)
         req.kv_len = req.cache_protected_len = prefix
         return True
 
