@@ -45,11 +45,11 @@ import torch
 
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
-from mem_cache.req_pool import SlotPool
 from mem_cache.radix_check import check_tree
 from mem_cache.radix_evict import RadixEviction
 from mem_cache.radix_node import EMPTY_LOCS as _EMPTY
 from mem_cache.radix_node import MatchResult, TreeNode
+from mem_cache.req_pool import SlotPool
 
 
 class MambaRadixCache(RadixEviction):
