@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from mem_cache.hiradix_cache import HiMambaRadixCache
+from mem_cache.host_pool import HostKVPool, HostMambaPool, host_pool_sizes
 from mem_cache.radix_cache import MambaRadixCache
 from scheduler.config import SchedulerConfig
 from scheduler.model_runner import ModelRunner
@@ -32,6 +34,24 @@ from scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 LAZY_ALLOC_FAIL_ENV = "HYBRID_SERVE_TEST_MAMBA_LAZY_ALLOC_FAIL"  # test switch, as SGLang's
+
+
+def build_tree(runner: ModelRunner, config: SchedulerConfig) -> MambaRadixCache:
+    """The radix cache over the runner's pools; with --enable-hierarchical-cache, over host
+    pools too (sized by --hicache-size / --hicache-ratio, pinned when the device is CUDA)."""
+    kv, mamba, ps = runner.kv_pool, runner.mamba_pool, runner.config.page_size
+    if not config.enable_hierarchical_cache:
+        return MambaRadixCache(kv, mamba, page_size=ps, disable=config.disable_radix_cache)
+    pages, slots = host_pool_sizes(kv, mamba, config.hicache_ratio, config.hicache_size)
+    pin = runner.device.type == "cuda"
+    host_kv, host_mamba = HostKVPool(kv, pages, pin), HostMambaPool(mamba, slots, pin)
+    logger.info(
+        "host tier: %d KV tokens, %d Mamba slots, %s",
+        pages * ps, slots, config.hicache_write_policy,
+    )  # fmt: skip
+    return HiMambaRadixCache(
+        kv, mamba, host_kv, host_mamba, page_size=ps, write_policy=config.hicache_write_policy
+    )
 
 
 class PrefixCache:
