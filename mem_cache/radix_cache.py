@@ -288,6 +288,17 @@ class MambaRadixCache(RadixEviction):
     def held_host_mamba_slots(self) -> set[int]:
         return set()
 
+    def tier_stats(self) -> dict[str, int]:
+        """Cumulative tier counters (prefix tokens served from device and host memory, tokens
+        written to / loaded back from / demoted to / evicted from the host) and host pool use."""
+        keys = ("device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens")
+        keys += ("host_written_tokens", "host_evicted_tokens", "load_back_failed")
+        out = {k: self.stats[k] for k in keys}
+        for name, pool, _ in self.host_pools():
+            key = "host_" + name.lower().replace(" ", "_")
+            out[f"{key}_total"], out[f"{key}_free"] = pool.size, pool.available()
+        return out
+
     def host_pools(self) -> list[tuple[str, SlotPool, set[int]]]:
         """(name, pool, ids the tree holds in it) of each host-tier pool, for the leak checker;
         ids are pages for KV. None without a host tier."""

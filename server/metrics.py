@@ -18,6 +18,12 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OUTCOMES = ("stop", "length", "abort", "error")
+TIER_EVENT_KEYS = {
+    "written": "host_written_tokens",
+    "loaded_back": "loaded_back_tokens",
+    "demoted": "demoted_tokens",
+    "evicted": "host_evicted_tokens",
+}
 
 
 class Metrics:
@@ -49,6 +55,19 @@ class Metrics:
         self.token_usage = gauge("token_usage", "Fraction of KV pages in use (tree included)")
         self.mamba_usage = gauge("mamba_usage", "Fraction of Mamba state slots in use")
         self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens")
+        self.tier_hit_tokens = Gauge(
+            PREFIX + "cache_tier_hit_tokens",
+            "Prefix tokens served by the radix cache from each tier, since start",
+            ("model_name", "tier"),
+            registry=r,
+        )
+        self.host_usage = gauge("hicache_host_usage", "Fraction of host-tier KV pages in use")
+        self.tier_events = Gauge(
+            PREFIX + "hicache_tokens",
+            "Host-tier token movements since start (written, loaded_back, demoted, evicted)",
+            ("model_name", "event"),
+            registry=r,
+        )
         self._prompt_total = 0
         self._cached_total = 0
         for outcome in OUTCOMES:  # every series exists (at 0) from the first scrape
@@ -87,6 +106,16 @@ class Metrics:
         self.mamba_usage.labels(**self._label).set(stats["mamba_usage"])
         rate = self._cached_total / self._prompt_total if self._prompt_total else 0.0
         self.cache_hit_rate.labels(**self._label).set(rate)
+        tiers = stats.get("cache_tiers", {})
+        for tier in ("device", "host"):
+            hits = tiers.get(f"{tier}_hit_tokens", 0)
+            self.tier_hit_tokens.labels(**self._label, tier=tier).set(hits)
+        total = tiers.get("host_kv_pages_total", 0)
+        used = total - tiers.get("host_kv_pages_free", 0)
+        self.host_usage.labels(**self._label).set(used / total if total else 0.0)
+        for event in ("written", "loaded_back", "demoted", "evicted"):
+            key = TIER_EVENT_KEYS[event]
+            self.tier_events.labels(**self._label, event=event).set(tiers.get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
