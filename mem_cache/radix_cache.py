@@ -30,8 +30,14 @@ path to the root); ``mamba_lock_ref`` counts direct locks on the node. Only node
 the root, a no-op) may be locked, so ``full_lock_ref == mamba_lock_ref + sum(children's
 full_lock_ref)``. Locked KV is never evicted; a directly locked state is never evicted.
 
-LRU: two ordered dicts (least recent first): every non-root node by id in ``full`` order and every
-node with a state by slot in ``mamba`` order. Touching a path refreshes it deepest node first, so
+Tiers: a node's device KV is optional (``value=None``: the node lives only in a host tier, see
+`mem_cache/radix_node.py` and `HiMambaRadixCache`). This class never creates such nodes; it walks
+them in `match_prefix` (reported as ``host_node`` / ``host_len``), gives them the caller's KV in
+`insert`, and leaves the rest to three hooks: `_evict_device_leaf` (the one way device memory is
+evicted), `load_back` (admission: match -> load back -> lock) and `_after_insert` / `note_hit`.
+
+LRU: two ordered dicts (least recent first): every node with device KV by id in ``full`` order
+and every node with a device state by slot in ``mamba`` order. Touching a path refreshes it deepest node first, so
 an ancestor is never older than its descendants and one eviction pass in LRU order meets every leaf
 it creates. Each eviction call costs one scan of its list, not one per evicted item.
 """
