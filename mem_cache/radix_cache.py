@@ -37,9 +37,10 @@ them in `match_prefix` (reported as ``host_node`` / ``host_len``), gives them th
 evicted), `load_back` (admission: match -> load back -> lock) and `_after_insert` / `note_hit`.
 
 LRU: two ordered dicts (least recent first): every node with device KV by id in ``full`` order
-and every node with a device state by slot in ``mamba`` order. Touching a path refreshes it deepest node first, so
-an ancestor is never older than its descendants and one eviction pass in LRU order meets every leaf
-it creates. Each eviction call costs one scan of its list, not one per evicted item.
+and every node with a device state by slot in ``mamba`` order. Touching a path refreshes it
+deepest node first, so an ancestor is never older than its descendants and one eviction pass in
+LRU order meets every leaf it creates. Each eviction call costs one scan of its list, not one
+per evicted item.
 """
 
 from __future__ import annotations
