@@ -29,17 +29,19 @@ from collections import OrderedDict
 
 import torch
 
+from mem_cache.hicache_storage import StorageTier
 from mem_cache.host_pool import HostKVPool, HostMambaPool
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_cache import MambaRadixCache
 from mem_cache.radix_node import EMPTY_LOCS, MatchResult, TreeNode
 from mem_cache.req_pool import SlotPool
+from mem_cache.storage_file import FileStorage
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
-class HiMambaRadixCache(MambaRadixCache):
+class HiMambaRadixCache(StorageTier, MambaRadixCache):
     def __init__(
         self,
         kv_pool: KVPool,
@@ -47,8 +49,10 @@ class HiMambaRadixCache(MambaRadixCache):
         host_kv_pool: HostKVPool,
         host_mamba_pool: HostMambaPool,
         page_size: int = 1,
-        chunk_size: int = 64,
+        chunk_size: int = MambaRadixCache.DEFAULT_CHUNK,
         write_policy: str = "write_through",
+        storage: FileStorage | None = None,
+        prefetch_threshold: int = 256,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
@@ -58,6 +62,7 @@ class HiMambaRadixCache(MambaRadixCache):
         self.write_policy = write_policy
         self.write_threshold = 1 if write_policy == "write_through" else 2
         super().__init__(kv_pool, mamba_pool, page_size=page_size, chunk_size=chunk_size)
+        self._init_storage(storage, prefetch_threshold)
 
     def _init_tree(self) -> None:
         super()._init_tree()
@@ -112,6 +117,8 @@ class HiMambaRadixCache(MambaRadixCache):
             node.host_mamba_slot = host_slot
             self._host_mamba_lru[host_slot] = node
         self.stats["host_written_tokens"] += tokens
+        if self.storage is not None:
+            self._write_storage(node)
         return True
 
     # ---- device eviction: demote -------------------------------------------------------

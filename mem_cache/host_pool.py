@@ -54,6 +54,14 @@ class HostKVPool(KVPool):
         _copy_rows(device_pool._k, device_locs, self._k, host_locs)
         _copy_rows(device_pool._v, device_locs, self._v, host_locs)
 
+    def read(self, host_locs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """K/V of host token locations, ``[layers, n, heads, dim]`` each (copies)."""
+        return {"k": self._k[:, host_locs], "v": self._v[:, host_locs]}
+
+    def write(self, host_locs: torch.Tensor, kv: dict[str, torch.Tensor]) -> None:
+        self._k[:, host_locs] = kv["k"].to(self._k.dtype)
+        self._v[:, host_locs] = kv["v"].to(self._v.dtype)
+
 
 class HostMambaPool(MambaPool):
     """Mamba state slots in host memory; ``size`` usable slots."""
@@ -78,6 +86,16 @@ class HostMambaPool(MambaPool):
         for slot in device_slots:
             _copy_rows(device_pool.conv_state, [slot], self.conv_state, [host_slot])
             _copy_rows(device_pool.ssm_state, [slot], self.ssm_state, [host_slot])
+
+    def read(self, host_slot: int) -> dict[str, torch.Tensor]:
+        return {
+            "conv": self.conv_state[:, host_slot].clone(),
+            "ssm": self.ssm_state[:, host_slot].clone(),
+        }
+
+    def write(self, host_slot: int, state: dict[str, torch.Tensor]) -> None:
+        self.conv_state[:, host_slot] = state["conv"].to(self.conv_state.dtype)
+        self.ssm_state[:, host_slot] = state["ssm"].to(self.ssm_state.dtype)
 
 
 def host_pool_sizes(

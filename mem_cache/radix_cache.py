@@ -62,12 +62,14 @@ from mem_cache.req_pool import SlotPool
 class MambaRadixCache(RadixEviction):
     """Radix cache of KV locations plus Mamba state slots; see the module docstring."""
 
+    DEFAULT_CHUNK = 64  # chunk_size: snapshot alignment (and the storage tier's block size)
+
     def __init__(
         self,
         kv_pool: KVPool,
         mamba_pool: MambaPool,
         page_size: int = 1,
-        chunk_size: int = 64,
+        chunk_size: int = DEFAULT_CHUNK,
         disable: bool = False,
     ) -> None:
         if page_size != kv_pool.page_size:
@@ -133,7 +135,12 @@ class MambaRadixCache(RadixEviction):
             aligned = pos // self.chunk_size * self.chunk_size
             branching = aligned if aligned > len(kv) else None
         host_len = host_pos - len(kv) if host is not None else 0
-        return MatchResult(kv, best, best.mamba_slot, branching, host, host_len)
+        return MatchResult(kv, best, best.mamba_slot, branching, host, host_len, False, pos, node)
+
+    def prefetch(self, key: list[int], match: MatchResult) -> MatchResult:
+        """Admission's storage step: extend ``match`` of ``key`` from the storage tier into host
+        memory. Nothing to do without one (see `HiMambaRadixCache.prefetch`)."""
+        return match
 
     def load_back(self, match: MatchResult, dst_slot: int | None = None) -> MatchResult:
         """Make ``match`` usable from the device: the device-only cache has nothing to load, so
@@ -300,6 +307,8 @@ class MambaRadixCache(RadixEviction):
         written to / loaded back from / demoted to / evicted from the host) and host pool use."""
         keys = ("device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens")
         keys += ("host_written_tokens", "host_evicted_tokens", "load_back_failed")
+        keys += ("storage_hit_tokens", "storage_written_tokens", "prefetches")
+        keys += ("prefetch_truncated", "prefetch_skipped", "prefetch_failed")
         out = {k: self.stats[k] for k in keys}
         for name, pool, _ in self.host_pools():
             key = "host_" + name.lower().replace(" ", "_")

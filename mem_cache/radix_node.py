@@ -78,3 +78,5 @@ class MatchResult:
     host_node: TreeNode | None = None  # deeper node whose state (or path KV) is only on host
     host_len: int = 0  # tokens past last_node up to host_node (to load back)
     state_loaded: bool = False  # load-back already wrote the state into the caller's slot
+    matched_len: int = 0  # tokens of the key the tree holds on some tier (ends at end_node)
+    end_node: TreeNode | None = None  # deepest node of the walk (root if nothing matched)

@@ -27,6 +27,9 @@ class SchedulerConfig:
     hicache_ratio: float = 2.0  # host pools = this times the device pools
     hicache_size: float = 0.0  # host pools in GB (> 0 overrides hicache_ratio)
     hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str = ""  # "file": a storage tier under the host tier
+    hicache_storage_dir: str = ""
+    hicache_prefetch_threshold: int = 256  # shorter storage hits are not prefetched
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -51,6 +54,17 @@ class SchedulerConfig:
             raise ValueError("--enable-hierarchical-cache needs the radix cache")
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
+        if self.hicache_storage_backend not in ("", "file"):
+            raise ValueError("--hicache-storage-backend must be 'file' (or empty: none)")
+        if self.hicache_storage_backend and not (
+            self.enable_hierarchical_cache and self.hicache_storage_dir
+        ):
+            raise ValueError(
+                "--hicache-storage-backend needs --enable-hierarchical-cache and "
+                "--hicache-storage-dir"
+            )
+        if self.hicache_prefetch_threshold < 0:
+            raise ValueError("--hicache-prefetch-threshold must be >= 0")
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy must be one of {HICACHE_WRITE_POLICIES}")
 

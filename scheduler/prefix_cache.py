@@ -27,6 +27,7 @@ import torch
 from mem_cache.hiradix_cache import HiMambaRadixCache
 from mem_cache.host_pool import HostKVPool, HostMambaPool, host_pool_sizes
 from mem_cache.radix_cache import MambaRadixCache
+from mem_cache.storage_file import FileStorage, model_identity
 from scheduler.config import SchedulerConfig
 from scheduler.model_runner import ModelRunner
 from scheduler.request import Req
@@ -49,9 +50,17 @@ def build_tree(runner: ModelRunner, config: SchedulerConfig) -> MambaRadixCache:
         "host tier: %d KV tokens, %d Mamba slots, %s",
         pages * ps, slots, config.hicache_write_policy,
     )  # fmt: skip
+    storage = None
+    if config.hicache_storage_backend == "file":
+        chunk = MambaRadixCache.DEFAULT_CHUNK
+        extra = f"kv={kv.dtype},conv={mamba.conv_dtype},ssm={mamba.ssm_dtype},block={chunk}"
+        storage = FileStorage(
+            config.hicache_storage_dir, model_identity(runner.model, extra), block_size=chunk
+        )
     return HiMambaRadixCache(
-        kv, mamba, host_kv, host_mamba, page_size=ps, write_policy=config.hicache_write_policy
-    )
+        kv, mamba, host_kv, host_mamba, page_size=ps, write_policy=config.hicache_write_policy,
+        storage=storage, prefetch_threshold=config.hicache_prefetch_threshold,
+    )  # fmt: skip
 
 
 class PrefixCache:
@@ -95,7 +104,8 @@ class PrefixCache:
         req.next_track, req.last_track_len, req.lazy_insert_ok = 0, None, True
         # match -> load back what only the host tier holds (its state straight into the running
         # slot) -> lock and take the prefix
-        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+        key = req.all_ids[: req.fill_len - 1]
+        match = self.tree.prefetch(key, self.tree.match_prefix(key))
         match = self.tree.load_back(match, req.mamba_slot)
         prefix = len(match.kv_indices)
         self.tree.inc_lock_ref(match.last_node)
