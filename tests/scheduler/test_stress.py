@@ -127,6 +127,23 @@ CASES = {
         },
         ("kv_evicted", "mamba_evicted", "retracted", "cache_hits", "host_loaded", "host_evicted"),
     ),
+    # Storage tier too (64-token blocks; threshold 0 so short prefixes are prefetched).
+    "hicache-storage-extra-buffer": Case(
+        35,
+        {
+            **BASE,
+            "max_total_tokens": 240,
+            "mamba_cache_size": 14,
+            "chunked_prefill_size": 64,
+            "mamba_scheduler_strategy": "extra_buffer",
+            "mamba_track_interval": 4,
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": 0.6,
+            "hicache_storage_backend": "file",
+            "hicache_prefetch_threshold": 0,
+        },
+        ("kv_evicted", "retracted", "cache_hits", "host_loaded", "host_evicted", "prefetched"),
+    ),
     # Whole-request prefill: KV runs out in decode only.
     "no-chunk-kv": Case(
         0,
@@ -323,6 +340,7 @@ class Stats:
     session_rejected: int = 0
     host_loaded: int = 0  # tokens loaded back from the host tier
     host_evicted: int = 0  # host tokens evicted
+    prefetched: int = 0  # tokens prefetched from the storage tier
 
     def reached(self, pressure: str) -> bool:
         return bool(getattr(self, pressure))
@@ -393,6 +411,7 @@ def run_workload(engine: Engine, seed: int) -> tuple[list[Req], Stats]:
     stats.session_turns = sum(r.session is not None and r.cached_len > 0 for r in work.done)
     stats.host_loaded = sched.tree.stats["loaded_back_tokens"]
     stats.host_evicted = sched.tree.stats["host_evicted_tokens"]
+    stats.prefetched = sched.tree.stats["storage_hit_tokens"]
     for sid in list(sched.sessions.sessions):
         check_invariants(sched)
         sched.close_session(sid)
@@ -423,9 +442,12 @@ def check_outcome(engine: Engine, reqs: list[Req], stats: Stats, reference) -> N
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_random_workload_keeps_invariants_and_greedy_parity(model_path, reference, name):
+def test_random_workload_keeps_invariants_and_greedy_parity(model_path, reference, name, tmp_path):
     case = CASES[name]
-    engine = Engine(model_path, **case.options)
+    storage = (
+        {"hicache_storage_dir": str(tmp_path)} if "hicache_storage_backend" in case.options else {}
+    )
+    engine = Engine(model_path, **case.options, **storage)
     reqs, stats = run_workload(engine, case.seed)
     print(f"{name}: {stats}")
     check_outcome(engine, reqs, stats, reference)
