@@ -23,6 +23,13 @@ TIER_EVENT_KEYS = {
     "loaded_back": "loaded_back_tokens",
     "demoted": "demoted_tokens",
     "evicted": "host_evicted_tokens",
+    "stored": "storage_written_tokens",
+}
+PREFETCH_KEYS = {
+    "done": "prefetches",
+    "truncated": "prefetch_truncated",
+    "skipped": "prefetch_skipped",
+    "failed": "prefetch_failed",
 }
 
 
@@ -62,9 +69,16 @@ class Metrics:
             registry=r,
         )
         self.host_usage = gauge("hicache_host_usage", "Fraction of host-tier KV pages in use")
+        self.prefetches = Gauge(
+            PREFIX + "hicache_prefetches",
+            "Storage prefetches since start, by outcome (done, truncated, skipped, failed)",
+            ("model_name", "outcome"),
+            registry=r,
+        )
         self.tier_events = Gauge(
             PREFIX + "hicache_tokens",
-            "Host-tier token movements since start (written, loaded_back, demoted, evicted)",
+            "Tier token movements since start (written to host, loaded_back, demoted, evicted "
+            "from host, stored)",
             ("model_name", "event"),
             registry=r,
         )
@@ -107,15 +121,17 @@ class Metrics:
         rate = self._cached_total / self._prompt_total if self._prompt_total else 0.0
         self.cache_hit_rate.labels(**self._label).set(rate)
         tiers = stats.get("cache_tiers", {})
-        for tier in ("device", "host"):
+        for tier in ("device", "host", "storage"):
             hits = tiers.get(f"{tier}_hit_tokens", 0)
             self.tier_hit_tokens.labels(**self._label, tier=tier).set(hits)
         total = tiers.get("host_kv_pages_total", 0)
         used = total - tiers.get("host_kv_pages_free", 0)
         self.host_usage.labels(**self._label).set(used / total if total else 0.0)
-        for event in ("written", "loaded_back", "demoted", "evicted"):
+        for event in TIER_EVENT_KEYS:
             key = TIER_EVENT_KEYS[event]
             self.tier_events.labels(**self._label, event=event).set(tiers.get(key, 0))
+        for outcome, key in PREFETCH_KEYS.items():
+            self.prefetches.labels(**self._label, outcome=outcome).set(tiers.get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
