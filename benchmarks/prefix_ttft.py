@@ -5,7 +5,10 @@ Uncached: the radix cache is flushed before each request. Cached, `no_buffer` (d
 served once before as a request of its own, so the tree holds the state after exactly P. Cached,
 `--mamba-scheduler-strategy extra_buffer`: P was served once followed by a different question,
 and the request reuses the snapshot at P's last chunk-aligned position (a multiple of 64) and
-prefills the rest. TTFT = time from submission to the first streamed token. Medians.
+prefills the rest. With `--enable-hierarchical-cache`, also served from host memory: P was
+served once as above, then the whole device tree was evicted (demoted to the host tier), so the
+request loads P's KV and state back before prefilling its question. TTFT = time from submission
+to the first streamed token. Medians.
 
 Example: python -m benchmarks.prefix_ttft --preset small --prefix-len 2000
 """
@@ -39,6 +42,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mamba-scheduler-strategy", default="no_buffer")
+    ap.add_argument("--enable-hierarchical-cache", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_path is None:
@@ -52,6 +56,7 @@ def main() -> None:
         max_total_tokens=4 * (args.prefix_len + args.suffix_len + 64),
         max_context_len=args.prefix_len + args.suffix_len + 64,
         mamba_scheduler_strategy=args.mamba_scheduler_strategy,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
     )
     snapshots = args.mamba_scheduler_strategy != "no_buffer"
     vocab = engine.runner.model.config.vocab_size
@@ -62,7 +67,7 @@ def main() -> None:
 
     prefix = rand(args.prefix_len)
     ttft(engine, rand(8))  # warm-up
-    cold, warm, hits = [], [], []
+    cold, warm, hits, host, host_hits = [], [], [], [], []
     for _ in range(args.repeats):
         engine.flush_cache()
         cold.append(ttft(engine, prefix + rand(args.suffix_len))[0])
@@ -72,6 +77,14 @@ def main() -> None:
         t, cached = ttft(engine, prefix + rand(args.suffix_len))
         warm.append(t)
         hits.append(cached)
+        if args.enable_hierarchical_cache:
+            engine.flush_cache()
+            engine.generate(first, {"max_new_tokens": 1})
+            tree = engine.scheduler.tree
+            tree.evict(num_tokens=tree.total_size())  # everything demoted to host memory
+            t, cached = ttft(engine, prefix + rand(args.suffix_len))
+            host.append(t)
+            host_hits.append(cached)
     assert engine.leak_report() == []
     c, w = statistics.median(cold), statistics.median(warm)
     print(
@@ -82,6 +95,12 @@ def main() -> None:
         f"TTFT uncached: {c * 1e3:.1f} ms   cached: {w * 1e3:.1f} ms   ratio: {w / c:.3f}   "
         f"cached_tokens: {statistics.median(hits):.0f}"
     )
+    if host:
+        h = statistics.median(host)
+        print(
+            f"TTFT from host memory: {h * 1e3:.1f} ms   ratio: {h / c:.3f}   "
+            f"cached_tokens: {statistics.median(host_hits):.0f}"
+        )
 
 
 if __name__ == "__main__":

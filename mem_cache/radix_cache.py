@@ -30,70 +30,46 @@ path to the root); ``mamba_lock_ref`` counts direct locks on the node. Only node
 the root, a no-op) may be locked, so ``full_lock_ref == mamba_lock_ref + sum(children's
 full_lock_ref)``. Locked KV is never evicted; a directly locked state is never evicted.
 
-LRU: two ordered dicts (least recent first): every non-root node by id in ``full`` order and every
-node with a state by slot in ``mamba`` order. Touching a path refreshes it deepest node first, so
-an ancestor is never older than its descendants and one eviction pass in LRU order meets every leaf
-it creates. Each eviction call costs one scan of its list, not one per evicted item.
+Tiers: a node's device KV is optional (``value=None``: the node lives only in a host tier, see
+`mem_cache/radix_node.py` and `HiMambaRadixCache`). This class never creates such nodes; it walks
+them in `match_prefix` (reported as ``host_node`` / ``host_len``), gives them the caller's KV in
+`insert`, and leaves the rest to three hooks: `_evict_device_leaf` (the one way device memory is
+evicted), `load_back` (admission: match -> load back -> lock) and `_after_insert` / `note_hit`.
+
+LRU: two ordered dicts (least recent first): every node with device KV by id in ``full`` order
+and every node with a device state by slot in ``mamba`` order. Touching a path refreshes it
+deepest node first, so an ancestor is never older than its descendants and one eviction pass in
+LRU order meets every leaf it creates. Each eviction call costs one scan of its list, not one
+per evicted item.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
 
 import torch
 
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class TreeNode:
-    """One radix node; the root has an empty key and value and is permanently locked (1, 1)."""
-
-    __slots__ = (
-        "id", "key", "value", "mamba_slot", "parent", "children", "full_lock_ref",
-        "mamba_lock_ref", "last_access_time", "mamba_access_time",
-    )  # fmt: skip
-
-    def __init__(self, nid: int, key: list[int], value: torch.Tensor, mamba_slot: int | None):
-        self.id = nid
-        self.key = key
-        self.value = value
-        self.mamba_slot = mamba_slot
-        self.parent: TreeNode | None = None
-        self.children: dict[int | tuple[int, ...], TreeNode] = {}
-        self.full_lock_ref = 0
-        self.mamba_lock_ref = 0
-        self.last_access_time = 0
-        self.mamba_access_time = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.id}, len={len(self.key)}, slot={self.mamba_slot}, "
-            f"lock={self.full_lock_ref}/{self.mamba_lock_ref})"
-        )
+from mem_cache.radix_check import check_tree
+from mem_cache.radix_evict import RadixEviction
+from mem_cache.radix_node import EMPTY_LOCS as _EMPTY
+from mem_cache.radix_node import MatchResult, TreeNode
+from mem_cache.req_pool import SlotPool
 
 
-@dataclass
-class MatchResult:
-    kv_indices: torch.Tensor  # int64 [n] KV locations of the usable prefix (ends at last_node)
-    last_node: TreeNode  # deepest node WITH a Mamba state on the matched path (root if none)
-    mamba_slot: int | None  # last_node's slot (None when n == 0)
-    branching_seqlen: int | None  # chunk-aligned KV match length past last_node, or None
-
-
-class MambaRadixCache:
+class MambaRadixCache(RadixEviction):
     """Radix cache of KV locations plus Mamba state slots; see the module docstring."""
+
+    DEFAULT_CHUNK = 64  # chunk_size: snapshot alignment (and the storage tier's block size)
 
     def __init__(
         self,
         kv_pool: KVPool,
         mamba_pool: MambaPool,
         page_size: int = 1,
-        chunk_size: int = 64,
+        chunk_size: int = DEFAULT_CHUNK,
         disable: bool = False,
     ) -> None:
         if page_size != kv_pool.page_size:
@@ -116,6 +92,7 @@ class MambaRadixCache:
         self._mamba_lru: OrderedDict[int, TreeNode] = OrderedDict()  # keyed by slot
         self._full_evictable = self._full_protected = 0
         self._mamba_evictable = self._mamba_protected = 0
+        self.stats: Counter[str] = Counter()  # tier counters (hit tokens, copies), cumulative
 
     # ------------------------------------------------------------------------------- match
 
@@ -135,6 +112,7 @@ class MambaRadixCache:
         key = list(key[: len(key) - len(key) % self.page_size])
         node, pos, values = self.root, 0, []
         best, best_parts = self.root, 0
+        host, host_pos = None, 0  # deepest node with a state that needs the host tier
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -144,8 +122,10 @@ class MambaRadixCache:
                 child = self._split(child, n)
             values.append(child.value)
             node, pos = child, pos + n
-            if node.mamba_slot is not None:
-                best, best_parts = node, len(values)
+            if node.mamba_slot is not None:  # implies device KV on the whole path
+                best, best_parts, host = node, len(values), None
+            elif node.host_mamba_slot is not None:
+                host, host_pos = node, pos
         self._touch_path(node)
         if best is not self.root:
             self._touch_mamba(best)
@@ -154,7 +134,23 @@ class MambaRadixCache:
         if pos > len(kv):
             aligned = pos // self.chunk_size * self.chunk_size
             branching = aligned if aligned > len(kv) else None
-        return MatchResult(kv, best, best.mamba_slot, branching)
+        host_len = host_pos - len(kv) if host is not None else 0
+        return MatchResult(kv, best, best.mamba_slot, branching, host, host_len, False, pos, node)
+
+    def prefetch(self, key: list[int], match: MatchResult) -> MatchResult:
+        """Admission's storage step: extend ``match`` of ``key`` from the storage tier into host
+        memory. Nothing to do without one (see `HiMambaRadixCache.prefetch`)."""
+        return match
+
+    def load_back(self, match: MatchResult, dst_slot: int | None = None) -> MatchResult:
+        """Make ``match`` usable from the device: the device-only cache has nothing to load, so
+        ``match`` is returned as is (its host part, always empty here, is dropped). The
+        hierarchical cache copies the host part back (see `HiMambaRadixCache.load_back`)."""
+        self.stats["device_hit_tokens"] += len(match.kv_indices)
+        return match
+
+    def note_hit(self, node: TreeNode) -> None:
+        """A request was admitted on ``node`` (locked); the hierarchical cache counts hits."""
 
     # ------------------------------------------------------------------------------ insert
 
@@ -208,11 +204,17 @@ class MambaRadixCache:
             n = self._common_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
-            if pos < prev_prefix_len and not torch.equal(
-                child.value[: prev_prefix_len - pos], kv[pos : min(pos + n, prev_prefix_len)]
+            if pos < prev_prefix_len and (
+                child.value is None
+                or not torch.equal(
+                    child.value[: prev_prefix_len - pos], kv[pos : min(pos + n, prev_prefix_len)]
+                )
             ):
                 raise ValueError("insert: KV of the cache-owned prefix differs from the tree's")
-            self._free_kv(kv[max(pos, prev_prefix_len) : pos + n])
+            if child.value is None:  # host only: the caller's KV becomes its device copy
+                self._attach_kv(child, kv[pos : pos + n].clone())
+            else:
+                self._free_kv(kv[max(pos, prev_prefix_len) : pos + n])
             node, pos = child, pos + n
         if pos < prev_prefix_len:
             raise ValueError(f"insert: only {pos} of the cache-owned {prev_prefix_len} are cached")
@@ -224,8 +226,7 @@ class MambaRadixCache:
                 leaf = TreeNode(next(self._ids), key[pos:], kv[pos:].clone(), mamba_slot)
                 leaf.parent = node
                 node.children[self._child_key(leaf.key, 0)] = leaf
-                self._full_lru[leaf.id] = leaf
-                self._full_evictable += len(leaf.key)
+                self._attach_kv(leaf, leaf.value)
                 self._add_state(leaf)
                 node = leaf
         elif mamba_slot is not None:
@@ -238,7 +239,11 @@ class MambaRadixCache:
             self._touch_path(node)
             if node.mamba_slot is not None:
                 self._touch_mamba(node)
+                self._after_insert(node)
         return pos, exist
+
+    def _after_insert(self, node: TreeNode) -> None:
+        """Hook: ``node`` (with a device state) was just inserted or re-inserted."""
 
     # ------------------------------------------------------------------------------- locks
 
@@ -268,75 +273,6 @@ class MambaRadixCache:
                 self._full_protected += d * len(node.key)
             node = node.parent
 
-    # ---------------------------------------------------------------------------- eviction
-
-    def evict(self, num_tokens: int = 0, num_mamba: int = 0) -> tuple[int, int]:
-        """Free at least ``num_tokens`` KV tokens and ``num_mamba`` slots, or all that can go.
-
-        KV: evicts least-recently-used unlocked leaves (KV and slot), then the tombstone leaves
-        that this leaves behind. Slots freed that way count towards ``num_mamba``; `evict_mamba`
-        frees the remainder. Returns (KV tokens freed, slots freed).
-        """
-        tokens = slots = 0
-        if num_tokens > 0:
-            # One pass suffices: a leaf's parent comes after it in the LRU order.
-            for node in list(self._full_lru.values()):
-                if tokens >= num_tokens:
-                    break
-                if node.id in self._full_lru and not node.children and node.full_lock_ref == 0:
-                    t, s = self._evict_leaf(node)
-                    tokens, slots = tokens + t, slots + s
-        if num_mamba > slots:
-            t, s = self._evict_mamba(num_mamba - slots)
-            tokens, slots = tokens + t, slots + s
-        return tokens, slots
-
-    def evict_mamba(self, n: int = 1) -> int:
-        """Free up to ``n`` least-recently-used states that are not directly locked.
-
-        An internal node becomes a tombstone (its KV stays); a leaf is evicted whole (KV too, and
-        tombstone parents left as leaves). Returns the number of slots freed.
-        """
-        return self._evict_mamba(n)[1]
-
-    def _evict_mamba(self, n: int) -> tuple[int, int]:
-        tokens = slots = 0
-        for node in list(self._mamba_lru.values()):
-            if slots >= n:
-                break
-            if self._mamba_lru.get(node.mamba_slot) is not node or node.mamba_lock_ref > 0:
-                continue
-            if node.children:
-                self.mamba_pool.free([node.mamba_slot])
-                self._drop_state(node)
-                slots += 1
-            elif node.full_lock_ref == 0:
-                t, s = self._evict_leaf(node)
-                tokens, slots = tokens + t, slots + s
-        return tokens, slots
-
-    def _evict_leaf(self, leaf: TreeNode) -> tuple[int, int]:
-        self.mamba_pool.free([leaf.mamba_slot])
-        self._drop_state(leaf)
-        tokens = self._delete(leaf)
-        node = leaf.parent
-        while (
-            node is not self.root
-            and node.mamba_slot is None
-            and not node.children
-            and node.full_lock_ref == 0
-        ):
-            tokens += self._delete(node)
-            node = node.parent
-        return tokens, 1
-
-    def _delete(self, node: TreeNode) -> int:
-        self._free_kv(node.value)
-        del node.parent.children[self._child_key(node.key, 0)]
-        del self._full_lru[node.id]
-        self._full_evictable -= len(node.key)
-        return len(node.key)
-
     # ----------------------------------------------------------------------------- queries
 
     def evictable_size(self) -> int:
@@ -359,6 +295,31 @@ class MambaRadixCache:
         """KV token locations (not pages) the tree owns."""
         return {loc for node in self._full_lru.values() for loc in node.value.tolist()}
 
+    def held_host_kv_locs(self) -> set[int]:
+        """Host KV locations the tree owns (none without a host tier)."""
+        return set()
+
+    def held_host_mamba_slots(self) -> set[int]:
+        return set()
+
+    def tier_stats(self) -> dict[str, int]:
+        """Cumulative tier counters (prefix tokens served from device and host memory, tokens
+        written to / loaded back from / demoted to / evicted from the host) and host pool use."""
+        keys = ("device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens")
+        keys += ("host_written_tokens", "host_evicted_tokens", "load_back_failed")
+        keys += ("storage_hit_tokens", "storage_written_tokens", "prefetches")
+        keys += ("prefetch_truncated", "prefetch_skipped", "prefetch_failed")
+        out = {k: self.stats[k] for k in keys}
+        for name, pool, _ in self.host_pools():
+            key = "host_" + name.lower().replace(" ", "_")
+            out[f"{key}_total"], out[f"{key}_free"] = pool.size, pool.available()
+        return out
+
+    def host_pools(self) -> list[tuple[str, SlotPool, set[int]]]:
+        """(name, pool, ids the tree holds in it) of each host-tier pool, for the leak checker;
+        ids are pages for KV. None without a host tier."""
+        return []
+
     def held_mamba_slots(self) -> set[int]:
         return set(self._mamba_lru)
 
@@ -374,9 +335,6 @@ class MambaRadixCache:
 
     # ----------------------------------------------------------------------------- helpers
 
-    def _child_key(self, key: list[int], pos: int) -> int | tuple[int, ...]:
-        return key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
-
     def _common_len(self, node_key: list[int], key: list[int], pos: int) -> int:
         n = 0
         for a, b in zip(node_key, itertools.islice(key, pos, None), strict=False):
@@ -387,43 +345,44 @@ class MambaRadixCache:
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut ``node`` after ``n`` tokens; return the new upper node (a tombstone)."""
-        upper = TreeNode(next(self._ids), node.key[:n], node.value[:n].clone(), None)
+        value = None if node.value is None else node.value[:n].clone()
+        upper = TreeNode(next(self._ids), node.key[:n], value, None)
         parent = node.parent
         upper.parent = parent
         parent.children[self._child_key(upper.key, 0)] = upper
         upper.full_lock_ref = node.full_lock_ref
-        node.key, node.value = node.key[n:], node.value[n:].clone()
+        upper.host_lock_ref = node.host_lock_ref
+        upper.hit_count = node.hit_count
+        node.key = node.key[n:]
+        if node.value is not None:
+            node.value = node.value[n:].clone()
+        if node.host_value is not None:
+            upper.host_value = node.host_value[:n].clone()
+            node.host_value = node.host_value[n:].clone()
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         # Most recent, after its descendants; the caller touches the path through it next.
         upper.last_access_time = self._tick
-        self._full_lru[upper.id] = upper
+        if upper.value is not None:
+            self._full_lru[upper.id] = upper
+        self._split_hook(upper)
         return upper
+
+    def _split_hook(self, upper: TreeNode) -> None:
+        """Hook: ``upper`` was cut off the top of a node (the host tier registers its copy)."""
 
     def _touch_path(self, node: TreeNode) -> None:
         self._tick += 1
         while node is not self.root:
             node.last_access_time = self._tick
-            self._full_lru.move_to_end(node.id)
+            if node.value is not None:
+                self._full_lru.move_to_end(node.id)
             node = node.parent
 
     def _touch_mamba(self, node: TreeNode) -> None:
         self._tick += 1
         node.mamba_access_time = self._tick
         self._mamba_lru.move_to_end(node.mamba_slot)
-
-    def _add_state(self, node: TreeNode) -> None:
-        self._mamba_lru[node.mamba_slot] = node
-        self._mamba_evictable += 1
-
-    def _drop_state(self, node: TreeNode) -> None:
-        del self._mamba_lru[node.mamba_slot]
-        node.mamba_slot = None
-        self._mamba_evictable -= 1
-
-    def _free_kv(self, locs: torch.Tensor) -> None:
-        if len(locs):
-            self.kv_pool.free((locs[:: self.page_size] // self.page_size).tolist())
 
     def _check_pages(self, kv: torch.Tensor) -> None:
         ps = self.page_size
@@ -451,50 +410,5 @@ class MambaRadixCache:
             stack.extend(node.children.values())
 
     def sanity_check(self) -> None:
-        """Check invariants I1/I2/I4 of the tree; raise `AssertionError` naming the broken one."""
-        root, ps = self.root, self.page_size
-        assert root.full_lock_ref == 1 and root.mamba_lock_ref == 1, "root must stay locked (1, 1)"
-        assert root.mamba_slot is None and not root.key, "root holds no key and no state"
-        sums, seen, locs, slots = [0, 0, 0, 0], set(), set(), set()
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            for ck, child in node.children.items():
-                assert child.parent is node, f"{child} has a wrong parent link"
-                assert ck == self._child_key(child.key, 0), f"{child} keyed by {ck}"
-                stack.append(child)
-            if node is root:
-                continue
-            seen.add(node.id)
-            assert self._full_lru.get(node.id) is node, f"{node} missing from the full LRU"
-            assert node.key and len(node.key) % ps == 0, f"{node} key length not whole pages"
-            assert len(node.value) == len(node.key), f"{node} key and value lengths differ"
-            assert node.children or node.mamba_slot is not None, f"leaf {node} is a tombstone"
-            assert node.last_access_time <= node.parent.last_access_time or (node.parent is root), (
-                f"{node} is more recent than its parent"
-            )
-            below = sum(c.full_lock_ref for c in node.children.values())
-            assert node.full_lock_ref == node.mamba_lock_ref + below, f"{node} lock counts off"
-            assert node.mamba_lock_ref == 0 or node.mamba_slot is not None, f"{node} locks none"
-            sums[0 if node.full_lock_ref == 0 else 1] += len(node.key)
-            v = node.value.tolist()
-            assert not locs.intersection(v) and len(set(v)) == len(v), f"{node} KV shared"
-            assert min(v) >= ps, f"{node} holds a location in page 0"
-            locs.update(v)
-            if node.mamba_slot is not None:
-                assert self._mamba_lru.get(node.mamba_slot) is node, f"{node} not in mamba LRU"
-                assert node.mamba_slot not in slots, f"slot {node.mamba_slot} held twice"
-                slots.add(node.mamba_slot)
-                sums[2 if node.mamba_lock_ref == 0 else 3] += 1
-        assert seen == set(self._full_lru), "full LRU holds nodes not in the tree"
-        assert len(slots) == len(self._mamba_lru), "mamba LRU holds nodes without a state"
-        counters = [self._full_evictable, self._full_protected]
-        counters += [self._mamba_evictable, self._mamba_protected]
-        assert sums == counters, f"counters {counters} != sums over nodes {sums}"
-        times = [n.last_access_time for n in self._full_lru.values()]
-        assert times == sorted(times), "full LRU out of order"
-        times = [n.mamba_access_time for n in self._mamba_lru.values()]
-        assert times == sorted(times), "mamba LRU out of order"
-        assert 0 not in slots and slots <= self.mamba_pool.allocated_slots(), "slot not allocated"
-        pages = {loc // ps for loc in locs}
-        assert pages <= self.kv_pool.allocated_slots(), "tree holds KV pages that are free"
+        """Check the tree's invariants; raise `AssertionError` naming the broken one."""
+        check_tree(self)

@@ -9,6 +9,7 @@ STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
 # ratios without the overlap scheduler; sizes the pool when --mamba-cache-size is not given.
 MAMBA_SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 5, "extra_buffer_lazy": 4}
 POLICIES = ("fcfs", "lpm")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,13 @@ class SchedulerConfig:
     cuda_graph_bs: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # padded decode sizes
     cuda_graph_max_bs: int = 64  # largest padded size (also added to the list)
     disable_cuda_graph: bool = False  # off: decode batches run at their own size
+    enable_hierarchical_cache: bool = False  # host-memory tier under the radix cache
+    hicache_ratio: float = 2.0  # host pools = this times the device pools
+    hicache_size: float = 0.0  # host pools in GB (> 0 overrides hicache_ratio)
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str = ""  # "file": a storage tier under the host tier
+    hicache_storage_dir: str = ""
+    hicache_prefetch_threshold: int = 256  # shorter storage hits are not prefetched
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -42,6 +50,23 @@ class SchedulerConfig:
             raise ValueError("--cuda-graph-bs sizes and --cuda-graph-max-bs must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
+        if self.hicache_storage_backend not in ("", "file"):
+            raise ValueError("--hicache-storage-backend must be 'file' (or empty: none)")
+        if self.hicache_storage_backend and not (
+            self.enable_hierarchical_cache and self.hicache_storage_dir
+        ):
+            raise ValueError(
+                "--hicache-storage-backend needs --enable-hierarchical-cache and "
+                "--hicache-storage-dir"
+            )
+        if self.hicache_prefetch_threshold < 0:
+            raise ValueError("--hicache-prefetch-threshold must be >= 0")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"--hicache-write-policy must be one of {HICACHE_WRITE_POLICIES}")
 
     def mamba_slots_for(self, max_running_requests: int) -> int:
         """Default Mamba pool size for this strategy."""

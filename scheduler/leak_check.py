@@ -3,7 +3,7 @@
 When no request runs: every request row is free or held by a session; every KV page is free,
 held by the radix tree or by a session; every Mamba slot is free, the tree's or a session's; the
 only tree locks left are the sessions' (one per session on its first turn's node). Slot 0 is never
-handed out.
+handed out. With the host tier, every host KV page and host Mamba slot is free or the tree's.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ def leak_report(scheduler: Scheduler) -> list[str]:
     ):
         if 0 in held:
             problems.append(f"{name} 0 (reserved) is handed out")
+    for name, pool, held_ids in tree.host_pools():
+        leaked = pool.allocated_slots() - held_ids
+        if leaked:
+            problems.append(f"host {name} leaked ({len(leaked)}): {sorted(leaked)[:16]}")
     pins = Counter(id(n) for n in s_nodes if n is not tree.root)
     locked = [n for n in tree.iter_nodes() if n.mamba_lock_ref != pins[id(n)]]
     if locked:

@@ -24,7 +24,10 @@ import os
 
 import torch
 
+from mem_cache.hiradix_cache import HiMambaRadixCache
+from mem_cache.host_pool import HostKVPool, HostMambaPool, host_pool_sizes
 from mem_cache.radix_cache import MambaRadixCache
+from mem_cache.storage_file import FileStorage, model_identity
 from scheduler.config import SchedulerConfig
 from scheduler.model_runner import ModelRunner
 from scheduler.request import Req
@@ -32,6 +35,32 @@ from scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 LAZY_ALLOC_FAIL_ENV = "HYBRID_SERVE_TEST_MAMBA_LAZY_ALLOC_FAIL"  # test switch, as SGLang's
+
+
+def build_tree(runner: ModelRunner, config: SchedulerConfig) -> MambaRadixCache:
+    """The radix cache over the runner's pools; with --enable-hierarchical-cache, over host
+    pools too (sized by --hicache-size / --hicache-ratio, pinned when the device is CUDA)."""
+    kv, mamba, ps = runner.kv_pool, runner.mamba_pool, runner.config.page_size
+    if not config.enable_hierarchical_cache:
+        return MambaRadixCache(kv, mamba, page_size=ps, disable=config.disable_radix_cache)
+    pages, slots = host_pool_sizes(kv, mamba, config.hicache_ratio, config.hicache_size)
+    pin = runner.device.type == "cuda"
+    host_kv, host_mamba = HostKVPool(kv, pages, pin), HostMambaPool(mamba, slots, pin)
+    logger.info(
+        "host tier: %d KV tokens, %d Mamba slots, %s",
+        pages * ps, slots, config.hicache_write_policy,
+    )  # fmt: skip
+    storage = None
+    if config.hicache_storage_backend == "file":
+        chunk = MambaRadixCache.DEFAULT_CHUNK
+        extra = f"kv={kv.dtype},conv={mamba.conv_dtype},ssm={mamba.ssm_dtype},block={chunk}"
+        storage = FileStorage(
+            config.hicache_storage_dir, model_identity(runner.model, extra), block_size=chunk
+        )
+    return HiMambaRadixCache(
+        kv, mamba, host_kv, host_mamba, page_size=ps, write_policy=config.hicache_write_policy,
+        storage=storage, prefetch_threshold=config.hicache_prefetch_threshold,
+    )  # fmt: skip
 
 
 class PrefixCache:
@@ -73,15 +102,21 @@ class PrefixCache:
             slots.append(slot)
         req.req_slot, req.mamba_slot, req.track_slots = rows[0], slots[0], slots[1:]
         req.next_track, req.last_track_len, req.lazy_insert_ok = 0, None, True
-        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+        # match -> load back what only the host tier holds (its state straight into the running
+        # slot) -> lock and take the prefix
+        key = req.all_ids[: req.fill_len - 1]
+        match = self.tree.prefetch(key, self.tree.match_prefix(key))
+        match = self.tree.load_back(match, req.mamba_slot)
         prefix = len(match.kv_indices)
         self.tree.inc_lock_ref(match.last_node)
+        self.tree.note_hit(match.last_node)
         req.last_node = match.last_node
         req.branching_len = match.branching_seqlen if self.tracking else None
         if prefix:
             table = runner.req_pool.req_to_token
             table[req.req_slot, :prefix] = match.kv_indices.to(table.device, torch.int32)
-            self.pool.copy(match.mamba_slot, req.mamba_slot)
+            if not match.state_loaded:
+                self.pool.copy(match.mamba_slot, req.mamba_slot)
         req.kv_len = req.cache_protected_len = prefix
         return True
 

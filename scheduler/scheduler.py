@@ -18,11 +18,10 @@ from collections import deque
 
 import torch
 
-from mem_cache.radix_cache import MambaRadixCache
 from scheduler.config import SchedulerConfig
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
-from scheduler.prefix_cache import PrefixCache
+from scheduler.prefix_cache import PrefixCache, build_tree
 from scheduler.request import FinishReason, Req
 from scheduler.session import SessionManager
 
@@ -34,12 +33,7 @@ class Scheduler:
         self.runner, self.config = runner, config
         if runner.config.page_size != 1 and not config.disable_radix_cache:
             raise ValueError("the radix cache needs --page-size 1 (or --disable-radix-cache)")
-        self.tree = MambaRadixCache(
-            runner.kv_pool,
-            runner.mamba_pool,
-            page_size=runner.config.page_size,
-            disable=config.disable_radix_cache,
-        )
+        self.tree = build_tree(runner, config)
         self.cache = PrefixCache(runner, self.tree, config)
         self.sessions = SessionManager(self.cache)
         sizes = config.decode_graph_sizes(runner.config.max_running_requests)

@@ -85,6 +85,15 @@ HELP: dict[str, str] = {
     "cuda_graph_bs": "decode batch sizes (batches are padded up to one of them)",
     "cuda_graph_max_bs": "largest padded decode size (CUDA graphs captured up to it)",
     "disable_cuda_graph": "run decode batches at their own size",
+    "enable_hierarchical_cache": "keep radix-cache KV and Mamba states in host memory too "
+    "(evicted device nodes are demoted there and loaded back on a hit)",
+    "hicache_ratio": "host pools as a multiple of the device KV and Mamba pools",
+    "hicache_size": "host pools in GB (> 0 overrides --hicache-ratio)",
+    "hicache_storage_backend": "storage tier under the host tier: file (default: none)",
+    "hicache_storage_dir": "folder of the file storage tier (kept across restarts)",
+    "hicache_prefetch_threshold": "storage hits shorter than this many tokens are not prefetched",
+    "hicache_write_policy": "when nodes are copied to host: write_through (on insert), "
+    "write_through_selective (on the second hit) or write_back (on device eviction)",
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {

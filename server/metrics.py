@@ -18,6 +18,19 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OUTCOMES = ("stop", "length", "abort", "error")
+TIER_EVENT_KEYS = {
+    "written": "host_written_tokens",
+    "loaded_back": "loaded_back_tokens",
+    "demoted": "demoted_tokens",
+    "evicted": "host_evicted_tokens",
+    "stored": "storage_written_tokens",
+}
+PREFETCH_KEYS = {
+    "done": "prefetches",
+    "truncated": "prefetch_truncated",
+    "skipped": "prefetch_skipped",
+    "failed": "prefetch_failed",
+}
 
 
 class Metrics:
@@ -49,6 +62,26 @@ class Metrics:
         self.token_usage = gauge("token_usage", "Fraction of KV pages in use (tree included)")
         self.mamba_usage = gauge("mamba_usage", "Fraction of Mamba state slots in use")
         self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens")
+        self.tier_hit_tokens = Gauge(
+            PREFIX + "cache_tier_hit_tokens",
+            "Prefix tokens served by the radix cache from each tier, since start",
+            ("model_name", "tier"),
+            registry=r,
+        )
+        self.host_usage = gauge("hicache_host_usage", "Fraction of host-tier KV pages in use")
+        self.prefetches = Gauge(
+            PREFIX + "hicache_prefetches",
+            "Storage prefetches since start, by outcome (done, truncated, skipped, failed)",
+            ("model_name", "outcome"),
+            registry=r,
+        )
+        self.tier_events = Gauge(
+            PREFIX + "hicache_tokens",
+            "Tier token movements since start (written to host, loaded_back, demoted, evicted "
+            "from host, stored)",
+            ("model_name", "event"),
+            registry=r,
+        )
         self._prompt_total = 0
         self._cached_total = 0
         for outcome in OUTCOMES:  # every series exists (at 0) from the first scrape
@@ -87,6 +120,18 @@ class Metrics:
         self.mamba_usage.labels(**self._label).set(stats["mamba_usage"])
         rate = self._cached_total / self._prompt_total if self._prompt_total else 0.0
         self.cache_hit_rate.labels(**self._label).set(rate)
+        tiers = stats.get("cache_tiers", {})
+        for tier in ("device", "host", "storage"):
+            hits = tiers.get(f"{tier}_hit_tokens", 0)
+            self.tier_hit_tokens.labels(**self._label, tier=tier).set(hits)
+        total = tiers.get("host_kv_pages_total", 0)
+        used = total - tiers.get("host_kv_pages_free", 0)
+        self.host_usage.labels(**self._label).set(used / total if total else 0.0)
+        for event in TIER_EVENT_KEYS:
+            key = TIER_EVENT_KEYS[event]
+            self.tier_events.labels(**self._label, event=event).set(tiers.get(key, 0))
+        for outcome, key in PREFETCH_KEYS.items():
+            self.prefetches.labels(**self._label, outcome=outcome).set(tiers.get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -167,6 +167,7 @@ class SchedulerLoop:
             "req_slots_free": rows.available(),
             "token_usage": 1.0 - kv.available() / kv.size,
             "mamba_usage": 1.0 - mamba.available() / mamba.size,
+            "cache_tiers": s.tree.tier_stats(),
         }
 
     def _q_info(self) -> dict[str, Any]:

@@ -9,7 +9,8 @@ import torch
 
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
-from mem_cache.radix_cache import MambaRadixCache, TreeNode
+from mem_cache.radix_cache import MambaRadixCache
+from mem_cache.radix_node import TreeNode
 
 
 def make_cache(

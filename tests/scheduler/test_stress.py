@@ -99,6 +99,51 @@ CASES = {
         },
         ("kv_evicted", "mamba_evicted", "retracted", "cache_hits", "session_turns"),
     ),
+    # Host tier on tiny pools: device eviction demotes to host, hits load back, host evicts.
+    "hicache-chunk-16-kv": Case(
+        9,
+        {
+            **BASE,
+            "max_total_tokens": 200,
+            "mamba_cache_size": 10,
+            "chunked_prefill_size": 16,
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": 1.5,
+        },
+        ("kv_evicted", "mamba_evicted", "retracted", "cache_hits", "host_loaded", "host_evicted"),
+    ),
+    "hicache-extra-buffer-write-back": Case(
+        35,
+        {
+            **BASE,
+            "max_total_tokens": 240,
+            "mamba_cache_size": 14,
+            "chunked_prefill_size": 64,
+            "mamba_scheduler_strategy": "extra_buffer",
+            "mamba_track_interval": 4,
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": 1.0,
+            "hicache_write_policy": "write_back",
+        },
+        ("kv_evicted", "mamba_evicted", "retracted", "cache_hits", "host_loaded", "host_evicted"),
+    ),
+    # Storage tier too (64-token blocks; threshold 0 so short prefixes are prefetched).
+    "hicache-storage-extra-buffer": Case(
+        35,
+        {
+            **BASE,
+            "max_total_tokens": 240,
+            "mamba_cache_size": 14,
+            "chunked_prefill_size": 64,
+            "mamba_scheduler_strategy": "extra_buffer",
+            "mamba_track_interval": 4,
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": 0.6,
+            "hicache_storage_backend": "file",
+            "hicache_prefetch_threshold": 0,
+        },
+        ("kv_evicted", "retracted", "cache_hits", "host_loaded", "host_evicted", "prefetched"),
+    ),
     # Whole-request prefill: KV runs out in decode only.
     "no-chunk-kv": Case(
         0,
@@ -200,7 +245,9 @@ def live_requests(sched: Scheduler) -> list[Req]:
 def check_invariants(sched: Scheduler) -> None:
     """Every allocated resource has exactly one owner, between steps (not only when idle)."""
     tree, runner = sched.tree, sched.runner
-    tree.sanity_check()
+    tree.sanity_check()  # the host tier's own invariants included
+    for name, pool, held in tree.host_pools():  # host memory is the tree's alone
+        assert pool.allocated_slots() == held, f"host {name} leaked or lost"
     live = live_requests(sched)
     assert len(live) <= runner.config.max_running_requests
     assert len({id(r) for r in live}) == len(live), "a request is both running and chunked"
@@ -291,6 +338,9 @@ class Stats:
     closed_turns: int = 0  # session turns aborted by closing their session
     session_evicted: int = 0  # idle sessions' held slots freed for live requests
     session_rejected: int = 0
+    host_loaded: int = 0  # tokens loaded back from the host tier
+    host_evicted: int = 0  # host tokens evicted
+    prefetched: int = 0  # tokens prefetched from the storage tier
 
     def reached(self, pressure: str) -> bool:
         return bool(getattr(self, pressure))
@@ -359,6 +409,9 @@ def run_workload(engine: Engine, seed: int) -> tuple[list[Req], Stats]:
         check_invariants(sched)
     stats.cache_hits = sum(r.cached_len > 0 and r.rid not in stats.requeued for r in work.done)
     stats.session_turns = sum(r.session is not None and r.cached_len > 0 for r in work.done)
+    stats.host_loaded = sched.tree.stats["loaded_back_tokens"]
+    stats.host_evicted = sched.tree.stats["host_evicted_tokens"]
+    stats.prefetched = sched.tree.stats["storage_hit_tokens"]
     for sid in list(sched.sessions.sessions):
         check_invariants(sched)
         sched.close_session(sid)
@@ -384,12 +437,17 @@ def check_outcome(engine: Engine, reqs: list[Req], stats: Stats, reference) -> N
     assert r.kv_pool.available() == r.kv_pool.size
     assert r.mamba_pool.available() == r.mamba_pool.size
     assert r.req_pool.available() == r.req_pool.size
+    for _, pool, _ in engine.scheduler.tree.host_pools():
+        assert pool.available() == pool.size
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_random_workload_keeps_invariants_and_greedy_parity(model_path, reference, name):
+def test_random_workload_keeps_invariants_and_greedy_parity(model_path, reference, name, tmp_path):
     case = CASES[name]
-    engine = Engine(model_path, **case.options)
+    storage = (
+        {"hicache_storage_dir": str(tmp_path)} if "hicache_storage_backend" in case.options else {}
+    )
+    engine = Engine(model_path, **case.options, **storage)
     reqs, stats = run_workload(engine, case.seed)
     print(f"{name}: {stats}")
     check_outcome(engine, reqs, stats, reference)
