@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SEED_MAX, SamplingParams
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.http_server import AppState, get_state
@@ -38,6 +38,13 @@ def sampling_params(
     body: SamplingFields, max_new_tokens: int, top_logprobs: int | None, j: int
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if body.seed is not None and body.seed + body.n - 1 > SEED_MAX:
+        raise APIError(
+            f"seed + n - 1 must be <= 2**64 - 1 (choice j samples with seed + j), got seed "
+            f"{body.seed} with n={body.n}",
+            400,
+            "seed",
+        )
     try:
         return SamplingParams(
             max_new_tokens=max_new_tokens,

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from scheduler.sampling_params import SEED_MAX, SEED_MIN
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -30,7 +32,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -97,8 +99,8 @@ class NativeSamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    sampling_seed: int | None = None
-    seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1, le=1)
     no_stop_trim: bool = False  # accepted; the stop string is always trimmed
 

@@ -60,6 +60,50 @@ def test_bad_input(http, case):
     assert isinstance(err["type"], str)
 
 
+# The issue's reproductions: each one used to kill the scheduler process (torch.Generator refuses
+# the seed); now each is a 400 naming the field, and the server keeps serving.
+SEED_CASES = {
+    "completion-seed-2**64": ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
+    "completion-seed-below": ("/v1/completions", {**COMPLETION, "seed": -(2**63) - 1}, "seed"),
+    "chat-seed-plus-choice": ("/v1/chat/completions", {**CHAT, "seed": 2**64 - 1, "n": 2}, "seed"),
+    "native-sampling-seed": (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "sampling_seed": -(2**63) - 1}},
+        "sampling_params.sampling_seed",
+    ),
+    "native-seed": (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "seed": 2**64}},
+        "sampling_params.seed",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SEED_CASES))
+def test_seed_out_of_range_is_400_naming_the_field(http, case):
+    path, body, param = SEED_CASES[case]
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["param"] == param and "seed" in err["message"], err
+    assert http.get("/health").status_code == 200
+
+
+def test_seed_range_edges_are_served(http):
+    """The whole range torch.Generator.manual_seed accepts is served, and a seed reproduces."""
+    outs = []
+    for seed in (2**64 - 1, 2**64 - 1, -(2**63)):
+        r = http.post("/v1/completions", json={**COMPLETION, "seed": seed, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        outs.append(r.json()["choices"][0]["text"])
+    assert outs[0] == outs[1]
+    r = http.post("/v1/chat/completions", json={**CHAT, "seed": 2**64 - 2, "n": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "sampling_seed": -(2**63)}}
+    assert http.post("/generate", json=body).status_code == 200
+    assert wait_idle_and_clean(http)["problems"] == []
+
+
 def test_unknown_session(http):
     r = http.post("/close_session", json={"session_id": "never-opened"})
     assert r.status_code == 404 and r.json()["object"] == "error"
