@@ -30,6 +30,7 @@ from scheduler.leak_check import pool_report
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
+from scheduler.schedule_policy import NewTokenRatio, PrefillAdder
 from scheduler.session import SessionManager
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class Scheduler:
         self.eos_ids = tuple(runner.model.config.eos_token_ids)
         self.max_context_len = runner.config.max_context_len
         self._arrivals = 0
+        self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.cache.evict_idle = self.sessions.evict_one  # every Mamba slot draw may evict them
         self.faults = FaultSwitch.from_env()
         self._batch: list[Req] = []  # the requests of the step in flight (failed by its fault)
         self._faulted = False  # a request failed since the last audit
@@ -71,6 +74,14 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
             )
+        kv = self.runner.kv_pool
+        if req.seq_len > kv.size * kv.page_size:  # could never be admitted
+            raise ValueError(
+                f"the prompt needs {req.seq_len} KV tokens; the KV cache holds "
+                f"{kv.size * kv.page_size} (--max-total-tokens)"
+            )
+        if not self.has_work():
+            self.ratio.reset()  # idle: reservations start from the initial ratio again
         self._arrivals += 1
         req.arrival = self._arrivals
         self.waiting.append(req)
@@ -193,7 +204,7 @@ class Scheduler:
         return out
 
     def _step(self) -> list[Req]:
-        batch = self._admit()
+        batch = PrefillAdder(self).admit()
         if batch:
             return self._run_prefill(batch)
         if self.running:
@@ -204,80 +215,6 @@ class Scheduler:
             req.finish_detail = "not enough KV cache or Mamba slots for this request"
             return [req]
         return []
-
-    # ---- admission -----------------------------------------------------------------------
-    def _admit(self) -> list[tuple[Req, int]]:
-        """Pick (request, extend_len) pairs for one prefill batch and give them slots and KV.
-
-        The batch holds at most `max_prefill_tokens` new tokens, and at most
-        `chunked_prefill_size` when chunking is on; the one request that does not fit whole is
-        cut to the remaining budget and becomes the chunked request (continued first next round).
-        """
-        cfg, runner = self.config, self.runner
-        chunking = cfg.chunked_prefill_size > 0
-        budget = min(cfg.max_prefill_tokens, cfg.chunked_prefill_size if chunking else 1 << 62)
-        batch: list[tuple[Req, int]] = []
-        if self.chunked is not None:
-            req, self.chunked = self.chunked, None
-            self._batch.append(req)
-            n = min(req.fill_len - req.kv_len, budget)
-            if self._alloc_kv(req, n):
-                batch.append((req, n))
-                budget -= n
-                if req.kv_len + n < req.fill_len:
-                    return batch
-            else:  # its finished chunks are in the tree: re-queued, it resumes from there
-                self._release(req, insert=False, requeue=True)
-        if cfg.schedule_policy == "lpm":
-            self.waiting = deque(sorted(self.waiting, key=self._match_len, reverse=True))
-        pool = runner.mamba_pool
-        pool.alloc_group_begin(len(self.waiting))
-        try:
-            while self.waiting and budget > 0:
-                if len(self.running) + len(batch) >= runner.config.max_running_requests:
-                    break
-                req = self.waiting[0]
-                self._batch.append(req)
-                restored = req.session is not None and self.sessions.restore(req)
-                while not restored and not self.cache.take_slots(req):
-                    if not self.sessions.evict_one():  # idle sessions' slots are a cache too
-                        break
-                if req.req_slot is None:
-                    break
-                remaining = req.fill_len - req.kv_len
-                if remaining > budget and not chunking and batch:
-                    self._release(req, insert=False)  # waits for a batch of its own
-                    break
-                n = min(remaining, budget) if chunking else remaining
-                if not self._alloc_kv(req, n):
-                    self._release(req, insert=False)  # stays first in the queue
-                    break
-                self.waiting.popleft()
-                self.sessions.admitted(req)
-                if not req.admitted:
-                    req.cached_len, req.admitted = req.kv_len, True
-                batch.append((req, n))
-                budget -= n
-                if n < remaining:
-                    break  # it is the chunked request: nothing else fits
-        finally:
-            pool.alloc_group_end()
-        return batch
-
-    def _match_len(self, req: Req) -> int:
-        return len(self.tree.match_prefix(req.all_ids[:-1]).kv_indices)
-
-    def _alloc_kv(self, req: Req, n: int) -> bool:
-        """KV for n more tokens of req, evicting the tree and then idle sessions' slots."""
-        locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
-        while locs is None:
-            self.tree.evict(num_tokens=n)
-            locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
-            if locs is None and not self.sessions.evict_one():
-                break
-        if locs is not None:
-            req.kv_reserved_len = req.kv_len + n
-        return locs is not None
 
     # ---- prefill -------------------------------------------------------------------------
     def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[Req]:
@@ -315,11 +252,18 @@ class Scheduler:
         self._batch = list(self.running)
         out_loc = self._alloc_decode_kv()
         if out_loc is None:  # short even after eviction: retract until the rest fits
-            # as SGLang: keep the requests with more output (and then shorter prompts) running
+            # the chunked request first (admitted on an estimate that proved short), then as
+            # SGLang: keep the requests with more output (and then shorter prompts) running
             self.running.sort(key=lambda r: (-len(r.output_ids), r.prompt_len))
-            while len(self.running) > 1 and out_loc is None:
-                self._retract(self.running[-1])
+            while out_loc is None and (self.chunked is not None or len(self.running) > 1):
+                if self.chunked is not None:
+                    req, self.chunked = self.chunked, None
+                    logger.warning("retracting chunked %s: decode is out of KV", req.rid)
+                    self._release(req, insert=False, requeue=True)
+                else:
+                    self._retract(self.running[-1])
                 out_loc = self._alloc_decode_kv()
+            self.ratio.after_retract(self.running)
             if out_loc is None:
                 req = self.running[-1]
                 self._drop(req)
@@ -330,6 +274,7 @@ class Scheduler:
             req.kv_reserved_len = req.kv_len + 1
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
         logits = self.graph_runner.forward(items, out_loc)
+        self.ratio.decay()
         for req in reqs:
             req.kv_len += 1
         self._sample(logits, reqs)
