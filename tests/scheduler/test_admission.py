@@ -220,3 +220,21 @@ def test_prompt_larger_than_the_kv_cache_is_refused(model_path):
     with pytest.raises(ValueError, match="KV cache holds 256"):
         engine.scheduler.add_request(Req("big", list(range(3, 303)), params(4)))
     assert not engine.scheduler.has_work()
+
+
+def test_mamba_slot_draws_evict_idle_sessions(model_path):
+    """Every Mamba slot draw (not only admission's) frees an idle session's held slot when the
+    pool and the tree have none left."""
+    engine = Engine(model_path, max_running_requests=4, mamba_cache_size=4)
+    sid = engine.open_session(capacity_of_str_len=500)
+    engine.generate(list(range(3, 40)), {"max_new_tokens": 4}, session_params={"id": sid})
+    session = engine.scheduler.sessions.sessions[sid]
+    assert session.slot is not None
+    cache, taken = engine.scheduler.cache, []
+    while (slot := cache.alloc_slot()) is not None:
+        taken.append(slot)
+        if session.slot is None:
+            break
+    assert session.slot is None, "the idle session's slot was never evicted"
+    cache.pool.free(taken)
+    assert engine.leak_report() == []
