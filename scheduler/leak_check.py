@@ -51,7 +51,12 @@ def pool_report(scheduler: Scheduler) -> list[str]:
             "KV pages held by a request or session and the tree: "
             f"{sorted(tree_pages & held_pages)[:16]}"
         )
-    mamba_leaked = runner.mamba_pool.allocated_slots() - tree.held_mamba_slots() - h_mamba
+    tree_slots = tree.held_mamba_slots()
+    if tree.total_size() != len(tree.held_kv_locs()):
+        problems.append(f"tree KV counter {tree.total_size()} != {len(tree.held_kv_locs())} held")
+    if tree.mamba_evictable_size() + tree.mamba_protected_size() != len(tree_slots):
+        problems.append(f"tree Mamba counters do not add up to its {len(tree_slots)} states")
+    mamba_leaked = runner.mamba_pool.allocated_slots() - tree_slots - h_mamba
     if mamba_leaked:
         problems.append(f"Mamba slots leaked: {sorted(mamba_leaked)[:16]}")
     for name, held in (

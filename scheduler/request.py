@@ -74,6 +74,8 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     arrival: int = 0  # admission order tiebreak
+    queued_at: float = 0.0  # time.monotonic() at add_request
+    queue_time: float | None = None  # seconds from add_request to its first prefill batch
     session: SessionParams | None = None
     session_restored: bool = False  # holds its session's slot, lent until admitted
 

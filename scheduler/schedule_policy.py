@@ -21,6 +21,7 @@ chunked request is never released just to be re-admitted on the KV it freed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,7 @@ class PrefillAdder:
                 s.sessions.admitted(req)
                 if not req.admitted:
                     req.cached_len, req.admitted = req.kv_len, True
+                    req.queue_time = time.monotonic() - req.queued_at
                 batch.append((req, n))
                 budget -= n
                 if req.kv_len + n < req.fill_len:

@@ -18,7 +18,8 @@ in flight; then the pools are audited and `PoolsCorrupt` stops the caller when t
 from __future__ import annotations
 
 import logging
-from collections import deque
+import time
+from collections import Counter, deque
 
 import torch
 
@@ -59,6 +60,8 @@ class Scheduler:
         self._arrivals = 0
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.cache.evict_idle = self.sessions.evict_one  # every Mamba slot draw may evict them
+        self.retractions = 0  # running or chunked requests sent back to the queue
+        self.aborts: Counter[str] = Counter()  # aborted requests by why (client, error, ...)
         self.faults = FaultSwitch.from_env()
         self._batch: list[Req] = []  # the requests of the step in flight (failed by its fault)
         self._faulted = False  # a request failed since the last audit
@@ -83,7 +86,7 @@ class Scheduler:
         if not self.has_work():
             self.ratio.reset()  # idle: reservations start from the initial ratio again
         self._arrivals += 1
-        req.arrival = self._arrivals
+        req.arrival, req.queued_at = self._arrivals, time.monotonic()
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Req | None:
@@ -123,9 +126,14 @@ class Scheduler:
         self.faults.check("abort", req.rid)
         self._drop(req, reason)
 
-    def _drop(self, req: Req, reason: FinishReason = FinishReason.ABORT) -> None:
-        """Take req out of wherever it is and give back everything it holds (nothing cached)."""
+    def _drop(
+        self, req: Req, reason: FinishReason = FinishReason.ABORT, why: str = "client"
+    ) -> None:
+        """Take req out of wherever it is and give back everything it holds (nothing cached);
+        an abort is counted under `why`."""
         req.finish_reason = reason
+        if reason == FinishReason.ABORT:
+            self.aborts[why] += 1
         if req in self.waiting:
             self.waiting.remove(req)
         elif req is self.chunked:
@@ -166,7 +174,7 @@ class Scheduler:
                 if req.session_restored:
                     self.sessions.admitted(req)  # the failed turn takes the session's slot along
                 req.kv_len = max(req.kv_len, req.kv_reserved_len)
-                self._drop(req)
+                self._drop(req, why="error")
         except Exception as e:
             raise PoolsCorrupt(f"freeing failed requests raised {type(e).__name__}: {e}") from e
         return reqs
@@ -211,7 +219,7 @@ class Scheduler:
             return self._run_decode()
         if self.waiting:  # nothing runs and the head still does not fit: it never will
             req = self.waiting[0]
-            self._drop(req)
+            self._drop(req, why="no_room")
             req.finish_detail = "not enough KV cache or Mamba slots for this request"
             return [req]
         return []
@@ -260,13 +268,14 @@ class Scheduler:
                     req, self.chunked = self.chunked, None
                     logger.warning("retracting chunked %s: decode is out of KV", req.rid)
                     self._release(req, insert=False, requeue=True)
+                    self.retractions += 1
                 else:
                     self._retract(self.running[-1])
                 out_loc = self._alloc_decode_kv()
             self.ratio.after_retract(self.running)
             if out_loc is None:
                 req = self.running[-1]
-                self._drop(req)
+                self._drop(req, why="out_of_memory")
                 req.finish_detail = "out of KV memory even after retracting"
                 return [req]
         reqs = self._batch = list(self.running)
@@ -298,6 +307,7 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Out of KV: give everything back and re-queue; it is recomputed later (output kept)."""
         logger.warning("retracting %s: out of KV memory", req.rid)
+        self.retractions += 1
         self.running.remove(req)
         self._release(req, insert=False, requeue=True)
 

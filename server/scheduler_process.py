@@ -141,6 +141,7 @@ class SchedulerLoop:
             top_logprobs=req.output_top_logprobs[n:],
             prompt_tokens=req.prompt_len,
             cached_tokens=req.cached_len,
+            queue_time=req.queue_time if n == 0 else None,
         )
         self.sent[req.rid] = len(req.output_ids)
         if req.finished:
@@ -175,10 +176,12 @@ class SchedulerLoop:
             "num_sessions": len(s.sessions.sessions),
             "kv_pages_total": kv.size,
             "kv_pages_free": kv.available(),
-            "kv_pages_cached": len(s.tree.held_kv_locs()) // kv.page_size,
+            "kv_pages_cached": s.tree.total_size() // kv.page_size,
             "mamba_slots_total": mamba.size,
             "mamba_slots_free": mamba.available(),
-            "mamba_slots_cached": len(s.tree.held_mamba_slots()),
+            "mamba_slots_cached": s.tree.mamba_evictable_size() + s.tree.mamba_protected_size(),
+            "num_retractions": s.retractions,
+            "aborts": dict(s.aborts),
             "req_slots_total": rows.size,
             "req_slots_free": rows.available(),
             "token_usage": 1.0 - kv.available() / kv.size,

@@ -162,6 +162,7 @@ def test_decode_short_of_kv_retracts_the_chunked_request_first(model_path, monke
     before = [len(r.output_ids) for r in streams]
     sched.step()
     assert sched.chunked is None and long in sched.waiting and long.req_slot is None
+    assert sched.retractions == 1
     assert [len(r.output_ids) for r in streams] == [n + 1 for n in before]
     assert all(r in sched.running for r in streams)
     monkeypatch.setattr(runner, "alloc_kv", real_kv)

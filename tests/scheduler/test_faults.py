@@ -90,6 +90,7 @@ def test_abort_and_stop_faults_fail_that_request(setup, monkeypatch):
 
     reqs = run(engine, prompts, ["a", "bad-abort", "bad-stop", "b"], act)
     check_rest(reqs, expected, {"bad-abort", "bad-stop"})
+    assert sched.aborts == {"error": 2}
     assert engine.leak_report() == []
 
 

@@ -123,9 +123,8 @@ def metrics(http) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = s.name + (
-                "{" + s.labels.get("outcome", "") + "}" if "outcome" in s.labels else ""
-            )
+            label = s.labels.get("outcome", s.labels.get("reason"))
+            key = s.name + ("{" + label + "}" if label is not None else "")
             out[key] = s.value
     return out
 
@@ -141,9 +140,11 @@ def test_disconnect_mid_stream_frees_memory(http):
     check = wait_idle_and_clean(http, timeout=60)
     assert check == {"idle": True, "problems": []}
     after = metrics(http)
-    assert after.get("hybrid_serve_requests_total{abort}", 0) == (
-        before.get("hybrid_serve_requests_total{abort}", 0) + 1
-    )
+    for key in (
+        "hybrid_serve_requests_total{abort}",
+        "hybrid_serve_aborted_requests_total{client}",
+    ):
+        assert after.get(key, 0) == before.get(key, 0) + 1, key
     assert after["hybrid_serve_generation_tokens_total"] < (
         before["hybrid_serve_generation_tokens_total"] + CONTEXT - 10
     )
@@ -193,6 +194,9 @@ def test_metrics_parse_and_move(http):
     assert after[ttft] == before[ttft] + 2
     itl = "hybrid_serve_inter_token_latency_seconds_count"
     assert after[itl] == before[itl] + 6
+    queued = "hybrid_serve_queue_time_seconds_count"
+    assert after[queued] == before[queued] + 2
+    assert after["hybrid_serve_retractions_total"] >= 0
     assert after["hybrid_serve_num_running_reqs"] == 0
     assert 0 < after["hybrid_serve_token_usage"] < 1
     assert 0 < after["hybrid_serve_cache_hit_rate"] <= 1
