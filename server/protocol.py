@@ -2,6 +2,8 @@
 
 Field names, types and defaults follow OpenAI and SGLang. Range checks that the client gets
 wrong most often (max_tokens < 1, n < 1, temperature < 0) fail validation and are answered 400.
+Validation is strict: no coercion ("yes" is not a boolean, "5" not a number) and no
+Infinity/NaN floats.
 OpenAI bodies ignore unknown fields (clients send many); SGLang's `sampling_params` rejects
 them, as SGLang does.
 """
@@ -16,13 +18,15 @@ from scheduler.sampling_params import SEED_MAX, SEED_MIN
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -51,12 +55,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
@@ -76,7 +82,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class SessionParamsModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     id: str
     rid: str | None = None
@@ -85,7 +91,7 @@ class SessionParamsModel(BaseModel):
 
 
 class NativeSamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(1.0, ge=0.0)
@@ -106,7 +112,7 @@ class NativeSamplingParams(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -120,17 +126,21 @@ class GenerateRequest(BaseModel):
 
 
 class OpenSessionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     capacity_of_str_len: int | None = Field(None, ge=0)
     session_id: str | None = None
 
 
 class CloseSessionRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     session_id: str
 
 
 class AbortRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     rid: str | None = None
     abort_all: bool = False
 

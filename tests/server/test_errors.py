@@ -3,6 +3,7 @@ disconnects mid-stream frees its request; /metrics parses and its counters move.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -43,6 +44,35 @@ CASES = {
     "native-unknown-param": ("/generate", {"text": "a", "sampling_params": {"max_tokens": 2}}, 400),
     "native-prompt-past-context": ("/generate", {"input_ids": [7] * CONTEXT}, 400),
     "unknown-route": ("/v1/embeddings", {"input": "a"}, 404),
+    # issue 13, input details: each was accepted (or a 500)
+    # (json.dumps escapes a lone surrogate as \\udXXX; httpx's own encoder cannot send it)
+    "lone-surrogate-prompt": (
+        "/v1/completions",
+        json.dumps({**COMPLETION, "prompt": "a\ud800b"}),
+        400,
+    ),
+    "lone-surrogate-chat": (
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}),
+        400,
+    ),
+    "lone-surrogate-native": ("/generate", json.dumps({"text": "x\ud83d"}), 400),
+    # (JSON's Infinity / NaN extensions, which Python's json reads)
+    "temperature-infinity": (
+        "/v1/completions",
+        json.dumps({**COMPLETION, "temperature": float("inf")}),
+        400,
+    ),
+    "top-p-nan": ("/v1/chat/completions", json.dumps({**CHAT, "top_p": float("nan")}), 400),
+    "native-temperature-infinity": (
+        "/generate",
+        json.dumps({"text": "a", "sampling_params": {"temperature": float("inf")}}),
+        400,
+    ),
+    "bool-as-string": ("/v1/completions", {**COMPLETION, "stream": "yes"}, 400),
+    "bool-as-int": ("/v1/chat/completions", {**CHAT, "ignore_eos": 1}, 400),
+    "native-bool-as-string": ("/generate", {"text": "a", "stream": "no"}, 400),
+    "int-as-string": ("/v1/completions", {**COMPLETION, "n": "2"}, 400),
 }
 
 
