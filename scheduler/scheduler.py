@@ -127,12 +127,12 @@ class Scheduler:
         self._drop(req, reason)
 
     def _drop(
-        self, req: Req, reason: FinishReason = FinishReason.ABORT, why: str = "client"
+        self, req: Req, reason: FinishReason = FinishReason.ABORT, why: str | None = "client"
     ) -> None:
         """Take req out of wherever it is and give back everything it holds (nothing cached);
-        an abort is counted under `why`."""
+        an abort is counted under `why` (None: counted already)."""
         req.finish_reason = reason
-        if reason == FinishReason.ABORT:
+        if reason == FinishReason.ABORT and why is not None:
             self.aborts[why] += 1
         if req in self.waiting:
             self.waiting.remove(req)
@@ -159,6 +159,7 @@ class Scheduler:
         """Mark req failed (it finishes with ABORT and its error); callers free what it holds."""
         req.error = f"internal error in request {req.rid}: {type(exc).__name__}: {exc}"
         req.finish_reason, req.finish_detail = FinishReason.ABORT, req.error
+        self.aborts["error"] += 1
         self._faulted = True
         logger.error("%s", req.error, exc_info=not isinstance(exc, InjectedFault))
 
@@ -174,7 +175,7 @@ class Scheduler:
                 if req.session_restored:
                     self.sessions.admitted(req)  # the failed turn takes the session's slot along
                 req.kv_len = max(req.kv_len, req.kv_reserved_len)
-                self._drop(req, why="error")
+                self._drop(req, why=None)
         except Exception as e:
             raise PoolsCorrupt(f"freeing failed requests raised {type(e).__name__}: {e}") from e
         return reqs

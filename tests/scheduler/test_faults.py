@@ -68,6 +68,7 @@ def test_step_fault_fails_only_that_request(setup, monkeypatch, spec):
     engine = Engine(path, **OPTIONS)
     reqs = run(engine, prompts, ["a", "bad-1", "b", "c"])
     check_rest(reqs, expected, {"bad-1"})
+    assert engine.scheduler.aborts == {"error": 1}
     if "@" in spec:
         assert len(reqs[1].output_ids) == 4  # tokens before the fault were delivered
     assert engine.leak_report() == []

@@ -18,6 +18,9 @@ from tests.server.conftest import CONTEXT, alive, children_of, start, wait_idle_
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(3)]
+# Tokens compared per stream: the first prompt's greedy output has a near-tie at token 31 that
+# flips with the decode batch's size alone (no fault involved), so compare before it.
+N = 24
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +79,14 @@ def run_concurrently(client: httpx.Client, n: int, extra) -> tuple[list[dict], o
 
 def test_step_fault_fails_one_request(faulty):
     with httpx.Client(base_url=faulty.url, timeout=120) as c:
-        expected = expected_ids(c, 40)
+        expected = expected_ids(c, N)
 
         def boom() -> httpx.Response:
             body = {"input_ids": [9, 8, 7, 6], "rid": "boom-step-1"}
             body["sampling_params"] = {"max_new_tokens": 30, **GREEDY}
             return c.post("/generate", json=body)
 
-        outs, r = run_concurrently(c, 40, boom)
+        outs, r = run_concurrently(c, N, boom)
         assert r.status_code == 500, r.text
         err = r.json()
         assert err["object"] == "error" and "boom-step-1" in err["message"], err
@@ -95,7 +98,7 @@ def test_step_fault_fails_one_request(faulty):
 
 def test_abort_fault_fails_that_request(faulty):
     with httpx.Client(base_url=faulty.url, timeout=120) as c:
-        expected = expected_ids(c, 40)
+        expected = expected_ids(c, N)
         result: dict = {}
 
         def long_one() -> None:
@@ -112,7 +115,7 @@ def test_abort_fault_fails_that_request(faulty):
                 time.sleep(0.05)
             return c.post("/abort_request", json={"rid": "boom-abort-1"}).status_code
 
-        outs, status = run_concurrently(c, 40, abort_it)
+        outs, status = run_concurrently(c, N, abort_it)
         t.join(120)
         assert status == 200
         assert result["r"]["object"] == "error" and result["r"]["code"] == 500, result
