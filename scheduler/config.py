@@ -17,6 +17,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384  # new tokens in one prefill batch
     chunked_prefill_size: int = 2048  # max new tokens of one request per round; <= 0: no chunking
     schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0  # scales the decode room reserved at admission
     disable_radix_cache: bool = False
     mamba_scheduler_strategy: str = "no_buffer"
     mamba_track_interval: int = 256  # decode snapshot every this many tokens (extra_buffer*)
@@ -48,6 +49,8 @@ class SchedulerConfig:
             raise ValueError("--mamba-track-interval must be >= 1")
         if self.cuda_graph_max_bs < 1 or any(bs < 1 for bs in self.cuda_graph_bs):
             raise ValueError("--cuda-graph-bs sizes and --cuda-graph-max-bs must be >= 1")
+        if not self.schedule_conservativeness > 0:
+            raise ValueError("--schedule-conservativeness must be > 0")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.enable_hierarchical_cache and self.disable_radix_cache:

@@ -93,6 +93,8 @@ class Engine:
             "cached_tokens": req.cached_len,
             "finish_reason": req.finish_reason.value if req.finish_reason else None,
         }
+        if req.error is not None:
+            meta["error"] = req.error
         if req.params.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids, strict=True)

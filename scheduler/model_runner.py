@@ -15,6 +15,7 @@ request's pages back.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.req_pool import ReqToTokenPool
 from models.forward_batch import ForwardBatch
-from models.loader import load_model
+from models.loader import DTYPES, load_model
 from models.qwen3_next import Qwen3NextForCausalLM
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
@@ -52,6 +53,21 @@ class RunnerConfig:
             )
         if self.pool_memory_gb < 0:
             raise ValueError(f"--pool-memory-gb must be >= 0, got {self.pool_memory_gb}")
+        for name in ("max_running_requests", "max_total_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.max_context_len < 2:
+            raise ValueError(f"--context-length must be >= 2, got {self.max_context_len}")
+        if self.mamba_cache_size < 0:
+            raise ValueError(f"--mamba-cache-size must be >= 0, got {self.mamba_cache_size}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(
+                f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def mamba_slots(self) -> int:

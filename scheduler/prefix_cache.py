@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -74,12 +75,14 @@ class PrefixCache:
         self.chunk = tree.chunk_size
         self.interval = config.mamba_track_interval
         self.force_lazy_alloc_fail = os.environ.get(LAZY_ALLOC_FAIL_ENV) == "1"
+        self.evict_idle: Callable[[], bool] = lambda: False  # frees one idle session's slot
 
     # ---- slots ---------------------------------------------------------------------------
     def alloc_slot(self, zero: bool = True) -> int | None:
-        """One Mamba slot, evicting one unlocked tree state when the pool is dry."""
+        """One Mamba slot, evicting an unlocked tree state, else an idle session's held slot,
+        when the pool is dry."""
         slot = self.pool.alloc(1, zero=zero)
-        if slot is None and self.tree.evict_mamba(1):
+        while slot is None and (self.tree.evict_mamba(1) or self.evict_idle()):
             slot = self.pool.alloc(1, zero=zero)
         return None if slot is None else int(slot[0])
 

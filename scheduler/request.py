@@ -52,6 +52,7 @@ class Req:
     mamba_slot: int | None = None
     # progress
     kv_len: int = 0  # tokens with committed KV and recurrent state
+    kv_reserved_len: int = 0  # positions with KV locations drawn (kv_len, or more within a step)
     fill_len: int = (
         0  # prefill target set at admission: seq_len then (prompt, or more if retracted)
     )
@@ -68,10 +69,13 @@ class Req:
     # outcome
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # e.g. which stop token matched, or an abort message
+    error: str | None = None  # a fault failed this request (it finished with ABORT)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     arrival: int = 0  # admission order tiebreak
+    queued_at: float = 0.0  # time.monotonic() at add_request
+    queue_time: float | None = None  # seconds from add_request to its first prefill batch
     session: SessionParams | None = None
     session_restored: bool = False  # holds its session's slot, lent until admitted
 
@@ -113,7 +117,7 @@ class Req:
         """Back to the waiting queue with nothing held; the prefix is matched again on re-admission,
         and prompt + output so far are recomputed as the new prompt."""
         self.req_slot = self.mamba_slot = self.last_node = None
-        self.kv_len = self.cache_protected_len = self.fill_len = 0
+        self.kv_len = self.kv_reserved_len = self.cache_protected_len = self.fill_len = 0
         self.track_slots, self.next_track = [], 0
         self.last_track_len = self.branching_len = None
         self.lazy_insert_ok = True

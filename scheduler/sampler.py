@@ -29,7 +29,10 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
     if seed is None:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    try:
+        gen.manual_seed(seed)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise ValueError(f"seed {seed!r} is not accepted by torch.Generator: {e}") from e
     return gen
 
 

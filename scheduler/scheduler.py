@@ -9,20 +9,28 @@ the radix tree, locks the deepest node that holds a Mamba state and copies that 
 own fresh slot. What enters the tree after each prefill round, at decode boundaries and on
 finish depends on the Mamba strategy (`scheduler/prefix_cache.py`). Invariant: a tree state is
 always the recurrent state after the tokens from the root to its node.
+
+Faults (`scheduler/faults.py`): an exception raised for one request fails that request
+(`Req.error`) and frees what it held; one raised for a whole step fails the requests of the batch
+in flight; then the pools are audited and `PoolsCorrupt` stops the caller when they do not add up.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+import time
+from collections import Counter, deque
 
 import torch
 
 from scheduler.config import SchedulerConfig
+from scheduler.faults import FaultSwitch, InjectedFault, PoolsCorrupt
 from scheduler.graph_runner import DecodeGraphRunner
+from scheduler.leak_check import pool_report
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.prefix_cache import PrefixCache, build_tree
 from scheduler.request import FinishReason, Req
+from scheduler.schedule_policy import NewTokenRatio, PrefillAdder
 from scheduler.session import SessionManager
 
 logger = logging.getLogger(__name__)
@@ -44,6 +52,13 @@ class Scheduler:
         self.eos_ids = tuple(runner.model.config.eos_token_ids)
         self.max_context_len = runner.config.max_context_len
         self._arrivals = 0
+        self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.cache.evict_idle = self.sessions.evict_one  # every Mamba slot draw may evict them
+        self.retractions = 0  # running or chunked requests sent back to the queue
+        self.aborts: Counter[str] = Counter()  # aborted requests by why (client, error, ...)
+        self.faults = FaultSwitch.from_env()
+        self._batch: list[Req] = []  # the requests of the step in flight (failed by its fault)
+        self._faulted = False  # a request failed since the last audit
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -56,15 +71,23 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
             )
+        kv = self.runner.kv_pool
+        if req.seq_len > kv.size * kv.page_size:  # could never be admitted
+            raise ValueError(
+                f"the prompt needs {req.seq_len} KV tokens; the KV cache holds "
+                f"{kv.size * kv.page_size} (--max-total-tokens)"
+            )
+        if not self.has_work():
+            self.ratio.reset()  # idle: reservations start from the initial ratio again
         self._arrivals += 1
-        req.arrival = self._arrivals
+        req.arrival, req.queued_at = self._arrivals, time.monotonic()
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Req | None:
         """Finish a request wherever it is; everything it holds goes back (KV is not cached)."""
         req = self._find(rid)
         if req is not None:
-            self._abort_req(req)
+            self._guarded(req, self._abort_req, req)
         return req
 
     def stop(self, rid: str, keep_output_tokens: int) -> Req | None:
@@ -76,122 +99,130 @@ class Scheduler:
         if req is None:
             self.sessions.trim_turn(rid, keep_output_tokens)
             return None
+        self._guarded(req, self._stop_req, req, keep_output_tokens)
+        return req
+
+    def _stop_req(self, req: Req, keep_output_tokens: int) -> None:
         del req.output_ids[keep_output_tokens:]
         del req.output_logprobs[keep_output_tokens:]
         del req.output_top_logprobs[keep_output_tokens:]
         self._abort_req(req, FinishReason.STOP)
         if req.session is not None:
             self.sessions.record(req)
-        return req
+
+    def live_requests(self) -> list[Req]:
+        return [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
 
     def _find(self, rid: str) -> Req | None:
-        live = [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
-        return next((r for r in live if r.rid == rid), None)
+        return next((r for r in self.live_requests() if r.rid == rid), None)
 
     def _abort_req(self, req: Req, reason: FinishReason = FinishReason.ABORT) -> None:
+        self.faults.check("abort", req.rid)
+        self._drop(req, reason)
+
+    def _drop(
+        self, req: Req, reason: FinishReason = FinishReason.ABORT, why: str | None = "client"
+    ) -> None:
+        """Take req out of wherever it is and give back everything it holds (nothing cached);
+        an abort is counted under `why` (None: counted already)."""
         req.finish_reason = reason
+        if reason == FinishReason.ABORT and why is not None:
+            self.aborts[why] += 1
         if req in self.waiting:
             self.waiting.remove(req)
+        elif req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
+            self.running.remove(req)
+        if req.req_slot is None:
             if req.session is not None:
                 self.sessions.done(req)
             return
-        if req is self.chunked:
-            self.chunked = None
-        else:
-            self.running.remove(req)
         self._release(req, insert=False)
+
+    # ---- faults --------------------------------------------------------------------------
+    def _guarded(self, req: Req, fn, *args) -> None:
+        """fn(*args) for req; a fault in it fails req (then the pools are audited)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._fail([req], exc)
+            self._audit()
+
+    def _error(self, req: Req, exc: BaseException) -> None:
+        """Mark req failed (it finishes with ABORT and its error); callers free what it holds."""
+        req.error = f"internal error in request {req.rid}: {type(exc).__name__}: {exc}"
+        req.finish_reason, req.finish_detail = FinishReason.ABORT, req.error
+        self.aborts["error"] += 1
+        self._faulted = True
+        logger.error("%s", req.error, exc_info=not isinstance(exc, InjectedFault))
+
+    def _fail(self, reqs: list[Req], exc: BaseException) -> list[Req]:
+        """Fail every request of reqs not already finished and released, wherever it stands
+        (mid-admission, chunked, running), freeing everything it holds, KV drawn for the step
+        in flight included. PoolsCorrupt when giving back fails."""
+        try:
+            for req in reqs:
+                if req.finished and req.req_slot is None:
+                    continue  # finished before the fault: it stands
+                self._error(req, exc)
+                if req.session_restored:
+                    self.sessions.admitted(req)  # the failed turn takes the session's slot along
+                req.kv_len = max(req.kv_len, req.kv_reserved_len)
+                self._drop(req, why=None)
+        except Exception as e:
+            raise PoolsCorrupt(f"freeing failed requests raised {type(e).__name__}: {e}") from e
+        return reqs
+
+    def _audit(self) -> None:
+        """After a fault: PoolsCorrupt unless every pool adds up with the live requests."""
+        self._faulted = False
+        problems = pool_report(self)
+        if problems:
+            raise PoolsCorrupt("pools do not add up after a request fault: " + "; ".join(problems))
+
+    def _inject_step_fault(self, req: Req) -> None:
+        if self.faults.hits("leak", req.rid, len(req.output_ids)):
+            self.runner.mamba_pool.alloc(1)  # lost on purpose: the audit must catch it
+            raise InjectedFault(f"injected leak fault for request {req.rid}")
+        self.faults.check("step", req.rid, len(req.output_ids))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that got a token or finished in it."""
-        batch = self._admit()
+        """Run one forward; return the requests that got a token or finished in it. A fault
+        fails the request it was raised for, or else every request of the batch in flight;
+        PoolsCorrupt when the pools do not add up afterwards."""
+        self._batch = []
+        try:
+            out = self._step()
+        except PoolsCorrupt:
+            raise
+        except Exception as exc:
+            out = self._fail(self._batch, exc)
+        if self._faulted:
+            self._audit()
+        return out
+
+    def _step(self) -> list[Req]:
+        batch = PrefillAdder(self).admit()
         if batch:
             return self._run_prefill(batch)
         if self.running:
             return self._run_decode()
         if self.waiting:  # nothing runs and the head still does not fit: it never will
             req = self.waiting[0]
-            self._abort_req(req)
+            self._drop(req, why="no_room")
             req.finish_detail = "not enough KV cache or Mamba slots for this request"
             return [req]
         return []
 
-    # ---- admission -----------------------------------------------------------------------
-    def _admit(self) -> list[tuple[Req, int]]:
-        """Pick (request, extend_len) pairs for one prefill batch and give them slots and KV.
-
-        The batch holds at most `max_prefill_tokens` new tokens, and at most
-        `chunked_prefill_size` when chunking is on; the one request that does not fit whole is
-        cut to the remaining budget and becomes the chunked request (continued first next round).
-        """
-        cfg, runner = self.config, self.runner
-        chunking = cfg.chunked_prefill_size > 0
-        budget = min(cfg.max_prefill_tokens, cfg.chunked_prefill_size if chunking else 1 << 62)
-        batch: list[tuple[Req, int]] = []
-        if self.chunked is not None:
-            req, self.chunked = self.chunked, None
-            n = min(req.fill_len - req.kv_len, budget)
-            if self._alloc_kv(req, n):
-                batch.append((req, n))
-                budget -= n
-                if req.kv_len + n < req.fill_len:
-                    return batch
-            else:  # its finished chunks are in the tree: re-queued, it resumes from there
-                self._release(req, insert=False, requeue=True)
-        if cfg.schedule_policy == "lpm":
-            self.waiting = deque(sorted(self.waiting, key=self._match_len, reverse=True))
-        pool = runner.mamba_pool
-        pool.alloc_group_begin(len(self.waiting))
-        try:
-            while self.waiting and budget > 0:
-                if len(self.running) + len(batch) >= runner.config.max_running_requests:
-                    break
-                req = self.waiting[0]
-                restored = req.session is not None and self.sessions.restore(req)
-                while not restored and not self.cache.take_slots(req):
-                    if not self.sessions.evict_one():  # idle sessions' slots are a cache too
-                        break
-                if req.req_slot is None:
-                    break
-                remaining = req.fill_len - req.kv_len
-                if remaining > budget and not chunking and batch:
-                    self._release(req, insert=False)  # waits for a batch of its own
-                    break
-                n = min(remaining, budget) if chunking else remaining
-                if not self._alloc_kv(req, n):
-                    self._release(req, insert=False)  # stays first in the queue
-                    break
-                self.waiting.popleft()
-                self.sessions.admitted(req)
-                if not req.admitted:
-                    req.cached_len, req.admitted = req.kv_len, True
-                batch.append((req, n))
-                budget -= n
-                if n < remaining:
-                    break  # it is the chunked request: nothing else fits
-        finally:
-            pool.alloc_group_end()
-        return batch
-
-    def _match_len(self, req: Req) -> int:
-        return len(self.tree.match_prefix(req.all_ids[:-1]).kv_indices)
-
-    def _alloc_kv(self, req: Req, n: int) -> bool:
-        """KV for n more tokens of req, evicting the tree and then idle sessions' slots."""
-        locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
-        while locs is None:
-            self.tree.evict(num_tokens=n)
-            locs = self.runner.alloc_kv(req.req_slot, req.kv_len, n)
-            if locs is None and not self.sessions.evict_one():
-                break
-        return locs is not None
-
     # ---- prefill -------------------------------------------------------------------------
     def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[Req]:
         runner = self.runner
+        self._batch = [r for r, _ in batch]
         items = []
         for r, n in batch:
             offset, slot = self.cache.prefill_track(r, n)
@@ -221,21 +252,33 @@ class Scheduler:
 
     # ---- decode --------------------------------------------------------------------------
     def _run_decode(self) -> list[Req]:
+        self._batch = list(self.running)
         out_loc = self._alloc_decode_kv()
         if out_loc is None:  # short even after eviction: retract until the rest fits
-            # as SGLang: keep the requests with more output (and then shorter prompts) running
+            # the chunked request first (admitted on an estimate that proved short), then as
+            # SGLang: keep the requests with more output (and then shorter prompts) running
             self.running.sort(key=lambda r: (-len(r.output_ids), r.prompt_len))
-            while len(self.running) > 1 and out_loc is None:
-                self._retract(self.running[-1])
+            while out_loc is None and (self.chunked is not None or len(self.running) > 1):
+                if self.chunked is not None:
+                    req, self.chunked = self.chunked, None
+                    logger.warning("retracting chunked %s: decode is out of KV", req.rid)
+                    self._release(req, insert=False, requeue=True)
+                    self.retractions += 1
+                else:
+                    self._retract(self.running[-1])
                 out_loc = self._alloc_decode_kv()
+            self.ratio.after_retract(self.running)
             if out_loc is None:
                 req = self.running[-1]
-                self._abort_req(req)
+                self._drop(req, why="out_of_memory")
                 req.finish_detail = "out of KV memory even after retracting"
                 return [req]
-        reqs = list(self.running)
+        reqs = self._batch = list(self.running)
+        for req in reqs:
+            req.kv_reserved_len = req.kv_len + 1
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
         logits = self.graph_runner.forward(items, out_loc)
+        self.ratio.decay()
         for req in reqs:
             req.kv_len += 1
         self._sample(logits, reqs)
@@ -259,6 +302,7 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Out of KV: give everything back and re-queue; it is recomputed later (output kept)."""
         logger.warning("retracting %s: out of KV memory", req.rid)
+        self.retractions += 1
         self.running.remove(req)
         self._release(req, insert=False, requeue=True)
 
@@ -272,18 +316,23 @@ class Scheduler:
             histories = [(r.prompt_ids, r.output_ids) for r in reqs]
         out = self.runner.sample(logits, params, [r.generator for r in reqs], histories)
         for i, req in enumerate(reqs):
-            req.output_ids.append(out.next_token_ids[i])
-            if out.logprobs is not None:
-                req.output_logprobs.append(out.logprobs[i])
-            if out.top_logprobs is not None:
-                req.output_top_logprobs.append(out.top_logprobs[i])
-            req.check_finished(self.eos_ids, self.max_context_len)
+            try:
+                self._inject_step_fault(req)
+                req.output_ids.append(out.next_token_ids[i])
+                if out.logprobs is not None:
+                    req.output_logprobs.append(out.logprobs[i])
+                if out.top_logprobs is not None:
+                    req.output_top_logprobs.append(out.top_logprobs[i])
+                req.check_finished(self.eos_ids, self.max_context_len)
+            except Exception as exc:  # this request fails (released by the caller), not the batch
+                self._error(req, exc)
 
     # ---- cache / release -----------------------------------------------------------------
     def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:
         """Give back everything a request holds; with insert, donate KV and state to the tree."""
         if req.req_slot is None:
             return
+        insert = insert and req.error is None  # a failed request's state is not trusted
         if req.session_restored:  # not admitted: the session keeps its slot
             self.sessions.unrestore(req)
             return
@@ -316,6 +365,6 @@ class Scheduler:
         if session is None:
             return False
         if session.in_flight is not None:
-            self._abort_req(session.in_flight)
+            self._guarded(session.in_flight, self._abort_req, session.in_flight)
         self.sessions.close(session_id)
         return True

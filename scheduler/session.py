@@ -223,6 +223,14 @@ class SessionManager:
         self._drop_slot(min(idle, key=lambda s: s.last_used))
         return True
 
+    def evictable_kv(self) -> int:
+        """KV tokens that evicting every idle session's held slot would free."""
+        return sum(
+            s.slot.kv_len - s.slot.cache_protected_len
+            for s in self.sessions.values()
+            if s.slot is not None and s.in_flight is None
+        )
+
     def _drop_slot(self, session: Session) -> None:
         slot, session.slot = session.slot, None
         if slot is None:

@@ -79,6 +79,8 @@ HELP: dict[str, str] = {
     "max_prefill_tokens": "new tokens in one prefill batch",
     "chunked_prefill_size": "max new tokens of one request per prefill round (<= 0: no chunking)",
     "schedule_policy": "waiting queue order: fcfs or lpm (longest prefix match)",
+    "schedule_conservativeness": "scales the decode room reserved for running requests when "
+    "admitting new ones (larger: fewer retractions, smaller batches)",
     "disable_radix_cache": "turn prefix caching off",
     "mamba_scheduler_strategy": "when Mamba states are snapshotted for the radix cache",
     "mamba_track_interval": "decode tokens between Mamba state snapshots (extra_buffer*)",

@@ -36,11 +36,22 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _loc(err: dict) -> str:
+    """The field path of a validation error, without the union-member tags pydantic puts in it
+    (`NativeSamplingParams`, `list[int]`, ...)."""
+    parts = [str(x) for x in err.get("loc", ()) if x != "body"]
+    return ".".join(
+        p for p in parts if not (p[:1].isupper() or "[" in p or p.lower() in _TYPE_TAGS)
+    )
+
+
 def _describe(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        msg = err.get("msg", "invalid")
+        loc, msg = _loc(err), err.get("msg", "invalid")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts) or "invalid request"
 
@@ -52,7 +63,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_describe(exc), 400)
+        first = exc.errors()[0] if exc.errors() else {}
+        return error_response(_describe(exc), 400, _loc(first) or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -121,6 +121,8 @@ class Generator:
                     finished, outcome = True, "error"
                     raise APIError(d.error, d.error_status)
                 now = time.perf_counter()
+                if d.queue_time is not None:
+                    self.metrics.queued(d.queue_time)
                 if d.output_ids:
                     if n_out == 0:
                         self.metrics.first_token(now - start)

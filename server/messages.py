@@ -71,6 +71,7 @@ class TokenDelta:
     finish_detail: str | None = None
     prompt_tokens: int = 0  # full context (session requests: with the session's history)
     cached_tokens: int = 0
+    queue_time: float | None = None  # on the first delta: seconds waiting for admission
     error: str | None = None  # refused at add_request: nothing ran
     error_status: int = 400
 

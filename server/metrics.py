@@ -1,7 +1,9 @@
 """Prometheus metrics of one server (own registry, so several apps can live in one process).
 
 Counters and histograms are updated by the API process as requests run; the gauges (running and
-waiting requests, pool usage) are refreshed from the scheduler's stats on every scrape.
+waiting requests, pool usage) and the scheduler's own counters (retractions, aborts by reason) are
+refreshed from its stats on every scrape. The stats are counters the scheduler keeps as it goes,
+so a scrape costs O(1) there, however large the cache.
 """
 
 from __future__ import annotations
@@ -82,13 +84,18 @@ class Metrics:
             ("model_name", "event"),
             registry=r,
         )
+        self.queue_time = histogram("queue_time_seconds", "Time from arrival to first prefill")
+        self.retractions = counter("retractions", "Requests sent back to the queue, out of KV")
+        self.aborts = counter("aborted_requests", "Requests aborted, by reason", ("reason",))
+        self._seen: dict[str, float] = {}  # scheduler totals already counted
         self._prompt_total = 0
         self._cached_total = 0
         for outcome in OUTCOMES:  # every series exists (at 0) from the first scrape
             self.requests.labels(**label, outcome=outcome)
         for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.ttft,
                        self.itl, self.e2e, self.running, self.waiting, self.token_usage,
-                       self.mamba_usage, self.cache_hit_rate):  # fmt: skip
+                       self.mamba_usage, self.cache_hit_rate, self.queue_time,
+                       self.retractions):  # fmt: skip
             metric.labels(**label)
 
     def request_done(
@@ -103,6 +110,9 @@ class Metrics:
         self._cached_total += cached
         if latency is not None:
             self.e2e.labels(**self._label).observe(latency)
+
+    def queued(self, seconds: float) -> None:
+        self.queue_time.labels(**self._label).observe(seconds)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.labels(**self._label).observe(seconds)
@@ -132,6 +142,17 @@ class Metrics:
             self.tier_events.labels(**self._label, event=event).set(tiers.get(key, 0))
         for outcome, key in PREFETCH_KEYS.items():
             self.prefetches.labels(**self._label, outcome=outcome).set(tiers.get(key, 0))
+        self._add(
+            "retractions", stats.get("num_retractions", 0), self.retractions.labels(**self._label)
+        )
+        for reason, n in stats.get("aborts", {}).items():
+            self._add(f"abort:{reason}", n, self.aborts.labels(**self._label, reason=reason))
+
+    def _add(self, key: str, total: float, counter: Any) -> None:
+        """Bring a counter up to the scheduler's running total."""
+        if total > self._seen.get(key, 0):
+            counter.inc(total - self._seen.get(key, 0))
+            self._seen[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SEED_MAX, SamplingParams
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.http_server import AppState, get_state
@@ -38,6 +38,13 @@ def sampling_params(
     body: SamplingFields, max_new_tokens: int, top_logprobs: int | None, j: int
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if body.seed is not None and body.seed + body.n - 1 > SEED_MAX:
+        raise APIError(
+            f"seed + n - 1 must be <= 2**64 - 1 (choice j samples with seed + j), got seed "
+            f"{body.seed} with n={body.n}",
+            400,
+            "seed",
+        )
     try:
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -90,6 +97,17 @@ def token_text(s: AppState, token_id: int) -> str:
     return s.tokenizer.decode([token_id])
 
 
+def utf8(text: str, param: str) -> str:
+    """text, or a 400 naming param when it cannot be UTF-8 (a lone surrogate from JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(
+            f"{param} is not valid text: {e.reason} at index {e.start}", 400, param
+        ) from e
+    return text
+
+
 # ---- /v1/completions -----------------------------------------------------------------------
 def completion_prompts(s: AppState, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
@@ -101,7 +119,10 @@ def completion_prompts(s: AppState, prompt: Any) -> list[list[int]]:
     vocab = s.client.ready.vocab_size if s.client.ready else None
     out = []
     for p in prompt:
-        ids = s.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+        if isinstance(p, str):
+            ids = s.tokenizer.encode(utf8(p, "prompt"), add_special_tokens=False)
+        else:
+            ids = list(p)
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
             raise APIError(f"token ids must be in [0, {vocab})", 400, "prompt")
         out.append(ids)
@@ -226,7 +247,7 @@ async def completions(body: CompletionRequest, request: Request):
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
 def chat_prompt(s: AppState, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [{"role": m.role, "content": utf8(m.text(), "messages")} for m in body.messages]
     if getattr(s.tokenizer, "chat_template", None) is None:
         raise APIError("this checkpoint has no chat template; use /v1/completions", 400)
     try:

@@ -2,6 +2,8 @@
 
 Field names, types and defaults follow OpenAI and SGLang. Range checks that the client gets
 wrong most often (max_tokens < 1, n < 1, temperature < 0) fail validation and are answered 400.
+Validation is strict: no coercion ("yes" is not a boolean, "5" not a number) and no
+Infinity/NaN floats.
 OpenAI bodies ignore unknown fields (clients send many); SGLang's `sampling_params` rejects
 them, as SGLang does.
 """
@@ -12,15 +14,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from scheduler.sampling_params import SEED_MAX, SEED_MIN
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -30,7 +36,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -49,12 +55,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
@@ -74,7 +82,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class SessionParamsModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     id: str
     rid: str | None = None
@@ -83,7 +91,7 @@ class SessionParamsModel(BaseModel):
 
 
 class NativeSamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(1.0, ge=0.0)
@@ -97,14 +105,14 @@ class NativeSamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    sampling_seed: int | None = None
-    seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1, le=1)
     no_stop_trim: bool = False  # accepted; the stop string is always trimmed
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -118,17 +126,21 @@ class GenerateRequest(BaseModel):
 
 
 class OpenSessionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     capacity_of_str_len: int | None = Field(None, ge=0)
     session_id: str | None = None
 
 
 class CloseSessionRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     session_id: str
 
 
 class AbortRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     rid: str | None = None
     abort_all: bool = False
 

@@ -5,15 +5,20 @@
 
 It never tokenizes; requests arrive as token ids and leave as token ids. A request refused by
 `Scheduler.add_request` (prompt too long, unknown session, ...) is answered by one `TokenDelta`
-with `error` set. The process exits on `ShutdownMsg` or when the API process's end of the pipe
-closes (so it cannot outlive its parent); it ignores SIGINT, which a terminal sends to the
-whole process group, and leaves shutdown to the parent.
+with `error` set (400/404; 500 for an unexpected exception), and so is one that a fault failed
+(`Req.error`, 500): the loop keeps serving. Only a fault that leaves the pools in an unknown state
+(`PoolsCorrupt`), or a bug in the loop itself, stops it: the traceback is logged, the API process
+gets `FailedMsg` (it answers 503 and exits non-zero) and this process exits with status 1.
+Otherwise the process exits on `ShutdownMsg` or when the API process's end of the pipe closes
+(so it cannot outlive its parent); it ignores SIGINT, which a terminal sends to the whole process
+group, and leaves shutdown to the parent.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from dataclasses import asdict
 from multiprocessing.connection import Connection
@@ -42,9 +47,11 @@ logger = logging.getLogger(__name__)
 
 def error_status(exc: Exception) -> int:
     """The HTTP status of a refused request: `SessionError.status` (404 for an unknown
-    session), else 400."""
+    session), 400 for another ValueError, else 500."""
     status = getattr(exc, "status", None)
-    return status if isinstance(status, int) else 400
+    if isinstance(status, int):
+        return status
+    return 400 if isinstance(exc, ValueError) else 500
 
 
 class SchedulerLoop:
@@ -73,6 +80,13 @@ class SchedulerLoop:
             except (EOFError, BrokenPipeError, ConnectionResetError):
                 logger.info("API process is gone; scheduler exits")
                 return
+            except Exception as e:  # PoolsCorrupt, or a bug here: nothing can be trusted now
+                logger.exception("scheduler fault; stopping the server")
+                try:
+                    self.outbox.send(FailedMsg(f"scheduler fault: {type(e).__name__}: {e}"))
+                except OSError:
+                    pass
+                sys.exit(1)
 
     def handle(self, msg: Any) -> bool:
         """Apply one message; False means shut down."""
@@ -101,13 +115,13 @@ class SchedulerLoop:
     # ---- requests ------------------------------------------------------------------------
     def _add(self, msg: GenerateMsg) -> None:
         req = Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params)
-        req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
         try:
+            req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
             if msg.session is not None:
                 req.session = SessionParams(**msg.session)
             self.scheduler.add_request(req)
-        except Exception as e:  # refused (ValueError / SessionError); never kills the loop
-            if not isinstance(e, ValueError):
+        except Exception as e:  # refused (ValueError / SessionError) or a fault; never fatal
+            if error_status(e) >= 500:
                 logger.exception("refusing %s", msg.rid)
             self.pending.append(
                 TokenDelta(rid=msg.rid, output_ids=[], error=str(e), error_status=error_status(e))
@@ -127,11 +141,14 @@ class SchedulerLoop:
             top_logprobs=req.output_top_logprobs[n:],
             prompt_tokens=req.prompt_len,
             cached_tokens=req.cached_len,
+            queue_time=req.queue_time if n == 0 else None,
         )
         self.sent[req.rid] = len(req.output_ids)
         if req.finished:
             delta.finish_reason = req.finish_reason.value
             delta.finish_detail = req.finish_detail
+            if req.error is not None:
+                delta.error, delta.error_status = req.error, 500
             del self.reqs[req.rid], self.sent[req.rid]
         if delta.output_ids or delta.finish_reason:
             self.pending.append(delta)
@@ -159,10 +176,12 @@ class SchedulerLoop:
             "num_sessions": len(s.sessions.sessions),
             "kv_pages_total": kv.size,
             "kv_pages_free": kv.available(),
-            "kv_pages_cached": len(s.tree.held_kv_locs()) // kv.page_size,
+            "kv_pages_cached": s.tree.total_size() // kv.page_size,
             "mamba_slots_total": mamba.size,
             "mamba_slots_free": mamba.available(),
-            "mamba_slots_cached": len(s.tree.held_mamba_slots()),
+            "mamba_slots_cached": s.tree.mamba_evictable_size() + s.tree.mamba_protected_size(),
+            "num_retractions": s.retractions,
+            "aborts": dict(s.aborts),
             "req_slots_total": rows.size,
             "req_slots_free": rows.available(),
             "token_usage": 1.0 - kv.available() / kv.size,

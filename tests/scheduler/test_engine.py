@@ -119,11 +119,13 @@ def test_stream_and_abort(setup):
     assert engine.leak_report() == []
 
 
-def test_request_larger_than_kv_pool_is_aborted_cleanly(setup):
+def test_request_larger_than_kv_pool_is_refused_cleanly(setup):
+    """A prompt that could never fit the KV pool is refused before it starts (it would
+    otherwise hold KV chunk after chunk and starve the rest); others run as usual."""
     path, prompts, expected = setup
     engine = Engine(path, max_total_tokens=64, chunked_prefill_size=16)
-    outs = engine.generate([prompts[8], list(range(3, 103))], GREEDY)  # 17 tokens fit, 100 don't
-    assert outs[0]["output_ids"] == expected[8]
-    assert outs[1]["meta_info"]["finish_reason"] == "abort"
-    assert outs[1]["output_ids"] == []
+    with pytest.raises(ValueError, match="KV cache holds 64"):
+        engine.generate(list(range(3, 103)), GREEDY)  # 100 tokens never fit
+    assert not engine.scheduler.has_work()
+    assert engine.generate(prompts[8], GREEDY)["output_ids"] == expected[8]  # 17 fit
     assert engine.leak_report() == []

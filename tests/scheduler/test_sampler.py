@@ -332,3 +332,15 @@ def test_presence_and_frequency_ignore_prompt_tokens() -> None:
     assert torch.equal(out, logits)
     out = apply_penalties(logits.clone(), [SamplingParams(repetition_penalty=2.0)], [([0], [])])
     torch.testing.assert_close(out, torch.tensor([[1.0, 1.9, 0.0]]))
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, True, 1.5])
+def test_seed_outside_what_torch_accepts_is_refused(seed) -> None:
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 - 1, -(2**63)])
+def test_seed_range_is_what_torch_accepts(seed) -> None:
+    params = SamplingParams(seed=seed)
+    assert make_generator(params.seed) is not None  # torch takes every seed validation passes

@@ -40,11 +40,35 @@ def test_sglang_flags():
 
 
 @pytest.mark.parametrize(
-    "argv", [["--schedule-policy", "nope"], ["--port", "70000"], ["--log-level", "loud"]]
+    "argv",
+    [
+        ["--schedule-policy", "nope"],
+        ["--port", "70000"],
+        ["--log-level", "loud"],
+        # issue 13: these parsed and then failed inside the spawned scheduler process
+        ["--max-running-requests", "0"],
+        ["--max-total-tokens", "-5"],
+        ["--device", "tpu"],
+        ["--dtype", "int8"],
+        ["--context-length", "1"],
+        ["--page-size", "0"],
+        ["--mamba-cache-size", "-1"],
+        ["--schedule-conservativeness", "0"],
+    ],
 )
 def test_bad_values_raise(argv):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=argv[0]):
         parse_serve_args(argv)
+
+
+def test_bad_config_is_one_error_line_before_anything_starts(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model-path", "/nowhere", "--max-running-requests", "0", "--device", "tpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "hybrid-serve: error: --max-running-requests must be >= 1, got 0"
 
 
 def test_offline_subcommands_still_work(tmp_path):

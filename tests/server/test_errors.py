@@ -3,6 +3,7 @@ disconnects mid-stream frees its request; /metrics parses and its counters move.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -43,6 +44,35 @@ CASES = {
     "native-unknown-param": ("/generate", {"text": "a", "sampling_params": {"max_tokens": 2}}, 400),
     "native-prompt-past-context": ("/generate", {"input_ids": [7] * CONTEXT}, 400),
     "unknown-route": ("/v1/embeddings", {"input": "a"}, 404),
+    # issue 13, input details: each was accepted (or a 500)
+    # (json.dumps escapes a lone surrogate as \\udXXX; httpx's own encoder cannot send it)
+    "lone-surrogate-prompt": (
+        "/v1/completions",
+        json.dumps({**COMPLETION, "prompt": "a\ud800b"}),
+        400,
+    ),
+    "lone-surrogate-chat": (
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}),
+        400,
+    ),
+    "lone-surrogate-native": ("/generate", json.dumps({"text": "x\ud83d"}), 400),
+    # (JSON's Infinity / NaN extensions, which Python's json reads)
+    "temperature-infinity": (
+        "/v1/completions",
+        json.dumps({**COMPLETION, "temperature": float("inf")}),
+        400,
+    ),
+    "top-p-nan": ("/v1/chat/completions", json.dumps({**CHAT, "top_p": float("nan")}), 400),
+    "native-temperature-infinity": (
+        "/generate",
+        json.dumps({"text": "a", "sampling_params": {"temperature": float("inf")}}),
+        400,
+    ),
+    "bool-as-string": ("/v1/completions", {**COMPLETION, "stream": "yes"}, 400),
+    "bool-as-int": ("/v1/chat/completions", {**CHAT, "ignore_eos": 1}, 400),
+    "native-bool-as-string": ("/generate", {"text": "a", "stream": "no"}, 400),
+    "int-as-string": ("/v1/completions", {**COMPLETION, "n": "2"}, 400),
 }
 
 
@@ -58,6 +88,50 @@ def test_bad_input(http, case):
     assert err["object"] == "error" and err["code"] == status
     assert isinstance(err["message"], str) and err["message"]
     assert isinstance(err["type"], str)
+
+
+# The issue's reproductions: each one used to kill the scheduler process (torch.Generator refuses
+# the seed); now each is a 400 naming the field, and the server keeps serving.
+SEED_CASES = {
+    "completion-seed-2**64": ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
+    "completion-seed-below": ("/v1/completions", {**COMPLETION, "seed": -(2**63) - 1}, "seed"),
+    "chat-seed-plus-choice": ("/v1/chat/completions", {**CHAT, "seed": 2**64 - 1, "n": 2}, "seed"),
+    "native-sampling-seed": (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "sampling_seed": -(2**63) - 1}},
+        "sampling_params.sampling_seed",
+    ),
+    "native-seed": (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "seed": 2**64}},
+        "sampling_params.seed",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SEED_CASES))
+def test_seed_out_of_range_is_400_naming_the_field(http, case):
+    path, body, param = SEED_CASES[case]
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["param"] == param and "seed" in err["message"], err
+    assert http.get("/health").status_code == 200
+
+
+def test_seed_range_edges_are_served(http):
+    """The whole range torch.Generator.manual_seed accepts is served, and a seed reproduces."""
+    outs = []
+    for seed in (2**64 - 1, 2**64 - 1, -(2**63)):
+        r = http.post("/v1/completions", json={**COMPLETION, "seed": seed, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        outs.append(r.json()["choices"][0]["text"])
+    assert outs[0] == outs[1]
+    r = http.post("/v1/chat/completions", json={**CHAT, "seed": 2**64 - 2, "n": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "sampling_seed": -(2**63)}}
+    assert http.post("/generate", json=body).status_code == 200
+    assert wait_idle_and_clean(http)["problems"] == []
 
 
 def test_unknown_session(http):
@@ -79,9 +153,8 @@ def metrics(http) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = s.name + (
-                "{" + s.labels.get("outcome", "") + "}" if "outcome" in s.labels else ""
-            )
+            label = s.labels.get("outcome", s.labels.get("reason"))
+            key = s.name + ("{" + label + "}" if label is not None else "")
             out[key] = s.value
     return out
 
@@ -97,9 +170,11 @@ def test_disconnect_mid_stream_frees_memory(http):
     check = wait_idle_and_clean(http, timeout=60)
     assert check == {"idle": True, "problems": []}
     after = metrics(http)
-    assert after.get("hybrid_serve_requests_total{abort}", 0) == (
-        before.get("hybrid_serve_requests_total{abort}", 0) + 1
-    )
+    for key in (
+        "hybrid_serve_requests_total{abort}",
+        "hybrid_serve_aborted_requests_total{client}",
+    ):
+        assert after.get(key, 0) == before.get(key, 0) + 1, key
     assert after["hybrid_serve_generation_tokens_total"] < (
         before["hybrid_serve_generation_tokens_total"] + CONTEXT - 10
     )
@@ -149,6 +224,9 @@ def test_metrics_parse_and_move(http):
     assert after[ttft] == before[ttft] + 2
     itl = "hybrid_serve_inter_token_latency_seconds_count"
     assert after[itl] == before[itl] + 6
+    queued = "hybrid_serve_queue_time_seconds_count"
+    assert after[queued] == before[queued] + 2
+    assert after["hybrid_serve_retractions_total"] >= 0
     assert after["hybrid_serve_num_running_reqs"] == 0
     assert 0 < after["hybrid_serve_token_usage"] < 1
     assert 0 < after["hybrid_serve_cache_hit_rate"] <= 1
