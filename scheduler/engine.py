@@ -141,9 +141,13 @@ class Engine:
         }
 
     def open_session(
-        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+        self,
+        session_id: str | None = None,
+        capacity_of_str_len: int | None = None,
+        streaming: bool = False,
     ) -> str:
-        return self.scheduler.open_session(session_id, capacity_of_str_len)
+        """A tree session by default (SGLang's rules), append-only with streaming."""
+        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming)
 
     def close_session(self, session_id: str) -> bool:
         return self.scheduler.close_session(session_id)
@@ -152,7 +156,8 @@ class Engine:
         return leak_report(self.scheduler)
 
     def flush_cache(self) -> bool:
-        """Empty the radix tree; refused (False) while requests run or sessions hold state."""
+        """Free sessions' held slots and empty the radix tree; refused (False) while requests
+        run."""
         try:
             self.scheduler.flush_cache()
         except ValueError:

@@ -25,14 +25,16 @@ from scheduler.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class SessionParams:
-    """SGLang's `session_params`: continue session `id` from turn `rid` (default: the latest),
-    its context cut at `offset` tokens when given; `replace` branches from an earlier turn and
-    forgets the turns after it."""
+    """SGLang's `session_params`: continue turn `rid` of session `id` (rules in
+    `scheduler/session_tree.py`); `bos_token_id` is the tokenizer's, set by the API layer (a
+    continuing turn's leading BOS is dropped)."""
 
     id: str
     rid: str | None = None
     offset: int | None = None
     replace: bool = False
+    drop_previous_output: bool = False
+    bos_token_id: int | None = None
 
 
 class FinishReason(str, Enum):
@@ -74,6 +76,12 @@ class Req:
     arrival: int = 0  # admission order tiebreak
     session: SessionParams | None = None
     session_restored: bool = False  # holds its session's slot, lent until admitted
+    # prompt logprobs (`logprob_start_len`): the next prompt position whose logits are still
+    # needed (None: none are), and what was gathered so far, one entry per prompt token from
+    # logprob_start_len on (the first is None: no logits predict it)
+    logprob_from: int | None = None
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:

@@ -50,12 +50,18 @@ class Scheduler:
         self.eos_ids = tuple(runner.model.config.eos_token_ids)
         self.max_context_len = runner.config.max_context_len
         self._arrivals = 0
+        self._finished_elsewhere: list[Req] = []  # aborted outside step() (session replace)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         """Queue a request; ValueError (SessionError for session problems) when it cannot run."""
         if req.session is not None:
-            self.sessions.prepare(req)  # prepends the context; checks the whole length itself
+            # prepends the context and checks the whole length itself; `replace` may abort turns
+            for turn in self.sessions.prepare(req):
+                if not turn.finished:
+                    self._abort_req(turn)
+                    turn.finish_detail = f"replaced by {req.rid} (session replace)"
+                    self._finished_elsewhere.append(turn)
         elif req.prompt_len == 0:
             raise ValueError("the prompt is empty")
         elif req.prompt_len >= self.max_context_len:
@@ -85,9 +91,7 @@ class Scheduler:
         del req.output_ids[keep_output_tokens:]
         del req.output_logprobs[keep_output_tokens:]
         del req.output_top_logprobs[keep_output_tokens:]
-        self._abort_req(req, FinishReason.STOP)
-        if req.session is not None:
-            self.sessions.record(req)
+        self._abort_req(req, FinishReason.STOP)  # a session turn is recorded with those tokens
         return req
 
     def _find(self, rid: str) -> Req | None:
@@ -110,9 +114,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
+    def take_finished(self) -> list[Req]:
+        """Requests finished outside `step()` since the last call (a session `replace` aborted
+        them), for the caller to report."""
+        out, self._finished_elsewhere = self._finished_elsewhere, []
+        return out
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that got a token or finished in it."""
+        """Run one forward; return the requests that got a token or finished in it (and those
+        `take_finished` has not reported yet)."""
+        return self.take_finished() + self._step()
+
+    def _step(self) -> list[Req]:
         batch = self._admit()
         if batch:
             return self._run_prefill(batch)
@@ -303,25 +317,28 @@ class Scheduler:
             self.sessions.done(req)
 
     def flush_cache(self) -> None:
-        """Empty the radix tree; ValueError while requests run or sessions hold state."""
+        """Free the sessions' held slots (a cache too) and empty the radix tree; ValueError
+        while requests run or wait. Sessions stay open: their next turns are recomputed."""
         if self.has_work():
             raise ValueError("cannot flush the cache while requests are running or waiting")
-        if self.sessions.held()[0]:
-            raise ValueError("cannot flush the cache while sessions hold state; close them first")
+        self.sessions.evict_all()
         self.tree.reset()
 
     # ---- sessions ------------------------------------------------------------------------
     def open_session(
-        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+        self,
+        session_id: str | None = None,
+        capacity_of_str_len: int | None = None,
+        streaming: bool = False,
     ) -> str:
-        return self.sessions.open(session_id, capacity_of_str_len)
+        return self.sessions.open(session_id, capacity_of_str_len, streaming)
 
     def close_session(self, session_id: str) -> bool:
-        """Abort the session's request in flight, if any, and free everything it holds."""
+        """Abort the session's requests in flight and free everything it holds."""
         session = self.sessions.sessions.get(session_id)
         if session is None:
             return False
-        if session.in_flight is not None:
-            self._abort_req(session.in_flight)
+        for req in list(session.in_flight.values()):
+            self._abort_req(req)
         self.sessions.close(session_id)
         return True

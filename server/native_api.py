@@ -24,7 +24,7 @@ from scheduler.sampling_params import SamplingParams
 from server.errors import APIError, error_body
 from server.generation import Result, merge, run_all, start_all
 from server.http_server import VERSION, AppState, get_state
-from server.openai_api import DONE, completion_prompts, sse
+from server.openai_api import DONE, completion_prompts, session_dict, sse
 from server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -110,7 +110,7 @@ async def generate(body: GenerateRequest, request: Request):
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts) or (len(prompts) > 1 and body.rid and None in rids):
         raise APIError("rid must be one id per prompt", 400, "rid")
-    session = body.session_params.model_dump() if body.session_params else None
+    session = session_dict(s, body.session_params)
     if session and len(prompts) != 1:
         raise APIError("a session request takes one prompt", 400, "session_params")
     params = [to_sampling_params(sp, body) for sp in sps]
@@ -166,7 +166,10 @@ async def open_session(body: OpenSessionRequest, request: Request) -> JSONRespon
     """Answers the session id as a bare JSON string; 400 if that id is already open."""
     s = get_state(request)
     sid = await s.query(
-        "open_session", session_id=body.session_id, capacity_of_str_len=body.capacity_of_str_len
+        "open_session",
+        session_id=body.session_id,
+        capacity_of_str_len=body.capacity_of_str_len,
+        streaming=body.streaming,
     )
     return JSONResponse(sid)
 

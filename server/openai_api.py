@@ -22,7 +22,12 @@ from scheduler.sampling_params import SamplingParams
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.http_server import AppState, get_state
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    SessionParamsModel,
+)
 
 router = APIRouter()
 
@@ -59,12 +64,18 @@ def sampling_params(
         raise APIError(str(e), 400) from e
 
 
-def session_of(body: SamplingFields) -> dict | None:
-    if body.session_params is None:
+def session_dict(s: AppState, params: SessionParamsModel | None) -> dict | None:
+    """`session_params` for the scheduler, with the tokenizer's BOS (dropped from the start of
+    a turn that continues another)."""
+    if params is None:
         return None
-    if body.n != 1:
+    return {**params.model_dump(), "bos_token_id": s.tokenizer.bos_token_id}
+
+
+def session_of(s: AppState, body: SamplingFields) -> dict | None:
+    if body.session_params is not None and body.n != 1:
         raise APIError("session requests need n=1", 400, "n")
-    return body.session_params.model_dump()
+    return session_dict(s, body.session_params)
 
 
 def usage(prompt_tokens: int, completion: int, cached: int) -> dict:
@@ -141,7 +152,7 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = completion_prompts(s, body.prompt)
     for ids in prompts:
         s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")
-    session = session_of(body)
+    session = session_of(s, body)
     n = body.n
     jobs = [
         (ids, sampling_params(body, body.max_tokens, body.logprobs, j))
@@ -263,7 +274,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         s.generator.check_lengths(len(ids), 1, field)
         max_new = s.generator.max_context_len - len(ids)
     s.generator.check_lengths(len(ids), max_new, field)
-    session = session_of(body)
+    session = session_of(s, body)
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]

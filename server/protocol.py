@@ -80,6 +80,7 @@ class SessionParamsModel(BaseModel):
     rid: str | None = None
     offset: int | None = None
     replace: bool = False
+    drop_previous_output: bool = False
 
 
 class NativeSamplingParams(BaseModel):
@@ -122,6 +123,7 @@ class OpenSessionRequest(BaseModel):
 
     capacity_of_str_len: int | None = Field(None, ge=0)
     session_id: str | None = None
+    streaming: bool = False  # append-only, one turn at a time (SGLang's streaming sessions)
 
 
 class CloseSessionRequest(BaseModel):
