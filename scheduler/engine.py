@@ -87,6 +87,13 @@ class Engine:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids, strict=True)
             ]
+            start = req.logprob_start
+            ids = req.prompt_ids[start : start + len(req.input_logprobs)]
+            meta["input_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(req.input_logprobs, ids, strict=True)
+            ]
+            if req.params.top_logprobs_num:
+                meta["input_top_logprobs"] = req.input_top_logprobs
         return {
             "text": self.tokenizer.decode(req.output_ids),
             "output_ids": list(req.output_ids),

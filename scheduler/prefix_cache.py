@@ -73,7 +73,10 @@ class PrefixCache:
             slots.append(slot)
         req.req_slot, req.mamba_slot, req.track_slots = rows[0], slots[0], slots[1:]
         req.next_track, req.last_track_len, req.lazy_insert_ok = 0, None, True
-        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+        limit = req.fill_len - 1
+        if req.logprob_from is not None:  # prompt logprobs are computed, never cached
+            limit = min(limit, req.logprob_from)
+        match = self.tree.match_prefix(req.all_ids[:limit])
         prefix = len(match.kv_indices)
         self.tree.inc_lock_ref(match.last_node)
         req.last_node = match.last_node

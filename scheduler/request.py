@@ -88,6 +88,12 @@ class Req:
         return len(self.prompt_ids)
 
     @property
+    def logprob_start(self) -> int:
+        """First prompt position with an input logprob entry (`logprob_start_len`, -1: last)."""
+        start = self.params.logprob_start_len
+        return self.prompt_len - 1 if start == -1 else start
+
+    @property
     def seq_len(self) -> int:
         return self.prompt_len + len(self.output_ids)
 

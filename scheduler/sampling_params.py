@@ -21,6 +21,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # with return_logprob: prompt logprobs from this position on (-1: the last prompt token
+    # only); the request recomputes from there, so its prefix-cache hit is cut to it
+    logprob_start_len: int = -1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,5 +50,7 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}")
         if self.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")

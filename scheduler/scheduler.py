@@ -68,9 +68,26 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
             )
+        self._init_prompt_logprobs(req)
         self._arrivals += 1
         req.arrival = self._arrivals
         self.waiting.append(req)
+
+    @staticmethod
+    def _init_prompt_logprobs(req: Req) -> None:
+        """SGLang's input logprobs: one entry per prompt token from `logprob_start_len` (-1: the
+        last one) on, the first None. ValueError when the start is past the prompt."""
+        p = req.params
+        if not p.return_logprob:
+            return
+        start = req.logprob_start
+        if start >= req.prompt_len:
+            raise ValueError(
+                f"logprob_start_len={start} is past the prompt ({req.prompt_len} tokens)"
+            )
+        req.input_logprobs = [None]
+        req.input_top_logprobs = [None] if p.top_logprobs_num else []
+        req.logprob_from = start if start < req.prompt_len - 1 else None
 
     def abort(self, rid: str) -> Req | None:
         """Finish a request wherever it is; everything it holds goes back (KV is not cached)."""
@@ -219,7 +236,15 @@ class Scheduler:
             items.append(ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, ids, offset, slot))
         rows = runner.req_pool.req_to_token
         locs = [rows[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in batch]
-        logits = runner.forward(runner.build_prefill(items, locs))
+        picks = self._prompt_logit_picks(batch)
+        indices = None if picks is None else [i for pick in picks for i in pick]
+        logits = runner.forward(runner.build_prefill(items, locs, logit_indices=indices))
+        if picks is not None:  # rows per request: its prompt positions, then its last token
+            ends = torch.tensor([len(pick) for pick in picks]).cumsum(0)
+            for (req, _), pick, end in zip(batch, picks, ends.tolist(), strict=True):
+                if len(pick) > 1:
+                    self._gather_prompt_logprobs(req, logits[end - len(pick) : end - 1])
+            logits = logits[ends - 1]
         done_rows, done_reqs = [], []
         for i, (req, n) in enumerate(batch):
             req.kv_len += n
@@ -238,6 +263,38 @@ class Scheduler:
                 self.cache.cache_unfinished(req)
                 self.running.append(req)
         return done_reqs
+
+    @staticmethod
+    def _prompt_logit_picks(batch: list[tuple[Req, int]]) -> list[list[int]] | None:
+        """None when no request in the batch needs prompt logits (the model then computes the
+        last token's only); else per request the packed indices of its prompt positions whose
+        logits are needed this round, then its last token."""
+        if all(r.logprob_from is None for r, _ in batch):
+            return None
+        picks, base = [], 0
+        for req, n in batch:
+            pick = []
+            if req.logprob_from is not None:  # positions logprob_from .. prompt_len - 2
+                lo, hi = max(req.logprob_from, req.kv_len), min(req.prompt_len - 1, req.kv_len + n)
+                pick = [base + pos - req.kv_len for pos in range(lo, hi)]
+            picks.append([*pick, base + n - 1])
+            base += n
+        return picks
+
+    def _gather_prompt_logprobs(self, req: Req, logits: torch.Tensor) -> None:
+        """Logits at positions logprob_from.. (in order) give the logprobs of the next tokens."""
+        start = req.logprob_from
+        targets = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        idx = torch.tensor(targets, device=lsm.device).unsqueeze(1)
+        req.input_logprobs += lsm.gather(1, idx).squeeze(1).tolist()
+        k = req.params.top_logprobs_num
+        if k:
+            vals, ids = lsm.topk(k, dim=-1)
+            for row_ids, row_vals in zip(ids.tolist(), vals.tolist(), strict=True):
+                req.input_top_logprobs.append(list(zip(row_ids, row_vals, strict=True)))
+        end = start + logits.shape[0]
+        req.logprob_from = end if end < req.prompt_len - 1 else None
 
     # ---- decode --------------------------------------------------------------------------
     def _run_decode(self) -> list[Req]:

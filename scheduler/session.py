@@ -98,6 +98,12 @@ class SessionManager:
             raise SessionError(
                 f"the turn's prompt has {len(prompt)} tokens; the context is {limit}"
             )
+        sp = req.params
+        if sp.return_logprob and sp.logprob_start_len >= len(prompt):
+            raise SessionError(
+                f"logprob_start_len={sp.logprob_start_len} is past the prompt "
+                f"({len(prompt)} tokens)"
+            )
         to_abort = [abort_parent] if abort_parent is not None else []
         for gone in forget:
             turn = session.turns.pop(gone)

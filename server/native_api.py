@@ -54,6 +54,7 @@ def to_sampling_params(sp: NativeSamplingParams, body: GenerateRequest) -> Sampl
             repetition_penalty=sp.repetition_penalty,
             return_logprob=body.return_logprob,
             top_logprobs_num=body.top_logprobs_num if body.return_logprob else 0,
+            logprob_start_len=body.logprob_start_len,
         )
     except ValueError as e:
         raise APIError(str(e), 400, "sampling_params") from e
@@ -89,6 +90,16 @@ def answer(s: AppState, r: Result, body: GenerateRequest, start: float) -> dict:
         ]
         if body.top_logprobs_num:
             meta["output_top_logprobs"] = [[item(lp, t) for t, lp in row] for row in r.top_logprobs]
+        if r.input_logprobs is not None:  # the prompt's, from logprob_start_len on
+            ids = r.input_token_ids or []
+            meta["input_token_logprobs"] = [
+                item(lp, t) for lp, t in zip(r.input_logprobs, ids, strict=True)
+            ]
+            if body.top_logprobs_num:
+                meta["input_top_logprobs"] = [
+                    None if row is None else [item(lp, t) for t, lp in row]
+                    for row in r.input_top_logprobs or []
+                ]
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
 
 

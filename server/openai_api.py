@@ -128,10 +128,14 @@ def completion_logprobs(
     top: list[dict | None] = (
         [{token_text(s, t): lp for t, lp in row} for row in tops] if tops else [None] * len(ids)
     )
-    if prompt_ids:  # echo: prompt tokens have no logprobs here
+    if prompt_ids:  # echo: the prompt's logprobs (the first token has none)
         tokens = [token_text(s, t) for t in prompt_ids] + tokens
-        token_lps = [None] * len(prompt_ids) + token_lps
-        top = [None] * len(prompt_ids) + top
+        prompt_lps = r.input_logprobs or [None] * len(prompt_ids)
+        prompt_top = r.input_top_logprobs or [None] * len(prompt_ids)
+        token_lps = list(prompt_lps) + token_lps
+        top = [
+            None if row is None else {token_text(s, t): lp for t, lp in row} for row in prompt_top
+        ] + top
     offsets = []
     for t in tokens:
         offsets.append(offset)
@@ -159,6 +163,9 @@ async def completions(body: CompletionRequest, request: Request):
         for ids in prompts
         for j in range(n)
     ]
+    if body.echo and body.logprobs is not None:  # lm-eval's loglikelihood: the prompt's too
+        for _, sp in jobs:
+            sp.logprob_start_len = 0
     echo = [s.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": s.model_name}

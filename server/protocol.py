@@ -113,6 +113,7 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     session_params: SessionParamsModel | None = None

@@ -127,6 +127,11 @@ class SchedulerLoop:
             prompt_tokens=req.prompt_len,
             cached_tokens=req.cached_len,
         )
+        if n == 0 and req.input_logprobs:  # the prompt's, once
+            delta.input_logprobs = req.input_logprobs
+            start = req.logprob_start
+            delta.input_token_ids = req.prompt_ids[start : start + len(req.input_logprobs)]
+            delta.input_top_logprobs = req.input_top_logprobs
         self.sent[req.rid] = len(req.output_ids)
         if req.finished:
             delta.finish_reason = req.finish_reason.value
