@@ -112,6 +112,7 @@ class Generator:
         rid: str | None = None,
         session: dict[str, Any] | None = None,
         skip_special_tokens: bool = True,
+        no_stop_trim: bool = False,
     ) -> AsyncIterator[Piece]:
         rid = rid or uuid.uuid4().hex
         try:
@@ -120,7 +121,7 @@ class Generator:
             status = getattr(e, "status", 503)
             self.metrics.request_done("error", 0, 0, 0, None)
             raise APIError(str(e), status) from e
-        text = TextStream(self.tokenizer, params.stop, skip_special_tokens)
+        text = TextStream(self.tokenizer, params.stop, skip_special_tokens, no_stop_trim)
         start = last = time.perf_counter()
         n_out, finished, outcome, prompt, cached = 0, False, "abort", 0, 0
         try:

@@ -130,11 +130,15 @@ async def generate(body: GenerateRequest, request: Request):
             s.generator.check_lengths(len(ids), sp.max_new_tokens, "max_new_tokens")
         elif not ids:
             raise APIError("the prompt is empty", 400, "prompt")
-    skip = [sp.skip_special_tokens for sp in sps]
     start = time.perf_counter()
     kws = [
-        {"rid": rid, "session": session, "skip_special_tokens": sk}
-        for rid, sk in zip(rids, skip, strict=True)
+        {
+            "rid": rid,
+            "session": session,
+            "skip_special_tokens": sp.skip_special_tokens,
+            "no_stop_trim": sp.no_stop_trim,
+        }
+        for rid, sp in zip(rids, sps, strict=True)
     ]
     if not body.stream:
         results: list[Result] = await run_all(
@@ -210,6 +214,7 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> JSONResponse:
     s = get_state(request)
@@ -225,6 +230,7 @@ async def get_model_info(request: Request) -> JSONResponse:
     )
 
 
+@router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> JSONResponse:
     """Configuration, pool usage and the leak checker's verdict (run by the scheduler when idle:
@@ -246,6 +252,8 @@ async def get_server_info(request: Request) -> JSONResponse:
 
 @router.api_route("/flush_cache", methods=["POST", "GET"])
 async def flush_cache(request: Request) -> PlainTextResponse:
+    """Empty the radix cache and free idle sessions' held slots (they stay open; their next
+    turns recompute); 400 while requests run, as SGLang."""
     await get_state(request).query("flush")
     return PlainTextResponse("Cache flushed.\n")
 

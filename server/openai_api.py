@@ -64,6 +64,10 @@ def sampling_params(
         raise APIError(str(e), 400) from e
 
 
+def text_options(body: SamplingFields) -> dict[str, bool]:
+    return {"skip_special_tokens": body.skip_special_tokens, "no_stop_trim": body.no_stop_trim}
+
+
 def session_dict(s: AppState, params: SessionParamsModel | None) -> dict | None:
     """`session_params` for the scheduler, with the tokenizer's BOS (dropped from the start of
     a turn that continues another)."""
@@ -173,12 +177,7 @@ async def completions(body: CompletionRequest, request: Request):
 
     if not body.stream:
         results: list[Result] = await run_all(
-            [
-                s.generator.run(
-                    ids, sp, session=session, skip_special_tokens=body.skip_special_tokens
-                )
-                for ids, sp in jobs
-            ],
+            [s.generator.run(ids, sp, session=session, **text_options(body)) for ids, sp in jobs],
             request.is_disconnected,
         )
         choices = []
@@ -198,8 +197,7 @@ async def completions(body: CompletionRequest, request: Request):
         return JSONResponse({**head, "choices": choices, "usage": usage_of(results, n)})
 
     streams = [
-        s.generator.stream(ids, sp, session=session, skip_special_tokens=body.skip_special_tokens)
-        for ids, sp in jobs
+        s.generator.stream(ids, sp, session=session, **text_options(body)) for ids, sp in jobs
     ]
     firsts = await start_all(streams)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -287,7 +285,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
-    gen_kw = {"session": session, "skip_special_tokens": body.skip_special_tokens}
+    gen_kw = {"session": session, **text_options(body)}
 
     if not body.stream:
         results: list[Result] = await run_all(

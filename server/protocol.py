@@ -38,6 +38,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string in the text
     session_params: SessionParamsModel | None = None
 
 
@@ -101,7 +102,7 @@ class NativeSamplingParams(BaseModel):
     sampling_seed: int | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=1)
-    no_stop_trim: bool = False  # accepted; the stop string is always trimmed
+    no_stop_trim: bool = False  # keep the matched stop string in the text
 
 
 class GenerateRequest(BaseModel):
