@@ -94,7 +94,7 @@ class ModelRunner:
             conv_dtype=dtype,
             device=device,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(tuple(mc.eos_token_ids))
 
     @classmethod
     def from_path(cls, model_path: str, config: RunnerConfig | None = None) -> ModelRunner:

@@ -19,6 +19,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_new_tokens: int = 0  # EOS and stop tokens are masked until this many outputs
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # with return_logprob: prompt logprobs from this position on (-1: the last prompt token
@@ -50,6 +52,17 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got "
+                f"{self.min_new_tokens}"
+            )
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and biases in [-100, 100], got "
+                    f"{token}: {bias}"
+                )
         if self.logprob_start_len < -1:
             raise ValueError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}")
         if self.top_logprobs_num < 0:

@@ -345,7 +345,7 @@ class Scheduler:
         histories = None
         if any(
             p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-        ):
+        ) or any(p.min_new_tokens > len(r.output_ids) for p, r in zip(params, reqs, strict=True)):
             histories = [(r.prompt_ids, r.output_ids) for r in reqs]
         out = self.runner.sample(logits, params, [r.generator for r in reqs], histories)
         for i, req in enumerate(reqs):

@@ -24,7 +24,7 @@ from scheduler.sampling_params import SamplingParams
 from server.errors import APIError, error_body
 from server.generation import Result, merge, run_all, start_all
 from server.http_server import VERSION, AppState, get_state
-from server.openai_api import DONE, completion_prompts, session_dict, sse
+from server.openai_api import DONE, completion_prompts, logit_bias, session_dict, sse
 from server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -55,6 +55,8 @@ def to_sampling_params(sp: NativeSamplingParams, body: GenerateRequest) -> Sampl
             return_logprob=body.return_logprob,
             top_logprobs_num=body.top_logprobs_num if body.return_logprob else 0,
             logprob_start_len=body.logprob_start_len,
+            min_new_tokens=sp.min_new_tokens,
+            logit_bias=logit_bias(sp.logit_bias),
         )
     except ValueError as e:
         raise APIError(str(e), 400, "sampling_params") from e

@@ -59,9 +59,34 @@ def sampling_params(
             repetition_penalty=body.repetition_penalty,
             return_logprob=top_logprobs is not None,
             top_logprobs_num=top_logprobs or 0,
+            min_new_tokens=min(body.min_tokens, max_new_tokens),
+            logit_bias=logit_bias(body.logit_bias),
         )
     except ValueError as e:
         raise APIError(str(e), 400) from e
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as strings) -> {id: bias}; 400 on a key that is not one."""
+    if not raw:
+        return None
+    try:
+        return {int(k): float(v) for k, v in raw.items()}
+    except ValueError as e:
+        raise APIError(f"logit_bias keys must be token ids: {e}", 400, "logit_bias") from e
+
+
+def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
+    """A field this server knows but does not implement is refused, never silently dropped."""
+    for name in names:
+        value = getattr(body, name)
+        if value is None or (name == "best_of" and value == body.n):
+            continue
+        if name == "response_format" and value.get("type") == "text":
+            continue
+        if (name in ("tools", "functions") and not value) or value == "none":
+            continue
+        raise APIError(f"'{name}' is not supported by this server", 400, name)
 
 
 def text_options(body: SamplingFields) -> dict[str, bool]:
@@ -157,6 +182,7 @@ async def completions(body: CompletionRequest, request: Request):
     s = get_state(request)
     s.check_ready()
     s.check_model(body.model)
+    reject_unsupported(body, ("suffix", "best_of"))
     prompts = completion_prompts(s, body.prompt)
     for ids in prompts:
         s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")
@@ -272,6 +298,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s = get_state(request)
     s.check_ready()
     s.check_model(body.model)
+    reject_unsupported(
+        body, ("response_format", "tools", "tool_choice", "functions", "function_call")
+    )
     ids = chat_prompt(s, body)
     max_new = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

@@ -39,6 +39,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string in the text
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     session_params: SessionParamsModel | None = None
 
 
@@ -47,6 +49,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    # known but not supported: a request that sets them is refused (400 naming the field)
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class TextPart(BaseModel):
@@ -72,6 +77,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # known but not supported yet: refused when set (400 naming the field)
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
 
 
 class SessionParamsModel(BaseModel):
@@ -102,6 +113,8 @@ class NativeSamplingParams(BaseModel):
     sampling_seed: int | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=1)
+    min_new_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None
     no_stop_trim: bool = False  # keep the matched stop string in the text
 
 
