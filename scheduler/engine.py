@@ -16,6 +16,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from scheduler.config import SchedulerConfig
+from scheduler.grammar import GrammarBackend
 from scheduler.leak_check import leak_report
 from scheduler.model_runner import ModelRunner, RunnerConfig
 from scheduler.request import Req, SessionParams
@@ -34,7 +35,9 @@ def build_scheduler(
     if runner_cfg.mamba_cache_size == 0:
         slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
         runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
-    return Scheduler(ModelRunner.from_path(model_path, runner_cfg), sched_cfg)
+    scheduler = Scheduler(ModelRunner.from_path(model_path, runner_cfg), sched_cfg)
+    scheduler.grammar = GrammarBackend(model_path, scheduler.runner.model.config.vocab_size)
+    return scheduler
 
 
 class Engine:

@@ -73,6 +73,7 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: Any = None  # the output constraint (scheduler/grammar.py Constraint)
     arrival: int = 0  # admission order tiebreak
     session: SessionParams | None = None
     session_restored: bool = False  # holds its session's slot, lent until admitted

@@ -20,6 +20,7 @@ import torch
 
 from mem_cache.radix_cache import MambaRadixCache
 from scheduler.config import SchedulerConfig
+from scheduler.grammar import GrammarBackend
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.prefix_cache import PrefixCache
@@ -51,10 +52,16 @@ class Scheduler:
         self.max_context_len = runner.config.max_context_len
         self._arrivals = 0
         self._finished_elsewhere: list[Req] = []  # aborted outside step() (session replace)
+        self.grammar: GrammarBackend | None = None  # structured output (set by build_scheduler)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         """Queue a request; ValueError (SessionError for session problems) when it cannot run."""
+        grammar = req.params.grammar
+        if grammar is not None and req.grammar is None:
+            if self.grammar is None:
+                raise ValueError("structured output needs a scheduler built from a model path")
+            req.grammar = self.grammar.constraint(*grammar)  # ValueError on a bad grammar
         if req.session is not None:
             # prepends the context and checks the whole length itself; `replace` may abort turns
             for turn in self.sessions.prepare(req):
@@ -347,7 +354,13 @@ class Scheduler:
             p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
         ) or any(p.min_new_tokens > len(r.output_ids) for p, r in zip(params, reqs, strict=True)):
             histories = [(r.prompt_ids, r.output_ids) for r in reqs]
+        matchers = [r.grammar for r in reqs]
+        constrained = any(m is not None for m in matchers)
+        if constrained:
+            logits = logits[: len(reqs)].clone()  # an inference tensor cannot be masked
+            self.grammar.mask_logits(logits, matchers)
         out = self.runner.sample(logits, params, [r.generator for r in reqs], histories)
+        ended = set(GrammarBackend.advance(matchers, out.next_token_ids) if constrained else [])
         for i, req in enumerate(reqs):
             req.output_ids.append(out.next_token_ids[i])
             if out.logprobs is not None:
@@ -355,6 +368,8 @@ class Scheduler:
             if out.top_logprobs is not None:
                 req.output_top_logprobs.append(out.top_logprobs[i])
             req.check_finished(self.eos_ids, self.max_context_len)
+            if i in ended and not req.finished:  # the grammar is complete
+                req.finish_reason, req.finish_detail = FinishReason.STOP, "grammar ended"
 
     # ---- cache / release -----------------------------------------------------------------
     def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:

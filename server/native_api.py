@@ -57,6 +57,9 @@ def to_sampling_params(sp: NativeSamplingParams, body: GenerateRequest) -> Sampl
             logprob_start_len=body.logprob_start_len,
             min_new_tokens=sp.min_new_tokens,
             logit_bias=logit_bias(sp.logit_bias),
+            regex=sp.regex,
+            json_schema=sp.json_schema,
+            ebnf=sp.ebnf,
         )
     except ValueError as e:
         raise APIError(str(e), 400, "sampling_params") from e

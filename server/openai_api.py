@@ -61,6 +61,7 @@ def sampling_params(
             top_logprobs_num=top_logprobs or 0,
             min_new_tokens=min(body.min_tokens, max_new_tokens),
             logit_bias=logit_bias(body.logit_bias),
+            **response_format(body.response_format),
         )
     except ValueError as e:
         raise APIError(str(e), 400) from e
@@ -76,13 +77,28 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         raise APIError(f"logit_bias keys must be token ids: {e}", 400, "logit_bias") from e
 
 
+def response_format(raw: dict | None) -> dict:
+    """OpenAI's `response_format` -> SamplingParams fields (json_object or json_schema)."""
+    kind = (raw or {}).get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    schema = (raw.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if not isinstance(schema, dict):
+        raise APIError(
+            "response_format must be text, json_object, or json_schema with json_schema.schema",
+            400,
+            "response_format",
+        )
+    return {"json_schema": json.dumps(schema)}
+
+
 def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
     """A field this server knows but does not implement is refused, never silently dropped."""
     for name in names:
         value = getattr(body, name)
         if value is None or (name == "best_of" and value == body.n):
-            continue
-        if name == "response_format" and value.get("type") == "text":
             continue
         if (name in ("tools", "functions") and not value) or value == "none":
             continue
@@ -298,9 +314,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s = get_state(request)
     s.check_ready()
     s.check_model(body.model)
-    reject_unsupported(
-        body, ("response_format", "tools", "tool_choice", "functions", "function_call")
-    )
+    reject_unsupported(body, ("tools", "tool_choice", "functions", "function_call"))
     ids = chat_prompt(s, body)
     max_new = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

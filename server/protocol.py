@@ -41,6 +41,8 @@ class SamplingFields(BaseModel):
     no_stop_trim: bool = False  # keep the matched stop string in the text
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
+    response_format: dict | None = None
     session_params: SessionParamsModel | None = None
 
 
@@ -78,7 +80,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # known but not supported yet: refused when set (400 naming the field)
-    response_format: dict | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None
@@ -115,6 +116,9 @@ class NativeSamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=1)
     min_new_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None
+    regex: str | None = None  # structured output (at most one of the three)
+    json_schema: str | None = None
+    ebnf: str | None = None
     no_stop_trim: bool = False  # keep the matched stop string in the text
 
 
