@@ -28,6 +28,7 @@ from server.protocol import (
     SamplingFields,
     SessionParamsModel,
 )
+from server.tools import ToolStream, call_grammar, check_tools, parse_tool_calls
 
 router = APIRouter()
 
@@ -284,11 +285,20 @@ async def completions(body: CompletionRequest, request: Request):
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
 def chat_prompt(s: AppState, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = []
+    for m in body.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls is not None:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     if getattr(s.tokenizer, "chat_template", None) is None:
         raise APIError("this checkpoint has no chat template; use /v1/completions", 400)
     try:
-        text = s.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = s.tokenizer.apply_chat_template(
+            messages, tools=body.tools or None, tokenize=False, add_generation_prompt=True
+        )
     except Exception as e:  # template errors are the client's (e.g. an unsupported role order)
         raise APIError(f"chat template failed: {e}", 400, "messages") from e
     return s.tokenizer.encode(text, add_special_tokens=False)
@@ -314,7 +324,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s = get_state(request)
     s.check_ready()
     s.check_model(body.model)
-    reject_unsupported(body, ("tools", "tool_choice", "functions", "function_call"))
+    reject_unsupported(body, ("functions", "function_call"))
+    forced = check_tools(body.tools, body.tool_choice)
+    parse_calls = bool(body.tools) and body.tool_choice != "none"
     ids = chat_prompt(s, body)
     max_new = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -326,6 +338,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
+    if forced is not None:  # required / named: the grammar makes the call valid
+        if body.response_format:
+            raise APIError("give response_format or a forced tool_choice", 400, "tool_choice")
+        grammar = call_grammar(body.tools or [], forced)
+        for sp in params:
+            sp.ebnf = grammar
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
     gen_kw = {"session": session, **text_options(body)}
@@ -334,16 +352,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         results: list[Result] = await run_all(
             [s.generator.run(ids, sp, **gen_kw) for sp in params], request.is_disconnected
         )
-        choices = [
-            {
-                "index": k,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(s, r) if body.logprobs else None,
-                "finish_reason": r.finish_reason,
-                "matched_stop": r.matched_stop,
-            }
-            for k, r in enumerate(results)
-        ]
+        choices = []
+        for k, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = r.finish_reason
+            if parse_calls:
+                message["content"], calls = parse_tool_calls(r.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append(
+                {
+                    "index": k,
+                    "message": message,
+                    "logprobs": chat_logprobs(s, r) if body.logprobs else None,
+                    "finish_reason": finish,
+                    "matched_stop": r.matched_stop,
+                }
+            )
         return JSONResponse(
             {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(results, n)}
         )
@@ -359,17 +385,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     async def events() -> AsyncIterator[str]:
         results = [Result(rid=p.rid) for p in firsts]
+        tool_streams = [ToolStream() for _ in range(n)] if parse_calls else None
         for k in range(n):
             yield event(k, {"role": "assistant", "content": ""})
         merged = merge(streams, firsts)
         try:
             async for k, p in merged:
                 results[k].add(p)
-                if p.text or (body.logprobs and p.token_ids):
+                text = tool_streams[k].push(p.text) if tool_streams else p.text
+                if text or (body.logprobs and p.token_ids):
                     lp = chat_logprobs(s, p) if body.logprobs else None
-                    yield event(k, {"content": p.text}, lp=lp)
+                    yield event(k, {"content": text}, lp=lp)
                 if p.finish_reason:
-                    yield event(k, {}, p.finish_reason)
+                    finish = p.finish_reason
+                    if tool_streams:
+                        rest, calls = tool_streams[k].finish()
+                        if rest:
+                            yield event(k, {"content": rest})
+                        if calls:
+                            deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+                            yield event(k, {"tool_calls": deltas})
+                            finish = "tool_calls" if finish == "stop" else finish
+                    yield event(k, {}, finish)
             if include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage_of(results, n)})
         except APIError as e:

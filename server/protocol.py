@@ -66,6 +66,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # assistant: earlier calls, rendered by the template
+    tool_call_id: str | None = None  # tool: which call this answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -79,9 +81,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # known but not supported yet: refused when set (400 naming the field)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[dict] | None = None  # function tools (server/tools.py)
+    tool_choice: str | dict | None = None  # auto / none / required / {"function": {"name"}}
+    # known but not supported: refused when set (400 naming the field)
     functions: list[dict] | None = None
     function_call: str | dict | None = None
 
