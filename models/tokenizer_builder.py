@@ -51,7 +51,7 @@ _TOOLS_HEADER = (
     "{{- '# Tools\\n\\nFunctions you may call:\\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
     "{{- '\\n</tools>\\n\\nTo call one, write its name and arguments as JSON:\\n<tool_call>\\n"
-    "{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
     "</tool_call><|im_end|>\\n' -}}"
     "{%- endif -%}"
 )
