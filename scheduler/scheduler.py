@@ -57,6 +57,9 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         """Queue a request; ValueError (SessionError for session problems) when it cannot run."""
+        vocab = self.runner.model.config.vocab_size
+        if req.params.logit_bias and max(req.params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be < the vocabulary size {vocab}")
         grammar = req.params.grammar
         if grammar is not None and req.grammar is None:
             if self.grammar is None:

@@ -278,4 +278,6 @@ def test_logit_bias_min_tokens_and_skip_special_tokens(http, tokenizer):
     assert len(ids) == 3 and ids[-1] == im_end and im_end not in ids[:2]
     bad = http.post("/v1/completions", json={**body, "logit_bias": {"x": 1}})
     assert bad.status_code == 400 and bad.json()["param"] == "logit_bias"
+    beyond = http.post("/v1/completions", json={**body, "logit_bias": {"99999": 1}})
+    assert beyond.status_code == 400 and "logit_bias" in beyond.json()["message"]
     assert wait_idle_and_clean(http)["problems"] == []

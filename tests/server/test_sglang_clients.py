@@ -177,3 +177,18 @@ def test_lm_eval_loglikelihood_request(http, tiny_path):
         tops = choice["logprobs"]["top_logprobs"]
         assert tops[0] is None and all(len(row) == 1 for row in tops[1:])
     assert wait_idle_and_clean(http)["problems"] == []
+
+
+def test_streaming_session_is_append_only(http):
+    sid = ok(http.post("/open_session", json={"streaming": True}))
+    a, b = rand_ids(8, 90), rand_ids(4, 91)
+    t1 = ok(post(http, a, 5, {"id": sid}))
+    t2 = ok(post(http, b, 5, {"id": sid}, return_logprob=True))  # rid null: the latest turn
+    context = a + t1["output_ids"] + b
+    assert t2["meta_info"]["prompt_tokens"] == len(context)
+    assert t2["meta_info"]["cached_tokens"] == len(a) + 4  # the held slot
+    same(t2, ok(post(http, context, 5, return_logprob=True)))
+    drop = {"id": sid, "drop_previous_output": True}
+    assert post(http, b, 2, drop).status_code == 400
+    assert http.post("/close_session", json={"session_id": sid}).status_code == 200
+    assert wait_idle_and_clean(http)["problems"] == []
