@@ -261,11 +261,14 @@ class Scheduler:
             if req.prefill_done:
                 done_rows.append(i)
                 done_reqs.append(req)
+                if req.params.max_new_tokens == 0:  # prompt only (e.g. its logprobs)
+                    req.finish_reason = FinishReason.LENGTH
             else:
                 self.cache.cache_unfinished(req)
                 self.chunked = req
-        if done_reqs:
-            self._sample(logits[done_rows], done_reqs)
+        sample = [(i, r) for i, r in zip(done_rows, done_reqs, strict=True) if not r.finished]
+        if sample:
+            self._sample(logits[[i for i, _ in sample]], [r for _, r in sample])
         for req in done_reqs:
             if req.finished:
                 self._release(req, insert=True)

@@ -200,6 +200,8 @@ async def completions(body: CompletionRequest, request: Request):
     s.check_ready()
     s.check_model(body.model)
     reject_unsupported(body, ("suffix", "best_of"))
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError("max_tokens must be >= 1 (0 only with echo)", 400, "max_tokens")
     prompts = completion_prompts(s, body.prompt)
     for ids in prompts:
         s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")

@@ -48,7 +48,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo (the prompt's logprobs alone)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     # known but not supported: a request that sets them is refused (400 naming the field)

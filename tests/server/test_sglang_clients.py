@@ -176,6 +176,11 @@ def test_lm_eval_loglikelihood_request(http, tiny_path):
         assert token_lps[1 : len(prompt)] == pytest.approx(want, abs=TOL)
         tops = choice["logprobs"]["top_logprobs"]
         assert tops[0] is None and all(len(row) == 1 for row in tops[1:])
+    zero = ok(http.post("/v1/completions", json={**body, "max_tokens": 0}))["choices"][0]
+    assert zero["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=TOL)
+    assert len(zero["logprobs"]["tokens"]) == len(prompt) and zero["finish_reason"] == "length"
+    no_echo = http.post("/v1/completions", json={**body, "max_tokens": 0, "echo": False})
+    assert no_echo.status_code == 400 and no_echo.json()["param"] == "max_tokens"
     assert wait_idle_and_clean(http)["problems"] == []
 
 
