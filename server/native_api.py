@@ -24,7 +24,7 @@ from scheduler.sampling_params import SamplingParams
 from server.errors import APIError, error_body
 from server.generation import Result, merge, run_all, start_all
 from server.http_server import VERSION, AppState, get_state
-from server.openai_api import DONE, completion_prompts, logit_bias, session_dict, sse
+from server.openai_api import DONE, completion_prompts, sse
 from server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -32,6 +32,7 @@ from server.protocol import (
     NativeSamplingParams,
     OpenSessionRequest,
 )
+from server.request_fields import logit_bias, session_dict
 
 router = APIRouter()
 
