@@ -11,20 +11,27 @@ A request that fails (HTTP error, broken connection, error event) is counted in 
 as an empty answer (wrong, invalid) and the run goes on. Latency is the wall time of all requests;
 output throughput = the sum of `usage.completion_tokens` / latency.
 
-One JSON line is appended to `--result-file` (SGLang's result.jsonl shape plus our fields);
+One JSON line is appended to `--result-file` (SGLang's result.jsonl shape plus our fields;
+default `result.jsonl` in the current working directory, the path is logged at the end);
 `--raw-result-file` gets one line per question.
 
 Example: python -m benchmarks.gsm8k --base-url http://127.0.0.1:30000 --num-questions 200
+(or `python benchmarks/gsm8k.py ...`: every benchmark script runs both ways)
 """
 
 from __future__ import annotations
+
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import asyncio
 import json
 import logging
 import time
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -61,7 +68,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stop", nargs="*", default=DEFAULT_STOP)
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout in s")
-    p.add_argument("--result-file", default="result.jsonl", help="append one JSON line here")
+    p.add_argument(
+        "--result-file",
+        default="result.jsonl",
+        help="append one JSON line here (default: result.jsonl in the current directory)",
+    )
     p.add_argument("--raw-result-file", default=None, help="write per-question JSON lines here")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args(argv)
@@ -154,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     with open(args.result_file, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+    logger.info("result appended to %s", Path(args.result_file).resolve())
     if args.raw_result_file:
         write_raw(Path(args.raw_result_file), test, results, verdicts)
     return record

@@ -15,12 +15,17 @@ Example: python -m benchmarks.hf_baseline --preset small --batch-size 1,8 --num-
 
 from __future__ import annotations
 
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch

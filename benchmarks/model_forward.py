@@ -26,6 +26,12 @@ Example: python -m benchmarks.model_forward --preset small --json-out /tmp/forwa
 
 from __future__ import annotations
 
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import copy
 import json
@@ -35,7 +41,6 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from tqdm import tqdm

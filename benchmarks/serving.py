@@ -25,13 +25,18 @@ Example: python -m benchmarks.serving --base-url http://127.0.0.1:30000 --tokeni
 
 from __future__ import annotations
 
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import asyncio
 import json
 import logging
 import random
 import time
-from pathlib import Path
 
 import httpx
 from tqdm import tqdm

@@ -41,6 +41,8 @@ class ForwardBatch:
     mamba_pool: MambaPool
     max_seq_len: int = 0  # decode: longest seq_len in the batch (host side, avoids a sync)
     return_all_logits: bool = False  # prefill: logits for every new token, not only the last
+    # prefill: logits for exactly these packed token indices instead (prompt logprobs)
+    logit_indices: torch.Tensor | None = None  # [K] int64
     # prefill state tracking (extra_buffer): request i also leaves the conv and recurrent state
     # after `mamba_track_offsets_cpu[i]` of its new tokens (0 = none; a multiple of the GDN
     # chunk size) in Mamba slot `mamba_track_slots[i]`

@@ -81,8 +81,11 @@ class Qwen3NextForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (last new token per request), or [T, vocab] with return_all_logits."""
+        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
+        or [K, vocab] at `logit_indices`."""
         x = self.model(batch)
-        if not (batch.return_all_logits and not batch.is_decode):
+        if batch.logit_indices is not None and not batch.is_decode:
+            x = x[batch.logit_indices]
+        elif not (batch.return_all_logits and not batch.is_decode):
             x = x if batch.is_decode else x[batch.last_token_indices()]
         return self.lm_head(self.model.norm(x)).float()

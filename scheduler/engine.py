@@ -18,6 +18,7 @@ from typing import Any
 
 from models.loader import load_model
 from scheduler.config import SchedulerConfig
+from scheduler.grammar import GrammarBackend
 from scheduler.leak_check import leak_report
 from scheduler.model_runner import ModelRunner, RunnerConfig
 from scheduler.pool_sizing import describe, pool_bytes, size_pools
@@ -44,7 +45,9 @@ def build_scheduler(
     sizes = pool_bytes(model)
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))
-    return Scheduler(ModelRunner(model, runner_cfg), sched_cfg)
+    scheduler = Scheduler(ModelRunner(model, runner_cfg), sched_cfg)
+    scheduler.grammar = GrammarBackend(model_path, model.config.vocab_size)
+    return scheduler
 
 
 class Engine:
@@ -99,6 +102,13 @@ class Engine:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids, strict=True)
             ]
+            start = req.logprob_start
+            ids = req.prompt_ids[start : start + len(req.input_logprobs)]
+            meta["input_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(req.input_logprobs, ids, strict=True)
+            ]
+            if req.params.top_logprobs_num:
+                meta["input_top_logprobs"] = req.input_top_logprobs
         return {
             "text": self.tokenizer.decode(req.output_ids),
             "output_ids": list(req.output_ids),
@@ -153,9 +163,13 @@ class Engine:
         }
 
     def open_session(
-        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+        self,
+        session_id: str | None = None,
+        capacity_of_str_len: int | None = None,
+        streaming: bool = False,
     ) -> str:
-        return self.scheduler.open_session(session_id, capacity_of_str_len)
+        """A tree session by default (SGLang's rules), append-only with streaming."""
+        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming)
 
     def close_session(self, session_id: str) -> bool:
         return self.scheduler.close_session(session_id)
@@ -164,7 +178,8 @@ class Engine:
         return leak_report(self.scheduler)
 
     def flush_cache(self) -> bool:
-        """Empty the radix tree; refused (False) while requests run or sessions hold state."""
+        """Free sessions' held slots and empty the radix tree; refused (False) while requests
+        run."""
         try:
             self.scheduler.flush_cache()
         except ValueError:

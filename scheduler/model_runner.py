@@ -121,7 +121,7 @@ class ModelRunner:
             conv_dtype=dtype,
             device=device,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(tuple(mc.eos_token_ids))
 
     @classmethod
     def from_path(cls, model_path: str, config: RunnerConfig | None = None) -> ModelRunner:
@@ -191,7 +191,10 @@ class ModelRunner:
         items: list[ExtendInput],
         out_locs: list[torch.Tensor],
         return_all_logits: bool = False,
+        logit_indices: list[int] | None = None,
     ) -> ForwardBatch:
+        """A prefill batch; logits come for each request's last new token, or for every new
+        token (return_all_logits), or for the packed token indices `logit_indices`."""
         dev = self.device
         ids = [t for it in items for t in it.input_ids]
         positions = [
@@ -215,6 +218,9 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             mamba_pool=self.mamba_pool,
             return_all_logits=return_all_logits,
+            logit_indices=None
+            if logit_indices is None
+            else torch.tensor(logit_indices, dtype=torch.int64, device=dev),
             **self._track_fields(items),
         )
 

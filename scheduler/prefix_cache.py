@@ -105,9 +105,12 @@ class PrefixCache:
             slots.append(slot)
         req.req_slot, req.mamba_slot, req.track_slots = rows[0], slots[0], slots[1:]
         req.next_track, req.last_track_len, req.lazy_insert_ok = 0, None, True
+        limit = req.fill_len - 1
+        if req.logprob_from is not None:  # prompt logprobs are computed, never cached
+            limit = min(limit, req.logprob_from)
         # match -> load back what only the host tier holds (its state straight into the running
         # slot) -> lock and take the prefix
-        key = req.all_ids[: req.fill_len - 1]
+        key = req.all_ids[:limit]
         match = self.tree.prefetch(key, self.tree.match_prefix(key))
         match = self.tree.load_back(match, req.mamba_slot)
         prefix = len(match.kv_indices)

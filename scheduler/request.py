@@ -25,14 +25,16 @@ from scheduler.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class SessionParams:
-    """SGLang's `session_params`: continue session `id` from turn `rid` (default: the latest),
-    its context cut at `offset` tokens when given; `replace` branches from an earlier turn and
-    forgets the turns after it."""
+    """SGLang's `session_params`: continue turn `rid` of session `id` (rules in
+    `scheduler/session_tree.py`); `bos_token_id` is the tokenizer's, set by the API layer (a
+    continuing turn's leading BOS is dropped)."""
 
     id: str
     rid: str | None = None
     offset: int | None = None
     replace: bool = False
+    drop_previous_output: bool = False
+    bos_token_id: int | None = None
 
 
 class FinishReason(str, Enum):
@@ -73,15 +75,28 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: Any = None  # the output constraint (scheduler/grammar.py Constraint)
     arrival: int = 0  # admission order tiebreak
     queued_at: float = 0.0  # time.monotonic() at add_request
     queue_time: float | None = None  # seconds from add_request to its first prefill batch
     session: SessionParams | None = None
     session_restored: bool = False  # holds its session's slot, lent until admitted
+    # prompt logprobs (`logprob_start_len`): the next prompt position whose logits are still
+    # needed (None: none are), and what was gathered so far, one entry per prompt token from
+    # logprob_start_len on (the first is None: no logits predict it)
+    logprob_from: int | None = None
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def logprob_start(self) -> int:
+        """First prompt position with an input logprob entry (`logprob_start_len`, -1: last)."""
+        start = self.params.logprob_start_len
+        return self.prompt_len - 1 if start == -1 else start
 
     @property
     def seq_len(self) -> int:

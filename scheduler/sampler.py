@@ -1,6 +1,8 @@
 """Next-token sampling for a batch of requests with their own parameters.
 
-Greedy rows take the argmax. Other rows apply penalties, temperature, top-k, top-p and min-p,
+Every row first gets its penalties, its `logit_bias` and, while it has fewer than `min_new_tokens`
+outputs, its EOS and stop tokens masked. Greedy rows then take the argmax. Other rows apply
+temperature, top-k, top-p and min-p,
 then sample with the exponential race (argmax of p / Exp(1) noise), which draws exactly from p.
 A request with a `seed` owns a `torch.Generator` seeded once, so its tokens depend only on its
 seed and its own history, never on which other requests share the batch.
@@ -62,6 +64,32 @@ def apply_penalties(
     return logits
 
 
+def apply_bias_and_min_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[History] | None,
+    eos_ids: tuple[int, ...],
+) -> torch.Tensor:
+    """In place: add each row's `logit_bias`; mask EOS (unless ignore_eos) and stop tokens of
+    rows with fewer than `min_new_tokens` outputs (their histories must be given)."""
+    vocab = logits.shape[-1]
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            pairs = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+                logits[i, ids] += torch.tensor([b for _, b in pairs], dtype=logits.dtype).to(
+                    logits.device
+                )
+        if p.min_new_tokens and histories is not None:
+            if len(histories[i][1]) < p.min_new_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                banned = [t for t in banned if t < vocab]
+                if banned:
+                    logits[i, banned] = float("-inf")
+    return logits
+
+
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """One row of logits -> probabilities after temperature, top-k, top-p and min-p."""
     logits = logits / p.temperature
@@ -80,6 +108,9 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
+    def __init__(self, eos_ids: tuple[int, ...] = ()) -> None:
+        self.eos_ids = tuple(eos_ids)  # masked by min_new_tokens
+
     def __call__(
         self,
         logits: torch.Tensor,  # [N, V] fp32
@@ -91,6 +122,8 @@ class Sampler:
         if any(p.return_logprob for p in params):
             logprobs_all = torch.log_softmax(logits.float(), dim=-1)
         logits = apply_penalties(logits.clone(), params, histories)
+        if any(p.logit_bias or p.min_new_tokens for p in params):
+            apply_bias_and_min_tokens(logits, params, histories, self.eos_ids)
         next_ids = logits.argmax(dim=-1)
         for i, p in enumerate(params):
             if p.is_greedy:

@@ -22,11 +22,32 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_new_tokens: int = 0  # EOS and stop tokens are masked until this many outputs
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # structured output (SGLang's names; at most one): see scheduler/grammar.py
+    regex: str | None = None
+    json_schema: str | None = None  # a JSON schema, as a string
+    ebnf: str | None = None
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    # with return_logprob: prompt logprobs from this position on (-1: the last prompt token
+    # only); the request recomputes from there, so its prefix-cache hit is cut to it
+    logprob_start_len: int = -1
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, spec) of the output constraint, or None."""
+        if self.json_object:
+            return ("json", "")
+        for kind in ("json_schema", "regex", "ebnf"):
+            spec = getattr(self, kind)
+            if spec is not None:
+                return (kind, spec)
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -56,5 +77,21 @@ class SamplingParams:
             or not SEED_MIN <= self.seed <= SEED_MAX
         ):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got "
+                f"{self.min_new_tokens}"
+            )
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and biases in [-100, 100], got "
+                    f"{token}: {bias}"
+                )
+        constraints = [self.regex, self.json_schema, self.ebnf, self.json_object or None]
+        if sum(c is not None for c in constraints) > 1:
+            raise ValueError("give at most one of regex, json_schema, ebnf and json_object")
+        if self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}")
         if self.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")

@@ -25,6 +25,7 @@ import torch
 
 from scheduler.config import SchedulerConfig
 from scheduler.faults import FaultSwitch, InjectedFault, PoolsCorrupt
+from scheduler.grammar import GrammarBackend
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.leak_check import pool_report
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
@@ -59,12 +60,27 @@ class Scheduler:
         self.faults = FaultSwitch.from_env()
         self._batch: list[Req] = []  # the requests of the step in flight (failed by its fault)
         self._faulted = False  # a request failed since the last audit
+        self._finished_elsewhere: list[Req] = []  # aborted outside step() (session replace)
+        self.grammar: GrammarBackend | None = None  # structured output (set by build_scheduler)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         """Queue a request; ValueError (SessionError for session problems) when it cannot run."""
+        vocab = self.runner.model.config.vocab_size
+        if req.params.logit_bias and max(req.params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be < the vocabulary size {vocab}")
+        grammar = req.params.grammar
+        if grammar is not None and req.grammar is None:
+            if self.grammar is None:
+                raise ValueError("structured output needs a scheduler built from a model path")
+            req.grammar = self.grammar.constraint(*grammar)  # ValueError on a bad grammar
         if req.session is not None:
-            self.sessions.prepare(req)  # prepends the context; checks the whole length itself
+            # prepends the context and checks the whole length itself; `replace` may abort turns
+            for turn in self.sessions.prepare(req):
+                if not turn.finished:
+                    self._abort_req(turn)
+                    turn.finish_detail = f"replaced by {req.rid} (session replace)"
+                    self._finished_elsewhere.append(turn)
         elif req.prompt_len == 0:
             raise ValueError("the prompt is empty")
         elif req.prompt_len >= self.max_context_len:
@@ -79,9 +95,26 @@ class Scheduler:
             )
         if not self.has_work():
             self.ratio.reset()  # idle: reservations start from the initial ratio again
+        self._init_prompt_logprobs(req)
         self._arrivals += 1
         req.arrival, req.queued_at = self._arrivals, time.monotonic()
         self.waiting.append(req)
+
+    @staticmethod
+    def _init_prompt_logprobs(req: Req) -> None:
+        """SGLang's input logprobs: one entry per prompt token from `logprob_start_len` (-1: the
+        last one) on, the first None. ValueError when the start is past the prompt."""
+        p = req.params
+        if not p.return_logprob:
+            return
+        start = req.logprob_start
+        if start >= req.prompt_len:
+            raise ValueError(
+                f"logprob_start_len={start} is past the prompt ({req.prompt_len} tokens)"
+            )
+        req.input_logprobs = [None]
+        req.input_top_logprobs = [None] if p.top_logprobs_num else []
+        req.logprob_from = start if start < req.prompt_len - 1 else None
 
     def abort(self, rid: str) -> Req | None:
         """Finish a request wherever it is; everything it holds goes back (KV is not cached)."""
@@ -106,9 +139,7 @@ class Scheduler:
         del req.output_ids[keep_output_tokens:]
         del req.output_logprobs[keep_output_tokens:]
         del req.output_top_logprobs[keep_output_tokens:]
-        self._abort_req(req, FinishReason.STOP)
-        if req.session is not None:
-            self.sessions.record(req)
+        self._abort_req(req, FinishReason.STOP)  # a session turn is recorded with those tokens
 
     def live_requests(self) -> list[Req]:
         return [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
@@ -190,11 +221,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
+    def take_finished(self) -> list[Req]:
+        """Requests finished outside `step()` since the last call (a session `replace` aborted
+        them), for the caller to report."""
+        out, self._finished_elsewhere = self._finished_elsewhere, []
+        return out
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that got a token or finished in it. A fault
-        fails the request it was raised for, or else every request of the batch in flight;
-        PoolsCorrupt when the pools do not add up afterwards."""
+        """Run one forward; return the requests that got a token or finished in it (and those
+        `take_finished` has not reported yet). A fault fails the request it was raised for, or
+        else every request of the batch in flight; PoolsCorrupt when the pools do not add up
+        afterwards."""
+        finished = self.take_finished()
         self._batch = []
         try:
             out = self._step()
@@ -204,7 +243,7 @@ class Scheduler:
             out = self._fail(self._batch, exc)
         if self._faulted:
             self._audit()
-        return out
+        return finished + out
 
     def _step(self) -> list[Req]:
         batch = PrefillAdder(self).admit()
@@ -230,18 +269,29 @@ class Scheduler:
             items.append(ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, ids, offset, slot))
         rows = runner.req_pool.req_to_token
         locs = [rows[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in batch]
-        logits = runner.forward(runner.build_prefill(items, locs))
+        picks = self._prompt_logit_picks(batch)
+        indices = None if picks is None else [i for pick in picks for i in pick]
+        logits = runner.forward(runner.build_prefill(items, locs, logit_indices=indices))
+        if picks is not None:  # rows per request: its prompt positions, then its last token
+            ends = torch.tensor([len(pick) for pick in picks]).cumsum(0)
+            for (req, _), pick, end in zip(batch, picks, ends.tolist(), strict=True):
+                if len(pick) > 1:
+                    self._gather_prompt_logprobs(req, logits[end - len(pick) : end - 1])
+            logits = logits[ends - 1]
         done_rows, done_reqs = [], []
         for i, (req, n) in enumerate(batch):
             req.kv_len += n
             if req.prefill_done:
                 done_rows.append(i)
                 done_reqs.append(req)
+                if req.params.max_new_tokens == 0:  # prompt only (e.g. its logprobs)
+                    req.finish_reason = FinishReason.LENGTH
             else:
                 self.cache.cache_unfinished(req)
                 self.chunked = req
-        if done_reqs:
-            self._sample(logits[done_rows], done_reqs)
+        sample = [(i, r) for i, r in zip(done_rows, done_reqs, strict=True) if not r.finished]
+        if sample:
+            self._sample(logits[[i for i, _ in sample]], [r for _, r in sample])
         for req in done_reqs:
             if req.finished:
                 self._release(req, insert=True)
@@ -249,6 +299,38 @@ class Scheduler:
                 self.cache.cache_unfinished(req)
                 self.running.append(req)
         return done_reqs
+
+    @staticmethod
+    def _prompt_logit_picks(batch: list[tuple[Req, int]]) -> list[list[int]] | None:
+        """None when no request in the batch needs prompt logits (the model then computes the
+        last token's only); else per request the packed indices of its prompt positions whose
+        logits are needed this round, then its last token."""
+        if all(r.logprob_from is None for r, _ in batch):
+            return None
+        picks, base = [], 0
+        for req, n in batch:
+            pick = []
+            if req.logprob_from is not None:  # positions logprob_from .. prompt_len - 2
+                lo, hi = max(req.logprob_from, req.kv_len), min(req.prompt_len - 1, req.kv_len + n)
+                pick = [base + pos - req.kv_len for pos in range(lo, hi)]
+            picks.append([*pick, base + n - 1])
+            base += n
+        return picks
+
+    def _gather_prompt_logprobs(self, req: Req, logits: torch.Tensor) -> None:
+        """Logits at positions logprob_from.. (in order) give the logprobs of the next tokens."""
+        start = req.logprob_from
+        targets = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        idx = torch.tensor(targets, device=lsm.device).unsqueeze(1)
+        req.input_logprobs += lsm.gather(1, idx).squeeze(1).tolist()
+        k = req.params.top_logprobs_num
+        if k:
+            vals, ids = lsm.topk(k, dim=-1)
+            for row_ids, row_vals in zip(ids.tolist(), vals.tolist(), strict=True):
+                req.input_top_logprobs.append(list(zip(row_ids, row_vals, strict=True)))
+        end = start + logits.shape[0]
+        req.logprob_from = end if end < req.prompt_len - 1 else None
 
     # ---- decode --------------------------------------------------------------------------
     def _run_decode(self) -> list[Req]:
@@ -312,9 +394,15 @@ class Scheduler:
         histories = None
         if any(
             p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-        ):
+        ) or any(p.min_new_tokens > len(r.output_ids) for p, r in zip(params, reqs, strict=True)):
             histories = [(r.prompt_ids, r.output_ids) for r in reqs]
+        matchers = [r.grammar for r in reqs]
+        constrained = any(m is not None for m in matchers)
+        if constrained:
+            logits = logits[: len(reqs)].clone()  # an inference tensor cannot be masked
+            self.grammar.mask_logits(logits, matchers)
         out = self.runner.sample(logits, params, [r.generator for r in reqs], histories)
+        ended = set(GrammarBackend.advance(matchers, out.next_token_ids) if constrained else [])
         for i, req in enumerate(reqs):
             try:
                 self._inject_step_fault(req)
@@ -324,6 +412,8 @@ class Scheduler:
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.append(out.top_logprobs[i])
                 req.check_finished(self.eos_ids, self.max_context_len)
+                if i in ended and not req.finished:  # the grammar is complete
+                    req.finish_reason, req.finish_detail = FinishReason.STOP, "grammar ended"
             except Exception as exc:  # this request fails (released by the caller), not the batch
                 self._error(req, exc)
 
@@ -346,25 +436,28 @@ class Scheduler:
             self.sessions.done(req)
 
     def flush_cache(self) -> None:
-        """Empty the radix tree; ValueError while requests run or sessions hold state."""
+        """Free the sessions' held slots (a cache too) and empty the radix tree; ValueError
+        while requests run or wait. Sessions stay open: their next turns are recomputed."""
         if self.has_work():
             raise ValueError("cannot flush the cache while requests are running or waiting")
-        if self.sessions.held()[0]:
-            raise ValueError("cannot flush the cache while sessions hold state; close them first")
+        self.sessions.evict_all()
         self.tree.reset()
 
     # ---- sessions ------------------------------------------------------------------------
     def open_session(
-        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+        self,
+        session_id: str | None = None,
+        capacity_of_str_len: int | None = None,
+        streaming: bool = False,
     ) -> str:
-        return self.sessions.open(session_id, capacity_of_str_len)
+        return self.sessions.open(session_id, capacity_of_str_len, streaming)
 
     def close_session(self, session_id: str) -> bool:
-        """Abort the session's request in flight, if any, and free everything it holds."""
+        """Abort the session's requests in flight and free everything it holds."""
         session = self.sessions.sessions.get(session_id)
         if session is None:
             return False
-        if session.in_flight is not None:
-            self._guarded(session.in_flight, self._abort_req, session.in_flight)
+        for req in list(session.in_flight.values()):
+            self._guarded(req, self._abort_req, req)
         self.sessions.close(session_id)
         return True

@@ -1,42 +1,37 @@
-"""Streaming sessions: multi-turn requests that keep their KV and Mamba state between turns.
+"""Sessions: multi-turn requests, and the KV and Mamba state a session holds between turns.
 
-A request with `SessionParams` continues a session: its prompt is the context of the turn it
-continues (`rid`, default the latest; cut at `offset` when given) followed by its own tokens.
-Between turns the session holds a `SessionSlot`: the finished turn's request row, its KV
+Which context a turn continues is `scheduler/session_tree.py`'s business (SGLang's tree rules
+for default sessions, append-only for streaming ones); this file owns the held state.
+Between turns a session may hold a `SessionSlot`: a finished turn's request row, its KV
 (`[cache_protected_len, kv_len)`; the prefix before that is the radix tree's, pinned by the
 first turn's lock on `last_node`) and its Mamba slots. The running state there is exactly the
 state after `kv_len` tokens (the last sampled token has no KV yet, it is the next turn's first
-input), so the next turn continues in place and prefills only its new tokens; nothing is copied.
+input), so a turn whose prompt extends those tokens continues in place and prefills only its new
+tokens; nothing is copied. Any other turn goes through the radix cache.
 
-Ownership moves, it is never shared: a slot belongs to the session until the next turn is
-admitted (a turn that is not admitted leaves it there, so it can try again: no double free,
+Ownership moves, it is never shared: a slot belongs to the session until a turn that extends it
+is admitted (a turn that is not admitted leaves it there, so it can try again: no double free,
 SGLang #23327), then to that request, and back to the session when the turn finishes. An abort
-or a retraction frees the request's resources as usual and the session simply has no slot: the
-next turn goes through the radix cache. Branching (`replace`, or an `offset` inside the held
-context) also drops the slot. Close releases everything exactly once. Held slots are a cache:
-when a live request cannot get a row, a Mamba slot or KV, the least recently used idle session's
-slot is freed (`evict_one`), so idle sessions never starve the server.
+or a retraction frees the request's resources as usual and the session simply has no slot.
+A turn that does not extend the held tokens drops the slot. Close releases everything exactly
+once. Held slots are a cache: when a live request cannot get a row, a Mamba slot or KV, the
+least recently used idle session's slot is freed (`evict_one`), and `/flush_cache` frees all.
 """
 
 from __future__ import annotations
 
 import itertools
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler.request import Req
+from scheduler.session_tree import Session, SessionError, Turn, resolve_turn
 
 if TYPE_CHECKING:
     from scheduler.prefix_cache import PrefixCache
 
-
-class SessionError(ValueError):
-    """A session request that cannot be served; `status` is the HTTP status to answer."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = ["Session", "SessionError", "SessionManager", "SessionSlot"]
 
 
 @dataclass
@@ -51,21 +46,8 @@ class SessionSlot:
     last_node: Any
     ids: list[int]  # the kv_len tokens behind the held KV and state
 
-
-@dataclass
-class Session:
-    id: str
-    capacity: int | None  # most context tokens a turn may have (None: the model's context)
-    turns: dict[str, list[int]] = field(default_factory=dict)  # rid -> context after that turn
-    prompt_lens: dict[str, int] = field(default_factory=dict)  # rid -> that turn's prompt length
-    slot: SessionSlot | None = None
-    in_flight: Req | None = None
-    last_used: int = 0  # when its slot was saved (LRU order for `evict_one`)
-
-    @property
-    def order(self) -> list[str]:
-        """Turn rids, oldest first (`turns` keeps insertion order)."""
-        return list(self.turns)
+    def extended_by(self, prompt: list[int]) -> bool:
+        return self.kv_len < len(prompt) and prompt[: self.kv_len] == self.ids
 
 
 class SessionManager:
@@ -75,49 +57,37 @@ class SessionManager:
         self._clock = itertools.count(1)
 
     # ---- open / close --------------------------------------------------------------------
-    def open(self, session_id: str | None = None, capacity_of_str_len: int | None = None) -> str:
+    def open(
+        self,
+        session_id: str | None = None,
+        capacity_of_str_len: int | None = None,
+        streaming: bool = False,
+    ) -> str:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             raise SessionError(f"session {sid!r} is already open")
         if capacity_of_str_len is not None and capacity_of_str_len < 1:
             raise SessionError("capacity_of_str_len must be >= 1")
-        self.sessions[sid] = Session(sid, capacity_of_str_len)
+        self.sessions[sid] = Session(sid, capacity_of_str_len, streaming)
         return sid
 
     def close(self, session_id: str) -> Session | None:
-        """Forget the session and free its slot; the caller aborts its in-flight request."""
+        """Forget the session and free its slot; the caller aborts its turns in flight."""
         session = self.sessions.pop(session_id, None)
         if session is not None:
             self._drop_slot(session)
         return session
 
     # ---- a turn --------------------------------------------------------------------------
-    def prepare(self, req: Req) -> None:
-        """Resolve the context the request continues and prepend it to its prompt. Everything
-        is checked before anything changes: a refused turn leaves the session as it was."""
+    def prepare(self, req: Req) -> list[Req]:
+        """Resolve the context the request continues and prepend it to its prompt; return the
+        running turns the caller must abort (`replace`). Everything is checked before anything
+        changes: a refused turn leaves the session as it was."""
         params = req.session
         session = self.sessions.get(params.id)
         if session is None:
             raise SessionError(f"session {params.id!r} not found", status=404)
-        if session.in_flight is not None:
-            raise SessionError(f"session {params.id!r} already has a request in flight")
-        if req.rid in session.turns:
-            raise SessionError(f"request id {req.rid!r} is already a turn of session {params.id!r}")
-        order = session.order
-        latest = order[-1] if order else None
-        rid = params.rid if params.rid is not None else latest
-        if rid is not None and rid not in session.turns:
-            raise SessionError(f"request {rid!r} is not a turn of session {params.id!r}")
-        context = session.turns[rid] if rid is not None else []
-        if params.offset is not None:
-            if not 0 <= params.offset <= len(context):
-                raise SessionError(
-                    f"offset {params.offset} is outside the context (0..{len(context)})"
-                )
-            context = context[: params.offset]
-        if rid != latest and not params.replace:
-            raise SessionError(f"request {rid!r} is not the latest turn; set replace to branch")
-        prompt = context + req.prompt_ids
+        prompt, forget, abort_parent = resolve_turn(session, req, params.bos_token_id)
         if session.capacity is not None and len(prompt) > session.capacity:
             raise SessionError(
                 f"the session context would hold {len(prompt)} tokens; its capacity is "
@@ -128,22 +98,34 @@ class SessionManager:
             raise SessionError(
                 f"the turn's prompt has {len(prompt)} tokens; the context is {limit}"
             )
-        if params.replace:  # later turns are forgotten
-            for gone in order[order.index(rid) + 1 if rid is not None else 0 :]:
-                del session.turns[gone], session.prompt_lens[gone]
+        sp = req.params
+        if sp.return_logprob and sp.logprob_start_len >= len(prompt):
+            raise SessionError(
+                f"logprob_start_len={sp.logprob_start_len} is past the prompt "
+                f"({len(prompt)} tokens)"
+            )
+        to_abort = [abort_parent] if abort_parent is not None else []
+        for gone in forget:
+            turn = session.turns.pop(gone)
+            if turn.req is not None:
+                to_abort.append(turn.req)
+        if not session.streaming:
+            session.turns[req.rid] = Turn(parent=params.rid, req=req)
         slot = session.slot
-        if slot is not None and not (
-            slot.kv_len < len(prompt) and prompt[: slot.kv_len] == slot.ids
-        ):
+        if slot is not None and not slot.extended_by(prompt):
             self._drop_slot(session)  # the held state is not a prefix of this turn
         req.prompt_ids = prompt
-        session.in_flight = req
+        session.in_flight[req.rid] = req
+        return to_abort
 
     def restore(self, req: Req) -> bool:
-        """Lend the session's slot to its waiting turn (nothing allocated, nothing copied)."""
+        """Lend the session's slot to its waiting turn (nothing allocated, nothing copied) when
+        the turn extends the held tokens and needs no logits inside them."""
         session = self.sessions.get(req.session.id)
         slot = session.slot if session is not None else None
-        if slot is None:
+        if slot is None or not slot.extended_by(req.prompt_ids):
+            return False
+        if req.logprob_from is not None and req.logprob_from < slot.kv_len:
             return False
         self._lend(slot, req)
         req.fill_len, req.session_restored = req.seq_len, True
@@ -169,8 +151,13 @@ class SessionManager:
             req.session_restored = False
 
     def save(self, req: Req) -> None:
-        """A turn finished: its resources become the session's slot, its context a turn."""
-        session = self.sessions[req.session.id]
+        """A turn finished: its resources become the session's slot (replacing an older one),
+        its context a turn. Without the session (closed meanwhile) they are simply freed."""
+        session = self.sessions.get(req.session.id)
+        if session is None:
+            self.cache.release(req, insert=True)
+            return
+        self._drop_slot(session)
         session.last_used = next(self._clock)
         session.slot = SessionSlot(
             req.req_slot,
@@ -184,40 +171,33 @@ class SessionManager:
             req.all_ids[: req.kv_len],
         )
         req.reset_for_retract()
-        self.record(req)
         self.done(req)
-
-    def record(self, req: Req) -> None:
-        """Make a finished turn's context (prompt + output) one the next turn can continue."""
-        session = self.sessions.get(req.session.id)
-        if session is not None and req.rid not in session.turns:
-            session.turns[req.rid] = req.all_ids
-            session.prompt_lens[req.rid] = req.prompt_len
 
     def trim_turn(self, rid: str, keep_output_tokens: int) -> None:
         """A stop string was found after the turn finished: keep only that many of its output
         tokens in the context, and drop the held slot if it is now past the context."""
         for session in self.sessions.values():
-            if rid not in session.turns:
+            turn = session.turns.get(rid)
+            if turn is None or turn.context is None:
                 continue
-            context = session.turns[rid]
-            kept = context[: session.prompt_lens[rid] + keep_output_tokens]
-            if len(kept) < len(context):
-                session.turns[rid] = kept
+            kept = turn.context[: turn.prompt_len + keep_output_tokens]
+            if len(kept) < len(turn.context):
+                turn.context = kept
                 slot = session.slot
-                if slot is not None and session.order[-1] == rid and slot.kv_len >= len(kept):
+                if slot is not None and slot.kv_len > len(kept) and slot.ids[: len(kept)] == kept:
                     self._drop_slot(session)
             return
 
     def done(self, req: Req) -> None:
+        """The turn finished (or was aborted): record its context, it is no longer in flight."""
         session = self.sessions.get(req.session.id)
-        if session is not None and session.in_flight is req:
-            session.in_flight = None
+        if session is not None:
+            session.finish(req)
 
     def evict_one(self) -> bool:
         """Free the held slot of the least recently used idle session (its next turn goes
         through the radix cache instead), so idle sessions never starve live requests."""
-        idle = [s for s in self.sessions.values() if s.slot is not None and s.in_flight is None]
+        idle = [s for s in self.sessions.values() if s.slot is not None and not s.in_flight]
         if not idle:
             return False
         self._drop_slot(min(idle, key=lambda s: s.last_used))
@@ -228,8 +208,13 @@ class SessionManager:
         return sum(
             s.slot.kv_len - s.slot.cache_protected_len
             for s in self.sessions.values()
-            if s.slot is not None and s.in_flight is None
+            if s.slot is not None and not s.in_flight
         )
+
+    def evict_all(self) -> None:
+        """Free every idle session's held slot (`/flush_cache`)."""
+        while self.evict_one():
+            pass
 
     def _drop_slot(self, session: Session) -> None:
         slot, session.slot = session.slot, None

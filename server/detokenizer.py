@@ -6,8 +6,8 @@ tokens. It decodes a short window (the previously emitted chunk plus the new tok
 whole output again. Concatenating every `push` and the final `flush` gives `decode(all ids)`.
 
 `TextStream` adds stop strings on top: text that could still become the start of a stop string is
-held back; once a stop string appears the text is cut right before it, `matched` names it, and
-nothing more is emitted.
+held back; once a stop string appears the text is cut right before it (right after it with
+`no_stop_trim`, as SGLang), `matched` names it, and nothing more is emitted.
 """
 
 from __future__ import annotations
@@ -57,9 +57,16 @@ class IncrementalDetokenizer:
 class TextStream:
     """One request's output text: `push` per delta, `finish` at the end; both return new text."""
 
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None, skip_special_tokens=True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        no_stop_trim: bool = False,
+    ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stops = [s for s in (stop or []) if s]
+        self.no_stop_trim = no_stop_trim
         self.text = ""  # all decoded text, cut before the stop string once one matched
         self.emitted = 0  # characters of `text` handed out
         self.matched: str | None = None
@@ -82,6 +89,8 @@ class TextStream:
             hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
             if hits:
                 cut, self.matched = min(hits)
+                if self.no_stop_trim:
+                    cut += len(self.matched)
                 self.text = text[:cut]
                 self.emitted = cut
                 return text[start:cut]

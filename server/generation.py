@@ -38,6 +38,9 @@ class Piece:
     finish_detail: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    input_logprobs: list[float | None] | None = None  # prompt logprobs (first piece only)
+    input_token_ids: list[int] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass
@@ -54,8 +57,14 @@ class Result:
     finish_detail: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    input_logprobs: list[float | None] | None = None
+    input_token_ids: list[int] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def add(self, p: Piece) -> None:
+        if p.input_logprobs is not None:
+            self.input_logprobs, self.input_token_ids = p.input_logprobs, p.input_token_ids
+            self.input_top_logprobs = p.input_top_logprobs
         self.text += p.text
         self.token_ids += p.token_ids
         self.logprobs += p.logprobs
@@ -103,6 +112,7 @@ class Generator:
         rid: str | None = None,
         session: dict[str, Any] | None = None,
         skip_special_tokens: bool = True,
+        no_stop_trim: bool = False,
     ) -> AsyncIterator[Piece]:
         rid = rid or uuid.uuid4().hex
         try:
@@ -111,7 +121,7 @@ class Generator:
             status = getattr(e, "status", 503)
             self.metrics.request_done("error", 0, 0, 0, None)
             raise APIError(str(e), status) from e
-        text = TextStream(self.tokenizer, params.stop, skip_special_tokens)
+        text = TextStream(self.tokenizer, params.stop, skip_special_tokens, no_stop_trim)
         start = last = time.perf_counter()
         n_out, finished, outcome, prompt, cached = 0, False, "abort", 0, 0
         try:
@@ -139,6 +149,9 @@ class Generator:
                     top_logprobs=d.top_logprobs,
                     prompt_tokens=prompt,
                     cached_tokens=cached,
+                    input_logprobs=d.input_logprobs,
+                    input_token_ids=d.input_token_ids,
+                    input_top_logprobs=d.input_top_logprobs,
                 )
                 if text.matched is not None:  # a stop string: done here, free it there
                     self.client.abort(rid, forget=True, keep_output_tokens=n_out)

@@ -70,6 +70,10 @@ class TokenDelta:
     finish_reason: str | None = None  # stop / length / abort
     finish_detail: str | None = None
     prompt_tokens: int = 0  # full context (session requests: with the session's history)
+    # prompt logprobs (`logprob_start_len`), on the first delta only
+    input_logprobs: list[float | None] | None = None
+    input_token_ids: list[int] | None = None  # the prompt tokens those are for
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     cached_tokens: int = 0
     queue_time: float | None = None  # on the first delta: seconds waiting for admission
     error: str | None = None  # refused at add_request: nothing ran

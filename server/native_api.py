@@ -32,6 +32,7 @@ from server.protocol import (
     NativeSamplingParams,
     OpenSessionRequest,
 )
+from server.request_fields import logit_bias, session_dict
 from server.security import require_admin
 
 router = APIRouter()
@@ -55,6 +56,12 @@ def to_sampling_params(sp: NativeSamplingParams, body: GenerateRequest) -> Sampl
             repetition_penalty=sp.repetition_penalty,
             return_logprob=body.return_logprob,
             top_logprobs_num=body.top_logprobs_num if body.return_logprob else 0,
+            logprob_start_len=body.logprob_start_len,
+            min_new_tokens=sp.min_new_tokens,
+            logit_bias=logit_bias(sp.logit_bias),
+            regex=sp.regex,
+            json_schema=sp.json_schema,
+            ebnf=sp.ebnf,
         )
     except ValueError as e:
         raise APIError(str(e), 400, "sampling_params") from e
@@ -90,6 +97,16 @@ def answer(s: AppState, r: Result, body: GenerateRequest, start: float) -> dict:
         ]
         if body.top_logprobs_num:
             meta["output_top_logprobs"] = [[item(lp, t) for t, lp in row] for row in r.top_logprobs]
+        if r.input_logprobs is not None:  # the prompt's, from logprob_start_len on
+            ids = r.input_token_ids or []
+            meta["input_token_logprobs"] = [
+                item(lp, t) for lp, t in zip(r.input_logprobs, ids, strict=True)
+            ]
+            if body.top_logprobs_num:
+                meta["input_top_logprobs"] = [
+                    None if row is None else [item(lp, t) for t, lp in row]
+                    for row in r.input_top_logprobs or []
+                ]
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
 
 
@@ -111,7 +128,7 @@ async def generate(body: GenerateRequest, request: Request):
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts) or (len(prompts) > 1 and body.rid and None in rids):
         raise APIError("rid must be one id per prompt", 400, "rid")
-    session = body.session_params.model_dump() if body.session_params else None
+    session = session_dict(s, body.session_params)
     if session and len(prompts) != 1:
         raise APIError("a session request takes one prompt", 400, "session_params")
     params = [to_sampling_params(sp, body) for sp in sps]
@@ -120,11 +137,15 @@ async def generate(body: GenerateRequest, request: Request):
             s.generator.check_lengths(len(ids), sp.max_new_tokens, "max_new_tokens")
         elif not ids:
             raise APIError("the prompt is empty", 400, "prompt")
-    skip = [sp.skip_special_tokens for sp in sps]
     start = time.perf_counter()
     kws = [
-        {"rid": rid, "session": session, "skip_special_tokens": sk}
-        for rid, sk in zip(rids, skip, strict=True)
+        {
+            "rid": rid,
+            "session": session,
+            "skip_special_tokens": sp.skip_special_tokens,
+            "no_stop_trim": sp.no_stop_trim,
+        }
+        for rid, sp in zip(rids, sps, strict=True)
     ]
     if not body.stream:
         results: list[Result] = await run_all(
@@ -167,7 +188,10 @@ async def open_session(body: OpenSessionRequest, request: Request) -> JSONRespon
     """Answers the session id as a bare JSON string; 400 if that id is already open."""
     s = get_state(request)
     sid = await s.query(
-        "open_session", session_id=body.session_id, capacity_of_str_len=body.capacity_of_str_len
+        "open_session",
+        session_id=body.session_id,
+        capacity_of_str_len=body.capacity_of_str_len,
+        streaming=body.streaming,
     )
     return JSONResponse(sid)
 
@@ -197,6 +221,7 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> JSONResponse:
     s = get_state(request)
@@ -212,6 +237,7 @@ async def get_model_info(request: Request) -> JSONResponse:
     )
 
 
+@router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> JSONResponse:
     """Configuration, pool usage and the leak checker's verdict (run by the scheduler when idle:
@@ -234,6 +260,8 @@ async def get_server_info(request: Request) -> JSONResponse:
 
 @router.api_route("/flush_cache", methods=["POST", "GET"])
 async def flush_cache(request: Request) -> PlainTextResponse:
+    """Empty the radix cache and free idle sessions' held slots (they stay open; their next
+    turns recompute); 400 while requests run, as SGLang."""
     require_admin(request)
     await get_state(request).query("flush")
     return PlainTextResponse("Cache flushed.\n")

@@ -18,11 +18,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from scheduler.sampling_params import SEED_MAX, SamplingParams
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.http_server import AppState, get_state
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from server.request_fields import (
+    reject_unsupported,
+    sampling_params,
+    session_of,
+    text_options,
+)
+from server.tools import ToolStream, call_grammar, check_tools, parse_tool_calls
 
 router = APIRouter()
 
@@ -32,46 +41,6 @@ def sse(obj: Any) -> str:
 
 
 DONE = "data: [DONE]\n\n"
-
-
-def sampling_params(
-    body: SamplingFields, max_new_tokens: int, top_logprobs: int | None, j: int
-) -> SamplingParams:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if body.seed is not None and body.seed + body.n - 1 > SEED_MAX:
-        raise APIError(
-            f"seed + n - 1 must be <= 2**64 - 1 (choice j samples with seed + j), got seed "
-            f"{body.seed} with n={body.n}",
-            400,
-            "seed",
-        )
-    try:
-        return SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            seed=None if body.seed is None else body.seed + j,
-            stop_token_ids=list(body.stop_token_ids or []),
-            stop=stop,
-            ignore_eos=body.ignore_eos,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            return_logprob=top_logprobs is not None,
-            top_logprobs_num=top_logprobs or 0,
-        )
-    except ValueError as e:
-        raise APIError(str(e), 400) from e
-
-
-def session_of(body: SamplingFields) -> dict | None:
-    if body.session_params is None:
-        return None
-    if body.n != 1:
-        raise APIError("session requests need n=1", 400, "n")
-    return body.session_params.model_dump()
 
 
 def usage(prompt_tokens: int, completion: int, cached: int) -> dict:
@@ -138,10 +107,14 @@ def completion_logprobs(
     top: list[dict | None] = (
         [{token_text(s, t): lp for t, lp in row} for row in tops] if tops else [None] * len(ids)
     )
-    if prompt_ids:  # echo: prompt tokens have no logprobs here
+    if prompt_ids:  # echo: the prompt's logprobs (the first token has none)
         tokens = [token_text(s, t) for t in prompt_ids] + tokens
-        token_lps = [None] * len(prompt_ids) + token_lps
-        top = [None] * len(prompt_ids) + top
+        prompt_lps = r.input_logprobs or [None] * len(prompt_ids)
+        prompt_top = r.input_top_logprobs or [None] * len(prompt_ids)
+        token_lps = list(prompt_lps) + token_lps
+        top = [
+            None if row is None else {token_text(s, t): lp for t, lp in row} for row in prompt_top
+        ] + top
     offsets = []
     for t in tokens:
         offsets.append(offset)
@@ -159,16 +132,22 @@ async def completions(body: CompletionRequest, request: Request):
     s = get_state(request)
     s.check_ready()
     s.check_model(body.model)
+    reject_unsupported(body, ("suffix", "best_of"))
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError("max_tokens must be >= 1 (0 only with echo)", 400, "max_tokens")
     prompts = completion_prompts(s, body.prompt)
     for ids in prompts:
         s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")
-    session = session_of(body)
+    session = session_of(s, body)
     n = body.n
     jobs = [
         (ids, sampling_params(body, body.max_tokens, body.logprobs, j))
         for ids in prompts
         for j in range(n)
     ]
+    if body.echo and body.logprobs is not None:  # lm-eval's loglikelihood: the prompt's too
+        for _, sp in jobs:
+            sp.logprob_start_len = 0
     echo = [s.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": s.model_name}
@@ -176,12 +155,7 @@ async def completions(body: CompletionRequest, request: Request):
 
     if not body.stream:
         results: list[Result] = await run_all(
-            [
-                s.generator.run(
-                    ids, sp, session=session, skip_special_tokens=body.skip_special_tokens
-                )
-                for ids, sp in jobs
-            ],
+            [s.generator.run(ids, sp, session=session, **text_options(body)) for ids, sp in jobs],
             request.is_disconnected,
         )
         choices = []
@@ -201,8 +175,7 @@ async def completions(body: CompletionRequest, request: Request):
         return JSONResponse({**head, "choices": choices, "usage": usage_of(results, n)})
 
     streams = [
-        s.generator.stream(ids, sp, session=session, skip_special_tokens=body.skip_special_tokens)
-        for ids, sp in jobs
+        s.generator.stream(ids, sp, session=session, **text_options(body)) for ids, sp in jobs
     ]
     firsts = await start_all(streams)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -247,11 +220,20 @@ async def completions(body: CompletionRequest, request: Request):
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
 def chat_prompt(s: AppState, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": utf8(m.text(), "messages")} for m in body.messages]
+    messages = []
+    for m in body.messages:
+        message: dict[str, Any] = {"role": m.role, "content": utf8(m.text(), "messages")}
+        if m.tool_calls is not None:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     if getattr(s.tokenizer, "chat_template", None) is None:
         raise APIError("this checkpoint has no chat template; use /v1/completions", 400)
     try:
-        text = s.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = s.tokenizer.apply_chat_template(
+            messages, tools=body.tools or None, tokenize=False, add_generation_prompt=True
+        )
     except Exception as e:  # template errors are the client's (e.g. an unsupported role order)
         raise APIError(f"chat template failed: {e}", 400, "messages") from e
     return s.tokenizer.encode(text, add_special_tokens=False)
@@ -277,6 +259,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s = get_state(request)
     s.check_ready()
     s.check_model(body.model)
+    reject_unsupported(body, ("functions", "function_call"))
+    forced = check_tools(body.tools, body.tool_choice)
+    parse_calls = bool(body.tools) and body.tool_choice != "none"
     ids = chat_prompt(s, body)
     max_new = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -284,28 +269,42 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         s.generator.check_lengths(len(ids), 1, field)
         max_new = s.generator.max_context_len - len(ids)
     s.generator.check_lengths(len(ids), max_new, field)
-    session = session_of(body)
+    session = session_of(s, body)
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
+    if forced is not None:  # required / named: the grammar makes the call valid
+        if body.response_format:
+            raise APIError("give response_format or a forced tool_choice", 400, "tool_choice")
+        grammar = call_grammar(body.tools or [], forced)
+        for sp in params:
+            sp.ebnf = grammar
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
-    gen_kw = {"session": session, "skip_special_tokens": body.skip_special_tokens}
+    gen_kw = {"session": session, **text_options(body)}
 
     if not body.stream:
         results: list[Result] = await run_all(
             [s.generator.run(ids, sp, **gen_kw) for sp in params], request.is_disconnected
         )
-        choices = [
-            {
-                "index": k,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(s, r) if body.logprobs else None,
-                "finish_reason": r.finish_reason,
-                "matched_stop": r.matched_stop,
-            }
-            for k, r in enumerate(results)
-        ]
+        choices = []
+        for k, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = r.finish_reason
+            if parse_calls:
+                message["content"], calls = parse_tool_calls(r.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append(
+                {
+                    "index": k,
+                    "message": message,
+                    "logprobs": chat_logprobs(s, r) if body.logprobs else None,
+                    "finish_reason": finish,
+                    "matched_stop": r.matched_stop,
+                }
+            )
         return JSONResponse(
             {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(results, n)}
         )
@@ -321,17 +320,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     async def events() -> AsyncIterator[str]:
         results = [Result(rid=p.rid) for p in firsts]
+        tool_streams = [ToolStream() for _ in range(n)] if parse_calls else None
         for k in range(n):
             yield event(k, {"role": "assistant", "content": ""})
         merged = merge(streams, firsts)
         try:
             async for k, p in merged:
                 results[k].add(p)
-                if p.text or (body.logprobs and p.token_ids):
+                text = tool_streams[k].push(p.text) if tool_streams else p.text
+                if text or (body.logprobs and p.token_ids):
                     lp = chat_logprobs(s, p) if body.logprobs else None
-                    yield event(k, {"content": p.text}, lp=lp)
+                    yield event(k, {"content": text}, lp=lp)
                 if p.finish_reason:
-                    yield event(k, {}, p.finish_reason)
+                    finish = p.finish_reason
+                    if tool_streams:
+                        rest, calls = tool_streams[k].finish()
+                        if rest:
+                            yield event(k, {"content": rest})
+                        if calls:
+                            deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+                            yield event(k, {"tool_calls": deltas})
+                            finish = "tool_calls" if finish == "stop" else finish
+                    yield event(k, {}, finish)
             if include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage_of(results, n)})
         except APIError as e:

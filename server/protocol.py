@@ -44,14 +44,22 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string in the text
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
+    response_format: dict | None = None
     session_params: SessionParamsModel | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo (the prompt's logprobs alone)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    # known but not supported: a request that sets them is refused (400 naming the field)
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class TextPart(BaseModel):
@@ -66,6 +74,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # assistant: earlier calls, rendered by the template
+    tool_call_id: str | None = None  # tool: which call this answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -79,6 +89,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None  # function tools (server/tools.py)
+    tool_choice: str | dict | None = None  # auto / none / required / {"function": {"name"}}
+    # known but not supported: refused when set (400 naming the field)
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
 
 
 class SessionParamsModel(BaseModel):
@@ -88,6 +103,7 @@ class SessionParamsModel(BaseModel):
     rid: str | None = None
     offset: int | None = None
     replace: bool = False
+    drop_previous_output: bool = False
 
 
 class NativeSamplingParams(BaseModel):
@@ -108,7 +124,12 @@ class NativeSamplingParams(BaseModel):
     sampling_seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1, le=1)
-    no_stop_trim: bool = False  # accepted; the stop string is always trimmed
+    min_new_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None
+    regex: str | None = None  # structured output (at most one of the three)
+    json_schema: str | None = None
+    ebnf: str | None = None
+    no_stop_trim: bool = False  # keep the matched stop string in the text
 
 
 class GenerateRequest(BaseModel):
@@ -120,6 +141,7 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     session_params: SessionParamsModel | None = None
@@ -130,6 +152,7 @@ class OpenSessionRequest(BaseModel):
 
     capacity_of_str_len: int | None = Field(None, ge=0)
     session_id: str | None = None
+    streaming: bool = False  # append-only, one turn at a time (SGLang's streaming sessions)
 
 
 class CloseSessionRequest(BaseModel):

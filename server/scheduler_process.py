@@ -71,9 +71,8 @@ class SchedulerLoop:
                 while self.inbox.poll():
                     if not self.handle(self.inbox.recv()):
                         return
-                if sched.has_work():
-                    for req in sched.step():
-                        self._emit(req)
+                for req in sched.step() if sched.has_work() else sched.take_finished():
+                    self._emit(req)
                 if self.pending:
                     self.outbox.send(self.pending)
                     self.pending = []
@@ -143,6 +142,11 @@ class SchedulerLoop:
             cached_tokens=req.cached_len,
             queue_time=req.queue_time if n == 0 else None,
         )
+        if n == 0 and req.input_logprobs:  # the prompt's, once
+            delta.input_logprobs = req.input_logprobs
+            start = req.logprob_start
+            delta.input_token_ids = req.prompt_ids[start : start + len(req.input_logprobs)]
+            delta.input_top_logprobs = req.input_top_logprobs
         self.sent[req.rid] = len(req.output_ids)
         if req.finished:
             delta.finish_reason = req.finish_reason.value
@@ -200,20 +204,23 @@ class SchedulerLoop:
         }
 
     def _q_flush(self) -> bool:
-        """Empty the radix tree; refused while requests run or sessions hold state."""
+        """Free idle sessions' held slots and empty the radix tree; refused while requests run."""
         self.scheduler.flush_cache()
         return True
 
     def _q_open_session(
-        self, session_id: str | None = None, capacity_of_str_len: int | None = None
+        self,
+        session_id: str | None = None,
+        capacity_of_str_len: int | None = None,
+        streaming: bool = False,
     ) -> str:
-        return self.scheduler.open_session(session_id, capacity_of_str_len)
+        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming)
 
     def _q_close_session(self, session_id: str) -> bool:
         session = self.scheduler.sessions.sessions.get(session_id)
-        turn = session.in_flight if session is not None else None
+        turns = list(session.in_flight.values()) if session is not None else []
         closed = self.scheduler.close_session(session_id)
-        if turn is not None:  # aborted by the close: its waiter gets the abort
+        for turn in turns:  # aborted by the close: their waiters get the abort
             self._emit(turn)
         return closed
 

@@ -344,3 +344,43 @@ def test_seed_outside_what_torch_accepts_is_refused(seed) -> None:
 def test_seed_range_is_what_torch_accepts(seed) -> None:
     params = SamplingParams(seed=seed)
     assert make_generator(params.seed) is not None  # torch takes every seed validation passes
+
+
+# ----------------------------------------------------------------------------------------------
+# logit_bias and min_new_tokens
+def test_logit_bias_shifts_greedy_and_sampled_choices():
+    greedy = SamplingParams(temperature=0.0, logit_bias={5: 100.0})
+    out = Sampler()(LOGITS_8.unsqueeze(0).clone(), [greedy], [None])
+    assert out.next_token_ids == [5]
+    banned = SamplingParams(temperature=1.0, logit_bias={3: -100.0, 0: -100.0})
+    tokens = draw(LOGITS_8, banned, 4000)
+    probs = torch.softmax(LOGITS_8 + torch.tensor([-100.0, 0, 0, -100.0, 0, 0, 0, 0]), -1)
+    assert_matches_distribution(tokens, probs)
+    # logprobs stay those of the raw distribution
+    lp = Sampler()(
+        LOGITS_8.unsqueeze(0).clone(),
+        [SamplingParams(temperature=0.0, logit_bias={5: 100.0}, return_logprob=True)],
+        [None],
+    ).logprobs[0]
+    assert lp == pytest.approx(torch.log_softmax(LOGITS_8, -1)[5].item(), abs=1e-6)
+
+
+def test_min_new_tokens_masks_eos_and_stop_tokens_until_reached():
+    sampler = Sampler(eos_ids=(3,))  # token 3 is the argmax
+    p = SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=[0])
+    bias = SamplingParams(
+        temperature=0.0, min_new_tokens=2, stop_token_ids=[0], logit_bias={0: 50.0}
+    )
+    rows = LOGITS_8.expand(2, -1).clone()
+    early = sampler(rows.clone(), [p, bias], [None, None], [([1], []), ([1], [7])])
+    assert early.next_token_ids == [6, 6]  # EOS (3) masked; the stop token 0 too, bias or not
+    later = sampler(rows.clone(), [p, bias], [None, None], [([1], [7, 7]), ([1], [7, 7])])
+    assert later.next_token_ids == [3, 0]
+    ignore = SamplingParams(temperature=0.0, min_new_tokens=2, ignore_eos=True)
+    assert sampler(LOGITS_8.unsqueeze(0).clone(), [ignore], [None], [([], [])]).next_token_ids == [
+        3
+    ]
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingParams(max_new_tokens=2, min_new_tokens=3)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})

@@ -1,4 +1,5 @@
-"""Streaming sessions end to end: multi-turn parity with one request on the concatenated input,
+"""Sessions end to end (tree sessions with explicit parents, streaming ones continuing the
+latest turn): multi-turn parity with one request on the concatenated input,
 only new tokens prefilled, ownership of the held slot (restore, not-admitted, abort, close,
 branching), errors, and the leak checker with session-held resources."""
 
@@ -61,11 +62,13 @@ def test_three_turns_equal_one_request_and_prefill_only_new_tokens(ckpt, mode):
         assert engine.leak_report() == []  # session-held resources are accounted for
         # other traffic in between does not disturb the held state
         engine.generate(rand(20), GREEDY)
-    assert not engine.flush_cache()  # the session still holds tree locks
+    assert engine.scheduler.sessions.sessions[sid].slot is not None
+    assert engine.flush_cache()  # the held slot is a cache: flushed too, the session stays
+    assert engine.scheduler.sessions.sessions[sid].slot is None
+    assert engine.leak_report() == []
     assert engine.close_session(sid)
     assert not engine.close_session(sid)
     assert engine.leak_report() == []
-    assert engine.flush_cache()
     r = engine.runner
     assert r.kv_pool.available() == r.kv_pool.size
     assert r.mamba_pool.available() == r.mamba_pool.size
@@ -78,7 +81,7 @@ def test_session_errors(ckpt):
     with pytest.raises(SessionError, match="not found") as err:
         engine.generate(rand(5), GREEDY, session_params={"id": "nope"})
     assert err.value.status == 404
-    sid = engine.open_session("s1", capacity_of_str_len=40)
+    sid = engine.open_session("s1", capacity_of_str_len=40, streaming=True)
     with pytest.raises(SessionError, match="already open"):
         engine.open_session("s1")
     first = engine.generate(rand(10), GREEDY, session_params={"id": sid})
@@ -107,7 +110,7 @@ def test_turn_not_admitted_leaves_the_slot_with_the_session(ckpt):
     path, hf, rand = ckpt
     engine = Engine(path, **POOLS)
     sched = engine.scheduler
-    sid = engine.open_session()
+    sid = engine.open_session(streaming=True)
     p1 = rand(12)
     o1 = engine.generate(p1, GREEDY, session_params={"id": sid})["output_ids"]
     slot = sched.sessions.sessions[sid].slot
@@ -131,7 +134,7 @@ def test_abort_mid_turn_then_continue_through_the_radix_cache(ckpt):
     path, hf, rand = ckpt
     engine = Engine(path, **POOLS)
     sched = engine.scheduler
-    sid = engine.open_session()
+    sid = engine.open_session(streaming=True)
     p1 = rand(20)
     out1 = engine.generate(p1, GREEDY, session_params={"id": sid})
     req = engine._make_req(rand(4), GREEDY, {"id": sid, "rid": out1["meta_info"]["id"]})
@@ -153,7 +156,7 @@ def test_abort_mid_turn_then_continue_through_the_radix_cache(ckpt):
 def test_replace_branches_from_an_earlier_turn(ckpt):
     path, hf, rand = ckpt
     engine = Engine(path, **POOLS)
-    sid = engine.open_session()
+    sid = engine.open_session(streaming=True)
     p1, p2, p3 = rand(15), rand(6), rand(7)
     t1 = engine.generate(p1, GREEDY, session_params={"id": sid})
     t2 = engine.generate(p2, GREEDY, session_params={"id": sid})
@@ -176,7 +179,7 @@ def test_replace_branches_from_an_earlier_turn(ckpt):
 def test_refused_turns_leave_the_session_unchanged(ckpt):
     path, hf, rand = ckpt
     engine = Engine(path, max_context_len=64, **POOLS)
-    sid = engine.open_session()
+    sid = engine.open_session(streaming=True)
     p1 = rand(20)
     t1 = engine.generate(p1, GREEDY, session_params={"id": sid})
     session = engine.scheduler.sessions.sessions[sid]
@@ -187,7 +190,7 @@ def test_refused_turns_leave_the_session_unchanged(ckpt):
         req = engine._make_req(rand(3), GREEDY, {"id": sid})
         req.rid = t1["meta_info"]["id"]
         engine.scheduler.add_request(req)
-    assert session.slot is slot and session.in_flight is None and len(session.order) == 1
+    assert session.slot is slot and not session.in_flight and len(session.order) == 1
     p2 = rand(4)
     out = engine.generate(p2, GREEDY, session_params={"id": sid})
     assert out["output_ids"] == hf_greedy(hf, [p1 + t1["output_ids"] + p2], NEW)[0]
@@ -201,7 +204,7 @@ def test_stop_finishes_a_session_turn_with_the_kept_tokens(ckpt):
     path, hf, rand = ckpt
     engine = Engine(path, **POOLS)
     sched = engine.scheduler
-    sid = engine.open_session()
+    sid = engine.open_session(streaming=True)
     p1 = rand(10)
     req = engine._make_req(p1, GREEDY, {"id": sid})
     sched.add_request(req)
@@ -228,7 +231,7 @@ def test_idle_sessions_give_way_to_live_requests(ckpt):
     one's slot and runs; that session's next turn goes through the radix cache, still exact."""
     path, hf, rand = ckpt
     engine = Engine(path, max_running_requests=2, max_total_tokens=2048)
-    sids = [engine.open_session() for _ in range(2)]
+    sids = [engine.open_session(streaming=True) for _ in range(2)]
     firsts = [rand(12), rand(15)]
     outs = [
         engine.generate(p, GREEDY, session_params={"id": s})
@@ -246,4 +249,56 @@ def test_idle_sessions_give_way_to_live_requests(ckpt):
     assert again["meta_info"]["cached_tokens"] == len(firsts[0])  # the radix path
     for s in sids:
         engine.close_session(s)
+    assert engine.leak_report() == []
+
+
+def test_tree_session_follows_sglang_rules(ckpt):
+    """SGLang's non-streaming session: rid None is a fresh root, a parent's context is its
+    prompt + output[:max_new_tokens] (only the prompt with drop_previous_output), cut as a
+    Python slice at a non-zero offset; replace:false forks, replace:true forgets the parent's
+    children (aborting a running one). Each turn equals one plain request on that context."""
+    path, hf, rand = ckpt
+    engine = Engine(path, **POOLS)
+    sched = engine.scheduler
+    sid = engine.open_session()
+    p1, p2, p3, p4 = rand(14), rand(5), rand(6), rand(4)
+
+    def turn(new, rid=None, **kw):
+        out = engine.generate(new, GREEDY, session_params={"id": sid, "rid": rid, **kw})
+        return out["meta_info"]["id"], out["output_ids"], out["meta_info"]
+
+    r1, o1, _ = turn(p1, offset=-1, replace=True)  # no parent: offset is ignored
+    assert o1 == hf_greedy(hf, [p1], NEW)[0]
+    r2, o2, m2 = turn(p2, r1, offset=-1, replace=True)  # linear, cut the last token
+    ctx2 = (p1 + o1)[:-1] + p2
+    assert o2 == hf_greedy(hf, [ctx2], NEW)[0] and m2["prompt_tokens"] == len(ctx2)
+    assert m2["cached_tokens"] == len(p1) + NEW - 1  # the held slot: exactly where r1 ended
+    r3, o3, _ = turn(p3, r1)  # fork beside r2 (offset 0: no cut)
+    assert o3 == hf_greedy(hf, [p1 + o1 + p3], NEW)[0]
+    _, o4, _ = turn(p4, r2, drop_previous_output=True, offset=-100)  # clamps to empty
+    assert o4 == hf_greedy(hf, [p4], NEW)[0]
+    _, o5, _ = turn(p4, r2, drop_previous_output=True)
+    assert o5 == hf_greedy(hf, [ctx2 + p4], NEW)[0]
+    fresh, o6, _ = turn(p3)  # rid None, replace false: a new root, nothing forgotten
+    assert o6 == hf_greedy(hf, [p3], NEW)[0] and len(sched.sessions.sessions[sid].turns) == 6
+    # replace on r1 forgets r2, r3 and their children; r1 and the fresh root stay
+    r7, o7, _ = turn(p2, r1, replace=True, offset=5)
+    assert o7 == hf_greedy(hf, [p1[:5] + p2], NEW)[0]
+    assert set(sched.sessions.sessions[sid].turns) == {r1, fresh, r7}
+    with pytest.raises(SessionError, match="Invalid request session id"):
+        turn(p2, r2)
+    # a running child is aborted when its parent is replaced; a running parent cannot fork
+    running = engine._make_req(p2, GREEDY, {"id": sid, "rid": r7})
+    sched.add_request(running)
+    sched.step()
+    with pytest.raises(SessionError, match="has not finished"):
+        sched.add_request(engine._make_req(p3, GREEDY, {"id": sid, "rid": running.rid}))
+    _, o8, _ = turn(p3, r7, replace=True)
+    assert running.finish_reason.value == "abort"
+    assert o8 == hf_greedy(hf, [p1[:5] + p2 + o7 + p3], NEW)[0]
+    # replace with rid None clears the whole tree
+    turn(p4, None, replace=True)
+    assert len(sched.sessions.sessions[sid].turns) == 1
+    assert engine.leak_report() == []
+    engine.close_session(sid)
     assert engine.leak_report() == []

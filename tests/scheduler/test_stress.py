@@ -230,8 +230,9 @@ class Workload:
         if rng.random() > 0.25:
             return None
         if not sessions:
-            return {"id": sched.open_session(capacity_of_str_len=SESSION_CAPACITY)}
-        idle = [sid for sid, s in sessions.items() if s.in_flight is None]
+            sid = sched.open_session(capacity_of_str_len=SESSION_CAPACITY, streaming=True)
+            return {"id": sid}
+        idle = [sid for sid, s in sessions.items() if not s.in_flight]
         return {"id": idle[0]} if idle else None
 
     def params(self) -> dict:
@@ -266,8 +267,8 @@ def check_invariants(sched: Scheduler) -> None:
     # Sessions: a held slot belongs to its session only; a turn in flight is queued or live.
     held = [s.slot for s in sched.sessions.sessions.values() if s.slot is not None]
     for session in sched.sessions.sessions.values():
-        if session.in_flight is not None:
-            assert session.in_flight in [*sched.waiting, *live], f"{session.id}: lost turn"
+        for turn in session.in_flight.values():
+            assert turn in [*sched.waiting, *live], f"{session.id}: lost turn"
     for req in [*sched.waiting, *live]:
         assert not req.session_restored, f"{req.rid} still borrows its session's slot"
 
@@ -388,7 +389,7 @@ def run_workload(engine: Engine, seed: int) -> tuple[list[Req], Stats]:
                     stats.session_rejected += 1
         if sched.sessions.sessions and rng.random() < 0.01:  # close one (aborts its turn)
             sid = rng.choice(list(sched.sessions.sessions))
-            stats.closed_turns += sched.sessions.sessions[sid].in_flight is not None
+            stats.closed_turns += len(sched.sessions.sessions[sid].in_flight)
             stats.closed_sessions += sched.close_session(sid)
             check_invariants(sched)
         for kind, among in (("waiting", list(sched.waiting)), ("live", live_requests(sched))):

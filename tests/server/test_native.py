@@ -116,7 +116,8 @@ def test_session_turns_equal_one_request(http):
     ).json()
     assert t3["usage"]["prompt_tokens"] == len(full) + 6 + 3
     assert wait_idle_and_clean(http)["problems"] == []  # session-held state is accounted for
-    assert http.post("/flush_cache").status_code == 400  # the session still holds state
+    assert http.post("/flush_cache").status_code == 200  # the held slot is a cache too
+    assert wait_idle_and_clean(http)["problems"] == []
     assert http.post("/close_session", json={"session_id": sid}).status_code == 200
     assert http.post("/close_session", json={"session_id": sid}).status_code == 404
     assert wait_idle_and_clean(http)["problems"] == []
@@ -150,6 +151,36 @@ def test_admin_routes(http):
     assert server["leak_check"] == {"idle": True, "problems": []}
     assert http.post("/flush_cache").status_code == 200
     assert http.get("/get_server_info").json()["pools"]["kv_pages_cached"] == 0
+    # SGLang's current names (bench_serving asks /model_info for the tokenizer path)
+    assert http.get("/model_info").json() == info
+    assert http.get("/server_info").json()["runner_config"] == server["runner_config"]
+
+
+def test_flush_cache_frees_idle_sessions_slots(http):
+    """A held slot is a cache: /flush_cache frees it; the session stays open and its next turn
+    is recomputed, still exact."""
+    sid = http.post("/open_session", json={"capacity_of_str_len": 1000}).json()
+    ids = rand_ids(30, 9)
+    t1 = generate(http, ids, 4, session_params={"id": sid})
+    assert http.post("/flush_cache").status_code == 200
+    stats = http.get("/get_server_info").json()["pools"]
+    assert stats["kv_pages_cached"] == 0 and stats["req_slots_free"] == stats["req_slots_total"]
+    t2 = generate(http, [7, 8], 4, session_params={"id": sid, "rid": t1["meta_info"]["id"]})
+    assert t2["meta_info"]["cached_tokens"] == 0
+    assert t2["output_ids"] == generate(http, ids + t1["output_ids"] + [7, 8], 4)["output_ids"]
+    assert http.post("/close_session", json={"session_id": sid}).status_code == 200
+    assert wait_idle_and_clean(http)["problems"] == []
+
+
+def test_no_stop_trim_keeps_the_stop_string(http):
+    ids = rand_ids(12, 10)
+    probe = generate(http, ids, 12)
+    stop = probe["text"][len(probe["text"]) // 2 :][:2]
+    sp = {"max_new_tokens": 12, "stop": [stop], **GREEDY}
+    trimmed = http.post("/generate", json={"input_ids": ids, "sampling_params": sp}).json()
+    kept = {"input_ids": ids, "sampling_params": {**sp, "no_stop_trim": True}}
+    untrimmed = http.post("/generate", json=kept).json()
+    assert not trimmed["text"].endswith(stop) and untrimmed["text"] == trimmed["text"] + stop
 
 
 def test_abort_request(http):

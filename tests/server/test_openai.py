@@ -241,3 +241,43 @@ def test_concurrent_streams_match_one_at_a_time(server, client):
             return await asyncio.gather(*(one(ac, p) for p in prompts))
 
     assert asyncio.run(all_at_once()) == alone
+
+
+def test_unsupported_fields_are_refused_by_name(http):
+    base = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+    for extra, name in (({"suffix": "!"}, "suffix"), ({"best_of": 3}, "best_of")):
+        r = http.post("/v1/completions", json={**base, **extra})
+        assert r.status_code == 400 and r.json()["param"] == name, r.text
+        assert name in r.json()["message"]
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json={**chat, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["param"] == "tool_choice"
+    assert (
+        http.post("/v1/chat/completions", json={**chat, "tool_choice": "none"}).status_code == 200
+    )
+    r = http.post("/generate", json={"text": "Hi", "sampling_params": {"frobnicate": 1}})
+    assert r.status_code == 400 and "frobnicate" in r.json()["message"]
+
+
+def test_logit_bias_min_tokens_and_skip_special_tokens(http, tokenizer):
+    """logit_bias forces the end-of-turn token (a special token, also EOS): min_tokens holds it
+    off for that many tokens; skip_special_tokens decides whether its text shows."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+    body["logit_bias"] = {str(im_end): 100}
+    out = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert out["finish_reason"] == "stop" and out["text"] == ""  # EOS at once, skipped
+    shown = http.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    assert shown["choices"][0]["text"] == "<|im_end|>"
+    held = http.post("/v1/completions", json={**body, "min_tokens": 3, "logprobs": 0}).json()
+    tokens = held["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 4 and held["usage"]["completion_tokens"] == 4
+    native = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    native["sampling_params"].update(min_new_tokens=2, logit_bias={str(im_end): 100})
+    ids = http.post("/generate", json=native).json()["output_ids"]
+    assert len(ids) == 3 and ids[-1] == im_end and im_end not in ids[:2]
+    bad = http.post("/v1/completions", json={**body, "logit_bias": {"x": 1}})
+    assert bad.status_code == 400 and bad.json()["param"] == "logit_bias"
+    beyond = http.post("/v1/completions", json={**body, "logit_bias": {"99999": 1}})
+    assert beyond.status_code == 400 and "logit_bias" in beyond.json()["message"]
+    assert wait_idle_and_clean(http)["problems"] == []
