@@ -122,3 +122,35 @@ def test_conv1d_update_matches_reference(activation) -> None:
     assert torch.equal(out[1], torch.zeros(D))
     torch.testing.assert_close(cpp_state[[5, 2, 7]], ref_state[[5, 2, 7]])
     assert torch.equal(cpp_state[[1, 3, 4, 6]], state[[1, 3, 4, 6]])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("K", [64, 77])  # 77: a tail after the vector loop
+def test_linear_matches_f_linear(rows, K) -> None:
+    """GEMV rows (<= 8) and packed oneDNN rows (> 8), with bias and leading dimensions."""
+    from kernels.linear_cpp import linear
+
+    torch.manual_seed(rows + K)
+    x = torch.randn(rows, 2, K)
+    w, b = torch.randn(50, K), torch.randn(50)
+    torch.testing.assert_close(linear(x[:, 0], w), F.linear(x[:, 0], w), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=2e-5, rtol=1e-5)
+
+
+def test_linear_bf16_weights_accumulate_in_fp32() -> None:
+    from kernels.linear_cpp import linear
+
+    torch.manual_seed(3)
+    x, w = torch.randn(4, 300), torch.randn(20, 300).bfloat16()
+    y = linear(x, w)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
+
+
+def test_packed_weight_follows_in_place_updates() -> None:
+    from kernels.linear_cpp import linear
+
+    x, w = torch.randn(16, 32), torch.randn(8, 32)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=2e-5, rtol=1e-5)
+    w.mul_(-2.0)  # e.g. a checkpoint loaded into the parameter after a first forward
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=4e-5, rtol=1e-5)
