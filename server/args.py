@@ -58,6 +58,8 @@ HELP: dict[str, str] = {
     "mamba_cache_size": "Mamba state slots (0: sized from the strategy and max running requests)",
     "dtype": "weights and activations dtype (auto: the checkpoint's)",
     "device": "cpu or cuda",
+    "num_threads": "torch CPU threads (0: OMP_NUM_THREADS if set, else the CPUs this process "
+    "may use)",
     "max_prefill_tokens": "new tokens in one prefill batch",
     "chunked_prefill_size": "max new tokens of one request per prefill round (<= 0: no chunking)",
     "schedule_policy": "waiting queue order: fcfs or lpm (longest prefix match)",
