@@ -1,15 +1,19 @@
-"""Linear layer on CPU, by batch size: a weight-streaming C++ GEMV for at most `SKINNY_ROWS`
-rows, oneDNN (mkldnn) with a packed copy of the weight for more.
+"""Linear layer on CPU, by batch size and weight dtype.
 
-Same signature and contract as `kernels.linear.linear`. Decode at small batches is a stream of
-weights through mat-vec products: the C++ kernel reads each weight row once for all rows of x
-(fp32 or bf16 weights, fp32 accumulation), which streams about twice as fast as `F.linear` here.
-From `SKINNY_ROWS + 1` rows on, oneDNN's blocked weight layout wins; the packed copy is made at
-first use and kept on the weight tensor itself (`_hs_packed`), rebuilt when the weight changes
-in place (its version counter moves). It costs one extra copy of each matrix so used.
+Same signature and contract as `kernels.linear.linear`; activations are computed in fp32.
 
-Falls back to `F.linear` for anything else: non-fp32 activations with more rows, autograd, a
-weight that is not a plain 2-D CPU tensor.
+- fp32 weights, at most `SKINNY_ROWS` rows: a weight-streaming C++ GEMV that reads each weight
+  row once for all rows of x (decode at small batches is a stream of weights through mat-vec
+  products; this streams about twice as fast as `F.linear` here).
+- fp32 weights, more rows: oneDNN (mkldnn) on a packed copy of the weight, made at first use and
+  kept on the weight tensor itself (`_hs_packed`), rebuilt when the weight changes in place (its
+  version counter moves). It costs one extra copy of each matrix so used.
+- bf16 weights (`--dtype bfloat16` on CPU), up to `BF16_SKINNY_ROWS` rows: the same C++ kernel
+  widens bf16 to fp32 as it streams (half the bytes), in blocks of 8 rows against weight blocks
+  kept in cache; more rows (prefill): the weight is widened to fp32 for one `F.linear`, which
+  the GEMM amortises. oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT, which many CPUs lack.
+
+Anything else (autograd, other dtypes, a weight that is not 2-D) runs `F.linear`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from kernels import cpp_build
 
 SKINNY_ROWS = 8
+BF16_SKINNY_ROWS = 64
 PACK_HINT = 64  # oneDNN's batch-size hint for the packed layout; any row count runs on it
 
 
@@ -36,19 +41,23 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     ops = cpp_build.load()
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if ops is None or grad or weight.dim() != 2:
+    if ops is None or grad or weight.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, K).float()
     M = x2.shape[0]
-    if 1 <= M <= SKINNY_ROWS and weight.dtype in (torch.float32, torch.bfloat16):
-        y = ops.skinny_linear(x2.float().contiguous(), weight.contiguous())
-        if bias is not None:
-            y = y + bias
-        return y.to(x.dtype).reshape(*lead, -1)
-    if M > SKINNY_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32:
+    if weight.dtype == torch.float32 and M <= SKINNY_ROWS:
+        y = ops.skinny_linear(x2.contiguous(), weight.contiguous())
+    elif weight.dtype == torch.float32:
         y = torch.ops.mkldnn._linear_pointwise(
-            x2.contiguous(), _packed(weight), bias, "none", [], ""
+            x2.contiguous(), _packed(weight), None, "none", [], ""
         )
-        return y.reshape(*lead, -1)
-    return F.linear(x, weight, bias)
+    elif weight.dtype == torch.bfloat16 and M <= BF16_SKINNY_ROWS:
+        y = ops.skinny_linear(x2.contiguous(), weight.contiguous())
+    elif weight.dtype == torch.bfloat16:
+        y = F.linear(x2, weight.float())
+    else:
+        return F.linear(x, weight, bias)
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype).reshape(*lead, -1)

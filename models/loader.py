@@ -3,6 +3,11 @@
 Reads `model.safetensors` or the shards named by `model.safetensors.index.json`. Every tensor
 the model needs must be present exactly once and every tensor present must be used (`mtp.*`
 excepted); otherwise a `ValueError` names the first offender.
+
+bf16 on CPU means bf16 *weights*: the matrices (every linear layer, the experts, the LM head)
+are stored in bf16 and read by the C++ kernels with fp32 accumulation, while embeddings, norms,
+convolution and decay parameters, activations and every pool (KV, conv and recurrent states)
+stay fp32. Elsewhere a dtype applies to the whole model.
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ def load_model(
     path = Path(model_path)
     config = ModelConfig.from_hf(path)
     torch_dtype = resolve_dtype(dtype, config)
+    weights_only = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config)
-    model = model.to_empty(device=device).to(torch_dtype)
+    model = model.to_empty(device=device).to(torch.float32 if weights_only else torch_dtype)
     if config.tie_word_embeddings:  # to_empty() unties: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     try:
@@ -77,5 +83,32 @@ def load_model(
     missing = sorted(model.expected_checkpoint_names(layout) - filled)
     if missing:
         raise ValueError(f"checkpoint is missing tensor {missing[0]} ({len(missing)} missing)")
-    logger.info("loaded %s (%s, %s)", path, torch_dtype, device)
+    if weights_only:
+        cast_matrices(model, torch_dtype)
+    logger.info(
+        "loaded %s (%s%s, %s)",
+        path,
+        torch_dtype,
+        " weights, fp32 activations" * weights_only,
+        device,
+    )
     return model.eval()
+
+
+def cast_matrices(model: Qwen3NextForCausalLM, dtype: torch.dtype) -> None:
+    """Store every linear layer's and expert's weight matrix in `dtype`, nothing else. A tied LM
+    head gets its own copy (the embedding stays fp32)."""
+    from models.layers import Experts, Linear
+
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    for module in model.modules():
+        if isinstance(module, Linear):
+            names = ["weight"]
+        elif isinstance(module, Experts):
+            names = ["gate_up_proj", "down_proj"]
+        else:
+            continue
+        for name in names:
+            param = getattr(module, name)
+            param.data = param.data.to(dtype)

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -231,25 +232,42 @@ void gemv_dispatch(int64_t M, const float* x, const W* w, float* y, int64_t N, i
   }
 }
 
-// x [M,K] fp32 (M <= 8), w [N,K] fp32 or bf16 -> y [M,N] fp32.
+// Rows of x in blocks of 8 against a block of weight rows small enough to stay in L1/L2 (about
+// 16 KB), so each weight row comes from memory once for any M.
+template <typename W>
+void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, int64_t K,
+                  int64_t n0, int64_t n1) {
+  const int64_t nb = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * sizeof(W)));
+  for (int64_t b0 = n0; b0 < n1; b0 += nb) {
+    const int64_t b1 = std::min(n1, b0 + nb);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      gemv_dispatch(std::min<int64_t>(8, M - m0), x + m0 * K, w, y + m0 * N, N, K, b0, b1);
+    }
+  }
+}
+
+// x [M,K] fp32, w [N,K] fp32 or bf16 -> y [M,N] fp32, accumulated in fp32.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "skinny_linear: contiguous inputs");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_linear: fp32 activations expected");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: shapes");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= 8, "skinny_linear: 1 to 8 rows");
   auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // grain: about 64 KB of weights per task, so small matrices stay on one thread
-  const int64_t grain = std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(1, K * w.element_size()));
+  const int64_t grain =
+      std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(1, K * w.element_size()));
   if (w.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_dispatch(M, xp, wp, yp, N, K, n0, n1); });
+    at::parallel_for(0, N, grain,
+                     [&](int64_t n0, int64_t n1) { skinny_range(M, xp, wp, yp, N, K, n0, n1); });
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "skinny_linear: fp32 or bf16 weights");
     const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_dispatch(M, xp, wp, yp, N, K, n0, n1); });
+    at::parallel_for(0, N, grain,
+                     [&](int64_t n0, int64_t n1) { skinny_range(M, xp, wp, yp, N, K, n0, n1); });
   }
   return y;
 }

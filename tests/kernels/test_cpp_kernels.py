@@ -137,11 +137,12 @@ def test_linear_matches_f_linear(rows, K) -> None:
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=2e-5, rtol=1e-5)
 
 
-def test_linear_bf16_weights_accumulate_in_fp32() -> None:
+@pytest.mark.parametrize("rows", [4, 40, 100])  # GEMV, blocked GEMV, widened F.linear
+def test_linear_bf16_weights_accumulate_in_fp32(rows) -> None:
     from kernels.linear_cpp import linear
 
     torch.manual_seed(3)
-    x, w = torch.randn(4, 300), torch.randn(20, 300).bfloat16()
+    x, w = torch.randn(rows, 300), torch.randn(20, 300).bfloat16()
     y = linear(x, w)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
