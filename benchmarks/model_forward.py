@@ -1,9 +1,10 @@
 """Forward-pass latency: our `ModelRunner` against transformers' `Qwen3NextForCausalLM`.
 
 Both models load the same checkpoint in one process and are timed round-robin (one repeat of
-ours, then one of transformers, ...), so machine noise hits both alike. Reported: median and min
-wall time in ms, tokens/s (from the median), the ratio ours / transformers of medians and of
-minimums (below 1 means we are faster), and the largest |logit| difference of the last run.
+ours, then one of transformers, ...), so machine noise hits both alike. Reported per variant:
+median and min wall time in ms, tokens/s (from the median), the ratio to transformers' median
+(below 1 means faster), and the largest |logit| difference to transformers in the last run.
+`--prefill-len 0` skips the prefill case.
 
 - prefill: one prompt of `--prefill-len` random token ids from position 0. Ours: every repeat
   gets a fresh request row, Mamba slot (zeroed) and KV locations, freed after the repeat; the
