@@ -11,5 +11,9 @@ import torch.nn.functional as F
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K], weight [N, K], bias [N] or None -> [..., N] in x's dtype."""
+    """x [..., K], weight [N, K], bias [N] or None -> [..., N] in x's dtype. A weight stored in
+    another dtype (bf16 weights under fp32 activations on CPU) is widened for the call."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
     return F.linear(x, weight, bias)
