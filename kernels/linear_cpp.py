@@ -5,9 +5,11 @@ Same signature and contract as `kernels.linear.linear`; activations are computed
 - fp32 weights, at most `SKINNY_ROWS` rows: a weight-streaming C++ GEMV that reads each weight
   row once for all rows of x (decode at small batches is a stream of weights through mat-vec
   products; this streams about twice as fast as `F.linear` here).
-- fp32 weights, more rows: oneDNN (mkldnn) on a packed copy of the weight, made at first use and
-  kept on the weight tensor itself (`_hs_packed`), rebuilt when the weight changes in place (its
-  version counter moves). It costs one extra copy of each matrix so used.
+- fp32 weights, up to `PACKED_ROWS` rows (decode batches, experts' token groups): oneDNN
+  (mkldnn) on a packed copy of the weight, made at first use and kept on the weight tensor
+  itself (`_hs_packed`), rebuilt when the weight changes in place (its version counter moves).
+  It costs one extra copy of each matrix so used. More rows (prefill): `F.linear`, as fast there
+  and the same GEMM transformers runs, which keeps prefill logits closest to it.
 - bf16 weights (`--dtype bfloat16` on CPU), up to `BF16_SKINNY_ROWS` rows: the same C++ kernel
   widens bf16 to fp32 as it streams (half the bytes), in blocks of 8 rows against weight blocks
   kept in cache; more rows (prefill): the weight is widened to fp32 for one `F.linear`, which
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from kernels import cpp_build
 
 SKINNY_ROWS = 8
+PACKED_ROWS = 256
 BF16_SKINNY_ROWS = 64
 PACK_HINT = 64  # oneDNN's batch-size hint for the packed layout; any row count runs on it
 
@@ -48,10 +51,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     M = x2.shape[0]
     if weight.dtype == torch.float32 and M <= SKINNY_ROWS:
         y = ops.skinny_linear(x2.contiguous(), weight.contiguous())
-    elif weight.dtype == torch.float32:
+    elif weight.dtype == torch.float32 and M <= PACKED_ROWS:
         y = torch.ops.mkldnn._linear_pointwise(
             x2.contiguous(), _packed(weight), None, "none", [], ""
         )
+    elif weight.dtype == torch.float32:
+        y = F.linear(x2, weight)
     elif weight.dtype == torch.bfloat16 and M <= BF16_SKINNY_ROWS:
         y = ops.skinny_linear(x2.contiguous(), weight.contiguous())
     elif weight.dtype == torch.bfloat16:

@@ -124,7 +124,7 @@ def test_conv1d_update_matches_reference(activation) -> None:
     assert torch.equal(cpp_state[[1, 3, 4, 6]], state[[1, 3, 4, 6]])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40, 300])
 @pytest.mark.parametrize("K", [64, 77])  # 77: a tail after the vector loop
 def test_linear_matches_f_linear(rows, K) -> None:
     """GEMV rows (<= 8) and packed oneDNN rows (> 8), with bias and leading dimensions."""
