@@ -6,9 +6,9 @@ greedy). Output throughput = C * output_len / wall time of the wave (prefill inc
 transformers baseline runs `generate` on static batches of the same prompts in the same process
 (eos disabled, so every row produces output_len tokens). Medians over `--repeats` waves.
 
-Variants of ours, interleaved in every repeat: `--dtype float32,bfloat16` (bf16 weights on CPU)
-and `--kernels torch,auto` (`HYBRID_SERVE_KERNELS`: the eager torch references against the C++
-CPU kernels); each pair is one row.
+Variants of ours, interleaved in every repeat: `--variants float32:torch,float32:auto,
+bfloat16:auto` (dtype `:` `HYBRID_SERVE_KERNELS` mode: bf16 weights on CPU; the eager torch
+references against the C++ CPU kernels); one row each.
 
 Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
 """
@@ -72,8 +72,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", help="comma-separated: float32,bfloat16")
-    ap.add_argument("--kernels", default="auto", help="comma-separated HYBRID_SERVE_KERNELS modes")
+    ap.add_argument(
+        "--variants",
+        default="float32:auto",
+        help="comma-separated dtype:kernels pairs, e.g. float32:torch,float32:auto,bfloat16:auto",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -90,9 +93,9 @@ def main() -> None:
             dtype=d,
             max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
         )
-        for d in args.dtype.split(",")
+        for d in dict.fromkeys(v.split(":")[0] for v in args.variants.split(","))
     }
-    variants = [(d, m) for d in engines for m in args.kernels.split(",")]
+    variants = [tuple(v.split(":")) for v in args.variants.split(",")]
     engine = next(iter(engines.values()))
     vocab = engine.runner.model.config.vocab_size
     hf = None
