@@ -40,8 +40,9 @@ def _cpu_tag() -> str:
 
 def load() -> Any | None:
     """`torch.ops.hybrid_serve` with the kernels registered, or None where they cannot be built."""
-    if "ops" in _state or "error" in _state:
-        return _state.get("ops")
+    ops = _state.get("ops")
+    if ops is not None or "error" in _state:
+        return ops
     with _lock:
         if "ops" in _state or "error" in _state:
             return _state.get("ops")
