@@ -20,6 +20,14 @@ def built() -> None:
         pytest.skip(f"C++ kernels cannot be built here: {cpp_build.load_error()}")
 
 
+@pytest.fixture(autouse=True)
+def inference_mode():
+    """As in serving. (The torch reference keeps a scratch buffer across calls, which is an
+    inference tensor once a model forward made it: it then works only under inference mode.)"""
+    with torch.inference_mode():
+        yield
+
+
 def gdr_decode_inputs(B: int, T: int, H: int, HV: int, K: int, V: int):
     q = torch.randn(B, T, H, K)
     k = torch.randn(B, T, H, K)
