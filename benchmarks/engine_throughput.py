@@ -6,6 +6,10 @@ greedy). Output throughput = C * output_len / wall time of the wave (prefill inc
 transformers baseline runs `generate` on static batches of the same prompts in the same process
 (eos disabled, so every row produces output_len tokens). Medians over `--repeats` waves.
 
+Variants of ours, interleaved in every repeat: `--variants float32:torch,float32:auto,
+bfloat16:auto` (dtype `:` `HYBRID_SERVE_KERNELS` mode: bf16 weights on CPU; the eager torch
+references against the C++ CPU kernels); one row each.
+
 Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
 """
 
@@ -20,11 +24,13 @@ if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 
 import torch
 
+from kernels.dispatch import ENV_VAR
 from scheduler.engine import Engine
 
 logger = logging.getLogger("benchmarks.engine_throughput")
@@ -72,6 +78,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--variants",
+        default="float32:auto",
+        help="comma-separated dtype:kernels pairs, e.g. float32:torch,float32:auto,bfloat16:auto",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -81,12 +92,17 @@ def main() -> None:
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]
-    engine = Engine(
-        args.model_path,
-        max_running_requests=max(conc),
-        dtype="float32",
-        max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
-    )
+    engines = {
+        d: Engine(
+            args.model_path,
+            max_running_requests=max(conc),
+            dtype=d,
+            max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
+        )
+        for d in dict.fromkeys(v.split(":")[0] for v in args.variants.split(","))
+    }
+    variants = [tuple(v.split(":")) for v in args.variants.split(",")]
+    engine = next(iter(engines.values()))
     vocab = engine.runner.model.config.vocab_size
     hf = None
     hf_batches = [int(b) for b in args.hf_batch.split(",") if b]
@@ -94,23 +110,30 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
-    run_engine(engine, _prompts(2, args.prompt_len, vocab, 99), 4)  # warm-up (tokenizer, kernels)
+    for e in engines.values():  # warm-up (tokenizer, kernels)
+        run_engine(e, _prompts(2, args.prompt_len, vocab, 99), 4)
     if hf is not None:
         run_hf(hf, _prompts(1, args.prompt_len, vocab, 99), 4)
     results: dict[str, list[float]] = {}
     for rep in range(args.repeats):  # interleave ours and transformers so noise hits both
         for c in conc:
-            tps = run_engine(engine, _prompts(c, args.prompt_len, vocab, rep), args.output_len)
-            results.setdefault(f"ours c={c}", []).append(tps)
-            logger.info("rep %d ours c=%d: %.1f tok/s", rep, c, tps)
+            for d, mode in variants:
+                os.environ[ENV_VAR] = mode
+                prompts = _prompts(c, args.prompt_len, vocab, rep)
+                tps = run_engine(engines[d], prompts, args.output_len)
+                name = f"ours {d} {mode} c={c}" if len(variants) > 1 else f"ours c={c}"
+                results.setdefault(name, []).append(tps)
+                logger.info("rep %d %s: %.1f tok/s", rep, name, tps)
+            os.environ.pop(ENV_VAR, None)
         for b in hf_batches:
             tps = run_hf(hf, _prompts(b, args.prompt_len, vocab, rep), args.output_len)
             results.setdefault(f"transformers batch={b}", []).append(tps)
             logger.info("rep %d transformers batch=%d: %.1f tok/s", rep, b, tps)
     table = {k: {"median_tok_s": statistics.median(v), "runs": v} for k, v in results.items()}
-    print(f"{'config':<28}{'median tok/s':>14}  runs")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, {args.threads} threads")
+    print(f"{'config':<34}{'median tok/s':>14}  runs")
     for k, v in table.items():
-        print(f"{k:<28}{v['median_tok_s']:>14.1f}  {', '.join(f'{x:.1f}' for x in v['runs'])}")
+        print(f"{k:<34}{v['median_tok_s']:>14.1f}  {', '.join(f'{x:.1f}' for x in v['runs'])}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "results": table}, f, indent=2)

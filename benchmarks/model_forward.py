@@ -1,9 +1,10 @@
 """Forward-pass latency: our `ModelRunner` against transformers' `Qwen3NextForCausalLM`.
 
 Both models load the same checkpoint in one process and are timed round-robin (one repeat of
-ours, then one of transformers, ...), so machine noise hits both alike. Reported: median and min
-wall time in ms, tokens/s (from the median), the ratio ours / transformers of medians and of
-minimums (below 1 means we are faster), and the largest |logit| difference of the last run.
+ours, then one of transformers, ...), so machine noise hits both alike. Reported per variant:
+median and min wall time in ms, tokens/s (from the median), the ratio to transformers' median
+(below 1 means faster), and the largest |logit| difference to transformers in the last run.
+`--prefill-len 0` skips the prefill case.
 
 - prefill: one prompt of `--prefill-len` random token ids from position 0. Ours: every repeat
   gets a fresh request row, Mamba slot (zeroed) and KV locations, freed after the repeat; the
@@ -21,7 +22,11 @@ region of a 2-thread run wait for a scheduler tick (~4 ms): whole runs get 5-30x
 both models alike but not equally. Compare minimums, use --threads 1, or set
 OMP_WAIT_POLICY=PASSIVE in the environment there.
 
-Example: python -m benchmarks.model_forward --preset small --json-out /tmp/forward.json
+`--kernels torch,auto` times our forward twice per repeat, under the eager torch references and
+under the default dispatch (the C++ CPU kernels), interleaved with transformers.
+
+Example: python -m benchmarks.model_forward --preset small --kernels torch,auto \
+    --decode-batch-sizes 1,8,64 --json-out /tmp/forward.json
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from kernels.dispatch import ENV_VAR
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 logger = logging.getLogger("benchmarks.model_forward")
@@ -140,29 +146,51 @@ def hf_decode(model, contexts: torch.Tensor, next_ids: torch.Tensor) -> Step:
     return make
 
 
+def with_kernels(make: Step, mode: str) -> Step:
+    """The same step with `HYBRID_SERVE_KERNELS=mode` while its timed part runs."""
+
+    def wrapped():
+        run, cleanup = make()
+
+        def timed() -> torch.Tensor:
+            before = os.environ.get(ENV_VAR)
+            os.environ[ENV_VAR] = mode
+            try:
+                return run()
+            finally:
+                if before is None:
+                    os.environ.pop(ENV_VAR, None)
+                else:
+                    os.environ[ENV_VAR] = before
+
+        return timed, cleanup
+
+    return wrapped
+
+
 def summarize(name: str, tokens: int, res: dict[str, list]) -> dict:
+    """Per variant (`ours-<kernels>` and `hf`): medians, minimums, tok/s, and against hf the
+    ratio of medians and the largest |logit| difference of the last run."""
     row: dict = {"case": name, "tokens": tokens}
-    for who, (times, _) in res.items():
+    hf_times, hf_logits = res["hf"]
+    for who, (times, logits) in res.items():
         med = statistics.median(times)
         row[who] = {"median_ms": med, "min_ms": min(times), "tok_s": tokens / med * 1e3}
         row[who]["times_ms"] = times
-    row["ratio"] = row["ours"]["median_ms"] / row["hf"]["median_ms"]
-    row["ratio_of_min"] = row["ours"]["min_ms"] / row["hf"]["min_ms"]  # robust to busy spells
-    row["max_abs_logit_diff"] = float((res["ours"][1] - res["hf"][1].float()).abs().max())
+        row[who]["ratio"] = med / statistics.median(hf_times)
+        row[who]["max_abs_logit_diff"] = float((logits.float() - hf_logits.float()).abs().max())
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    head = f"{'case':<14}{'ours ms (min)':>18}{'hf ms (min)':>18}{'ours tok/s':>12}"
-    print(head + f"{'hf tok/s':>11}{'ours/hf':>9}{'(min)':>7}{'max|dlogit|':>13}")
+def print_table(rows: list[dict], variants: list[str]) -> None:
+    print(f"{'case':<14}{'variant':<14}{'ms (min)':>18}{'tok/s':>10}{'/hf':>7}{'max|dlogit|':>13}")
     for r in rows:
-        o, h = r["ours"], r["hf"]
-        print(
-            f"{r['case']:<14}{o['median_ms']:>9.1f} ({o['min_ms']:>6.1f})"
-            f"{h['median_ms']:>10.1f} ({h['min_ms']:>6.1f}){o['tok_s']:>12.1f}"
-            f"{h['tok_s']:>11.1f}{r['ratio']:>9.2f}{r['ratio_of_min']:>7.2f}"
-            f"{r['max_abs_logit_diff']:>13.2e}"
-        )
+        for who in variants:
+            o = r[who]
+            print(
+                f"{r['case']:<14}{who:<14}{o['median_ms']:>9.1f} ({o['min_ms']:>6.1f})"
+                f"{o['tok_s']:>10.1f}{o['ratio']:>7.2f}{o['max_abs_logit_diff']:>13.2e}"
+            )
 
 
 def resolve_model_path(args: argparse.Namespace) -> Path:
@@ -191,6 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        help="comma-separated HYBRID_SERVE_KERNELS modes to time ours under, interleaved "
+        "(e.g. torch,auto: the eager torch path against the C++ kernels)",
+    )
     p.add_argument("--json-out", help="also write the results here")
     args = p.parse_args(argv)
     if not (args.model_path or args.preset):
@@ -221,13 +255,18 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     load_before = os.getloadavg()[0]  # others' work on a small shared machine skews timings
+    modes = args.kernels.split(",")
+    variants = [f"ours-{m}" for m in modes] + ["hf"]
     with torch.inference_mode():
-        steps = {"ours": ours_prefill(runner, prompt), "hf": hf_prefill(hf, prompt)}
-        res = measure(steps, args.warmup, args.repeats, f"prefill {args.prefill_len}")
-        rows.append(summarize(f"prefill {args.prefill_len}", args.prefill_len, res))
+        steps = {f"ours-{m}": with_kernels(ours_prefill(runner, prompt), m) for m in modes}
+        steps["hf"] = hf_prefill(hf, prompt)
+        if args.prefill_len:
+            res = measure(steps, args.warmup, args.repeats, f"prefill {args.prefill_len}")
+            rows.append(summarize(f"prefill {args.prefill_len}", args.prefill_len, res))
         for b in batch_sizes:
             ours_step, free = ours_decode(runner, contexts[:b], next_ids[:b])
-            steps = {"ours": ours_step, "hf": hf_decode(hf, contexts[:b], next_ids[:b])}
+            steps = {f"ours-{m}": with_kernels(ours_step, m) for m in modes}
+            steps["hf"] = hf_decode(hf, contexts[:b], next_ids[:b])
             res = measure(steps, args.warmup, args.repeats, f"decode b={b}")
             rows.append(summarize(f"decode b={b}", b, res))
             free()
@@ -238,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         f" {args.repeats} repeats (+{args.warmup} warmup), torch {torch.__version__},"
         f" load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} CPUs"
     )
-    print_table(rows)
+    print_table(rows, variants)
     if args.json_out:
         meta = {"model_path": str(path), "torch": torch.__version__, "load_average": load}
         meta |= {"machine": platform.machine(), "cpus": os.cpu_count()}

@@ -1,23 +1,29 @@
-"""Kernels: each op has a pure-torch reference (`kernels/<family>.py`) and a Triton version
-(`kernels/<family>_triton.py`) with the same signature. The names exported here dispatch
-per call: Triton on CUDA tensors, torch on CPU, or as forced by `HYBRID_SERVE_KERNELS`
-(see `kernels.dispatch`)."""
+"""Kernels: each op has a pure-torch reference (`kernels/<family>.py`), a Triton version
+(`kernels/<family>_triton.py`) and for some a C++ CPU version (`kernels/<family>_cpp.py`), all
+with the same signature. The names exported here dispatch per call: Triton on CUDA tensors, C++
+(where it exists and builds) or torch on CPU, or as forced by `HYBRID_SERVE_KERNELS` (see
+`kernels.dispatch`)."""
 
-from kernels import attention, causal_conv1d, gated_delta_rule, rmsnorm
+from kernels import attention, causal_conv1d, gated_delta_rule, linear, rmsnorm
 from kernels.dispatch import dispatching
 
 causal_conv1d_fn = dispatching(causal_conv1d.causal_conv1d_fn, "causal_conv1d_triton")
-causal_conv1d_update = dispatching(causal_conv1d.causal_conv1d_update, "causal_conv1d_triton")
+causal_conv1d_update = dispatching(
+    causal_conv1d.causal_conv1d_update, "causal_conv1d_triton", "causal_conv1d_cpp"
+)
 chunk_gated_delta_rule = dispatching(
     gated_delta_rule.chunk_gated_delta_rule, "gated_delta_rule_triton"
 )
 fused_recurrent_gated_delta_rule = dispatching(
-    gated_delta_rule.fused_recurrent_gated_delta_rule, "gated_delta_rule_triton"
+    gated_delta_rule.fused_recurrent_gated_delta_rule,
+    "gated_delta_rule_triton",
+    "gated_delta_rule_cpp",
 )
 extend_attention = dispatching(attention.extend_attention, "attention_triton")
 decode_attention = dispatching(attention.decode_attention, "attention_triton")
 store_kv = dispatching(attention.store_kv, "attention_triton")
 rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
+linear = dispatching(linear.linear, None, "linear_cpp")
 
 __all__ = [
     "causal_conv1d_fn",
@@ -28,4 +34,5 @@ __all__ = [
     "decode_attention",
     "store_kv",
     "rms_norm_gated",
+    "linear",
 ]

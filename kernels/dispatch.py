@@ -1,13 +1,16 @@
-"""Pick the Triton kernel or the pure-torch reference for each call.
+"""Pick the Triton kernel, the C++ CPU kernel or the pure-torch reference for each call.
 
 `HYBRID_SERVE_KERNELS` (read at every call, so tests can flip it) chooses:
 
-- ``auto`` (default): Triton for CUDA tensors when triton imports, the torch reference otherwise;
+- ``auto`` (default): Triton for CUDA tensors when triton imports; on CPU tensors the C++ kernel
+  where the op has one and the kernels build (`kernels.cpp_build`), else the torch reference;
 - ``triton``: always Triton. On CPU tensors that means Triton's interpreter, which only works
   when ``TRITON_INTERPRET=1`` was set before triton itself was first imported. If triton is not
   imported yet, the first such call sets the variable for the process and imports it; if it was
   already imported for the GPU, the call raises RuntimeError saying so. (The test suite sets the
   variable in `tests/conftest.py` on machines without CUDA.)
+- ``cpp``: the C++ kernel for CPU tensors where the op has one (RuntimeError when they cannot be
+  built), the torch reference for everything else;
 - ``torch``: always the reference.
 
 Triton is imported lazily, only when a Triton kernel is about to run, so the CPU path works on
@@ -31,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "HYBRID_SERVE_KERNELS"
-MODES = ("auto", "triton", "torch")
+MODES = ("auto", "triton", "cpp", "torch")
 
 _import_error: list[BaseException] = []  # first failure importing triton, if any
 
@@ -59,7 +62,7 @@ def triton_available() -> bool:
 def use_triton(x: torch.Tensor) -> bool:
     """Whether a call whose main input is `x` runs the Triton kernel."""
     mode = kernel_mode()
-    if mode == "torch":
+    if mode in ("torch", "cpp"):
         return False
     if mode == "auto":
         return x.is_cuda and triton_available()
@@ -69,6 +72,22 @@ def use_triton(x: torch.Tensor) -> bool:
         reason = _import_error[0] if _import_error else None
         raise ImportError(f"{ENV_VAR}=triton but triton cannot be imported") from reason
     return True
+
+
+def use_cpp(x: torch.Tensor) -> bool:
+    """Whether a call whose main input is `x` runs the C++ kernel (for ops that have one)."""
+    mode = kernel_mode()
+    if mode not in ("auto", "cpp") or x.device.type != "cpu":
+        return False
+    from kernels import cpp_build
+
+    if cpp_build.available():
+        return True
+    if mode == "cpp":
+        raise RuntimeError(f"{ENV_VAR}=cpp but the C++ kernels cannot be built") from (
+            cpp_build.load_error()
+        )
+    return False
 
 
 def interpreter_ready() -> bool:
@@ -101,17 +120,21 @@ _NO_INTERPRETER = (
 )
 
 
-def dispatching(reference: Callable, module: str) -> Callable:
+def dispatching(reference: Callable, module: str | None, cpp_module: str | None = None) -> Callable:
     """Wrap a torch reference op so that each call runs the same-named function of Triton
-    module `kernels.<module>` instead when `use_triton` says so for its first tensor argument.
-    Arguments are passed through unchanged: both implementations share the signature."""
+    module `kernels.<module>` instead when `use_triton` says so for its first tensor argument,
+    or that of C++ wrapper module `kernels.<cpp_module>` when `use_cpp` does. Arguments are
+    passed through unchanged: all implementations share the signature."""
     first = next(iter(inspect.signature(reference).parameters))
+    name = reference.__name__
 
     @functools.wraps(reference)
     def run(*args, **kwargs):
         x = args[0] if args else kwargs[first]
-        if use_triton(x):
-            impl = getattr(triton_module(module, x.device), reference.__name__)
+        if module is not None and use_triton(x):
+            return getattr(triton_module(module, x.device), name)(*args, **kwargs)
+        if cpp_module is not None and use_cpp(x):
+            impl = getattr(importlib.import_module(f"kernels.{cpp_module}"), name)
             return impl(*args, **kwargs)
         return reference(*args, **kwargs)
 

@@ -89,7 +89,9 @@ def _gather_scratch(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     valid until the next call, which the pool form satisfies (written back before returning)."""
     n = indices.numel() * pool[0].numel()
     buf = _scratch.get(pool.device)
-    if buf is None or buf.numel() < n:
+    # a buffer made under inference mode cannot be written outside it (tests call both ways)
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or buf.numel() < n or stale:
         buf = _scratch[pool.device] = torch.empty(n, dtype=torch.float32, device=pool.device)
     out = buf[:n].view(indices.numel(), *pool.shape[1:])
     if pool.dtype == torch.float32:

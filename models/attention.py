@@ -17,7 +17,7 @@ from torch import nn
 from kernels import decode_attention, extend_attention
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
-from models.layers import RMSNorm, RotaryEmbedding
+from models.layers import Linear, RMSNorm, RotaryEmbedding
 
 
 class GatedAttention(nn.Module):
@@ -32,10 +32,10 @@ class GatedAttention(nn.Module):
         )
         self.scale = self.head_dim**-0.5
         bias = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=bias)
+        self.q_proj = Linear(c.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
 

@@ -28,7 +28,7 @@ from kernels import (
 )
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
-from models.layers import RMSNormGated
+from models.layers import Linear, RMSNormGated
 
 
 class GatedDeltaNet(nn.Module):
@@ -45,17 +45,15 @@ class GatedDeltaNet(nn.Module):
         )
         # Rows are kept in contiguous [q | k | v | z] and [b | a] order (the loader regroups
         # Qwen3-Next's per-key-head rows and stacks Qwen3.5's split ones: `models.weight_map`).
-        self.in_proj_qkvz = nn.Linear(
-            c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False
-        )
-        self.in_proj_ba = nn.Linear(c.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(c.hidden_size, 2 * self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, eps=c.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]

@@ -10,7 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from kernels import rms_norm_gated
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and names) whose forward is the dispatched `kernels.linear`:
+    on CPU a weight-streaming GEMV for decode-sized inputs, `F.linear` beyond."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -72,9 +81,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -89,6 +98,17 @@ class Experts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self._per_expert: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def per_expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One persistent view per expert of each stacked matrix (made once per storage), so
+        that `kernels.linear` can keep a packed copy of each expert's weight between steps."""
+        key = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
+        if self._per_expert is None or self._per_expert[0] != key:
+            gate_up = list(self.gate_up_proj.detach().unbind(0))
+            down = list(self.down_proj.detach().unbind(0))
+            self._per_expert = (key, gate_up, down)
+        return self._per_expert[1], self._per_expert[2]
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
@@ -102,13 +122,14 @@ class Experts(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
         token_of = order // topk_ids.shape[1]
         weight_of = topk_w.flatten()[order]
+        gate_up_w, down_w = self.per_expert_weights()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             tok = token_of[start : start + n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weight_of[start : start + n, None]
+            gate, up = kernels.linear(x[tok], gate_up_w[e]).chunk(2, dim=-1)
+            y = kernels.linear(F.silu(gate) * up, down_w[e]) * weight_of[start : start + n, None]
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
         return out
@@ -141,10 +162,10 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, moe_intermediate_size)
         self.shared_expert = MLP(hidden_size, shared_intermediate_size)
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
         logits = self.gate(x)  # [T, E]

@@ -4,6 +4,11 @@ Reads `model.safetensors` or the shards named by `model.safetensors.index.json`.
 the model needs must be present exactly once and every tensor present must be used (the MTP head
 and a multimodal wrapper's vision tower excepted, named in one info line); otherwise a
 `ValueError` names the first offender. Names map to parameters through `models.weight_map`.
+
+bf16 on CPU means bf16 *weights*: the matrices (every linear layer, the experts, the LM head)
+are stored in bf16 and read by the C++ kernels with fp32 accumulation, while embeddings, norms,
+convolution and decay parameters, activations and every pool (KV, conv and recurrent states)
+stay fp32. Elsewhere a dtype applies to the whole model.
 """
 
 from __future__ import annotations
@@ -71,9 +76,14 @@ def load_model(
     path = Path(model_path)
     config = ModelConfig.from_hf(path)
     torch_dtype = resolve_dtype(dtype, config)
+    weights_only = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config)
-    model = model.to(torch_dtype).to_empty(device=device)  # the cast is free on meta
+    # dtypes are set on meta (free), so each parameter is allocated once, in its final dtype
+    model = model.to(torch.float32 if weights_only else torch_dtype)
+    if weights_only:
+        cast_matrices(model, torch_dtype)
+    model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty() unties: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
 
@@ -115,5 +125,33 @@ def load_model(
                             f"expected {tuple(dst.shape)}"
                         )
                     dst.copy_(w)
-    logger.info("loaded %s (%s, %s)", path, torch_dtype, device)
+    if weights_only and config.tie_word_embeddings:  # the LM head: a bf16 copy of the embedding
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.to(torch_dtype))
+    logger.info(
+        "loaded %s (%s%s, %s)",
+        path,
+        torch_dtype,
+        " weights, fp32 activations" * weights_only,
+        device,
+    )
     return model.eval()
+
+
+def cast_matrices(model: Qwen3NextForCausalLM, dtype: torch.dtype) -> None:
+    """Store every linear layer's and expert's weight matrix in `dtype`, nothing else (on the
+    meta model: free). A tied LM head is left tied here (the embedding stays fp32); the loader
+    gives it its own copy once the embedding is loaded."""
+    from models.layers import Experts, Linear
+
+    embedding = model.model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, Linear):
+            names = ["weight"]
+        elif isinstance(module, Experts):
+            names = ["gate_up_proj", "down_proj"]
+        else:
+            continue
+        for name in names:
+            param = getattr(module, name)
+            if param is not embedding:
+                param.data = param.data.to(dtype)

@@ -17,7 +17,7 @@ from models.attention import GatedAttention
 from models.config import FULL, ModelConfig
 from models.forward_batch import ForwardBatch
 from models.gated_delta_net import GatedDeltaNet
-from models.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoE
+from models.layers import MLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 
 
 class DecoderLayer(nn.Module):
@@ -75,7 +75,7 @@ class Qwen3NextForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,8 +1,9 @@
 """Padded decode batches, replayed from CUDA graphs on GPU (seed #24243).
 
-A decode batch of n requests runs at the smallest size bs >= n (`--cuda-graph-bs` up to
-`--cuda-graph-max-bs`, which is added; see `SchedulerConfig.decode_graph_sizes`); larger
-batches, and every batch with `--disable-cuda-graph`, run at their own size. Padding rows use
+A decode batch of n requests runs at the smallest captured size bs >= n (`--cuda-graph-bs` up
+to `--cuda-graph-max-bs`, which is added; see `SchedulerConfig.decode_graph_sizes`); larger
+batches, every batch with `--disable-cuda-graph`, and every batch where nothing is captured (CPU)
+run at their own size: a batch is never padded to a size without a graph. Padding rows use
 request row 0, KV location 0, position 0 and Mamba slot 0, all reserved in their pools: a
 padding row reads and writes only scratch memory and never a live request's state, and its
 logits are dropped.
@@ -11,8 +12,9 @@ On CUDA each size is captured once at start-up over static input buffers (`torch
 one shared memory pool, largest first); a step copies its inputs into the buffers of its size and
 replays. Capturing needs a decode forward without host syncs or data-dependent shapes: the Triton
 kernels are (they read lengths and slots on the device), and the MoE takes its static-shape path
-while a stream is capturing (`models.layers.Experts`). Elsewhere (CPU) the same padded batch runs
-eagerly; `static_buffers=True` runs the CUDA path's buffer filling without capture, for tests.
+while a stream is capturing (`models.layers.Experts`). Elsewhere (CPU) batches run eagerly at their
+own size; `static_buffers=True` runs the CUDA path's padded buffer filling without capture, for
+tests.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ class DecodeGraphRunner:
         n, runner = len(items), self.runner
         bs = self.padded_size(n)
         batch = self.batches.get(bs) if bs is not None else None
-        if batch is None:
-            return runner.forward(runner.build_decode(items, out_loc, bs))[:n]
+        if batch is None:  # nothing captured for a size: padding would only add work
+            return runner.forward(runner.build_decode(items, out_loc))[:n]
         self._fill(batch, items, out_loc)
         if bs in self.graphs:
             self.graphs[bs].replay()

@@ -28,6 +28,7 @@ from models.loader import DTYPES, load_model
 from models.qwen3_next import Qwen3NextForCausalLM
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
+from scheduler.threads import configure_threads
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,12 @@ class RunnerConfig:
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0
 
+    num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.threads), the
+    # Engine keeps torch's setting
+
     def __post_init__(self) -> None:
+        if self.num_threads < 0:
+            raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
         if not 0.0 <= self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"--mem-fraction-static must be in [0, 1), got {self.mem_fraction_static}"
@@ -126,6 +132,8 @@ class ModelRunner:
     @classmethod
     def from_path(cls, model_path: str, config: RunnerConfig | None = None) -> ModelRunner:
         config = config or RunnerConfig()
+        if config.num_threads:
+            configure_threads(config.num_threads, pick_default=False)
         return cls(load_model(model_path, config.dtype, config.device), config)
 
     # ---- KV bookkeeping ------------------------------------------------------------------

@@ -76,6 +76,8 @@ HELP: dict[str, str] = {
     "KV pool (0: --max-total-tokens decides)",
     "pool_memory_gb": "GB for the KV and Mamba pools on any device; sizes the KV pool "
     "(0: --max-total-tokens decides)",
+    "num_threads": "torch CPU threads (0: OMP_NUM_THREADS if set, else the CPUs this process "
+    "may use)",
     "max_prefill_tokens": "new tokens in one prefill batch",
     "chunked_prefill_size": "max new tokens of one request per prefill round (<= 0: no chunking)",
     "schedule_policy": "waiting queue order: fcfs or lpm (longest prefix match)",

@@ -31,6 +31,7 @@ from scheduler.model_runner import RunnerConfig
 from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.scheduler import Scheduler
+from scheduler.threads import configure_threads
 from server.messages import (
     AbortMsg,
     FailedMsg,
@@ -238,6 +239,7 @@ def run_scheduler(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
     )
+    configure_threads(runner_config.num_threads, pick_default=True)
     start = time.perf_counter()
     try:
         scheduler = build_scheduler(model_path, runner_config, scheduler_config)

@@ -74,3 +74,31 @@ def test_importing_the_model_does_not_import_triton() -> None:
         "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("mode", "expect"), [("auto", "cpp"), ("cpp", "cpp"), ("torch", "torch")])
+def test_cpu_ops_with_a_cpp_kernel(monkeypatch, mode, expect) -> None:
+    """On CPU the recurrent delta rule runs its C++ kernel in `auto` and `cpp` modes."""
+    from kernels import cpp_build, gated_delta_rule_cpp
+
+    monkeypatch.setattr(cpp_build, "available", lambda: True)
+    seen: list[str] = []
+    monkeypatch.setattr(
+        gated_delta_rule_cpp, "fused_recurrent_gated_delta_rule", lambda *a, **k: seen.append("cpp")
+    )
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", mode)
+    x = torch.randn(1, 1, 1, 4)
+    kernels.fused_recurrent_gated_delta_rule(x, x, x, x[..., 0], x[..., 0])
+    assert seen == (["cpp"] if expect == "cpp" else [])
+
+
+def test_cpp_mode_without_a_build_raises(monkeypatch) -> None:
+    from kernels import cpp_build
+
+    monkeypatch.setattr(cpp_build, "available", lambda: False)
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "cpp")
+    x = torch.randn(1, 1, 1, 4)
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        kernels.fused_recurrent_gated_delta_rule(x, x, x, x[..., 0], x[..., 0])
+    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "auto")  # auto: silently the reference
+    kernels.fused_recurrent_gated_delta_rule(x, x, x, x[..., 0], x[..., 0])

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
+from scheduler.graph_runner import DecodeGraphRunner
 from tests.hf_reference import hf_greedy
 
 NEW_TOKENS = 12
@@ -42,6 +43,9 @@ MODES = {
     "max-running-1": {"max_running_requests": 1},
     "max-running-8": {"max_running_requests": 8},
     "unpadded": {"disable_cuda_graph": True},
+    # padded decode batches through the static buffers CUDA graphs replay (CPU runs eager
+    # batches at their own size otherwise)
+    "padded-static": {"static_buffers": True},
     "page-4-no-cache": {"page_size": 4, "disable_radix_cache": True},
     "extra-buffer": {"mamba_scheduler_strategy": "extra_buffer", "mamba_track_interval": 4},
     "extra-buffer-chunk-64": {
@@ -61,7 +65,13 @@ def test_greedy_parity(setup, mode):
     path, prompts, expected = setup
     options = {"max_running_requests": 32, "max_total_tokens": 8192, "mamba_cache_size": 96}
     options.update(MODES[mode])
+    static = options.pop("static_buffers", False)
     engine = Engine(path, **options)
+    if static:
+        sched = engine.scheduler
+        sched.graph_runner = DecodeGraphRunner(
+            engine.runner, sched.graph_runner.sizes, static_buffers=True
+        )
     outs = engine.generate(prompts, GREEDY)
     for p, out, exp in zip(prompts, outs, expected, strict=True):
         assert out["output_ids"] == exp, f"prompt of {len(p)} tokens"

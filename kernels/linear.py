@@ -1,0 +1,19 @@
+"""Linear layer (y = x W^T + b): the pure-torch reference, `F.linear`.
+
+Faster CPU versions (`kernels.linear_cpp`) keep this signature; the model calls the dispatched
+`kernels.linear` for every dense projection and expert matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K], weight [N, K], bias [N] or None -> [..., N] in x's dtype. A weight stored in
+    another dtype (bf16 weights under fp32 activations on CPU) is widened for the call."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight, bias)

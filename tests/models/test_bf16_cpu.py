@@ -1,0 +1,56 @@
+"""`--dtype bfloat16` on CPU: bf16 matrices, everything else fp32, close to the fp32 model."""
+
+from __future__ import annotations
+
+import torch
+
+from models.loader import cast_matrices, load_model
+from models.presets import preset_config, write_checkpoint
+from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+
+
+def _logits(runner: ModelRunner, prompt: list[int], next_id: int) -> torch.Tensor:
+    """Prefill logits of the prompt's last token, then one decode step's."""
+    req = runner.req_pool.alloc(1)[0]
+    slot = int(runner.mamba_pool.alloc(1)[0])
+    loc = runner.alloc_kv(req, 0, len(prompt))
+    first = runner.forward(runner.build_prefill([ExtendInput(req, slot, 0, prompt)], [loc]))
+    out_loc = runner.alloc_kv(req, len(prompt), 1)
+    step = runner.forward(
+        runner.build_decode([DecodeInput(req, slot, len(prompt), next_id)], out_loc)
+    )
+    return torch.cat([first, step])
+
+
+def test_bf16_weights_fp32_rest(tmp_path) -> None:
+    path = write_checkpoint(tmp_path, {**preset_config("tiny"), "tie_word_embeddings": True})
+    fp32, bf16 = load_model(path, dtype="float32"), load_model(path, dtype="bfloat16")
+
+    def is_matrix(name: str, p: torch.Tensor) -> bool:  # linear weights and stacked experts
+        return (p.dim() == 2 and "embed_tokens" not in name) or name.endswith("_proj")
+
+    matrices = {n for n, p in bf16.named_parameters() if is_matrix(n, p)}
+    assert "lm_head.weight" in matrices and len(matrices) > 20
+    for name, p in bf16.named_parameters():
+        want = torch.bfloat16 if name in matrices else torch.float32
+        assert p.dtype == want, name
+    assert bf16.model.embed_tokens.weight.dtype == torch.float32  # untied from the bf16 head
+
+    # the judge: the fp32 model with its matrices rounded to bf16 (the same numbers, fp32 math)
+    rounded = load_model(path, dtype="float32")
+    cast_matrices(rounded, torch.bfloat16)
+    for p in rounded.parameters():
+        p.data = p.data.float()
+
+    cfg = RunnerConfig(max_running_requests=2, max_total_tokens=256, max_context_len=128)
+    runner = ModelRunner(bf16, cfg)
+    assert runner.mamba_pool.conv_state.dtype == torch.float32
+    assert runner.kv_pool._k.dtype == torch.float32
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, fp32.config.vocab_size, (40,), generator=gen).tolist()
+    out = _logits(runner, prompt, 5)
+    ref = _logits(ModelRunner(rounded, cfg), prompt, 5)
+    full = _logits(ModelRunner(fp32, cfg), prompt, 5)
+    assert out.dtype == torch.float32
+    assert (out - ref).norm() / ref.norm() < 1e-4  # fp32 accumulation: only the weights differ
+    assert not torch.allclose(out, full, atol=1e-3)  # and they do differ from fp32's
