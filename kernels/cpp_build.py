@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -38,6 +40,18 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def _ninja_on_path() -> None:
+    """torch's build runs `ninja` from PATH; the `ninja` wheel (a dependency) installs it beside
+    the interpreter, which is not on PATH when a venv's python is run directly."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def load() -> Any | None:
     """`torch.ops.hybrid_serve` with the kernels registered, or None where they cannot be built."""
     ops = _state.get("ops")
@@ -49,6 +63,7 @@ def load() -> Any | None:
         try:
             from torch.utils import cpp_extension
 
+            _ninja_on_path()
             start = time.perf_counter()
             cpp_extension.load(
                 name=f"hybrid_serve_cpu_{_cpu_tag()}",
