@@ -315,16 +315,20 @@ class HiMambaRadixCache(StorageTier, MambaRadixCache):
         return set(self._host_mamba_lru)
 
     def host_pools(self) -> list[tuple[str, SlotPool, set[int]]]:
+        """Host pools and the ids held by the tree or by prefetches in flight."""
         ps = self.page_size
-        pages = {loc // ps for loc in self.held_host_kv_locs()}
+        pages, slots = self.prefetch_held()
+        pages |= {loc // ps for loc in self.held_host_kv_locs()}
         return [
             ("KV pages", self.host_kv_pool, pages),
-            ("Mamba slots", self.host_mamba_pool, self.held_host_mamba_slots()),
+            ("Mamba slots", self.host_mamba_pool, slots | self.held_host_mamba_slots()),
         ]
 
     def reset(self) -> None:
         if self._full_protected or self._mamba_protected:
             raise RuntimeError("reset: the radix cache still has locked nodes")
+        if self._prefetching:
+            raise RuntimeError("reset: storage prefetches are in flight")
         for node in list(self._host_lru.values()):
             self._drop_host(node)
         super().reset()
@@ -339,5 +343,9 @@ class HiMambaRadixCache(StorageTier, MambaRadixCache):
         locs = [loc for n in backed for loc in n.host_value.tolist()]
         assert len(set(locs)) == len(locs), "host KV location held twice"
         assert min(locs, default=self.page_size) >= self.page_size, "host KV in page 0"
+        pages, slots = self.prefetch_held()
+        tree_pages = {loc // self.page_size for loc in locs}
+        assert not pages & tree_pages, "host KV held by the tree and a prefetch"
+        assert not slots & set(states), "host Mamba slot held by the tree and a prefetch"
         for name, pool, held in self.host_pools():
             assert pool.allocated_slots() == held, f"host {name}: allocated != the tree's"

@@ -73,6 +73,7 @@ class Req:
     generator: torch.Generator | None = None
     arrival: int = 0  # admission order tiebreak
     session: SessionParams | None = None
+    prefetch: Any = None  # storage prefetch in flight since arrival (`PrefetchOp`), or None
     session_restored: bool = False  # holds its session's slot, lent until admitted
 
     @property

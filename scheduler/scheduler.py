@@ -8,7 +8,9 @@ Prefix caching: on admission a request matches its prompt (at most prompt_len - 
 the radix tree, locks the deepest node that holds a Mamba state and copies that state into its
 own fresh slot. What enters the tree after each prefill round, at decode boundaries and on
 finish depends on the Mamba strategy (`scheduler/prefix_cache.py`). Invariant: a tree state is
-always the recurrent state after the tokens from the root to its node.
+always the recurrent state after the tokens from the root to its node. With a storage tier, a
+request starts a prefetch from storage into host memory on arrival and is admitted once the
+prefetch policy (`--hicache-storage-prefetch-policy`) lets it go.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from scheduler.request import FinishReason, Req
 from scheduler.session import SessionManager
 
 logger = logging.getLogger(__name__)
+
+PREFETCH_POLL_S = 0.005  # an idle step waits this long for a storage prefetch
 
 
 class Scheduler:
@@ -59,6 +63,7 @@ class Scheduler:
         self._arrivals += 1
         req.arrival = self._arrivals
         self.waiting.append(req)
+        self.cache.start_prefetch(req)
 
     def abort(self, rid: str) -> Req | None:
         """Finish a request wherever it is; everything it holds goes back (KV is not cached)."""
@@ -92,6 +97,7 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.waiting:
             self.waiting.remove(req)
+            self.cache.end_prefetch(req, use=False)
             if req.session is not None:
                 self.sessions.done(req)
             return
@@ -112,6 +118,10 @@ class Scheduler:
             return self._run_prefill(batch)
         if self.running:
             return self._run_decode()
+        held = [r.prefetch for r in self.waiting if r.prefetch and not r.prefetch.done.is_set()]
+        if held:  # requests wait for storage reads: give the reader a moment
+            held[0].done.wait(PREFETCH_POLL_S)
+            return []
         if self.waiting:  # nothing runs and the head still does not fit: it never will
             req = self.waiting[0]
             self._abort_req(req)
@@ -126,6 +136,7 @@ class Scheduler:
         The batch holds at most `max_prefill_tokens` new tokens, and at most
         `chunked_prefill_size` when chunking is on; the one request that does not fit whole is
         cut to the remaining budget and becomes the chunked request (continued first next round).
+        A request whose storage prefetch the policy still holds is skipped (it keeps its place).
         """
         cfg, runner = self.config, self.runner
         chunking = cfg.chunked_prefill_size > 0
@@ -145,11 +156,15 @@ class Scheduler:
             self.waiting = deque(sorted(self.waiting, key=self._match_len, reverse=True))
         pool = runner.mamba_pool
         pool.alloc_group_begin(len(self.waiting))
+        i = 0  # requests before i are held by their storage prefetch
         try:
-            while self.waiting and budget > 0:
+            while i < len(self.waiting) and budget > 0:
                 if len(self.running) + len(batch) >= runner.config.max_running_requests:
                     break
-                req = self.waiting[0]
+                req = self.waiting[i]
+                if self.cache.prefetch_holds(req):
+                    i += 1
+                    continue
                 restored = req.session is not None and self.sessions.restore(req)
                 while not restored and not self.cache.take_slots(req):
                     if not self.sessions.evict_one():  # idle sessions' slots are a cache too
@@ -164,7 +179,7 @@ class Scheduler:
                 if not self._alloc_kv(req, n):
                     self._release(req, insert=False)  # stays first in the queue
                     break
-                self.waiting.popleft()
+                del self.waiting[i]
                 self.sessions.admitted(req)
                 if not req.admitted:
                     req.cached_len, req.admitted = req.kv_len, True
