@@ -304,7 +304,9 @@ class MambaRadixCache(RadixEviction):
 
     def tier_stats(self) -> dict[str, int]:
         """Cumulative tier counters (prefix tokens served from device and host memory, tokens
-        written to / loaded back from / demoted to / evicted from the host) and host pool use."""
+        written to / loaded back from / demoted to / evicted from the host, storage prefetches
+        by outcome and their tokens, which then reach the device as host hits) and host pool
+        use."""
         keys = ("device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens")
         keys += ("host_written_tokens", "host_evicted_tokens", "load_back_failed")
         keys += ("storage_hit_tokens", "storage_written_tokens", "prefetches")

@@ -125,8 +125,8 @@ class PrefixCache:
     def start_prefetch(self, req: Req) -> None:
         """On arrival: start reading what storage holds of the prompt past the tree's match (not
         for session turns, which continue from their session's own state)."""
-        if not self.enabled or req.session is not None:
-            return
+        if getattr(self.tree, "storage", None) is None or req.session is not None:
+            return  # (no match here without storage: it would refresh the LRU order)
         key = req.all_ids[: req.seq_len - 1]
         cfg = self.config
         timeout = cfg.hicache_prefetch_timeout_base
