@@ -21,6 +21,8 @@ root (a backed-up node's parent is backed up), like device KV.
 Copies are synchronous and batched (one copy per tensor for a whole path), so there is never a
 copy in flight between calls; during one, the nodes involved are pinned (``full_lock_ref`` for
 device KV, ``host_lock_ref`` for host copies) so the evictions it triggers cannot take them.
+The one asynchronous copy is a storage read (`mem_cache/hicache_storage.py`): it fills host
+memory owned by the prefetch, in no node until it is finished.
 """
 
 from __future__ import annotations
