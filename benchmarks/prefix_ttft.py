@@ -7,8 +7,12 @@ served once before as a request of its own, so the tree holds the state after ex
 and the request reuses the snapshot at P's last chunk-aligned position (a multiple of 64) and
 prefills the rest. With `--enable-hierarchical-cache`, also served from host memory: P was
 served once as above, then the whole device tree was evicted (demoted to the host tier), so the
-request loads P's KV and state back before prefilling its question. TTFT = time from submission
-to the first streamed token. Medians.
+request loads P's KV and state back before prefilling its question. With `--hicache-storage-dir`
+(which turns the host tier on), also served from storage: P was served once as above (written
+through to the folder), then the whole tree was flushed (device and host), so the request
+prefetches P from the files into host memory (`wait_complete`) and loads it back. Storage holds
+states only at 64-token block ends, so use `extra_buffer` there (`no_buffer` stores the state at
+P's own length only). TTFT = time from submission to the first streamed token. Medians.
 
 Example: python -m benchmarks.prefix_ttft --preset small --prefix-len 2000
 """
@@ -49,7 +53,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mamba-scheduler-strategy", default="no_buffer")
     ap.add_argument("--enable-hierarchical-cache", action="store_true")
+    ap.add_argument("--hicache-storage-dir", default="", help="also measure a storage hit")
     args = ap.parse_args()
+    storage = {}
+    if args.hicache_storage_dir:
+        args.enable_hierarchical_cache = True
+        storage = {
+            "hicache_storage_backend": "file",
+            "hicache_storage_dir": args.hicache_storage_dir,
+            "hicache_storage_prefetch_policy": "wait_complete",
+        }
     torch.set_num_threads(args.threads)
     if args.model_path is None:
         from server.cli import default_model_path
@@ -63,6 +76,7 @@ def main() -> None:
         max_context_len=args.prefix_len + args.suffix_len + 64,
         mamba_scheduler_strategy=args.mamba_scheduler_strategy,
         enable_hierarchical_cache=args.enable_hierarchical_cache,
+        **storage,
     )
     snapshots = args.mamba_scheduler_strategy != "no_buffer"
     vocab = engine.runner.model.config.vocab_size
@@ -71,10 +85,10 @@ def main() -> None:
     def rand(n: int) -> list[int]:
         return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
-    prefix = rand(args.prefix_len)
     ttft(engine, rand(8))  # warm-up
-    cold, warm, hits, host, host_hits = [], [], [], [], []
+    cold, warm, hits, host, host_hits, stored, stored_hits = [], [], [], [], [], [], []
     for _ in range(args.repeats):
+        prefix = rand(args.prefix_len)  # a new one each time: never in storage before its cold run
         engine.flush_cache()
         cold.append(ttft(engine, prefix + rand(args.suffix_len))[0])
         engine.flush_cache()
@@ -91,6 +105,13 @@ def main() -> None:
             t, cached = ttft(engine, prefix + rand(args.suffix_len))
             host.append(t)
             host_hits.append(cached)
+        if storage:
+            engine.flush_cache()
+            engine.generate(first, {"max_new_tokens": 1})  # written through to the folder
+            engine.flush_cache()  # device and host tiers empty; the files stay
+            t, cached = ttft(engine, prefix + rand(args.suffix_len))
+            stored.append(t)
+            stored_hits.append(cached)
     assert engine.leak_report() == []
     c, w = statistics.median(cold), statistics.median(warm)
     print(
@@ -106,6 +127,12 @@ def main() -> None:
         print(
             f"TTFT from host memory: {h * 1e3:.1f} ms   ratio: {h / c:.3f}   "
             f"cached_tokens: {statistics.median(host_hits):.0f}"
+        )
+    if stored:
+        f = statistics.median(stored)
+        print(
+            f"TTFT from storage: {f * 1e3:.1f} ms   ratio: {f / c:.3f}   "
+            f"cached_tokens: {statistics.median(stored_hits):.0f}"
         )
 
 

@@ -7,15 +7,21 @@ states at block boundaries reach storage (extra_buffer strategies snapshot there
 
 - Write: after a node's host write, every whole block of its path not yet stored is written (KV
   read from host memory), and the node's host state when the node ends on a block boundary.
-- Prefetch (`prefetch`, at admission, before load-back): past what the tree holds, find the
-  deepest stored block with a state such that every block up to it has KV; read those blocks into
-  fresh host memory and hang them under the match as one host-only node carrying the state, so
-  `load_back` then brings them to the device. When host memory cannot hold it all even after
-  host eviction, the prefetch is truncated to the deepest state block that fits the page-aligned
-  free host size (SGLang #26945), and given up only below ``prefetch_threshold`` tokens. A block
-  or state that fails its checks (missing, torn, corrupt, foreign) cancels the prefetch: a miss.
+- Prefetch, asynchronous (`start_prefetch` when a request arrives, `finish_prefetch` when the
+  scheduler's policy lets it go): past what the tree holds, find the deepest stored block with a
+  state such that every block up to it has KV; allocate host memory for those blocks and one host
+  state slot, and hand the reads to the `PrefetchWorker` thread. When host memory cannot hold it
+  all even after host eviction, the prefetch is truncated to the deepest state block that fits
+  the page-aligned free host size (SGLang #26945), and not started below ``prefetch_threshold``
+  tokens. While it runs, the operation owns its host memory and the node it will hang under is
+  host-pinned. Finishing stops the reader and hangs the longest complete part that ends with a
+  state as one host-only node carrying that state, so `load_back` then brings it to the device;
+  the rest is freed. A block that fails its checks (missing, torn, corrupt, foreign) stops the
+  reader there: what came before it is still used, the rest is a miss.
 
-Reads are synchronous: the request waits for its prefetch inside admission.
+Mamba states reach storage only at block ends (every ``block_size`` = 64 tokens): a prefix is
+served from storage up to the deepest block end whose state was stored (a node ending there, e.g.
+an extra_buffer snapshot at a chunk boundary); tokens past it are recomputed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mem_cache.radix_node import MatchResult, TreeNode
+from mem_cache.storage_prefetch import PrefetchOp, PrefetchWorker
 
 if TYPE_CHECKING:
     from mem_cache.storage_file import FileStorage
@@ -37,6 +44,9 @@ class StorageTier:
     def _init_storage(self, storage: FileStorage | None, prefetch_threshold: int) -> None:
         self.storage, self.prefetch_threshold = storage, prefetch_threshold
         self._stored: set[tuple[str, str]] = set()  # (key, kind) known to be on disk
+        self._prefetching: list[PrefetchOp] = []  # started, not finished yet
+        if storage is not None:
+            self._worker = PrefetchWorker(storage, self.host_kv_pool)
 
     def _stored_or_exists(self, key: str, kind: str) -> bool:
         if (key, kind) in self._stored:
@@ -76,49 +86,84 @@ class StorageTier:
             node = node.parent
         return path[::-1]
 
-    def prefetch(self, key: list[int], match: MatchResult) -> MatchResult:
-        """Extend ``match`` (of ``key``) from storage into host memory; see the module docstring.
-        Returns a new match of ``key`` when something was prefetched, else ``match``."""
+    def start_prefetch(
+        self, key: list[int], match: MatchResult, timeout: float
+    ) -> PrefetchOp | None:
+        """Plan and start reading what storage holds of ``key`` past ``match`` (see the module
+        docstring); None when there is nothing worth reading or no host memory for it."""
         if self.storage is None or match.end_node is None:
-            return match
+            return None
         start, bs = match.matched_len, self.storage.block_size
         keys = self.storage.block_keys(key)
         states = []  # blocks past the tree's match that end with a stored state
         for i in range(start // bs, len(keys)):
-            if (i + 1) * bs <= start:
-                continue
             if not self._stored_or_exists(keys[i], "kv"):
                 break
             if self._stored_or_exists(keys[i], "state"):
                 states.append(i)
         if not states or (states[-1] + 1) * bs - start < self.prefetch_threshold:
-            return match
+            return None
         end_node = match.end_node
         if end_node is not self.root and end_node.host_value is None:
             if not self.write_backup(end_node):  # host copies must be closed towards the root
-                return match
+                return None
         self._host_pin(end_node, 1)
-        try:
-            got = self._prefetch_alloc(start, states)
-        finally:
-            self._host_pin(end_node, -1)
+        got = self._prefetch_alloc(start, states)
         if got is None:
-            return match
+            self._host_pin(end_node, -1)
+            return None
         last, host_locs, host_slot = got
-        if not self._prefetch_read(keys, start, last, host_locs, host_slot):
-            self._free_host_kv(host_locs)
-            self.host_mamba_pool.free([host_slot])
+        first = start // bs
+        op = PrefetchOp(
+            list(key), start, end_node, first, keys[first : last + 1],
+            frozenset(i for i in states if i <= last), host_locs, host_slot, timeout,
+        )  # fmt: skip
+        self._prefetching.append(op)
+        self._worker.submit(op)
+        self.stats["prefetch_started"] += 1
+        return op
+
+    def finish_prefetch(self, op: PrefetchOp, use: bool = True) -> int:
+        """Stop ``op`` (waiting for the block being read) and, with ``use``, hang the longest
+        complete part that ends with a state under its ``end_node`` as one host-only node; free
+        the rest of its host memory. Returns the tokens added to the tree."""
+        op.cancel.set()
+        op.done.wait()
+        self._prefetching.remove(op)
+        self._host_pin(op.end_node, -1)
+        bs, n = self.storage.block_size, 0
+        ready = [i for i in op.states if i < op.first + op.blocks_done]
+        if use and ready:
+            n = (max(ready) + 1) * bs - op.start
+            again = self.match_prefix(op.key)  # the tree may have grown there meanwhile
+            if again.end_node is not op.end_node or again.matched_len != op.start:
+                self.stats["prefetch_discarded"] += 1
+                n = 0
+        if op.failed:
             self.stats["prefetch_failed"] += 1
-            return match
-        end = (last + 1) * bs
-        leaf = TreeNode(next(self._ids), list(key[start:end]), None, None)
-        leaf.parent, leaf.host_value, leaf.host_mamba_slot = end_node, host_locs, host_slot
-        end_node.children[self._child_key(leaf.key, 0)] = leaf
+        elif use and n < op.planned_tokens:
+            self.stats["prefetch_terminated"] += 1
+        self._free_host_kv(op.host_locs[n:])
+        if n == 0:
+            self.host_mamba_pool.free([op.host_slot])
+            self._prune(op.end_node)  # it may have lost its state while pinned
+            return 0
+        self.host_mamba_pool.write(op.host_slot, op.states[max(ready)])
+        leaf = TreeNode(next(self._ids), op.key[op.start : op.start + n], None, None)
+        leaf.parent, leaf.host_value = op.end_node, op.host_locs[:n]
+        leaf.host_mamba_slot = op.host_slot
+        op.end_node.children[self._child_key(leaf.key, 0)] = leaf
         self._host_lru[leaf.id] = leaf
-        self._host_mamba_lru[host_slot] = leaf
+        self._host_mamba_lru[op.host_slot] = leaf
         self.stats["prefetches"] += 1
-        self.stats["storage_hit_tokens"] += end - start
-        return self.match_prefix(key)
+        self.stats["storage_hit_tokens"] += n
+        return n
+
+    def prefetch_held(self) -> tuple[set[int], set[int]]:
+        """(host KV pages, host Mamba slots) owned by operations in flight."""
+        ps = self.page_size
+        pages = {loc // ps for op in self._prefetching for loc in op.host_locs.tolist()}
+        return pages, {op.host_slot for op in self._prefetching}
 
     def _prefetch_alloc(
         self, start: int, states: list[int]
@@ -145,24 +190,3 @@ class StorageTier:
             self._free_host_kv(host_locs)
             return None
         return last, host_locs, host_slot
-
-    def _prefetch_read(
-        self, keys: list[str], start: int, last: int, host_locs: torch.Tensor, host_slot: int
-    ) -> bool:
-        """Read blocks start // bs .. last and the state after ``last`` into host memory."""
-        bs = self.storage.block_size
-        state = self.storage.get(keys[last], "state")
-        if state is None:
-            return False
-        ks, vs = [], []
-        for i in range(start // bs, last + 1):
-            kv = self.storage.get(keys[i], "kv")
-            if kv is None:
-                return False
-            ks.append(kv["k"])
-            vs.append(kv["v"])
-        skip = start - start // bs * bs
-        kv = {"k": torch.cat(ks, dim=1)[:, skip:], "v": torch.cat(vs, dim=1)[:, skip:]}
-        self.host_kv_pool.write(host_locs, kv)
-        self.host_mamba_pool.write(host_slot, state)
-        return True

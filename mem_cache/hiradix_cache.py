@@ -21,6 +21,8 @@ root (a backed-up node's parent is backed up), like device KV.
 Copies are synchronous and batched (one copy per tensor for a whole path), so there is never a
 copy in flight between calls; during one, the nodes involved are pinned (``full_lock_ref`` for
 device KV, ``host_lock_ref`` for host copies) so the evictions it triggers cannot take them.
+The one asynchronous copy is a storage read (`mem_cache/hicache_storage.py`): it fills host
+memory owned by the prefetch, in no node until it is finished.
 """
 
 from __future__ import annotations
@@ -315,16 +317,20 @@ class HiMambaRadixCache(StorageTier, MambaRadixCache):
         return set(self._host_mamba_lru)
 
     def host_pools(self) -> list[tuple[str, SlotPool, set[int]]]:
+        """Host pools and the ids held by the tree or by prefetches in flight."""
         ps = self.page_size
-        pages = {loc // ps for loc in self.held_host_kv_locs()}
+        pages, slots = self.prefetch_held()
+        pages |= {loc // ps for loc in self.held_host_kv_locs()}
         return [
             ("KV pages", self.host_kv_pool, pages),
-            ("Mamba slots", self.host_mamba_pool, self.held_host_mamba_slots()),
+            ("Mamba slots", self.host_mamba_pool, slots | self.held_host_mamba_slots()),
         ]
 
     def reset(self) -> None:
         if self._full_protected or self._mamba_protected:
             raise RuntimeError("reset: the radix cache still has locked nodes")
+        if self._prefetching:
+            raise RuntimeError("reset: storage prefetches are in flight")
         for node in list(self._host_lru.values()):
             self._drop_host(node)
         super().reset()
@@ -339,5 +345,9 @@ class HiMambaRadixCache(StorageTier, MambaRadixCache):
         locs = [loc for n in backed for loc in n.host_value.tolist()]
         assert len(set(locs)) == len(locs), "host KV location held twice"
         assert min(locs, default=self.page_size) >= self.page_size, "host KV in page 0"
+        pages, slots = self.prefetch_held()
+        tree_pages = {loc // self.page_size for loc in locs}
+        assert not pages & tree_pages, "host KV held by the tree and a prefetch"
+        assert not slots & set(states), "host Mamba slot held by the tree and a prefetch"
         for name, pool, held in self.host_pools():
             assert pool.allocated_slots() == held, f"host {name}: allocated != the tree's"

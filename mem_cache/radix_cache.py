@@ -137,10 +137,10 @@ class MambaRadixCache(RadixEviction):
         host_len = host_pos - len(kv) if host is not None else 0
         return MatchResult(kv, best, best.mamba_slot, branching, host, host_len, False, pos, node)
 
-    def prefetch(self, key: list[int], match: MatchResult) -> MatchResult:
-        """Admission's storage step: extend ``match`` of ``key`` from the storage tier into host
-        memory. Nothing to do without one (see `HiMambaRadixCache.prefetch`)."""
-        return match
+    def start_prefetch(self, key: list[int], match: MatchResult, timeout: float) -> None:
+        """Arrival's storage step: start reading what a storage tier holds of ``key`` past
+        ``match`` into host memory. Nothing to do without one (see `StorageTier`)."""
+        return None
 
     def load_back(self, match: MatchResult, dst_slot: int | None = None) -> MatchResult:
         """Make ``match`` usable from the device: the device-only cache has nothing to load, so
@@ -304,11 +304,14 @@ class MambaRadixCache(RadixEviction):
 
     def tier_stats(self) -> dict[str, int]:
         """Cumulative tier counters (prefix tokens served from device and host memory, tokens
-        written to / loaded back from / demoted to / evicted from the host) and host pool use."""
+        written to / loaded back from / demoted to / evicted from the host, storage prefetches
+        by outcome and their tokens, which then reach the device as host hits) and host pool
+        use."""
         keys = ("device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens")
         keys += ("host_written_tokens", "host_evicted_tokens", "load_back_failed")
         keys += ("storage_hit_tokens", "storage_written_tokens", "prefetches")
-        keys += ("prefetch_truncated", "prefetch_skipped", "prefetch_failed")
+        keys += ("prefetch_started", "prefetch_truncated", "prefetch_skipped", "prefetch_failed")
+        keys += ("prefetch_terminated", "prefetch_discarded")
         out = {k: self.stats[k] for k in keys}
         for name, pool, _ in self.host_pools():
             key = "host_" + name.lower().replace(" ", "_")

@@ -70,7 +70,13 @@ def _check_node_shape(cache: MambaRadixCache, node: TreeNode) -> None:
     assert node.value is not None or node.host_value is not None, f"{node} holds no KV at all"
     for value in (node.value, node.host_value):
         assert value is None or len(value) == len(node.key), f"{node} key and value lengths differ"
-    assert node.children or node.has_state, f"leaf {node} is a tombstone"
+    pins = 0  # a storage prefetch in flight pins the path of the node it will hang under
+    for op in getattr(cache, "_prefetching", ()):
+        n = op.end_node
+        while n is not cache.root and n is not node:
+            n = n.parent
+        pins += n is node
+    assert node.children or node.has_state or pins, f"leaf {node} is a tombstone"
     assert node.mamba_slot is None or node.value is not None, f"{node}: device state, no KV"
     assert node.host_mamba_slot is None or node.host_value is not None, f"{node}: host state"
     parent = node.parent
@@ -78,6 +84,6 @@ def _check_node_shape(cache: MambaRadixCache, node: TreeNode) -> None:
         assert parent.value is not None, f"{node} on device below a host-only parent"
     if node.host_value is not None and parent is not cache.root:
         assert parent.host_value is not None, f"{node} backed up below a parent that is not"
-    assert node.host_lock_ref == 0, f"{node} host pin left over"
+    assert node.host_lock_ref == pins, f"{node} host pins {node.host_lock_ref} != {pins}"
     if node.value is None:
         assert node.full_lock_ref == node.mamba_lock_ref == 0, f"host-only {node} is locked"

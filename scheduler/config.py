@@ -10,6 +10,7 @@ STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
 MAMBA_SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 5, "extra_buffer_lazy": 4}
 POLICIES = ("fcfs", "lpm")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,13 @@ class SchedulerConfig:
     hicache_storage_backend: str = ""  # "file": a storage tier under the host tier
     hicache_storage_dir: str = ""
     hicache_prefetch_threshold: int = 256  # shorter storage hits are not prefetched
+    # how long a request waits for its storage prefetch: best_effort (not at all: admitted with
+    # what has arrived), wait_complete (until every block is read), timeout (until read or
+    # base + per_ki_token * tokens / 1024 seconds have passed, as SGLang's extra-config keys).
+    # SGLang defaults to best_effort; a request arriving at an idle server then reads nothing.
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_prefetch_timeout_base: float = 1.0
+    hicache_prefetch_timeout_per_ki_token: float = 0.25
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -68,6 +76,12 @@ class SchedulerConfig:
             )
         if self.hicache_prefetch_threshold < 0:
             raise ValueError("--hicache-prefetch-threshold must be >= 0")
+        if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"--hicache-storage-prefetch-policy must be one of {PREFETCH_POLICIES}"
+            )
+        if self.hicache_prefetch_timeout_base < 0 or self.hicache_prefetch_timeout_per_ki_token < 0:
+            raise ValueError("--hicache-prefetch-timeout-base / -per-ki-token must be >= 0")
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy must be one of {HICACHE_WRITE_POLICIES}")
 

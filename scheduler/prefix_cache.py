@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -108,11 +109,10 @@ class PrefixCache:
         limit = req.fill_len - 1
         if req.logprob_from is not None:  # prompt logprobs are computed, never cached
             limit = min(limit, req.logprob_from)
-        # match -> load back what only the host tier holds (its state straight into the running
-        # slot) -> lock and take the prefix
+        # (a storage prefetch, finished before this) -> match -> load back what only the host
+        # tier holds (its state straight into the running slot) -> lock and take the prefix
         key = req.all_ids[:limit]
-        match = self.tree.prefetch(key, self.tree.match_prefix(key))
-        match = self.tree.load_back(match, req.mamba_slot)
+        match = self.tree.load_back(self.tree.match_prefix(key), req.mamba_slot)
         prefix = len(match.kv_indices)
         self.tree.inc_lock_ref(match.last_node)
         self.tree.note_hit(match.last_node)
@@ -125,6 +125,39 @@ class PrefixCache:
                 self.pool.copy(match.mamba_slot, req.mamba_slot)
         req.kv_len = req.cache_protected_len = prefix
         return True
+
+    # ---- storage prefetch ----------------------------------------------------------------
+    def start_prefetch(self, req: Req) -> None:
+        """On arrival: start reading what storage holds of the prompt past the tree's match (not
+        for session turns, which continue from their session's own state)."""
+        if getattr(self.tree, "storage", None) is None or req.session is not None:
+            return  # (no match here without storage: it would refresh the LRU order)
+        key = req.all_ids[: req.seq_len - 1]
+        cfg = self.config
+        timeout = cfg.hicache_prefetch_timeout_base
+        timeout += cfg.hicache_prefetch_timeout_per_ki_token * len(key) / 1024
+        req.prefetch = self.tree.start_prefetch(key, self.tree.match_prefix(key), timeout)
+
+    def prefetch_holds(self, req: Req) -> bool:
+        """True while the prefetch policy keeps ``req`` waiting; once it lets it go, the
+        prefetch is finished (what arrived is in the tree) and False is returned."""
+        op = req.prefetch
+        if op is None:
+            return False
+        if not op.done.is_set():
+            policy = self.config.hicache_storage_prefetch_policy
+            if policy == "wait_complete":
+                return True
+            if policy == "timeout" and time.monotonic() - op.created < op.timeout:
+                return True
+        self.end_prefetch(req, use=True)
+        return False
+
+    def end_prefetch(self, req: Req, use: bool) -> None:
+        """Stop ``req``'s prefetch; with ``use`` keep what arrived in the tree, else free it."""
+        if req.prefetch is not None:
+            self.tree.finish_prefetch(req.prefetch, use)
+            req.prefetch = None
 
     def _keep_idx(self, req: Req) -> int:
         """Index of the track slot holding the latest snapshot."""

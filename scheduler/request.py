@@ -80,6 +80,7 @@ class Req:
     queued_at: float = 0.0  # time.monotonic() at add_request
     queue_time: float | None = None  # seconds from add_request to its first prefill batch
     session: SessionParams | None = None
+    prefetch: Any = None  # storage prefetch in flight since arrival (`PrefetchOp`), or None
     session_restored: bool = False  # holds its session's slot, lent until admitted
     # prompt logprobs (`logprob_start_len`): the next prompt position whose logits are still
     # needed (None: none are), and what was gathered so far, one entry per prompt token from

@@ -84,6 +84,7 @@ class PrefillAdder:
         The batch holds at most `max_prefill_tokens` new tokens, and at most
         `chunked_prefill_size` when chunking is on; the one request that does not fit whole is
         cut to the remaining budget and becomes the chunked request (continued first next round).
+        A request whose storage prefetch the policy still holds is skipped.
         """
         s, cfg = self.s, self.s.config
         chunking = cfg.chunked_prefill_size > 0
@@ -109,16 +110,20 @@ class PrefillAdder:
             s.waiting = deque(sorted(s.waiting, key=self.match_len, reverse=True))
         pool = s.runner.mamba_pool
         pool.alloc_group_begin(len(s.waiting))
+        i = 0  # requests before i are held by their storage prefetch (they keep their place)
         try:
-            while s.waiting and budget > 0:
+            while i < len(s.waiting) and budget > 0:
                 if len(s.running) + len(batch) >= s.runner.config.max_running_requests:
                     break
-                req = s.waiting[0]
+                req = s.waiting[i]
+                if s.cache.prefetch_holds(req):
+                    i += 1
+                    continue
                 s._batch.append(req)
                 n = self.admit_one(req, budget, chunking, not batch, not (batch or s.running))
                 if n is None:
                     break
-                s.waiting.popleft()
+                del s.waiting[i]
                 s.sessions.admitted(req)
                 if not req.admitted:
                     req.cached_len, req.admitted = req.kv_len, True

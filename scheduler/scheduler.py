@@ -8,7 +8,9 @@ Prefix caching: on admission a request matches its prompt (at most prompt_len - 
 the radix tree, locks the deepest node that holds a Mamba state and copies that state into its
 own fresh slot. What enters the tree after each prefill round, at decode boundaries and on
 finish depends on the Mamba strategy (`scheduler/prefix_cache.py`). Invariant: a tree state is
-always the recurrent state after the tokens from the root to its node.
+always the recurrent state after the tokens from the root to its node. With a storage tier, a
+request starts a prefetch from storage into host memory on arrival and is admitted once the
+prefetch policy (`--hicache-storage-prefetch-policy`) lets it go.
 
 Faults (`scheduler/faults.py`): an exception raised for one request fails that request
 (`Req.error`) and frees what it held; one raised for a whole step fails the requests of the batch
@@ -35,6 +37,8 @@ from scheduler.schedule_policy import NewTokenRatio, PrefillAdder
 from scheduler.session import SessionManager
 
 logger = logging.getLogger(__name__)
+
+PREFETCH_POLL_S = 0.005  # an idle step waits this long for a storage prefetch
 
 
 class Scheduler:
@@ -99,6 +103,7 @@ class Scheduler:
         self._arrivals += 1
         req.arrival, req.queued_at = self._arrivals, time.monotonic()
         self.waiting.append(req)
+        self.cache.start_prefetch(req)
 
     @staticmethod
     def _init_prompt_logprobs(req: Req) -> None:
@@ -161,6 +166,7 @@ class Scheduler:
             self.aborts[why] += 1
         if req in self.waiting:
             self.waiting.remove(req)
+            self.cache.end_prefetch(req, use=False)
         elif req is self.chunked:
             self.chunked = None
         elif req in self.running:
@@ -251,6 +257,10 @@ class Scheduler:
             return self._run_prefill(batch)
         if self.running:
             return self._run_decode()
+        held = [r.prefetch for r in self.waiting if r.prefetch and not r.prefetch.done.is_set()]
+        if held:  # requests wait for storage reads: give the reader a moment
+            held[0].done.wait(PREFETCH_POLL_S)
+            return []
         if self.waiting:  # nothing runs and the head still does not fit: it never will
             req = self.waiting[0]
             self._drop(req, why="no_room")

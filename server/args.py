@@ -96,6 +96,10 @@ HELP: dict[str, str] = {
     "hicache_storage_backend": "storage tier under the host tier: file (default: none)",
     "hicache_storage_dir": "folder of the file storage tier (kept across restarts)",
     "hicache_prefetch_threshold": "storage hits shorter than this many tokens are not prefetched",
+    "hicache_storage_prefetch_policy": "how long an arriving request waits for its storage "
+    "prefetch: best_effort (admitted with what has arrived), wait_complete, timeout",
+    "hicache_prefetch_timeout_base": "timeout policy: seconds waited for any prefetch",
+    "hicache_prefetch_timeout_per_ki_token": "timeout policy: extra seconds per 1024 tokens",
     "hicache_write_policy": "when nodes are copied to host: write_through (on insert), "
     "write_through_selective (on the second hit) or write_back (on device eviction)",
 }

@@ -28,10 +28,13 @@ TIER_EVENT_KEYS = {
     "stored": "storage_written_tokens",
 }
 PREFETCH_KEYS = {
+    "started": "prefetch_started",
     "done": "prefetches",
     "truncated": "prefetch_truncated",
     "skipped": "prefetch_skipped",
     "failed": "prefetch_failed",
+    "terminated": "prefetch_terminated",
+    "discarded": "prefetch_discarded",
 }
 
 
@@ -73,7 +76,8 @@ class Metrics:
         self.host_usage = gauge("hicache_host_usage", "Fraction of host-tier KV pages in use")
         self.prefetches = Gauge(
             PREFIX + "hicache_prefetches",
-            "Storage prefetches since start, by outcome (done, truncated, skipped, failed)",
+            "Storage prefetches since start, by outcome (started, done, truncated, skipped, "
+            "failed, terminated early, discarded)",
             ("model_name", "outcome"),
             registry=r,
         )

@@ -1,16 +1,20 @@
 """Storage tier end to end: a prefix written by one engine is prefetched by a new engine on the
-same folder (a restart) with exact greedy tokens; a corrupted file and another checkpoint are
-misses; host memory smaller than the stored prefix truncates the prefetch (SGLang #26945), and
-below the threshold nothing is prefetched."""
+same folder (a restart) with exact greedy tokens; a corrupted block is a miss from there on and
+another checkpoint never hits; host memory smaller than the stored prefix truncates the prefetch
+(SGLang #26945), and below the threshold nothing is prefetched. The prefetch policies, with the
+reader slowed by the test switch: best_effort admits at once, timeout waits its bound, and
+wait_complete holds its request (others run meanwhile) until an abort frees everything."""
 
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mem_cache.storage_prefetch import PREFETCH_DELAY_ENV
 from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
@@ -26,6 +30,7 @@ OPTIONS = {
     "disable_cuda_graph": True,
     "enable_hierarchical_cache": True,
     "hicache_storage_backend": "file",
+    "hicache_storage_prefetch_policy": "wait_complete",
 }
 
 
@@ -64,16 +69,21 @@ def test_a_restarted_engine_prefetches_the_prefix_from_storage(store):
     assert stats["prefetches"] == 1 and stats["storage_hit_tokens"] == PREFIX
 
 
-def test_a_corrupted_block_is_a_miss(store, tmp_path):
+def test_a_corrupted_block_is_a_miss_from_there_on(store, tmp_path):
     path, folder, second, expected = store
     copy = shutil.copytree(folder, tmp_path / "copy")
-    victim = sorted(copy.rglob("*.kv"))[3]
+    engine = Engine(path, hicache_storage_dir=str(copy), **OPTIONS)
+    storage = engine.scheduler.tree.storage
+    victim = storage.path(storage.block_keys(second)[3], "kv")  # tokens 192 .. 256
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0x55
     victim.write_bytes(bytes(data))
-    out, stats = serve(path, copy, second)
-    assert out["output_ids"] == expected and out["meta_info"]["cached_tokens"] == 0
-    assert stats["prefetch_failed"] == 1
+    out = engine.generate(second, GREEDY)
+    assert engine.leak_report() == []
+    stats = engine.scheduler.tree.stats
+    # the blocks read before it are used up to the deepest state among them (128 tokens)
+    assert out["output_ids"] == expected and out["meta_info"]["cached_tokens"] == 128
+    assert stats["prefetch_failed"] == 1 and stats["storage_hit_tokens"] == 128
 
 
 def test_another_checkpoint_never_hits(store, tmp_path):
@@ -93,3 +103,45 @@ def test_small_host_memory_truncates_the_prefetch_and_the_threshold_skips_it(sto
     out, stats = serve(path, folder, second, hicache_ratio=0.5, hicache_prefetch_threshold=400)
     assert out["output_ids"] == expected and out["meta_info"]["cached_tokens"] == 0
     assert stats["prefetch_skipped"] == 1 and stats["prefetches"] == 0
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_a_slow_prefetch_is_cut_short_by_the_policy(store, policy, monkeypatch):
+    """The reader waits 30 s per block: best_effort admits the request at the first step and
+    timeout after its 0.3 s bound, each with nothing read (a miss) and exact outputs."""
+    path, folder, second, expected = store
+    monkeypatch.setenv(PREFETCH_DELAY_ENV, "30")
+    began = time.monotonic()
+    out, stats = serve(
+        path, folder, second, hicache_storage_prefetch_policy=policy,
+        hicache_prefetch_timeout_base=0.3, hicache_prefetch_timeout_per_ki_token=0.0,
+    )  # fmt: skip
+    took = time.monotonic() - began
+    assert out["output_ids"] == expected and out["meta_info"]["cached_tokens"] == 0
+    assert stats["prefetch_started"] == 1 and stats["prefetch_terminated"] == 1
+    assert stats["prefetches"] == 0 and took < 25
+    if policy == "timeout":
+        assert took >= 0.3
+
+
+def test_wait_complete_holds_only_its_request_and_an_abort_frees_the_prefetch(store, monkeypatch):
+    path, folder, second, _ = store
+    monkeypatch.setenv(PREFETCH_DELAY_ENV, "30")
+    engine = Engine(path, hicache_storage_dir=str(folder), **OPTIONS)
+    sched, tree = engine.scheduler, engine.scheduler.tree
+    held = engine._make_req(second, GREEDY)
+    other = engine._make_req(list(range(3, 40)), GREEDY)
+    sched.add_request(held)
+    sched.add_request(other)
+    assert held.prefetch is not None and other.prefetch is None
+    while not other.finished:  # the held request is skipped; the other one runs
+        sched.step()
+        tree.sanity_check()  # host memory owned by the tree or the prefetch in flight
+    assert held in sched.waiting and held.req_slot is None and not held.prefetch.done.is_set()
+    pages, slots = tree.prefetch_held()
+    assert len(pages) == PREFIX and len(slots) == 1  # locked until the prefetch ends
+    sched.abort(held.rid)
+    assert held.prefetch is None and engine.leak_report() == []
+    assert tree.prefetch_held() == (set(), set())
+    tree.sanity_check()
+    assert tree.stats["prefetch_started"] == 1 and tree.stats["prefetches"] == 0

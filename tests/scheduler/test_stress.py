@@ -132,9 +132,10 @@ CASES = {
         },
         ("kv_evicted", "mamba_evicted", "retracted", "cache_hits", "host_loaded", "host_evicted"),
     ),
-    # Storage tier too (64-token blocks; threshold 0 so short prefixes are prefetched).
+    # Storage tier too (64-token blocks; threshold 0 so short prefixes are prefetched; requests
+    # wait for their prefetch, read by the worker thread while others run).
     "hicache-storage-extra-buffer": Case(
-        35,
+        36,
         {
             **BASE,
             "max_total_tokens": 240,
@@ -146,6 +147,7 @@ CASES = {
             "hicache_ratio": 0.6,
             "hicache_storage_backend": "file",
             "hicache_prefetch_threshold": 0,
+            "hicache_storage_prefetch_policy": "wait_complete",
         },
         ("kv_evicted", "retracted", "cache_hits", "host_loaded", "host_evicted", "prefetched"),
     ),
@@ -384,6 +386,8 @@ def run_workload(engine: Engine, seed: int) -> tuple[list[Req], Stats]:
                 reqs.append(engine._make_req(prompt, work.params(), session))
                 try:
                     sched.add_request(reqs[-1])
+                    if reqs[-1].prefetch is not None:  # read before the next step: deterministic
+                        assert reqs[-1].prefetch.done.wait(30)
                 except ValueError:  # the session context would outgrow its capacity
                     reqs.pop()
                     stats.session_rejected += 1
