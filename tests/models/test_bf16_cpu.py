@@ -38,7 +38,9 @@ def test_bf16_weights_fp32_rest(tmp_path) -> None:
 
     # the judge: the fp32 model with its matrices rounded to bf16 (the same numbers, fp32 math)
     rounded = load_model(path, dtype="float32")
-    cast_matrices(rounded, torch.bfloat16)
+    cast_matrices(rounded, torch.bfloat16)  # leaves the tied head alone: the loader copies it
+    embedding = rounded.model.embed_tokens.weight
+    rounded.lm_head.weight = torch.nn.Parameter(embedding.detach().to(torch.bfloat16))
     for p in rounded.parameters():
         p.data = p.data.float()
 
