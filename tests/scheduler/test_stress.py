@@ -135,7 +135,7 @@ CASES = {
     # Storage tier too (64-token blocks; threshold 0 so short prefixes are prefetched; requests
     # wait for their prefetch, read by the worker thread while others run).
     "hicache-storage-extra-buffer": Case(
-        36,
+        47,
         {
             **BASE,
             "max_total_tokens": 240,
