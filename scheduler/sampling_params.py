@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 # What torch.Generator.manual_seed accepts (a negative seed wraps modulo 2**64).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Stop strings: OpenAI allows 4; 16 leaves room for lm-eval's `until` lists and SGLang clients,
+# and 1,000 characters for any real delimiter. Each string costs the detokenizer's matcher
+# build time and memory in proportion to its length (16,000 characters at most per request).
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1000
 
 
 @dataclass
@@ -95,3 +99,7 @@ class SamplingParams:
             raise ValueError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}")
         if self.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")

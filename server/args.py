@@ -55,12 +55,39 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = _opt(
         (), "browser origins allowed to call the server, with CORS (default: none)"
     )
+    max_request_bytes: int = _opt(
+        16 * 1024 * 1024, "largest request body in bytes (larger: 413, refused while reading)"
+    )
+    max_queued_requests: int = _opt(
+        1024,
+        "requests allowed to wait beyond --max-running-requests; past that new ones get 503 "
+        "with Retry-After",
+    )
+    max_fan_out: int = _opt(
+        256, "most scheduler requests one HTTP request may become (prompts x n; more: 400)"
+    )
+    shutdown_timeout: float = _opt(
+        30.0,
+        "seconds SIGTERM lets running requests finish before aborting the rest (they still "
+        "end with a finish reason)",
+    )
+    health_timeout: float = _opt(
+        20.0, "/health answers 503 when the scheduler has not answered a ping within this"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
+        for name in ("max_request_bytes", "max_fan_out"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
+        for name in ("shutdown_timeout", "health_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
 
 
 # Help for the scheduler's dataclasses (ServerConfig carries its own in field metadata).

@@ -3,7 +3,9 @@
 It spawns the scheduler process (multiprocessing 'spawn' context) with one pipe each way. A
 daemon thread reads the scheduler's messages and hands them to the asyncio loop: token deltas go
 to the per-request `asyncio.Queue` registered by `submit`, query replies resolve the future made by
-`query`. Only the event loop thread sends. Deltas for a request nobody waits for any more (aborted,
+`query`. Sends never block the event loop: the loop puts messages on a queue that a writer thread
+pushes into the pipe, so a scheduler that stopped reading (a full pipe) stalls only that thread,
+and `/health` notices through `ping`. Deltas for a request nobody waits for any more (aborted,
 stopped by a stop string) are dropped.
 """
 
@@ -13,7 +15,9 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +65,8 @@ class SchedulerClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: mp.process.BaseProcess | None = None
         self._closing = False
+        self._outq: queue.SimpleQueue[Any] = queue.SimpleQueue()  # None stops the writer
+        self._writer: threading.Thread | None = None
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -79,23 +85,23 @@ class SchedulerClient:
         sched_in.close()
         sched_out.close()
         threading.Thread(target=self._read, name="scheduler-reader", daemon=True).start()
+        self._writer = threading.Thread(target=self._write, name="scheduler-writer", daemon=True)
+        self._writer.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the scheduler process to exit; terminate it if it does not within `timeout`."""
+        """Ask the scheduler process to exit; kill it if it does not within `timeout`."""
         proc = self._proc
         if proc is None:
             return
         self._closing = True
-        try:
-            self._out.send(ShutdownMsg())
-        except (OSError, ValueError):
-            pass
-        proc.join(timeout)
-        if proc.is_alive():
-            logger.warning("scheduler process did not exit; terminating it")
-            proc.terminate()
-            proc.join(5)
-        if proc.is_alive():
+        self._outq.put(ShutdownMsg())
+        self._outq.put(None)
+        deadline = time.monotonic() + timeout
+        if self._writer is not None:
+            self._writer.join(timeout)
+        proc.join(max(deadline - time.monotonic(), 0.1))
+        if proc.is_alive():  # it ignores SIGTERM (see run_scheduler): kill it
+            logger.warning("scheduler process did not exit; killing it")
             proc.kill()
             proc.join()
         self._out.close()
@@ -105,7 +111,17 @@ class SchedulerClient:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive() and self.failure is None
 
-    # ---- reader thread -------------------------------------------------------------------
+    # ---- writer and reader threads -------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        self._outq.put(msg)
+
+    def _write(self) -> None:
+        while (msg := self._outq.get()) is not None:
+            try:
+                self._out.send(msg)
+            except (OSError, ValueError):  # the scheduler is gone; the reader reports it
+                return
+
     def _read(self) -> None:
         loop = self._loop
         assert loop is not None
@@ -166,7 +182,7 @@ class SchedulerClient:
             raise SchedulerError(f"request id {msg.rid!r} is already in use", 400)
         q: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._queues[msg.rid] = q
-        self._out.send(msg)
+        self._send(msg)
         return q
 
     def abort(
@@ -182,7 +198,7 @@ class SchedulerClient:
         if forget and rid is not None:
             self._queues.pop(rid, None)
         if self.alive:
-            self._out.send(AbortMsg(rid, abort_all, keep_output_tokens))
+            self._send(AbortMsg(rid, abort_all, keep_output_tokens))
 
     async def query(self, kind: str, timeout: float = 60.0, **args: Any) -> Any:
         if not self.alive:
@@ -191,8 +207,17 @@ class SchedulerClient:
         qid = next(self._qids)
         fut = self._loop.create_future()
         self._futures[qid] = fut
-        self._out.send(QueryMsg(qid=qid, kind=kind, args=args))
+        self._send(QueryMsg(qid=qid, kind=kind, args=args))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._futures.pop(qid, None)
+
+    async def ping(self, timeout: float) -> bool:
+        """Whether the scheduler answers a no-op query within `timeout` seconds (it reads its
+        inbox between steps, so a stuck step or a stopped process fails this)."""
+        try:
+            await self.query("ping", timeout=timeout)
+        except (SchedulerError, TimeoutError):
+            return False
+        return True

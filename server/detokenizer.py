@@ -7,12 +7,17 @@ whole output again. Concatenating every `push` and the final `flush` gives `deco
 
 `TextStream` adds stop strings on top: text that could still become the start of a stop string is
 held back; once a stop string appears the text is cut right before it (right after it with
-`no_stop_trim`, as SGLang), `matched` names it, and nothing more is emitted.
+`no_stop_trim`, as SGLang), `matched` names it, and nothing more is emitted. Stop strings are
+found by `StopMatcher` (Aho-Corasick), so each push costs time linear in its new text, however
+many and however long the stop strings are; the first stop string to be completed wins (the
+longest one when several complete at the same character).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from server.stop_matcher import StopMatcher
 
 REPLACEMENT = "\ufffd"
 
@@ -66,6 +71,7 @@ class TextStream:
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stops = [s for s in (stop or []) if s]
+        self.matcher = StopMatcher(self.stops) if self.stops else None
         self.no_stop_trim = no_stop_trim
         self.text = ""  # all decoded text, cut before the stop string once one matched
         self.emitted = 0  # characters of `text` handed out
@@ -74,38 +80,29 @@ class TextStream:
     def push(self, new_ids: list[int]) -> str:
         if self.matched is not None:
             return ""
-        self.text += self.detok.push(new_ids)
-        return self._advance(final=False)
+        return self._advance(self.detok.push(new_ids), final=False)
 
     def finish(self) -> str:
         if self.matched is not None:
             return ""
-        self.text += self.detok.flush()
-        return self._advance(final=True)
+        return self._advance(self.detok.flush(), final=True)
 
-    def _advance(self, final: bool) -> str:
-        text, start = self.text, self.emitted
-        if self.stops:
-            hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
-            if hits:
-                cut, self.matched = min(hits)
-                if self.no_stop_trim:
-                    cut += len(self.matched)
-                self.text = text[:cut]
+    def _advance(self, new: str, final: bool) -> str:
+        start = self.emitted
+        self.text += new
+        held = 0
+        if self.matcher is not None:
+            hit = self.matcher.feed(new)
+            if hit is not None:
+                end = self.matcher.fed  # the matcher stops feeding at the stop string's end
+                self.matched = self.text[hit:end]
+                cut = max(end if self.no_stop_trim else hit, start)
+                self.text = self.text[:cut]
                 self.emitted = cut
-                return text[start:cut]
-        safe = len(text) if final else len(text) - self._held(text)
+                return self.text[start:cut]
+            held = self.matcher.held
+        safe = len(self.text) if final else len(self.text) - held
         if safe <= start:
             return ""
         self.emitted = safe
-        return text[start:safe]
-
-    def _held(self, text: str) -> int:
-        """Length of the longest tail of `text` that a stop string starts with."""
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        return self.text[start:safe]

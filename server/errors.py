@@ -19,9 +19,16 @@ logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -32,8 +39,10 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"object": "error", "message": message, "type": kind, "param": param, "code": status}
 
 
-def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(
+    message: str, status: int = 400, param: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -59,7 +68,7 @@ def _describe(exc: RequestValidationError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

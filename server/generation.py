@@ -24,6 +24,7 @@ from server.messages import GenerateMsg
 from server.metrics import Metrics
 
 DISCONNECT_POLL_S = 0.5
+RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -76,8 +77,22 @@ class Result:
 
 
 class Generator:
-    def __init__(self, client: SchedulerClient, tokenizer: Any, metrics: Metrics) -> None:
+    """Runs requests; at most `max_outstanding` at a time are submitted and unfinished (running
+    or queued in the scheduler): past that a new one is a 503 with `Retry-After`."""
+
+    def __init__(
+        self,
+        client: SchedulerClient,
+        tokenizer: Any,
+        metrics: Metrics,
+        max_outstanding: int = 1 << 30,
+    ) -> None:
         self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
+        self.max_outstanding = max_outstanding
+        self.outstanding = 0  # submitted, not yet finished
+        self.closed = False  # draining for shutdown: nothing new is submitted
+        self.idle = asyncio.Event()  # set while nothing is outstanding
+        self.idle.set()
 
     @property
     def max_context_len(self) -> int:
@@ -115,12 +130,25 @@ class Generator:
         no_stop_trim: bool = False,
     ) -> AsyncIterator[Piece]:
         rid = rid or uuid.uuid4().hex
+        if self.closed:
+            self.metrics.request_done("error", 0, 0, 0, None)
+            raise APIError("the server is shutting down", 503)
+        if self.outstanding >= self.max_outstanding:
+            self.metrics.request_done("error", 0, 0, 0, None)
+            raise APIError(
+                f"the server has {self.outstanding} requests in flight (--max-running-requests "
+                "+ --max-queued-requests); retry later",
+                503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         try:
             queue = self.client.submit(GenerateMsg(rid, list(prompt_ids), params, session))
         except Exception as e:
             status = getattr(e, "status", 503)
             self.metrics.request_done("error", 0, 0, 0, None)
             raise APIError(str(e), status) from e
+        self.outstanding += 1
+        self.idle.clear()
         text = TextStream(self.tokenizer, params.stop, skip_special_tokens, no_stop_trim)
         start = last = time.perf_counter()
         n_out, finished, outcome, prompt, cached = 0, False, "abort", 0, 0
@@ -168,6 +196,9 @@ class Generator:
                     outcome = piece.finish_reason or "abort"
                 yield piece
         finally:
+            self.outstanding -= 1
+            if not self.outstanding:
+                self.idle.set()
             if not finished:
                 self.client.abort(rid, forget=True)
             self.metrics.request_done(outcome, prompt, n_out, cached, time.perf_counter() - start)
@@ -191,16 +222,33 @@ class Generator:
         return result
 
 
-async def start_all(streams: list[AsyncIterator[Piece]]) -> list[Piece]:
+async def start_all(
+    streams: list[AsyncIterator[Piece]],
+    disconnected: Callable[[], Awaitable[bool]] | None = None,
+) -> list[Piece]:
     """Await the first piece of every stream concurrently; if any request was refused, close
-    them all (aborting the others) and raise its error."""
-    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    them all (aborting the others) and raise its error. A client that leaves while its requests
+    still wait for their first token (queued) is noticed every `DISCONNECT_POLL_S`: the requests
+    are dropped and this raises a 499."""
+    firsts_f = asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    while True:
+        done, _ = await asyncio.wait({firsts_f}, timeout=DISCONNECT_POLL_S)
+        if done or disconnected is None or not await disconnected():
+            if done:
+                break
+            continue
+        firsts_f.cancel()
+        await asyncio.gather(firsts_f, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        raise APIError("the client disconnected", 499)
+    firsts = firsts_f.result()
     errors = [f for f in firsts if isinstance(f, BaseException)]
     if errors:
         for s in streams:
             await s.aclose()
         raise errors[0]
-    return list(firsts)  # type: ignore[arg-type]
+    return list(firsts)
 
 
 async def merge(

@@ -1,7 +1,10 @@
 """The FastAPI app: shared state, lifespan (scheduler process up and down), auth, health, metrics.
 
 Routes live in `openai_api.py` (/v1/...) and `native_api.py` (SGLang's /generate, sessions and
-admin routes). `/health` answers 503 until the scheduler process has loaded the model, then 200.
+admin routes). `/health` answers 503 until the scheduler process has loaded the model, while the
+server drains for shutdown, and whenever the scheduler does not answer a ping within
+`--health-timeout`; otherwise 200. Long texts are tokenized on a worker thread (`off_loop`), so
+the event loop keeps answering while a big prompt is encoded.
 Keys, the admin key, the Host/Origin allow-lists and JSON-only bodies: `server/security.py`.
 """
 
@@ -10,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 VERSION = "0.1.0"
+OFF_LOOP_CHARS = 4096  # texts at least this long are tokenized on the worker thread
 
 
 @dataclass
@@ -47,6 +53,34 @@ class AppState:
     metrics: Metrics
     created: int
     keys: Keys
+    draining: bool = False  # SIGTERM: new requests get 503 while running ones finish
+    # One thread: the tokenizer is used from one worker at a time (fast tokenizers are not
+    # safe to share between threads), and CPU-heavy encodes queue instead of piling up.
+    tokenize_pool: ThreadPoolExecutor | None = None
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """`fn(*args, **kw)` on the tokenizer thread, awaited without blocking the loop."""
+        if self.tokenize_pool is None:
+            self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenize_pool, lambda: fn(*args, **kw)
+        )
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens); long texts off the event loop."""
+        if len(text) < OFF_LOOP_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.off_loop(self.tokenizer.encode, text, add_special_tokens=False)
+
+    def check_fan_out(self, count: int) -> None:
+        """400 when one HTTP request would become more than `--max-fan-out` requests."""
+        if count > self.config.max_fan_out:
+            raise APIError(
+                f"this request asks for {count} generations (prompts x n); the limit is "
+                f"{self.config.max_fan_out} (--max-fan-out)",
+                400,
+                "n",
+            )
 
     def check_model(self, name: str | None) -> None:
         """404 unless `name` is the served model's name (or 'default')."""
@@ -54,6 +88,8 @@ class AppState:
             raise APIError(f"The model '{name}' does not exist", 404, "model")
 
     def check_ready(self) -> None:
+        if self.draining:
+            raise APIError("the server is shutting down", 503)
         if self.client.failure is not None:
             raise APIError(f"the scheduler failed: {self.client.failure}", 503)
         if self.client.ready is None:
@@ -96,7 +132,12 @@ def create_app(
         model_name=name,
         tokenizer=tokenizer,
         client=client,
-        generator=Generator(client, tokenizer, metrics),
+        generator=Generator(
+            client,
+            tokenizer,
+            metrics,
+            max_outstanding=runner_config.max_running_requests + config.max_queued_requests,
+        ),
         metrics=metrics,
         created=int(time.time()),
         keys=keys,
@@ -109,6 +150,8 @@ def create_app(
             yield
         finally:
             client.shutdown()
+            if state.tokenize_pool is not None:
+                state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hybrid-serve", version=VERSION, lifespan=lifespan)
     app.state.hs = state
@@ -124,13 +167,24 @@ def create_app(
             allow_headers=["Authorization", "Content-Type"],
         )
     hosts = config.allowed_hosts or default_allowed_hosts(config.host)
-    app.add_middleware(RequestGuard, allowed_hosts=hosts, allowed_origins=config.allowed_origins)
+    app.add_middleware(
+        RequestGuard,
+        allowed_hosts=hosts,
+        allowed_origins=config.allowed_origins,
+        max_body_bytes=config.max_request_bytes,
+    )
 
     @app.get("/health")
     async def health(request: Request) -> Response:
         s = get_state(request)
+        if s.draining:
+            return error_response("the server is shutting down", 503)
         if s.client.ready is None or not s.client.alive:
             return error_response("the model is not loaded", 503)
+        if not await s.client.ping(s.config.health_timeout):
+            return error_response(
+                f"the scheduler has not answered for {s.config.health_timeout:g} s", 503
+            )
         return Response(status_code=200)
 
     @app.get("/metrics")

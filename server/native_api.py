@@ -118,7 +118,7 @@ async def generate(body: GenerateRequest, request: Request):
         raise APIError("give exactly one of 'text' and 'input_ids'", 400)
     raw = body.text if body.text is not None else body.input_ids
     batch = isinstance(raw, list) and bool(raw) and not isinstance(raw[0], int)
-    prompts = completion_prompts(s, raw)
+    prompts = await completion_prompts(s, raw)
     sps = body.sampling_params if body.sampling_params is not None else NativeSamplingParams()
     if isinstance(sps, list):
         if len(sps) != len(prompts):
@@ -161,7 +161,7 @@ async def generate(body: GenerateRequest, request: Request):
     streams = [
         s.generator.stream(ids, sp, **kw) for ids, sp, kw in zip(prompts, params, kws, strict=True)
     ]
-    firsts = await start_all(streams)
+    firsts = await start_all(streams, request.is_disconnected)
 
     async def events() -> AsyncIterator[str]:
         results = [Result(rid=p.rid) for p in firsts]

@@ -78,18 +78,21 @@ def utf8(text: str, param: str) -> str:
 
 
 # ---- /v1/completions -----------------------------------------------------------------------
-def completion_prompts(s: AppState, prompt: Any) -> list[list[int]]:
+async def completion_prompts(s: AppState, prompt: Any, n: int = 1) -> list[list[int]]:
+    """Token ids of each prompt (long texts tokenized off the loop); 400 when prompts x n is
+    past `--max-fan-out`, checked before any tokenizing."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise APIError("the prompt is empty", 400, "prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
+    s.check_fan_out(len(prompt) * n)
     vocab = s.client.ready.vocab_size if s.client.ready else None
     out = []
     for p in prompt:
         if isinstance(p, str):
-            ids = s.tokenizer.encode(utf8(p, "prompt"), add_special_tokens=False)
+            ids = await s.encode(utf8(p, "prompt"))
         else:
             ids = list(p)
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
@@ -135,7 +138,7 @@ async def completions(body: CompletionRequest, request: Request):
     reject_unsupported(body, ("suffix", "best_of"))
     if body.max_tokens == 0 and not body.echo:
         raise APIError("max_tokens must be >= 1 (0 only with echo)", 400, "max_tokens")
-    prompts = completion_prompts(s, body.prompt)
+    prompts = await completion_prompts(s, body.prompt, body.n)
     for ids in prompts:
         s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")
     session = session_of(s, body)
@@ -177,7 +180,7 @@ async def completions(body: CompletionRequest, request: Request):
     streams = [
         s.generator.stream(ids, sp, session=session, **text_options(body)) for ids, sp in jobs
     ]
-    firsts = await start_all(streams)
+    firsts = await start_all(streams, request.is_disconnected)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events() -> AsyncIterator[str]:
@@ -219,7 +222,7 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
-def chat_prompt(s: AppState, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(s: AppState, body: ChatCompletionRequest) -> list[int]:
     messages = []
     for m in body.messages:
         message: dict[str, Any] = {"role": m.role, "content": utf8(m.text(), "messages")}
@@ -231,12 +234,16 @@ def chat_prompt(s: AppState, body: ChatCompletionRequest) -> list[int]:
     if getattr(s.tokenizer, "chat_template", None) is None:
         raise APIError("this checkpoint has no chat template; use /v1/completions", 400)
     try:
-        text = s.tokenizer.apply_chat_template(
-            messages, tools=body.tools or None, tokenize=False, add_generation_prompt=True
+        text = await s.off_loop(
+            s.tokenizer.apply_chat_template,
+            messages,
+            tools=body.tools or None,
+            tokenize=False,
+            add_generation_prompt=True,
         )
     except Exception as e:  # template errors are the client's (e.g. an unsupported role order)
         raise APIError(f"chat template failed: {e}", 400, "messages") from e
-    return s.tokenizer.encode(text, add_special_tokens=False)
+    return await s.encode(text)
 
 
 def chat_logprobs(s: AppState, p: Result | Piece) -> dict:
@@ -262,7 +269,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     reject_unsupported(body, ("functions", "function_call"))
     forced = check_tools(body.tools, body.tool_choice)
     parse_calls = bool(body.tools) and body.tool_choice != "none"
-    ids = chat_prompt(s, body)
+    s.check_fan_out(body.n)
+    ids = await chat_prompt(s, body)
     max_new = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if max_new is None:
@@ -310,7 +318,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         )
 
     streams = [s.generator.stream(ids, sp, **gen_kw) for sp in params]
-    firsts = await start_all(streams)
+    firsts = await start_all(streams, request.is_disconnected)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = {**head, "object": "chat.completion.chunk"}
 

@@ -171,6 +171,9 @@ class SchedulerLoop:
             logger.exception("query %s failed", msg.kind)
             return QueryReply(msg.qid, False, error=f"{type(e).__name__}: {e}", status=500)
 
+    def _q_ping(self) -> bool:
+        return True
+
     def _q_stats(self) -> dict[str, Any]:
         s = self.scheduler
         r = s.runner
@@ -235,7 +238,11 @@ def run_scheduler(
     log_level: str = "info",
 ) -> None:
     """Entry point of the spawned process: load, announce `ReadyMsg` (or `FailedMsg`), loop."""
+    # The API process decides when this one stops (it drains first, then sends ShutdownMsg); a
+    # signal sent to the whole process group (Ctrl-C, `timeout`, a container stop) must not cut
+    # the requests still running. If the API process dies, the pipe closes and this one exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
     )

@@ -16,6 +16,10 @@ Browsers. `RequestGuard` runs before everything else and refuses:
     browser page may drive the server; listed origins get CORS answers, preflights included): 403;
   - a POST/PUT body whose content type is not JSON (`application/json` or `+json`): 415, so a
     cross-site HTML form can never pass for an API call.
+
+Size. It also refuses a body larger than `--max-request-bytes` with a 413: at once when the
+`Content-Length` says so, and otherwise (chunked) while reading, before the app sees any of it
+and with at most the limit held in memory.
 """
 
 from __future__ import annotations
@@ -121,6 +125,20 @@ def default_allowed_hosts(bind_host: str) -> tuple[str, ...]:
     return LOOPBACK_HOSTS if loopback else ("*",)
 
 
+def _replay(body: bytes, receive: Any) -> Any:
+    """A `receive` that yields `body` once, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
 def _host_name(host: str) -> str:
     if host.startswith("["):  # [::1]:30000
         return host[1 : host.find("]")]
@@ -135,12 +153,20 @@ def _is_json(content_type: str) -> bool:
 
 
 class RequestGuard:
-    """ASGI middleware: Host allow-list, Origin allow-list and JSON-only bodies (see module)."""
+    """ASGI middleware: Host allow-list, Origin allow-list, JSON-only bodies and the body size
+    limit (see module)."""
 
-    def __init__(self, app: Any, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...]):
+    def __init__(
+        self,
+        app: Any,
+        allowed_hosts: tuple[str, ...],
+        allowed_origins: tuple[str, ...],
+        max_body_bytes: int = 16 * 1024 * 1024,
+    ):
         self.app = app
         self.hosts = None if "*" in allowed_hosts else {h.lower() for h in allowed_hosts}
         self.origins = set(allowed_origins)
+        self.max_body = max_body_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -151,7 +177,30 @@ class RequestGuard:
         if problem is not None:
             await error_response(*problem)(scope, receive, send)
             return
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_body:
+                await self._too_large(scope, receive, send)
+                return
+        elif "transfer-encoding" in headers:  # no length given: read it all here, within bounds
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body:
+                    await self._too_large(scope, receive, send)
+                    return
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+            receive = _replay(b"".join(chunks), receive)
         await self.app(scope, receive, send)
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        message = f"the request body is larger than {self.max_body} bytes (--max-request-bytes)"
+        await error_response(message, 413)(scope, receive, send)
 
     def _problem(self, method: str, headers: dict[str, str]) -> tuple[str, int] | None:
         host = _host_name(headers.get("host", "")).lower()

@@ -77,3 +77,26 @@ def test_special_tokens_skipped(tok):
     ids = tok.encode("hello", add_special_tokens=False) + [eos]
     d = IncrementalDetokenizer(tok)
     assert "".join(feed(d, ids)) + d.flush() == "hello"
+
+
+def test_no_stop_trim_keeps_the_stop_string(tok):
+    ids = tok.encode("abc Question def", add_special_tokens=False)
+    s = TextStream(tok, stop=["Question"], no_stop_trim=True)
+    assert "".join(feed(s, ids)) + s.finish() == "abc Question"
+    assert s.matched == "Question"
+
+
+def test_many_long_stop_strings_cost_time_linear_in_the_text(tok):
+    """1,000 stop strings of 1,000 characters that all share the streamed prefix (the worst case
+    for a scan of every held tail) cost little per token: the issue-13 stall took 113 s."""
+    import time
+
+    text = "a" * 300 + "b"
+    stops = ["a" * 999 + chr(0x4E00 + i) for i in range(1000)]
+    ids = tok.encode(text, add_special_tokens=False)
+    t0 = time.perf_counter()
+    s = TextStream(tok, stop=stops)
+    streamed = "".join(feed(s, ids))
+    elapsed = time.perf_counter() - t0
+    assert streamed + s.finish() == text and s.matched is None
+    assert elapsed < 5.0, elapsed
