@@ -31,6 +31,8 @@ class SchedulerConfig:
     hicache_storage_backend: str = ""  # "file": a storage tier under the host tier
     hicache_storage_dir: str = ""
     hicache_prefetch_threshold: int = 256  # shorter storage hits are not prefetched
+    max_sessions: int = 4096  # open sessions at once (0: no cap)
+    session_timeout: float = 3600.0  # seconds without a turn before a session is reaped (0: never)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -51,6 +53,8 @@ class SchedulerConfig:
             raise ValueError("--cuda-graph-bs sizes and --cuda-graph-max-bs must be >= 1")
         if not self.schedule_conservativeness > 0:
             raise ValueError("--schedule-conservativeness must be > 0")
+        if self.max_sessions < 0 or self.session_timeout < 0:
+            raise ValueError("--max-sessions and --session-timeout must be >= 0")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.enable_hierarchical_cache and self.disable_radix_cache:

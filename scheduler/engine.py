@@ -167,9 +167,11 @@ class Engine:
         session_id: str | None = None,
         capacity_of_str_len: int | None = None,
         streaming: bool = False,
+        timeout: float | None = None,
     ) -> str:
-        """A tree session by default (SGLang's rules), append-only with streaming."""
-        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming)
+        """A tree session by default (SGLang's rules), append-only with streaming; reaped by
+        `scheduler.reap_sessions()` `timeout` seconds after its last turn began."""
+        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming, timeout)
 
     def close_session(self, session_id: str) -> bool:
         return self.scheduler.close_session(session_id)

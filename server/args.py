@@ -55,6 +55,11 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = _opt(
         (), "browser origins allowed to call the server, with CORS (default: none)"
     )
+    session_secret: str | None = _opt(
+        None,
+        "HMAC key: /open_session answers ids carrying a tag only the opener knows, and refuses "
+        "untagged ids (also HYBRID_SERVE_SESSION_SECRET)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -96,6 +101,9 @@ HELP: dict[str, str] = {
     "hicache_prefetch_threshold": "storage hits shorter than this many tokens are not prefetched",
     "hicache_write_policy": "when nodes are copied to host: write_through (on insert), "
     "write_through_selective (on the second hit) or write_back (on device eviction)",
+    "max_sessions": "most sessions open at once (0: no cap); /open_session beyond it is a 429",
+    "session_timeout": "seconds a session may go without a new turn before it is closed and its "
+    "state freed (0: never; /open_session's timeout overrides it)",
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {

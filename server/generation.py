@@ -22,6 +22,7 @@ from server.detokenizer import TextStream
 from server.errors import APIError
 from server.messages import GenerateMsg
 from server.metrics import Metrics
+from server.ownership import scoped
 
 DISCONNECT_POLL_S = 0.5
 
@@ -113,8 +114,12 @@ class Generator:
         session: dict[str, Any] | None = None,
         skip_special_tokens: bool = True,
         no_stop_trim: bool = False,
+        caller: str | None = None,
     ) -> AsyncIterator[Piece]:
-        rid = rid or uuid.uuid4().hex
+        """`rid` is the caller's id (answered back); the scheduler knows it scoped to the
+        caller (`server/ownership.py`), so one key's ids never meet another's."""
+        public = rid or uuid.uuid4().hex
+        rid = scoped(caller, public)
         try:
             queue = self.client.submit(GenerateMsg(rid, list(prompt_ids), params, session))
         except Exception as e:
@@ -142,7 +147,7 @@ class Generator:
                 n_out += len(d.output_ids)
                 prompt, cached = d.prompt_tokens, d.cached_tokens
                 piece = Piece(
-                    rid=rid,
+                    rid=public,
                     text=text.push(d.output_ids),
                     token_ids=d.output_ids,
                     logprobs=d.logprobs,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from server.client import SchedulerClient, SchedulerError
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import Generator
 from server.metrics import CONTENT_TYPE, Metrics
+from server.ownership import SessionIds
 from server.security import KeyCheck, Keys, RequestGuard, default_allowed_hosts
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class AppState:
     metrics: Metrics
     created: int
     keys: Keys
+    session_ids: SessionIds
 
     def check_model(self, name: str | None) -> None:
         """404 unless `name` is the served model's name (or 'default')."""
@@ -100,6 +103,9 @@ def create_app(
         metrics=metrics,
         created=int(time.time()),
         keys=keys,
+        session_ids=SessionIds(
+            config.session_secret or os.environ.get("HYBRID_SERVE_SESSION_SECRET") or None
+        ),
     )
 
     @asynccontextmanager

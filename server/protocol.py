@@ -153,6 +153,7 @@ class OpenSessionRequest(BaseModel):
     capacity_of_str_len: int | None = Field(None, ge=0)
     session_id: str | None = None
     streaming: bool = False  # append-only, one turn at a time (SGLang's streaming sessions)
+    timeout: float | None = Field(None, gt=0)  # seconds without a turn before it is reaped
 
 
 class CloseSessionRequest(BaseModel):
