@@ -110,7 +110,7 @@ class PrefixCache:
             limit = min(limit, req.logprob_from)
         # match -> load back what only the host tier holds (its state straight into the running
         # slot) -> lock and take the prefix
-        key = req.all_ids[:limit]
+        key = req.cache_key(limit)
         match = self.tree.prefetch(key, self.tree.match_prefix(key))
         match = self.tree.load_back(match, req.mamba_slot)
         prefix = len(match.kv_indices)
@@ -200,7 +200,7 @@ class PrefixCache:
         req.last_track_len = None
 
     def _insert_and_relock(self, req: Req, length: int, slot: int) -> None:
-        key = req.all_ids[:length]
+        key = req.cache_key(length)
         row = self.runner.req_pool.req_to_token[req.req_slot]
         _, exists = self.tree.insert(
             key, row[:length].long(), slot, prev_prefix_len=req.cache_protected_len
@@ -232,7 +232,7 @@ class PrefixCache:
         if donated is not None:
             runner.free_kv(req.req_slot, kv_len, keep=length)
             _, exists = self.tree.insert(
-                req.all_ids[:length], row[:length].long(), donated, prev_prefix_len=protected
+                req.cache_key(length), row[:length].long(), donated, prev_prefix_len=protected
             )
             if exists:
                 self.pool.free([donated])

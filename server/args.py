@@ -19,6 +19,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.model_runner import RunnerConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CACHE_ISOLATION = ("none", "per-key")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -55,6 +56,10 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = _opt(
         (), "browser origins allowed to call the server, with CORS (default: none)"
     )
+    cache_isolation: str = _opt(
+        "none",
+        "per-key: every API key is its own cache_salt (no prefix cache sharing across keys)",
+    )
     session_secret: str | None = _opt(
         None,
         "HMAC key: /open_session answers ids carrying a tag only the opener knows, and refuses "
@@ -64,6 +69,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(f"--cache-isolation must be one of {CACHE_ISOLATION}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
 

@@ -115,13 +115,15 @@ class Generator:
         skip_special_tokens: bool = True,
         no_stop_trim: bool = False,
         caller: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Piece]:
         """`rid` is the caller's id (answered back); the scheduler knows it scoped to the
         caller (`server/ownership.py`), so one key's ids never meet another's."""
         public = rid or uuid.uuid4().hex
         rid = scoped(caller, public)
         try:
-            queue = self.client.submit(GenerateMsg(rid, list(prompt_ids), params, session))
+            msg = GenerateMsg(rid, list(prompt_ids), params, session, cache_salt)
+            queue = self.client.submit(msg)
         except Exception as e:
             status = getattr(e, "status", 503)
             self.metrics.request_done("error", 0, 0, 0, None)

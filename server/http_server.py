@@ -87,6 +87,8 @@ def create_app(
     from server.openai_api import router as openai_router
 
     keys = Keys.load(config.api_key, config.api_key_file, config.admin_api_key)
+    if config.cache_isolation == "per-key" and not keys.enabled:
+        raise ValueError("--cache-isolation per-key needs API keys")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     name = config.served_model_name or Path(model_path).name
     client = SchedulerClient(model_path, runner_config, scheduler_config, config.log_level)

@@ -25,7 +25,7 @@ from server.errors import APIError, error_body
 from server.generation import Result, merge, run_all, start_all
 from server.http_server import VERSION, AppState, get_state
 from server.openai_api import DONE, completion_prompts, sse
-from server.ownership import caller_of, scoped
+from server.ownership import cache_salt, caller_of, scoped
 from server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -147,6 +147,7 @@ async def generate(body: GenerateRequest, request: Request):
             "skip_special_tokens": sp.skip_special_tokens,
             "no_stop_trim": sp.no_stop_trim,
             "caller": caller,
+            "cache_salt": cache_salt(s.config.cache_isolation, caller, body.cache_salt),
         }
         for rid, sp in zip(rids, sps, strict=True)
     ]

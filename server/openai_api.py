@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.http_server import AppState, get_state
-from server.ownership import caller_of
+from server.ownership import cache_salt, caller_of
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -141,6 +141,7 @@ async def completions(body: CompletionRequest, request: Request):
         s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")
     caller = caller_of(request)
     session = session_of(s, body, caller)
+    salt = cache_salt(s.config.cache_isolation, caller, body.cache_salt)
     n = body.n
     jobs = [
         (ids, sampling_params(body, body.max_tokens, body.logprobs, j))
@@ -158,7 +159,9 @@ async def completions(body: CompletionRequest, request: Request):
     if not body.stream:
         results: list[Result] = await run_all(
             [
-                s.generator.run(ids, sp, session=session, caller=caller, **text_options(body))
+                s.generator.run(
+                    ids, sp, session=session, caller=caller, cache_salt=salt, **text_options(body)
+                )
                 for ids, sp in jobs
             ],
             request.is_disconnected,
@@ -180,7 +183,9 @@ async def completions(body: CompletionRequest, request: Request):
         return JSONResponse({**head, "choices": choices, "usage": usage_of(results, n)})
 
     streams = [
-        s.generator.stream(ids, sp, session=session, caller=caller, **text_options(body))
+        s.generator.stream(
+            ids, sp, session=session, caller=caller, cache_salt=salt, **text_options(body)
+        )
         for ids, sp in jobs
     ]
     firsts = await start_all(streams)
@@ -277,6 +282,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s.generator.check_lengths(len(ids), max_new, field)
     caller = caller_of(request)
     session = session_of(s, body, caller)
+    salt = cache_salt(s.config.cache_isolation, caller, body.cache_salt)
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
@@ -288,7 +294,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             sp.ebnf = grammar
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
-    gen_kw = {"session": session, "caller": caller, **text_options(body)}
+    gen_kw = {"session": session, "caller": caller, "cache_salt": salt, **text_options(body)}
 
     if not body.stream:
         results: list[Result] = await run_all(

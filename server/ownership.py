@@ -15,6 +15,11 @@ tag over a server-side owner table because a keyless server has no owner to reco
 holds the answer of `/open_session` is the owner, and a client-chosen name such as `alice-chat`
 is no longer enough to reach the session (the tag cannot be guessed without the secret).
 Server-generated ids are 128 random bits (uuid4) with or without the secret.
+
+The prefix cache is the third thing callers could share: `cache_salt` (vLLM's request field)
+keeps requests with different salts apart in it (`mem_cache/cache_salt.py`), and
+`--cache-isolation per-key` folds the caller's key fingerprint into every salt, so no two keys
+ever share a cached prefix (and `cached_tokens` cannot tell one key about another's prompts).
 """
 
 from __future__ import annotations
@@ -69,3 +74,10 @@ class SessionIds:
         if not sid or not hmac.compare_digest(tag.encode(), self._tag(caller, sid).encode()):
             raise APIError(f"session {public!r} not found", 404, "session_id")
         return scoped(caller, sid)
+
+
+def cache_salt(isolation: str, caller: str | None, given: str | None) -> str | None:
+    """The salt the scheduler keys the request's cached prefixes by."""
+    if isolation == "per-key" and caller is not None:
+        return f"{caller}/{given or ''}"
+    return given

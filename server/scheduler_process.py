@@ -128,6 +128,7 @@ class SchedulerLoop:
     # ---- requests ------------------------------------------------------------------------
     def _add(self, msg: GenerateMsg) -> None:
         req = Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params)
+        req.cache_salt = msg.cache_salt
         try:
             req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
             if msg.session is not None:

@@ -1,7 +1,8 @@
 """Issue 14's probes on sessions and request ids, which must now fail to get in: a second key
 continuing, branching, closing or probing another key's session, a second key aborting (or
 taking first) another key's request id, a keyless caller using a session id it did not open
-under `--session-secret`; plus session timeouts and `--max-sessions`."""
+under `--session-secret`, the PIN-guess probe on the prefix cache under two `cache_salt`s and
+under `--cache-isolation per-key`; plus session timeouts and `--max-sessions`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ import pytest
 from tests.server.conftest import start, wait_idle_and_clean
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+# states every 64-token chunk, so a prompt sharing 128 tokens with a cached one hits 128
+TRACKED = ["--mamba-scheduler-strategy", "extra_buffer", "--mamba-track-interval", "4"]
+PRE, POST = list(range(10, 110)), list(range(120, 160))
+SECRET, WRONG = PRE + [77] + POST, PRE + [78] + POST  # "the PIN is 77"
 
 
 def _auth(key: str) -> dict[str, str]:
@@ -27,8 +32,9 @@ def _auth(key: str) -> dict[str, str]:
 def two_keys(tiny_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ownership")
     (tmp / "keys").write_text("alice-key\nbob-key\n")
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
-    srv = start([*cmd, "--api-key-file", str(tmp / "keys"), "--max-sessions", "3"], tmp / "log")
+    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path), *TRACKED]
+    cmd += ["--api-key-file", str(tmp / "keys"), "--max-sessions", "3"]
+    srv = start([*cmd, "--cache-isolation", "per-key"], tmp / "log")
     try:
         srv.wait_healthy()
         with (
@@ -112,7 +118,7 @@ def test_a_second_key_cannot_abort_or_take_a_request_id(two_keys):
 @pytest.fixture(scope="module")
 def secret_server(tiny_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("secret")
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
+    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path), *TRACKED]
     srv = start(cmd, tmp / "log", {"HYBRID_SERVE_SESSION_SECRET": "s3cret"})
     try:
         srv.wait_healthy()
@@ -143,3 +149,39 @@ def test_keyless_session_ids_carry_a_tag_and_time_out(secret_server):
     assert info["server_config"]["session_secret"] is None  # from the environment, never shown
     assert info["pools"]["num_sessions"] == 0
     assert wait_idle_and_clean(http)["problems"] == []
+
+
+def _cached(c: httpx.Client, ids: list[int], salt: str | None = None, chat: bool = False) -> int:
+    if chat:  # the OpenAI route: the same field, the same cache
+        body = {"model": "default", "prompt": ids, "max_tokens": 4, "temperature": 0.0}
+        r = c.post("/v1/completions", json={**body, "cache_salt": salt} if salt else body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    body = {"input_ids": ids, "sampling_params": GREEDY}
+    r = c.post("/generate", json={**body, "cache_salt": salt} if salt else body)
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]["cached_tokens"]
+
+
+def test_the_pin_probe_fails_under_two_salts(secret_server):
+    http = secret_server
+    # the probe itself, without salts: the right guess hits 128 tokens, a wrong one nothing
+    _cached(http, SECRET)
+    assert _cached(http, WRONG) == 0 and _cached(http, SECRET) == 128
+    http.post("/flush_cache").raise_for_status()
+    _cached(http, SECRET, "alice-salt")
+    assert _cached(http, SECRET, "mallory-salt") == 0  # the right guess tells nothing
+    assert _cached(http, SECRET) == 0  # nor does leaving the salt out
+    assert _cached(http, SECRET, "alice-salt", chat=True) == 128  # the same salt still hits
+    assert http.post("/generate", json={"text": "x", "cache_salt": ""}).status_code == 400
+    assert wait_idle_and_clean(http)["problems"] == []
+
+
+def test_the_pin_probe_fails_under_per_key_isolation(two_keys):
+    alice, bob = two_keys
+    _cached(alice, SECRET)
+    assert _cached(bob, SECRET) == 0
+    assert _cached(bob, SECRET, "alice-key") == 0  # no salt reaches another key's entries
+    assert _cached(alice, SECRET, chat=True) == 128  # her own key still hits
+    assert _cached(alice, SECRET, "other") == 0  # a salt of her own is a namespace of its own
+    assert wait_idle_and_clean(alice)["problems"] == []
