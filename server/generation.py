@@ -22,7 +22,7 @@ from server.detokenizer import TextStream
 from server.errors import APIError
 from server.messages import GenerateMsg
 from server.metrics import Metrics
-from server.ownership import scoped
+from server.ownership import public_message, scoped
 
 DISCONNECT_POLL_S = 0.5
 
@@ -136,7 +136,7 @@ class Generator:
                 d = await queue.get()
                 if d.error:
                     finished, outcome = True, "error"
-                    raise APIError(d.error, d.error_status)
+                    raise APIError(public_message(caller, d.error), d.error_status)
                 now = time.perf_counter()
                 if d.queue_time is not None:
                     self.metrics.queued(d.queue_time)

@@ -25,7 +25,7 @@ from server.errors import APIError, error_body
 from server.generation import Result, merge, run_all, start_all
 from server.http_server import VERSION, AppState, get_state
 from server.openai_api import DONE, completion_prompts, sse
-from server.ownership import cache_salt, caller_of, scoped
+from server.ownership import cache_salt, caller_of, public_message, scoped
 from server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -193,14 +193,18 @@ async def open_session(body: OpenSessionRequest, request: Request) -> JSONRespon
     see `server/ownership.py`); 400 if the caller already has that id open, 429 when the server
     holds `--max-sessions`."""
     s = get_state(request)
-    internal, public = s.session_ids.new(caller_of(request), body.session_id)
-    await s.query(
-        "open_session",
-        session_id=internal,
-        capacity_of_str_len=body.capacity_of_str_len,
-        streaming=body.streaming,
-        session_timeout=body.timeout,
-    )
+    caller = caller_of(request)
+    internal, public = s.session_ids.new(caller, body.session_id)
+    try:
+        await s.query(
+            "open_session",
+            session_id=internal,
+            capacity_of_str_len=body.capacity_of_str_len,
+            streaming=body.streaming,
+            session_timeout=body.timeout,
+        )
+    except APIError as e:
+        raise APIError(public_message(caller, e.message), e.status, e.param) from e
     return JSONResponse(public)
 
 

@@ -49,6 +49,11 @@ def unscoped(caller: str | None, ident: str) -> str:
     return ident.removeprefix(prefix)
 
 
+def public_message(caller: str | None, message: str) -> str:
+    """A scheduler message with the caller's own prefix taken off its ids."""
+    return message if caller is None else message.replace(f"{caller}/", "")
+
+
 class SessionIds:
     """Public session id <-> the scheduler's, per caller (see the module docstring)."""
 

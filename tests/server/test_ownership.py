@@ -63,7 +63,7 @@ def test_a_second_key_cannot_reach_a_session(two_keys):
         _turn(bob, [11, 12], id="alice-chat", rid=turn1, replace=True),
         bob.post("/close_session", json={"session_id": "alice-chat"}),
     ):
-        assert r.status_code == 404, r.text
+        assert r.status_code == 404 and "/" not in r.json()["message"], r.text  # no scoping
     absent = bob.post("/close_session", json={"session_id": "nobody-chat"})
     assert absent.status_code == 404 and absent.json()["message"].replace(
         "nobody", "alice"
@@ -73,6 +73,7 @@ def test_a_second_key_cannot_reach_a_session(two_keys):
     assert _turn(bob, [11, 12, 13], id="alice-chat").status_code == 200
     again = alice.post("/open_session", json={"session_id": "alice-chat"})
     assert again.status_code == 400  # alice's own id is still open
+    assert again.json()["message"] == "session 'alice-chat' is already open"
     second = _turn(alice, [21, 22], id="alice-chat", rid=turn1).json()["meta_info"]
     assert second["prompt_tokens"] == 5 + 4 + 2  # her turn, her output, nothing of bob's
     assert second["cached_tokens"] == 5 + 4 - 1  # continued from her held state
