@@ -39,6 +39,8 @@ class SchedulerConfig:
     hicache_storage_prefetch_policy: str = "timeout"
     hicache_prefetch_timeout_base: float = 1.0
     hicache_prefetch_timeout_per_ki_token: float = 0.25
+    max_sessions: int = 4096  # open sessions at once (0: no cap)
+    session_timeout: float = 3600.0  # seconds without a turn before a session is reaped (0: never)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -59,6 +61,8 @@ class SchedulerConfig:
             raise ValueError("--cuda-graph-bs sizes and --cuda-graph-max-bs must be >= 1")
         if not self.schedule_conservativeness > 0:
             raise ValueError("--schedule-conservativeness must be > 0")
+        if self.max_sessions < 0 or self.session_timeout < 0:
+            raise ValueError("--max-sessions and --session-timeout must be >= 0")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.enable_hierarchical_cache and self.disable_radix_cache:

@@ -120,9 +120,11 @@ class Engine:
         prompts: Prompt | list[Prompt],
         sampling_params: dict | list[dict] | None = None,
         session_params: dict | SessionParams | None = None,
+        cache_salt: str | None = None,
     ) -> list[dict] | dict:
         """Run all prompts concurrently to completion; one result per prompt, in order. With
-        session_params (one prompt only) the prompt continues that session."""
+        session_params (one prompt only) the prompt continues that session; `cache_salt`
+        shares cached prefixes only with requests of the same salt."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         if session_params is not None and len(batch) != 1:
@@ -132,6 +134,7 @@ class Engine:
         )
         reqs = [self._make_req(p, sp, session_params) for p, sp in zip(batch, params, strict=True)]
         for req in reqs:
+            req.cache_salt = cache_salt
             self.scheduler.add_request(req)
         while any(not r.finished for r in reqs):
             if not self.scheduler.has_work():
@@ -167,9 +170,11 @@ class Engine:
         session_id: str | None = None,
         capacity_of_str_len: int | None = None,
         streaming: bool = False,
+        timeout: float | None = None,
     ) -> str:
-        """A tree session by default (SGLang's rules), append-only with streaming."""
-        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming)
+        """A tree session by default (SGLang's rules), append-only with streaming; reaped by
+        `scheduler.reap_sessions()` `timeout` seconds after its last turn began."""
+        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming, timeout)
 
     def close_session(self, session_id: str) -> bool:
         return self.scheduler.close_session(session_id)

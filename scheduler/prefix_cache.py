@@ -111,7 +111,7 @@ class PrefixCache:
             limit = min(limit, req.logprob_from)
         # (a storage prefetch, finished before this) -> match -> load back what only the host
         # tier holds (its state straight into the running slot) -> lock and take the prefix
-        key = req.all_ids[:limit]
+        key = req.cache_key(limit)
         match = self.tree.load_back(self.tree.match_prefix(key), req.mamba_slot)
         prefix = len(match.kv_indices)
         self.tree.inc_lock_ref(match.last_node)
@@ -132,7 +132,7 @@ class PrefixCache:
         for session turns, which continue from their session's own state)."""
         if getattr(self.tree, "storage", None) is None or req.session is not None:
             return  # (no match here without storage: it would refresh the LRU order)
-        key = req.all_ids[: req.seq_len - 1]
+        key = req.cache_key(req.seq_len - 1)
         cfg = self.config
         timeout = cfg.hicache_prefetch_timeout_base
         timeout += cfg.hicache_prefetch_timeout_per_ki_token * len(key) / 1024
@@ -233,7 +233,7 @@ class PrefixCache:
         req.last_track_len = None
 
     def _insert_and_relock(self, req: Req, length: int, slot: int) -> None:
-        key = req.all_ids[:length]
+        key = req.cache_key(length)
         row = self.runner.req_pool.req_to_token[req.req_slot]
         _, exists = self.tree.insert(
             key, row[:length].long(), slot, prev_prefix_len=req.cache_protected_len
@@ -265,7 +265,7 @@ class PrefixCache:
         if donated is not None:
             runner.free_kv(req.req_slot, kv_len, keep=length)
             _, exists = self.tree.insert(
-                req.all_ids[:length], row[:length].long(), donated, prev_prefix_len=protected
+                req.cache_key(length), row[:length].long(), donated, prev_prefix_len=protected
             )
             if exists:
                 self.pool.free([donated])

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mem_cache.cache_salt import salted_key
 from scheduler.sampling_params import SamplingParams
 
 
@@ -82,6 +83,7 @@ class Req:
     session: SessionParams | None = None
     prefetch: Any = None  # storage prefetch in flight since arrival (`PrefetchOp`), or None
     session_restored: bool = False  # holds its session's slot, lent until admitted
+    cache_salt: str | None = None  # shares cached prefixes only with the same salt
     # prompt logprobs (`logprob_start_len`): the next prompt position whose logits are still
     # needed (None: none are), and what was gathered so far, one entry per prompt token from
     # logprob_start_len on (the first is None: no logits predict it)
@@ -106,6 +108,10 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def cache_key(self, n: int) -> list[int]:
+        """The radix key of the first ``n`` tokens (salted: `mem_cache/cache_salt.py`)."""
+        return salted_key(self.all_ids[:n], self.cache_salt)
 
     @property
     def finished(self) -> bool:

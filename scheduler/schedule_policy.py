@@ -160,7 +160,7 @@ class PrefillAdder:
         return n
 
     def match_len(self, req: Req) -> int:
-        return len(self.s.tree.match_prefix(req.all_ids[:-1]).kv_indices)
+        return len(self.s.tree.match_prefix(req.cache_key(req.seq_len - 1)).kv_indices)
 
     def alloc_kv(self, req: Req, n: int) -> bool:
         """KV for n more tokens of req, evicting the tree and then idle sessions' slots."""

@@ -48,7 +48,7 @@ class Scheduler:
             raise ValueError("the radix cache needs --page-size 1 (or --disable-radix-cache)")
         self.tree = build_tree(runner, config)
         self.cache = PrefixCache(runner, self.tree, config)
-        self.sessions = SessionManager(self.cache)
+        self.sessions = SessionManager(self.cache, config.max_sessions, config.session_timeout)
         sizes = config.decode_graph_sizes(runner.config.max_running_requests)
         self.graph_runner = DecodeGraphRunner(runner, sizes)
         self.waiting: deque[Req] = deque()
@@ -459,8 +459,20 @@ class Scheduler:
         session_id: str | None = None,
         capacity_of_str_len: int | None = None,
         streaming: bool = False,
+        timeout: float | None = None,
     ) -> str:
-        return self.sessions.open(session_id, capacity_of_str_len, streaming)
+        return self.sessions.open(session_id, capacity_of_str_len, streaming, timeout)
+
+    def reap_sessions(self, now: float | None = None) -> list[Req]:
+        """Close every session past its deadline; return the turns this aborted."""
+        aborted: list[Req] = []
+        for sid in self.sessions.expired(now):
+            turns = list(self.sessions.sessions[sid].in_flight.values())
+            self.close_session(sid)
+            for turn in turns:
+                turn.finish_detail = f"session {sid!r} timed out"
+            aborted += turns
+        return aborted
 
     def close_session(self, session_id: str) -> bool:
         """Abort the session's requests in flight and free everything it holds."""

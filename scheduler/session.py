@@ -16,11 +16,16 @@ or a retraction frees the request's resources as usual and the session simply ha
 A turn that does not extend the held tokens drops the slot. Close releases everything exactly
 once. Held slots are a cache: when a live request cannot get a row, a Mamba slot or KV, the
 least recently used idle session's slot is freed (`evict_one`), and `/flush_cache` frees all.
+
+Lifetime. A session opened with a `timeout` (or the server's `--session-timeout`) is reaped that
+many seconds after it was opened or last given a turn: closed like `/close_session` (held slot
+freed, turns in flight aborted). `--max-sessions` caps how many are open at once (429 beyond).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,9 +56,13 @@ class SessionSlot:
 
 
 class SessionManager:
-    def __init__(self, cache: PrefixCache) -> None:
+    def __init__(
+        self, cache: PrefixCache, max_sessions: int = 0, default_timeout: float = 0.0
+    ) -> None:
         self.cache = cache
         self.sessions: dict[str, Session] = {}
+        self.max_sessions = max_sessions  # 0: no cap
+        self.default_timeout = default_timeout  # 0: sessions never expire unless asked to
         self._clock = itertools.count(1)
 
     # ---- open / close --------------------------------------------------------------------
@@ -62,14 +71,43 @@ class SessionManager:
         session_id: str | None = None,
         capacity_of_str_len: int | None = None,
         streaming: bool = False,
+        timeout: float | None = None,
     ) -> str:
+        """Open a session; a generated id is 128 random bits (uuid4: unguessable)."""
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             raise SessionError(f"session {sid!r} is already open")
         if capacity_of_str_len is not None and capacity_of_str_len < 1:
             raise SessionError("capacity_of_str_len must be >= 1")
-        self.sessions[sid] = Session(sid, capacity_of_str_len, streaming)
+        if timeout is not None and not timeout > 0:
+            raise SessionError("timeout must be > 0 seconds")
+        if self.max_sessions and len(self.sessions) >= self.max_sessions:
+            raise SessionError(
+                f"the server holds its maximum of {self.max_sessions} open sessions "
+                "(--max-sessions); close one or wait for one to time out",
+                status=429,
+            )
+        session = Session(sid, capacity_of_str_len, streaming)
+        session.timeout = timeout or self.default_timeout or None
+        self._touch(session)
+        self.sessions[sid] = session
         return sid
+
+    @staticmethod
+    def _touch(session: Session, now: float | None = None) -> None:
+        if session.timeout is not None:
+            session.deadline = (time.monotonic() if now is None else now) + session.timeout
+
+    def expired(self, now: float | None = None) -> list[str]:
+        """Ids of the sessions whose deadline has passed (the caller closes them)."""
+        now = time.monotonic() if now is None else now
+        return [
+            sid for sid, s in self.sessions.items() if s.deadline is not None and s.deadline <= now
+        ]
+
+    def next_deadline(self) -> float | None:
+        deadlines = [s.deadline for s in self.sessions.values() if s.deadline is not None]
+        return min(deadlines, default=None)
 
     def close(self, session_id: str) -> Session | None:
         """Forget the session and free its slot; the caller aborts its turns in flight."""
@@ -104,6 +142,7 @@ class SessionManager:
                 f"logprob_start_len={sp.logprob_start_len} is past the prompt "
                 f"({len(prompt)} tokens)"
             )
+        self._touch(session)
         to_abort = [abort_parent] if abort_parent is not None else []
         for gone in forget:
             turn = session.turns.pop(gone)

@@ -48,6 +48,8 @@ class Session:
     slot: SessionSlot | None = None
     in_flight: dict[str, Req] = field(default_factory=dict)  # rid -> running turn
     last_used: int = 0  # when its slot was saved (LRU order for `evict_one`)
+    timeout: float | None = None  # seconds without a new turn before it is reaped (None: never)
+    deadline: float | None = None  # time.monotonic() at which it is reaped
 
     @property
     def order(self) -> list[str]:

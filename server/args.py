@@ -19,6 +19,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.model_runner import RunnerConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CACHE_ISOLATION = ("none", "per-key")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -74,10 +75,21 @@ class ServerConfig:
     health_timeout: float = _opt(
         20.0, "/health answers 503 when the scheduler has not answered a ping within this"
     )
+    cache_isolation: str = _opt(
+        "none",
+        "per-key: every API key is its own cache_salt (no prefix cache sharing across keys)",
+    )
+    session_secret: str | None = _opt(
+        None,
+        "HMAC key: /open_session answers ids carrying a tag only the opener knows, and refuses "
+        "untagged ids (also HYBRID_SERVE_SESSION_SECRET)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(f"--cache-isolation must be one of {CACHE_ISOLATION}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
         for name in ("max_request_bytes", "max_fan_out"):
@@ -129,6 +141,9 @@ HELP: dict[str, str] = {
     "hicache_prefetch_timeout_per_ki_token": "timeout policy: extra seconds per 1024 tokens",
     "hicache_write_policy": "when nodes are copied to host: write_through (on insert), "
     "write_through_selective (on the second hit) or write_back (on device eviction)",
+    "max_sessions": "most sessions open at once (0: no cap); /open_session beyond it is a 429",
+    "session_timeout": "seconds a session may go without a new turn before it is closed and its "
+    "state freed (0: never; /open_session's timeout overrides it)",
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {

@@ -22,6 +22,7 @@ from server.detokenizer import TextStream
 from server.errors import APIError
 from server.messages import GenerateMsg
 from server.metrics import Metrics
+from server.ownership import public_message, scoped
 
 DISCONNECT_POLL_S = 0.5
 RETRY_AFTER_S = 1
@@ -128,8 +129,13 @@ class Generator:
         session: dict[str, Any] | None = None,
         skip_special_tokens: bool = True,
         no_stop_trim: bool = False,
+        caller: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Piece]:
-        rid = rid or uuid.uuid4().hex
+        """`rid` is the caller's id (answered back); the scheduler knows it scoped to the
+        caller (`server/ownership.py`), so one key's ids never meet another's."""
+        public = rid or uuid.uuid4().hex
+        rid = scoped(caller, public)
         if self.closed:
             self.metrics.request_done("error", 0, 0, 0, None)
             raise APIError("the server is shutting down", 503)
@@ -142,7 +148,8 @@ class Generator:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         try:
-            queue = self.client.submit(GenerateMsg(rid, list(prompt_ids), params, session))
+            msg = GenerateMsg(rid, list(prompt_ids), params, session, cache_salt)
+            queue = self.client.submit(msg)
         except Exception as e:
             status = getattr(e, "status", 503)
             self.metrics.request_done("error", 0, 0, 0, None)
@@ -157,7 +164,7 @@ class Generator:
                 d = await queue.get()
                 if d.error:
                     finished, outcome = True, "error"
-                    raise APIError(d.error, d.error_status)
+                    raise APIError(public_message(caller, d.error), d.error_status)
                 now = time.perf_counter()
                 if d.queue_time is not None:
                     self.metrics.queued(d.queue_time)
@@ -170,7 +177,7 @@ class Generator:
                 n_out += len(d.output_ids)
                 prompt, cached = d.prompt_tokens, d.cached_tokens
                 piece = Piece(
-                    rid=rid,
+                    rid=public,
                     text=text.push(d.output_ids),
                     token_ids=d.output_ids,
                     logprobs=d.logprobs,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from server.client import SchedulerClient, SchedulerError
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import Generator
 from server.metrics import CONTENT_TYPE, Metrics
+from server.ownership import SessionIds
 from server.security import KeyCheck, Keys, RequestGuard, default_allowed_hosts
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class AppState:
     metrics: Metrics
     created: int
     keys: Keys
+    session_ids: SessionIds
     draining: bool = False  # SIGTERM: new requests get 503 while running ones finish
     # One thread: the tokenizer is used from one worker at a time (fast tokenizers are not
     # safe to share between threads), and CPU-heavy encodes queue instead of piling up.
@@ -120,6 +123,8 @@ def create_app(
     from server.openai_api import router as openai_router
 
     keys = Keys.load(config.api_key, config.api_key_file, config.admin_api_key)
+    if config.cache_isolation == "per-key" and not keys.enabled:
+        raise ValueError("--cache-isolation per-key needs API keys")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     name = config.served_model_name or Path(model_path).name
     client = SchedulerClient(model_path, runner_config, scheduler_config, config.log_level)
@@ -141,6 +146,9 @@ def create_app(
         metrics=metrics,
         created=int(time.time()),
         keys=keys,
+        session_ids=SessionIds(
+            config.session_secret or os.environ.get("HYBRID_SERVE_SESSION_SECRET") or None
+        ),
     )
 
     @asynccontextmanager

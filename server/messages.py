@@ -23,6 +23,7 @@ class GenerateMsg:
     prompt_ids: list[int]
     params: SamplingParams
     session: dict[str, Any] | None = None  # SessionParams fields: id, rid, offset, replace
+    cache_salt: str | None = None  # the effective salt (per-key isolation folded in)
 
 
 @dataclass

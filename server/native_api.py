@@ -25,6 +25,7 @@ from server.errors import APIError, error_body
 from server.generation import Result, merge, run_all, start_all
 from server.http_server import VERSION, AppState, get_state
 from server.openai_api import DONE, completion_prompts, sse
+from server.ownership import cache_salt, caller_of, public_message, scoped
 from server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -128,7 +129,8 @@ async def generate(body: GenerateRequest, request: Request):
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts) or (len(prompts) > 1 and body.rid and None in rids):
         raise APIError("rid must be one id per prompt", 400, "rid")
-    session = session_dict(s, body.session_params)
+    caller = caller_of(request)
+    session = session_dict(s, body.session_params, caller)
     if session and len(prompts) != 1:
         raise APIError("a session request takes one prompt", 400, "session_params")
     params = [to_sampling_params(sp, body) for sp in sps]
@@ -144,6 +146,8 @@ async def generate(body: GenerateRequest, request: Request):
             "session": session,
             "skip_special_tokens": sp.skip_special_tokens,
             "no_stop_trim": sp.no_stop_trim,
+            "caller": caller,
+            "cache_salt": cache_salt(s.config.cache_isolation, caller, body.cache_salt),
         }
         for rid, sp in zip(rids, sps, strict=True)
     ]
@@ -185,21 +189,31 @@ async def generate(body: GenerateRequest, request: Request):
 # ---- sessions ------------------------------------------------------------------------------
 @router.api_route("/open_session", methods=["POST", "GET"])
 async def open_session(body: OpenSessionRequest, request: Request) -> JSONResponse:
-    """Answers the session id as a bare JSON string; 400 if that id is already open."""
+    """Answers the session id as a bare JSON string (`"<id>.<tag>"` with `--session-secret`,
+    see `server/ownership.py`); 400 if the caller already has that id open, 429 when the server
+    holds `--max-sessions`."""
     s = get_state(request)
-    sid = await s.query(
-        "open_session",
-        session_id=body.session_id,
-        capacity_of_str_len=body.capacity_of_str_len,
-        streaming=body.streaming,
-    )
-    return JSONResponse(sid)
+    caller = caller_of(request)
+    internal, public = s.session_ids.new(caller, body.session_id)
+    try:
+        await s.query(
+            "open_session",
+            session_id=internal,
+            capacity_of_str_len=body.capacity_of_str_len,
+            streaming=body.streaming,
+            session_timeout=body.timeout,
+        )
+    except APIError as e:
+        raise APIError(public_message(caller, e.message), e.status, e.param) from e
+    return JSONResponse(public)
 
 
 @router.api_route("/close_session", methods=["POST", "GET"])
 async def close_session(body: CloseSessionRequest, request: Request) -> Response:
+    """404 for a session that is not open or is another caller's (the same answer)."""
     s = get_state(request)
-    if not await s.query("close_session", session_id=body.session_id):
+    internal = s.session_ids.internal(caller_of(request), body.session_id)
+    if not await s.query("close_session", session_id=internal):
         raise APIError(f"unknown session {body.session_id!r}", 404, "session_id")
     return Response(status_code=200)
 
@@ -245,7 +259,7 @@ async def get_server_info(request: Request) -> JSONResponse:
     s = get_state(request)
     info = await s.query("info")
     server = asdict(s.config)
-    for key in ("api_key", "admin_api_key"):  # never shown
+    for key in ("api_key", "admin_api_key", "session_secret"):  # never shown
         server[key] = "<set>" if server[key] else None
     return JSONResponse(
         {
@@ -275,5 +289,7 @@ async def abort_request(body: AbortRequest, request: Request) -> Response:
         raise APIError("give 'rid' or 'abort_all': true", 400)
     if body.abort_all:
         require_admin(request)
-    s.client.abort(body.rid, abort_all=body.abort_all)
+        s.client.abort(None, abort_all=True)
+    else:  # only the caller's own request: another key's rid names nothing here
+        s.client.abort(scoped(caller_of(request), body.rid))
     return Response(status_code=200)

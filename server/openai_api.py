@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.http_server import AppState, get_state
+from server.ownership import cache_salt, caller_of
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -141,7 +142,9 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = await completion_prompts(s, body.prompt, body.n)
     for ids in prompts:
         s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")
-    session = session_of(s, body)
+    caller = caller_of(request)
+    session = session_of(s, body, caller)
+    salt = cache_salt(s.config.cache_isolation, caller, body.cache_salt)
     n = body.n
     jobs = [
         (ids, sampling_params(body, body.max_tokens, body.logprobs, j))
@@ -158,7 +161,12 @@ async def completions(body: CompletionRequest, request: Request):
 
     if not body.stream:
         results: list[Result] = await run_all(
-            [s.generator.run(ids, sp, session=session, **text_options(body)) for ids, sp in jobs],
+            [
+                s.generator.run(
+                    ids, sp, session=session, caller=caller, cache_salt=salt, **text_options(body)
+                )
+                for ids, sp in jobs
+            ],
             request.is_disconnected,
         )
         choices = []
@@ -178,7 +186,10 @@ async def completions(body: CompletionRequest, request: Request):
         return JSONResponse({**head, "choices": choices, "usage": usage_of(results, n)})
 
     streams = [
-        s.generator.stream(ids, sp, session=session, **text_options(body)) for ids, sp in jobs
+        s.generator.stream(
+            ids, sp, session=session, caller=caller, cache_salt=salt, **text_options(body)
+        )
+        for ids, sp in jobs
     ]
     firsts = await start_all(streams, request.is_disconnected)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -277,7 +288,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         s.generator.check_lengths(len(ids), 1, field)
         max_new = s.generator.max_context_len - len(ids)
     s.generator.check_lengths(len(ids), max_new, field)
-    session = session_of(s, body)
+    caller = caller_of(request)
+    session = session_of(s, body, caller)
+    salt = cache_salt(s.config.cache_isolation, caller, body.cache_salt)
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
@@ -289,7 +302,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             sp.ebnf = grammar
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
-    gen_kw = {"session": session, **text_options(body)}
+    gen_kw = {"session": session, "caller": caller, "cache_salt": salt, **text_options(body)}
 
     if not body.stream:
         results: list[Result] = await run_all(

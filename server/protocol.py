@@ -50,6 +50,7 @@ class SamplingFields(BaseModel):
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
     response_format: dict | None = None
     session_params: SessionParamsModel | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefixes shared per salt
 
 
 class CompletionRequest(SamplingFields):
@@ -145,6 +146,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     session_params: SessionParamsModel | None = None
+    cache_salt: str | None = Field(None, min_length=1)
 
 
 class OpenSessionRequest(BaseModel):
@@ -153,6 +155,7 @@ class OpenSessionRequest(BaseModel):
     capacity_of_str_len: int | None = Field(None, ge=0)
     session_id: str | None = None
     streaming: bool = False  # append-only, one turn at a time (SGLang's streaming sessions)
+    timeout: float | None = Field(None, gt=0)  # seconds without a turn before it is reaped
 
 
 class CloseSessionRequest(BaseModel):

@@ -10,6 +10,7 @@ from typing import Any
 from scheduler.sampling_params import SEED_MAX, SamplingParams
 from server.errors import APIError
 from server.http_server import AppState
+from server.ownership import scoped
 from server.protocol import SamplingFields, SessionParamsModel
 
 
@@ -90,15 +91,20 @@ def text_options(body: SamplingFields) -> dict[str, bool]:
     return {"skip_special_tokens": body.skip_special_tokens, "no_stop_trim": body.no_stop_trim}
 
 
-def session_dict(s: AppState, params: SessionParamsModel | None) -> dict | None:
-    """`session_params` for the scheduler, with the tokenizer's BOS (dropped from the start of
-    a turn that continues another)."""
+def session_dict(s: AppState, params: SessionParamsModel | None, caller: str | None) -> dict | None:
+    """`session_params` for the scheduler: the session and parent-turn ids as the scheduler
+    knows them (scoped to the caller, `server/ownership.py`), with the tokenizer's BOS (dropped
+    from the start of a turn that continues another)."""
     if params is None:
         return None
-    return {**params.model_dump(), "bos_token_id": s.tokenizer.bos_token_id}
+    out = {**params.model_dump(), "bos_token_id": s.tokenizer.bos_token_id}
+    out["id"] = s.session_ids.internal(caller, params.id)
+    if params.rid is not None:
+        out["rid"] = scoped(caller, params.rid)
+    return out
 
 
-def session_of(s: AppState, body: SamplingFields) -> dict | None:
+def session_of(s: AppState, body: SamplingFields, caller: str | None) -> dict | None:
     if body.session_params is not None and body.n != 1:
         raise APIError("session requests need n=1", 400, "n")
-    return session_dict(s, body.session_params)
+    return session_dict(s, body.session_params, caller)

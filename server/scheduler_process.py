@@ -44,6 +44,7 @@ from server.messages import (
 )
 
 logger = logging.getLogger(__name__)
+REAP_INTERVAL_S = 1.0  # how often a busy loop looks for expired sessions
 
 
 def error_status(exc: Exception) -> int:
@@ -61,6 +62,7 @@ class SchedulerLoop:
         self.reqs: dict[str, Req] = {}
         self.sent: dict[str, int] = {}
         self.pending: list[TokenDelta] = []
+        self.next_reap = 0.0  # time.monotonic() of the next check for expired sessions
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -68,10 +70,14 @@ class SchedulerLoop:
         while True:
             try:
                 if not sched.has_work():
-                    self.inbox.poll(None)  # idle: sleep until a message arrives
+                    self.inbox.poll(self._idle_wait())  # until a message or a session deadline
                 while self.inbox.poll():
                     if not self.handle(self.inbox.recv()):
                         return
+                if time.monotonic() >= self.next_reap:
+                    self.next_reap = time.monotonic() + REAP_INTERVAL_S
+                    for req in sched.reap_sessions():
+                        self._emit(req)
                 for req in sched.step() if sched.has_work() else sched.take_finished():
                     self._emit(req)
                 if self.pending:
@@ -87,6 +93,14 @@ class SchedulerLoop:
                 except OSError:
                     pass
                 sys.exit(1)
+
+    def _idle_wait(self) -> float | None:
+        """How long an idle loop may sleep: until the next session deadline (None: forever)."""
+        deadline = self.scheduler.sessions.next_deadline()
+        if deadline is None:
+            return None
+        self.next_reap = min(self.next_reap, deadline)
+        return max(0.0, deadline - time.monotonic())
 
     def handle(self, msg: Any) -> bool:
         """Apply one message; False means shut down."""
@@ -115,6 +129,7 @@ class SchedulerLoop:
     # ---- requests ------------------------------------------------------------------------
     def _add(self, msg: GenerateMsg) -> None:
         req = Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params)
+        req.cache_salt = msg.cache_salt
         try:
             req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
             if msg.session is not None:
@@ -217,8 +232,11 @@ class SchedulerLoop:
         session_id: str | None = None,
         capacity_of_str_len: int | None = None,
         streaming: bool = False,
+        session_timeout: float | None = None,  # not `timeout`: that is the query's own
     ) -> str:
-        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming)
+        return self.scheduler.open_session(
+            session_id, capacity_of_str_len, streaming, session_timeout
+        )
 
     def _q_close_session(self, session_id: str) -> bool:
         session = self.scheduler.sessions.sessions.get(session_id)

@@ -302,3 +302,39 @@ def test_tree_session_follows_sglang_rules(ckpt):
     assert engine.leak_report() == []
     engine.close_session(sid)
     assert engine.leak_report() == []
+
+
+def test_sessions_time_out_and_are_capped(ckpt):
+    """Issue 14: a session past its timeout is reaped like a close (held slot freed, the turn in
+    flight aborted); `max_sessions` refuses one more with a 429; a new turn pushes the
+    deadline."""
+    path, _, rand = ckpt
+    engine = Engine(path, max_sessions=2, session_timeout=100.0, **POOLS)
+    sched = engine.scheduler
+    held = engine.open_session()  # the server default timeout
+    busy = engine.open_session(timeout=5.0)
+    with pytest.raises(SessionError, match="max-sessions") as e:
+        engine.open_session()
+    assert e.value.status == 429
+    with pytest.raises(SessionError, match="timeout"):
+        sched.sessions.open("x", timeout=0.0)
+    engine.generate(rand(12), GREEDY, session_params={"id": held})
+    assert sched.sessions.sessions[held].slot is not None
+    req = engine._make_req(rand(6), GREEDY, {"id": busy})
+    sched.add_request(req)
+    sched.step()
+    now = sched.sessions.sessions[busy].deadline
+    assert sched.sessions.next_deadline() == now
+    assert sched.reap_sessions(now - 1.0) == []
+    assert sched.reap_sessions(now) == [req]  # the in-flight turn is aborted with its session
+    assert req.finished and "timed out" in req.finish_detail
+    assert list(sched.sessions.sessions) == [held]
+    engine.open_session()  # room again
+    later = sched.sessions.sessions[held].deadline + 1.0
+    assert sched.reap_sessions(later - 2.0) == []
+    sched.reap_sessions(later)
+    assert held not in sched.sessions.sessions  # its held slot went with it
+    while sched.has_work():
+        sched.step()
+    sched.take_finished()
+    assert engine.leak_report() == []
