@@ -91,6 +91,11 @@ class Server:
         return status
 
 
+def serve_command(model_path: Path | str, *flags: str) -> list[str]:
+    """`python -m server --model-path PATH FLAGS...` (start() adds the port and log level)."""
+    return [sys.executable, "-m", "server", "--model-path", str(model_path), *flags]
+
+
 def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
     port = free_port()
     # One torch thread: tiny models gain nothing from more, and on a shared 2-core machine two
@@ -117,12 +122,8 @@ def tiny_path(tmp_path_factory) -> Path:
 def server(tiny_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
     srv = start(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "--model-path",
-            str(tiny_path),
+        serve_command(
+            tiny_path,
             "--served-model-name",
             MODEL_NAME,
             "--context-length",
@@ -135,7 +136,7 @@ def server(tiny_path, tmp_path_factory):
             "64",
             "--device",
             TEST_DEVICE,
-        ],
+        ),
         log,
     )
     try:

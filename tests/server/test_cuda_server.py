@@ -4,7 +4,6 @@ clean leak check. Skipped without CUDA."""
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.hf_reference import hf_greedy
-from tests.server.conftest import start, wait_idle_and_clean
+from tests.server.conftest import serve_command, start, wait_idle_and_clean
 
 pytestmark = pytest.mark.gpu
 
@@ -22,19 +21,15 @@ pytestmark = pytest.mark.gpu
 def cuda_server(tiny_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("cuda-logs") / "server.log"
     srv = start(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "--model-path",
-            str(tiny_path),
+        serve_command(
+            tiny_path,
             "--device",
             "cuda",
             "--context-length",
             "512",
             "--max-running-requests",
             "16",
-        ],
+        ),
         log,
     )
     try:

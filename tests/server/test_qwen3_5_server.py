@@ -4,15 +4,13 @@ prefix is cached, and the leak check is clean."""
 
 from __future__ import annotations
 
-import sys
-
 import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
 from models.presets import preset_config, write_checkpoint
 from tests.hf_reference import hf_greedy
-from tests.server.conftest import start, wait_idle_and_clean
+from tests.server.conftest import serve_command, start, wait_idle_and_clean
 
 
 def test_multimodal_qwen3_5_moe_over_http(tmp_path):
@@ -25,19 +23,15 @@ def test_multimodal_qwen3_5_moe_over_http(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32).eval()
     expected = hf_greedy(hf, prompts, 8)
     srv = start(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "--model-path",
-            str(wrapped),
+        serve_command(
+            wrapped,
             "--context-length",
             "512",
             "--max-running-requests",
             "4",
             "--mamba-scheduler-strategy",
             "extra_buffer",
-        ],
+        ),
         tmp_path / "server.log",
     )
     try:

@@ -5,13 +5,12 @@ leaking through the command line, the logs or /get_server_info."""
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import start
+from tests.server.conftest import serve_command, start
 
 BODY = {"model": "default", "prompt": "x", "max_tokens": 2}
 
@@ -44,17 +43,9 @@ def test_keyless_server_refuses_browsers_and_foreign_hosts(http):
 def keyed_server(tiny_path, tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text("# two users\nuser-two-key\n\nuser-three-key\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
-        "--model-path",
-        str(tiny_path),
-        "--api-key-file",
-        str(key_file),
-        "--allowed-origins",
-        "http://ok.example",
-    ]
+    cmd = serve_command(
+        tiny_path, "--api-key-file", str(key_file), "--allowed-origins", "http://ok.example"
+    )
     env = {"HYBRID_SERVE_API_KEY": "env-key-one", "HYBRID_SERVE_ADMIN_API_KEY": "admin-key"}
     srv = start(cmd, tmp_path / "keyed.log", env)
     try:
