@@ -9,17 +9,18 @@ Same signature and contract as `kernels.linear.linear`.
   same kernel widens bf16 to fp32 as it streams (half the bytes), in blocks of 8 rows against
   weight blocks kept in cache; more rows (prefill): the weight is widened to fp32 for one
   `F.linear`, which the GEMM amortises. (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT.)
-- everything else: `F.linear`. oneDNN with packed weights (`torch.ops.mkldnn._linear_pointwise`)
-  was measured here too: it builds a new primitive for every new row count (~0.6 ms per matrix
-  on this machine), which a serving loop with changing batch sizes pays on most steps.
+- everything else: the reference `kernels.linear.linear` (`F.linear`, the weight widened to x's
+  dtype). oneDNN with packed weights (`torch.ops.mkldnn._linear_pointwise`) was measured here
+  too: it builds a new primitive for every new row count (~0.6 ms per matrix on this machine),
+  which a serving loop with changing batch sizes pays on most steps.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import cpp_build
+from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
 BF16_SKINNY_ROWS = 64
@@ -35,11 +36,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         or weight.dim() != 2
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
-        return F.linear(x, weight if wdt == x.dtype else weight.to(x.dtype), bias)
+        return reference_linear(x, weight, bias)
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     if M > (SKINNY_ROWS if wdt == torch.float32 else BF16_SKINNY_ROWS) or M == 0:
-        return F.linear(x, weight if wdt == torch.float32 else weight.float(), bias)
+        return reference_linear(x, weight, bias)
     y = ops.skinny_linear(x.reshape(M, K).contiguous(), weight.contiguous())
     if bias is not None:
         y += bias

@@ -102,7 +102,7 @@ class Experts(nn.Module):
 
     def per_expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One persistent view per expert of each stacked matrix (made once per storage), so
-        that `kernels.linear` can keep a packed copy of each expert's weight between steps."""
+        that the per-step expert loop does not build two new views per active expert."""
         key = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
         if self._per_expert is None or self._per_expert[0] != key:
             gate_up = list(self.gate_up_proj.detach().unbind(0))
