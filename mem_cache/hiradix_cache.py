@@ -129,11 +129,7 @@ class HiMambaRadixCache(StorageTier, MambaRadixCache):
             self.write_backup(leaf)  # under write-through, only a state revived since its write
         if leaf.host_value is None:
             return super()._evict_device_leaf(leaf)
-        slots = 0
-        if leaf.mamba_slot is not None:
-            self.mamba_pool.free([leaf.mamba_slot])
-            self._drop_state(leaf)
-            slots = 1
+        slots = self._free_state(leaf)
         tokens = len(leaf.key)
         self._detach_kv(leaf)
         self.stats["demoted_tokens"] += tokens
@@ -192,17 +188,10 @@ class HiMambaRadixCache(StorageTier, MambaRadixCache):
         return MatchResult(kv, host, slot, branch, state_loaded=dst_slot is not None)
 
     def _alloc_device_kv(self, tokens: int) -> torch.Tensor | None:
-        pages = self.kv_pool.alloc(tokens // self.page_size)
-        if pages is None:
-            self.evict(num_tokens=tokens)
-            pages = self.kv_pool.alloc(tokens // self.page_size)
-        return None if pages is None else self.kv_pool.page_locs(pages)
+        return _alloc_locs(self.kv_pool, tokens // self.page_size, lambda: self.evict(tokens))
 
     def _alloc_device_slot(self) -> int | None:
-        slot = self.mamba_pool.alloc(1, zero=False)
-        if slot is None and self.evict_mamba(1):
-            slot = self.mamba_pool.alloc(1, zero=False)
-        return None if slot is None else int(slot[0])
+        return _alloc_slot(self.mamba_pool, self.evict_mamba)
 
     # ---- host eviction -----------------------------------------------------------------
     def evict_host(self, num_tokens: int) -> int:
@@ -255,17 +244,12 @@ class HiMambaRadixCache(StorageTier, MambaRadixCache):
 
     # ---- host bookkeeping --------------------------------------------------------------
     def _alloc_host_kv(self, tokens: int) -> torch.Tensor | None:
-        pages = self.host_kv_pool.alloc(tokens // self.page_size)
-        if pages is None:
-            self.evict_host(tokens)
-            pages = self.host_kv_pool.alloc(tokens // self.page_size)
-        return None if pages is None else self.host_kv_pool.page_locs(pages)
+        return _alloc_locs(
+            self.host_kv_pool, tokens // self.page_size, lambda: self.evict_host(tokens)
+        )
 
     def _alloc_host_slot(self) -> int | None:
-        slot = self.host_mamba_pool.alloc(1, zero=False)
-        if slot is None and self.evict_host_mamba(1):
-            slot = self.host_mamba_pool.alloc(1, zero=False)
-        return None if slot is None else int(slot[0])
+        return _alloc_slot(self.host_mamba_pool, self.evict_host_mamba)
 
     def _free_host_kv(self, locs: torch.Tensor) -> None:
         if len(locs):
@@ -351,3 +335,20 @@ class HiMambaRadixCache(StorageTier, MambaRadixCache):
         assert not slots & set(states), "host Mamba slot held by the tree and a prefetch"
         for name, pool, held in self.host_pools():
             assert pool.allocated_slots() == held, f"host {name}: allocated != the tree's"
+
+
+def _alloc_locs(pool, pages: int, evict) -> torch.Tensor | None:
+    """``pages`` pages of ``pool`` as token locations, after one ``evict()`` if it is short."""
+    got = pool.alloc(pages)
+    if got is None:
+        evict()
+        got = pool.alloc(pages)
+    return None if got is None else pool.page_locs(got)
+
+
+def _alloc_slot(pool, evict) -> int | None:
+    """One unzeroed state slot of ``pool``, after ``evict(1)`` if it is full and that freed one."""
+    slot = pool.alloc(1, zero=False)
+    if slot is None and evict(1):
+        slot = pool.alloc(1, zero=False)
+    return None if slot is None else int(slot[0])

@@ -78,9 +78,7 @@ class RadixEviction:
             if self._mamba_lru.get(node.mamba_slot) is not node or node.mamba_lock_ref > 0:
                 continue
             if node.device_children():
-                self.mamba_pool.free([node.mamba_slot])
-                self._drop_state(node)
-                slots += 1
+                slots += self._free_state(node)
             elif node.full_lock_ref == 0:
                 t, s = self._evict_device_leaf(node)
                 tokens, slots = tokens + t, slots + s
@@ -93,11 +91,7 @@ class RadixEviction:
         """The eviction hook: free an unlocked device leaf's device KV and state; return
         (tokens, slots) freed. Here the node is deleted, and then every ancestor left as a
         stateless unlocked leaf."""
-        slots = 0
-        if leaf.mamba_slot is not None:
-            self.mamba_pool.free([leaf.mamba_slot])
-            self._drop_state(leaf)
-            slots = 1
+        slots = self._free_state(leaf)
         tokens = len(leaf.key)
         self._delete(leaf)
         return tokens + self._prune(leaf.parent), slots
@@ -150,6 +144,14 @@ class RadixEviction:
     def _add_state(self, node: TreeNode) -> None:
         self._mamba_lru[node.mamba_slot] = node
         self._mamba_evictable += 1
+
+    def _free_state(self, node: TreeNode) -> int:
+        """Give ``node``'s device state (if any) back to the Mamba pool; return the slots freed."""
+        if node.mamba_slot is None:
+            return 0
+        self.mamba_pool.free([node.mamba_slot])
+        self._drop_state(node)
+        return 1
 
     def _drop_state(self, node: TreeNode) -> None:
         del self._mamba_lru[node.mamba_slot]

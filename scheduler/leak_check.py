@@ -62,7 +62,7 @@ def pool_report(scheduler: Scheduler) -> list[str]:
         problems.append(f"Mamba slots leaked: {sorted(mamba_leaked)[:16]}")
     for name, held in (
         ("KV page", tree_pages | held_pages),
-        ("Mamba slot", tree.held_mamba_slots() | h_mamba),
+        ("Mamba slot", tree_slots | h_mamba),
         ("request row", rows),
     ):
         if 0 in held:

@@ -351,13 +351,7 @@ class Scheduler:
             # SGLang: keep the requests with more output (and then shorter prompts) running
             self.running.sort(key=lambda r: (-len(r.output_ids), r.prompt_len))
             while out_loc is None and (self.chunked is not None or len(self.running) > 1):
-                if self.chunked is not None:
-                    req, self.chunked = self.chunked, None
-                    logger.warning("retracting chunked %s: decode is out of KV", req.rid)
-                    self._release(req, insert=False, requeue=True)
-                    self.retractions += 1
-                else:
-                    self._retract(self.running[-1])
+                self._retract(self.chunked if self.chunked is not None else self.running[-1])
                 out_loc = self._alloc_decode_kv()
             self.ratio.after_retract(self.running)
             if out_loc is None:
@@ -392,10 +386,14 @@ class Scheduler:
         return locs
 
     def _retract(self, req: Req) -> None:
-        """Out of KV: give everything back and re-queue; it is recomputed later (output kept)."""
+        """Out of KV: give everything back and re-queue; it is recomputed later (output kept).
+        The chunked request is one too (admitted on an estimate that proved short)."""
         logger.warning("retracting %s: out of KV memory", req.rid)
         self.retractions += 1
-        self.running.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
         self._release(req, insert=False, requeue=True)
 
     # ---- sampling ------------------------------------------------------------------------
