@@ -33,33 +33,22 @@ from server.protocol import (
     NativeSamplingParams,
     OpenSessionRequest,
 )
-from server.request_fields import logit_bias, session_dict
+from server.request_fields import session_dict, shared_sampling
 from server.security import require_admin
 
 router = APIRouter()
 
 
 def to_sampling_params(sp: NativeSamplingParams, body: GenerateRequest) -> SamplingParams:
-    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
     try:
         return SamplingParams(
+            **shared_sampling(sp),
             max_new_tokens=sp.max_new_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k,
-            min_p=sp.min_p,
             seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
-            stop_token_ids=list(sp.stop_token_ids or []),
-            stop=stop,
-            ignore_eos=sp.ignore_eos,
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty,
             return_logprob=body.return_logprob,
             top_logprobs_num=body.top_logprobs_num if body.return_logprob else 0,
             logprob_start_len=body.logprob_start_len,
             min_new_tokens=sp.min_new_tokens,
-            logit_bias=logit_bias(sp.logit_bias),
             regex=sp.regex,
             json_schema=sp.json_schema,
             ebnf=sp.ebnf,

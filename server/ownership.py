@@ -44,11 +44,6 @@ def scoped(caller: str | None, ident: str) -> str:
     return ident if caller is None else f"{caller}/{ident}"
 
 
-def unscoped(caller: str | None, ident: str) -> str:
-    prefix = "" if caller is None else f"{caller}/"
-    return ident.removeprefix(prefix)
-
-
 def public_message(caller: str | None, message: str) -> str:
     """A scheduler message with the caller's own prefix taken off its ids."""
     return message if caller is None else message.replace(f"{caller}/", "")

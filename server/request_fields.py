@@ -17,7 +17,6 @@ from server.protocol import SamplingFields, SessionParamsModel
 def sampling_params(
     body: SamplingFields, max_new_tokens: int, top_logprobs: int | None, j: int
 ) -> SamplingParams:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if body.seed is not None and body.seed + body.n - 1 > SEED_MAX:
         raise APIError(
             f"seed + n - 1 must be <= 2**64 - 1 (choice j samples with seed + j), got seed "
@@ -27,26 +26,34 @@ def sampling_params(
         )
     try:
         return SamplingParams(
+            **shared_sampling(body),
             max_new_tokens=max_new_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
             seed=None if body.seed is None else body.seed + j,
-            stop_token_ids=list(body.stop_token_ids or []),
-            stop=stop,
-            ignore_eos=body.ignore_eos,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
             return_logprob=top_logprobs is not None,
             top_logprobs_num=top_logprobs or 0,
             min_new_tokens=min(body.min_tokens, max_new_tokens),
-            logit_bias=logit_bias(body.logit_bias),
             **response_format(body.response_format),
         )
     except ValueError as e:
         raise APIError(str(e), 400) from e
+
+
+def shared_sampling(src: Any) -> dict[str, Any]:
+    """The `SamplingParams` fields the OpenAI body and SGLang's `sampling_params` name alike."""
+    stop = [src.stop] if isinstance(src.stop, str) else list(src.stop or [])
+    return {
+        "temperature": src.temperature,
+        "top_p": src.top_p,
+        "top_k": src.top_k,
+        "min_p": src.min_p,
+        "stop_token_ids": list(src.stop_token_ids or []),
+        "stop": stop,
+        "ignore_eos": src.ignore_eos,
+        "presence_penalty": src.presence_penalty,
+        "frequency_penalty": src.frequency_penalty,
+        "repetition_penalty": src.repetition_penalty,
+        "logit_bias": logit_bias(src.logit_bias),
+    }
 
 
 def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:

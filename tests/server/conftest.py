@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +113,17 @@ def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Serve
         stderr=subprocess.STDOUT,
     )
     return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+@contextmanager
+def running(cmd: list[str], log: Path) -> Iterator[Server]:
+    """`start` a server, wait until it is healthy, and stop it cleanly (exit 0) on the way out."""
+    srv = start(cmd, log)
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        assert srv.stop() == 0, log.read_text()[-4000:]
 
 
 @pytest.fixture(scope="session")

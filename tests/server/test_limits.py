@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, children_of, start, wait_idle_and_clean
+from tests.server.conftest import MODEL_NAME, children_of, running, wait_idle_and_clean
 
 MAX_BODY = 200_000
 
@@ -34,12 +34,8 @@ def limited(tiny_path, tmp_path_factory):
     cmd += ["--served-model-name", MODEL_NAME, "--context-length", "512"]
     cmd += ["--max-running-requests", "2", "--max-queued-requests", "2"]
     cmd += ["--max-request-bytes", str(MAX_BODY), "--max-fan-out", "8", "--health-timeout", "1"]
-    srv = start(cmd, log)
-    try:
-        srv.wait_healthy()
+    with running(cmd, log) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, log.read_text()[-4000:]
 
 
 @pytest.fixture(scope="module")

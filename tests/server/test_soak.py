@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server.conftest import start, wait_idle_and_clean
+from tests.server.conftest import running, wait_idle_and_clean
 
 N_REQUESTS, N_CLIENTS = 40, 8
 MAX_GAP_S = 15.0  # the livelock of issue 13 froze every stream for 20 s and more
@@ -31,12 +31,8 @@ def small_pools(tiny_path, tmp_path_factory):
     cmd += ["--context-length", "512", "--max-running-requests", "4"]
     cmd += ["--max-total-tokens", "1024", "--chunked-prefill-size", "64"]
     cmd += ["--max-mamba-cache-size", "6"]
-    srv = start(cmd, log)
-    try:
-        srv.wait_healthy()
+    with running(cmd, log) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, log.read_text()[-4000:]
 
 
 def test_bounded_soak(small_pools):
