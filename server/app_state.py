@@ -15,8 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 from server.args import ServerConfig
 from server.client import SchedulerClient, SchedulerError
 from server.errors import APIError

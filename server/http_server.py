@@ -22,8 +22,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 from server.app_state import VERSION, AppState, get_state
 from server.args import ServerConfig
 from server.client import SchedulerClient, SchedulerError

@@ -17,8 +17,7 @@ import socket
 
 import uvicorn
 
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 from server.args import ServerConfig
 from server.model_path import checkpoint_dir
 from server.shutdown import DrainingServer

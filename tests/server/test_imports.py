@@ -97,3 +97,11 @@ def test_api_process_imports_no_torch():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_config_dtype_names_match_the_loader():
+    """RunnerConfig validates --dtype against a torch-free copy of the loader's names."""
+    from models.loader import DTYPES
+    from scheduler.config import DTYPE_NAMES
+
+    assert DTYPE_NAMES == tuple(DTYPES)
