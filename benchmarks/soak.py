@@ -1,8 +1,8 @@
 """A longer soak of the HTTP server (issue 13): small pools, hostile-but-legal clients, two rounds.
 
-It starts a server on a preset checkpoint with small pools (4 running requests, 1,024 KV tokens,
-chunks of 64, 6 Mamba slots, `--schedule-conservativeness 0.01`, so that admission runs out of KV
-mid-decode and retracts, and idle sessions' Mamba slots are evicted), runs the workload of
+It starts a server on a preset checkpoint with small pools (4 running requests, 512 KV tokens,
+chunks of 64, 6 Mamba slots, `--schedule-conservativeness 0.01`, so that admission can run out of
+KV mid-decode and retract, and idle sessions' Mamba slots are evicted), runs the workload of
 `benchmarks/soak_workload.py` (streams, plain requests, disconnects, slow readers, aborts, tree
 sessions, streaming sessions) for `--rounds` rounds, and after each reports: throughput (output
 tokens and requests per second), p50/p99 latency of completed answers, failed checks,
@@ -11,7 +11,7 @@ while requests were in flight, the leak check once idle, and both processes' RSS
 process and the scheduler process it spawned). One JSON line per round on stdout, a table at the
 end; exits 1 if a check failed or the leak check was not clean.
 
-    python -m benchmarks.soak --preset tiny --requests 140 --clients 12 --rounds 2
+    python -m benchmarks.soak --preset tiny --requests 84 --clients 12 --rounds 2
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from benchmarks.soak_workload import percentile, run_round
 logger = logging.getLogger("benchmarks.soak")
 REPO = Path(__file__).resolve().parents[1]
 POOL_FLAGS = [
-    "--context-length", "512", "--max-running-requests", "4", "--max-total-tokens", "1024",
+    "--context-length", "512", "--max-running-requests", "4", "--max-total-tokens", "512",
     "--chunked-prefill-size", "64", "--max-mamba-cache-size", "6",
     "--schedule-conservativeness", "0.01",
 ]  # fmt: skip
@@ -51,9 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", choices=("tiny", "small"))
     p.add_argument("--model-path", default=None, help="a checkpoint instead of the preset")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--requests", type=int, default=140, help="workload items per round")
+    p.add_argument("--requests", type=int, default=84, help="workload items per round")
     p.add_argument("--clients", type=int, default=12, help="concurrent clients")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="outputs of 4 to this many")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="outputs of 4 to this many")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--extra-flags", default="", help="more server flags, one string")

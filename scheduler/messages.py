@@ -1,5 +1,6 @@
 """Messages between the API process and the scheduler process (pickled over `multiprocessing`
-pipes; one pipe each way).
+pipes; one pipe each way), and between the `Engine` and the same loop in-process. They live in
+scheduler/ so that the loop imports nothing of server/.
 
 API -> scheduler: `GenerateMsg`, `AbortMsg`, `QueryMsg` (info, stats, flush, sessions),
 `ShutdownMsg`.
