@@ -23,8 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
-from server.messages import (
+from scheduler.messages import (
     AbortMsg,
     FailedMsg,
     GenerateMsg,
@@ -34,7 +33,8 @@ from server.messages import (
     ShutdownMsg,
     TokenDelta,
 )
-from server.scheduler_process import run_scheduler
+from scheduler.model_runner import RunnerConfig
+from scheduler.process import run_scheduler
 
 logger = logging.getLogger(__name__)
 

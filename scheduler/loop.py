@@ -1,47 +1,39 @@
-"""The scheduler process: owns the model runner, the pools and the scheduler loop.
+"""`SchedulerLoop`: the one loop around `Scheduler`, for the server process and the `Engine` alike.
 
-    loop: drain every message waiting on the inbox -> one `scheduler.step()` if there is work ->
-          send the new tokens of every request that moved -> block on the inbox when idle
+    run_once: apply every waiting message -> reap expired sessions -> one `scheduler.step()` if
+              there is work -> send the new tokens of every request that moved (`TokenDelta`s)
 
-It never tokenizes; requests arrive as token ids and leave as token ids. A request refused by
-`Scheduler.add_request` (prompt too long, unknown session, ...) is answered by one `TokenDelta`
-with `error` set (400/404; 500 for an unexpected exception), and so is one that a fault failed
-(`Req.error`, 500): the loop keeps serving. Only a fault that leaves the pools in an unknown state
-(`PoolsCorrupt`), or a bug in the loop itself, stops it: the traceback is logged, the API process
-gets `FailedMsg` (it answers 503 and exits non-zero) and this process exits with status 1.
-Otherwise the process exits on `ShutdownMsg` or when the API process's end of the pipe closes
-(so it cannot outlive its parent); it ignores SIGINT, which a terminal sends to the whole process
-group, and leaves shutdown to the parent.
+Its messages come and go through a swappable I/O object (`LoopIO`, `scheduler/loop_io.py`): a
+pipe to the API process in the server (`PipeIO`, driven by `run()`, which sleeps on the pipe
+when idle), a queue in the same process for the `Engine` and `hybrid-serve generate`
+(`InProcessIO`, driven by `run_once(wait=False)`). So the token deltas of every request are built
+in one place, `_emit`, whoever reads them.
+
+Contracts:
+- A request refused by `Scheduler.add_request` (prompt too long, unknown session, ...) is answered
+  by one `TokenDelta` with `error` set (400/404; 500 for an unexpected exception); so is one that
+  a fault failed (`Req.error`, 500). The loop keeps serving. `add` is the same without the
+  delta: it raises the refusal (the `Engine` raises it to its caller).
+- Exceptions that escape `run_once` (`PoolsCorrupt`, a bug in the loop, the API process gone)
+  mean nothing can be trusted any more; the caller decides (the server process reports and
+  exits, the `Engine` raises).
+- Deltas are only built for requests that came through the loop (`add` / `GenerateMsg`);
+  requests added to the scheduler directly run alongside, unseen.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 import time
 from dataclasses import asdict
-from multiprocessing.connection import Connection
 from typing import Any
 
-from scheduler.config import SchedulerConfig
-from scheduler.engine import build_scheduler
 from scheduler.leak_check import leak_report
-from scheduler.model_runner import RunnerConfig
+from scheduler.loop_io import LoopIO
+from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, QueryReply, ShutdownMsg, TokenDelta
 from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.scheduler import Scheduler
-from scheduler.threads import configure_threads
-from server.messages import (
-    AbortMsg,
-    FailedMsg,
-    GenerateMsg,
-    QueryMsg,
-    QueryReply,
-    ReadyMsg,
-    ShutdownMsg,
-    TokenDelta,
-)
 
 logger = logging.getLogger(__name__)
 REAP_INTERVAL_S = 1.0  # how often a busy loop looks for expired sessions
@@ -57,42 +49,42 @@ def error_status(exc: Exception) -> int:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, inbox: Connection, outbox: Connection) -> None:
-        self.scheduler, self.inbox, self.outbox = scheduler, inbox, outbox
-        self.reqs: dict[str, Req] = {}
-        self.sent: dict[str, int] = {}
-        self.pending: list[TokenDelta] = []
+    def __init__(self, scheduler: Scheduler, io: LoopIO) -> None:
+        self.scheduler, self.io = scheduler, io
+        self.reqs: dict[str, Req] = {}  # requests that came through the loop, unfinished
+        self.sent: dict[str, int] = {}  # output tokens already sent, per request
+        self.pending: list[TokenDelta] = []  # built this round, sent at its end
         self.next_reap = 0.0  # time.monotonic() of the next check for expired sessions
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
+        """Serve until `ShutdownMsg`; sleeps on the I/O object while there is no work."""
+        while self.run_once(wait=True):
+            pass
+
+    def run_once(self, wait: bool = False) -> bool:
+        """One round; with `wait`, an idle scheduler first blocks until a message arrives or a
+        session deadline passes. False once a `ShutdownMsg` was applied."""
         sched = self.scheduler
-        while True:
-            try:
-                if not sched.has_work():
-                    self.inbox.poll(self._idle_wait())  # until a message or a session deadline
-                while self.inbox.poll():
-                    if not self.handle(self.inbox.recv()):
-                        return
-                if time.monotonic() >= self.next_reap:
-                    self.next_reap = time.monotonic() + REAP_INTERVAL_S
-                    for req in sched.reap_sessions():
-                        self._emit(req)
-                for req in sched.step() if sched.has_work() else sched.take_finished():
-                    self._emit(req)
-                if self.pending:
-                    self.outbox.send(self.pending)
-                    self.pending = []
-            except (EOFError, BrokenPipeError, ConnectionResetError):
-                logger.info("API process is gone; scheduler exits")
-                return
-            except Exception as e:  # PoolsCorrupt, or a bug here: nothing can be trusted now
-                logger.exception("scheduler fault; stopping the server")
-                try:
-                    self.outbox.send(FailedMsg(f"scheduler fault: {type(e).__name__}: {e}"))
-                except OSError:
-                    pass
-                sys.exit(1)
+        if wait and not sched.has_work():
+            self.io.poll(self._idle_wait())
+        while self.io.poll(0):
+            if not self.handle(self.io.recv()):
+                return False
+        if time.monotonic() >= self.next_reap:
+            self.next_reap = time.monotonic() + REAP_INTERVAL_S
+            for req in sched.reap_sessions():
+                self._emit(req)
+        for req in sched.step() if sched.has_work() else sched.take_finished():
+            self._emit(req)
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Send the deltas built so far."""
+        if self.pending:
+            deltas, self.pending = self.pending, []
+            self.io.send_deltas(deltas)
 
     def _idle_wait(self) -> float | None:
         """How long an idle loop may sleep: until the next session deadline (None: forever)."""
@@ -105,21 +97,23 @@ class SchedulerLoop:
     def handle(self, msg: Any) -> bool:
         """Apply one message; False means shut down."""
         if isinstance(msg, GenerateMsg):
-            self._add(msg)
+            try:
+                self.add(msg)
+            except Exception as e:  # refused (ValueError / SessionError) or a fault; never fatal
+                status = error_status(e)
+                if status >= 500:
+                    logger.exception("refusing %s", msg.rid)
+                self.pending.append(
+                    TokenDelta(rid=msg.rid, output_ids=[], error=str(e), error_status=status)
+                )
         elif isinstance(msg, AbortMsg):
             if msg.keep_output_tokens is not None and msg.rid is not None:
-                req = self.scheduler.stop(msg.rid, msg.keep_output_tokens)
-                if req is not None and req.rid in self.reqs:
-                    self.sent[req.rid] = min(self.sent[req.rid], len(req.output_ids))
-                    self._emit(req)
-                return True
-            rids = list(self.reqs) if msg.abort_all else [msg.rid]
-            for rid in rids:
-                req = self.scheduler.abort(rid) if rid in self.reqs else None
-                if req is not None:
-                    self._emit(req)
+                self.stop(msg.rid, msg.keep_output_tokens)
+            else:
+                for rid in list(self.reqs) if msg.abort_all else [msg.rid]:
+                    self.abort(rid)
         elif isinstance(msg, QueryMsg):
-            self.outbox.send(self._query(msg))
+            self.io.send_reply(self.query(msg))
         elif isinstance(msg, ShutdownMsg):
             return False
         else:
@@ -127,23 +121,30 @@ class SchedulerLoop:
         return True
 
     # ---- requests ------------------------------------------------------------------------
-    def _add(self, msg: GenerateMsg) -> None:
+    def add(self, msg: GenerateMsg) -> Req:
+        """Queue a request; raises when the scheduler refuses it (nothing is then held)."""
         req = Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params)
         req.cache_salt = msg.cache_salt
-        try:
-            req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
-            if msg.session is not None:
-                req.session = SessionParams(**msg.session)
-            self.scheduler.add_request(req)
-        except Exception as e:  # refused (ValueError / SessionError) or a fault; never fatal
-            if error_status(e) >= 500:
-                logger.exception("refusing %s", msg.rid)
-            self.pending.append(
-                TokenDelta(rid=msg.rid, output_ids=[], error=str(e), error_status=error_status(e))
-            )
-            return
+        req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
+        if msg.session is not None:
+            req.session = SessionParams(**msg.session)
+        self.scheduler.add_request(req)
         self.reqs[req.rid] = req
         self.sent[req.rid] = 0
+        return req
+
+    def abort(self, rid: str | None) -> None:
+        """Abort a request of the loop (no-op when unknown or finished); its last delta says so."""
+        req = self.scheduler.abort(rid) if rid in self.reqs else None
+        if req is not None:
+            self._emit(req)
+
+    def stop(self, rid: str, keep_output_tokens: int) -> None:
+        """A stop string matched after `keep_output_tokens` tokens: finish with "stop" there."""
+        req = self.scheduler.stop(rid, keep_output_tokens)
+        if req is not None and req.rid in self.reqs:
+            self.sent[req.rid] = min(self.sent[req.rid], len(req.output_ids))
+            self._emit(req)
 
     def _emit(self, req: Req) -> None:
         if req.rid not in self.reqs:
@@ -174,7 +175,8 @@ class SchedulerLoop:
             self.pending.append(delta)
 
     # ---- queries -------------------------------------------------------------------------
-    def _query(self, msg: QueryMsg) -> QueryReply:
+    def query(self, msg: QueryMsg) -> QueryReply:
+        """Answer a query; a refusal or a bug becomes an error reply, never an exception."""
         handler = getattr(self, f"_q_{msg.kind}", None)
         if handler is None:
             return QueryReply(msg.qid, False, error=f"unknown query {msg.kind!r}")
@@ -239,50 +241,13 @@ class SchedulerLoop:
         )
 
     def _q_close_session(self, session_id: str) -> bool:
+        return self.close_session(session_id)
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session; its turns in flight are aborted and their last deltas say so."""
         session = self.scheduler.sessions.sessions.get(session_id)
         turns = list(session.in_flight.values()) if session is not None else []
         closed = self.scheduler.close_session(session_id)
         for turn in turns:  # aborted by the close: their waiters get the abort
             self._emit(turn)
         return closed
-
-
-def run_scheduler(
-    model_path: str,
-    runner_config: RunnerConfig,
-    scheduler_config: SchedulerConfig,
-    inbox: Connection,
-    outbox: Connection,
-    log_level: str = "info",
-) -> None:
-    """Entry point of the spawned process: load, announce `ReadyMsg` (or `FailedMsg`), loop."""
-    # The API process decides when this one stops (it drains first, then sends ShutdownMsg); a
-    # signal sent to the whole process group (Ctrl-C, `timeout`, a container stop) must not cut
-    # the requests still running. If the API process dies, the pipe closes and this one exits.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
-    )
-    configure_threads(runner_config.num_threads, pick_default=True)
-    start = time.perf_counter()
-    try:
-        scheduler = build_scheduler(model_path, runner_config, scheduler_config)
-        runner = scheduler.runner
-    except Exception as e:  # reported to the API process, which exits with the message
-        logger.exception("loading %s failed", model_path)
-        outbox.send(FailedMsg(f"{type(e).__name__}: {e}"))
-        return
-    mc = runner.model.config
-    logger.info("model loaded from %s in %.1fs", model_path, time.perf_counter() - start)
-    ready = ReadyMsg(
-        max_context_len=runner_config.max_context_len,
-        eos_token_ids=list(mc.eos_token_ids),
-        vocab_size=mc.vocab_size,
-    )
-    try:
-        outbox.send(ready)
-    except (BrokenPipeError, ConnectionResetError):
-        logger.info("API process is gone; scheduler exits")
-        return
-    SchedulerLoop(scheduler, inbox, outbox).run()
