@@ -12,7 +12,9 @@ every workload on every server in turn, so machine noise falls on all of them al
 - shared-prefix: `--gsp-num-groups` system prompts of `--gsp-system-prompt-len` tokens, each with
   `--gsp-prompts-per-group` questions, after /flush_cache, `--gsp-concurrency` in flight.
 
-Prints one markdown table of medians over `--rounds` and appends every record to `--output-file`.
+First `--warmup-rounds` rounds run the same workloads untimed (on CPU each replica compiles its
+decode graphs per batch size on first use, so a cold round measures compilation). Prints one
+markdown table of medians over `--rounds` and appends every timed record to `--output-file`.
 
 Example: python -m benchmarks.dp_serving --model-path ~/.cache/hybrid-serve/small --rounds 3
 """
@@ -50,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--model-path", required=True)
     a("--num-threads", type=int, default=1, help="torch threads per replica")
     a("--rounds", type=int, default=3)
+    a("--warmup-rounds", type=int, default=1, help="untimed rounds first (compilation)")
     a("--num-prompts", type=int, default=32)
     a("--input-len", type=int, default=32)
     a("--output-len", type=int, default=64)
@@ -129,10 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for proc, url in servers.values():
             wait_healthy(proc, url)
-        for r in range(args.rounds):
+        for r in range(-args.warmup_rounds, args.rounds):
             for name, (_, url) in servers.items():
                 for work, wargs in workloads(args, url).items():
                     rec = serving.main(wargs)
+                    if r < 0:
+                        continue
                     rec.update(server=name, round=r, load=os.getloadavg()[0])
                     results.setdefault((name, work), []).append(rec)
                     if args.output_file:

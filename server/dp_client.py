@@ -14,10 +14,10 @@ the CPUs). Where things go:
 
 A replica that dies after all were ready fails only its own requests, with a 503 that names it
 and why ("data-parallel replica 1 failed: the scheduler process exited (killed by SIGKILL)"); the
-others keep serving and take every new request, and `/health` lists it as failed. Its sessions
-answer 503 from then on. When the last replica dies, or one fails before all are ready (a
-replica that cannot load means the server is not what was asked for), the server stops as with
-one scheduler.
+others keep serving and take every new request, and `/health` lists it as failed. Its sessions'
+turns answer 503 from then on (closing one answers 200). When the last replica dies, or one
+fails before all are ready (a replica that cannot load means the server is not what was asked
+for), the server stops as with one scheduler.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class DPClient:
         self.router.forget(rank)
         live = self.live()
         if live and all(r.ready is not None for r in self.replicas):
-            logger.error("%s; serving on %d of %d replicas", message, len(live), len(live) + 1)
+            logger.error("%s; serving on %d of %d replicas", message, len(live), len(self.replicas))
             return
         self.failure = message
         if self.on_failure is not None:

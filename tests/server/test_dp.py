@@ -84,6 +84,7 @@ def test_dp2_gives_the_same_greedy_tokens_as_dp1(dp, http):
 def test_shared_prefix_groups_land_on_one_replica_each(dp):
     assert dp.post("/flush_cache").status_code == 200  # empty caches, empty routing trees
     assert [r["tree_tokens"] for r in replicas(dp)] == [0, 0]
+    assert dp.get("/server_info").json()["pools"]["kv_pages_cached"] == 0  # both replicas'
     groups = [ids_of(100 + g, 96) for g in range(2)]
     before = replicas(dp)
     for prefix in groups:  # the "system prompt" of each group, served once
@@ -126,11 +127,12 @@ def test_sessions_stick_to_the_replica_that_opened_them(dp):
     assert wait_idle_and_clean(dp)["problems"] == []
 
 
-def test_abort_all_reaches_every_replica(dp):
+def test_aborts_reach_the_right_replicas(dp):
     results = []
 
     def long(seed: int) -> None:
-        results.append(generate(dp, ids_of(400 + seed, 8), CONTEXT - 20))
+        rid = {"rid": "dp-abort-me"} if seed == 0 else {}
+        results.append(generate(dp, ids_of(400 + seed, 8), CONTEXT - 20, **rid))
 
     threads = [threading.Thread(target=long, args=(s,)) for s in range(4)]
     for t in threads:
@@ -142,6 +144,11 @@ def test_abort_all_reaches_every_replica(dp):
             break
         time.sleep(0.05)
     assert all(n > 0 for n in loads), loads
+    assert dp.post("/abort_request", json={"rid": "dp-abort-me"}).status_code == 200
+    threads[0].join(60)
+    assert results[0]["meta_info"]["id"] == "dp-abort-me"
+    assert results[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert sum(r["requests_in_flight"] for r in replicas(dp)) == 3  # the others run on
     assert dp.post("/abort_request", json={"abort_all": True}).status_code == 200
     for t in threads:
         t.join(60)
