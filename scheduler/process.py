@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING
 from scheduler.messages import FailedMsg, ReadyMsg
 
 if TYPE_CHECKING:
-    from scheduler.config import SchedulerConfig
-    from scheduler.model_runner import RunnerConfig
+    from scheduler.config import RunnerConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,27 +15,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
-from pathlib import Path
+
+from server.model_path import checkpoint_dir
 
 logger = logging.getLogger("hybrid-serve")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-DEFAULT_CACHE = Path(os.environ.get("HYBRID_SERVE_CACHE", Path.home() / ".cache" / "hybrid-serve"))
-
-
-def default_model_path(preset: str = "tiny") -> Path:
-    """The preset checkpoint under the cache directory, written on first use."""
-    from models.presets import write_preset
-
-    path = DEFAULT_CACHE / preset
-    if not (path / "config.json").is_file():
-        logger.info("writing the %s preset to %s", preset, path)
-        write_preset(preset, path)
-    return path
-
 
 # models.presets' names, spelled out so that the CLI imports no torch to build its parser
 PRESET_NAMES = ("tiny", "small", "tiny-qwen3.5", "tiny-qwen3.5-moe")
@@ -64,9 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from scheduler.engine import Engine
     from scheduler.sampling_params import SamplingParams
 
-    path = Path(args.model_path) if args.model_path else default_model_path()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"no checkpoint at {path} (config.json not found)")
+    path = checkpoint_dir(args.model_path)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 from scheduler.messages import (
     AbortMsg,
     FailedMsg,
@@ -33,7 +33,6 @@ from scheduler.messages import (
     ShutdownMsg,
     TokenDelta,
 )
-from scheduler.model_runner import RunnerConfig
 from scheduler.process import run_scheduler
 
 logger = logging.getLogger(__name__)

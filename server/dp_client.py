@@ -31,9 +31,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 from scheduler.messages import GenerateMsg, ReadyMsg, TokenDelta
-from scheduler.model_runner import RunnerConfig
 from server.args import ServerConfig
 from server.client import SchedulerClient, SchedulerError
 from server.dp_router import Router, routing_key

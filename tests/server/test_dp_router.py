@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.model_runner import RunnerConfig
+from scheduler.config import RunnerConfig
 from server.args import ServerConfig
 from server.dp_client import merge_stats, replica_runner_config
 from server.dp_router import PrefixTree, Router, routing_key
