@@ -18,6 +18,7 @@ from fastapi import Request
 from scheduler.config import RunnerConfig, SchedulerConfig
 from server.args import ServerConfig
 from server.client import SchedulerClient, SchedulerError
+from server.dp_client import DPClient
 from server.errors import APIError
 from server.generation import Generator
 from server.metrics import Metrics
@@ -36,7 +37,7 @@ class AppState:
     model_path: str
     model_name: str
     tokenizer: Any
-    client: SchedulerClient
+    client: SchedulerClient | DPClient  # DPClient with --dp-size > 1
     generator: Generator
     metrics: Metrics
     created: int

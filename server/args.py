@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from scheduler.config import RunnerConfig, SchedulerConfig
+from server.dp_router import LOAD_BALANCE_METHODS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CACHE_ISOLATION = ("none", "per-key")
@@ -83,6 +84,28 @@ class ServerConfig:
         "HMAC key: /open_session answers ids carrying a tag only the opener knows, and refuses "
         "untagged ids (also HYBRID_SERVE_SESSION_SECRET)",
     )
+    dp_size: int = _opt(
+        1,
+        "data parallel: scheduler replicas behind this API process, each with its own pools "
+        "and cache (server/dp_client.py)",
+    )
+    load_balance_method: str = _opt(
+        "cache_aware",
+        f"how --dp-size replicas are picked: {', '.join(LOAD_BALANCE_METHODS)} "
+        "(server/dp_router.py)",
+    )
+    cache_threshold: float = _opt(
+        0.3, "cache_aware: least share of the prompt a replica must hold to win on the cache"
+    )
+    balance_abs_threshold: int = _opt(
+        64,
+        "cache_aware: pick the least loaded replica when the busiest has this many more "
+        "requests in flight than the idlest and --balance-rel-threshold times as many",
+    )
+    balance_rel_threshold: float = _opt(1.5, "cache_aware: see --balance-abs-threshold")
+    max_tree_size: int = _opt(
+        0, "cache_aware: tokens each replica's routing tree keeps (0: --max-total-tokens)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -94,6 +117,16 @@ class ServerConfig:
         for name in ("max_request_bytes", "max_fan_out"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError("--cache-threshold must be in [0, 1]")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("--balance-abs-threshold must be >= 0, --balance-rel-threshold >= 1")
+        if self.max_tree_size < 0:
+            raise ValueError("--max-tree-size must be >= 0")
         if self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
         for name in ("shutdown_timeout", "health_timeout"):

@@ -16,6 +16,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,18 @@ from scheduler.process import run_scheduler
 logger = logging.getLogger(__name__)
 
 
+def exit_detail(exitcode: int | None) -> str:
+    """' (killed by SIGKILL)' / ' (exit status 1)' for a process's exit code; '' if unknown."""
+    if exitcode is None:
+        return ""
+    if exitcode < 0:
+        try:
+            return f" (killed by {signal.Signals(-exitcode).name})"
+        except ValueError:
+            return f" (killed by signal {-exitcode})"
+    return f" (exit status {exitcode})"
+
+
 class SchedulerError(Exception):
     """A query the scheduler refused (`status` is the HTTP status to answer)."""
 
@@ -52,9 +65,12 @@ class SchedulerClient:
         runner_config: RunnerConfig,
         scheduler_config: SchedulerConfig,
         log_level: str = "info",
+        label: str = "",
     ) -> None:
         self.args = (model_path, runner_config, scheduler_config)
         self.log_level = log_level
+        # "data-parallel replica N" (server/dp_client.py): failures then name it and the exit
+        self.label = label
         self.ready: ReadyMsg | None = None
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
@@ -107,6 +123,10 @@ class SchedulerClient:
         self._proc = None
 
     @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive() and self.failure is None
 
@@ -128,7 +148,11 @@ class SchedulerClient:
             try:
                 msg = self._in.recv()
             except (EOFError, OSError):
-                loop.call_soon_threadsafe(self._fail, "the scheduler process exited")
+                message = "the scheduler process exited"
+                if self.label and self._proc is not None and not self._closing:
+                    self._proc.join(1.0)  # reap it, for the exit code
+                    message += exit_detail(self._proc.exitcode)
+                loop.call_soon_threadsafe(self._fail, message)
                 return
             if isinstance(msg, list):
                 loop.call_soon_threadsafe(self._dispatch, msg)
@@ -160,6 +184,8 @@ class SchedulerClient:
     def _fail(self, message: str) -> None:
         if self.failure is not None or self._closing:
             return
+        if self.label:
+            message = f"{self.label} failed: {message}"
         self.failure = message
         logger.error("scheduler: %s", message)
         for rid, q in self._queues.items():

@@ -3,7 +3,9 @@
 Routes live in `openai_api.py` (/v1/...) and `native_api.py` (SGLang's /generate, sessions and
 admin routes). `/health` answers 503 until the scheduler process has loaded the model, while the
 server drains for shutdown, and whenever the scheduler does not answer a ping within
-`--health-timeout`; otherwise 200. Long texts are tokenized on a worker thread (`off_loop`), so
+`--health-timeout`; otherwise 200. With `--dp-size N` the 200 carries a JSON list of the
+replicas (a dead one stays listed as failed, with its error, while the others serve; 503 once
+none is left: `server/dp_client.py`). Long texts are tokenized on a worker thread (`off_loop`), so
 the event loop keeps answering while a big prompt is encoded.
 Keys, the admin key, the Host/Origin allow-lists and JSON-only bodies: `server/security.py`;
 the state the routes share: `server/app_state.py`.
@@ -25,7 +27,8 @@ from fastapi.responses import JSONResponse
 from scheduler.config import RunnerConfig, SchedulerConfig
 from server.app_state import VERSION, AppState, get_state
 from server.args import ServerConfig
-from server.client import SchedulerClient, SchedulerError
+from server.client import SchedulerError
+from server.dp_client import DPClient, make_client
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import Generator
 from server.metrics import CONTENT_TYPE, Metrics
@@ -53,8 +56,10 @@ def create_app(
         raise ValueError("--cache-isolation per-key needs API keys")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     name = config.served_model_name or Path(model_path).name
-    client = SchedulerClient(model_path, runner_config, scheduler_config, config.log_level)
+    client = make_client(config, model_path, runner_config, scheduler_config)
     metrics = Metrics(name)
+    if isinstance(client, DPClient):
+        client.attach_metrics(metrics)
     state = AppState(
         config=config,
         runner_config=runner_config,
@@ -67,7 +72,8 @@ def create_app(
             client,
             tokenizer,
             metrics,
-            max_outstanding=runner_config.max_running_requests + config.max_queued_requests,
+            max_outstanding=runner_config.max_running_requests * config.dp_size
+            + config.max_queued_requests,
         ),
         metrics=metrics,
         created=int(time.time()),
@@ -119,6 +125,8 @@ def create_app(
             return error_response(
                 f"the scheduler has not answered for {s.config.health_timeout:g} s", 503
             )
+        if isinstance(s.client, DPClient):  # which replicas serve, which failed and why
+            return JSONResponse({"dp_size": s.config.dp_size, "replicas": s.client.describe()})
         return Response(status_code=200)
 
     @app.get("/metrics")
