@@ -49,6 +49,12 @@ class RunnerConfig:
 
     num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.threads), the
     # Engine keeps torch's setting
+    # tensor parallelism (SGLang's flags): ranks, hosts, this host's index, rank 0's host:port
+    # for the rendezvous ("" on one host: a free loopback port). See scheduler/tp_group.py.
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
@@ -72,6 +78,15 @@ class RunnerConfig:
             raise ValueError(
                 f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
             )
+        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(
+                f"--tp-size ({self.tp_size}) must be a positive multiple of --nnodes "
+                f"({self.nnodes})"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -101,7 +116,7 @@ class DecodeInput:
 class ModelRunner:
     def __init__(self, model: Qwen3NextForCausalLM, config: RunnerConfig) -> None:
         self.model, self.config = model, config
-        mc = model.config
+        mc = model.local_config  # this rank's heads: its pools hold only their states
         device = torch.device(config.device)
         dtype = next(model.parameters()).dtype
         self.device = device
@@ -284,4 +299,18 @@ class ModelRunner:
         generators: list[torch.Generator | None],
         histories: list[tuple[list[int], list[int]]] | None = None,
     ) -> SampleOutput:
-        return self.sampler(logits[: len(params)], params, generators, histories)
+        """Next tokens; with tensor parallelism rank 0 draws them (or fails) and every rank gets
+        its result, so all ranks continue with the same tokens."""
+        tp = self.model.tp
+        if not tp.enabled:
+            return self.sampler(logits[: len(params)], params, generators, histories)
+        result: SampleOutput | Exception | None = None
+        if tp.is_first:
+            try:
+                result = self.sampler(logits[: len(params)], params, generators, histories)
+            except Exception as e:  # raised on every rank alike, after the broadcast
+                result = e
+        result = tp.broadcast_object(result)
+        if isinstance(result, Exception):
+            raise result
+        return result
