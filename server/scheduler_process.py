@@ -32,6 +32,7 @@ from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.scheduler import Scheduler
 from scheduler.threads import configure_threads
+from scheduler.tp_group import rank_threads
 from server.messages import (
     AbortMsg,
     FailedMsg,
@@ -42,6 +43,7 @@ from server.messages import (
     ShutdownMsg,
     TokenDelta,
 )
+from server.tp_launch import start_ranks, stop_ranks, supervise
 
 logger = logging.getLogger(__name__)
 REAP_INTERVAL_S = 1.0  # how often a busy loop looks for expired sessions
@@ -264,15 +266,25 @@ def run_scheduler(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
     )
-    configure_threads(runner_config.num_threads, pick_default=True)
+    if runner_config.tp_size > 1:  # this process is rank 0 (server/tp_launch.py)
+        configure_threads(rank_threads(runner_config), pick_default=False)
+    else:
+        configure_threads(runner_config.num_threads, pick_default=True)
     start = time.perf_counter()
+    group = scheduler = None
     try:
-        scheduler = build_scheduler(model_path, runner_config, scheduler_config)
+        group, runner_config, tp = start_ranks(
+            model_path, runner_config, scheduler_config, log_level
+        )
+        scheduler = build_scheduler(model_path, runner_config, scheduler_config, tp)
         runner = scheduler.runner
     except Exception as e:  # reported to the API process, which exits with the message
         logger.exception("loading %s failed", model_path)
+        stop_ranks(group, scheduler)
         outbox.send(FailedMsg(f"{type(e).__name__}: {e}"))
         return
+    if group is not None:
+        outbox = supervise(group, scheduler, outbox)
     mc = runner.model.config
     logger.info("model loaded from %s in %.1fs", model_path, time.perf_counter() - start)
     ready = ReadyMsg(
@@ -285,4 +297,7 @@ def run_scheduler(
     except (BrokenPipeError, ConnectionResetError):
         logger.info("API process is gone; scheduler exits")
         return
-    SchedulerLoop(scheduler, inbox, outbox).run()
+    try:
+        SchedulerLoop(scheduler, inbox, outbox).run()
+    finally:
+        stop_ranks(group, scheduler)
