@@ -1,7 +1,12 @@
-"""How the scheduler runs: one frozen dataclass with SGLang's option names."""
+"""How the scheduler and the model runner run: frozen dataclasses with SGLang's option names.
+
+Torch-free, so that the API process can parse and validate them before it spawns the scheduler
+process (the only one that imports torch).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
@@ -11,6 +16,8 @@ MAMBA_SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 5, "extra_buffer_lazy
 POLICIES = ("fcfs", "lpm")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# models.loader.DTYPES's names, spelled out so that this module imports no torch
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -102,3 +109,65 @@ class SchedulerConfig:
             return []
         max_bs = min(self.cuda_graph_max_bs, max_running_requests)
         return sorted({bs for bs in self.cuda_graph_bs if bs <= max_bs} | {max_bs})
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    max_running_requests: int = 64  # rows of req_to_token
+    max_total_tokens: int = 65536  # KV capacity in tokens
+    max_context_len: int = 4096
+    page_size: int = 1
+    mamba_cache_size: int = 0  # Mamba slots; 0: 3 * max_running_requests (the Engine sizes it
+    # per strategy, see SchedulerConfig.mamba_slots_for)
+    dtype: str = "auto"
+    device: str = "cpu"
+    # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
+    mem_fraction_static: float = 0.0
+    pool_memory_gb: float = 0.0
+
+    num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.threads), the
+    # Engine keeps torch's setting
+    # tensor parallelism (SGLang's flags): ranks, hosts, this host's index, rank 0's host:port
+    # for the rendezvous ("" on one host: a free loopback port). See scheduler/tp_group.py.
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 0:
+            raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
+        if not 0.0 <= self.mem_fraction_static < 1.0:
+            raise ValueError(
+                f"--mem-fraction-static must be in [0, 1), got {self.mem_fraction_static}"
+            )
+        if self.pool_memory_gb < 0:
+            raise ValueError(f"--pool-memory-gb must be >= 0, got {self.pool_memory_gb}")
+        for name in ("max_running_requests", "max_total_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.max_context_len < 2:
+            raise ValueError(f"--context-length must be >= 2, got {self.max_context_len}")
+        if self.mamba_cache_size < 0:
+            raise ValueError(f"--mamba-cache-size must be >= 0, got {self.mamba_cache_size}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"--dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
+            )
+        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(
+                f"--tp-size ({self.tp_size}) must be a positive multiple of --nnodes "
+                f"({self.nnodes})"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+
+    @property
+    def mamba_slots(self) -> int:
+        return self.mamba_cache_size or 3 * self.max_running_requests

@@ -1,11 +1,13 @@
-"""Offline `Engine`: the scheduler driven in-process, without sockets.
+"""Offline `Engine`: the server's `SchedulerLoop` driven in-process, without sockets.
 
     engine = Engine(model_path="/tmp/tiny", chunked_prefill_size=64)
     outs = engine.generate(["Hello", [1, 2, 3]], {"max_new_tokens": 16, "temperature": 0})
 
 Options are the fields of `RunnerConfig` and `SchedulerConfig` (SGLang's names). Each result is
 a dict with `text`, `output_ids` and `meta_info` (`id`, `prompt_tokens`, `completion_tokens`,
-`cached_tokens`, `finish_reason`, and `output_token_logprobs` when asked).
+`cached_tokens`, `finish_reason`, and `output_token_logprobs` when asked), folded from the
+loop's token deltas (`scheduler/output.py`) exactly as the API process receives them. Tests may
+still drive `engine.scheduler` directly; those requests run alongside, unseen by the loop.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 from models.loader import load_model
@@ -22,7 +24,11 @@ from scheduler.config import SchedulerConfig
 from scheduler.grammar import GrammarBackend
 from scheduler.leak_check import leak_report
 from scheduler.lockstep import LockstepScheduler
+from scheduler.loop import SchedulerLoop
+from scheduler.loop_io import InProcessIO
+from scheduler.messages import GenerateMsg
 from scheduler.model_runner import ModelRunner, RunnerConfig
+from scheduler.output import RequestOutput
 from scheduler.pool_sizing import describe, pool_bytes, size_pools
 from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
@@ -90,6 +96,9 @@ class Engine:
         self.runner = self.scheduler.runner
         self._tokenizer = None
         self._ids = itertools.count()
+        self.io = InProcessIO()
+        self.loop = SchedulerLoop(self.scheduler, self.io)
+        self._outputs: dict[str, RequestOutput] = {}  # by rid: requests someone waits for
 
     @property
     def tokenizer(self):
@@ -105,40 +114,70 @@ class Engine:
         params: dict | SamplingParams | None,
         session_params: dict | SessionParams | None = None,
     ) -> Req:
+        """A `Req` for driving `self.scheduler` directly (tests); `generate` goes through the
+        loop instead."""
+        msg = self._message(prompt, params, session_params)
+        session = SessionParams(**msg.session) if msg.session is not None else None
+        req = Req(rid=msg.rid, prompt_ids=msg.prompt_ids, params=msg.params, session=session)
+        req.generator = make_generator(msg.params.seed, self.runner.device)
+        return req
+
+    def _message(
+        self,
+        prompt: Prompt,
+        params: dict | SamplingParams | None,
+        session_params: dict | SessionParams | None = None,
+        cache_salt: str | None = None,
+    ) -> GenerateMsg:
         sp = params if isinstance(params, SamplingParams) else SamplingParams(**(params or {}))
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         session = session_params
-        if isinstance(session, dict):
-            session = SessionParams(**session)
-        req = Req(rid=f"req-{next(self._ids)}", prompt_ids=ids, params=sp, session=session)
-        req.generator = make_generator(sp.seed, self.runner.device)
-        return req
+        if isinstance(session, SessionParams):
+            session = asdict(session)
+        return GenerateMsg(f"req-{next(self._ids)}", ids, sp, session, cache_salt)
 
-    def _result(self, req: Req) -> dict:
-        meta = {
-            "id": req.rid,
-            "prompt_tokens": req.prompt_len,
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_len,
-            "finish_reason": req.finish_reason.value if req.finish_reason else None,
-        }
-        if req.error is not None:
-            meta["error"] = req.error
-        if req.params.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids, strict=True)
-            ]
-            start = req.logprob_start
-            ids = req.prompt_ids[start : start + len(req.input_logprobs)]
-            meta["input_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(req.input_logprobs, ids, strict=True)
-            ]
-            if req.params.top_logprobs_num:
-                meta["input_top_logprobs"] = req.input_top_logprobs
+    def _submit(self, msgs: list[GenerateMsg]) -> list[RequestOutput]:
+        """Queue the requests in the loop; when one is refused, the ones queued before it are
+        aborted and the refusal (ValueError, SessionError) is raised."""
+        outs: list[RequestOutput] = []
+        try:
+            for msg in msgs:
+                self.loop.add(msg)
+                outs.append(self._outputs.setdefault(msg.rid, RequestOutput(msg.rid)))
+        except Exception:
+            for out in outs:
+                self._forget(out.rid)
+            raise
+        return outs
+
+    def _forget(self, rid: str) -> None:
+        """Stop listening to `rid` and abort it if it still runs."""
+        self._outputs.pop(rid, None)
+        self.loop.abort(rid)
+
+    def _pump(self) -> None:
+        """One round of the loop; its deltas go to the outputs that wait for them."""
+        self.loop.run_once()
+        for d in self.io.take_deltas():
+            out = self._outputs.get(d.rid)
+            if out is not None:
+                out.add(d)
+                if out.finished:
+                    del self._outputs[d.rid]
+
+    def _run_until(self, outs: list[RequestOutput]) -> None:
+        while True:
+            self._pump()
+            if all(o.finished for o in outs):
+                return
+            if not self.scheduler.has_work():
+                raise RuntimeError("scheduler went idle with unfinished requests")
+
+    def _result(self, out: RequestOutput, params: SamplingParams) -> dict:
         return {
-            "text": self.tokenizer.decode(req.output_ids),
-            "output_ids": list(req.output_ids),
-            "meta_info": meta,
+            "text": self.tokenizer.decode(out.output_ids),
+            "output_ids": list(out.output_ids),
+            "meta_info": out.meta_info(params.return_logprob, params.top_logprobs_num),
         }
 
     def generate(
@@ -150,7 +189,8 @@ class Engine:
     ) -> list[dict] | dict:
         """Run all prompts concurrently to completion; one result per prompt, in order. With
         session_params (one prompt only) the prompt continues that session; `cache_salt`
-        shares cached prefixes only with requests of the same salt."""
+        shares cached prefixes only with requests of the same salt. A refused prompt raises
+        (ValueError, SessionError) and none of the batch runs."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         if session_params is not None and len(batch) != 1:
@@ -158,37 +198,42 @@ class Engine:
         params = (
             sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         )
-        reqs = [self._make_req(p, sp, session_params) for p, sp in zip(batch, params, strict=True)]
-        for req in reqs:
-            req.cache_salt = cache_salt
-            self.scheduler.add_request(req)
-        while any(not r.finished for r in reqs):
-            if not self.scheduler.has_work():
-                raise RuntimeError("scheduler went idle with unfinished requests")
-            self.scheduler.step()
-        results = [self._result(r) for r in reqs]
+        msgs = [
+            self._message(p, sp, session_params, cache_salt)
+            for p, sp in zip(batch, params, strict=True)
+        ]
+        outs = self._submit(msgs)
+        self._run_until(outs)
+        results = [self._result(o, m.params) for o, m in zip(outs, msgs, strict=True)]
         return results[0] if single else results
 
     def generate_stream(
         self,
         prompt: Prompt,
-        sampling_params: dict | None = None,
+        sampling_params: dict | SamplingParams | None = None,
         session_params: dict | SessionParams | None = None,
     ) -> Iterator[dict]:
         """Yield {'output_ids': new ids, 'finish_reason': ...} as tokens arrive (other requests
-        already queued keep running alongside)."""
-        req = self._make_req(prompt, sampling_params, session_params)
-        self.scheduler.add_request(req)
+        already queued keep running alongside); the last one also has `meta_info`. Closing the
+        iterator early aborts the request."""
+        msg = self._message(prompt, sampling_params, session_params)
+        (out,) = self._submit([msg])
         sent = 0
-        while not req.finished:
-            self.scheduler.step()
-            if len(req.output_ids) > sent:
-                yield {"output_ids": req.output_ids[sent:], "finish_reason": None}
-                sent = len(req.output_ids)
+        try:
+            while not out.finished:
+                self._pump()
+                if not out.finished and not self.scheduler.has_work():
+                    raise RuntimeError("scheduler went idle with an unfinished request")
+                if len(out.output_ids) > sent:
+                    yield {"output_ids": out.output_ids[sent:], "finish_reason": None}
+                    sent = len(out.output_ids)
+        finally:
+            if not out.finished:
+                self._forget(msg.rid)
         yield {
-            "output_ids": req.output_ids[sent:],
-            "finish_reason": req.finish_reason.value,
-            "meta_info": self._result(req)["meta_info"],
+            "output_ids": out.output_ids[sent:],
+            "finish_reason": out.finish_reason,
+            "meta_info": self._result(out, msg.params)["meta_info"],
         }
 
     def open_session(
@@ -199,11 +244,14 @@ class Engine:
         timeout: float | None = None,
     ) -> str:
         """A tree session by default (SGLang's rules), append-only with streaming; reaped by
-        `scheduler.reap_sessions()` `timeout` seconds after its last turn began."""
+        the loop `timeout` seconds after its last turn began."""
         return self.scheduler.open_session(session_id, capacity_of_str_len, streaming, timeout)
 
     def close_session(self, session_id: str) -> bool:
-        return self.scheduler.close_session(session_id)
+        """Close a session; a turn still in flight is aborted (its output says so)."""
+        closed = self.loop.close_session(session_id)
+        self.loop.flush()
+        return closed
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""

@@ -27,8 +27,7 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from models.parallel import ParallelContext, free_port, init_process_group
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CACHE_ISOLATION = ("none", "per-key")

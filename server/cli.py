@@ -7,35 +7,21 @@
 
 With no `--model-path` the server (and `generate`) use the `tiny` preset, written on first use to
 `~/.cache/hybrid-serve/tiny` (`$HYBRID_SERVE_CACHE` moves the cache). `generate` runs one offline
-generation through the model runner, without a server. Bad input ends with a one-line message
-and exit status 2.
+generation through the `Engine` (the server's scheduler loop, in-process), without a server. Bad
+input ends with a one-line message and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
-from pathlib import Path
+
+from server.model_path import checkpoint_dir
 
 logger = logging.getLogger("hybrid-serve")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-DEFAULT_CACHE = Path(os.environ.get("HYBRID_SERVE_CACHE", Path.home() / ".cache" / "hybrid-serve"))
-
-
-def default_model_path(preset: str = "tiny") -> Path:
-    """The preset checkpoint under the cache directory, written on first use."""
-    from models.presets import write_preset
-
-    path = DEFAULT_CACHE / preset
-    if not (path / "config.json").is_file():
-        logger.info("writing the %s preset to %s", preset, path)
-        write_preset(preset, path)
-    return path
-
 
 # models.presets' names, spelled out so that the CLI imports no torch to build its parser
 PRESET_NAMES = ("tiny", "small", "tiny-qwen3.5", "tiny-qwen3.5-moe")
@@ -59,63 +45,46 @@ def cmd_make_model(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-
-    from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
-    from scheduler.sampler import make_generator
+    """One prompt through the offline `Engine`: the same loop, stop rules and results as the
+    server, sized for this one request."""
+    from scheduler.engine import Engine
     from scheduler.sampling_params import SamplingParams
 
-    path = Path(args.model_path) if args.model_path else default_model_path()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"no checkpoint at {path} (config.json not found)")
+    path = checkpoint_dir(args.model_path)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        stop_token_ids=list(args.stop_token_ids),
+        ignore_eos=args.ignore_eos,
     )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer.encode(args.prompt)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(path).encode(args.prompt)
     if not ids:
         raise ValueError("the prompt is empty")
-    runner = ModelRunner.from_path(
+    tokens = len(ids) + params.max_new_tokens + 1
+    engine = Engine(
         str(path),
-        RunnerConfig(
-            max_running_requests=1,
-            max_total_tokens=len(ids) + params.max_new_tokens + 1,
-            max_context_len=len(ids) + params.max_new_tokens + 1,
-            dtype=args.dtype,
-        ),
+        max_running_requests=1,
+        max_total_tokens=tokens,
+        max_context_len=tokens,
+        dtype=args.dtype,
     )
-    eos = set(runner.model.config.eos_token_ids)
-    req, mamba = runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])
-    gen = [make_generator(params.seed, runner.device)]
     start = time.perf_counter()
-    logits = runner.forward(
-        runner.build_prefill([ExtendInput(req, mamba, 0, ids)], [runner.alloc_kv(req, 0, len(ids))])
-    )
-    out: list[int] = []
-    seq_len = len(ids)
-    while True:
-        token = runner.sample(logits, [params], gen).next_token_ids[0]
-        out.append(token)
-        if token in eos or len(out) >= params.max_new_tokens:
-            break
-        loc = runner.alloc_kv(req, seq_len, 1)
-        logits = runner.forward(runner.build_decode([DecodeInput(req, mamba, seq_len, token)], loc))
-        seq_len += 1
+    out = engine.generate(ids, params)
     elapsed = time.perf_counter() - start
-    runner.free_kv(req, seq_len)
-    runner.req_pool.free(req)
-    runner.mamba_pool.free([mamba])
-    sys.stdout.write(tokenizer.decode(out) + "\n")
+    sys.stdout.write(out["text"] + "\n")
+    meta = out["meta_info"]
     logger.info(
-        "%d prompt + %d new tokens in %.2fs (%.1f tok/s)",
-        len(ids),
-        len(out),
+        "%d prompt + %d new tokens in %.2fs (%.1f tok/s), finish reason %s",
+        meta["prompt_tokens"],
+        meta["completion_tokens"],
         elapsed,
-        len(out) / elapsed,
+        meta["completion_tokens"] / elapsed,
+        meta["finish_reason"],
     )
 
 
@@ -145,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--stop-token-ids", type=int, nargs="+", default=[], help="stop at any of these tokens"
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     gen.set_defaults(func=cmd_generate)
     return parser

@@ -21,9 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
-from server.messages import (
+from scheduler.config import RunnerConfig, SchedulerConfig
+from scheduler.messages import (
     AbortMsg,
     FailedMsg,
     GenerateMsg,
@@ -33,7 +32,7 @@ from server.messages import (
     ShutdownMsg,
     TokenDelta,
 )
-from server.scheduler_process import run_scheduler
+from scheduler.process import run_scheduler
 
 logger = logging.getLogger(__name__)
 

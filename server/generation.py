@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.messages import GenerateMsg
 from scheduler.sampling_params import SamplingParams
 from server.client import SchedulerClient
 from server.detokenizer import TextStream
 from server.errors import APIError
-from server.messages import GenerateMsg
 from server.metrics import Metrics
 from server.ownership import public_message, scoped
 

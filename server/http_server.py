@@ -1,11 +1,12 @@
-"""The FastAPI app: shared state, lifespan (scheduler process up and down), auth, health, metrics.
+"""The FastAPI app: lifespan (scheduler process up and down), auth, health, metrics.
 
 Routes live in `openai_api.py` (/v1/...) and `native_api.py` (SGLang's /generate, sessions and
 admin routes). `/health` answers 503 until the scheduler process has loaded the model, while the
 server drains for shutdown, and whenever the scheduler does not answer a ping within
 `--health-timeout`; otherwise 200. Long texts are tokenized on a worker thread (`off_loop`), so
 the event loop keeps answering while a big prompt is encoded.
-Keys, the admin key, the Host/Origin allow-lists and JSON-only bodies: `server/security.py`.
+Keys, the admin key, the Host/Origin allow-lists and JSON-only bodies: `server/security.py`;
+the state the routes share: `server/app_state.py`.
 """
 
 from __future__ import annotations
@@ -14,100 +15,28 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
+from server.app_state import VERSION, AppState, get_state
 from server.args import ServerConfig
 from server.client import SchedulerClient, SchedulerError
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import Generator
 from server.metrics import CONTENT_TYPE, Metrics
+from server.native_api import router as native_router
+from server.openai_api import router as openai_router
 from server.ownership import SessionIds
 from server.security import KeyCheck, Keys, RequestGuard, default_allowed_hosts
 
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-VERSION = "0.1.0"
-OFF_LOOP_CHARS = 4096  # texts at least this long are tokenized on the worker thread
-
-
-@dataclass
-class AppState:
-    config: ServerConfig
-    runner_config: RunnerConfig
-    scheduler_config: SchedulerConfig
-    model_path: str
-    model_name: str
-    tokenizer: Any
-    client: SchedulerClient
-    generator: Generator
-    metrics: Metrics
-    created: int
-    keys: Keys
-    session_ids: SessionIds
-    draining: bool = False  # SIGTERM: new requests get 503 while running ones finish
-    # One thread: the tokenizer is used from one worker at a time (fast tokenizers are not
-    # safe to share between threads), and CPU-heavy encodes queue instead of piling up.
-    tokenize_pool: ThreadPoolExecutor | None = None
-
-    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """`fn(*args, **kw)` on the tokenizer thread, awaited without blocking the loop."""
-        if self.tokenize_pool is None:
-            self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        return await asyncio.get_running_loop().run_in_executor(
-            self.tokenize_pool, lambda: fn(*args, **kw)
-        )
-
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens); long texts off the event loop."""
-        if len(text) < OFF_LOOP_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return await self.off_loop(self.tokenizer.encode, text, add_special_tokens=False)
-
-    def check_fan_out(self, count: int) -> None:
-        """400 when one HTTP request would become more than `--max-fan-out` requests."""
-        if count > self.config.max_fan_out:
-            raise APIError(
-                f"this request asks for {count} generations (prompts x n); the limit is "
-                f"{self.config.max_fan_out} (--max-fan-out)",
-                400,
-                "n",
-            )
-
-    def check_model(self, name: str | None) -> None:
-        """404 unless `name` is the served model's name (or 'default')."""
-        if name not in (self.model_name, "default"):
-            raise APIError(f"The model '{name}' does not exist", 404, "model")
-
-    def check_ready(self) -> None:
-        if self.draining:
-            raise APIError("the server is shutting down", 503)
-        if self.client.failure is not None:
-            raise APIError(f"the scheduler failed: {self.client.failure}", 503)
-        if self.client.ready is None:
-            raise APIError("the model is still loading", 503)
-
-    async def query(self, kind: str, **args: Any) -> Any:
-        self.check_ready()
-        try:
-            return await self.client.query(kind, **args)
-        except SchedulerError as e:
-            raise APIError(str(e), e.status) from e
-
-
-def get_state(request: Request) -> AppState:
-    return request.app.state.hs
 
 
 def create_app(
@@ -118,9 +47,6 @@ def create_app(
 ) -> FastAPI:
     """Build the app; the scheduler process starts with the app's lifespan."""
     from transformers import AutoTokenizer
-
-    from server.native_api import router as native_router
-    from server.openai_api import router as openai_router
 
     keys = Keys.load(config.api_key, config.api_key_file, config.admin_api_key)
     if config.cache_isolation == "per-key" and not keys.enabled:

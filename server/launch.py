@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-from pathlib import Path
 
 import uvicorn
 
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 from server.args import ServerConfig
+from server.model_path import checkpoint_dir
 from server.shutdown import DrainingServer
 
 logger = logging.getLogger(__name__)
@@ -30,12 +29,7 @@ GRACEFUL_SHUTDOWN_S = 5
 
 def resolve_model_path(config: ServerConfig) -> str:
     """The checkpoint to serve: `--model-path`, or the tiny preset written on first use."""
-    from server.cli import default_model_path
-
-    path = Path(config.model_path) if config.model_path else default_model_path("tiny")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"no checkpoint at {path} (config.json not found)")
-    return str(path)
+    return str(checkpoint_dir(config.model_path))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

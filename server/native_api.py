@@ -21,9 +21,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from scheduler.sampling_params import SamplingParams
+from server.app_state import VERSION, AppState, get_state
 from server.errors import APIError, error_body
 from server.generation import Result, merge, run_all, start_all
-from server.http_server import VERSION, AppState, get_state
 from server.openai_api import DONE, completion_prompts, sse
 from server.ownership import cache_salt, caller_of, public_message, scoped
 from server.protocol import (

@@ -18,9 +18,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from server.app_state import AppState, get_state
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
-from server.http_server import AppState, get_state
 from server.ownership import cache_salt, caller_of
 from server.protocol import (
     ChatCompletionRequest,

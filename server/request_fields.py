@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 from scheduler.sampling_params import SEED_MAX, SamplingParams
+from server.app_state import AppState
 from server.errors import APIError
-from server.http_server import AppState
 from server.ownership import scoped
 from server.protocol import SamplingFields, SessionParamsModel
 

@@ -5,18 +5,17 @@ leaves the pools not adding up raises PoolsCorrupt. Faults come from the test sw
 
 from __future__ import annotations
 
-from multiprocessing import Pipe
-
 import pytest
 import torch
 
 from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.faults import FAULT_ENV, FaultSwitch, PoolsCorrupt
+from scheduler.loop import SchedulerLoop
+from scheduler.loop_io import InProcessIO
+from scheduler.messages import GenerateMsg
 from scheduler.request import FinishReason, Req
 from scheduler.sampling_params import SamplingParams
-from server.messages import GenerateMsg
-from server.scheduler_process import SchedulerLoop
 
 OPTIONS = {
     "max_running_requests": 8,
@@ -146,19 +145,19 @@ def test_loop_refuses_a_bad_seed_and_keeps_serving(setup):
     """The issue's crash: make_generator raising for one request must not end the loop."""
     path, prompts, expected = setup
     engine = Engine(path, **OPTIONS)
-    inbox, _ = Pipe(duplex=False)
-    _, outbox = Pipe(duplex=False)
-    loop = SchedulerLoop(engine.scheduler, inbox, outbox)
+    io = InProcessIO()
+    loop = SchedulerLoop(engine.scheduler, io)
     bad = SamplingParams(**GREEDY)
     bad.seed = 2**64  # past validation, as a client bug upstream could send it
-    loop.handle(GenerateMsg("bad", prompts[0], bad))
-    (delta,) = loop.pending
-    assert "seed" in delta.error and delta.error_status == 400
-    assert not engine.scheduler.has_work()
-    loop.pending.clear()
-    loop.handle(GenerateMsg("good", prompts[0], SamplingParams(**GREEDY)))
+    io.put(GenerateMsg("bad", prompts[0], bad))
+    io.put(GenerateMsg("good", prompts[0], SamplingParams(**GREEDY)))
+    assert loop.run_once()
+    refused, *deltas = io.take_deltas()
+    assert refused.rid == "bad" and "seed" in refused.error and refused.error_status == 400
     while engine.scheduler.has_work():
-        for req in engine.scheduler.step():
-            loop._emit(req)
-    assert [t for d in loop.pending for t in d.output_ids] == expected[0]
+        assert loop.run_once()
+        deltas += io.take_deltas()
+    assert all(d.rid == "good" and d.error is None for d in deltas)
+    assert [t for d in deltas for t in d.output_ids] == expected[0]
+    assert deltas[-1].finish_reason == "length"
     assert engine.leak_report() == []

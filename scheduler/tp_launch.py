@@ -17,11 +17,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from models.parallel import ParallelContext
-from scheduler.config import SchedulerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig
 from scheduler.lockstep import LockstepScheduler
-from scheduler.model_runner import RunnerConfig
+from scheduler.messages import FailedMsg
 from scheduler.tp_group import TPGroup
-from server.messages import FailedMsg
 
 logger = logging.getLogger(__name__)
 

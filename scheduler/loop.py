@@ -1,0 +1,253 @@
+"""`SchedulerLoop`: the one loop around `Scheduler`, for the server process and the `Engine` alike.
+
+    run_once: apply every waiting message -> reap expired sessions -> one `scheduler.step()` if
+              there is work -> send the new tokens of every request that moved (`TokenDelta`s)
+
+Its messages come and go through a swappable I/O object (`LoopIO`, `scheduler/loop_io.py`): a
+pipe to the API process in the server (`PipeIO`, driven by `run()`, which sleeps on the pipe
+when idle), a queue in the same process for the `Engine` and `hybrid-serve generate`
+(`InProcessIO`, driven by `run_once(wait=False)`). So the token deltas of every request are built
+in one place, `_emit`, whoever reads them.
+
+Contracts:
+- A request refused by `Scheduler.add_request` (prompt too long, unknown session, ...) is answered
+  by one `TokenDelta` with `error` set (400/404; 500 for an unexpected exception); so is one that
+  a fault failed (`Req.error`, 500). The loop keeps serving. `add` is the same without the
+  delta: it raises the refusal (the `Engine` raises it to its caller).
+- Exceptions that escape `run_once` (`PoolsCorrupt`, a bug in the loop, the API process gone)
+  mean nothing can be trusted any more; the caller decides (the server process reports and
+  exits, the `Engine` raises).
+- Deltas are only built for requests that came through the loop (`add` / `GenerateMsg`);
+  requests added to the scheduler directly run alongside, unseen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+from scheduler.leak_check import leak_report
+from scheduler.loop_io import LoopIO
+from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, QueryReply, ShutdownMsg, TokenDelta
+from scheduler.request import Req, SessionParams
+from scheduler.sampler import make_generator
+from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+REAP_INTERVAL_S = 1.0  # how often a busy loop looks for expired sessions
+
+
+def error_status(exc: Exception) -> int:
+    """The HTTP status of a refused request: `SessionError.status` (404 for an unknown
+    session), 400 for another ValueError, else 500."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return status
+    return 400 if isinstance(exc, ValueError) else 500
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, io: LoopIO) -> None:
+        self.scheduler, self.io = scheduler, io
+        self.reqs: dict[str, Req] = {}  # requests that came through the loop, unfinished
+        self.sent: dict[str, int] = {}  # output tokens already sent, per request
+        self.pending: list[TokenDelta] = []  # built this round, sent at its end
+        self.next_reap = 0.0  # time.monotonic() of the next check for expired sessions
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until `ShutdownMsg`; sleeps on the I/O object while there is no work."""
+        while self.run_once(wait=True):
+            pass
+
+    def run_once(self, wait: bool = False) -> bool:
+        """One round; with `wait`, an idle scheduler first blocks until a message arrives or a
+        session deadline passes. False once a `ShutdownMsg` was applied."""
+        sched = self.scheduler
+        if wait and not sched.has_work():
+            self.io.poll(self._idle_wait())
+        while self.io.poll(0):
+            if not self.handle(self.io.recv()):
+                return False
+        if time.monotonic() >= self.next_reap:
+            self.next_reap = time.monotonic() + REAP_INTERVAL_S
+            for req in sched.reap_sessions():
+                self._emit(req)
+        for req in sched.step() if sched.has_work() else sched.take_finished():
+            self._emit(req)
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Send the deltas built so far."""
+        if self.pending:
+            deltas, self.pending = self.pending, []
+            self.io.send_deltas(deltas)
+
+    def _idle_wait(self) -> float | None:
+        """How long an idle loop may sleep: until the next session deadline (None: forever)."""
+        deadline = self.scheduler.sessions.next_deadline()
+        if deadline is None:
+            return None
+        self.next_reap = min(self.next_reap, deadline)
+        return max(0.0, deadline - time.monotonic())
+
+    def handle(self, msg: Any) -> bool:
+        """Apply one message; False means shut down."""
+        if isinstance(msg, GenerateMsg):
+            try:
+                self.add(msg)
+            except Exception as e:  # refused (ValueError / SessionError) or a fault; never fatal
+                status = error_status(e)
+                if status >= 500:
+                    logger.exception("refusing %s", msg.rid)
+                self.pending.append(
+                    TokenDelta(rid=msg.rid, output_ids=[], error=str(e), error_status=status)
+                )
+        elif isinstance(msg, AbortMsg):
+            if msg.keep_output_tokens is not None and msg.rid is not None:
+                self.stop(msg.rid, msg.keep_output_tokens)
+            else:
+                for rid in list(self.reqs) if msg.abort_all else [msg.rid]:
+                    self.abort(rid)
+        elif isinstance(msg, QueryMsg):
+            self.io.send_reply(self.query(msg))
+        elif isinstance(msg, ShutdownMsg):
+            return False
+        else:
+            logger.error("unknown message %r", type(msg).__name__)
+        return True
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, msg: GenerateMsg) -> Req:
+        """Queue a request; raises when the scheduler refuses it (nothing is then held)."""
+        req = Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params)
+        req.cache_salt = msg.cache_salt
+        req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
+        if msg.session is not None:
+            req.session = SessionParams(**msg.session)
+        self.scheduler.add_request(req)
+        self.reqs[req.rid] = req
+        self.sent[req.rid] = 0
+        return req
+
+    def abort(self, rid: str | None) -> None:
+        """Abort a request of the loop (no-op when unknown or finished); its last delta says so."""
+        req = self.scheduler.abort(rid) if rid in self.reqs else None
+        if req is not None:
+            self._emit(req)
+
+    def stop(self, rid: str, keep_output_tokens: int) -> None:
+        """A stop string matched after `keep_output_tokens` tokens: finish with "stop" there."""
+        req = self.scheduler.stop(rid, keep_output_tokens)
+        if req is not None and req.rid in self.reqs:
+            self.sent[req.rid] = min(self.sent[req.rid], len(req.output_ids))
+            self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        if req.rid not in self.reqs:
+            return
+        n = self.sent[req.rid]
+        delta = TokenDelta(
+            rid=req.rid,
+            output_ids=req.output_ids[n:],
+            logprobs=req.output_logprobs[n:],
+            top_logprobs=req.output_top_logprobs[n:],
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.cached_len,
+            queue_time=req.queue_time if n == 0 else None,
+        )
+        if n == 0 and req.input_logprobs:  # the prompt's, once
+            delta.input_logprobs = req.input_logprobs
+            start = req.logprob_start
+            delta.input_token_ids = req.prompt_ids[start : start + len(req.input_logprobs)]
+            delta.input_top_logprobs = req.input_top_logprobs
+        self.sent[req.rid] = len(req.output_ids)
+        if req.finished:
+            delta.finish_reason = req.finish_reason.value
+            delta.finish_detail = req.finish_detail
+            if req.error is not None:
+                delta.error, delta.error_status = req.error, 500
+            del self.reqs[req.rid], self.sent[req.rid]
+        if delta.output_ids or delta.finish_reason:
+            self.pending.append(delta)
+
+    # ---- queries -------------------------------------------------------------------------
+    def query(self, msg: QueryMsg) -> QueryReply:
+        """Answer a query; a refusal or a bug becomes an error reply, never an exception."""
+        handler = getattr(self, f"_q_{msg.kind}", None)
+        if handler is None:
+            return QueryReply(msg.qid, False, error=f"unknown query {msg.kind!r}")
+        try:
+            return QueryReply(msg.qid, True, handler(**msg.args))
+        except ValueError as e:
+            return QueryReply(msg.qid, False, error=str(e), status=error_status(e))
+        except Exception as e:  # a bug answers 500; the loop keeps serving
+            logger.exception("query %s failed", msg.kind)
+            return QueryReply(msg.qid, False, error=f"{type(e).__name__}: {e}", status=500)
+
+    def _q_ping(self) -> bool:
+        return True
+
+    def _q_stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        r = s.runner
+        kv, mamba, rows = r.kv_pool, r.mamba_pool, r.req_pool
+        return {
+            "num_running_reqs": len(s.running) + (1 if s.chunked else 0),
+            "num_waiting_reqs": len(s.waiting),
+            "num_sessions": len(s.sessions.sessions),
+            "kv_pages_total": kv.size,
+            "kv_pages_free": kv.available(),
+            "kv_pages_cached": s.tree.total_size() // kv.page_size,
+            "mamba_slots_total": mamba.size,
+            "mamba_slots_free": mamba.available(),
+            "mamba_slots_cached": s.tree.mamba_evictable_size() + s.tree.mamba_protected_size(),
+            "num_retractions": s.retractions,
+            "aborts": dict(s.aborts),
+            "req_slots_total": rows.size,
+            "req_slots_free": rows.available(),
+            "token_usage": 1.0 - kv.available() / kv.size,
+            "mamba_usage": 1.0 - mamba.available() / mamba.size,
+            "cache_tiers": s.tree.tier_stats(),
+        }
+
+    def _q_info(self) -> dict[str, Any]:
+        s = self.scheduler
+        idle = not s.has_work()
+        return {
+            "runner_config": asdict(s.runner.config),
+            "scheduler_config": asdict(s.config),
+            "pools": self._q_stats(),
+            "leak_check": {"idle": idle, "problems": leak_report(s) if idle else None},
+        }
+
+    def _q_flush(self) -> bool:
+        """Free idle sessions' held slots and empty the radix tree; refused while requests run."""
+        self.scheduler.flush_cache()
+        return True
+
+    def _q_open_session(
+        self,
+        session_id: str | None = None,
+        capacity_of_str_len: int | None = None,
+        streaming: bool = False,
+        session_timeout: float | None = None,  # not `timeout`: that is the query's own
+    ) -> str:
+        return self.scheduler.open_session(
+            session_id, capacity_of_str_len, streaming, session_timeout
+        )
+
+    def _q_close_session(self, session_id: str) -> bool:
+        return self.close_session(session_id)
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session; its turns in flight are aborted and their last deltas say so."""
+        session = self.scheduler.sessions.sessions.get(session_id)
+        turns = list(session.in_flight.values()) if session is not None else []
+        closed = self.scheduler.close_session(session_id)
+        for turn in turns:  # aborted by the close: their waiters get the abort
+            self._emit(turn)
+        return closed

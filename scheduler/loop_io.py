@@ -1,0 +1,85 @@
+"""The I/O of `SchedulerLoop`: where its messages come from and where its answers go.
+
+`LoopIO` is the interface; two implementations:
+
+    PipeIO       the scheduler process: one `multiprocessing` pipe from the API process, one back
+    InProcessIO  the `Engine` (and `hybrid-serve generate`): a queue in the same process; the
+                 caller puts messages and takes the deltas and replies after each round
+
+A third (tensor-parallel ranks in lockstep, say) only needs the same four methods.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from scheduler.messages import QueryReply, TokenDelta
+
+
+class LoopIO(Protocol):
+    def poll(self, timeout: float | None) -> bool:
+        """Whether a message is waiting, after waiting for one up to `timeout` seconds (0: not
+        at all, None: until one arrives)."""
+        ...
+
+    def recv(self) -> Any:
+        """The next message (after `poll` said one is waiting)."""
+        ...
+
+    def send_deltas(self, deltas: list[TokenDelta]) -> None:
+        """One round's token deltas, in the order they were built."""
+        ...
+
+    def send_reply(self, reply: QueryReply) -> None: ...
+
+
+class PipeIO:
+    """Messages over two one-way pipes; EOFError / BrokenPipeError when the other end is gone."""
+
+    def __init__(self, inbox: Connection, outbox: Connection) -> None:
+        self.inbox, self.outbox = inbox, outbox
+
+    def poll(self, timeout: float | None) -> bool:
+        return self.inbox.poll(timeout)
+
+    def recv(self) -> Any:
+        return self.inbox.recv()
+
+    def send_deltas(self, deltas: list[TokenDelta]) -> None:
+        self.outbox.send(deltas)
+
+    def send_reply(self, reply: QueryReply) -> None:
+        self.outbox.send(reply)
+
+
+class InProcessIO:
+    """A queue in the caller's thread: nothing arrives while the loop waits, so `poll` never
+    blocks (a wait on an empty queue is a caller bug and raises)."""
+
+    def __init__(self) -> None:
+        self.inbox: deque[Any] = deque()
+        self.deltas: list[TokenDelta] = []
+        self.replies: list[QueryReply] = []
+
+    def put(self, msg: Any) -> None:
+        self.inbox.append(msg)
+
+    def poll(self, timeout: float | None) -> bool:
+        if not self.inbox and timeout is None:
+            raise RuntimeError("in-process loop would wait forever for a message")
+        return bool(self.inbox)
+
+    def recv(self) -> Any:
+        return self.inbox.popleft()
+
+    def send_deltas(self, deltas: list[TokenDelta]) -> None:
+        self.deltas.extend(deltas)
+
+    def send_reply(self, reply: QueryReply) -> None:
+        self.replies.append(reply)
+
+    def take_deltas(self) -> list[TokenDelta]:
+        deltas, self.deltas = self.deltas, []
+        return deltas

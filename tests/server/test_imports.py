@@ -1,0 +1,107 @@
+"""The import graph of server/: no module imports another that (directly or not) imports it back,
+counting imports inside functions too; and the API process's modules load without torch (only
+the spawned scheduler process needs it)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "server"
+
+
+def server_imports(path: Path) -> set[str]:
+    """The server.* modules `path` imports anywhere in its body (`from server import x` counts
+    as server.x when x is a module)."""
+    modules = {p.stem for p in (ROOT / PACKAGE).glob("*.py")}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if len(parts) == 2 and parts[0] == PACKAGE and parts[1] in modules:
+                found.add(parts[1])
+    return found - {path.stem}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph (as a path that ends where it starts), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_server_has_no_import_cycle():
+    graph = {p.stem: server_imports(p) for p in sorted((ROOT / PACKAGE).glob("*.py"))}
+    assert len(graph) > 10 and graph["cli"]  # the parse sees the package's imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in server/: " + " -> ".join(cycle)
+
+
+API_MODULES = [
+    "server.cli",
+    "server.args",
+    "server.launch",
+    "server.http_server",
+    "server.openai_api",
+    "server.native_api",
+    "server.client",
+    "server.generation",
+]
+
+
+def test_api_process_imports_no_torch():
+    """Everything the API process imports up to building the app, and the configs it parses,
+    leave torch unloaded; the scheduler process's entry point is named without importing it."""
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in API_MODULES)
+        + "from server.args import parse_serve_args\n"
+        + "configs = parse_serve_args(['--max-running-requests', '4', '--dtype', 'float32'])\n"
+        + "from scheduler.process import run_scheduler\n"
+        + "heavy = sorted(m for m in ('torch', 'transformers', 'models', 'kernels', 'mem_cache')\n"
+        + "               if m in sys.modules)\n"
+        + "print(heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_config_dtype_names_match_the_loader():
+    """RunnerConfig validates --dtype against a torch-free copy of the loader's names."""
+    from models.loader import DTYPES
+    from scheduler.config import DTYPE_NAMES
+
+    assert DTYPE_NAMES == tuple(DTYPES)
