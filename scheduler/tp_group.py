@@ -17,8 +17,10 @@ that hangs without dying is caught by the collectives' timeout.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
+import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +48,26 @@ def rank_threads(cfg: RunnerConfig) -> int:
     return cfg.num_threads or max(1, default_num_threads() // len(local_ranks(cfg)))
 
 
-def _follower_main(
+# the follower's command: its arguments arrive pickled on stdin (with rank 0's sys.path)
+FOLLOWER_CMD = (
+    "import pickle, sys; a = pickle.load(sys.stdin.buffer); sys.path[:0] = a.pop('path'); "
+    "from scheduler.tp_group import follower_main; follower_main(**a)"
+)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies (so a follower
+    never outlives rank 0, even before the group is formed). The kernel ties it to the thread
+    that spawned us: `TPGroup.start` is called from the thread that owns the group."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def follower_main(
     rank: int,
     model_path: str,
     runner_cfg: RunnerConfig,
@@ -58,7 +79,9 @@ def _follower_main(
     from scheduler.lockstep import follow
     from scheduler.threads import configure_threads
 
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s"
     )
@@ -73,10 +96,20 @@ def _follower_main(
         dist.destroy_process_group()
 
 
+def _spawn(rank: int, **args) -> subprocess.Popen:
+    """A fresh interpreter running `follower_main` (a plain child process: the scheduler
+    process is a daemonic multiprocessing child, which may not have multiprocessing children)."""
+    proc = subprocess.Popen([sys.executable, "-c", FOLLOWER_CMD], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(pickle.dumps({"path": sys.path, "rank": rank, **args}))
+    proc.stdin.close()
+    return proc
+
+
 class TPGroup:
     """This host's follower processes, and rank 0's place in the group when on host 0."""
 
-    def __init__(self, procs: dict[int, mp.Process], tp: ParallelContext | None) -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen], tp: ParallelContext | None) -> None:
         self.procs, self.tp = procs, tp
 
     @classmethod
@@ -91,18 +124,17 @@ class TPGroup:
         the config with the rendezvous address filled in."""
         if not runner_cfg.dist_init_addr:
             runner_cfg = replace(runner_cfg, dist_init_addr=f"127.0.0.1:{free_port()}")
-        ctx = mp.get_context("spawn")
-        procs = {}
-        for rank in local_ranks(runner_cfg):
-            if rank == 0:
-                continue
-            procs[rank] = ctx.Process(
-                target=_follower_main,
-                args=(rank, model_path, runner_cfg, sched_cfg, log_level),
-                name=f"tp{rank}",
-                daemon=True,
+        procs = {
+            rank: _spawn(
+                rank,
+                model_path=model_path,
+                runner_cfg=runner_cfg,
+                sched_cfg=sched_cfg,
+                log_level=log_level,
             )
-            procs[rank].start()
+            for rank in local_ranks(runner_cfg)
+            if rank != 0
+        }
         group = cls(procs, None)
         if runner_cfg.node_rank == 0:
             try:
@@ -123,8 +155,8 @@ class TPGroup:
     def failure(self) -> str | None:
         """A message naming a follower that has exited, or None while all run."""
         for rank, proc in self.procs.items():
-            if proc.exitcode is not None:
-                return f"tensor-parallel rank {rank} exited (code {proc.exitcode})"
+            if proc.poll() is not None:
+                return f"tensor-parallel rank {rank} exited (code {proc.returncode})"
         return None
 
     def watch(self, on_failure: Callable[[str], None], interval_s: float = 0.5) -> None:
@@ -143,19 +175,19 @@ class TPGroup:
 
     def wait(self) -> int:
         """Block until this host's followers exit (hosts other than 0); 1 if any failed."""
-        for proc in self.procs.values():
-            proc.join()
-        return 1 if any(p.exitcode for p in self.procs.values()) else 0
+        codes = [proc.wait() for proc in self.procs.values()]
+        return 1 if any(codes) else 0
 
     def stop(self) -> None:
         """Join the followers (they leave their loops on rank 0's stop), killing any that
         hang, and leave the process group."""
         for rank, proc in self.procs.items():
-            proc.join(JOIN_S)
-            if proc.is_alive():
+            try:
+                proc.wait(JOIN_S)
+            except subprocess.TimeoutExpired:
                 logger.warning("tensor-parallel rank %d did not exit; killing it", rank)
                 proc.kill()
-                proc.join(JOIN_S)
+                proc.wait(JOIN_S)
         if self.tp is not None and dist.is_initialized():
             dist.destroy_process_group()
             self.tp = None

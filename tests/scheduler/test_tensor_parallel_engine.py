@@ -107,7 +107,7 @@ def test_a_dead_rank_stops_the_group_with_its_name(paths):
         engine.generate(_prompts(1, 8, 7), GREEDY)
         (proc,) = engine.tp_group.procs.values()
         os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
+        proc.wait(10)
         with pytest.raises(RankLost, match=r"rank 1 exited \(code -9\)"):
             engine.generate(_prompts(1, 8, 8), GREEDY)
     finally:

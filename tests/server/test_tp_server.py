@@ -19,12 +19,10 @@ FLAGS = ("--tp-size", "2", "--max-total-tokens", "2048", "--max-running-requests
 
 
 def _follower(server_pid: int) -> int:
-    """The spawned rank 1: the scheduler process's child that is not multiprocessing's
-    resource tracker."""
+    """The spawned rank 1: the scheduler process's child that runs `follower_main`."""
     for scheduler in children_of(server_pid):
         for pid in children_of(scheduler):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            if b"follower_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid
     raise AssertionError("no tensor-parallel rank process found")
 
