@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.model_path is None:
-        from server.cli import default_model_path
+        from server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from models.config import ModelConfig
 from models.parallel import ParallelContext
 from models.presets import preset_config, write_checkpoint
 from tests.hf_reference import hf_greedy
@@ -94,3 +95,18 @@ def test_each_rank_holds_half_the_sharded_bytes(outputs):
     assert len(ranks) == 2 and sum(ranks) >= whole
     for share in ranks:  # only norms, routers and the gates are whole on both ranks
         assert share / whole < 0.52, f"a rank holds {share / whole:.3f} of the model's bytes"
+
+
+def test_splits_replicate_kv_heads_pad_the_vocab_and_refuse_uneven_heads():
+    # tiny: 4 query heads, 2 KV heads, GDN 2 key / 4 value heads
+    config = ModelConfig.from_dict({**preset_config("tiny"), "model_type": "qwen3_next"})
+    four = [ParallelContext(r, 4) for r in range(4)]
+    assert [tp.kv_heads(2) for tp in four] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    ranges = [tp.vocab_range(2001)[:2] for tp in four]
+    assert ranges == [(0, 501), (501, 501), (1002, 501), (1503, 498)]
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) is not divisible"):
+        ParallelContext(0, 4).local_shapes(config)
+    local = ParallelContext(1, 2).local_shapes(config)
+    assert (local.num_attention_heads, local.num_key_value_heads) == (2, 1)
+    assert (local.linear_num_key_heads, local.linear_num_value_heads) == (1, 2)
+    assert local.conv_dim * 2 == config.conv_dim
