@@ -1,9 +1,10 @@
 """Tensor parallel (2 ranks, gloo on CPU) against one rank and transformers, model level.
 
-For the tiny preset and a checkpoint with a replicated KV head (4 query heads, 1 KV head), GDN
-value/key ratio 2, dense and MoE layers, tied embeddings, fused experts and a vocabulary that two
-ranks do not divide: prefill logits (one-shot and chunked) and greedy decode logits within 1e-4
-of tp=1 and of transformers, the same greedy tokens, and each rank holding about half the bytes.
+For the tiny preset, Qwen3.5 dense (split GDN projections) and a checkpoint with a replicated
+KV head (4 query heads, 1 KV head), GDN value/key ratio 2, dense and MoE layers, tied embeddings,
+fused experts and a vocabulary that two ranks do not divide: prefill logits (one-shot and
+chunked) and greedy decode logits within 1e-4 of tp=1 and of transformers, the same greedy
+tokens, and each rank holding about half the bytes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def _mixed() -> dict:
     return cfg
 
 
-CHECKPOINTS = {"tiny": (preset_config("tiny"), "per_expert"), "mixed": (_mixed(), "fused")}
+CHECKPOINTS = {
+    "tiny": (preset_config("tiny"), "per_expert"),
+    "mixed": (_mixed(), "fused"),
+    "qwen3.5": (preset_config("tiny-qwen3.5"), "per_expert"),  # split in_proj_qkv/z/b/a
+}
 
 
 @pytest.fixture(scope="module")
