@@ -23,7 +23,7 @@ from models.parallel import ParallelContext
 from scheduler.config import SchedulerConfig
 from scheduler.grammar import GrammarBackend
 from scheduler.leak_check import leak_report
-from scheduler.lockstep import LockstepScheduler
+from scheduler.lockstep import LockstepScheduler, check_same_config
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import InProcessIO
 from scheduler.messages import GenerateMsg
@@ -59,6 +59,8 @@ def build_scheduler(
     sizes = pool_bytes(model)
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))
+    if tp is not None and tp.enabled:
+        check_same_config(tp, runner_cfg, sched_cfg)
     runner = ModelRunner(model, runner_cfg)
     if tp is not None and tp.enabled and tp.is_first:
         scheduler: Scheduler = LockstepScheduler(runner, sched_cfg, tp)

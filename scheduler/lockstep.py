@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import Any
 
 from models.parallel import ParallelContext
@@ -38,6 +39,20 @@ class RankLost(RuntimeError):
 def check_supported(config: SchedulerConfig) -> None:
     if config.hicache_storage_backend:
         raise ValueError("--hicache-storage-backend is not supported with --tp-size > 1")
+
+
+def check_same_config(tp: ParallelContext, runner_cfg: Any, sched_cfg: SchedulerConfig) -> None:
+    """Every rank must run with rank 0's options (hosts started with different flags would size
+    their pools differently and stop agreeing); ValueError, on every rank, naming the first
+    option that differs."""
+    mine = {**asdict(replace(runner_cfg, node_rank=0, num_threads=0)), **asdict(sched_cfg)}
+    for rank, theirs in enumerate(tp.all_gather_object(mine)):
+        diff = next((k for k in mine if theirs.get(k) != mine[k]), None)
+        if diff is not None:
+            raise ValueError(
+                f"tensor-parallel rank {rank} runs with {diff}={theirs.get(diff)!r}, this rank "
+                f"with {mine[diff]!r}: start every host with the same options"
+            )
 
 
 class LockstepScheduler(Scheduler):

@@ -74,3 +74,16 @@ def _gather_bytes(tp: ParallelContext, n: int) -> list[int]:
     parts = [torch.zeros(1, dtype=torch.int64) for _ in range(tp.size)]
     torch.distributed.all_gather(parts, torch.tensor([n]))
     return [int(p) for p in parts]
+
+
+def config_mismatch(tp: ParallelContext) -> str:
+    """Rank 1 starts with another KV pool size: the message rank 0 gets."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.lockstep import check_same_config
+
+    cfg = RunnerConfig(max_total_tokens=1024 * (1 + tp.rank), num_threads=1 + tp.rank)
+    try:
+        check_same_config(tp, cfg, SchedulerConfig())
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -16,6 +16,8 @@ from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.lockstep import RankLost
 from tests.hf_reference import hf_greedy
+from tests.tp_harness import run_ranks
+from tests.tp_workers import config_mismatch
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
 POOLS = dict(
@@ -104,3 +106,8 @@ def test_tp2_engine_matches_transformers_and_a_dead_rank_stops_it(paths):
         engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(paths["mixed"], dtype=torch.float32).eval()
     assert got == hf_greedy(hf, prompts, GREEDY["max_new_tokens"])
+
+
+def test_ranks_started_with_other_options_refuse_to_run():
+    message = run_ranks(config_mismatch, 2)
+    assert "rank 1 runs with max_total_tokens=2048, this rank with 1024" in message
