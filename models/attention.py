@@ -18,10 +18,17 @@ from kernels import decode_attention, extend_attention
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import Linear, RMSNorm, RotaryEmbedding
+from models.parallel import ParallelContext
+from models.parallel_layers import row_linear
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attn_layer_id: int) -> None:
+    """`config` carries this rank's head counts (`ParallelContext.local_shapes`); o_proj sums
+    the ranks' heads."""
+
+    def __init__(
+        self, config: ModelConfig, attn_layer_id: int, tp: ParallelContext | None = None
+    ) -> None:
         super().__init__()
         c = config
         self.attn_layer_id = attn_layer_id  # index among the full-attention layers
@@ -35,7 +42,9 @@ class GatedAttention(nn.Module):
         self.q_proj = Linear(c.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
         self.k_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=bias)
+        self.o_proj = row_linear(
+            self.num_heads * self.head_dim, c.hidden_size, bias, tp or ParallelContext()
+        )
         self.q_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
 

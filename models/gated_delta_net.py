@@ -29,10 +29,17 @@ from kernels import (
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import Linear, RMSNormGated
+from models.parallel import ParallelContext
+from models.parallel_layers import row_linear
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, linear_layer_id: int) -> None:
+    """`config` carries this rank's key/value heads (`ParallelContext.local_shapes`), and so do
+    the conv channels and the pool's states; out_proj sums the ranks' heads."""
+
+    def __init__(
+        self, config: ModelConfig, linear_layer_id: int, tp: ParallelContext | None = None
+    ) -> None:
         super().__init__()
         c = config
         self.linear_layer_id = linear_layer_id  # index among the linear-attention layers
@@ -53,7 +60,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, eps=c.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, c.hidden_size, bias=False)
+        self.out_proj = row_linear(self.value_dim, c.hidden_size, False, tp or ParallelContext())
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]

@@ -21,7 +21,9 @@ import torch
 from safetensors import safe_open
 
 from models.config import ModelConfig
+from models.parallel import ParallelContext
 from models.qwen3_next import Qwen3NextForCausalLM
+from models.shard_loader import read_shard, source_shard
 from models.weight_map import checkpoint_map, expert_layout_of, is_skipped
 
 logger = logging.getLogger(__name__)
@@ -64,9 +66,14 @@ def checkpoint_names(files: list[Path]) -> dict[str, Path]:
 
 
 def load_model(
-    model_path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+    model_path: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    tp: ParallelContext | None = None,
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
+    With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
+    sharded tensor (`models.shard_loader`).
 
     The key set is checked against `checkpoint_map` before any data is read (a missing or extra
     tensor is a `ValueError` naming it). Parameters are allocated once, in the target dtype, and
@@ -77,8 +84,9 @@ def load_model(
     config = ModelConfig.from_hf(path)
     torch_dtype = resolve_dtype(dtype, config)
     weights_only = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    tp = tp or ParallelContext()
     with torch.device("meta"):
-        model = Qwen3NextForCausalLM(config)
+        model = Qwen3NextForCausalLM(config, tp)
     # dtypes are set on meta (free), so each parameter is allocated once, in its final dtype
     model = model.to(torch.float32 if weights_only else torch_dtype)
     if weights_only:
@@ -86,6 +94,9 @@ def load_model(
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty() unties: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
+    if tp.enabled:  # the vocab shards' padding rows
+        model.model.embed_tokens.weight.data.zero_()
+        model.lm_head.weight.data.zero_()
 
     where = checkpoint_names(checkpoint_files(path))
     skipped = sorted(n for n in where if is_skipped(n))
@@ -115,10 +126,13 @@ def load_model(
                     target = table.get(name)
                     if target is None:
                         continue
-                    w = f.get_tensor(name)
+                    shard = source_shard(name, config, tp)
+                    w = read_shard(f, name, shard)
                     if target.transform is not None:
                         w = target.transform(w)
                     dst = params[target.param].data[target.index]
+                    if shard is not None and shard.rows is not None:
+                        dst = dst[: shard.rows]
                     if dst.shape != w.shape:
                         raise ValueError(
                             f"checkpoint tensor {name}: shape {tuple(w.shape)}, "

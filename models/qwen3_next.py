@@ -17,28 +17,37 @@ from models.attention import GatedAttention
 from models.config import FULL, ModelConfig
 from models.forward_batch import ForwardBatch
 from models.gated_delta_net import GatedDeltaNet
-from models.layers import MLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE
+from models.layers import RMSNorm, RotaryEmbedding
+from models.parallel import ParallelContext
+from models.parallel_layers import embedding, lm_head, mlp, sparse_moe
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    """`config` carries this rank's shapes (`ParallelContext.local_shapes`)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, tp: ParallelContext) -> None:
         super().__init__()
         self.is_full_attention = config.layer_types[layer_id] == FULL
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config, config.full_attention_layers.index(layer_id))
+            self.self_attn = GatedAttention(
+                config, config.full_attention_layers.index(layer_id), tp
+            )
         else:
-            self.linear_attn = GatedDeltaNet(config, config.linear_attention_layers.index(layer_id))
+            self.linear_attn = GatedDeltaNet(
+                config, config.linear_attention_layers.index(layer_id), tp
+            )
         if config.is_moe_layer(layer_id):
-            self.mlp: nn.Module = SparseMoE(
+            self.mlp: nn.Module = sparse_moe(
                 config.hidden_size,
                 config.num_experts,
                 config.num_experts_per_tok,
                 config.moe_intermediate_size,
                 config.shared_expert_intermediate_size,
                 config.norm_topk_prob,
+                tp=tp,
             )
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            self.mlp = mlp(config.hidden_size, config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -53,11 +62,12 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
+        local = tp.local_shapes(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(local, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
@@ -71,11 +81,15 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The whole model, or rank `tp.rank`'s shard of it (`models.parallel`): `config` is the
+    checkpoint's, `local_config` this rank's head counts and widths (what its pools hold)."""
+
+    def __init__(self, config: ModelConfig, tp: ParallelContext | None = None) -> None:
         super().__init__()
-        self.config = config
-        self.model = Qwen3NextModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp or ParallelContext()
+        self.config, self.local_config = config, self.tp.local_shapes(config)
+        self.model = Qwen3NextModel(config, self.tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -108,8 +108,10 @@ def _param_entries(pname: str, c: ModelConfig, expert_layout: str) -> dict[str, 
 
 
 def checkpoint_map(model: nn.Module, expert_layout: str) -> dict[str, Target]:
-    """Checkpoint name -> Target for every tensor a complete checkpoint of `model` holds."""
-    c: ModelConfig = model.config
+    """Checkpoint name -> Target for every tensor a complete checkpoint of `model` holds. Row
+    slices and regrouping follow the model's own shapes: a tensor-parallel rank's (its
+    `local_config`), whose part of each tensor `models.shard_loader` reads."""
+    c: ModelConfig = getattr(model, "local_config", model.config)
     table: dict[str, Target] = {}
     for pname, _ in model.named_parameters():  # tied lm_head is listed once, as the embedding
         for name, target in _param_entries(pname, c, expert_layout).items():

@@ -127,6 +127,12 @@ class RunnerConfig:
 
     num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.threads), the
     # Engine keeps torch's setting
+    # tensor parallelism (SGLang's flags): ranks, hosts, this host's index, rank 0's host:port
+    # for the rendezvous ("" on one host: a free loopback port). See scheduler/tp_group.py.
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
@@ -150,6 +156,15 @@ class RunnerConfig:
             raise ValueError(
                 f"--dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
             )
+        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(
+                f"--tp-size ({self.tp_size}) must be a positive multiple of --nnodes "
+                f"({self.nnodes})"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -19,9 +19,11 @@ from dataclasses import asdict, fields, replace
 from typing import Any
 
 from models.loader import load_model
+from models.parallel import ParallelContext
 from scheduler.config import SchedulerConfig
 from scheduler.grammar import GrammarBackend
 from scheduler.leak_check import leak_report
+from scheduler.lockstep import LockstepScheduler, check_same_config
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import InProcessIO
 from scheduler.messages import GenerateMsg
@@ -32,6 +34,8 @@ from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+from scheduler.threads import configure_threads
+from scheduler.tp_group import TPGroup, rank_threads
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +43,29 @@ Prompt = str | list[int]
 
 
 def build_scheduler(
-    model_path: str, runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig
+    model_path: str,
+    runner_cfg: RunnerConfig,
+    sched_cfg: SchedulerConfig,
+    tp: ParallelContext | None = None,
 ) -> Scheduler:
     """Load the model and pools and make the scheduler; a Mamba pool size of 0 takes the
     strategy's default (`SchedulerConfig.mamba_slots_for`), and a memory budget sizes the KV
-    pool (`scheduler.pool_sizing`). The sizes are logged."""
+    pool (`scheduler.pool_sizing`). The sizes are logged. With a tensor-parallel context: this
+    rank's shard and pools; rank 0 gets the `LockstepScheduler` that leads the others."""
     if runner_cfg.mamba_cache_size == 0:
         slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
         runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
-    model = load_model(model_path, runner_cfg.dtype, runner_cfg.device)
+    model = load_model(model_path, runner_cfg.dtype, runner_cfg.device, tp)
     sizes = pool_bytes(model)
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))
-    scheduler = Scheduler(ModelRunner(model, runner_cfg), sched_cfg)
+    if tp is not None and tp.enabled:
+        check_same_config(tp, runner_cfg, sched_cfg)
+    runner = ModelRunner(model, runner_cfg)
+    if tp is not None and tp.enabled and tp.is_first:
+        scheduler: Scheduler = LockstepScheduler(runner, sched_cfg, tp)
+    else:
+        scheduler = Scheduler(runner, sched_cfg)
     scheduler.grammar = GrammarBackend(model_path, model.config.vocab_size)
     return scheduler
 
@@ -66,7 +80,21 @@ class Engine:
         runner_cfg = RunnerConfig(**{k: v for k, v in options.items() if k in runner_keys})
         sched_cfg = SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys})
         self.model_path = model_path
-        self.scheduler = build_scheduler(model_path, runner_cfg, sched_cfg)
+        self.tp_group: TPGroup | None = None
+        tp = None
+        if runner_cfg.tp_size > 1:  # this process is rank 0; the others are spawned
+            if runner_cfg.nnodes > 1:
+                raise ValueError("the Engine runs on one host (--nnodes 1)")
+            configure_threads(rank_threads(runner_cfg), pick_default=False)
+            self.tp_group, runner_cfg = TPGroup.start(model_path, runner_cfg, sched_cfg)
+            tp = self.tp_group.tp
+        try:
+            self.scheduler = build_scheduler(model_path, runner_cfg, sched_cfg, tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.tp_group is not None:
+            self.scheduler.describe_failure = self.tp_group.failure
         self.runner = self.scheduler.runner
         self._tokenizer = None
         self._ids = itertools.count()
@@ -227,8 +255,24 @@ class Engine:
         self.loop.flush()
         return closed
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""
+        group, self.tp_group = self.tp_group, None
+        if group is None:
+            return
+        try:
+            if isinstance(getattr(self, "scheduler", None), LockstepScheduler):
+                self.scheduler.shutdown()
+        except RuntimeError as e:  # a rank is gone already
+            logger.warning("tensor-parallel group: %s", e)
+        group.stop()
+
     def leak_report(self) -> list[str]:
-        return leak_report(self.scheduler)
+        """Pool problems (empty: clean); with tensor parallelism every rank's, named."""
+        if not isinstance(self.scheduler, LockstepScheduler):
+            return leak_report(self.scheduler)
+        reports = self.scheduler.leak_reports()
+        return [f"rank {rank}: {line}" for rank, lines in enumerate(reports) for line in lines]
 
     def flush_cache(self) -> bool:
         """Free sessions' held slots and empty the radix tree; refused (False) while requests

@@ -54,7 +54,7 @@ class DecodeInput:
 class ModelRunner:
     def __init__(self, model: Qwen3NextForCausalLM, config: RunnerConfig) -> None:
         self.model, self.config = model, config
-        mc = model.config
+        mc = model.local_config  # this rank's heads: its pools hold only their states
         device = torch.device(config.device)
         dtype = next(model.parameters()).dtype
         self.device = device
@@ -237,4 +237,18 @@ class ModelRunner:
         generators: list[torch.Generator | None],
         histories: list[tuple[list[int], list[int]]] | None = None,
     ) -> SampleOutput:
-        return self.sampler(logits[: len(params)], params, generators, histories)
+        """Next tokens; with tensor parallelism rank 0 draws them (or fails) and every rank gets
+        its result, so all ranks continue with the same tokens."""
+        tp = self.model.tp
+        if not tp.enabled:
+            return self.sampler(logits[: len(params)], params, generators, histories)
+        result: SampleOutput | Exception | None = None
+        if tp.is_first:
+            try:
+                result = self.sampler(logits[: len(params)], params, generators, histories)
+            except Exception as e:  # raised on every rank alike, after the broadcast
+                result = e
+        result = tp.broadcast_object(result)
+        if isinstance(result, Exception):
+            raise result
+        return result

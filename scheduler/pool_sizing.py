@@ -33,7 +33,7 @@ class PoolBytes:
 
 
 def pool_bytes(model: nn.Module) -> PoolBytes:
-    c: ModelConfig = model.config
+    c: ModelConfig = getattr(model, "local_config", model.config)  # per tensor-parallel rank
     dtype_bytes = next(model.parameters()).element_size()
     kv = len(c.full_attention_layers) * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
     conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * dtype_bytes

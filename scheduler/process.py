@@ -52,15 +52,27 @@ def run_scheduler(
     from scheduler.loop import SchedulerLoop
     from scheduler.loop_io import PipeIO
     from scheduler.threads import configure_threads
+    from scheduler.tp_group import rank_threads
+    from scheduler.tp_launch import start_ranks, stop_ranks, supervise
 
-    configure_threads(runner_config.num_threads, pick_default=True)
+    if runner_config.tp_size > 1:  # this process is rank 0 (scheduler/tp_launch.py)
+        configure_threads(rank_threads(runner_config), pick_default=False)
+    else:
+        configure_threads(runner_config.num_threads, pick_default=True)
     start = time.perf_counter()
+    group = scheduler = None
     try:
-        scheduler = build_scheduler(model_path, runner_config, scheduler_config)
+        group, runner_config, tp = start_ranks(
+            model_path, runner_config, scheduler_config, log_level
+        )
+        scheduler = build_scheduler(model_path, runner_config, scheduler_config, tp)
     except Exception as e:  # reported to the API process, which exits with the message
         logger.exception("loading %s failed", model_path)
+        stop_ranks(group, scheduler)
         outbox.send(FailedMsg(f"{type(e).__name__}: {e}"))
         return
+    if group is not None:  # a dead rank stops the server, also while idle
+        outbox = supervise(group, scheduler, outbox)
     mc = scheduler.runner.model.config
     logger.info("model loaded from %s in %.1fs", model_path, time.perf_counter() - start)
     ready = ReadyMsg(
@@ -80,3 +92,5 @@ def run_scheduler(
         except OSError:
             pass
         sys.exit(1)
+    finally:
+        stop_ranks(group, scheduler)

@@ -54,6 +54,11 @@ def serve(
     """Run the server in the foreground; the exit status (0 after a clean signal shutdown)."""
     from server.http_server import create_app
 
+    if runner_config.node_rank > 0:  # another host's tensor-parallel ranks: no HTTP here
+        from scheduler.tp_group import run_followers
+
+        model_path = resolve_model_path(config)
+        return run_followers(model_path, runner_config, scheduler_config, config.log_level)
     sock = bind_socket(config.host, config.port)
     model_path = resolve_model_path(config)
     app = create_app(config, runner_config, scheduler_config, model_path)

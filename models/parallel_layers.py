@@ -1,0 +1,113 @@
+"""Tensor-parallel layers: the row-parallel linear, MLP and MoE (one all-reduce each), the
+vocab-parallel embedding and LM head.
+
+Column-parallel projections need no class of their own: a rank's q/k/v, in_proj_qkvz/ba,
+gate/up projections are plain `Linear`s with its share of the output rows (the shard loader fills
+them, `models.shard_loader`). Each factory here returns today's plain module when the context
+has one rank, so tp_size=1 runs exactly the unsharded model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from models.layers import MLP, Linear, SparseMoE
+from models.parallel import ParallelContext
+
+
+class RowParallelLinear(Linear):
+    """`Linear` over this rank's input columns; the partial outputs are summed over the ranks,
+    then the bias (held whole on every rank) is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelContext):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(kernels.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: ParallelContext) -> Linear:
+    if not tp.enabled:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+class ParallelMLP(MLP):
+    """SwiGLU over this rank's intermediate columns, summed over the ranks."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: ParallelContext) -> None:
+        super().__init__(hidden_size, intermediate_size)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+
+class ParallelSparseMoE(SparseMoE):
+    """Router and shared-expert gate whole on every rank; each routed expert and the shared
+    expert over this rank's intermediate columns. Routed plus shared partial sums take one
+    all-reduce (the gate is per token, so it commutes with the sum)."""
+
+    def __init__(self, *args, tp: ParallelContext, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + count) of the embedding (padded to an equal share); a token outside
+    them looks up zeros here, and the sum over the ranks is the full lookup."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.count, rows = tp.vocab_range(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.count)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(Linear):
+    """This rank's vocab rows; the logits of every rank are gathered and the padding cut."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: ParallelContext) -> None:
+        super().__init__(hidden_size, tp.vocab_range(vocab_size)[2], bias=False)
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(super().forward(x))[..., : self.vocab_size]
+
+
+def embedding(vocab_size: int, hidden_size: int, tp: ParallelContext) -> nn.Module:
+    if not tp.enabled:
+        return nn.Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(vocab_size, hidden_size, tp)
+
+
+def lm_head(hidden_size: int, vocab_size: int, tp: ParallelContext) -> Linear:
+    if not tp.enabled:
+        return Linear(hidden_size, vocab_size, bias=False)
+    return ParallelLMHead(hidden_size, vocab_size, tp)
+
+
+def mlp(hidden_size: int, intermediate_size: int, tp: ParallelContext) -> MLP:
+    if not tp.enabled:
+        return MLP(hidden_size, intermediate_size)
+    return ParallelMLP(hidden_size, intermediate_size, tp)
+
+
+def sparse_moe(*args, tp: ParallelContext, **kwargs) -> SparseMoE:
+    if not tp.enabled:
+        return SparseMoE(*args, **kwargs)
+    return ParallelSparseMoE(*args, tp=tp, **kwargs)

@@ -1,0 +1,117 @@
+"""Tensor parallel (2 ranks, gloo on CPU) against one rank and transformers, model level.
+
+For the tiny preset, Qwen3.5 dense (split GDN projections) and a checkpoint with a replicated
+KV head (4 query heads, 1 KV head), GDN value/key ratio 2, dense and MoE layers, tied embeddings,
+fused experts and a vocabulary that two ranks do not divide: prefill logits (one-shot and
+chunked) and greedy decode logits within 1e-4 of tp=1 and of transformers, the same greedy
+tokens, and each rank holding about half the bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.config import ModelConfig
+from models.parallel import ParallelContext
+from models.presets import preset_config, write_checkpoint
+from tests.hf_reference import hf_greedy
+from tests.tp_harness import run_ranks
+from tests.tp_workers import each_model_outputs, model_outputs
+
+ATOL = 1e-4
+DECODE_STEPS = 6
+
+
+def _mixed() -> dict:
+    cfg = preset_config("tiny")
+    cfg.update(
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        mlp_only_layers=[0, 3],
+        tie_word_embeddings=True,
+        vocab_size=2001,
+        num_hidden_layers=4,
+    )
+    return cfg
+
+
+CHECKPOINTS = {
+    "tiny": (preset_config("tiny"), "per_expert"),
+    "mixed": (_mixed(), "fused"),
+    "qwen3.5": (preset_config("tiny-qwen3.5"), "per_expert"),  # split in_proj_qkv/z/b/a
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Both checkpoints through tp=2 in one launch of the ranks, and through tp=1 here."""
+    jobs = []
+    for name, (config, layout) in CHECKPOINTS.items():
+        path = tmp_path_factory.mktemp(f"tp-{name}")
+        write_checkpoint(path, config, seed=1, expert_layout=layout)
+        gen = torch.Generator().manual_seed(7)
+        lens = (1, 40)
+        jobs.append(
+            (
+                str(path),
+                [
+                    torch.randint(3, config["vocab_size"], (n,), generator=gen).tolist()
+                    for n in lens
+                ],
+            )
+        )
+    two = run_ranks(each_model_outputs, 2, jobs, DECODE_STEPS, 16)
+    return {
+        name: (path, prompts, model_outputs(ParallelContext(), path, prompts, DECODE_STEPS, 16), b)
+        for name, (path, prompts), b in zip(CHECKPOINTS, jobs, two, strict=True)
+    }
+
+
+@pytest.fixture(params=list(CHECKPOINTS))
+def outputs(request, runs):
+    return runs[request.param]
+
+
+def test_tp2_logits_equal_tp1(outputs):
+    _, _, one, two = outputs
+    for key in ("prefill", "chunked", "decode"):
+        err = (one[key] - two[key]).abs().max().item()
+        assert err < ATOL, f"{key}: max |dlogit| tp=2 vs tp=1 {err:.2e}"
+    assert two["tokens"] == one["tokens"]
+
+
+def test_tp2_matches_transformers(outputs):
+    path, prompts, _, two = outputs
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    assert (two["prefill"] - ref).abs().max().item() < ATOL
+    greedy = [list(t) for t in zip(*two["tokens"], strict=True)]
+    assert greedy == hf_greedy(hf, prompts, DECODE_STEPS + 1)
+
+
+def test_each_rank_holds_half_the_sharded_bytes(outputs):
+    _, _, one, two = outputs
+    (whole,), ranks = one["rank_param_bytes"], two["rank_param_bytes"]
+    assert len(ranks) == 2 and sum(ranks) >= whole
+    for share in ranks:  # only norms, routers and the gates are whole on both ranks
+        assert share / whole < 0.52, f"a rank holds {share / whole:.3f} of the model's bytes"
+
+
+def test_splits_replicate_kv_heads_pad_the_vocab_and_refuse_uneven_heads():
+    # tiny: 4 query heads, 2 KV heads, GDN 2 key / 4 value heads
+    config = ModelConfig.from_dict({**preset_config("tiny"), "model_type": "qwen3_next"})
+    four = [ParallelContext(r, 4) for r in range(4)]
+    assert [tp.kv_heads(2) for tp in four] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    ranges = [tp.vocab_range(2001)[:2] for tp in four]
+    assert ranges == [(0, 501), (501, 501), (1002, 501), (1503, 498)]
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) is not divisible"):
+        ParallelContext(0, 4).local_shapes(config)
+    local = ParallelContext(1, 2).local_shapes(config)
+    assert (local.num_attention_heads, local.num_key_value_heads) == (2, 1)
+    assert (local.linear_num_key_heads, local.linear_num_value_heads) == (1, 2)
+    assert local.conv_dim * 2 == config.conv_dim

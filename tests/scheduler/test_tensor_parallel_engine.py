@@ -1,0 +1,113 @@
+"""The lockstep engine: `Engine(tp_size=2)` (this process is rank 0, one spawned follower, gloo)
+gives the tokens of `Engine()` and of transformers, with the radix cache, chunked prefill, a
+session, seeded and unseeded sampling, under no_buffer and extra_buffer; every rank's pools are
+clean afterwards; a follower that dies stops the group with a message naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.presets import preset_config, write_checkpoint
+from scheduler.engine import Engine
+from scheduler.lockstep import RankLost
+from tests.hf_reference import hf_greedy
+from tests.tp_harness import run_ranks
+from tests.tp_workers import config_mismatch
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
+POOLS = dict(
+    dtype="float32",
+    max_running_requests=6,
+    max_total_tokens=1024,
+    chunked_prefill_size=64,  # the 145-token prompts take three rounds
+    mamba_track_interval=4,
+)
+
+
+def _mixed() -> dict:  # one replicated KV head, GDN ratio 2, dense and MoE layers
+    cfg = preset_config("tiny")
+    cfg.update(num_key_value_heads=1, mlp_only_layers=[0, 3], num_hidden_layers=4, vocab_size=2001)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for name, cfg in (("tiny", preset_config("tiny")), ("mixed", _mixed())):
+        out[name] = str(write_checkpoint(tmp_path_factory.mktemp(f"tp-{name}"), cfg, seed=3))
+    return out
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 2000, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def _workload(engine: Engine) -> dict:
+    """Shared-prefix prompts twice (the second round hits the cache), a two-turn session and
+    sampled requests (one seeded); the tokens, the cache hits and every rank's leak report."""
+    prefix = _prompts(1, 140, 1)[0]  # past one 64-token chunk: extra_buffer snapshots there
+    first = [prefix + tail for tail in _prompts(3, 5, 2)]
+    out = {"round1": [r["output_ids"] for r in engine.generate(first, GREEDY)]}
+    second = engine.generate([prefix + tail for tail in _prompts(2, 7, 3)], GREEDY)
+    out["round2"] = [r["output_ids"] for r in second]
+    out["cached"] = [r["meta_info"]["cached_tokens"] for r in second]
+    sid = engine.open_session(capacity_of_str_len=1000)
+    turns = []
+    for i, turn in enumerate(_prompts(2, 9, 4)):
+        params = {"id": sid, "rid": turns[-1][0] if turns else None}
+        res = engine.generate(turn, GREEDY, session_params=params)
+        turns.append((res["meta_info"]["id"], res["output_ids"], i))
+    engine.close_session(sid)
+    out["session"] = [t[1] for t in turns]
+    sampled = engine.generate(
+        _prompts(2, 12, 5),
+        [
+            {"max_new_tokens": 6, "temperature": 0.9, "seed": 11},
+            {"max_new_tokens": 6, "temperature": 0.9},
+        ],
+    )
+    out["seeded"] = sampled[0]["output_ids"]
+    out["leaks"] = engine.leak_report()
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+def test_tp2_engine_equals_tp1(paths, strategy):
+    tp2 = Engine(paths["tiny"], tp_size=2, mamba_scheduler_strategy=strategy, **POOLS)
+    try:
+        two = _workload(tp2)
+    finally:
+        tp2.shutdown()
+    one = _workload(Engine(paths["tiny"], mamba_scheduler_strategy=strategy, **POOLS))
+    assert two["leaks"] == [] and one["leaks"] == []
+    assert min(two["cached"]) >= 64, two["cached"]  # the shared prefix came from the cache
+    for key in ("round1", "round2", "cached", "session", "seeded"):
+        assert two[key] == one[key], key
+
+
+def test_tp2_engine_matches_transformers_and_a_dead_rank_stops_it(paths):
+    prompts = _prompts(3, 21, 6)
+    engine = Engine(paths["mixed"], tp_size=2, mamba_scheduler_strategy="extra_buffer", **POOLS)
+    try:
+        got = [r["output_ids"] for r in engine.generate(prompts, GREEDY)]
+        assert engine.leak_report() == []
+        (proc,) = engine.tp_group.procs.values()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        with pytest.raises(RankLost, match=r"rank 1 exited \(code -9\)"):
+            engine.generate(_prompts(1, 8, 8), GREEDY)
+    finally:
+        engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(paths["mixed"], dtype=torch.float32).eval()
+    assert got == hf_greedy(hf, prompts, GREEDY["max_new_tokens"])
+
+
+def test_ranks_started_with_other_options_refuse_to_run():
+    message = run_ranks(config_mismatch, 2)
+    assert "rank 1 runs with max_total_tokens=2048, this rank with 1024" in message
