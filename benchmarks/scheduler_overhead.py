@@ -1,10 +1,11 @@
 """Scheduler overhead per decode step, with the model replaced by a no-op of the same output shape.
 
 Everything but the forward runs for real: batch building, KV allocation, padding, sampling
-(greedy over a [B, vocab] logits tensor), finish checks and bookkeeping. Reported: median time
-of a decode step at each batch size.
+(over a [B, vocab] logits tensor of noise), finish checks and bookkeeping. Reported: median time
+of a decode step at each batch size. `--sampling greedy` (the default) takes the argmax;
+`--sampling full` samples every row with temperature, top-k, top-p, min-p and all three penalties.
 
-Example: python -m benchmarks.scheduler_overhead --batch-sizes 1,16,64
+Example: python -m benchmarks.scheduler_overhead --batch-sizes 1,16,64 --sampling full
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ import torch
 
 from scheduler.engine import Engine
 
+SAMPLED = {
+    "temperature": 0.8,
+    "top_k": 50,
+    "top_p": 0.9,
+    "min_p": 0.01,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.3,
+    "repetition_penalty": 1.1,
+}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -30,6 +41,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sampling", choices=("greedy", "full"), default="greedy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_path is None:
@@ -48,13 +60,15 @@ def main() -> None:
     def no_op_forward(batch):
         if not batch.is_decode:
             return real_forward(batch)  # prefill stays real so the requests are set up honestly
-        return torch.zeros(len(batch.extend_lens_cpu), vocab)
+        return torch.randn(len(batch.extend_lens_cpu), vocab)
 
     engine.runner.forward = no_op_forward
     sched = engine.scheduler
     print(f"{'batch':>6}{'median ms/step':>16}{'p90 ms':>10}")
     for bs in sizes:
         params = {"max_new_tokens": args.steps + 2, "temperature": 0.0, "ignore_eos": True}
+        if args.sampling == "full":
+            params |= SAMPLED
         reqs = [engine._make_req(list(range(3, 19)), params) for _ in range(bs)]
         for r in reqs:
             sched.add_request(r)

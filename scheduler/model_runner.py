@@ -26,6 +26,7 @@ from mem_cache.req_pool import ReqToTokenPool
 from models.forward_batch import ForwardBatch
 from models.loader import DTYPES, load_model
 from models.qwen3_next import Qwen3NextForCausalLM
+from scheduler.penalties import TokenCounts
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
 from scheduler.threads import configure_threads
@@ -283,5 +284,6 @@ class ModelRunner:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         histories: list[tuple[list[int], list[int]]] | None = None,
+        counts: list[TokenCounts | None] | None = None,
     ) -> SampleOutput:
-        return self.sampler(logits[: len(params)], params, generators, histories)
+        return self.sampler(logits[: len(params)], params, generators, histories, counts)
