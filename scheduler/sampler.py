@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.penalties import History, TokenCounts, apply_penalties
+from scheduler.penalties import History, TokenCounts, apply_penalties, has_penalty
 from scheduler.sampling_ops import sample_rows
 from scheduler.sampling_params import SamplingParams
 
@@ -96,8 +96,13 @@ class Sampler:
         logprobs_all = None
         if any(p.return_logprob for p in params):
             logprobs_all = torch.log_softmax(logits.float(), dim=-1)
-        logits = apply_penalties(logits.clone(), params, histories, counts)
-        if any(p.logit_bias or p.min_new_tokens for p in params):
+        penalised = any(has_penalty(p) for p in params)
+        biased = any(p.logit_bias or p.min_new_tokens for p in params)
+        if penalised or biased:  # the caller's logits stay as they are
+            logits = logits.clone()
+        if penalised:
+            apply_penalties(logits, params, histories, counts)
+        if biased:
             num_outputs = None if histories is None else [len(h[1]) for h in histories]
             apply_bias_and_min_tokens(logits, params, num_outputs, self.eos_ids)
         next_ids = logits.argmax(dim=-1)
