@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.penalties import History, TokenCounts, apply_penalties, has_penalty
-from scheduler.sampling_ops import sample_rows
+from scheduler.sampling_ops import row_argmax, sample_rows
 from scheduler.sampling_params import SamplingParams
 
 
@@ -105,7 +105,7 @@ class Sampler:
         if biased:
             num_outputs = None if histories is None else [len(h[1]) for h in histories]
             apply_bias_and_min_tokens(logits, params, num_outputs, self.eos_ids)
-        next_ids = logits.argmax(dim=-1)
+        next_ids = row_argmax(logits)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if len(sampled) == len(params):
             next_ids = sample_rows(logits, params, generators)

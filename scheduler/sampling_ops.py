@@ -23,6 +23,19 @@ from scheduler.sampling_params import SamplingParams
 CANDIDATES = 128  # top-p-only rows first try the 128 most likely tokens
 
 
+def row_argmax(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """`x.argmax(-1)` of a [rows, vocab] tensor, the same index (the first maximum; NaN counts
+    as the maximum, as in argmax). On CPU argmax is a scalar loop (~0.8 ms at 64 x 8192 on one
+    core) while amax is vectorised, so: the first block holding the row's maximum by amax, then
+    argmax inside that block (~5x faster there)."""
+    rows, vocab = x.shape
+    if x.is_cuda or vocab % block or vocab < 8 * block:
+        return x.argmax(-1)
+    blocks = x.view(rows, vocab // block, block)
+    best = blocks.amax(-1).argmax(-1)
+    return best * block + blocks[torch.arange(rows, device=x.device), best].argmax(-1)
+
+
 def race_noise(
     fixed: list[torch.Tensor | None],
     vocab: int,
@@ -61,7 +74,7 @@ def _full_vocab(x: torch.Tensor, params: list[SamplingParams], fixed: list) -> t
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=dt, device=dev)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
-    return (probs / race_noise(fixed, x.shape[-1], dev)).argmax(dim=-1)
+    return row_argmax(probs / race_noise(fixed, x.shape[-1], dev))
 
 
 def _candidates(

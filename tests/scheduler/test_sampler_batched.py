@@ -8,7 +8,7 @@ import torch
 from scheduler import sampling_ops
 from scheduler.penalties import TokenCounts, apply_penalties
 from scheduler.sampler import make_generator
-from scheduler.sampling_ops import _full_vocab, sample_rows, seeded_uniforms
+from scheduler.sampling_ops import _full_vocab, row_argmax, sample_rows, seeded_uniforms
 from scheduler.sampling_params import SamplingParams
 
 
@@ -69,3 +69,15 @@ def test_candidates_pick_what_the_whole_vocabulary_picks(monkeypatch) -> None:
                 x[i] = x[i].masked_fill(x[i] < kth, float("-inf"))
         want = _full_vocab(x, params, fixed)
         assert got.tolist() == want.tolist()
+
+
+def test_row_argmax_is_argmax() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(9, 2048)
+    x[1, 100] = x[1, 1900] = 50.0  # a tie: the first wins
+    x[2] = float("-inf")
+    x[3, 7] = float("nan")  # NaN counts as the maximum, as in argmax
+    x[4, 300:] = 9.0  # a tie across blocks
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    small = torch.randn(3, 100)  # below the blocked size: plain argmax
+    assert torch.equal(row_argmax(small), small.argmax(-1))
