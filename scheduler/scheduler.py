@@ -428,9 +428,12 @@ class Scheduler:
 
     @staticmethod
     def _token_counts(req: Req) -> TokenCounts:
-        if req.token_counts is None:
-            req.token_counts = TokenCounts(req.prompt_ids, req.output_ids)
-        return req.token_counts
+        """The request's penalty counts, over its current lists (a session turn may replace
+        `prompt_ids` with a new list)."""
+        c = req.token_counts
+        if c is None or c.prompt_ids is not req.prompt_ids or c.output_ids is not req.output_ids:
+            c = req.token_counts = TokenCounts(req.prompt_ids, req.output_ids)
+        return c
 
     # ---- cache / release -----------------------------------------------------------------
     def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:

@@ -81,3 +81,46 @@ def test_row_argmax_is_argmax() -> None:
     assert torch.equal(row_argmax(x), x.argmax(-1))
     small = torch.randn(3, 100)  # below the blocked size: plain argmax
     assert torch.equal(row_argmax(small), small.argmax(-1))
+
+
+def test_engine_penalties_from_kept_counts_equal_fresh_histories(tmp_path) -> None:
+    """Through the real scheduler, every step's tokens from the per-request counts (kept across
+    steps) equal those from each request's whole history rebuilt from copies of its lists."""
+    from models.presets import preset_config, write_checkpoint
+    from scheduler.engine import Engine
+
+    path = write_checkpoint(tmp_path / "tiny", preset_config("tiny"), seed=3)
+    engine = Engine(str(path), max_running_requests=4, max_total_tokens=300)
+    sample, schedule_sample = engine.runner.sample, engine.scheduler._sample
+    batch: list = []
+    checked = []
+
+    def recording(logits, reqs):
+        batch[:] = reqs
+        return schedule_sample(logits, reqs)
+
+    def checking_sample(logits, params, generators, histories=None, counts=None):
+        out = sample(logits, params, generators, histories, counts)
+        if counts is not None:
+            fresh = [(list(r.prompt_ids), list(r.output_ids)) for r in batch]
+            again = sample(logits, params, generators, fresh, None)
+            assert again.next_token_ids == out.next_token_ids
+            checked.append(sum(c is not None for c in counts))
+        return out
+
+    engine.scheduler._sample = recording
+    engine.runner.sample = checking_sample
+    penalised = {
+        "max_new_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "presence_penalty": 0.8,
+        "frequency_penalty": 0.6,
+        "repetition_penalty": 1.4,
+    }
+    prompts = [[5, 6, 7] * 8, list(range(3, 60)), [9] * 30, list(range(40, 100))]
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    outs = engine.generate(prompts, [penalised, greedy, penalised, penalised])
+    assert all(len(o["output_ids"]) == 12 for o in outs)
+    assert checked and max(checked) == 3
+    assert engine.leak_report() == []
