@@ -73,13 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--threads", type=int, default=2)
     a("--no-http", action="store_true", help="engine, prefill and transformers only")
     a("--max-minutes", type=float, default=120.0, help="no repeat starts past this budget")
-    a("--quick", action="store_true", help=f"a reduced end-to-end check: {QUICK}")
+    a("--quick", action="store_true", help=f"a reduced end-to-end check, as defaults: {QUICK}")
     a("--markdown-out", default=None)
     a("--json-out", default=None)
     args = p.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
+    if args.quick:  # QUICK replaces the defaults; flags given explicitly still win
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
     return args
 
 
