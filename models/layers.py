@@ -90,7 +90,17 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """E routed SwiGLU experts, fused: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
+    """E routed SwiGLU experts, fused: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]
+    (any I: a tensor-parallel shard stores its slice of the intermediate dim).
+
+    `forward` sorts the (token, expert) pairs by expert once, gathers the token rows in that
+    order, runs the experts on contiguous slices of it and scatters the weighted results back
+    with one `index_add_`: no Python work per token. From `GROUPED_MIN_TOKENS` tokens on (and
+    weights in the activations' dtype) each matrix is one grouped GEMM over all experts
+    (`torch._grouped_mm`); below, one `kernels.linear` per active expert, whose skinny C++ GEMV
+    suits the 1-8 rows an expert gets at small decode batches (and which takes bf16 weights)."""
+
+    GROUPED_MIN_TOKENS = 8  # the issue's prototypes; recheck: benchmarks/moe_experts.py
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -110,29 +120,56 @@ class Experts(nn.Module):
             self._per_expert = (key, gate_up, down)
         return self._per_expert[1], self._per_expert[2]
 
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        """Grouped GEMMs for enough tokens, on CPU, with weights in x's dtype and row strides
+        that `torch._grouped_mm` takes (multiples of 16 bytes; a shard may not have them)."""
+        _, hidden, inter = self.down_proj.shape
+        return (
+            x.shape[0] >= self.GROUPED_MIN_TOKENS
+            and not x.is_cuda
+            and self.gate_up_proj.dtype == x.dtype == self.down_proj.dtype
+            and (hidden * x.element_size()) % 16 == 0
+            and (inter * x.element_size()) % 16 == 0
+        )
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ) -> torch.Tensor:
         """x [T, hidden]; topk_ids / topk_w [T, k] -> sum_k w_k * expert_{id_k}(x)."""
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.forward_static(x, topk_ids, topk_w)
-        out = torch.zeros_like(x)
         flat_ids = topk_ids.flatten()  # [T*k]
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0])
         token_of = order // topk_ids.shape[1]
-        weight_of = topk_w.flatten()[order]
+        xs = x[token_of]  # the rows of each expert, contiguous, in expert order
+        if self.use_grouped(x):
+            ys = self.grouped_experts(xs, counts)
+        else:
+            ys = self.looped_experts(xs, counts.tolist())
+        ys = ys * topk_w.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token_of, ys.to(x.dtype))
+
+    def looped_experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """xs [N, hidden] sorted by expert, counts[e] rows each -> expert outputs [N, hidden]."""
         gate_up_w, down_w = self.per_expert_weights()
-        start = 0
+        ys, start = [], 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            tok = token_of[start : start + n]
-            gate, up = kernels.linear(x[tok], gate_up_w[e]).chunk(2, dim=-1)
-            y = kernels.linear(F.silu(gate) * up, down_w[e]) * weight_of[start : start + n, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+            gate, up = kernels.linear(xs[start : start + n], gate_up_w[e]).chunk(2, dim=-1)
+            ys.append(kernels.linear(F.silu(gate) * up, down_w[e]))
             start += n
-        return out
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+    def grouped_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same as `looped_experts`, one grouped GEMM per matrix over all experts (counts
+        stay on the device: no host sync)."""
+        offs = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(
+            2, dim=-1
+        )
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
 
     def forward_static(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor

@@ -26,6 +26,7 @@ from models.forward_batch import ForwardBatch
 from models.loader import load_model
 from models.qwen3_next import Qwen3NextForCausalLM
 from scheduler.config import RunnerConfig
+from scheduler.penalties import TokenCounts
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
 from scheduler.threads import configure_threads
@@ -236,16 +237,19 @@ class ModelRunner:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         histories: list[tuple[list[int], list[int]]] | None = None,
+        counts: list[TokenCounts | None] | None = None,
     ) -> SampleOutput:
         """Next tokens; with tensor parallelism rank 0 draws them (or fails) and every rank gets
         its result, so all ranks continue with the same tokens."""
         tp = self.model.tp
         if not tp.enabled:
-            return self.sampler(logits[: len(params)], params, generators, histories)
+            return self.sampler(logits[: len(params)], params, generators, histories, counts)
         result: SampleOutput | Exception | None = None
         if tp.is_first:
             try:
-                result = self.sampler(logits[: len(params)], params, generators, histories)
+                result = self.sampler(
+                    logits[: len(params)], params, generators, histories, counts
+                )
             except Exception as e:  # raised on every rank alike, after the broadcast
                 result = e
         result = tp.broadcast_object(result)

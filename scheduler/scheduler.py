@@ -31,6 +31,7 @@ from scheduler.grammar import GrammarBackend
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.leak_check import pool_report
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
+from scheduler.penalties import TokenCounts, has_penalty
 from scheduler.prefix_cache import PrefixCache, build_tree
 from scheduler.request import FinishReason, Req
 from scheduler.schedule_policy import NewTokenRatio, PrefillAdder
@@ -399,17 +400,17 @@ class Scheduler:
     # ---- sampling ------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         params = [r.params for r in reqs]
-        histories = None
-        if any(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-        ) or any(p.min_new_tokens > len(r.output_ids) for p, r in zip(params, reqs, strict=True)):
+        histories = counts = None
+        if any(p.min_new_tokens > len(r.output_ids) for p, r in zip(params, reqs, strict=True)):
             histories = [(r.prompt_ids, r.output_ids) for r in reqs]
+        if any(has_penalty(p) for p in params):  # counts kept per request, updated in place
+            counts = [self._token_counts(r) if has_penalty(r.params) else None for r in reqs]
         matchers = [r.grammar for r in reqs]
         constrained = any(m is not None for m in matchers)
         if constrained:
             logits = logits[: len(reqs)].clone()  # an inference tensor cannot be masked
             self.grammar.mask_logits(logits, matchers)
-        out = self.runner.sample(logits, params, [r.generator for r in reqs], histories)
+        out = self.runner.sample(logits, params, [r.generator for r in reqs], histories, counts)
         ended = set(GrammarBackend.advance(matchers, out.next_token_ids) if constrained else [])
         for i, req in enumerate(reqs):
             try:
@@ -424,6 +425,15 @@ class Scheduler:
                     req.finish_reason, req.finish_detail = FinishReason.STOP, "grammar ended"
             except Exception as exc:  # this request fails (released by the caller), not the batch
                 self._error(req, exc)
+
+    @staticmethod
+    def _token_counts(req: Req) -> TokenCounts:
+        """The request's penalty counts, over its current lists (a session turn may replace
+        `prompt_ids` with a new list)."""
+        c = req.token_counts
+        if c is None or c.prompt_ids is not req.prompt_ids or c.output_ids is not req.output_ids:
+            c = req.token_counts = TokenCounts(req.prompt_ids, req.output_ids)
+        return c
 
     # ---- cache / release -----------------------------------------------------------------
     def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:
