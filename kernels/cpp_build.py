@@ -3,9 +3,11 @@
 The source is compiled at first use with torch's extension tooling (`-O3 -march=native`,
 OpenMP through ATen's `parallel_for`) and cached under torch's extensions directory
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); later processes load the cached
-library in well under a second. The build is keyed by this machine's CPU flags as well, since
-`-march=native` code may not run on another CPU sharing the cache. The ops are registered as
-`torch.ops.hybrid_serve.*`.
+library in well under a second. The build is named by a hash of the source and this machine's
+CPU flags (`-march=native` code may not run on another CPU sharing the cache), so checkouts with
+different sources never rebuild each other's copy. A build lock left by a process killed while
+compiling (torch's builder would wait on it forever) is removed once it is older than
+`STALE_LOCK_S`. The ops are registered as `torch.ops.hybrid_serve.*`.
 
 A machine where the build fails (no compiler, no ninja) gets one warning and `load()` returns
 None from then on: callers fall back to the torch references.
@@ -29,15 +31,30 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ops" when loaded, "error" when the build failed
+STALE_LOCK_S = 900.0  # a cold build takes 20-400 s here; a lock this old has no live builder
 
 
-def _cpu_tag() -> str:
+def _build_tag() -> str:
+    """Hash of the source and this machine's CPU flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
         flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+    return hashlib.sha1(flags.encode() + SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def _clear_stale_lock(name: str) -> None:
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale C++ kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def _ninja_on_path() -> None:
@@ -64,9 +81,11 @@ def load() -> Any | None:
             from torch.utils import cpp_extension
 
             _ninja_on_path()
+            name = f"hybrid_serve_cpu_{_build_tag()}"
+            _clear_stale_lock(name)
             start = time.perf_counter()
             cpp_extension.load(
-                name=f"hybrid_serve_cpu_{_cpu_tag()}",
+                name=name,
                 sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from kernels import cpp_build
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory("hs_lock_test", verbose=False)) / "lock"
+    lock.write_text("")
+    cpp_build._clear_stale_lock("hs_lock_test")
+    assert lock.exists()  # a build may be running
+    old = time.time() - cpp_build.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpp_build._clear_stale_lock("hs_lock_test")
+    assert not lock.exists()
+
+
+def test_the_build_name_follows_the_source(monkeypatch, tmp_path):
+    tag = cpp_build._build_tag()
+    other = tmp_path / "k.cpp"
+    other.write_bytes(cpp_build.SOURCE.read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(cpp_build, "SOURCE", other)
+    assert cpp_build._build_tag() != tag
