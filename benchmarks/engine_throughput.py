@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from kernels import dispatch
 from kernels.dispatch import ENV_VAR
 from scheduler.engine import Engine
 
@@ -119,12 +120,14 @@ def main() -> None:
         for c in conc:
             for d, mode in variants:
                 os.environ[ENV_VAR] = mode
+                dispatch.reset()  # the dispatcher caches the mode: make it read the new one
                 prompts = _prompts(c, args.prompt_len, vocab, rep)
                 tps = run_engine(engines[d], prompts, args.output_len)
                 name = f"ours {d} {mode} c={c}" if len(variants) > 1 else f"ours c={c}"
                 results.setdefault(name, []).append(tps)
                 logger.info("rep %d %s: %.1f tok/s", rep, name, tps)
             os.environ.pop(ENV_VAR, None)
+            dispatch.reset()
         for b in hf_batches:
             tps = run_hf(hf, _prompts(b, args.prompt_len, vocab, rep), args.output_len)
             results.setdefault(f"transformers batch={b}", []).append(tps)
