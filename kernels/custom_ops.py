@@ -23,12 +23,14 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import dispatch
 
 if TYPE_CHECKING:
     from mem_cache.kv_pool import KVPool
     from models.forward_batch import ForwardBatch
 
 NS = "hybrid_serve_graph"
+_in_graph: dict[str, bool] = {}  # "cpp": graphs call the C++ kernels' ops (enable_cpp_in_graphs)
 
 
 # ---- Gated DeltaNet decode: conv window shift and recurrent update, in place on the pool -----
@@ -73,6 +75,11 @@ def decode_conv_update(
     """silu(causal conv1d) decode update of `conv_state[layer]` (the pool's whole [layers, ...]
     tensor) at `slots`; the same as `kernels.causal_conv1d_update` on that layer."""
     if torch.compiler.is_compiling():
+        if _in_graph.get("cpp") and conv_state.dtype == torch.float32:  # the C++ op, in place
+            return torch.ops.hybrid_serve.conv1d_update_pool(
+                x.float().contiguous(), conv_state[layer], weight.float().contiguous(),
+                slots.long().contiguous(), True,
+            ).to(x.dtype)  # fmt: skip
         return torch.ops.hybrid_serve_graph.conv_update(x, conv_state, layer, weight, slots)
     return kernels.causal_conv1d_update(x, conv_state[layer], weight, None, "silu", slots)
 
@@ -90,6 +97,12 @@ def decode_recurrent_update(
     """`kernels.fused_recurrent_gated_delta_rule` (qk l2-normalised) on `ssm_state[layer]` at
     `slots`, in place; returns the output [B, 1, HV, dv]."""
     if torch.compiler.is_compiling():
+        if _in_graph.get("cpp") and ssm_state.dtype == torch.float32:  # the C++ op, in place
+            q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+            return torch.ops.hybrid_serve.gdr_recurrent_pool(
+                q, k, v, g, beta, ssm_state[layer], slots.long().contiguous(),
+                q.shape[-1] ** -0.5, True,
+            )  # fmt: skip
         return torch.ops.hybrid_serve_graph.recurrent_update(
             q, k, v, g, beta, ssm_state, layer, slots
         )
@@ -167,21 +180,61 @@ def decode_attention(
 
 
 # ---- dense layers ----------------------------------------------------------------------------
-@torch.library.custom_op(f"{NS}::linear", mutates_args=())
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return kernels.linear(x, weight, bias)
+# In a graph the linear layers call the C++ GEMV op (`torch.ops.hybrid_serve.skinny_linear`)
+# directly: a Python custom op costs several times the GEMV itself at decode sizes. The choice
+# is `kernels.linear_cpp`'s (its row limits); with a symbolic batch size it becomes a guard, so
+# a dynamic graph covers either the GEMV's row range or the rows above it.
+def enable_cpp_in_graphs() -> bool:
+    """Register fake implementations of the C++ kernels' ops, so graphs can call them, when the
+    dispatcher uses those kernels on CPU; afterwards `traced_linear` calls them. True if so."""
+    if "cpp" not in _in_graph:
+        from kernels import cpp_build, dispatch
+
+        ok = dispatch.use_cpp(torch.empty(0)) and cpp_build.available()
+        if ok:
+            torch.library.register_fake("hybrid_serve::skinny_linear")(_skinny_linear_fake)
+            torch.library.register_fake("hybrid_serve::gdr_recurrent_pool")(_gdr_fake)
+            torch.library.register_fake("hybrid_serve::conv1d_update_pool")(_conv_fake)
+        _in_graph["cpp"] = ok
+    return _in_graph["cpp"]
 
 
-@_linear.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`kernels.linear` (the C++ GEMV at decode sizes); one opaque op while compiling."""
-    if torch.compiler.is_compiling():
-        return torch.ops.hybrid_serve_graph.linear(x, weight, bias)
-    return kernels.linear(x, weight, bias)
+def _gdr_fake(q, k, v, g, beta, pool, indices, scale, l2norm):
+    return v.new_empty(v.shape)
+
+
+def _conv_fake(x, conv_state, weight, indices, silu):
+    return x.new_empty(x.shape)
+
+
+def traced_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What torch.compile traces for `kernels.linear`: the C++ GEMV op where `linear_cpp` would
+    use it (fp32 activations, fp32 or bf16 weights, up to its row limit), else the reference."""
+    from kernels.linear import linear as reference_linear
+    from kernels.linear_cpp import BF16_SKINNY_ROWS, SKINNY_ROWS
+
+    wdt = weight.dtype
+    if (
+        not _in_graph.get("cpp")
+        or x.dtype != torch.float32
+        or wdt not in (torch.float32, torch.bfloat16)
+        or weight.dim() != 2
+    ):
+        return reference_linear(x, weight, bias)
+    K = x.shape[-1]
+    M = x.numel() // K
+    if M > (SKINNY_ROWS if wdt == torch.float32 else BF16_SKINNY_ROWS):
+        return reference_linear(x, weight, bias)
+    y = torch.ops.hybrid_serve.skinny_linear(x.reshape(M, K).contiguous(), weight.contiguous())
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 # ---- routed experts --------------------------------------------------------------------------
@@ -222,3 +275,6 @@ def experts(
     if key is None or not torch.compiler.is_compiling():
         return module(x, topk_ids, topk_w)
     return torch.ops.hybrid_serve_graph.experts(x, topk_ids, topk_w, key)
+
+
+dispatch.TRACED["traced_linear"] = traced_linear

@@ -41,6 +41,7 @@ MODES = ("auto", "triton", "cpp", "torch")
 _import_error: list[BaseException] = []  # first failure importing triton, if any
 _mode: list[str] = []  # the mode read from ENV_VAR, once
 _choices: dict[tuple[str, str], Callable] = {}  # (op name, device type) -> implementation
+TRACED: dict[str, Callable] = {}  # what torch.compile traces instead (see `dispatching`)
 
 
 def reset() -> None:
@@ -138,15 +139,15 @@ def dispatching(
     reference: Callable,
     module: str | None,
     cpp_module: str | None = None,
-    compiled_op: str | None = None,
+    traced: str | None = None,
 ) -> Callable:
     """Wrap a torch reference op so that each call runs the same-named function of Triton
     module `kernels.<module>` instead when `use_triton` says so for its first tensor argument,
     or that of C++ wrapper module `kernels.<cpp_module>` when `use_cpp` does. The choice is made
     at an op's first call per device type and cached (`reset()` forgets it). Arguments are
     passed through unchanged: all implementations share the signature. While torch.compile
-    traces, an op with `compiled_op` becomes that custom op of `kernels.custom_ops` (opaque to
-    the compiler; it runs this same dispatch when the graph runs)."""
+    traces, an op with `traced` runs `kernels.custom_ops.<traced>` instead (the same choice,
+    written for the compiler: `custom_ops` registers it in `TRACED` when imported)."""
     first = next(iter(inspect.signature(reference).parameters))
     name = reference.__name__
     key = f"{reference.__module__}.{name}"
@@ -160,8 +161,8 @@ def dispatching(
 
     @functools.wraps(reference)
     def run(*args, **kwargs):
-        if compiled_op is not None and torch.compiler.is_compiling():
-            return getattr(torch.ops.hybrid_serve_graph, compiled_op)(*args, **kwargs)
+        if traced is not None and torch.compiler.is_compiling():
+            return TRACED[traced](*args, **kwargs)
         x = args[0] if args else kwargs[first]
         impl = _choices.get((key, x.device.type))
         if impl is None:

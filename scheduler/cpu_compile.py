@@ -1,13 +1,14 @@
 """The CPU decode step compiled with torch.compile (inductor): what `DecodeGraphRunner` does on
 CPU where CUDA captures graphs.
 
-`CompiledDecode` compiles `Qwen3NextForCausalLM.logits` for decode batches, either once with a
-dynamic batch dimension (`--cpu-compile dynamic`: one graph for batch 1, which dynamo always
-specialises, and one for every size from 2 up; no padding) or once per padded size
-(`--cpu-compile per_size`, over static buffers like the CUDA graphs). The kernels that update the
-pools in place, the MoE expert loop, decode attention and the linear layers stay opaque custom
-ops (`kernels.custom_ops`): inductor fuses the norms, rotary, routing and gating code around them
-and removes the per-op dispatch cost, which is most of a small batch's step on CPU.
+`CompiledDecode` compiles `Qwen3NextForCausalLM.logits` for decode batches, either with a
+dynamic batch dimension (`--cpu-compile dynamic`: a graph for batch 1, which dynamo always
+specialises, and two with a symbolic batch size, 2-8 and 9 up, since the C++ GEMV's row limit
+becomes a guard; no padding) or once per padded size (`--cpu-compile per_size`, over static
+buffers like the CUDA graphs). The C++ kernels (in-place pool
+updates, GEMV) are called as their own ops, and the MoE expert loop and decode attention as
+custom ops (`kernels.custom_ops`): inductor fuses the norms, rotary, routing and gating code
+around them and removes the per-op dispatch cost.
 
 Compiling is slow (tens of seconds per graph on a small CPU, cold), so `DecodeGraphRunner` does
 it at start-up for the sizes it will use, logging each, and the artefacts go to inductor's
@@ -31,12 +32,16 @@ from pathlib import Path
 import torch
 
 from kernels import custom_ops
+from kernels.linear_cpp import SKINNY_ROWS
 from models.forward_batch import ForwardBatch
 from models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
 
 MODES = ("off", "dynamic", "per_size")
+# dynamic mode compiles at these sizes: batch 1 (dynamo specialises it), then one symbolic-size
+# graph up to the C++ GEMV's row limit and one above it (the limit becomes a guard)
+DYNAMIC_SIZES = (1, 2, SKINNY_ROWS + 1)
 CACHE_DIR = Path.home() / ".cache" / "hybrid-serve" / "inductor"
 COMPILERS = ("g++", "c++", "clang++")
 
@@ -64,7 +69,7 @@ class CompiledDecode:
         if mode not in MODES[1:]:
             raise ValueError(f"CompiledDecode mode must be dynamic or per_size, got {mode!r}")
         self.mode = mode
-        self.sizes: set[int] = set()  # batch sizes with a graph (dynamic: 2 stands for 2 and up)
+        self.sizes: set[int] = set()  # the sizes compiled at (dynamic: DYNAMIC_SIZES)
         # a batch without a graph while serving runs eagerly (tests make it fail instead)
         self.stance = "eager_on_recompile"
         use_cache_dir()
@@ -79,14 +84,13 @@ class CompiledDecode:
     def dynamic(self) -> bool:
         return self.mode == "dynamic"
 
-    def covers(self, n: int) -> bool:
-        """Whether a batch of n rows runs compiled (dynamic: at its own size, n >= 2 sharing one
-        graph; per_size: at a padded size that was compiled)."""
-        return (min(n, 2) in self.sizes) if self.dynamic else n in self.sizes
+    def covers(self, bs: int) -> bool:
+        """Whether a padded batch of bs rows has a graph (per_size)."""
+        return bs in self.sizes
 
     def compile(self, bs: int, batch: ForwardBatch) -> float:
         """Compile the graph for `bs` by running `batch` (all padding rows); seconds taken."""
-        if self.dynamic and bs >= 2:  # one graph with a symbolic batch size for all of 2..
+        if self.dynamic and bs >= 2:  # a graph with a symbolic batch size
             for t in (batch.input_ids, batch.positions, batch.out_loc, batch.req_slots,
                       batch.mamba_slots, batch.seq_lens):  # fmt: skip
                 torch._dynamo.mark_dynamic(t, 0)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from kernels.dispatch import kernel_mode
 from models.forward_batch import ForwardBatch
-from scheduler.cpu_compile import CompiledDecode, cxx_compiler
+from scheduler.cpu_compile import DYNAMIC_SIZES, CompiledDecode, cxx_compiler
 from scheduler.model_runner import DecodeInput, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -79,12 +79,7 @@ class DecodeGraphRunner:
         """Logits [n, vocab] for one decode step of `items` (KV already allocated at out_loc)."""
         n, runner = len(items), self.runner
         compiled = self.compiled
-        if (
-            compiled is not None
-            and compiled.dynamic
-            and n <= self.max_compiled
-            and compiled.covers(n)
-        ):
+        if compiled is not None and compiled.dynamic and n <= self.max_compiled:
             return compiled(runner.build_decode(items, out_loc))  # at its own size
         bs = self.padded_size(n)
         batch = self.batches.get(bs) if bs is not None else None
@@ -171,12 +166,12 @@ class DecodeGraphRunner:
         compiled = CompiledDecode(self.runner.model, mode)
         start = time.perf_counter()
         sizes = self.sizes
-        if compiled.dynamic:  # a graph for batch 1 (if listed) and one for all sizes from 2 up
-            sizes = [bs for bs in (1, 2) if bs in self.sizes or 2 <= bs <= self.max_compiled]
+        if compiled.dynamic:  # batch 1 (if listed), and symbolic sizes each side of the GEMV limit
+            sizes = [bs for bs in DYNAMIC_SIZES if bs in self.sizes or 2 <= bs <= self.max_compiled]
         # a bar once compiling takes more than a few seconds (cold: tens of seconds per size)
         for bs in tqdm(sizes, desc="compiling decode step", unit="size", delay=5):
             logger.info("compiling the CPU decode step for batch size %d%s", bs,
-                        " and up" if compiled.dynamic and bs == 2 else "")  # fmt: skip
+                        " and up" if compiled.dynamic and bs > 1 else "")  # fmt: skip
             try:
                 batch = self.batches.get(bs) or self._static_batch(bs)
                 seconds = compiled.compile(bs, batch)
