@@ -26,10 +26,11 @@ class SchedulerConfig:
     cuda_graph_bs: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # padded decode sizes
     cuda_graph_max_bs: int = 64  # largest padded size (also added to the list)
     disable_cuda_graph: bool = False  # off: decode batches run at their own size
-    # CPU decode step (scheduler.cpu_compile): torch.compile once with a dynamic batch size,
-    # once per padded size, or off (eager); sizes up to cuda_graph_max_bs, none with
-    # --disable-cuda-graph. Test engines set off: compiling costs tens of seconds per graph.
-    cpu_compile: str = "dynamic"
+    # CPU decode step (scheduler.cpu_compile): torch.compile it with a dynamic batch size, once
+    # per padded size, or not (off, the default: on the shared 2-core machine compiling took
+    # 5-6 min per graph and the compiled step measured no faster; BENCHMARKS.md); sizes up to
+    # cuda_graph_max_bs, none with --disable-cuda-graph. Test engines say off explicitly.
+    cpu_compile: str = "off"
     enable_hierarchical_cache: bool = False  # host-memory tier under the radix cache
     hicache_ratio: float = 2.0  # host pools = this times the device pools
     hicache_size: float = 0.0  # host pools in GB (> 0 overrides hicache_ratio)

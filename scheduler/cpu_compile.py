@@ -1,16 +1,19 @@
 """The CPU decode step compiled with torch.compile (inductor): what `DecodeGraphRunner` does on
 CPU where CUDA captures graphs.
 
+Off by default (`SchedulerConfig.cpu_compile`): on the shared 2-core machine it measured no
+faster than the eager step with the C++ kernels, and a cold compile took minutes per graph.
+
 `CompiledDecode` compiles `Qwen3NextForCausalLM.logits` for decode batches, either with a
 dynamic batch dimension (`--cpu-compile dynamic`: a graph for batch 1, which dynamo always
 specialises, and two with a symbolic batch size, 2-8 and 9 up, since the C++ GEMV's row limit
 becomes a guard; no padding) or once per padded size (`--cpu-compile per_size`, over static
-buffers like the CUDA graphs). The C++ kernels (in-place pool
-updates, GEMV) are called as their own ops, and the MoE expert loop and decode attention as
-custom ops (`kernels.custom_ops`): inductor fuses the norms, rotary, routing and gating code
-around them and removes the per-op dispatch cost.
+buffers like the CUDA graphs). The C++ kernels (in-place pool updates, GEMV) are called as
+their own ops, and the MoE expert loop and decode attention as custom ops (`kernels.custom_ops`):
+inductor fuses the norms, rotary, routing and gating code around them and removes the per-op
+dispatch cost.
 
-Compiling is slow (tens of seconds per graph on a small CPU, cold), so `DecodeGraphRunner` does
+Compiling is slow (minutes per graph here, cold), so `DecodeGraphRunner` does
 it at start-up for the sizes it will use, logging each, and the artefacts go to inductor's
 caches under `CACHE_DIR` (`TORCHINDUCTOR_CACHE_DIR` overrides it): a restart reuses them and
 only pays dynamo's tracing. While serving, a batch whose graph is missing runs eagerly rather

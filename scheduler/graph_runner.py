@@ -15,12 +15,12 @@ kernels are (they read lengths and slots on the device), and the MoE takes its s
 while a stream is capturing (`models.layers.Experts`).
 
 On CPU "capturing" is compiling the decode forward with torch.compile at start-up
-(`--cpu-compile`, `scheduler.cpu_compile`): `dynamic` (the default) compiles one graph for
-batch 1 and one with a symbolic batch size for every size from 2 to `--cuda-graph-max-bs`, and
-batches run at their own size, unpadded; `per_size` compiles every listed size and pads to it
-over static buffers like CUDA; `off` runs eagerly. Without a C++ compiler, or when compiling
-fails, one warning and eager. `static_buffers=True` runs the CUDA path's padded buffer filling
-eagerly, for tests.
+(`--cpu-compile`, `scheduler.cpu_compile`): `dynamic` compiles a graph for batch 1 and two with
+a symbolic batch size (2-8 and 9 up to `--cuda-graph-max-bs`), and batches run at their own
+size, unpadded; `per_size` compiles every listed size and pads to it over static buffers like
+CUDA; `off` (the default, see `SchedulerConfig.cpu_compile`) runs eagerly. Without a C++
+compiler, or when compiling fails, one warning and eager. `static_buffers=True` runs the CUDA
+path's padded buffer filling eagerly, for tests.
 """
 
 from __future__ import annotations
