@@ -1,17 +1,24 @@
-"""The decode step's kernels as torch.library custom ops, opaque to torch.compile.
+"""The decode step's kernels as ops torch.compile can call without tracing into them.
 
 `scheduler.graph_runner` compiles the CPU decode forward with torch.compile (inductor). Dynamo
 cannot trace the C++ kernels' in-place pool updates, the MoE's data-dependent expert loop or a
 decode attention whose key length is read on the host, and writing into views of the pools
-(`pool[layer][slots] = ...`) makes inductor copy whole pools every step. So each of these is one
-custom op here, with a fake (meta) implementation for tracing, that takes a WHOLE pool tensor
-plus a layer index and mutates it in place (declared in `mutates_args`, which inductor re-inplaces
-on graph inputs). Each op's real implementation calls the same dispatched function the eager path
-calls (`kernels.*`, `models.layers.Experts.forward`), so compiled and eager steps run identical
-kernels and differ only in the fused pointwise code around them.
+(`pool[layer][slots] = ...`) makes inductor copy whole pools every step. So:
 
-The model calls the wrappers below (`decode_*`, `experts`, `linear`): outside compilation they
-call the dispatched kernels directly (no op overhead), while tracing they emit the op.
+- the C++ kernels' own ops (`torch.ops.hybrid_serve.*`) get fake (meta) implementations
+  (`enable_cpp_in_graphs`) and graphs call them directly: the GEMV, and the GDN recurrent and
+  conv updates, which write the pool in place through a view of the layer (inductor passes the
+  view; no pool copy, checked in its generated code);
+- everything else here is a torch.library custom op with a fake implementation that takes a
+  WHOLE pool tensor plus a layer index and mutates it in place (`mutates_args`, re-inplaced on
+  graph inputs): KV store, decode attention, the routed experts, and the GDN updates when the
+  C++ kernels are off. Their real implementations call the same dispatched functions the eager
+  path calls (`kernels.*`, `models.layers.Experts.forward`).
+
+A Python custom op costs several times a decode-sized GEMV per call, hence the direct C++ ops.
+The model calls the wrappers below (`decode_*`, `store_kv`, `decode_attention`, `experts`;
+`kernels.linear` traces `traced_linear`): outside compilation they call the dispatched kernels
+directly (no op overhead), while tracing they emit the ops.
 """
 
 from __future__ import annotations
@@ -182,8 +189,7 @@ def decode_attention(
 # ---- dense layers ----------------------------------------------------------------------------
 # In a graph the linear layers call the C++ GEMV op (`torch.ops.hybrid_serve.skinny_linear`)
 # directly: a Python custom op costs several times the GEMV itself at decode sizes. The choice
-# is `kernels.linear_cpp`'s (its row limits); with a symbolic batch size it becomes a guard, so
-# a dynamic graph covers either the GEMV's row range or the rows above it.
+# is `kernels.linear_cpp`'s (its row limits), taken while tracing.
 def enable_cpp_in_graphs() -> bool:
     """Register fake implementations of the C++ kernels' ops, so graphs can call them, when the
     dispatcher uses those kernels on CPU; afterwards `traced_linear` calls them. True if so."""

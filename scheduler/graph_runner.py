@@ -15,9 +15,9 @@ kernels are (they read lengths and slots on the device), and the MoE takes its s
 while a stream is capturing (`models.layers.Experts`).
 
 On CPU "capturing" is compiling the decode forward with torch.compile at start-up
-(`--cpu-compile`, `scheduler.cpu_compile`): `dynamic` compiles a graph for batch 1 and two with
-a symbolic batch size (2-8 and 9 up to `--cuda-graph-max-bs`), and batches run at their own
-size, unpadded; `per_size` compiles every listed size and pads to it over static buffers like
+(`--cpu-compile`, `scheduler.cpu_compile`): `dynamic` compiles a graph for batch 1 and one with a
+symbolic batch size for 2 up to `--cuda-graph-max-bs`, and batches run at their own size,
+unpadded; `per_size` compiles every listed size and pads to it over static buffers like
 CUDA; `off` (the default, see `SchedulerConfig.cpu_compile`) runs eagerly. Without a C++
 compiler, or when compiling fails, one warning and eager. `static_buffers=True` runs the CUDA
 path's padded buffer filling eagerly, for tests.
@@ -49,7 +49,7 @@ class DecodeGraphRunner:
         cpu_compile: str = "off",
     ) -> None:
         """`sizes`: the padded decode sizes (`SchedulerConfig.decode_graph_sizes`); on CPU the
-        sizes to compile, which `cpu_compile` (`SchedulerConfig.cpu_compile_mode`) chooses how:
+        sizes to compile, which `cpu_compile` (`SchedulerConfig.cpu_compile`) chooses how:
         off, dynamic or per_size (`scheduler.cpu_compile`)."""
         self.runner = runner
         self.sizes = sorted(sizes)
@@ -168,7 +168,7 @@ class DecodeGraphRunner:
         sizes = self.sizes
         if compiled.dynamic:  # batch 1 (if listed), and symbolic sizes each side of the GEMV limit
             sizes = [bs for bs in DYNAMIC_SIZES if bs in self.sizes or 2 <= bs <= self.max_compiled]
-        # a bar once compiling takes more than a few seconds (cold: tens of seconds per size)
+        # a bar once compiling takes more than a few seconds (cold: minutes per size here)
         for bs in tqdm(sizes, desc="compiling decode step", unit="size", delay=5):
             logger.info("compiling the CPU decode step for batch size %d%s", bs,
                         " and up" if compiled.dynamic and bs > 1 else "")  # fmt: skip

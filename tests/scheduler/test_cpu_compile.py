@@ -1,7 +1,7 @@
 """The compiled CPU decode step (`DecodeGraphRunner` with `cpu_compile`): equal to the eager step,
-and its fallbacks. One graph is compiled in this module (tiny preset, the dynamic batch graph for
-2-8 rows: 1.5-3.5 min on the shared 2-core machine under load 6-11); every other test engine runs
-eagerly (`cpu_compile="off"`)."""
+and its fallbacks. One graph is compiled in this module (tiny preset, the dynamic batch graph
+traced at 2 rows: 1.5-3.5 min on the shared 2-core machine under load 6-11); every other test
+engine runs eagerly (`cpu_compile="off"`)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,6 @@ def test_compiled_decode_equals_eager(ckpt):
     graphs = DecodeGraphRunner(runner, [4], cpu_compile="dynamic")
     assert graphs.compiled is not None, "compiling failed (see the warning above)"
     assert graphs.compiled.sizes == {2} and graphs.sizes == [] and not graphs.batches
-    # (sizes above the C++ GEMV's 8 rows would get a second symbolic-size graph, at 9)
     graphs.compiled.stance = "fail_on_recompile"  # every step must hit the one graph
     got = decode(graphs, slots2, first2, steps)
     for g, w in zip(got, want, strict=True):
