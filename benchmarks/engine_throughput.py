@@ -8,7 +8,9 @@ transformers baseline runs `generate` on static batches of the same prompts in t
 
 Variants of ours, interleaved in every repeat: `--variants float32:torch,float32:auto,
 bfloat16:auto` (dtype `:` `HYBRID_SERVE_KERNELS` mode: bf16 weights on CPU; the eager torch
-references against the C++ CPU kernels); one row each.
+references against the C++ CPU kernels), each optionally `:` a `--cpu-compile` mode (default
+off, as the server; `float32:auto:dynamic` compiles the decode step); one row each. Compiling
+happens when the engines are built, before anything is timed.
 
 Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
 """
@@ -30,6 +32,7 @@ import time
 
 import torch
 
+from kernels import dispatch
 from kernels.dispatch import ENV_VAR
 from scheduler.engine import Engine
 
@@ -92,16 +95,17 @@ def main() -> None:
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]
+    variants = [(*v.split(":"), "off")[:3] for v in args.variants.split(",")]
     engines = {
-        d: Engine(
+        (d, comp): Engine(
             args.model_path,
             max_running_requests=max(conc),
             dtype=d,
             max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
+            cpu_compile=comp,
         )
-        for d in dict.fromkeys(v.split(":")[0] for v in args.variants.split(","))
+        for d, _, comp in dict.fromkeys(variants)
     }
-    variants = [tuple(v.split(":")) for v in args.variants.split(",")]
     engine = next(iter(engines.values()))
     vocab = engine.runner.model.config.vocab_size
     hf = None
@@ -117,23 +121,25 @@ def main() -> None:
     results: dict[str, list[float]] = {}
     for rep in range(args.repeats):  # interleave ours and transformers so noise hits both
         for c in conc:
-            for d, mode in variants:
+            for d, mode, comp in variants:
                 os.environ[ENV_VAR] = mode
+                dispatch.reset()  # the dispatcher caches the mode: make it read the new one
                 prompts = _prompts(c, args.prompt_len, vocab, rep)
-                tps = run_engine(engines[d], prompts, args.output_len)
-                name = f"ours {d} {mode} c={c}" if len(variants) > 1 else f"ours c={c}"
+                tps = run_engine(engines[d, comp], prompts, args.output_len)
+                name = f"ours {d} {mode} {comp} c={c}" if len(variants) > 1 else f"ours c={c}"
                 results.setdefault(name, []).append(tps)
                 logger.info("rep %d %s: %.1f tok/s", rep, name, tps)
             os.environ.pop(ENV_VAR, None)
+            dispatch.reset()
         for b in hf_batches:
             tps = run_hf(hf, _prompts(b, args.prompt_len, vocab, rep), args.output_len)
             results.setdefault(f"transformers batch={b}", []).append(tps)
             logger.info("rep %d transformers batch=%d: %.1f tok/s", rep, b, tps)
     table = {k: {"median_tok_s": statistics.median(v), "runs": v} for k, v in results.items()}
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, {args.threads} threads")
-    print(f"{'config':<34}{'median tok/s':>14}  runs")
+    print(f"{'config':<42}{'median tok/s':>14}  runs")
     for k, v in table.items():
-        print(f"{k:<34}{v['median_tok_s']:>14.1f}  {', '.join(f'{x:.1f}' for x in v['runs'])}")
+        print(f"{k:<42}{v['median_tok_s']:>14.1f}  {', '.join(f'{x:.1f}' for x in v['runs'])}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "results": table}, f, indent=2)

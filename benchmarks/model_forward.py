@@ -50,7 +50,10 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from kernels import dispatch
 from kernels.dispatch import ENV_VAR
+from scheduler.config import CPU_COMPILE_MODES
+from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 logger = logging.getLogger("benchmarks.model_forward")
@@ -93,9 +96,14 @@ def ours_prefill(runner: ModelRunner, ids: list[int]) -> Step:
 
 
 def ours_decode(
-    runner: ModelRunner, contexts: torch.Tensor, next_ids: torch.Tensor
+    runner: ModelRunner,
+    contexts: torch.Tensor,
+    next_ids: torch.Tensor,
+    graphs: DecodeGraphRunner | None = None,
 ) -> tuple[Step, Callable[[], None]]:
-    """Prefill B contexts once; return (step, free) where each step decodes at context length."""
+    """Prefill B contexts once; return (step, free) where each step decodes at context length.
+    With `graphs` (the compiled step) the timed part is `graphs.forward`, which also builds the
+    batch (tens of microseconds; the eager step's batch is built off the clock)."""
     b, ctx = contexts.shape
     reqs = runner.req_pool.alloc(b)
     live = runner.mamba_pool.alloc(b).tolist()
@@ -110,6 +118,8 @@ def ours_decode(
 
     def make():
         runner.mamba_pool.copy(snap, live)  # back to exactly ctx tokens of state
+        if graphs is not None:
+            return lambda: graphs.forward(dec, out_loc), lambda: None
         batch = runner.build_decode(dec, out_loc)
         return lambda: runner.forward(batch), lambda: None
 
@@ -155,6 +165,7 @@ def with_kernels(make: Step, mode: str) -> Step:
         def timed() -> torch.Tensor:
             before = os.environ.get(ENV_VAR)
             os.environ[ENV_VAR] = mode
+            dispatch.reset()  # the dispatcher caches the mode: make it read the new one
             try:
                 return run()
             finally:
@@ -162,6 +173,7 @@ def with_kernels(make: Step, mode: str) -> Step:
                     os.environ.pop(ENV_VAR, None)
                 else:
                     os.environ[ENV_VAR] = before
+                dispatch.reset()
 
         return timed, cleanup
 
@@ -185,7 +197,7 @@ def summarize(name: str, tokens: int, res: dict[str, list]) -> dict:
 def print_table(rows: list[dict], variants: list[str]) -> None:
     print(f"{'case':<14}{'variant':<14}{'ms (min)':>18}{'tok/s':>10}{'/hf':>7}{'max|dlogit|':>13}")
     for r in rows:
-        for who in variants:
+        for who in (v for v in variants if v in r):  # no compiled prefill
             o = r[who]
             print(
                 f"{r['case']:<14}{who:<14}{o['median_ms']:>9.1f} ({o['min_ms']:>6.1f})"
@@ -225,6 +237,13 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated HYBRID_SERVE_KERNELS modes to time ours under, interleaved "
         "(e.g. torch,auto: the eager torch path against the C++ kernels)",
     )
+    p.add_argument(
+        "--compile",
+        default="off",
+        choices=CPU_COMPILE_MODES,
+        help="also time the decode step compiled as the server does (`--cpu-compile` mode, "
+        "default kernels), as variant ours-compiled; compiled for the batch sizes before timing",
+    )
     p.add_argument("--json-out", help="also write the results here")
     args = p.parse_args(argv)
     if not (args.model_path or args.preset):
@@ -237,11 +256,12 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     max_b = max(batch_sizes)
+    sets = 1 if args.compile == "off" else 2  # the compiled variant decodes its own requests
     cfg = RunnerConfig(
-        max_running_requests=max_b + 1,
-        max_total_tokens=max_b * (args.context_len + 1) + args.prefill_len + 64,
+        max_running_requests=sets * max_b + 1,
+        max_total_tokens=sets * max_b * (args.context_len + 1) + args.prefill_len + 64,
         max_context_len=max(args.prefill_len, args.context_len + 1),
-        mamba_cache_size=2 * max_b + 1,
+        mamba_cache_size=sets * 2 * max_b + 1,
         dtype=args.dtype,
     )
     runner = ModelRunner.from_path(str(path), cfg)
@@ -257,6 +277,14 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]  # others' work on a small shared machine skews timings
     modes = args.kernels.split(",")
     variants = [f"ours-{m}" for m in modes] + ["hf"]
+    graphs, compile_s = None, 0.0
+    if args.compile != "off":
+        start = time.perf_counter()
+        graphs = DecodeGraphRunner(runner, batch_sizes, cpu_compile=args.compile)
+        compile_s = time.perf_counter() - start
+        if graphs.compiled is None:
+            p.error("compiling the decode step failed (see the warning)")
+        variants.insert(-1, "ours-compiled")
     with torch.inference_mode():
         steps = {f"ours-{m}": with_kernels(ours_prefill(runner, prompt), m) for m in modes}
         steps["hf"] = hf_prefill(hf, prompt)
@@ -266,10 +294,17 @@ def main(argv: list[str] | None = None) -> None:
         for b in batch_sizes:
             ours_step, free = ours_decode(runner, contexts[:b], next_ids[:b])
             steps = {f"ours-{m}": with_kernels(ours_step, m) for m in modes}
+            if graphs is not None:
+                compiled_step, free_compiled = ours_decode(
+                    runner, contexts[:b], next_ids[:b], graphs
+                )
+                steps["ours-compiled"] = with_kernels(compiled_step, "auto")
             steps["hf"] = hf_decode(hf, contexts[:b], next_ids[:b])
             res = measure(steps, args.warmup, args.repeats, f"decode b={b}")
             rows.append(summarize(f"decode b={b}", b, res))
             free()
+            if graphs is not None:
+                free_compiled()
     load = (load_before, os.getloadavg()[0])
 
     print(
@@ -277,9 +312,12 @@ def main(argv: list[str] | None = None) -> None:
         f" {args.repeats} repeats (+{args.warmup} warmup), torch {torch.__version__},"
         f" load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} CPUs"
     )
+    if graphs is not None:
+        print(f"decode step compiled ({args.compile}) in {compile_s:.1f} s before timing")
     print_table(rows, variants)
     if args.json_out:
         meta = {"model_path": str(path), "torch": torch.__version__, "load_average": load}
+        meta |= {"compile": args.compile, "compile_s": compile_s}
         meta |= {"machine": platform.machine(), "cpus": os.cpu_count()}
         report = {"args": vars(args), **meta, "results": rows}
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")

@@ -23,7 +23,7 @@ extend_attention = dispatching(attention.extend_attention, "attention_triton")
 decode_attention = dispatching(attention.decode_attention, "attention_triton")
 store_kv = dispatching(attention.store_kv, "attention_triton")
 rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
-linear = dispatching(linear.linear, None, "linear_cpp")
+linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
 
 __all__ = [
     "causal_conv1d_fn",

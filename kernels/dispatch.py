@@ -1,6 +1,8 @@
 """Pick the Triton kernel, the C++ CPU kernel or the pure-torch reference for each call.
 
-`HYBRID_SERVE_KERNELS` (read at every call, so tests can flip it) chooses:
+`HYBRID_SERVE_KERNELS` chooses (read once per process; each op's choice is then cached per
+device type, since it sits on the decode path of every linear layer: a test or benchmark that
+changes the variable calls `reset()` afterwards):
 
 - ``auto`` (default): Triton for CUDA tensors when triton imports; on CPU tensors the C++ kernel
   where the op has one and the kernels build (`kernels.cpp_build`), else the torch reference;
@@ -37,12 +39,25 @@ ENV_VAR = "HYBRID_SERVE_KERNELS"
 MODES = ("auto", "triton", "cpp", "torch")
 
 _import_error: list[BaseException] = []  # first failure importing triton, if any
+_mode: list[str] = []  # the mode read from ENV_VAR, once
+_choices: dict[tuple[str, str], Callable] = {}  # (op name, device type) -> implementation
+TRACED: dict[str, Callable] = {}  # what torch.compile traces instead (see `dispatching`)
+
+
+def reset() -> None:
+    """Forget the mode read from `HYBRID_SERVE_KERNELS` and every op's cached choice, so the next
+    call reads the variable again (for tests and benchmarks that change it)."""
+    _mode.clear()
+    _choices.clear()
 
 
 def kernel_mode() -> str:
+    if _mode:
+        return _mode[0]
     mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV_VAR}={mode!r}; expected one of {', '.join(MODES)}")
+    _mode.append(mode)
     return mode
 
 
@@ -120,22 +135,38 @@ _NO_INTERPRETER = (
 )
 
 
-def dispatching(reference: Callable, module: str | None, cpp_module: str | None = None) -> Callable:
+def dispatching(
+    reference: Callable,
+    module: str | None,
+    cpp_module: str | None = None,
+    traced: str | None = None,
+) -> Callable:
     """Wrap a torch reference op so that each call runs the same-named function of Triton
     module `kernels.<module>` instead when `use_triton` says so for its first tensor argument,
-    or that of C++ wrapper module `kernels.<cpp_module>` when `use_cpp` does. Arguments are
-    passed through unchanged: all implementations share the signature."""
+    or that of C++ wrapper module `kernels.<cpp_module>` when `use_cpp` does. The choice is made
+    at an op's first call per device type and cached (`reset()` forgets it). Arguments are
+    passed through unchanged: all implementations share the signature. While torch.compile
+    traces, an op with `traced` runs `kernels.custom_ops.<traced>` instead (the same choice,
+    written for the compiler: `custom_ops` registers it in `TRACED` when imported)."""
     first = next(iter(inspect.signature(reference).parameters))
     name = reference.__name__
+    key = f"{reference.__module__}.{name}"
+
+    def choose(x: torch.Tensor) -> Callable:
+        if module is not None and use_triton(x):
+            return getattr(triton_module(module, x.device), name)
+        if cpp_module is not None and use_cpp(x):
+            return getattr(importlib.import_module(f"kernels.{cpp_module}"), name)
+        return reference
 
     @functools.wraps(reference)
     def run(*args, **kwargs):
+        if traced is not None and torch.compiler.is_compiling():
+            return TRACED[traced](*args, **kwargs)
         x = args[0] if args else kwargs[first]
-        if module is not None and use_triton(x):
-            return getattr(triton_module(module, x.device), name)(*args, **kwargs)
-        if cpp_module is not None and use_cpp(x):
-            impl = getattr(importlib.import_module(f"kernels.{cpp_module}"), name)
-            return impl(*args, **kwargs)
-        return reference(*args, **kwargs)
+        impl = _choices.get((key, x.device.type))
+        if impl is None:
+            impl = _choices[(key, x.device.type)] = choose(x)
+        return impl(*args, **kwargs)
 
     return run

@@ -130,6 +130,16 @@ class KVPool(SlotPool):
         k, v = k.to(self.device), v.to(self.device)
         store_kv(self.k_buffer[layer], self.v_buffer[layer], loc, k, v)
 
+    @property
+    def k_all(self) -> torch.Tensor:
+        """Every layer's K buffer in one ``[num_layers, rows, num_kv_heads, head_dim]`` tensor
+        (``k_buffer[i]`` is ``k_all[i]``)."""
+        return self._k
+
+    @property
+    def v_all(self) -> torch.Tensor:
+        return self._v
+
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_buffer[layer], v_buffer[layer])``: the live buffers, not copies."""
         return self.k_buffer[layer], self.v_buffer[layer]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import decode_attention, extend_attention
+from kernels import extend_attention
+from kernels.custom_ops import decode_attention, store_kv
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import Linear, RMSNorm, RotaryEmbedding
@@ -59,20 +60,11 @@ class GatedAttention(nn.Module):
         q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
 
         pool = batch.kv_pool
-        pool.set_kv(self.attn_layer_id, batch.out_loc, k, v)
-        k_buf, v_buf = pool.get_kv(self.attn_layer_id)
+        store_kv(pool, self.attn_layer_id, batch.out_loc, k, v)  # one opaque op when compiled
         if batch.is_decode:
-            o = decode_attention(
-                q,
-                k_buf,
-                v_buf,
-                batch.req_to_token,
-                batch.req_slots,
-                batch.seq_lens,
-                self.scale,
-                batch.max_seq_len or None,
-            )
+            o = decode_attention(q, batch, self.attn_layer_id, self.scale)
         else:
+            k_buf, v_buf = pool.get_kv(self.attn_layer_id)
             o = extend_attention(
                 q,
                 k_buf,

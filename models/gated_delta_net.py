@@ -20,12 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import (
-    causal_conv1d_fn,
-    causal_conv1d_update,
-    chunk_gated_delta_rule,
-    fused_recurrent_gated_delta_rule,
-)
+from kernels import causal_conv1d_fn, chunk_gated_delta_rule
+from kernels.custom_ops import decode_conv_update, decode_recurrent_update
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import Linear, RMSNormGated
@@ -74,9 +70,9 @@ class GatedDeltaNet(nn.Module):
 
         if batch.tracks_states:
             self._track_conv_states(mixed_qkv, conv_state, batch)
-        if batch.is_decode:
-            mixed_qkv = causal_conv1d_update(
-                mixed_qkv, conv_state, weight, None, "silu", batch.mamba_slots
+        if batch.is_decode:  # on the pool's whole tensors: one opaque op when compiled
+            mixed_qkv = decode_conv_update(
+                mixed_qkv, pool.conv_state, self.linear_layer_id, weight, batch.mamba_slots
             )  # [T, conv_dim]
         else:
             mixed_qkv = causal_conv1d_fn(
@@ -98,16 +94,16 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).unsqueeze(0)
 
         if batch.is_decode:  # one token per request: requests are the batch dimension
-            core, _ = fused_recurrent_gated_delta_rule(
+            core = decode_recurrent_update(
                 q.transpose(0, 1),
                 k.transpose(0, 1),
                 v.transpose(0, 1),
                 g.transpose(0, 1),
                 beta.transpose(0, 1),
-                initial_state=ssm_state,
-                initial_state_indices=batch.mamba_slots,
-                use_qk_l2norm_in_kernel=True,
-            )  # [T, 1, HV, dv]
+                pool.ssm_state,
+                self.linear_layer_id,
+                batch.mamba_slots,
+            )  # [T, 1, HV, dv] (qk l2-normalised in the kernel)
         else:
             track = {}
             if batch.tracks_states:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import rms_norm_gated
+from kernels import custom_ops, rms_norm_gated
 
 
 class Linear(nn.Linear):
@@ -210,6 +210,6 @@ class SparseMoE(nn.Module):
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
-        routed = self.experts(x, topk_ids, topk_w.to(x.dtype))
+        routed = custom_ops.experts(self.experts, x, topk_ids, topk_w.to(x.dtype))
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

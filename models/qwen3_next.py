@@ -97,6 +97,11 @@ class Qwen3NextForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
         or [K, vocab] at `logit_indices`."""
+        return self.logits(batch)
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` without its inference-mode decorator, for torch.compile (which cannot trace
+        the mode switch): callers run it under `torch.inference_mode()` themselves."""
         x = self.model(batch)
         if batch.logit_indices is not None and not batch.is_decode:
             x = x[batch.logit_indices]

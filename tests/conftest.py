@@ -39,3 +39,19 @@ def triton_device() -> torch.device:
     if not interpreter_ready():
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: no CPU interpreter")
     return torch.device("cpu")
+
+
+@pytest.fixture
+def kernels_mode(monkeypatch):
+    """`kernels_mode("torch")` sets HYBRID_SERVE_KERNELS for this test. The dispatcher reads it
+    once per process and caches each op's choice, so every change resets that cache
+    (`kernels.dispatch.reset`), and so does the end of the test."""
+    from kernels import dispatch
+
+    def set_mode(mode: str) -> None:
+        monkeypatch.setenv(dispatch.ENV_VAR, mode)
+        dispatch.reset()
+
+    dispatch.reset()
+    yield set_mode
+    dispatch.reset()

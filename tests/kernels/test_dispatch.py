@@ -12,6 +12,12 @@ import kernels
 from kernels import dispatch, rmsnorm
 
 
+@pytest.fixture(autouse=True)
+def fresh_choices(kernels_mode):
+    """Tests here patch the implementations the dispatcher picks from, so each starts and ends
+    with no cached choice (`kernels_mode` resets them)."""
+
+
 @pytest.fixture
 def calls(monkeypatch) -> list[str]:
     """Names of the Triton modules the dispatcher loads (the call then fails on purpose)."""
@@ -30,39 +36,41 @@ def norm_args() -> tuple:
 
 
 @pytest.mark.parametrize("mode", ["auto", "torch", ""])
-def test_cpu_tensors_run_the_torch_reference(monkeypatch, calls, mode) -> None:
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", mode)
+def test_cpu_tensors_run_the_torch_reference(monkeypatch, calls, mode, kernels_mode) -> None:
+    kernels_mode(mode)
     args = norm_args()
     assert torch.equal(kernels.rms_norm_gated(*args), rmsnorm.rms_norm_gated(*args))
     assert calls == []
 
 
-def test_forced_triton_takes_the_triton_path(monkeypatch, calls) -> None:
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "triton")
+def test_forced_triton_takes_the_triton_path(monkeypatch, calls, kernels_mode) -> None:
+    kernels_mode("triton")
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     with pytest.raises(RuntimeError, match="triton path taken"):
         kernels.rms_norm_gated(*norm_args())
     assert calls == ["rmsnorm_triton"]
 
 
-def test_missing_triton(monkeypatch, calls) -> None:
+def test_missing_triton(monkeypatch, calls, kernels_mode) -> None:
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "auto")
+    kernels_mode("auto")
     kernels.rms_norm_gated(*norm_args())  # silently torch
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "triton")
+    kernels_mode("triton")
     with pytest.raises(ImportError, match="cannot be imported"):
         kernels.rms_norm_gated(*norm_args())
     assert calls == []
 
 
-def test_unknown_mode_raises(monkeypatch) -> None:
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "cuda")
+def test_unknown_mode_raises(kernels_mode) -> None:
+    kernels_mode("cuda")
     with pytest.raises(ValueError, match="HYBRID_SERVE_KERNELS"):
         kernels.rms_norm_gated(*norm_args())
 
 
-def test_forced_triton_on_cpu_runs_the_interpreter(monkeypatch, triton_device) -> None:
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "triton")
+def test_forced_triton_on_cpu_runs_the_interpreter(
+    monkeypatch, triton_device, kernels_mode
+) -> None:
+    kernels_mode("triton")
     args = [a.to(triton_device) if isinstance(a, torch.Tensor) else a for a in norm_args()]
     out = kernels.rms_norm_gated(*args)
     torch.testing.assert_close(out, rmsnorm.rms_norm_gated(*args), atol=1e-5, rtol=1e-5)
@@ -77,7 +85,7 @@ def test_importing_the_model_does_not_import_triton() -> None:
 
 
 @pytest.mark.parametrize(("mode", "expect"), [("auto", "cpp"), ("cpp", "cpp"), ("torch", "torch")])
-def test_cpu_ops_with_a_cpp_kernel(monkeypatch, mode, expect) -> None:
+def test_cpu_ops_with_a_cpp_kernel(monkeypatch, mode, expect, kernels_mode) -> None:
     """On CPU the recurrent delta rule runs its C++ kernel in `auto` and `cpp` modes."""
     from kernels import cpp_build, gated_delta_rule_cpp
 
@@ -86,19 +94,19 @@ def test_cpu_ops_with_a_cpp_kernel(monkeypatch, mode, expect) -> None:
     monkeypatch.setattr(
         gated_delta_rule_cpp, "fused_recurrent_gated_delta_rule", lambda *a, **k: seen.append("cpp")
     )
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", mode)
+    kernels_mode(mode)
     x = torch.randn(1, 1, 1, 4)
     kernels.fused_recurrent_gated_delta_rule(x, x, x, x[..., 0], x[..., 0])
     assert seen == (["cpp"] if expect == "cpp" else [])
 
 
-def test_cpp_mode_without_a_build_raises(monkeypatch) -> None:
+def test_cpp_mode_without_a_build_raises(monkeypatch, kernels_mode) -> None:
     from kernels import cpp_build
 
     monkeypatch.setattr(cpp_build, "available", lambda: False)
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "cpp")
+    kernels_mode("cpp")
     x = torch.randn(1, 1, 1, 4)
     with pytest.raises(RuntimeError, match="cannot be built"):
         kernels.fused_recurrent_gated_delta_rule(x, x, x, x[..., 0], x[..., 0])
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "auto")  # auto: silently the reference
+    kernels_mode("auto")  # auto: silently the reference
     kernels.fused_recurrent_gated_delta_rule(x, x, x, x[..., 0], x[..., 0])

@@ -53,15 +53,17 @@ def greedy(model, prompts: list[list[int]], device: str) -> tuple[list[list[int]
     return outputs, first_decode
 
 
-def test_tiny_model_triton_matches_torch(tmp_path, triton_device, monkeypatch) -> None:
+def test_tiny_model_triton_matches_torch(
+    tmp_path, triton_device, monkeypatch, kernels_mode
+) -> None:
     dev = str(triton_device)
     model = load_model(write_preset("tiny", tmp_path, seed=3), dtype="float32", device=dev)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2048, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "torch")
+    kernels_mode("torch")
     ref_tokens, ref_logits = greedy(model, prompts, dev)
-    monkeypatch.setenv("HYBRID_SERVE_KERNELS", "triton")
+    kernels_mode("triton")
     used: set[str] = set()
     load = dispatch.triton_module
     monkeypatch.setattr(dispatch, "triton_module", lambda name, d: used.add(name) or load(name, d))

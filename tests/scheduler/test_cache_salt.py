@@ -47,7 +47,7 @@ def cached(engine: Engine, prompt: list[int], salt: str | None, expected=None) -
 def test_without_salts_the_probe_reads_the_pin(probe):
     """The attack the salt must stop: the right guess hits 128 tokens, a wrong one nothing."""
     path, secret, wrong, expected = probe
-    engine = Engine(path, **TRACKED)
+    engine = Engine(path, cpu_compile="off", **TRACKED)
     cached(engine, secret, None, expected)
     assert cached(engine, wrong, None) == 0
     assert cached(engine, secret, None, expected) == 128
@@ -56,7 +56,7 @@ def test_without_salts_the_probe_reads_the_pin(probe):
 
 def test_different_salts_never_share_a_prefix(probe):
     path, secret, wrong, expected = probe
-    engine = Engine(path, **TRACKED)
+    engine = Engine(path, cpu_compile="off", **TRACKED)
     cached(engine, secret, "alice", expected)
     # mallory's guesses (and an unsalted request) hit nothing of alice's: the right guess
     # answers exactly what a wrong one does
@@ -79,11 +79,13 @@ def test_the_storage_tier_keeps_salts_apart_across_a_restart(probe, tmp_path):
         "hicache_storage_dir": str(tmp_path),
         "hicache_prefetch_threshold": 64,
     }
-    first = Engine(path, **tiers)
+    first = Engine(path, cpu_compile="off", **tiers)
     cached(first, secret, "alice", expected)
     assert first.scheduler.tree.stats["storage_written_tokens"] >= 128
     for salt, hit in (("mallory", 0), (None, 0), ("alice", 128)):
-        engine = Engine(path, **tiers)  # a restart: only the storage tier remembers
+        engine = Engine(
+            path, cpu_compile="off", **tiers
+        )  # a restart: only the storage tier remembers
         assert cached(engine, secret, salt, expected) == hit, salt
         assert engine.scheduler.tree.stats["storage_hit_tokens"] == hit
         assert engine.leak_report() == []

@@ -31,7 +31,10 @@ def setup(tmp_path_factory):
     path = str(write_checkpoint(tmp_path_factory.mktemp("tiny"), preset_config("tiny"), seed=11))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 20, 37, 9)]
-    expected = [o["output_ids"] for o in Engine(path, **OPTIONS).generate(prompts, GREEDY)]
+    expected = [
+        o["output_ids"]
+        for o in Engine(path, cpu_compile="off", **OPTIONS).generate(prompts, GREEDY)
+    ]
     return path, prompts, expected
 
 
@@ -64,7 +67,7 @@ def check_rest(reqs: list[Req], expected: list[list[int]], failed: set[str]) -> 
 def test_step_fault_fails_only_that_request(setup, monkeypatch, spec):
     path, prompts, expected = setup
     monkeypatch.setenv(FAULT_ENV, spec)
-    engine = Engine(path, **OPTIONS)
+    engine = Engine(path, cpu_compile="off", **OPTIONS)
     reqs = run(engine, prompts, ["a", "bad-1", "b", "c"])
     check_rest(reqs, expected, {"bad-1"})
     assert engine.scheduler.aborts == {"error": 1}
@@ -79,7 +82,7 @@ def test_step_fault_fails_only_that_request(setup, monkeypatch, spec):
 def test_abort_and_stop_faults_fail_that_request(setup, monkeypatch):
     path, prompts, expected = setup
     monkeypatch.setenv(FAULT_ENV, "abort:bad")
-    engine = Engine(path, **OPTIONS)
+    engine = Engine(path, cpu_compile="off", **OPTIONS)
     sched = engine.scheduler
 
     def act(i: int) -> None:
@@ -98,7 +101,7 @@ def test_forward_fault_fails_the_batch_and_frees_its_kv(setup):
     """A fault that cannot be pinned on one request (the forward) fails the batch in flight,
     KV drawn for that step included; the next requests run normally."""
     path, prompts, expected = setup
-    engine = Engine(path, **OPTIONS)
+    engine = Engine(path, cpu_compile="off", **OPTIONS)
     runner, calls = engine.runner, []
     real = runner.forward
 
@@ -125,7 +128,7 @@ def test_forward_fault_fails_the_batch_and_frees_its_kv(setup):
 def test_fault_that_leaks_stops_the_scheduler(setup, monkeypatch):
     path, prompts, _ = setup
     monkeypatch.setenv(FAULT_ENV, "leak:bad")
-    engine = Engine(path, **OPTIONS)
+    engine = Engine(path, cpu_compile="off", **OPTIONS)
     with pytest.raises(PoolsCorrupt, match="Mamba slots leaked"):
         run(engine, prompts[:2], ["a", "bad"])
 
@@ -144,7 +147,7 @@ def test_switch_syntax(monkeypatch):
 def test_loop_refuses_a_bad_seed_and_keeps_serving(setup):
     """The issue's crash: make_generator raising for one request must not end the loop."""
     path, prompts, expected = setup
-    engine = Engine(path, **OPTIONS)
+    engine = Engine(path, cpu_compile="off", **OPTIONS)
     io = InProcessIO()
     loop = SchedulerLoop(engine.scheduler, io)
     bad = SamplingParams(**GREEDY)

@@ -39,7 +39,13 @@ def test_branch_inside_a_finished_prompt_reuses_a_state(ckpt, strategy):
     """P (300 tokens) is prefilled in chunks of 128: snapshots at 128 and 256. P[:200] + x hits
     128 and snapshots the branching point 192, which P[:200] + y then hits. All exact."""
     path, hf, rand = ckpt
-    engine = Engine(path, mamba_scheduler_strategy=strategy, chunked_prefill_size=128, **POOLS)
+    engine = Engine(
+        path,
+        cpu_compile="off",
+        mamba_scheduler_strategy=strategy,
+        chunked_prefill_size=128,
+        **POOLS,
+    )
     p = rand(300)
     branches = [p[:200] + rand(40), p[:200] + rand(25)]
     expected = hf_greedy(hf, [p, *branches], NEW)
@@ -58,7 +64,9 @@ def test_decode_snapshots_every_track_interval(ckpt, strategy):
     """A 10-token prompt has no prefill snapshot; decode snapshots at kv_len 12, 16, 20 (the
     last, 20, is inserted on finish): the conversation continued hits exactly 20 tokens."""
     path, hf, rand = ckpt
-    engine = Engine(path, mamba_scheduler_strategy=strategy, mamba_track_interval=4, **POOLS)
+    engine = Engine(
+        path, cpu_compile="off", mamba_scheduler_strategy=strategy, mamba_track_interval=4, **POOLS
+    )
     p = rand(10)
     out = engine.generate(p, GREEDY)["output_ids"]
     assert out == hf_greedy(hf, [p], NEW)[0]
@@ -74,7 +82,11 @@ def test_decode_snapshots_every_track_interval(ckpt, strategy):
 def test_lazy_holds_one_track_slot_and_borrows_a_second_at_boundaries(ckpt):
     path, hf, rand = ckpt
     engine = Engine(
-        path, mamba_scheduler_strategy="extra_buffer_lazy", mamba_track_interval=4, **POOLS
+        path,
+        cpu_compile="off",
+        mamba_scheduler_strategy="extra_buffer_lazy",
+        mamba_track_interval=4,
+        **POOLS,
     )
     sched = engine.scheduler
     req = engine._make_req(rand(30), GREEDY)
@@ -104,7 +116,11 @@ def test_lazy_forced_allocation_failure_is_exact_and_skips_insert(ckpt, monkeypa
     path, hf, rand = ckpt
     monkeypatch.setenv(LAZY_ALLOC_FAIL_ENV, "1")
     engine = Engine(
-        path, mamba_scheduler_strategy="extra_buffer_lazy", mamba_track_interval=4, **POOLS
+        path,
+        cpu_compile="off",
+        mamba_scheduler_strategy="extra_buffer_lazy",
+        mamba_track_interval=4,
+        **POOLS,
     )
     assert engine.scheduler.cache.force_lazy_alloc_fail
     prompts = [rand(n) for n in (8, 9, 70, 131)]
