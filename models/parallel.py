@@ -129,7 +129,6 @@ class ParallelContext:
         dist.broadcast(data, 0, group=self.cpu_group)
         return pickle.loads(data.numpy().tobytes())
 
-
     def all_gather_object(self, obj: object) -> list:
         """Every rank's `obj`, in rank order."""
         if not self.enabled:

@@ -247,9 +247,7 @@ class ModelRunner:
         result: SampleOutput | Exception | None = None
         if tp.is_first:
             try:
-                result = self.sampler(
-                    logits[: len(params)], params, generators, histories, counts
-                )
+                result = self.sampler(logits[: len(params)], params, generators, histories, counts)
             except Exception as e:  # raised on every rank alike, after the broadcast
                 result = e
         result = tp.broadcast_object(result)
