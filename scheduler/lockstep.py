@@ -45,7 +45,12 @@ def check_same_config(tp: ParallelContext, runner_cfg: Any, sched_cfg: Scheduler
     """Every rank must run with rank 0's options (hosts started with different flags would size
     their pools differently and stop agreeing); ValueError, on every rank, naming the first
     option that differs."""
-    mine = {**asdict(replace(runner_cfg, node_rank=0, num_threads=0)), **asdict(sched_cfg)}
+    # each rank has its own GPU (`tp_group.rank_device`): only the device type must agree
+    kind = runner_cfg.device.partition(":")[0]
+    mine = {
+        **asdict(replace(runner_cfg, node_rank=0, num_threads=0, device=kind)),
+        **asdict(sched_cfg),
+    }
     for rank, theirs in enumerate(tp.all_gather_object(mine)):
         diff = next((k for k in mine if theirs.get(k) != mine[k]), None)
         if diff is not None:

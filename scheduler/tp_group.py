@@ -41,6 +41,15 @@ def local_ranks(cfg: RunnerConfig) -> range:
     return range(cfg.node_rank * per_node, (cfg.node_rank + 1) * per_node)
 
 
+def rank_device(cfg: RunnerConfig, rank: int) -> str:
+    """Rank `rank`'s device: on CUDA this host's ranks take consecutive GPUs from `--device`
+    (rank 0 of host k on its first one); on CPU they share the CPU."""
+    if not cfg.device.startswith("cuda"):
+        return cfg.device
+    base = int(cfg.device.partition(":")[2] or 0)
+    return f"cuda:{base + rank - local_ranks(cfg).start}"
+
+
 def rank_threads(cfg: RunnerConfig) -> int:
     """Torch threads of each rank: --num-threads, or this host's default shared by its ranks."""
     from scheduler.threads import default_num_threads
@@ -86,6 +95,7 @@ def follower_main(
         level=log_level.upper(), format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s"
     )
     configure_threads(rank_threads(runner_cfg), pick_default=False)
+    runner_cfg = replace(runner_cfg, device=rank_device(runner_cfg, rank))
     tp = init_process_group(rank, runner_cfg.tp_size, runner_cfg.dist_init_addr, runner_cfg.device)
     try:
         follow(build_scheduler(model_path, runner_cfg, sched_cfg, tp), tp)

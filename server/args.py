@@ -231,6 +231,12 @@ def configs_from_args(
             if isinstance(v, list):
                 kw[k] = tuple(v)
         out.append(cls(**kw))
+    server, runner, _ = out
+    if server.dp_size > 1 and (runner.nnodes > 1 or runner.dist_init_addr):
+        raise ValueError(
+            "--dp-size > 1 runs every replica on this host: it cannot be combined with "
+            "--nnodes or --dist-init-addr"
+        )
     return out[0], out[1], out[2]
 
 

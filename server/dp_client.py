@@ -55,14 +55,15 @@ def make_client(
 
 
 def replica_runner_config(config: RunnerConfig, rank: int, size: int) -> RunnerConfig:
-    """Replica `rank`'s runner config: its own GPU on CUDA, its share of the CPUs on CPU."""
+    """Replica `rank`'s runner config: its own GPUs on CUDA (`--tp-size` consecutive ones
+    each), its share of the CPUs on CPU (split again among its tensor-parallel ranks)."""
     device = config.device
     if device.startswith("cuda"):
         base = int(device.partition(":")[2] or 0)
-        device = f"cuda:{base + rank}"
+        device = f"cuda:{base + rank * config.tp_size}"
     threads = config.num_threads
     if threads == 0 and not os.environ.get("OMP_NUM_THREADS", "").strip():
-        threads = max(1, len(os.sched_getaffinity(0)) // size)
+        threads = max(1, len(os.sched_getaffinity(0)) // (size * config.tp_size))
     return replace(config, device=device, num_threads=threads)
 
 

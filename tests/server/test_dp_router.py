@@ -98,3 +98,21 @@ def test_replica_configs_and_flags(monkeypatch):
         ServerConfig(dp_size=0)
     with pytest.raises(ValueError, match="--load-balance-method"):
         ServerConfig(load_balance_method="random")
+
+
+def test_replica_devices_threads_and_multi_host_refusal(monkeypatch):
+    from scheduler.tp_group import rank_device
+    from server.args import parse_serve_args
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)))
+    cuda = RunnerConfig(device="cuda:1", tp_size=2)
+    # replica 1 of 2, each on two GPUs: cuda:3 and cuda:4
+    replica = replica_runner_config(cuda, 1, 2)
+    assert replica.device == "cuda:3" and replica.num_threads == 2
+    assert [rank_device(replica, r) for r in range(2)] == ["cuda:3", "cuda:4"]
+    host1 = RunnerConfig(device="cuda", tp_size=4, nnodes=2, node_rank=1, dist_init_addr="h:1")
+    assert [rank_device(host1, r) for r in (2, 3)] == ["cuda:0", "cuda:1"]
+    assert rank_device(RunnerConfig(tp_size=2), 1) == "cpu"
+    with pytest.raises(ValueError, match="--dp-size > 1"):
+        parse_serve_args(["--dp-size", "2", "--tp-size", "2", "--dist-init-addr", "h:1"])
