@@ -79,6 +79,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
 
+    @app.exception_handler(TimeoutError)
+    async def _timeout(_: Request, exc: TimeoutError) -> JSONResponse:
+        # a scheduler query (`SchedulerClient.query`) not answered in time: busy, not broken
+        logger.warning("scheduler query timed out: %s", exc or "no answer")
+        return error_response(
+            "the scheduler did not answer in time; retry later", 503, headers={"Retry-After": "5"}
+        )
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")

@@ -230,3 +230,23 @@ def test_metrics_parse_and_move(http):
     assert after["hybrid_serve_num_running_reqs"] == 0
     assert 0 < after["hybrid_serve_token_usage"] < 1
     assert 0 < after["hybrid_serve_cache_hit_rate"] <= 1
+
+
+def test_a_scheduler_query_timeout_is_a_503_with_retry_after():
+    """An unanswered scheduler query (`SchedulerClient.query` raising TimeoutError) means a
+    busy scheduler, not a server bug: 503 + Retry-After, never 'internal error'."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/open_session")
+    async def _open() -> None:
+        raise TimeoutError
+
+    r = TestClient(app).post("/open_session", json={})
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert "did not answer in time" in r.json()["message"]
