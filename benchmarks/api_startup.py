@@ -11,35 +11,27 @@ libtorch mapped. One JSON line per run.
 
 from __future__ import annotations
 
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
+
+from benchmarks.soak import free_port, rss_mb
 
 IMPORT = (
     "import time; t = time.perf_counter(); import server.http_server, server.launch, server.cli; "
     "print(time.perf_counter() - t)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def measure(root: str) -> dict:
