@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> str:
     torch.set_num_threads(args.threads)
     t0 = time.monotonic()
     if args.model_path is None:
-        from server.cli import default_model_path
+        from server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]

@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_path is None:
-        from server.cli import default_model_path
+        from server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     model = load_model(args.model_path, dtype="float32")
