@@ -77,7 +77,7 @@ def _workload(engine: Engine) -> dict:
     return out
 
 
-@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
 def test_tp2_engine_equals_tp1(paths, strategy):
     tp2 = Engine(paths["tiny"], tp_size=2, mamba_scheduler_strategy=strategy, **POOLS)
     try:
