@@ -7,7 +7,8 @@ import torch
 
 from models.loader import load_model
 from models.parallel import ParallelContext
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from scheduler.model_runner import DecodeInput, ModelRunner, RunnerConfig
+from tests.ragged_prefill import admit, ragged_prefill
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -25,23 +26,8 @@ def model_outputs(
     n = len(prompts)
 
     def prefill(step: int | None) -> tuple[list[tuple[int, int]], torch.Tensor]:
-        slots = list(
-            zip(runner.req_pool.alloc(n), runner.mamba_pool.alloc(n).tolist(), strict=True)
-        )
-        done, last = [0] * n, [None] * n
-        while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
-            items, locs, owners = [], [], []
-            for i, (p, (req, mamba)) in enumerate(zip(prompts, slots, strict=True)):
-                if done[i] < len(p):
-                    ids = p[done[i] : done[i] + (step or len(p))]
-                    items.append(ExtendInput(req, mamba, done[i], ids))
-                    locs.append(runner.alloc_kv(req, done[i], len(ids)))
-                    owners.append(i)
-                    done[i] += len(ids)
-            logits = runner.forward(runner.build_prefill(items, locs))
-            for row, i in enumerate(owners):
-                last[i] = logits[row]
-        return slots, torch.stack(last)
+        slots = admit(runner, n)
+        return slots, ragged_prefill(runner, prompts, slots, step)
 
     _, out["chunked"] = prefill(chunk)
     slots, out["prefill"] = prefill(None)

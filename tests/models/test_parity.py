@@ -15,6 +15,7 @@ from models.loader import load_model
 from models.presets import preset_config, write_checkpoint
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.hf_reference import hf_greedy
+from tests.ragged_prefill import admit, ragged_prefill
 
 PROMPT_LENS = [1, 17, 64, 129, 300]
 DECODE_STEPS = 32
@@ -107,32 +108,6 @@ def _runner(model) -> ModelRunner:
     return ModelRunner(model, RunnerConfig(max_running_requests=12, max_total_tokens=4096))
 
 
-def _admit(runner: ModelRunner, n: int) -> list[tuple[int, int]]:
-    reqs = runner.req_pool.alloc(n)
-    slots = runner.mamba_pool.alloc(n).tolist()
-    return list(zip(reqs, slots, strict=True))
-
-
-def _prefill(runner, prompts, slots, chunk: int | None) -> torch.Tensor:
-    """Prefill all prompts as ragged batches of at most `chunk` tokens per request a round."""
-    done = [0] * len(prompts)
-    last = [None] * len(prompts)
-    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
-        items, locs, owners = [], [], []
-        for i, (p, (req, mamba)) in enumerate(zip(prompts, slots, strict=True)):
-            if done[i] == len(p):
-                continue
-            ids = p[done[i] : done[i] + (chunk or len(p))]
-            items.append(ExtendInput(req, mamba, done[i], ids))
-            locs.append(runner.alloc_kv(req, done[i], len(ids)))
-            owners.append(i)
-            done[i] += len(ids)
-        logits = runner.forward(runner.build_prefill(items, locs))
-        for row, i in enumerate(owners):
-            last[i] = logits[row]
-    return torch.stack(last)
-
-
 def _release(runner, prompts_and_outputs, slots) -> None:
     for seq_len, (req, mamba) in zip(prompts_and_outputs, slots, strict=True):
         runner.free_kv(req, seq_len)
@@ -151,8 +126,8 @@ def _hf_last_logits(hf, prompt) -> torch.Tensor:
 def test_ragged_prefill_logits_match(checkpoint):
     hf, ours, prompts = checkpoint
     runner = _runner(ours)
-    slots = _admit(runner, len(prompts))
-    logits = _prefill(runner, prompts, slots, chunk=None)
+    slots = admit(runner, len(prompts))
+    logits = ragged_prefill(runner, prompts, slots, chunk=None)
     for i, p in enumerate(prompts):
         ref = _hf_last_logits(hf, p)
         err = (logits[i] - ref).abs().max().item()
@@ -163,7 +138,7 @@ def test_ragged_prefill_logits_match(checkpoint):
 def test_all_token_logits_match(checkpoint):
     hf, ours, prompts = checkpoint
     runner = _runner(ours)
-    slots = _admit(runner, 1)
+    slots = admit(runner, 1)
     prompt = prompts[-1]
     loc = runner.alloc_kv(slots[0][0], 0, len(prompt))
     batch = runner.build_prefill([ExtendInput(*slots[0], 0, prompt)], [loc], return_all_logits=True)
@@ -180,10 +155,10 @@ def test_all_token_logits_match(checkpoint):
 def test_chunked_prefill_equals_one_shot(checkpoint, chunk):
     _, ours, prompts = checkpoint
     runner = _runner(ours)
-    slots = _admit(runner, len(prompts))
-    one_shot = _prefill(runner, prompts, slots, chunk=None)
-    slots2 = _admit(runner, len(prompts))
-    chunked = _prefill(runner, prompts, slots2, chunk=chunk)
+    slots = admit(runner, len(prompts))
+    one_shot = ragged_prefill(runner, prompts, slots, chunk=None)
+    slots2 = admit(runner, len(prompts))
+    chunked = ragged_prefill(runner, prompts, slots2, chunk=chunk)
     assert (chunked - one_shot).abs().max().item() < ATOL
     # the states the two paths leave behind agree as well
     pool = runner.mamba_pool
@@ -199,8 +174,8 @@ def test_greedy_decode_matches_generate(checkpoint):
     hf, ours, prompts = checkpoint
     expected = hf_greedy(hf, prompts, DECODE_STEPS)
     runner = _runner(ours)
-    slots = _admit(runner, len(prompts))
-    tokens = _prefill(runner, prompts, slots, chunk=None).argmax(-1).tolist()
+    slots = admit(runner, len(prompts))
+    tokens = ragged_prefill(runner, prompts, slots, chunk=None).argmax(-1).tolist()
     outputs = [[t] for t in tokens]
     seq_lens = [len(p) for p in prompts]
     for _ in range(DECODE_STEPS - 1):
