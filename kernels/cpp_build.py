@@ -1,9 +1,9 @@
-"""Build and load the C++ CPU kernels (`kernels/csrc/cpu_kernels.cpp`) once per process.
+"""Build and load the C++ CPU kernels (every `kernels/csrc/*.cpp`) once per process.
 
-The source is compiled at first use with torch's extension tooling (`-O3 -march=native`,
-OpenMP through ATen's `parallel_for`) and cached under torch's extensions directory
+The sources are compiled into one library at first use with torch's extension tooling (`-O3
+-march=native`, OpenMP through ATen's `parallel_for`) and cached under torch's extensions directory
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); later processes load the cached
-library in well under a second. The build is named by a hash of the source and this machine's
+library in well under a second. The build is named by a hash of the sources and this machine's
 CPU flags (`-march=native` code may not run on another CPU sharing the cache), so checkouts with
 different sources never rebuild each other's copy. A build lock left by a process killed while
 compiling (torch's builder would wait on it forever) is removed once it is older than
@@ -28,20 +28,31 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+
+
+def sources() -> list[Path]:
+    """One file per concern: `cpu_kernels.cpp` defines the `hybrid_serve` op library
+    (TORCH_LIBRARY), every other file adds its ops with TORCH_LIBRARY_FRAGMENT."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ops" when loaded, "error" when the build failed
 STALE_LOCK_S = 900.0  # a cold build takes 20-400 s here; a lock this old has no live builder
 
 
 def _build_tag() -> str:
-    """Hash of the source and this machine's CPU flags."""
+    """Hash of the sources (names and text) and this machine's CPU flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
         flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode() + SOURCE.read_bytes()).hexdigest()[:12]
+    h = hashlib.sha1(flags.encode())
+    for src in sources():
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _clear_stale_lock(name: str) -> None:
@@ -86,7 +97,7 @@ def load() -> Any | None:
             start = time.perf_counter()
             cpp_extension.load(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(src) for src in sources()],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,

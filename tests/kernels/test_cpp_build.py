@@ -23,7 +23,13 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
 
 def test_the_build_name_follows_the_source(monkeypatch, tmp_path):
     tag = cpp_build._build_tag()
-    other = tmp_path / "k.cpp"
-    other.write_bytes(cpp_build.SOURCE.read_bytes() + b"\n// changed\n")
-    monkeypatch.setattr(cpp_build, "SOURCE", other)
+    for src in cpp_build.sources():
+        (tmp_path / src.name).write_bytes(src.read_bytes())
+    monkeypatch.setattr(cpp_build, "CSRC", tmp_path)
+    assert cpp_build._build_tag() == tag
+    first = cpp_build.sources()[0]
+    first.write_bytes(first.read_bytes() + b"\n// changed\n")
+    assert cpp_build._build_tag() != tag
+    first.write_bytes(first.read_bytes()[: -len(b"\n// changed\n")])
+    (tmp_path / "extra.cpp").write_text("// a new file\n")
     assert cpp_build._build_tag() != tag
