@@ -33,7 +33,8 @@ CSRC = Path(__file__).parent / "csrc"
 
 def sources() -> list[Path]:
     """One file per concern: `cpu_kernels.cpp` defines the `hybrid_serve` op library
-    (TORCH_LIBRARY), every other file adds its ops with TORCH_LIBRARY_FRAGMENT."""
+    (TORCH_LIBRARY), every other file adds its ops with TORCH_LIBRARY_FRAGMENT; shared C++
+    (`gemv.h`) lives in headers beside them, which the build name hashes too."""
     return sorted(CSRC.glob("*.cpp"))
 
 
@@ -43,14 +44,14 @@ STALE_LOCK_S = 900.0  # a cold build takes 20-400 s here; a lock this old has no
 
 
 def _build_tag() -> str:
-    """Hash of the sources (names and text) and this machine's CPU flags."""
+    """Hash of the sources and headers (names and text) and this machine's CPU flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
         flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = ""
     h = hashlib.sha1(flags.encode())
-    for src in sources():
+    for src in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:12]
 

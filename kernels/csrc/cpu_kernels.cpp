@@ -15,10 +15,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HS_AVX2 1
-#endif
+#include "gemv.h"
 
 namespace {
 
@@ -161,91 +158,6 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
   return out;
 }
 
-// ---- weight-streaming GEMV / skinny GEMM ---------------------------------------------------
-
-template <typename W>
-inline float load1(const W* p);
-template <>
-inline float load1<float>(const float* p) {
-  return *p;
-}
-template <>
-inline float load1<at::BFloat16>(const at::BFloat16* p) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[0]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-#ifdef HS_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-// y[m, n] = sum_k x[m, k] w[n, k] for M rows of x (M <= MAXM): each weight row is read once
-// from memory and used for all M rows while it is in registers / L1.
-template <typename W, int M>
-void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
-               int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const W* wr = w + n * K;
-    int64_t k = 0;
-    float tail[M] = {};
-#ifdef HS_AVX2
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) {
-      const __m256 wv = load8(wr + k);
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
-    }
-    for (int m = 0; m < M; ++m) tail[m] = hsum(acc[m]);
-#endif
-    for (; k < K; ++k) {
-      const float wk = load1(wr + k);
-      for (int m = 0; m < M; ++m) tail[m] += wk * x[m * K + k];
-    }
-    for (int m = 0; m < M; ++m) y[m * N + n] = tail[m];
-  }
-}
-
-template <typename W>
-void gemv_dispatch(int64_t M, const float* x, const W* w, float* y, int64_t N, int64_t K,
-                   int64_t n0, int64_t n1) {
-  switch (M) {
-    case 1: return gemv_rows<W, 1>(x, w, y, N, K, n0, n1);
-    case 2: return gemv_rows<W, 2>(x, w, y, N, K, n0, n1);
-    case 3: return gemv_rows<W, 3>(x, w, y, N, K, n0, n1);
-    case 4: return gemv_rows<W, 4>(x, w, y, N, K, n0, n1);
-    case 5: return gemv_rows<W, 5>(x, w, y, N, K, n0, n1);
-    case 6: return gemv_rows<W, 6>(x, w, y, N, K, n0, n1);
-    case 7: return gemv_rows<W, 7>(x, w, y, N, K, n0, n1);
-    default: return gemv_rows<W, 8>(x, w, y, N, K, n0, n1);
-  }
-}
-
-// Rows of x in blocks of 8 against a block of weight rows small enough to stay in L1/L2 (about
-// 16 KB), so each weight row comes from memory once for any M.
-template <typename W>
-void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, int64_t K,
-                  int64_t n0, int64_t n1) {
-  const int64_t nb = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * sizeof(W)));
-  for (int64_t b0 = n0; b0 < n1; b0 += nb) {
-    const int64_t b1 = std::min(n1, b0 + nb);
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      gemv_dispatch(std::min<int64_t>(8, M - m0), x + m0 * K, w, y + m0 * N, N, K, b0, b1);
-    }
-  }
-}
-
 // x [M,K] fp32, w [N,K] fp32 or bf16 -> y [M,N] fp32, accumulated in fp32.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "skinny_linear: contiguous inputs");
@@ -253,21 +165,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: shapes");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // grain: about 64 KB of weights per task, so small matrices stay on one thread
-  const int64_t grain =
-      std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(1, K * w.element_size()));
   if (w.scalar_type() == at::kFloat) {
-    const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, N, grain,
-                     [&](int64_t n0, int64_t n1) { skinny_range(M, xp, wp, yp, N, K, n0, n1); });
+    hs::skinny_linear_into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "skinny_linear: fp32 or bf16 weights");
-    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-    at::parallel_for(0, N, grain,
-                     [&](int64_t n0, int64_t n1) { skinny_range(M, xp, wp, yp, N, K, n0, n1); });
+    hs::skinny_linear_into(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
+                           M, N, K);
   }
   return y;
 }
