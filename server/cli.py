@@ -18,6 +18,7 @@ import logging
 import sys
 import time
 
+from scheduler.omp_spin import apply_default_spin
 from server.model_path import checkpoint_dir
 
 logger = logging.getLogger("hybrid-serve")
@@ -127,6 +128,7 @@ SUBCOMMANDS = ("make-model", "generate")
 
 
 def main(argv: list[str] | None = None) -> None:
+    apply_default_spin()  # before anything loads torch (and its OpenMP)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
