@@ -23,6 +23,8 @@ extend_attention = dispatching(attention.extend_attention, "attention_triton")
 decode_attention = dispatching(attention.decode_attention, "attention_triton")
 store_kv = dispatching(attention.store_kv, "attention_triton")
 rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
+rms_norm = dispatching(rmsnorm.rms_norm, None, "rmsnorm_cpp", fusion=True)
+fused_add_rmsnorm = dispatching(rmsnorm.fused_add_rmsnorm, None, "rmsnorm_cpp", fusion=True)
 linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
 
 __all__ = [
@@ -34,5 +36,7 @@ __all__ = [
     "decode_attention",
     "store_kv",
     "rms_norm_gated",
+    "rms_norm",
+    "fused_add_rmsnorm",
     "linear",
 ]

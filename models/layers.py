@@ -23,7 +23,8 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), in fp32, cast back after the scale."""
+    """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), in fp32, cast back after the scale.
+    `add_forward` adds a residual first (SGLang's fused_add_rmsnorm): -> (y, x + residual)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -31,9 +32,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class RMSNormGated(nn.Module):
