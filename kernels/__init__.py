@@ -4,7 +4,14 @@ with the same signature. The names exported here dispatch per call: Triton on CU
 (where it exists and builds) or torch on CPU, or as forced by `HYBRID_SERVE_KERNELS` (see
 `kernels.dispatch`)."""
 
-from kernels import attention, causal_conv1d, gated_delta_rule, linear, rmsnorm
+from kernels import (
+    attention,
+    causal_conv1d,
+    gated_delta_rule,
+    linear,
+    multi_linear,
+    rmsnorm,
+)
 from kernels.dispatch import dispatching
 
 causal_conv1d_fn = dispatching(causal_conv1d.causal_conv1d_fn, "causal_conv1d_triton")
@@ -25,6 +32,7 @@ store_kv = dispatching(attention.store_kv, "attention_triton")
 rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
 rms_norm = dispatching(rmsnorm.rms_norm, None, "rmsnorm_cpp", fusion=True)
 fused_add_rmsnorm = dispatching(rmsnorm.fused_add_rmsnorm, None, "rmsnorm_cpp", fusion=True)
+linear_multi = dispatching(multi_linear.linear_multi, None, "multi_linear_cpp", fusion=True)
 linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
 
 __all__ = [
@@ -39,4 +47,5 @@ __all__ = [
     "rms_norm",
     "fused_add_rmsnorm",
     "linear",
+    "linear_multi",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels
 from kernels import extend_attention
 from kernels.custom_ops import decode_attention, store_kv
 from models.config import ModelConfig
@@ -53,10 +54,12 @@ class GatedAttention(nn.Module):
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        projs = (self.q_proj, self.k_proj, self.v_proj)  # one call: `kernels.linear_multi`
+        q, k, v = kernels.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
+        q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)  # [T, nH, hd]
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, nKV, hd]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))  # [T, nKV, hd]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
 
         pool = batch.kv_pool
