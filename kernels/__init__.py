@@ -8,6 +8,7 @@ from kernels import (
     attention,
     causal_conv1d,
     gated_delta_rule,
+    gdn_step,
     linear,
     multi_linear,
     rmsnorm,
@@ -32,6 +33,7 @@ store_kv = dispatching(attention.store_kv, "attention_triton")
 rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
 rms_norm = dispatching(rmsnorm.rms_norm, None, "rmsnorm_cpp", fusion=True)
 fused_add_rmsnorm = dispatching(rmsnorm.fused_add_rmsnorm, None, "rmsnorm_cpp", fusion=True)
+gdn_decode = dispatching(gdn_step.gdn_decode, None, "gdn_step_cpp", fusion=True)
 linear_multi = dispatching(multi_linear.linear_multi, None, "multi_linear_cpp", fusion=True)
 linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
 
@@ -46,6 +48,7 @@ __all__ = [
     "rms_norm_gated",
     "rms_norm",
     "fused_add_rmsnorm",
+    "gdn_decode",
     "linear",
     "linear_multi",
 ]
