@@ -10,6 +10,7 @@ from kernels import (
     gated_delta_rule,
     gdn_step,
     linear,
+    moe_step,
     multi_linear,
     rmsnorm,
 )
@@ -34,6 +35,7 @@ rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
 rms_norm = dispatching(rmsnorm.rms_norm, None, "rmsnorm_cpp", fusion=True)
 fused_add_rmsnorm = dispatching(rmsnorm.fused_add_rmsnorm, None, "rmsnorm_cpp", fusion=True)
 gdn_decode = dispatching(gdn_step.gdn_decode, None, "gdn_step_cpp", fusion=True)
+moe_decode = dispatching(moe_step.moe_decode, None, "moe_step_cpp", fusion=True)
 linear_multi = dispatching(multi_linear.linear_multi, None, "multi_linear_cpp", fusion=True)
 linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
 
@@ -49,6 +51,7 @@ __all__ = [
     "rms_norm",
     "fused_add_rmsnorm",
     "gdn_decode",
+    "moe_decode",
     "linear",
     "linear_multi",
 ]

@@ -190,7 +190,11 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k softmax router over E experts plus a sigmoid-gated shared expert."""
+    """Top-k softmax router over E experts plus a sigmoid-gated shared expert. On CPU, up to
+    `FUSED_MAX_TOKENS` tokens (decode at small batches) the whole block is one fused op
+    (`kernels.moe_decode`: routing, the active experts, the shared expert, the combine)."""
+
+    FUSED_MAX_TOKENS = 8
 
     def __init__(
         self,
@@ -209,6 +213,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        if (
+            x.shape[0] <= self.FUSED_MAX_TOKENS
+            and not x.is_cuda
+            and not torch.compiler.is_compiling()  # graphs keep the opaque experts op
+        ):
+            shared = self.shared_expert
+            return kernels.moe_decode(
+                x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+                self.shared_expert_gate.weight, shared.gate_proj.weight, shared.up_proj.weight,
+                shared.down_proj.weight, self.top_k, self.norm_topk_prob,
+            )  # fmt: skip
         logits = self.gate(x)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
