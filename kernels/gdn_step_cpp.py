@@ -30,26 +30,23 @@ def gdn_decode(
     num_k_heads: int,
     eps: float,
 ) -> torch.Tensor:
-    ops = cpp_build.load()
-    fp32 = all(
-        t.dtype == torch.float32
-        for t in (qkvz, ba, conv_pool, ssm_pool, conv_weight, A_log, dt_bias, norm_weight)
-    )
-    compiling = torch.compiler.is_compiling()
+    args = (
+        qkvz, ba, conv_pool, ssm_pool, layer, conv_weight, A_log, dt_bias, norm_weight, slots,
+        num_k_heads, eps,
+    )  # fmt: skip
+    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
+        return gdn_step.gdn_decode(*args)
+    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
     if (
         ops is None
-        or not fp32
+        or not all(t.dtype == torch.float32 for t in (qkvz, ba, conv_pool, ssm_pool, A_log))
+        or not all(t.dtype == torch.float32 for t in (conv_weight, dt_bias, norm_weight))
         or not conv_pool.is_contiguous()
         or not ssm_pool.is_contiguous()
-        or (compiling and not custom_ops.cpp_in_graphs())
     ):
-        return gdn_step.gdn_decode(
-            qkvz, ba, conv_pool, ssm_pool, layer, conv_weight, A_log, dt_bias, norm_weight,
-            slots, num_k_heads, eps,
-        )  # fmt: skip
-    return torch.ops.hybrid_serve.gdn_decode(
-        qkvz.contiguous(), ba.contiguous(), conv_pool[layer], conv_weight.reshape(
-            conv_weight.shape[0], -1).contiguous(), ssm_pool[layer], A_log.contiguous(),
-        dt_bias.contiguous(), norm_weight.contiguous(), slots.long().contiguous(),
-        num_k_heads, float(eps),
+        return gdn_step.gdn_decode(*args)
+    return ops.gdn_decode(
+        qkvz.contiguous(), ba.contiguous(), conv_pool[layer], conv_weight.contiguous(),
+        ssm_pool[layer], A_log, dt_bias, norm_weight, slots.long().contiguous(), num_k_heads,
+        float(eps),
     )  # fmt: skip

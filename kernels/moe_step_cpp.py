@@ -34,6 +34,8 @@ def moe_decode(
         router_w, experts_gate_up, experts_down, shared_gate_w, shared_gate_proj,
         shared_up_proj, shared_down,
     )  # fmt: skip
+    if torch.compiler.is_compiling():
+        return moe_step.moe_decode(x, *weights, top_k, norm_topk_prob)
     ops = cpp_build.load()
     if (
         ops is None
@@ -41,7 +43,6 @@ def moe_decode(
         or x.dim() != 2
         or x.shape[0] > MAX_TOKENS
         or any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights)
-        or torch.compiler.is_compiling()
         or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)))
     ):
         return moe_step.moe_decode(x, *weights, top_k, norm_topk_prob)

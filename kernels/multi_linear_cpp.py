@@ -17,17 +17,20 @@ from kernels.linear_cpp import BF16_SKINNY_ROWS, SKINNY_ROWS
 def linear_multi(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
 ) -> list[torch.Tensor]:
+    if torch.compiler.is_compiling():
+        return multi_linear.linear_multi(x, weights, biases)
     ops = cpp_build.load()
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     fits = (
         ops is not None
         and x.dtype == torch.float32
+        and x.is_contiguous()
         and M > 0
-        and not torch.compiler.is_compiling()
         and not (torch.is_grad_enabled() and x.requires_grad)
         and all(
             w.dim() == 2
+            and w.is_contiguous()
             and not (torch.is_grad_enabled() and w.requires_grad)
             and M <= {torch.float32: SKINNY_ROWS, torch.bfloat16: BF16_SKINNY_ROWS}.get(w.dtype, 0)
             for w in weights
@@ -35,10 +38,9 @@ def linear_multi(
     )
     if not fits:
         return multi_linear.linear_multi(x, weights, biases)
-    ys = ops.skinny_linear_multi(x.reshape(M, K).contiguous(), [w.contiguous() for w in weights])
-    out = []
-    for y, w, b in zip(ys, weights, biases, strict=True):
+    flat = x.dim() == 2
+    ys = ops.skinny_linear_multi(x if flat else x.reshape(M, K), weights)
+    for y, b in zip(ys, biases, strict=True):
         if b is not None:
             y += b
-        out.append(y.view(*x.shape[:-1], w.shape[0]))
-    return out
+    return ys if flat else [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]

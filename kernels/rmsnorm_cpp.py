@@ -14,26 +14,29 @@ from kernels import cpp_build, rmsnorm
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.dim() >= 1
-        and not torch.compiler.is_compiling()
-    )
+    return x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() >= 1
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous [M, D] (itself when it already is: no view ops at decode sizes)."""
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return rmsnorm.rms_norm(x, weight, eps)
     ops = cpp_build.load()
     if ops is None or not _fits(x, weight):
         return rmsnorm.rms_norm(x, weight, eps)
-    D = x.shape[-1]
-    y = ops.rmsnorm(x.reshape(-1, D).contiguous(), weight.contiguous(), float(eps))
-    return y.view(x.shape)
+    y = ops.rmsnorm(_rows(x), weight, float(eps))
+    return y if x.dim() == 2 else y.view(x.shape)
 
 
 def fused_add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.compiler.is_compiling():
+        return rmsnorm.fused_add_rmsnorm(x, residual, weight, eps)
     ops = cpp_build.load()
     if ops is None or not _fits(x, weight):
         return rmsnorm.fused_add_rmsnorm(x, residual, weight, eps)
@@ -41,9 +44,5 @@ def fused_add_rmsnorm(
         return rms_norm(x, weight, eps), x
     if residual.dtype != torch.float32 or residual.shape != x.shape:
         return rmsnorm.fused_add_rmsnorm(x, residual, weight, eps)
-    D = x.shape[-1]
-    y, r = ops.add_rmsnorm(
-        x.reshape(-1, D).contiguous(), residual.reshape(-1, D).contiguous(), weight.contiguous(),
-        float(eps),
-    )  # fmt: skip
-    return y.view(x.shape), r.view(x.shape)
+    y, r = ops.add_rmsnorm(_rows(x), _rows(residual), weight, float(eps))
+    return (y, r) if x.dim() == 2 else (y.view(x.shape), r.view(x.shape))
