@@ -6,6 +6,7 @@ with the same signature. The names exported here dispatch per call: Triton on CU
 
 from kernels import (
     attention,
+    attn_step,
     causal_conv1d,
     gated_delta_rule,
     gdn_step,
@@ -37,6 +38,7 @@ fused_add_rmsnorm = dispatching(rmsnorm.fused_add_rmsnorm, None, "rmsnorm_cpp", 
 gdn_decode = dispatching(gdn_step.gdn_decode, None, "gdn_step_cpp", fusion=True)
 moe_decode = dispatching(moe_step.moe_decode, None, "moe_step_cpp", fusion=True)
 linear_multi = dispatching(multi_linear.linear_multi, None, "multi_linear_cpp", fusion=True)
+attn_decode = dispatching(attn_step.attn_decode, None, "attn_step_cpp", fusion=True)
 linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
 
 __all__ = [

@@ -56,6 +56,8 @@ class GatedAttention(nn.Module):
         T = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)  # one call: `kernels.linear_multi`
         q, k, v = kernels.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
+        if batch.is_decode and not x.is_cuda and not torch.compiler.is_compiling():
+            return self.o_proj(self._decode(q, k, v, cos_sin, batch))
         q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)  # [T, nH, hd]
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))  # [T, nKV, hd]
@@ -80,3 +82,14 @@ class GatedAttention(nn.Module):
             )  # [T, nH, hd]
         o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(o)
+
+    def _decode(self, qg, k, v, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+        """Eager CPU decode: everything between the projections and o_proj is one fused op
+        (`kernels.attn_decode`); graphs (compiled, CUDA) keep the ops above."""
+        pool = batch.kv_pool
+        return kernels.attn_decode(
+            qg, k, v, self.q_norm.weight, self.k_norm.weight, *cos_sin, pool.k_all, pool.v_all,
+            self.attn_layer_id, batch.out_loc, batch.req_to_token, batch.req_slots,
+            batch.seq_lens, self.num_heads, self.scale, self.q_norm.eps,
+            batch.max_seq_len or None,
+        )  # fmt: skip

@@ -12,6 +12,7 @@ from torch import nn
 
 import kernels
 from kernels import custom_ops, rms_norm_gated
+from kernels.attn_step import apply_rope
 
 
 class Linear(nn.Linear):
@@ -72,12 +73,7 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D]; cos/sin [T, rot]."""
-        rot = cos.shape[-1]
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+        return apply_rope(x, cos, sin)
 
 
 class MLP(nn.Module):
