@@ -2,6 +2,11 @@
 // experts, the sigmoid-gated shared expert and the combine. Reference and contract:
 // kernels/moe_step.py. Every matrix product is the weight-streaming GEMV
 // (hs::skinny_linear_into), fp32 or bf16 weights, fp32 activations and accumulation.
+//
+// Bit for bit the reference (and so the unfused model at any batch size, whose expert loop is
+// the same GEMV): the element-wise functions (softmax, silu, sigmoid) are torch's own kernels
+// on the same layouts, and the combine rounds each product before its sum (no FMA contraction
+// in this file's own code), so a request's tokens do not depend on which batch it shares.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -11,6 +16,8 @@
 #include <vector>
 
 #include "gemv.h"
+
+#pragma GCC optimize("fp-contract=off")
 
 namespace {
 
@@ -25,7 +32,12 @@ void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64
   }
 }
 
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+// silu(gate) * up for rows [n, 2I] = [gate | up] in `buf` (torch's kernels, as the reference
+// `F.silu(gate) * up` on the chunks) -> contiguous [n, I].
+at::Tensor swiglu(float* buf, int64_t n, int64_t I, const at::TensorOptions& opts) {
+  auto gu = at::from_blob(buf, {n, 2 * I}, opts);
+  return at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+}
 
 void check_weight(const at::Tensor& w, const char* name) {
   TORCH_CHECK(w.is_contiguous() &&
@@ -70,20 +82,14 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   auto logits = at::empty({T, E}, x.options());
   linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T);
   auto [topk_w, topk_ids] = at::topk(at::_softmax(logits, -1, false), top_k, -1);
+  if (norm_topk_prob) topk_w = topk_w / topk_w.sum(-1, true);
   topk_w = topk_w.contiguous();
   topk_ids = topk_ids.contiguous();
-  float* wp = topk_w.data_ptr<float>();
+  const float* wp = topk_w.data_ptr<float>();
   const int64_t* ip = topk_ids.data_ptr<int64_t>();
-  if (norm_topk_prob) {
-    for (int64_t t = 0; t < T; ++t) {
-      float s = 0.f;
-      for (int64_t j = 0; j < top_k; ++j) s += wp[t * top_k + j];
-      for (int64_t j = 0; j < top_k; ++j) wp[t * top_k + j] /= s;
-    }
-  }
 
   // routed experts in expert order, each on the rows routed to it (token order)
-  std::vector<float> xs(T * H), gu(T * 2 * I), act(T * I), ys(T * H);
+  std::vector<float> xs(T * H), gu(T * 2 * I), ys(T * H);
   std::vector<int64_t> rows;
   std::vector<float> row_w;
   for (int64_t e = 0; e < E; ++e) {
@@ -101,31 +107,37 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
     if (n == 0) continue;
     for (int64_t r = 0; r < n; ++r) std::copy_n(xp + rows[r] * H, H, xs.data() + r * H);
     linear_into(xs.data(), experts_gate_up, e * 2 * I, 2 * I, gu.data(), n);
-    for (int64_t r = 0; r < n; ++r) {
-      const float* g = gu.data() + r * 2 * I;
-      for (int64_t i = 0; i < I; ++i) act[r * I + i] = silu(g[i]) * g[I + i];
-    }
-    linear_into(act.data(), experts_down, e * H, H, ys.data(), n);
+    const at::Tensor act = swiglu(gu.data(), n, I, x.options());
+    linear_into(act.data_ptr<float>(), experts_down, e * H, H, ys.data(), n);
     for (int64_t r = 0; r < n; ++r) {
       float* o = op + rows[r] * H;
       const float* y = ys.data() + r * H;
       const float w = row_w[r];
-      for (int64_t h = 0; h < H; ++h) o[h] += y[h] * w;
+      for (int64_t h = 0; h < H; ++h) {
+        const float p = y[h] * w;  // rounded, then summed (as the reference's index_add_)
+        o[h] += p;
+      }
     }
   }
 
   // shared expert and its sigmoid gate
-  std::vector<float> sg(T), sgate(T * Is), sup(T * Is), sact(T * Is), sy(T * H);
-  linear_into(xp, shared_gate_w, 0, 1, sg.data(), T);
-  linear_into(xp, shared_gate_proj, 0, Is, sgate.data(), T);
-  linear_into(xp, shared_up_proj, 0, Is, sup.data(), T);
-  for (int64_t i = 0; i < T * Is; ++i) sact[i] = silu(sgate[i]) * sup[i];
-  linear_into(sact.data(), shared_down, 0, H, sy.data(), T);
+  auto sg = at::empty({T, 1}, x.options());
+  auto sgate = at::empty({T, Is}, x.options()), sup = at::empty({T, Is}, x.options());
+  std::vector<float> sy(T * H);
+  linear_into(xp, shared_gate_w, 0, 1, sg.data_ptr<float>(), T);
+  linear_into(xp, shared_gate_proj, 0, Is, sgate.data_ptr<float>(), T);
+  linear_into(xp, shared_up_proj, 0, Is, sup.data_ptr<float>(), T);
+  const at::Tensor sact = at::silu(sgate).mul_(sup);
+  linear_into(sact.data_ptr<float>(), shared_down, 0, H, sy.data(), T);
+  const at::Tensor gates = at::sigmoid(sg);
+  const float* gp = gates.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
-    const float gate = 1.f / (1.f + std::exp(-sg[t]));
     float* o = op + t * H;
     const float* y = sy.data() + t * H;
-    for (int64_t h = 0; h < H; ++h) o[h] += gate * y[h];
+    for (int64_t h = 0; h < H; ++h) {
+      const float p = gp[t] * y[h];
+      o[h] += p;
+    }
   }
   return out;
 }

@@ -37,7 +37,8 @@ def test_moe_decode_matches_reference(T, E, k, H, I, Is, norm, dtype) -> None:
     weights = moe_weights(E, H, I, Is, dtype)
     y = moe_step_cpp.moe_decode(x, *weights, k, norm)
     y_ref = moe_step.moe_decode(x, *weights, k, norm)
-    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    # bit for bit: a request's tokens must not depend on whether its batch has 8 rows or 9
+    assert torch.equal(y, y_ref)
 
 
 def test_routing_ties_pick_torch_topk_experts() -> None:
@@ -49,7 +50,7 @@ def test_routing_ties_pick_torch_topk_experts() -> None:
     weights = moe_weights(E, H, 16, 16, torch.float32)
     weights[0] = torch.zeros(E, H)
     y = moe_step_cpp.moe_decode(x, *weights, k, True)
-    torch.testing.assert_close(y, moe_step.moe_decode(x, *weights, k, True), rtol=1e-4, atol=1e-5)
+    assert torch.equal(y, moe_step.moe_decode(x, *weights, k, True))
     # and a different choice of experts would show: the outputs depend on which were picked
     swapped = [w.clone() for w in weights]
     chosen = torch.topk(torch.full((E,), 1.0 / E), k).indices
