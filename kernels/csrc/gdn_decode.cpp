@@ -61,29 +61,62 @@ inline void silu_inplace(float* y, int64_t n) {
   for (; i < n; ++i) y[i] = y[i] / (1.f + std::exp(-y[i]));
 }
 
-// One row's conv update: window [D, W-1] shifted in place, y [D] = silu(conv).
-inline void conv_row(const float* x, float* window, const float* weight, float* y, int64_t D,
+#ifdef GDN_AVX2
+inline __m256i lanes(int a, int b, int c, int d, int e, int f, int g, int h) {
+  return _mm256_setr_epi32(a, b, c, d, e, f, g, h);
+}
+
+// Kernel size 4, channels [c0, c0 + 8) of one row, across channels: the 24 window floats
+// (3 per channel) are de-interleaved with blends and lane permutes, y = w3 x + w0 h0 + w1 h1 +
+// w2 h2 in 8 lanes, and the shifted window (h1, h2, x) is the block moved down by one float
+// with x blended into every third lane. Reads one float past the block: the caller keeps
+// c0 + 8 < D. `wt` holds the weights transposed, [4][D].
+inline void conv4_block8(const float* x, float* window, const float* wt, float* y, int64_t D,
+                         int64_t c0) {
+  float* h = window + c0 * 3;
+  const __m256 a = _mm256_loadu_ps(h), b = _mm256_loadu_ps(h + 8), c = _mm256_loadu_ps(h + 16);
+  const __m256 a1 = _mm256_loadu_ps(h + 1), b1 = _mm256_loadu_ps(h + 9);
+  const __m256 c1 = _mm256_loadu_ps(h + 17);
+  // h_j holds window float j of channels c0..c0+7 (element 3i + j of the block)
+  const __m256 h0 = _mm256_permutevar8x32_ps(
+      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x92), c, 0x24), lanes(0, 3, 6, 1, 4, 7, 2, 5));
+  const __m256 h1 = _mm256_permutevar8x32_ps(
+      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x24), c, 0x49), lanes(1, 4, 7, 2, 5, 0, 3, 6));
+  const __m256 h2 = _mm256_permutevar8x32_ps(
+      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x49), c, 0x92), lanes(2, 5, 0, 3, 6, 1, 4, 7));
+  const __m256 xv = _mm256_loadu_ps(x + c0);
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(wt + 3 * D + c0), xv);
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + c0), h0, acc);
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + D + c0), h1, acc);
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + 2 * D + c0), h2, acc);
+  _mm256_storeu_ps(y + c0, acc);
+  // new window: element k takes old element k + 1, and x[i] goes to element 3i + 2
+  const __m256 xa = _mm256_permutevar8x32_ps(xv, lanes(0, 0, 0, 0, 0, 1, 0, 0));
+  const __m256 xb = _mm256_permutevar8x32_ps(xv, lanes(2, 0, 0, 3, 0, 0, 4, 0));
+  const __m256 xc = _mm256_permutevar8x32_ps(xv, lanes(0, 5, 0, 0, 6, 0, 0, 7));
+  _mm256_storeu_ps(h, _mm256_blend_ps(a1, xa, 0x24));
+  _mm256_storeu_ps(h + 8, _mm256_blend_ps(b1, xb, 0x49));
+  _mm256_storeu_ps(h + 16, _mm256_blend_ps(c1, xc, 0x92));
+}
+#endif
+
+// One row's conv update: window [D, W-1] shifted in place, y [D] = silu(conv). `wt` is the
+// weight transposed, [W][D].
+inline void conv_row(const float* x, float* window, const float* wt, float* y, int64_t D,
                      int64_t W) {
-  if (W == 4) {  // Qwen3-Next's kernel size: the window is 3 floats per channel
-    for (int64_t c = 0; c < D; ++c) {
-      float* h = window + c * 3;
-      const float* w = weight + c * 4;
-      const float h0 = h[0], h1 = h[1], h2 = h[2], xc = x[c];
-      y[c] = w[3] * xc + w[0] * h0 + w[1] * h1 + w[2] * h2;
-      h[0] = h1;
-      h[1] = h2;
-      h[2] = xc;
-    }
-  } else {
-    for (int64_t c = 0; c < D; ++c) {
-      float* h = window + c * (W - 1);
-      const float* w = weight + c * W;
-      float acc = w[W - 1] * x[c];
-      for (int64_t j = 0; j < W - 1; ++j) acc += w[j] * h[j];
-      for (int64_t j = 0; j + 1 < W - 1; ++j) h[j] = h[j + 1];
-      h[W - 2] = x[c];
-      y[c] = acc;
-    }
+  int64_t c = 0;
+#ifdef GDN_AVX2
+  if (W == 4) {  // Qwen3-Next's kernel size
+    for (; c + 8 < D; c += 8) conv4_block8(x, window, wt, y, D, c);
+  }
+#endif
+  for (; c < D; ++c) {
+    float* h = window + c * (W - 1);
+    float acc = wt[(W - 1) * D + c] * x[c];
+    for (int64_t j = 0; j < W - 1; ++j) acc += wt[j * D + c] * h[j];
+    for (int64_t j = 0; j + 1 < W - 1; ++j) h[j] = h[j + 1];
+    h[W - 2] = x[c];
+    y[c] = acc;
   }
   silu_inplace(y, D);
 }
@@ -130,9 +163,14 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
   const std::vector<int64_t> slots = hs::live_slots(slots_t, S);
   auto out = at::zeros({T, value_dim}, qkvz.options());
   std::vector<float> act(T * conv_dim);  // silu(conv) of the live rows
+  std::vector<float> wt(W * conv_dim);  // the conv weight transposed, [W][conv_dim]
+  const float* cwp = conv_weight.data_ptr<float>();
+  for (int64_t c = 0; c < conv_dim; ++c) {
+    for (int64_t j = 0; j < W; ++j) wt[j * conv_dim + c] = cwp[c * W + j];
+  }
 
   const float *xp = qkvz.data_ptr<float>(), *bap = ba.data_ptr<float>();
-  const float *cwp = conv_weight.data_ptr<float>(), *alp = A_log.data_ptr<float>();
+  const float* alp = A_log.data_ptr<float>();
   const float *dtp = dt_bias.data_ptr<float>(), *nwp = norm_weight.data_ptr<float>();
   float *csp = conv_state.data_ptr<float>(), *ssp = ssm_state.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -142,8 +180,8 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
   at::parallel_for(0, T, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       if (slots[b] < 0) continue;
-      conv_row(xp + b * row, csp + slots[b] * conv_dim * (W - 1), cwp, act.data() + b * conv_dim,
-               conv_dim, W);
+      conv_row(xp + b * row, csp + slots[b] * conv_dim * (W - 1), wt.data(),
+               act.data() + b * conv_dim, conv_dim, W);
     }
   });
 
