@@ -88,35 +88,49 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   const float* wp = topk_w.data_ptr<float>();
   const int64_t* ip = topk_ids.data_ptr<int64_t>();
 
-  // routed experts in expert order, each on the rows routed to it (token order)
-  std::vector<float> xs(T * H), gu(T * 2 * I), ys(T * H);
-  std::vector<int64_t> rows;
+  // the (token, expert) pairs sorted by expert, tokens in order within one (the reference's
+  // stable sort); each expert's rows are a contiguous run
+  const int64_t N = T * top_k;
+  std::vector<int64_t> row_tok, start(E + 1, 0);
   std::vector<float> row_w;
+  row_tok.reserve(N);
+  row_w.reserve(N);
   for (int64_t e = 0; e < E; ++e) {
-    rows.clear();
-    row_w.clear();
+    start[e] = static_cast<int64_t>(row_tok.size());
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t j = 0; j < top_k; ++j) {
         if (ip[t * top_k + j] == e) {
-          rows.push_back(t);
+          row_tok.push_back(t);
           row_w.push_back(wp[t * top_k + j]);
         }
       }
     }
-    const int64_t n = static_cast<int64_t>(rows.size());
-    if (n == 0) continue;
-    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + rows[r] * H, H, xs.data() + r * H);
-    linear_into(xs.data(), experts_gate_up, e * 2 * I, 2 * I, gu.data(), n);
-    const at::Tensor act = swiglu(gu.data(), n, I, x.options());
-    linear_into(act.data_ptr<float>(), experts_down, e * H, H, ys.data(), n);
-    for (int64_t r = 0; r < n; ++r) {
-      float* o = op + rows[r] * H;
-      const float* y = ys.data() + r * H;
-      const float w = row_w[r];
-      for (int64_t h = 0; h < H; ++h) {
-        const float p = y[h] * w;  // rounded, then summed (as the reference's index_add_)
-        o[h] += p;
-      }
+  }
+  start[E] = N;
+  std::vector<float> xs(N * H), gu(N * 2 * I), ys(N * H);
+  for (int64_t r = 0; r < N; ++r) std::copy_n(xp + row_tok[r] * H, H, xs.data() + r * H);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n > 0) {
+      linear_into(xs.data() + start[e] * H, experts_gate_up, e * 2 * I, 2 * I,
+                  gu.data() + start[e] * 2 * I, n);
+    }
+  }
+  const at::Tensor act = swiglu(gu.data(), N, I, x.options());  // every row: one call
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n > 0) {
+      linear_into(act.data_ptr<float>() + start[e] * I, experts_down, e * H, H,
+                  ys.data() + start[e] * H, n);
+    }
+  }
+  for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
+    float* o = op + row_tok[r] * H;
+    const float* y = ys.data() + r * H;
+    const float w = row_w[r];
+    for (int64_t h = 0; h < H; ++h) {
+      const float p = y[h] * w;  // rounded, then summed
+      o[h] += p;
     }
   }
 
