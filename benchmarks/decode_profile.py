@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             for key, t in self_us.items():
                 by_part[part_of(key)] += t
             med = statistics.median(times) * 1e3
+            n_ops = sum(calls.values()) / args.steps
             print(f"\n## batch {b}: step median {med:.1f} ms ({b / med * 1e3:.0f} tok/s)")
+            print(f"ops per step (torch.profiler events): {n_ops:.0f}")
             print("| part | share of self CPU time |\n|---|---|")
             for part, t in sorted(by_part.items(), key=lambda kv: -kv[1]):
                 print(f"| {part} | {100 * t / total:.1f}% |")

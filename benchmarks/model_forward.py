@@ -51,7 +51,7 @@ import torch
 from tqdm import tqdm
 
 from kernels import dispatch
-from kernels.dispatch import ENV_VAR
+from kernels.dispatch import ENV_VAR, FUSIONS_ENV
 from scheduler.config import CPU_COMPILE_MODES
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
@@ -157,22 +157,26 @@ def hf_decode(model, contexts: torch.Tensor, next_ids: torch.Tensor) -> Step:
 
 
 def with_kernels(make: Step, mode: str) -> Step:
-    """The same step with `HYBRID_SERVE_KERNELS=mode` while its timed part runs."""
+    """The same step with `HYBRID_SERVE_KERNELS=mode` while its timed part runs; a mode ending
+    in `-unfused` (e.g. `auto-unfused`) also sets `HYBRID_SERVE_FUSIONS=off`."""
+    kernels_mode, unfused = mode.removesuffix("-unfused"), mode.endswith("-unfused")
+    env = {ENV_VAR: kernels_mode, FUSIONS_ENV: "off" if unfused else "on"}
 
     def wrapped():
         run, cleanup = make()
 
         def timed() -> torch.Tensor:
-            before = os.environ.get(ENV_VAR)
-            os.environ[ENV_VAR] = mode
+            before = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             dispatch.reset()  # the dispatcher caches the mode: make it read the new one
             try:
                 return run()
             finally:
-                if before is None:
-                    os.environ.pop(ENV_VAR, None)
-                else:
-                    os.environ[ENV_VAR] = before
+                for k, v in before.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
                 dispatch.reset()
 
         return timed, cleanup
@@ -235,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         "--kernels",
         default="auto",
         help="comma-separated HYBRID_SERVE_KERNELS modes to time ours under, interleaved "
-        "(e.g. torch,auto: the eager torch path against the C++ kernels)",
+        "(e.g. torch,auto: the eager torch path against the C++ kernels; a mode ending in "
+        "-unfused, e.g. auto-unfused, also turns the fused decode ops off: HYBRID_SERVE_FUSIONS)",
     )
     p.add_argument(
         "--compile",

@@ -4,7 +4,17 @@ with the same signature. The names exported here dispatch per call: Triton on CU
 (where it exists and builds) or torch on CPU, or as forced by `HYBRID_SERVE_KERNELS` (see
 `kernels.dispatch`)."""
 
-from kernels import attention, causal_conv1d, gated_delta_rule, linear, rmsnorm
+from kernels import (
+    attention,
+    attn_step,
+    causal_conv1d,
+    gated_delta_rule,
+    gdn_step,
+    linear,
+    moe_step,
+    multi_linear,
+    rmsnorm,
+)
 from kernels.dispatch import dispatching
 
 causal_conv1d_fn = dispatching(causal_conv1d.causal_conv1d_fn, "causal_conv1d_triton")
@@ -23,6 +33,12 @@ extend_attention = dispatching(attention.extend_attention, "attention_triton")
 decode_attention = dispatching(attention.decode_attention, "attention_triton")
 store_kv = dispatching(attention.store_kv, "attention_triton")
 rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
+rms_norm = dispatching(rmsnorm.rms_norm, None, "rmsnorm_cpp", fusion=True)
+fused_add_rmsnorm = dispatching(rmsnorm.fused_add_rmsnorm, None, "rmsnorm_cpp", fusion=True)
+gdn_decode = dispatching(gdn_step.gdn_decode, None, "gdn_step_cpp", fusion=True)
+moe_decode = dispatching(moe_step.moe_decode, None, "moe_step_cpp", fusion=True)
+linear_multi = dispatching(multi_linear.linear_multi, None, "multi_linear_cpp", fusion=True)
+attn_decode = dispatching(attn_step.attn_decode, None, "attn_step_cpp", fusion=True)
 linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
 
 __all__ = [
@@ -34,5 +50,10 @@ __all__ = [
     "decode_attention",
     "store_kv",
     "rms_norm_gated",
+    "rms_norm",
+    "fused_add_rmsnorm",
+    "gdn_decode",
+    "moe_decode",
     "linear",
+    "linear_multi",
 ]

@@ -201,8 +201,14 @@ def enable_cpp_in_graphs() -> bool:
             torch.library.register_fake("hybrid_serve::skinny_linear")(_skinny_linear_fake)
             torch.library.register_fake("hybrid_serve::gdr_recurrent_pool")(_gdr_fake)
             torch.library.register_fake("hybrid_serve::conv1d_update_pool")(_conv_fake)
+            torch.library.register_fake("hybrid_serve::gdn_decode")(_gdn_decode_fake)
         _in_graph["cpp"] = ok
     return _in_graph["cpp"]
+
+
+def cpp_in_graphs() -> bool:
+    """Whether `enable_cpp_in_graphs` ran and graphs call the C++ kernels' ops."""
+    return bool(_in_graph.get("cpp"))
 
 
 def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -215,6 +221,10 @@ def _gdr_fake(q, k, v, g, beta, pool, indices, scale, l2norm):
 
 def _conv_fake(x, conv_state, weight, indices, silu):
     return x.new_empty(x.shape)
+
+
+def _gdn_decode_fake(qkvz, ba, conv_state, conv_weight, ssm_state, A_log, dt_bias, norm_w, *_):
+    return qkvz.new_empty(qkvz.shape[0], ssm_state.shape[1] * ssm_state.shape[3])
 
 
 def traced_linear(

@@ -15,6 +15,11 @@ changes the variable calls `reset()` afterwards):
   built), the torch reference for everything else;
 - ``torch``: always the reference.
 
+`HYBRID_SERVE_FUSIONS` (``on`` by default, ``off``): the fused decode ops (`fusion=True`: residual
+add + RMSNorm, the Gated DeltaNet decode, the small-batch MoE, the multi-weight GEMV) run their
+torch references when ``off``, which compose the unfused kernels, so a benchmark can compare the
+fusions alone with every other kernel choice unchanged.
+
 Triton is imported lazily, only when a Triton kernel is about to run, so the CPU path works on
 machines where triton is missing or broken. In ``auto`` mode such a machine silently uses torch;
 in ``triton`` mode it raises ImportError with the original reason.
@@ -37,9 +42,11 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "HYBRID_SERVE_KERNELS"
 MODES = ("auto", "triton", "cpp", "torch")
+FUSIONS_ENV = "HYBRID_SERVE_FUSIONS"
 
 _import_error: list[BaseException] = []  # first failure importing triton, if any
 _mode: list[str] = []  # the mode read from ENV_VAR, once
+_fusions: list[bool] = []  # FUSIONS_ENV, once
 _choices: dict[tuple[str, str], Callable] = {}  # (op name, device type) -> implementation
 TRACED: dict[str, Callable] = {}  # what torch.compile traces instead (see `dispatching`)
 
@@ -49,6 +56,7 @@ def reset() -> None:
     call reads the variable again (for tests and benchmarks that change it)."""
     _mode.clear()
     _choices.clear()
+    _fusions.clear()
 
 
 def kernel_mode() -> str:
@@ -59,6 +67,16 @@ def kernel_mode() -> str:
         raise ValueError(f"{ENV_VAR}={mode!r}; expected one of {', '.join(MODES)}")
     _mode.append(mode)
     return mode
+
+
+def fusions_enabled() -> bool:
+    """Whether the fused decode ops run their fast kernels (`FUSIONS_ENV`, read once)."""
+    if not _fusions:
+        value = os.environ.get(FUSIONS_ENV, "on").strip().lower() or "on"
+        if value not in ("on", "off", "1", "0"):
+            raise ValueError(f"{FUSIONS_ENV}={value!r}; expected on or off")
+        _fusions.append(value in ("on", "1"))
+    return _fusions[0]
 
 
 def triton_available() -> bool:
@@ -140,6 +158,7 @@ def dispatching(
     module: str | None,
     cpp_module: str | None = None,
     traced: str | None = None,
+    fusion: bool = False,
 ) -> Callable:
     """Wrap a torch reference op so that each call runs the same-named function of Triton
     module `kernels.<module>` instead when `use_triton` says so for its first tensor argument,
@@ -147,12 +166,15 @@ def dispatching(
     at an op's first call per device type and cached (`reset()` forgets it). Arguments are
     passed through unchanged: all implementations share the signature. While torch.compile
     traces, an op with `traced` runs `kernels.custom_ops.<traced>` instead (the same choice,
-    written for the compiler: `custom_ops` registers it in `TRACED` when imported)."""
+    written for the compiler: `custom_ops` registers it in `TRACED` when imported). A `fusion`
+    op runs its reference while `fusions_enabled()` is False."""
     first = next(iter(inspect.signature(reference).parameters))
     name = reference.__name__
     key = f"{reference.__module__}.{name}"
 
     def choose(x: torch.Tensor) -> Callable:
+        if fusion and not fusions_enabled():
+            return reference
         if module is not None and use_triton(x):
             return getattr(triton_module(module, x.device), name)
         if cpp_module is not None and use_cpp(x):

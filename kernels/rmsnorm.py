@@ -1,16 +1,35 @@
-"""Gated RMSNorm of the Gated DeltaNet output: pure-torch reference op.
+"""RMSNorms of Qwen3-Next: pure-torch reference ops.
 
-    y = w * (x / rms(x)) * silu(z)
+    rms_norm:           y = x / rms(x) * (1 + w)                    (zero-centred weight)
+    fused_add_rmsnorm:  r = x + residual;  y = rms_norm(r)          -> (y, r)
+    rms_norm_gated:     y = w * (x / rms(x)) * silu(z)              (the Gated DeltaNet output)
 
-Rounding follows transformers' Qwen3-Next exactly: the normalised x is computed in fp32 and
-cast back to x's dtype before the weight multiplies it; the gate is applied in fp32 and the
-result cast to x's dtype.
+Rounding follows transformers' Qwen3-Next exactly: the norms run in fp32 and cast back to x's
+dtype after the scale (zero-centred) or before the weight multiplies (gated); the gate is applied
+in fp32. `fused_add_rmsnorm` follows SGLang's fused_add_rmsnorm contract: the decoder layer keeps
+the residual stream apart from the sub-layer outputs, and each norm adds the previous output into
+it (the sum in x's dtype, as `x + h` before).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> x / rms(x) * (1 + weight), in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).type_as(x)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., D] (None: nothing to add) -> (rms_norm(r), r), r = x + residual."""
+    r = x if residual is None else x + residual
+    return rms_norm(r, weight, eps), r
 
 
 def rms_norm_gated(

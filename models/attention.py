@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels
 from kernels import extend_attention
 from kernels.custom_ops import decode_attention, store_kv
 from models.config import ModelConfig
@@ -53,10 +54,14 @@ class GatedAttention(nn.Module):
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        projs = (self.q_proj, self.k_proj, self.v_proj)  # one call: `kernels.linear_multi`
+        q, k, v = kernels.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
+        if batch.is_decode and not x.is_cuda and not torch.compiler.is_compiling():
+            return self.o_proj(self._decode(q, k, v, cos_sin, batch))
+        q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)  # [T, nH, hd]
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, nKV, hd]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))  # [T, nKV, hd]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
 
         pool = batch.kv_pool
@@ -77,3 +82,14 @@ class GatedAttention(nn.Module):
             )  # [T, nH, hd]
         o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(o)
+
+    def _decode(self, qg, k, v, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+        """Eager CPU decode: everything between the projections and o_proj is one fused op
+        (`kernels.attn_decode`); graphs (compiled, CUDA) keep the ops above."""
+        pool = batch.kv_pool
+        return kernels.attn_decode(
+            qg, k, v, self.q_norm.weight, self.k_norm.weight, *cos_sin, pool.k_all, pool.v_all,
+            self.attn_layer_id, batch.out_loc, batch.req_to_token, batch.req_slots,
+            batch.seq_lens, self.num_heads, self.scale, self.q_norm.eps,
+            batch.max_seq_len or None,
+        )  # fmt: skip

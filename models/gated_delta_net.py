@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from kernels import causal_conv1d_fn, chunk_gated_delta_rule
-from kernels.custom_ops import decode_conv_update, decode_recurrent_update
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import Linear, RMSNormGated
@@ -59,6 +59,24 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = row_linear(self.value_dim, c.hidden_size, False, tp or ParallelContext())
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if batch.is_decode:
+            return self.out_proj(self._decode(x, batch))
+        return self.out_proj(self._extend(x, batch))
+
+    def _decode(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """One token per request: both projections in one call (`kernels.linear_multi`), then
+        everything up to out_proj one fused op (`kernels.gdn_decode`) on the pool's states, in
+        place."""
+        pool = batch.mamba_pool
+        qkvz, ba = (self.in_proj_qkvz, self.in_proj_ba)
+        qkvz, ba = kernels.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
+        return kernels.gdn_decode(
+            qkvz, ba, pool.conv_state, pool.ssm_state,
+            self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
+            self.norm.weight, batch.mamba_slots, self.num_k_heads, self.norm.eps,
+        )  # fmt: skip
+
+    def _extend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
         pool = batch.mamba_pool
         conv_state = pool.conv_state[self.linear_layer_id]  # [slots, conv_dim, Kc-1]
@@ -70,21 +88,16 @@ class GatedDeltaNet(nn.Module):
 
         if batch.tracks_states:
             self._track_conv_states(mixed_qkv, conv_state, batch)
-        if batch.is_decode:  # on the pool's whole tensors: one opaque op when compiled
-            mixed_qkv = decode_conv_update(
-                mixed_qkv, pool.conv_state, self.linear_layer_id, weight, batch.mamba_slots
-            )  # [T, conv_dim]
-        else:
-            mixed_qkv = causal_conv1d_fn(
-                mixed_qkv.t(),
-                weight,
-                None,
-                conv_state,
-                batch.query_start_loc,
-                batch.mamba_slots,
-                batch.has_initial_state,
-                "silu",
-            ).t()  # [T, conv_dim]
+        mixed_qkv = causal_conv1d_fn(
+            mixed_qkv.t(),
+            weight,
+            None,
+            conv_state,
+            batch.query_start_loc,
+            batch.mamba_slots,
+            batch.has_initial_state,
+            "silu",
+        ).t()  # [T, conv_dim]
 
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(1, T, self.num_k_heads, self.head_k_dim)  # [1, T, H, dk]
@@ -93,42 +106,30 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().unsqueeze(0)  # [1, T, HV]
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).unsqueeze(0)
 
-        if batch.is_decode:  # one token per request: requests are the batch dimension
-            core = decode_recurrent_update(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                g.transpose(0, 1),
-                beta.transpose(0, 1),
-                pool.ssm_state,
-                self.linear_layer_id,
-                batch.mamba_slots,
-            )  # [T, 1, HV, dv] (qk l2-normalised in the kernel)
-        else:
-            track = {}
-            if batch.tracks_states:
-                track = dict(
-                    track_offsets=torch.tensor(batch.mamba_track_offsets_cpu, device=x.device),
-                    track_indices=batch.mamba_track_slots,
-                )
-            core, _ = chunk_gated_delta_rule(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                initial_state=ssm_state,
-                initial_state_indices=batch.mamba_slots,
-                cu_seqlens=batch.query_start_loc,
-                use_qk_l2norm_in_kernel=True,
-                **track,
-            )  # [1, T, HV, dv]
+        track = {}
+        if batch.tracks_states:
+            track = dict(
+                track_offsets=torch.tensor(batch.mamba_track_offsets_cpu, device=x.device),
+                track_indices=batch.mamba_track_slots,
+            )
+        core, _ = chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=ssm_state,
+            initial_state_indices=batch.mamba_slots,
+            cu_seqlens=batch.query_start_loc,
+            use_qk_l2norm_in_kernel=True,
+            **track,
+        )  # [1, T, HV, dv]
 
         core = self.norm(
             core.reshape(T * self.num_v_heads, self.head_v_dim),
             z.reshape(T * self.num_v_heads, self.head_v_dim),
         )
-        return self.out_proj(core.reshape(T, self.value_dim))
+        return core.reshape(T, self.value_dim)
 
     @staticmethod
     def _track_conv_states(

@@ -12,6 +12,7 @@ from torch import nn
 
 import kernels
 from kernels import custom_ops, rms_norm_gated
+from kernels.attn_step import apply_rope
 
 
 class Linear(nn.Linear):
@@ -23,7 +24,8 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), in fp32, cast back after the scale."""
+    """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), in fp32, cast back after the scale.
+    `add_forward` adds a residual first (SGLang's fused_add_rmsnorm): -> (y, x + residual)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -31,9 +33,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class RMSNormGated(nn.Module):
@@ -68,12 +73,7 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D]; cos/sin [T, rot]."""
-        rot = cos.shape[-1]
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+        return apply_rope(x, cos, sin)
 
 
 class MLP(nn.Module):
@@ -186,7 +186,11 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k softmax router over E experts plus a sigmoid-gated shared expert."""
+    """Top-k softmax router over E experts plus a sigmoid-gated shared expert. On CPU, up to
+    `FUSED_MAX_TOKENS` tokens (decode at small batches) the whole block is one fused op
+    (`kernels.moe_decode`: routing, the active experts, the shared expert, the combine)."""
+
+    FUSED_MAX_TOKENS = 8
 
     def __init__(
         self,
@@ -205,6 +209,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        if (
+            x.shape[0] <= self.FUSED_MAX_TOKENS
+            and not x.is_cuda
+            and not torch.compiler.is_compiling()  # graphs keep the opaque experts op
+        ):
+            shared = self.shared_expert
+            return kernels.moe_decode(
+                x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+                self.shared_expert_gate.weight, shared.gate_proj.weight, shared.up_proj.weight,
+                shared.down_proj.weight, self.top_k, self.norm_topk_prob,
+            )  # fmt: skip
         logits = self.gate(x)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]

@@ -51,14 +51,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings, with residual None, for the first
+        layer); returns this layer's MLP output and the residual stream before it: their sum is
+        the layer's hidden state (each norm adds the pending output in: `RMSNorm.add_forward`)."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
         if self.is_full_attention:
             h = self.self_attn(h, cos_sin, batch)
         else:
             h = self.linear_attn(h, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3NextModel(nn.Module):
@@ -72,12 +77,15 @@ class Qwen3NextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the last layer's MLP output, the residual stream): their sum is the hidden state,
+        which the final norm forms (`RMSNorm.add_forward`) for the rows that need logits."""
         x = self.embed_tokens(batch.input_ids)  # [T, hidden]
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)  # 2 x [T, rotary_dim]
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos_sin, batch)
-        return x
+            x, residual = layer(x, residual, cos_sin, batch)
+        return x, residual
 
 
 class Qwen3NextForCausalLM(nn.Module):
@@ -102,9 +110,13 @@ class Qwen3NextForCausalLM(nn.Module):
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """`forward` without its inference-mode decorator, for torch.compile (which cannot trace
         the mode switch): callers run it under `torch.inference_mode()` themselves."""
-        x = self.model(batch)
+        x, residual = self.model(batch)
+        rows = None
         if batch.logit_indices is not None and not batch.is_decode:
-            x = x[batch.logit_indices]
-        elif not (batch.return_all_logits and not batch.is_decode):
-            x = x if batch.is_decode else x[batch.last_token_indices()]
-        return self.lm_head(self.model.norm(x)).float()
+            rows = batch.logit_indices
+        elif not batch.return_all_logits and not batch.is_decode:
+            rows = batch.last_token_indices()
+        if rows is not None:
+            x, residual = x[rows], residual[rows]
+        h, _ = self.model.norm.add_forward(x, residual)
+        return self.lm_head(h).float()

@@ -16,29 +16,11 @@
 #include <vector>
 
 #include "gemv.h"
+#include "pool_slots.h"
 
 namespace {
 
 // ---- gated delta rule, recurrent form on the state pool, in place -----------------------------
-
-// Rows whose slot is negative, or repeats a slot of an earlier row, are padding: they read and
-// write nothing (zero output). A repeated slot can only be the reserved padding slot 0; skipping
-// it keeps two threads from updating one state at once.
-std::vector<int64_t> live_slots(const at::Tensor& indices) {
-  const int64_t B = indices.size(0);
-  const int64_t* idx = indices.data_ptr<int64_t>();
-  std::vector<int64_t> slots(idx, idx + B);
-  for (int64_t b = 0; b < B; ++b) {
-    if (slots[b] < 0) continue;
-    for (int64_t p = 0; p < b; ++p) {
-      if (slots[p] == slots[b]) {
-        slots[b] = -1;
-        break;
-      }
-    }
-  }
-  return slots;
-}
 
 // Normalised (optionally) and scaled copy of one K-vector.
 inline void load_qk(const float* src, float* dst, int64_t K, bool l2norm, float scale) {
@@ -71,8 +53,7 @@ at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(HV % H == 0 && indices.size(0) == B, "head ratio / indices");
   const int64_t ratio = HV / H;
   auto out = at::zeros({B, T, HV, V}, q.options());
-  const std::vector<int64_t> slots = live_slots(indices);
-  for (int64_t s : slots) TORCH_CHECK(s < S, "slot ", s, " out of range for a pool of ", S);
+  const std::vector<int64_t> slots = hs::live_slots(indices, S);
 
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
@@ -135,8 +116,7 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
   TORCH_CHECK(conv_state.size(1) == D && conv_state.size(2) == W - 1 && weight.size(0) == D,
               "conv1d_update_pool: shapes");
   auto out = at::zeros({B, D}, x.options());
-  const std::vector<int64_t> slots = live_slots(indices);
-  for (int64_t s : slots) TORCH_CHECK(s < S, "slot ", s, " out of range for a pool of ", S);
+  const std::vector<int64_t> slots = hs::live_slots(indices, S);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *sp = conv_state.data_ptr<float>(), *op = out.data_ptr<float>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {

@@ -110,3 +110,21 @@ def test_cpp_mode_without_a_build_raises(monkeypatch, kernels_mode) -> None:
         kernels.fused_recurrent_gated_delta_rule(x, x, x, x[..., 0], x[..., 0])
     kernels_mode("auto")  # auto: silently the reference
     kernels.fused_recurrent_gated_delta_rule(x, x, x, x[..., 0], x[..., 0])
+
+
+@pytest.mark.parametrize(("fusions", "expect"), [("on", ["cpp"]), ("", ["cpp"]), ("off", [])])
+def test_fusions_switch(monkeypatch, fusions, expect, kernels_mode) -> None:
+    """`HYBRID_SERVE_FUSIONS=off` runs a fused op's reference, the kernel mode unchanged."""
+    from kernels import cpp_build, rmsnorm_cpp
+
+    monkeypatch.setattr(cpp_build, "available", lambda: True)
+    seen: list[str] = []
+    monkeypatch.setattr(rmsnorm_cpp, "fused_add_rmsnorm", lambda *a: seen.append("cpp"))
+    monkeypatch.setenv(dispatch.FUSIONS_ENV, fusions)
+    kernels_mode("auto")
+    kernels.fused_add_rmsnorm(*norm_args())
+    assert seen == expect
+    monkeypatch.setenv(dispatch.FUSIONS_ENV, "sideways")
+    dispatch.reset()
+    with pytest.raises(ValueError, match="HYBRID_SERVE_FUSIONS"):
+        kernels.fused_add_rmsnorm(*norm_args())

@@ -1,0 +1,248 @@
+// The Gated DeltaNet decode step after its projections, one op per layer, in place on the
+// layer's conv and recurrent states. Reference and contract: kernels/gdn_decode.py.
+//
+//   [q | k | v] = silu(conv1d update of qkv on the conv window);  q, k l2-normalised, q * dk^-0.5
+//   g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)
+//   S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q          (per value head, in place)
+//   y = norm_weight * (o / rms(o)) * silu(z)                          -> [T, value_dim]
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "pool_slots.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define GDN_AVX2 1
+#endif
+
+namespace {
+
+#ifdef GDN_AVX2
+// exp on 8 lanes: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p a
+// degree-6 minimax polynomial: within 2 ulp of expf over [-87, 88].
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// y[i] = y[i] / (1 + exp(-y[i])), in place.
+inline void silu_inplace(float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef GDN_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(y + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(y + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
+  }
+#endif
+  for (; i < n; ++i) y[i] = y[i] / (1.f + std::exp(-y[i]));
+}
+
+#ifdef GDN_AVX2
+inline __m256i lanes(int a, int b, int c, int d, int e, int f, int g, int h) {
+  return _mm256_setr_epi32(a, b, c, d, e, f, g, h);
+}
+
+// Kernel size 4, channels [c0, c0 + 8) of one row, across channels: the 24 window floats
+// (3 per channel) are de-interleaved with blends and lane permutes, y = w3 x + w0 h0 + w1 h1 +
+// w2 h2 in 8 lanes, and the shifted window (h1, h2, x) is the block moved down by one float
+// with x blended into every third lane. Reads one float past the block: the caller keeps
+// c0 + 8 < D. `wt` holds the weights transposed, [4][D].
+inline void conv4_block8(const float* x, float* window, const float* wt, float* y, int64_t D,
+                         int64_t c0) {
+  float* h = window + c0 * 3;
+  const __m256 a = _mm256_loadu_ps(h), b = _mm256_loadu_ps(h + 8), c = _mm256_loadu_ps(h + 16);
+  const __m256 a1 = _mm256_loadu_ps(h + 1), b1 = _mm256_loadu_ps(h + 9);
+  const __m256 c1 = _mm256_loadu_ps(h + 17);
+  // h_j holds window float j of channels c0..c0+7 (element 3i + j of the block)
+  const __m256 h0 = _mm256_permutevar8x32_ps(
+      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x92), c, 0x24), lanes(0, 3, 6, 1, 4, 7, 2, 5));
+  const __m256 h1 = _mm256_permutevar8x32_ps(
+      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x24), c, 0x49), lanes(1, 4, 7, 2, 5, 0, 3, 6));
+  const __m256 h2 = _mm256_permutevar8x32_ps(
+      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x49), c, 0x92), lanes(2, 5, 0, 3, 6, 1, 4, 7));
+  const __m256 xv = _mm256_loadu_ps(x + c0);
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(wt + 3 * D + c0), xv);
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + c0), h0, acc);
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + D + c0), h1, acc);
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + 2 * D + c0), h2, acc);
+  _mm256_storeu_ps(y + c0, acc);
+  // new window: element k takes old element k + 1, and x[i] goes to element 3i + 2
+  const __m256 xa = _mm256_permutevar8x32_ps(xv, lanes(0, 0, 0, 0, 0, 1, 0, 0));
+  const __m256 xb = _mm256_permutevar8x32_ps(xv, lanes(2, 0, 0, 3, 0, 0, 4, 0));
+  const __m256 xc = _mm256_permutevar8x32_ps(xv, lanes(0, 5, 0, 0, 6, 0, 0, 7));
+  _mm256_storeu_ps(h, _mm256_blend_ps(a1, xa, 0x24));
+  _mm256_storeu_ps(h + 8, _mm256_blend_ps(b1, xb, 0x49));
+  _mm256_storeu_ps(h + 16, _mm256_blend_ps(c1, xc, 0x92));
+}
+#endif
+
+// One row's conv update: window [D, W-1] shifted in place, y [D] = silu(conv). `wt` is the
+// weight transposed, [W][D].
+inline void conv_row(const float* x, float* window, const float* wt, float* y, int64_t D,
+                     int64_t W) {
+  int64_t c = 0;
+#ifdef GDN_AVX2
+  if (W == 4) {  // Qwen3-Next's kernel size
+    for (; c + 8 < D; c += 8) conv4_block8(x, window, wt, y, D, c);
+  }
+#endif
+  for (; c < D; ++c) {
+    float* h = window + c * (W - 1);
+    float acc = wt[(W - 1) * D + c] * x[c];
+    for (int64_t j = 0; j < W - 1; ++j) acc += wt[j * D + c] * h[j];
+    for (int64_t j = 0; j + 1 < W - 1; ++j) h[j] = h[j + 1];
+    h[W - 2] = x[c];
+    y[c] = acc;
+  }
+  silu_inplace(y, D);
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  float lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) lanes[l] += x[i + l] * x[i + l];
+  }
+  float ss = 0.f;
+  for (; i < n; ++i) ss += x[i] * x[i];
+  for (int l = 0; l < 8; ++l) ss += lanes[l];
+  return ss;
+}
+
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
+                      const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
+                      const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                      const at::Tensor& slots_t, int64_t num_k_heads, double eps) {
+  const std::initializer_list<const at::Tensor*> tensors = {
+      &qkvz, &ba, &conv_state, &conv_weight, &ssm_state, &A_log, &dt_bias, &norm_weight};
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "gdn_decode: contiguous fp32 tensors expected");
+  }
+  TORCH_CHECK(slots_t.is_contiguous() && slots_t.scalar_type() == at::kLong,
+              "gdn_decode: int64 slots expected");
+  const int64_t T = qkvz.size(0), S = ssm_state.size(0), HV = ssm_state.size(1);
+  const int64_t dk = ssm_state.size(2), dv = ssm_state.size(3), H = num_k_heads;
+  const int64_t key_dim = H * dk, value_dim = HV * dv, conv_dim = 2 * key_dim + value_dim;
+  const int64_t W = conv_weight.size(1);
+  TORCH_CHECK(qkvz.dim() == 2 && qkvz.size(1) == conv_dim + value_dim, "gdn_decode: qkvz shape");
+  TORCH_CHECK(ba.dim() == 2 && ba.size(0) == T && ba.size(1) == 2 * HV, "gdn_decode: ba shape");
+  TORCH_CHECK(conv_state.size(0) == S && conv_state.size(1) == conv_dim &&
+                  conv_state.size(2) == W - 1 && conv_weight.size(0) == conv_dim,
+              "gdn_decode: conv shapes");
+  TORCH_CHECK(HV % H == 0 && A_log.numel() == HV && dt_bias.numel() == HV &&
+                  norm_weight.numel() == dv && slots_t.numel() == T,
+              "gdn_decode: head shapes");
+  const int64_t ratio = HV / H;
+  const std::vector<int64_t> slots = hs::live_slots(slots_t, S);
+  auto out = at::zeros({T, value_dim}, qkvz.options());
+  std::vector<float> act(T * conv_dim);  // silu(conv) of the live rows
+  std::vector<float> wt(W * conv_dim);  // the conv weight transposed, [W][conv_dim]
+  const float* cwp = conv_weight.data_ptr<float>();
+  for (int64_t c = 0; c < conv_dim; ++c) {
+    for (int64_t j = 0; j < W; ++j) wt[j * conv_dim + c] = cwp[c * W + j];
+  }
+
+  const float *xp = qkvz.data_ptr<float>(), *bap = ba.data_ptr<float>();
+  const float* alp = A_log.data_ptr<float>();
+  const float *dtp = dt_bias.data_ptr<float>(), *nwp = norm_weight.data_ptr<float>();
+  float *csp = conv_state.data_ptr<float>(), *ssp = ssm_state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(dk)), e = static_cast<float>(eps);
+  const int64_t row = conv_dim + value_dim;
+
+  at::parallel_for(0, T, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (slots[b] < 0) continue;
+      conv_row(xp + b * row, csp + slots[b] * conv_dim * (W - 1), wt.data(),
+               act.data() + b * conv_dim, conv_dim, W);
+    }
+  });
+
+  at::parallel_for(0, T * HV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(dk), ks(dk), delta(dv), acc(dv), o(dv);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / HV, hv = job % HV, hk = hv / ratio;
+      if (slots[b] < 0) continue;
+      const float* a_row = act.data() + b * conv_dim;
+      const float* qr = a_row + hk * dk;
+      const float* kr = a_row + key_dim + hk * dk;
+      const float* vr = a_row + 2 * key_dim + hv * dv;
+      const float qm = scale / std::sqrt(sum_squares(qr, dk) + 1e-6f);
+      const float km = 1.f / std::sqrt(sum_squares(kr, dk) + 1e-6f);
+      for (int64_t i = 0; i < dk; ++i) {
+        qs[i] = qr[i] * qm;
+        ks[i] = kr[i] * km;
+      }
+      const float bt = 1.f / (1.f + std::exp(-bap[b * 2 * HV + hv]));
+      const float g = -std::exp(alp[hv]) * softplus(bap[b * 2 * HV + HV + hv] + dtp[hv]);
+      const float decay = std::exp(g);
+      float* state = ssp + (slots[b] * HV + hv) * dk * dv;
+      // pass 1: decay the state, predicted = S^T k
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < dk; ++i) {
+        float* srow = state + i * dv;
+        const float ki = ks[i];
+        for (int64_t j = 0; j < dv; ++j) {
+          srow[j] *= decay;
+          acc[j] += ki * srow[j];
+        }
+      }
+      for (int64_t j = 0; j < dv; ++j) delta[j] = (vr[j] - acc[j]) * bt;
+      // pass 2 (state still in cache): S += k delta^T, o = S^T q
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t i = 0; i < dk; ++i) {
+        float* srow = state + i * dv;
+        const float ki = ks[i], qi = qs[i];
+        for (int64_t j = 0; j < dv; ++j) {
+          srow[j] += ki * delta[j];
+          o[j] += qi * srow[j];
+        }
+      }
+      // gated RMSNorm with z
+      const float r = 1.f / std::sqrt(sum_squares(o.data(), dv) / static_cast<float>(dv) + e);
+      const float* z = xp + b * row + conv_dim + hv * dv;
+      float* y = op + b * value_dim + hv * dv;
+      for (int64_t j = 0; j < dv; ++j) y[j] = z[j];
+      silu_inplace(y, dv);
+      for (int64_t j = 0; j < dv; ++j) y[j] = (nwp[j] * (o[j] * r)) * y[j];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
+  m.def("gdn_decode(Tensor qkvz, Tensor ba, Tensor(a!) conv_state, Tensor conv_weight, "
+        "Tensor(b!) ssm_state, Tensor A_log, Tensor dt_bias, Tensor norm_weight, Tensor slots, "
+        "int num_k_heads, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("gdn_decode", &gdn_decode); }

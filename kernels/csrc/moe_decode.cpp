@@ -1,0 +1,167 @@
+// The sparse MoE block of a small decode batch in one op: router, top-k routing, the active
+// experts, the sigmoid-gated shared expert and the combine. Reference and contract:
+// kernels/moe_step.py. Every matrix product is the weight-streaming GEMV
+// (hs::skinny_linear_into), fp32 or bf16 weights, fp32 activations and accumulation.
+//
+// Bit for bit the reference (and so the unfused model at any batch size, whose expert loop is
+// the same GEMV): the element-wise functions (softmax, silu, sigmoid) are torch's own kernels
+// on the same layouts, and the combine rounds each product before its sum (no FMA contraction
+// in this file's own code), so a request's tokens do not depend on which batch it shares.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "gemv.h"
+
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+// y [M, N] = x [M, K] w [N, K]^T for a weight of either dtype (w may be a slice of a stack).
+void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
+                 int64_t M) {
+  const int64_t K = w.size(-1);
+  if (w.scalar_type() == at::kFloat) {
+    hs::skinny_linear_into(x, w.data_ptr<float>() + offset_rows * K, y, M, N, K);
+  } else {
+    hs::skinny_linear_into(x, w.data_ptr<at::BFloat16>() + offset_rows * K, y, M, N, K);
+  }
+}
+
+// silu(gate) * up for rows [n, 2I] = [gate | up] in `buf` (torch's kernels, as the reference
+// `F.silu(gate) * up` on the chunks) -> contiguous [n, I].
+at::Tensor swiglu(float* buf, int64_t n, int64_t I, const at::TensorOptions& opts) {
+  auto gu = at::from_blob(buf, {n, 2 * I}, opts);
+  return at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+}
+
+void check_weight(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.is_contiguous() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "moe_decode: ", name, " must be contiguous fp32 or bf16");
+}
+
+// x [T, H] fp32; router_w [E, H]; experts_gate_up [E, 2I, H]; experts_down [E, H, I];
+// shared_gate_w [1, H]; shared_gate_proj, shared_up_proj [Is, H]; shared_down [H, Is].
+// Returns sum_k w_k expert_{id_k}(x) + sigmoid(shared_gate(x)) shared_expert(x), [T, H] fp32.
+at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
+                      const at::Tensor& experts_gate_up, const at::Tensor& experts_down,
+                      const at::Tensor& shared_gate_w, const at::Tensor& shared_gate_proj,
+                      const at::Tensor& shared_up_proj, const at::Tensor& shared_down,
+                      int64_t top_k, bool norm_topk_prob) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "moe_decode: x [T, H] contiguous fp32 expected");
+  check_weight(router_w, "router_w");
+  check_weight(experts_gate_up, "experts_gate_up");
+  check_weight(experts_down, "experts_down");
+  check_weight(shared_gate_w, "shared_gate_w");
+  check_weight(shared_gate_proj, "shared_gate_proj");
+  check_weight(shared_up_proj, "shared_up_proj");
+  check_weight(shared_down, "shared_down");
+  const int64_t T = x.size(0), H = x.size(1), E = router_w.size(0);
+  const int64_t I = experts_down.size(2), Is = shared_down.size(1);
+  TORCH_CHECK(router_w.size(1) == H && experts_gate_up.size(0) == E &&
+                  experts_gate_up.size(1) == 2 * I && experts_gate_up.size(2) == H &&
+                  experts_down.size(0) == E && experts_down.size(1) == H,
+              "moe_decode: expert shapes");
+  TORCH_CHECK(shared_gate_w.size(0) == 1 && shared_gate_w.size(1) == H &&
+                  shared_gate_proj.size(0) == Is && shared_up_proj.size(0) == Is &&
+                  shared_down.size(0) == H,
+              "moe_decode: shared expert shapes");
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_decode: top_k");
+  const float* xp = x.data_ptr<float>();
+  auto out = at::zeros({T, H}, x.options());
+  float* op = out.data_ptr<float>();
+  if (T == 0) return out;
+
+  // routing: the fp32 softmax and top-k are torch's own, so ties pick torch.topk's experts
+  auto logits = at::empty({T, E}, x.options());
+  linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T);
+  auto [topk_w, topk_ids] = at::topk(at::_softmax(logits, -1, false), top_k, -1);
+  if (norm_topk_prob) topk_w = topk_w / topk_w.sum(-1, true);
+  topk_w = topk_w.contiguous();
+  topk_ids = topk_ids.contiguous();
+  const float* wp = topk_w.data_ptr<float>();
+  const int64_t* ip = topk_ids.data_ptr<int64_t>();
+
+  // the (token, expert) pairs sorted by expert, tokens in order within one (the reference's
+  // stable sort); each expert's rows are a contiguous run
+  const int64_t N = T * top_k;
+  std::vector<int64_t> row_tok, start(E + 1, 0);
+  std::vector<float> row_w;
+  row_tok.reserve(N);
+  row_w.reserve(N);
+  for (int64_t e = 0; e < E; ++e) {
+    start[e] = static_cast<int64_t>(row_tok.size());
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < top_k; ++j) {
+        if (ip[t * top_k + j] == e) {
+          row_tok.push_back(t);
+          row_w.push_back(wp[t * top_k + j]);
+        }
+      }
+    }
+  }
+  start[E] = N;
+  std::vector<float> xs(N * H), gu(N * 2 * I), ys(N * H);
+  for (int64_t r = 0; r < N; ++r) std::copy_n(xp + row_tok[r] * H, H, xs.data() + r * H);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n > 0) {
+      linear_into(xs.data() + start[e] * H, experts_gate_up, e * 2 * I, 2 * I,
+                  gu.data() + start[e] * 2 * I, n);
+    }
+  }
+  const at::Tensor act = swiglu(gu.data(), N, I, x.options());  // every row: one call
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n > 0) {
+      linear_into(act.data_ptr<float>() + start[e] * I, experts_down, e * H, H,
+                  ys.data() + start[e] * H, n);
+    }
+  }
+  for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
+    float* o = op + row_tok[r] * H;
+    const float* y = ys.data() + r * H;
+    const float w = row_w[r];
+    for (int64_t h = 0; h < H; ++h) {
+      const float p = y[h] * w;  // rounded, then summed
+      o[h] += p;
+    }
+  }
+
+  // shared expert and its sigmoid gate
+  auto sg = at::empty({T, 1}, x.options());
+  auto sgate = at::empty({T, Is}, x.options()), sup = at::empty({T, Is}, x.options());
+  std::vector<float> sy(T * H);
+  linear_into(xp, shared_gate_w, 0, 1, sg.data_ptr<float>(), T);
+  linear_into(xp, shared_gate_proj, 0, Is, sgate.data_ptr<float>(), T);
+  linear_into(xp, shared_up_proj, 0, Is, sup.data_ptr<float>(), T);
+  const at::Tensor sact = at::silu(sgate).mul_(sup);
+  linear_into(sact.data_ptr<float>(), shared_down, 0, H, sy.data(), T);
+  const at::Tensor gates = at::sigmoid(sg);
+  const float* gp = gates.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* o = op + t * H;
+    const float* y = sy.data() + t * H;
+    for (int64_t h = 0; h < H; ++h) {
+      const float p = gp[t] * y[h];
+      o[h] += p;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
+  m.def("moe_decode(Tensor x, Tensor router_w, Tensor experts_gate_up, Tensor experts_down, "
+        "Tensor shared_gate_w, Tensor shared_gate_proj, Tensor shared_up_proj, "
+        "Tensor shared_down, int top_k, bool norm_topk_prob) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("moe_decode", &moe_decode); }

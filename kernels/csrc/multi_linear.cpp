@@ -1,0 +1,45 @@
+// Several projections of one input in one op: y_i = x w_i^T, the weight-streaming GEMV
+// (hs::skinny_linear_into) per weight, fp32 activations, fp32 or bf16 weights. Reference and
+// contract: kernels/multi_linear.py.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "gemv.h"
+
+namespace {
+
+std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "skinny_linear_multi: x [M, K] contiguous fp32 expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<at::Tensor> out;
+  out.reserve(weights.size());
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == K,
+                "skinny_linear_multi: contiguous [N, K] weights expected");
+    const int64_t N = w.size(0);
+    auto y = at::empty({M, N}, x.options());
+    if (w.scalar_type() == at::kFloat) {
+      hs::skinny_linear_into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N,
+                             K);
+    } else {
+      TORCH_CHECK(w.scalar_type() == at::kBFloat16, "skinny_linear_multi: fp32 or bf16 weights");
+      hs::skinny_linear_into(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
+                             M, N, K);
+    }
+    out.push_back(y);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
+  m.def("skinny_linear_multi(Tensor x, Tensor[] weights) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("skinny_linear_multi", &skinny_linear_multi); }

@@ -1,0 +1,88 @@
+// Residual add + zero-centred RMSNorm for the decoder layers (SGLang's fused_add_rmsnorm
+// contract), fp32. Reference and contracts: kernels/rmsnorm.py `fused_add_rmsnorm`, `rms_norm`.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+// One row: r = x + res (r, res null: r is x); y = r / rms(r) * (1 + w). Squares summed in 8
+// lanes (vectorised by the compiler).
+inline void add_rmsnorm_row(const float* x, const float* res, const float* w, float* y,
+                            float* r, int64_t D, float eps) {
+  const float* src = x;
+  if (res != nullptr) {
+    for (int64_t i = 0; i < D; ++i) r[i] = x[i] + res[i];
+    src = r;
+  }
+  float lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) {
+    for (int l = 0; l < 8; ++l) lanes[l] += src[i + l] * src[i + l];
+  }
+  float ss = 0.f;
+  for (; i < D; ++i) ss += src[i] * src[i];
+  for (int l = 0; l < 8; ++l) ss += lanes[l];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (i = 0; i < D; ++i) y[i] = (src[i] * inv) * (1.f + w[i]);
+}
+
+void check(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rmsnorm: contiguous inputs");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "rmsnorm: fp32 tensors expected");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rmsnorm: x [M, D] and weight [D] expected");
+}
+
+void run_rows(const float* x, const float* res, const float* w, float* y, float* r, int64_t M,
+              int64_t D, double eps) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, D));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      add_rmsnorm_row(x + m * D, res ? res + m * D : nullptr, w, y + m * D,
+                      r ? r + m * D : nullptr, D, static_cast<float>(eps));
+    }
+  });
+}
+
+// x [M, D], weight [D] -> x / rms(x) * (1 + weight).
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check(x, weight);
+  auto y = at::empty_like(x);
+  run_rows(x.data_ptr<float>(), nullptr, weight.data_ptr<float>(), y.data_ptr<float>(), nullptr,
+           x.size(0), x.size(1), eps);
+  return y;
+}
+
+// x, residual [M, D]; weight [D] -> (y, r): r = x + residual, y = r / rms(r) * (1 + weight).
+std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Tensor& residual,
+                                               const at::Tensor& weight, double eps) {
+  check(x, weight);
+  TORCH_CHECK(residual.is_contiguous() && residual.scalar_type() == at::kFloat &&
+                  residual.sizes() == x.sizes(),
+              "add_rmsnorm: residual must match x");
+  auto y = at::empty_like(x);
+  auto r = at::empty_like(x);
+  run_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+           y.data_ptr<float>(), r.data_ptr<float>(), x.size(0), x.size(1), eps);
+  return {y, r};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
+  m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
+  m.impl("rmsnorm", &rmsnorm);
+  m.impl("add_rmsnorm", &add_rmsnorm);
+}

@@ -1,0 +1,55 @@
+"""The Gated DeltaNet decode step after its projections, per layer: pure-torch reference op.
+
+    mixed_qkv, z = qkvz;  b, a = ba
+    q, k, v = split(silu(causal conv1d update of mixed_qkv on the layer's conv window))
+    g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)
+    o = gated delta rule recurrent update of the layer's state (q, k l2-normalised in it)
+    y = rms_norm_gated(o, z, norm_weight, eps)                      -> [T, value_dim]
+
+One token per row; the states live in the Mamba pool (`conv_pool`, `ssm_pool`: the pool's whole
+[layers, slots, ...] tensors, `layer` picks the layer) and are updated in place at `slots`. A
+negative slot, or one repeating an earlier row's (only the reserved padding slot 0 repeats), is
+padding: zero output, no state read or written. This reference composes the unfused decode
+kernels (`kernels.custom_ops.decode_conv_update`, `decode_recurrent_update`,
+`kernels.rms_norm_gated`); `kernels.gdn_step_cpp` does it all in one C++ call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gdn_decode(
+    qkvz: torch.Tensor,  # [T, 2 key_dim + 2 value_dim]: [q | k | v | z]
+    ba: torch.Tensor,  # [T, 2 HV]: [b | a]
+    conv_pool: torch.Tensor,  # [layers, slots, conv_dim, Kc-1]
+    ssm_pool: torch.Tensor,  # [layers, slots, HV, dk, dv]
+    layer: int,
+    conv_weight: torch.Tensor,  # [conv_dim, Kc]
+    A_log: torch.Tensor,  # [HV]
+    dt_bias: torch.Tensor,  # [HV]
+    norm_weight: torch.Tensor,  # [dv]
+    slots: torch.Tensor,  # [T]
+    num_k_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """Returns y [T, value_dim] in qkvz's dtype (ready for out_proj)."""
+    import kernels
+    from kernels import custom_ops
+
+    T = qkvz.shape[0]
+    HV, dk, dv = ssm_pool.shape[2:]
+    key_dim, value_dim = num_k_heads * dk, HV * dv
+    mixed_qkv, z = qkvz.split([2 * key_dim + value_dim, value_dim], dim=-1)
+    b, a = ba.split([HV, HV], dim=-1)
+    mixed_qkv = custom_ops.decode_conv_update(mixed_qkv, conv_pool, layer, conv_weight, slots)
+    q, k, v = mixed_qkv.split([key_dim, key_dim, value_dim], dim=-1)
+    q = q.reshape(T, 1, num_k_heads, dk)
+    k = k.reshape(T, 1, num_k_heads, dk)
+    v = v.reshape(T, 1, HV, dv)
+    beta = b.sigmoid().unsqueeze(1)  # [T, 1, HV]
+    g = (-A_log.float().exp() * F.softplus(a.float() + dt_bias)).unsqueeze(1)
+    core = custom_ops.decode_recurrent_update(q, k, v, g, beta, ssm_pool, layer, slots)
+    core = kernels.rms_norm_gated(core.reshape(T * HV, dv), z.reshape(T * HV, dv), norm_weight, eps)
+    return core.reshape(T, value_dim)

@@ -1,0 +1,52 @@
+"""The Gated DeltaNet decode step after its projections as one C++ CPU op per layer.
+
+Same signature and contract as `kernels.gdn_step.gdn_decode`. One call replaces the
+reference's ~40 torch ops: the conv update (silu vectorised across channels), the gates, the
+l2 norms, the recurrent update in place on the pool (each head state read once, updated and
+read out while in cache: no gather or scatter) and the gated RMSNorm. It covers fp32
+activations, pools and parameters (the CPU model's, with fp32 or bf16 matrices); anything else
+runs the reference. While torch.compile traces, graphs call the op itself once
+`kernels.custom_ops.enable_cpp_in_graphs` gave it a fake implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpp_build, custom_ops, gdn_step
+
+
+def gdn_decode(
+    qkvz: torch.Tensor,
+    ba: torch.Tensor,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    layer: int,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    args = (
+        qkvz, ba, conv_pool, ssm_pool, layer, conv_weight, A_log, dt_bias, norm_weight, slots,
+        num_k_heads, eps,
+    )  # fmt: skip
+    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
+        return gdn_step.gdn_decode(*args)
+    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
+    if (
+        ops is None
+        or not all(t.dtype == torch.float32 for t in (qkvz, ba, conv_pool, ssm_pool, A_log))
+        or not all(t.dtype == torch.float32 for t in (conv_weight, dt_bias, norm_weight))
+        or not conv_pool.is_contiguous()
+        or not ssm_pool.is_contiguous()
+    ):
+        return gdn_step.gdn_decode(*args)
+    return ops.gdn_decode(
+        qkvz.contiguous(), ba.contiguous(), conv_pool[layer], conv_weight.contiguous(),
+        ssm_pool[layer], A_log, dt_bias, norm_weight, slots.long().contiguous(), num_k_heads,
+        float(eps),
+    )  # fmt: skip

@@ -1,0 +1,49 @@
+"""The sparse MoE block of a small decode batch as one C++ CPU op.
+
+Same signature and contract as `kernels.moe_step.moe_decode`. One call replaces the reference's
+~40 torch ops and Python loop: router GEMV, torch's own fp32 softmax and top-k (called from C++,
+so ties pick the same experts), the active experts on the rows routed to each (the weight-
+streaming GEMV on slices of the stacked weights, fp32 or bf16), the shared expert and its gate,
+and the combine. It covers fp32 activations with fp32 or bf16 matrices, at most `MAX_TOKENS`
+rows (beyond, the experts' grouped paths win); anything else, and tracing by torch.compile,
+runs the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpp_build, moe_step
+
+MAX_TOKENS = 8  # the skinny GEMV's row block; the per-expert loop wins up to here
+
+
+def moe_decode(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    experts_gate_up: torch.Tensor,
+    experts_down: torch.Tensor,
+    shared_gate_w: torch.Tensor,
+    shared_gate_proj: torch.Tensor,
+    shared_up_proj: torch.Tensor,
+    shared_down: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+) -> torch.Tensor:
+    weights = (
+        router_w, experts_gate_up, experts_down, shared_gate_w, shared_gate_proj,
+        shared_up_proj, shared_down,
+    )  # fmt: skip
+    if torch.compiler.is_compiling():
+        return moe_step.moe_decode(x, *weights, top_k, norm_topk_prob)
+    ops = cpp_build.load()
+    if (
+        ops is None
+        or x.dtype != torch.float32
+        or x.dim() != 2
+        or x.shape[0] > MAX_TOKENS
+        or any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights)
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)))
+    ):
+        return moe_step.moe_decode(x, *weights, top_k, norm_topk_prob)
+    return ops.moe_decode(x.contiguous(), *(w.contiguous() for w in weights), top_k, norm_topk_prob)

@@ -1,0 +1,58 @@
+"""The C++ RMSNorm and residual add + RMSNorm against their torch references (kernels.rmsnorm).
+
+Skips where the C++ kernels cannot be built (the references are what then runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpp_build, rmsnorm, rmsnorm_cpp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if not cpp_build.available():
+        pytest.skip(f"C++ kernels cannot be built here: {cpp_build.load_error()}")
+
+
+@pytest.mark.parametrize(
+    ("shape", "eps"), [((1, 768), 1e-6), ((5, 3, 37), 1e-5), ((64, 128), 1e-6)]
+)
+def test_rms_norm_matches_reference(shape, eps) -> None:
+    torch.manual_seed(shape[-1])
+    x = torch.randn(shape) * 3
+    w = torch.randn(shape[-1]) * 0.1
+    torch.testing.assert_close(
+        rmsnorm_cpp.rms_norm(x, w, eps), rmsnorm.rms_norm(x, w, eps), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 65])
+def test_fused_add_rmsnorm_matches_reference(rows) -> None:
+    torch.manual_seed(rows)
+    x, res = torch.randn(rows, 768), torch.randn(rows, 768)
+    w = torch.randn(768) * 0.1
+    y, r = rmsnorm_cpp.fused_add_rmsnorm(x, res, w, 1e-6)
+    y_ref, r_ref = rmsnorm.fused_add_rmsnorm(x, res, w, 1e-6)
+    assert torch.equal(r, r_ref)  # the residual sum is exact
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(x, x.clone()) and r.data_ptr() not in (x.data_ptr(), res.data_ptr())
+
+
+def test_fused_add_rmsnorm_without_residual_and_non_contiguous_input() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 2, 64)[:, 1]  # a strided view
+    w = torch.randn(64) * 0.1
+    y, r = rmsnorm_cpp.fused_add_rmsnorm(x, None, w, 1e-6)
+    assert r is x
+    torch.testing.assert_close(y, rmsnorm.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_other_dtypes_run_the_reference() -> None:
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    w = torch.randn(16)
+    assert torch.equal(rmsnorm_cpp.rms_norm(x, w, 1e-6), rmsnorm.rms_norm(x, w, 1e-6))
+    res = torch.randn(3, 16, dtype=torch.bfloat16)
+    y, r = rmsnorm_cpp.fused_add_rmsnorm(x, res, w, 1e-6)
+    assert torch.equal(r, x + res) and y.dtype == torch.bfloat16

@@ -1,0 +1,63 @@
+"""The fused Gated DeltaNet decode op (C++) against its torch reference (kernels.gdn_step):
+output and both pools after the step, with padding rows (-1 and the reserved slot 0 repeated),
+GQA ratios 1 and 2, and another conv width. Skips where the C++ kernels cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpp_build, gdn_step, gdn_step_cpp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if not cpp_build.available():
+        pytest.skip(f"C++ kernels cannot be built here: {cpp_build.load_error()}")
+
+
+@pytest.fixture(autouse=True)
+def inference_mode():
+    with torch.inference_mode():
+        yield
+
+
+@pytest.mark.parametrize(
+    ("B", "H", "HV", "dk", "dv", "Kc", "scale"),
+    [
+        (1, 2, 2, 16, 24, 4, 1.0),  # ratio 1
+        (5, 2, 4, 32, 32, 4, 1.0),  # ratio 2 (the tiny preset)
+        (3, 1, 3, 8, 40, 3, 1.0),  # ratio 3, conv width 3
+        (4, 2, 4, 16, 16, 4, 40.0),  # conv outputs far into both tails of silu (its own exp)
+        (9, 4, 8, 128, 128, 4, 1.0),  # the small preset's heads
+    ],
+)
+def test_gdn_decode_matches_reference(B, H, HV, dk, dv, Kc, scale) -> None:
+    torch.manual_seed(B * 10 + dk)
+    key_dim, value_dim = H * dk, HV * dv
+    conv_dim, layers, n_slots = 2 * key_dim + value_dim, 2, B + 4
+    slots = (torch.randperm(n_slots - 1)[:B] + 1).tolist()
+    idx = torch.tensor(slots + [-1, 0, 0])  # padding: -1 and the reserved slot 0 twice
+    T = len(idx)
+    qkvz = torch.randn(T, conv_dim + value_dim) * scale
+    ba = torch.randn(T, 2 * HV) * 2
+    conv_pool = torch.randn(layers, n_slots, conv_dim, Kc - 1)
+    ssm_pool = torch.randn(layers, n_slots, HV, dk, dv) * 0.3
+    conv_w = torch.randn(conv_dim, Kc) * 0.3
+    A_log = torch.empty(HV).uniform_(1, 16).log_()
+    dt_bias = torch.randn(HV)
+    dt_bias[0] = 30.0  # softplus past its linear threshold
+    norm_w = torch.randn(dv) * 0.1 + 1
+    args = (1, conv_w, A_log, dt_bias, norm_w, idx, H, 1e-6)
+
+    conv_ref, ssm_ref = conv_pool.clone(), ssm_pool.clone()
+    y_ref = gdn_step.gdn_decode(qkvz, ba, conv_ref, ssm_ref, *args)
+    y = gdn_step_cpp.gdn_decode(qkvz, ba, conv_pool, ssm_pool, *args)
+
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    pads = [B, B + 2]  # -1 and the repeat of slot 0 (its first row runs, on the reserved slot)
+    assert torch.equal(y[pads], torch.zeros_like(y[pads]))
+    torch.testing.assert_close(ssm_pool, ssm_ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(conv_pool, conv_ref)  # shifts and copies only
+    untouched = [s for s in range(1, n_slots) if s not in slots]
+    assert torch.equal(ssm_pool[1, untouched], ssm_ref[1, untouched])
