@@ -4,7 +4,7 @@ with the same signature. The names exported here dispatch per call: Triton on CU
 (where it exists and builds) or torch on CPU, or as forced by `HYBRID_SERVE_KERNELS` (see
 `kernels.dispatch`)."""
 
-from kernels import attention, causal_conv1d, gated_delta_rule, linear, rmsnorm
+from kernels import attention, causal_conv1d, experts, gated_delta_rule, linear, rmsnorm
 from kernels.dispatch import dispatching
 
 causal_conv1d_fn = dispatching(causal_conv1d.causal_conv1d_fn, "causal_conv1d_triton")
@@ -24,6 +24,7 @@ decode_attention = dispatching(attention.decode_attention, "attention_triton")
 store_kv = dispatching(attention.store_kv, "attention_triton")
 rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
 linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
+routed_experts = dispatching(experts.routed_experts, None, "experts_cpp")
 
 __all__ = [
     "causal_conv1d_fn",
@@ -35,4 +36,5 @@ __all__ = [
     "store_kv",
     "rms_norm_gated",
     "linear",
+    "routed_experts",
 ]

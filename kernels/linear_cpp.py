@@ -5,17 +5,25 @@ Same signature and contract as `kernels.linear.linear`.
 - fp32 weights, at most `SKINNY_ROWS` rows: a weight-streaming C++ GEMV that reads each weight
   row once for all rows of x (decode at small batches is a stream of weights through mat-vec
   products; this streams about twice as fast as `F.linear` on a 2-core AVX2 EPYC).
-- bf16 weights (`--dtype bfloat16` on CPU, fp32 activations), up to `BF16_SKINNY_ROWS` rows: the
-  same kernel widens bf16 to fp32 as it streams (half the bytes), in blocks of 8 rows against
-  weight blocks kept in cache; more rows (prefill): the weight is widened to fp32 for one
-  `F.linear`, which the GEMM amortises. (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT.)
-- everything else: the reference `kernels.linear.linear` (`F.linear`, the weight widened to x's
-  dtype). oneDNN with packed weights (`torch.ops.mkldnn._linear_pointwise`) was measured here
-  too: it builds a new primitive for every new row count (~0.6 ms per matrix on this machine),
-  which a serving loop with changing batch sizes pays on most steps.
+- bf16 weights (`--dtype bfloat16` on CPU, fp32 activations), up to `SKINNY_ROWS` rows: the same
+  kernel widens bf16 to fp32 as it streams (half the bytes).
+- more rows, up to `GEMM_MAX_ROWS` (fp32 weights) or `BF16_GEMM_MAX_ROWS` (bf16): a C++ GEMM
+  (`kernels/csrc/gemm.cpp`, `tiled_linear`) on the weight as stored, [N, K] row-major with no
+  packed copy: register tiles of 4 rows of x by 3 weight rows, weight blocks kept in L2 while all
+  of x passes over them, bf16 widened in registers, fp32 accumulation. At decode batch sizes it
+  beats MKL's `F.linear` on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
+  The environment variable `HYBRID_SERVE_GEMM_MAX_ROWS` overrides both limits at import (0 turns
+  the GEMM off, for comparisons); benchmarks may set the module attributes between runs.
+- more rows than that (long prefills): the reference `kernels.linear.linear` (`F.linear`, the
+  weight widened to x's dtype, which the large GEMM amortises). oneDNN with packed weights
+  (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it builds a new primitive for
+  every new row count (~0.6 ms per matrix on this machine), which a serving loop with changing
+  batch sizes pays on most steps. (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT.)
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -23,7 +31,12 @@ from kernels import cpp_build
 from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
-BF16_SKINNY_ROWS = 64
+BF16_SKINNY_ROWS = SKINNY_ROWS  # compiled graphs (kernels.custom_ops) read this limit
+GEMM_ENV_VAR = "HYBRID_SERVE_GEMM_MAX_ROWS"
+GEMM_MAX_ROWS = 256
+BF16_GEMM_MAX_ROWS = 1024
+if os.environ.get(GEMM_ENV_VAR):
+    GEMM_MAX_ROWS = BF16_GEMM_MAX_ROWS = int(os.environ[GEMM_ENV_VAR])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,9 +52,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return reference_linear(x, weight, bias)
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if M > (SKINNY_ROWS if wdt == torch.float32 else BF16_SKINNY_ROWS) or M == 0:
+    if M == 0 or M > (GEMM_MAX_ROWS if wdt == torch.float32 else BF16_GEMM_MAX_ROWS):
         return reference_linear(x, weight, bias)
-    y = ops.skinny_linear(x.reshape(M, K).contiguous(), weight.contiguous())
+    op = ops.skinny_linear if M <= SKINNY_ROWS else ops.tiled_linear
+    y = op(x.reshape(M, K).contiguous(), weight.contiguous())
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
