@@ -33,7 +33,7 @@ from kernels.linear import linear as reference_linear
 SKINNY_ROWS = 8
 BF16_SKINNY_ROWS = SKINNY_ROWS  # compiled graphs (kernels.custom_ops) read this limit
 GEMM_ENV_VAR = "HYBRID_SERVE_GEMM_MAX_ROWS"
-GEMM_MAX_ROWS = 256
+GEMM_MAX_ROWS = 512
 BF16_GEMM_MAX_ROWS = 1024
 if os.environ.get(GEMM_ENV_VAR):
     GEMM_MAX_ROWS = BF16_GEMM_MAX_ROWS = int(os.environ[GEMM_ENV_VAR])

@@ -25,7 +25,8 @@ using hs::load1;
 
 constexpr int MR = 4;  // rows of x per register tile
 constexpr int NR = 3;  // weight rows per register tile
-constexpr int64_t L2_BLOCK_BYTES = 128 << 10;  // weight bytes per cache block
+constexpr int64_t W_BLOCK_BYTES = 128 << 10;  // weight bytes per cache block
+constexpr int64_t X_BLOCK_BYTES = 192 << 10;  // bytes of x per cache block
 
 #ifdef HS_AVX2
 // The sums of four 8-wide vectors, in order, as one 4-wide vector.
@@ -105,25 +106,29 @@ inline void any_tile(int r, int c, const float* x, int64_t ldx, const W* w, int6
 }
 
 // Output columns [n0, n1) of y [M, ldy] = x [M, ldx] w[n0:n1, :ldw]^T, on the calling thread:
-// a block of weight rows (L2_BLOCK_BYTES) meets every tile of x before the next block is read.
+// a block of rows of x (X_BLOCK_BYTES, kept in L2) meets each block of weight rows
+// (W_BLOCK_BYTES, in L2 beside it), which meets every register tile of those rows (in L1).
 template <typename W>
 void gemm_cols(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy,
                int64_t M, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t row_bytes = std::max<int64_t>(1, K * int64_t(sizeof(W)));
-  const int64_t nb = std::max<int64_t>(NR, L2_BLOCK_BYTES / row_bytes / NR * NR);
-  for (int64_t b0 = n0; b0 < n1; b0 += nb) {
-    const int64_t b1 = std::min(n1, b0 + nb);
-    for (int64_t m = 0; m < M; m += MR) {
-      const int r = int(std::min<int64_t>(MR, M - m));
-      const float* xm = x + m * ldx;
-      int64_t n = b0;
-      if (r == MR) {
-        for (; n + NR <= b1; n += NR)
-          tile<W, MR, NR>(xm, ldx, w + n * ldw, ldw, y + m * ldy + n, ldy, K);
-      }
-      for (; n < b1; n += NR) {
-        const int c = int(std::min<int64_t>(NR, b1 - n));
-        any_tile(r, c, xm, ldx, w + n * ldw, ldw, y + m * ldy + n, ldy, K);
+  const int64_t nb = std::max<int64_t>(NR, W_BLOCK_BYTES / std::max<int64_t>(1, K * sizeof(W)) / NR * NR);
+  const int64_t mb = std::max<int64_t>(MR, X_BLOCK_BYTES / std::max<int64_t>(1, K * 4) / MR * MR);
+  for (int64_t mb0 = 0; mb0 < M; mb0 += mb) {
+    const int64_t mb1 = std::min(M, mb0 + mb);
+    for (int64_t b0 = n0; b0 < n1; b0 += nb) {
+      const int64_t b1 = std::min(n1, b0 + nb);
+      for (int64_t m = mb0; m < mb1; m += MR) {
+        const int r = int(std::min<int64_t>(MR, mb1 - m));
+        const float* xm = x + m * ldx;
+        int64_t n = b0;
+        if (r == MR) {
+          for (; n + NR <= b1; n += NR)
+            tile<W, MR, NR>(xm, ldx, w + n * ldw, ldw, y + m * ldy + n, ldy, K);
+        }
+        for (; n < b1; n += NR) {
+          const int c = int(std::min<int64_t>(NR, b1 - n));
+          any_tile(r, c, xm, ldx, w + n * ldw, ldw, y + m * ldy + n, ldy, K);
+        }
       }
     }
   }
