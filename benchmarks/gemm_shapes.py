@@ -1,10 +1,10 @@
 """The C++ GEMM (`tiled_linear`) against `F.linear` (MKL) on a checkpoint's own dense shapes, CPU.
 
 For each row count M (`--rows`) and each distinct [N, K] weight shape of the model's `Linear`
-layers (the lm_head included), times `kernels.linear_cpp.linear` with its GEMM on and with it off
-(`GEMM_MAX_ROWS = 0`: `F.linear`), interleaved, for fp32 weights and for bf16 weights (off:
-widened to fp32 for `F.linear`, as `kernels.linear` does). Prints GFLOP/s from the median of
-`--repeats` interleaved runs, the ratio, and the machine's load average before and after.
+layers (the lm_head included), times `kernels.linear_cpp.linear` with its GEMM on (whatever the
+row limits) and off (`GEMM_ON = False`: `F.linear`), interleaved, for fp32 weights and for bf16
+weights (off: widened to fp32 for `F.linear`, as `kernels.linear` does). Prints GFLOP/s from
+the median of `--repeats` interleaved runs, the ratio, and the machine's load average.
 
 Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 16,32,64,128,256
 """
@@ -39,17 +39,18 @@ def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:
     return found
 
 
-def time_linear(x: torch.Tensor, w: torch.Tensor, gemm_rows: int, inner: int) -> float:
-    """Seconds per `linear_cpp.linear(x, w)` with the GEMM limits set to `gemm_rows`."""
-    limits = linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS
-    linear_cpp.GEMM_MAX_ROWS = linear_cpp.BF16_GEMM_MAX_ROWS = gemm_rows
+def time_linear(x: torch.Tensor, w: torch.Tensor, gemm: bool, inner: int) -> float:
+    """Seconds per `linear_cpp.linear(x, w)` with the GEMM on (any rows) or off."""
+    limits = linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS
+    linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS = gemm, 1 << 30
+    linear_cpp.BF16_GEMM_MAX_ROWS = 1 << 30
     try:
         start = time.perf_counter()
         for _ in range(inner):
             linear_cpp.linear(x, w)
         return (time.perf_counter() - start) / inner
     finally:
-        linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS = limits
+        linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS = limits
 
 
 def main() -> None:
@@ -69,7 +70,6 @@ def main() -> None:
 
         args.model_path = str(default_model_path(args.preset))
     shapes = shapes_of(load_model(args.model_path, dtype="float32"))
-    on_rows = max(linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS, 1 << 20)
     print(f"{args.threads} threads, load {os.getloadavg()[0]:.1f}; GFLOP/s, medians")
     print(f"{'dtype':>9}{'M':>6}{'N':>6}{'K':>6}  {'layer':<28}{'F.linear':>9}{'gemm':>8}{'x':>6}")
     torch.manual_seed(0)
@@ -84,8 +84,8 @@ def main() -> None:
                     inner = max(1, int(2e7 / (2 * m * n * k)))  # ~0.3 ms or more per sample
                     times: dict[str, list[float]] = {"F.linear": [], "gemm": []}
                     for _ in range(args.repeats):
-                        for variant, rows in (("F.linear", 0), ("gemm", on_rows)):
-                            times[variant].append(time_linear(x, w, rows, inner))
+                        for variant, gemm in (("F.linear", False), ("gemm", True)):
+                            times[variant].append(time_linear(x, w, gemm, inner))
                     flop = 2 * m * n * k
                     flops = {v: flop / statistics.median(t) / 1e9 for v, t in times.items()}
                     print(

@@ -23,7 +23,10 @@ both models alike but not equally. Compare minimums, use --threads 1, or set
 OMP_WAIT_POLICY=PASSIVE in the environment there.
 
 `--kernels torch,auto` times our forward twice per repeat, under the eager torch references and
-under the default dispatch (the C++ CPU kernels), interleaved with transformers.
+under the default dispatch (the C++ CPU kernels), interleaved with transformers. A mode with
+`-mkl` appended (`auto-mkl`) is that mode with the C++ GEMM and routed-experts op switched off
+(`kernels.linear_cpp.GEMM_ON`, as `HYBRID_SERVE_CPU_GEMM=off` does): MKL's `F.linear` above 8
+rows and torch's grouped GEMM for the experts, to compare the two in one run.
 
 Example: python -m benchmarks.model_forward --preset small --kernels torch,auto \
     --decode-batch-sizes 1,8,64 --json-out /tmp/forward.json
@@ -50,7 +53,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from kernels import dispatch
+from kernels import dispatch, linear_cpp
 from kernels.dispatch import ENV_VAR
 from scheduler.config import CPU_COMPILE_MODES
 from scheduler.graph_runner import DecodeGraphRunner
@@ -157,7 +160,10 @@ def hf_decode(model, contexts: torch.Tensor, next_ids: torch.Tensor) -> Step:
 
 
 def with_kernels(make: Step, mode: str) -> Step:
-    """The same step with `HYBRID_SERVE_KERNELS=mode` while its timed part runs."""
+    """The same step with `HYBRID_SERVE_KERNELS=mode` while its timed part runs (`<mode>-mkl`:
+    with the C++ GEMM off)."""
+    mode, _, mkl = mode.partition("-")
+    gemm_on = mkl != "mkl"
 
     def wrapped():
         run, cleanup = make()
@@ -166,9 +172,11 @@ def with_kernels(make: Step, mode: str) -> Step:
             before = os.environ.get(ENV_VAR)
             os.environ[ENV_VAR] = mode
             dispatch.reset()  # the dispatcher caches the mode: make it read the new one
+            gemm_before, linear_cpp.GEMM_ON = linear_cpp.GEMM_ON, gemm_on
             try:
                 return run()
             finally:
+                linear_cpp.GEMM_ON = gemm_before
                 if before is None:
                     os.environ.pop(ENV_VAR, None)
                 else:
@@ -235,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         "--kernels",
         default="auto",
         help="comma-separated HYBRID_SERVE_KERNELS modes to time ours under, interleaved "
-        "(e.g. torch,auto: the eager torch path against the C++ kernels)",
+        "(e.g. torch,auto: the eager torch path against the C++ kernels; auto-mkl: auto with "
+        "the C++ GEMM off)",
     )
     p.add_argument(
         "--compile",

@@ -12,8 +12,9 @@ Same signature and contract as `kernels.linear.linear`.
   packed copy: register tiles of 4 rows of x by 3 weight rows, weight blocks kept in L2 while all
   of x passes over them, bf16 widened in registers, fp32 accumulation. At decode batch sizes it
   beats MKL's `F.linear` on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
-  The environment variable `HYBRID_SERVE_GEMM_MAX_ROWS` overrides both limits at import (0 turns
-  the GEMM off, for comparisons); benchmarks may set the module attributes between runs.
+  `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
+  turns this GEMM and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
+  rows then take `F.linear` (MKL) and the experts torch's grouped GEMM or the loop.
 - more rows than that (long prefills): the reference `kernels.linear.linear` (`F.linear`, the
   weight widened to x's dtype, which the large GEMM amortises). oneDNN with packed weights
   (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it builds a new primitive for
@@ -32,11 +33,10 @@ from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
 BF16_SKINNY_ROWS = SKINNY_ROWS  # compiled graphs (kernels.custom_ops) read this limit
-GEMM_ENV_VAR = "HYBRID_SERVE_GEMM_MAX_ROWS"
 GEMM_MAX_ROWS = 512
 BF16_GEMM_MAX_ROWS = 1024
-if os.environ.get(GEMM_ENV_VAR):
-    GEMM_MAX_ROWS = BF16_GEMM_MAX_ROWS = int(os.environ[GEMM_ENV_VAR])
+GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
+GEMM_ON = os.environ.get(GEMM_ENV_VAR, "on").strip().lower() not in ("off", "0", "false")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,7 +52,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return reference_linear(x, weight, bias)
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if M == 0 or M > (GEMM_MAX_ROWS if wdt == torch.float32 else BF16_GEMM_MAX_ROWS):
+    limit = (GEMM_MAX_ROWS if wdt == torch.float32 else BF16_GEMM_MAX_ROWS) if GEMM_ON else 0
+    if M == 0 or M > max(SKINNY_ROWS, limit):
         return reference_linear(x, weight, bias)
     op = ops.skinny_linear if M <= SKINNY_ROWS else ops.tiled_linear
     y = op(x.reshape(M, K).contiguous(), weight.contiguous())

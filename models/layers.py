@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import custom_ops, dispatch, rms_norm_gated
+from kernels import custom_ops, dispatch, experts_cpp, rms_norm_gated
 
 
 class Linear(nn.Linear):
@@ -129,7 +129,7 @@ class Experts(nn.Module):
             return False
         if x.shape[0] >= self.GROUPED_MIN_TOKENS:
             return True
-        return x.dtype == torch.float32 and dispatch.use_cpp(x)
+        return dispatch.use_cpp(x) and experts_cpp.takes(x)
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor

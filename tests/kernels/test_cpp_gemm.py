@@ -69,11 +69,17 @@ def test_gemm_non_contiguous_inputs() -> None:
 
 
 def test_gemm_switch_off(monkeypatch) -> None:
-    """GEMM_MAX_ROWS = 0 (the environment variable's off) sends the same call to F.linear."""
+    """GEMM_ON off (HYBRID_SERVE_CPU_GEMM=off) sends the same calls to the torch references."""
+    from kernels import experts_cpp
+
     torch.manual_seed(2)
     x, w = torch.randn(20, 30), torch.randn(10, 30)
-    monkeypatch.setattr(linear_cpp, "GEMM_MAX_ROWS", 0)
+    xs, gate_up, down, counts = expert_inputs(3, 16, 8, [5, 0, 4], torch.float32)
+    monkeypatch.setattr(linear_cpp, "GEMM_ON", False)
     assert torch.equal(linear_cpp.linear(x, w), F.linear(x, w))
+    assert not experts_cpp.takes(xs)
+    want = reference_experts(xs, gate_up, down, counts)
+    assert torch.equal(experts_cpp.routed_experts(xs, gate_up, down, counts), want)
 
 
 def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype):

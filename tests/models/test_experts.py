@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch
+from kernels import cpp_build, dispatch, experts_cpp
 from kernels.experts import routed_experts
 from models.layers import Experts
 
@@ -45,6 +45,7 @@ def test_both_paths_match_the_per_token_sum(experts, hidden, inter, top_k, token
     want = per_token_reference(moe, x, ids, w)
     with torch.inference_mode():
         one_call = tokens >= Experts.GROUPED_MIN_TOKENS or dispatch.use_cpp(x)
+        assert experts_cpp.takes(x) == cpp_build.available()
         assert moe.use_grouped(x) == one_call
         got = moe(x, ids, w)
         flat = ids.flatten()
