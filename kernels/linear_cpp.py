@@ -15,6 +15,11 @@ Same signature and contract as `kernels.linear.linear`.
   `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
   turns this GEMM and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
   rows then take `F.linear` (MKL) and the experts torch's grouped GEMM or the loop.
+  The limits: MKL draws level at about 256-512 rows in fp32 on 2 threads (bf16: about 512-1024,
+  where widening the weight stops costing much). 512 rather than 256 also keeps a row's result
+  independent of how many rows share the call for prefill chunks up to 512: switching kernels
+  changes the round-off, which the tiny preset's random weights amplify to ~1.3e-4 in the logits
+  (tests/models/test_parity.py compares chunked and one-shot prefill at 1e-4).
 - more rows than that (long prefills): the reference `kernels.linear.linear` (`F.linear`, the
   weight widened to x's dtype, which the large GEMM amortises). oneDNN with packed weights
   (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it builds a new primitive for
@@ -32,7 +37,7 @@ from kernels import cpp_build
 from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
-BF16_SKINNY_ROWS = SKINNY_ROWS  # compiled graphs (kernels.custom_ops) read this limit
+BF16_SKINNY_ROWS = 64  # compiled graphs (`kernels.custom_ops`) call the GEMV up to here for bf16
 GEMM_MAX_ROWS = 512
 BF16_GEMM_MAX_ROWS = 1024
 GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
