@@ -16,7 +16,8 @@ from kernels import custom_ops, dispatch, experts_cpp, rms_norm_gated
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and names) whose forward is the dispatched `kernels.linear`:
-    on CPU a weight-streaming GEMV for decode-sized inputs, `F.linear` beyond."""
+    on CPU a weight-streaming GEMV up to 8 rows, a C++ GEMM for decode batches and prefill
+    chunks beyond, `F.linear` for the largest (`kernels.linear_cpp`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
