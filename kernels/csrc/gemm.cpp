@@ -140,8 +140,15 @@ void gemm_cols(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, i
 template <typename W>
 void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   if (M == 0 || N == 0) return;
-  // at least ~32 KB of weights per task, in whole tiles
   const int64_t tiles = (N + NR - 1) / NR;
+  if (tiles < 2 * at::get_num_threads() && M >= 8 * MR) {  // a few weight rows (a gate): split x
+    at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t m0 = t0 * MR, m1 = std::min(M, t1 * MR);
+      gemm_cols(x + m0 * K, K, w, K, y + m0 * N, N, m1 - m0, K, 0, N);
+    });
+    return;
+  }
+  // at least ~32 KB of weights per task, in whole tiles
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K * sizeof(W) * NR));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     gemm_cols(x, K, w, K, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
