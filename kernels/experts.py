@@ -1,7 +1,8 @@
 """Routed SwiGLU experts over rows already sorted by expert: the pure-torch reference.
 
 `kernels.experts_cpp` keeps this signature (one C++ call for every active expert); the model's
-`models.layers.Experts` calls the dispatched `kernels.routed_experts` for its larger batches.
+`models.layers.Experts` calls the dispatched `kernels.routed_experts` when `use_grouped` says so
+(on CPU: at every size where the C++ op runs, else from `GROUPED_MIN_TOKENS` tokens).
 """
 
 from __future__ import annotations
