@@ -14,7 +14,9 @@ Same signature and contract as `kernels.linear.linear`.
   beats MKL's `F.linear` on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
   `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
   turns this GEMM and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
-  rows then take `F.linear` (MKL) and the experts torch's grouped GEMM or the loop.
+  paths before them come back (fp32 rows beyond 8 take `F.linear`, MKL; bf16 weights take the
+  GEMV up to `BF16_SKINNY_ROWS`, then `F.linear` on the widened weight; the experts torch's
+  grouped GEMM or the loop).
   The limits: MKL draws level at about 256-512 rows in fp32 on 2 threads (bf16: about 512-1024,
   where widening the weight stops costing much). 512 rather than 256 also keeps a row's result
   independent of how many rows share the call for prefill chunks up to 512: switching kernels
@@ -37,7 +39,7 @@ from kernels import cpp_build
 from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
-BF16_SKINNY_ROWS = 64  # compiled graphs (`kernels.custom_ops`) call the GEMV up to here for bf16
+BF16_SKINNY_ROWS = 64  # bf16 GEMV rows with the GEMM off, and in compiled graphs (custom_ops)
 GEMM_MAX_ROWS = 512
 BF16_GEMM_MAX_ROWS = 1024
 GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
@@ -57,10 +59,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return reference_linear(x, weight, bias)
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    limit = (GEMM_MAX_ROWS if wdt == torch.float32 else BF16_GEMM_MAX_ROWS) if GEMM_ON else 0
-    if M == 0 or M > max(SKINNY_ROWS, limit):
+    fp32 = wdt == torch.float32
+    if GEMM_ON:
+        skinny, limit = SKINNY_ROWS, (GEMM_MAX_ROWS if fp32 else BF16_GEMM_MAX_ROWS)
+    else:  # as before the GEMM
+        skinny = limit = SKINNY_ROWS if fp32 else BF16_SKINNY_ROWS
+    if M == 0 or M > limit:
         return reference_linear(x, weight, bias)
-    op = ops.skinny_linear if M <= SKINNY_ROWS else ops.tiled_linear
+    op = ops.skinny_linear if M <= skinny else ops.tiled_linear
     y = op(x.reshape(M, K).contiguous(), weight.contiguous())
     if bias is not None:
         y += bias

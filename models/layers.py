@@ -12,6 +12,7 @@ from torch import nn
 
 import kernels
 from kernels import custom_ops, dispatch, experts_cpp, rms_norm_gated
+from kernels.experts import grouped_mm_fits
 
 
 class Linear(nn.Linear):
@@ -99,8 +100,9 @@ class Experts(nn.Module):
     with one `index_add_`: no Python work per token. On CPU all experts run in one call
     (`kernels.routed_experts`): where the C++ kernels run (fp32 rows, fp32 or bf16 weights) at
     every token count, since one C++ call for all experts beats the per-expert loop from one
-    token on; for the torch reference (`torch._grouped_mm`) from `GROUPED_MIN_TOKENS` tokens.
-    Otherwise (CUDA, fewer tokens under the reference) one `kernels.linear` per active expert.
+    token on; else `torch._grouped_mm` from `GROUPED_MIN_TOKENS` tokens where it takes the
+    operands. Otherwise (CUDA, fewer tokens, bf16 weights without the C++ op) one
+    `kernels.linear` per active expert.
     Measured: `benchmarks/moe_experts.py`, BENCHMARKS.md."""
 
     GROUPED_MIN_TOKENS = 32  # torch._grouped_mm against the loop of F.linear (torch kernels)
@@ -125,12 +127,15 @@ class Experts(nn.Module):
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         """One call for all experts (`grouped_experts`) rather than the loop: on CPU, always
-        where the C++ op runs, else from `GROUPED_MIN_TOKENS` tokens."""
+        where the C++ op runs, else from `GROUPED_MIN_TOKENS` tokens when `torch._grouped_mm`
+        takes the operands (weights in x's dtype, 16-byte rows; a shard may not have them)."""
         if x.is_cuda:
             return False
-        if x.shape[0] >= self.GROUPED_MIN_TOKENS:
+        if dispatch.use_cpp(x) and experts_cpp.takes(x):
             return True
-        return dispatch.use_cpp(x) and experts_cpp.takes(x)
+        return x.shape[0] >= self.GROUPED_MIN_TOKENS and grouped_mm_fits(
+            x, self.gate_up_proj, self.down_proj
+        )
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
