@@ -5,8 +5,10 @@ Same signature and contract as `kernels.linear.linear`.
 - fp32 weights, at most `SKINNY_ROWS` rows: a weight-streaming C++ GEMV that reads each weight
   row once for all rows of x (decode at small batches is a stream of weights through mat-vec
   products; this streams about twice as fast as `F.linear` on a 2-core AVX2 EPYC).
-- bf16 weights (`--dtype bfloat16` on CPU, fp32 activations), up to `SKINNY_ROWS` rows: the same
-  kernel widens bf16 to fp32 as it streams (half the bytes).
+- bf16 weights (`--dtype bfloat16` on CPU, fp32 activations), up to `BF16_SKINNY_ROWS` rows: the
+  same kernel widens bf16 to fp32 as it streams (half the bytes), in blocks of 8 rows against
+  weight blocks kept in cache (one widening per 8 FMAs: as fast as the GEMM below or faster up
+  to 64 rows, measured on the decode step).
 - more rows, up to `GEMM_MAX_ROWS` (fp32 weights) or `BF16_GEMM_MAX_ROWS` (bf16): a C++ GEMM
   (`kernels/csrc/gemm.cpp`, `tiled_linear`) on the weight as stored, [N, K] row-major with no
   packed copy: register tiles of 4 rows of x by 3 weight rows, weight blocks kept in L2 while all
@@ -14,14 +16,15 @@ Same signature and contract as `kernels.linear.linear`.
   beats MKL's `F.linear` on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
   `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
   turns this GEMM and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
-  paths before them come back (fp32 rows beyond 8 take `F.linear`, MKL; bf16 weights take the
-  GEMV up to `BF16_SKINNY_ROWS`, then `F.linear` on the widened weight; the experts torch's
-  grouped GEMM or the loop).
-  The limits: MKL draws level at about 256-512 rows in fp32 on 2 threads (bf16: about 512-1024,
-  where widening the weight stops costing much). 512 rather than 256 also keeps a row's result
-  independent of how many rows share the call for prefill chunks up to 512: switching kernels
-  changes the round-off, which the tiny preset's random weights amplify to ~1.3e-4 in the logits
-  (tests/models/test_parity.py compares chunked and one-shot prefill at 1e-4).
+  paths before them come back (rows beyond the GEMV's take `F.linear`, MKL, bf16 weights
+  widened; the experts torch's grouped GEMM or the loop).
+  The limits: in fp32 on 2 threads MKL draws level at about 64-128 rows on the mid-sized
+  matrices and 256-512 on the widest (lm_head, GDN input projection); bf16: about 512-1024, where
+  widening the weight stops costing much. 512 rather than ~128 keeps a row's result independent
+  of how many rows share the call for prefill chunks up to 512: switching kernels changes the
+  round-off, which the tiny preset's random weights amplify to ~1.3e-4 in the logits
+  (tests/models/test_parity.py compares chunked and one-shot prefill at 1e-4); the price is
+  10-25% on those matrices' GEMMs at 128-512 rows (BENCHMARKS.md).
 - more rows than that (long prefills): the reference `kernels.linear.linear` (`F.linear`, the
   weight widened to x's dtype, which the large GEMM amortises). oneDNN with packed weights
   (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it builds a new primitive for
@@ -39,7 +42,7 @@ from kernels import cpp_build
 from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
-BF16_SKINNY_ROWS = 64  # bf16 GEMV rows with the GEMM off, and in compiled graphs (custom_ops)
+BF16_SKINNY_ROWS = 64
 GEMM_MAX_ROWS = 512
 BF16_GEMM_MAX_ROWS = 1024
 GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
@@ -60,10 +63,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     fp32 = wdt == torch.float32
-    if GEMM_ON:
-        skinny, limit = SKINNY_ROWS, (GEMM_MAX_ROWS if fp32 else BF16_GEMM_MAX_ROWS)
-    else:  # as before the GEMM
-        skinny = limit = SKINNY_ROWS if fp32 else BF16_SKINNY_ROWS
+    skinny = SKINNY_ROWS if fp32 else BF16_SKINNY_ROWS
+    limit = (GEMM_MAX_ROWS if fp32 else BF16_GEMM_MAX_ROWS) if GEMM_ON else skinny
     if M == 0 or M > limit:
         return reference_linear(x, weight, bias)
     op = ops.skinny_linear if M <= skinny else ops.tiled_linear
