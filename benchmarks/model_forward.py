@@ -23,7 +23,10 @@ both models alike but not equally. Compare minimums, use --threads 1, or set
 OMP_WAIT_POLICY=PASSIVE in the environment there.
 
 `--kernels torch,auto` times our forward twice per repeat, under the eager torch references and
-under the default dispatch (the C++ CPU kernels), interleaved with transformers.
+under the default dispatch (the C++ CPU kernels), interleaved with transformers. A mode with
+`-mkl` appended (`auto-mkl`) is that mode with the C++ GEMM and routed-experts op switched off
+(`kernels.linear_cpp.GEMM_ON`, as `HYBRID_SERVE_CPU_GEMM=off` does): MKL's `F.linear` above 8
+rows and torch's grouped GEMM for the experts, to compare the two in one run.
 
 Example: python -m benchmarks.model_forward --preset small --kernels torch,auto \
     --decode-batch-sizes 1,8,64 --json-out /tmp/forward.json
@@ -50,7 +53,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from kernels import dispatch
+from kernels import dispatch, linear_cpp
 from kernels.dispatch import ENV_VAR, FUSIONS_ENV
 from scheduler.config import CPU_COMPILE_MODES
 from scheduler.graph_runner import DecodeGraphRunner
@@ -157,10 +160,15 @@ def hf_decode(model, contexts: torch.Tensor, next_ids: torch.Tensor) -> Step:
 
 
 def with_kernels(make: Step, mode: str) -> Step:
-    """The same step with `HYBRID_SERVE_KERNELS=mode` while its timed part runs; a mode ending
-    in `-unfused` (e.g. `auto-unfused`) also sets `HYBRID_SERVE_FUSIONS=off`."""
-    kernels_mode, unfused = mode.removesuffix("-unfused"), mode.endswith("-unfused")
-    env = {ENV_VAR: kernels_mode, FUSIONS_ENV: "off" if unfused else "on"}
+    """The same step with `HYBRID_SERVE_KERNELS=mode` while its timed part runs. Suffixes, in
+    any order: `-unfused` also sets `HYBRID_SERVE_FUSIONS=off`, `-mkl` turns the C++ GEMM off
+    (e.g. `auto-unfused-mkl`)."""
+    kernels_mode, *flags = mode.split("-")
+    unknown = set(flags) - {"unfused", "mkl"}
+    if unknown:
+        raise SystemExit(f"--kernels {mode}: unknown suffix {sorted(unknown)}")
+    env = {ENV_VAR: kernels_mode, FUSIONS_ENV: "off" if "unfused" in flags else "on"}
+    gemm_on = "mkl" not in flags
 
     def wrapped():
         run, cleanup = make()
@@ -169,9 +177,11 @@ def with_kernels(make: Step, mode: str) -> Step:
             before = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             dispatch.reset()  # the dispatcher caches the mode: make it read the new one
+            gemm_before, linear_cpp.GEMM_ON = linear_cpp.GEMM_ON, gemm_on
             try:
                 return run()
             finally:
+                linear_cpp.GEMM_ON = gemm_before
                 for k, v in before.items():
                     if v is None:
                         os.environ.pop(k, None)
@@ -239,8 +249,9 @@ def main(argv: list[str] | None = None) -> None:
         "--kernels",
         default="auto",
         help="comma-separated HYBRID_SERVE_KERNELS modes to time ours under, interleaved "
-        "(e.g. torch,auto: the eager torch path against the C++ kernels; a mode ending in "
-        "-unfused, e.g. auto-unfused, also turns the fused decode ops off: HYBRID_SERVE_FUSIONS)",
+        "(e.g. torch,auto: the eager torch path against the C++ kernels; suffixes: -unfused "
+        "turns the fused decode ops off (HYBRID_SERVE_FUSIONS), -mkl the C++ GEMM, e.g. "
+        "auto-unfused-mkl)",
     )
     p.add_argument(
         "--compile",

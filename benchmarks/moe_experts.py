@@ -3,11 +3,16 @@
 Each strategy computes the same expert outputs for tokens already sorted by expert (the part
 that differs; the sort, the routing weights and the scatter back are shared):
 - `loop`: one `kernels.linear` per active expert and matrix (`Experts.looped_experts`);
-- `grouped`: one `torch._grouped_mm` per matrix over all experts (`Experts.grouped_experts`);
+- `grouped`: one `torch._grouped_mm` per matrix over all experts (`kernels.experts`, the
+  reference that `Experts.grouped_experts` dispatches to under the torch kernels);
+- `cpp_op`: every active expert in one C++ call (`kernels.experts_cpp`, what
+  `Experts.grouped_experts` runs under the default kernels);
 - `padded`: the rows padded to the busiest expert's count, one `torch.bmm` per matrix;
 - `mm_slices`: one `torch.mm` per active expert into a preallocated output.
 Reported: the median of interleaved runs per strategy, in ms, and which one `Experts.forward`
-takes (`GROUPED_MIN_TOKENS`). Random top-k routing (uniform), fixed seed.
+takes (`Experts.use_grouped`: the one-call path, else the loop). Random top-k routing (uniform),
+fixed seed. `--dtype bfloat16` stores the expert weights in bf16 (fp32 rows): `grouped` then
+falls back to a loop of widened `F.linear`s, as the reference does.
 
 Example: python -m benchmarks.moe_experts --threads 2 --tokens 1,4,8,16,64,512 --repeats 15
 """
@@ -27,6 +32,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels.experts import routed_experts
+from kernels.experts_cpp import routed_experts as cpp_routed_experts
 from models.layers import Experts
 from models.presets import PRESETS
 
@@ -62,7 +69,10 @@ def mm_slices(moe: Experts, xs: torch.Tensor, counts: torch.Tensor) -> torch.Ten
 
 STRATEGIES = {
     "loop": lambda moe, xs, counts: moe.looped_experts(xs, counts.tolist()),
-    "grouped": lambda moe, xs, counts: moe.grouped_experts(xs, counts),
+    "grouped": lambda moe, xs, counts: routed_experts(xs, moe.gate_up_proj, moe.down_proj, counts),
+    "cpp_op": lambda moe, xs, counts: cpp_routed_experts(
+        xs, moe.gate_up_proj, moe.down_proj, counts
+    ),
     "padded": padded,
     "mm_slices": mm_slices,
 }
@@ -74,6 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,512")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = PRESETS[args.preset]
@@ -83,24 +94,28 @@ def main() -> None:
     moe = Experts(experts, hidden, inter)
     torch.nn.init.normal_(moe.gate_up_proj, std=0.05)
     torch.nn.init.normal_(moe.down_proj, std=0.05)
+    strategies = dict(STRATEGIES)
+    if args.dtype == "bfloat16":
+        moe.to(torch.bfloat16)
+        del strategies["padded"], strategies["mm_slices"]  # torch.bmm / mm take no mixed dtypes
     print(f"{args.preset}: {experts} experts, top {top_k}, hidden {hidden}, intermediate {inter}")
-    print(f"{'tokens':>7}" + "".join(f"{n:>11}" for n in STRATEGIES) + "   forward takes")
+    print(f"{'tokens':>7}" + "".join(f"{n:>11}" for n in strategies) + "   forward takes")
     with torch.inference_mode():
         for tokens in (int(t) for t in args.tokens.split(",")):
             ids = torch.rand(tokens, experts).topk(top_k, dim=-1).indices.flatten()
             xs = torch.randn(tokens * top_k, hidden)
             counts = torch.bincount(ids, minlength=experts)
-            want = STRATEGIES["loop"](moe, xs, counts)
-            times: dict[str, list[float]] = {n: [] for n in STRATEGIES}
-            for fn in STRATEGIES.values():  # check and warm up
+            want = strategies["loop"](moe, xs, counts)
+            times: dict[str, list[float]] = {n: [] for n in strategies}
+            for fn in strategies.values():  # check and warm up
                 torch.testing.assert_close(fn(moe, xs, counts), want, atol=1e-4, rtol=1e-4)
             for _ in range(args.repeats):
-                for name, fn in STRATEGIES.items():
+                for name, fn in strategies.items():
                     start = time.perf_counter()
                     fn(moe, xs, counts)
                     times[name].append((time.perf_counter() - start) * 1e3)
             row = "".join(f"{statistics.median(v):>11.3f}" for v in times.values())
-            took = "grouped" if moe.use_grouped(torch.empty(tokens, hidden)) else "loop"
+            took = "one call" if moe.use_grouped(torch.empty(tokens, hidden)) else "loop"
             print(f"{tokens:>7}{row}   {took}", flush=True)
 
 

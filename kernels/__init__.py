@@ -8,6 +8,7 @@ from kernels import (
     attention,
     attn_step,
     causal_conv1d,
+    experts,
     gated_delta_rule,
     gdn_step,
     linear,
@@ -40,6 +41,7 @@ moe_decode = dispatching(moe_step.moe_decode, None, "moe_step_cpp", fusion=True)
 linear_multi = dispatching(multi_linear.linear_multi, None, "multi_linear_cpp", fusion=True)
 attn_decode = dispatching(attn_step.attn_decode, None, "attn_step_cpp", fusion=True)
 linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
+routed_experts = dispatching(experts.routed_experts, None, "experts_cpp")
 
 __all__ = [
     "causal_conv1d_fn",
@@ -56,4 +58,5 @@ __all__ = [
     "moe_decode",
     "linear",
     "linear_multi",
+    "routed_experts",
 ]

@@ -7,15 +7,34 @@ Same signature and contract as `kernels.linear.linear`.
   products; this streams about twice as fast as `F.linear` on a 2-core AVX2 EPYC).
 - bf16 weights (`--dtype bfloat16` on CPU, fp32 activations), up to `BF16_SKINNY_ROWS` rows: the
   same kernel widens bf16 to fp32 as it streams (half the bytes), in blocks of 8 rows against
-  weight blocks kept in cache; more rows (prefill): the weight is widened to fp32 for one
-  `F.linear`, which the GEMM amortises. (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT.)
-- everything else: the reference `kernels.linear.linear` (`F.linear`, the weight widened to x's
-  dtype). oneDNN with packed weights (`torch.ops.mkldnn._linear_pointwise`) was measured here
-  too: it builds a new primitive for every new row count (~0.6 ms per matrix on this machine),
-  which a serving loop with changing batch sizes pays on most steps.
+  weight blocks kept in cache (one widening per 8 FMAs: as fast as the GEMM below or faster up
+  to 64 rows, measured on the decode step).
+- more rows, up to `GEMM_MAX_ROWS` (fp32 weights) or `BF16_GEMM_MAX_ROWS` (bf16): a C++ GEMM
+  (`kernels/csrc/gemm.cpp`, `tiled_linear`) on the weight as stored, [N, K] row-major with no
+  packed copy: register tiles of 4 rows of x by 3 weight rows, weight blocks kept in L2 while all
+  of x passes over them, bf16 widened in registers, fp32 accumulation. At decode batch sizes it
+  beats MKL's `F.linear` on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
+  `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
+  turns this GEMM and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
+  paths before them come back (rows beyond the GEMV's take `F.linear`, MKL, bf16 weights
+  widened; the experts torch's grouped GEMM or the loop).
+  The limits: in fp32 on 2 threads MKL draws level at about 64-128 rows on the mid-sized
+  matrices and 256-512 on the widest (lm_head, GDN input projection); bf16: about 512-1024, where
+  widening the weight stops costing much. 512 rather than ~128 keeps a row's result independent
+  of how many rows share the call for prefill chunks up to 512: switching kernels changes the
+  round-off, which the tiny preset's random weights amplify to ~1.3e-4 in the logits
+  (tests/models/test_parity.py compares chunked and one-shot prefill at 1e-4); the price is
+  10-25% on those matrices' GEMMs at 128-512 rows (BENCHMARKS.md).
+- more rows than that (long prefills): the reference `kernels.linear.linear` (`F.linear`, the
+  weight widened to x's dtype, which the large GEMM amortises). oneDNN with packed weights
+  (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it builds a new primitive for
+  every new row count (~0.6 ms per matrix on this machine), which a serving loop with changing
+  batch sizes pays on most steps. (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT.)
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,6 +43,10 @@ from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
 BF16_SKINNY_ROWS = 64
+GEMM_MAX_ROWS = 512
+BF16_GEMM_MAX_ROWS = 1024
+GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
+GEMM_ON = os.environ.get(GEMM_ENV_VAR, "on").strip().lower() not in ("off", "0", "false")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,9 +62,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return reference_linear(x, weight, bias)
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if M > (SKINNY_ROWS if wdt == torch.float32 else BF16_SKINNY_ROWS) or M == 0:
+    fp32 = wdt == torch.float32
+    skinny = SKINNY_ROWS if fp32 else BF16_SKINNY_ROWS
+    limit = (GEMM_MAX_ROWS if fp32 else BF16_GEMM_MAX_ROWS) if GEMM_ON else skinny
+    if M == 0 or M > limit:
         return reference_linear(x, weight, bias)
-    y = ops.skinny_linear(x.reshape(M, K).contiguous(), weight.contiguous())
+    op = ops.skinny_linear if M <= skinny else ops.tiled_linear
+    y = op(x.reshape(M, K).contiguous(), weight.contiguous())
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -11,13 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import custom_ops, rms_norm_gated
+from kernels import custom_ops, dispatch, experts_cpp, rms_norm_gated
 from kernels.attn_step import apply_rope
+from kernels.experts import grouped_mm_fits
 
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and names) whose forward is the dispatched `kernels.linear`:
-    on CPU a weight-streaming GEMV for decode-sized inputs, `F.linear` beyond."""
+    on CPU a weight-streaming GEMV up to 8 rows, a C++ GEMM for decode batches and prefill
+    chunks beyond, `F.linear` for the largest (`kernels.linear_cpp`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
@@ -95,12 +97,15 @@ class Experts(nn.Module):
 
     `forward` sorts the (token, expert) pairs by expert once, gathers the token rows in that
     order, runs the experts on contiguous slices of it and scatters the weighted results back
-    with one `index_add_`: no Python work per token. From `GROUPED_MIN_TOKENS` tokens on (and
-    weights in the activations' dtype) each matrix is one grouped GEMM over all experts
-    (`torch._grouped_mm`); below, one `kernels.linear` per active expert, whose skinny C++ GEMV
-    suits the 1-8 rows an expert gets at small decode batches (and which takes bf16 weights)."""
+    with one `index_add_`: no Python work per token. On CPU all experts run in one call
+    (`kernels.routed_experts`): where the C++ kernels run (fp32 rows, fp32 or bf16 weights) at
+    every token count, since one C++ call for all experts beats the per-expert loop from one
+    token on; else `torch._grouped_mm` from `GROUPED_MIN_TOKENS` tokens where it takes the
+    operands. Otherwise (CUDA, fewer tokens, bf16 weights without the C++ op) one
+    `kernels.linear` per active expert.
+    Measured: `benchmarks/moe_experts.py`, BENCHMARKS.md."""
 
-    GROUPED_MIN_TOKENS = 32  # measured (BENCHMARKS.md): the loop is as fast or faster below
+    GROUPED_MIN_TOKENS = 32  # torch._grouped_mm against the loop of F.linear (torch kernels)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -121,15 +126,15 @@ class Experts(nn.Module):
         return self._per_expert[1], self._per_expert[2]
 
     def use_grouped(self, x: torch.Tensor) -> bool:
-        """Grouped GEMMs for enough tokens, on CPU, with weights in x's dtype and row strides
-        that `torch._grouped_mm` takes (multiples of 16 bytes; a shard may not have them)."""
-        _, hidden, inter = self.down_proj.shape
-        return (
-            x.shape[0] >= self.GROUPED_MIN_TOKENS
-            and not x.is_cuda
-            and self.gate_up_proj.dtype == x.dtype == self.down_proj.dtype
-            and (hidden * x.element_size()) % 16 == 0
-            and (inter * x.element_size()) % 16 == 0
+        """One call for all experts (`grouped_experts`) rather than the loop: on CPU, always
+        where the C++ op runs, else from `GROUPED_MIN_TOKENS` tokens when `torch._grouped_mm`
+        takes the operands (weights in x's dtype, 16-byte rows; a shard may not have them)."""
+        if x.is_cuda:
+            return False
+        if dispatch.use_cpp(x) and experts_cpp.takes(x):
+            return True
+        return x.shape[0] >= self.GROUPED_MIN_TOKENS and grouped_mm_fits(
+            x, self.gate_up_proj, self.down_proj
         )
 
     def forward(
@@ -163,13 +168,9 @@ class Experts(nn.Module):
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
     def grouped_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The same as `looped_experts`, one grouped GEMM per matrix over all experts (counts
-        stay on the device: no host sync)."""
-        offs = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(
-            2, dim=-1
-        )
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        """The same as `looped_experts`, all experts in one dispatched call (counts stay a
+        tensor: no host sync on the reference's grouped-GEMM path)."""
+        return kernels.routed_experts(xs, self.gate_up_proj, self.down_proj, counts)
 
     def forward_static(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor

@@ -1,5 +1,6 @@
-"""Routed experts: the grouped-GEMM path and the per-expert loop against a plain per-token sum,
-at any stored shapes (a tensor-parallel shard keeps a slice of the intermediate dim)."""
+"""Routed experts: the one-call path (`kernels.routed_experts`: the C++ op, or grouped GEMMs under
+the torch kernels) and the per-expert loop against a plain per-token sum, at any stored shapes (a
+tensor-parallel shard keeps a slice of the intermediate dim)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpp_build, dispatch, experts_cpp
+from kernels.experts import routed_experts
 from models.layers import Experts
 
 
@@ -42,26 +45,34 @@ def test_both_paths_match_the_per_token_sum(experts, hidden, inter, top_k, token
     want = per_token_reference(moe, x, ids, w)
     with torch.inference_mode():
         aligned = inter % 4 == 0  # 16-byte rows in fp32, as torch._grouped_mm needs
-        assert moe.use_grouped(x) == (tokens >= Experts.GROUPED_MIN_TOKENS and aligned)
+        one_call = dispatch.use_cpp(x) or (tokens >= Experts.GROUPED_MIN_TOKENS and aligned)
+        assert experts_cpp.takes(x) == cpp_build.available()
+        assert moe.use_grouped(x) == one_call
         got = moe(x, ids, w)
         flat = ids.flatten()
         xs = x[flat.argsort(stable=True) // top_k]
         counts = torch.bincount(flat, minlength=experts)
         looped = moe.looped_experts(xs, counts.tolist())
-        if aligned:
-            grouped = moe.grouped_experts(xs, counts)
-            torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=1e-5)
+        grouped = moe.grouped_experts(xs, counts)
+        torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=1e-5)
+        reference = routed_experts(xs, moe.gate_up_proj, moe.down_proj, counts)  # grouped_mm
+        torch.testing.assert_close(reference, looped, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_weights_take_the_loop() -> None:
+def test_bf16_weights_under_fp32_rows() -> None:
     moe = Experts(4, 16, 8).to(torch.bfloat16)
     torch.nn.init.normal_(moe.gate_up_proj, std=0.2)
     torch.nn.init.normal_(moe.down_proj, std=0.2)
     x = torch.randn(12, 16)
     ids = torch.stack([torch.randperm(4)[:2] for _ in range(12)])
     w = torch.rand(12, 2)
-    assert not moe.use_grouped(x)
+    assert moe.use_grouped(x) == dispatch.use_cpp(x)  # the C++ op takes bf16 weights
     with torch.inference_mode():
         got = moe(x, ids, w)
+        flat = ids.flatten()
+        xs = x[flat.argsort(stable=True) // 2]
+        counts = torch.bincount(flat, minlength=4)
+        grouped = moe.grouped_experts(xs, counts)
+        torch.testing.assert_close(grouped, moe.looped_experts(xs, counts.tolist()))
     torch.testing.assert_close(got, per_token_reference(moe, x, ids, w), atol=1e-4, rtol=1e-4)

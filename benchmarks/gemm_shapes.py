@@ -1,0 +1,100 @@
+"""The C++ GEMM (`tiled_linear`) against `F.linear` (MKL) on a checkpoint's own dense shapes, CPU.
+
+For each row count M (`--rows`) and each distinct [N, K] weight shape of the model's `Linear`
+layers (the lm_head included), times `kernels.linear_cpp.linear` with its GEMM on (whatever the
+row limits) and off (`GEMM_ON = False`: `F.linear`), interleaved, for fp32 weights and for bf16
+weights (off: widened to fp32 for `F.linear`, as `kernels.linear` does). Prints GFLOP/s from
+the median of `--repeats` interleaved runs, the ratio, and the machine's load average.
+
+Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 16,32,64,128,256
+"""
+
+from __future__ import annotations
+
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from kernels import cpp_build, linear_cpp
+from models.layers import Linear
+from models.loader import load_model
+
+
+def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:
+    """Distinct [N, K] of the model's dense layers, named by the first layer that has each."""
+    found: dict[tuple[int, int], str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            short = ".".join(p for p in name.split(".") if not p.isdigit() and p != "model")
+            found.setdefault(tuple(module.weight.shape), short)
+    return found
+
+
+def time_linear(x: torch.Tensor, w: torch.Tensor, gemm: bool, inner: int) -> float:
+    """Seconds per `linear_cpp.linear(x, w)` with the GEMM on (any rows) or off."""
+    limits = linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS
+    linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS = gemm, 1 << 30
+    linear_cpp.BF16_GEMM_MAX_ROWS = 1 << 30
+    try:
+        start = time.perf_counter()
+        for _ in range(inner):
+            linear_cpp.linear(x, w)
+        return (time.perf_counter() - start) / inner
+    finally:
+        linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS = limits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="16,32,64,128,256,512")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--repeats", type=int, default=11)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpp_build.load() is None:
+        sys.exit(f"the C++ kernels do not build here: {cpp_build.load_error()}")
+    if args.model_path is None:
+        from server.model_path import default_model_path
+
+        args.model_path = str(default_model_path(args.preset))
+    shapes = shapes_of(load_model(args.model_path, dtype="float32"))
+    print(f"{args.threads} threads, load {os.getloadavg()[0]:.1f}; GFLOP/s, medians")
+    print(f"{'dtype':>9}{'M':>6}{'N':>6}{'K':>6}  {'layer':<28}{'F.linear':>9}{'gemm':>8}{'x':>6}")
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for dtype in args.dtypes.split(","):
+            for m in (int(r) for r in args.rows.split(",")):
+                for (n, k), name in shapes.items():
+                    x, w = torch.randn(m, k), (torch.randn(n, k) * 0.05).to(getattr(torch, dtype))
+                    torch.testing.assert_close(
+                        linear_cpp.linear(x, w), x @ w.float().T, atol=1e-3, rtol=1e-4
+                    )
+                    inner = max(1, int(2e8 / (2 * m * n * k)))  # a few ms or more per sample
+                    times: dict[str, list[float]] = {"F.linear": [], "gemm": []}
+                    for _ in range(args.repeats):
+                        for variant, gemm in (("F.linear", False), ("gemm", True)):
+                            times[variant].append(time_linear(x, w, gemm, inner))
+                    flop = 2 * m * n * k
+                    flops = {v: flop / statistics.median(t) / 1e9 for v, t in times.items()}
+                    print(
+                        f"{dtype:>9}{m:>6}{n:>6}{k:>6}  {name:<28}{flops['F.linear']:>9.1f}"
+                        f"{flops['gemm']:>8.1f}{flops['gemm'] / flops['F.linear']:>6.2f}",
+                        flush=True,
+                    )
+    print(f"load {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The C++ GEMM (`tiled_linear`, through `kernels.linear_cpp.linear`) and the routed-experts op
+(`kernels.experts_cpp.routed_experts`) against their torch references, on the same inputs.
+
+The kernels are built at first use (`kernels.cpp_build`); on a machine that cannot build them
+these tests skip (the dispatcher then runs the references).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpp_build, linear_cpp
+from kernels.experts import routed_experts as reference_experts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if not cpp_build.available():
+        pytest.skip(f"C++ kernels cannot be built here: {cpp_build.load_error()}")
+
+
+@pytest.fixture(autouse=True)
+def inference_mode():
+    with torch.inference_mode():
+        yield
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_gemm_matches_f_linear(seed, wdtype) -> None:
+    """Random M in 9..256 (the GEMM's rows), K not a multiple of 8, odd N, bias, leading dims."""
+    g = torch.Generator().manual_seed(seed)
+    M = int(torch.randint(linear_cpp.SKINNY_ROWS + 1, 257, (1,), generator=g))
+    K = int(torch.randint(1, 100, (1,), generator=g)) * 8 + int(
+        torch.randint(1, 8, (1,), generator=g)
+    )
+    N = int(torch.randint(1, 80, (1,), generator=g)) * 2 + 1
+    x = torch.randn(M, K, generator=g)
+    w, b = torch.randn(N, K, generator=g).to(wdtype), torch.randn(N, generator=g)
+    want = F.linear(x, w.float(), b)
+    assert M <= linear_cpp.GEMM_MAX_ROWS
+    got = linear_cpp.linear(x, w, b)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(torch.ops.hybrid_serve.tiled_linear(x, w), F.linear(x, w.float()),
+                               atol=1e-4, rtol=1e-5)  # fmt: skip
+    x3 = x[: M // 3 * 3].view(M // 3, 3, K)
+    torch.testing.assert_close(linear_cpp.linear(x3, w), F.linear(x3, w.float()), atol=1e-4,
+                               rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(9, 1, 1), (13, 2, 7), (64, 6, 768), (11, 3, 16)])
+def test_gemm_edge_shapes(M, N, K) -> None:
+    """Tails in every direction: rows not a multiple of 4, columns below a tile, K below 8."""
+    torch.manual_seed(M * N + K)
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    y = torch.ops.hybrid_serve.tiled_linear(x, w)
+    torch.testing.assert_close(y, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_gemm_non_contiguous_inputs() -> None:
+    """The wrapper makes strided inputs contiguous: a column slice of x, a transposed weight."""
+    torch.manual_seed(1)
+    x = torch.randn(40, 2 * 77)[:, ::2]
+    w = torch.randn(77, 33).t()
+    torch.testing.assert_close(linear_cpp.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_gemm_switch_off(monkeypatch) -> None:
+    """GEMM_ON off (HYBRID_SERVE_CPU_GEMM=off) sends the same calls to the torch references."""
+    from kernels import experts_cpp
+
+    torch.manual_seed(2)
+    x, w = torch.randn(20, 30), torch.randn(10, 30)
+    xs, gate_up, down, counts = expert_inputs(3, 16, 8, [5, 0, 4], torch.float32)
+    monkeypatch.setattr(linear_cpp, "GEMM_ON", False)
+    assert torch.equal(linear_cpp.linear(x, w), F.linear(x, w))
+    assert not experts_cpp.takes(xs)
+    want = reference_experts(xs, gate_up, down, counts)
+    assert torch.equal(experts_cpp.routed_experts(xs, gate_up, down, counts), want)
+
+
+def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype):
+    xs = torch.randn(sum(counts), H)
+    gate_up = (torch.randn(E, 2 * I, H) * 0.2).to(wdtype)
+    down = (torch.randn(E, H, I) * 0.2).to(wdtype)
+    return xs, gate_up, down, torch.tensor(counts, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("H", "I", "counts"),
+    [
+        (48, 32, [3, 0, 17, 1, 0, 9, 40, 0]),  # idle experts, 1 to 40 rows
+        (37, 13, [0, 0, 5, 0]),  # one active expert, odd sizes (no 16-byte rows)
+        (64, 24, [0, 0, 0]),  # no rows at all
+        (768, 256, [16, 20, 12, 16, 18, 14, 17, 15]),  # the small preset at batch 64
+    ],
+)
+def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
+    from kernels.experts_cpp import routed_experts
+
+    torch.manual_seed(len(counts) + H)
+    xs, gate_up, down, cnt = expert_inputs(len(counts), H, I, counts, wdtype)
+    got = routed_experts(xs, gate_up, down, cnt)
+    assert got.shape == xs.shape and got.dtype == torch.float32
+    want = reference_experts(xs, gate_up.float(), down.float(), cnt)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_routed_experts_rejects_counts_that_do_not_sum() -> None:
+    xs, gate_up, down, _ = expert_inputs(2, 16, 8, [3, 2], torch.float32)
+    with pytest.raises(RuntimeError, match="sum"):
+        torch.ops.hybrid_serve.routed_experts(xs, gate_up, down, torch.tensor([3, 3]))
