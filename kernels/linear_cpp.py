@@ -18,13 +18,14 @@ Same signature and contract as `kernels.linear.linear`.
   turns this GEMM and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
   paths before them come back (rows beyond the GEMV's take `F.linear`, MKL, bf16 weights
   widened; the experts torch's grouped GEMM or the loop).
-  The limits: in fp32 on 2 threads MKL draws level at about 64-128 rows on the mid-sized
-  matrices and 256-512 on the widest (lm_head, GDN input projection); bf16: about 512-1024, where
-  widening the weight stops costing much. 512 rather than ~128 keeps a row's result independent
-  of how many rows share the call for prefill chunks up to 512: switching kernels changes the
-  round-off, which the tiny preset's random weights amplify to ~1.3e-4 in the logits
-  (tests/models/test_parity.py compares chunked and one-shot prefill at 1e-4); the price is
-  10-25% on those matrices' GEMMs at 128-512 rows (BENCHMARKS.md).
+  The limits: in fp32 the GEMM serves decode batches, up to 64 rows, where it beats MKL (1.1-2.9x
+  on the lm_head and GDN input projection at 16-64 rows, level on the mid-sized matrices at 64;
+  from 128 rows MKL is 10-25% ahead). Beyond that prefill stays on MKL, which is also what
+  transformers' reference uses: a 511-row ragged prefill of the tiny preset (whose random
+  weights amplify round-off) lands 3.0e-5 from transformers' logits on MKL and 1.02e-4 through
+  this GEMM and the fused norms, against the parity tests' 1e-4 (tests/models/test_parity.py).
+  bf16 weights have no such reference; they take the GEMM up to 1024 rows, where widening the
+  whole weight for `F.linear` stops costing much.
 - more rows than that (long prefills): the reference `kernels.linear.linear` (`F.linear`, the
   weight widened to x's dtype, which the large GEMM amortises). oneDNN with packed weights
   (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it builds a new primitive for
@@ -43,7 +44,7 @@ from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
 BF16_SKINNY_ROWS = 64
-GEMM_MAX_ROWS = 512
+GEMM_MAX_ROWS = 64
 BF16_GEMM_MAX_ROWS = 1024
 GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
 GEMM_ON = os.environ.get(GEMM_ENV_VAR, "on").strip().lower() not in ("off", "0", "false")

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import custom_ops, dispatch, experts_cpp, rms_norm_gated
+from kernels import custom_ops, dispatch, experts_cpp, linear_cpp, rms_norm_gated
 from kernels.attn_step import apply_rope
 from kernels.experts import grouped_mm_fits
+from kernels.experts import routed_experts as experts_reference
 
 
 class Linear(nn.Linear):
@@ -98,9 +99,10 @@ class Experts(nn.Module):
     `forward` sorts the (token, expert) pairs by expert once, gathers the token rows in that
     order, runs the experts on contiguous slices of it and scatters the weighted results back
     with one `index_add_`: no Python work per token. On CPU all experts run in one call
-    (`kernels.routed_experts`): where the C++ kernels run (fp32 rows, fp32 or bf16 weights) at
-    every token count, since one C++ call for all experts beats the per-expert loop from one
-    token on; else `torch._grouped_mm` from `GROUPED_MIN_TOKENS` tokens where it takes the
+    (`kernels.routed_experts`): where the C++ kernels run (fp32 rows, fp32 or bf16 weights) up
+    to `kernels.linear_cpp.GEMM_MAX_ROWS` tokens, since one C++ call for all experts beats the
+    per-expert loop from one token on (prefill batches beyond keep MKL's grouped GEMM where it
+    takes the operands, as the linear layers keep `F.linear`); else `torch._grouped_mm` from `GROUPED_MIN_TOKENS` tokens where it takes the
     operands. Otherwise (CUDA, fewer tokens, bf16 weights without the C++ op) one
     `kernels.linear` per active expert.
     Measured: `benchmarks/moe_experts.py`, BENCHMARKS.md."""
@@ -149,7 +151,7 @@ class Experts(nn.Module):
         token_of = order // topk_ids.shape[1]
         xs = x[token_of]  # the rows of each expert, contiguous, in expert order
         if self.use_grouped(x):
-            ys = self.grouped_experts(xs, counts)
+            ys = self.grouped_experts(xs, counts, x.shape[0])
         else:
             ys = self.looped_experts(xs, counts.tolist())
         ys = ys * topk_w.flatten()[order, None]
@@ -167,10 +169,15 @@ class Experts(nn.Module):
             start += n
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
-    def grouped_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def grouped_experts(self, xs: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor:
         """The same as `looped_experts`, all experts in one dispatched call (counts stay a
-        tensor: no host sync on the reference's grouped-GEMM path)."""
-        return kernels.routed_experts(xs, self.gate_up_proj, self.down_proj, counts)
+        tensor: no host sync on the reference's grouped-GEMM path). Batches of more tokens than
+        the C++ GEMM takes (prefill) stay on torch's grouped GEMM, MKL, like the linear layers
+        (`kernels.linear_cpp.GEMM_MAX_ROWS`), where it takes the operands."""
+        args = (xs, self.gate_up_proj, self.down_proj, counts)
+        if tokens > linear_cpp.GEMM_MAX_ROWS and grouped_mm_fits(*args[:3]):
+            return experts_reference(*args)
+        return kernels.routed_experts(*args)
 
     def forward_static(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor

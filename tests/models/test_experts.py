@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build, dispatch, experts_cpp
+from kernels import cpp_build, dispatch, experts_cpp, linear_cpp
 from kernels.experts import routed_experts
 from models.layers import Experts
 
@@ -31,6 +31,7 @@ def per_token_reference(moe: Experts, x, ids, w) -> torch.Tensor:
         (8, 48, 32, 2, 8),
         (4, 40, 12, 3, 33),
         (6, 16, 6, 1, 20),  # rows of 24 bytes: the loop at any size
+        (4, 40, 12, 2, 70),  # a prefill-sized batch: torch's grouped GEMM, as transformers
     ],
 )
 def test_both_paths_match_the_per_token_sum(experts, hidden, inter, top_k, tokens) -> None:
@@ -53,10 +54,12 @@ def test_both_paths_match_the_per_token_sum(experts, hidden, inter, top_k, token
         xs = x[flat.argsort(stable=True) // top_k]
         counts = torch.bincount(flat, minlength=experts)
         looped = moe.looped_experts(xs, counts.tolist())
-        grouped = moe.grouped_experts(xs, counts)
+        grouped = moe.grouped_experts(xs, counts, tokens)
         torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=1e-5)
         reference = routed_experts(xs, moe.gate_up_proj, moe.down_proj, counts)  # grouped_mm
         torch.testing.assert_close(reference, looped, atol=1e-5, rtol=1e-5)
+        if tokens > linear_cpp.GEMM_MAX_ROWS and aligned:  # prefill: MKL's round-off exactly
+            assert torch.equal(grouped, reference)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -73,6 +76,6 @@ def test_bf16_weights_under_fp32_rows() -> None:
         flat = ids.flatten()
         xs = x[flat.argsort(stable=True) // 2]
         counts = torch.bincount(flat, minlength=4)
-        grouped = moe.grouped_experts(xs, counts)
+        grouped = moe.grouped_experts(xs, counts, 12)
         torch.testing.assert_close(grouped, moe.looped_experts(xs, counts.tolist()))
     torch.testing.assert_close(got, per_token_reference(moe, x, ids, w), atol=1e-4, rtol=1e-4)
