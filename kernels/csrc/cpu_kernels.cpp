@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "delta_rule.h"
 #include "gemv.h"
 #include "pool_slots.h"
 
@@ -72,27 +73,8 @@ at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k,
         load_qk(kp + qk_off, ks.data(), K, l2norm, 1.f);
         const float decay = std::exp(gp[vh]), bt = bp[vh];
         const float* vt = vp + vh * V;
-        // pass 1: decay the state, predicted = S^T k
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t i = 0; i < K; ++i) {
-          float* row = state + i * V;
-          const float ki = ks[i];
-          for (int64_t j = 0; j < V; ++j) {
-            row[j] *= decay;
-            acc[j] += ki * row[j];
-          }
-        }
-        for (int64_t j = 0; j < V; ++j) delta[j] = (vt[j] - acc[j]) * bt;
-        // pass 2 (state still in cache): S += k delta^T, o = S^T q
-        float* o = op + vh * V;
-        for (int64_t i = 0; i < K; ++i) {
-          float* row = state + i * V;
-          const float ki = ks[i], qi = qs[i];
-          for (int64_t j = 0; j < V; ++j) {
-            row[j] += ki * delta[j];
-            o[j] += qi * row[j];
-          }
-        }
+        hs::delta_rule_token(state, ks.data(), qs.data(), vt, decay, bt, K, V, acc.data(),
+                             delta.data(), op + vh * V);
       }
     }
   });

@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "delta_rule.h"
 #include "pool_slots.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -204,27 +205,9 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
       const float g = -std::exp(alp[hv]) * softplus(bap[b * 2 * HV + HV + hv] + dtp[hv]);
       const float decay = std::exp(g);
       float* state = ssp + (slots[b] * HV + hv) * dk * dv;
-      // pass 1: decay the state, predicted = S^T k
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < dk; ++i) {
-        float* srow = state + i * dv;
-        const float ki = ks[i];
-        for (int64_t j = 0; j < dv; ++j) {
-          srow[j] *= decay;
-          acc[j] += ki * srow[j];
-        }
-      }
-      for (int64_t j = 0; j < dv; ++j) delta[j] = (vr[j] - acc[j]) * bt;
-      // pass 2 (state still in cache): S += k delta^T, o = S^T q
       std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t i = 0; i < dk; ++i) {
-        float* srow = state + i * dv;
-        const float ki = ks[i], qi = qs[i];
-        for (int64_t j = 0; j < dv; ++j) {
-          srow[j] += ki * delta[j];
-          o[j] += qi * srow[j];
-        }
-      }
+      hs::delta_rule_token(state, ks.data(), qs.data(), vr, decay, bt, dk, dv, acc.data(),
+                           delta.data(), o.data());
       // gated RMSNorm with z
       const float r = 1.f / std::sqrt(sum_squares(o.data(), dv) / static_cast<float>(dv) + e);
       const float* z = xp + b * row + conv_dim + hv * dv;

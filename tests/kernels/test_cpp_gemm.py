@@ -11,14 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build, linear_cpp
+from kernels import linear_cpp
 from kernels.experts import routed_experts as reference_experts
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    if not cpp_build.available():
-        pytest.skip(f"C++ kernels cannot be built here: {cpp_build.load_error()}")
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
 @pytest.fixture(autouse=True)

@@ -10,14 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import causal_conv1d, cpp_build, gated_delta_rule
+from kernels import causal_conv1d, gated_delta_rule
 from kernels.causal_conv1d import PAD_SLOT_ID
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    if not cpp_build.available():
-        pytest.skip(f"C++ kernels cannot be built here: {cpp_build.load_error()}")
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
 @pytest.fixture(autouse=True)

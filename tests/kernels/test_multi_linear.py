@@ -7,13 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpp_build, multi_linear, multi_linear_cpp
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    if not cpp_build.available():
-        pytest.skip(f"C++ kernels cannot be built here: {cpp_build.load_error()}")
+from kernels import multi_linear, multi_linear_cpp
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
 @pytest.mark.parametrize(
