@@ -102,9 +102,9 @@ class Experts(nn.Module):
     (`kernels.routed_experts`): where the C++ kernels run (fp32 rows, fp32 or bf16 weights) up
     to `kernels.linear_cpp.GEMM_MAX_ROWS` tokens, since one C++ call for all experts beats the
     per-expert loop from one token on (prefill batches beyond keep MKL's grouped GEMM where it
-    takes the operands, as the linear layers keep `F.linear`); else `torch._grouped_mm` from `GROUPED_MIN_TOKENS` tokens where it takes the
-    operands. Otherwise (CUDA, fewer tokens, bf16 weights without the C++ op) one
-    `kernels.linear` per active expert.
+    takes the operands, as the linear layers keep `F.linear`); else `torch._grouped_mm` from
+    `GROUPED_MIN_TOKENS` tokens where it takes the operands. Otherwise (CUDA, fewer tokens, bf16
+    weights without the C++ op) one `kernels.linear` per active expert.
     Measured: `benchmarks/moe_experts.py`, BENCHMARKS.md."""
 
     GROUPED_MIN_TOKENS = 32  # torch._grouped_mm against the loop of F.linear (torch kernels)

@@ -12,26 +12,15 @@
 #include <limits>
 #include <vector>
 
-namespace {
+#include "lanes.h"
 
-// sum_i a[i] b[i], in 8 lanes (vectorised by the compiler).
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) lanes[l] += a[i + l] * b[i + l];
-  }
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int l = 0; l < 8; ++l) s += lanes[l];
-  return s;
-}
+namespace {
 
 // dst = rope(x / rms(x) * (1 + w)) for one head of D channels; the first `rot` rotate in
 // pairs (j, j + rot/2) by cos/sin [rot].
 inline void norm_rope(const float* x, const float* w, const float* cos, const float* sin,
                       float* dst, int64_t D, int64_t rot, float eps) {
-  const float ss = dot(x, x, D);
+  const float ss = hs::dot8(x, x, D);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
   for (int64_t i = 0; i < D; ++i) dst[i] = (x[i] * inv) * (1.f + w[i]);
   const int64_t half = rot / 2;
@@ -124,7 +113,7 @@ at::Tensor attn_decode(const at::Tensor& qg, const at::Tensor& k, const at::Tens
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t l = 0; l < L; ++l) {
         const float* kr = kb + (loc_of(t, l) * nKV + j) * D;
-        scores[l] = dot(q.data(), kr, D) * sc;
+        scores[l] = hs::dot8(q.data(), kr, D) * sc;
         mx = std::max(mx, scores[l]);
       }
       float sum = 0.f;

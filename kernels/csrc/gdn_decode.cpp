@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "delta_rule.h"
+#include "lanes.h"
 #include "pool_slots.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -122,17 +123,6 @@ inline void conv_row(const float* x, float* window, const float* wt, float* y, i
   silu_inplace(y, D);
 }
 
-inline float sum_squares(const float* x, int64_t n) {
-  float lanes[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) lanes[l] += x[i + l] * x[i + l];
-  }
-  float ss = 0.f;
-  for (; i < n; ++i) ss += x[i] * x[i];
-  for (int l = 0; l < 8; ++l) ss += lanes[l];
-  return ss;
-}
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
@@ -195,8 +185,8 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
       const float* qr = a_row + hk * dk;
       const float* kr = a_row + key_dim + hk * dk;
       const float* vr = a_row + 2 * key_dim + hv * dv;
-      const float qm = scale / std::sqrt(sum_squares(qr, dk) + 1e-6f);
-      const float km = 1.f / std::sqrt(sum_squares(kr, dk) + 1e-6f);
+      const float qm = scale / std::sqrt(hs::dot8(qr, qr, dk) + 1e-6f);
+      const float km = 1.f / std::sqrt(hs::dot8(kr, kr, dk) + 1e-6f);
       for (int64_t i = 0; i < dk; ++i) {
         qs[i] = qr[i] * qm;
         ks[i] = kr[i] * km;
@@ -209,7 +199,8 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
       hs::delta_rule_token(state, ks.data(), qs.data(), vr, decay, bt, dk, dv, acc.data(),
                            delta.data(), o.data());
       // gated RMSNorm with z
-      const float r = 1.f / std::sqrt(sum_squares(o.data(), dv) / static_cast<float>(dv) + e);
+      const float ss = hs::dot8(o.data(), o.data(), dv);
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(dv) + e);
       const float* z = xp + b * row + conv_dim + hv * dv;
       float* y = op + b * value_dim + hv * dv;
       for (int64_t j = 0; j < dv; ++j) y[j] = z[j];

@@ -10,10 +10,12 @@
 #include <cstdint>
 #include <tuple>
 
+#include "lanes.h"
+
 namespace {
 
 // One row: r = x + res (r, res null: r is x); y = r / rms(r) * (1 + w). Squares summed in 8
-// lanes (vectorised by the compiler).
+// lanes (`hs::dot8`).
 inline void add_rmsnorm_row(const float* x, const float* res, const float* w, float* y,
                             float* r, int64_t D, float eps) {
   const float* src = x;
@@ -21,16 +23,9 @@ inline void add_rmsnorm_row(const float* x, const float* res, const float* w, fl
     for (int64_t i = 0; i < D; ++i) r[i] = x[i] + res[i];
     src = r;
   }
-  float lanes[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= D; i += 8) {
-    for (int l = 0; l < 8; ++l) lanes[l] += src[i + l] * src[i + l];
-  }
-  float ss = 0.f;
-  for (; i < D; ++i) ss += src[i] * src[i];
-  for (int l = 0; l < 8; ++l) ss += lanes[l];
+  const float ss = hs::dot8(src, src, D);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-  for (i = 0; i < D; ++i) y[i] = (src[i] * inv) * (1.f + w[i]);
+  for (int64_t i = 0; i < D; ++i) y[i] = (src[i] * inv) * (1.f + w[i]);
 }
 
 void check(const at::Tensor& x, const at::Tensor& weight) {
