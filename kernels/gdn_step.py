@@ -20,6 +20,14 @@ import torch
 import torch.nn.functional as F
 
 
+def gates(
+    b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """b, a [T, HV] -> (g, beta) [T, HV]: g = -exp(A_log) softplus(a + dt_bias) in fp32,
+    beta = sigmoid(b). The one definition for prefill (the model) and this decode reference."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def gdn_decode(
     qkvz: torch.Tensor,  # [T, 2 key_dim + 2 value_dim]: [q | k | v | z]
     ba: torch.Tensor,  # [T, 2 HV]: [b | a]
@@ -48,8 +56,7 @@ def gdn_decode(
     q = q.reshape(T, 1, num_k_heads, dk)
     k = k.reshape(T, 1, num_k_heads, dk)
     v = v.reshape(T, 1, HV, dv)
-    beta = b.sigmoid().unsqueeze(1)  # [T, 1, HV]
-    g = (-A_log.float().exp() * F.softplus(a.float() + dt_bias)).unsqueeze(1)
+    g, beta = (t.unsqueeze(1) for t in gates(b, a, A_log, dt_bias))  # [T, 1, HV]
     core = custom_ops.decode_recurrent_update(q, k, v, g, beta, ssm_pool, layer, slots)
     core = kernels.rms_norm_gated(core.reshape(T * HV, dv), z.reshape(T * HV, dv), norm_weight, eps)
     return core.reshape(T, value_dim)

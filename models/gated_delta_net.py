@@ -17,11 +17,11 @@ state of the chunked kernel.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
 from kernels import causal_conv1d_fn, chunk_gated_delta_rule
+from kernels.gdn_step import gates
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import Linear, RMSNormGated
@@ -103,8 +103,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(1, T, self.num_k_heads, self.head_k_dim)  # [1, T, H, dk]
         k = k.reshape(1, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(1, T, self.num_v_heads, self.head_v_dim)  # [1, T, HV, dv]
-        beta = b.sigmoid().unsqueeze(0)  # [1, T, HV]
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).unsqueeze(0)
+        g, beta = (t.unsqueeze(0) for t in gates(b, a, self.A_log, self.dt_bias))  # [1, T, HV]
 
         track = {}
         if batch.tracks_states:
