@@ -1,9 +1,10 @@
 """Benchmarks (run as modules: python -m benchmarks.<name>).
 
-They measure the server as it runs: OpenMP's spin count gets the server's default before any
-benchmark imports torch (`scheduler.omp_spin`), for our side and the transformers baseline alike.
+They measure the server as it runs: OpenMP's spin count and torch's huge-page allocation get the
+server's defaults before any benchmark imports torch (`scheduler.cpu_env`), for our side and the
+transformers baseline alike.
 """
 
-from scheduler.omp_spin import apply_default_spin
+from scheduler.cpu_env import apply_cpu_defaults
 
-apply_default_spin()
+apply_cpu_defaults()

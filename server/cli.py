@@ -18,7 +18,7 @@ import logging
 import sys
 import time
 
-from scheduler.omp_spin import apply_default_spin
+from scheduler.cpu_env import apply_cpu_defaults
 from server.model_path import checkpoint_dir
 
 logger = logging.getLogger("hybrid-serve")
@@ -128,7 +128,7 @@ SUBCOMMANDS = ("make-model", "generate")
 
 
 def main(argv: list[str] | None = None) -> None:
-    apply_default_spin()  # before anything loads torch (and its OpenMP)
+    apply_cpu_defaults()  # before anything loads torch (its OpenMP and allocator)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
