@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -101,14 +103,63 @@ void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, in
   }
 }
 
-// y [M, N] = x [M, K] w [N, K]^T, all contiguous; parallel over weight rows (nested inside
-// another at::parallel_for it runs on the calling thread).
+// One product y [M, N] = x [M, K] w [N, K]^T of a batch run in one parallel region; w holds
+// fp32 or bf16 (`bf16`), all contiguous.
+struct GemvJob {
+  const float* x;
+  const void* w;
+  bool bf16;
+  float* y;
+  int64_t M, N, K;
+};
+
+// Every job's weight rows in blocks of about 16 KB, all blocks split between the threads in one
+// parallel region: a layer's several small matrices cost one fork/join, and each thread streams
+// one long run of memory. Each output element is computed exactly as by a job alone (the same
+// `gemv_rows`), whatever the batch of jobs. Nested inside another at::parallel_for it runs on the
+// calling thread.
+inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
+  struct Block {
+    int64_t job, n0, n1;
+  };
+  std::vector<Block> blocks;
+  for (int64_t j = 0; j < n_jobs; ++j) {
+    const GemvJob& g = jobs[j];
+    if (g.M == 0) continue;
+    const int64_t row_bytes = std::max<int64_t>(1, g.K * (g.bf16 ? 2 : 4));
+    const int64_t nb = std::max<int64_t>(1, (1 << 14) / row_bytes);
+    for (int64_t n = 0; n < g.N; n += nb) blocks.push_back({j, n, std::min(g.N, n + nb)});
+  }
+  // grain: about 64 KB of weights per task, so small matrices stay on one thread
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const GemvJob& g = jobs[blocks[b].job];
+      if (g.bf16) {
+        skinny_range(g.M, g.x, static_cast<const at::BFloat16*>(g.w), g.y, g.N, g.K, blocks[b].n0,
+                     blocks[b].n1);
+      } else {
+        skinny_range(g.M, g.x, static_cast<const float*>(g.w), g.y, g.N, g.K, blocks[b].n0,
+                     blocks[b].n1);
+      }
+    }
+  });
+}
+
+// y [M, N] = x [M, K] w [N, K]^T, all contiguous (one job of the above).
 template <typename W>
 void skinny_linear_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
-  if (M == 0) return;
-  // grain: about 64 KB of weights per task, so small matrices stay on one thread
-  const int64_t grain = std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(1, K * int64_t(sizeof(W))));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { skinny_range(M, x, w, y, N, K, n0, n1); });
+  const GemvJob job{x, w, std::is_same_v<W, at::BFloat16>, y, M, N, K};
+  skinny_linear_jobs(&job, 1);
+}
+
+// The job of `w` (a 2-D contiguous fp32 or bf16 tensor, or `rows` rows of it from `row0`).
+inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M, int64_t row0 = 0,
+                      int64_t rows = -1) {
+  const int64_t K = w.size(-1);
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || w.scalar_type() == at::kFloat, "GEMV weights: fp32 or bf16");
+  const char* base = static_cast<const char*>(w.data_ptr()) + row0 * K * (bf16 ? 2 : 4);
+  return {x, base, bf16, y, M, rows < 0 ? w.numel() / K - row0 : rows, K};
 }
 
 }  // namespace hs

@@ -1,7 +1,8 @@
 // The sparse MoE block of a small decode batch in one op: router, top-k routing, the active
 // experts, the sigmoid-gated shared expert and the combine. Reference and contract:
-// kernels/moe_step.py. Every matrix product is the weight-streaming GEMV
-// (hs::skinny_linear_into), fp32 or bf16 weights, fp32 activations and accumulation.
+// kernels/moe_step.py. Every matrix product is the weight-streaming GEMV (hs::gemv.h), fp32 or
+// bf16 weights, fp32 activations and accumulation; the experts' products run in two parallel
+// regions (input projections, then down projections).
 //
 // Bit for bit the reference (and so the unfused model at any batch size, whose expert loop is
 // the same GEMV): the element-wise functions (softmax, silu, sigmoid) are torch's own kernels
@@ -24,12 +25,8 @@ namespace {
 // y [M, N] = x [M, K] w [N, K]^T for a weight of either dtype (w may be a slice of a stack).
 void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
                  int64_t M) {
-  const int64_t K = w.size(-1);
-  if (w.scalar_type() == at::kFloat) {
-    hs::skinny_linear_into(x, w.data_ptr<float>() + offset_rows * K, y, M, N, K);
-  } else {
-    hs::skinny_linear_into(x, w.data_ptr<at::BFloat16>() + offset_rows * K, y, M, N, K);
-  }
+  const hs::GemvJob job = hs::job_of(x, w, y, M, offset_rows, N);
+  hs::skinny_linear_jobs(&job, 1);
 }
 
 // silu(gate) * up for rows [n, 2I] = [gate | up] in `buf` (torch's kernels, as the reference
@@ -109,21 +106,35 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   start[E] = N;
   std::vector<float> xs(N * H), gu(N * 2 * I), ys(N * H);
   for (int64_t r = 0; r < N; ++r) std::copy_n(xp + row_tok[r] * H, H, xs.data() + r * H);
+  // the products in two parallel regions: every expert's and the shared expert's input
+  // projections, then (after the activations) every down projection
+  auto sg = at::empty({T, 1}, x.options());
+  auto sgate = at::empty({T, Is}, x.options()), sup = at::empty({T, Is}, x.options());
+  std::vector<float> sy(T * H);
+  std::vector<hs::GemvJob> jobs;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = start[e + 1] - start[e];
     if (n > 0) {
-      linear_into(xs.data() + start[e] * H, experts_gate_up, e * 2 * I, 2 * I,
-                  gu.data() + start[e] * 2 * I, n);
+      jobs.push_back(hs::job_of(xs.data() + start[e] * H, experts_gate_up,
+                                gu.data() + start[e] * 2 * I, n, e * 2 * I, 2 * I));
     }
   }
+  jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T));
+  jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data_ptr<float>(), T));
+  jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data_ptr<float>(), T));
+  hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   const at::Tensor act = swiglu(gu.data(), N, I, x.options());  // every row: one call
+  const at::Tensor sact = at::silu(sgate).mul_(sup);
+  jobs.clear();
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = start[e + 1] - start[e];
     if (n > 0) {
-      linear_into(act.data_ptr<float>() + start[e] * I, experts_down, e * H, H,
-                  ys.data() + start[e] * H, n);
+      jobs.push_back(hs::job_of(act.data_ptr<float>() + start[e] * I, experts_down,
+                                ys.data() + start[e] * H, n, e * H, H));
     }
   }
+  jobs.push_back(hs::job_of(sact.data_ptr<float>(), shared_down, sy.data(), T));
+  hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
     float* o = op + row_tok[r] * H;
     const float* y = ys.data() + r * H;
@@ -134,15 +145,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
     }
   }
 
-  // shared expert and its sigmoid gate
-  auto sg = at::empty({T, 1}, x.options());
-  auto sgate = at::empty({T, Is}, x.options()), sup = at::empty({T, Is}, x.options());
-  std::vector<float> sy(T * H);
-  linear_into(xp, shared_gate_w, 0, 1, sg.data_ptr<float>(), T);
-  linear_into(xp, shared_gate_proj, 0, Is, sgate.data_ptr<float>(), T);
-  linear_into(xp, shared_up_proj, 0, Is, sup.data_ptr<float>(), T);
-  const at::Tensor sact = at::silu(sgate).mul_(sup);
-  linear_into(sact.data_ptr<float>(), shared_down, 0, H, sy.data(), T);
+  // the shared expert, weighted by its sigmoid gate
   const at::Tensor gates = at::sigmoid(sg);
   const float* gp = gates.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {

@@ -1,5 +1,6 @@
 // Several projections of one input in one op: y_i = x w_i^T, the weight-streaming GEMV
-// (hs::skinny_linear_into) per weight, fp32 activations, fp32 or bf16 weights. Reference and
+// (hs::skinny_linear_jobs: all weights in one parallel region), fp32 activations, fp32 or bf16
+// weights. Reference and
 // contract: kernels/multi_linear.py.
 
 #include <ATen/ATen.h>
@@ -17,22 +18,16 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
               "skinny_linear_multi: x [M, K] contiguous fp32 expected");
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<at::Tensor> out;
+  std::vector<hs::GemvJob> jobs;
   out.reserve(weights.size());
+  jobs.reserve(weights.size());
   for (const at::Tensor& w : weights) {
     TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == K,
                 "skinny_linear_multi: contiguous [N, K] weights expected");
-    const int64_t N = w.size(0);
-    auto y = at::empty({M, N}, x.options());
-    if (w.scalar_type() == at::kFloat) {
-      hs::skinny_linear_into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N,
-                             K);
-    } else {
-      TORCH_CHECK(w.scalar_type() == at::kBFloat16, "skinny_linear_multi: fp32 or bf16 weights");
-      hs::skinny_linear_into(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
-                             M, N, K);
-    }
-    out.push_back(y);
+    out.push_back(at::empty({M, w.size(0)}, x.options()));
+    jobs.push_back(hs::job_of(x.data_ptr<float>(), w, out.back().data_ptr<float>(), M));
   }
+  hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));  // one region
   return out;
 }
 
