@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attn_step, cpp_build
+from kernels import attn_step, cpp_build, custom_ops
 
 
 def attn_decode(
@@ -38,9 +38,9 @@ def attn_decode(
         qg, k, v, q_norm_w, k_norm_w, cos, sin, k_all, v_all, layer, out_loc, req_to_token,
         req_slots, seq_lens, num_heads, scale, eps, max_seq_len,
     )  # fmt: skip
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
         return attn_step.attn_decode(*args)
-    ops = cpp_build.load()
+    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
     if (
         ops is None
         or not all(t.dtype == torch.float32 for t in (qg, k, v, q_norm_w, k_norm_w, cos, sin))

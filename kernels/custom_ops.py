@@ -6,9 +6,10 @@ decode attention whose key length is read on the host, and writing into views of
 (`pool[layer][slots] = ...`) makes inductor copy whole pools every step. So:
 
 - the C++ kernels' own ops (`torch.ops.hybrid_serve.*`) get fake (meta) implementations
-  (`enable_cpp_in_graphs`) and graphs call them directly: the GEMV, and the GDN recurrent and
-  conv updates, which write the pool in place through a view of the layer (inductor passes the
-  view; no pool copy, checked in its generated code);
+  (`enable_cpp_in_graphs`, which `scheduler.cpu_compile` calls) and graphs call them directly:
+  the GEMVs, the fused decode ops (MoE block, attention glue with its KV write, the GDN decode)
+  and the GDN recurrent and conv updates; the in-place ones write the pool through a view of
+  the layer (inductor passes the view; no pool copy, checked in its generated code);
 - everything else here is a torch.library custom op with a fake implementation that takes a
   WHOLE pool tensor plus a layer index and mutates it in place (`mutates_args`, re-inplaced on
   graph inputs): KV store, decode attention, the routed experts, and the GDN updates when the
@@ -202,6 +203,9 @@ def enable_cpp_in_graphs() -> bool:
             torch.library.register_fake("hybrid_serve::gdr_recurrent_pool")(_gdr_fake)
             torch.library.register_fake("hybrid_serve::conv1d_update_pool")(_conv_fake)
             torch.library.register_fake("hybrid_serve::gdn_decode")(_gdn_decode_fake)
+            torch.library.register_fake("hybrid_serve::skinny_linear_multi")(_multi_fake)
+            torch.library.register_fake("hybrid_serve::moe_decode")(_moe_decode_fake)
+            torch.library.register_fake("hybrid_serve::attn_decode")(_attn_decode_fake)
         _in_graph["cpp"] = ok
     return _in_graph["cpp"]
 
@@ -209,6 +213,19 @@ def enable_cpp_in_graphs() -> bool:
 def cpp_in_graphs() -> bool:
     """Whether `enable_cpp_in_graphs` ran and graphs call the C++ kernels' ops."""
     return bool(_in_graph.get("cpp"))
+
+
+def fused_in_graphs() -> bool:
+    """Whether graphs call the fused decode ops (MoE block, attention glue) as the eager step
+    does: the C++ kernels are in graphs and the fusions are on (`HYBRID_SERVE_FUSIONS`). Their
+    references follow the routing or read lengths on the host, which graphs cannot."""
+    return cpp_in_graphs() and dispatch.fusions_enabled()
+
+
+def fused_decode_here() -> bool:
+    """Whether the model calls its fused decode ops now: eagerly always (each op then picks
+    C++ or its reference), while torch.compile traces only when `fused_in_graphs`."""
+    return not torch.compiler.is_compiling() or fused_in_graphs()
 
 
 def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -221,6 +238,19 @@ def _gdr_fake(q, k, v, g, beta, pool, indices, scale, l2norm):
 
 def _conv_fake(x, conv_state, weight, indices, silu):
     return x.new_empty(x.shape)
+
+
+def _multi_fake(x, weights):
+    return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+
+
+def _moe_decode_fake(x, *_):
+    return torch.empty_like(x)
+
+
+def _attn_decode_fake(qg, k, v, q_norm_w, k_norm_w, cos, sin, k_buf, v_buf, *rest):
+    num_heads = rest[-3]
+    return qg.new_empty(qg.shape[0], num_heads * q_norm_w.shape[0])
 
 
 def _gdn_decode_fake(qkvz, ba, conv_state, conv_weight, ssm_state, A_log, dt_bias, norm_w, *_):

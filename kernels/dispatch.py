@@ -49,6 +49,7 @@ _mode: list[str] = []  # the mode read from ENV_VAR, once
 _fusions: list[bool] = []  # FUSIONS_ENV, once
 _choices: dict[tuple[str, str], Callable] = {}  # (op name, device type) -> implementation
 TRACED: dict[str, Callable] = {}  # what torch.compile traces instead (see `dispatching`)
+_choosers: dict[str, Callable[[torch.Tensor], Callable]] = {}  # op name -> its `choose`
 
 
 def reset() -> None:
@@ -57,6 +58,15 @@ def reset() -> None:
     _mode.clear()
     _choices.clear()
     _fusions.clear()
+
+
+def prime(device: torch.device | str) -> None:
+    """Make every op's choice for `device` now (importing its kernel modules, building the C++
+    kernels): torch.compile cannot trace the choosing, so a graph compiles after this."""
+    x = torch.empty(0, device=device)
+    for key, choose in _choosers.items():
+        if (key, x.device.type) not in _choices:
+            _choices[(key, x.device.type)] = choose(x)
 
 
 def kernel_mode() -> str:
@@ -180,6 +190,8 @@ def dispatching(
         if cpp_module is not None and use_cpp(x):
             return getattr(importlib.import_module(f"kernels.{cpp_module}"), name)
         return reference
+
+    _choosers[key] = choose
 
     @functools.wraps(reference)
     def run(*args, **kwargs):

@@ -5,15 +5,16 @@ Same signature and contract as `kernels.moe_step.moe_decode`. One call replaces 
 so ties pick the same experts), the active experts on the rows routed to each (the weight-
 streaming GEMV on slices of the stacked weights, fp32 or bf16), the shared expert and its gate,
 and the combine. It covers fp32 activations with fp32 or bf16 matrices, at most `MAX_TOKENS`
-rows (beyond, the experts' grouped paths win); anything else, and tracing by torch.compile,
-runs the reference.
+rows (beyond, the experts' grouped paths win); anything else runs the reference. While
+torch.compile traces, graphs call the op itself once `kernels.custom_ops.enable_cpp_in_graphs`
+gave it a fake implementation.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build, moe_step
+from kernels import cpp_build, custom_ops, moe_step
 
 MAX_TOKENS = 8  # the skinny GEMV's row block; the per-expert loop wins up to here
 
@@ -34,9 +35,9 @@ def moe_decode(
         router_w, experts_gate_up, experts_down, shared_gate_w, shared_gate_proj,
         shared_up_proj, shared_down,
     )  # fmt: skip
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
         return moe_step.moe_decode(x, *weights, top_k, norm_topk_prob)
-    ops = cpp_build.load()
+    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
     if (
         ops is None
         or x.dtype != torch.float32

@@ -2,24 +2,25 @@
 
 Same signature and contract as `kernels.multi_linear.linear_multi`. Where `kernels.linear_cpp`
 would run its weight-streaming GEMV for every weight (fp32 activations, fp32 or bf16 weights,
-rows within its limits, the same for all), one C++ call streams them all; otherwise, and while
-torch.compile traces, the reference (one `kernels.linear` per weight).
+rows within its limits, the same for all), one C++ call streams them all (in compiled graphs
+too, once `kernels.custom_ops.enable_cpp_in_graphs` ran); otherwise the reference (one
+`kernels.linear` per weight).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build, multi_linear
+from kernels import cpp_build, custom_ops, multi_linear
 from kernels.linear_cpp import BF16_SKINNY_ROWS, SKINNY_ROWS
 
 
 def linear_multi(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
 ) -> list[torch.Tensor]:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
         return multi_linear.linear_multi(x, weights, biases)
-    ops = cpp_build.load()
+    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     fits = (

@@ -220,7 +220,7 @@ class SparseMoE(nn.Module):
         if (
             x.shape[0] <= self.FUSED_MAX_TOKENS
             and not x.is_cuda
-            and not torch.compiler.is_compiling()  # graphs keep the opaque experts op
+            and custom_ops.fused_decode_here()  # else graphs keep the opaque experts op
         ):
             shared = self.shared_expert
             return kernels.moe_decode(

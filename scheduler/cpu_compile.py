@@ -2,16 +2,19 @@
 CPU where CUDA captures graphs.
 
 Off by default (`SchedulerConfig.cpu_compile`): on the shared 2-core machine it measured no
-faster than the eager step with the C++ kernels, and a cold compile took minutes per graph.
+faster than the eager step with the C++ kernels (also once graphs called the fused decode ops:
+BENCHMARKS.md, issue 10), and a cold compile took minutes per graph.
 
 `CompiledDecode` compiles `Qwen3NextForCausalLM.logits` for decode batches, either with a
 dynamic batch dimension (`--cpu-compile dynamic`: a graph for batch 1, which dynamo always
 specialises, and one with a symbolic batch size from 2 up, compiled at 2 and again at 9 in case
 the C++ GEMV's 8-row limit splits it; no padding) or once per padded size (`--cpu-compile
-per_size`, over static buffers like the CUDA graphs). The C++ kernels (in-place pool updates,
-GEMV) are called as their own ops, and the MoE expert loop and decode attention as custom ops
-(`kernels.custom_ops`): inductor fuses the norms, rotary, routing and gating code around them
-and removes the per-op dispatch cost.
+per_size`, over static buffers like the CUDA graphs). Graphs call the C++ kernels' own ops
+where the eager step would (`kernels.custom_ops.enable_cpp_in_graphs`): the GEMVs and the fused
+decode ops (MoE block, attention glue, GDN decode, in place on the pools); without the C++
+kernels, the MoE expert loop and decode attention are custom ops (`kernels.custom_ops`), and
+inductor fuses the norms, rotary, routing and gating code around them. The kernel dispatcher
+makes its choices before tracing (`kernels.dispatch.prime`): tracing cannot.
 
 Compiling is slow (minutes per graph here, cold), so `DecodeGraphRunner` does
 it at start-up for the sizes it will use, logging each, and the artefacts go to inductor's
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import custom_ops
+from kernels import custom_ops, dispatch
 from kernels.linear_cpp import SKINNY_ROWS
 from models.forward_batch import ForwardBatch
 from models.qwen3_next import Qwen3NextForCausalLM
@@ -78,6 +81,8 @@ class CompiledDecode:
         self.stance = "eager_on_recompile"
         use_cache_dir()
         custom_ops.number_experts(model)
+        custom_ops.enable_cpp_in_graphs()  # graphs call the C++ kernels' ops where eager would
+        self._device = next(model.parameters()).device
         if mode == "per_size":  # one graph per size, all on the same code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._fn: Callable[[ForwardBatch], torch.Tensor] = torch.compile(
@@ -100,6 +105,7 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(t, 0)
         start = time.perf_counter()
         with torch.inference_mode():
+            dispatch.prime(self._device)  # tracing cannot choose kernels (or build the C++ ones)
             self._fn(batch)
         self.sizes.add(bs)
         return time.perf_counter() - start

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from kernels import cpp_build, custom_ops, dispatch
 from models.loader import load_model
 from models.presets import preset_config, write_checkpoint
 from scheduler import cpu_compile, graph_runner
@@ -52,11 +53,14 @@ def test_compiled_decode_equals_eager(ckpt):
     """One dynamic-batch graph serves batches of 2, 3 and 4 (no padding, no recompile): greedy
     tokens identical and fp32 logits within 1e-4 of the eager step, pools updated alike."""
     steps = [4, 3, 4, 2, 4, 4]
-    eager, slots, first = prefilled(ckpt)
-    want = decode(DecodeGraphRunner(eager, [4]), slots, first, steps)
     runner, slots2, first2 = prefilled(ckpt)
+    dispatch.reset()  # no decode op chosen yet: compiling must make the choices itself
     graphs = DecodeGraphRunner(runner, [4], cpu_compile="dynamic")
     assert graphs.compiled is not None, "compiling failed (see the warning above)"
+    # the graph calls the C++ fused decode ops, as the eager step does, where they are built
+    assert custom_ops.fused_in_graphs() == cpp_build.available()
+    eager, slots, first = prefilled(ckpt)
+    want = decode(DecodeGraphRunner(eager, [4]), slots, first, steps)
     assert graphs.compiled.sizes == {2} and graphs.sizes == [] and not graphs.batches
     graphs.compiled.stance = "fail_on_recompile"  # every step must hit the one graph
     got = decode(graphs, slots2, first2, steps)
