@@ -1,7 +1,7 @@
 """The compiled CPU decode step (`DecodeGraphRunner` with `cpu_compile`): equal to the eager step,
-and its fallbacks. One graph is compiled in this module (tiny preset, the dynamic batch graph
-traced at 2 rows: 1.5-3.5 min on the shared 2-core machine under load 6-11); every other test
-engine runs eagerly (`cpu_compile="off"`)."""
+and its fallbacks. Two graphs are compiled in this module (tiny preset: batch 1, and the
+dynamic batch graph traced at 2 rows; 10-20 s each on a quiet 2-core machine, minutes under
+load); every other test engine runs eagerly (`cpu_compile="off"`)."""
 
 from __future__ import annotations
 
@@ -50,18 +50,19 @@ def decode(graphs: DecodeGraphRunner, slots, first, batch_sizes) -> list[torch.T
 
 
 def test_compiled_decode_equals_eager(ckpt):
-    """One dynamic-batch graph serves batches of 2, 3 and 4 (no padding, no recompile): greedy
-    tokens identical and fp32 logits within 1e-4 of the eager step, pools updated alike."""
-    steps = [4, 3, 4, 2, 4, 4]
+    """The batch-1 graph and one dynamic-batch graph serve batches of 1 to 4 (no padding, no
+    recompile): greedy tokens identical and fp32 logits within 1e-4 of the eager step, pools
+    updated alike."""
+    steps = [4, 3, 1, 4, 2, 4, 1, 4]
     runner, slots2, first2 = prefilled(ckpt)
     dispatch.reset()  # no decode op chosen yet: compiling must make the choices itself
-    graphs = DecodeGraphRunner(runner, [4], cpu_compile="dynamic")
+    graphs = DecodeGraphRunner(runner, [1, 4], cpu_compile="dynamic")
     assert graphs.compiled is not None, "compiling failed (see the warning above)"
     # the graph calls the C++ fused decode ops, as the eager step does, where they are built
     assert custom_ops.fused_in_graphs() == cpp_build.available()
     eager, slots, first = prefilled(ckpt)
     want = decode(DecodeGraphRunner(eager, [4]), slots, first, steps)
-    assert graphs.compiled.sizes == {2} and graphs.sizes == [] and not graphs.batches
+    assert graphs.compiled.sizes == {1, 2} and graphs.sizes == [] and not graphs.batches
     graphs.compiled.stance = "fail_on_recompile"  # every step must hit the one graph
     got = decode(graphs, slots2, first2, steps)
     for g, w in zip(got, want, strict=True):
