@@ -1,7 +1,6 @@
 // Several projections of one input in one op: y_i = x w_i^T, the weight-streaming GEMV
 // (hs::skinny_linear_jobs: all weights in one parallel region), fp32 activations, fp32 or bf16
-// weights. Reference and
-// contract: kernels/multi_linear.py.
+// weights. Reference and contract: kernels/multi_linear.py.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
