@@ -35,3 +35,26 @@ def test_rows_past_the_gemv_limit_run_the_reference() -> None:
     ys = multi_linear_cpp.linear_multi(x, weights, [None, None])
     for y, ref in zip(ys, multi_linear.linear_multi(x, weights, [None, None]), strict=True):
         assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_one_region_equals_each_weight_alone(rows) -> None:
+    """`skinny_linear_multi` runs all its weights in one parallel region, split in blocks across
+    the threads (`hs::skinny_linear_jobs`); every output is still bit for bit what the GEMV gives
+    each weight alone, for mixed fp32 / bf16 weights, sizes that do not fill a block and one big
+    enough to be split."""
+    from kernels import cpp_build
+
+    ops = cpp_build.load()
+    torch.manual_seed(rows)
+    K = 200
+    x = torch.randn(rows, K)
+    weights = [
+        torch.randn(3000, K),
+        torch.randn(7, K).to(torch.bfloat16),
+        torch.randn(1, K),
+        torch.randn(517, K).to(torch.bfloat16),
+    ]
+    together = ops.skinny_linear_multi(x, weights)
+    for y, w in zip(together, weights, strict=True):
+        assert torch.equal(y, ops.skinny_linear(x, w))
