@@ -34,9 +34,9 @@ class SchedulerConfig:
     cuda_graph_max_bs: int = 64  # largest padded size (also added to the list)
     disable_cuda_graph: bool = False  # off: decode batches run at their own size
     # CPU decode step (scheduler.cpu_compile): torch.compile it with a dynamic batch size, once
-    # per padded size, or not (off, the default: on the shared 2-core machine compiling took
-    # 5-6 min per graph and the compiled step measured no faster; BENCHMARKS.md); sizes up to
-    # cuda_graph_max_bs, none with --disable-cuda-graph. Test engines say off explicitly.
+    # per padded size, or not (off, the default: start-up then compiles, minutes per graph cold
+    # under load, and on the shared 2-core machine it pays only up to ~8 rows; BENCHMARKS.md);
+    # sizes up to cuda_graph_max_bs, none with --disable-cuda-graph. Test engines say off.
     cpu_compile: str = "off"
     enable_hierarchical_cache: bool = False  # host-memory tier under the radix cache
     hicache_ratio: float = 2.0  # host pools = this times the device pools

@@ -1,9 +1,10 @@
 """The CPU decode step compiled with torch.compile (inductor): what `DecodeGraphRunner` does on
 CPU where CUDA captures graphs.
 
-Off by default (`SchedulerConfig.cpu_compile`): on the shared 2-core machine it measured no
-faster than the eager step with the C++ kernels (also once graphs called the fused decode ops:
-BENCHMARKS.md, issue 10), and a cold compile took minutes per graph.
+Off by default (`SchedulerConfig.cpu_compile`): start-up then compiles (seconds from the cache,
+minutes per graph cold under load), and on the shared 2-core machine it pays only at small
+batches (engine x1.38 at concurrency 1, x1.1 at 8, x0.93 at 64 in fp32: BENCHMARKS.md, issue
+10, session 6); `--cuda-graph-max-bs 8` keeps the graphs to those.
 
 `CompiledDecode` compiles `Qwen3NextForCausalLM.logits` for decode batches, either with a
 dynamic batch dimension (`--cpu-compile dynamic`: a graph for batch 1, which dynamo always
