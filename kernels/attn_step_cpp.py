@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attn_step, cpp_build, custom_ops
+from kernels import attn_step, custom_ops
 
 
 def attn_decode(
@@ -38,9 +38,7 @@ def attn_decode(
         qg, k, v, q_norm_w, k_norm_w, cos, sin, k_all, v_all, layer, out_loc, req_to_token,
         req_slots, seq_lens, num_heads, scale, eps, max_seq_len,
     )  # fmt: skip
-    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
-        return attn_step.attn_decode(*args)
-    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
+    ops = custom_ops.cpp_ops()
     if (
         ops is None
         or not all(t.dtype == torch.float32 for t in (qg, k, v, q_norm_w, k_norm_w, cos, sin))

@@ -215,6 +215,17 @@ def cpp_in_graphs() -> bool:
     return bool(_in_graph.get("cpp"))
 
 
+def cpp_ops():
+    """The C++ kernels' ops for a `kernels.*_cpp` wrapper to call now: the loaded library
+    eagerly, the op namespace while torch.compile traces once `enable_cpp_in_graphs` ran; None
+    where the wrapper must run its reference (not built, or tracing without the fakes)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hybrid_serve if cpp_in_graphs() else None
+    from kernels import cpp_build
+
+    return cpp_build.load()
+
+
 def fused_in_graphs() -> bool:
     """Whether graphs call the fused decode ops (MoE block, attention glue) as the eager step
     does: the C++ kernels are in graphs and the fusions are on (`HYBRID_SERVE_FUSIONS`). Their

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build, custom_ops, gdn_step
+from kernels import custom_ops, gdn_step
 
 
 def gdn_decode(
@@ -34,9 +34,7 @@ def gdn_decode(
         qkvz, ba, conv_pool, ssm_pool, layer, conv_weight, A_log, dt_bias, norm_weight, slots,
         num_k_heads, eps,
     )  # fmt: skip
-    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
-        return gdn_step.gdn_decode(*args)
-    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
+    ops = custom_ops.cpp_ops()
     if (
         ops is None
         or not all(t.dtype == torch.float32 for t in (qkvz, ba, conv_pool, ssm_pool, A_log))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build, custom_ops, moe_step
+from kernels import custom_ops, moe_step
 
 MAX_TOKENS = 8  # the skinny GEMV's row block; the per-expert loop wins up to here
 
@@ -35,9 +35,7 @@ def moe_decode(
         router_w, experts_gate_up, experts_down, shared_gate_w, shared_gate_proj,
         shared_up_proj, shared_down,
     )  # fmt: skip
-    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
-        return moe_step.moe_decode(x, *weights, top_k, norm_topk_prob)
-    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
+    ops = custom_ops.cpp_ops()
     if (
         ops is None
         or x.dtype != torch.float32

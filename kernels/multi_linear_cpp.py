@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build, custom_ops, multi_linear
+from kernels import custom_ops, multi_linear
 from kernels.linear_cpp import BF16_SKINNY_ROWS, SKINNY_ROWS
 
 
 def linear_multi(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
 ) -> list[torch.Tensor]:
-    if torch.compiler.is_compiling() and not custom_ops.cpp_in_graphs():
-        return multi_linear.linear_multi(x, weights, biases)
-    ops = torch.ops.hybrid_serve if torch.compiler.is_compiling() else cpp_build.load()
+    ops = custom_ops.cpp_ops()
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     fits = (

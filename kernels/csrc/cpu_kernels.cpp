@@ -122,19 +122,10 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
 
 // x [M,K] fp32, w [N,K] fp32 or bf16 -> y [M,N] fp32, accumulated in fp32.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "skinny_linear: contiguous inputs");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_linear: fp32 activations expected");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: shapes");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = at::empty({M, N}, x.options());
-  if (w.scalar_type() == at::kFloat) {
-    hs::skinny_linear_into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
-  } else {
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "skinny_linear: fp32 or bf16 weights");
-    hs::skinny_linear_into(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
-                           M, N, K);
-  }
-  return y;
+  return hs::linear_op("skinny_linear", x, w,
+                       [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {
+                         hs::skinny_linear_into(xp, wp, yp, M, N, K);
+                       });
 }
 
 }  // namespace

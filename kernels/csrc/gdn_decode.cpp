@@ -123,7 +123,6 @@ inline void conv_row(const float* x, float* window, const float* wt, float* y, i
   silu_inplace(y, D);
 }
 
-
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,

@@ -157,18 +157,10 @@ void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64
 
 // x [M, K] fp32, w [N, K] fp32 or bf16 -> y [M, N] fp32.
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "tiled_linear: contiguous inputs");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "tiled_linear: fp32 activations expected");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "tiled_linear: shapes");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = at::empty({M, N}, x.options());
-  if (w.scalar_type() == at::kFloat) {
-    gemm_into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
-  } else {
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "tiled_linear: fp32 or bf16 weights");
-    gemm_into(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, N, K);
-  }
-  return y;
+  return hs::linear_op("tiled_linear", x, w,
+                       [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {
+                         gemm_into(xp, wp, yp, M, N, K);
+                       });
 }
 
 // ---- routed experts in one call ----------------------------------------------------------

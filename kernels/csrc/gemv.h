@@ -91,10 +91,14 @@ void gemv_dispatch(int64_t M, const float* x, const W* w, float* y, int64_t N, i
 
 // Rows of x in blocks of 8 against a block of weight rows small enough to stay in L1/L2 (about
 // 16 KB), so each weight row comes from memory once for any M.
+inline int64_t block_rows(int64_t K, int64_t weight_bytes) {
+  return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * weight_bytes));
+}
+
 template <typename W>
 void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, int64_t K,
                   int64_t n0, int64_t n1) {
-  const int64_t nb = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * sizeof(W)));
+  const int64_t nb = block_rows(K, sizeof(W));
   for (int64_t b0 = n0; b0 < n1; b0 += nb) {
     const int64_t b1 = std::min(n1, b0 + nb);
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
@@ -113,33 +117,30 @@ struct GemvJob {
   int64_t M, N, K;
 };
 
-// Every job's weight rows in blocks of about 16 KB, all blocks split between the threads in one
-// parallel region: a layer's several small matrices cost one fork/join, and each thread streams
-// one long run of memory. Each output element is computed exactly as by a job alone (the same
-// `gemv_rows`), whatever the batch of jobs. Nested inside another at::parallel_for it runs on the
-// calling thread.
+// Every job's weight rows in blocks of about 16 KB (`skinny_range`'s), all blocks split between
+// the threads in one parallel region: a layer's several small matrices cost one fork/join, and
+// each thread streams one long run of memory. Each output element is computed exactly as by a
+// job alone (the same `gemv_rows`), whatever the batch of jobs. Nested inside another
+// at::parallel_for it runs on the calling thread.
 inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
-  struct Block {
-    int64_t job, n0, n1;
-  };
-  std::vector<Block> blocks;
+  std::vector<int64_t> first(n_jobs + 1, 0);  // job j holds blocks [first[j], first[j + 1])
   for (int64_t j = 0; j < n_jobs; ++j) {
     const GemvJob& g = jobs[j];
-    if (g.M == 0) continue;
-    const int64_t row_bytes = std::max<int64_t>(1, g.K * (g.bf16 ? 2 : 4));
-    const int64_t nb = std::max<int64_t>(1, (1 << 14) / row_bytes);
-    for (int64_t n = 0; n < g.N; n += nb) blocks.push_back({j, n, std::min(g.N, n + nb)});
+    const int64_t nb = block_rows(g.K, g.bf16 ? 2 : 4);
+    first[j + 1] = first[j] + (g.M == 0 ? 0 : (g.N + nb - 1) / nb);
   }
   // grain: about 64 KB of weights per task, so small matrices stay on one thread
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const GemvJob& g = jobs[blocks[b].job];
+  at::parallel_for(0, first[n_jobs], 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t j = 0; j < n_jobs; ++j) {
+      const int64_t lo = std::max(b0, first[j]), hi = std::min(b1, first[j + 1]);
+      if (lo >= hi) continue;
+      const GemvJob& g = jobs[j];
+      const int64_t nb = block_rows(g.K, g.bf16 ? 2 : 4);
+      const int64_t n0 = (lo - first[j]) * nb, n1 = std::min(g.N, (hi - first[j]) * nb);
       if (g.bf16) {
-        skinny_range(g.M, g.x, static_cast<const at::BFloat16*>(g.w), g.y, g.N, g.K, blocks[b].n0,
-                     blocks[b].n1);
+        skinny_range(g.M, g.x, static_cast<const at::BFloat16*>(g.w), g.y, g.N, g.K, n0, n1);
       } else {
-        skinny_range(g.M, g.x, static_cast<const float*>(g.w), g.y, g.N, g.K, blocks[b].n0,
-                     blocks[b].n1);
+        skinny_range(g.M, g.x, static_cast<const float*>(g.w), g.y, g.N, g.K, n0, n1);
       }
     }
   });
@@ -160,6 +161,25 @@ inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M, 
   TORCH_CHECK(bf16 || w.scalar_type() == at::kFloat, "GEMV weights: fp32 or bf16");
   const char* base = static_cast<const char*>(w.data_ptr()) + row0 * K * (bf16 ? 2 : 4);
   return {x, base, bf16, y, M, rows < 0 ? w.numel() / K - row0 : rows, K};
+}
+
+// The torch op y [M, N] = x [M, K] w [N, K]^T (x fp32, w fp32 or bf16, both 2-D contiguous) run
+// by `into(x, w, y, M, N, K)`, a generic callable given w's typed pointer: the checks and the
+// dtype dispatch that `skinny_linear` and `tiled_linear` share.
+template <typename Into>
+at::Tensor linear_op(const char* op, const at::Tensor& x, const at::Tensor& w, const Into& into) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), op, ": contiguous inputs");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": fp32 activations expected");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), op, ": shapes");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (w.scalar_type() == at::kFloat) {
+    into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, op, ": fp32 or bf16 weights");
+    into(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, N, K);
+  }
+  return y;
 }
 
 }  // namespace hs
