@@ -21,6 +21,11 @@ unpadded; `per_size` compiles every listed size and pads to it over static buffe
 CUDA; `off` (the default, see `SchedulerConfig.cpu_compile`) runs eagerly. Without a C++
 compiler, or when compiling fails, one warning and eager. `static_buffers=True` runs the CUDA
 path's padded buffer filling eagerly, for tests.
+
+Where nothing is compiled, CPU batches of up to `models.cpu_decode.MAX_ROWS` rows (and
+`--cuda-graph-max-bs`) replay the model's C++ op calls without the module tree
+(`models.cpu_decode.CpuDecodePlan`, bit-identical to the eager step) whenever the model and the
+kernel choice allow it; `--disable-cuda-graph` turns that off too.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import torch
 from tqdm import tqdm
 
 from kernels.dispatch import kernel_mode
+from models.cpu_decode import MAX_ROWS as MAX_PLAN_ROWS
+from models.cpu_decode import CpuDecodePlan
 from models.forward_batch import ForwardBatch
 from scheduler.cpu_compile import DYNAMIC_SIZES, CompiledDecode, cxx_compiler
 from scheduler.model_runner import DecodeInput, ModelRunner
@@ -64,12 +71,23 @@ class DecodeGraphRunner:
         want_compile = cpu_compile != "off" and runner.device.type == "cpu" and bool(self.sizes)
         if self.use_graphs or static_buffers or want_compile:
             self.batches = {bs: self._static_batch(bs) for bs in self.sizes}
+        self.plan: CpuDecodePlan | None = None
+        self.plan_rows = min(MAX_PLAN_ROWS, self.max_compiled)
         if self.use_graphs:
             self.capture()
         elif want_compile:
             self.compile(cpu_compile)
             if self.compiled is None or self.compiled.dynamic:  # nothing to pad to
                 self.sizes, self.batches = [], {}
+        if (
+            runner.device.type == "cpu"
+            and self.compiled is None
+            and self.plan_rows
+            and not (static_buffers or self.use_graphs)
+        ):
+            self.plan = CpuDecodePlan.build(
+                runner.model, runner.kv_pool, runner.mamba_pool, runner.req_pool.req_to_token
+            )
 
     def padded_size(self, n: int) -> int | None:
         return next((bs for bs in self.sizes if bs >= n), None)
@@ -81,6 +99,8 @@ class DecodeGraphRunner:
         compiled = self.compiled
         if compiled is not None and compiled.dynamic and n <= self.max_compiled:
             return compiled(runner.build_decode(items, out_loc))  # at its own size
+        if self.plan is not None and n <= self.plan_rows and self.plan.ready():
+            return self.plan(runner.build_decode(items, out_loc))  # at its own size
         bs = self.padded_size(n)
         batch = self.batches.get(bs) if bs is not None else None
         if batch is None:  # nothing captured for a size: padding would only add work

@@ -1,0 +1,183 @@
+"""The CPU decode step of a small batch as one flat loop over the C++ kernels' ops: on CPU what
+a CUDA graph is on the GPU, the step's kernel calls recorded once and replayed.
+
+The eager decode step runs ~75 C++ ops (per layer: residual add + RMSNorm, the input
+projections, the fused mixer, the output projection, add + RMSNorm, the fused MoE block), and
+at batch 1 on the small preset about a fifth of its time is the Python around them: module
+calls, the kernel dispatchers, each wrapper's checks. `CpuDecodePlan` takes every layer's
+weights and op arguments once from the model and a step calls the same ops with the same
+arguments in one loop, so its logits and pool updates are bit-identical to the eager step's:
+
+    x = embed(ids);  cos, sin = rope(positions);  residual = None
+    for each layer:   h, residual = add_rmsnorm(x, residual)
+                      h = out_proj(gdn_decode(in_projs(h)))   or   o_proj(attn_decode(qkv(h)))
+                      h, residual = add_rmsnorm(h, residual);  x = moe_decode(h)
+    logits = lm_head(add_rmsnorm(x, residual))
+
+It applies where the eager step would run each of those parts in its C++ op
+(`kernels.*_cpp`): CPU tensors, the C++ kernels built and chosen (`HYBRID_SERVE_KERNELS` auto
+or cpp) with the fusions on, one rank (no tensor parallelism), sparse-MoE layers, no biases,
+fp32 activations, norms, states and KV, fp32 or bf16 matrices, and at most `MAX_ROWS` rows (the
+fused MoE's limit and the fp32 GEMV's). `CpuDecodePlan.build` returns None for any other model;
+`ready()` says whether the kernel choice still holds (tests and benchmarks switch it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpp_build, dispatch, moe_step_cpp
+from kernels.linear_cpp import SKINNY_ROWS
+from models.forward_batch import ForwardBatch
+from models.layers import SparseMoE
+from models.qwen3_next import Qwen3NextForCausalLM
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = min(SKINNY_ROWS, moe_step_cpp.MAX_TOKENS, SparseMoE.FUSED_MAX_TOKENS)
+MATRIX_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PlannedLayer:
+    """One decoder layer's op arguments. `index`: the layer's place among its kind (its pool
+    layer); `mixer`: gdn_decode's or attn_decode's weight arguments."""
+
+    attention: bool
+    index: int
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    in_projs: list[torch.Tensor]  # GDN: [qkvz, ba]; attention: [q (with gate), k, v]
+    out_proj: torch.Tensor
+    mixer: tuple
+    moe: tuple  # moe_decode's arguments after x
+
+
+def unsupported(model: Qwen3NextForCausalLM) -> str | None:
+    """Why the plan cannot replay `model`'s decode step, or None when it can."""
+    if model.tp.enabled:
+        return "tensor parallelism (the output projections all-reduce)"
+    if next(model.parameters()).device.type != "cpu":
+        return "not on the CPU"
+    for name, p in model.named_parameters():
+        if not p.is_contiguous():
+            return f"{name} is not contiguous"
+        if name.endswith(".bias"):
+            return f"a bias ({name})"
+        matrix = p.dim() >= 2 and "embed_tokens" not in name and "conv1d" not in name
+        if p.dtype not in (MATRIX_DTYPES if matrix else (torch.float32,)):
+            return f"{name} is {p.dtype}"
+    for layer in model.model.layers:
+        if type(layer.mlp) is not SparseMoE:
+            return "a dense MLP layer"
+    return None
+
+
+def pools_unsupported(kv_pool, mamba_pool, req_to_token: torch.Tensor) -> str | None:
+    """Why the plan cannot run over these pools (the fused ops read fp32 states and KV in
+    place), or None."""
+    for name, t in (("K", kv_pool.k_all), ("V", kv_pool.v_all), ("conv", mamba_pool.conv_state),
+                    ("SSM", mamba_pool.ssm_state)):  # fmt: skip
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            return f"the {name} pool is {t.dtype}{'' if t.is_contiguous() else ', strided'}"
+    if req_to_token.dtype not in (torch.int32, torch.int64):
+        return f"req_to_token is {req_to_token.dtype}"
+    return None
+
+
+def plan_layer(layer) -> PlannedLayer:
+    norm, post = layer.input_layernorm, layer.post_attention_layernorm
+    moe = layer.mlp
+    moe_args = (
+        moe.gate.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
+        moe.shared_expert_gate.weight, moe.shared_expert.gate_proj.weight,
+        moe.shared_expert.up_proj.weight, moe.shared_expert.down_proj.weight, moe.top_k,
+        moe.norm_topk_prob,
+    )  # fmt: skip
+    if layer.is_full_attention:
+        a = layer.self_attn
+        return PlannedLayer(
+            True, a.attn_layer_id, norm.weight, post.weight, norm.eps,
+            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], a.o_proj.weight,
+            (a.q_norm.weight, a.k_norm.weight, a.num_heads, float(a.scale), float(a.q_norm.eps)),
+            moe_args,
+        )  # fmt: skip
+    g = layer.linear_attn
+    return PlannedLayer(
+        False, g.linear_layer_id, norm.weight, post.weight, norm.eps,
+        [g.in_proj_qkvz.weight, g.in_proj_ba.weight], g.out_proj.weight,
+        (g.conv1d.weight.squeeze(1).contiguous(), g.A_log, g.dt_bias, g.norm.weight,
+         g.num_k_heads, float(g.norm.eps)),
+        moe_args,
+    )  # fmt: skip
+
+
+class CpuDecodePlan:
+    """`plan(batch)` == `model.forward(batch)` for a decode batch of at most MAX_ROWS rows
+    (bit for bit, pools updated alike) while `ready()`."""
+
+    def __init__(self, model: Qwen3NextForCausalLM, ops) -> None:
+        self.model, self.ops = model, ops
+        self.embed = model.model.embed_tokens
+        self.rotary = model.model.rotary
+        self.final_norm = model.model.norm
+        self.lm_head = model.lm_head.weight
+        self.layers = [plan_layer(layer) for layer in model.model.layers]
+
+    @classmethod
+    def build(cls, model: Qwen3NextForCausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
+              ) -> CpuDecodePlan | None:  # fmt: skip
+        """The plan for `model` over these pools (those of every batch it will run), or None
+        where it does not apply (the reason logged at debug level)."""
+        reason = unsupported(model) or pools_unsupported(kv_pool, mamba_pool, req_to_token)
+        if reason is None and not cpp_build.available():
+            reason = "the C++ kernels are not built"
+        if reason is not None:
+            logger.debug("no CPU decode plan: %s", reason)
+            return None
+        return cls(model, cpp_build.load())
+
+    @staticmethod
+    def ready() -> bool:
+        """Whether the eager step would still call the C++ ops (the kernel choice is read from
+        the environment and can change between steps in tests)."""
+        return dispatch.kernel_mode() in ("auto", "cpp") and dispatch.fusions_enabled()
+
+    @torch.inference_mode()
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        ops = self.ops
+        kv, mamba = batch.kv_pool, batch.mamba_pool
+        slots = batch.mamba_slots.long().contiguous()
+        out_loc, req_slots = batch.out_loc.long().contiguous(), batch.req_slots.long().contiguous()
+        seq_lens, req_to_token = batch.seq_lens.long().contiguous(), batch.req_to_token.contiguous()
+        x = self.embed(batch.input_ids)  # [B, hidden]
+        cos, sin = (t.contiguous() for t in self.rotary.cos_sin(batch.positions, x.dtype))
+        residual = None
+        for p in self.layers:
+            if residual is None:
+                h, residual = ops.rmsnorm(x, p.input_norm, p.eps), x
+            else:
+                h, residual = ops.add_rmsnorm(x, residual, p.input_norm, p.eps)
+            projected = ops.skinny_linear_multi(h, p.in_projs)
+            if p.attention:
+                q_norm, k_norm, num_heads, scale, eps = p.mixer
+                o = ops.attn_decode(
+                    *projected, q_norm, k_norm, cos, sin, kv.k_all[p.index], kv.v_all[p.index],
+                    out_loc, req_to_token, req_slots, seq_lens, num_heads, scale, eps,
+                )  # fmt: skip
+            else:
+                conv_w, A_log, dt_bias, norm_w, num_k_heads, eps = p.mixer
+                o = ops.gdn_decode(
+                    *projected, mamba.conv_state[p.index], conv_w, mamba.ssm_state[p.index],
+                    A_log, dt_bias, norm_w, slots, num_k_heads, eps,
+                )  # fmt: skip
+            h = ops.skinny_linear(o, p.out_proj)
+            h, residual = ops.add_rmsnorm(h, residual, p.post_norm, p.eps)
+            x = ops.moe_decode(h, *p.moe)
+        norm = self.final_norm
+        h, _ = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
+        return ops.skinny_linear(h, self.lm_head)

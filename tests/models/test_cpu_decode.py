@@ -1,0 +1,121 @@
+"""The CPU decode plan (`models.cpu_decode`): bit for bit the eager decode step, logits and
+pools, in fp32 and with bf16 matrices; where it does not apply; and `DecodeGraphRunner` using
+it only for the batches it covers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels import cpp_build
+from models import cpu_decode
+from models.cpu_decode import MAX_ROWS, CpuDecodePlan
+from models.loader import load_model
+from models.presets import preset_config, write_checkpoint
+from scheduler.graph_runner import DecodeGraphRunner
+from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+
+PROMPTS = [[5, 17, 2, 30, 9], [44, 3], list(range(3, 40)), [7] * 11, [1], [9, 9, 4], [60] * 20,
+           [2, 8], [31, 5, 7]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), preset_config("tiny"), seed=3)
+
+
+def prefilled(ckpt, dtype: str):
+    runner = ModelRunner(load_model(ckpt, dtype=dtype), RunnerConfig(max_running_requests=10))
+    slots = [(runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])) for _ in PROMPTS]
+    items = [ExtendInput(q, m, 0, p) for (q, m), p in zip(slots, PROMPTS, strict=True)]
+    locs = [runner.alloc_kv(q, 0, len(p)) for (q, _), p in zip(slots, PROMPTS, strict=True)]
+    first = runner.forward(runner.build_prefill(items, locs)).argmax(-1).tolist()
+    return runner, slots, first
+
+
+class Counting:
+    """Stands in for a runner's plan: runs it, and records the rows of every batch it ran."""
+
+    def __init__(self, plan: CpuDecodePlan) -> None:
+        self.plan, self.rows = plan, []
+
+    def ready(self) -> bool:
+        return self.plan.ready()
+
+    def __call__(self, batch) -> torch.Tensor:
+        self.rows.append(batch.num_reqs)
+        return self.plan(batch)
+
+
+def pools(runner: ModelRunner) -> list[torch.Tensor]:
+    m, kv = runner.mamba_pool, runner.kv_pool
+    return [m.conv_state, m.ssm_state, kv.k_all, kv.v_all]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_equals_eager_bit_for_bit(ckpt, dtype):
+    """Greedy steps of 1 to MAX_ROWS requests, and one beyond (which the runner runs eagerly):
+    identical logits and identical pools after every step."""
+    eager, slots, first = prefilled(ckpt, dtype)
+    fast, slots2, first2 = prefilled(ckpt, dtype)
+    assert slots == slots2 and first == first2
+    plain = DecodeGraphRunner(eager, [])  # no sizes: no plan, every batch eager
+    planned = DecodeGraphRunner(fast, [1, 2, 4, 8, 16])
+    assert plain.plan is None and planned.plan is not None and planned.plan_rows == MAX_ROWS
+    planned.plan = spy = Counting(planned.plan)
+    tokens, lens = list(first), [len(p) for p in PROMPTS]
+    for n in [1, 3, MAX_ROWS, 2, len(PROMPTS), 1, 5]:
+        out = []
+        for graphs in (plain, planned):
+            runner = graphs.runner
+            items = [DecodeInput(q, m, lens[i], tokens[i]) for i, (q, m) in enumerate(slots[:n])]
+            loc = torch.cat([runner.alloc_kv(q, lens[i], 1) for i, (q, _) in enumerate(slots[:n])])
+            out.append(graphs.forward(items, loc))
+        assert torch.equal(out[0], out[1]), n
+        for a, b in zip(pools(eager), pools(fast), strict=True):
+            assert torch.equal(a, b), n
+        tokens[:n] = out[0].argmax(-1).tolist()
+        lens[:n] = [k + 1 for k in lens[:n]]
+    assert spy.rows == [1, 3, MAX_ROWS, 2, 1, 5]  # the 9-row step ran eagerly
+
+
+def test_plan_follows_the_kernel_choice(ckpt, kernels_mode):
+    """With the torch references chosen the eager step does not call the C++ ops, so neither
+    does the runner: the plan steps aside."""
+    runner, slots, first = prefilled(ckpt, "float32")
+    graphs = DecodeGraphRunner(runner, [1, 2])
+    assert graphs.plan is not None and graphs.plan.ready()
+    graphs.plan = spy = Counting(graphs.plan)
+    kernels_mode("torch")
+    assert not spy.ready()
+    (q, m), n = slots[0], len(PROMPTS[0])
+    logits = graphs.forward([DecodeInput(q, m, n, first[0])], runner.alloc_kv(q, n, 1))
+    assert spy.rows == [] and logits.shape == (1, runner.model.config.vocab_size)
+
+
+def test_where_the_plan_does_not_apply(ckpt, monkeypatch):
+    runner, _, _ = prefilled(ckpt, "float32")
+    model, pools_args = runner.model, (runner.kv_pool, runner.mamba_pool,
+                                       runner.req_pool.req_to_token)  # fmt: skip
+    assert cpu_decode.unsupported(model) is None
+    assert DecodeGraphRunner(runner, []).plan is None  # --disable-cuda-graph: no sizes
+    head = model.lm_head
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    assert cpu_decode.unsupported(model) == "a bias (lm_head.bias)"
+    head.bias = None
+    norm = model.model.norm
+    norm.weight.data = norm.weight.data.to(torch.bfloat16)
+    assert cpu_decode.unsupported(model) == "model.norm.weight is torch.bfloat16"
+    norm.weight.data = norm.weight.data.float()
+    kv = runner.kv_pool
+    bf16_kv = SimpleNamespace(k_all=kv.k_all.to(torch.bfloat16), v_all=kv.v_all)
+    bf16_args = (bf16_kv, *pools_args[1:])
+    assert cpu_decode.pools_unsupported(*bf16_args) == "the K pool is torch.bfloat16"
+    assert CpuDecodePlan.build(model, *bf16_args) is None
+    assert CpuDecodePlan.build(model, *pools_args) is not None
+    monkeypatch.setattr(cpp_build, "available", lambda: False)
+    assert CpuDecodePlan.build(model, *pools_args) is None
+    assert DecodeGraphRunner(runner, [1, 2]).plan is None
