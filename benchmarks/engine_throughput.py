@@ -9,8 +9,9 @@ transformers baseline runs `generate` on static batches of the same prompts in t
 Variants of ours, interleaved in every repeat: `--variants float32:torch,float32:auto,
 bfloat16:auto` (dtype `:` `HYBRID_SERVE_KERNELS` mode: bf16 weights on CPU; the eager torch
 references against the C++ CPU kernels), each optionally `:` a `--cpu-compile` mode (default
-off, as the server; `float32:auto:dynamic` compiles the decode step); one row each. Compiling
-happens when the engines are built, before anything is timed.
+off, as the server; `float32:auto:dynamic` compiles the decode step) or `eager`
+(`--disable-cuda-graph`: neither compiled nor the CPU decode plan, `models.cpu_decode`); one
+row each. Compiling happens when the engines are built, before anything is timed.
 
 Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
 """
@@ -102,7 +103,8 @@ def main() -> None:
             max_running_requests=max(conc),
             dtype=d,
             max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
-            cpu_compile=comp,
+            cpu_compile="off" if comp == "eager" else comp,
+            disable_cuda_graph=comp == "eager",
         )
         for d, _, comp in dict.fromkeys(variants)
     }

@@ -98,6 +98,14 @@ def ours_prefill(runner: ModelRunner, ids: list[int]) -> Step:
     return make
 
 
+def graphs_step(graphs: DecodeGraphRunner, dec: list[DecodeInput], out_loc: torch.Tensor):
+    """One step through `graphs` on normal tensors, also when timed under inference mode:
+    compiled graphs were traced on normal tensors, and inference-mode inputs would fail their
+    guards and run eagerly."""
+    with torch.inference_mode(False):
+        return graphs.forward(dec, out_loc.clone())
+
+
 def ours_decode(
     runner: ModelRunner,
     contexts: torch.Tensor,
@@ -122,7 +130,7 @@ def ours_decode(
     def make():
         runner.mamba_pool.copy(snap, live)  # back to exactly ctx tokens of state
         if graphs is not None:
-            return lambda: graphs.forward(dec, out_loc), lambda: None
+            return lambda: graphs_step(graphs, dec, out_loc), lambda: None
         batch = runner.build_decode(dec, out_loc)
         return lambda: runner.forward(batch), lambda: None
 
@@ -260,6 +268,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also time the decode step compiled as the server does (`--cpu-compile` mode, "
         "default kernels), as variant ours-compiled; compiled for the batch sizes before timing",
     )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="also time the decode step through the CPU decode plan (models.cpu_decode, what "
+        "the server runs uncompiled up to 8 rows; larger batches run eagerly), as ours-plan",
+    )
     p.add_argument("--json-out", help="also write the results here")
     args = p.parse_args(argv)
     if not (args.model_path or args.preset):
@@ -272,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     max_b = max(batch_sizes)
-    sets = 1 if args.compile == "off" else 2  # the compiled variant decodes its own requests
+    # the compiled and plan variants decode their own requests
+    sets = 1 + (args.compile != "off") + args.plan
     cfg = RunnerConfig(
         max_running_requests=sets * max_b + 1,
         max_total_tokens=sets * max_b * (args.context_len + 1) + args.prefill_len + 64,
@@ -301,6 +316,12 @@ def main(argv: list[str] | None = None) -> None:
         if graphs.compiled is None:
             p.error("compiling the decode step failed (see the warning)")
         variants.insert(-1, "ours-compiled")
+    planned = None
+    if args.plan:
+        planned = DecodeGraphRunner(runner, batch_sizes)
+        if planned.plan is None:
+            p.error("no CPU decode plan for this model or kernel choice")
+        variants.insert(-1, "ours-plan")
     with torch.inference_mode():
         steps = {f"ours-{m}": with_kernels(ours_prefill(runner, prompt), m) for m in modes}
         steps["hf"] = hf_prefill(hf, prompt)
@@ -315,12 +336,17 @@ def main(argv: list[str] | None = None) -> None:
                     runner, contexts[:b], next_ids[:b], graphs
                 )
                 steps["ours-compiled"] = with_kernels(compiled_step, "auto")
+            if planned is not None:
+                plan_step, free_plan = ours_decode(runner, contexts[:b], next_ids[:b], planned)
+                steps["ours-plan"] = with_kernels(plan_step, "auto")
             steps["hf"] = hf_decode(hf, contexts[:b], next_ids[:b])
             res = measure(steps, args.warmup, args.repeats, f"decode b={b}")
             rows.append(summarize(f"decode b={b}", b, res))
             free()
             if graphs is not None:
                 free_compiled()
+            if planned is not None:
+                free_plan()
     load = (load_before, os.getloadavg()[0])
 
     print(

@@ -32,11 +32,13 @@ class SchedulerConfig:
     mamba_track_interval: int = 256  # decode snapshot every this many tokens (extra_buffer*)
     cuda_graph_bs: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # padded decode sizes
     cuda_graph_max_bs: int = 64  # largest padded size (also added to the list)
-    disable_cuda_graph: bool = False  # off: decode batches run at their own size
+    # off: decode batches run at their own size (on CPU without the decode plan either)
+    disable_cuda_graph: bool = False
     # CPU decode step (scheduler.cpu_compile): torch.compile it with a dynamic batch size, once
-    # per padded size, or not (off, the default: start-up then compiles, minutes per graph cold
-    # under load, and on the shared 2-core machine it pays only up to ~8 rows; BENCHMARKS.md);
-    # sizes up to cuda_graph_max_bs, none with --disable-cuda-graph. Test engines say off.
+    # per padded size, or not (off, the default: batches up to 8 rows then replay the CPU decode
+    # plan, models.cpu_decode, which beats compiling at 1 row and is level at 8 on the 2-core
+    # machine, without start-up compiling; BENCHMARKS.md, session 7); sizes up to
+    # cuda_graph_max_bs, none with --disable-cuda-graph. Test engines say off.
     cpu_compile: str = "off"
     enable_hierarchical_cache: bool = False  # host-memory tier under the radix cache
     hicache_ratio: float = 2.0  # host pools = this times the device pools

@@ -1,10 +1,13 @@
 """The CPU decode step compiled with torch.compile (inductor): what `DecodeGraphRunner` does on
 CPU where CUDA captures graphs.
 
-Off by default (`SchedulerConfig.cpu_compile`): start-up then compiles (seconds from the cache,
-minutes per graph cold under load), and on the shared 2-core machine it pays only at small
-batches (engine x1.38 at concurrency 1, x1.1 at 8, x0.93 at 64 in fp32: BENCHMARKS.md, issue
-10, session 6); `--cuda-graph-max-bs 8` keeps the graphs to those.
+Off by default (`SchedulerConfig.cpu_compile`): start-up then compiles (13 s from the cache,
+50 s cold for batches 1-8 on a quiet 2-core machine, minutes per graph under load), and the
+uncompiled step's CPU decode plan (`models.cpu_decode`) is as fast or faster on that machine:
+engine at concurrency 1 fp32 44.3 tok/s against 37.5 compiled, bf16 61.7 against 57.3, level
+at 8 (BENCHMARKS.md, issue 10, session 7). Before the plan, compiling paid up to ~8 rows and
+lost beyond (x1.38 at 1, x0.93 at 64 in fp32, session 6); `--cuda-graph-max-bs 8` keeps the
+graphs to those sizes.
 
 `CompiledDecode` compiles `Qwen3NextForCausalLM.logits` for decode batches, either with a
 dynamic batch dimension (`--cpu-compile dynamic`: a graph for batch 1, which dynamo always
