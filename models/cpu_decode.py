@@ -50,7 +50,8 @@ class PlannedLayer:
     index: int
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    eps: float
+    eps: float  # the input norm's
+    post_eps: float
     in_projs: list[torch.Tensor]  # GDN: [qkvz, ba]; attention: [q (with gate), k, v]
     out_proj: torch.Tensor
     mixer: tuple
@@ -101,14 +102,14 @@ def plan_layer(layer) -> PlannedLayer:
     if layer.is_full_attention:
         a = layer.self_attn
         return PlannedLayer(
-            True, a.attn_layer_id, norm.weight, post.weight, norm.eps,
+            True, a.attn_layer_id, norm.weight, post.weight, norm.eps, post.eps,
             [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], a.o_proj.weight,
             (a.q_norm.weight, a.k_norm.weight, a.num_heads, float(a.scale), float(a.q_norm.eps)),
             moe_args,
         )  # fmt: skip
     g = layer.linear_attn
     return PlannedLayer(
-        False, g.linear_layer_id, norm.weight, post.weight, norm.eps,
+        False, g.linear_layer_id, norm.weight, post.weight, norm.eps, post.eps,
         [g.in_proj_qkvz.weight, g.in_proj_ba.weight], g.out_proj.weight,
         (g.conv1d.weight.squeeze(1).contiguous(), g.A_log, g.dt_bias, g.norm.weight,
          g.num_k_heads, float(g.norm.eps)),
@@ -118,7 +119,8 @@ def plan_layer(layer) -> PlannedLayer:
 
 class CpuDecodePlan:
     """`plan(batch)` == `model.forward(batch)` for a decode batch of at most MAX_ROWS rows
-    (bit for bit, pools updated alike) while `ready()`."""
+    (bit for bit, pools updated alike) while `ready()`. It holds the model's parameter tensors
+    themselves: weights changed in place are seen, replaced parameters are not."""
 
     def __init__(self, model: Qwen3NextForCausalLM, ops) -> None:
         self.model, self.ops = model, ops
@@ -176,7 +178,7 @@ class CpuDecodePlan:
                     A_log, dt_bias, norm_w, slots, num_k_heads, eps,
                 )  # fmt: skip
             h = ops.skinny_linear(o, p.out_proj)
-            h, residual = ops.add_rmsnorm(h, residual, p.post_norm, p.eps)
+            h, residual = ops.add_rmsnorm(h, residual, p.post_norm, p.post_eps)
             x = ops.moe_decode(h, *p.moe)
         norm = self.final_norm
         h, _ = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
