@@ -88,6 +88,8 @@ class DecodeGraphRunner:
             self.plan = CpuDecodePlan.build(
                 runner.model, runner.kv_pool, runner.mamba_pool, runner.req_pool.req_to_token
             )
+            if self.plan is not None:
+                logger.info("CPU decode batches of 1..%d rows run the decode plan", self.plan_rows)
 
     def padded_size(self, n: int) -> int | None:
         return next((bs for bs in self.sizes if bs >= n), None)
