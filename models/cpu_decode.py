@@ -33,12 +33,13 @@ from kernels import cpp_build, dispatch, moe_step_cpp
 from kernels.linear_cpp import SKINNY_ROWS
 from models.forward_batch import ForwardBatch
 from models.layers import SparseMoE
+from models.loader import matrices
 from models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = min(SKINNY_ROWS, moe_step_cpp.MAX_TOKENS, SparseMoE.FUSED_MAX_TOKENS)
-MATRIX_DTYPES = (torch.float32, torch.bfloat16)
+MATRIX_DTYPES = (torch.float32, torch.bfloat16)  # `models.loader.matrices`; all else fp32
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,13 @@ def unsupported(model: Qwen3NextForCausalLM) -> str | None:
         return "tensor parallelism (the output projections all-reduce)"
     if next(model.parameters()).device.type != "cpu":
         return "not on the CPU"
+    matrix = {id(p) for p in matrices(model)} - {id(model.model.embed_tokens.weight)}
     for name, p in model.named_parameters():
         if not p.is_contiguous():
             return f"{name} is not contiguous"
         if name.endswith(".bias"):
             return f"a bias ({name})"
-        matrix = p.dim() >= 2 and "embed_tokens" not in name and "conv1d" not in name
-        if p.dtype not in (MATRIX_DTYPES if matrix else (torch.float32,)):
+        if p.dtype not in (MATRIX_DTYPES if id(p) in matrix else (torch.float32,)):
             return f"{name} is {p.dtype}"
     for layer in model.model.layers:
         if type(layer.mlp) is not SparseMoE:

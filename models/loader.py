@@ -151,21 +151,25 @@ def load_model(
     return model.eval()
 
 
-def cast_matrices(model: Qwen3NextForCausalLM, dtype: torch.dtype) -> None:
-    """Store every linear layer's and expert's weight matrix in `dtype`, nothing else (on the
-    meta model: free). A tied LM head is left tied here (the embedding stays fp32); the loader
-    gives it its own copy once the embedding is loaded."""
+def matrices(model: Qwen3NextForCausalLM) -> list[torch.nn.Parameter]:
+    """Every linear layer's and expert's weight matrix: what `--dtype bfloat16` stores in bf16
+    on CPU (a tied LM head is the embedding itself)."""
     from models.layers import Experts, Linear
 
-    embedding = model.model.embed_tokens.weight
+    out = []
     for module in model.modules():
         if isinstance(module, Linear):
-            names = ["weight"]
+            out.append(module.weight)
         elif isinstance(module, Experts):
-            names = ["gate_up_proj", "down_proj"]
-        else:
-            continue
-        for name in names:
-            param = getattr(module, name)
-            if param is not embedding:
-                param.data = param.data.to(dtype)
+            out += [module.gate_up_proj, module.down_proj]
+    return out
+
+
+def cast_matrices(model: Qwen3NextForCausalLM, dtype: torch.dtype) -> None:
+    """Store every matrix (`matrices`) in `dtype`, nothing else (on the meta model: free). A
+    tied LM head is left tied here (the embedding stays fp32); the loader gives it its own copy
+    once the embedding is loaded."""
+    embedding = model.model.embed_tokens.weight
+    for param in matrices(model):
+        if param is not embedding:
+            param.data = param.data.to(dtype)
