@@ -1,15 +1,17 @@
-"""The CPU decode step of a small batch as one flat loop over the C++ kernels' ops: on CPU what
-a CUDA graph is on the GPU, the step's kernel calls recorded once and replayed.
+"""The CPU decode step of a small batch as one C++ call: on CPU what a CUDA graph is on the
+GPU, the step's kernel calls recorded once and replayed.
 
 The eager decode step runs ~75 C++ ops (per layer: residual add + RMSNorm, the input
 projections, the fused mixer, the output projection, add + RMSNorm, the fused MoE block), and
 at batch 1 on the small preset about a fifth of its time is the Python around them: module
 calls, the kernel dispatchers, each wrapper's checks. `CpuDecodePlan` takes every layer's
-weights and op arguments once from the model and a step calls the same ops with the same
-arguments in one loop, so its logits and pool updates are bit-identical to the eager step's:
+weights and op arguments once from the model into `hybrid_serve::DecodeStep`
+(`kernels/csrc/decode_step.cpp`), whose `forward` calls the same ops' C++ functions with the
+same arguments in one loop, so its logits and pool updates are bit-identical to the eager
+step's:
 
-    x = embed(ids);  cos, sin = rope(positions);  residual = None
-    for each layer:   h, residual = add_rmsnorm(x, residual)
+    x = embed(ids);  cos, sin = rope(positions);  residual = None          (here, in Python)
+    for each layer:   h, residual = add_rmsnorm(x, residual)               (DecodeStep.forward)
                       h = out_proj(gdn_decode(in_projs(h)))   or   o_proj(attn_decode(qkv(h)))
                       h, residual = add_rmsnorm(h, residual);  x = moe_decode(h)
     logits = lm_head(add_rmsnorm(x, residual))
@@ -123,13 +125,27 @@ class CpuDecodePlan:
     (bit for bit, pools updated alike) while `ready()`. It holds the model's parameter tensors
     themselves: weights changed in place are seen, replaced parameters are not."""
 
-    def __init__(self, model: Qwen3NextForCausalLM, ops) -> None:
-        self.model, self.ops = model, ops
+    def __init__(self, model: Qwen3NextForCausalLM) -> None:
+        self.model = model
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary
-        self.final_norm = model.model.norm
-        self.lm_head = model.lm_head.weight
         self.layers = [plan_layer(layer) for layer in model.model.layers]
+        tensors, ints, floats = [], [], []
+        for p in self.layers:  # decode_step.cpp's layout
+            tensors += [p.input_norm, p.post_norm, p.out_proj, *p.moe[:7], *p.in_projs]
+            if p.attention:
+                q_norm, k_norm, heads, scale, eps = p.mixer
+                tensors += [q_norm, k_norm]
+            else:
+                *weights, heads, eps = p.mixer
+                tensors += weights
+                scale = 0.0
+            ints += [int(p.attention), p.index, heads, p.moe[7], int(p.moe[8])]
+            floats += [p.eps, p.post_eps, eps, scale]
+        norm = model.model.norm
+        self.step = torch.classes.hybrid_serve.DecodeStep(
+            tensors, ints, floats, norm.weight, norm.eps, model.lm_head.weight
+        )
 
     @classmethod
     def build(cls, model: Qwen3NextForCausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
@@ -142,7 +158,7 @@ class CpuDecodePlan:
         if reason is not None:
             logger.debug("no CPU decode plan: %s", reason)
             return None
-        return cls(model, cpp_build.load())
+        return cls(model)
 
     @staticmethod
     def ready() -> bool:
@@ -152,35 +168,12 @@ class CpuDecodePlan:
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        ops = self.ops
         kv, mamba = batch.kv_pool, batch.mamba_pool
-        slots = batch.mamba_slots.long().contiguous()
-        out_loc, req_slots = batch.out_loc.long().contiguous(), batch.req_slots.long().contiguous()
-        seq_lens, req_to_token = batch.seq_lens.long().contiguous(), batch.req_to_token.contiguous()
         x = self.embed(batch.input_ids)  # [B, hidden]
         cos, sin = (t.contiguous() for t in self.rotary.cos_sin(batch.positions, x.dtype))
-        residual = None
-        for p in self.layers:
-            if residual is None:
-                h, residual = ops.rmsnorm(x, p.input_norm, p.eps), x
-            else:
-                h, residual = ops.add_rmsnorm(x, residual, p.input_norm, p.eps)
-            projected = ops.skinny_linear_multi(h, p.in_projs)
-            if p.attention:
-                q_norm, k_norm, num_heads, scale, eps = p.mixer
-                o = ops.attn_decode(
-                    *projected, q_norm, k_norm, cos, sin, kv.k_all[p.index], kv.v_all[p.index],
-                    out_loc, req_to_token, req_slots, seq_lens, num_heads, scale, eps,
-                )  # fmt: skip
-            else:
-                conv_w, A_log, dt_bias, norm_w, num_k_heads, eps = p.mixer
-                o = ops.gdn_decode(
-                    *projected, mamba.conv_state[p.index], conv_w, mamba.ssm_state[p.index],
-                    A_log, dt_bias, norm_w, slots, num_k_heads, eps,
-                )  # fmt: skip
-            h = ops.skinny_linear(o, p.out_proj)
-            h, residual = ops.add_rmsnorm(h, residual, p.post_norm, p.post_eps)
-            x = ops.moe_decode(h, *p.moe)
-        norm = self.final_norm
-        h, _ = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
-        return ops.skinny_linear(h, self.lm_head)
+        return self.step.forward(
+            x, cos, sin, kv.k_all, kv.v_all, mamba.conv_state, mamba.ssm_state,
+            batch.mamba_slots.long().contiguous(), batch.out_loc.long().contiguous(),
+            batch.req_to_token.contiguous(), batch.req_slots.long().contiguous(),
+            batch.seq_lens.long().contiguous(),
+        )  # fmt: skip

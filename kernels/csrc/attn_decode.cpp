@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "lanes.h"
+#include "decode_ops.h"
 
 namespace {
 
@@ -30,6 +31,10 @@ inline void norm_rope(const float* x, const float* w, const float* cos, const fl
     dst[j + half] = x2 * cos[j + half] + x1 * sin[j + half];
   }
 }
+
+}  // namespace
+
+namespace hs {
 
 // qg [T, nH * 2D] (per head: D query channels, then D gate channels); k, v [T, nKV * D];
 // q_norm_w, k_norm_w [D]; cos, sin [T, rot]; k_buffer, v_buffer [locs, nKV, D] (written at
@@ -135,7 +140,7 @@ at::Tensor attn_decode(const at::Tensor& qg, const at::Tensor& k, const at::Tens
   return out;
 }
 
-}  // namespace
+}  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("attn_decode(Tensor qg, Tensor k, Tensor v, Tensor q_norm_w, Tensor k_norm_w, "
@@ -144,4 +149,4 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
         "float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("attn_decode", &attn_decode); }
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("attn_decode", &hs::attn_decode); }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "delta_rule.h"
+#include "decode_ops.h"
 #include "gemv.h"
 #include "pool_slots.h"
 
@@ -120,6 +121,10 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
   return out;
 }
 
+}  // namespace
+
+namespace hs {
+
 // x [M,K] fp32, w [N,K] fp32 or bf16 -> y [M,N] fp32, accumulated in fp32.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   return hs::linear_op("skinny_linear", x, w,
@@ -128,7 +133,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
                        });
 }
 
-}  // namespace
+}  // namespace hs
 
 TORCH_LIBRARY(hybrid_serve, m) {
   m.def("gdr_recurrent_pool(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, "
@@ -141,5 +146,5 @@ TORCH_LIBRARY(hybrid_serve, m) {
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
   m.impl("gdr_recurrent_pool", &gdr_recurrent_pool);
   m.impl("conv1d_update_pool", &conv1d_update_pool);
-  m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_linear", &hs::skinny_linear);
 }

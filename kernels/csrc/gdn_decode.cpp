@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "delta_rule.h"
+#include "decode_ops.h"
 #include "lanes.h"
 #include "pool_slots.h"
 
@@ -125,6 +126,10 @@ inline void conv_row(const float* x, float* window, const float* wt, float* y, i
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
+}  // namespace
+
+namespace hs {
+
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
                       const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
                       const at::Tensor& dt_bias, const at::Tensor& norm_weight,
@@ -210,7 +215,7 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
   return out;
 }
 
-}  // namespace
+}  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("gdn_decode(Tensor qkvz, Tensor ba, Tensor(a!) conv_state, Tensor conv_weight, "
@@ -218,4 +223,4 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
         "int num_k_heads, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("gdn_decode", &gdn_decode); }
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("gdn_decode", &hs::gdn_decode); }

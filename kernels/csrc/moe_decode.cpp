@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gemv.h"
+#include "decode_ops.h"
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -41,6 +42,10 @@ void check_weight(const at::Tensor& w, const char* name) {
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "moe_decode: ", name, " must be contiguous fp32 or bf16");
 }
+
+}  // namespace
+
+namespace hs {
 
 // x [T, H] fp32; router_w [E, H]; experts_gate_up [E, 2I, H]; experts_down [E, H, I];
 // shared_gate_w [1, H]; shared_gate_proj, shared_up_proj [Is, H]; shared_down [H, Is].
@@ -159,7 +164,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   return out;
 }
 
-}  // namespace
+}  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("moe_decode(Tensor x, Tensor router_w, Tensor experts_gate_up, Tensor experts_down, "
@@ -167,4 +172,4 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
         "Tensor shared_down, int top_k, bool norm_topk_prob) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("moe_decode", &moe_decode); }
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("moe_decode", &hs::moe_decode); }

@@ -8,9 +8,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "decode_ops.h"
 #include "gemv.h"
 
-namespace {
+namespace hs {
 
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
@@ -30,10 +31,10 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
   return out;
 }
 
-}  // namespace
+}  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("skinny_linear_multi(Tensor x, Tensor[] weights) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("skinny_linear_multi", &skinny_linear_multi); }
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("skinny_linear_multi", &hs::skinny_linear_multi); }

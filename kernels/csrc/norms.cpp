@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "lanes.h"
+#include "decode_ops.h"
 
 namespace {
 
@@ -47,6 +48,10 @@ void run_rows(const float* x, const float* res, const float* w, float* y, float*
   });
 }
 
+}  // namespace
+
+namespace hs {
+
 // x [M, D], weight [D] -> x / rms(x) * (1 + weight).
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight);
@@ -70,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Te
   return {y, r};
 }
 
-}  // namespace
+}  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -78,6 +83,6 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
-  m.impl("rmsnorm", &rmsnorm);
-  m.impl("add_rmsnorm", &add_rmsnorm);
+  m.impl("rmsnorm", &hs::rmsnorm);
+  m.impl("add_rmsnorm", &hs::add_rmsnorm);
 }

@@ -119,3 +119,17 @@ def test_where_the_plan_does_not_apply(ckpt, monkeypatch):
     monkeypatch.setattr(cpp_build, "available", lambda: False)
     assert CpuDecodePlan.build(model, *pools_args) is None
     assert DecodeGraphRunner(runner, [1, 2]).plan is None
+
+
+def test_decode_step_checks_its_layout(ckpt):
+    """`DecodeStep` takes the flat lists `CpuDecodePlan` writes; a list of the wrong length is
+    refused when it is built, not read past when it runs."""
+    plan = CpuDecodePlan(load_model(ckpt, dtype="float32"))
+    norm, head = plan.model.model.norm.weight, plan.model.lm_head.weight
+    step = torch.classes.hybrid_serve.DecodeStep
+    with pytest.raises(RuntimeError, match="5 ints and 4 floats per layer"):
+        step([norm], [1, 0, 2, 2], [1e-6] * 4, norm, 1e-6, head)
+    with pytest.raises(RuntimeError, match="too few tensors"):
+        step([norm] * 3, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head)
+    with pytest.raises(RuntimeError, match="1 tensors left over"):
+        step([norm] * 16, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head)

@@ -1,0 +1,40 @@
+// The decode step's ops as C++ functions, for the step runner (decode_step.cpp) to call without
+// the dispatcher. Each is also a torch op `hybrid_serve::<name>` with the same arguments; its
+// contract is in the file that defines it and in the Python reference named there.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace hs {
+
+// norms.cpp
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Tensor& residual,
+                                               const at::Tensor& weight, double eps);
+// cpu_kernels.cpp, multi_linear.cpp
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
+std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);
+// gdn_decode.cpp
+at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
+                      const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
+                      const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                      const at::Tensor& slots_t, int64_t num_k_heads, double eps);
+// attn_decode.cpp
+at::Tensor attn_decode(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,
+                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_buffer,
+                       at::Tensor v_buffer, const at::Tensor& out_loc,
+                       const at::Tensor& req_to_token, const at::Tensor& req_slots,
+                       const at::Tensor& seq_lens, int64_t num_heads, double scale, double eps);
+// moe_decode.cpp
+at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
+                      const at::Tensor& experts_gate_up, const at::Tensor& experts_down,
+                      const at::Tensor& shared_gate_w, const at::Tensor& shared_gate_proj,
+                      const at::Tensor& shared_up_proj, const at::Tensor& shared_down,
+                      int64_t top_k, bool norm_topk_prob);
+
+}  // namespace hs

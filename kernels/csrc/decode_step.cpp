@@ -1,0 +1,121 @@
+// A whole CPU decode step of a small batch in one call: the class `hybrid_serve::DecodeStep`
+// holds every decoder layer's weights and op arguments (taken once by models/cpu_decode.py) and
+// `forward` runs the layers by calling the decode ops' C++ functions (decode_ops.h) directly,
+// with the same arguments as the eager step, so its logits and pool updates are bit-identical
+// to it, without the ~75 trips per step through Python and the dispatcher:
+//
+//   for each layer:  h, residual = add_rmsnorm(x, residual)
+//                    h = out_proj(gdn_decode(in_projs(h)))   or   o_proj(attn_decode(qkv(h)))
+//                    h, residual = add_rmsnorm(h, residual);  x = moe_decode(h)
+//   logits = lm_head(add_rmsnorm(x, residual))
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "decode_ops.h"
+
+namespace {
+
+// The per-layer layout of the constructor's flat lists (models/cpu_decode.py writes them):
+// tensors: input_norm, post_norm, out_proj, the seven MoE weights, then the input projections
+// (GDN: qkvz, ba; attention: q with its gate, k, v), then the mixer's own weights (GDN: conv
+// weight [D, W], A_log, dt_bias, norm weight; attention: q_norm, k_norm);
+// ints: attention (0/1), pool layer index, heads (GDN: key heads; attention: query heads),
+// top_k, norm_topk_prob; floats: input eps, post eps, mixer eps, attention scale (GDN: 0).
+constexpr int64_t kInts = 5, kFloats = 4, kMoe = 7;
+
+struct Layer {
+  bool attention;
+  int64_t index, heads, top_k;
+  bool norm_topk;
+  double eps, post_eps, mixer_eps, scale;
+  at::Tensor input_norm, post_norm, out_proj;
+  std::vector<at::Tensor> moe, in_projs, mixer;
+};
+
+}  // namespace
+
+struct DecodeStep : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  at::Tensor final_norm, lm_head;
+  double final_eps;
+
+  DecodeStep(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
+             std::vector<double> floats, at::Tensor final_norm_, double final_eps_,
+             at::Tensor lm_head_)
+      : final_norm(std::move(final_norm_)), lm_head(std::move(lm_head_)), final_eps(final_eps_) {
+    TORCH_CHECK(ints.size() % kInts == 0 && floats.size() == ints.size() / kInts * kFloats,
+                "DecodeStep: ", kInts, " ints and ", kFloats, " floats per layer expected");
+    size_t t = 0;
+    auto take = [&](size_t n) {
+      TORCH_CHECK(t + n <= tensors.size(), "DecodeStep: too few tensors");
+      std::vector<at::Tensor> out(tensors.begin() + t, tensors.begin() + t + n);
+      t += n;
+      return out;
+    };
+    for (size_t i = 0; i < ints.size() / kInts; ++i) {
+      const int64_t* in = ints.data() + i * kInts;
+      const double* fl = floats.data() + i * kFloats;
+      Layer l{in[0] != 0, in[1], in[2], in[3], in[4] != 0, fl[0], fl[1], fl[2], fl[3]};
+      const std::vector<at::Tensor> common = take(3);
+      l.input_norm = common[0];
+      l.post_norm = common[1];
+      l.out_proj = common[2];
+      l.moe = take(kMoe);
+      l.in_projs = take(l.attention ? 3 : 2);
+      l.mixer = take(l.attention ? 2 : 4);
+      layers.push_back(std::move(l));
+    }
+    TORCH_CHECK(t == tensors.size(), "DecodeStep: ", tensors.size() - t, " tensors left over");
+  }
+
+  // x [B, hidden] the embedded tokens; cos, sin [B, rot]; the pools as the model's
+  // (k_all, v_all [attention layers, locs, kv heads, head dim]; conv_state, ssm_state
+  // [GDN layers, slots, ...]), updated in place; slots, out_loc, req_slots, seq_lens [B] int64;
+  // req_to_token [rows, context]. Returns the logits [B, vocab].
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_all,
+                     at::Tensor v_all, at::Tensor conv_state, at::Tensor ssm_state,
+                     at::Tensor slots, at::Tensor out_loc, at::Tensor req_to_token,
+                     at::Tensor req_slots, at::Tensor seq_lens) {
+    at::Tensor residual;
+    for (const Layer& l : layers) {
+      at::Tensor h;
+      if (!residual.defined()) {
+        h = hs::rmsnorm(x, l.input_norm, l.eps);
+        residual = x;
+      } else {
+        std::tie(h, residual) = hs::add_rmsnorm(x, residual, l.input_norm, l.eps);
+      }
+      const std::vector<at::Tensor> p = hs::skinny_linear_multi(h, l.in_projs);
+      at::Tensor o;
+      if (l.attention) {
+        o = hs::attn_decode(p[0], p[1], p[2], l.mixer[0], l.mixer[1], cos, sin,
+                            k_all.select(0, l.index), v_all.select(0, l.index), out_loc,
+                            req_to_token, req_slots, seq_lens, l.heads, l.scale, l.mixer_eps);
+      } else {
+        o = hs::gdn_decode(p[0], p[1], conv_state.select(0, l.index), l.mixer[0],
+                           ssm_state.select(0, l.index), l.mixer[1], l.mixer[2], l.mixer[3],
+                           slots, l.heads, l.mixer_eps);
+      }
+      h = hs::skinny_linear(o, l.out_proj);
+      std::tie(h, residual) = hs::add_rmsnorm(h, residual, l.post_norm, l.post_eps);
+      x = hs::moe_decode(h, l.moe[0], l.moe[1], l.moe[2], l.moe[3], l.moe[4], l.moe[5],
+                         l.moe[6], l.top_k, l.norm_topk);
+    }
+    at::Tensor h = residual.defined()
+                       ? std::get<0>(hs::add_rmsnorm(x, residual, final_norm, final_eps))
+                       : hs::rmsnorm(x, final_norm, final_eps);
+    return hs::skinny_linear(h, lm_head);
+  }
+};
+
+TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
+  m.class_<DecodeStep>("DecodeStep")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>,
+                       at::Tensor, double, at::Tensor>())
+      .def("forward", &DecodeStep::forward);
+}
