@@ -18,12 +18,14 @@ from kernels import (
 )
 from kernels.dispatch import dispatching
 
-causal_conv1d_fn = dispatching(causal_conv1d.causal_conv1d_fn, "causal_conv1d_triton")
+causal_conv1d_fn = dispatching(
+    causal_conv1d.causal_conv1d_fn, "causal_conv1d_triton", "causal_conv1d_cpp"
+)
 causal_conv1d_update = dispatching(
     causal_conv1d.causal_conv1d_update, "causal_conv1d_triton", "causal_conv1d_cpp"
 )
 chunk_gated_delta_rule = dispatching(
-    gated_delta_rule.chunk_gated_delta_rule, "gated_delta_rule_triton"
+    gated_delta_rule.chunk_gated_delta_rule, "gated_delta_rule_triton", "gated_delta_rule_cpp"
 )
 fused_recurrent_gated_delta_rule = dispatching(
     gated_delta_rule.fused_recurrent_gated_delta_rule,

@@ -165,6 +165,16 @@ def _run(
     return out, (finals if output_final_state else None)
 
 
+def check_tracking(chunk_size, cu_seqlens, initial_state_indices, track_offsets, track_indices):
+    """ValueError unless state tracking (if asked for) is in the pool form with cu_seqlens, at
+    chunk-aligned offsets."""
+    if track_offsets is not None:
+        if initial_state_indices is None or cu_seqlens is None or track_indices is None:
+            raise ValueError("state tracking needs the pool form with cu_seqlens")
+        if bool((track_offsets % chunk_size).any()):
+            raise ValueError(f"track_offsets must be multiples of the chunk size {chunk_size}")
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,  # [B,T,H,K]
     k: torch.Tensor,  # [B,T,H,K]
@@ -185,11 +195,7 @@ def chunk_gated_delta_rule(
 
     Returns (o [B,T,HV,V], final state [N,HV,K,V] fp32, or None).
     """
-    if track_offsets is not None:
-        if initial_state_indices is None or cu_seqlens is None or track_indices is None:
-            raise ValueError("state tracking needs the pool form with cu_seqlens")
-        if bool((track_offsets % chunk_size).any()):
-            raise ValueError(f"track_offsets must be multiples of the chunk size {chunk_size}")
+    check_tracking(chunk_size, cu_seqlens, initial_state_indices, track_offsets, track_indices)
 
     def step(q, k, v, g, beta, state):
         return _chunk_dense(q, k, v, g, beta, state, chunk_size)

@@ -13,12 +13,14 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "delta_rule.h"
 #include "decode_ops.h"
 #include "gemv.h"
 #include "pool_slots.h"
+#include "silu.h"
 
 namespace {
 
@@ -82,6 +84,124 @@ at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k,
   return out;
 }
 
+// The same update over a packed batch of whole sequences (prefill): each sequence's tokens in
+// order on its pool state, in place, computed in double precision. q, k [1,T,H,K]; v [1,T,HV,V];
+// g, beta [1,T,HV] (fp32); pool [S,HV,K,V] fp32; cu_seqlens [N+1], indices [N] int64 (distinct
+// live slots); track_offsets, track_indices [N] int64 or empty: where track_offsets[i] > 0 the
+// state after that many tokens of sequence i is also copied to pool[track_indices[i]].
+// Returns o [1,T,HV,V] fp32.
+at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& g, const at::Tensor& beta, at::Tensor pool,
+                           const at::Tensor& cu_seqlens, const at::Tensor& indices,
+                           const at::Tensor& track_offsets, const at::Tensor& track_indices,
+                           double scale, bool l2norm) {
+  const std::initializer_list<const at::Tensor*> fp32 = {&q, &k, &v, &g, &beta, &pool};
+  for (const at::Tensor* t : fp32) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "gdr_varlen_pool: contiguous fp32 tensors expected");
+  }
+  for (const at::Tensor* t : {&cu_seqlens, &indices, &track_offsets, &track_indices}) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kLong,
+                "gdr_varlen_pool: int64 cu_seqlens, indices and tracks expected");
+  }
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1, "gdr_varlen_pool: packed [1, T, H, K] inputs");
+  const int64_t T = q.size(1), H = q.size(2), K = q.size(3), HV = v.size(2), V = v.size(3);
+  const int64_t S = pool.size(0), N = indices.numel();
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(1) == T && g.numel() == T * HV &&
+                  beta.numel() == T * HV && HV % H == 0,
+              "gdr_varlen_pool: shapes");
+  TORCH_CHECK(pool.size(1) == HV && pool.size(2) == K && pool.size(3) == V, "pool shape");
+  TORCH_CHECK(cu_seqlens.numel() == N + 1, "gdr_varlen_pool: one index per sequence");
+  const bool tracking = track_offsets.numel() > 0;
+  TORCH_CHECK(!tracking || (track_offsets.numel() == N && track_indices.numel() == N),
+              "gdr_varlen_pool: one track offset and index per sequence");
+  const int64_t *cu = cu_seqlens.data_ptr<int64_t>(), *idx = indices.data_ptr<int64_t>();
+  const int64_t* toff = tracking ? track_offsets.data_ptr<int64_t>() : nullptr;
+  const int64_t* tidx = tracking ? track_indices.data_ptr<int64_t>() : nullptr;
+  TORCH_CHECK(cu[0] == 0 && cu[N] == T, "gdr_varlen_pool: cu_seqlens must span the tokens");
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(cu[i + 1] >= cu[i], "gdr_varlen_pool: cu_seqlens must not decrease");
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < S, "gdr_varlen_pool: slot ", idx[i], " out of range");
+    for (int64_t j = 0; j < i; ++j) {
+      TORCH_CHECK(idx[j] != idx[i], "gdr_varlen_pool: slot ", idx[i], " twice");
+    }
+    if (tracking && toff[i] > 0) {
+      TORCH_CHECK(toff[i] <= cu[i + 1] - cu[i] && tidx[i] >= 0 && tidx[i] < S,
+                  "gdr_varlen_pool: track offset past the sequence or track slot out of range");
+    }
+  }
+  for (int64_t i = 0; tracking && i < N; ++i) {  // a track slot is written while others run
+    for (int64_t j = 0; toff[i] > 0 && j < N; ++j) {
+      TORCH_CHECK(tidx[i] != idx[j], "gdr_varlen_pool: track slot ", tidx[i], " is also a "
+                  "sequence's slot");
+    }
+  }
+  const int64_t ratio = HV / H;
+  auto out = at::empty({1, T, HV, V}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *pp = pool.data_ptr<float>(), *op = out.data_ptr<float>();
+
+  // in double precision: a prompt's tokens run one after another through the state, and fp32
+  // round-off along a sequence grows (the judge, transformers' chunked form, rounds
+  // differently); the state is rounded to fp32 only where it is stored, the outputs at the end.
+  // q, k normalised and scaled once per token and key head, key head major ([H, T, K]: a job
+  // streams its head's tokens from contiguous memory):
+  std::vector<double> qn(T * H * K), kn(T * H * K);
+  auto normalise = [K, l2norm](const float* src, double* dst, double scale) {
+    double mult = scale;
+    if (l2norm) {
+      double ss = 0.0;
+      for (int64_t c = 0; c < K; ++c) ss += static_cast<double>(src[c]) * src[c];
+      mult /= std::sqrt(ss + 1e-6);
+    }
+    for (int64_t c = 0; c < K; ++c) dst[c] = src[c] * mult;
+  };
+  at::parallel_for(0, T * H, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t r = b0; r < b1; ++r) {  // r = t * H + h
+      const int64_t dst = (r % H * T + r / H) * K;
+      normalise(qp + r * K, qn.data() + dst, scale);
+      normalise(kp + r * K, kn.data() + dst, 1.0);
+    }
+  });
+  // one job per (sequence, value head, block of kBlock state columns): the block is copied out
+  // of the pool into a dense [K, kBlock] buffer (16 KB at K = 128, zero-padded past V; strided
+  // in the pool its rows would fall into few L1 sets) that stays in L1 through all the tokens
+  constexpr int kBlock = 16;
+  const int64_t nb = (V + kBlock - 1) / kBlock;
+  at::parallel_for(0, N * HV * nb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> block(K * kBlock);
+    double vt[kBlock], ot[kBlock];
+    auto store = [&](float* dst, int64_t n) {  // the block into pool columns [j0, j0 + n)
+      for (int64_t r = 0; r < K; ++r) {
+        for (int64_t j = 0; j < n; ++j) dst[r * V + j] = static_cast<float>(block[r * kBlock + j]);
+      }
+    };
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / (HV * nb), hv = job / nb % HV, hk = hv / ratio;
+      const int64_t j0 = job % nb * kBlock, n = std::min<int64_t>(kBlock, V - j0);
+      float* state = pp + (idx[i] * HV + hv) * K * V + j0;
+      const int64_t track = tracking && toff[i] > 0 ? cu[i] + toff[i] : -1;
+      std::fill(block.begin(), block.end(), 0.0);
+      for (int64_t r = 0; r < K; ++r) {
+        for (int64_t j = 0; j < n; ++j) block[r * kBlock + j] = state[r * V + j];
+      }
+      std::fill(vt, vt + kBlock, 0.0);
+      for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
+        const int64_t vh = t * HV + hv, qk = (hk * T + t) * K;
+        for (int64_t j = 0; j < n; ++j) vt[j] = vp[vh * V + j0 + j];
+        hs::delta_rule_block<double, kBlock>(block.data(), kn.data() + qk, qn.data() + qk, vt,
+                                             std::exp(static_cast<double>(gp[vh])),
+                                             static_cast<double>(bp[vh]), K, ot);
+        for (int64_t j = 0; j < n; ++j) op[vh * V + j0 + j] = static_cast<float>(ot[j]);
+        if (t + 1 == track) store(pp + (tidx[i] * HV + hv) * K * V + j0, n);
+      }
+      store(state, n);
+    }
+  });
+  return out;
+}
+
 // ---- causal conv1d, one decode step on the state pool, in place ---------------------------
 
 // x [B,D] fp32; conv_state [S,D,W-1] fp32 (in place); weight [D,W] fp32; indices [B] int64.
@@ -121,6 +241,82 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
   return out;
 }
 
+// Causal conv1d prefill over packed sequences on the conv-state pool, in place. x [T, D] fp32
+// token-major (the channel-first [D, T] input transposed); conv_states [S, D, W-1] fp32; weight
+// [D, W]; query_start_loc [N+1], cache_indices [N], has_initial_state [N] int64 (a negative
+// index is padding: zero output, no state touched; otherwise distinct live slots). Sequence i
+// runs over the window [its state (or zeros) | its tokens]: y_t = act(sum_j w_j window_{t+j}),
+// and its state becomes the window's last W-1 entries. Returns y [T, D].
+at::Tensor conv1d_varlen_pool(const at::Tensor& x, at::Tensor conv_states,
+                              const at::Tensor& weight, const at::Tensor& query_start_loc,
+                              const at::Tensor& cache_indices,
+                              const at::Tensor& has_initial_state, bool silu) {
+  TORCH_CHECK(x.is_contiguous() && conv_states.is_contiguous() && weight.is_contiguous() &&
+                  x.scalar_type() == at::kFloat && conv_states.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat,
+              "conv1d_varlen_pool: contiguous fp32 x, states and weight expected");
+  for (const at::Tensor* t : {&query_start_loc, &cache_indices, &has_initial_state}) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kLong,
+                "conv1d_varlen_pool: int64 starts, indices and initial-state flags expected");
+  }
+  const int64_t T = x.size(0), D = x.size(1), W = weight.size(1), S = conv_states.size(0);
+  const int64_t N = cache_indices.numel();
+  TORCH_CHECK(W >= 2 && weight.size(0) == D && conv_states.size(1) == D &&
+                  conv_states.size(2) == W - 1 && query_start_loc.numel() == N + 1 &&
+                  has_initial_state.numel() == N,
+              "conv1d_varlen_pool: shapes");
+  const int64_t* qs = query_start_loc.data_ptr<int64_t>();
+  const int64_t* idx = cache_indices.data_ptr<int64_t>();
+  const int64_t* init = has_initial_state.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[N] == T, "conv1d_varlen_pool: starts must span the tokens");
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(qs[i + 1] >= qs[i] && idx[i] < S, "conv1d_varlen_pool: starts or slot");
+    for (int64_t j = 0; j < i && idx[i] >= 0; ++j) {
+      TORCH_CHECK(idx[j] != idx[i], "conv1d_varlen_pool: slot ", idx[i], " twice");
+    }
+  }
+  auto out = at::zeros({T, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *sp = conv_states.data_ptr<float>(), *op = out.data_ptr<float>();
+  constexpr int64_t kCh = 64;  // channels per job, vectorised across
+  const int64_t nb = (D + kCh - 1) / kCh;
+  at::parallel_for(0, N * nb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wt(W * kCh), hist((W - 1) * kCh);  // [W][kCh], [W-1][kCh]
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / nb, c0 = job % nb * kCh, nc = std::min(kCh, D - c0);
+      const int64_t lo = qs[i], L = qs[i + 1] - lo;
+      if (idx[i] < 0) continue;
+      float* state = sp + idx[i] * D * (W - 1);
+      for (int64_t c = 0; c < nc; ++c) {
+        for (int64_t j = 0; j < W; ++j) wt[j * kCh + c] = wp[(c0 + c) * W + j];
+        for (int64_t j = 0; j + 1 < W; ++j) {
+          hist[j * kCh + c] = init[i] ? state[(c0 + c) * (W - 1) + j] : 0.f;
+        }
+      }
+      // window entry r: the history for r < W-1, else token lo + r - (W-1)
+      auto entry = [&](int64_t r) -> const float* {
+        return r < W - 1 ? hist.data() + r * kCh : xp + (lo + r - (W - 1)) * D + c0;
+      };
+      for (int64_t t = 0; t < L; ++t) {
+        float* y = op + (lo + t) * D + c0;
+        const float* e0 = entry(t);
+        for (int64_t c = 0; c < nc; ++c) y[c] = wt[c] * e0[c];
+        for (int64_t j = 1; j < W; ++j) {
+          const float* e = entry(t + j);
+          const float* w = wt.data() + j * kCh;
+          for (int64_t c = 0; c < nc; ++c) y[c] += w[c] * e[c];
+        }
+        if (silu) hs::silu_inplace(y, nc);
+      }
+      for (int64_t j = 0; j + 1 < W; ++j) {  // new state: window entries L .. L+W-2
+        const float* e = entry(L + j);
+        for (int64_t c = 0; c < nc; ++c) state[(c0 + c) * (W - 1) + j] = e[c];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace hs {
@@ -138,13 +334,21 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY(hybrid_serve, m) {
   m.def("gdr_recurrent_pool(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, "
         "Tensor indices, float scale, bool l2norm) -> Tensor");
+  m.def("gdr_varlen_pool(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, "
+        "Tensor cu_seqlens, Tensor indices, Tensor track_offsets, Tensor track_indices, "
+        "float scale, bool l2norm) -> Tensor");
   m.def("conv1d_update_pool(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor indices, "
         "bool silu) -> Tensor");
+  m.def("conv1d_varlen_pool(Tensor x, Tensor(a!) conv_states, Tensor weight, "
+        "Tensor query_start_loc, Tensor cache_indices, Tensor has_initial_state, bool silu) "
+        "-> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
   m.impl("gdr_recurrent_pool", &gdr_recurrent_pool);
+  m.impl("gdr_varlen_pool", &gdr_varlen_pool);
   m.impl("conv1d_update_pool", &conv1d_update_pool);
+  m.impl("conv1d_varlen_pool", &conv1d_varlen_pool);
   m.impl("skinny_linear", &hs::skinny_linear);
 }

@@ -19,6 +19,7 @@
 #include "delta_rule.h"
 #include "decode_ops.h"
 #include "lanes.h"
+#include "silu.h"
 #include "pool_slots.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -27,42 +28,6 @@
 #endif
 
 namespace {
-
-#ifdef GDN_AVX2
-// exp on 8 lanes: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p a
-// degree-6 minimax polynomial: within 2 ulp of expf over [-87, 88].
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
-// y[i] = y[i] / (1 + exp(-y[i])), in place.
-inline void silu_inplace(float* y, int64_t n) {
-  int64_t i = 0;
-#ifdef GDN_AVX2
-  const __m256 one = _mm256_set1_ps(1.f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(y + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
-    _mm256_storeu_ps(y + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
-  }
-#endif
-  for (; i < n; ++i) y[i] = y[i] / (1.f + std::exp(-y[i]));
-}
 
 #ifdef GDN_AVX2
 inline __m256i lanes(int a, int b, int c, int d, int e, int f, int g, int h) {
@@ -121,7 +86,7 @@ inline void conv_row(const float* x, float* window, const float* wt, float* y, i
     h[W - 2] = x[c];
     y[c] = acc;
   }
-  silu_inplace(y, D);
+  hs::silu_inplace(y, D);
 }
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
@@ -208,7 +173,7 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
       const float* z = xp + b * row + conv_dim + hv * dv;
       float* y = op + b * value_dim + hv * dv;
       for (int64_t j = 0; j < dv; ++j) y[j] = z[j];
-      silu_inplace(y, dv);
+      hs::silu_inplace(y, dv);
       for (int64_t j = 0; j < dv; ++j) y[j] = (nwp[j] * (o[j] * r)) * y[j];
     }
   });

@@ -103,6 +103,105 @@ def test_gdr_other_forms_fall_back_to_the_reference() -> None:
     torch.testing.assert_close(cpp_pool, ref_pool, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("lengths", "H", "HV", "K", "V", "offsets"),
+    [
+        ([130, 64, 1, 0, 40, 128], 1, 2, 16, 24, [128, 64, 0, 0, 0, 64]),  # GQA 2, tracking
+        ([7, 70], 2, 2, 32, 16, None),  # ratio 1, no tracking
+        ([200], 4, 8, 128, 128, [192]),  # the small preset's heads, one long prompt
+    ],
+)
+def test_gdr_varlen_prefill_matches_the_chunked_reference(lengths, H, HV, K, V, offsets) -> None:
+    """The token-by-token C++ prefill against the torch chunked form on a packed batch: outputs,
+    final states in the sequences' slots, tracked states in the track slots, every other slot
+    untouched. (5e-5: the chunked form's own distance from the exact recurrence, as in
+    test_reference_ops.)"""
+    from kernels.gated_delta_rule_cpp import chunk_gated_delta_rule as cpp_op
+
+    torch.manual_seed(sum(lengths) + K)
+    n, T = len(lengths), sum(lengths)
+    n_slots = 2 * n + 3
+    pool = torch.randn(n_slots, HV, K, V) * 0.5
+    perm = (torch.randperm(n_slots - 1) + 1).tolist()
+    indices, track = torch.tensor(perm[:n]), torch.tensor(perm[n : 2 * n])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v, g, beta = gdr_decode_inputs(1, T, H, HV, K, V)
+    kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True, initial_state_indices=indices)
+    if offsets is not None:
+        kw |= dict(track_offsets=torch.tensor(offsets), track_indices=track)
+    ref_pool, cpp_pool = pool.clone(), pool.clone()
+    ref, _ = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=ref_pool, **kw)
+    out, none = cpp_op(q, k, v, g, beta, initial_state=cpp_pool, **kw)
+    assert none is None and out.shape == (1, T, HV, V) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=0)
+    tracked = [t for t, o in zip(track.tolist(), offsets, strict=True) if o] if offsets else []
+    written = indices.tolist() + tracked
+    torch.testing.assert_close(cpp_pool[written], ref_pool[written], atol=5e-5, rtol=0)
+    others = [s for s in range(n_slots) if s not in written]
+    assert torch.equal(cpp_pool[others], pool[others])
+
+
+def test_gdr_prefill_dense_batch_and_refusals() -> None:
+    """A dense [B, T] batch runs as B packed sequences; a slot given twice, or a track slot that
+    is also a sequence's slot, is refused (states would race); other forms fall back."""
+    from kernels.gated_delta_rule_cpp import chunk_gated_delta_rule as cpp_op
+
+    torch.manual_seed(3)
+    q, k, v, g, beta = gdr_decode_inputs(3, 9, 1, 2, 16, 16)
+    pool = torch.randn(5, 2, 16, 16)
+    ref_pool, cpp_pool = pool.clone(), pool.clone()
+    kw = dict(use_qk_l2norm_in_kernel=True, initial_state_indices=torch.tensor([4, 1, 2]))
+    ref, _ = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=ref_pool, **kw)
+    out, _ = cpp_op(q, k, v, g, beta, initial_state=cpp_pool, **kw)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(cpp_pool, ref_pool, atol=2e-5, rtol=1e-5)
+
+    packed = [x.reshape(1, 27, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    cu = torch.tensor([0, 9, 18, 27])
+    with pytest.raises(RuntimeError, match="slot 1 twice"):
+        cpp_op(*packed, initial_state=pool, cu_seqlens=cu,
+               initial_state_indices=torch.tensor([1, 2, 1]))  # fmt: skip
+    with pytest.raises(RuntimeError, match="track slot 2 is also a sequence's slot"):
+        cpp_op(*packed, initial_state=pool, cu_seqlens=cu,
+               initial_state_indices=torch.tensor([1, 2, 3]),
+               track_offsets=torch.tensor([8, 0, 0]),
+               track_indices=torch.tensor([2, 0, 0]), chunk_size=8)  # fmt: skip
+    h0 = torch.randn(3, 2, 16, 16)  # no pool: the reference, final states returned
+    kw = dict(initial_state=h0, output_final_state=True)
+    ref, ref_ht = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    out, ht = cpp_op(q, k, v, g, beta, **kw)
+    assert torch.equal(out, ref) and torch.equal(ht, ref_ht)
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_conv1d_prefill_matches_reference(activation) -> None:
+    """Packed sequences (shorter than the window, long), with and without initial
+    states, one padding row, channels not a multiple of the kernel's block: outputs and the
+    states left behind."""
+    from kernels.causal_conv1d_cpp import causal_conv1d_fn as cpp_fn
+
+    torch.manual_seed(5)
+    D, W, lengths = 70, 4, [1, 2, 3, 9, 130, 5]
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    T = int(starts[-1])
+    x = torch.randn(T, D).t()  # channel-first view of token-major rows, as the model passes it
+    weight = torch.randn(D, W) * 0.3
+    states = torch.randn(10, D, W - 1)
+    idx = torch.tensor([3, 7, 1, PAD_SLOT_ID, 9, 4])
+    init = torch.tensor([True, False, True, True, True, False])
+    ref_states, cpp_states = states.clone(), states.clone()
+    ref = causal_conv1d.causal_conv1d_fn(
+        x, weight, None, ref_states, starts, idx, init, activation
+    )  # fmt: skip
+    out = cpp_fn(x, weight, None, cpp_states, starts, idx, init, activation)
+    assert out.shape == (D, T)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[:, 6:15], torch.zeros(D, 9))  # the padding row's tokens
+    torch.testing.assert_close(cpp_states, ref_states, atol=0, rtol=0)  # copies of inputs
+    with pytest.raises(RuntimeError, match="slot 3 twice"):
+        cpp_fn(x, weight, None, states, starts, torch.tensor([3, 7, 1, 2, 3, 4]), init)
+
+
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_conv1d_update_matches_reference(activation) -> None:
     from kernels.causal_conv1d_cpp import causal_conv1d_update as cpp_op
