@@ -6,11 +6,13 @@ median and min wall time in ms, tokens/s (from the median), the ratio to transfo
 (below 1 means faster), and the largest |logit| difference to transformers in the last run.
 `--prefill-len 0` skips the prefill case.
 
-- prefill: one prompt of `--prefill-len` random token ids from position 0. Ours: every repeat
-  gets a fresh request row, Mamba slot (zeroed) and KV locations, freed after the repeat; the
+- prefill: `--prefill-batch` prompts (default one) of `--prefill-len` random token ids from
+  position 0, in one forward. Ours: every repeat gets fresh request rows, Mamba slots (zeroed)
+  and KV locations, freed after the repeat, and packs the prompts into one ragged batch; the
   clock covers `runner.forward(batch)` only. Transformers: `model(ids, use_cache=True,
-  logits_to_keep=1)` with no prior cache (a new cache is built inside the timed call). Both
-  compute logits for the last token only, as our runner does.
+  logits_to_keep=1)` on the [prompts, length] batch with no prior cache (a new cache is built
+  inside the timed call). Both compute logits for each prompt's last token only, as our runner
+  does.
 - decode at batch B: B distinct prompts of `--context-len` tokens are prefilled once. Every timed
   step then starts from exactly `--context-len` cached tokens per sequence: ours copies each
   request's recurrent state back from a snapshot slot (outside the clock) and writes the new
@@ -81,17 +83,19 @@ def measure(steps: dict[str, Step], warmup: int, repeats: int, desc: str) -> dic
     return {name: [times[name], last[name]] for name in steps}
 
 
-def ours_prefill(runner: ModelRunner, ids: list[int]) -> Step:
+def ours_prefill(runner: ModelRunner, prompts: list[list[int]]) -> Step:
     def make():
-        req = runner.req_pool.alloc(1)[0]
-        slot = int(runner.mamba_pool.alloc(1)[0])  # alloc zeroes the state
-        loc = runner.alloc_kv(req, 0, len(ids))
-        batch = runner.build_prefill([ExtendInput(req, slot, 0, ids)], [loc])
+        reqs = runner.req_pool.alloc(len(prompts))
+        slots = runner.mamba_pool.alloc(len(prompts)).tolist()  # alloc zeroes the states
+        locs = [runner.alloc_kv(r, 0, len(ids)) for r, ids in zip(reqs, prompts, strict=True)]
+        items = [ExtendInput(r, s, 0, ids) for r, s, ids in zip(reqs, slots, prompts, strict=True)]
+        batch = runner.build_prefill(items, locs)
 
         def cleanup() -> None:
-            runner.free_kv(req, len(ids))
-            runner.mamba_pool.free([slot])
-            runner.req_pool.free(req)
+            for r, ids in zip(reqs, prompts, strict=True):
+                runner.free_kv(r, len(ids))
+            runner.mamba_pool.free(slots)
+            runner.req_pool.free(reqs)
 
         return lambda: runner.forward(batch), cleanup
 
@@ -143,8 +147,8 @@ def ours_decode(
     return make, free
 
 
-def hf_prefill(model, ids: list[int]) -> Step:
-    x = torch.tensor([ids])
+def hf_prefill(model, prompts: list[list[int]]) -> Step:
+    x = torch.tensor(prompts)  # equal lengths: no padding
 
     def run() -> torch.Tensor:
         return model(input_ids=x, use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -217,12 +221,12 @@ def summarize(name: str, tokens: int, res: dict[str, list]) -> dict:
 
 
 def print_table(rows: list[dict], variants: list[str]) -> None:
-    print(f"{'case':<14}{'variant':<14}{'ms (min)':>18}{'tok/s':>10}{'/hf':>7}{'max|dlogit|':>13}")
+    print(f"{'case':<18}{'variant':<14}{'ms (min)':>18}{'tok/s':>10}{'/hf':>7}{'max|dlogit|':>13}")
     for r in rows:
         for who in (v for v in variants if v in r):  # no compiled prefill
             o = r[who]
             print(
-                f"{r['case']:<14}{who:<14}{o['median_ms']:>9.1f} ({o['min_ms']:>6.1f})"
+                f"{r['case']:<18}{who:<14}{o['median_ms']:>9.1f} ({o['min_ms']:>6.1f})"
                 f"{o['tok_s']:>10.1f}{o['ratio']:>7.2f}{o['max_abs_logit_diff']:>13.2e}"
             )
 
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rewrite-preset", action="store_true", help="rewrite a cached preset")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--prefill-batch", type=int, default=1, help="prompts in the prefill")
     p.add_argument("--decode-batch-sizes", default="1,8,32")
     p.add_argument("--context-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=7)
@@ -289,10 +294,12 @@ def main(argv: list[str] | None = None) -> None:
     # the compiled and plan variants decode their own requests
     sets = 1 + (args.compile != "off") + args.plan
     cfg = RunnerConfig(
-        max_running_requests=sets * max_b + 1,
-        max_total_tokens=sets * max_b * (args.context_len + 1) + args.prefill_len + 64,
+        max_running_requests=max(sets * max_b, args.prefill_batch) + 1,
+        max_total_tokens=sets * max_b * (args.context_len + 1)
+        + args.prefill_batch * args.prefill_len
+        + 64,
         max_context_len=max(args.prefill_len, args.context_len + 1),
-        mamba_cache_size=sets * 2 * max_b + 1,
+        mamba_cache_size=max(sets * 2 * max_b, args.prefill_batch) + 1,
         dtype=args.dtype,
     )
     runner = ModelRunner.from_path(str(path), cfg)
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(vocab, (args.prefill_len,), generator=gen).tolist()
+    prompts = torch.randint(vocab, (args.prefill_batch, args.prefill_len), generator=gen).tolist()
     contexts = torch.randint(vocab, (max_b, args.context_len), generator=gen)
     next_ids = torch.randint(vocab, (max_b,), generator=gen)
 
@@ -323,11 +330,14 @@ def main(argv: list[str] | None = None) -> None:
             p.error("no CPU decode plan for this model or kernel choice")
         variants.insert(-1, "ours-plan")
     with torch.inference_mode():
-        steps = {f"ours-{m}": with_kernels(ours_prefill(runner, prompt), m) for m in modes}
-        steps["hf"] = hf_prefill(hf, prompt)
+        steps = {f"ours-{m}": with_kernels(ours_prefill(runner, prompts), m) for m in modes}
+        steps["hf"] = hf_prefill(hf, prompts)
         if args.prefill_len:
-            res = measure(steps, args.warmup, args.repeats, f"prefill {args.prefill_len}")
-            rows.append(summarize(f"prefill {args.prefill_len}", args.prefill_len, res))
+            label = f"prefill {args.prefill_len}"
+            if args.prefill_batch > 1:
+                label = f"prefill {args.prefill_batch} x {args.prefill_len}"
+            res = measure(steps, args.warmup, args.repeats, label)
+            rows.append(summarize(label, args.prefill_batch * args.prefill_len, res))
         for b in batch_sizes:
             ours_step, free = ours_decode(runner, contexts[:b], next_ids[:b])
             steps = {f"ours-{m}": with_kernels(ours_step, m) for m in modes}

@@ -23,7 +23,7 @@ compiler, or when compiling fails, one warning and eager. `static_buffers=True` 
 path's padded buffer filling eagerly, for tests.
 
 Where nothing is compiled, CPU batches of up to `models.cpu_decode.MAX_ROWS` rows (and
-`--cuda-graph-max-bs`) replay the model's C++ op calls without the module tree
+`--cuda-graph-max-bs`) run the step as one C++ call over the model's C++ ops
 (`models.cpu_decode.CpuDecodePlan`, bit-identical to the eager step) whenever the model and the
 kernel choice allow it; `--disable-cuda-graph` turns that off too.
 """
