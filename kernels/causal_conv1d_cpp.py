@@ -18,6 +18,18 @@ from kernels import causal_conv1d, cpp_build
 from kernels.causal_conv1d import PAD_SLOT_ID
 
 
+def _ops(bias, activation, pad_slot_id: int, states: torch.Tensor):
+    """The C++ ops where they cover these arguments, else None."""
+    covered = (
+        bias is None
+        and activation in (None, "silu", "swish")
+        and pad_slot_id == PAD_SLOT_ID
+        and states.dtype == torch.float32
+        and states.is_contiguous()
+    )
+    return cpp_build.load() if covered else None
+
+
 def causal_conv1d_update(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -27,16 +39,8 @@ def causal_conv1d_update(
     conv_state_indices: torch.Tensor | None = None,
     pad_slot_id: int = PAD_SLOT_ID,
 ) -> torch.Tensor:
-    ops = cpp_build.load()
-    if (
-        ops is None
-        or bias is not None
-        or activation not in (None, "silu", "swish")
-        or conv_state_indices is None
-        or pad_slot_id != PAD_SLOT_ID
-        or conv_state.dtype != torch.float32
-        or not conv_state.is_contiguous()
-    ):
+    ops = _ops(bias, activation, pad_slot_id, conv_state)
+    if ops is None or conv_state_indices is None:
         return causal_conv1d.causal_conv1d_update(
             x, conv_state, weight, bias, activation, conv_state_indices, pad_slot_id
         )
@@ -61,15 +65,8 @@ def causal_conv1d_fn(
     activation: str | None = "silu",
     pad_slot_id: int = PAD_SLOT_ID,
 ) -> torch.Tensor:
-    ops = cpp_build.load()
-    if (
-        ops is None
-        or bias is not None
-        or activation not in (None, "silu", "swish")
-        or pad_slot_id != PAD_SLOT_ID
-        or conv_states.dtype != torch.float32
-        or not conv_states.is_contiguous()
-    ):
+    ops = _ops(bias, activation, pad_slot_id, conv_states)
+    if ops is None:
         return causal_conv1d.causal_conv1d_fn(
             x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
             activation, pad_slot_id,
