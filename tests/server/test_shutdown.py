@@ -32,7 +32,7 @@ def wait_exit(srv, kids: list[int], timeout: float = 60) -> int:
 def test_sigterm_under_load_drains_and_every_request_gets_an_end(tiny_path, tmp_path):
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
-    cmd += ["--served-model-name", MODEL_NAME, "--context-length", "4096"]
+    cmd += ["--served-model-name", MODEL_NAME, "--context-length", "16384"]
     cmd += ["--max-running-requests", "4", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     srv = start(cmd, log)
     srv.wait_healthy()
@@ -50,10 +50,12 @@ def test_sigterm_under_load_drains_and_every_request_gets_an_end(tiny_path, tmp_
         )
         out[name] = (r.status_code, r.json())
 
-    # long streams and a long non-streaming request (aborted after the grace period), a short
-    # stream that finishes inside it, and a fifth request queued behind the four running
-    jobs = [(stream, "long1", 3000), (stream, "long2", 3000), (plain, "plain", 3000)]
-    jobs += [(stream, "short", 60), (stream, "queued", 3000)]
+    # long streams and a long non-streaming request (aborted after the grace period: 3,000
+    # tokens no longer outlast it on a 2-core machine), a short stream that finishes inside it,
+    # and a fifth request queued behind the four running (all fit the 65,536-token KV pool)
+    long = 15000
+    jobs = [(stream, "long1", long), (stream, "long2", long), (plain, "plain", long)]
+    jobs += [(stream, "short", 60), (stream, "queued", long)]
     threads = [threading.Thread(target=f, args=(n, m)) for f, n, m in jobs]
     for t in threads:
         t.start()
