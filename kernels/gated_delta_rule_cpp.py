@@ -21,8 +21,9 @@ recurrence landed 1.6e-4 from transformers' logits on a 17-token prompt (its chu
 rounds differently), against 7e-5 in double (the torch chunked form: 3e-5; transformers itself
 is 5e-5 from a float64 run). On this project's CPU it is 2.5x faster than the torch chunked form
 on one 2,000-token sequence (52 against 129 ms per layer, small preset heads), and it has no
-Python loop over the sequences of a packed prefill (64 prompts of 32 tokens: 1.55x on the whole
-prefill). The pool form only (packed or dense); every other form runs the torch reference.
+Python loop over the sequences of a packed prefill (with the C++ prefill conv, 64 prompts of 32
+tokens prefill 1.7x faster: BENCHMARKS.md, session 8). The pool form only (packed or dense);
+every other form runs the torch reference.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ from __future__ import annotations
 import torch
 
 from kernels import cpp_build, gated_delta_rule
+
+
+def _pool_ops(initial_state: torch.Tensor | None, initial_state_indices: torch.Tensor | None):
+    """The C++ ops for the pool form (an fp32 contiguous state pool with indices), else None."""
+    pool_form = (
+        initial_state_indices is not None
+        and initial_state is not None
+        and initial_state.dtype == torch.float32
+        and initial_state.is_contiguous()
+    )
+    return cpp_build.load() if pool_form else None
 
 
 def fused_recurrent_gated_delta_rule(
@@ -45,15 +57,8 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     initial_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    ops = cpp_build.load()
-    if (
-        ops is None
-        or cu_seqlens is not None
-        or initial_state_indices is None
-        or initial_state is None
-        or initial_state.dtype != torch.float32
-        or not initial_state.is_contiguous()
-    ):
+    ops = _pool_ops(initial_state, initial_state_indices)
+    if ops is None or cu_seqlens is not None:
         return gated_delta_rule.fused_recurrent_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             use_qk_l2norm_in_kernel, initial_state_indices,
@@ -84,14 +89,8 @@ def chunk_gated_delta_rule(
     track_offsets: torch.Tensor | None = None,
     track_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    ops = cpp_build.load()
-    if (
-        ops is None
-        or initial_state_indices is None
-        or initial_state is None
-        or initial_state.dtype != torch.float32
-        or not initial_state.is_contiguous()
-    ):
+    ops = _pool_ops(initial_state, initial_state_indices)
+    if ops is None:
         return gated_delta_rule.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             use_qk_l2norm_in_kernel, initial_state_indices, chunk_size, track_offsets,

@@ -27,7 +27,6 @@ fused MoE's limit and the fp32 GEMV's). `CpuDecodePlan.build` returns None for a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -42,23 +41,6 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = min(SKINNY_ROWS, moe_step_cpp.MAX_TOKENS, SparseMoE.FUSED_MAX_TOKENS)
 MATRIX_DTYPES = (torch.float32, torch.bfloat16)  # `models.loader.matrices`; all else fp32
-
-
-@dataclass(frozen=True)
-class PlannedLayer:
-    """One decoder layer's op arguments. `index`: the layer's place among its kind (its pool
-    layer); `mixer`: gdn_decode's or attn_decode's weight arguments."""
-
-    attention: bool
-    index: int
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    eps: float  # the input norm's
-    post_eps: float
-    in_projs: list[torch.Tensor]  # GDN: [qkvz, ba]; attention: [q (with gate), k, v]
-    out_proj: torch.Tensor
-    mixer: tuple
-    moe: tuple  # moe_decode's arguments after x
 
 
 def unsupported(model: Qwen3NextForCausalLM) -> str | None:
@@ -93,31 +75,31 @@ def pools_unsupported(kv_pool, mamba_pool, req_to_token: torch.Tensor) -> str | 
     return None
 
 
-def plan_layer(layer) -> PlannedLayer:
-    norm, post = layer.input_layernorm, layer.post_attention_layernorm
-    moe = layer.mlp
-    moe_args = (
+def layer_args(layer) -> tuple[list[torch.Tensor], list[int], list[float]]:
+    """One decoder layer's op arguments as (tensors, ints, floats), in the per-layer layout
+    that `DecodeStep`'s constructor reads (described in kernels/csrc/decode_step.cpp)."""
+    norm, post, moe = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+    tensors = [norm.weight, post.weight]
+    moe_weights = [
         moe.gate.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
         moe.shared_expert_gate.weight, moe.shared_expert.gate_proj.weight,
-        moe.shared_expert.up_proj.weight, moe.shared_expert.down_proj.weight, moe.top_k,
-        moe.norm_topk_prob,
-    )  # fmt: skip
+        moe.shared_expert.up_proj.weight, moe.shared_expert.down_proj.weight,
+    ]  # fmt: skip
     if layer.is_full_attention:
         a = layer.self_attn
-        return PlannedLayer(
-            True, a.attn_layer_id, norm.weight, post.weight, norm.eps, post.eps,
-            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], a.o_proj.weight,
-            (a.q_norm.weight, a.k_norm.weight, a.num_heads, float(a.scale), float(a.q_norm.eps)),
-            moe_args,
-        )  # fmt: skip
-    g = layer.linear_attn
-    return PlannedLayer(
-        False, g.linear_layer_id, norm.weight, post.weight, norm.eps, post.eps,
-        [g.in_proj_qkvz.weight, g.in_proj_ba.weight], g.out_proj.weight,
-        (g.conv1d.weight.squeeze(1).contiguous(), g.A_log, g.dt_bias, g.norm.weight,
-         g.num_k_heads, float(g.norm.eps)),
-        moe_args,
-    )  # fmt: skip
+        tensors += [a.o_proj.weight, *moe_weights, a.q_proj.weight, a.k_proj.weight,
+                    a.v_proj.weight, a.q_norm.weight, a.k_norm.weight]  # fmt: skip
+        ints = [1, a.attn_layer_id, a.num_heads]
+        mixer_floats = [float(a.q_norm.eps), float(a.scale)]
+    else:
+        g = layer.linear_attn
+        conv = g.conv1d.weight.squeeze(1).contiguous()  # [D, W]
+        tensors += [g.out_proj.weight, *moe_weights, g.in_proj_qkvz.weight, g.in_proj_ba.weight,
+                    conv, g.A_log, g.dt_bias, g.norm.weight]  # fmt: skip
+        ints = [0, g.linear_layer_id, g.num_k_heads]
+        mixer_floats = [float(g.norm.eps), 0.0]
+    ints += [moe.top_k, int(moe.norm_topk_prob)]
+    return tensors, ints, [norm.eps, post.eps, *mixer_floats]
 
 
 class CpuDecodePlan:
@@ -129,19 +111,12 @@ class CpuDecodePlan:
         self.model = model
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary
-        self.layers = [plan_layer(layer) for layer in model.model.layers]
         tensors, ints, floats = [], [], []
-        for p in self.layers:  # decode_step.cpp's layout
-            tensors += [p.input_norm, p.post_norm, p.out_proj, *p.moe[:7], *p.in_projs]
-            if p.attention:
-                q_norm, k_norm, heads, scale, eps = p.mixer
-                tensors += [q_norm, k_norm]
-            else:
-                *weights, heads, eps = p.mixer
-                tensors += weights
-                scale = 0.0
-            ints += [int(p.attention), p.index, heads, p.moe[7], int(p.moe[8])]
-            floats += [p.eps, p.post_eps, eps, scale]
+        for layer in model.model.layers:
+            t, i, f = layer_args(layer)
+            tensors += t
+            ints += i
+            floats += f
         norm = model.model.norm
         self.step = torch.classes.hybrid_serve.DecodeStep(
             tensors, ints, floats, norm.weight, norm.eps, model.lm_head.weight
