@@ -11,21 +11,22 @@ Same signature and contract as `kernels.linear.linear`.
   to 64 rows, measured on the decode step).
 - more rows, up to `GEMM_MAX_ROWS` (fp32 weights) or `BF16_GEMM_MAX_ROWS` (bf16): a C++ GEMM
   (`kernels/csrc/gemm.cpp`, `tiled_linear`) on the weight as stored, [N, K] row-major with no
-  packed copy: register tiles of 4 rows of x by 3 weight rows, weight blocks kept in L2 while all
-  of x passes over them, bf16 widened in registers, fp32 accumulation. At decode batch sizes it
-  beats MKL's `F.linear` on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
+  packed copy: x packed into 16-row panels once per call, outer-product register tiles of 6
+  weight rows by 16 rows of x, weight blocks kept in L2 while the panels pass over them, bf16
+  widened a block at a time, fp32 accumulation. At decode batch sizes it beats MKL's `F.linear`
+  on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
   `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
   turns this GEMM and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
   paths before them come back (rows beyond the GEMV's take `F.linear`, MKL, bf16 weights
   widened; the experts torch's grouped GEMM or the loop).
-  The limits: in fp32 the GEMM serves decode batches, up to 64 rows, where it beats MKL (1.1-2.9x
-  on the lm_head and GDN input projection at 16-64 rows, level on the mid-sized matrices at 64;
-  from 128 rows MKL is 10-25% ahead). Beyond that prefill stays on MKL, which is also what
-  transformers' reference uses: a 511-row ragged prefill of the tiny preset (whose random
-  weights amplify round-off) lands 3.0e-5 from transformers' logits on MKL and 1.02e-4 through
-  this GEMM and the fused norms, against the parity tests' 1e-4 (tests/models/test_parity.py).
-  bf16 weights have no such reference; they take the GEMM up to 1024 rows, where widening the
-  whole weight for `F.linear` stops costing much.
+  The limits: in fp32 the GEMM serves decode batches, up to 64 rows, where it beats MKL (1.6-3.9x on
+  the lm_head and GDN input projection at 16-64 rows, 0.95-1.8x on the mid-sized matrices; at 512
+  rows MKL is 10-25% ahead on the mid-sized ones). Beyond that prefill stays on MKL, which is also
+  what transformers' reference uses: a 511-row ragged prefill of the tiny preset (whose random
+  weights amplify round-off) lands 3.0e-5 from transformers' logits on MKL and 1.02e-4 through this
+  GEMM and the fused norms, against the parity tests' 1e-4 (tests/models/test_parity.py). bf16
+  weights have no such reference; they take the GEMM up to 1024 rows, where widening the whole
+  weight for `F.linear` stops costing much.
 - more rows than that (long prefills): the reference `kernels.linear.linear` (`F.linear`, the
   weight widened to x's dtype, which the large GEMM amortises). oneDNN with packed weights
   (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it builds a new primitive for

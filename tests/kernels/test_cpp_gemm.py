@@ -46,13 +46,40 @@ def test_gemm_matches_f_linear(seed, wdtype) -> None:
                                rtol=1e-5)  # fmt: skip
 
 
-@pytest.mark.parametrize(("M", "N", "K"), [(9, 1, 1), (13, 2, 7), (64, 6, 768), (11, 3, 16)])
-def test_gemm_edge_shapes(M, N, K) -> None:
-    """Tails in every direction: rows not a multiple of 4, columns below a tile, K below 8."""
+@pytest.mark.parametrize(
+    ("M", "N", "K", "wdtype"),
+    [
+        (9, 1, 1, torch.float32),
+        (13, 2, 7, torch.float32),
+        (64, 6, 768, torch.float32),
+        (11, 3, 16, torch.float32),
+        (24, 53, 600, torch.float32),  # a half panel, cache blocks of k and weight rows with tails
+        (17, 101, 257, torch.bfloat16),  # a 1-row last panel, a k block of one column
+        (80, 50, 40, torch.bfloat16),  # five panels: two m blocks
+    ],
+)
+def test_gemm_edge_shapes(M, N, K, wdtype) -> None:
+    """Tails in every direction: rows not a multiple of the 16-row panel (a last panel of at most
+    8 rows runs half a tile), weight rows below a 6-row tile and past a cache block, K below and
+    past the k block."""
     torch.manual_seed(M * N + K)
-    x, w = torch.randn(M, K), torch.randn(N, K)
+    x, w = torch.randn(M, K), torch.randn(N, K).to(wdtype)
     y = torch.ops.hybrid_serve.tiled_linear(x, w)
-    torch.testing.assert_close(y, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_gemm_row_does_not_depend_on_its_batch(wdtype) -> None:
+    """Each output is one fixed sum order: a row's result is bit-identical alone among 9 rows
+    (the GEMM's smallest), at any position of 64, and beside different rows."""
+    torch.manual_seed(5)
+    x, w = torch.randn(64, 300), torch.randn(70, 300).to(wdtype)
+    full = torch.ops.hybrid_serve.tiled_linear(x, w)
+    for lo in (0, 5, 40, 55):
+        part = torch.ops.hybrid_serve.tiled_linear(x[lo : lo + 9].contiguous(), w)
+        assert torch.equal(part, full[lo : lo + 9])
+    other = torch.cat([x[:1], torch.randn(20, 300)])
+    assert torch.equal(torch.ops.hybrid_serve.tiled_linear(other, w)[0], full[0])
 
 
 def test_gemm_non_contiguous_inputs() -> None:
