@@ -32,6 +32,13 @@ inline void norm_rope(const float* x, const float* w, const float* cos, const fl
   }
 }
 
+// Cached rows are read in token order but sit wherever the pool put them: fetch the row
+// kAhead tokens on while this one is used.
+constexpr int64_t kAhead = 6;
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(row + i);
+}
+
 }  // namespace
 
 namespace hs {
@@ -106,35 +113,54 @@ at::Tensor attn_decode(const at::Tensor& qg, const at::Tensor& k, const at::Tens
     }
   }
 
+  // one job per (row, KV head): the group of query heads that share the KV head reads each
+  // cached key and value row once; each head's sums run in the same order as alone
   auto out = at::empty({T, nH * D}, qg.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T * nH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(D), scores, acc(D);
+  at::parallel_for(0, T * nKV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * D), scores, acc(group * D), mx(group), sum(group);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t t = job / nH, h = job % nH, j = h / group, L = slp[t];
-      const float* qh = qp + (t * nH + h) * 2 * D;
-      norm_rope(qh, qw, cp + t * rot, sp + t * rot, q.data(), D, rot, e);
-      scores.resize(L);
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t l = 0; l < L; ++l) {
-        const float* kr = kb + (loc_of(t, l) * nKV + j) * D;
-        scores[l] = hs::dot8(q.data(), kr, D) * sc;
-        mx = std::max(mx, scores[l]);
+      const int64_t t = job / nKV, j = job % nKV, L = slp[t], h0 = j * group;
+      for (int64_t g = 0; g < group; ++g) {
+        norm_rope(qp + (t * nH + h0 + g) * 2 * D, qw, cp + t * rot, sp + t * rot,
+                  q.data() + g * D, D, rot, e);
       }
-      float sum = 0.f;
+      scores.resize(group * L);
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       for (int64_t l = 0; l < L; ++l) {
-        scores[l] = std::exp(scores[l] - mx);
-        sum += scores[l];
+        if (l + kAhead < L) prefetch_row(kb + (loc_of(t, l + kAhead) * nKV + j) * D, D);
+        const float* kr = kb + (loc_of(t, l) * nKV + j) * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const float s = hs::dot8(q.data() + g * D, kr, D) * sc;
+          scores[g * L + l] = s;
+          mx[g] = std::max(mx[g], s);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * L;
+        float total = 0.f;
+        for (int64_t l = 0; l < L; ++l) {
+          sg[l] = std::exp(sg[l] - mx[g]);
+          total += sg[l];
+        }
+        sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {
-        const float p = scores[l] / sum;
+        if (l + kAhead < L) prefetch_row(vb + (loc_of(t, l + kAhead) * nKV + j) * D, D);
         const float* vr = vb + (loc_of(t, l) * nKV + j) * D;
-        for (int64_t i = 0; i < D; ++i) acc[i] += p * vr[i];
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * L + l] / sum[g];
+          float* ag = acc.data() + g * D;
+          for (int64_t i = 0; i < D; ++i) ag[i] += p * vr[i];
+        }
       }
-      const float* gate = qh + D;
-      float* o = op + (t * nH + h) * D;
-      for (int64_t i = 0; i < D; ++i) o[i] = acc[i] * (1.f / (1.f + std::exp(-gate[i])));
+      for (int64_t g = 0; g < group; ++g) {
+        const float* gate = qp + (t * nH + h0 + g) * 2 * D + D;
+        const float* ag = acc.data() + g * D;
+        float* o = op + (t * nH + h0 + g) * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = ag[i] * (1.f / (1.f + std::exp(-gate[i])));
+      }
     }
   });
   return out;
