@@ -4,11 +4,11 @@
 // The weight keeps its [N, K] row-major layout (no packed copy). x is packed once per call into
 // panels of MR = 16 rows, k-major ([panel][k][16], rows past M zero), so a register tile is an
 // outer product: each k step loads one panel row (two 8-wide vectors) and broadcasts NR = 6
-// weights, 12 FMAs into 12 accumulators that hold a 6 x 16 block of y^T (a last panel of at most
-// 8 rows takes half of it). Blocking: KC columns of k at a time (a panel's 16 KB block stays in
-// L1; a lone panel takes whole fp32 rows), NC weight rows (bf16 widened into a buffer once per
-// block) stay in L2 while every panel of an m block passes over them, and on the first panel's
-// pass each tile prefetches the next tile's fp32 weights. Threads split the weight rows
+// weights (bf16 two at a time, widened exactly in registers), 12 FMAs into 12 accumulators that
+// hold a 6 x 16 block of y^T (a last panel of at most 8 rows takes half of it). Blocking: KC
+// columns of k at a time (a panel's 16 KB block stays in L1; a lone panel takes whole rows), NC
+// weight rows stay in L2 while every panel of an m block passes over them, and on the first
+// panel's pass each tile prefetches the next tile's weights. Threads split the weight rows
 // (at::parallel_for; nested inside another parallel region it runs on the calling thread).
 // Every output is the same blocked fp32 sum in k order (`tile`), whatever M is and whichever rows
 // sit beside it, so a row's result does not depend on its batch. On a 2-core AVX2 EPYC it runs
@@ -48,6 +48,40 @@ void pack_panels(const float* x, int64_t ldx, int64_t M, int64_t K, float* xp) {
 
 inline int64_t panels(int64_t M) { return (M + MR - 1) / MR; }
 
+#ifdef HS_AVX2
+// acc[i][:] += w[i * ldw + k] * x, the weights broadcast: fp32 one at a time, bf16 in pairs (one
+// 4-byte broadcast holds w[k] and w[k + 1], each widened exactly by a shift or a mask).
+template <typename W, int R, int J>
+inline void tile_steps(__m256 (&acc)[R][J], const W* w, int64_t ldw, const float* xp, int64_t k0,
+                       int64_t k1) {
+  int64_t k = k0;
+  if constexpr (std::is_same_v<W, at::BFloat16>) {
+    const __m256 hi = _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0xFFFF0000u)));
+    for (; k + 2 <= k1; k += 2) {
+      __m256 xa[J];
+      for (int j = 0; j < J; ++j) xa[j] = _mm256_loadu_ps(xp + k * MR + j * 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 pair = _mm256_broadcast_ss(reinterpret_cast<const float*>(w + i * ldw + k));
+        const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(pair), 16));
+        const __m256 b1 = _mm256_and_ps(pair, hi);
+        for (int j = 0; j < J; ++j) acc[i][j] = _mm256_fmadd_ps(b0, xa[j], acc[i][j]);
+        for (int j = 0; j < J; ++j)
+          acc[i][j] = _mm256_fmadd_ps(b1, _mm256_loadu_ps(xp + (k + 1) * MR + j * 8), acc[i][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (; k < k1; ++k) {
+    __m256 xv[J];
+    for (int j = 0; j < J; ++j) xv[j] = _mm256_loadu_ps(xp + k * MR + j * 8);
+    for (int i = 0; i < R; ++i) {
+      const __m256 b = _mm256_set1_ps(hs::load1(w + i * ldw + k));
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm256_fmadd_ps(b, xv[j], acc[i][j]);
+    }
+  }
+}
+#endif
+
 // c [R][MR] (+)= w [R rows, stride ldw][kn] times the panel block xp [kn][MR]; `first` starts
 // the sums at zero, otherwise they go on from c. Each run of KR k steps is summed from zero in
 // registers and then added to c: a blocked sum, whose round-off grows like sqrt(KR) +
@@ -55,9 +89,9 @@ inline int64_t panels(int64_t M) { return (M + MR - 1) / MR; }
 // tile that runs after this one, fetched into cache meanwhile: runs of 1 KB per weight row are
 // too short for the hardware prefetcher.
 constexpr int64_t KR = 32;
-template <int R, int J>
-inline void tile(const float* w, int64_t ldw, const float* xp, int64_t kn, float* c, bool first,
-                 const float* next) {
+template <typename W, int R, int J>
+inline void tile(const W* w, int64_t ldw, const float* xp, int64_t kn, float* c, bool first,
+                 const W* next) {
   for (int64_t k0 = 0; k0 < kn; k0 += KR) {
     const int64_t k1 = std::min(kn, k0 + KR);
     const bool start = first && k0 == 0;
@@ -65,28 +99,22 @@ inline void tile(const float* w, int64_t ldw, const float* xp, int64_t kn, float
     __m256 acc[R][J];
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < J; ++j) acc[i][j] = _mm256_setzero_ps();
-    if (next != nullptr)  // one cache line per row per 16 k
+    if (next != nullptr)  // about one cache line per row per 16 k
       for (int i = 0; i < NR; ++i)
         for (int64_t k = k0; k < k1; k += 16) _mm_prefetch(next + i * ldw + k, _MM_HINT_T0);
-#pragma GCC unroll 4
-    for (int64_t k = k0; k < k1; ++k) {
-      __m256 xv[J];
-      for (int j = 0; j < J; ++j) xv[j] = _mm256_loadu_ps(xp + k * MR + j * 8);
-      for (int i = 0; i < R; ++i) {
-        const __m256 b = _mm256_broadcast_ss(w + i * ldw + k);
-        for (int j = 0; j < J; ++j) acc[i][j] = _mm256_fmadd_ps(b, xv[j], acc[i][j]);
-      }
-    }
+    tile_steps<W, R, J>(acc, w, ldw, xp, k0, k1);
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < J; ++j) {
         float* cp = c + i * MR + j * 8;
         _mm256_storeu_ps(cp, start ? acc[i][j] : _mm256_add_ps(_mm256_loadu_ps(cp), acc[i][j]));
       }
 #else
+    (void)next;
     for (int i = 0; i < R; ++i)
       for (int l = 0; l < 8 * J; ++l) {
         float s = 0.f;
-        for (int64_t k = k0; k < k1; ++k) s = std::fma(w[i * ldw + k], xp[k * MR + l], s);
+        for (int64_t k = k0; k < k1; ++k)
+          s = std::fma(hs::load1(w + i * ldw + k), xp[k * MR + l], s);
         c[i * MR + l] = start ? s : c[i * MR + l] + s;
       }
 #endif
@@ -95,47 +123,25 @@ inline void tile(const float* w, int64_t ldw, const float* xp, int64_t kn, float
 
 // A tile of r <= NR weight rows by one panel's first 8 * j rows of x (j = 1: a last panel of at
 // most 8 rows, half the work of a whole one).
-template <int J>
-inline void tile_rows(int r, const float* w, int64_t ldw, const float* xp, int64_t kn, float* c,
-                      bool first, const float* next) {
+template <typename W, int J>
+inline void tile_rows(int r, const W* w, int64_t ldw, const float* xp, int64_t kn, float* c,
+                      bool first, const W* next) {
   static_assert(NR == 6, "tile_rows lists the row counts 1..NR");
   switch (r) {
-    case 6: return tile<6, J>(w, ldw, xp, kn, c, first, next);
-    case 5: return tile<5, J>(w, ldw, xp, kn, c, first, next);
-    case 4: return tile<4, J>(w, ldw, xp, kn, c, first, next);
-    case 3: return tile<3, J>(w, ldw, xp, kn, c, first, next);
-    case 2: return tile<2, J>(w, ldw, xp, kn, c, first, next);
-    default: return tile<1, J>(w, ldw, xp, kn, c, first, next);
+    case 6: return tile<W, 6, J>(w, ldw, xp, kn, c, first, next);
+    case 5: return tile<W, 5, J>(w, ldw, xp, kn, c, first, next);
+    case 4: return tile<W, 4, J>(w, ldw, xp, kn, c, first, next);
+    case 3: return tile<W, 3, J>(w, ldw, xp, kn, c, first, next);
+    case 2: return tile<W, 2, J>(w, ldw, xp, kn, c, first, next);
+    default: return tile<W, 1, J>(w, ldw, xp, kn, c, first, next);
   }
 }
 
-inline void any_tile(int r, int64_t rows, const float* w, int64_t ldw, const float* xp, int64_t kn,
-                     float* c, bool first, const float* next) {
-  if (rows > 8) return tile_rows<2>(r, w, ldw, xp, kn, c, first, next);
-  return tile_rows<1>(r, w, ldw, xp, kn, c, first, next);
-}
-
-// Weight rows [n0, n1) of w [*, ldw] over k [k0, k0 + kn) as fp32: fp32 weights in place (the
-// stride stays ldw), bf16 widened into buf (stride KC).
-inline const float* weight_block(const float* w, int64_t ldw, int64_t n0, int64_t n1, int64_t k0,
-                                 int64_t kn, float* buf, int64_t* ld) {
-  (void)n1, (void)kn, (void)buf;
-  *ld = ldw;
-  return w + n0 * ldw + k0;
-}
-inline const float* weight_block(const at::BFloat16* w, int64_t ldw, int64_t n0, int64_t n1,
-                                 int64_t k0, int64_t kn, float* buf, int64_t* ld) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const at::BFloat16* src = w + n * ldw + k0;
-    float* dst = buf + (n - n0) * KC;
-    int64_t k = 0;
-#ifdef HS_AVX2
-    for (; k + 8 <= kn; k += 8) _mm256_storeu_ps(dst + k, hs::load8(src + k));
-#endif
-    for (; k < kn; ++k) dst[k] = hs::load1(src + k);
-  }
-  *ld = KC;
-  return buf;
+template <typename W>
+inline void any_tile(int r, int64_t rows, const W* w, int64_t ldw, const float* xp, int64_t kn,
+                     float* c, bool first, const W* next) {
+  if (rows > 8) return tile_rows<W, 2>(r, w, ldw, xp, kn, c, first, next);
+  return tile_rows<W, 1>(r, w, ldw, xp, kn, c, first, next);
 }
 
 // Output columns [n0, n1) of y [M, ldy] = x w[n0:n1, :K]^T on the calling thread, x given as
@@ -143,30 +149,28 @@ inline const float* weight_block(const at::BFloat16* w, int64_t ldw, int64_t n0,
 template <typename W>
 void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
                int64_t K, int64_t n0, int64_t n1) {
-  alignas(64) float wbuf[std::is_same_v<W, float> ? 1 : NC * KC];
   alignas(64) float cbuf[NC / NR * PC * NR * MR];  // [tile][panel][NR][MR]
   const int64_t P = panels(M);
-  // one panel of fp32 weights: whole weight rows per tile, long runs for the prefetcher
-  const int64_t kc = std::is_same_v<W, float> && P == 1 ? K : KC;
+  // a lone panel reuses no weight block: whole rows per tile, long runs for the prefetcher
+  const int64_t kc = P == 1 ? K : KC;
   for (int64_t b0 = n0; b0 < n1; b0 += NC) {
     const int64_t b1 = std::min(n1, b0 + NC), tiles = (b1 - b0 + NR - 1) / NR;
     for (int64_t p0 = 0; p0 < P; p0 += PC) {
       const int64_t p1 = std::min(P, p0 + PC);
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t kn = std::min(kc, K - k0);
-        int64_t ld;
-        const float* wb = weight_block(w, ldw, b0, b1, k0, kn, wbuf, &ld);
+        const W* wb = w + b0 * ldw + k0;
         for (int64_t p = p0; p < p1; ++p) {
           const float* xb = xp + (p * K + k0) * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
           for (int64_t t = 0; t < tiles; ++t) {
             const int r = int(std::min<int64_t>(NR, b1 - b0 - t * NR));
             float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
-            // fp32 weights come from memory on the first panel's pass: fetch the next tile's
-            const float* next = nullptr;
-            if (std::is_same_v<W, float> && p == p0)
-              next = t + 1 < tiles ? wb + (t + 1) * NR * ld : k0 + kc < K ? wb + kc : nullptr;
-            any_tile(r, rows, wb + t * NR * ld, ld, xb, kn, c, k0 == 0, next);
+            // the weights come from memory on the first panel's pass: fetch the next tile's
+            const W* next = nullptr;
+            if (p == p0)
+              next = t + 1 < tiles ? wb + (t + 1) * NR * ldw : k0 + kc < K ? wb + kc : nullptr;
+            any_tile(r, rows, wb + t * NR * ldw, ldw, xb, kn, c, k0 == 0, next);
           }
         }
       }
