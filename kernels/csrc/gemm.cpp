@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "gemv.h"
@@ -47,6 +48,11 @@ void pack_panels(const float* x, int64_t ldx, int64_t M, int64_t K, float* xp) {
 }
 
 inline int64_t panels(int64_t M) { return (M + MR - 1) / MR; }
+
+// Room for P packed panels of K columns, left uninitialised (pack_panels writes every element).
+inline std::unique_ptr<float[]> panel_buffer(int64_t P, int64_t K) {
+  return std::unique_ptr<float[]>(new float[P * K * MR]);
+}
 
 #ifdef HS_AVX2
 // acc[i][:] += w[i * ldw + k] * x, the weights broadcast: fp32 one at a time, bf16 in pairs (one
@@ -191,20 +197,20 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
 template <typename W>
 void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   if (M == 0 || N == 0) return;
-  std::vector<float> xp(panels(M) * K * MR);
-  pack_panels(x, K, M, K, xp.data());
   const int64_t tiles = (N + NR - 1) / NR, P = panels(M);
+  const auto xp = panel_buffer(P, K);
+  pack_panels(x, K, M, K, xp.get());
   if (tiles < 2 * at::get_num_threads() && P >= 2) {  // a few weight rows (a gate): split x
     at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {
       const int64_t m0 = q0 * MR, m1 = std::min(M, q1 * MR);
-      gemm_cols(xp.data() + q0 * K * MR, w, K, y + m0 * N, N, m1 - m0, K, 0, N);
+      gemm_cols(xp.get() + q0 * K * MR, w, K, y + m0 * N, N, m1 - m0, K, 0, N);
     });
     return;
   }
   // at least ~32 KB of weights per task, in whole tiles
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K * sizeof(W) * NR));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    gemm_cols(xp.data(), w, K, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
+    gemm_cols(xp.get(), w, K, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
   });
 }
 
@@ -262,39 +268,38 @@ void run_balanced(const std::vector<Task>& tasks, const F& fn) {
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-// xs [T, H] rows sorted by expert, counts[e] each; gate_up [E, 2I, H]; down [E, H, I].
+// xs [T, H] rows sorted by expert, counts[e] each; gate_up [E, 2I, H]; down [E, H, I]; h [T, 2I]
+// scratch for the gate and up outputs.
 template <typename W>
 void experts_into(const float* xs, const W* gate_up, const W* down, const std::vector<int64_t>& counts,
-                  float* h, float* act, float* y, int64_t H, int64_t I) {
+                  float* h, float* y, int64_t H, int64_t I) {
   const int64_t E = int64_t(counts.size());
-  std::vector<int64_t> start(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
-  // each expert's rows packed into its own panels, from panel pstart[e]
-  std::vector<int64_t> pstart(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) pstart[e + 1] = pstart[e] + panels(counts[e]);
-  std::vector<float> xp(pstart[E] * H * MR), ap(pstart[E] * I * MR);
-  const auto pack_each = [&](const float* rows, int64_t K, float* dst) {
-    at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
-      for (int64_t e = e0; e < e1; ++e)
-        pack_panels(rows + start[e] * K, K, counts[e], K, dst + pstart[e] * K * MR);
-    });
-  };
-  pack_each(xs, H, xp.data());
-  // gate and up rows [n0, n1) of an expert, then act = silu(gate) * up on those columns
-  run_balanced(expert_tasks(counts, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
-    const int64_t m0 = start[t.e], M = counts[t.e];
-    const float* xe = xp.data() + pstart[t.e] * H * MR;
-    const W* w = gate_up + t.e * 2 * I * H;
-    float* hm = h + m0 * 2 * I;
-    gemm_cols(xe, w, H, hm, 2 * I, M, H, t.n0, t.n1);
-    gemm_cols(xe, w + I * H, H, hm + I, 2 * I, M, H, t.n0, t.n1);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = t.n0; n < t.n1; ++n)
-        act[(m0 + m) * I + n] = silu(hm[m * 2 * I + n]) * hm[m * 2 * I + I + n];
+  std::vector<int64_t> start(E + 1, 0), pstart(E + 1, 0);  // each expert's first row, panel
+  for (int64_t e = 0; e < E; ++e) {
+    start[e + 1] = start[e] + counts[e];
+    pstart[e + 1] = pstart[e] + panels(counts[e]);
+  }
+  const auto xp = panel_buffer(pstart[E], H), ap = panel_buffer(pstart[E], I);
+  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e)
+      pack_panels(xs + start[e] * H, H, counts[e], H, xp.get() + pstart[e] * H * MR);
   });
-  pack_each(act, I, ap.data());
+  // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns, written
+  // straight into the down projection's panels (their padding rows zero)
+  run_balanced(expert_tasks(counts, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
+    const int64_t M = counts[t.e];
+    const W* w = gate_up + t.e * 2 * I * H;
+    float* hm = h + start[t.e] * 2 * I;
+    gemm_cols(xp.get() + pstart[t.e] * H * MR, w, H, hm, 2 * I, M, H, t.n0, t.n1);
+    gemm_cols(xp.get() + pstart[t.e] * H * MR, w + I * H, H, hm + I, 2 * I, M, H, t.n0, t.n1);
+    for (int64_t m = 0; m < panels(M) * MR; ++m) {
+      float* a = ap.get() + (pstart[t.e] + m / MR) * I * MR + m % MR;
+      for (int64_t n = t.n0; n < t.n1; ++n)
+        a[n * MR] = m < M ? silu(hm[m * 2 * I + n]) * hm[m * 2 * I + I + n] : 0.f;
+    }
+  });
   run_balanced(expert_tasks(counts, H, I, NC, sizeof(W)), [&](const Task& t) {
-    gemm_cols(ap.data() + pstart[t.e] * I * MR, down + t.e * H * I, I, y + start[t.e] * H, H,
+    gemm_cols(ap.get() + pstart[t.e] * I * MR, down + t.e * H * I, I, y + start[t.e] * H, H,
               counts[t.e], I, t.n0, t.n1);
   });
 }
@@ -329,14 +334,13 @@ at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const
   auto y = at::empty({T, H}, xs.options());
   if (T == 0) return y;
   auto h = at::empty({T, 2 * I}, xs.options());
-  auto act = at::empty({T, I}, xs.options());
   if (gate_up.scalar_type() == at::kFloat) {
     experts_into(xs.data_ptr<float>(), gate_up.data_ptr<float>(), down.data_ptr<float>(), cnt,
-                 h.data_ptr<float>(), act.data_ptr<float>(), y.data_ptr<float>(), H, I);
+                 h.data_ptr<float>(), y.data_ptr<float>(), H, I);
   } else {
     experts_into(xs.data_ptr<float>(), gate_up.data_ptr<at::BFloat16>(),
-                 down.data_ptr<at::BFloat16>(), cnt, h.data_ptr<float>(), act.data_ptr<float>(),
-                 y.data_ptr<float>(), H, I);
+                 down.data_ptr<at::BFloat16>(), cnt, h.data_ptr<float>(), y.data_ptr<float>(), H,
+                 I);
   }
   return y;
 }
