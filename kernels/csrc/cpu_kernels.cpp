@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <vector>
 
 #include "delta_rule.h"
@@ -147,7 +148,8 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
   // differently); the state is rounded to fp32 only where it is stored, the outputs at the end.
   // q, k normalised and scaled once per token and key head, key head major ([H, T, K]: a job
   // streams its head's tokens from contiguous memory):
-  std::vector<double> qn(T * H * K), kn(T * H * K);
+  // (left uninitialised: every element is written below)
+  const std::unique_ptr<double[]> qn(new double[T * H * K]), kn(new double[T * H * K]);
   auto normalise = [K, l2norm](const float* src, double* dst, double scale) {
     double mult = scale;
     if (l2norm) {
@@ -160,43 +162,67 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
   at::parallel_for(0, T * H, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t r = b0; r < b1; ++r) {  // r = t * H + h
       const int64_t dst = (r % H * T + r / H) * K;
-      normalise(qp + r * K, qn.data() + dst, scale);
-      normalise(kp + r * K, kn.data() + dst, 1.0);
+      normalise(qp + r * K, qn.get() + dst, scale);
+      normalise(kp + r * K, kn.get() + dst, 1.0);
     }
   });
-  // one job per (sequence, value head, block of kBlock state columns): the block is copied out
-  // of the pool into a dense [K, kBlock] buffer (16 KB at K = 128, zero-padded past V; strided
-  // in the pool its rows would fall into few L1 sets) that stays in L1 through all the tokens
-  constexpr int kBlock = 16;
+  // The state of a (sequence, value head) is split into blocks of kBlock columns, each copied
+  // out of the pool into a dense [K, kBlock] double buffer (16 KB at K = 128, zero-padded past
+  // V) that stays in L1 through all of the sequence's tokens, one pass over it per token
+  // (hs::delta_rule_pass). A job is a whole head (its state read and written as one sequential
+  // run of the pool) where there are enough heads to share out, else one block.
+  constexpr int kBlock = hs::kBlockCols;
   const int64_t nb = (V + kBlock - 1) / kBlock;
-  at::parallel_for(0, N * HV * nb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> block(K * kBlock);
-    double vt[kBlock], ot[kBlock];
-    auto store = [&](float* dst, int64_t n) {  // the block into pool columns [j0, j0 + n)
-      for (int64_t r = 0; r < K; ++r) {
-        for (int64_t j = 0; j < n; ++j) dst[r * V + j] = static_cast<float>(block[r * kBlock + j]);
-      }
+  const int64_t per_job = N * HV >= 4 * at::get_num_threads() ? nb : 1;  // blocks per job
+  const int64_t jobs_per_head = nb / per_job;
+  at::parallel_for(0, N * HV * jobs_per_head, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> blocks(per_job * K * kBlock);
+    double vt[kBlock], ot[kBlock], a[kBlock];
+    // blocks [b0, b0 + per_job) of the head's state at `src` <-> the buffers, row by row
+    auto load = [&](const float* src, int64_t b0) {
+      std::fill(blocks.begin(), blocks.end(), 0.0);
+      for (int64_t r = 0; r < K; ++r)
+        for (int64_t b = 0; b < per_job; ++b) {
+          const int64_t j0 = (b0 + b) * kBlock, n = std::min<int64_t>(kBlock, V - j0);
+          for (int64_t j = 0; j < n; ++j) blocks[(b * K + r) * kBlock + j] = src[r * V + j0 + j];
+        }
+    };
+    auto store_block = [&](float* dst, int64_t b, int64_t j0) {
+      const int64_t n = std::min<int64_t>(kBlock, V - j0);
+      for (int64_t r = 0; r < K; ++r)
+        for (int64_t j = 0; j < n; ++j)
+          dst[r * V + j0 + j] = static_cast<float>(blocks[(b * K + r) * kBlock + j]);
     };
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / (HV * nb), hv = job / nb % HV, hk = hv / ratio;
-      const int64_t j0 = job % nb * kBlock, n = std::min<int64_t>(kBlock, V - j0);
-      float* state = pp + (idx[i] * HV + hv) * K * V + j0;
-      const int64_t track = tracking && toff[i] > 0 ? cu[i] + toff[i] : -1;
-      std::fill(block.begin(), block.end(), 0.0);
-      for (int64_t r = 0; r < K; ++r) {
-        for (int64_t j = 0; j < n; ++j) block[r * kBlock + j] = state[r * V + j];
+      const int64_t i = job / (HV * jobs_per_head), hv = job / jobs_per_head % HV;
+      const int64_t hk = hv / ratio, b0 = job % jobs_per_head * per_job;
+      if (cu[i] == cu[i + 1]) continue;
+      float* state = pp + (idx[i] * HV + hv) * K * V;
+      float* tracked = tracking && toff[i] > 0 ? pp + (tidx[i] * HV + hv) * K * V : nullptr;
+      load(state, b0);
+      for (int64_t b = 0; b < per_job; ++b) {
+        double* block = blocks.data() + b * K * kBlock;
+        const int64_t j0 = (b0 + b) * kBlock, n = std::min<int64_t>(kBlock, V - j0);
+        std::fill(vt, vt + kBlock, 0.0);
+        hs::block_dot(block, kn.get() + (hk * T + cu[i]) * K, K, a);
+        for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
+          const int64_t vh = t * HV + hv, qk = (hk * T + t) * K;
+          const int64_t qk_next = t + 1 < cu[i + 1] ? qk + K : qk;
+          if (t + 2 < cu[i + 1]) {  // this head's rows of v and o lie HV V floats apart per
+            // token: the prefetcher misses them, and a pass is too long for the next load to
+            // start early
+            __builtin_prefetch(vp + (vh + 2 * HV) * V + j0, 0, 3);
+            __builtin_prefetch(op + (vh + 2 * HV) * V + j0, 1, 3);
+          }
+          for (int64_t j = 0; j < n; ++j) vt[j] = vp[vh * V + j0 + j];
+          hs::delta_rule_pass(block, kn.get() + qk, qn.get() + qk, kn.get() + qk_next, vt,
+                              std::exp(static_cast<double>(gp[vh])),
+                              static_cast<double>(bp[vh]), K, a, ot);
+          for (int64_t j = 0; j < n; ++j) op[vh * V + j0 + j] = static_cast<float>(ot[j]);
+          if (tracked != nullptr && t + 1 == cu[i] + toff[i]) store_block(tracked, b, j0);
+        }
       }
-      std::fill(vt, vt + kBlock, 0.0);
-      for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
-        const int64_t vh = t * HV + hv, qk = (hk * T + t) * K;
-        for (int64_t j = 0; j < n; ++j) vt[j] = vp[vh * V + j0 + j];
-        hs::delta_rule_block<double, kBlock>(block.data(), kn.data() + qk, qn.data() + qk, vt,
-                                             std::exp(static_cast<double>(gp[vh])),
-                                             static_cast<double>(bp[vh]), K, ot);
-        for (int64_t j = 0; j < n; ++j) op[vh * V + j0 + j] = static_cast<float>(ot[j]);
-        if (t + 1 == track) store(pp + (tidx[i] * HV + hv) * K * V + j0, n);
-      }
-      store(state, n);
+      for (int64_t b = 0; b < per_job; ++b) store_block(state, b, (b0 + b) * kBlock);
     }
   });
   return out;
