@@ -6,9 +6,10 @@ Same signature and contract as `kernels.linear.linear`.
   row once for all rows of x (decode at small batches is a stream of weights through mat-vec
   products; this streams about twice as fast as `F.linear` on a 2-core AVX2 EPYC).
 - bf16 weights (`--dtype bfloat16` on CPU, fp32 activations), up to `BF16_SKINNY_ROWS` rows: the
-  same kernel widens bf16 to fp32 as it streams (half the bytes), in blocks of 8 rows against
-  weight blocks kept in cache (one widening per 8 FMAs: as fast as the GEMM below or faster up
-  to 64 rows, measured on the decode step).
+  same kernel widens bf16 to fp32 as it streams (half the bytes). Beyond 8 rows the GEMM below
+  is as fast or faster in bf16 too since its tiles broadcast bf16 weights in pairs (decode step
+  at 16/32/64 rows 2/4/7.5% faster than with this kernel up to 64 rows, BENCHMARKS.md session
+  10), so both dtypes switch at 8.
 - more rows, up to `GEMM_MAX_ROWS` (fp32 weights) or `BF16_GEMM_MAX_ROWS` (bf16): a C++ GEMM
   (`kernels/csrc/gemm.cpp`, `tiled_linear`) on the weight as stored, [N, K] row-major with no
   packed copy: x packed into 16-row panels once per call, outer-product register tiles of 6
@@ -44,7 +45,7 @@ from kernels import cpp_build
 from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
-BF16_SKINNY_ROWS = 64
+BF16_SKINNY_ROWS = 8
 GEMM_MAX_ROWS = 64
 BF16_GEMM_MAX_ROWS = 1024
 GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
