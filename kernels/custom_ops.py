@@ -274,7 +274,7 @@ def traced_linear(
     """What torch.compile traces for `kernels.linear`: the C++ GEMV op where `linear_cpp` would
     use it (fp32 activations, fp32 or bf16 weights, up to its row limit), else the reference."""
     from kernels.linear import linear as reference_linear
-    from kernels.linear_cpp import BF16_SKINNY_ROWS, SKINNY_ROWS
+    from kernels.linear_cpp import SKINNY_ROWS
 
     wdt = weight.dtype
     if (
@@ -286,7 +286,7 @@ def traced_linear(
         return reference_linear(x, weight, bias)
     K = x.shape[-1]
     M = x.numel() // K
-    if M > (SKINNY_ROWS if wdt == torch.float32 else BF16_SKINNY_ROWS):
+    if M > SKINNY_ROWS:
         return reference_linear(x, weight, bias)
     y = torch.ops.hybrid_serve.skinny_linear(x.reshape(M, K).contiguous(), weight.contiguous())
     if bias is not None:

@@ -3,10 +3,10 @@
 Same signature and contract as `kernels.experts.routed_experts`. For fp32 rows and fp32 or bf16
 weights (the two stacks alike): every active expert's gate/up GEMM, silu(gate) * up and down GEMM
 run in two parallel passes whose pieces (weight-row blocks of one expert) are split among the
-threads by cost, on the weights as stored ([E, 2I, hidden] and [E, hidden, I], bf16 widened a cache
-block at a time, fp32 accumulation), each expert's rows packed once per pass for the GEMM. Other
-dtypes take the reference, and so does everything while `kernels.linear_cpp.GEMM_ON` is off
-(`HYBRID_SERVE_CPU_GEMM=off`).
+threads by cost, on the weights as stored ([E, 2I, hidden] and [E, hidden, I], bf16 widened in
+registers two at a time, fp32 accumulation), each expert's rows packed once per pass for the
+GEMM. Other dtypes take the reference, and so does everything while `kernels.linear_cpp.GEMM_ON`
+is off (`HYBRID_SERVE_CPU_GEMM=off`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import custom_ops, multi_linear
-from kernels.linear_cpp import BF16_SKINNY_ROWS, SKINNY_ROWS
+from kernels.linear_cpp import SKINNY_ROWS
 
 
 def linear_multi(
@@ -31,7 +31,8 @@ def linear_multi(
             w.dim() == 2
             and w.is_contiguous()
             and not (torch.is_grad_enabled() and w.requires_grad)
-            and M <= {torch.float32: SKINNY_ROWS, torch.bfloat16: BF16_SKINNY_ROWS}.get(w.dtype, 0)
+            and w.dtype in (torch.float32, torch.bfloat16)
+            and M <= SKINNY_ROWS
             for w in weights
         )
     )
