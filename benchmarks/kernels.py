@@ -4,6 +4,8 @@
    GPU), timed as the dispatcher runs it (Triton on CUDA). Where flash-linear-attention (fla)
    has the same op and is importable, fla runs on the same inputs beside it; otherwise the
    table says fla is absent. fla has no pool form, so both sides get plain per-sequence states.
+   Where fla runs, a second table gives the largest output difference between the two on shared
+   inputs (outputs and final states), relative to the largest |fla output|.
 2. With CUDA: one decode step of the `small` preset at batch 1, 8 and 64 through
    `scheduler.graph_runner.DecodeGraphRunner`, eager against CUDA-graph replay (both include
    the host-side input copy of a real step). A failed capture is reported with its reason.
@@ -58,7 +60,8 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, repeats: int = 20) -> flo
 
 
 def load_fla() -> dict[str, Callable] | str:
-    """fla's ops by our names, or the reason fla cannot be used."""
+    """fla's ops by our names, or the reason fla cannot be used. Call its delta rules with g= and
+    beta= by name: fla's fused recurrent form takes other gates (gk, gv) between them."""
     try:
         gdr = importlib.import_module("fla.ops.gated_delta_rule")
         conv = importlib.import_module("fla.modules.convolution")
@@ -116,8 +119,8 @@ def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Ca
     cases.append(
         (
             "chunk_gated_delta_rule",
-            lambda: ops[0](q, k, v, g, beta, cu_seqlens=cu, **kw),
-            ops[1] and (lambda: ops[1](q, k, v, g, beta, cu_seqlens=cu, **kw)),
+            lambda: ops[0](q, k, v, g=g, beta=beta, cu_seqlens=cu, **kw),
+            ops[1] and (lambda: ops[1](q, k, v, g=g, beta=beta, cu_seqlens=cu, **kw)),
         )
     )
     qd, kd, vd = rnd(batch, 1, H, K), rnd(batch, 1, H, K), rnd(batch, 1, HV, K)
@@ -127,8 +130,8 @@ def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Ca
     cases.append(
         (
             "fused_recurrent_gated_delta_rule",
-            lambda: ops_d[0](qd, kd, vd, gd, bd, **kw_d),
-            ops_d[1] and (lambda: ops_d[1](qd, kd, vd, gd, bd, **kw_d)),
+            lambda: ops_d[0](qd, kd, vd, g=gd, beta=bd, **kw_d),
+            ops_d[1] and (lambda: ops_d[1](qd, kd, vd, g=gd, beta=bd, **kw_d)),
         )
     )
 
@@ -177,6 +180,72 @@ def bench_kernels(dev: torch.device, small: bool) -> list[dict]:
                 row["fla_error"] = f"{type(e).__name__}: {e}"
         fla_txt = "absent" if not theirs else f"{row['fla_ms']:.3f}" if row["fla_ms"] else "error"
         print(f"{name:34s} {row['ours_ms']:16.3f} {fla_txt:>10s}")
+        rows.append(row)
+    return rows
+
+
+def fla_parity(dev: torch.device, small: bool) -> list[dict]:
+    """Max |ours - fla| over outputs and final states of the ops both have, on shared inputs
+    (convolution from zero history: fla's initial state holds one column more than ours)."""
+    fla = load_fla()
+    if isinstance(fla, str):
+        return []
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    n_seq, seq = (2, 64) if small else (8, 512)
+    H, HV, K, dim = (2, 4, 32, 256) if small else (4, 8, 128, 2048)
+    T, batch = n_seq * seq, 4 if small else 64
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape, dtype=dt):
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    def unit(*shape, dtype=dt):
+        return torch.rand(*shape, generator=gen).to(dev, dtype)
+
+    cu = torch.arange(n_seq + 1, device=dev) * seq
+    x, w = rnd(T, dim), rnd(dim, 4)
+    states = rnd(n_seq, dim, 3)
+    slots = torch.arange(n_seq, device=dev)
+    no_init = torch.zeros(n_seq, dtype=torch.bool, device=dev)
+    q, k, v = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, HV, K)
+    g, beta = -unit(1, T, HV, dtype=torch.float32), unit(1, T, HV)
+    h0 = rnd(n_seq, HV, K, K, dtype=torch.float32)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    qd, kd, vd = rnd(batch, 1, H, K), rnd(batch, 1, H, K), rnd(batch, 1, HV, K)
+    gd, bd = -unit(batch, 1, HV, dtype=torch.float32), unit(batch, 1, HV)
+    hd = rnd(batch, HV, K, K, dtype=torch.float32)
+
+    def fresh(op, h, *args, **kwargs):  # each side starts from its own copy of the state
+        return op(*args, initial_state=h.clone(), **kwargs)
+
+    chunk = kernels.chunk_gated_delta_rule, fla["chunk_gated_delta_rule"]
+    rec = kernels.fused_recurrent_gated_delta_rule, fla["fused_recurrent_gated_delta_rule"]
+    cases = {
+        "causal_conv1d_fn": (
+            lambda: [kernels.causal_conv1d_fn(x.t(), w, None, states, cu, slots, no_init).t()],
+            lambda: [fla["causal_conv1d_fn"](x[None], w, activation="silu", cu_seqlens=cu)[0][0]],
+        ),
+        "chunk_gated_delta_rule": tuple(
+            partial(fresh, op, h0, q, k, v, g=g, beta=beta, cu_seqlens=cu, **kw) for op in chunk
+        ),
+        "fused_recurrent_gated_delta_rule": tuple(
+            partial(fresh, op, hd, qd, kd, vd, g=gd, beta=bd, **kw) for op in rec
+        ),
+    }
+    print(f"{'kernel':34s} {'max |ours-fla|':>15s} {'/ max |fla|':>12s}")
+    rows = []
+    for name, (ours, theirs) in cases.items():
+        row: dict = {"kernel": name}
+        try:
+            a, b = list(ours()), list(theirs())
+            pairs = zip(a, b, strict=True)
+            diff = max((u.float() - t.float()).abs().max().item() for u, t in pairs)
+            scale = max(t.float().abs().max().item() for t in b)
+            row.update(max_abs_diff=diff, rel=diff / max(scale, 1e-30))
+            print(f"{name:34s} {diff:15.3e} {row['rel']:12.3e}")
+        except Exception as e:  # report, do not abort the table
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"{name:34s} error: {row['error']}")
         rows.append(row)
     return rows
 
@@ -239,6 +308,7 @@ def main() -> None:
         print("no CUDA: tiny shapes through the torch references, a smoke run only")
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
     result["kernels"] = bench_kernels(dev, args.small or not cuda)
+    result["fla_parity"] = fla_parity(dev, args.small or not cuda)
     if cuda:
         result["decode"] = bench_decode_graphs()
     else:
