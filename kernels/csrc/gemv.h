@@ -48,8 +48,10 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// y[m, n] = sum_k x[m, k] w[n, k] for M rows of x (M <= MAXM): each weight row is read once
-// from memory and used for all M rows while it is in registers / L1.
+// y[m, n] = sum_k x[m, k] w[n, k] for M <= 8 rows of x: each weight row is read once
+// from memory and used for all M rows while it is in registers / L1. M independent FMA chains
+// per row; a lone row sums even and odd 8-wide chunks in two (so its bits differ from the same
+// row's among others, as they already do between the GEMV and the tiled GEMM).
 template <typename W, int M>
 void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
                int64_t n1) {
@@ -60,6 +62,14 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
 #ifdef HS_AVX2
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    if constexpr (M == 1) {  // two chains: one FMA chain (4 cycles per 8 weights) caps bf16 rows
+      __m256 odd = _mm256_setzero_ps();
+      for (; k + 16 <= K; k += 16) {
+        acc[0] = _mm256_fmadd_ps(load8(wr + k), _mm256_loadu_ps(x + k), acc[0]);
+        odd = _mm256_fmadd_ps(load8(wr + k + 8), _mm256_loadu_ps(x + k + 8), odd);
+      }
+      acc[0] = _mm256_add_ps(acc[0], odd);
+    }
     for (; k + 8 <= K; k += 8) {
       const __m256 wv = load8(wr + k);
       for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
