@@ -6,7 +6,8 @@
 #   4. benchmarks/kernels.py (kernels vs fla when importable; decode eager vs CUDA-graph replay).
 # 1-3 run side by side (small models, one GPU); 4 runs alone so its timings are its own.
 # Logs and the benchmark's JSON go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (packages
-# the machine lacks, e.g. fastapi/uvicorn/openai) are installed to /tmp/site first.
+# the machine lacks, e.g. fastapi/uvicorn/openai, and fla-core for the comparisons with
+# flash-linear-attention; never installed on the CPU machines) are installed to /tmp/site first.
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
