@@ -71,8 +71,11 @@ def causal_conv1d_fn(
             x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
             activation, pad_slot_id,
         )  # fmt: skip
+    rows = x.t().float()  # [tokens, dim]: the model's x is a transposed column slice
+    if rows.stride(-1) != 1:  # the op reads rows at any stride, channels contiguous
+        rows = rows.contiguous()
     y = ops.conv1d_varlen_pool(
-        x.t().float().contiguous(),  # the model's x is a transposed [tokens, dim]: no copy
+        rows,
         conv_states,
         weight.float().contiguous(),
         query_start_loc.long().contiguous(),

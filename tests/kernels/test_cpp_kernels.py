@@ -173,18 +173,20 @@ def test_gdr_prefill_dense_batch_and_refusals() -> None:
     assert torch.equal(out, ref) and torch.equal(ht, ref_ht)
 
 
+@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_conv1d_prefill_matches_reference(activation) -> None:
+def test_conv1d_prefill_matches_reference(activation, sliced) -> None:
     """Packed sequences (shorter than the window, long), with and without initial
     states, one padding row, channels not a multiple of the kernel's block: outputs and the
-    states left behind."""
+    states left behind. `sliced`: the tokens are the first columns of wider rows, as the model's
+    split of its input projection gives them (the op reads them in place)."""
     from kernels.causal_conv1d_cpp import causal_conv1d_fn as cpp_fn
 
     torch.manual_seed(5)
     D, W, lengths = 70, 4, [1, 2, 3, 9, 130, 5]
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     T = int(starts[-1])
-    x = torch.randn(T, D).t()  # channel-first view of token-major rows, as the model passes it
+    x = torch.randn(T, D + 13 * sliced)[:, :D].t()  # channel-first view of token-major rows
     weight = torch.randn(D, W) * 0.3
     states = torch.randn(10, D, W - 1)
     idx = torch.tensor([3, 7, 1, PAD_SLOT_ID, 9, 4])
