@@ -278,12 +278,12 @@ inline float madd(float a, float b, float c) {
 
 // Causal conv1d prefill over packed sequences on the conv-state pool, in place. x [T, D] fp32
 // token-major (the channel-first [D, T] input transposed), channels contiguous, rows at any
-// stride (the model's x is the first D columns of its input projection: no copy); conv_states
-// [S, D, W-1] fp32; weight
-// [D, W]; query_start_loc [N+1], cache_indices [N], has_initial_state [N] int64 (a negative
-// index is padding: zero output, no state touched; otherwise distinct live slots). Sequence i
-// runs over the window [its state (or zeros) | its tokens]: y_t = act(sum_j w_j window_{t+j}),
-// and its state becomes the window's last W-1 entries. Returns y [T, D].
+// stride (the model's x is the first D columns of its input projection: no copy);
+// conv_states [S, D, W-1] fp32; weight [D, W]; query_start_loc [N+1], cache_indices [N],
+// has_initial_state [N] int64 (a negative index is padding: zero output, no state touched;
+// otherwise distinct live slots). Sequence i runs over the window [its state (or zeros) | its
+// tokens]: y_t = act(sum_j w_j window_{t+j}), and its state becomes the window's last W-1
+// entries. Returns y [T, D].
 at::Tensor conv1d_varlen_pool(const at::Tensor& x, at::Tensor conv_states,
                               const at::Tensor& weight, const at::Tensor& query_start_loc,
                               const at::Tensor& cache_indices,

@@ -49,9 +49,10 @@ inline float hsum(__m256 v) {
 #endif
 
 // y[m, n] = sum_k x[m, k] w[n, k] for M <= 8 rows of x: each weight row is read once
-// from memory and used for all M rows while it is in registers / L1. M independent FMA chains
-// per row; a lone row sums even and odd 8-wide chunks in two (so its bits differ from the same
-// row's among others, as they already do between the GEMV and the tiled GEMM).
+// from memory and used for all M rows while it is in registers / L1. One FMA chain per row of
+// x, except a lone row: it sums even and odd 8-wide chunks in two chains, so its last bits may
+// differ from the same row's in a batch of 2-8 (as rows already differ between the GEMV and the
+// tiled GEMM).
 template <typename W, int M>
 void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
                int64_t n1) {
