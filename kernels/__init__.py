@@ -35,7 +35,7 @@ fused_recurrent_gated_delta_rule = dispatching(
 extend_attention = dispatching(attention.extend_attention, "attention_triton")
 decode_attention = dispatching(attention.decode_attention, "attention_triton")
 store_kv = dispatching(attention.store_kv, "attention_triton")
-rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton")
+rms_norm_gated = dispatching(rmsnorm.rms_norm_gated, "rmsnorm_triton", "rmsnorm_cpp")
 rms_norm = dispatching(rmsnorm.rms_norm, None, "rmsnorm_cpp", fusion=True)
 fused_add_rmsnorm = dispatching(rmsnorm.fused_add_rmsnorm, None, "rmsnorm_cpp", fusion=True)
 gdn_decode = dispatching(gdn_step.gdn_decode, None, "gdn_step_cpp", fusion=True)

@@ -1,9 +1,11 @@
-"""Zero-centred RMSNorm and residual add + RMSNorm as C++ CPU kernels.
+"""Zero-centred RMSNorm, residual add + RMSNorm and the gated RMSNorm as C++ CPU kernels.
 
-Same signatures and contracts as `kernels.rmsnorm.rms_norm` and `fused_add_rmsnorm`: one pass
-over each row instead of the reference's ~8 torch ops. The C++ kernels cover fp32 x, residual
-and weight (the CPU model's activations and norms in both weight dtypes); anything else, and
-tracing by torch.compile (which fuses the reference itself), runs the reference.
+Same signatures and contracts as `kernels.rmsnorm.rms_norm`, `fused_add_rmsnorm` and
+`rms_norm_gated`: one pass over each row instead of the reference's ~8 torch ops (the gated
+norm computes as the fused GDN decode does, so a prompt's prefill and its decode steps agree).
+The C++ kernels cover fp32 x, z, residual and weight (the CPU model's activations and norms in
+both weight dtypes); anything else, and tracing by torch.compile (which fuses the reference
+itself), runs the reference.
 """
 
 from __future__ import annotations
@@ -46,3 +48,15 @@ def fused_add_rmsnorm(
         return rmsnorm.fused_add_rmsnorm(x, residual, weight, eps)
     y, r = ops.add_rmsnorm(_rows(x), _rows(residual), weight, float(eps))
     return (y, r) if x.dim() == 2 else (y.view(x.shape), r.view(x.shape))
+
+
+def rms_norm_gated(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return rmsnorm.rms_norm_gated(x, z, weight, eps)
+    ops = cpp_build.load()
+    if ops is None or not _fits(x, weight) or z.dtype != torch.float32 or z.shape != x.shape:
+        return rmsnorm.rms_norm_gated(x, z, weight, eps)
+    y = ops.rmsnorm_gated(_rows(x), _rows(z), weight, float(eps))
+    return y if x.dim() == 2 else y.view(x.shape)

@@ -1,5 +1,6 @@
 // Residual add + zero-centred RMSNorm for the decoder layers (SGLang's fused_add_rmsnorm
-// contract), fp32. Reference and contracts: kernels/rmsnorm.py `fused_add_rmsnorm`, `rms_norm`.
+// contract), and the GDN output's gated RMSNorm, fp32. Reference and contracts:
+// kernels/rmsnorm.py `fused_add_rmsnorm`, `rms_norm`, `rms_norm_gated`.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 
 #include "lanes.h"
 #include "decode_ops.h"
+#include "silu.h"
 
 namespace {
 
@@ -48,9 +50,38 @@ void run_rows(const float* x, const float* res, const float* w, float* y, float*
   });
 }
 
+// One row of the gated norm: y = (w * (x / rms(x))) * silu(z), the same operations in the
+// same order as the fused GDN decode's (gdn_decode.cpp), so prefill and decode agree.
+inline void gated_rmsnorm_row(const float* x, const float* z, const float* w, float* y, int64_t D,
+                              float eps) {
+  const float r = 1.f / std::sqrt(hs::dot8(x, x, D) / static_cast<float>(D) + eps);
+  std::copy(z, z + D, y);
+  hs::silu_inplace(y, D);
+  for (int64_t i = 0; i < D; ++i) y[i] = (w[i] * (x[i] * r)) * y[i];
+}
+
 }  // namespace
 
 namespace hs {
+
+// x, z [M, D]; weight [D] -> weight * (x / rms(x)) * silu(z) (RMSNormGated: one pass per row
+// instead of the reference's ~8 torch ops).
+at::Tensor rmsnorm_gated(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight,
+                         double eps) {
+  check(x, weight);
+  TORCH_CHECK(z.is_contiguous() && z.scalar_type() == at::kFloat && z.sizes() == x.sizes(),
+              "rmsnorm_gated: z must match x");
+  auto y = at::empty_like(x);
+  const int64_t M = x.size(0), D = x.size(1);
+  const float *xp = x.data_ptr<float>(), *zp = z.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, D));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      gated_rmsnorm_row(xp + m * D, zp + m * D, wp, yp + m * D, D, static_cast<float>(eps));
+  });
+  return y;
+}
 
 // x [M, D], weight [D] -> x / rms(x) * (1 + weight).
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -80,9 +111,11 @@ std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Te
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rmsnorm_gated(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
   m.impl("rmsnorm", &hs::rmsnorm);
   m.impl("add_rmsnorm", &hs::add_rmsnorm);
+  m.impl("rmsnorm_gated", &hs::rmsnorm_gated);
 }

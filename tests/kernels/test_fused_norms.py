@@ -51,3 +51,23 @@ def test_other_dtypes_run_the_reference() -> None:
     res = torch.randn(3, 16, dtype=torch.bfloat16)
     y, r = rmsnorm_cpp.fused_add_rmsnorm(x, res, w, 1e-6)
     assert torch.equal(r, x + res) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16384])
+def test_rms_norm_gated_matches_reference(rows) -> None:
+    """The GDN output norm, weight * (x / rms(x)) * silu(z), against the torch reference; z may
+    be a strided slice (the model's is a column slice of its input projection), x any shape."""
+    torch.manual_seed(rows)
+    x, z = torch.randn(rows, 128) * 2, torch.randn(rows, 128) * 3
+    w = 1 + torch.randn(128) * 0.1
+    y = rmsnorm_cpp.rms_norm_gated(x, z, w, 1e-6)
+    torch.testing.assert_close(y, rmsnorm.rms_norm_gated(x, z, w, 1e-6), rtol=1e-5, atol=1e-6)
+    strided = torch.randn(rows, 3, 128)[:, 1]
+    torch.testing.assert_close(
+        rmsnorm_cpp.rms_norm_gated(x, strided, w, 1e-6),
+        rmsnorm.rms_norm_gated(x, strided, w, 1e-6),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    x3, z3 = x.reshape(1, rows, 128), z.reshape(1, rows, 128)
+    assert torch.equal(rmsnorm_cpp.rms_norm_gated(x3, z3, w, 1e-6), y.view(x3.shape))
