@@ -180,7 +180,7 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
     double vt[kBlock], ot[kBlock], a[kBlock];
     // blocks [b0, b0 + per_job) of the head's state at `src` <-> the buffers, row by row
     auto load = [&](const float* src, int64_t b0) {
-      std::fill(blocks.begin(), blocks.end(), 0.0);
+      if (V % kBlock != 0) std::fill(blocks.begin(), blocks.end(), 0.0);  // the padding columns
       for (int64_t r = 0; r < K; ++r)
         for (int64_t b = 0; b < per_job; ++b) {
           const int64_t j0 = (b0 + b) * kBlock, n = std::min<int64_t>(kBlock, V - j0);
@@ -200,6 +200,18 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
       float* state = pp + (idx[i] * HV + hv) * K * V;
       float* tracked = tracking && toff[i] > 0 ? pp + (tidx[i] * HV + hv) * K * V : nullptr;
       load(state, b0);
+      // Whole-head jobs: the next job's state (64 KB at 128 x 128) is fetched into L2 a few
+      // lines per token pass, so its load need not wait on memory (short prompts load and
+      // store a state every few dozen passes).
+      const char *pf = nullptr, *pf_end = nullptr;
+      int64_t pf_step = 0;
+      if (per_job == nb && job + 1 < end) {  // jobs are then (sequence, head) in order
+        const int64_t ni = (job + 1) / HV, nhv = (job + 1) % HV;
+        pf = reinterpret_cast<const char*>(pp + (idx[ni] * HV + nhv) * K * V);
+        pf_end = pf + K * V * sizeof(float);
+        const int64_t passes = per_job * (cu[i + 1] - cu[i]);  // > 0: empty ones were skipped
+        pf_step = (K * V * int64_t(sizeof(float)) / 64 + passes - 1) / passes * 64;
+      }
       for (int64_t b = 0; b < per_job; ++b) {
         double* block = blocks.data() + b * K * kBlock;
         const int64_t j0 = (b0 + b) * kBlock, n = std::min<int64_t>(kBlock, V - j0);
@@ -220,6 +232,8 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
                               static_cast<double>(bp[vh]), K, a, ot);
           for (int64_t j = 0; j < n; ++j) op[vh * V + j0 + j] = static_cast<float>(ot[j]);
           if (tracked != nullptr && t + 1 == cu[i] + toff[i]) store_block(tracked, b, j0);
+          for (const char* e = std::min(pf + pf_step, pf_end); pf < e; pf += 64)
+            __builtin_prefetch(pf, 0, 2);
         }
       }
       for (int64_t b = 0; b < per_job; ++b) store_block(state, b, (b0 + b) * kBlock);
