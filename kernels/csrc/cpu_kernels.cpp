@@ -203,14 +203,14 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
       // Whole-head jobs: the next job's state (64 KB at 128 x 128) is fetched into L2 a few
       // lines per token pass, so its load need not wait on memory (short prompts load and
       // store a state every few dozen passes).
-      const char *pf = nullptr, *pf_end = nullptr;
-      int64_t pf_step = 0;
+      const char* pf = nullptr;  // bytes [pf_done, pf_len) of it are still to fetch
+      int64_t pf_done = 0, pf_len = 0, pf_step = 0;
       if (per_job == nb && job + 1 < end) {  // jobs are then (sequence, head) in order
         const int64_t ni = (job + 1) / HV, nhv = (job + 1) % HV;
         pf = reinterpret_cast<const char*>(pp + (idx[ni] * HV + nhv) * K * V);
-        pf_end = pf + K * V * sizeof(float);
+        pf_len = K * V * int64_t(sizeof(float));
         const int64_t passes = per_job * (cu[i + 1] - cu[i]);  // > 0: empty ones were skipped
-        pf_step = (K * V * int64_t(sizeof(float)) / 64 + passes - 1) / passes * 64;
+        pf_step = (pf_len / 64 + passes - 1) / passes * 64;
       }
       for (int64_t b = 0; b < per_job; ++b) {
         double* block = blocks.data() + b * K * kBlock;
@@ -232,8 +232,8 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
                               static_cast<double>(bp[vh]), K, a, ot);
           for (int64_t j = 0; j < n; ++j) op[vh * V + j0 + j] = static_cast<float>(ot[j]);
           if (tracked != nullptr && t + 1 == cu[i] + toff[i]) store_block(tracked, b, j0);
-          for (const char* e = std::min(pf + pf_step, pf_end); pf < e; pf += 64)
-            __builtin_prefetch(pf, 0, 2);
+          for (const int64_t e = std::min(pf_done + pf_step, pf_len); pf_done < e; pf_done += 64)
+            __builtin_prefetch(pf + pf_done, 0, 2);
         }
       }
       for (int64_t b = 0; b < per_job; ++b) store_block(state, b, (b0 + b) * kBlock);
