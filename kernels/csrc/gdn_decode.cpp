@@ -19,6 +19,7 @@
 #include "delta_rule.h"
 #include "decode_ops.h"
 #include "lanes.h"
+#include "gated_norm.h"
 #include "silu.h"
 #include "pool_slots.h"
 
@@ -167,14 +168,8 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
       std::fill(o.begin(), o.end(), 0.f);
       hs::delta_rule_token(state, ks.data(), qs.data(), vr, decay, bt, dk, dv, acc.data(),
                            delta.data(), o.data());
-      // gated RMSNorm with z
-      const float ss = hs::dot8(o.data(), o.data(), dv);
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(dv) + e);
-      const float* z = xp + b * row + conv_dim + hv * dv;
-      float* y = op + b * value_dim + hv * dv;
-      for (int64_t j = 0; j < dv; ++j) y[j] = z[j];
-      hs::silu_inplace(y, dv);
-      for (int64_t j = 0; j < dv; ++j) y[j] = (nwp[j] * (o[j] * r)) * y[j];
+      hs::gated_rmsnorm_row(o.data(), xp + b * row + conv_dim + hv * dv, nwp,
+                            op + b * value_dim + hv * dv, dv, e);  // with z
     }
   });
   return out;

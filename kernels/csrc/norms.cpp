@@ -13,7 +13,7 @@
 
 #include "lanes.h"
 #include "decode_ops.h"
-#include "silu.h"
+#include "gated_norm.h"
 
 namespace {
 
@@ -48,16 +48,6 @@ void run_rows(const float* x, const float* res, const float* w, float* y, float*
                       r ? r + m * D : nullptr, D, static_cast<float>(eps));
     }
   });
-}
-
-// One row of the gated norm: y = (w * (x / rms(x))) * silu(z), the same operations in the
-// same order as the fused GDN decode's (gdn_decode.cpp), so prefill and decode agree.
-inline void gated_rmsnorm_row(const float* x, const float* z, const float* w, float* y, int64_t D,
-                              float eps) {
-  const float r = 1.f / std::sqrt(hs::dot8(x, x, D) / static_cast<float>(D) + eps);
-  std::copy(z, z + D, y);
-  hs::silu_inplace(y, D);
-  for (int64_t i = 0; i < D; ++i) y[i] = (w[i] * (x[i] * r)) * y[i];
 }
 
 }  // namespace

@@ -1,0 +1,23 @@
+// One row of the GDN output's gated RMSNorm, y = (w * (x / rms(x))) * silu(z): shared by the
+// fused decode op (gdn_decode.cpp) and the prefill's norm op (norms.cpp), so a prompt's prefill
+// and its decode steps round alike. Reference: kernels/rmsnorm.py `rms_norm_gated`.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "lanes.h"
+#include "silu.h"
+
+namespace hs {
+
+inline void gated_rmsnorm_row(const float* x, const float* z, const float* w, float* y, int64_t D,
+                              float eps) {
+  const float r = 1.f / std::sqrt(dot8(x, x, D) / static_cast<float>(D) + eps);
+  std::copy(z, z + D, y);
+  silu_inplace(y, D);
+  for (int64_t i = 0; i < D; ++i) y[i] = (w[i] * (x[i] * r)) * y[i];
+}
+
+}  // namespace hs
