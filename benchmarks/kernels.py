@@ -74,12 +74,17 @@ def load_fla() -> dict[str, Callable] | str:
     }
 
 
+def gdn_shapes(small: bool) -> tuple[int, int, int, int, int, int, int]:
+    """(sequences, tokens each, key heads, value heads, head dim, conv channels, decode batch):
+    the `small` preset's Gated DeltaNet layer, or tiny shapes."""
+    return (2, 64, 2, 4, 32, 256, 4) if small else (8, 512, 4, 8, 128, 2048, 64)
+
+
 def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Callable | None]]:
     """(name, run ours, run fla or None) on shared inputs."""
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    n_seq, seq = (2, 64) if small else (8, 512)
-    H, HV, K, dim = (2, 4, 32, 256) if small else (4, 8, 128, 2048)
-    batch, ctx, nH, nKV, D = (4, 64, 4, 2, 32) if small else (64, 1024, 8, 2, 64)
+    n_seq, seq, H, HV, K, dim, batch = gdn_shapes(small)
+    ctx, nH, nKV, D = (64, 4, 2, 32) if small else (1024, 8, 2, 64)
     T = n_seq * seq
     fla = load_fla()
     fla = fla if isinstance(fla, dict) else {}
@@ -191,9 +196,8 @@ def fla_parity(dev: torch.device, small: bool) -> list[dict]:
     if isinstance(fla, str):
         return []
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    n_seq, seq = (2, 64) if small else (8, 512)
-    H, HV, K, dim = (2, 4, 32, 256) if small else (4, 8, 128, 2048)
-    T, batch = n_seq * seq, 4 if small else 64
+    n_seq, seq, H, HV, K, dim, batch = gdn_shapes(small)
+    T = n_seq * seq
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rnd(*shape, dtype=dt):
