@@ -3,19 +3,25 @@
 #   1. every `gpu`-marked test (CUDA-graph replay, decode kernels in a graph, the server on CUDA),
 #   2. the Triton kernel and model tests, which run on CUDA when it is present,
 #   3. the HTTP server tests with the shared server on CUDA (HYBRID_SERVE_TEST_DEVICE=cuda),
-#   4. benchmarks/kernels.py (kernels vs fla when importable; decode eager vs CUDA-graph replay).
-# 1-3 run side by side (small models, one GPU); 4 runs alone so its timings are its own.
+#   4. the comparison test against flash-linear-attention (skips without fla-core),
+#   5. benchmarks/kernels.py (kernels vs fla when importable; decode eager vs CUDA-graph replay).
+# 1-3 run side by side (small models, one GPU); 4 and 5 run alone, 5 so its timings are its own.
 # Logs and the benchmark's JSON go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (packages
-# the machine lacks, e.g. fastapi/uvicorn/openai, and fla-core for the comparisons with
-# flash-linear-attention; never installed on the CPU machines) are installed to /tmp/site first.
+# the machine lacks, e.g. fastapi/uvicorn/openai) are installed to /tmp/site first. fla-core (for
+# the comparisons with flash-linear-attention; never installed on the CPU machines) goes to its own
+# /tmp/site-fla, on the path only for those comparisons: where fla is importable, transformers'
+# Qwen3-Next sends the reference model's CPU tensors to fla's Triton kernels, which fail.
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"
-fi
+pipt() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$@"; }
+wheels=$(compgen -G ".whl/*.whl" | grep -v "/fla_core-" || true)
+fla_wheels=$(compgen -G ".whl/fla_core-*.whl" || true)
+[ -n "$wheels" ] && pipt /tmp/site $wheels && export PYTHONPATH="/tmp/site:$PWD"
+FLA_PATH="$PYTHONPATH"
+[ -n "$fla_wheels" ] && pipt /tmp/site-fla $fla_wheels && FLA_PATH="/tmp/site-fla:$PYTHONPATH"
 nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
@@ -32,11 +38,13 @@ HYBRID_SERVE_TEST_DEVICE=cuda timeout "$T" $PYTEST tests/server/test_openai.py \
 p3=$!
 rc=0
 for p in $p1 $p2 $p3; do wait $p || rc=1; done
-for f in gpu_marked triton server_cuda; do
+PYTHONPATH="$FLA_PATH" timeout "$T" $PYTEST tests/kernels/test_triton_kernels.py \
+    -k flash_linear_attention -rs >"$OUT/fla.log" 2>&1 || rc=1
+for f in gpu_marked triton server_cuda fla; do
     echo "== $f"
     grep -E "passed|failed|error|Error|FAILED" "$OUT/$f.log" | tail -15
 done
-timeout "${GPU_BENCH_TIMEOUT:-150}" python3 -m benchmarks.kernels --json-out "$OUT/kernels.json" \
+PYTHONPATH="$FLA_PATH" timeout "${GPU_BENCH_TIMEOUT:-150}" python3 -m benchmarks.kernels --json-out "$OUT/kernels.json" \
     >"$OUT/kernels.log" 2>&1 || rc=1
 echo "== kernels"
 tail -40 "$OUT/kernels.log"
