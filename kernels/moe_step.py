@@ -1,4 +1,4 @@
-"""The sparse MoE block of a small decode batch: pure-torch reference op.
+"""The sparse MoE block of a decode batch: pure-torch reference op.
 
     probs = softmax(x router_w^T) in fp32;  topk_w, topk_ids = topk(probs, k)
     topk_w /= sum(topk_w)                                      (when norm_topk_prob)
@@ -7,15 +7,19 @@
 with SwiGLU experts expert_e(x) = down_e(silu(gate_e(x)) * up_e(x)) from the stacked
 `experts_gate_up` [E, 2I, H] ([gate | up] rows) and `experts_down` [E, H, I], and the shared
 expert from its own three matrices. The routed outputs are summed in expert order, then the gated
-shared output added: the order of `models.layers.SparseMoE` (whose forward this is, with the
-per-expert loop of `Experts.looped_experts`). Matrices may be bf16 under fp32 activations
-(`kernels.linear` widens them). `kernels.moe_step_cpp` does it in one C++ call.
+shared output added: the order of `models.layers.SparseMoE`'s unfused path. The experts run as
+the per-expert loop of `kernels.linear` up to `GEMV_TOKENS` tokens (where each expert's rows
+take the weight-streaming GEMV on CPU) and as one dispatched `kernels.routed_experts` beyond
+(as `Experts.grouped_experts`), the choice `kernels.moe_step_cpp`'s C++ op makes too. Matrices
+may be bf16 under fp32 activations (`kernels.linear` widens them).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+GEMV_TOKENS = 8  # kernels.linear_cpp.SKINNY_ROWS: the experts' loop of GEMVs up to here
 
 
 def moe_decode(
@@ -41,14 +45,18 @@ def moe_decode(
     order = flat_ids.argsort(stable=True)
     token_of = order // top_k
     xs = x[token_of]  # rows in expert order
-    counts = torch.bincount(flat_ids, minlength=experts_gate_up.shape[0]).tolist()
-    ys, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            gate, up = kernels.linear(xs[start : start + n], experts_gate_up[e]).chunk(2, dim=-1)
-            ys.append(kernels.linear(F.silu(gate) * up, experts_down[e]))
-            start += n
-    y = torch.cat(ys) * topk_w.flatten()[order, None].to(x.dtype)
+    counts = torch.bincount(flat_ids, minlength=experts_gate_up.shape[0])
+    if x.shape[0] > GEMV_TOKENS:
+        y = kernels.routed_experts(xs, experts_gate_up, experts_down, counts)
+    else:
+        ys, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                gate, up = kernels.linear(xs[start : start + n], experts_gate_up[e]).chunk(2, -1)
+                ys.append(kernels.linear(F.silu(gate) * up, experts_down[e]))
+                start += n
+        y = torch.cat(ys)
+    y = y * topk_w.flatten()[order, None].to(x.dtype)
     routed = torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
     shared = kernels.linear(
         F.silu(kernels.linear(x, shared_gate_proj)) * kernels.linear(x, shared_up_proj),

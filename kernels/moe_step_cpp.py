@@ -1,22 +1,30 @@
-"""The sparse MoE block of a small decode batch as one C++ CPU op.
+"""The sparse MoE block of a decode batch as one C++ CPU op.
 
 Same signature and contract as `kernels.moe_step.moe_decode`. One call replaces the reference's
-~40 torch ops and Python loop: router GEMV, torch's own fp32 softmax and top-k (called from C++,
-so ties pick the same experts), the active experts on the rows routed to each (the weight-
-streaming GEMV on slices of the stacked weights, fp32 or bf16), the shared expert and its gate,
-and the combine. It covers fp32 activations with fp32 or bf16 matrices, at most `MAX_TOKENS`
-rows (beyond, the experts' grouped paths win); anything else runs the reference. While
-torch.compile traces, graphs call the op itself once `kernels.custom_ops.enable_cpp_in_graphs`
-gave it a fake implementation.
+~40 torch ops and Python loop: the router product, torch's own fp32 softmax and top-k (called
+from C++, so ties pick the same experts), the active experts on the rows routed to each, the
+shared expert and its gate, and the combine. Up to `moe_step.GEMV_TOKENS` rows the products are
+the weight-streaming GEMV on slices of the stacked weights; beyond, the tiled GEMM and all
+experts in one routed-experts call (kernels/csrc/gemm.cpp), as the reference picks them. It
+covers fp32 activations with fp32 or bf16 matrices, at most `max_tokens()` rows: the C++ GEMM's
+decode rows (`kernels.linear_cpp.GEMM_MAX_ROWS`) while it is on, the GEMV's block while
+`HYBRID_SERVE_CPU_GEMM=off`; anything else runs the reference. While torch.compile traces,
+graphs call the op itself once `kernels.custom_ops.enable_cpp_in_graphs` gave it a fake
+implementation.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import custom_ops, moe_step
+from kernels import custom_ops, linear_cpp, moe_step
 
-MAX_TOKENS = 8  # the skinny GEMV's row block; the per-expert loop wins up to here
+MAX_TOKENS = linear_cpp.GEMM_MAX_ROWS  # decode batches; prefill chunks beyond keep MKL's GEMMs
+
+
+def max_tokens() -> int:
+    """The most rows the C++ op takes now (`linear_cpp.GEMM_ON` may be flipped between runs)."""
+    return MAX_TOKENS if linear_cpp.GEMM_ON else moe_step.GEMV_TOKENS
 
 
 def moe_decode(
@@ -40,7 +48,7 @@ def moe_decode(
         ops is None
         or x.dtype != torch.float32
         or x.dim() != 2
-        or x.shape[0] > MAX_TOKENS
+        or x.shape[0] > max_tokens()
         or any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights)
         or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)))
     ):

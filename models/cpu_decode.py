@@ -1,5 +1,5 @@
-"""The CPU decode step of a small batch as one C++ call: on CPU what a CUDA graph is on the
-GPU, the step's kernel calls recorded once and replayed.
+"""The CPU decode step as one C++ call: on CPU what a CUDA graph is on the GPU, the step's
+kernel calls recorded once and replayed.
 
 The eager decode step runs ~75 C++ ops (per layer: residual add + RMSNorm, the input
 projections, the fused mixer, the output projection, add + RMSNorm, the fused MoE block), and
@@ -16,12 +16,17 @@ step's:
                       h, residual = add_rmsnorm(h, residual);  x = moe_decode(h)
     logits = lm_head(add_rmsnorm(x, residual))
 
+The matrix products are the eager step's by row count: the weight-streaming GEMV up to
+`SKINNY_ROWS` rows, the tiled GEMM beyond (the fused MoE picks its products the same way).
+
 It applies where the eager step would run each of those parts in its C++ op
 (`kernels.*_cpp`): CPU tensors, the C++ kernels built and chosen (`HYBRID_SERVE_KERNELS` auto
 or cpp) with the fusions on, one rank (no tensor parallelism), sparse-MoE layers, no biases,
 fp32 activations, norms, states and KV, fp32 or bf16 matrices, and at most `MAX_ROWS` rows (the
-fused MoE's limit and the fp32 GEMV's). `CpuDecodePlan.build` returns None for any other model;
-`ready()` says whether the kernel choice still holds (tests and benchmarks switch it).
+C++ GEMM's decode rows, the fused MoE's limit; the GEMV's `SKINNY_ROWS` while
+`HYBRID_SERVE_CPU_GEMM=off`). `CpuDecodePlan.build` returns None for any other model;
+`ready(rows)` says whether the kernel choice still holds for a batch (tests and benchmarks
+switch it).
 """
 
 from __future__ import annotations
@@ -30,8 +35,7 @@ import logging
 
 import torch
 
-from kernels import cpp_build, dispatch, moe_step_cpp
-from kernels.linear_cpp import SKINNY_ROWS
+from kernels import cpp_build, dispatch, linear_cpp, moe_step_cpp
 from models.forward_batch import ForwardBatch
 from models.layers import SparseMoE
 from models.loader import matrices
@@ -39,7 +43,7 @@ from models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = min(SKINNY_ROWS, moe_step_cpp.MAX_TOKENS, SparseMoE.FUSED_MAX_TOKENS)
+MAX_ROWS = min(linear_cpp.GEMM_MAX_ROWS, moe_step_cpp.MAX_TOKENS)
 MATRIX_DTYPES = (torch.float32, torch.bfloat16)  # `models.loader.matrices`; all else fp32
 
 
@@ -104,7 +108,7 @@ def layer_args(layer) -> tuple[list[torch.Tensor], list[int], list[float]]:
 
 class CpuDecodePlan:
     """`plan(batch)` == `model.forward(batch)` for a decode batch of at most MAX_ROWS rows
-    (bit for bit, pools updated alike) while `ready()`. It holds the model's parameter tensors
+    (bit for bit, pools updated alike) while `ready(rows)`. It holds the model's parameter tensors
     themselves: weights changed in place are seen, replaced parameters are not."""
 
     def __init__(self, model: Qwen3NextForCausalLM) -> None:
@@ -136,10 +140,14 @@ class CpuDecodePlan:
         return cls(model)
 
     @staticmethod
-    def ready() -> bool:
-        """Whether the eager step would still call the C++ ops (the kernel choice is read from
-        the environment and can change between steps in tests)."""
-        return dispatch.kernel_mode() in ("auto", "cpp") and dispatch.fusions_enabled()
+    def ready(rows: int) -> bool:
+        """Whether the eager step of `rows` rows would still call the C++ ops (the kernel choice
+        is read from the environment and can change between steps in tests)."""
+        return (
+            dispatch.kernel_mode() in ("auto", "cpp")
+            and dispatch.fusions_enabled()
+            and rows <= min(MAX_ROWS, moe_step_cpp.max_tokens())
+        )
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import custom_ops, dispatch, experts_cpp, linear_cpp, rms_norm_gated
+from kernels import custom_ops, dispatch, experts_cpp, linear_cpp, moe_step_cpp, rms_norm_gated
 from kernels.attn_step import apply_rope
 from kernels.experts import grouped_mm_fits
 from kernels.experts import routed_experts as experts_reference
@@ -195,10 +195,9 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """Top-k softmax router over E experts plus a sigmoid-gated shared expert. On CPU, up to
-    `FUSED_MAX_TOKENS` tokens (decode at small batches) the whole block is one fused op
-    (`kernels.moe_decode`: routing, the active experts, the shared expert, the combine)."""
-
-    FUSED_MAX_TOKENS = 8
+    `kernels.moe_step_cpp.max_tokens()` tokens (decode batches, short prefills) the whole block
+    is one fused op (`kernels.moe_decode`: routing, the active experts, the shared expert, the
+    combine)."""
 
     def __init__(
         self,
@@ -218,7 +217,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
         if (
-            x.shape[0] <= self.FUSED_MAX_TOKENS
+            x.shape[0] <= moe_step_cpp.max_tokens()
             and not x.is_cuda
             and custom_ops.fused_decode_here()  # else graphs keep the opaque experts op
         ):

@@ -35,9 +35,9 @@ class SchedulerConfig:
     # off: decode batches run at their own size (on CPU without the decode plan either)
     disable_cuda_graph: bool = False
     # CPU decode step (scheduler.cpu_compile): torch.compile it with a dynamic batch size, once
-    # per padded size, or not (off, the default: batches up to 8 rows then replay the CPU decode
-    # plan, models.cpu_decode, which beats compiling at 1 row and is level at 8 on the 2-core
-    # machine, without start-up compiling; BENCHMARKS.md, session 7); sizes up to
+    # per padded size, or not (off, the default: batches up to 64 rows then replay the CPU
+    # decode plan, models.cpu_decode, which beats compiling at 1 row and is level at 8 on the
+    # 2-core machine, without start-up compiling; BENCHMARKS.md, session 7); sizes up to
     # cuda_graph_max_bs, none with --disable-cuda-graph. Test engines say off.
     cpu_compile: str = "off"
     enable_hierarchical_cache: bool = False  # host-memory tier under the radix cache

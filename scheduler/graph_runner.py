@@ -101,7 +101,7 @@ class DecodeGraphRunner:
         compiled = self.compiled
         if compiled is not None and compiled.dynamic and n <= self.max_compiled:
             return compiled(runner.build_decode(items, out_loc))  # at its own size
-        if self.plan is not None and n <= self.plan_rows and self.plan.ready():
+        if self.plan is not None and n <= self.plan_rows and self.plan.ready(n):
             return self.plan(runner.build_decode(items, out_loc))  # at its own size
         bs = self.padded_size(n)
         batch = self.batches.get(bs) if bs is not None else None

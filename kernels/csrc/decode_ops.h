@@ -18,6 +18,11 @@ std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Te
 // cpu_kernels.cpp, multi_linear.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);
+// gemm.cpp: tiled_linear; routed_experts_into writes y [T, H] for xs [T, H] sorted by expert,
+// counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I] alike fp32 or bf16
+at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
+void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
+                         const std::vector<int64_t>& counts, float* y);
 // gdn_decode.cpp
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
                       const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,

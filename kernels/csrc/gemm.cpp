@@ -25,6 +25,7 @@
 #include <memory>
 #include <vector>
 
+#include "decode_ops.h"
 #include "gemv.h"
 
 namespace {
@@ -214,14 +215,6 @@ void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64
   });
 }
 
-// x [M, K] fp32, w [N, K] fp32 or bf16 -> y [M, N] fp32.
-at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
-  return hs::linear_op("tiled_linear", x, w,
-                       [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {
-                         gemm_into(xp, wp, yp, M, N, K);
-                       });
-}
-
 // ---- routed experts in one call ----------------------------------------------------------
 
 // One piece of work: weight rows [n0, n1) of expert e; cost ~ weight bytes + flops.
@@ -304,6 +297,37 @@ void experts_into(const float* xs, const W* gate_up, const W* down, const std::v
   });
 }
 
+}  // namespace
+
+namespace hs {
+
+// x [M, K] fp32, w [N, K] fp32 or bf16 -> y [M, N] fp32.
+at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
+  return linear_op("tiled_linear", x, w,
+                   [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {
+                     gemm_into(xp, wp, yp, M, N, K);
+                   });
+}
+
+void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
+                         const std::vector<int64_t>& counts, float* y) {
+  int64_t T = 0;
+  for (int64_t c : counts) T += c;
+  if (T == 0) return;
+  const int64_t H = gate_up.size(2), I = down.size(2);
+  std::vector<float> h(T * 2 * I);
+  if (gate_up.scalar_type() == at::kFloat) {
+    experts_into(xs, gate_up.data_ptr<float>(), down.data_ptr<float>(), counts, h.data(), y, H, I);
+  } else {
+    experts_into(xs, gate_up.data_ptr<at::BFloat16>(), down.data_ptr<at::BFloat16>(), counts,
+                 h.data(), y, H, I);
+  }
+}
+
+}  // namespace hs
+
+namespace {
+
 // xs [T, H] fp32 sorted by expert; gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16, alike);
 // counts [E] int64 summing to T -> [T, H] fp32: row t is down_e(silu(gate_e x_t) * up_e x_t)
 // for the expert e whose slice holds t.
@@ -332,16 +356,7 @@ at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const
   }
   TORCH_CHECK(sum == T, "routed_experts: counts sum to ", sum, " for ", T, " rows");
   auto y = at::empty({T, H}, xs.options());
-  if (T == 0) return y;
-  auto h = at::empty({T, 2 * I}, xs.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    experts_into(xs.data_ptr<float>(), gate_up.data_ptr<float>(), down.data_ptr<float>(), cnt,
-                 h.data_ptr<float>(), y.data_ptr<float>(), H, I);
-  } else {
-    experts_into(xs.data_ptr<float>(), gate_up.data_ptr<at::BFloat16>(),
-                 down.data_ptr<at::BFloat16>(), cnt, h.data_ptr<float>(), y.data_ptr<float>(), H,
-                 I);
-  }
+  hs::routed_experts_into(xs.data_ptr<float>(), gate_up, down, cnt, y.data_ptr<float>());
   return y;
 }
 
@@ -353,6 +368,6 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
-  m.impl("tiled_linear", &tiled_linear);
+  m.impl("tiled_linear", &hs::tiled_linear);
   m.impl("routed_experts", &routed_experts);
 }

@@ -1,13 +1,14 @@
-// The sparse MoE block of a small decode batch in one op: router, top-k routing, the active
-// experts, the sigmoid-gated shared expert and the combine. Reference and contract:
-// kernels/moe_step.py. Every matrix product is the weight-streaming GEMV (hs::gemv.h), fp32 or
-// bf16 weights, fp32 activations and accumulation; the experts' products run in two parallel
-// regions (input projections, then down projections).
+// The sparse MoE block of a decode batch in one op: router, top-k routing, the active experts,
+// the sigmoid-gated shared expert and the combine. Reference and contract: kernels/moe_step.py.
+// Up to kGemvTokens tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
+// experts' products in two parallel regions (input projections, then down projections); beyond,
+// the products are the tiled GEMM (gemm.cpp: `tiled_linear`, and all experts in one
+// `routed_experts_into`). fp32 or bf16 weights, fp32 activations and accumulation.
 //
-// Bit for bit the reference (and so the unfused model at any batch size, whose expert loop is
-// the same GEMV): the element-wise functions (softmax, silu, sigmoid) are torch's own kernels
-// on the same layouts, and the combine rounds each product before its sum (no FMA contraction
-// in this file's own code), so a request's tokens do not depend on which batch it shares.
+// Bit for bit the reference, which picks its products by the same row count: the element-wise
+// functions (softmax, silu, sigmoid) are torch's own kernels on the same layouts, and the combine
+// rounds each product before its sum (no FMA contraction in this file's own code), so a
+// request's tokens do not depend on which rows share its batch within either range.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -22,6 +23,8 @@
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
+
+constexpr int64_t kGemvTokens = 8;  // kernels.moe_step.GEMV_TOKENS
 
 // y [M, N] = x [M, K] w [N, K]^T for a weight of either dtype (w may be a slice of a stack).
 void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
@@ -81,8 +84,14 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   if (T == 0) return out;
 
   // routing: the fp32 softmax and top-k are torch's own, so ties pick torch.topk's experts
-  auto logits = at::empty({T, E}, x.options());
-  linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T);
+  const bool gemv = T <= kGemvTokens;
+  at::Tensor logits;
+  if (gemv) {
+    logits = at::empty({T, E}, x.options());
+    linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T);
+  } else {
+    logits = hs::tiled_linear(x, router_w);
+  }
   auto [topk_w, topk_ids] = at::topk(at::_softmax(logits, -1, false), top_k, -1);
   if (norm_topk_prob) topk_w = topk_w / topk_w.sum(-1, true);
   topk_w = topk_w.contiguous();
@@ -109,37 +118,49 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
     }
   }
   start[E] = N;
-  std::vector<float> xs(N * H), gu(N * 2 * I), ys(N * H);
+  std::vector<float> xs(N * H), ys(N * H);
   for (int64_t r = 0; r < N; ++r) std::copy_n(xp + row_tok[r] * H, H, xs.data() + r * H);
-  // the products in two parallel regions: every expert's and the shared expert's input
-  // projections, then (after the activations) every down projection
-  auto sg = at::empty({T, 1}, x.options());
-  auto sgate = at::empty({T, Is}, x.options()), sup = at::empty({T, Is}, x.options());
-  std::vector<float> sy(T * H);
-  std::vector<hs::GemvJob> jobs;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = start[e + 1] - start[e];
-    if (n > 0) {
-      jobs.push_back(hs::job_of(xs.data() + start[e] * H, experts_gate_up,
-                                gu.data() + start[e] * 2 * I, n, e * 2 * I, 2 * I));
+  at::Tensor sg, sy;  // the shared expert's gate logit [T, 1] and output [T, H]
+  if (gemv) {
+    // the products in two parallel regions: every expert's and the shared expert's input
+    // projections, then (after the activations) every down projection
+    std::vector<float> gu(N * 2 * I);
+    sg = at::empty({T, 1}, x.options());
+    sy = at::empty({T, H}, x.options());
+    auto sgate = at::empty({T, Is}, x.options()), sup = at::empty({T, Is}, x.options());
+    std::vector<hs::GemvJob> jobs;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = start[e + 1] - start[e];
+      if (n > 0) {
+        jobs.push_back(hs::job_of(xs.data() + start[e] * H, experts_gate_up,
+                                  gu.data() + start[e] * 2 * I, n, e * 2 * I, 2 * I));
+      }
     }
-  }
-  jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T));
-  jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data_ptr<float>(), T));
-  jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data_ptr<float>(), T));
-  hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
-  const at::Tensor act = swiglu(gu.data(), N, I, x.options());  // every row: one call
-  const at::Tensor sact = at::silu(sgate).mul_(sup);
-  jobs.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = start[e + 1] - start[e];
-    if (n > 0) {
-      jobs.push_back(hs::job_of(act.data_ptr<float>() + start[e] * I, experts_down,
-                                ys.data() + start[e] * H, n, e * H, H));
+    jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T));
+    jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data_ptr<float>(), T));
+    jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data_ptr<float>(), T));
+    hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
+    const at::Tensor act = swiglu(gu.data(), N, I, x.options());  // every row: one call
+    const at::Tensor sact = at::silu(sgate).mul_(sup);
+    jobs.clear();
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = start[e + 1] - start[e];
+      if (n > 0) {
+        jobs.push_back(hs::job_of(act.data_ptr<float>() + start[e] * I, experts_down,
+                                  ys.data() + start[e] * H, n, e * H, H));
+      }
     }
+    jobs.push_back(hs::job_of(sact.data_ptr<float>(), shared_down, sy.data_ptr<float>(), T));
+    hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
+  } else {
+    std::vector<int64_t> counts(E);
+    for (int64_t e = 0; e < E; ++e) counts[e] = start[e + 1] - start[e];
+    hs::routed_experts_into(xs.data(), experts_gate_up, experts_down, counts, ys.data());
+    sg = hs::tiled_linear(x, shared_gate_w);
+    const at::Tensor sact =
+        at::silu(hs::tiled_linear(x, shared_gate_proj)).mul_(hs::tiled_linear(x, shared_up_proj));
+    sy = hs::tiled_linear(sact, shared_down);
   }
-  jobs.push_back(hs::job_of(sact.data_ptr<float>(), shared_down, sy.data(), T));
-  hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
     float* o = op + row_tok[r] * H;
     const float* y = ys.data() + r * H;
@@ -153,9 +174,10 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   // the shared expert, weighted by its sigmoid gate
   const at::Tensor gates = at::sigmoid(sg);
   const float* gp = gates.data_ptr<float>();
+  const float* syp = sy.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     float* o = op + t * H;
-    const float* y = sy.data() + t * H;
+    const float* y = syp + t * H;
     for (int64_t h = 0; h < H; ++h) {
       const float p = gp[t] * y[h];
       o[h] += p;

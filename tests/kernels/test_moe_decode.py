@@ -1,13 +1,15 @@
-"""The fused small-batch MoE op (C++) against its torch reference (kernels.moe_step): random
-shapes, 1-8 tokens, fp32 and bf16 weights, routing ties, with and without renormalisation.
-Skips where the C++ kernels cannot be built."""
+"""The fused MoE op (C++) against its torch reference (kernels.moe_step): random shapes, 1-8
+tokens (the GEMV's products) and 9-64 (the GEMM's), fp32 and bf16 weights, routing ties, with
+and without renormalisation. Skips where the C++ kernels cannot be built."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kernels import moe_step, moe_step_cpp
+from kernels import custom_ops, linear_cpp, moe_step, moe_step_cpp
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
@@ -24,6 +26,11 @@ def moe_weights(E: int, H: int, I: int, Is: int, dtype: torch.dtype) -> list[tor
         (8, 6, 3, 40, 24, 36, True, torch.float32),  # odd sizes: the GEMV's tails
         (5, 8, 2, 128, 64, 32, True, torch.bfloat16),
         (8, 4, 4, 64, 16, 16, True, torch.bfloat16),  # every expert on every token
+        (9, 8, 2, 96, 40, 24, True, torch.float32),  # the GEMM from here
+        (33, 6, 3, 40, 24, 36, False, torch.float32),  # a last panel of one row
+        (64, 8, 2, 768, 256, 256, True, torch.float32),  # the small preset at batch 64
+        (24, 8, 2, 128, 64, 32, True, torch.bfloat16),
+        (64, 4, 4, 64, 16, 16, True, torch.bfloat16),
     ],
 )
 def test_moe_decode_matches_reference(T, E, k, H, I, Is, norm, dtype) -> None:
@@ -53,10 +60,21 @@ def test_routing_ties_pick_torch_topk_experts() -> None:
     assert not torch.allclose(moe_step_cpp.moe_decode(x, *swapped, k, True), y)
 
 
-def test_more_rows_than_the_gemv_block_run_the_reference() -> None:
+@pytest.mark.parametrize("gemm", [True, False])
+def test_rows_beyond_the_limit_run_the_reference(monkeypatch, gemm) -> None:
+    """Beyond `max_tokens()` (the GEMM's decode rows, or the GEMV's 8 while the C++ GEMM is
+    switched off) the wrapper hands the block to the reference without calling the op."""
+    monkeypatch.setattr(linear_cpp, "GEMM_ON", gemm)
+    limit = moe_step_cpp.max_tokens()
+    assert limit == (moe_step_cpp.MAX_TOKENS if gemm else moe_step.GEMV_TOKENS)
+    calls = []
+    op = torch.ops.hybrid_serve.moe_decode
+    monkeypatch.setattr(custom_ops, "cpp_ops", lambda: SimpleNamespace(
+        moe_decode=lambda *a: calls.append(a[0].shape[0]) or op(*a)))  # fmt: skip
     torch.manual_seed(1)
-    x = torch.randn(moe_step_cpp.MAX_TOKENS + 1, 32)
     weights = moe_weights(4, 32, 16, 16, torch.float32)
-    assert torch.equal(
-        moe_step_cpp.moe_decode(x, *weights, 2, True), moe_step.moe_decode(x, *weights, 2, True)
-    )
+    for rows in (limit, limit + 1):
+        x = torch.randn(rows, 32)
+        y = moe_step_cpp.moe_decode(x, *weights, 2, True)
+        assert torch.equal(y, moe_step.moe_decode(x, *weights, 2, True))
+    assert calls == [limit]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import cpp_build
+from kernels import cpp_build, linear_cpp
 from models import cpu_decode
 from models.cpu_decode import MAX_ROWS, CpuDecodePlan
 from models.loader import load_model
@@ -19,7 +19,8 @@ from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, Runner
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
 
 PROMPTS = [[5, 17, 2, 30, 9], [44, 3], list(range(3, 40)), [7] * 11, [1], [9, 9, 4], [60] * 20,
-           [2, 8], [31, 5, 7]]  # fmt: skip
+           [2, 8], [31, 5, 7], [12] * 6, [3, 1, 4, 1, 5], [26, 27]]  # fmt: skip
+PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,9 @@ def ckpt(tmp_path_factory):
 
 
 def prefilled(ckpt, dtype: str):
-    runner = ModelRunner(load_model(ckpt, dtype=dtype), RunnerConfig(max_running_requests=10))
+    runner = ModelRunner(
+        load_model(ckpt, dtype=dtype), RunnerConfig(max_running_requests=len(PROMPTS) + 1)
+    )
     slots = [(runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])) for _ in PROMPTS]
     items = [ExtendInput(q, m, 0, p) for (q, m), p in zip(slots, PROMPTS, strict=True)]
     locs = [runner.alloc_kv(q, 0, len(p)) for (q, _), p in zip(slots, PROMPTS, strict=True)]
@@ -42,8 +45,8 @@ class Counting:
     def __init__(self, plan: CpuDecodePlan) -> None:
         self.plan, self.rows = plan, []
 
-    def ready(self) -> bool:
-        return self.plan.ready()
+    def ready(self, rows: int) -> bool:
+        return self.plan.ready(rows)
 
     def __call__(self, batch) -> torch.Tensor:
         self.rows.append(batch.num_reqs)
@@ -57,17 +60,18 @@ def pools(runner: ModelRunner) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plan_equals_eager_bit_for_bit(ckpt, dtype):
-    """Greedy steps of 1 to MAX_ROWS requests, and one beyond (which the runner runs eagerly):
-    identical logits and identical pools after every step."""
+    """Greedy steps of 1 to PLAN_ROWS requests (the GEMV's rows and the GEMM's), and one beyond
+    (which the runner runs eagerly): identical logits and identical pools after every step."""
     eager, slots, first = prefilled(ckpt, dtype)
     fast, slots2, first2 = prefilled(ckpt, dtype)
     assert slots == slots2 and first == first2
     plain = DecodeGraphRunner(eager, [])  # no sizes: no plan, every batch eager
-    planned = DecodeGraphRunner(fast, [1, 2, 4, 8, 16])
-    assert plain.plan is None and planned.plan is not None and planned.plan_rows == MAX_ROWS
+    planned = DecodeGraphRunner(fast, [1, 2, 4, 8, PLAN_ROWS])
+    assert plain.plan is None and planned.plan is not None and planned.plan_rows == PLAN_ROWS
+    assert linear_cpp.SKINNY_ROWS < PLAN_ROWS <= MAX_ROWS
     planned.plan = spy = Counting(planned.plan)
     tokens, lens = list(first), [len(p) for p in PROMPTS]
-    for n in [1, 3, MAX_ROWS, 2, len(PROMPTS), 1, 5]:
+    for n in [1, 3, PLAN_ROWS, 2, len(PROMPTS), 9, 1, 5]:
         out = []
         for graphs in (plain, planned):
             runner = graphs.runner
@@ -79,7 +83,17 @@ def test_plan_equals_eager_bit_for_bit(ckpt, dtype):
             assert torch.equal(a, b), n
         tokens[:n] = out[0].argmax(-1).tolist()
         lens[:n] = [k + 1 for k in lens[:n]]
-    assert spy.rows == [1, 3, MAX_ROWS, 2, 1, 5]  # the 9-row step ran eagerly
+    assert spy.rows == [1, 3, PLAN_ROWS, 2, 9, 1, 5]  # the 12-row step ran eagerly
+
+
+def test_plan_rows_follow_the_gemm_switch(ckpt, monkeypatch):
+    """With the C++ GEMM off the eager step takes `F.linear` beyond the GEMV's rows, so the
+    plan (whose products there are the GEMM) covers only the GEMV's."""
+    runner, _, _ = prefilled(ckpt, "float32")
+    graphs = DecodeGraphRunner(runner, [1, 16])
+    assert graphs.plan.ready(8) and graphs.plan.ready(16) and not graphs.plan.ready(MAX_ROWS + 1)
+    monkeypatch.setattr(linear_cpp, "GEMM_ON", False)
+    assert graphs.plan.ready(8) and not graphs.plan.ready(9)
 
 
 def test_plan_follows_the_kernel_choice(ckpt, kernels_mode):
@@ -87,10 +101,10 @@ def test_plan_follows_the_kernel_choice(ckpt, kernels_mode):
     does the runner: the plan steps aside."""
     runner, slots, first = prefilled(ckpt, "float32")
     graphs = DecodeGraphRunner(runner, [1, 2])
-    assert graphs.plan is not None and graphs.plan.ready()
+    assert graphs.plan is not None and graphs.plan.ready(1)
     graphs.plan = spy = Counting(graphs.plan)
     kernels_mode("torch")
-    assert not spy.ready()
+    assert not spy.ready(1)
     (q, m), n = slots[0], len(PROMPTS[0])
     logits = graphs.forward([DecodeInput(q, m, n, first[0])], runner.alloc_kv(q, n, 1))
     assert spy.rows == [] and logits.shape == (1, runner.model.config.vocab_size)
