@@ -1,12 +1,15 @@
-"""The C++ GEMM (`tiled_linear`) against `F.linear` (MKL) on a checkpoint's own dense shapes, CPU.
+"""The C++ GEMMs (`tiled_linear`, `packed_linear`) against `F.linear` (MKL) on a checkpoint's own
+dense shapes, CPU.
 
 For each row count M (`--rows`) and each distinct [N, K] weight shape of the model's `Linear`
-layers (the lm_head included), times `kernels.linear_cpp.linear` with its GEMM on (whatever the
-row limits) and off (`GEMM_ON = False`: `F.linear`), interleaved, for fp32 weights and for bf16
-weights (off: widened to fp32 for `F.linear`, as `kernels.linear` does). Prints GFLOP/s from
-the median of `--repeats` interleaved runs, the ratio, and the machine's load average.
+layers (the lm_head included), times `kernels.linear_cpp.linear` three ways, interleaved: with
+the tiled GEMM at any rows, with the packed GEMM at any rows beyond the GEMV's, and with the
+GEMMs off (`GEMM_ON = False`: `F.linear`, bf16 weights widened to fp32 as `kernels.linear`
+does), for fp32 and bf16 weights. Prints GFLOP/s from the median of `--repeats` interleaved runs,
+each GEMM's ratio to `F.linear`, the sum over the shapes per row count in ms (where the
+`linear_cpp` row limits come from), and the machine's load average.
 
-Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 16,32,64,128,256
+Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 64,256,512,1024
 """
 
 from __future__ import annotations
@@ -39,18 +42,22 @@ def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:
     return found
 
 
-def time_linear(x: torch.Tensor, w: torch.Tensor, gemm: bool, inner: int) -> float:
-    """Seconds per `linear_cpp.linear(x, w)` with the GEMM on (any rows) or off."""
-    limits = linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS
-    linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS = gemm, 1 << 30
-    linear_cpp.BF16_GEMM_MAX_ROWS = 1 << 30
+VARIANTS = ("F.linear", "tiled", "packed")
+
+
+def time_linear(x: torch.Tensor, w: torch.Tensor, variant: str, inner: int) -> float:
+    """Seconds per `linear_cpp.linear(x, w)` with one GEMM at any rows, or the GEMMs off."""
+    limits = linear_cpp.GEMM_ON, linear_cpp.TILED_MAX_ROWS, linear_cpp.BF16_TILED_MAX_ROWS
+    rows = 1 << 30 if variant == "tiled" else 0
+    linear_cpp.GEMM_ON = variant != "F.linear"
+    linear_cpp.TILED_MAX_ROWS = linear_cpp.BF16_TILED_MAX_ROWS = rows
     try:
         start = time.perf_counter()
         for _ in range(inner):
             linear_cpp.linear(x, w)
         return (time.perf_counter() - start) / inner
     finally:
-        linear_cpp.GEMM_ON, linear_cpp.GEMM_MAX_ROWS, linear_cpp.BF16_GEMM_MAX_ROWS = limits
+        linear_cpp.GEMM_ON, linear_cpp.TILED_MAX_ROWS, linear_cpp.BF16_TILED_MAX_ROWS = limits
 
 
 def main() -> None:
@@ -71,28 +78,36 @@ def main() -> None:
         args.model_path = str(default_model_path(args.preset))
     shapes = shapes_of(load_model(args.model_path, dtype="float32"))
     print(f"{args.threads} threads, load {os.getloadavg()[0]:.1f}; GFLOP/s, medians")
-    print(f"{'dtype':>9}{'M':>6}{'N':>6}{'K':>6}  {'layer':<28}{'F.linear':>9}{'gemm':>8}{'x':>6}")
+    print(f"{'dtype':>9}{'M':>6}{'N':>6}{'K':>6}  {'layer':<28}{'F.linear':>9}{'tiled':>8}{'x':>6}"
+          f"{'packed':>8}{'x':>6}")  # fmt: skip
     torch.manual_seed(0)
     with torch.inference_mode():
         for dtype in args.dtypes.split(","):
             for m in (int(r) for r in args.rows.split(",")):
+                total = dict.fromkeys(VARIANTS, 0.0)
                 for (n, k), name in shapes.items():
                     x, w = torch.randn(m, k), (torch.randn(n, k) * 0.05).to(getattr(torch, dtype))
                     torch.testing.assert_close(
                         linear_cpp.linear(x, w), x @ w.float().T, atol=1e-3, rtol=1e-4
                     )
                     inner = max(1, int(2e8 / (2 * m * n * k)))  # a few ms or more per sample
-                    times: dict[str, list[float]] = {"F.linear": [], "gemm": []}
+                    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
                     for _ in range(args.repeats):
-                        for variant, gemm in (("F.linear", False), ("gemm", True)):
-                            times[variant].append(time_linear(x, w, gemm, inner))
+                        for variant in VARIANTS:
+                            times[variant].append(time_linear(x, w, variant, inner))
                     flop = 2 * m * n * k
                     flops = {v: flop / statistics.median(t) / 1e9 for v, t in times.items()}
+                    for v, t in times.items():
+                        total[v] += statistics.median(t)
+                    base = flops["F.linear"]
                     print(
-                        f"{dtype:>9}{m:>6}{n:>6}{k:>6}  {name:<28}{flops['F.linear']:>9.1f}"
-                        f"{flops['gemm']:>8.1f}{flops['gemm'] / flops['F.linear']:>6.2f}",
+                        f"{dtype:>9}{m:>6}{n:>6}{k:>6}  {name:<28}{base:>9.1f}"
+                        f"{flops['tiled']:>8.1f}{flops['tiled'] / base:>6.2f}"
+                        f"{flops['packed']:>8.1f}{flops['packed'] / base:>6.2f}",
                         flush=True,
                     )
+                sums = ", ".join(f"{v} {t * 1e3:.2f}" for v, t in total.items())
+                print(f"{dtype:>9}{m:>6}  all shapes, ms: {sums}", flush=True)
     print(f"load {os.getloadavg()[0]:.1f}")
 
 

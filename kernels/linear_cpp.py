@@ -9,29 +9,31 @@ Same signature and contract as `kernels.linear.linear`.
   Beyond 8 rows the GEMM below is as fast or faster in bf16 too, since its tiles broadcast bf16
   weights in pairs (decode step at 16/32/64 rows 2/4/7.5% faster than with the GEMV up to 64
   rows, BENCHMARKS.md session 10), so both dtypes switch at the same row count.
-- more rows, up to `GEMM_MAX_ROWS` (fp32 weights) or `BF16_GEMM_MAX_ROWS` (bf16): a C++ GEMM
+- more rows, up to `TILED_MAX_ROWS` (fp32 weights) or `BF16_TILED_MAX_ROWS` (bf16): a C++ GEMM
   (`kernels/csrc/gemm.cpp`, `tiled_linear`) on the weight as stored, [N, K] row-major with no
   packed copy: x packed into 16-row panels once per call, outer-product register tiles of 6
   weight rows by 16 rows of x, weight blocks kept in L2 while the panels pass over them, bf16
   widened in registers two at a time, fp32 accumulation. At decode batch sizes it beats MKL's
   `F.linear` on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
-  `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
-  turns this GEMM and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
+- more rows (prefill chunks): the packed GEMM (`kernels/csrc/gemm_packed.cpp`,
+  `packed_linear`): both operands packed per call, weight slivers of 16 rows (bf16 widened once
+  in the pack) against 6-row slivers of x. It sums every output in the tiled GEMM's order, so the
+  two agree bit for bit and a row's result depends on neither its batch nor the GEMM its row
+  count picked (chunked and one-shot prefills differ only outside the matrix products). Summed
+  over the small preset's eight matrix shapes (2 threads, session 12), in ms, tiled / packed /
+  `F.linear` (MKL): fp32 at 512 rows 95 / 109 / 110, at 1,024 196 / 205 / 223, at 2,048
+  529 / 432 / 444; bf16 at 256 rows 73 / 75 / 117, at 1,024 264 / 180 / 211. The limits sit at
+  those crossovers (`benchmarks/gemm_shapes.py` measures them).
+- `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
+  turns both GEMMs and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
   paths before them come back (rows beyond the GEMV's take `F.linear`, MKL, bf16 weights
-  widened; the experts torch's grouped GEMM or the loop).
-  The limits: in fp32 the GEMM serves decode batches, up to 64 rows, where it beats MKL (1.6-3.9x
-  on the lm_head and GDN input projection at 16-64 rows, 0.95-1.8x on the mid-sized matrices; at
-  512 rows MKL is 10-25% ahead on the mid-sized ones, at 2,048 rows level to 27% ahead). Beyond
-  that prefill stays on MKL, which is also what transformers' reference uses. Accuracy would
-  allow the GEMM there: with it at every row count the parity prompts of
-  tests/models/test_parity.py and a 511-token one land at most 4.3e-5 from transformers' logits
-  (MKL: 6.5e-5), against the tests' 1e-4. bf16 weights have no such reference; they take the GEMM
-  up to 1024 rows, where widening the whole weight for `F.linear` stops costing much.
-- more rows than that (long prefills): the reference `kernels.linear.linear` (`F.linear`, the
-  weight widened to x's dtype, which the large GEMM amortises). oneDNN with packed weights
-  (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it builds a new primitive for
-  every new row count (~0.6 ms per matrix on this machine), which a serving loop with changing
-  batch sizes pays on most steps. (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT.)
+  widened; the experts torch's grouped GEMM or the loop). `GEMM_MAX_ROWS` is the decode batches'
+  bound, where the fused MoE (`kernels.moe_step_cpp`), the routed-experts op and the CPU decode
+  plan run; prefill chunks beyond it keep MKL's grouped GEMM for the fp32 experts.
+  oneDNN with packed weights (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it
+  builds a new primitive for every new row count (~0.6 ms per matrix on this machine), which a
+  serving loop with changing batch sizes pays on most steps. (oneDNN's bf16 path needs AVX-512
+  or AVX-NE-CONVERT.)
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from kernels import cpp_build
 from kernels.linear import linear as reference_linear
 
 SKINNY_ROWS = 8
-GEMM_MAX_ROWS = 64
-BF16_GEMM_MAX_ROWS = 1024
+GEMM_MAX_ROWS = 64  # decode batches: the fused MoE, the routed-experts op, the decode plan
+TILED_MAX_ROWS = 1024  # fp32 weights: the tiled GEMM up to here, the packed GEMM beyond
+BF16_TILED_MAX_ROWS = 256
 GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
 GEMM_ON = os.environ.get(GEMM_ENV_VAR, "on").strip().lower() not in ("off", "0", "false")
 
@@ -63,11 +66,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return reference_linear(x, weight, bias)
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    fp32 = wdt == torch.float32
-    limit = (GEMM_MAX_ROWS if fp32 else BF16_GEMM_MAX_ROWS) if GEMM_ON else SKINNY_ROWS
-    if M == 0 or M > limit:
+    if M == 0 or (M > SKINNY_ROWS and not GEMM_ON):
         return reference_linear(x, weight, bias)
-    op = ops.skinny_linear if M <= SKINNY_ROWS else ops.tiled_linear
+    tiled = TILED_MAX_ROWS if wdt == torch.float32 else BF16_TILED_MAX_ROWS
+    if M <= SKINNY_ROWS:
+        op = ops.skinny_linear
+    else:
+        op = ops.tiled_linear if M <= tiled else ops.packed_linear
     y = op(x.reshape(M, K).contiguous(), weight.contiguous())
     if bias is not None:
         y += bias

@@ -1,5 +1,6 @@
-"""The C++ GEMM (`tiled_linear`, through `kernels.linear_cpp.linear`) and the routed-experts op
-(`kernels.experts_cpp.routed_experts`) against their torch references, on the same inputs.
+"""The C++ GEMMs (`tiled_linear` and `packed_linear`, through `kernels.linear_cpp.linear`) and the
+routed-experts op (`kernels.experts_cpp.routed_experts`) against their torch references, on the
+same inputs.
 
 The kernels are built at first use (`kernels.cpp_build`); on a machine that cannot build them
 these tests skip (the dispatcher then runs the references).
@@ -25,8 +26,8 @@ def inference_mode():
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_gemm_matches_f_linear(seed, wdtype) -> None:
-    """Random M in 9..256 (the kernel's; the wrapper gives rows beyond `GEMM_MAX_ROWS` to MKL),
-    K not a multiple of 8, odd N, bias, leading dims."""
+    """Random M in 9..256 (the tiled GEMM's rows; the wrapper gives fp32 rows up to
+    `TILED_MAX_ROWS` to it), K not a multiple of 8, odd N, bias, leading dims."""
     g = torch.Generator().manual_seed(seed)
     M = int(torch.randint(linear_cpp.SKINNY_ROWS + 1, 257, (1,), generator=g))
     K = int(torch.randint(1, 100, (1,), generator=g)) * 8 + int(
@@ -66,6 +67,46 @@ def test_gemm_edge_shapes(M, N, K, wdtype) -> None:
     x, w = torch.randn(M, K), torch.randn(N, K).to(wdtype)
     y = torch.ops.hybrid_serve.tiled_linear(x, w)
     torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("M", "N", "K", "wdtype"),
+    [
+        (1, 1, 1, torch.float32),
+        (7, 17, 5, torch.float32),  # one sliver each way, both with tails
+        (130, 33, 300, torch.float32),  # two KC slices, the second short
+        (257, 40, 768, torch.bfloat16),  # three MC blocks, the last of 17 rows
+        (600, 16, 64, torch.float32),  # one weight sliver: the threads split the rows of x
+        (5, 2100, 513, torch.bfloat16),  # two NC blocks of weight rows
+    ],
+)
+def test_packed_gemm_matches_f_linear(M, N, K, wdtype) -> None:
+    """The packed GEMM on tails in every direction (rows of x past a 6-row sliver and an MC
+    block, weight rows past a 16-row sliver and an NC block, k past a KC slice): close to
+    `F.linear`, and bit for bit the tiled GEMM (the same sum order), so a row's result does not
+    depend on which GEMM its batch's row count picked."""
+    torch.manual_seed(M + N + K)
+    x, w = torch.randn(M, K), torch.randn(N, K).to(wdtype)
+    y = torch.ops.hybrid_serve.packed_linear(x, w)
+    torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
+    assert torch.equal(y, torch.ops.hybrid_serve.tiled_linear(x, w))
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_linear_picks_the_gemm_by_rows(monkeypatch, wdtype) -> None:
+    """GEMV up to SKINNY_ROWS, the tiled GEMM up to its dtype's limit, the packed one beyond."""
+    calls = []
+    for name in ("skinny_linear", "tiled_linear", "packed_linear"):
+        op = getattr(torch.ops.hybrid_serve, name)
+        monkeypatch.setattr(torch.ops.hybrid_serve, name, lambda x, w, n=name, op=op:
+                            calls.append(n) or op(x, w))  # fmt: skip
+    limit = linear_cpp.TILED_MAX_ROWS if wdtype == torch.float32 else linear_cpp.BF16_TILED_MAX_ROWS
+    w = torch.randn(24, 40).to(wdtype)
+    for M in (linear_cpp.SKINNY_ROWS, linear_cpp.SKINNY_ROWS + 1, limit, limit + 1):
+        x = torch.randn(M, 40)
+        torch.testing.assert_close(linear_cpp.linear(x, w), F.linear(x, w.float()), atol=1e-4,
+                                   rtol=1e-5)  # fmt: skip
+    assert calls == ["skinny_linear", "tiled_linear", "tiled_linear", "packed_linear"]
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])

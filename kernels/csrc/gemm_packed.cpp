@@ -1,0 +1,213 @@
+// GEMM for prefill-sized row counts: y [M, N] = x [M, K] w [N, K]^T, fp32 activations, fp32 or
+// bf16 weights, fp32 accumulation; `packed_linear` (kernels/linear_cpp.py calls it beyond the
+// decode GEMM's rows).
+//
+// The classic blocked GEMM with both operands packed per call: for each KC-deep slice of k, a
+// thread packs its weight rows into slivers of NR = 16 rows, k-major ([k][16], bf16 widened
+// here, once per call rather than in the inner loop), and the rows of x, MC at a time, into
+// slivers of MR = 6 rows ([k][6]). The register tile is 6 rows of x by 16 weight rows: each k
+// step loads one weight sliver row (two 8-wide vectors, from L1), broadcasts six x values (from
+// L2) and does 12 FMAs into 12 accumulators. Every run of KR = 32 k steps is summed from zero in
+// registers and then added to y: gemm.cpp's order exactly, so the two GEMMs give bit-identical
+// outputs and a row's result does not depend on which of them its batch's row count picked.
+// Threads split the weight rows (or, for a handful of weight rows, the rows of x), each with its
+// own packed buffers.
+//
+// Unlike gemm.cpp's decode GEMM, which reads the weight as stored and broadcasts it, this one
+// pays a pack of the weight per call, which M rows of x amortise: it is for hundreds of rows.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+
+#include "gemv.h"
+
+namespace {
+
+constexpr int64_t MR = 6;     // rows of x per register tile
+constexpr int64_t NR = 16;    // weight rows per register tile
+constexpr int64_t KC = 256;   // k per packed slice
+constexpr int64_t MC = 120;   // rows of x per packed block (L2)
+constexpr int64_t NC = 2048;  // weight rows per packed block (L3)
+
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<float[], FreeDeleter>;
+
+Buffer buffer(int64_t n) {
+  const size_t bytes = (size_t(n) * sizeof(float) + 63) / 64 * 64;
+  return Buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
+}
+
+// w rows [n0, n0 + rows), k in [k0, k0 + kn) -> wp [ceil(rows / NR)][kn][NR], rows past the
+// end zero.
+template <typename W>
+void pack_weights(const W* w, int64_t ldw, int64_t n0, int64_t rows, int64_t k0, int64_t kn,
+                  float* wp) {
+  for (int64_t s = 0; s * NR < rows; ++s) {
+    float* dst = wp + s * kn * NR;
+    const int64_t r = std::min(NR, rows - s * NR);
+    for (int64_t i = 0; i < r; ++i) {
+      const W* src = w + (n0 + s * NR + i) * ldw + k0;
+      for (int64_t k = 0; k < kn; ++k) dst[k * NR + i] = hs::load1(src + k);
+    }
+    for (int64_t i = r; i < NR; ++i)
+      for (int64_t k = 0; k < kn; ++k) dst[k * NR + i] = 0.f;
+  }
+}
+
+// x rows [m0, m0 + rows), k in [k0, k0 + kn) -> xp [ceil(rows / MR)][kn][MR], rows past the end
+// zero.
+void pack_rows(const float* x, int64_t ldx, int64_t m0, int64_t rows, int64_t k0, int64_t kn,
+               float* xp) {
+  for (int64_t s = 0; s * MR < rows; ++s) {
+    float* dst = xp + s * kn * MR;
+    const int64_t r = std::min(MR, rows - s * MR);
+    for (int64_t k = 0; k < kn; ++k) {
+      for (int64_t i = 0; i < r; ++i) dst[k * MR + i] = x[(m0 + s * MR + i) * ldx + k0 + k];
+      for (int64_t i = r; i < MR; ++i) dst[k * MR + i] = 0.f;
+    }
+  }
+}
+
+// y[0:mr, 0:nr] (row stride ldy) (+)= the 6 x 16 product of one x sliver and one weight sliver
+// over kn k steps, summed in runs of KR from zero in registers, each run then added to y (`first`:
+// the first run is stored): the tiled GEMM's order (gemm.cpp `tile`), so both give every output
+// bit for bit alike.
+constexpr int64_t KR = 32;
+static_assert(KC % KR == 0, "runs of KR k steps start at multiples of KR, as gemm.cpp's do");
+
+inline void kernel(const float* xs, const float* ws, int64_t kn, float* y, int64_t ldy, int64_t mr,
+                   int64_t nr, bool first) {
+#ifdef HS_AVX2
+  for (int64_t i = 0; i < mr; ++i) _mm_prefetch(reinterpret_cast<const char*>(y + i * ldy), _MM_HINT_T0);
+#endif
+  for (int64_t k0 = 0; k0 < kn; k0 += KR) {
+    const int64_t k1 = std::min(kn, k0 + KR);
+    const bool store = first && k0 == 0;
+#ifdef HS_AVX2
+    // twelve named accumulators: as an array GCC keeps a copy in memory, stored every k step
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#pragma GCC unroll 4
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 w0 = _mm256_load_ps(ws + k * NR), w1 = _mm256_load_ps(ws + k * NR + 8);
+      const float* a = xs + k * MR;
+      __m256 b = _mm256_broadcast_ss(a);
+      c00 = _mm256_fmadd_ps(b, w0, c00);
+      c01 = _mm256_fmadd_ps(b, w1, c01);
+      b = _mm256_broadcast_ss(a + 1);
+      c10 = _mm256_fmadd_ps(b, w0, c10);
+      c11 = _mm256_fmadd_ps(b, w1, c11);
+      b = _mm256_broadcast_ss(a + 2);
+      c20 = _mm256_fmadd_ps(b, w0, c20);
+      c21 = _mm256_fmadd_ps(b, w1, c21);
+      b = _mm256_broadcast_ss(a + 3);
+      c30 = _mm256_fmadd_ps(b, w0, c30);
+      c31 = _mm256_fmadd_ps(b, w1, c31);
+      b = _mm256_broadcast_ss(a + 4);
+      c40 = _mm256_fmadd_ps(b, w0, c40);
+      c41 = _mm256_fmadd_ps(b, w1, c41);
+      b = _mm256_broadcast_ss(a + 5);
+      c50 = _mm256_fmadd_ps(b, w0, c50);
+      c51 = _mm256_fmadd_ps(b, w1, c51);
+    }
+    const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                               {c30, c31}, {c40, c41}, {c50, c51}};
+    if (mr == MR && nr == NR) {
+      for (int i = 0; i < MR; ++i) {
+        float* yp = y + i * ldy;
+        if (store) {
+          _mm256_storeu_ps(yp, acc[i][0]);
+          _mm256_storeu_ps(yp + 8, acc[i][1]);
+        } else {
+          _mm256_storeu_ps(yp, _mm256_add_ps(_mm256_loadu_ps(yp), acc[i][0]));
+          _mm256_storeu_ps(yp + 8, _mm256_add_ps(_mm256_loadu_ps(yp + 8), acc[i][1]));
+        }
+      }
+      continue;
+    }
+    alignas(32) float c[MR][NR];
+    for (int i = 0; i < MR; ++i) {
+      _mm256_store_ps(c[i], acc[i][0]);
+      _mm256_store_ps(c[i] + 8, acc[i][1]);
+    }
+#else
+    float c[MR][NR] = {};
+    for (int64_t k = k0; k < k1; ++k)
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) c[i][j] = std::fma(xs[k * MR + i], ws[k * NR + j], c[i][j]);
+#endif
+    for (int64_t i = 0; i < mr; ++i)
+      for (int64_t j = 0; j < nr; ++j)
+        y[i * ldy + j] = store ? c[i][j] : y[i * ldy + j] + c[i][j];
+  }
+}
+
+// y rows [m0, m1) x columns [n0, n1) on the calling thread, with its own packed buffers.
+template <typename W>
+void gemm_block(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t m0,
+                int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t nc_max = std::min(NC, (n1 - n0 + NR - 1) / NR * NR);
+  const int64_t mc_max = std::min(MC, (m1 - m0 + MR - 1) / MR * MR);
+  const Buffer wp = buffer(nc_max * KC), xp = buffer(mc_max * KC);
+  for (int64_t jc = n0; jc < n1; jc += NC) {
+    const int64_t nc = std::min(NC, n1 - jc);
+    for (int64_t pc = 0; pc < K; pc += KC) {
+      const int64_t kn = std::min(KC, K - pc);
+      pack_weights(w, K, jc, nc, pc, kn, wp.get());
+      for (int64_t ic = m0; ic < m1; ic += MC) {
+        const int64_t mc = std::min(MC, m1 - ic);
+        pack_rows(x, K, ic, mc, pc, kn, xp.get());
+        for (int64_t jr = 0; jr < nc; jr += NR) {
+          const float* ws = wp.get() + jr * kn;
+          for (int64_t ir = 0; ir < mc; ir += MR) {
+            kernel(xp.get() + ir * kn, ws, kn, y + (ic + ir) * N + jc + jr, N,
+                   std::min(MR, mc - ir), std::min(NR, nc - jr), pc == 0);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename W>
+void packed_gemm(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    std::fill_n(y, M * N, 0.f);
+    return;
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t slivers = (N + NR - 1) / NR;
+  if (slivers >= 2 * threads) {  // split the weight rows, in whole slivers
+    at::parallel_for(0, slivers, 1, [&](int64_t s0, int64_t s1) {
+      gemm_block(x, w, y, N, K, 0, M, s0 * NR, std::min(N, s1 * NR));
+    });
+  } else {  // a few weight rows: split the rows of x, in whole slivers
+    at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t s0, int64_t s1) {
+      gemm_block(x, w, y, N, K, s0 * MR, std::min(M, s1 * MR), 0, N);
+    });
+  }
+}
+
+// x [M, K] fp32, w [N, K] fp32 or bf16 -> y [M, N] fp32.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
+  return hs::linear_op("packed_linear", x, w,
+                       [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {
+                         packed_gemm(xp, wp, yp, M, N, K);
+                       });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) { m.def("packed_linear(Tensor x, Tensor w) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("packed_linear", &packed_linear); }
