@@ -19,8 +19,8 @@ from kernels.experts import routed_experts as experts_reference
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and names) whose forward is the dispatched `kernels.linear`:
-    on CPU a weight-streaming GEMV up to 8 rows, a C++ GEMM for decode batches and prefill
-    chunks beyond, `F.linear` for the largest (`kernels.linear_cpp`)."""
+    on CPU a weight-streaming GEMV up to 8 rows, a tiled C++ GEMM for decode batches and short
+    prefills, a packed C++ GEMM (the same sums) for longer prefill chunks (`kernels.linear_cpp`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
@@ -102,7 +102,7 @@ class Experts(nn.Module):
     (`kernels.routed_experts`): where the C++ kernels run (fp32 rows, fp32 or bf16 weights) up
     to `kernels.linear_cpp.GEMM_MAX_ROWS` tokens, since one C++ call for all experts beats the
     per-expert loop from one token on (prefill batches beyond keep MKL's grouped GEMM where it
-    takes the operands, as the linear layers keep `F.linear`); else `torch._grouped_mm` from
+    takes the operands: fp32 weights); else `torch._grouped_mm` from
     `GROUPED_MIN_TOKENS` tokens where it takes the operands. Otherwise (CUDA, fewer tokens, bf16
     weights without the C++ op) one `kernels.linear` per active expert.
     Measured: `benchmarks/moe_experts.py`, BENCHMARKS.md."""
@@ -172,8 +172,8 @@ class Experts(nn.Module):
     def grouped_experts(self, xs: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor:
         """The same as `looped_experts`, all experts in one dispatched call (counts stay a
         tensor: no host sync on the reference's grouped-GEMM path). Batches of more tokens than
-        the C++ GEMM takes (prefill) stay on torch's grouped GEMM, MKL, like the linear layers
-        (`kernels.linear_cpp.GEMM_MAX_ROWS`), where it takes the operands."""
+        the decode batches (`kernels.linear_cpp.GEMM_MAX_ROWS`: prefill) stay on torch's grouped
+        GEMM, MKL, where it takes the operands."""
         args = (xs, self.gate_up_proj, self.down_proj, counts)
         if tokens > linear_cpp.GEMM_MAX_ROWS and grouped_mm_fits(*args[:3]):
             return experts_reference(*args)
