@@ -87,7 +87,8 @@ static_assert(KC % KR == 0, "runs of KR k steps start at multiples of KR, as gem
 inline void kernel(const float* xs, const float* ws, int64_t kn, float* y, int64_t ldy, int64_t mr,
                    int64_t nr, bool first) {
 #ifdef HS_AVX2
-  for (int64_t i = 0; i < mr; ++i) _mm_prefetch(reinterpret_cast<const char*>(y + i * ldy), _MM_HINT_T0);
+  for (int64_t i = 0; i < mr; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(y + i * ldy), _MM_HINT_T0);
 #endif
   for (int64_t k0 = 0; k0 < kn; k0 += KR) {
     const int64_t k1 = std::min(kn, k0 + KR);
@@ -100,24 +101,20 @@ inline void kernel(const float* xs, const float* ws, int64_t kn, float* y, int64
     for (int64_t k = k0; k < k1; ++k) {
       const __m256 w0 = _mm256_load_ps(ws + k * NR), w1 = _mm256_load_ps(ws + k * NR + 8);
       const float* a = xs + k * MR;
-      __m256 b = _mm256_broadcast_ss(a);
-      c00 = _mm256_fmadd_ps(b, w0, c00);
-      c01 = _mm256_fmadd_ps(b, w1, c01);
-      b = _mm256_broadcast_ss(a + 1);
-      c10 = _mm256_fmadd_ps(b, w0, c10);
-      c11 = _mm256_fmadd_ps(b, w1, c11);
-      b = _mm256_broadcast_ss(a + 2);
-      c20 = _mm256_fmadd_ps(b, w0, c20);
-      c21 = _mm256_fmadd_ps(b, w1, c21);
-      b = _mm256_broadcast_ss(a + 3);
-      c30 = _mm256_fmadd_ps(b, w0, c30);
-      c31 = _mm256_fmadd_ps(b, w1, c31);
-      b = _mm256_broadcast_ss(a + 4);
-      c40 = _mm256_fmadd_ps(b, w0, c40);
-      c41 = _mm256_fmadd_ps(b, w1, c41);
-      b = _mm256_broadcast_ss(a + 5);
-      c50 = _mm256_fmadd_ps(b, w0, c50);
-      c51 = _mm256_fmadd_ps(b, w1, c51);
+      // row i of the tile: x[i][k] broadcast against the sliver's 16 weights
+#define HS_TILE_ROW(i, lo, hi)                         \
+  {                                                    \
+    const __m256 b = _mm256_broadcast_ss(a + (i));     \
+    lo = _mm256_fmadd_ps(b, w0, lo);                   \
+    hi = _mm256_fmadd_ps(b, w1, hi);                   \
+  }
+      HS_TILE_ROW(0, c00, c01)
+      HS_TILE_ROW(1, c10, c11)
+      HS_TILE_ROW(2, c20, c21)
+      HS_TILE_ROW(3, c30, c31)
+      HS_TILE_ROW(4, c40, c41)
+      HS_TILE_ROW(5, c50, c51)
+#undef HS_TILE_ROW
     }
     const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
                                {c30, c31}, {c40, c41}, {c50, c51}};
