@@ -46,34 +46,21 @@ Buffer buffer(int64_t n) {
   return Buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
 }
 
-// w rows [n0, n0 + rows), k in [k0, k0 + kn) -> wp [ceil(rows / NR)][kn][NR], rows past the
-// end zero.
-template <typename W>
-void pack_weights(const W* w, int64_t ldw, int64_t n0, int64_t rows, int64_t k0, int64_t kn,
-                  float* wp) {
-  for (int64_t s = 0; s * NR < rows; ++s) {
-    float* dst = wp + s * kn * NR;
-    const int64_t r = std::min(NR, rows - s * NR);
+// Rows [r0, r0 + rows) of a row-major matrix (row stride ld), columns [k0, k0 + kn) -> slivers
+// of S rows, k-major: out [ceil(rows / S)][kn][S] in fp32 (bf16 widened), rows past the end zero.
+// The weights pack in slivers of NR rows, x in slivers of MR.
+template <int64_t S, typename T>
+void pack(const T* src, int64_t ld, int64_t r0, int64_t rows, int64_t k0, int64_t kn,
+          float* out) {
+  for (int64_t s = 0; s * S < rows; ++s) {
+    float* dst = out + s * kn * S;
+    const int64_t r = std::min(S, rows - s * S);
     for (int64_t i = 0; i < r; ++i) {
-      const W* src = w + (n0 + s * NR + i) * ldw + k0;
-      for (int64_t k = 0; k < kn; ++k) dst[k * NR + i] = hs::load1(src + k);
+      const T* row = src + (r0 + s * S + i) * ld + k0;
+      for (int64_t k = 0; k < kn; ++k) dst[k * S + i] = hs::load1(row + k);
     }
-    for (int64_t i = r; i < NR; ++i)
-      for (int64_t k = 0; k < kn; ++k) dst[k * NR + i] = 0.f;
-  }
-}
-
-// x rows [m0, m0 + rows), k in [k0, k0 + kn) -> xp [ceil(rows / MR)][kn][MR], rows past the end
-// zero.
-void pack_rows(const float* x, int64_t ldx, int64_t m0, int64_t rows, int64_t k0, int64_t kn,
-               float* xp) {
-  for (int64_t s = 0; s * MR < rows; ++s) {
-    float* dst = xp + s * kn * MR;
-    const int64_t r = std::min(MR, rows - s * MR);
-    for (int64_t k = 0; k < kn; ++k) {
-      for (int64_t i = 0; i < r; ++i) dst[k * MR + i] = x[(m0 + s * MR + i) * ldx + k0 + k];
-      for (int64_t i = r; i < MR; ++i) dst[k * MR + i] = 0.f;
-    }
+    for (int64_t i = r; i < S; ++i)
+      for (int64_t k = 0; k < kn; ++k) dst[k * S + i] = 0.f;
   }
 }
 
@@ -159,10 +146,10 @@ void gemm_block(const float* x, const W* w, float* y, int64_t N, int64_t K, int6
     const int64_t nc = std::min(NC, n1 - jc);
     for (int64_t pc = 0; pc < K; pc += KC) {
       const int64_t kn = std::min(KC, K - pc);
-      pack_weights(w, K, jc, nc, pc, kn, wp.get());
+      pack<NR>(w, K, jc, nc, pc, kn, wp.get());
       for (int64_t ic = m0; ic < m1; ic += MC) {
         const int64_t mc = std::min(MC, m1 - ic);
-        pack_rows(x, K, ic, mc, pc, kn, xp.get());
+        pack<MR>(x, K, ic, mc, pc, kn, xp.get());
         for (int64_t jr = 0; jr < nc; jr += NR) {
           const float* ws = wp.get() + jr * kn;
           for (int64_t ir = 0; ir < mc; ir += MR) {
