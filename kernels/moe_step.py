@@ -8,10 +8,11 @@ with SwiGLU experts expert_e(x) = down_e(silu(gate_e(x)) * up_e(x)) from the sta
 `experts_gate_up` [E, 2I, H] ([gate | up] rows) and `experts_down` [E, H, I], and the shared
 expert from its own three matrices. The routed outputs are summed in expert order, then the gated
 shared output added: the order of `models.layers.SparseMoE`'s unfused path. The experts run as
-the per-expert loop of `kernels.linear` up to `GEMV_TOKENS` tokens (where each expert's rows
-take the weight-streaming GEMV on CPU) and as one dispatched `kernels.routed_experts` beyond
-(as `Experts.grouped_experts`), the choice `kernels.moe_step_cpp`'s C++ op makes too. Matrices
-may be bf16 under fp32 activations (`kernels.linear` widens them).
+the per-expert loop of `kernels.linear` up to `SKINNY_ROWS` tokens (where each expert's rows take
+the weight-streaming GEMV on CPU, `kernels.linear_cpp`) and as one dispatched
+`kernels.routed_experts` beyond (as `Experts.grouped_experts`), the choice
+`kernels.moe_step_cpp`'s C++ op makes too. Matrices may be bf16 under fp32 activations
+(`kernels.linear` widens them).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GEMV_TOKENS = 8  # kernels.linear_cpp.SKINNY_ROWS: the experts' loop of GEMVs up to here
+from kernels.linear_cpp import SKINNY_ROWS
 
 
 def moe_decode(
@@ -46,7 +47,7 @@ def moe_decode(
     token_of = order // top_k
     xs = x[token_of]  # rows in expert order
     counts = torch.bincount(flat_ids, minlength=experts_gate_up.shape[0])
-    if x.shape[0] > GEMV_TOKENS:
+    if x.shape[0] > SKINNY_ROWS:
         y = kernels.routed_experts(xs, experts_gate_up, experts_down, counts)
     else:
         ys, start = [], 0

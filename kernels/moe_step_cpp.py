@@ -3,7 +3,7 @@
 Same signature and contract as `kernels.moe_step.moe_decode`. One call replaces the reference's
 ~40 torch ops and Python loop: the router product, torch's own fp32 softmax and top-k (called
 from C++, so ties pick the same experts), the active experts on the rows routed to each, the
-shared expert and its gate, and the combine. Up to `moe_step.GEMV_TOKENS` rows the products are
+shared expert and its gate, and the combine. Up to `linear_cpp.SKINNY_ROWS` rows the products are
 the weight-streaming GEMV on slices of the stacked weights; beyond, the tiled GEMM and all
 experts in one routed-experts call (kernels/csrc/gemm.cpp), as the reference picks them. It
 covers fp32 activations with fp32 or bf16 matrices, at most `max_tokens()` rows: the C++ GEMM's
@@ -19,12 +19,12 @@ import torch
 
 from kernels import custom_ops, linear_cpp, moe_step
 
-MAX_TOKENS = linear_cpp.GEMM_MAX_ROWS  # decode batches; prefill chunks beyond keep MKL's GEMMs
+MAX_TOKENS = linear_cpp.GEMM_MAX_ROWS  # decode batches; longer prefill chunks run the unfused block
 
 
 def max_tokens() -> int:
     """The most rows the C++ op takes now (`linear_cpp.GEMM_ON` may be flipped between runs)."""
-    return MAX_TOKENS if linear_cpp.GEMM_ON else moe_step.GEMV_TOKENS
+    return MAX_TOKENS if linear_cpp.GEMM_ON else linear_cpp.SKINNY_ROWS
 
 
 def moe_decode(

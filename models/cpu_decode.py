@@ -35,7 +35,7 @@ import logging
 
 import torch
 
-from kernels import cpp_build, dispatch, linear_cpp, moe_step_cpp
+from kernels import cpp_build, dispatch, moe_step_cpp
 from models.forward_batch import ForwardBatch
 from models.layers import SparseMoE
 from models.loader import matrices
@@ -43,7 +43,7 @@ from models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = min(linear_cpp.GEMM_MAX_ROWS, moe_step_cpp.MAX_TOKENS)
+MAX_ROWS = moe_step_cpp.MAX_TOKENS  # the fused MoE's rows: the C++ GEMM's decode batches
 MATRIX_DTYPES = (torch.float32, torch.bfloat16)  # `models.loader.matrices`; all else fp32
 
 
@@ -146,7 +146,7 @@ class CpuDecodePlan:
         return (
             dispatch.kernel_mode() in ("auto", "cpp")
             and dispatch.fusions_enabled()
-            and rows <= min(MAX_ROWS, moe_step_cpp.max_tokens())
+            and rows <= moe_step_cpp.max_tokens()  # MAX_ROWS, or the GEMV's while the GEMM is off
         )
 
     @torch.inference_mode()

@@ -15,6 +15,9 @@ namespace hs {
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Tensor& residual,
                                                const at::Tensor& weight, double eps);
+// The decode products' choice by row count, as kernels/linear_cpp.py makes it: the
+// weight-streaming GEMV up to kGemvRows rows (`SKINNY_ROWS` there), the tiled GEMM beyond.
+constexpr int64_t kGemvRows = 8;
 // cpu_kernels.cpp, multi_linear.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);

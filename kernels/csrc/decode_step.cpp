@@ -2,7 +2,7 @@
 // layer's weights and op arguments (taken once by models/cpu_decode.py) and `forward` runs the
 // layers by calling the decode ops' C++ functions (decode_ops.h) directly, with the same
 // arguments as the eager step and the same choice of product by row count (`product`: the GEMV up
-// to kGemvRows rows, the tiled GEMM beyond, as kernels/linear_cpp.py picks), so its logits and
+// to hs::kGemvRows rows, the tiled GEMM beyond, as kernels/linear_cpp.py picks), so its logits and
 // pool updates are bit-identical to it, without the ~75 trips per step through Python and the
 // dispatcher:
 //
@@ -29,16 +29,14 @@ namespace {
 // ints: attention (0/1), pool layer index, heads (GDN: key heads; attention: query heads),
 // top_k, norm_topk_prob; floats: input eps, post eps, mixer eps, attention scale (GDN: 0).
 constexpr int64_t kInts = 5, kFloats = 4, kMoe = 7;
-constexpr int64_t kGemvRows = 8;  // kernels.linear_cpp.SKINNY_ROWS
-
 at::Tensor product(const at::Tensor& x, const at::Tensor& w) {
-  return x.size(0) <= kGemvRows ? hs::skinny_linear(x, w) : hs::tiled_linear(x, w);
+  return x.size(0) <= hs::kGemvRows ? hs::skinny_linear(x, w) : hs::tiled_linear(x, w);
 }
 
 // The layer's input projections of one x: one GEMV region for all, or one GEMM each (the eager
 // step's kernels.linear_multi falls back to kernels.linear per weight beyond the GEMV's rows).
 std::vector<at::Tensor> products(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
-  if (x.size(0) <= kGemvRows) return hs::skinny_linear_multi(x, ws);
+  if (x.size(0) <= hs::kGemvRows) return hs::skinny_linear_multi(x, ws);
   std::vector<at::Tensor> out;
   for (const at::Tensor& w : ws) out.push_back(hs::tiled_linear(x, w));
   return out;

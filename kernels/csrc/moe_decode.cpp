@@ -1,6 +1,6 @@
 // The sparse MoE block of a decode batch in one op: router, top-k routing, the active experts,
 // the sigmoid-gated shared expert and the combine. Reference and contract: kernels/moe_step.py.
-// Up to kGemvTokens tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
+// Up to hs::kGemvRows tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
 // experts' products in two parallel regions (input projections, then down projections); beyond,
 // the products are the tiled GEMM (gemm.cpp: `tiled_linear`, and all experts in one
 // `routed_experts_into`). fp32 or bf16 weights, fp32 activations and accumulation.
@@ -23,8 +23,6 @@
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
-
-constexpr int64_t kGemvTokens = 8;  // kernels.moe_step.GEMV_TOKENS
 
 // y [M, N] = x [M, K] w [N, K]^T for a weight of either dtype (w may be a slice of a stack).
 void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
@@ -84,7 +82,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   if (T == 0) return out;
 
   // routing: the fp32 softmax and top-k are torch's own, so ties pick torch.topk's experts
-  const bool gemv = T <= kGemvTokens;
+  const bool gemv = T <= hs::kGemvRows;
   at::Tensor logits;
   if (gemv) {
     logits = at::empty({T, E}, x.options());

@@ -66,7 +66,7 @@ def test_rows_beyond_the_limit_run_the_reference(monkeypatch, gemm) -> None:
     switched off) the wrapper hands the block to the reference without calling the op."""
     monkeypatch.setattr(linear_cpp, "GEMM_ON", gemm)
     limit = moe_step_cpp.max_tokens()
-    assert limit == (moe_step_cpp.MAX_TOKENS if gemm else moe_step.GEMV_TOKENS)
+    assert limit == (moe_step_cpp.MAX_TOKENS if gemm else linear_cpp.SKINNY_ROWS)
     calls = []
     op = torch.ops.hybrid_serve.moe_decode
     monkeypatch.setattr(custom_ops, "cpp_ops", lambda: SimpleNamespace(
