@@ -2,18 +2,18 @@
 //
 // y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32 or bf16 weights, fp32 accumulation.
 // The weight keeps its [N, K] row-major layout (no packed copy). x is packed once per call into
-// panels of MR = 16 rows, k-major ([panel][k][16], rows past M zero), so a register tile is an
-// outer product: each k step loads one panel row (two 8-wide vectors) and broadcasts NR = 6
-// weights (bf16 two at a time, widened exactly in registers), 12 FMAs into 12 accumulators that
-// hold a 6 x 16 block of y^T (a last panel of at most 8 rows takes half of it). Blocking: KC
-// columns of k at a time (a panel's 16 KB block stays in L1; a lone panel takes whole rows), NC
-// weight rows stay in L2 while every panel of an m block passes over them, and on the first
-// panel's pass each tile prefetches the next tile's weights. Threads split the weight rows
-// (at::parallel_for; nested inside another parallel region it runs on the calling thread).
-// Every output is the same blocked fp32 sum in k order (`tile`), whatever M is and whichever rows
-// sit beside it, so a row's result does not depend on its batch. On a 2-core AVX2 EPYC it runs
-// the small preset's large matrices at 64 rows at ~110-140 GFLOP/s against ~85-90 for the
-// register-tiled dot products it replaced (peak ~180). Measured: benchmarks/gemm_shapes.py.
+// panels of MR = 2 vectors of rows (16 with AVX2, 32 with AVX-512: simd.h), k-major
+// ([panel][k][MR], rows past M zero), so a register tile is an outer product: each k step loads
+// one panel row (two vectors) and broadcasts NR = 6 weights (bf16 two at a time, widened exactly
+// in registers), 12 FMAs into 12 accumulators that hold a 6 x MR block of y^T (a last panel of at
+// most one vector of rows takes half of it). Blocking: KC columns of k at a time (a panel's block
+// stays in L1; a lone panel takes whole rows), NC weight rows stay in L2 while every panel of an
+// m block passes over them, and on the first panel's pass each tile prefetches the next tile's
+// weights. Threads split the weight rows (at::parallel_for; nested inside another parallel
+// region it runs on the calling thread). Every output is the same blocked fp32 sum in k order
+// (`tile`), whatever M, the vector width and the rows beside it, so a row's result does not
+// depend on its batch. Small preset, large matrices at 64 rows: ~110-140 GFLOP/s on a 2-core
+// AVX2 EPYC (peak ~180), ~140-170 on a 2-core AVX-512 Xeon. Measured: benchmarks/gemm_shapes.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,10 +27,11 @@
 
 #include "decode_ops.h"
 #include "gemv.h"
+#include "simd.h"
 
 namespace {
 
-constexpr int MR = 16;        // rows of x per packed panel
+constexpr int MR = 2 * hs::simd::kLanes;  // rows of x per packed panel: 16, 32 with AVX-512
 constexpr int NR = 6;         // weight rows per register tile
 constexpr int64_t KC = 256;   // k per cache block
 constexpr int64_t NC = 48;    // weight rows per cache block (a multiple of NR)
@@ -55,35 +56,35 @@ inline std::unique_ptr<float[]> panel_buffer(int64_t P, int64_t K) {
   return std::unique_ptr<float[]>(new float[P * K * MR]);
 }
 
-#ifdef HS_AVX2
+#ifdef HS_SIMD
+using hs::simd::vec;
 // acc[i][:] += w[i * ldw + k] * x, the weights broadcast: fp32 one at a time, bf16 in pairs (one
 // 4-byte broadcast holds w[k] and w[k + 1], each widened exactly by a shift or a mask).
 template <typename W, int R, int J>
-inline void tile_steps(__m256 (&acc)[R][J], const W* w, int64_t ldw, const float* xp, int64_t k0,
+inline void tile_steps(vec (&acc)[R][J], const W* w, int64_t ldw, const float* xp, int64_t k0,
                        int64_t k1) {
+  namespace v = hs::simd;
   int64_t k = k0;
   if constexpr (std::is_same_v<W, at::BFloat16>) {
-    const __m256 hi = _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0xFFFF0000u)));
     for (; k + 2 <= k1; k += 2) {
-      __m256 xa[J];
-      for (int j = 0; j < J; ++j) xa[j] = _mm256_loadu_ps(xp + k * MR + j * 8);
+      vec xa[J];
+      for (int j = 0; j < J; ++j) xa[j] = v::load(xp + k * MR + j * v::kLanes);
       for (int i = 0; i < R; ++i) {
-        const __m256 pair = _mm256_broadcast_ss(reinterpret_cast<const float*>(w + i * ldw + k));
-        const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(pair), 16));
-        const __m256 b1 = _mm256_and_ps(pair, hi);
-        for (int j = 0; j < J; ++j) acc[i][j] = _mm256_fmadd_ps(b0, xa[j], acc[i][j]);
+        vec b0, b1;
+        v::bcast_pair(w + i * ldw + k, b0, b1);
+        for (int j = 0; j < J; ++j) acc[i][j] = v::fma(b0, xa[j], acc[i][j]);
         for (int j = 0; j < J; ++j)
-          acc[i][j] = _mm256_fmadd_ps(b1, _mm256_loadu_ps(xp + (k + 1) * MR + j * 8), acc[i][j]);
+          acc[i][j] = v::fma(b1, v::load(xp + (k + 1) * MR + j * v::kLanes), acc[i][j]);
       }
     }
   }
 #pragma GCC unroll 4
   for (; k < k1; ++k) {
-    __m256 xv[J];
-    for (int j = 0; j < J; ++j) xv[j] = _mm256_loadu_ps(xp + k * MR + j * 8);
+    vec xv[J];
+    for (int j = 0; j < J; ++j) xv[j] = v::load(xp + k * MR + j * v::kLanes);
     for (int i = 0; i < R; ++i) {
-      const __m256 b = _mm256_set1_ps(hs::load1(w + i * ldw + k));
-      for (int j = 0; j < J; ++j) acc[i][j] = _mm256_fmadd_ps(b, xv[j], acc[i][j]);
+      const vec b = v::bcast(hs::load1(w + i * ldw + k));
+      for (int j = 0; j < J; ++j) acc[i][j] = v::fma(b, xv[j], acc[i][j]);
     }
   }
 }
@@ -102,23 +103,24 @@ inline void tile(const W* w, int64_t ldw, const float* xp, int64_t kn, float* c,
   for (int64_t k0 = 0; k0 < kn; k0 += KR) {
     const int64_t k1 = std::min(kn, k0 + KR);
     const bool start = first && k0 == 0;
-#ifdef HS_AVX2
-    __m256 acc[R][J];
+#ifdef HS_SIMD
+    namespace v = hs::simd;
+    vec acc[R][J];
     for (int i = 0; i < R; ++i)
-      for (int j = 0; j < J; ++j) acc[i][j] = _mm256_setzero_ps();
+      for (int j = 0; j < J; ++j) acc[i][j] = v::zero();
     if (next != nullptr)  // about one cache line per row per 16 k
       for (int i = 0; i < NR; ++i)
         for (int64_t k = k0; k < k1; k += 16) _mm_prefetch(next + i * ldw + k, _MM_HINT_T0);
     tile_steps<W, R, J>(acc, w, ldw, xp, k0, k1);
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < J; ++j) {
-        float* cp = c + i * MR + j * 8;
-        _mm256_storeu_ps(cp, start ? acc[i][j] : _mm256_add_ps(_mm256_loadu_ps(cp), acc[i][j]));
+        float* cp = c + i * MR + j * v::kLanes;
+        v::store(cp, start ? acc[i][j] : v::add(v::load(cp), acc[i][j]));
       }
 #else
     (void)next;
     for (int i = 0; i < R; ++i)
-      for (int l = 0; l < 8 * J; ++l) {
+      for (int l = 0; l < hs::simd::kLanes * J; ++l) {
         float s = 0.f;
         for (int64_t k = k0; k < k1; ++k)
           s = std::fma(hs::load1(w + i * ldw + k), xp[k * MR + l], s);
@@ -128,8 +130,8 @@ inline void tile(const W* w, int64_t ldw, const float* xp, int64_t kn, float* c,
   }
 }
 
-// A tile of r <= NR weight rows by one panel's first 8 * j rows of x (j = 1: a last panel of at
-// most 8 rows, half the work of a whole one).
+// A tile of r <= NR weight rows by one panel's first kLanes * J rows of x (J = 1: a last panel
+// of at most kLanes rows, half the work of a whole one).
 template <typename W, int J>
 inline void tile_rows(int r, const W* w, int64_t ldw, const float* xp, int64_t kn, float* c,
                       bool first, const W* next) {
@@ -147,7 +149,7 @@ inline void tile_rows(int r, const W* w, int64_t ldw, const float* xp, int64_t k
 template <typename W>
 inline void any_tile(int r, int64_t rows, const W* w, int64_t ldw, const float* xp, int64_t kn,
                      float* c, bool first, const W* next) {
-  if (rows > 8) return tile_rows<W, 2>(r, w, ldw, xp, kn, c, first, next);
+  if (rows > hs::simd::kLanes) return tile_rows<W, 2>(r, w, ldw, xp, kn, c, first, next);
   return tile_rows<W, 1>(r, w, ldw, xp, kn, c, first, next);
 }
 

@@ -3,15 +3,15 @@
 // decode GEMM's rows).
 //
 // The classic blocked GEMM with both operands packed per call: for each KC-deep slice of k, a
-// thread packs its weight rows into slivers of NR = 16 rows, k-major ([k][16], bf16 widened
-// here, once per call rather than in the inner loop), and the rows of x, MC at a time, into
-// slivers of MR = 6 rows ([k][6]). The register tile is 6 rows of x by 16 weight rows: each k
-// step loads one weight sliver row (two 8-wide vectors, from L1), broadcasts six x values (from
-// L2) and does 12 FMAs into 12 accumulators. Every run of KR = 32 k steps is summed from zero in
-// registers and then added to y: gemm.cpp's order exactly, so the two GEMMs give bit-identical
-// outputs and a row's result does not depend on which of them its batch's row count picked.
-// Threads split the weight rows (or, for a handful of weight rows, the rows of x), each with its
-// own packed buffers.
+// thread packs its weight rows into slivers of NR = 2 vectors of rows (16 with AVX2, 32 with
+// AVX-512: simd.h), k-major ([k][NR], bf16 widened here, once per call rather than in the inner
+// loop), and the rows of x, MC at a time, into slivers of MR = 6 rows ([k][6]). The register tile
+// is 6 rows of x by NR weight rows: each k step loads one weight sliver row (two vectors, from
+// L1), broadcasts six x values (from L2) and does 12 FMAs into 12 accumulators. Every run of
+// KR = 32 k steps is summed from zero in registers and then added to y: gemm.cpp's order exactly,
+// so the two GEMMs give bit-identical outputs and a row's result does not depend on which of them
+// its batch's row count picked. Threads split the weight rows (or, for a handful of weight rows,
+// the rows of x), each with its own packed buffers.
 //
 // Unlike gemm.cpp's decode GEMM, which reads the weight as stored and broadcasts it, this one
 // pays a pack of the weight per call, which M rows of x amortise: it is for hundreds of rows.
@@ -27,11 +27,12 @@
 #include <memory>
 
 #include "gemv.h"
+#include "simd.h"
 
 namespace {
 
 constexpr int64_t MR = 6;     // rows of x per register tile
-constexpr int64_t NR = 16;    // weight rows per register tile
+constexpr int64_t NR = 2 * hs::simd::kLanes;  // weight rows per register tile (16; 32 AVX-512)
 constexpr int64_t KC = 256;   // k per packed slice
 constexpr int64_t MC = 120;   // rows of x per packed block (L2)
 constexpr int64_t NC = 2048;  // weight rows per packed block (L3)
@@ -64,7 +65,7 @@ void pack(const T* src, int64_t ld, int64_t r0, int64_t rows, int64_t k0, int64_
   }
 }
 
-// y[0:mr, 0:nr] (row stride ldy) (+)= the 6 x 16 product of one x sliver and one weight sliver
+// y[0:mr, 0:nr] (row stride ldy) (+)= the 6 x NR product of one x sliver and one weight sliver
 // over kn k steps, summed in runs of KR from zero in registers, each run then added to y (`first`:
 // the first run is stored): the tiled GEMM's order (gemm.cpp `tile`), so both give every output
 // bit for bit alike.
@@ -73,27 +74,29 @@ static_assert(KC % KR == 0, "runs of KR k steps start at multiples of KR, as gem
 
 inline void kernel(const float* xs, const float* ws, int64_t kn, float* y, int64_t ldy, int64_t mr,
                    int64_t nr, bool first) {
-#ifdef HS_AVX2
+#ifdef HS_SIMD
+  namespace v = hs::simd;
+  using v::vec;
   for (int64_t i = 0; i < mr; ++i)
     _mm_prefetch(reinterpret_cast<const char*>(y + i * ldy), _MM_HINT_T0);
 #endif
   for (int64_t k0 = 0; k0 < kn; k0 += KR) {
     const int64_t k1 = std::min(kn, k0 + KR);
     const bool store = first && k0 == 0;
-#ifdef HS_AVX2
+#ifdef HS_SIMD
     // twelve named accumulators: as an array GCC keeps a copy in memory, stored every k step
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    vec c00 = v::zero(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    vec c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #pragma GCC unroll 4
     for (int64_t k = k0; k < k1; ++k) {
-      const __m256 w0 = _mm256_load_ps(ws + k * NR), w1 = _mm256_load_ps(ws + k * NR + 8);
+      const vec w0 = v::load_aligned(ws + k * NR), w1 = v::load_aligned(ws + k * NR + v::kLanes);
       const float* a = xs + k * MR;
-      // row i of the tile: x[i][k] broadcast against the sliver's 16 weights
+      // row i of the tile: x[i][k] broadcast against the sliver's NR weights
 #define HS_TILE_ROW(i, lo, hi)                         \
   {                                                    \
-    const __m256 b = _mm256_broadcast_ss(a + (i));     \
-    lo = _mm256_fmadd_ps(b, w0, lo);                   \
-    hi = _mm256_fmadd_ps(b, w1, hi);                   \
+    const vec b = v::bcast(a[i]);                      \
+    lo = v::fma(b, w0, lo);                            \
+    hi = v::fma(b, w1, hi);                            \
   }
       HS_TILE_ROW(0, c00, c01)
       HS_TILE_ROW(1, c10, c11)
@@ -103,25 +106,21 @@ inline void kernel(const float* xs, const float* ws, int64_t kn, float* y, int64
       HS_TILE_ROW(5, c50, c51)
 #undef HS_TILE_ROW
     }
-    const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                               {c30, c31}, {c40, c41}, {c50, c51}};
+    const vec acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                            {c30, c31}, {c40, c41}, {c50, c51}};
     if (mr == MR && nr == NR) {
       for (int i = 0; i < MR; ++i) {
         float* yp = y + i * ldy;
-        if (store) {
-          _mm256_storeu_ps(yp, acc[i][0]);
-          _mm256_storeu_ps(yp + 8, acc[i][1]);
-        } else {
-          _mm256_storeu_ps(yp, _mm256_add_ps(_mm256_loadu_ps(yp), acc[i][0]));
-          _mm256_storeu_ps(yp + 8, _mm256_add_ps(_mm256_loadu_ps(yp + 8), acc[i][1]));
-        }
+        float* yq = yp + v::kLanes;
+        v::store(yp, store ? acc[i][0] : v::add(v::load(yp), acc[i][0]));
+        v::store(yq, store ? acc[i][1] : v::add(v::load(yq), acc[i][1]));
       }
       continue;
     }
-    alignas(32) float c[MR][NR];
+    alignas(64) float c[MR][NR];
     for (int i = 0; i < MR; ++i) {
-      _mm256_store_ps(c[i], acc[i][0]);
-      _mm256_store_ps(c[i] + 8, acc[i][1]);
+      v::store_aligned(c[i], acc[i][0]);
+      v::store_aligned(c[i] + v::kLanes, acc[i][1]);
     }
 #else
     float c[MR][NR] = {};
