@@ -7,6 +7,8 @@ steps of the whole (padded) batch equal to transformers' `generate`.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -126,15 +128,30 @@ def _hf_last_logits(hf, prompt) -> torch.Tensor:
 
 
 def test_ragged_prefill_logits_match(checkpoint):
+    """Within ATOL of transformers run in float64 on the same checkpoint (the exact logits), and
+    within 2 ATOL of its fp32 run: the fp32 reference's own round-off reaches ~1e-4 on some CPUs
+    (9.9e-5 for the 17-token prompt on a 2-core AVX-512 Xeon, where ours is 6.1e-5 off), so two
+    fp32 runs can sit 1.5e-4 apart while each is within 1e-4 of the exact result."""
     hf, ours, prompts = checkpoint
+    hf64 = _float64_twin(hf)
     runner = _runner(ours)
     slots = admit(runner, len(prompts))
     logits = ragged_prefill(runner, prompts, slots, chunk=None)
     for i, p in enumerate(prompts):
-        ref = _hf_last_logits(hf, p)
-        err = (logits[i] - ref).abs().max().item()
-        assert err < ATOL, f"prompt of {len(p)} tokens: max |dlogit| {err:.2e}"
+        exact = _hf_last_logits(hf64, p)
+        err = (logits[i].double() - exact).abs().max().item()
+        assert err < ATOL, f"prompt of {len(p)} tokens: max |dlogit| to float64 {err:.2e}"
+        err32 = (logits[i] - _hf_last_logits(hf, p)).abs().max().item()
+        assert err32 < 2 * ATOL, f"prompt of {len(p)} tokens: max |dlogit| to fp32 {err32:.2e}"
     _release(runner, [len(p) for p in prompts], slots)
+
+
+def _float64_twin(hf):
+    """The reference model in float64, experts as a plain loop (torch's grouped GEMM has no
+    float64 kernel)."""
+    twin = copy.deepcopy(hf).double()
+    twin.config._experts_implementation = "eager"
+    return twin
 
 
 def test_all_token_logits_match(checkpoint):
