@@ -40,6 +40,14 @@ inline __m256 load8(const at::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+#ifdef __AVX512F__
+#define HS_AVX512 1
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -50,9 +58,10 @@ inline float hsum(__m256 v) {
 
 // y[m, n] = sum_k x[m, k] w[n, k] for M <= 8 rows of x: each weight row is read once
 // from memory and used for all M rows while it is in registers / L1. One FMA chain per row of
-// x, except a lone row: it sums even and odd 8-wide chunks in two chains, so its last bits may
-// differ from the same row's in a batch of 2-8 (as rows already differ between the GEMV and the
-// tiled GEMM).
+// x, 8 lanes wide (16 where the compiler targets AVX-512: half the uops, which bf16 rows need to
+// reach the memory's speed), except a lone row: it sums even and odd chunks in two chains, so its
+// last bits may differ from the same row's in a batch of 2-8 (as rows already differ between the
+// GEMV and the tiled GEMM).
 template <typename W, int M>
 void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
                int64_t n1) {
@@ -60,7 +69,23 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
     const W* wr = w + n * K;
     int64_t k = 0;
     float tail[M] = {};
-#ifdef HS_AVX2
+#if defined(HS_AVX512)  // the same chains 16 lanes wide
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    if constexpr (M == 1) {
+      __m512 odd = _mm512_setzero_ps();
+      for (; k + 32 <= K; k += 32) {
+        acc[0] = _mm512_fmadd_ps(load16(wr + k), _mm512_loadu_ps(x + k), acc[0]);
+        odd = _mm512_fmadd_ps(load16(wr + k + 16), _mm512_loadu_ps(x + k + 16), odd);
+      }
+      acc[0] = _mm512_add_ps(acc[0], odd);
+    }
+    for (; k + 16 <= K; k += 16) {
+      const __m512 wv = load16(wr + k);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) tail[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(HS_AVX2)
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     if constexpr (M == 1) {  // two chains: one FMA chain (4 cycles per 8 weights) caps bf16 rows
