@@ -16,14 +16,21 @@ namespace hs {
 // acc, delta: dv-long scratch; o [dv] is accumulated into (the caller zeroes it):
 //   S = decay S;  delta = beta (v - S^T k);  S += k delta^T;  o += S^T q
 // Pass 1 decays S and forms S^T k; pass 2 updates S while it is still in cache and reads o off
-// it, so each state is read from memory once and written once.
+// it, so each state is read from memory once and written once. `next` (or null) is the state
+// the caller updates next: pass 1 fetches it into L2 alongside, a second stream of reads that
+// keeps more of the memory's parallelism busy than one sequential run per core.
 inline void delta_rule_token(float* state, const float* k, const float* q, const float* v,
                              float decay, float beta, int64_t dk, int64_t dv, float* acc,
-                             float* delta, float* o) {
+                             float* delta, float* o, const float* next = nullptr) {
   std::fill(acc, acc + dv, 0.f);
   for (int64_t i = 0; i < dk; ++i) {
     float* row = state + i * dv;
     const float ki = k[i];
+#if defined(__AVX2__) && defined(__FMA__)
+    if (next != nullptr)
+      for (int64_t j = 0; j < dv; j += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * dv + j), _MM_HINT_T1);
+#endif
     for (int64_t j = 0; j < dv; ++j) {
       row[j] *= decay;
       acc[j] += ki * row[j];
