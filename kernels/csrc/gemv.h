@@ -12,10 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HS_AVX2 1
-#endif
+#include "simd.h"
 
 namespace hs {
 
@@ -34,28 +31,6 @@ inline float load1<at::BFloat16>(const at::BFloat16* p) {
   return f;
 }
 
-#ifdef HS_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#ifdef __AVX512F__
-#define HS_AVX512 1
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
 // y[m, n] = sum_k x[m, k] w[n, k] for M <= 8 rows of x: each weight row is read once
 // from memory and used for all M rows while it is in registers / L1. One FMA chain per row of
 // x, 8 lanes wide (16 where the compiler targets AVX-512: half the uops, which bf16 rows need to
@@ -69,38 +44,24 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
     const W* wr = w + n * K;
     int64_t k = 0;
     float tail[M] = {};
-#if defined(HS_AVX512)  // the same chains 16 lanes wide
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    if constexpr (M == 1) {
-      __m512 odd = _mm512_setzero_ps();
-      for (; k + 32 <= K; k += 32) {
-        acc[0] = _mm512_fmadd_ps(load16(wr + k), _mm512_loadu_ps(x + k), acc[0]);
-        odd = _mm512_fmadd_ps(load16(wr + k + 16), _mm512_loadu_ps(x + k + 16), odd);
+#ifdef HS_SIMD
+    namespace v = simd;
+    constexpr int64_t L = v::kLanes;
+    v::vec acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = v::zero();
+    if constexpr (M == 1) {  // two chains: one FMA chain (4 cycles per vector) caps bf16 rows
+      v::vec odd = v::zero();
+      for (; k + 2 * L <= K; k += 2 * L) {
+        acc[0] = v::fma(v::load_w(wr + k), v::load(x + k), acc[0]);
+        odd = v::fma(v::load_w(wr + k + L), v::load(x + k + L), odd);
       }
-      acc[0] = _mm512_add_ps(acc[0], odd);
+      acc[0] = v::add(acc[0], odd);
     }
-    for (; k + 16 <= K; k += 16) {
-      const __m512 wv = load16(wr + k);
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
+    for (; k + L <= K; k += L) {
+      const v::vec wv = v::load_w(wr + k);
+      for (int m = 0; m < M; ++m) acc[m] = v::fma(wv, v::load(x + m * K + k), acc[m]);
     }
-    for (int m = 0; m < M; ++m) tail[m] = _mm512_reduce_add_ps(acc[m]);
-#elif defined(HS_AVX2)
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    if constexpr (M == 1) {  // two chains: one FMA chain (4 cycles per 8 weights) caps bf16 rows
-      __m256 odd = _mm256_setzero_ps();
-      for (; k + 16 <= K; k += 16) {
-        acc[0] = _mm256_fmadd_ps(load8(wr + k), _mm256_loadu_ps(x + k), acc[0]);
-        odd = _mm256_fmadd_ps(load8(wr + k + 8), _mm256_loadu_ps(x + k + 8), odd);
-      }
-      acc[0] = _mm256_add_ps(acc[0], odd);
-    }
-    for (; k + 8 <= K; k += 8) {
-      const __m256 wv = load8(wr + k);
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
-    }
-    for (int m = 0; m < M; ++m) tail[m] = hsum(acc[m]);
+    for (int m = 0; m < M; ++m) tail[m] = v::hsum(acc[m]);
 #endif
     for (; k < K; ++k) {
       const float wk = load1(wr + k);

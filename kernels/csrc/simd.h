@@ -1,14 +1,21 @@
-// The register vector of the tiled and packed GEMMs (gemm.cpp, gemm_packed.cpp): 16 fp32 lanes
-// where the compiler targets AVX-512 (`-march=native` on such a CPU), 8 with AVX2 + FMA. In both
-// GEMMs the lanes run along outputs, never along k, so every output is the same chain of fused
-// multiply-adds whatever the width: the two builds give bit-identical results, and on an AVX-512
-// CPU the FMA peak is twice AVX2's (measured on a 2-core Xeon: ~320-375 against ~150 GFLOP/s).
+// The register vector of the CPU GEMV and GEMMs (gemv.h, gemm.cpp, gemm_packed.cpp): 16 fp32
+// lanes where the compiler targets AVX-512 (`-march=native` on such a CPU), 8 with AVX2 + FMA.
+// In the GEMMs the lanes run along outputs, never along k, so every output is the same chain of
+// fused multiply-adds whatever the width: the two builds give bit-identical results. The GEMV's
+// lanes run along k, so its last bits differ between the builds (never within one). On an
+// AVX-512 CPU the FMA peak is twice AVX2's (measured on a 2-core Xeon: ~320-375 against ~150
+// GFLOP/s).
 #pragma once
+
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 #include <cstring>
 
-#include "gemv.h"  // HS_AVX2, immintrin.h
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HS_AVX2 1
+#endif
 
 #if defined(__AVX512F__) && defined(HS_AVX2)
 #define HS_SIMD 1
@@ -31,6 +38,13 @@ inline void bcast_pair(const void* p, vec& lo, vec& hi) {
   lo = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
   hi = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
+// kLanes weights, bf16 widened exactly.
+inline vec load_w(const float* p) { return _mm512_loadu_ps(p); }
+inline vec load_w(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
 }  // namespace hs::simd
 #elif defined(HS_AVX2)
 #define HS_SIMD 1
@@ -51,6 +65,17 @@ inline void bcast_pair(const void* p, vec& lo, vec& hi) {
   const __m256i pair = _mm256_set1_epi32(bits);
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
   hi = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline vec load_w(const float* p) { return _mm256_loadu_ps(p); }
+inline vec load_w(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 }  // namespace hs::simd
 #else
