@@ -160,8 +160,11 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
                int64_t K, int64_t n0, int64_t n1) {
   alignas(64) float cbuf[NC / NR * PC * NR * MR];  // [tile][panel][NR][MR]
   const int64_t P = panels(M);
-  // a lone panel reuses no weight block: whole rows per tile, long runs for the prefetcher
-  const int64_t kc = P == 1 ? K : KC;
+  // A lone panel reuses no weight block: with AVX2 it takes whole rows per tile, long runs for
+  // the prefetcher. With AVX-512 its panel is twice as wide (a whole row of k is 96 KB at
+  // K = 768, past L1) and KC blocks measured faster: the MoE experts of a 64-row step (~16 rows
+  // per expert) 15-20% in fp32, ~8% in bf16, on a 2-core Xeon. The sums are the same either way.
+  const int64_t kc = P == 1 && hs::simd::kLanes == 8 ? K : KC;
   for (int64_t b0 = n0; b0 < n1; b0 += NC) {
     const int64_t b1 = std::min(n1, b0 + NC), tiles = (b1 - b0 + NR - 1) / NR;
     for (int64_t p0 = 0; p0 < P; p0 += PC) {
