@@ -10,13 +10,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm's
+
 
 def grouped_mm_fits(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` takes these operands: weights in the rows' dtype and row
-    strides in multiples of 16 bytes (a tensor-parallel shard may not have them)."""
+    """Whether `torch._grouped_mm` takes these operands: weights in the rows' dtype, one it has
+    kernels for, and row strides in multiples of 16 bytes (a tensor-parallel shard may not have
+    them)."""
     hidden, inter = down.shape[1], down.shape[2]
     return (
         gate_up.dtype == xs.dtype == down.dtype
+        and xs.dtype in GROUPED_MM_DTYPES
         and (hidden * xs.element_size()) % 16 == 0
         and (inter * xs.element_size()) % 16 == 0
     )

@@ -167,8 +167,8 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
       float* state = ssp + (slots[b] * HV + hv) * dk * dv;
       std::fill(o.begin(), o.end(), 0.f);
       const float* next = nullptr;  // the state of this thread's next job
-      if (job + 1 < end && slots[(job + 1) / HV] >= 0)
-        next = ssp + (slots[(job + 1) / HV] * HV + (job + 1) % HV) * dk * dv;
+      const int64_t next_slot = job + 1 < end ? slots[(job + 1) / HV] : -1;
+      if (next_slot >= 0) next = ssp + (next_slot * HV + (job + 1) % HV) * dk * dv;
       hs::delta_rule_token(state, ks.data(), qs.data(), vr, decay, bt, dk, dv, acc.data(),
                            delta.data(), o.data(), next);
       hs::gated_rmsnorm_row(o.data(), xp + b * row + conv_dim + hv * dv, nwp,

@@ -7,12 +7,12 @@
 // one panel row (two vectors) and broadcasts NR = 6 weights (bf16 two at a time, widened exactly
 // in registers), 12 FMAs into 12 accumulators that hold a 6 x MR block of y^T (a last panel of at
 // most one vector of rows takes half of it). Blocking: KC columns of k at a time (a panel's block
-// stays in L1; a lone panel takes whole rows), NC weight rows stay in L2 while every panel of an
-// m block passes over them, and on the first panel's pass each tile prefetches the next tile's
-// weights. Threads split the weight rows (at::parallel_for; nested inside another parallel
-// region it runs on the calling thread). Every output is the same blocked fp32 sum in k order
-// (`tile`), whatever M, the vector width and the rows beside it, so a row's result does not
-// depend on its batch. Small preset, large matrices at 64 rows: ~110-140 GFLOP/s on a 2-core
+// stays in L1; with AVX2 a lone panel takes whole rows), NC weight rows stay in L2 while every
+// panel of an m block passes over them, and on the first panel's pass each tile prefetches the
+// next tile's weights. Threads split the weight rows (at::parallel_for; nested inside another
+// parallel region it runs on the calling thread). Every output is the same blocked fp32 sum in
+// k order (`tile`), whatever M, the vector width and the rows beside it, so a row's result does
+// not depend on its batch. Small preset, large matrices at 64 rows: ~110-140 GFLOP/s on a 2-core
 // AVX2 EPYC (peak ~180), ~140-170 on a 2-core AVX-512 Xeon. Measured: benchmarks/gemm_shapes.py.
 
 #include <ATen/ATen.h>

@@ -171,19 +171,9 @@ def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
     assert got.shape == xs.shape and got.dtype == torch.float32
     # against float64 sums, within a few fp32 ulps of the largest output: MKL's own fp32 result
     # (kernels.experts) differs from those by ~3x our distance on an AVX-512 CPU
-    want = experts_f64(xs, gate_up, down, cnt)
+    want = reference_experts(xs.double(), gate_up.double(), down.double(), cnt)
     scale = max(1.0, want.abs().max().item() if want.numel() else 0.0)
     torch.testing.assert_close(got.double(), want, atol=2e-6 * scale, rtol=0)
-
-
-def experts_f64(xs, gate_up, down, counts) -> torch.Tensor:
-    """The routed experts in float64, one expert at a time."""
-    out, start = [xs.new_zeros(0, xs.shape[1], dtype=torch.float64)], 0
-    for e, c in enumerate(counts.tolist()):
-        gate, up = (xs[start : start + c].double() @ gate_up[e].double().T).chunk(2, dim=-1)
-        out.append((F.silu(gate) * up) @ down[e].double().T)
-        start += c
-    return torch.cat(out)
 
 
 def test_routed_experts_rejects_counts_that_do_not_sum() -> None:
