@@ -48,7 +48,7 @@ from kernels.linear import linear as reference_linear
 SKINNY_ROWS = 8
 GEMM_MAX_ROWS = 64  # decode batches: the fused MoE, the routed-experts op, the decode plan
 TILED_MAX_ROWS = 1024  # fp32 weights: the tiled GEMM up to here, the packed GEMM beyond
-BF16_TILED_MAX_ROWS = 256
+BF16_TILED_MAX_ROWS = 256  # (kernels/csrc/gemm.cpp kTiledRows: the routed-experts op's choice too)
 GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
 GEMM_ON = os.environ.get(GEMM_ENV_VAR, "on").strip().lower() not in ("off", "0", "false")
 

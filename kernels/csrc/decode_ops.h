@@ -26,6 +26,12 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
                          const std::vector<int64_t>& counts, float* y);
+// gemm_packed.cpp: columns [n0, n1) of y [M, N] = x [M, K] w [N, K]^T on the calling thread
+// (x, w, y contiguous), bit for bit the tiled GEMM's outputs
+void packed_cols(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t M,
+                 int64_t n0, int64_t n1);
+void packed_cols(const float* x, const at::BFloat16* w, float* y, int64_t N, int64_t K,
+                 int64_t M, int64_t n0, int64_t n1);
 // gdn_decode.cpp
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
                       const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,

@@ -221,6 +221,8 @@ void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64
 }
 
 // ---- routed experts in one call ----------------------------------------------------------
+// Each expert's rows run the tiled GEMM above, or the packed GEMM beyond kTiledRows (the same
+// sums: a row's result does not depend on how many rows its expert has).
 
 // One piece of work: weight rows [n0, n1) of expert e; cost ~ weight bytes + flops.
 struct Task {
@@ -228,15 +230,16 @@ struct Task {
   double cost;
 };
 
-// Tasks of at most `rows` weight rows for every expert with tokens, cut into `parts` runs of
-// about equal cost (part p runs tasks [bounds[p], bounds[p + 1])).
-std::vector<Task> expert_tasks(const std::vector<int64_t>& counts, int64_t N, int64_t K,
-                               int64_t rows, int64_t wbytes) {
+// Tasks of at most `rows` weight rows for every expert with tokens (all N rows in one task for
+// an expert marked `whole`).
+std::vector<Task> expert_tasks(const std::vector<int64_t>& counts, const std::vector<bool>& whole,
+                               int64_t N, int64_t K, int64_t rows, int64_t wbytes) {
   std::vector<Task> tasks;
   for (int64_t e = 0; e < int64_t(counts.size()); ++e) {
     if (counts[e] == 0) continue;
-    for (int64_t n0 = 0; n0 < N; n0 += rows) {
-      const int64_t n1 = std::min(N, n0 + rows);
+    const int64_t step = whole[e] ? N : rows;
+    for (int64_t n0 = 0; n0 < N; n0 += step) {
+      const int64_t n1 = std::min(N, n0 + step);
       // streaming a weight byte costs about as much as ~4 FMAs from cache here
       tasks.push_back({e, n0, n1, double(n1 - n0) * K * (wbytes * 4.0 + counts[e])});
     }
@@ -266,28 +269,46 @@ void run_balanced(const std::vector<Task>& tasks, const F& fn) {
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
+// An expert with more rows than this takes the packed GEMM (gemm_packed.cpp: the tiled GEMM's
+// sums bit for bit, faster for hundreds of rows, as kernels/linear_cpp.py's TILED_MAX_ROWS and
+// BF16_TILED_MAX_ROWS choose for one matrix): a prefill chunk's experts.
+template <typename W>
+constexpr int64_t kTiledRows = std::is_same_v<W, float> ? 1024 : 256;
+
 // xs [T, H] rows sorted by expert, counts[e] each; gate_up [E, 2I, H]; down [E, H, I]; h [T, 2I]
 // scratch for the gate and up outputs.
 template <typename W>
 void experts_into(const float* xs, const W* gate_up, const W* down, const std::vector<int64_t>& counts,
                   float* h, float* y, int64_t H, int64_t I) {
   const int64_t E = int64_t(counts.size());
+  std::vector<bool> packed(E);
   std::vector<int64_t> start(E + 1, 0), pstart(E + 1, 0);  // each expert's first row, panel
   for (int64_t e = 0; e < E; ++e) {
+    packed[e] = counts[e] > kTiledRows<W>;
     start[e + 1] = start[e] + counts[e];
-    pstart[e + 1] = pstart[e] + panels(counts[e]);
+    pstart[e + 1] = pstart[e] + (packed[e] ? 0 : panels(counts[e]));
   }
+  // the tiled experts' rows and activations in panels, the packed experts' activations in rows
   const auto xp = panel_buffer(pstart[E], H), ap = panel_buffer(pstart[E], I);
+  std::vector<float> act(std::find(packed.begin(), packed.end(), true) != packed.end() ? start[E] * I : 0);
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e)
-      pack_panels(xs + start[e] * H, H, counts[e], H, xp.get() + pstart[e] * H * MR);
+      if (!packed[e])
+        pack_panels(xs + start[e] * H, H, counts[e], H, xp.get() + pstart[e] * H * MR);
   });
   // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns, written
   // straight into the down projection's panels (their padding rows zero)
-  run_balanced(expert_tasks(counts, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
+  run_balanced(expert_tasks(counts, packed, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
     const int64_t M = counts[t.e];
     const W* w = gate_up + t.e * 2 * I * H;
     float* hm = h + start[t.e] * 2 * I;
+    if (packed[t.e]) {  // every gate and up row in one call: x packed once
+      hs::packed_cols(xs + start[t.e] * H, w, hm, 2 * I, H, M, 0, 2 * I);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < I; ++n)
+          act[(start[t.e] + m) * I + n] = silu(hm[m * 2 * I + n]) * hm[m * 2 * I + I + n];
+      return;
+    }
     gemm_cols(xp.get() + pstart[t.e] * H * MR, w, H, hm, 2 * I, M, H, t.n0, t.n1);
     gemm_cols(xp.get() + pstart[t.e] * H * MR, w + I * H, H, hm + I, 2 * I, M, H, t.n0, t.n1);
     for (int64_t m = 0; m < panels(M) * MR; ++m) {
@@ -296,9 +317,14 @@ void experts_into(const float* xs, const W* gate_up, const W* down, const std::v
         a[n * MR] = m < M ? silu(hm[m * 2 * I + n]) * hm[m * 2 * I + I + n] : 0.f;
     }
   });
-  run_balanced(expert_tasks(counts, H, I, NC, sizeof(W)), [&](const Task& t) {
-    gemm_cols(ap.get() + pstart[t.e] * I * MR, down + t.e * H * I, I, y + start[t.e] * H, H,
-              counts[t.e], I, t.n0, t.n1);
+  run_balanced(expert_tasks(counts, packed, H, I, NC, sizeof(W)), [&](const Task& t) {
+    const W* w = down + t.e * H * I;
+    if (packed[t.e]) {
+      hs::packed_cols(act.data() + start[t.e] * I, w, y + start[t.e] * H, H, I, counts[t.e], 0, H);
+      return;
+    }
+    gemm_cols(ap.get() + pstart[t.e] * I * MR, w, I, y + start[t.e] * H, H, counts[t.e], I, t.n0,
+              t.n1);
   });
 }
 

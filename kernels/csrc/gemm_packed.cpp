@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "decode_ops.h"
 #include "gemv.h"
 #include "simd.h"
 
@@ -190,6 +191,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 }  // namespace
+
+namespace hs {
+
+void packed_cols(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t M,
+                 int64_t n0, int64_t n1) {
+  gemm_block(x, w, y, N, K, 0, M, n0, n1);
+}
+
+void packed_cols(const float* x, const at::BFloat16* w, float* y, int64_t N, int64_t K,
+                 int64_t M, int64_t n0, int64_t n1) {
+  gemm_block(x, w, y, N, K, 0, M, n0, n1);
+}
+
+}  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) { m.def("packed_linear(Tensor x, Tensor w) -> Tensor"); }
 

@@ -160,6 +160,7 @@ def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype
         (37, 13, [0, 0, 5, 0]),  # one active expert, odd sizes (no 16-byte rows)
         (64, 24, [0, 0, 0]),  # no rows at all
         (768, 256, [16, 20, 12, 16, 18, 14, 17, 15]),  # the small preset at batch 64
+        (40, 24, [300, 0, 1030, 2]),  # prefill-sized experts: the packed GEMM (bf16 > 256 rows)
     ],
 )
 def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
@@ -174,6 +175,23 @@ def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
     want = reference_experts(xs.double(), gate_up.double(), down.double(), cnt)
     scale = max(1.0, want.abs().max().item() if want.numel() else 0.0)
     torch.testing.assert_close(got.double(), want, atol=2e-6 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_routed_expert_rows_do_not_depend_on_the_expert_row_count(wdtype) -> None:
+    """An expert beyond the tiled GEMM's rows (1,024 fp32, 256 bf16) runs the packed GEMM, whose
+    sums are the tiled GEMM's bit for bit: its rows come out as they do from a few-row batch."""
+    from kernels.experts_cpp import routed_experts
+
+    torch.manual_seed(11)
+    big = 1030 if wdtype == torch.float32 else 260
+    xs, gate_up, down, _ = expert_inputs(2, 48, 32, [big, 3], wdtype)
+    full = routed_experts(xs, gate_up, down, torch.tensor([big, 3]))
+    for lo in (0, 97, big - 5):
+        part = routed_experts(xs[lo : lo + 5].contiguous(), gate_up, down, torch.tensor([5, 0]))
+        assert torch.equal(part, full[lo : lo + 5])
+    tail = routed_experts(xs[big:].contiguous(), gate_up, down, torch.tensor([0, 3]))
+    assert torch.equal(tail, full[big:])
 
 
 def test_routed_experts_rejects_counts_that_do_not_sum() -> None:
