@@ -8,8 +8,8 @@ registers two at a time, fp32 accumulation), each expert's rows packed once per 
 GEMM. An expert with more rows than `kernels.linear_cpp` gives the tiled GEMM (1,024 with fp32
 weights, 256 with bf16: a prefill chunk's) runs the packed GEMM instead, whole matrices per piece
 (its sums are the tiled GEMM's bit for bit, so no row depends on its expert's count; bf16, 2,048
-tokens of the small preset: ~46 -> ~40 ms). Other dtypes take the reference, and so does everything while `kernels.linear_cpp.GEMM_ON`
-is off (`HYBRID_SERVE_CPU_GEMM=off`).
+tokens of the small preset: ~46 -> ~40 ms). Other dtypes take the reference, and so does
+everything while `kernels.linear_cpp.GEMM_ON` is off (`HYBRID_SERVE_CPU_GEMM=off`).
 """
 
 from __future__ import annotations
