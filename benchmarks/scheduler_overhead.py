@@ -54,6 +54,7 @@ def main() -> None:
         args.model_path,
         max_running_requests=max(sizes),
         max_total_tokens=max(sizes) * (args.steps + 64),
+        disable_cuda_graph=True,  # decode through runner.forward (the no-op), not the CPU plan
     )
     vocab = engine.runner.model.config.vocab_size
     real_forward = engine.runner.forward
