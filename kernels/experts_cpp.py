@@ -6,10 +6,11 @@ run in two parallel passes whose pieces (weight-row blocks of one expert) are sp
 threads by cost, on the weights as stored ([E, 2I, hidden] and [E, hidden, I], bf16 widened in
 registers two at a time, fp32 accumulation), each expert's rows packed once per pass for the
 GEMM. An expert with more rows than `kernels.linear_cpp` gives the tiled GEMM (1,024 with fp32
-weights, 256 with bf16: a prefill chunk's) runs the packed GEMM instead, whole matrices per piece
-(its sums are the tiled GEMM's bit for bit, so no row depends on its expert's count; bf16, 2,048
-tokens of the small preset: ~46 -> ~40 ms). Other dtypes take the reference, and so does
-everything while `kernels.linear_cpp.GEMM_ON` is off (`HYBRID_SERVE_CPU_GEMM=off`).
+weights, 256 with bf16: a prefill chunk's) runs the packed GEMM instead, each matrix in as few
+pieces as keep the threads busy (its sums are the tiled GEMM's bit for bit, so no row depends on
+its expert's count; bf16, 2,048 tokens of the small preset: ~46 -> ~40 ms). Other dtypes take
+the reference, and so does everything while `kernels.linear_cpp.GEMM_ON` is off
+(`HYBRID_SERVE_CPU_GEMM=off`).
 """
 
 from __future__ import annotations

@@ -230,14 +230,15 @@ struct Task {
   double cost;
 };
 
-// Tasks of at most `rows` weight rows for every expert with tokens (all N rows in one task for
-// an expert marked `whole`).
-std::vector<Task> expert_tasks(const std::vector<int64_t>& counts, const std::vector<bool>& whole,
-                               int64_t N, int64_t K, int64_t rows, int64_t wbytes) {
+// Tasks of at most `rows` weight rows for every expert with tokens, or `pieces[e]` tasks of
+// whole 32-row slivers where that is not 0.
+std::vector<Task> expert_tasks(const std::vector<int64_t>& counts,
+                               const std::vector<int64_t>& pieces, int64_t N, int64_t K,
+                               int64_t rows, int64_t wbytes) {
   std::vector<Task> tasks;
   for (int64_t e = 0; e < int64_t(counts.size()); ++e) {
     if (counts[e] == 0) continue;
-    const int64_t step = whole[e] ? N : rows;
+    const int64_t step = pieces[e] == 0 ? rows : (N / pieces[e] + 31) / 32 * 32;
     for (int64_t n0 = 0; n0 < N; n0 += step) {
       const int64_t n1 = std::min(N, n0 + step);
       // streaming a weight byte costs about as much as ~4 FMAs from cache here
@@ -283,14 +284,22 @@ void experts_into(const float* xs, const W* gate_up, const W* down, const std::v
   const int64_t E = int64_t(counts.size());
   std::vector<bool> packed(E);
   std::vector<int64_t> start(E + 1, 0), pstart(E + 1, 0);  // each expert's first row, panel
+  int64_t n_packed = 0;
   for (int64_t e = 0; e < E; ++e) {
     packed[e] = counts[e] > kTiledRows<W>;
+    n_packed += packed[e];
     start[e + 1] = start[e] + counts[e];
     pstart[e + 1] = pstart[e] + (packed[e] ? 0 : panels(counts[e]));
   }
+  // a packed expert's matrices in as few pieces as keep every thread busy (each piece packs its
+  // rows of x again); the tiled experts' in cache blocks of NC weight rows
+  std::vector<int64_t> pieces(E, 0);
+  const int64_t threads = at::get_num_threads();
+  for (int64_t e = 0; e < E; ++e)
+    if (packed[e]) pieces[e] = (threads + n_packed - 1) / n_packed;
   // the tiled experts' rows and activations in panels, the packed experts' activations in rows
   const auto xp = panel_buffer(pstart[E], H), ap = panel_buffer(pstart[E], I);
-  std::vector<float> act(std::find(packed.begin(), packed.end(), true) != packed.end() ? start[E] * I : 0);
+  std::vector<float> act(n_packed > 0 ? start[E] * I : 0);
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e)
       if (!packed[e])
@@ -298,14 +307,20 @@ void experts_into(const float* xs, const W* gate_up, const W* down, const std::v
   });
   // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns, written
   // straight into the down projection's panels (their padding rows zero)
-  run_balanced(expert_tasks(counts, packed, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
+  run_balanced(expert_tasks(counts, pieces, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
     const int64_t M = counts[t.e];
     const W* w = gate_up + t.e * 2 * I * H;
     float* hm = h + start[t.e] * 2 * I;
-    if (packed[t.e]) {  // every gate and up row in one call: x packed once
-      hs::packed_cols(xs + start[t.e] * H, w, hm, 2 * I, H, M, 0, 2 * I);
+    if (packed[t.e]) {
+      const float* x = xs + start[t.e] * H;
+      if (t.n1 - t.n0 == I) {  // every gate and up row in one call: x packed once
+        hs::packed_cols(x, w, hm, 2 * I, H, M, 0, 2 * I);
+      } else {
+        hs::packed_cols(x, w, hm, 2 * I, H, M, t.n0, t.n1);
+        hs::packed_cols(x, w, hm, 2 * I, H, M, I + t.n0, I + t.n1);
+      }
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < I; ++n)
+        for (int64_t n = t.n0; n < t.n1; ++n)
           act[(start[t.e] + m) * I + n] = silu(hm[m * 2 * I + n]) * hm[m * 2 * I + I + n];
       return;
     }
@@ -317,10 +332,11 @@ void experts_into(const float* xs, const W* gate_up, const W* down, const std::v
         a[n * MR] = m < M ? silu(hm[m * 2 * I + n]) * hm[m * 2 * I + I + n] : 0.f;
     }
   });
-  run_balanced(expert_tasks(counts, packed, H, I, NC, sizeof(W)), [&](const Task& t) {
+  run_balanced(expert_tasks(counts, pieces, H, I, NC, sizeof(W)), [&](const Task& t) {
     const W* w = down + t.e * H * I;
     if (packed[t.e]) {
-      hs::packed_cols(act.data() + start[t.e] * I, w, y + start[t.e] * H, H, I, counts[t.e], 0, H);
+      hs::packed_cols(act.data() + start[t.e] * I, w, y + start[t.e] * H, H, I, counts[t.e], t.n0,
+                      t.n1);
       return;
     }
     gemm_cols(ap.get() + pstart[t.e] * I * MR, w, I, y + start[t.e] * H, H, counts[t.e], I, t.n0,
