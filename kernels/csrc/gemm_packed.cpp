@@ -93,7 +93,7 @@ inline void kernel(const float* xs, const float* ws, int64_t kn, float* y, int64
     const int64_t k1 = std::min(kn, k0 + KR);
     const bool store = first && k0 == 0;
 #ifdef HS_SIMD
-    // twelve named accumulators: as an array GCC keeps a copy in memory, stored every k step
+    // named accumulators (2 MR): as an array GCC keeps a copy in memory, stored every k step
     vec c00 = v::zero(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     vec c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #ifdef HS_TWELVE_ROWS
