@@ -251,7 +251,8 @@ std::vector<Task> expert_tasks(const std::vector<int64_t>& counts,
 // Runs fn(task) for every task, the tasks split among the threads by cost.
 template <typename F>
 void run_balanced(const std::vector<Task>& tasks, const F& fn) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   std::vector<size_t> bounds(parts + 1, tasks.size());
   double total = 0;
   for (const Task& t : tasks) total += t.cost;
@@ -270,6 +271,11 @@ void run_balanced(const std::vector<Task>& tasks, const F& fn) {
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
+// silu(gate) * up at column n of a row [gate | up] of 2I gate and up outputs.
+inline float swiglu_at(const float* gate_up_row, int64_t I, int64_t n) {
+  return silu(gate_up_row[n]) * gate_up_row[I + n];
+}
+
 // An expert with more rows than this takes the packed GEMM (gemm_packed.cpp: the tiled GEMM's
 // sums bit for bit, faster for hundreds of rows, as kernels/linear_cpp.py's TILED_MAX_ROWS and
 // BF16_TILED_MAX_ROWS choose for one matrix): a prefill chunk's experts.
@@ -279,30 +285,28 @@ constexpr int64_t kTiledRows = std::is_same_v<W, float> ? 1024 : 256;
 // xs [T, H] rows sorted by expert, counts[e] each; gate_up [E, 2I, H]; down [E, H, I]; h [T, 2I]
 // scratch for the gate and up outputs.
 template <typename W>
-void experts_into(const float* xs, const W* gate_up, const W* down, const std::vector<int64_t>& counts,
-                  float* h, float* y, int64_t H, int64_t I) {
+void experts_into(const float* xs, const W* gate_up, const W* down,
+                  const std::vector<int64_t>& counts, float* h, float* y, int64_t H, int64_t I) {
   const int64_t E = int64_t(counts.size());
-  std::vector<bool> packed(E);
+  const auto packed = [&](int64_t e) { return counts[e] > kTiledRows<W>; };
   std::vector<int64_t> start(E + 1, 0), pstart(E + 1, 0);  // each expert's first row, panel
   int64_t n_packed = 0;
   for (int64_t e = 0; e < E; ++e) {
-    packed[e] = counts[e] > kTiledRows<W>;
-    n_packed += packed[e];
+    n_packed += packed(e);
     start[e + 1] = start[e] + counts[e];
-    pstart[e + 1] = pstart[e] + (packed[e] ? 0 : panels(counts[e]));
+    pstart[e + 1] = pstart[e] + (packed(e) ? 0 : panels(counts[e]));
   }
   // a packed expert's matrices in as few pieces as keep every thread busy (each piece packs its
-  // rows of x again); the tiled experts' in cache blocks of NC weight rows
+  // rows of x again); the tiled experts' (pieces 0) in cache blocks of NC weight rows
   std::vector<int64_t> pieces(E, 0);
-  const int64_t threads = at::get_num_threads();
   for (int64_t e = 0; e < E; ++e)
-    if (packed[e]) pieces[e] = (threads + n_packed - 1) / n_packed;
+    if (packed(e)) pieces[e] = (at::get_num_threads() + n_packed - 1) / n_packed;
   // the tiled experts' rows and activations in panels, the packed experts' activations in rows
   const auto xp = panel_buffer(pstart[E], H), ap = panel_buffer(pstart[E], I);
   std::vector<float> act(n_packed > 0 ? start[E] * I : 0);
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e)
-      if (!packed[e])
+      if (!packed(e))
         pack_panels(xs + start[e] * H, H, counts[e], H, xp.get() + pstart[e] * H * MR);
   });
   // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns, written
@@ -311,7 +315,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down, const std::v
     const int64_t M = counts[t.e];
     const W* w = gate_up + t.e * 2 * I * H;
     float* hm = h + start[t.e] * 2 * I;
-    if (packed[t.e]) {
+    if (packed(t.e)) {
       const float* x = xs + start[t.e] * H;
       if (t.n1 - t.n0 == I) {  // every gate and up row in one call: x packed once
         hs::packed_cols(x, w, hm, 2 * I, H, M, 0, 2 * I);
@@ -321,7 +325,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down, const std::v
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = t.n0; n < t.n1; ++n)
-          act[(start[t.e] + m) * I + n] = silu(hm[m * 2 * I + n]) * hm[m * 2 * I + I + n];
+          act[(start[t.e] + m) * I + n] = swiglu_at(hm + m * 2 * I, I, n);
       return;
     }
     gemm_cols(xp.get() + pstart[t.e] * H * MR, w, H, hm, 2 * I, M, H, t.n0, t.n1);
@@ -329,12 +333,12 @@ void experts_into(const float* xs, const W* gate_up, const W* down, const std::v
     for (int64_t m = 0; m < panels(M) * MR; ++m) {
       float* a = ap.get() + (pstart[t.e] + m / MR) * I * MR + m % MR;
       for (int64_t n = t.n0; n < t.n1; ++n)
-        a[n * MR] = m < M ? silu(hm[m * 2 * I + n]) * hm[m * 2 * I + I + n] : 0.f;
+        a[n * MR] = m < M ? swiglu_at(hm + m * 2 * I, I, n) : 0.f;
     }
   });
   run_balanced(expert_tasks(counts, pieces, H, I, NC, sizeof(W)), [&](const Task& t) {
     const W* w = down + t.e * H * I;
-    if (packed[t.e]) {
+    if (packed(t.e)) {
       hs::packed_cols(act.data() + start[t.e] * I, w, y + start[t.e] * H, H, I, counts[t.e], t.n0,
                       t.n1);
       return;
