@@ -1,13 +1,14 @@
-"""The C++ GEMMs (`tiled_linear`, `packed_linear`) against `F.linear` (MKL) on a checkpoint's own
-dense shapes, CPU.
+"""The C++ GEMMs (`tiled_linear`, `packed_linear`, `amx_linear`) against `F.linear` (MKL) on a
+checkpoint's own dense shapes, CPU.
 
 For each row count M (`--rows`) and each distinct [N, K] weight shape of the model's `Linear`
-layers (the lm_head included), times `kernels.linear_cpp.linear` three ways, interleaved: with
-the tiled GEMM at any rows, with the packed GEMM at any rows beyond the GEMV's, and with the
-GEMMs off (`GEMM_ON = False`: `F.linear`, bf16 weights widened to fp32 as `kernels.linear`
-does), for fp32 and bf16 weights. Prints GFLOP/s from the median of `--repeats` interleaved runs,
-each GEMM's ratio to `F.linear`, the sum over the shapes per row count in ms (where the
-`linear_cpp` row limits come from), and the machine's load average.
+layers (the lm_head included), times `kernels.linear_cpp.linear` four ways, interleaved: with
+the tiled GEMM at any rows, with the packed GEMM at any rows beyond the GEMV's, with the AMX GEMM
+(bf16 weights on a CPU with AMX-BF16; it rounds x to bf16, so its column is blank elsewhere) and
+with the GEMMs off (`GEMM_ON = False`: `F.linear`, bf16 weights widened to fp32 as
+`kernels.linear` does), for fp32 and bf16 weights. Prints GFLOP/s from the median of `--repeats`
+interleaved runs, each GEMM's ratio to `F.linear`, the sum over the shapes per row count in ms
+(where the `linear_cpp` row limits come from), and the machine's load average.
 
 Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 64,256,512,1024
 """
@@ -42,7 +43,7 @@ def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:
     return found
 
 
-VARIANTS = ("F.linear", "tiled", "packed")
+VARIANTS = ("F.linear", "tiled", "packed", "amx")
 
 
 def time_linear(x: torch.Tensor, w: torch.Tensor, variant: str, inner: int) -> float:
@@ -51,6 +52,7 @@ def time_linear(x: torch.Tensor, w: torch.Tensor, variant: str, inner: int) -> f
     rows = 1 << 30 if variant == "tiled" else 0
     linear_cpp.GEMM_ON = variant != "F.linear"
     linear_cpp.TILED_MAX_ROWS = linear_cpp.BF16_TILED_MAX_ROWS = rows
+    linear_cpp.set_amx(variant == "amx")
     try:
         start = time.perf_counter()
         for _ in range(inner):
@@ -58,6 +60,7 @@ def time_linear(x: torch.Tensor, w: torch.Tensor, variant: str, inner: int) -> f
         return (time.perf_counter() - start) / inner
     finally:
         linear_cpp.GEMM_ON, linear_cpp.TILED_MAX_ROWS, linear_cpp.BF16_TILED_MAX_ROWS = limits
+        linear_cpp.set_amx(True)
 
 
 def main() -> None:
@@ -77,9 +80,10 @@ def main() -> None:
 
         args.model_path = str(default_model_path(args.preset))
     shapes = shapes_of(load_model(args.model_path, dtype="float32"))
+    has_amx = linear_cpp.set_amx(True)
     print(f"{args.threads} threads, load {os.getloadavg()[0]:.1f}; GFLOP/s, medians")
     print(f"{'dtype':>9}{'M':>6}{'N':>6}{'K':>6}  {'layer':<28}{'F.linear':>9}{'tiled':>8}{'x':>6}"
-          f"{'packed':>8}{'x':>6}")  # fmt: skip
+          f"{'packed':>8}{'x':>6}{'amx':>8}{'x':>6}")  # fmt: skip
     torch.manual_seed(0)
     with torch.inference_mode():
         for dtype in args.dtypes.split(","):
@@ -87,26 +91,31 @@ def main() -> None:
                 total = dict.fromkeys(VARIANTS, 0.0)
                 for (n, k), name in shapes.items():
                     x, w = torch.randn(m, k), (torch.randn(n, k) * 0.05).to(getattr(torch, dtype))
+                    amx = (
+                        has_amx and dtype == "bfloat16" and k % 32 == 0 and n % 16 == 0
+                        and m > linear_cpp.SKINNY_ROWS
+                    )  # fmt: skip
+                    variants = VARIANTS if amx else VARIANTS[:-1]
+                    xw = x.bfloat16().float() if amx else x  # the AMX GEMM rounds x to bf16
                     torch.testing.assert_close(
-                        linear_cpp.linear(x, w), x @ w.float().T, atol=1e-3, rtol=1e-4
+                        linear_cpp.linear(x, w), xw @ w.float().T, atol=1e-3, rtol=1e-4
                     )
                     inner = max(1, int(2e8 / (2 * m * n * k)))  # a few ms or more per sample
-                    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                    times: dict[str, list[float]] = {v: [] for v in variants}
                     for _ in range(args.repeats):
-                        for variant in VARIANTS:
+                        for variant in variants:
                             times[variant].append(time_linear(x, w, variant, inner))
                     flop = 2 * m * n * k
                     flops = {v: flop / statistics.median(t) / 1e9 for v, t in times.items()}
                     for v, t in times.items():
                         total[v] += statistics.median(t)
+                    if not amx:
+                        total["amx"] = -1e30  # not every shape: no sum
                     base = flops["F.linear"]
-                    print(
-                        f"{dtype:>9}{m:>6}{n:>6}{k:>6}  {name:<28}{base:>9.1f}"
-                        f"{flops['tiled']:>8.1f}{flops['tiled'] / base:>6.2f}"
-                        f"{flops['packed']:>8.1f}{flops['packed'] / base:>6.2f}",
-                        flush=True,
-                    )
-                sums = ", ".join(f"{v} {t * 1e3:.2f}" for v, t in total.items())
+                    cols = "".join(f"{flops[v]:>8.1f}{flops[v] / base:>6.2f}" for v in variants[1:])
+                    print(f"{dtype:>9}{m:>6}{n:>6}{k:>6}  {name:<28}{base:>9.1f}{cols}", flush=True)
+                # (the AMX sum only where every shape ran it)
+                sums = ", ".join(f"{v} {t * 1e3:.2f}" for v, t in total.items() if t > 0)
                 print(f"{dtype:>9}{m:>6}  all shapes, ms: {sums}", flush=True)
     print(f"load {os.getloadavg()[0]:.1f}")
 

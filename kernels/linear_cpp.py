@@ -24,6 +24,15 @@ Same signature and contract as `kernels.linear.linear`.
   `F.linear` (MKL): fp32 at 512 rows 95 / 109 / 110, at 1,024 196 / 205 / 223, at 2,048
   529 / 432 / 444; bf16 at 256 rows 73 / 75 / 117, at 1,024 264 / 180 / 211. The limits sit at
   those crossovers (`benchmarks/gemm_shapes.py` measures them).
+- bf16 weights beyond the GEMV's rows on a CPU with AMX-BF16 (Sapphire Rapids on; the build
+  targets it and the OS grants the tile state): the AMX GEMM (`kernels/csrc/gemm_amx.cpp`,
+  `amx_linear`) in place of both GEMMs above, where K % 32 == 0 and N % 16 == 0. It rounds x to
+  bf16 (nearest even) and sums the exact products in fp32: the bf16 mode's one change of
+  arithmetic against the AVX GEMMs, whose fp32 x keeps the GEMV's (BENCHMARKS.md has its
+  fidelity). Its results do not depend on the row count either. Small-preset shapes, 2 threads
+  (session 15): ~4x the tiled GEMM at 64 rows, ~3x the packed GEMM at 2,048.
+  `HYBRID_SERVE_CPU_AMX=off` (read once, by the C++ library) keeps bf16 on the AVX GEMMs;
+  `set_amx` switches in a running process (tests and benchmarks compare the two paths).
 - `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
   turns both GEMMs and the routed-experts op (`kernels.experts_cpp`) off, for comparisons: the
   paths before them come back (rows beyond the GEMV's take `F.linear`, MKL, bf16 weights
@@ -53,6 +62,26 @@ GEMM_ENV_VAR = "HYBRID_SERVE_CPU_GEMM"
 GEMM_ON = os.environ.get(GEMM_ENV_VAR, "on").strip().lower() not in ("off", "0", "false")
 
 
+_amx: list[bool] = []  # the C++ library's switch, mirrored (read on the eager path's every call)
+
+
+def amx_ready() -> bool:
+    """Whether bf16 products beyond the GEMV's rows run on AMX tiles."""
+    if not _amx:
+        ops = cpp_build.load()
+        _amx.append(ops is not None and bool(torch.ops.hybrid_serve.amx_available()))
+    return _amx[0]
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the AMX products on (where the CPU has them) or off, for the eager path and the C++
+    decode ops alike; returns whether they are on now."""
+    if cpp_build.load() is None:
+        return False
+    _amx[:] = [bool(torch.ops.hybrid_serve.set_amx(on))]
+    return _amx[0]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     ops = cpp_build.load()
     wdt = weight.dtype
@@ -71,6 +100,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     tiled = TILED_MAX_ROWS if wdt == torch.float32 else BF16_TILED_MAX_ROWS
     if M <= SKINNY_ROWS:
         op = ops.skinny_linear
+    elif wdt == torch.bfloat16 and K % 32 == 0 and weight.shape[0] % 16 == 0 and amx_ready():
+        op = ops.amx_linear  # hs::amx_linear_fits, the C++ decode steps' choice too
     else:
         op = ops.tiled_linear if M <= tiled else ops.packed_linear
     y = op(x.reshape(M, K).contiguous(), weight.contiguous())

@@ -26,6 +26,19 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
                          const std::vector<int64_t>& counts, float* y);
+// gemm_amx.cpp: y [M, N] fp32 = bf16(x) [M, K] w [N, K]^T on AMX tiles (amx.h), where
+// amx_linear_fits: an AMX-BF16 CPU whose OS grants the tile state (amx_ready), bf16 w,
+// K % 32 == 0, N % 16 == 0
+bool amx_ready();
+bool set_amx(bool on);
+bool amx_linear_fits(const at::Tensor& x, const at::Tensor& w);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w);
+// A decode product by row count, as kernels/linear_cpp.py picks it: the GEMV up to kGemvRows
+// rows; beyond, AMX where it fits (bf16 weights), else the tiled GEMM.
+inline at::Tensor decode_product(const at::Tensor& x, const at::Tensor& w) {
+  if (x.size(0) <= kGemvRows) return skinny_linear(x, w);
+  return amx_linear_fits(x, w) ? amx_linear(x, w) : tiled_linear(x, w);
+}
 // gemm_packed.cpp: columns [n0, n1) of y [M, N] = x [M, K] w [N, K]^T on the calling thread
 // (x, w, y contiguous), bit for bit the tiled GEMM's outputs
 void packed_cols(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t M,

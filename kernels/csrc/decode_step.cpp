@@ -1,8 +1,9 @@
 // A whole CPU decode step in one call: the class `hybrid_serve::DecodeStep` holds every decoder
 // layer's weights and op arguments (taken once by models/cpu_decode.py) and `forward` runs the
 // layers by calling the decode ops' C++ functions (decode_ops.h) directly, with the same
-// arguments as the eager step and the same choice of product by row count (`product`: the GEMV up
-// to hs::kGemvRows rows, the tiled GEMM beyond, as kernels/linear_cpp.py picks), so its logits and
+// arguments as the eager step and the same choice of product by row count (hs::decode_product:
+// the GEMV up to hs::kGemvRows rows, AMX or the tiled GEMM beyond, as kernels/linear_cpp.py
+// picks), so its logits and
 // pool updates are bit-identical to it, without the ~75 trips per step through Python and the
 // dispatcher:
 //
@@ -29,16 +30,13 @@ namespace {
 // ints: attention (0/1), pool layer index, heads (GDN: key heads; attention: query heads),
 // top_k, norm_topk_prob; floats: input eps, post eps, mixer eps, attention scale (GDN: 0).
 constexpr int64_t kInts = 5, kFloats = 4, kMoe = 7;
-at::Tensor product(const at::Tensor& x, const at::Tensor& w) {
-  return x.size(0) <= hs::kGemvRows ? hs::skinny_linear(x, w) : hs::tiled_linear(x, w);
-}
 
 // The layer's input projections of one x: one GEMV region for all, or one GEMM each (the eager
 // step's kernels.linear_multi falls back to kernels.linear per weight beyond the GEMV's rows).
 std::vector<at::Tensor> products(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
   if (x.size(0) <= hs::kGemvRows) return hs::skinny_linear_multi(x, ws);
   std::vector<at::Tensor> out;
-  for (const at::Tensor& w : ws) out.push_back(hs::tiled_linear(x, w));
+  for (const at::Tensor& w : ws) out.push_back(hs::decode_product(x, w));
   return out;
 }
 
@@ -115,7 +113,7 @@ struct DecodeStep : torch::CustomClassHolder {
                            ssm_state.select(0, l.index), l.mixer[1], l.mixer[2], l.mixer[3],
                            slots, l.heads, l.mixer_eps);
       }
-      h = product(o, l.out_proj);
+      h = hs::decode_product(o, l.out_proj);
       std::tie(h, residual) = hs::add_rmsnorm(h, residual, l.post_norm, l.post_eps);
       x = hs::moe_decode(h, l.moe[0], l.moe[1], l.moe[2], l.moe[3], l.moe[4], l.moe[5],
                          l.moe[6], l.top_k, l.norm_topk);
@@ -123,7 +121,7 @@ struct DecodeStep : torch::CustomClassHolder {
     at::Tensor h = residual.defined()
                        ? std::get<0>(hs::add_rmsnorm(x, residual, final_norm, final_eps))
                        : hs::rmsnorm(x, final_norm, final_eps);
-    return product(h, lm_head);
+    return hs::decode_product(h, lm_head);
   }
 };
 

@@ -25,6 +25,7 @@
 #include <memory>
 #include <vector>
 
+#include "amx.h"
 #include "decode_ops.h"
 #include "gemv.h"
 #include "simd.h"
@@ -348,6 +349,49 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
   });
 }
 
+#ifdef HS_AMX
+// experts_into for bf16 weights on AMX tiles (amx.h): each expert's rows rounded to bf16 once,
+// and its activations rounded as they are written (as amx_linear would round them).
+void amx_experts_into(const float* xs, const at::BFloat16* gate_up, const at::BFloat16* down,
+                      const std::vector<int64_t>& counts, float* y, int64_t H, int64_t I) {
+  namespace a = hs::amx;
+  const int64_t E = int64_t(counts.size());
+  std::vector<int64_t> start(E + 1, 0), pstart(E + 1, 0);  // each expert's first row, padded
+  for (int64_t e = 0; e < E; ++e) {
+    start[e + 1] = start[e] + counts[e];
+    pstart[e + 1] = pstart[e] + a::padded(counts[e]);
+  }
+  std::vector<a::bf16> xb(pstart[E] * H), ab(pstart[E] * I);  // padding rows zero
+  std::vector<float> h(start[E] * 2 * I);
+  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e)
+      a::convert_rows(xs + start[e] * H, H, counts[e], H, xb.data() + pstart[e] * H);
+  });
+  const std::vector<int64_t> whole(E, 0);
+  constexpr int64_t kRows = 128;  // weight rows per task (a multiple of 32)
+  // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns in bf16
+  run_balanced(expert_tasks(counts, whole, I, 2 * H, kRows, 2), [&](const Task& t) {
+    const int64_t M = counts[t.e];
+    const a::bf16* w = gate_up + t.e * 2 * I * H;
+    float* hm = h.data() + start[t.e] * 2 * I;
+    const a::bf16* x = xb.data() + pstart[t.e] * H;
+    a::configure();
+    a::cols(x, M, H, w, hm, 2 * I, t.n0, t.n1);
+    a::cols(x, M, H, w, hm, 2 * I, I + t.n0, I + t.n1);
+    a::release();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = t.n0; n < t.n1; ++n)
+        ab[(pstart[t.e] + m) * I + n] = a::bf16(swiglu_at(hm + m * 2 * I, I, n));
+  });
+  run_balanced(expert_tasks(counts, whole, H, I, kRows, 2), [&](const Task& t) {
+    a::configure();
+    a::cols(ab.data() + pstart[t.e] * I, counts[t.e], I, down + t.e * H * I, y + start[t.e] * H,
+            H, t.n0, t.n1);
+    a::release();
+  });
+}
+#endif
+
 }  // namespace
 
 namespace hs {
@@ -366,13 +410,18 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
   for (int64_t c : counts) T += c;
   if (T == 0) return;
   const int64_t H = gate_up.size(2), I = down.size(2);
-  std::vector<float> h(T * 2 * I);
-  if (gate_up.scalar_type() == at::kFloat) {
-    experts_into(xs, gate_up.data_ptr<float>(), down.data_ptr<float>(), counts, h.data(), y, H, I);
-  } else {
-    experts_into(xs, gate_up.data_ptr<at::BFloat16>(), down.data_ptr<at::BFloat16>(), counts,
-                 h.data(), y, H, I);
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    const auto* gu = gate_up.data_ptr<at::BFloat16>();
+    const auto* dn = down.data_ptr<at::BFloat16>();
+#ifdef HS_AMX
+    if (hs::amx_ready() && H % 32 == 0 && I % 32 == 0)
+      return amx_experts_into(xs, gu, dn, counts, y, H, I);
+#endif
+    std::vector<float> h(T * 2 * I);
+    return experts_into(xs, gu, dn, counts, h.data(), y, H, I);
   }
+  std::vector<float> h(T * 2 * I);
+  experts_into(xs, gate_up.data_ptr<float>(), down.data_ptr<float>(), counts, h.data(), y, H, I);
 }
 
 }  // namespace hs

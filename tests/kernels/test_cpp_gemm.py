@@ -23,6 +23,15 @@ def inference_mode():
         yield
 
 
+@pytest.fixture
+def amx_off():
+    """bf16 weights on the AVX GEMMs (fp32 x) where the CPU would take AMX (test_cpp_amx.py)."""
+    was = linear_cpp.amx_ready()
+    linear_cpp.set_amx(False)
+    yield
+    linear_cpp.set_amx(was)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_gemm_matches_f_linear(seed, wdtype) -> None:
@@ -163,7 +172,7 @@ def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype
         (40, 24, [300, 0, 1030, 2]),  # prefill-sized experts: the packed GEMM (bf16 > 256 rows)
     ],
 )
-def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
+def test_routed_experts_match_reference(H, I, counts, wdtype, amx_off) -> None:
     from kernels.experts_cpp import routed_experts
 
     torch.manual_seed(len(counts) + H)
@@ -178,7 +187,7 @@ def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_routed_expert_rows_do_not_depend_on_the_expert_row_count(wdtype) -> None:
+def test_routed_expert_rows_do_not_depend_on_the_expert_row_count(wdtype, amx_off) -> None:
     """An expert beyond the tiled GEMM's rows (1,024 fp32, 256 bf16) runs the packed GEMM, whose
     sums are the tiled GEMM's bit for bit: its rows come out as they do from a few-row batch."""
     from kernels.experts_cpp import routed_experts

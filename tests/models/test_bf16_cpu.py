@@ -1,9 +1,15 @@
-"""`--dtype bfloat16` on CPU: bf16 matrices, everything else fp32, close to the fp32 model."""
+"""`--dtype bfloat16` on CPU: bf16 matrices, everything else fp32, close to the fp32 model.
+
+On a CPU with AMX-BF16 the products beyond the GEMV's rows also round their inputs to bf16
+(kernels/csrc/gemm_amx.cpp; tests/kernels/test_cpp_amx.py checks those ops): this test switches
+that off to judge the rest, and benchmarks/bf16_fidelity.py measures both."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kernels import linear_cpp
 from models.loader import cast_matrices, load_model
 from models.presets import preset_config, write_checkpoint
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
@@ -22,7 +28,15 @@ def _logits(runner: ModelRunner, prompt: list[int], next_id: int) -> torch.Tenso
     return torch.cat([first, step])
 
 
-def test_bf16_weights_fp32_rest(tmp_path) -> None:
+@pytest.fixture
+def amx_off():
+    was = linear_cpp.amx_ready()
+    linear_cpp.set_amx(False)
+    yield
+    linear_cpp.set_amx(was)
+
+
+def test_bf16_weights_fp32_rest(tmp_path, amx_off) -> None:
     path = write_checkpoint(tmp_path, {**preset_config("tiny"), "tie_word_embeddings": True})
     fp32, bf16 = load_model(path, dtype="float32"), load_model(path, dtype="bfloat16")
 

@@ -1,0 +1,175 @@
+// AMX-BF16 tile primitives for the bf16 GEMMs (gemm_amx.cpp: dense; gemm.cpp: routed experts).
+//
+// One TDPBF16PS multiplies a 16 x 32 tile of bf16 x by a 32 x 16 tile of bf16 weights into a
+// 16 x 16 tile of fp32 sums; the products are exact and each output's sum involves its own row
+// of x only, so a row's result depends neither on its batch nor on the rows beside it. x comes in
+// as fp32 and is rounded to bf16 (nearest even) once: the one change of arithmetic against the
+// AVX GEMMs (gemm.cpp), which keep x in fp32. Measured: benchmarks/bf16_fidelity.py.
+//
+// `cols` keeps 4 accumulator tiles (tmm0-3: two 16-row blocks of x by two of weight rows), two of
+// x (tmm4-5, loaded straight from the bf16 copy) and two of weights (tmm6-7) in the tile unit's
+// pair-interleaved layout: for weight rows n..n+15 and columns k..k+31, tile row r holds
+// (w[n', k + 2r], w[n', k + 2r + 1]) for each n', a 16 x 16 transpose of 4-byte pairs done in
+// registers as the weights stream in. NC weight rows are transposed at a time (~384 KB at
+// K = 768, in L2), then every 32-row block of x passes over them. The weights stay the model's
+// own [N, K] tensors: nothing is packed ahead of time.
+//
+// Compiled where the compiler targets AMX-BF16 and AVX512-BF16 (`-march=native` on such a CPU);
+// the OS must also grant the tile state (`hs::amx_ready`).
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HS_AMX 1
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace hs::amx {
+
+constexpr int64_t TK = 32;   // bf16 per tile row (64 bytes)
+constexpr int64_t TR = 16;   // rows per tile
+constexpr int64_t NC = 256;  // weight rows transposed at a time
+
+using bf16 = c10::BFloat16;
+
+// Every tile 16 rows x 64 bytes. The tile state is per thread: each task configures it.
+inline void configure() {
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = TR;
+  }
+  _tile_loadconfig(&c);
+}
+inline void release() { _tile_release(); }
+
+// Rows are padded to whole 16-row tiles (the padding is read, never stored).
+inline int64_t padded(int64_t rows) { return (rows + TR - 1) / TR * TR; }
+
+// x [rows, K] fp32 (row stride ldx) -> xb [rows, K] bf16, nearest even; K % 32 == 0.
+inline void convert_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, bf16* xb) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; k += TK) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * ldx + k + 16),
+                                             _mm512_loadu_ps(x + r * ldx + k));
+      _mm512_storeu_si512(xb + r * K + k, reinterpret_cast<const __m512i&>(v));
+    }
+}
+
+// 16 x 16 transpose of 4-byte elements held in 16 vectors, in place.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows 4q..4q+3 gather their four lanes
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Weight rows n..n+15 of w [*, K] -> wp [K / 32][16][32] in the tile layout.
+inline void pack_weight_tiles(const bf16* w, int64_t K, int64_t n, bf16* wp) {
+  for (int64_t kb = 0; kb < K / TK; ++kb) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(w + (n + i) * K + kb * TK);
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(wp + (kb * 16 + i) * TK, r[i]);
+  }
+}
+
+// Stores accumulator tile t (rows m0.., columns n..n+15 of y, row stride ldy) keeping rows
+// below M. The tile number is an instruction immediate, hence the switch.
+inline void store_tile(int t, float* y, int64_t ldy, int64_t m0, int64_t M, int64_t n) {
+  alignas(64) float buf[TR * 16];
+  const bool whole = m0 + TR <= M;
+  float* dst = whole ? y + m0 * ldy + n : buf;
+  const int64_t ld = (whole ? ldy : 16) * int64_t(sizeof(float));
+  switch (t) {
+    case 0: _tile_stored(0, dst, ld); break;
+    case 1: _tile_stored(1, dst, ld); break;
+    case 2: _tile_stored(2, dst, ld); break;
+    default: _tile_stored(3, dst, ld); break;
+  }
+  if (!whole)
+    for (int64_t i = 0; m0 + i < M; ++i) std::memcpy(y + (m0 + i) * ldy + n, buf + i * 16, 64);
+}
+
+// Room for NC transposed weight rows of K columns, per thread.
+inline bf16* weight_scratch(int64_t K) {
+  thread_local std::vector<bf16> buf;
+  if (int64_t(buf.size()) < NC * K) buf.resize(NC * K);
+  return buf.data();
+}
+
+// Columns [n0, n1) of y [M, ldy] = xb w^T on the calling thread, tiles configured: xb the bf16
+// rows of x [padded(M), K], w [*, K] bf16 row-major; n0, n1 multiples of 16, K of 32.
+inline void cols(const bf16* xb, int64_t M, int64_t K, const bf16* w, float* y, int64_t ldy,
+                 int64_t n0, int64_t n1) {
+  const int64_t kbs = K / TK, ldx = K * int64_t(sizeof(bf16)), block = kbs * TR * TK;
+  bf16* wp = weight_scratch(K);
+  for (int64_t c0 = n0; c0 < n1; c0 += NC) {
+    const int64_t c1 = std::min(n1, c0 + NC);
+    for (int64_t n = c0; n < c1; n += TR) pack_weight_tiles(w, K, n, wp + (n - c0) / TR * block);
+    for (int64_t m0 = 0; m0 < M; m0 += 2 * TR) {
+      const bool pair = m0 + TR < M;
+      const bf16* x0 = xb + m0 * K;
+      const bf16* x1 = x0 + TR * K;
+      for (int64_t n = c0; n < c1; n += 2 * TR) {
+        const bool two = n + TR < c1;
+        const bf16* w0 = wp + (n - c0) / TR * block;
+        const bf16* w1 = w0 + block;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < kbs; ++kb) {
+          _tile_loadd(4, x0 + kb * TK, ldx);
+          _tile_loadd(6, w0 + kb * TR * TK, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) {
+            _tile_loadd(7, w1 + kb * TR * TK, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (pair) {
+            _tile_loadd(5, x1 + kb * TK, ldx);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        store_tile(0, y, ldy, m0, M, n);
+        if (two) store_tile(1, y, ldy, m0, M, n + TR);
+        if (pair) {
+          store_tile(2, y, ldy, m0 + TR, M, n);
+          if (two) store_tile(3, y, ldy, m0 + TR, M, n + TR);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace hs::amx
+#endif
