@@ -4,11 +4,12 @@ checkpoint's own dense shapes, CPU.
 For each row count M (`--rows`) and each distinct [N, K] weight shape of the model's `Linear`
 layers (the lm_head included), times `kernels.linear_cpp.linear` four ways, interleaved: with
 the tiled GEMM at any rows, with the packed GEMM at any rows beyond the GEMV's, with the AMX GEMM
-(bf16 weights on a CPU with AMX-BF16; it rounds x to bf16, so its column is blank elsewhere) and
-with the GEMMs off (`GEMM_ON = False`: `F.linear`, bf16 weights widened to fp32 as
-`kernels.linear` does), for fp32 and bf16 weights. Prints GFLOP/s from the median of `--repeats`
-interleaved runs, each GEMM's ratio to `F.linear`, the sum over the shapes per row count in ms
-(where the `linear_cpp` row limits come from), and the machine's load average.
+(bf16 weights on a CPU with AMX-BF16; it rounds x to bf16, so its column is blank elsewhere, and
+its sum over the shapes takes the tiled or packed GEMM where it does not fit) and with the GEMMs
+off (`GEMM_ON = False`: `F.linear`, bf16 weights widened to fp32 as `kernels.linear` does), for
+fp32 and bf16 weights. Prints GFLOP/s from the median of `--repeats` interleaved runs, each
+GEMM's ratio to `F.linear`, the sum over the shapes per row count in ms (where the `linear_cpp`
+row limits come from), and the machine's load average.
 
 Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 64,256,512,1024
 """
@@ -109,13 +110,15 @@ def main() -> None:
                     flops = {v: flop / statistics.median(t) / 1e9 for v, t in times.items()}
                     for v, t in times.items():
                         total[v] += statistics.median(t)
-                    if not amx:
-                        total["amx"] = -1e30  # not every shape: no sum
+                    if not amx:  # the AMX sum takes what the dispatcher runs instead
+                        other = "tiled" if m <= linear_cpp.BF16_TILED_MAX_ROWS else "packed"
+                        total["amx"] += statistics.median(times[other])
                     base = flops["F.linear"]
                     cols = "".join(f"{flops[v]:>8.1f}{flops[v] / base:>6.2f}" for v in variants[1:])
                     print(f"{dtype:>9}{m:>6}{n:>6}{k:>6}  {name:<28}{base:>9.1f}{cols}", flush=True)
-                # (the AMX sum only where every shape ran it)
-                sums = ", ".join(f"{v} {t * 1e3:.2f}" for v, t in total.items() if t > 0)
+                if not (has_amx and dtype == "bfloat16"):
+                    del total["amx"]
+                sums = ", ".join(f"{v} {t * 1e3:.2f}" for v, t in total.items())
                 print(f"{dtype:>9}{m:>6}  all shapes, ms: {sums}", flush=True)
     print(f"load {os.getloadavg()[0]:.1f}")
 
