@@ -28,6 +28,7 @@
 #include "amx.h"
 #include "decode_ops.h"
 #include "gemv.h"
+#include "silu.h"
 #include "simd.h"
 
 namespace {
@@ -270,11 +271,14 @@ void run_balanced(const std::vector<Task>& tasks, const F& fn) {
   });
 }
 
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
-
-// silu(gate) * up at column n of a row [gate | up] of 2I gate and up outputs.
-inline float swiglu_at(const float* gate_up_row, int64_t I, int64_t n) {
-  return silu(gate_up_row[n]) * gate_up_row[I + n];
+// silu(gate) * up at columns [n0, n1) of a row [gate | up] of 2I gate and up outputs -> out
+// [n1 - n0], silu vectorised (silu.h: a polynomial exp within 2 ulp of expf).
+inline void swiglu_cols(const float* gate_up_row, int64_t I, int64_t n0, int64_t n1,
+                        float* out) {
+  const int64_t n = n1 - n0;
+  std::copy_n(gate_up_row + n0, n, out);
+  hs::silu_inplace(out, n);
+  for (int64_t i = 0; i < n; ++i) out[i] *= gate_up_row[I + n0 + i];
 }
 
 // An expert with more rows than this takes the packed GEMM (gemm_packed.cpp: the tiled GEMM's
@@ -325,16 +329,16 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
         hs::packed_cols(x, w, hm, 2 * I, H, M, I + t.n0, I + t.n1);
       }
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = t.n0; n < t.n1; ++n)
-          act[(start[t.e] + m) * I + n] = swiglu_at(hm + m * 2 * I, I, n);
+        swiglu_cols(hm + m * 2 * I, I, t.n0, t.n1, act.data() + (start[t.e] + m) * I + t.n0);
       return;
     }
     gemm_cols(xp.get() + pstart[t.e] * H * MR, w, H, hm, 2 * I, M, H, t.n0, t.n1);
     gemm_cols(xp.get() + pstart[t.e] * H * MR, w + I * H, H, hm + I, 2 * I, M, H, t.n0, t.n1);
+    std::vector<float> row(t.n1 - t.n0);
     for (int64_t m = 0; m < panels(M) * MR; ++m) {
       float* a = ap.get() + (pstart[t.e] + m / MR) * I * MR + m % MR;
-      for (int64_t n = t.n0; n < t.n1; ++n)
-        a[n * MR] = m < M ? swiglu_at(hm + m * 2 * I, I, n) : 0.f;
+      if (m < M) swiglu_cols(hm + m * 2 * I, I, t.n0, t.n1, row.data());
+      for (int64_t n = t.n0; n < t.n1; ++n) a[n * MR] = m < M ? row[n - t.n0] : 0.f;
     }
   });
   run_balanced(expert_tasks(counts, pieces, H, I, NC, sizeof(W)), [&](const Task& t) {
@@ -361,11 +365,16 @@ void amx_experts_into(const float* xs, const at::BFloat16* gate_up, const at::BF
     start[e + 1] = start[e] + counts[e];
     pstart[e + 1] = pstart[e] + a::padded(counts[e]);
   }
-  std::vector<a::bf16> xb(pstart[E] * H), ab(pstart[E] * I);  // padding rows zero
-  std::vector<float> h(start[E] * 2 * I);
+  // bf16 rows of x and of the activations, each expert's padded to whole tiles (padding zero)
+  const std::unique_ptr<a::bf16[]> xb(new a::bf16[pstart[E] * H]), ab(new a::bf16[pstart[E] * I]);
+  const std::unique_ptr<float[]> h(new float[start[E] * 2 * I]);
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
-    for (int64_t e = e0; e < e1; ++e)
-      a::convert_rows(xs + start[e] * H, H, counts[e], H, xb.data() + pstart[e] * H);
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t pad = pstart[e + 1] - pstart[e] - counts[e];
+      a::convert_rows(xs + start[e] * H, H, counts[e], H, xb.get() + pstart[e] * H);
+      std::fill_n(xb.get() + (pstart[e + 1] - pad) * H, pad * H, a::bf16(0.f));
+      std::fill_n(ab.get() + (pstart[e + 1] - pad) * I, pad * I, a::bf16(0.f));
+    }
   });
   const std::vector<int64_t> whole(E, 0);
   constexpr int64_t kRows = 128;  // weight rows per task (a multiple of 32)
@@ -373,20 +382,22 @@ void amx_experts_into(const float* xs, const at::BFloat16* gate_up, const at::BF
   run_balanced(expert_tasks(counts, whole, I, 2 * H, kRows, 2), [&](const Task& t) {
     const int64_t M = counts[t.e];
     const a::bf16* w = gate_up + t.e * 2 * I * H;
-    float* hm = h.data() + start[t.e] * 2 * I;
-    const a::bf16* x = xb.data() + pstart[t.e] * H;
+    float* hm = h.get() + start[t.e] * 2 * I;
+    const a::bf16* x = xb.get() + pstart[t.e] * H;
     a::configure();
     a::cols(x, M, H, w, hm, 2 * I, t.n0, t.n1);
     a::cols(x, M, H, w, hm, 2 * I, I + t.n0, I + t.n1);
     a::release();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = t.n0; n < t.n1; ++n)
-        ab[(pstart[t.e] + m) * I + n] = a::bf16(swiglu_at(hm + m * 2 * I, I, n));
+    std::vector<float> row(t.n1 - t.n0);  // a multiple of 32 columns
+    for (int64_t m = 0; m < M; ++m) {
+      swiglu_cols(hm + m * 2 * I, I, t.n0, t.n1, row.data());
+      a::convert_rows(row.data(), 0, 1, t.n1 - t.n0, ab.get() + (pstart[t.e] + m) * I + t.n0);
+    }
   });
   run_balanced(expert_tasks(counts, whole, H, I, kRows, 2), [&](const Task& t) {
     a::configure();
-    a::cols(ab.data() + pstart[t.e] * I, counts[t.e], I, down + t.e * H * I, y + start[t.e] * H,
-            H, t.n0, t.n1);
+    a::cols(ab.get() + pstart[t.e] * I, counts[t.e], I, down + t.e * H * I, y + start[t.e] * H, H,
+            t.n0, t.n1);
     a::release();
   });
 }
