@@ -55,3 +55,15 @@ def kernels_mode(monkeypatch):
     dispatch.reset()
     yield set_mode
     dispatch.reset()
+
+
+@pytest.fixture
+def amx_off():
+    """bf16 products on the AVX GEMMs (fp32 rows) for this test, where the CPU would take AMX
+    tiles (kernels/csrc/gemm_amx.cpp rounds rows to bf16); the switch is restored after."""
+    from kernels import linear_cpp
+
+    was = linear_cpp.amx_ready()
+    linear_cpp.set_amx(False)
+    yield
+    linear_cpp.set_amx(was)

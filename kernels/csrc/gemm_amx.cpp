@@ -2,7 +2,7 @@
 // y [M, N] fp32 = bf16(x) [M, K] w [N, K]^T, w bf16 as stored, fp32 sums. Where it runs (beyond
 // the GEMV's rows, kernels/linear_cpp.py and hs::decode_product) it replaces the tiled and
 // packed GEMMs, which widen bf16 weights to fp32 and run at the fp32 FMA rate: small-preset
-// shapes at 64 rows ~3.5-4.5x faster, at 2,048 rows ~3x (benchmarks/gemm_shapes.py).
+// shapes at 64 rows ~3-4.5x faster, at 2,048 rows ~2.5-4.5x (benchmarks/gemm_shapes.py).
 //
 // `amx_ready` is false where the build does not target AMX, where the OS refuses the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per process), where HYBRID_SERVE_CPU_AMX=off (read
@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -100,7 +101,19 @@ at::Tensor amx_linear(const at::Tensor& x_, const at::Tensor& w_) {
   });
   const auto* wd = w.data_ptr<at::BFloat16>();
   float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N / (2 * a::TR) + N % (2 * a::TR) / a::TR, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t pairs = N / (2 * a::TR) + N % (2 * a::TR) / a::TR;
+  if (M <= a::kFewRows) {  // x in the pair layout; the weights read as stored
+    const at::Tensor xt_t = at::empty({Mp, K}, w.options());
+    auto* xt = xt_t.data_ptr<at::BFloat16>();
+    a::pack_rows(xb, M, K, xt);
+    at::parallel_for(0, pairs, 1, [&](int64_t b0, int64_t b1) {
+      a::configure();
+      a::cols_few(xt, M, K, wd, yd, N, b0 * 2 * a::TR, std::min(N, b1 * 2 * a::TR));
+      a::release();
+    });
+    return y;
+  }
+  at::parallel_for(0, pairs, 1, [&](int64_t b0, int64_t b1) {
     a::configure();
     a::cols(xb, M, K, wd, yd, N, b0 * 2 * a::TR, std::min(N, b1 * 2 * a::TR));
     a::release();

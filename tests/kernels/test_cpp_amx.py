@@ -63,10 +63,12 @@ def test_amx_linear_matches_bf16_sums(amx, M, N, K) -> None:
 
 
 def test_amx_rows_do_not_depend_on_the_batch(amx) -> None:
+    """Across the two paths too: 200 rows take the transposed-weight tiles (`cols`), 128 or
+    fewer the transposed-row tiles (`cols_few`, amx.h kFewRows)."""
     torch.manual_seed(1)
-    x, w = torch.randn(77, 256), (torch.randn(96, 256) * 0.05).bfloat16()
+    x, w = torch.randn(200, 256), (torch.randn(96, 256) * 0.05).bfloat16()
     full = torch.ops.hybrid_serve.amx_linear(x, w)
-    for lo, n in ((0, 1), (5, 16), (40, 37), (76, 1)):
+    for lo, n in ((0, 1), (5, 16), (40, 37), (60, 128), (199, 1)):
         part = torch.ops.hybrid_serve.amx_linear(x[lo : lo + n].contiguous(), w)
         assert torch.equal(part, full[lo : lo + n])
 
@@ -112,7 +114,7 @@ def amx_experts_reference(xs, gate_up, down, counts):
     [
         (64, 64, [1, 0, 33, 16, 47]),  # tails of x tiles, an idle expert
         (768, 256, [16, 20, 12, 16, 18, 14, 17, 15]),  # the small preset at batch 64
-        (96, 32, [300, 0, 2]),  # a prefill-sized expert
+        (96, 32, [300, 0, 2]),  # a prefill-sized expert (its rows alone: the few-rows tiles)
     ],
 )
 def test_routed_experts_on_amx_match_bf16_sums(amx, H, I, counts) -> None:

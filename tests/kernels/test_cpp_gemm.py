@@ -23,15 +23,6 @@ def inference_mode():
         yield
 
 
-@pytest.fixture
-def amx_off():
-    """bf16 weights on the AVX GEMMs (fp32 x) where the CPU would take AMX (test_cpp_amx.py)."""
-    was = linear_cpp.amx_ready()
-    linear_cpp.set_amx(False)
-    yield
-    linear_cpp.set_amx(was)
-
-
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_gemm_matches_f_linear(seed, wdtype) -> None:

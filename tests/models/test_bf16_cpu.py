@@ -6,10 +6,8 @@ that off to judge the rest, and benchmarks/bf16_fidelity.py measures both."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from kernels import linear_cpp
 from models.loader import cast_matrices, load_model
 from models.presets import preset_config, write_checkpoint
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
@@ -26,14 +24,6 @@ def _logits(runner: ModelRunner, prompt: list[int], next_id: int) -> torch.Tenso
         runner.build_decode([DecodeInput(req, slot, len(prompt), next_id)], out_loc)
     )
     return torch.cat([first, step])
-
-
-@pytest.fixture
-def amx_off():
-    was = linear_cpp.amx_ready()
-    linear_cpp.set_amx(False)
-    yield
-    linear_cpp.set_amx(was)
 
 
 def test_bf16_weights_fp32_rest(tmp_path, amx_off) -> None:
