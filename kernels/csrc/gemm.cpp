@@ -224,7 +224,8 @@ void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64
 
 // ---- routed experts in one call ----------------------------------------------------------
 // Each expert's rows run the tiled GEMM above, or the packed GEMM beyond kTiledRows (the same
-// sums: a row's result does not depend on how many rows its expert has).
+// sums: a row's result does not depend on how many rows its expert has). bf16 weights on an AMX
+// CPU run every expert on AMX tiles instead (amx_experts_into, below; amx.h).
 
 // One piece of work: weight rows [n0, n1) of expert e; cost ~ weight bytes + flops.
 struct Task {
