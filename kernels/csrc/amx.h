@@ -93,8 +93,8 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
-// Weight rows n..n+15 of w [*, K] -> wp [K / 32][16][32] in the tile layout.
-inline void pack_weight_tiles(const bf16* w, int64_t K, int64_t n, bf16* wp) {
+// Rows n..n+15 of a [*, K] bf16 matrix -> wp [K / 32][16][32] in the pair layout of right tiles.
+inline void pair_tiles(const bf16* w, int64_t K, int64_t n, bf16* wp) {
   for (int64_t kb = 0; kb < K / TK; ++kb) {
     __m512i r[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(w + (n + i) * K + kb * TK);
@@ -103,21 +103,62 @@ inline void pack_weight_tiles(const bf16* w, int64_t K, int64_t n, bf16* wp) {
   }
 }
 
-// Stores accumulator tile t (rows m0.., columns n..n+15 of y, row stride ldy) keeping rows
-// below M. The tile number is an instruction immediate, hence the switch.
-inline void store_tile(int t, float* y, int64_t ldy, int64_t m0, int64_t M, int64_t n) {
-  alignas(64) float buf[TR * 16];
-  const bool whole = m0 + TR <= M;
-  float* dst = whole ? y + m0 * ldy + n : buf;
-  const int64_t ld = (whole ? ldy : 16) * int64_t(sizeof(float));
+// Stores accumulator tile t (an instruction immediate, hence the switch) to dst, row stride ld
+// bytes.
+inline void store_acc(int t, float* dst, int64_t ld) {
   switch (t) {
     case 0: _tile_stored(0, dst, ld); break;
     case 1: _tile_stored(1, dst, ld); break;
     case 2: _tile_stored(2, dst, ld); break;
     default: _tile_stored(3, dst, ld); break;
   }
+}
+
+// Stores accumulator tile t, a block of y (rows m0.., columns n..n+15, row stride ldy), keeping
+// rows below M.
+inline void store_tile(int t, float* y, int64_t ldy, int64_t m0, int64_t M, int64_t n) {
+  alignas(64) float buf[TR * 16];
+  const bool whole = m0 + TR <= M;
+  store_acc(t, whole ? y + m0 * ldy + n : buf, (whole ? ldy : 16) * int64_t(sizeof(float)));
   if (!whole)
     for (int64_t i = 0; m0 + i < M; ++i) std::memcpy(y + (m0 + i) * ldy + n, buf + i * 16, 64);
+}
+
+// Stores accumulator tile t, a block of y^T (columns n..n+15 of y by rows m0..), transposed,
+// keeping rows below M.
+inline void store_tile_t(int t, float* y, int64_t ldy, int64_t m0, int64_t M, int64_t n) {
+  alignas(64) float buf[TR * 16];
+  store_acc(t, buf, 64);
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
+  transpose16(r);
+  for (int64_t i = 0; i < 16 && m0 + i < M; ++i)
+    _mm512_storeu_si512(y + (m0 + i) * ldy + n, r[i]);
+}
+
+// The four accumulators over kbs steps of 32 k: tmm0 = a0 b0, tmm1 = a0 b1, tmm2 = a1 b0,
+// tmm3 = a1 b1, for left tiles a0, a1 (16 rows, row stride lda bytes, 32 k per step) and right
+// tiles b0, b1 in the pair layout ([kbs][16][32]); a1 or b1 null leaves its products at zero.
+inline void accumulate(const bf16* a0, const bf16* a1, int64_t lda, const bf16* b0,
+                       const bf16* b1, int64_t kbs) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    _tile_loadd(4, a0 + kb * TK, lda);
+    _tile_loadd(6, b0 + kb * TR * TK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (b1 != nullptr) {
+      _tile_loadd(7, b1 + kb * TR * TK, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (a1 != nullptr) {
+      _tile_loadd(5, a1 + kb * TK, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      if (b1 != nullptr) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
 }
 
 // Room for NC transposed weight rows of K columns, per thread.
@@ -135,33 +176,14 @@ inline void cols(const bf16* xb, int64_t M, int64_t K, const bf16* w, float* y, 
   bf16* wp = weight_scratch(K);
   for (int64_t c0 = n0; c0 < n1; c0 += NC) {
     const int64_t c1 = std::min(n1, c0 + NC);
-    for (int64_t n = c0; n < c1; n += TR) pack_weight_tiles(w, K, n, wp + (n - c0) / TR * block);
+    for (int64_t n = c0; n < c1; n += TR) pair_tiles(w, K, n, wp + (n - c0) / TR * block);
     for (int64_t m0 = 0; m0 < M; m0 += 2 * TR) {
       const bool pair = m0 + TR < M;
-      const bf16* x0 = xb + m0 * K;
-      const bf16* x1 = x0 + TR * K;
       for (int64_t n = c0; n < c1; n += 2 * TR) {
         const bool two = n + TR < c1;
         const bf16* w0 = wp + (n - c0) / TR * block;
-        const bf16* w1 = w0 + block;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < kbs; ++kb) {
-          _tile_loadd(4, x0 + kb * TK, ldx);
-          _tile_loadd(6, w0 + kb * TR * TK, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          if (two) {
-            _tile_loadd(7, w1 + kb * TR * TK, 64);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          if (pair) {
-            _tile_loadd(5, x1 + kb * TK, ldx);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two) _tile_dpbf16ps(3, 5, 7);
-          }
-        }
+        accumulate(xb + m0 * K, pair ? xb + (m0 + TR) * K : nullptr, ldx, w0,
+                   two ? w0 + block : nullptr, kbs);
         store_tile(0, y, ldy, m0, M, n);
         if (two) store_tile(1, y, ldy, m0, M, n + TR);
         if (pair) {
@@ -173,7 +195,6 @@ inline void cols(const bf16* xb, int64_t M, int64_t K, const bf16* w, float* y, 
   }
 }
 
-
 // ---- few rows of x (decode batches, a decode step's experts) ------------------------------
 // There `cols` would transpose every weight for one or two blocks of x. Here the roles swap so
 // that nothing but x is transposed: the weights are the left tiles, loaded straight from w (16
@@ -184,27 +205,11 @@ inline void cols(const bf16* xb, int64_t M, int64_t K, const bf16* w, float* y, 
 // Up to here `cols_few`, beyond `cols`: in one process, small-preset shapes, `cols_few` was
 // 1.46x faster at 16 rows, 1.29x at 32, 1.14x at 64, ~1.07x at 128 and 256, 0.9x at 512.
 constexpr int64_t kFewRows = 128;
+inline bool few(int64_t M) { return M <= kFewRows; }
 
 // xb [padded(M), K] bf16 rows -> xt [padded(M) / 16][K / 32][16][32], 16 rows at a time.
 inline void pack_rows(const bf16* xb, int64_t M, int64_t K, bf16* xt) {
-  for (int64_t m = 0; m < padded(M); m += TR) pack_weight_tiles(xb, K, m, xt + m * K);
-}
-
-// Stores accumulator tile t, a block of y^T (columns n..n+15 of y by rows m0..), transposed,
-// keeping rows below M.
-inline void store_tile_t(int t, float* y, int64_t ldy, int64_t m0, int64_t M, int64_t n) {
-  alignas(64) float buf[TR * 16];
-  switch (t) {
-    case 0: _tile_stored(0, buf, 64); break;
-    case 1: _tile_stored(1, buf, 64); break;
-    case 2: _tile_stored(2, buf, 64); break;
-    default: _tile_stored(3, buf, 64); break;
-  }
-  __m512i r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
-  transpose16(r);
-  for (int64_t i = 0; i < 16 && m0 + i < M; ++i)
-    _mm512_storeu_si512(y + (m0 + i) * ldy + n, r[i]);
+  for (int64_t m = 0; m < padded(M); m += TR) pair_tiles(xb, K, m, xt + m * K);
 }
 
 // `cols` for x given as xt (pack_rows of M rows): columns [n0, n1) of y [M, ldy] on the calling
@@ -214,38 +219,27 @@ inline void cols_few(const bf16* xt, int64_t M, int64_t K, const bf16* w, float*
   const int64_t kbs = K / TK, ldw = K * int64_t(sizeof(bf16)), block = kbs * TR * TK;
   for (int64_t n = n0; n < n1; n += 2 * TR) {
     const bool two = n + TR < n1;
-    const bf16* w0 = w + n * K;
-    const bf16* w1 = w0 + TR * K;
     for (int64_t m0 = 0; m0 < M; m0 += 2 * TR) {
       const bool pair = m0 + TR < M;
       const bf16* x0 = xt + m0 / TR * block;
-      const bf16* x1 = x0 + block;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = 0; kb < kbs; ++kb) {
-        _tile_loadd(4, w0 + kb * TK, ldw);
-        _tile_loadd(6, x0 + kb * TR * TK, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (pair) {
-          _tile_loadd(7, x1 + kb * TR * TK, 64);
-          _tile_dpbf16ps(2, 4, 7);
-        }
-        if (two) {
-          _tile_loadd(5, w1 + kb * TK, ldw);
-          _tile_dpbf16ps(1, 5, 6);
-          if (pair) _tile_dpbf16ps(3, 5, 7);
-        }
-      }
+      accumulate(w + n * K, two ? w + (n + TR) * K : nullptr, ldw, x0,
+                 pair ? x0 + block : nullptr, kbs);
       store_tile_t(0, y, ldy, m0, M, n);
-      if (pair) store_tile_t(2, y, ldy, m0 + TR, M, n);
+      if (pair) store_tile_t(1, y, ldy, m0 + TR, M, n);
       if (two) {
-        store_tile_t(1, y, ldy, m0, M, n + TR);
+        store_tile_t(2, y, ldy, m0, M, n + TR);
         if (pair) store_tile_t(3, y, ldy, m0 + TR, M, n + TR);
       }
     }
   }
+}
+
+// Columns [n0, n1) of y = x w^T by whichever path M picks: x given as its bf16 rows (`cols`) or,
+// for few(M) rows, as pack_rows of them (`cols_few`).
+inline void any_cols(const bf16* x, int64_t M, int64_t K, const bf16* w, float* y, int64_t ldy,
+                     int64_t n0, int64_t n1) {
+  if (few(M)) return cols_few(x, M, K, w, y, ldy, n0, n1);
+  cols(x, M, K, w, y, ldy, n0, n1);
 }
 
 }  // namespace hs::amx

@@ -3,9 +3,8 @@
 // layers by calling the decode ops' C++ functions (decode_ops.h) directly, with the same
 // arguments as the eager step and the same choice of product by row count (hs::decode_product:
 // the GEMV up to hs::kGemvRows rows, AMX or the tiled GEMM beyond, as kernels/linear_cpp.py
-// picks), so its logits and
-// pool updates are bit-identical to it, without the ~75 trips per step through Python and the
-// dispatcher:
+// picks), so its logits and pool updates are bit-identical to it, without the ~75 trips per step
+// through Python and the dispatcher:
 //
 //   for each layer:  h, residual = add_rmsnorm(x, residual)
 //                    h = out_proj(gdn_decode(in_projs(h)))   or   o_proj(attn_decode(qkv(h)))

@@ -368,7 +368,6 @@ void amx_experts_into(const float* xs, const at::BFloat16* gate_up, const at::BF
   }
   // bf16 rows of x and of the activations, each expert's padded to whole tiles (padding zero);
   // an expert of few rows (a decode step's) also has its rows of x in the pair layout (amx.h)
-  const auto few = [&](int64_t e) { return counts[e] <= a::kFewRows; };
   const std::unique_ptr<a::bf16[]> xb(new a::bf16[pstart[E] * H]), ab(new a::bf16[pstart[E] * I]);
   const std::unique_ptr<a::bf16[]> xt(new a::bf16[pstart[E] * H]);
   const std::unique_ptr<float[]> h(new float[start[E] * 2 * I]);
@@ -378,7 +377,8 @@ void amx_experts_into(const float* xs, const at::BFloat16* gate_up, const at::BF
       a::convert_rows(xs + start[e] * H, H, counts[e], H, xb.get() + pstart[e] * H);
       std::fill_n(xb.get() + (pstart[e + 1] - pad) * H, pad * H, a::bf16(0.f));
       std::fill_n(ab.get() + (pstart[e + 1] - pad) * I, pad * I, a::bf16(0.f));
-      if (few(e)) a::pack_rows(xb.get() + pstart[e] * H, counts[e], H, xt.get() + pstart[e] * H);
+      if (a::few(counts[e]))
+        a::pack_rows(xb.get() + pstart[e] * H, counts[e], H, xt.get() + pstart[e] * H);
     }
   });
   const std::vector<int64_t> whole(E, 0);
@@ -388,16 +388,10 @@ void amx_experts_into(const float* xs, const at::BFloat16* gate_up, const at::BF
     const int64_t M = counts[t.e];
     const a::bf16* w = gate_up + t.e * 2 * I * H;
     float* hm = h.get() + start[t.e] * 2 * I;
+    const a::bf16* x = (a::few(M) ? xt : xb).get() + pstart[t.e] * H;
     a::configure();
-    if (few(t.e)) {
-      const a::bf16* x = xt.get() + pstart[t.e] * H;
-      a::cols_few(x, M, H, w, hm, 2 * I, t.n0, t.n1);
-      a::cols_few(x, M, H, w, hm, 2 * I, I + t.n0, I + t.n1);
-    } else {
-      const a::bf16* x = xb.get() + pstart[t.e] * H;
-      a::cols(x, M, H, w, hm, 2 * I, t.n0, t.n1);
-      a::cols(x, M, H, w, hm, 2 * I, I + t.n0, I + t.n1);
-    }
+    a::any_cols(x, M, H, w, hm, 2 * I, t.n0, t.n1);
+    a::any_cols(x, M, H, w, hm, 2 * I, I + t.n0, I + t.n1);
     a::release();
     std::vector<float> row(t.n1 - t.n0);  // a multiple of 32 columns
     for (int64_t m = 0; m < M; ++m) {
@@ -410,14 +404,13 @@ void amx_experts_into(const float* xs, const at::BFloat16* gate_up, const at::BF
     const a::bf16* act = ab.get() + pstart[t.e] * I;
     const a::bf16* w = down + t.e * H * I;
     float* ye = y + start[t.e] * H;
-    a::configure();
-    if (few(t.e)) {  // this task's own copy of the activations in the pair layout
-      std::vector<a::bf16> acts(a::padded(M) * I);
+    std::vector<a::bf16> acts;  // few rows: this task's own copy in the pair layout
+    if (a::few(M)) {
+      acts.resize(a::padded(M) * I);
       a::pack_rows(act, M, I, acts.data());
-      a::cols_few(acts.data(), M, I, w, ye, H, t.n0, t.n1);
-    } else {
-      a::cols(act, M, I, w, ye, H, t.n0, t.n1);
     }
+    a::configure();
+    a::any_cols(a::few(M) ? acts.data() : act, M, I, w, ye, H, t.n0, t.n1);
     a::release();
   });
 }

@@ -102,20 +102,15 @@ at::Tensor amx_linear(const at::Tensor& x_, const at::Tensor& w_) {
   const auto* wd = w.data_ptr<at::BFloat16>();
   float* yd = y.data_ptr<float>();
   const int64_t pairs = N / (2 * a::TR) + N % (2 * a::TR) / a::TR;
-  if (M <= a::kFewRows) {  // x in the pair layout; the weights read as stored
-    const at::Tensor xt_t = at::empty({Mp, K}, w.options());
-    auto* xt = xt_t.data_ptr<at::BFloat16>();
-    a::pack_rows(xb, M, K, xt);
-    at::parallel_for(0, pairs, 1, [&](int64_t b0, int64_t b1) {
-      a::configure();
-      a::cols_few(xt, M, K, wd, yd, N, b0 * 2 * a::TR, std::min(N, b1 * 2 * a::TR));
-      a::release();
-    });
-    return y;
+  at::Tensor xt_t;  // few rows: x in the pair layout, the weights read as stored
+  if (a::few(M)) {
+    xt_t = at::empty({Mp, K}, w.options());
+    a::pack_rows(xb, M, K, xt_t.data_ptr<at::BFloat16>());
   }
+  const auto* x_in = a::few(M) ? xt_t.data_ptr<at::BFloat16>() : xb;
   at::parallel_for(0, pairs, 1, [&](int64_t b0, int64_t b1) {
     a::configure();
-    a::cols(xb, M, K, wd, yd, N, b0 * 2 * a::TR, std::min(N, b1 * 2 * a::TR));
+    a::any_cols(x_in, M, K, wd, yd, N, b0 * 2 * a::TR, std::min(N, b1 * 2 * a::TR));
     a::release();
   });
 #endif
