@@ -31,6 +31,19 @@ inline float load1<at::BFloat16>(const at::BFloat16* p) {
   return f;
 }
 
+// How far ahead of the weight row being summed the GEMV fetches (bytes). A thread streams its
+// rows back to back, but the hardware prefetchers keep too few lines in flight for one core to
+// reach the memory's speed; asking for the row 4 KB ahead as each row starts does (2 threads, a
+// 2-core Xeon, weights from memory, in one process: bf16 ~12-13 -> 16-18.5 GB/s, fp32 ~16.5-19
+// -> 18.5-21; bf16 decode step at batch 1 10.9 -> 7.9 ms). A prefetch never faults, so past the
+// end of the matrix it only costs a wasted line.
+constexpr int64_t kFetchAhead = 4096;
+
+inline void fetch_ahead(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row) + kFetchAhead;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 // y[m, n] = sum_k x[m, k] w[n, k] for M <= 8 rows of x: each weight row is read once
 // from memory and used for all M rows while it is in registers / L1. One FMA chain per row of
 // x, 8 lanes wide (16 where the compiler targets AVX-512: half the uops, which bf16 rows need to
@@ -42,6 +55,7 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
                int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const W* wr = w + n * K;
+    fetch_ahead(wr, K * int64_t(sizeof(W)));
     int64_t k = 0;
     float tail[M] = {};
 #ifdef HS_SIMD
