@@ -30,6 +30,8 @@
 #include <cstring>
 #include <vector>
 
+#include "prefetch.h"
+
 namespace hs::amx {
 
 constexpr int64_t TK = 32;   // bf16 per tile row (64 bytes)
@@ -136,35 +138,12 @@ inline void store_tile_t(int t, float* y, int64_t ldy, int64_t m0, int64_t M, in
     _mm512_storeu_si512(y + (m0 + i) * ldy + n, r[i]);
 }
 
-// Rows of a row-major bf16 matrix fetched into L2 a few cache lines at a time, spread over the
-// k steps of the products that run meanwhile (`cols_few`: the weight block it multiplies next).
-// Its left tiles read the weights straight from memory, 16 rows of 64 bytes from rows K * 2
-// bytes apart, runs too short for the hardware prefetchers; left to them, the tile loads wait on
-// memory and the tile unit idles (small-preset shapes at 32-128 rows: ~15-25% faster with it).
-struct Fetch {
-  const char* base = nullptr;  // the first row
-  int64_t row_bytes = 0, lines_per_row = 0, line = 0, end = 0, per = 0;
-
-  // `rows` rows of K bf16 at w, over `steps` calls of step().
-  Fetch(const bf16* w, int64_t rows, int64_t K, int64_t steps)
-      : base(reinterpret_cast<const char*>(w)), row_bytes(K * int64_t(sizeof(bf16))),
-        lines_per_row(row_bytes / 64), end(rows * lines_per_row),
-        per((end + steps - 1) / std::max<int64_t>(1, steps)) {}
-  Fetch() = default;
-
-  void step() {
-    for (const int64_t stop = std::min(end, line + per); line < stop; ++line)
-      _mm_prefetch(base + line / lines_per_row * row_bytes + line % lines_per_row * 64,
-                   _MM_HINT_T1);
-  }
-};
-
 // The four accumulators over kbs steps of 32 k: tmm0 = a0 b0, tmm1 = a0 b1, tmm2 = a1 b0,
 // tmm3 = a1 b1, for left tiles a0, a1 (16 rows, row stride lda bytes, 32 k per step) and right
 // tiles b0, b1 in the pair layout ([kbs][16][32]); a1 or b1 null leaves its products at zero.
 // `fetch` (or null) steps once per k step.
 inline void accumulate(const bf16* a0, const bf16* a1, int64_t lda, const bf16* b0,
-                       const bf16* b1, int64_t kbs, Fetch* fetch = nullptr) {
+                       const bf16* b1, int64_t kbs, hs::Fetch* fetch = nullptr) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -245,10 +224,14 @@ inline void cols_few(const bf16* xt, int64_t M, int64_t K, const bf16* w, float*
   const int64_t passes = (M + 2 * TR - 1) / (2 * TR);  // over each block of 32 weight rows
   for (int64_t n = n0; n < n1; n += 2 * TR) {
     const bool two = n + TR < n1;
-    // the next block's weights, over this block's passes (the calling thread's columns only)
-    Fetch next;
-    if (n + 2 * TR < n1) next = Fetch(w + (n + 2 * TR) * K, std::min(2 * TR, n1 - n - 2 * TR), K,
-                                      passes * kbs);
+    // The next block's weights into L2 over this block's passes (the calling thread's columns
+    // only; prefetch.h): the left tiles read 64 bytes from each of 32 rows at a time, runs too
+    // short for the hardware prefetchers, and without it the tile unit waits on memory
+    // (small-preset shapes at 16-128 rows: 10-26% faster with it).
+    hs::Fetch next;
+    if (n + 2 * TR < n1)
+      next = hs::Fetch(w + (n + 2 * TR) * K, std::min(2 * TR, n1 - n - 2 * TR), ldw, ldw,
+                       passes * kbs);
     for (int64_t m0 = 0; m0 < M; m0 += 2 * TR) {
       const bool pair = m0 + TR < M;
       const bf16* x0 = xt + m0 / TR * block;

@@ -6,41 +6,35 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "prefetch.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace hs {
 
-// Half of row i / 2 of the state `next` (rows [row0, row0 + dk / 2) over dk calls), into L2.
-inline void fetch_half_row(const float* next, int64_t row0, int64_t i, int64_t dv) {
-#if defined(__AVX2__) && defined(__FMA__)
-  const float* r = next + (row0 + i / 2) * dv;
-  for (int64_t j = (i % 2) * dv / 2; j < (i % 2 + 1) * dv / 2; j += 16)
-    _mm_prefetch(reinterpret_cast<const char*>(r + j), _MM_HINT_T1);
-#else
-  (void)next, (void)row0, (void)i, (void)dv;
-#endif
-}
-
 // state S [dk, dv] row-major; k, q [dk] (normalised and scaled by the caller); v [dv];
 // acc, delta: dv-long scratch; o [dv] is accumulated into (the caller zeroes it):
 //   S = decay S;  delta = beta (v - S^T k);  S += k delta^T;  o += S^T q
 // Pass 1 decays S and forms S^T k; pass 2 updates S while it is still in cache and reads o off
 // it, so each state is read from memory once and written once. `next` (or null) is the state
-// the caller updates next: both passes fetch it into L2 alongside, half a row of it per row of
-// S (its first half of rows in pass 1, the rest in pass 2), a second stream of reads that keeps
-// more of the memory's parallelism busy than one sequential run per core. Spread over both
-// passes rather than all in pass 1, the small preset's 64-row GDN decode took ~10% less time
-// (9 layers of states, 2 threads, in one process: 23.5-24.4 -> 20.4-21.6 ms).
+// the caller updates next: both passes fetch it into L2 alongside (prefetch.h), half a row of
+// it per row of S, a second stream of reads that keeps more of the memory's parallelism busy
+// than one sequential run per core. Spread over both passes rather than all in pass 1, the
+// small preset's 64-row GDN decode took ~10% less time (9 layers of states, 2 threads, in one
+// process: 23.5-24.4 -> 20.4-21.6 ms).
 inline void delta_rule_token(float* state, const float* k, const float* q, const float* v,
                              float decay, float beta, int64_t dk, int64_t dv, float* acc,
                              float* delta, float* o, const float* next = nullptr) {
+  Fetch ahead;  // the next state, contiguous, over both passes' 2 dk rows
+  const int64_t bytes = dk * dv * int64_t(sizeof(float));
+  if (next != nullptr) ahead = Fetch(next, 1, bytes, bytes, 2 * dk);
   std::fill(acc, acc + dv, 0.f);
   for (int64_t i = 0; i < dk; ++i) {
     float* row = state + i * dv;
     const float ki = k[i];
-    if (next != nullptr) fetch_half_row(next, 0, i, dv);
+    ahead.step();
     for (int64_t j = 0; j < dv; ++j) {
       row[j] *= decay;
       acc[j] += ki * row[j];
@@ -50,7 +44,7 @@ inline void delta_rule_token(float* state, const float* k, const float* q, const
   for (int64_t i = 0; i < dk; ++i) {
     float* row = state + i * dv;
     const float ki = k[i], qi = q[i];
-    if (next != nullptr) fetch_half_row(next, dk / 2, i, dv);
+    ahead.step();
     for (int64_t j = 0; j < dv; ++j) {
       row[j] += ki * delta[j];
       o[j] += qi * row[j];
