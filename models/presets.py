@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from models.chat_templates import template_for
 from models.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -435,6 +436,7 @@ def write_checkpoint(
     init_range: float = 0.1,
     max_shard_bytes: int | None = None,
     multimodal: bool = False,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a complete random-weight checkpoint directory for ``config``; return its path.
 
@@ -443,6 +445,9 @@ def write_checkpoint(
     model's tensors under ``model.language_model.``, plus a token vision tower (``model.visual.*``)
     and MTP head (``mtp.*``) that a text server must skip. The language model's numbers are the
     same as those of the text-only checkpoint with the same seed.
+
+    ``chat_template`` names one of :data:`models.chat_templates.TEMPLATES` (default: the model
+    family's, Qwen3-Next Instruct or Qwen3.5).
 
     ``out_dir`` is created if missing; existing weight files in it are replaced. With
     ``max_shard_bytes`` the weights are always written as ``model-0000k-of-0000N.safetensors``
@@ -484,7 +489,10 @@ def write_checkpoint(
         _write_json(out / "model.safetensors.index.json", index)
 
     n_tok = write_tokenizer_files(
-        out, cfg["vocab_size"], model_max_length=cfg["max_position_embeddings"]
+        out,
+        cfg["vocab_size"],
+        model_max_length=cfg["max_position_embeddings"],
+        chat_template=template_for(cfg["model_type"], chat_template),
     )
     if n_tok > cfg["vocab_size"]:  # pragma: no cover - BpeTrainer never exceeds vocab_size
         raise RuntimeError(f"tokenizer has {n_tok} tokens > vocab_size {cfg['vocab_size']}")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from models.chat_templates import TEMPLATES
+
 logger = logging.getLogger(__name__)
 
 ENDOFTEXT = "<|endoftext|>"
@@ -37,54 +39,9 @@ CORPUS_SEED = 20240917
 CORPUS_LINES = 24000
 
 # ChatML, as used by Qwen: every message is "<|im_start|>{role}\n{content}<|im_end|>\n"; with
-# add_generation_prompt the prompt ends in "<|im_start|>assistant\n". With `tools` (Qwen's
-# function-calling layout): a system turn first lists them as JSON lines inside <tools></tools>
-# and asks for calls as {"name", "arguments"} JSON inside <tool_call></tool_call>; an assistant
-# message's `tool_calls` follow its content in that form; consecutive `tool` messages become one
-# user turn of <tool_response></tool_response> blocks.
-_TOOLS_HEADER = (
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{{- (messages[0]['content'] or '') + '\\n\\n' -}}"
-    "{%- endif -%}"
-    "{{- '# Tools\\n\\nFunctions you may call:\\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nTo call one, write its name and arguments as JSON:\\n<tool_call>\\n"
-    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
-    "</tool_call><|im_end|>\\n' -}}"
-    "{%- endif -%}"
-)
-_TOOL_CALLS = (
-    "{%- for call in message['tool_calls'] or [] -%}"
-    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
-    "{%- if message['content'] or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + fn['name'] + '\\\", \\\"arguments\\\": ' -}}"
-    "{{- fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -}}"
-    "{{- '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-)
-CHAT_TEMPLATE = (
-    _TOOLS_HEADER + "{%- for message in messages -%}"
-    "{%- if tools and loop.first and message['role'] == 'system' -%}"
-    "{%- elif message['role'] == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
-    "{{- '<|im_start|>user' -}}"
-    "{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>' -}}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') -}}"
-    "{%- if message['tool_calls'] is defined -%}" + _TOOL_CALLS + "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- endif -%}"
-)
+# add_generation_prompt the prompt ends in "<|im_start|>assistant\n". The default is the Qwen3-Next
+# Instruct template; models/chat_templates.py holds it and the others.
+CHAT_TEMPLATE = TEMPLATES["qwen3-next-instruct"]
 
 _NAMES = (
     "Alice Bob Carol David Emma Farid Grace Hiro Ines Jamal Kira Liam Maya Noah Olga Pedro Quinn "
@@ -286,7 +243,13 @@ def special_token_ids() -> dict[str, int]:
     return {text: i for i, text in enumerate(SPECIAL_TOKENS)}
 
 
-def write_tokenizer_files(out_dir: str | Path, vocab_size: int, *, model_max_length: int) -> int:
+def write_tokenizer_files(
+    out_dir: str | Path,
+    vocab_size: int,
+    *,
+    model_max_length: int,
+    chat_template: str = CHAT_TEMPLATE,
+) -> int:
     """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``.
 
     The files load offline with ``AutoTokenizer.from_pretrained(out_dir)`` (class
@@ -321,7 +284,7 @@ def write_tokenizer_files(out_dir: str | Path, vocab_size: int, *, model_max_len
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
         "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     special_map = {
         "additional_special_tokens": [IM_START, IM_END],
