@@ -4,6 +4,7 @@ Reads `model.safetensors` or the shards named by `model.safetensors.index.json`.
 the model needs must be present exactly once and every tensor present must be used (the MTP head
 and a multimodal wrapper's vision tower excepted, named in one info line); otherwise a
 `ValueError` names the first offender. Names map to parameters through `models.weight_map`.
+A block-FP8 checkpoint (`quantization_config`) is checked and dequantized by `models.fp8`.
 
 bf16 on CPU means bf16 *weights*: the matrices (every linear layer, the experts, the LM head)
 are stored in bf16 and read by the C++ kernels with fp32 accumulation, while embeddings, norms,
@@ -21,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from models.config import ModelConfig
+from models.fp8 import Fp8Checkpoint
 from models.parallel import ParallelContext
 from models.qwen3_next import Qwen3NextForCausalLM
 from models.shard_loader import read_shard, source_shard
@@ -78,7 +80,8 @@ def load_model(
     The key set is checked against `checkpoint_map` before any data is read (a missing or extra
     tensor is a `ValueError` naming it). Parameters are allocated once, in the target dtype, and
     each checkpoint tensor is converted while copied, so peak memory is the model plus the
-    largest single tensor (never a full-size copy in another dtype).
+    largest single tensor (never a full-size copy in another dtype; an FP8 tensor is widened
+    to fp32 one at a time).
     """
     path = Path(model_path)
     config = ModelConfig.from_hf(path)
@@ -99,10 +102,11 @@ def load_model(
         model.lm_head.weight.data.zero_()
 
     where = checkpoint_names(checkpoint_files(path))
+    fp8 = Fp8Checkpoint.open(path, where)  # None unless block-FP8; a bad layout raises
     skipped = sorted(n for n in where if is_skipped(n))
     if config.tie_word_embeddings and "lm_head.weight" in where:
         skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy
-    names = set(where) - set(skipped)
+    names = set(where) - set(skipped) - (fp8.scale_names if fp8 else set())
     table = checkpoint_map(model, expert_layout_of(names))
     extra = sorted(names - table.keys())
     if extra:
@@ -127,7 +131,7 @@ def load_model(
                     if target is None:
                         continue
                     shard = source_shard(name, config, tp)
-                    w = read_shard(f, name, shard)
+                    w = fp8.read(f, name, shard) if fp8 else read_shard(f, name, shard)
                     if target.transform is not None:
                         w = target.transform(w)
                     dst = params[target.param].data[target.index]

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from models import fp8_writer
 from models.chat_templates import template_for
 from models.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
 
@@ -436,6 +437,7 @@ def write_checkpoint(
     init_range: float = 0.1,
     max_shard_bytes: int | None = None,
     multimodal: bool = False,
+    fp8_block: tuple[int, int] | None = None,
     chat_template: str | None = None,
 ) -> Path:
     """Write a complete random-weight checkpoint directory for ``config``; return its path.
@@ -448,6 +450,10 @@ def write_checkpoint(
 
     ``chat_template`` names one of :data:`models.chat_templates.TEMPLATES` (default: the model
     family's, Qwen3-Next Instruct or Qwen3.5).
+
+    ``fp8_block=(rows, cols)`` writes the official block-FP8 layout (``models.fp8``): the
+    matrices ``models.fp8_writer.quantize_tensors`` picks as e4m3 plus fp32 ``weight_scale_inv``,
+    everything else in ``dtype``, and ``quantization_config`` in config.json.
 
     ``out_dir`` is created if missing; existing weight files in it are replaced. With
     ``max_shard_bytes`` the weights are always written as ``model-0000k-of-0000N.safetensors``
@@ -466,12 +472,16 @@ def write_checkpoint(
     if multimodal and cfg["model_type"] not in WRAPPERS:
         raise ValueError(f"multimodal layout needs a Qwen3.5 config, not {cfg['model_type']}")
     tensors = _random_tensors(cfg, seed, init_range, expert_layout)
+    if fp8_block is not None:
+        tensors = fp8_writer.quantize_tensors(tensors, fp8_block)
     for key, t in tensors.items():
-        keep_fp32 = key.endswith((".A_log", ".dt_bias"))
-        tensors[key] = t if keep_fp32 else t.to(dtype)
+        keep = key.endswith((".A_log", ".dt_bias", "_scale_inv")) or t.dtype == fp8_writer.E4M3
+        tensors[key] = t if keep else t.to(dtype)
     file_cfg = cfg
     if multimodal:
         tensors, file_cfg = _wrap_multimodal(tensors, cfg, dtype)
+    if fp8_block is not None:
+        file_cfg["quantization_config"] = fp8_writer.quantization_config(tensors, fp8_block)
 
     _clear_weights(out)
     meta = {"format": "pt"}

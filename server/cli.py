@@ -2,7 +2,7 @@
 
     hybrid-serve [--model-path DIR] [--host H] [--port P] [...]   the HTTP server (server/args.py)
     hybrid-serve make-model --preset tiny|small|tiny-qwen3.5|tiny-qwen3.5-moe --out DIR
-        [--seed N] [--multimodal]
+        [--seed N] [--multimodal] [--fp8]
     hybrid-serve generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N] ...
 
 With no `--model-path` the server (and `generate`) use the `tiny` preset, written on first use to
@@ -29,11 +29,14 @@ PRESET_NAMES = ("tiny", "small", "tiny-qwen3.5", "tiny-qwen3.5-moe")
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:
+    import torch
+
     from models.presets import count_parameters, preset_config, write_checkpoint
 
     start = time.perf_counter()
+    fp8 = {"dtype": torch.bfloat16, "fp8_block": (128, 128)} if args.fp8 else {}
     out = write_checkpoint(
-        args.out, preset_config(args.preset), seed=args.seed, multimodal=args.multimodal
+        args.out, preset_config(args.preset), seed=args.seed, multimodal=args.multimodal, **fp8
     )
     n = count_parameters(preset_config(args.preset))
     logger.info(
@@ -102,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Qwen3.5 presets: the vision-language release's layout (text_config, "
         "model.language_model.* weights, a vision tower and MTP head to skip)",
+    )
+    mk.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the official block-FP8 layout: e4m3 matrices with 128x128 weight_scale_inv, the "
+        "rest bf16, quantization_config in config.json",
     )
     mk.set_defaults(func=cmd_make_model)
 
