@@ -13,6 +13,9 @@ scheduler raise `InjectedFault` for every request whose rid contains `substr`, a
     abort  inside stop / abort of that request
     leak   inside a step, after losing one Mamba slot: the audit then finds pools that do not add
            up, which must stop the server (the fatal path)
+    hold   no decode step for that request (it keeps everything it holds) until it is aborted,
+           stopped or its session closed: a request that cannot finish before the client
+           leaves, however fast the CPU
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 from dataclasses import dataclass
 
 FAULT_ENV = "HYBRID_SERVE_TEST_FAULT"
-POINTS = ("step", "abort", "leak")
+POINTS = ("step", "abort", "leak", "hold")
 
 
 class InjectedFault(RuntimeError):
@@ -53,6 +56,13 @@ class FaultSwitch:
 
     def hits(self, point: str, rid: str, outputs: int = 0) -> bool:
         return any(p == point and s in rid and outputs >= k for p, s, k in self.rules)
+
+    def held(self, reqs: list) -> list:
+        """The requests of ``reqs`` that a `hold` rule pauses (each with ``rid`` and
+        ``output_ids``)."""
+        if not self.rules:
+            return []
+        return [r for r in reqs if self.hits("hold", r.rid, len(r.output_ids))]
 
     def check(self, point: str, rid: str, outputs: int = 0) -> None:
         if self.hits(point, rid, outputs):

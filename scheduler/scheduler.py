@@ -40,6 +40,7 @@ from scheduler.session import SessionManager
 logger = logging.getLogger(__name__)
 
 PREFETCH_POLL_S = 0.005  # an idle step waits this long for a storage prefetch
+HOLD_POLL_S = 0.01  # a step with only held requests (test switch) waits this long
 
 
 class Scheduler:
@@ -345,6 +346,9 @@ class Scheduler:
 
     # ---- decode --------------------------------------------------------------------------
     def _run_decode(self) -> list[Req]:
+        held = self.faults.held(self.running)
+        if held:
+            return self._decode_without(held)
         self._batch = list(self.running)
         out_loc = self._alloc_decode_kv()
         if out_loc is None:  # short even after eviction: retract until the rest fits
@@ -374,6 +378,18 @@ class Scheduler:
             self.running.remove(req)
             self._release(req, insert=True)
         return list(reqs)
+
+    def _decode_without(self, held: list[Req]) -> list[Req]:
+        """Decode every running request but ``held`` (paused by the test switch); with none
+        left, wait a moment instead (a step that runs nothing)."""
+        self.running = [r for r in self.running if r not in held]
+        try:
+            if self.running:
+                return self._run_decode()
+            time.sleep(HOLD_POLL_S)
+            return []
+        finally:
+            self.running += held
 
     def _alloc_decode_kv(self) -> torch.Tensor | None:
         slots = [r.req_slot for r in self.running]

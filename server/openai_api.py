@@ -159,14 +159,14 @@ async def completions(body: CompletionRequest, request: Request):
     head = {"id": cid, "object": "text_completion", "created": created, "model": s.model_name}
     want_lp = body.logprobs is not None
 
+    rid = body.rid
+    rids = [rid if rid is None or len(jobs) == 1 else f"{rid}_{k}" for k in range(len(jobs))]
+    jobs = [(ids, sp, r) for (ids, sp), r in zip(jobs, rids, strict=True)]
+    kw = {"session": session, "caller": caller, "cache_salt": salt, **text_options(body)}
+
     if not body.stream:
         results: list[Result] = await run_all(
-            [
-                s.generator.run(
-                    ids, sp, session=session, caller=caller, cache_salt=salt, **text_options(body)
-                )
-                for ids, sp in jobs
-            ],
+            [s.generator.run(ids, sp, rid=r, **kw) for ids, sp, r in jobs],
             request.is_disconnected,
         )
         choices = []
@@ -185,12 +185,7 @@ async def completions(body: CompletionRequest, request: Request):
             )
         return JSONResponse({**head, "choices": choices, "usage": usage_of(results, n)})
 
-    streams = [
-        s.generator.stream(
-            ids, sp, session=session, caller=caller, cache_salt=salt, **text_options(body)
-        )
-        for ids, sp in jobs
-    ]
+    streams = [s.generator.stream(ids, sp, rid=r, **kw) for ids, sp, r in jobs]
     firsts = await start_all(streams, request.is_disconnected)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

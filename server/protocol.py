@@ -58,6 +58,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int = Field(16, ge=0)  # 0 only with echo (the prompt's logprobs alone)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    # SGLang's request id (abort_request takes it); choice k of several gets f"{rid}_{k}"
+    rid: str | None = Field(None, min_length=1)
     # known but not supported: a request that sets them is refused (400 naming the field)
     suffix: str | None = None
     best_of: int | None = None

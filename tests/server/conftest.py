@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from models.presets import preset_config, write_checkpoint
+from scheduler.faults import FAULT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 512
@@ -29,6 +30,11 @@ MODEL_NAME = "tiny-test"
 START_TIMEOUT_S = 180
 # `HYBRID_SERVE_TEST_DEVICE=cuda` runs the shared server (and so every test that uses it) on CUDA.
 TEST_DEVICE = os.environ.get("HYBRID_SERVE_TEST_DEVICE", "cpu")
+# The shared and data-parallel servers pause a request whose rid contains "held-" after two
+# outputs (scheduler/faults.py): a request that is still running when the test acts on it (a
+# client that leaves, an abort, a kill), on a CPU of any speed.
+HELD = "held-"
+HOLD_ENV = {FAULT_ENV: f"hold:{HELD}@2"}
 
 
 def free_port() -> int:
@@ -151,6 +157,7 @@ def server(tiny_path, tmp_path_factory):
             TEST_DEVICE,
         ),
         log,
+        HOLD_ENV,
     )
     try:
         srv.wait_healthy()

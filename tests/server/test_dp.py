@@ -16,7 +16,14 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import CONTEXT, TEST_DEVICE, start, wait_idle_and_clean
+from tests.server.conftest import (
+    CONTEXT,
+    HELD,
+    HOLD_ENV,
+    TEST_DEVICE,
+    start,
+    wait_idle_and_clean,
+)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 FLAGS = ["--context-length", str(CONTEXT), "--max-total-tokens", "16384"]
@@ -27,7 +34,7 @@ FLAGS += ["--max-running-requests", "16", "--chunked-prefill-size", "64", "--dev
 def dp_server(tiny_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
     cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path), *FLAGS]
-    srv = start([*cmd, "--served-model-name", "tiny-test", "--dp-size", "2"], log)
+    srv = start([*cmd, "--served-model-name", "tiny-test", "--dp-size", "2"], log, HOLD_ENV)
     try:
         srv.wait_healthy()
         yield srv
@@ -130,9 +137,9 @@ def test_sessions_stick_to_the_replica_that_opened_them(dp):
 def test_aborts_reach_the_right_replicas(dp):
     results = []
 
-    def long(seed: int) -> None:
-        rid = {"rid": "dp-abort-me"} if seed == 0 else {}
-        results.append(generate(dp, ids_of(400 + seed, 8), CONTEXT - 20, **rid))
+    def long(seed: int) -> None:  # paused after two outputs: running until aborted
+        rid = HELD + ("dp-abort-me" if seed == 0 else f"dp-{seed}")
+        results.append(generate(dp, ids_of(400 + seed, 8), CONTEXT - 20, rid=rid))
 
     threads = [threading.Thread(target=long, args=(s,)) for s in range(4)]
     for t in threads:
@@ -146,7 +153,7 @@ def test_aborts_reach_the_right_replicas(dp):
     assert all(n > 0 for n in loads), loads
     assert dp.post("/abort_request", json={"rid": "dp-abort-me"}).status_code == 200
     threads[0].join(60)
-    assert results[0]["meta_info"]["id"] == "dp-abort-me"
+    assert results[0]["meta_info"]["id"] == HELD + "dp-abort-me"
     assert results[0]["meta_info"]["finish_reason"]["type"] == "abort"
     assert sum(r["requests_in_flight"] for r in replicas(dp)) == 3  # the others run on
     assert dp.post("/abort_request", json={"abort_all": True}).status_code == 200
@@ -156,10 +163,11 @@ def test_aborts_reach_the_right_replicas(dp):
     assert wait_idle_and_clean(dp)["problems"] == []
 
 
-def stream(client: httpx.Client, ids: list[int], n: int) -> dict:
+def stream(client: httpx.Client, ids: list[int], n: int, rid: str) -> dict:
     """Stream /generate: the last event, or the error (an error event once streaming, else the
     HTTP error body: a request that fails before its first token is refused outright)."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}, "stream": True}
+    body["rid"] = rid
     last: dict = {}
     with client.stream("POST", "/generate", json=body) as r:
         if r.status_code != 200:
@@ -174,11 +182,11 @@ def stream(client: httpx.Client, ids: list[int], n: int) -> dict:
 def test_killed_replica_fails_its_requests_and_the_other_serves_on(dp):
     """Last in this file: it leaves replica 1 dead."""
     victim = replicas(dp)[1]["pid"]
-    n = 160
+    n = CONTEXT - 20
     outcomes: list = [None] * 4
 
-    def run(i: int) -> None:
-        outcomes[i] = stream(dp, ids_of(500 + i, 10), n)
+    def run(i: int) -> None:  # paused after two outputs: in flight when the replica dies
+        outcomes[i] = stream(dp, ids_of(500 + i, 10), n, rid=f"{HELD}kill-{i}")
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
@@ -189,16 +197,22 @@ def test_killed_replica_fails_its_requests_and_the_other_serves_on(dp):
             break
         time.sleep(0.05)
     os.kill(victim, signal.SIGKILL)
-    for t in threads:
-        t.join(120)
-    errors = [o for o in outcomes if o.get("object") == "error"]
-    done = [o for o in outcomes if "output_ids" in o]
-    assert len(errors) == 2 and len(done) == 2, outcomes
+    deadline = time.monotonic() + 60
+    while sum(o is not None for o in outcomes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    errors = [o for o in outcomes if o is not None]  # the victim's two, failed at once
+    assert len(errors) == 2 and all(e.get("object") == "error" for e in errors), outcomes
     for e in errors:  # streamed: the error event, a 503 naming the replica and the cause
         assert e["code"] == 503
         assert "data-parallel replica 1 failed" in e["message"]
         assert "SIGKILL" in e["message"]
-    assert all(len(d["output_ids"]) == n for d in done)
+    assert replicas(dp)[0]["requests_in_flight"] == 2  # the survivor's run on, untouched
+    assert dp.post("/abort_request", json={"abort_all": True}).status_code == 200
+    for t in threads:
+        t.join(120)
+    done = [o for o in outcomes if "output_ids" in o]
+    assert len(done) == 2, outcomes
+    assert all(d["meta_info"]["finish_reason"]["type"] == "abort" for d in done), done
     health = dp.get("/health")
     assert health.status_code == 200
     states = [(r["state"], r["error"]) for r in health.json()["replicas"]]

@@ -29,7 +29,8 @@ def faulty(tiny_path, tmp_path_factory):
     cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
     cmd += ["--context-length", str(CONTEXT), "--max-total-tokens", "8192"]
     cmd += ["--chunked-prefill-size", "64", "--max-running-requests", "8"]
-    env = {FAULT_ENV: "step:boom-step@3,abort:boom-abort,leak:boom-fatal"}
+    # boom-abort is also paused after two outputs, so it is still running when its abort comes
+    env = {FAULT_ENV: "step:boom-step@3,abort:boom-abort,hold:boom-abort@2,leak:boom-fatal"}
     srv = start(cmd, log, env)
     try:
         srv.wait_healthy()

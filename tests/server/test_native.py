@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.server.conftest import CONTEXT, MODEL_NAME, wait_idle_and_clean
+from tests.server.conftest import CONTEXT, HELD, MODEL_NAME, wait_idle_and_clean
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -184,7 +184,7 @@ def test_no_stop_trim_keeps_the_stop_string(http):
 
 
 def test_abort_request(http):
-    rid = "abort-me"
+    rid = HELD + "abort-me"  # paused after two outputs: still running when the abort comes
     result: dict = {}
 
     def long_request() -> None:
@@ -211,6 +211,7 @@ def test_close_session_with_a_turn_in_flight_answers_it(http):
 
     def long_turn() -> None:
         body = {"input_ids": rand_ids(8, 7), "session_params": {"id": sid}}
+        body["rid"] = HELD + "session-turn"  # paused: still running when the session closes
         body["sampling_params"] = {"max_new_tokens": CONTEXT - 20, **GREEDY}
         result["r"] = http.post("/generate", json=body)
 

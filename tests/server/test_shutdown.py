@@ -15,7 +15,15 @@ import time
 
 import httpx
 
-from tests.server.conftest import MODEL_NAME, alive, children_of, free_port, start
+from tests.server.conftest import (
+    HELD,
+    HOLD_ENV,
+    MODEL_NAME,
+    alive,
+    children_of,
+    free_port,
+    start,
+)
 
 SHUTDOWN_TIMEOUT_S = 5
 
@@ -34,39 +42,50 @@ def test_sigterm_under_load_drains_and_every_request_gets_an_end(tiny_path, tmp_
     cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
     cmd += ["--served-model-name", MODEL_NAME, "--context-length", "16384"]
     cmd += ["--max-running-requests", "4", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
-    srv = start(cmd, log)
+    srv = start(cmd, log, HOLD_ENV)
     srv.wait_healthy()
     base = {"model": MODEL_NAME, "prompt": "hello", "ignore_eos": True, "temperature": 0}
     out: dict[str, object] = {}
 
     def stream(name: str, max_tokens: int) -> None:
-        body = {**base, "max_tokens": max_tokens, "stream": True}
+        body = {**base, "max_tokens": max_tokens, "stream": True, "rid": name}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
             out[name] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
 
     def plain(name: str, max_tokens: int) -> None:
-        r = httpx.post(
-            f"{srv.url}/v1/completions", json={**base, "max_tokens": max_tokens}, timeout=120
-        )
+        body = {**base, "max_tokens": max_tokens, "rid": name}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
         out[name] = (r.status_code, r.json())
 
-    # long streams and a long non-streaming request (aborted after the grace period: 3,000
-    # tokens no longer outlast it on a 2-core machine), a short stream that finishes inside it,
-    # and a fifth request queued behind the four running (all fit the 65,536-token KV pool)
+    def pools() -> dict:
+        return httpx.get(f"{srv.url}/get_server_info", timeout=10).json()["pools"]
+
+    def wait_for(pred) -> None:
+        deadline = time.monotonic() + 60
+        while not pred(pools()):
+            assert time.monotonic() < deadline, pools()
+            time.sleep(0.05)
+
+    # held requests (paused after two outputs: they cannot finish in the grace period, however
+    # fast the CPU): two streams and a non-streaming one running, then a short stream that
+    # finishes inside the grace period, and a fifth held one queued behind the four running
     long = 15000
-    jobs = [(stream, "long1", long), (stream, "long2", long), (plain, "plain", long)]
-    jobs += [(stream, "short", 60), (stream, "queued", long)]
+    jobs = [(stream, HELD + "long1", long), (stream, HELD + "long2", long)]
+    jobs += [(plain, HELD + "plain", long), (stream, "short", 60), (stream, HELD + "queued", long)]
     threads = [threading.Thread(target=f, args=(n, m)) for f, n, m in jobs]
-    for t in threads:
-        t.start()
-        time.sleep(0.2)
-    time.sleep(1.5)
+    for i, t in enumerate(threads):
+        t.start()  # each arrives before the next: wait until the scheduler has it
+        wait_for(
+            lambda p, i=i: p["num_running_reqs"] + p["num_waiting_reqs"] >= i + 1 or "short" in out
+        )
     kids = children_of(srv.proc.pid)
     t0 = time.monotonic()
     srv.proc.send_signal(15)
-    time.sleep(0.5)
     with httpx.Client(base_url=srv.url, timeout=10) as c:
-        assert c.get("/health").status_code == 503
+        deadline = time.monotonic() + 30
+        while c.get("/health").status_code != 503:  # draining from the signal on
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         r = c.post("/v1/completions", json={**base, "max_tokens": 2})
         assert r.status_code == 503 and "shutting down" in r.json()["message"]
     for t in threads:
@@ -76,21 +95,15 @@ def test_sigterm_under_load_drains_and_every_request_gets_an_end(tiny_path, tmp_
     assert time.monotonic() - t0 < SHUTDOWN_TIMEOUT_S + 30
 
     finishes = {}
-    for name in ("long1", "long2", "short", "queued"):
+    for name in (HELD + "long1", HELD + "long2", "short", HELD + "queued"):
         events = out[name]
         assert isinstance(events, list) and events[-1] == "data: [DONE]", (name, events[-3:])
         last = json.loads(events[-2][6:])
         finishes[name] = last["choices"][0]["finish_reason"]
-    code, body = out["plain"]
+    code, body = out[HELD + "plain"]
     assert code == 200, body
-    finishes["plain"] = body["choices"][0]["finish_reason"]
-    assert finishes == {
-        "long1": "abort",
-        "long2": "abort",
-        "plain": "abort",
-        "short": "length",
-        "queued": "abort",
-    }, finishes
+    finishes[HELD + "plain"] = body["choices"][0]["finish_reason"]
+    assert finishes == {name: "length" if name == "short" else "abort" for _, name, _ in jobs}
 
 
 def test_sigterm_while_the_model_loads_exits_cleanly(tiny_path, tmp_path):
