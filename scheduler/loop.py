@@ -2,6 +2,7 @@
 
     run_once: apply every waiting message -> reap expired sessions -> one `scheduler.step()` if
               there is work -> send the new tokens of every request that moved (`TokenDelta`s)
+              -> a heartbeat when the last is `HEARTBEAT_S` old (an idle loop wakes for it)
 
 Its messages come and go through a swappable I/O object (`LoopIO`, `scheduler/loop_io.py`): a
 pipe to the API process in the server (`PipeIO`, driven by `run()`, which sleeps on the pipe
@@ -30,7 +31,15 @@ from typing import Any
 
 from scheduler.leak_check import leak_report
 from scheduler.loop_io import LoopIO
-from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, QueryReply, ShutdownMsg, TokenDelta
+from scheduler.messages import (
+    HEARTBEAT_S,
+    AbortMsg,
+    GenerateMsg,
+    QueryMsg,
+    QueryReply,
+    ShutdownMsg,
+    TokenDelta,
+)
 from scheduler.request import Req, SessionParams
 from scheduler.sampler import make_generator
 from scheduler.scheduler import Scheduler
@@ -55,6 +64,7 @@ class SchedulerLoop:
         self.sent: dict[str, int] = {}  # output tokens already sent, per request
         self.pending: list[TokenDelta] = []  # built this round, sent at its end
         self.next_reap = 0.0  # time.monotonic() of the next check for expired sessions
+        self.next_beat = 0.0  # time.monotonic() of the next heartbeat
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -78,6 +88,9 @@ class SchedulerLoop:
         for req in sched.step() if sched.has_work() else sched.take_finished():
             self._emit(req)
         self.flush()
+        if time.monotonic() >= self.next_beat:
+            self.next_beat = time.monotonic() + HEARTBEAT_S
+            self.io.beat()
         return True
 
     def flush(self) -> None:
@@ -86,13 +99,13 @@ class SchedulerLoop:
             deltas, self.pending = self.pending, []
             self.io.send_deltas(deltas)
 
-    def _idle_wait(self) -> float | None:
-        """How long an idle loop may sleep: until the next session deadline (None: forever)."""
+    def _idle_wait(self) -> float:
+        """How long an idle loop may sleep: until the next heartbeat or session deadline."""
         deadline = self.scheduler.sessions.next_deadline()
-        if deadline is None:
-            return None
-        self.next_reap = min(self.next_reap, deadline)
-        return max(0.0, deadline - time.monotonic())
+        if deadline is not None:
+            self.next_reap = min(self.next_reap, deadline)
+        wake = self.next_beat if deadline is None else min(deadline, self.next_beat)
+        return max(0.0, wake - time.monotonic())
 
     def handle(self, msg: Any) -> bool:
         """Apply one message; False means shut down."""

@@ -6,7 +6,7 @@
     InProcessIO  the `Engine` (and `hybrid-serve generate`): a queue in the same process; the
                  caller puts messages and takes the deltas and replies after each round
 
-A third (tensor-parallel ranks in lockstep, say) only needs the same four methods.
+A third (tensor-parallel ranks in lockstep, say) only needs the same five methods.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from scheduler.messages import QueryReply, TokenDelta
+from scheduler.messages import Heartbeat, QueryReply, TokenDelta
 
 
 class LoopIO(Protocol):
@@ -33,6 +33,10 @@ class LoopIO(Protocol):
         ...
 
     def send_reply(self, reply: QueryReply) -> None: ...
+
+    def beat(self) -> None:
+        """Tell the other end the loop is turning (no-op where nobody watches)."""
+        ...
 
 
 class PipeIO:
@@ -52,6 +56,9 @@ class PipeIO:
 
     def send_reply(self, reply: QueryReply) -> None:
         self.outbox.send(reply)
+
+    def beat(self) -> None:
+        self.outbox.send(Heartbeat())
 
 
 class InProcessIO:
@@ -79,6 +86,9 @@ class InProcessIO:
 
     def send_reply(self, reply: QueryReply) -> None:
         self.replies.append(reply)
+
+    def beat(self) -> None:
+        pass
 
     def take_deltas(self) -> list[TokenDelta]:
         deltas, self.deltas = self.deltas, []

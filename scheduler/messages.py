@@ -5,7 +5,9 @@ scheduler/ so that the loop imports nothing of server/.
 API -> scheduler: `GenerateMsg`, `AbortMsg`, `QueryMsg` (info, stats, flush, sessions),
 `ShutdownMsg`.
 Scheduler -> API: `ReadyMsg` once the model is loaded (or `FailedMsg`), then `list[TokenDelta]`
-after every step and `QueryReply` for each query. A `TokenDelta` carries only what is new since
+after every step, `QueryReply` for each query, and `Heartbeat` from every round of its loop at
+most every `HEARTBEAT_S` (an idle loop wakes for it), so the API process can tell from the age of
+the last one whether the loop still turns. A `TokenDelta` carries only what is new since
 the previous one for that request; the last one has `finish_reason` set (or `error` when the
 request was refused).
 """
@@ -48,6 +50,14 @@ class QueryMsg:
 
 @dataclass
 class ShutdownMsg:
+    pass
+
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass
+class Heartbeat:
     pass
 
 

@@ -59,6 +59,20 @@ class ServerConfig:
     max_request_bytes: int = _opt(
         16 * 1024 * 1024, "largest request body in bytes (larger: 413, refused while reading)"
     )
+    max_header_bytes: int = _opt(
+        32 * 1024, "largest request head (request line and headers) in bytes; larger: 431"
+    )
+    timeout_header: float = _opt(
+        30.0,
+        "seconds a connection has to deliver a request's complete headers (from opening, or "
+        "from the next request's first byte on a keep-alive connection); then it is closed",
+    )
+    timeout_keep_alive: float = _opt(
+        5.0, "seconds an idle keep-alive connection stays open between requests"
+    )
+    max_connections: int = _opt(
+        2048, "open connections served at once; a request on one past this gets a fast 503"
+    )
     max_queued_requests: int = _opt(
         1024,
         "requests allowed to wait beyond --max-running-requests; past that new ones get 503 "
@@ -73,7 +87,7 @@ class ServerConfig:
         "end with a finish reason)",
     )
     health_timeout: float = _opt(
-        20.0, "/health answers 503 when the scheduler has not answered a ping within this"
+        20.0, "/health answers 503 when the scheduler's loop has sent no heartbeat for this long"
     )
     cache_isolation: str = _opt(
         "none",
@@ -114,7 +128,7 @@ class ServerConfig:
             raise ValueError(f"--cache-isolation must be one of {CACHE_ISOLATION}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
-        for name in ("max_request_bytes", "max_fan_out"):
+        for name in ("max_request_bytes", "max_fan_out", "max_header_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.dp_size < 1:
@@ -129,7 +143,7 @@ class ServerConfig:
             raise ValueError("--max-tree-size must be >= 0")
         if self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
-        for name in ("shutdown_timeout", "health_timeout"):
+        for name in ("shutdown_timeout", "health_timeout", "timeout_header", "timeout_keep_alive"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
 

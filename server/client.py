@@ -5,7 +5,8 @@ daemon thread reads the scheduler's messages and hands them to the asyncio loop:
 to the per-request `asyncio.Queue` registered by `submit`, query replies resolve the future made by
 `query`. Sends never block the event loop: the loop puts messages on a queue that a writer thread
 pushes into the pipe, so a scheduler that stopped reading (a full pipe) stalls only that thread,
-and `/health` notices through `ping`. Deltas for a request nobody waits for any more (aborted,
+and `/health` notices from `heartbeat_age` (the scheduler's loop sends at least one message every
+`HEARTBEAT_S` while it turns). Deltas for a request nobody waits for any more (aborted,
 stopped by a stop string) are dropped.
 """
 
@@ -27,6 +28,7 @@ from scheduler.messages import (
     AbortMsg,
     FailedMsg,
     GenerateMsg,
+    Heartbeat,
     QueryMsg,
     QueryReply,
     ReadyMsg,
@@ -82,6 +84,7 @@ class SchedulerClient:
         self._closing = False
         self._outq: queue.SimpleQueue[Any] = queue.SimpleQueue()  # None stops the writer
         self._writer: threading.Thread | None = None
+        self._last_heard = time.monotonic()  # when the reader last got a message
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -154,6 +157,9 @@ class SchedulerClient:
                     message += exit_detail(self._proc.exitcode)
                 loop.call_soon_threadsafe(self._fail, message)
                 return
+            self._last_heard = time.monotonic()
+            if isinstance(msg, Heartbeat):
+                continue
             if isinstance(msg, list):
                 loop.call_soon_threadsafe(self._dispatch, msg)
             elif isinstance(msg, QueryReply):
@@ -238,11 +244,7 @@ class SchedulerClient:
         finally:
             self._futures.pop(qid, None)
 
-    async def ping(self, timeout: float) -> bool:
-        """Whether the scheduler answers a no-op query within `timeout` seconds (it reads its
-        inbox between steps, so a stuck step or a stopped process fails this)."""
-        try:
-            await self.query("ping", timeout=timeout)
-        except (SchedulerError, TimeoutError):
-            return False
-        return True
+    def heartbeat_age(self) -> float:
+        """Seconds since the scheduler last sent anything (its loop beats between steps, so a
+        stuck step or a stopped process makes this grow); answered without asking it."""
+        return time.monotonic() - self._last_heard

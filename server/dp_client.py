@@ -265,13 +265,9 @@ class DPClient:
         self._sessions[sid] = rank
         return sid
 
-    async def ping(self, timeout: float) -> bool:
-        """Whether every live replica answers a no-op query within `timeout` seconds."""
-        try:
-            await self.query("ping", timeout=timeout)
-        except (SchedulerError, TimeoutError):
-            return False
-        return True
+    def heartbeat_age(self) -> float:
+        """The oldest heartbeat age among the live replicas (0 when none is live)."""
+        return max((self.replicas[i].heartbeat_age() for i in self.live()), default=0.0)
 
     # ---- what users see ------------------------------------------------------------------
     def describe(self) -> list[dict[str, Any]]:

@@ -2,8 +2,9 @@
 
 Routes live in `openai_api.py` (/v1/...) and `native_api.py` (SGLang's /generate, sessions and
 admin routes). `/health` answers 503 until the scheduler process has loaded the model, while the
-server drains for shutdown, and whenever the scheduler does not answer a ping within
-`--health-timeout`; otherwise 200. With `--dp-size N` the 200 carries a JSON list of the
+server drains for shutdown, and whenever the scheduler's last heartbeat is older than
+`--health-timeout` (answered at once from its age, never by waiting on the scheduler); otherwise
+200. With `--dp-size N` the 200 carries a JSON list of the
 replicas (a dead one stays listed as failed, with its error, while the others serve; 503 once
 none is left: `server/dp_client.py`). Long texts are tokenized on a worker thread (`off_loop`), so
 the event loop keeps answering while a big prompt is encoded.
@@ -121,10 +122,9 @@ def create_app(
             return error_response("the server is shutting down", 503)
         if s.client.ready is None or not s.client.alive:
             return error_response("the model is not loaded", 503)
-        if not await s.client.ping(s.config.health_timeout):
-            return error_response(
-                f"the scheduler has not answered for {s.config.health_timeout:g} s", 503
-            )
+        age = s.client.heartbeat_age()
+        if age > s.config.health_timeout:
+            return error_response(f"the scheduler has not been heard from for {age:.1f} s", 503)
         if isinstance(s.client, DPClient):  # which replicas serve, which failed and why
             return JSONResponse({"dp_size": s.config.dp_size, "replicas": s.client.describe()})
         return Response(status_code=200)

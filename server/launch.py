@@ -12,6 +12,7 @@ to load the server exits with status 1.
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 import socket
 
@@ -19,6 +20,7 @@ import uvicorn
 
 from scheduler.config import RunnerConfig, SchedulerConfig
 from server.args import ServerConfig
+from server.http_protocol import guarded_protocol
 from server.model_path import checkpoint_dir
 from server.shutdown import DrainingServer
 
@@ -48,6 +50,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_fd_limit(connections: int) -> None:
+    """Lift the soft open-files limit toward what --max-connections needs (plus the pipes,
+    files and sockets of the process itself), within the hard limit; warn when it falls short."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < want:
+            logger.warning(
+                "open-files limit %d is below --max-connections %d + 256", new, connections
+            )
+
+
 def serve(
     config: ServerConfig, runner_config: RunnerConfig, scheduler_config: SchedulerConfig
 ) -> int:
@@ -60,6 +76,7 @@ def serve(
         model_path = resolve_model_path(config)
         return run_followers(model_path, runner_config, scheduler_config, config.log_level)
     sock = bind_socket(config.host, config.port)
+    raise_fd_limit(config.max_connections)
     model_path = resolve_model_path(config)
     app = create_app(config, runner_config, scheduler_config, model_path)
     server = DrainingServer(
@@ -69,6 +86,12 @@ def serve(
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            http=guarded_protocol(
+                config.timeout_header, config.max_header_bytes, config.max_connections
+            ),
+            timeout_keep_alive=config.timeout_keep_alive,
+            # the head cap is ours (431); h11's own buffer limit must never fire before it
+            h11_max_incomplete_event_size=config.max_header_bytes + (1 << 20),
         ),
         app.state.hs,
         config.shutdown_timeout,

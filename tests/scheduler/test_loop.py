@@ -15,7 +15,7 @@ from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import PipeIO
-from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, QueryReply, ShutdownMsg
+from scheduler.messages import AbortMsg, GenerateMsg, Heartbeat, QueryMsg, QueryReply, ShutdownMsg
 from scheduler.output import RequestOutput
 from scheduler.sampling_params import SamplingParams
 from server.cli import main as cli_main
@@ -53,16 +53,20 @@ def test_pipe_loop_matches_the_engine(setup):
     outs = {f"r{i}": RequestOutput(f"r{i}") for i in range(len(prompts))} | {
         "gone": RequestOutput("gone")
     }
-    replies = []
+    replies, beats = [], 0
     while not all(o.finished for o in outs.values()) or not replies:
         assert api_in.poll(60), "the loop stopped answering"
         msg = api_in.recv()
+        if isinstance(msg, Heartbeat):
+            beats += 1
+            continue
         if isinstance(msg, QueryReply):
             replies.append(msg)
             continue
         for d in msg:
             outs[d.rid].add(d)
     assert [(r.qid, r.ok, r.result) for r in replies] == [(7, True, True)]
+    assert beats >= 1  # the first round beats at once
     assert outs["gone"].finish_reason == "abort"
     for i, exp in enumerate(expected):
         out = outs[f"r{i}"]
