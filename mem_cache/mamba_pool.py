@@ -25,8 +25,14 @@ class MambaPool(SlotPool):
     - ``ssm_state``: ``[num_layers, size + 1, num_v_heads, k_head_dim, v_head_dim]`` in
       ``ssm_dtype`` (fp32 by default), K-major as in flash-linear-attention.
 
+    - ``hidden``: ``[size + 1, hidden_size]`` in ``conv_dtype``, one row per slot for the final
+      hidden state (the normed hidden that feeds lm_head) at the last position of the tokens
+      behind the slot's state, where a radix node says it is valid (exact prompt repeats then
+      need no forward: `mem_cache/radix_cache.py`). Empty rows when ``hidden_size`` is 0.
+
     ``num_layers`` counts linear-attention layers; the model addresses them by their dense index.
-    Both tensors start zeroed.
+    All tensors start zeroed. `copy` and zeroing leave ``hidden`` alone: a row means something
+    only through its node's flag.
 
     Ownership: `alloc` hands zeroed slots to the caller, who owns them until it passes them on or
     frees them, exactly once. Slot ids are host-side bookkeeping: `alloc` returns int64 CPU tensors
@@ -52,6 +58,7 @@ class MambaPool(SlotPool):
         conv_dtype: torch.dtype,
         ssm_dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        hidden_size: int = 0,
     ) -> None:
         if num_layers < 0 or conv_dim < 1 or conv_kernel < 1:
             raise ValueError(
@@ -82,6 +89,8 @@ class MambaPool(SlotPool):
             dtype=ssm_dtype,
             device=self.device,
         )
+        self.hidden_size = hidden_size
+        self.hidden = torch.zeros((size + 1, hidden_size), dtype=conv_dtype, device=self.device)
 
     # ---------------------------------------------------------------------------------- sizing
 
@@ -114,6 +123,11 @@ class MambaPool(SlotPool):
             self.conv_dtype,
             self.ssm_dtype,
         )
+
+    @property
+    def hidden_bytes_per_slot(self) -> int:
+        """Bytes of one slot's final-hidden row."""
+        return self.hidden_size * self.conv_dtype.itemsize
 
     # ------------------------------------------------------------------------------ allocation
 

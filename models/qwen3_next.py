@@ -110,6 +110,23 @@ class Qwen3NextForCausalLM(nn.Module):
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """`forward` without its inference-mode decorator, for torch.compile (which cannot trace
         the mode switch): callers run it under `torch.inference_mode()` themselves."""
+        return self.lm_head(self.final_hidden(batch)).float()
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and, row for row, the final hidden states they were computed from
+        (the normed hidden that feeds lm_head), so that `logits_from_hidden` of a row gives
+        that row's logits again."""
+        h = self.final_hidden(batch)
+        return self.lm_head(h).float(), h
+
+    @torch.inference_mode()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`forward_with_hidden`'s)."""
+        return self.lm_head(hidden).float()
+
+    def final_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final normed hidden states of the rows `forward` returns logits for."""
         x, residual = self.model(batch)
         rows = None
         if batch.logit_indices is not None and not batch.is_decode:
@@ -119,4 +136,4 @@ class Qwen3NextForCausalLM(nn.Module):
         if rows is not None:
             x, residual = x[rows], residual[rows]
         h, _ = self.model.norm.add_forward(x, residual)
-        return self.lm_head(h).float()
+        return h

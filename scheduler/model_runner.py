@@ -80,6 +80,7 @@ class ModelRunner:
             mc.linear_value_head_dim,
             conv_dtype=dtype,
             device=device,
+            hidden_size=mc.hidden_size,
         )
         self.sampler = Sampler(tuple(mc.eos_token_ids))
 
@@ -230,6 +231,14 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] fp32 (padding rows included for padded decode batches)."""
         return self.model(batch)
+
+    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and the final hidden state of each of their rows."""
+        return self.model.forward_with_hidden(batch)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] fp32 of final hidden states (rows of `forward_with_hidden`)."""
+        return self.model.logits_from_hidden(hidden)
 
     def sample(
         self,

@@ -11,6 +11,7 @@ takes the rest, rounded down to whole pages. Sizes per unit:
 
     KV token    = full-attention layers x 2 (K, V) x kv_heads x head_dim x dtype bytes
     Mamba slot  = linear layers x (conv_dim x (Kc - 1) x dtype bytes + HV x dk x dv x 4)
+                  + hidden_size x dtype bytes (the slot's final-hidden row, exact repeats)
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def pool_bytes(model: nn.Module) -> PoolBytes:
     conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * dtype_bytes
     ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4  # fp32
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return PoolBytes(kv, len(c.linear_attention_layers) * (conv + ssm), weights)
+    hidden = c.hidden_size * dtype_bytes
+    return PoolBytes(kv, len(c.linear_attention_layers) * (conv + ssm) + hidden, weights)
 
 
 def _budget(cfg, sizes: PoolBytes) -> float | None:

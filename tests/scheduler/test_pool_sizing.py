@@ -27,7 +27,8 @@ def test_unit_sizes_equal_the_pools(path):
     kv, mamba = runner.kv_pool, runner.mamba_pool
     kv_rows = kv._k.shape[1]  # pages + the reserved page 0, times page size
     assert sizes.kv_per_token == (kv._k.nbytes + kv._v.nbytes) // kv_rows
-    per_slot = (mamba.conv_state.nbytes + mamba.ssm_state.nbytes) // mamba.conv_state.shape[1]
+    states = mamba.conv_state.nbytes + mamba.ssm_state.nbytes + mamba.hidden.nbytes
+    per_slot = states // mamba.conv_state.shape[1]
     assert sizes.mamba_per_slot == per_slot
     assert sizes.weights == sum(p.numel() * p.element_size() for p in runner.model.parameters())
 
