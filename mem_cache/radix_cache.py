@@ -30,6 +30,11 @@ path to the root); ``mamba_lock_ref`` counts direct locks on the node. Only node
 the root, a no-op) may be locked, so ``full_lock_ref == mamba_lock_ref + sum(children's
 full_lock_ref)``. Locked KV is never evicted; a directly locked state is never evicted.
 
+Exact repeats: a node may also keep the final hidden state at its last token (in the Mamba
+pool's hidden row of its slot, flagged by ``hidden_valid``; `insert` with ``hidden``,
+`set_hidden`). A request whose whole prompt ends at such a node (`exact_node`) takes the state
+and gets its first token's logits from that hidden, with no forward for the prompt.
+
 Tiers: a node's device KV is optional (``value=None``: the node lives only in a host tier, see
 `mem_cache/radix_node.py` and `HiMambaRadixCache`). This class never creates such nodes; it walks
 them in `match_prefix` (reported as ``host_node`` / ``host_len``), gives them the caller's KV in
@@ -160,6 +165,7 @@ class MambaRadixCache(RadixEviction):
         kv_indices: torch.Tensor,
         mamba_slot: int | None,
         prev_prefix_len: int = 0,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[int, bool]:
         """Insert ``key`` with its KV locations and the state after it; return (prefix, exist).
 
@@ -176,7 +182,9 @@ class MambaRadixCache(RadixEviction):
           result is ``(0, mamba_slot is not None)``.
 
         In every case: ``exist=True`` means the caller still owns ``mamba_slot`` and must free
-        it; otherwise the cache took it (or none was given).
+        it; otherwise the cache took it (or none was given). With ``hidden`` (the final hidden
+        state at the key's last token), the node ending at ``len(key)``, when it has a device
+        state afterwards (new, revived or already there), keeps it (`set_hidden`).
         """
         kv = kv_indices.to(device="cpu", dtype=torch.int64)
         ps = self.page_size
@@ -218,7 +226,7 @@ class MambaRadixCache(RadixEviction):
             node, pos = child, pos + n
         if pos < prev_prefix_len:
             raise ValueError(f"insert: only {pos} of the cache-owned {prev_prefix_len} are cached")
-        exist = False
+        exist, ends_key = False, pos == len(key)  # ends_key: node ends at len(key)
         if pos < len(key):
             if mamba_slot is None:
                 self._free_kv(kv[pos:])
@@ -228,7 +236,7 @@ class MambaRadixCache(RadixEviction):
                 node.children[self._child_key(leaf.key, 0)] = leaf
                 self._attach_kv(leaf, leaf.value)
                 self._add_state(leaf)
-                node = leaf
+                node, ends_key = leaf, True
         elif mamba_slot is not None:
             if node is self.root or node.mamba_slot is not None:
                 exist = True
@@ -239,8 +247,34 @@ class MambaRadixCache(RadixEviction):
             self._touch_path(node)
             if node.mamba_slot is not None:
                 self._touch_mamba(node)
+                if hidden is not None and ends_key:
+                    self.set_hidden(node, hidden)
                 self._after_insert(node)
         return pos, exist
+
+    def set_hidden(self, node: TreeNode, hidden: torch.Tensor) -> None:
+        """Record ``hidden`` (the final hidden state at ``node``'s last token) with ``node``,
+        which must have a device state; kept until its slot changes or goes."""
+        if node.mamba_slot is None:
+            raise ValueError(f"{node}: a hidden state goes with a device state")
+        row = self.mamba_pool.hidden[node.mamba_slot]
+        row.copy_(hidden.reshape(row.shape))
+        node.hidden_valid = True
+
+    def exact_node(self, key: list[int]) -> TreeNode | None:
+        """The node ending exactly at ``len(key)`` when it has a device state and a valid hidden
+        state, else None. Looks only: nothing is split, touched or locked."""
+        if self.disable or not key or len(key) % self.page_size:
+            return None
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None or len(child.key) > len(key) - pos:
+                return None
+            if self._common_len(child.key, key, pos) < len(child.key):
+                return None
+            node, pos = child, pos + len(child.key)
+        return node if node.hidden_valid and node.mamba_slot is not None else None
 
     def _after_insert(self, node: TreeNode) -> None:
         """Hook: ``node`` (with a device state) was just inserted or re-inserted."""

@@ -78,6 +78,7 @@ def _check_node_shape(cache: MambaRadixCache, node: TreeNode) -> None:
         pins += n is node
     assert node.children or node.has_state or pins, f"leaf {node} is a tombstone"
     assert node.mamba_slot is None or node.value is not None, f"{node}: device state, no KV"
+    assert not node.hidden_valid or node.mamba_slot is not None, f"{node}: hidden, no state"
     assert node.host_mamba_slot is None or node.host_value is not None, f"{node}: host state"
     parent = node.parent
     if node.value is not None and parent is not cache.root:

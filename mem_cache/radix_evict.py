@@ -142,6 +142,7 @@ class RadixEviction:
         raise AssertionError(f"{node} has a host copy but the cache has no host tier")
 
     def _add_state(self, node: TreeNode) -> None:
+        node.hidden_valid = False  # a new slot: its hidden row is not this node's yet
         self._mamba_lru[node.mamba_slot] = node
         self._mamba_evictable += 1
 
@@ -156,6 +157,7 @@ class RadixEviction:
     def _drop_state(self, node: TreeNode) -> None:
         del self._mamba_lru[node.mamba_slot]
         node.mamba_slot = None
+        node.hidden_valid = False
         self._mamba_evictable -= 1
 
     def _free_kv(self, locs: torch.Tensor) -> None:

@@ -6,6 +6,11 @@ pool) and ``host_mamba_slot`` (host pool), either or both or none (a *tombstone*
 closed towards the root: a node's device KV implies its parent's device KV, and a host copy
 implies the parent's host copy, so any node's prefix can be rebuilt from one tier walking up.
 A device state implies device KV; a host state implies a host copy of the KV.
+
+``hidden_valid``: the Mamba pool's hidden row of the node's device slot holds the final hidden
+state at the node's last token (what lm_head needs for the next token's logits), so a request
+whose whole prompt ends at this node needs no forward for it. It is cleared whenever the node's
+device slot changes or goes (eviction, demotion, load-back, revival), never carried to the host.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "value", "mamba_slot", "parent", "children", "full_lock_ref",
         "mamba_lock_ref", "last_access_time", "mamba_access_time", "host_value",
-        "host_mamba_slot", "host_lock_ref", "hit_count",
+        "host_mamba_slot", "host_lock_ref", "hit_count", "hidden_valid",
     )  # fmt: skip
 
     def __init__(
@@ -43,6 +48,7 @@ class TreeNode:
         self.host_mamba_slot: int | None = None
         self.host_lock_ref = 0  # pins on this node and below: host copies are pinned
         self.hit_count = 0  # inserts and admissions that ended here (write-through policy)
+        self.hidden_valid = False  # the device slot's hidden row is this node's last hidden
 
     @property
     def on_device(self) -> bool:
