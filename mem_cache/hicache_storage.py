@@ -3,7 +3,8 @@
 Mixed into `HiMambaRadixCache` when a `FileStorage` is configured. Storage works in blocks of
 ``storage.block_size`` tokens (the tree's chunk size), keyed by the hash chain of the tokens
 (`FileStorage.block_keys`); a Mamba state is stored under the key of the block it ends, so only
-states at block boundaries reach storage (extra_buffer strategies snapshot there).
+states at block boundaries reach storage (every strategy's prefill snapshots land there:
+`scheduler/prefix_cache.py`).
 
 - Write: after a node's host write, every whole block of its path not yet stored is written (KV
   read from host memory), and the node's host state when the node ends on a block boundary.
@@ -21,7 +22,7 @@ states at block boundaries reach storage (extra_buffer strategies snapshot there
 
 Mamba states reach storage only at block ends (every ``block_size`` = 64 tokens): a prefix is
 served from storage up to the deepest block end whose state was stored (a node ending there, e.g.
-an extra_buffer snapshot at a chunk boundary); tokens past it are recomputed.
+a prefill snapshot at a chunk boundary); tokens past it are recomputed.
 """
 
 from __future__ import annotations

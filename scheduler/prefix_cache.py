@@ -1,20 +1,33 @@
 """How a request's KV and Mamba states enter and leave the radix tree, per Mamba strategy.
 
-`no_buffer`: a request owns one Mamba slot, its running state. After each prefill round a copy
-of the running state is inserted under exactly the prefilled tokens; on finish the running slot
-itself is donated under the committed tokens.
+Every strategy snapshots prefill: an extend of at least one chunk (64 tokens) also leaves the
+state at its last chunk-aligned offset (or at the branching point `match_prefix` reported, so
+the next request on that branch hits) in a track slot, inserted after the round. So a prompt
+shares its chunk-aligned prefixes (a system prompt) and the storage tier, which keeps states at
+64-token block ends only, gets them. Every strategy also keeps the end of each prompt: after the
+round that completes a prompt, a copy of the running state is inserted under the whole prompt
+with the final hidden state at its last token (`MambaRadixCache.set_hidden`); the same prompt
+sent again takes that state and its first token's logits come from that hidden, with no forward
+for the prompt, then samples as usual (a request that needs prompt logits, `logprob_start_len`
+before its last position, keeps matching at most up to that start).
 
-`extra_buffer` / `extra_buffer_lazy`: the running slot is never cached. The request also owns
-track slots that receive snapshots: in prefill at the last chunk-aligned offset of each extend (or
-at the branching point `match_prefix` reported, so the next request on that branch hits), in
-decode whenever `kv_len` reaches a multiple of `--mamba-track-interval`. The latest snapshot
+`no_buffer`: a request owns one Mamba slot, its running state; for a prefill round that
+snapshots it takes one more slot, which goes to the tree right after the round (so a decoding
+request holds one slot). After each prefill round a copy of the running state is inserted under
+exactly the prefilled tokens; on finish the running slot itself is donated under the committed
+tokens.
+
+`extra_buffer` / `extra_buffer_lazy`: the running slot is cached only as that copy at the end
+of a prompt. The request also owns track slots that receive the prefill snapshots and, in
+decode, whenever `kv_len` reaches a multiple of `--mamba-track-interval`. The latest snapshot
 (`last_track_len` tokens) is inserted after each prefill round and on finish; its slot is donated
 to the tree and replaced. `extra_buffer` keeps two track slots used in turn (ping-pong: the one
 written last is kept, the other is written next). `extra_buffer_lazy` keeps one and takes a
 second only for the copy at a decode boundary (evicting one tree state when short); when even
 that fails it overwrites its only snapshot, and a request finishing on that step skips its insert.
 
-Invariant (I6): a slot inserted under n tokens holds exactly the state after those n tokens.
+Invariant (I6): a slot inserted under n tokens holds exactly the state after those n tokens,
+and a hidden state kept with that node is the final hidden state at token n - 1.
 """
 
 from __future__ import annotations
@@ -70,7 +83,8 @@ class PrefixCache:
         self.runner, self.tree, self.config = runner, tree, config
         self.pool = runner.mamba_pool
         self.enabled = not config.disable_radix_cache
-        self.tracking = self.enabled and config.mamba_scheduler_strategy != "no_buffer"
+        self.tracking = self.enabled and config.mamba_scheduler_strategy != "no_buffer"  # owns
+        # track slots from admission to release (no_buffer borrows one for a prefill round)
         self.lazy = config.mamba_scheduler_strategy == "extra_buffer_lazy"
         self.num_tracks = (1 if self.lazy else 2) if self.tracking else 0
         self.chunk = tree.chunk_size
@@ -79,11 +93,11 @@ class PrefixCache:
         self.evict_idle: Callable[[], bool] = lambda: False  # frees one idle session's slot
 
     # ---- slots ---------------------------------------------------------------------------
-    def alloc_slot(self, zero: bool = True) -> int | None:
-        """One Mamba slot, evicting an unlocked tree state, else an idle session's held slot,
-        when the pool is dry."""
+    def alloc_slot(self, zero: bool = True, sessions: bool = True) -> int | None:
+        """One Mamba slot, evicting an unlocked tree state, else (with ``sessions``) an idle
+        session's held slot, when the pool is dry."""
         slot = self.pool.alloc(1, zero=zero)
-        while slot is None and (self.tree.evict_mamba(1) or self.evict_idle()):
+        while slot is None and (self.tree.evict_mamba(1) or (sessions and self.evict_idle())):
             slot = self.pool.alloc(1, zero=zero)
         return None if slot is None else int(slot[0])
 
@@ -109,6 +123,8 @@ class PrefixCache:
         limit = req.fill_len - 1
         if req.logprob_from is not None:  # prompt logprobs are computed, never cached
             limit = min(limit, req.logprob_from)
+        elif self.enabled and self.tree.exact_node(req.cache_key(req.fill_len)) is not None:
+            limit = req.fill_len  # an exact repeat: the node keeps the last position's hidden
         # (a storage prefetch, finished before this) -> match -> load back what only the host
         # tier holds (its state straight into the running slot) -> lock and take the prefix
         key = req.cache_key(limit)
@@ -117,13 +133,17 @@ class PrefixCache:
         self.tree.inc_lock_ref(match.last_node)
         self.tree.note_hit(match.last_node)
         req.last_node = match.last_node
-        req.branching_len = match.branching_seqlen if self.tracking else None
+        req.branching_len = match.branching_seqlen if self.enabled else None
         if prefix:
             table = runner.req_pool.req_to_token
             table[req.req_slot, :prefix] = match.kv_indices.to(table.device, torch.int32)
             if not match.state_loaded:
                 self.pool.copy(match.mamba_slot, req.mamba_slot)
         req.kv_len = req.cache_protected_len = prefix
+        req.last_hidden = None
+        if prefix == req.fill_len:  # nothing to compute: the first logits come from this
+            assert match.last_node.hidden_valid
+            req.last_hidden = self.pool.hidden[match.mamba_slot].clone()
         return True
 
     # ---- storage prefetch ----------------------------------------------------------------
@@ -165,8 +185,10 @@ class PrefixCache:
 
     # ---- snapshots -----------------------------------------------------------------------
     def prefill_track(self, req: Req, extend_len: int) -> tuple[int, int]:
-        """(offset into this extend, track slot) to snapshot, or (0, 0); records the length."""
-        if not self.tracking:
+        """(offset into this extend, track slot) to snapshot, or (0, 0); records the length.
+        no_buffer takes a slot for it (none when the pool is dry even after evicting a tree
+        state: no snapshot then), which `stash_snapshot` gives to the tree after the round."""
+        if not self.enabled:
             return 0, 0
         start, offset = req.kv_len, extend_len // self.chunk * self.chunk
         branch = req.branching_len
@@ -176,11 +198,25 @@ class PrefixCache:
             req.branching_len = None
         if offset == 0:
             return 0, 0
-        slot = req.track_slots[req.next_track]
+        if not self.tracking:
+            slot = self.alloc_slot(zero=False, sessions=False)
+            if slot is None:
+                return 0, 0
+            req.track_slots = [slot]
+        else:
+            slot = req.track_slots[req.next_track]
+            if not self.lazy:
+                req.next_track ^= 1
         req.last_track_len = start + offset
-        if not self.lazy:
-            req.next_track ^= 1
         return offset, slot
+
+    def stash_snapshot(self, req: Req) -> None:
+        """no_buffer, after a prefill round: the round's snapshot and its slot go to the tree."""
+        if self.tracking or not req.track_slots:
+            return
+        (slot,), length = req.track_slots, req.last_track_len
+        req.track_slots, req.last_track_len = [], None
+        self._insert_and_relock(req, length, slot)
 
     def after_decode(self, reqs: list[Req]) -> None:
         """Snapshot the running state of requests whose kv_len just reached a track boundary."""
@@ -210,17 +246,28 @@ class PrefixCache:
 
     # ---- into the tree -------------------------------------------------------------------
     def cache_unfinished(self, req: Req) -> None:
-        """After a prefill round: insert the newest state (a copy of the running state, or the
-        latest track snapshot) with its tokens' KV, and move the request's lock down to it."""
+        """After a prefill round (after `stash_snapshot`): insert the newest state with its
+        tokens' KV and move the request's lock down to it. no_buffer: a copy of the running
+        state; the others: the latest track snapshot, and at the end of the prompt a copy of
+        the running state too. At the end of the prompt the copy keeps the final hidden state."""
         if not self.enabled:
             return
-        if not self.tracking:
-            slot = self.alloc_slot(zero=False)
-            if slot is None:
-                return  # nothing cached this time; the request keeps running unchanged
-            self.pool.copy(req.mamba_slot, slot)
-            self._insert_and_relock(req, req.kv_len, slot)
+        if self.tracking:
+            self._insert_track(req)
+            if req.last_hidden is None:
+                return
+        hidden, req.last_hidden = req.last_hidden, None
+        if req.kv_len == req.cache_protected_len:  # a snapshot (or the match) ended here
+            if hidden is not None and req.last_node is not self.tree.root:
+                self.tree.set_hidden(req.last_node, hidden)
             return
+        slot = self.alloc_slot(zero=False)
+        if slot is None:
+            return  # nothing cached this time; the request keeps running unchanged
+        self.pool.copy(req.mamba_slot, slot)
+        self._insert_and_relock(req, req.kv_len, slot, hidden)
+
+    def _insert_track(self, req: Req) -> None:
         length = req.last_track_len
         if length is None or length <= req.cache_protected_len:
             return
@@ -232,11 +279,13 @@ class PrefixCache:
         self._insert_and_relock(req, length, slot)
         req.last_track_len = None
 
-    def _insert_and_relock(self, req: Req, length: int, slot: int) -> None:
+    def _insert_and_relock(
+        self, req: Req, length: int, slot: int, hidden: torch.Tensor | None = None
+    ) -> None:
         key = req.cache_key(length)
         row = self.runner.req_pool.req_to_token[req.req_slot]
         _, exists = self.tree.insert(
-            key, row[:length].long(), slot, prev_prefix_len=req.cache_protected_len
+            key, row[:length].long(), slot, prev_prefix_len=req.cache_protected_len, hidden=hidden
         )
         if exists:
             self.pool.free([slot])
@@ -252,9 +301,12 @@ class PrefixCache:
         """Give back everything the request holds; with insert, donate the newest state and its
         tokens' KV to the tree first. The request row and all other slots are freed."""
         runner = self.runner
+        if insert and self.tracking and req.last_hidden is not None:
+            self.cache_unfinished(req)  # finished in the round that ended its prompt
         row = runner.req_pool.req_to_token[req.req_slot]
         kv_len, protected = req.kv_len, req.cache_protected_len
         donated: int | None = None
+        hidden, req.last_hidden = req.last_hidden, None  # (no_buffer: kv_len is the prompt's)
         if insert and self.enabled and not self.tracking and kv_len > 0:
             donated = req.mamba_slot  # no_buffer: the running state itself
             length = kv_len
@@ -265,7 +317,7 @@ class PrefixCache:
         if donated is not None:
             runner.free_kv(req.req_slot, kv_len, keep=length)
             _, exists = self.tree.insert(
-                req.cache_key(length), row[:length].long(), donated, prev_prefix_len=protected
+                req.cache_key(length), row[:length].long(), donated, protected, hidden
             )
             if exists:
                 self.pool.free([donated])

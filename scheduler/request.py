@@ -69,6 +69,10 @@ class Req:
     last_track_len: int | None = None  # tokens behind the latest snapshot not yet inserted
     branching_len: int | None = None  # chunk-aligned branch point to snapshot in prefill
     lazy_insert_ok: bool = True  # extra_buffer_lazy: False once the only snapshot was overwritten
+    # the final hidden state at position kv_len - 1 while kv_len == fill_len and it has not gone
+    # into the tree yet: from the prefill round that ended the prompt, or (an exact repeat)
+    # from the tree node the whole prompt matched; None otherwise
+    last_hidden: torch.Tensor | None = None
     # outcome
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # e.g. which stop token matched, or an abort message
@@ -144,3 +148,4 @@ class Req:
         self.track_slots, self.next_track = [], 0
         self.last_track_len = self.branching_len = None
         self.lazy_insert_ok = True
+        self.last_hidden = None

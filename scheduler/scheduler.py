@@ -4,11 +4,13 @@ Each `step()` runs one forward: a prefill batch when something waits (the chunke
 then the waiting queue within `max_prefill_tokens` and `max_running_requests`), otherwise one
 decode step of every running request. Prefill has priority, as in SGLang.
 
-Prefix caching: on admission a request matches its prompt (at most prompt_len - 1 tokens) in
-the radix tree, locks the deepest node that holds a Mamba state and copies that state into its
-own fresh slot. What enters the tree after each prefill round, at decode boundaries and on
-finish depends on the Mamba strategy (`scheduler/prefix_cache.py`). Invariant: a tree state is
-always the recurrent state after the tokens from the root to its node. With a storage tier, a
+Prefix caching: on admission a request matches its prompt (at most prompt_len - 1 tokens, or
+all of it when a node ending exactly there keeps its last hidden state: an exact repeat, which
+then computes nothing and samples from that hidden) in the radix tree, locks the deepest node
+that holds a Mamba state and copies that state into its own fresh slot. What enters the tree
+after each prefill round, at decode boundaries and on finish depends on the Mamba strategy
+(`scheduler/prefix_cache.py`). Invariant: a tree state is always the recurrent state after the
+tokens from the root to its node. With a storage tier, a
 request starts a prefetch from storage into host memory on arrival and is admitted once the
 prefetch policy (`--hicache-storage-prefetch-policy`) lets it go.
 
@@ -272,38 +274,35 @@ class Scheduler:
 
     # ---- prefill -------------------------------------------------------------------------
     def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[Req]:
-        runner = self.runner
+        """One prefill round; a request with nothing to compute (extend_len 0: its whole prompt
+        matched a node that keeps the last position's hidden state) is not in the forward, its
+        first logits come from that hidden."""
         self._batch = [r for r, _ in batch]
-        items = []
-        for r, n in batch:
-            offset, slot = self.cache.prefill_track(r, n)
-            ids = r.all_ids[r.kv_len : r.kv_len + n]
-            items.append(ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, ids, offset, slot))
-        rows = runner.req_pool.req_to_token
-        locs = [rows[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in batch]
-        picks = self._prompt_logit_picks(batch)
-        indices = None if picks is None else [i for pick in picks for i in pick]
-        logits = runner.forward(runner.build_prefill(items, locs, logit_indices=indices))
-        if picks is not None:  # rows per request: its prompt positions, then its last token
-            ends = torch.tensor([len(pick) for pick in picks]).cumsum(0)
-            for (req, _), pick, end in zip(batch, picks, ends.tolist(), strict=True):
-                if len(pick) > 1:
-                    self._gather_prompt_logprobs(req, logits[end - len(pick) : end - 1])
-            logits = logits[ends - 1]
-        done_rows, done_reqs = [], []
-        for i, (req, n) in enumerate(batch):
+        work = [(r, n) for r, n in batch if n]
+        logits, hidden = self._prefill_forward(work) if work else (None, None)
+        rows = {id(r): i for i, (r, _) in enumerate(work)}
+        done_reqs = []
+        for req, n in batch:
             req.kv_len += n
+            self.cache.stash_snapshot(req)
             if req.prefill_done:
-                done_rows.append(i)
                 done_reqs.append(req)
+                if n:
+                    req.last_hidden = hidden[rows[id(req)]]
                 if req.params.max_new_tokens == 0:  # prompt only (e.g. its logprobs)
                     req.finish_reason = FinishReason.LENGTH
             else:
                 self.cache.cache_unfinished(req)
                 self.chunked = req
-        sample = [(i, r) for i, r in zip(done_rows, done_reqs, strict=True) if not r.finished]
+        sample = [r for r in done_reqs if not r.finished]
         if sample:
-            self._sample(logits[[i for i, _ in sample]], [r for _, r in sample])
+            computed = [r for r in sample if id(r) in rows]
+            cached = [r for r in sample if id(r) not in rows]
+            parts = [logits[[rows[id(r)] for r in computed]]] if computed else []
+            if cached:
+                h = torch.stack([r.last_hidden for r in cached])
+                parts.append(self.runner.logits_from_hidden(h))
+            self._sample(torch.cat(parts) if len(parts) > 1 else parts[0], computed + cached)
         for req in done_reqs:
             if req.finished:
                 self._release(req, insert=True)
@@ -311,6 +310,29 @@ class Scheduler:
                 self.cache.cache_unfinished(req)
                 self.running.append(req)
         return done_reqs
+
+    def _prefill_forward(self, work: list[tuple[Req, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of the requests with tokens to compute: per request the logits and the
+        final hidden state of its last new token (its prompt logprobs gathered on the way)."""
+        runner = self.runner
+        items = []
+        for r, n in work:
+            offset, slot = self.cache.prefill_track(r, n)
+            ids = r.all_ids[r.kv_len : r.kv_len + n]
+            items.append(ExtendInput(r.req_slot, r.mamba_slot, r.kv_len, ids, offset, slot))
+        rows = runner.req_pool.req_to_token
+        locs = [rows[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in work]
+        picks = self._prompt_logit_picks(work)
+        indices = None if picks is None else [i for pick in picks for i in pick]
+        batch = runner.build_prefill(items, locs, logit_indices=indices)
+        logits, hidden = runner.forward_with_hidden(batch)
+        if picks is not None:  # rows per request: its prompt positions, then its last token
+            ends = torch.tensor([len(pick) for pick in picks]).cumsum(0)
+            for (req, _), pick, end in zip(work, picks, ends.tolist(), strict=True):
+                if len(pick) > 1:
+                    self._gather_prompt_logprobs(req, logits[end - len(pick) : end - 1])
+            logits, hidden = logits[ends - 1], hidden[ends - 1]
+        return logits, hidden
 
     @staticmethod
     def _prompt_logit_picks(batch: list[tuple[Req, int]]) -> list[list[int]] | None:

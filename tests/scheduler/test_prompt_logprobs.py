@@ -77,7 +77,9 @@ def test_prompt_logprobs_equal_transformers(ckpt, mode):
         params["top_logprobs_num"] = k
         out = engine.generate(prompt, params)
         check(out["meta_info"], prompt, ref, start, k)
-        assert out["meta_info"]["cached_tokens"] <= start
+        # from the last position on no prompt logits are needed: an exact repeat hits it all
+        limit = len(prompt) if start == len(prompt) - 1 else start
+        assert out["meta_info"]["cached_tokens"] <= limit
         # the output logprobs are unchanged by the recompute
         last = out["meta_info"]["output_token_logprobs"][0]
         assert last[0] == pytest.approx(ref[-1, last[1]].item(), abs=TOL)

@@ -129,8 +129,9 @@ def test_lazy_forced_allocation_failure_is_exact_and_skips_insert(ckpt, monkeypa
     outs = engine.generate(prompts, [{**GREEDY, "max_new_tokens": n} for n in news])
     expected = hf_greedy(hf, prompts, 14)
     assert [o["output_ids"] for o in outs] == [e[:n] for e, n in zip(expected, news, strict=True)]
-    # Request 0 finished on the step that reached kv_len 20: its snapshot was not inserted.
-    assert _cached(engine, prompts[0] + expected[0][:13]) == 0
+    # Request 0 finished on the step that reached kv_len 20: its snapshot was not inserted
+    # (the deepest state on its path is its prompt's end, inserted after its prefill).
+    assert _cached(engine, prompts[0] + expected[0][:13]) == len(prompts[0])
     # Request 1 passed kv_len 20 two steps before its end: inserted under 20 tokens.
     assert _cached(engine, prompts[1] + expected[1]) == 20
     assert engine.leak_report() == []
