@@ -96,6 +96,8 @@ class Fp8Config:
 
     @classmethod
     def from_dict(cls, qc: dict) -> Fp8Config:
+        """Read a `quantization_config`; anything but block-FP8 e4m3 with dynamic activations
+        is a `ValueError` naming the field."""
         method = qc.get("quant_method")
         if method != "fp8":
             raise ValueError(f"config.json: unsupported quantization quant_method {method!r}")

@@ -12,11 +12,11 @@ A checkpoint directory produced here loads with ``transformers`` (``AutoModelFor
 * ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` (byte-level BPE from
   :mod:`models.tokenizer_builder`) and ``generation_config.json``.
 
-Weights are a pure function of ``(config, seed, dtype, expert_layout, init_range)``: they are
-drawn in fp32 from one ``torch.Generator`` in the fixed key order of :func:`checkpoint_shapes`
-(per-expert order, also for the fused layout, so both layouts hold the same numbers), then cast to
-``dtype``; ``A_log`` and ``dt_bias`` always stay fp32, as in real checkpoints. Equal arguments give
-byte-identical files.
+Weights are a pure function of ``(config, seed, dtype, expert_layout, init_range, fp8_block)``:
+they are drawn in fp32 from one ``torch.Generator`` in the fixed key order of
+:func:`checkpoint_shapes` (per-expert order, also for the fused layout, so both layouts hold the
+same numbers), then quantized (``fp8_block``) or cast to ``dtype``; ``A_log`` and ``dt_bias``
+always stay fp32, as in real checkpoints. Equal arguments give byte-identical files.
 
 Initialisation (chosen so greedy decoding of random weights is varied and rarely near-tied, see
 the "near-ties" note in the CPU anchors): linear and embedding weights ~ N(0, init_range);

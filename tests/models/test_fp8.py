@@ -110,6 +110,14 @@ def test_preset_writes_the_official_layout(fp8_pair) -> None:
     assert not any(t.dtype == E4M3 for t in load_file(str(twin / "model.safetensors")).values())
 
 
+def test_fp8_preset_files_are_deterministic(tmp_path, fp8_pair) -> None:
+    again = write_checkpoint(
+        tmp_path, preset_config("tiny"), seed=5, dtype=torch.bfloat16, fp8_block=BLOCK
+    )
+    for name in ("model.safetensors", "config.json"):
+        assert (again / name).read_bytes() == (fp8_pair[0] / name).read_bytes()
+
+
 def test_fp8_loads_the_dequantized_weights_close_to_the_original(tmp_path, fp8_pair) -> None:
     fp8, twin = fp8_pair
     model, ref = load_model(fp8, "bfloat16"), load_model(twin, "bfloat16")
