@@ -9,7 +9,8 @@ so each runs to its length unless cut:
     plain          one JSON answer
     leave          streams, and the client goes away after three events
     slow           streams, reading one event every 50 ms
-    abort          streams, and aborts itself by rid after two events
+    abort          streams, and aborts itself by rid after its first event (its rid starts with
+                   `hold_prefix`: a test server can keep it running until then, however fast)
     session        a tree session: a first turn, then two turns that both branch from it, close
     stream_session a streaming (append-only) session: three streamed turns in a row, close
 
@@ -75,10 +76,16 @@ class RoundResult:
 
 class Client:
     def __init__(
-        self, url: str, progress: Progress, result: RoundResult, timeout: float, max_new: int
+        self,
+        url: str,
+        progress: Progress,
+        result: RoundResult,
+        timeout: float,
+        max_new: int,
+        hold_prefix: str = "",
     ) -> None:
         self.url, self.progress, self.result = url, progress, result
-        self.timeout, self.max_new = timeout, max_new
+        self.timeout, self.max_new, self.hold_prefix = timeout, max_new, hold_prefix
         self.lock = threading.Lock()
 
     def fail(self, what: str) -> None:
@@ -145,7 +152,7 @@ class Client:
                     return None  # gone mid-stream
                 if kind == "slow":
                     time.sleep(0.05)
-                if kind == "abort" and len(events) == 2:
+                if kind == "abort" and len(events) == 1:
                     if http.post("/abort_request", json={"rid": rid}).status_code != 200:
                         self.fail(f"{rid}: /abort_request refused")
         if len(events) < 2 or events[-1] != "data: [DONE]":
@@ -185,7 +192,7 @@ class Client:
                 out["session_params"] = session
             return out
 
-        rid = f"soak{seed}-{i}"
+        rid = f"{self.hold_prefix if kind == 'abort' else ''}soak{seed}-{i}"
         with httpx.Client(base_url=self.url, timeout=self.timeout) as http:
             if kind in ("stream", "plain", "leave", "slow", "abort"):
                 self.generate(http, body(rid), kind, kind != "plain", rid)
@@ -237,12 +244,14 @@ def run_round(
     seed: int,
     max_new: int = 48,
     timeout: float = 120.0,
+    hold_prefix: str = "",
 ) -> RoundResult:
     """`n_requests` workload items (kinds in turn) from `n_clients` threads, each request asking
-    for 4 to `max_new` tokens; returns when all have finished."""
+    for 4 to `max_new` tokens; returns when all have finished. The abort kind's rids start with
+    `hold_prefix`."""
     result = RoundResult()
     progress = Progress()
-    client = Client(url, progress, result, timeout, max_new)
+    client = Client(url, progress, result, timeout, max_new, hold_prefix)
     t0 = time.monotonic()
     with ThreadPoolExecutor(n_clients) as pool:
         list(pool.map(lambda i: client.run(i, seed), range(n_requests)))

@@ -122,9 +122,9 @@ def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Serve
 
 
 @contextmanager
-def running(cmd: list[str], log: Path) -> Iterator[Server]:
+def running(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
     """`start` a server, wait until it is healthy, and stop it cleanly (exit 0) on the way out."""
-    srv = start(cmd, log)
+    srv = start(cmd, log, env)
     try:
         srv.wait_healthy()
         yield srv

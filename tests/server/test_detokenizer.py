@@ -88,15 +88,16 @@ def test_no_stop_trim_keeps_the_stop_string(tok):
 
 def test_many_long_stop_strings_cost_time_linear_in_the_text(tok):
     """1,000 stop strings of 1,000 characters that all share the streamed prefix (the worst case
-    for a scan of every held tail) cost little per token: the issue-13 stall took 113 s."""
-    import time
+    for a scan of every held tail; the issue-13 stall took 113 s) cost O(1) steps per character:
+    each character is fed to the matcher once and follows at most one failure link, amortised
+    (counted, not timed, so the check holds on any CPU)."""
+    from tests.server.test_stop_matcher import CountingList
 
     text = "a" * 300 + "b"
     stops = ["a" * 999 + chr(0x4E00 + i) for i in range(1000)]
     ids = tok.encode(text, add_special_tokens=False)
-    t0 = time.perf_counter()
     s = TextStream(tok, stop=stops)
+    s.matcher.fail = CountingList(s.matcher.fail)
     streamed = "".join(feed(s, ids))
-    elapsed = time.perf_counter() - t0
     assert streamed + s.finish() == text and s.matched is None
-    assert elapsed < 5.0, elapsed
+    assert s.matcher.fed == len(text) and s.matcher.fail.reads <= len(text)

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from benchmarks.soak_workload import KINDS, run_round
-from tests.server.conftest import running, wait_idle_and_clean
+from tests.server.conftest import HELD, HOLD_ENV, running, wait_idle_and_clean
 
 N_CLIENTS = 8
 MAX_GAP_S = 15.0  # the livelock of issue 13 froze every stream for 20 s and more
@@ -38,7 +38,7 @@ def small_pools(tiny_path, tmp_path_factory):
     cmd += ["--context-length", "512", "--max-running-requests", "4"]
     cmd += ["--max-total-tokens", "512", "--chunked-prefill-size", "64"]
     cmd += ["--max-mamba-cache-size", "6", "--schedule-conservativeness", "0.01"]
-    with running(cmd, log) as srv:
+    with running(cmd, log, HOLD_ENV) as srv:  # the abort kind is held until it aborts
         # the first forward loads (or builds) the C++ kernels: not part of the soak's gaps
         warm = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
         assert httpx.post(f"{srv.url}/generate", json=warm, timeout=600).status_code == 200
@@ -61,7 +61,9 @@ def finish(http: httpx.Client) -> str:
 
 def test_bounded_soak(small_pools):
     t0 = time.monotonic()
-    res = run_round(small_pools.url, 4 * len(KINDS), N_CLIENTS, seed=0, max_new=32)
+    res = run_round(
+        small_pools.url, 4 * len(KINDS), N_CLIENTS, seed=0, max_new=32, hold_prefix=HELD
+    )
     assert res.failures == [], res.failures[:5]
     assert res.kinds == {k: 4 for k in KINDS}
     # 3 + 3 of the session kinds' turns, 1 of the rest; every one completes but `leave`'s
@@ -70,7 +72,7 @@ def test_bounded_soak(small_pools):
     assert res.longest_gap_s < MAX_GAP_S, res.longest_gap_s
     with httpx.Client(base_url=small_pools.url, timeout=30) as http:
         metrics = finish(http)
-    assert counter(metrics, "aborted_requests") >= 4, metrics  # the abort kind at least
+    assert counter(metrics, "aborted_requests") >= 4, metrics  # the abort kind (held) at least
     print(
         f"soak: {res.requests} requests in {time.monotonic() - t0:.1f}s, longest gap "
         f"{res.longest_gap_s:.2f}s, retractions {counter(metrics, 'retractions')}"
