@@ -73,8 +73,8 @@ def fleet(tiny_path, tmp_path_factory):
         cmd += ["--health-check-interval-secs", "1", "--health-failure-threshold", "2"]
         cmd += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "120"]
         cmd += ["--log-level", "warn"]
-        log = (logs / "router.log").open("w")
-        router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        with (logs / "router.log").open("w") as log:
+            router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
 
         def ready() -> bool:
@@ -95,9 +95,9 @@ def fleet(tiny_path, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 router.kill()
                 router.wait()
-        for w in workers:
-            if w.proc.poll() is None:
-                assert w.stop() == 0, w.log.read_text()[-4000:]
+        statuses = [(w.stop(), w.log) for w in workers if w.proc.poll() is None]
+        for status, log in statuses:  # every worker stopped before any complaint
+            assert status == 0, log.read_text()[-4000:]
 
 
 def send(router_url: str, prefix: str, i: int) -> None:
