@@ -166,14 +166,14 @@ def _cached(c: httpx.Client, ids: list[int], salt: str | None = None, chat: bool
 
 def test_the_pin_probe_fails_under_two_salts(secret_server):
     http = secret_server
-    # the probe itself, without salts: the right guess hits 128 tokens, a wrong one nothing
+    # the probe itself, without salts: the right guess hits it all, a wrong one nothing
     _cached(http, SECRET)
-    assert _cached(http, WRONG) == 0 and _cached(http, SECRET) == 128
+    assert _cached(http, WRONG) == 0 and _cached(http, SECRET) == len(SECRET)
     http.post("/flush_cache").raise_for_status()
     _cached(http, SECRET, "alice-salt")
     assert _cached(http, SECRET, "mallory-salt") == 0  # the right guess tells nothing
     assert _cached(http, SECRET) == 0  # nor does leaving the salt out
-    assert _cached(http, SECRET, "alice-salt", chat=True) == 128  # the same salt still hits
+    assert _cached(http, SECRET, "alice-salt", chat=True) == len(SECRET)  # the same salt hits
     assert http.post("/generate", json={"text": "x", "cache_salt": ""}).status_code == 400
     assert wait_idle_and_clean(http)["problems"] == []
 
@@ -183,6 +183,6 @@ def test_the_pin_probe_fails_under_per_key_isolation(two_keys):
     _cached(alice, SECRET)
     assert _cached(bob, SECRET) == 0
     assert _cached(bob, SECRET, "alice-key") == 0  # no salt reaches another key's entries
-    assert _cached(alice, SECRET, chat=True) == 128  # her own key still hits
+    assert _cached(alice, SECRET, chat=True) == len(SECRET)  # her own key still hits
     assert _cached(alice, SECRET, "other") == 0  # a salt of her own is a namespace of its own
     assert wait_idle_and_clean(alice)["problems"] == []
