@@ -17,9 +17,13 @@ from typing import Any
 
 from scheduler.config import RunnerConfig, SchedulerConfig
 from server.dp_router import LOAD_BALANCE_METHODS
+from server.reasoning import REASONING_PARSERS
+from server.tool_parsers import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CACHE_ISOLATION = ("none", "per-key")
+REASONING_FLAGS = ("auto", "none", *REASONING_PARSERS)
+TOOL_CALL_FLAGS = ("auto", *TOOL_CALL_PARSERS)
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -120,6 +124,16 @@ class ServerConfig:
     max_tree_size: int = _opt(
         0, "cache_aware: tokens each replica's routing tree keeps (0: --max-total-tokens)"
     )
+    reasoning_parser: str = _opt(
+        "auto",
+        f"chat: split <think> reasoning into reasoning_content: {', '.join(REASONING_FLAGS)} "
+        "(auto: from the chat template; server/reasoning.py)",
+    )
+    tool_call_parser: str = _opt(
+        "auto",
+        f"chat: the tool call format: {', '.join(TOOL_CALL_FLAGS)} (auto: from the chat "
+        "template; server/tool_parsers.py)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -139,6 +153,10 @@ class ServerConfig:
             raise ValueError("--cache-threshold must be in [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("--balance-abs-threshold must be >= 0, --balance-rel-threshold >= 1")
+        if self.reasoning_parser not in REASONING_FLAGS:
+            raise ValueError(f"--reasoning-parser must be one of {REASONING_FLAGS}")
+        if self.tool_call_parser not in TOOL_CALL_FLAGS:
+            raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_FLAGS}")
         if self.max_tree_size < 0:
             raise ValueError("--max-tree-size must be >= 0")
         if self.max_queued_requests < 0:

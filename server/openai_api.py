@@ -19,6 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.app_state import AppState, get_state
+from server.chat_output import ChoiceOutput, chat_format
+from server.chat_template import chat_prompt, utf8
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.ownership import cache_salt, caller_of
@@ -26,13 +28,14 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from server.reasoning import prompt_thinking, reasoning_mode
 from server.request_fields import (
     reject_unsupported,
     sampling_params,
     session_of,
     text_options,
 )
-from server.tools import ToolStream, call_grammar, check_tools, parse_tool_calls
+from server.tools import call_grammar, check_tools
 
 router = APIRouter()
 
@@ -65,17 +68,6 @@ def usage_of(results: list[Result], n: int) -> dict:
 
 def token_text(s: AppState, token_id: int) -> str:
     return s.tokenizer.decode([token_id])
-
-
-def utf8(text: str, param: str) -> str:
-    """text, or a 400 naming param when it cannot be UTF-8 (a lone surrogate from JSON)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(
-            f"{param} is not valid text: {e.reason} at index {e.start}", 400, param
-        ) from e
-    return text
 
 
 # ---- /v1/completions -----------------------------------------------------------------------
@@ -228,30 +220,6 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
-async def chat_prompt(s: AppState, body: ChatCompletionRequest) -> list[int]:
-    messages = []
-    for m in body.messages:
-        message: dict[str, Any] = {"role": m.role, "content": utf8(m.text(), "messages")}
-        if m.tool_calls is not None:
-            message["tool_calls"] = m.tool_calls
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        messages.append(message)
-    if getattr(s.tokenizer, "chat_template", None) is None:
-        raise APIError("this checkpoint has no chat template; use /v1/completions", 400)
-    try:
-        text = await s.off_loop(
-            s.tokenizer.apply_chat_template,
-            messages,
-            tools=body.tools or None,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-    except Exception as e:  # template errors are the client's (e.g. an unsupported role order)
-        raise APIError(f"chat template failed: {e}", 400, "messages") from e
-    return await s.encode(text)
-
-
 def chat_logprobs(s: AppState, p: Result | Piece) -> dict:
     def entry(t: int, lp: float) -> dict:
         text = token_text(s, t)
@@ -276,7 +244,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     forced = check_tools(body.tools, body.tool_choice)
     parse_calls = bool(body.tools) and body.tool_choice != "none"
     s.check_fan_out(body.n)
-    ids = await chat_prompt(s, body)
+    prompt, ids = await chat_prompt(s, body)
+    fmt = chat_format(
+        s.config.reasoning_parser,
+        s.config.tool_call_parser,
+        getattr(s.tokenizer, "chat_template", None),
+    )
+    mode = reasoning_mode(
+        fmt.reasoning_parser, prompt, body.separate_reasoning, body.chat_template_kwargs
+    )
     max_new = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if max_new is None:
@@ -290,14 +266,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
     if forced is not None:  # required / named: the grammar makes the call valid
-        if body.response_format:
-            raise APIError("give response_format or a forced tool_choice", 400, "tool_choice")
-        grammar = call_grammar(body.tools or [], forced)
+        if body.response_format or body.regex or body.ebnf:
+            message = "give response_format, regex or ebnf, or a forced tool_choice"
+            raise APIError(message, 400, "tool_choice")
+        think = prompt_thinking(prompt) is True  # the reasoning runs free first
+        grammar = call_grammar(body.tools or [], forced, fmt.tool_call_parser, think)
         for sp in params:
             sp.ebnf = grammar
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
     gen_kw = {"session": session, "caller": caller, "cache_salt": salt, **text_options(body)}
+
+    def output() -> ChoiceOutput:
+        tool_fmt = fmt.tool_call_parser if parse_calls else None
+        return ChoiceOutput(mode, tool_fmt, body.tools, body.stream_reasoning)
 
     if not body.stream:
         results: list[Result] = await run_all(
@@ -305,13 +287,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         )
         choices = []
         for k, r in enumerate(results):
-            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            out = output()
+            message = out.message(r.text)
             finish = r.finish_reason
-            if parse_calls:
-                message["content"], calls = parse_tool_calls(r.text)
-                if calls:
-                    message["tool_calls"] = calls
-                    finish = "tool_calls" if finish == "stop" else finish
+            if out.has_calls and finish == "stop":
+                finish = "tool_calls"
             choices.append(
                 {
                     "index": k,
@@ -336,27 +316,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     async def events() -> AsyncIterator[str]:
         results = [Result(rid=p.rid) for p in firsts]
-        tool_streams = [ToolStream() for _ in range(n)] if parse_calls else None
+        outs = [output() for _ in range(n)]
         for k in range(n):
             yield event(k, {"role": "assistant", "content": ""})
         merged = merge(streams, firsts)
         try:
             async for k, p in merged:
                 results[k].add(p)
-                text = tool_streams[k].push(p.text) if tool_streams else p.text
-                if text or (body.logprobs and p.token_ids):
-                    lp = chat_logprobs(s, p) if body.logprobs else None
-                    yield event(k, {"content": text}, lp=lp)
+                deltas = outs[k].push(p.text)
+                lp = chat_logprobs(s, p) if body.logprobs and p.token_ids else None
+                if lp and not deltas:
+                    deltas = [{"content": ""}]
+                for i, delta in enumerate(deltas):  # the piece's logprobs go with its first
+                    yield event(k, delta, lp=lp if i == 0 else None)
                 if p.finish_reason:
+                    for delta in outs[k].finish():
+                        yield event(k, delta)
                     finish = p.finish_reason
-                    if tool_streams:
-                        rest, calls = tool_streams[k].finish()
-                        if rest:
-                            yield event(k, {"content": rest})
-                        if calls:
-                            deltas = [{"index": i, **c} for i, c in enumerate(calls)]
-                            yield event(k, {"tool_calls": deltas})
-                            finish = "tool_calls" if finish == "stop" else finish
+                    if outs[k].has_calls and finish == "stop":
+                        finish = "tool_calls"
                     yield event(k, {}, finish)
             if include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage_of(results, n)})

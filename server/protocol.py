@@ -10,7 +10,7 @@ them, as SGLang does.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,6 +49,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
     response_format: dict | None = None
+    regex: str | None = None  # SGLang's: the output matches this regex / EBNF grammar
+    ebnf: str | None = None
     session_params: SessionParamsModel | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefixes shared per salt
 
@@ -79,6 +81,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     tool_calls: list[dict] | None = None  # assistant: earlier calls, rendered by the template
     tool_call_id: str | None = None  # tool: which call this answers
+    reasoning_content: str | None = None  # assistant: its thinking, for templates that keep it
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -94,6 +97,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None  # function tools (server/tools.py)
     tool_choice: str | dict | None = None  # auto / none / required / {"function": {"name"}}
+    # extra variables for the chat template, e.g. {"enable_thinking": false} (SGLang, vLLM)
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # reasoning in reasoning_content (with a reasoning parser)
+    stream_reasoning: bool = True  # False: a stream sends the reasoning in one delta at its end
     # known but not supported: refused when set (400 naming the field)
     functions: list[dict] | None = None
     function_call: str | dict | None = None

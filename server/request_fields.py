@@ -32,6 +32,8 @@ def sampling_params(
             return_logprob=top_logprobs is not None,
             top_logprobs_num=top_logprobs or 0,
             min_new_tokens=min(body.min_tokens, max_new_tokens),
+            regex=body.regex,
+            ebnf=body.ebnf,
             **response_format(body.response_format),
         )
     except ValueError as e:

@@ -1,23 +1,27 @@
-"""Tool calling in Qwen's format: tools go through the chat template, calls come back as
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks in the output text.
+"""Tool calling in Qwen's formats: tools go through the chat template, calls come back as
+`<tool_call>` blocks in the output text, JSON (`qwen25`) or XML (`qwen3_coder`), parsed by
+`server/tool_parsers.py`.
 
 `tool_choice`: `auto` (the default when tools are given) renders the tools and parses any calls
 the model writes; `none` renders them and parses nothing; `required` and a named function
-constrain the output with a grammar (xgrammar EBNF: the tags around a JSON object that satisfies
-the chosen function's `parameters`), so the call always parses. `ToolStream` streams the content
-before the first `<tool_call>` and returns the calls at the end.
+constrain the output with a grammar (xgrammar EBNF) in the template's format, so the call
+always parses: JSON, the tags around an object that satisfies the function's `parameters`; XML,
+one `<parameter=KEY>` per property (required ones always, in the schema's order), each value a
+literal of its `enum`, free text for strings, and JSON that satisfies the property's schema for
+other types. When the prompt leaves a think block open, the grammar lets the reasoning run free
+first, up to `</think>\n\n` (SGLang and vLLM constrain only the output after the reasoning).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 from server.errors import APIError
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+from server.tool_values import STRING_TYPES, schema_type
 
 
 def check_tools(tools: list[dict] | None, tool_choice: str | dict | None) -> str | None:
@@ -43,92 +47,77 @@ def check_tools(tools: list[dict] | None, tool_choice: str | dict | None) -> str
     return name
 
 
-def call_grammar(tools: list[dict], name: str) -> str:
-    """EBNF for exactly one call of `name` (any tool when ''), wrapped in the tags."""
-    import xgrammar as xgr
+def _grammar() -> type[xgr.Grammar]:
+    """xgrammar's Grammar, imported on first use (it loads torch; the API process must not)."""
+    import xgrammar
 
-    options = []
-    for tool in tools:
-        fn = tool["function"]
-        if name and fn["name"] != name:
-            continue
-        params = fn.get("parameters") or {"type": "object"}
-        options.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
-            }
-        )
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return xgrammar.Grammar
+
+
+def _ebnf(text: str) -> xgr.Grammar:
+    return _grammar().from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+def _schema(schema: dict) -> xgr.Grammar:
     try:
-        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        return _grammar().from_json_schema(json.dumps(schema), any_whitespace=False)
     except (RuntimeError, ValueError) as e:
         message = f"a tool's parameters are not a usable JSON schema: {e}"
         raise APIError(message, 400, "tools") from e
-    wrapped = xgr.Grammar.concat(
-        xgr.Grammar.from_ebnf(f'root ::= "{OPEN}\\n"'),
-        body,
-        xgr.Grammar.from_ebnf(f'root ::= "\\n{CLOSE}"'),
-    )
-    return str(wrapped)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content outside the parsed blocks or None, OpenAI `tool_calls`); a block that is not a
-    {"name", "arguments"} JSON object stays in the content."""
-    calls, kept, last = [], [], 0
-    for m in _BLOCK.finditer(text):
-        try:
-            obj = json.loads(m.group(1), strict=False)
-            name, args = obj["name"], obj.get("arguments", {})
-            assert isinstance(name, str)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            continue
-        kept.append(text[last : m.start()])
-        last = m.end()
-        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
+# Reasoning text that does not contain "</think>", then the tag (see the module docstring).
+THINK_EBNF = (
+    'root ::= free "</think>\\n\\n"\n'
+    'free ::= ([^<] | "<"+ tail)*\n'
+    'tail ::= [^/<] | "/" [^t<] | "/t" [^h<] | "/th" [^i<] | "/thi" [^n<] | "/thin" [^k<]'
+    ' | "/think" [^><]'
+)
+
+
+def _json_call(fn: dict) -> xgr.Grammar:
+    params = fn.get("parameters") or {"type": "object"}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+    }
+    return _grammar().concat(_ebnf("<tool_call>\n"), _schema(schema), _ebnf("\n</tool_call>"))
+
+
+def _xml_value(schema: dict) -> xgr.Grammar:
+    schema = schema if isinstance(schema, dict) else {}
+    kind, _ = schema_type(schema)
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return _grammar().union(*(_ebnf(v) for v in enum)) if len(enum) > 1 else _ebnf(enum[0])
+    if kind in STRING_TYPES:
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        count = f"{{{low},{high}}}" if high is not None else f"{{{low},}}" if low else "*"
+        return _grammar().from_ebnf(f"root ::= [^<]{count}")
+    return _schema(schema)
+
+
+def _xml_call(fn: dict) -> xgr.Grammar:
+    params = fn.get("parameters") or {}
+    props = params.get("properties") or {}
+    required = set(params.get("required") or [])
+    parts = [_ebnf(f"<tool_call>\n<function={fn['name']}>\n")]
+    for key, schema in props.items():
+        one = _grammar().concat(
+            _ebnf(f"<parameter={key}>\n"), _xml_value(schema), _ebnf("\n</parameter>\n")
         )
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return content or None, calls
+        parts.append(one if key in required else _grammar().union(one, _ebnf("")))
+    parts.append(_ebnf("</function>\n</tool_call>"))
+    return _grammar().concat(*parts)
 
 
-class ToolStream:
-    """Streamed content with tool calls held back: `push` returns the text safe to show (never
-    part of a `<tool_call>` tag), `finish` the rest of the content and the parsed calls."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.shown = 0
-        self.in_call = False
-
-    def push(self, new: str) -> str:
-        self.text += new
-        if self.in_call:
-            return ""
-        at = self.text.find(OPEN, self.shown)
-        if at >= 0:
-            self.in_call = True
-            out, self.shown = self.text[self.shown : at], at
-            return out
-        end = len(self.text)
-        for k in range(min(len(OPEN) - 1, end - self.shown), 0, -1):
-            if self.text.endswith(OPEN[:k]):
-                end -= k
-                break
-        out, self.shown = self.text[self.shown : end], end
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        rest = self.text[self.shown :]
-        content, calls = parse_tool_calls(rest)
-        if not calls:
-            return rest, []
-        return ("" if content is None else content), calls
+def call_grammar(tools: list[dict], name: str, fmt: str = "qwen25", think: bool = False) -> str:
+    """EBNF for exactly one call of `name` (any tool when '') in format `fmt` (`qwen25` or
+    `qwen3_coder`), after free reasoning up to `</think>` when `think`."""
+    build = _xml_call if fmt == "qwen3_coder" else _json_call
+    options = [build(t["function"]) for t in tools if not name or t["function"]["name"] == name]
+    grammar = options[0] if len(options) == 1 else _grammar().union(*options)
+    if think:
+        grammar = _grammar().concat(_grammar().from_ebnf(THINK_EBNF), grammar)
+    return str(grammar)

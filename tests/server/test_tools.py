@@ -1,15 +1,32 @@
-"""Tools in Qwen's format: the chat template renders them, a named or required tool_choice is
-constrained by the grammar so every call parses and fits its parameters (random weights, many
-seeds, streaming and not), `auto` output is parsed into tool_calls, and the parsing itself."""
+"""Tools in Qwen's JSON format (the shared server's Qwen3-Next Instruct template): the template
+renders them, a named or required tool_choice is constrained by the grammar so every call parses
+and fits its parameters (random weights, many seeds, streaming and not), streamed calls arrive
+as incremental tool_calls deltas that add up to the non-streamed call, and `auto` output is
+parsed into tool_calls. The parsers themselves: tests/server/test_chat_parsers.py.
+
+The real template's tool instructions take about 500 tokens of the preset tokenizer, more than
+the shared server's context: one server with a 2048-token context for the module."""
 
 from __future__ import annotations
 
 import json
 
-from server.tools import ToolStream, parse_tool_calls
-from tests.server.conftest import MODEL_NAME, wait_idle_and_clean
+import httpx
+import pytest
 
-WEATHER = {  # small: the shared test server's context is 512 tokens
+from tests.server.conftest import MODEL_NAME, running, serve_command, wait_idle_and_clean
+
+
+@pytest.fixture(scope="module")
+def http(tiny_path, tmp_path_factory):
+    flags = ("--served-model-name", MODEL_NAME, "--context-length", "2048")
+    log = tmp_path_factory.mktemp("tools") / "server.log"
+    with running(serve_command(tiny_path, *flags, "--max-running-requests", "8"), log) as srv:
+        with httpx.Client(base_url=srv.url, timeout=300) as c:
+            yield c
+
+
+WEATHER = {
     "type": "function",
     "function": {
         "name": "weather",
@@ -65,7 +82,7 @@ def test_named_and_required_tool_choice_always_yield_valid_calls(http):
             assert c["finish_reason"] == "tool_calls", c
             assert c["message"]["content"] is None and len(c["message"]["tool_calls"]) == 1
             check_call(c["message"]["tool_calls"][0], names)
-    # streaming: the same call (same seed) arrives as a tool_calls delta
+    # streaming: the same call (same seed), name first, then argument fragments
     one = http.post("/v1/chat/completions", json=body(tool_choice=named)).json()["choices"][0]
     deltas, finish = [], None
     with http.stream(
@@ -76,8 +93,12 @@ def test_named_and_required_tool_choice_always_yield_valid_calls(http):
                 choice = json.loads(line[6:])["choices"][0]
                 deltas += choice["delta"].get("tool_calls", [])
                 finish = choice["finish_reason"] or finish
-    assert finish == "tool_calls" and len(deltas) == 1 and deltas[0]["index"] == 0
-    assert deltas[0]["function"] == one["message"]["tool_calls"][0]["function"]
+    assert finish == "tool_calls" and len(deltas) > 1
+    assert all(d["index"] == 0 for d in deltas)
+    first = deltas[0]
+    assert first["function"] == {"name": "weather", "arguments": ""} and first["id"]
+    streamed = "".join(d["function"]["arguments"] for d in deltas)
+    assert {"name": "weather", "arguments": streamed} == one["message"]["tool_calls"][0]["function"]
     assert wait_idle_and_clean(http)["problems"] == []
 
 
@@ -106,28 +127,3 @@ def test_auto_tools_history_and_errors(http):
     assert r.status_code == 400 and r.json()["param"] == "tool_choice"
     r = http.post("/v1/chat/completions", json=body(functions=[{"name": "f"}]))
     assert r.status_code == 400 and r.json()["param"] == "functions"
-
-
-def test_parse_and_stream_tool_calls():
-    text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me check."
-    assert [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a": 1}'}]
-    assert parse_tool_calls("<tool_call>not json</tool_call>")[1] == []
-    stream, shown = ToolStream(), ""
-    for piece in [
-        "Let me ",
-        "check.\n<tool",
-        "_call>\n{",
-        '"name": "add", "arguments": {"a": 1}}\n',
-        "</tool_call>",
-    ]:
-        shown += stream.push(piece)
-    rest, calls2 = stream.finish()
-    assert shown == "Let me check.\n" and rest == "" and len(calls2) == 1
-    plain = ToolStream()
-    assert (
-        plain.push("a <b") == "a <b"
-        and plain.push("<tool") == ""
-        and plain.finish() == ("<tool", [])
-    )

@@ -1,0 +1,255 @@
+"""The chat output parsers on their own: reasoning split at `</think>` (modes, truncation, a
+leading `<think>`, `<tool_call>` as an implicit end), tool calls in the JSON and XML formats
+with schema-typed values, and the deltas a choice streams; every case is also cut into pieces
+at arbitrary points (tags split included) and must give exactly the whole-text result."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from models.chat_templates import TEMPLATES
+from server.chat_output import ChatFormat, ChoiceOutput, chat_format
+from server.reasoning import (
+    ReasoningParser,
+    default_reasoning_parser,
+    prompt_thinking,
+    reasoning_mode,
+)
+from server.tool_parsers import default_tool_call_parser, make_tool_parser
+from server.tool_values import convert_value
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "hot": {"type": "boolean"},
+                    "opts": {"type": "object"},
+                    "temp": {"type": ["number", "null"]},
+                },
+            },
+        },
+    }
+]
+XML = (
+    "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=hot>\nTrue\n</parameter>\n"
+    '<parameter=opts>\n{"a": [1, "<b>"]}\n</parameter>\n<parameter=temp>\nnull\n</parameter>\n'
+    "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n</function>\n</tool_call>"
+)
+XML_ARGS = '{"city": "Paris", "days": 3, "hot": true, "opts": {"a": [1, "<b>"]}, "temp": null}'
+JSON_TEXT = (
+    'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ri\\"s", '
+    '"n": [1, {"x": 2}]}}\n</tool_call>\n<tool_call>\n{"arguments": {}, "name": "x"}\n'
+    "</tool_call><tool_call>not json</tool_call>"
+)
+
+
+def pieces(text: str, rng: random.Random, most: int = 30) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, most))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def cuttings(text: str, n: int = 300) -> list[list[str]]:
+    """Every single cut, the text char by char, and `n` random multi-cuts."""
+    rng = random.Random(len(text))
+    single = [[text[:i], text[i:]] for i in range(1, len(text))]
+    return [[text], list(text), *single, *(pieces(text, rng) for _ in range(n))]
+
+
+def split(mode: str, parts: list[str], tools: bool = False, stream: bool = True):
+    p = ReasoningParser(mode, with_tools=tools, stream_reasoning=stream)
+    got = [p.push(x) for x in parts] + [p.finish()]
+    return "".join(r for r, _ in got), "".join(c for _, c in got)
+
+
+@pytest.mark.parametrize(
+    ("mode", "text", "tools", "want"),
+    [
+        ("forced", "Hmm.\n</think>\n\nHi", False, ("Hmm.\n", "\n\nHi")),
+        ("forced", "<think>Hmm.</think>Hi", False, ("Hmm.", "Hi")),  # an echoed <think>
+        ("forced", "cut short by the length limit", False, ("cut short by the length limit", "")),
+        ("forced", "a </thin b", False, ("a </thin b", "")),
+        ("forced", "<thi", False, ("<thi", "")),
+        ("detect", "<think>r</think>c", False, ("r", "c")),
+        ("detect", "no thinking </think> here", False, ("", "no thinking </think> here")),
+        ("detect", "<thi", False, ("", "<thi")),
+        ("forced", "plan<tool_call>\n<function=f>", True, ("plan", "<tool_call>\n<function=f>")),
+        ("forced", "plan<tool_call>x", False, ("plan<tool_call>x", "")),
+        ("forced", "a</think>b</think>c", True, ("a", "b</think>c")),
+    ],
+)
+def test_reasoning_split_any_cut(mode, text, tools, want):
+    for parts in cuttings(text):
+        assert split(mode, parts, tools) == want, parts
+        assert split(mode, parts, tools, stream=False) == want, parts
+
+
+def test_reasoning_streams_as_it_comes_unless_held():
+    p = ReasoningParser("forced")
+    assert p.push("Let me") == ("Let me", "")
+    assert p.push(" see </th") == (" see ", "")  # a possible tag is held back
+    assert p.push("ink>\n\nOK") == ("", "\n\nOK")
+    held = ReasoningParser("forced", stream_reasoning=False)
+    assert held.push("Let me") == ("", "") and held.push(" see</think>OK") == ("Let me see", "OK")
+    with pytest.raises(ValueError):
+        ReasoningParser("off")
+
+
+def test_reasoning_mode_from_the_prompt():
+    on = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    off = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    plain = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert (prompt_thinking(on), prompt_thinking(off), prompt_thinking(plain)) == (
+        True,
+        False,
+        None,
+    )
+    assert reasoning_mode("qwen3", on, True, None) == "forced"
+    assert reasoning_mode("qwen3", on, False, None) == "off"  # separate_reasoning: false
+    assert reasoning_mode("qwen3", off, True, {"enable_thinking": False}) == "off"
+    assert reasoning_mode("qwen3", plain, True, None) == "detect"
+    assert reasoning_mode("qwen3", plain, True, {"enable_thinking": False}) == "off"
+    assert reasoning_mode("qwen3-thinking", plain, True, None) == "forced"
+    assert reasoning_mode(None, on, True, None) == "off"
+
+
+def test_defaults_follow_the_template():
+    assert default_reasoning_parser(TEMPLATES["qwen3.5"]) == "qwen3"
+    assert default_reasoning_parser(TEMPLATES["qwen3-next-thinking"]) == "qwen3-thinking"
+    assert default_reasoning_parser(TEMPLATES["qwen3-next-instruct"]) is None
+    assert default_tool_call_parser(TEMPLATES["qwen3.5"]) == "qwen3_coder"
+    assert default_tool_call_parser(TEMPLATES["qwen3-next-thinking"]) == "qwen25"
+    assert chat_format("auto", "auto", TEMPLATES["qwen3.5"]) == ChatFormat("qwen3", "qwen3_coder")
+    assert chat_format("none", "qwen25", TEMPLATES["qwen3.5"]) == ChatFormat(None, "qwen25")
+    with pytest.raises(ValueError):
+        chat_format("r1", "auto", None)
+
+
+def parse(kind: str, parts: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    p, events = make_tool_parser(kind, TOOLS), []
+    for x in parts:
+        events += p.push(x)
+    events += p.finish()
+    calls: dict[int, list[str]] = {}
+    for e in events:
+        if e[0] == "call":
+            calls[e[1]] = [e[2], ""]
+        elif e[0] == "args":
+            calls[e[1]][1] += e[2]
+    content = "".join(e[1] for e in events if e[0] == "content")
+    return content, [(name, args) for name, args in calls.values()]
+
+
+def test_xml_calls_typed_and_any_cut():
+    want = ("Sure.\n\n", [("get_weather", XML_ARGS), ("get_weather", "{}")])
+    for parts in cuttings(XML):
+        assert parse("qwen3_coder", parts) == want, parts
+
+
+def test_json_calls_any_cut_and_bad_blocks_stay_content():
+    args = '{"city": "Pa}ri\\"s", "n": [1, {"x": 2}]}'
+    want = (
+        "Sure.\n\n<tool_call>not json</tool_call>",
+        [("get_weather", args), ("x", "{}")],
+    )
+    for parts in cuttings(JSON_TEXT):
+        assert parse("qwen25", parts) == want, parts
+    assert json.loads(args)["city"] == 'Pa}ri"s'
+
+
+@pytest.mark.parametrize("kind, text", [("qwen3_coder", XML), ("qwen25", JSON_TEXT)])
+def test_truncated_calls_never_fail(kind, text):
+    for n in range(len(text)):
+        content, calls = parse(kind, [text[:n]])
+        assert parse(kind, list(text[:n])) == (content, calls)
+    assert parse("qwen3_coder", ["<tool_call>\n<function=get_weather>\n<parameter=days>\n4"]) == (
+        "",
+        [("get_weather", '{"days": 4}')],
+    )
+    assert parse("qwen3_coder", ["a<tool_call>\n<funct"]) == ("a<tool_call>\n<funct", [])
+
+
+@pytest.mark.parametrize(
+    ("value", "schema", "want"),
+    [
+        ("Paris", {"type": "string"}, "Paris"),
+        ("null", {"type": "string"}, "null"),
+        ("null", {"type": ["string", "null"]}, None),
+        ("None", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, None),
+        ("42", {"type": "integer"}, 42),
+        ("4x", {"type": "integer"}, "4x"),
+        ("3", {"type": "number"}, 3),
+        ("3.0", {"type": "number"}, 3.0),
+        ("1e3", {"type": "number"}, 1000.0),
+        ("nan", {"type": "number"}, "nan"),
+        ("TRUE", {"type": "boolean"}, True),
+        ("yes", {"type": "boolean"}, False),
+        ('{"a": 1}', {"type": "object"}, {"a": 1}),
+        ("{'a': 1}", {"type": "object"}, {"a": 1}),
+        ("[1, 2]", {"type": "array"}, [1, 2]),
+        ("c", {"enum": ["c", "f"]}, "c"),
+        ("7", None, "7"),  # not in the schema
+    ],
+)
+def test_xml_values_follow_the_schema(value, schema, want):
+    assert convert_value(value, schema) == want
+
+
+def stream(out: ChoiceOutput, parts: list[str]) -> list[dict]:
+    return [d for x in parts for d in out.push(x)] + out.finish()
+
+
+def test_choice_streams_reasoning_content_and_incremental_calls():
+    text = "Need the weather.\n</think>\n\n" + XML
+    message = ChoiceOutput("forced", "qwen3_coder", TOOLS).message(text)
+    assert message["reasoning_content"] == "Need the weather.\n"
+    assert message["content"] == "Sure."
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "get_weather", "arguments": XML_ARGS},
+        {"name": "get_weather", "arguments": "{}"},
+    ]
+    for parts in cuttings(text, 100):
+        deltas = stream(ChoiceOutput("forced", "qwen3_coder", TOOLS), parts)
+        assert all(len(d) == 1 for d in deltas)
+        calls = [e for d in deltas for e in d.get("tool_calls", [])]
+        starts = [e for e in calls if "id" in e]
+        assert [e["function"] for e in starts] == [
+            {"name": "get_weather", "arguments": ""},
+            {"name": "get_weather", "arguments": ""},
+        ]
+        assert [s["type"] for s in starts] == ["function"] * 2
+        for i, c in enumerate(message["tool_calls"]):
+            args = "".join(e["function"]["arguments"] for e in calls if e["index"] == i)
+            assert args == c["function"]["arguments"]
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        assert reasoning == message["reasoning_content"]
+        assert "".join(d.get("content", "") for d in deltas).strip() == "Sure."
+    # XML arguments arrive parameter by parameter, not in one piece at the end
+    fragments = [
+        e
+        for d in stream(ChoiceOutput("off", "qwen3_coder", TOOLS), list(XML))
+        for e in d.get("tool_calls", [])
+        if e["index"] == 0
+    ]
+    assert len(fragments) == 1 + 5 + 1  # name, one per parameter, the closing brace
+
+
+def test_plain_and_reasoning_only_messages():
+    assert ChoiceOutput("off", None).message("") == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": None,
+    }
+    m = ChoiceOutput("forced", None).message("all thinking, cut off")
+    assert m["content"] is None and m["reasoning_content"] == "all thinking, cut off"
+    m = ChoiceOutput("off", "qwen25", TOOLS).message("  just text  ")
+    assert m == {"role": "assistant", "content": "just text", "reasoning_content": None}
