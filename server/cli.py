@@ -2,7 +2,7 @@
 
     hybrid-serve [--model-path DIR] [--host H] [--port P] [...]   the HTTP server (server/args.py)
     hybrid-serve make-model --preset tiny|small|tiny-qwen3.5|tiny-qwen3.5-moe --out DIR
-        [--seed N] [--multimodal] [--fp8]
+        [--seed N] [--multimodal] [--fp8] [--chat-template NAME]
     hybrid-serve generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N] ...
 
 With no `--model-path` the server (and `generate`) use the `tiny` preset, written on first use to
@@ -26,6 +26,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # models.presets' names, spelled out so that the CLI imports no torch to build its parser
 PRESET_NAMES = ("tiny", "small", "tiny-qwen3.5", "tiny-qwen3.5-moe")
+# models.chat_templates' names, likewise
+CHAT_TEMPLATE_NAMES = ("qwen3-next-instruct", "qwen3-next-thinking", "qwen3.5", "qwen3.5-small")
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:
@@ -36,7 +38,12 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     fp8 = {"dtype": torch.bfloat16, "fp8_block": (128, 128)} if args.fp8 else {}
     out = write_checkpoint(
-        args.out, preset_config(args.preset), seed=args.seed, multimodal=args.multimodal, **fp8
+        args.out,
+        preset_config(args.preset),
+        seed=args.seed,
+        multimodal=args.multimodal,
+        chat_template=args.chat_template,
+        **fp8,
     )
     n = count_parameters(preset_config(args.preset))
     logger.info(
@@ -111,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the official block-FP8 layout: e4m3 matrices with 128x128 weight_scale_inv, the "
         "rest bf16, quantization_config in config.json",
+    )
+    mk.add_argument(
+        "--chat-template",
+        choices=CHAT_TEMPLATE_NAMES,
+        default=None,
+        help="the chat template written (default: the preset family's, qwen3-next-instruct or "
+        "qwen3.5; models/chat_templates.py)",
     )
     mk.set_defaults(func=cmd_make_model)
 

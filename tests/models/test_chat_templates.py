@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from models.chat_templates import TEMPLATES, template_for
 from models.tokenizer_builder import build_tokenizer
+from server.cli import CHAT_TEMPLATE_NAMES
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"n": 2, "s": "x"}}}
@@ -91,6 +92,7 @@ def test_qwen3_5_xml_calls_and_thinking_switch(tok):
 
 
 def test_template_for_defaults_and_unknown():
+    assert set(CHAT_TEMPLATE_NAMES) == set(TEMPLATES)  # make-model --chat-template's choices
     assert template_for("qwen3_next") == TEMPLATES["qwen3-next-instruct"]
     assert template_for("qwen3_5_moe_text") == TEMPLATES["qwen3.5"]
     assert template_for("qwen3_next", "qwen3-next-thinking") == TEMPLATES["qwen3-next-thinking"]

@@ -253,3 +253,57 @@ def test_plain_and_reasoning_only_messages():
     assert m["content"] is None and m["reasoning_content"] == "all thinking, cut off"
     m = ChoiceOutput("off", "qwen25", TOOLS).message("  just text  ")
     assert m == {"role": "assistant", "content": "just text", "reasoning_content": None}
+
+
+GRAMMAR_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "unit": {"enum": ["c", "f"]},
+                    "city": {"type": "string", "maxLength": 5},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["unit", "days"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "ping"}},
+]
+XML_CALL = (
+    "<tool_call>\n<function=weather>\n<parameter=unit>\nc\n</parameter>\n{city}"
+    "<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>"
+)
+PING_XML = "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
+PING_JSON = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+
+
+def test_forced_call_grammars():
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from server.tools import call_grammar
+
+    def accepts(grammar: str, text: str) -> bool:
+        return _is_grammar_accept_string(xgr.Grammar.from_ebnf(grammar), text)
+
+    xml = call_grammar(GRAMMAR_TOOLS, "", "qwen3_coder")
+    assert accepts(xml, XML_CALL.format(city="", days=3))
+    assert accepts(xml, XML_CALL.format(city="<parameter=city>\nParis\n</parameter>\n", days=7))
+    assert accepts(xml, PING_XML)
+    assert not accepts(xml, XML_CALL.format(city="", days=9))  # out of the schema's range
+    assert not accepts(
+        xml, XML_CALL.format(city="<parameter=city>\nLondon\n</parameter>\n", days=2)
+    )
+    assert not accepts(call_grammar(GRAMMAR_TOOLS, "weather", "qwen3_coder"), PING_XML)
+    js = call_grammar(GRAMMAR_TOOLS, "ping", "qwen25")
+    assert accepts(js, PING_JSON) and not accepts(js, PING_XML)
+    # a prompt that opens <think>: free reasoning (without "</think>") comes first
+    think = call_grammar(GRAMMAR_TOOLS, "ping", "qwen3_coder", think=True)
+    assert accepts(think, "Just ping <it>.</think>\n\n" + PING_XML)
+    assert accepts(think, "</think>\n\n" + PING_XML)
+    assert not accepts(think, "a</think>b</think>\n\n" + PING_XML)
+    assert not accepts(think, PING_XML)
