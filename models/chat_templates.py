@@ -40,18 +40,27 @@ _XML_TOOLS_OUTRO = (
     "and do not tell the user about function calls\\n</IMPORTANT>"
 )
 
+
 # The index of the last real user query (a user turn that is not only a tool response): the
-# thinking templates keep reasoning only on assistant turns after it.
-_LAST_QUERY = """
+# thinking templates keep reasoning only on assistant turns after it. Qwen3.5 trims the content
+# before the test, Qwen3-Next does not.
+def _last_query(trim: bool) -> str:
+    body = "(m.content if m.content is string else '')" + ("|trim" if trim else "")
+    return (
+        """
 {%- set q = namespace(open=true, at=messages|length - 1) %}
 {%- for m in messages|reverse %}
-    {%- set body = (m.content if m.content is string else '')|trim %}
+    {%- set body = """
+        + body
+        + """ %}
     {%- if q.open and m.role == 'user'
         and not (body.startswith('<tool_response>') and body.endswith('</tool_response>')) %}
         {%- set q.open = false %}
         {%- set q.at = messages|length - 1 - loop.index0 %}
     {%- endif %}
 {%- endfor %}"""
+    )
+
 
 # Reasoning of an assistant turn: its reasoning_content, or what its content holds in <think>.
 _SPLIT_REASONING = """
@@ -92,7 +101,7 @@ def _qwen3_next(thinking: bool) -> str:
     else:
         assistant = "{{- '<|im_start|>assistant\\n' + text }}"
     body = (
-        _LAST_QUERY
+        _last_query(trim=False)
         + """
 {%- for m in messages %}
     {%- set text = m.content if m.content is string else '' %}
@@ -148,7 +157,7 @@ def _qwen3_5(thinking_default: bool) -> str:
             "{{- '<think>\\n' }}{%- else %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
         )
     body = (
-        _LAST_QUERY
+        _last_query(trim=True)
         + """
 {%- if q.open %}{{- raise_exception('No user query found in messages.') }}{%- endif %}
 {%- for m in messages %}
