@@ -35,7 +35,7 @@ from server.request_fields import (
     session_of,
     text_options,
 )
-from server.tools import call_grammar, check_tools
+from server.tools import call_grammar, check_tools, think_then_json
 
 router = APIRouter()
 
@@ -265,14 +265,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
+    think = prompt_thinking(prompt) is True  # a constraint lets the reasoning run free first
     if forced is not None:  # required / named: the grammar makes the call valid
         if body.response_format or body.regex or body.ebnf:
             message = "give response_format, regex or ebnf, or a forced tool_choice"
             raise APIError(message, 400, "tool_choice")
-        think = prompt_thinking(prompt) is True  # the reasoning runs free first
         grammar = call_grammar(body.tools or [], forced, fmt.tool_call_parser, think)
         for sp in params:
             sp.ebnf = grammar
+    elif think and (params[0].json_schema is not None or params[0].json_object):
+        grammar = think_then_json(params[0].json_schema)
+        for sp in params:
+            sp.ebnf, sp.json_schema, sp.json_object = grammar, None, False
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
     gen_kw = {"session": session, "caller": caller, "cache_salt": salt, **text_options(body)}

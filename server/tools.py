@@ -9,7 +9,9 @@ always parses: JSON, the tags around an object that satisfies the function's `pa
 one `<parameter=KEY>` per property (required ones always, in the schema's order), each value a
 literal of its `enum`, free text for strings, and JSON that satisfies the property's schema for
 other types. When the prompt leaves a think block open, the grammar lets the reasoning run free
-first, up to `</think>\n\n` (SGLang and vLLM constrain only the output after the reasoning).
+first, up to `</think>\n\n` (SGLang and vLLM constrain only the output after the reasoning);
+`response_format` gets the same treatment (`think_then_json`). SGLang's raw `regex` / `ebnf`
+constrain the whole output, reasoning included.
 """
 
 from __future__ import annotations
@@ -58,12 +60,12 @@ def _ebnf(text: str) -> xgr.Grammar:
     return _grammar().from_ebnf(f"root ::= {json.dumps(text)}")
 
 
-def _schema(schema: dict) -> xgr.Grammar:
+def _schema(schema: dict, param: str = "tools") -> xgr.Grammar:
     try:
         return _grammar().from_json_schema(json.dumps(schema), any_whitespace=False)
     except (RuntimeError, ValueError) as e:
-        message = f"a tool's parameters are not a usable JSON schema: {e}"
-        raise APIError(message, 400, "tools") from e
+        what = "a tool's parameters are" if param == "tools" else "the schema is"
+        raise APIError(f"{what} not a usable JSON schema: {e}", 400, param) from e
 
 
 # Reasoning text that does not contain "</think>", then the tag (see the module docstring).
@@ -121,3 +123,15 @@ def call_grammar(tools: list[dict], name: str, fmt: str = "qwen25", think: bool 
     if think:
         grammar = _grammar().concat(_grammar().from_ebnf(THINK_EBNF), grammar)
     return str(grammar)
+
+
+def think_then_json(json_schema: str | None) -> str:
+    """EBNF for `response_format` when the prompt leaves a think block open: free reasoning up
+    to `</think>\\n\\n`, then JSON that satisfies `json_schema` (any JSON when None)."""
+    g = _grammar()
+    body = (
+        g.builtin_json_grammar()
+        if json_schema is None
+        else _schema(json.loads(json_schema), "response_format")
+    )
+    return str(g.concat(g.from_ebnf(THINK_EBNF), body))

@@ -285,7 +285,7 @@ def test_forced_call_grammars():
     import xgrammar as xgr
     from xgrammar.testing import _is_grammar_accept_string
 
-    from server.tools import call_grammar
+    from server.tools import call_grammar, think_then_json
 
     def accepts(grammar: str, text: str) -> bool:
         return _is_grammar_accept_string(xgr.Grammar.from_ebnf(grammar), text)
@@ -307,3 +307,8 @@ def test_forced_call_grammars():
     assert accepts(think, "</think>\n\n" + PING_XML)
     assert not accepts(think, "a</think>b</think>\n\n" + PING_XML)
     assert not accepts(think, PING_XML)
+    # response_format after an open think block: the same free reasoning, then the JSON
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = think_then_json(json.dumps(schema))
+    assert accepts(fmt, 'Think.</think>\n\n{"a": 1}')
+    assert not accepts(fmt, '{"a": 1}') and not accepts(fmt, "x</think>\n\n{}")

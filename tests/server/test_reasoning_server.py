@@ -113,6 +113,12 @@ def test_thinking_off_and_length_cut(qwen):
     }
     deltas, _ = collect(qwen, body)
     assert joined(deltas, "content") == m["content"] and not joined(deltas, "reasoning_content")
+    # response_format without thinking: the JSON is the content
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    body = chat(chat_template_kwargs=OFF, response_format=fmt)
+    m = qwen.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert type(json.loads(m["content"])["ok"]) is bool and m["reasoning_content"] is None
     # thinking on, cut by max_tokens before any </think>: all of it is reasoning
     cut = chat(max_tokens=6, ebnf="root ::= [a-z ]+")
     r = qwen.post("/v1/chat/completions", json=cut).json()["choices"][0]
