@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 
 from models import fp8_writer
 from models.chat_templates import template_for
+from models.real_shapes import REAL_SHAPES
 from models.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ for _key in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_inte
     PRESETS["tiny-qwen3.5"].pop(_key)
 PRESETS["tiny-qwen3.5-moe"] = {**copy.deepcopy(_QWEN3_5_TINY), "model_type": "qwen3_5_moe_text"}
 PRESETS["tiny-qwen3.5-moe"].pop("intermediate_size")
+
+# Real shapes of released models (models/real_shapes.py): config-only use with --load-format
+# dummy; full checkpoints only where they fit (4 bytes per parameter while drawing).
+PRESETS.update(copy.deepcopy(REAL_SHAPES))
 
 MODEL_TYPES = {  # model_type -> transformers class (text-only)
     "qwen3_next": "Qwen3NextForCausalLM",
@@ -498,6 +503,24 @@ def write_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(out / "model.safetensors.index.json", index)
 
+    n_tok = _write_side_files(out, cfg, file_cfg, chat_template)
+    n_params = sum(t.numel() for t in tensors.values())
+    logger.info(
+        "wrote %s: %d parameters, %s, %s layout, tokenizer %d/%d, %.2f s",
+        out,
+        n_params,
+        _dtype_name(dtype),
+        expert_layout,
+        n_tok,
+        cfg["vocab_size"],
+        time.perf_counter() - start,
+    )
+    return out
+
+
+def _write_side_files(out: Path, cfg: dict, file_cfg: dict, chat_template: str | None) -> int:
+    """The tokenizer files, ``config.json`` (``file_cfg``) and ``generation_config.json``;
+    returns the tokenizer's size."""
     n_tok = write_tokenizer_files(
         out,
         cfg["vocab_size"],
@@ -514,16 +537,34 @@ def write_checkpoint(
         "pad_token_id": ids[ENDOFTEXT],
     }
     _write_json(out / "generation_config.json", generation)
-    n_params = sum(t.numel() for t in tensors.values())
+    return n_tok
+
+
+def write_config_only(
+    out_dir: str | Path,
+    config: dict,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    init_range: float = 0.1,
+    chat_template: str | None = None,
+) -> Path:
+    """A checkpoint directory without weights: ``config.json`` (as :func:`write_checkpoint`
+    completes it, ``dtype`` as the checkpoint dtype), ``generation_config.json`` and the presets'
+    tokenizer files, for ``--load-format dummy``. Weight files a previous write left are removed
+    (a dummy load reads none anyway). The tokenizer is the presets' byte-level BPE: for a real
+    vocabulary (151936 or 248320 rows) it holds only the few thousand tokens its corpus supplies
+    and the other ids decode to nothing, which is all a throughput measurement needs."""
+    cfg = complete_config(config, dtype=dtype, init_range=init_range)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_weights(out)
+    n_tok = _write_side_files(out, cfg, cfg, chat_template)
     logger.info(
-        "wrote %s: %d parameters, %s, %s layout, tokenizer %d/%d, %.2f s",
+        "wrote %s: config only (%s), tokenizer %d/%d",
         out,
-        n_params,
         _dtype_name(dtype),
-        expert_layout,
         n_tok,
         cfg["vocab_size"],
-        time.perf_counter() - start,
     )
     return out
 

@@ -25,7 +25,18 @@ logger = logging.getLogger("hybrid-serve")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # models.presets' names, spelled out so that the CLI imports no torch to build its parser
-PRESET_NAMES = ("tiny", "small", "tiny-qwen3.5", "tiny-qwen3.5-moe")
+PRESET_NAMES = (
+    "tiny",
+    "small",
+    "tiny-qwen3.5",
+    "tiny-qwen3.5-moe",
+    # models.real_shapes: the released models' shapes (--config-only for --load-format dummy)
+    "qwen3.5-2b",
+    "qwen3.5-9b",
+    "qwen3.5-27b",
+    "qwen3.5-35b-a3b",
+    "qwen3-next-80b-a3b",
+)
 # models.chat_templates' names, likewise
 CHAT_TEMPLATE_NAMES = ("qwen3-next-instruct", "qwen3-next-thinking", "qwen3.5", "qwen3.5-small")
 
