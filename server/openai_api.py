@@ -270,11 +270,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if body.response_format or body.regex or body.ebnf:
             message = "give response_format, regex or ebnf, or a forced tool_choice"
             raise APIError(message, 400, "tool_choice")
-        grammar = call_grammar(body.tools or [], forced, fmt.tool_call_parser, think)
+        # off the loop: the first use imports xgrammar (and torch) in this process
+        grammar = await s.off_loop(
+            call_grammar, body.tools or [], forced, fmt.tool_call_parser, think
+        )
         for sp in params:
             sp.ebnf = grammar
     elif think and (params[0].json_schema is not None or params[0].json_object):
-        grammar = think_then_json(params[0].json_schema)
+        grammar = await s.off_loop(think_then_json, params[0].json_schema)
         for sp in params:
             sp.ebnf, sp.json_schema, sp.json_object = grammar, None, False
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
