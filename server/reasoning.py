@@ -13,8 +13,9 @@ forces reasoning whenever the prompt does not switch it off.
 Splitting rules (`ReasoningParser`): the text is split exactly at the tags, which are dropped; a
 leading `<think>` in the output is dropped too. Without `</think>` before the output ends,
 everything is reasoning (SGLang and vLLM: a length cut inside the thinking). With tools,
-`<tool_call>` inside the reasoning also ends it and starts the content (Qwen3.5 may call a tool
-without closing its thinking). Streaming gives exactly the non-streaming split for any cut of
+`<tool_call>` followed by a call (`<function=` or `{`) also ends the reasoning and starts the
+content (Qwen3.5 may call a tool without closing its thinking; a mere mention of the tag does
+not, as in vLLM). Streaming gives exactly the non-streaming split for any cut of
 the text into pieces: a piece that may be the start of a tag is held back until it is not.
 """
 
@@ -24,6 +25,7 @@ from typing import Literal
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN = "<tool_call>"
+CALL_STARTS = ("<function=", "{")  # what follows <tool_call> in the XML and JSON formats
 REASONING_PARSERS = ("qwen3", "qwen3-thinking")
 Mode = Literal["off", "forced", "detect"]
 
@@ -79,7 +81,7 @@ class ReasoningParser:
         if mode == "off":
             raise ValueError("mode 'off' needs no parser")
         self.forced = mode == "forced"
-        self.ends = (THINK_CLOSE, TOOL_OPEN) if with_tools else (THINK_CLOSE,)
+        self.with_tools = with_tools
         self.stream_reasoning = stream_reasoning
         self.state = "start"  # start -> reasoning -> content
         self.buf = ""  # text not yet given out
@@ -97,22 +99,39 @@ class ReasoningParser:
             else:
                 self.state = "reasoning" if self.forced else "content"
         if self.state == "reasoning":
-            found = [(at, tag) for tag in self.ends if (at := self.buf.find(tag)) >= 0]
-            if found:
-                at, tag = min(found)
+            at, tag = self._end()
+            if tag:
                 reasoning = self.pending + self.buf[:at]
                 self.pending, self.state = "", "content"
                 self.buf = self.buf[at + len(tag) :] if tag == THINK_CLOSE else self.buf[at:]
-            else:
-                keep = _held(self.buf, self.ends)
-                self.pending += self.buf[: len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep :]
+            else:  # give out all but what may still be (the start of) an end
+                self.pending += self.buf[:at]
+                self.buf = self.buf[at:]
                 if self.stream_reasoning:
                     reasoning, self.pending = self.pending, ""
                 return reasoning, ""
         if self.state == "content":
             content, self.buf = self.buf, ""
         return reasoning, content
+
+    def _end(self) -> tuple[int, str]:
+        """(where the reasoning ends, the tag that ends it), or (how much of the buffer is
+        surely reasoning, "") when no end is certain yet. `<tool_call>` ends it only when a call
+        follows (`<function=` or `{`, after whitespace), as vLLM checks."""
+        close = self.buf.find(THINK_CLOSE)
+        limit = len(self.buf) if close < 0 else close
+        at = self.buf.find(TOOL_OPEN) if self.with_tools else -1
+        while 0 <= at < limit:
+            after = self.buf[at + len(TOOL_OPEN) :].lstrip()
+            if after.startswith(CALL_STARTS):
+                return at, TOOL_OPEN
+            if any(start.startswith(after) for start in CALL_STARTS):
+                return (at, "") if close < 0 else (close, THINK_CLOSE)  # undecided: wait
+            at = self.buf.find(TOOL_OPEN, at + 1)
+        if close >= 0:
+            return close, THINK_CLOSE
+        tags = (THINK_CLOSE, TOOL_OPEN) if self.with_tools else (THINK_CLOSE,)
+        return len(self.buf) - _held(self.buf, tags), ""
 
     def finish(self) -> tuple[str, str]:
         """What is still held: reasoning when the output ended inside it (or inside a leading

@@ -84,6 +84,10 @@ def split(mode: str, parts: list[str], tools: bool = False, stream: bool = True)
         ("detect", "<thi", False, ("", "<thi")),
         ("forced", "plan<tool_call>\n<function=f>", True, ("plan", "<tool_call>\n<function=f>")),
         ("forced", "plan<tool_call>x", False, ("plan<tool_call>x", "")),
+        ("forced", "plan<tool_call>x", True, ("plan<tool_call>x", "")),  # a mention, no call
+        ("forced", "a <tool_call> b</think>c", True, ("a <tool_call> b", "c")),
+        ("forced", 'p<tool_call>\n {"name"', True, ("p", '<tool_call>\n {"name"')),
+        ("forced", "p<tool_call>\n<func", True, ("p<tool_call>\n<func", "")),  # cut: undecided
         ("forced", "a</think>b</think>c", True, ("a", "b</think>c")),
     ],
 )
