@@ -174,8 +174,9 @@ class JsonToolParser(ToolParser):
         try:
             obj = json.loads(body, strict=False)
             name, args = obj["name"], obj.get("arguments", {})
-            assert isinstance(name, str)
-        except (ValueError, KeyError, TypeError, AssertionError):
+        except (ValueError, KeyError, TypeError, AttributeError):
+            name = args = None
+        if not isinstance(name, str):
             self._as_content(events, end)
             return True
         self._start(events, name)
