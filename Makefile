@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# build the C++ CPU kernels now rather than at the first server start (a fallback remains)
+	$(PY) -c "import kernels.cpp_build as b; b.load()"
 	touch $(STAMP)
 
 test: $(STAMP)
