@@ -163,6 +163,11 @@ def test_forced_tool_choice_in_xml_is_valid_and_streams(qwen):
     streamed = "".join(e["function"]["arguments"] for e in calls)
     assert streamed == one["tool_calls"][0]["function"]["arguments"]
     check_weather(one["tool_calls"][0])
+    # thinking on: the grammar lets the reasoning run first (cut here before it ends)
+    thinking = chat(tools=[WEATHER], tool_choice=named, max_tokens=8)
+    c = qwen.post("/v1/chat/completions", json=thinking).json()["choices"][0]
+    assert c["finish_reason"] == "length" and "tool_calls" not in c["message"]
+    assert c["message"]["reasoning_content"] and c["message"]["content"] is None
 
 
 def test_auto_tools_after_reasoning(qwen):
