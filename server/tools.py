@@ -7,11 +7,11 @@ the model writes; `none` renders them and parses nothing; `required` and a named
 constrain the output with a grammar (xgrammar EBNF) in the template's format, so the call
 always parses: JSON, the tags around an object that satisfies the function's `parameters`; XML,
 one `<parameter=KEY>` per property (required ones always, in the schema's order), each value a
-literal of its `enum`, free text for strings, and JSON that satisfies the property's schema for
-other types. When the prompt leaves a think block open, the grammar lets the reasoning run free
-first, up to `</think>\n\n` (SGLang and vLLM constrain only the output after the reasoning);
-`response_format` gets the same treatment (`think_then_json`). SGLang's raw `regex` / `ebnf`
-constrain the whole output, reasoning included.
+literal of its `enum` or `const`, free text for strings, and JSON that satisfies the property's
+schema for other types. When the prompt leaves a think block open, the grammar lets the
+reasoning run free first, up to `</think>\n\n` (SGLang and vLLM constrain only the output after
+the reasoning); `response_format` gets the same treatment (`think_then_json`). SGLang's raw
+`regex` / `ebnf` constrain the whole output, reasoning included.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _json_call(fn: dict) -> xgr.Grammar:
 def _xml_value(schema: dict) -> xgr.Grammar:
     schema = schema if isinstance(schema, dict) else {}
     kind, _ = schema_type(schema)
-    enum = schema.get("enum") if isinstance(schema, dict) else None
+    enum = [schema["const"]] if "const" in schema else schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         return _grammar().union(*(_ebnf(v) for v in enum)) if len(enum) > 1 else _ebnf(enum[0])
     if kind in STRING_TYPES:

@@ -270,6 +270,7 @@ GRAMMAR_TOOLS = [
                     "unit": {"enum": ["c", "f"]},
                     "city": {"type": "string", "maxLength": 5},
                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "mode": {"const": "fast"},
                 },
                 "required": ["unit", "days"],
             },
@@ -298,6 +299,16 @@ def test_forced_call_grammars():
     assert accepts(xml, XML_CALL.format(city="", days=3))
     assert accepts(xml, XML_CALL.format(city="<parameter=city>\nParis\n</parameter>\n", days=7))
     assert accepts(xml, PING_XML)
+    mode = "<parameter=mode>\nfast\n</parameter>\n"
+    assert accepts(
+        xml, XML_CALL.format(city="", days=3).replace("</function>", mode + "</function>")
+    )
+    assert not accepts(
+        xml,
+        XML_CALL.format(city="", days=3).replace(
+            "</function>", mode.replace("fast", "slow") + "</function>"
+        ),
+    )
     assert not accepts(xml, XML_CALL.format(city="", days=9))  # out of the schema's range
     assert not accepts(
         xml, XML_CALL.format(city="<parameter=city>\nLondon\n</parameter>\n", days=2)
