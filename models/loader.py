@@ -6,6 +6,10 @@ and a multimodal wrapper's vision tower excepted, named in one info line); other
 `ValueError` names the first offender. Names map to parameters through `models.weight_map`.
 A block-FP8 checkpoint (`quantization_config`) is checked and dequantized by `models.fp8`.
 
+`load_format="dummy"` (SGLang's and vLLM's `--load-format dummy`) reads config.json alone: the
+model is allocated exactly as for a checkpoint and filled with random weights in place
+(`models.dummy_weights`); no weight file is opened, and there need be none.
+
 bf16 on CPU means bf16 *weights*: the matrices (every linear layer, the experts, the LM head)
 are stored in bf16 and read by the C++ kernels with fp32 accumulation, while embeddings, norms,
 convolution and decay parameters, activations and every pool (KV, conv and recurrent states)
@@ -22,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from models.config import ModelConfig
+from models.dummy_weights import fill_dummy
 from models.fp8 import Fp8Checkpoint
 from models.parallel import ParallelContext
 from models.qwen3_next import Qwen3NextForCausalLM
@@ -31,6 +36,7 @@ from models.weight_map import checkpoint_map, expert_layout_of, is_skipped
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # auto: the checkpoint's safetensors
 
 
 def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
@@ -51,7 +57,9 @@ def checkpoint_files(path: Path) -> list[Path]:
         return [single]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors weights in {path}")
+        raise ValueError(
+            f"no *.safetensors weights in {path} (--load-format dummy: random weights)"
+        )
     return files
 
 
@@ -72,10 +80,11 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     tp: ParallelContext | None = None,
+    load_format: str = "auto",
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
-    sharded tensor (`models.shard_loader`).
+    sharded tensor (`models.shard_loader`). `load_format="dummy"`: random weights, no file read.
 
     The key set is checked against `checkpoint_map` before any data is read (a missing or extra
     tensor is a `ValueError` naming it). Parameters are allocated once, in the target dtype, and
@@ -83,6 +92,8 @@ def load_model(
     largest single tensor (never a full-size copy in another dtype; an FP8 tensor is widened
     to fp32 one at a time).
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
     path = Path(model_path)
     config = ModelConfig.from_hf(path)
     torch_dtype = resolve_dtype(dtype, config)
@@ -97,10 +108,31 @@ def load_model(
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty() unties: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
+    if load_format == "dummy":
+        fill_dummy(model)
     if tp.enabled:  # the vocab shards' padding rows
-        model.model.embed_tokens.weight.data.zero_()
-        model.lm_head.weight.data.zero_()
+        _, rows, _ = tp.vocab_range(config.vocab_size)
+        model.model.embed_tokens.weight.data[rows:].zero_()
+        model.lm_head.weight.data[rows:].zero_()
+    if load_format != "dummy":
+        read_checkpoint(model, path, config, tp)
+    if weights_only and config.tie_word_embeddings:  # the LM head: a bf16 copy of the embedding
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.to(torch_dtype))
+    logger.info(
+        "loaded %s (%s%s, %s%s)",
+        path,
+        torch_dtype,
+        " weights, fp32 activations" * weights_only,
+        device,
+        ", dummy weights" * (load_format == "dummy"),
+    )
+    return model.eval()
 
+
+def read_checkpoint(
+    model: Qwen3NextForCausalLM, path: Path, config: ModelConfig, tp: ParallelContext
+) -> None:
+    """Fill `model` from the checkpoint at `path` (see `load_model`)."""
     where = checkpoint_names(checkpoint_files(path))
     fp8 = Fp8Checkpoint.open(path, where)  # None unless block-FP8; a bad layout raises
     skipped = sorted(n for n in where if is_skipped(n))
@@ -143,16 +175,6 @@ def load_model(
                             f"expected {tuple(dst.shape)}"
                         )
                     dst.copy_(w)
-    if weights_only and config.tie_word_embeddings:  # the LM head: a bf16 copy of the embedding
-        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.to(torch_dtype))
-    logger.info(
-        "loaded %s (%s%s, %s)",
-        path,
-        torch_dtype,
-        " weights, fp32 activations" * weights_only,
-        device,
-    )
-    return model.eval()
 
 
 def matrices(model: Qwen3NextForCausalLM) -> list[torch.nn.Parameter]:

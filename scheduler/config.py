@@ -19,6 +19,8 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # models.loader.DTYPES's names, spelled out so that this module imports no torch
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CPU_COMPILE_MODES = ("dynamic", "per_size", "off")
+# models.loader.LOAD_FORMATS, likewise (dummy: random weights from config.json alone)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class RunnerConfig:
     # per strategy, see SchedulerConfig.mamba_slots_for)
     dtype: str = "auto"
     device: str = "cpu"
+    load_format: str = "auto"  # dummy: random weights, no weight file read (models.loader)
     # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0
@@ -175,6 +178,10 @@ class RunnerConfig:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -89,7 +89,8 @@ class ModelRunner:
         config = config or RunnerConfig()
         if config.num_threads:
             configure_threads(config.num_threads, pick_default=False)
-        return cls(load_model(model_path, config.dtype, config.device), config)
+        model = load_model(model_path, config.dtype, config.device, load_format=config.load_format)
+        return cls(model, config)
 
     # ---- KV bookkeeping ------------------------------------------------------------------
     def alloc_kv(self, req_slot: int, prefix_len: int, extend_len: int) -> torch.Tensor | None:

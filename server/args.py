@@ -175,6 +175,8 @@ HELP: dict[str, str] = {
     "mamba_cache_size": "Mamba state slots (0: sized from the strategy and max running requests)",
     "dtype": "weights and activations dtype (auto: the checkpoint's)",
     "device": "cpu or cuda",
+    "load_format": "auto (the checkpoint's safetensors) or dummy: random weights from config.json "
+    "alone, no weight file read (for real-size measurements; models/dummy_weights.py)",
     "mem_fraction_static": "CUDA: fraction of GPU memory for weights + KV/Mamba pools; sizes the "
     "KV pool (0: --max-total-tokens decides)",
     "pool_memory_gb": "GB for the KV and Mamba pools on any device; sizes the KV pool "

@@ -3,6 +3,9 @@
     hybrid-serve [--model-path DIR] [--host H] [--port P] [...]   the HTTP server (server/args.py)
     hybrid-serve make-model --preset tiny|small|tiny-qwen3.5|tiny-qwen3.5-moe --out DIR
         [--seed N] [--multimodal] [--fp8] [--chat-template NAME]
+    hybrid-serve make-model --preset qwen3.5-35b-a3b --config-only --out DIR   (any preset:
+        config.json, generation_config.json and the presets' tokenizer, no weights; serve it
+        with --load-format dummy)
     hybrid-serve generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N] ...
 
 With no `--model-path` the server (and `generate`) use the `tiny` preset, written on first use to
@@ -44,9 +47,24 @@ CHAT_TEMPLATE_NAMES = ("qwen3-next-instruct", "qwen3-next-thinking", "qwen3.5", 
 def cmd_make_model(args: argparse.Namespace) -> None:
     import torch
 
-    from models.presets import count_parameters, preset_config, write_checkpoint
+    from models.presets import (
+        count_parameters,
+        preset_config,
+        write_checkpoint,
+        write_config_only,
+    )
 
     start = time.perf_counter()
+    if args.config_only:
+        if args.fp8 or args.multimodal:
+            raise ValueError("--config-only writes no weights: drop --fp8 / --multimodal")
+        out = write_config_only(
+            args.out, preset_config(args.preset), chat_template=args.chat_template
+        )
+        logger.info(
+            "wrote %s (%s config only): serve it with --load-format dummy", out, args.preset
+        )
+        return
     fp8 = {"dtype": torch.bfloat16, "fp8_block": (128, 128)} if args.fp8 else {}
     out = write_checkpoint(
         args.out,
@@ -136,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the chat template written (default: the preset family's, qwen3-next-instruct or "
         "qwen3.5; models/chat_templates.py)",
+    )
+    mk.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config.json, generation_config.json and the tokenizer but no weights (bf16 "
+        "config), for --load-format dummy; the way to get a real-shape model (qwen3.5-*, "
+        "qwen3-next-80b-a3b)",
     )
     mk.set_defaults(func=cmd_make_model)
 

@@ -1,0 +1,82 @@
+"""Random weights for `--load-format dummy`: each parameter filled in place, the presets' init.
+
+`fill_dummy(model)` draws each parameter where it already lives (its device, its dtype: the loader
+allocated it once, in the serving dtype), so peak memory is the model itself and no weight file is
+read. The distributions are those of `models.presets` (see its module docstring):
+
+    matrices, embeddings, LM head          N(0, init_range)
+    zero-centred RMSNorm weights           N(0, 0.1)   (layer norms, model.norm, q_norm, k_norm)
+    GDN gated-norm weight                  1 + N(0, 0.1)
+    conv1d.weight                          N(0, 0.3)
+    A_log                                  log U(1, 16)
+    dt_bias                                softplus^-1(dt), dt = exp(U(log 1e-3, log 1e-1))
+
+The numbers are a pure function of (parameter shapes and order, dtype, device, seed): one
+generator on the parameters' device draws them in `named_parameters()` order. They are not the
+numbers of a preset checkpoint with the same seed (that one is drawn in fp32 on the CPU in
+checkpoint-key order), only the same distributions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from models.presets import CONV_STD, NORM_STD
+
+ZERO_CENTRED_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+
+
+def init_kind(name: str) -> str:
+    """The presets' init kind of parameter `name` (`models.presets._tensor_specs`' kinds)."""
+    if name.endswith(".A_log"):
+        return "a_log"
+    if name.endswith(".dt_bias"):
+        return "dt_bias"
+    if name.endswith("conv1d.weight"):
+        return "conv"
+    if name.endswith("linear_attn.norm.weight"):
+        return "norm1"
+    if name.endswith(ZERO_CENTRED_NORMS) or name == "model.norm.weight":
+        return "norm0"
+    return "w"
+
+
+def _fill(param: torch.Tensor, kind: str, gen: torch.Generator, init_range: float) -> None:
+    if kind == "w":
+        param.normal_(0.0, init_range, generator=gen)
+    elif kind == "norm0":
+        param.normal_(0.0, NORM_STD, generator=gen)
+    elif kind == "norm1":
+        param.normal_(1.0, NORM_STD, generator=gen)
+    elif kind == "conv":
+        param.normal_(0.0, CONV_STD, generator=gen)
+    else:  # small per-head vectors: drawn in fp32, then cast
+        x = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        if kind == "a_log":
+            x.uniform_(1.0, 16.0, generator=gen).log_()
+        else:  # dt_bias
+            dt = x.uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp_()
+            x = dt + torch.log(-torch.expm1(-dt))
+        param.copy_(x)
+
+
+@torch.no_grad()
+def fill_dummy(model: nn.Module, seed: int = 0, init_range: float = 0.1) -> None:
+    """Fill every parameter of `model` in place with the presets' init (module docstring). A
+    parameter shared by two names (tied embeddings) is drawn once."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():  # shared parameters are listed once
+        if param.is_meta:  # shapes only (a model built to be measured, not run)
+            continue
+        gen = gens.get(param.device)
+        if gen is None:
+            gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        _fill(param.data, init_kind(name), gen, init_range)

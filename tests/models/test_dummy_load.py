@@ -1,0 +1,146 @@
+"""`--load-format dummy`: random weights from config.json alone, no weight file read.
+
+End to end on the tiny preset's config-only directory (the real shapes' smallest, Qwen3.5-2B,
+needs 4 GB in bf16, beyond what a test may allocate); every real shape's config-only directory
+is loaded on the meta device (its whole dummy-load path but the allocation); the peak memory of a
+bf16 dummy load is about one copy of the weights, measured in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.loader import load_model
+from models.presets import preset_config, write_config_only
+from models.real_shapes import REAL_SHAPES
+from models.step_bytes import param_groups
+from scheduler.engine import Engine
+from server.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_config_only(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-config-only")
+    cli_main(["make-model", "--preset", "tiny", "--config-only", "--out", str(out)])
+    return out
+
+
+def _no_weight_files(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight file was opened")
+
+    monkeypatch.setattr("models.loader.safe_open", refuse)
+
+
+def test_config_only_directory_has_no_weights(tiny_config_only):
+    names = {p.name for p in tiny_config_only.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= names
+    assert not [n for n in names if n.endswith(".safetensors")]
+    assert json.loads((tiny_config_only / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="--load-format dummy"):
+        load_model(tiny_config_only)  # the default format needs weights
+
+
+def test_dummy_load_serves_tokens_through_the_engine(tiny_config_only, monkeypatch):
+    _no_weight_files(monkeypatch)
+    engine = Engine(
+        str(tiny_config_only),
+        load_format="dummy",
+        dtype="float32",
+        max_running_requests=2,
+        max_total_tokens=256,
+        max_context_len=128,
+        cpu_compile="off",
+    )
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    outs = engine.generate([[5, 6, 7, 8, 9], "The answer is"], greedy)
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [8, 8]
+    assert all(0 <= t < 2048 for o in outs for t in o["output_ids"])
+    again = engine.generate([5, 6, 7, 8, 9], greedy)
+    assert again["output_ids"] == outs[0]["output_ids"]  # a model, not noise per call
+
+
+def test_dummy_weights_follow_the_presets_init(tiny_config_only, monkeypatch):
+    _no_weight_files(monkeypatch)
+    model = load_model(tiny_config_only, dtype="float32", load_format="dummy")
+    params = dict(model.named_parameters())
+    a = params["model.layers.0.linear_attn.A_log"].exp()
+    assert a.min() >= 1 - 1e-4 and a.max() <= 16 + 1e-3
+    dt = torch.nn.functional.softplus(params["model.layers.1.linear_attn.dt_bias"])
+    assert dt.min() >= 1e-3 * 0.999 and dt.max() <= 0.1 * 1.001
+    gate_up = params["model.layers.2.mlp.experts.gate_up_proj"]
+    assert gate_up.mean().abs() < 0.01 and abs(gate_up.std().item() - 0.1) < 0.01
+    conv = params["model.layers.0.linear_attn.conv1d.weight"]
+    assert abs(conv.std().item() - 0.3) < 0.05
+    norm1 = params["model.layers.0.linear_attn.norm.weight"]
+    assert abs(norm1.mean().item() - 1) < 0.1
+    norm0 = params["model.layers.3.self_attn.q_norm.weight"]
+    assert norm0.abs().mean() < 0.2
+    again = load_model(tiny_config_only, dtype="float32", load_format="dummy")
+    assert all(torch.equal(p, params[n]) for n, p in again.named_parameters())
+
+
+@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
+def test_every_real_shape_loads_dummy_on_meta(tmp_path, monkeypatch, name):
+    _no_weight_files(monkeypatch)
+    write_config_only(tmp_path, preset_config(name))
+    model = load_model(tmp_path, dtype="bfloat16", device="meta", load_format="dummy")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    n = sum(p.numel() for p in model.parameters())
+    assert n == param_groups(model.config).total
+
+
+MEASURE = """
+import json, sys, threading, time
+import torch
+from models.loader import load_model
+
+def anon_kb():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+
+load_model(sys.argv[2], dtype="bfloat16", load_format="dummy")  # one-time set-up outside
+base = anon_kb()
+peak, done = [base], []
+def sample():
+    while not done:
+        peak[0] = max(peak[0], anon_kb())
+        time.sleep(0.0005)
+t = threading.Thread(target=sample, daemon=True)
+t.start()
+model = load_model(sys.argv[1], dtype="bfloat16", load_format="dummy")
+done.append(1)
+t.join()
+peak[0] = max(peak[0], anon_kb())
+nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"peak_bytes": (peak[0] - base) * 1024, "param_bytes": nbytes}))
+"""
+
+
+def test_dummy_bf16_load_peak_is_one_copy_of_the_weights(tmp_path, tiny_config_only):
+    cfg = preset_config("tiny")
+    cfg.update(hidden_size=512, vocab_size=4096, moe_intermediate_size=512, num_experts=8)
+    path = write_config_only(tmp_path / "big", cfg)
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(path), str(tiny_config_only)],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["param_bytes"] > 40e6  # large enough for a copy to show against allocator noise
+    assert m["peak_bytes"] < 1.1 * m["param_bytes"], m
+    assert not math.isnan(m["peak_bytes"])
