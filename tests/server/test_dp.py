@@ -151,7 +151,7 @@ def test_aborts_reach_the_right_replicas(dp):
             break
         time.sleep(0.05)
     assert all(n > 0 for n in loads), loads
-    assert dp.post("/abort_request", json={"rid": "dp-abort-me"}).status_code == 200
+    assert dp.post("/abort_request", json={"rid": HELD + "dp-abort-me"}).status_code == 200
     threads[0].join(60)
     assert results[0]["meta_info"]["id"] == HELD + "dp-abort-me"
     assert results[0]["meta_info"]["finish_reason"]["type"] == "abort"
