@@ -4,8 +4,10 @@
 #   2. the Triton kernel and model tests, which run on CUDA when it is present,
 #   3. the HTTP server tests with the shared server on CUDA (HYBRID_SERVE_TEST_DEVICE=cuda),
 #   4. the comparison test against flash-linear-attention (skips without fla-core),
-#   5. benchmarks/kernels.py (kernels vs fla when importable; decode eager vs CUDA-graph replay).
-# 1-3 run side by side (small models, one GPU); 4 and 5 run alone, 5 so its timings are its own.
+#   5. benchmarks/kernels.py (kernels vs fla when importable; decode eager vs CUDA-graph replay),
+#   6. benchmarks/gpu_scale.py (real shapes with dummy weights beside the HBM roofline; skipped
+#      when HYBRID_SERVE_SKIP_GPU_SCALE is set).
+# 1-3 run side by side (small models, one GPU); 4-6 run alone, 5 and 6 so their timings are theirs.
 # Logs and the benchmark's JSON go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (packages
 # the machine lacks, e.g. fastapi/uvicorn/openai) are installed to /tmp/site first. fla-core (for
 # the comparisons with flash-linear-attention; never installed on the CPU machines) goes to its own
@@ -48,4 +50,11 @@ PYTHONPATH="$FLA_PATH" timeout "${GPU_BENCH_TIMEOUT:-150}" python3 -m benchmarks
     >"$OUT/kernels.log" 2>&1 || rc=1
 echo "== kernels"
 tail -40 "$OUT/kernels.log"
+if [ -z "${HYBRID_SERVE_SKIP_GPU_SCALE:-}" ] && \
+    python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    timeout "${GPU_SCALE_TIMEOUT:-420}" python3 -m benchmarks.gpu_scale --out "$OUT" \
+        >"$OUT/gpu_scale.log" 2>&1 || rc=1
+    echo "== gpu_scale"
+    tail -30 "$OUT/gpu_scale.log"
+fi
 exit $rc

@@ -1,0 +1,224 @@
+"""Real-size serving on one CUDA GPU with dummy weights, beside the HBM roofline.
+
+    python -m benchmarks.gpu_scale [--out DIR]     on a CUDA machine (JSON + markdown to DIR)
+    python -m benchmarks.gpu_scale --dry-run       anywhere: the roofline bytes only
+
+Cases (models/real_shapes.py, `--load-format dummy`, bf16, CUDA graphs captured):
+  qwen3.5-35b-a3b        the whole model (69 GB of bf16 weights)
+  qwen3-next-80b-a3b     16 of its 48 layers (12 GDN + 4 attention, the 3:1 pattern kept):
+                         the FP8 path (models/fp8.py) dequantizes at load, so the whole model
+                         would hold 159 GB of bf16 weights, more than one H100 or H200 has
+
+Per case: start-up (dummy load, pools, graph capture), pool sizes, decode tok/s at batch 1, 16,
+64, 256 (prompts of 128 random tokens, 256 output tokens; decode time = the run with 256 output
+tokens minus the same batch's run with 1), prefill tok/s of one 8192-token prompt, TTFT of an
+8192-token cached prefix plus 16 new tokens (in-process, no HTTP), and each decode step beside
+its roofline: bytes the step must read (models/step_bytes.py, at the decode's mean context of
+256 tokens) over the device's bandwidth, as the fraction roofline / measured. A batch whose
+pools do not fit beside the weights is reported as skipped, with the sizes.
+
+--dry-run prints, for every real shape and batch, the bytes per step and the roofline step time
+and tok/s at H100 SXM (3.35 TB/s) and H200 (4.8 TB/s) bandwidth, and the largest batch whose
+pools fit on an 80 GB H100 beside the weights (no batch of the whole 80B-A3B does: its bf16
+weights alone exceed the device).
+"""
+
+from __future__ import annotations
+
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import gc
+import json
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+from models.config import ModelConfig
+from models.presets import complete_config, write_config_only
+from models.real_shapes import REAL_SHAPES, real_shape_config
+from models.step_bytes import (
+    BANDWIDTH,
+    decode_step_bytes,
+    kv_bytes_per_token,
+    param_groups,
+    state_bytes_per_request,
+)
+
+CASES = (("qwen3.5-35b-a3b", None), ("qwen3-next-80b-a3b", 16))
+BATCHES = (1, 16, 64, 256)
+PROMPT, OUTPUT, LONG, SUFFIX = 128, 256, 8192, 16
+CONTEXT = PROMPT + OUTPUT // 2  # the decode's mean cached length
+FRACTION = 0.9  # --mem-fraction-static: weights + pools
+H100_BYTES = 85.0e9  # an "80 GB" H100 as torch reports it (79.2 GiB)
+
+
+def model_config(name: str, layers: int | None) -> ModelConfig:
+    cfg = complete_config(real_shape_config(name, layers), dtype=torch.bfloat16)
+    return ModelConfig.from_dict(cfg)
+
+
+def max_batch(c: ModelConfig, device_bytes: float, slack: int = 8) -> int:
+    """Largest batch (<= 256) whose Mamba slots, KV and request rows fit in FRACTION of the
+    device beside the weights, with room for one LONG + SUFFIX prompt and `slack` cached states."""
+    room = FRACTION * device_bytes - 2 * param_groups(c).total
+    per_req = state_bytes_per_request(c) + 2 * c.hidden_size
+    room -= slack * per_req + (LONG + SUFFIX) * kv_bytes_per_token(c)
+    per_req += (PROMPT + OUTPUT) * kv_bytes_per_token(c) + 4 * (LONG + 2 * SUFFIX)
+    return max(0, min(max(BATCHES), int(room // per_req)))
+
+
+def dry_run() -> list[dict]:
+    rows = []
+    names = [(n, None) for n in REAL_SHAPES] + [c for c in CASES if c[1] is not None]
+    for name, layers in names:
+        c = model_config(name, layers)
+        fits = max_batch(c, H100_BYTES)
+        for b in BATCHES:
+            step = decode_step_bytes(c, b, CONTEXT)
+            rows.append(
+                {
+                    "model": name + (f" ({layers} layers)" if layers else ""),
+                    "batch": b,
+                    "weights_gb": step.weights / 1e9,
+                    "kv_gb": step.kv / 1e9,
+                    "state_gb": step.state / 1e9,
+                    "total_gb": step.total / 1e9,
+                    **{f"{dev} ms": 1e3 * step.seconds(bw) for dev, bw in BANDWIDTH.items()},
+                    **{f"{dev} tok/s": b / step.seconds(bw) for dev, bw in BANDWIDTH.items()},
+                    "fits_h100": b <= fits,
+                }
+            )
+    return rows
+
+
+def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _timed(engine, prompts, new_tokens: int) -> float:
+    params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> dict:
+    from scheduler.engine import Engine
+
+    c = model_config(name, layers)
+    path = write_config_only(workdir / name, real_shape_config(name, layers))
+    total = torch.cuda.get_device_properties(0).total_memory
+    top = max_batch(c, total)
+    batches = [b for b in BATCHES if b <= top]
+    start = time.perf_counter()
+    engine = Engine(
+        str(path),
+        load_format="dummy",
+        dtype="bfloat16",
+        device="cuda",
+        mem_fraction_static=FRACTION,
+        max_running_requests=max(batches),
+        max_context_len=LONG + 2 * SUFFIX,
+        mamba_cache_size=max(batches) + 8,
+        chunked_prefill_size=LONG,
+        max_prefill_tokens=LONG + SUFFIX,
+        cuda_graph_bs=tuple(batches),
+        cuda_graph_max_bs=max(batches),
+    )
+    out: dict = {"model": name, "layers": c.num_hidden_layers, "startup_s": 0.0}
+    out["startup_s"] = time.perf_counter() - start
+    cfg = engine.runner.config
+    out["pools"] = {"kv_tokens": cfg.max_total_tokens, "mamba_slots": cfg.mamba_slots}
+    rng = random.Random(0)
+    # warm-up: the kernels compile on their first decode and first long prefill
+    _timed(engine, _prompts(rng, 1, PROMPT, c.vocab_size), 8)
+    _timed(engine, _prompts(rng, 1, LONG, c.vocab_size), 1)
+    out["decode"] = []
+    for b in BATCHES:
+        if b not in batches:
+            out["decode"].append({"batch": b, "skipped": f"pools fit up to batch {top}"})
+            continue
+        first = _timed(engine, _prompts(rng, b, PROMPT, c.vocab_size), 1)
+        full = _timed(engine, _prompts(rng, b, PROMPT, c.vocab_size), OUTPUT)
+        step_s = (full - first) / (OUTPUT - 1)
+        roof = decode_step_bytes(c, b, CONTEXT).seconds(bandwidth)
+        out["decode"].append(
+            {"batch": b, "tok_s": b / step_s, "step_ms": 1e3 * step_s, "roofline": roof / step_s}
+        )
+    (long,) = _prompts(rng, 1, LONG, c.vocab_size)
+    out["prefill_8k_tok_s"] = LONG / _timed(engine, [long], 1)
+    suffix = _prompts(rng, 1, SUFFIX, c.vocab_size)[0]
+    out["ttft_cached_8k_ms"] = 1e3 * _timed(engine, [long + suffix], 1)
+    del engine
+    gc.collect()  # the next case needs the memory back
+    torch.cuda.empty_cache()
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="roofline bytes only (no GPU)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-scale"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        rows = dry_run()
+        table = markdown(rows)
+        print(table)
+        (out / "gpu_scale_dry_run.json").write_text(json.dumps(rows, indent=1))
+        (out / "gpu_scale_dry_run.md").write_text(table)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("gpu_scale: no CUDA device (use --dry-run for the roofline bytes)")
+    device = torch.cuda.get_device_name(0)
+    bandwidth = next((bw for d, bw in BANDWIDTH.items() if d.split()[0] in device), None)
+    if bandwidth is None:
+        sys.exit(f"gpu_scale: no bandwidth figure for {device} (models/step_bytes.BANDWIDTH)")
+    results = {"device": device, "bandwidth": bandwidth, "cases": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, layers in CASES:
+            results["cases"].append(run_case(name, layers, Path(tmp), bandwidth))
+    rows = []
+    for case in results["cases"]:
+        for d in case["decode"]:
+            rows.append(
+                {
+                    "model": f"{case['model']} ({case['layers']} layers)",
+                    "startup_s": case["startup_s"],
+                    "kv_tokens": case["pools"]["kv_tokens"],
+                    "mamba_slots": case["pools"]["mamba_slots"],
+                    "batch": d["batch"],
+                    "decode_tok_s": d.get("tok_s", d.get("skipped")),
+                    "roofline_fraction": d.get("roofline", ""),
+                    "prefill_8k_tok_s": case["prefill_8k_tok_s"],
+                    "ttft_cached_8k_ms": case["ttft_cached_8k_ms"],
+                }
+            )
+    table = f"{device}, {bandwidth / 1e12:.2f} TB/s\n\n" + markdown(rows)
+    print(table)
+    (out / "gpu_scale.json").write_text(json.dumps(results, indent=1))
+    (out / "gpu_scale.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()
