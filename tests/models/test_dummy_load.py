@@ -1,7 +1,7 @@
 """`--load-format dummy`: random weights from config.json alone, no weight file read.
 
-End to end on the tiny preset's config-only directory (the real shapes' smallest, Qwen3.5-2B,
-needs 4 GB in bf16, beyond what a test may allocate); every real shape's config-only directory
+End to end on the tiny preset's config.json alone (the real shapes' smallest, Qwen3.5-2B, needs
+4 GB in bf16, beyond what a test may allocate); every real shape's config-only directory
 is loaded on the meta device (its whole dummy-load path but the allocation); the peak memory of a
 bf16 dummy load is about one copy of the weights, measured in a fresh process.
 """
@@ -50,10 +50,20 @@ def test_config_only_directory_has_no_weights(tiny_config_only):
         load_model(tiny_config_only)  # the default format needs weights
 
 
-def test_dummy_load_serves_tokens_through_the_engine(tiny_config_only, monkeypatch):
+def test_config_only_tokenizer_round_trips(tiny_config_only):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_config_only)
+    assert tok.decode(tok.encode("The answer is 42.")) == "The answer is 42."
+
+
+def test_dummy_load_serves_tokens_through_the_engine(tiny_config_only, tmp_path, monkeypatch):
+    """From a directory holding config.json and nothing else: token ids in, token ids out (the
+    Engine loads a tokenizer only for text prompts)."""
+    (tmp_path / "config.json").write_text((tiny_config_only / "config.json").read_text())
     _no_weight_files(monkeypatch)
     engine = Engine(
-        str(tiny_config_only),
+        str(tmp_path),
         load_format="dummy",
         dtype="float32",
         max_running_requests=2,
@@ -62,7 +72,7 @@ def test_dummy_load_serves_tokens_through_the_engine(tiny_config_only, monkeypat
         cpu_compile="off",
     )
     greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    outs = engine.generate([[5, 6, 7, 8, 9], "The answer is"], greedy)
+    outs = engine.generate([[5, 6, 7, 8, 9], [300, 301, 302]], greedy)
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [8, 8]
     assert all(0 <= t < 2048 for o in outs for t in o["output_ids"])
     again = engine.generate([5, 6, 7, 8, 9], greedy)
@@ -87,6 +97,15 @@ def test_dummy_weights_follow_the_presets_init(tiny_config_only, monkeypatch):
     assert norm0.abs().mean() < 0.2
     again = load_model(tiny_config_only, dtype="float32", load_format="dummy")
     assert all(torch.equal(p, params[n]) for n, p in again.named_parameters())
+
+
+def test_serve_flag():
+    from server.args import parse_serve_args
+
+    _, runner, _ = parse_serve_args(["--model-path", "/x", "--load-format", "dummy"])
+    assert runner.load_format == "dummy"
+    with pytest.raises(ValueError, match="--load-format must be one of"):
+        parse_serve_args(["--load-format", "pt"])
 
 
 @pytest.mark.parametrize("name", sorted(REAL_SHAPES))
