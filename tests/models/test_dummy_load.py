@@ -163,3 +163,16 @@ def test_dummy_bf16_load_peak_is_one_copy_of_the_weights(tmp_path, tiny_config_o
     assert m["param_bytes"] > 40e6  # large enough for a copy to show against allocator noise
     assert m["peak_bytes"] < 1.1 * m["param_bytes"], m
     assert not math.isnan(m["peak_bytes"])
+
+
+def test_tensor_parallel_shard_keeps_vocab_padding_rows_zero(tmp_path, monkeypatch):
+    from models.parallel import ParallelContext
+
+    _no_weight_files(monkeypatch)
+    cfg = preset_config("tiny")
+    cfg["vocab_size"] = 2047  # rank 1 of 2 holds 1023 real rows and one padding row
+    write_config_only(tmp_path, cfg, dtype=torch.float32)
+    model = load_model(tmp_path, tp=ParallelContext(1, 2), load_format="dummy")
+    for table in (model.model.embed_tokens.weight, model.lm_head.weight):
+        assert table.shape[0] == 1024
+        assert not table[1023].any() and table[:1023].abs().sum(dim=1).all()
