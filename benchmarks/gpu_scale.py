@@ -9,13 +9,14 @@ Cases (models/real_shapes.py, `--load-format dummy`, bf16, CUDA graphs captured)
                          the FP8 path (models/fp8.py) dequantizes at load, so the whole model
                          would hold 159 GB of bf16 weights, more than one H100 or H200 has
 
-Per case: start-up (dummy load, pools, graph capture), pool sizes, decode tok/s at batch 1, 16,
-64, 256 (prompts of 128 random tokens, 256 output tokens; decode time = the run with 256 output
-tokens minus the same batch's run with 1), prefill tok/s of one 8192-token prompt, TTFT of an
-8192-token cached prefix plus 16 new tokens (in-process, no HTTP), and each decode step beside
-its roofline: bytes the step must read (models/step_bytes.py, at the decode's mean context of
-256 tokens) over the device's bandwidth, as the fraction roofline / measured. A batch whose
-pools do not fit beside the weights is reported as skipped, with the sizes.
+Per case: the dummy load's time and the whole start-up (load, pools, graph capture), the pool
+sizes, decode tok/s at batch 1, 16, 64, 256 (prompts of 128 random tokens, 256 output tokens;
+decode time = the run with 256 output tokens minus the same batch's run with 1), prefill tok/s
+of one 8192-token prompt, TTFT of an 8192-token cached prefix plus 16 new tokens (in-process, no
+HTTP), and each decode step beside its roofline: bytes the step must read (models/step_bytes.py,
+at the decode's mean context of 256 tokens) over the device's bandwidth, as the fraction
+roofline / measured. A batch whose pools do not fit beside the weights is reported as skipped,
+with the largest batch that fits.
 
 --dry-run prints, for every real shape and batch, the bytes per step and the roofline step time
 and tok/s at H100 SXM (3.35 TB/s) and H200 (4.8 TB/s) bandwidth, and the largest batch whose
@@ -113,30 +114,45 @@ def _timed(engine, prompts, new_tokens: int) -> float:
 
 
 def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> dict:
-    from scheduler.engine import Engine
+    import scheduler.engine as engine_module
+
+    loads: list[float] = []
+
+    def timed_load(*args, **kwargs):  # the dummy load's own time, inside the Engine's start-up
+        start = time.perf_counter()
+        model = load_model(*args, **kwargs)
+        torch.cuda.synchronize()
+        loads.append(time.perf_counter() - start)
+        return model
 
     c = model_config(name, layers)
     path = write_config_only(workdir / name, real_shape_config(name, layers))
-    total = torch.cuda.get_device_properties(0).total_memory
-    top = max_batch(c, total)
+    top = max_batch(c, torch.cuda.get_device_properties(0).total_memory)
     batches = [b for b in BATCHES if b <= top]
+    if not batches:
+        return {"model": name, "layers": c.num_hidden_layers, "skipped": "weights do not fit"}
+    load_model = engine_module.load_model
+    engine_module.load_model = timed_load
     start = time.perf_counter()
-    engine = Engine(
-        str(path),
-        load_format="dummy",
-        dtype="bfloat16",
-        device="cuda",
-        mem_fraction_static=FRACTION,
-        max_running_requests=max(batches),
-        max_context_len=LONG + 2 * SUFFIX,
-        mamba_cache_size=max(batches) + 8,
-        chunked_prefill_size=LONG,
-        max_prefill_tokens=LONG + SUFFIX,
-        cuda_graph_bs=tuple(batches),
-        cuda_graph_max_bs=max(batches),
-    )
-    out: dict = {"model": name, "layers": c.num_hidden_layers, "startup_s": 0.0}
-    out["startup_s"] = time.perf_counter() - start
+    try:
+        engine = engine_module.Engine(
+            str(path),
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cuda",
+            mem_fraction_static=FRACTION,
+            max_running_requests=max(batches),
+            max_context_len=LONG + 2 * SUFFIX,
+            mamba_cache_size=max(batches) + 8,
+            chunked_prefill_size=LONG,
+            max_prefill_tokens=LONG + SUFFIX,
+            cuda_graph_bs=tuple(batches),
+            cuda_graph_max_bs=max(batches),
+        )
+    finally:
+        engine_module.load_model = load_model
+    out: dict = {"model": name, "layers": c.num_hidden_layers, "load_s": loads[0]}
+    out["startup_s"] = time.perf_counter() - start  # load, pools and graph capture
     cfg = engine.runner.config
     out["pools"] = {"kv_tokens": cfg.max_total_tokens, "mamba_slots": cfg.mamba_slots}
     rng = random.Random(0)
@@ -200,10 +216,11 @@ def main() -> None:
             results["cases"].append(run_case(name, layers, Path(tmp), bandwidth))
     rows = []
     for case in results["cases"]:
-        for d in case["decode"]:
+        for d in case.get("decode", []):
             rows.append(
                 {
                     "model": f"{case['model']} ({case['layers']} layers)",
+                    "load_s": case["load_s"],
                     "startup_s": case["startup_s"],
                     "kv_tokens": case["pools"]["kv_tokens"],
                     "mamba_slots": case["pools"]["mamba_slots"],

@@ -5,7 +5,8 @@ parameter shapes; nothing is allocated). For a decode step of `batch` requests w
 `context` tokens each:
 
     weights  dense parameters once (attention, GDN, norms, routers, shared experts, dense MLPs,
-             the LM head) + one embedding row per request
+             the LM head) + one embedding row per request (none when the embedding is the
+             tied LM head, read whole already)
              + per MoE layer the expected number of distinct routed experts the batch touches,
                E * (1 - (1 - k/E)^batch) (each token picks k of E uniformly, independently),
                times the bytes of one expert (gate, up and down: 3 x I x hidden)
@@ -126,9 +127,8 @@ def decode_step_bytes(
     weights in `weight_bytes` per parameter, KV and conv windows in `cache_bytes`."""
     g = param_groups(config)
     experts = g.moe_layers * expected_experts(g.num_experts, g.experts_per_tok, batch)
-    weights = (g.dense + experts * g.per_expert + min(batch, config.vocab_size) * g.hidden) * (
-        weight_bytes
-    )
+    rows = min(batch, config.vocab_size) * g.hidden if g.embedding else 0
+    weights = (g.dense + experts * g.per_expert + rows) * weight_bytes
     kv = batch * context * kv_bytes_per_token(config, cache_bytes)
     state = 2 * batch * state_bytes_per_request(config, cache_bytes)
     return StepBytes(float(weights), float(kv), float(state))

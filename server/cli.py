@@ -53,6 +53,7 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         write_checkpoint,
         write_config_only,
     )
+    from models.real_shapes import REAL_SHAPES
 
     start = time.perf_counter()
     if args.config_only:
@@ -66,6 +67,14 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         )
         return
     fp8 = {"dtype": torch.bfloat16, "fp8_block": (128, 128)} if args.fp8 else {}
+    if args.preset in REAL_SHAPES and not fp8:  # the releases' dtype; drawn in fp32 first
+        fp8 = {"dtype": torch.bfloat16}
+        logger.info(
+            "%s: writing %.1f GB of bf16 weights (%.1f GB of memory while drawing)",
+            args.preset,
+            2 * count_parameters(preset_config(args.preset)) / 1e9,
+            4 * count_parameters(preset_config(args.preset)) / 1e9,
+        )
     out = write_checkpoint(
         args.out,
         preset_config(args.preset),

@@ -88,11 +88,14 @@ def test_decode_step_bytes_at_batch_one():
     assert step.kv == 1000 * 20480
     assert step.state == 2 * 64_389_120
     assert step.seconds(1e12) == pytest.approx(step.total / 1e12)
-    # a dense model reads every weight at any batch
-    dense = _config("qwen3.5-2b")
+    # a dense model reads every weight at any batch, and one embedding row per request
+    dense = _config("qwen3.5-9b")
     assert decode_step_bytes(dense, 1, 0).weights + 63 * dense.hidden_size * 2 == pytest.approx(
         decode_step_bytes(dense, 64, 0).weights
     )
+    tied = _config("qwen3.5-2b")  # its embedding is the LM head, read whole at any batch
+    assert decode_step_bytes(tied, 1, 0).weights == decode_step_bytes(tied, 64, 0).weights
+    assert decode_step_bytes(tied, 1, 0).weights == 2 * param_groups(tied).total
 
 
 def test_reduced_layer_variant():
