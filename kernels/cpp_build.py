@@ -5,9 +5,10 @@ The sources are compiled into one library at first use with torch's extension to
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); later processes load the cached
 library in well under a second. The build is named by a hash of the sources and this machine's
 CPU flags (`-march=native` code may not run on another CPU sharing the cache), so checkouts with
-different sources never rebuild each other's copy. A build lock left by a process killed while
-compiling (torch's builder would wait on it forever) is removed once it is older than
-`STALE_LOCK_S`. The ops are registered as `torch.ops.hybrid_serve.*`.
+different sources never rebuild each other's copy. Builders take an exclusive `flock` on the
+build directory first (the kernel drops it when a process dies), so once a process holds it, any
+baton file torch's builder left behind (a process killed while compiling; torch would wait on it
+forever) is stale and is removed. The ops are registered as `torch.ops.hybrid_serve.*`.
 
 A machine where the build fails (no compiler, no ninja) gets one warning and `load()` returns
 None from then on: callers fall back to the torch references.
@@ -15,12 +16,15 @@ None from then on: callers fall back to the torch references.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +44,6 @@ def sources() -> list[Path]:
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ops" when loaded, "error" when the build failed
-STALE_LOCK_S = 900.0  # a cold build takes 20-400 s here; a lock this old has no live builder
 
 
 def _build_tag() -> str:
@@ -56,17 +59,27 @@ def _build_tag() -> str:
     return h.hexdigest()[:12]
 
 
-def _clear_stale_lock(name: str) -> None:
+def _build_directory(name: str) -> Path:
     from torch.utils import cpp_extension
 
-    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing a stale C++ kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+    path = Path(cpp_extension._get_build_directory(name, verbose=False))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def build_guard(build_dir: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold the build directory's `flock` (True): no other live process builds there, so a baton
+    file torch's builder left (`lock`) belongs to a dead one and is removed. With `wait=False`
+    and another process holding it, yields False at once and touches nothing."""
+    with open(build_dir / "builder.flock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield True
 
 
 def _ninja_on_path() -> None:
@@ -94,16 +107,17 @@ def load() -> Any | None:
 
             _ninja_on_path()
             name = f"hybrid_serve_cpu_{_build_tag()}"
-            _clear_stale_lock(name)
+            build_dir = _build_directory(name)
             start = time.perf_counter()
-            cpp_extension.load(
-                name=name,
-                sources=[str(src) for src in sources()],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            with build_guard(build_dir):  # waits only for a live builder
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(src) for src in sources()],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=False,
+                )
             logger.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
             _state["ops"] = torch.ops.hybrid_serve
         except Exception as e:  # no compiler, no ninja, a broken toolchain: torch fallback

@@ -1,24 +1,36 @@
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
+import subprocess
+import sys
 
 from kernels import cpp_build
 
+HOLD = """
+import fcntl, sys, time
+fh = open(sys.argv[1], "w")
+fcntl.flock(fh, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    from torch.utils import cpp_extension
 
-    lock = Path(cpp_extension._get_build_directory("hs_lock_test", verbose=False)) / "lock"
-    lock.write_text("")
-    cpp_build._clear_stale_lock("hs_lock_test")
-    assert lock.exists()  # a build may be running
-    old = time.time() - cpp_build.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    cpp_build._clear_stale_lock("hs_lock_test")
-    assert not lock.exists()
+def test_a_dead_builders_baton_is_removed_and_a_live_builders_kept(tmp_path):
+    baton = tmp_path / "lock"
+    baton.write_text("")
+    holder = subprocess.Popen(  # a live builder holds the guard
+        [sys.executable, "-c", HOLD, str(tmp_path / "builder.flock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with cpp_build.build_guard(tmp_path, wait=False) as held:
+            assert not held and baton.exists()
+    finally:
+        holder.communicate("")  # it exits: the kernel drops its lock
+    with cpp_build.build_guard(tmp_path, wait=False) as held:
+        assert held and not baton.exists()
 
 
 def test_the_build_name_follows_the_source(monkeypatch, tmp_path):
