@@ -45,7 +45,6 @@ import torch
 
 from benchmarks import serving
 from benchmarks.engine_throughput import _prompts, run_engine, run_hf
-from scheduler.config import CPU_COMPILE_MODES
 from scheduler.engine import Engine
 
 logger = logging.getLogger("benchmarks.cpu_tables")
@@ -73,12 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--repeats", type=int, default=3)
     a("--threads", type=int, default=2)
     a("--no-http", action="store_true", help="engine, prefill and transformers only")
-    a(
-        "--cpu-compile",
-        default="off",
-        choices=CPU_COMPILE_MODES,
-        help="the engines' and servers' decode step mode (`--cpu-compile`; compiled at start-up)",
-    )
     a("--max-minutes", type=float, default=120.0, help="no repeat starts past this budget")
     a("--quick", action="store_true", help=f"a reduced end-to-end check, as defaults: {QUICK}")
     a("--markdown-out", default=None)
@@ -98,15 +91,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def server(
-    model_path: str, dtype: str, threads: int, max_running: int, log: Path, cpu_compile: str
-) -> Iterator[str]:
+def server(model_path: str, dtype: str, threads: int, max_running: int, log: Path) -> Iterator[str]:
     """A `python -m server` on 127.0.0.1 for the whole run; yields its URL, stops it (SIGINT,
     then SIGKILL after 30 s) on the way out."""
     port = _free_port()
     cmd = [sys.executable, "-m", "server", "--model-path", model_path, "--dtype", dtype]
     cmd += ["--num-threads", str(threads), "--max-running-requests", str(max_running)]
-    cmd += ["--port", str(port), "--log-level", "warning", "--cpu-compile", cpu_compile]
+    cmd += ["--port", str(port), "--log-level", "warning"]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
     with log.open("w") as fh:
@@ -180,7 +171,7 @@ def markdown(args, conc, results, reps: int, load: list[float], minutes: float) 
     med = {k: statistics.median(v) for k, v in results.items() if v}
     lines = [
         f"CPU tables: preset {args.preset}, {args.threads} threads, prompt {args.prompt_len}, "
-        f"output {args.output_len} tokens, greedy, decode step --cpu-compile {args.cpu_compile}; "
+        f"output {args.output_len} tokens, greedy; "
         f"medians of {reps} interleaved repeat(s); "
         f"load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} CPUs; "
         f"{minutes:.1f} min.",
@@ -233,7 +224,6 @@ def main(argv: list[str] | None = None) -> str:
             max_running_requests=max(conc),
             dtype=d,
             max_total_tokens=max_tokens,
-            cpu_compile=args.cpu_compile,
         )
         for d in dtypes
     }
@@ -263,7 +253,7 @@ def main(argv: list[str] | None = None) -> str:
             for d in dtypes:
                 log = Path(os.environ.get("TMPDIR", "/tmp")) / f"cpu_tables_server_{d}.log"
                 urls[d] = stack.enter_context(
-                    server(args.model_path, d, args.threads, max(conc), log, args.cpu_compile)
+                    server(args.model_path, d, args.threads, max(conc), log)
                 )
         for rep in range(args.repeats):
             elapsed = (time.monotonic() - t0) / 60

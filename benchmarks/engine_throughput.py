@@ -8,10 +8,9 @@ transformers baseline runs `generate` on static batches of the same prompts in t
 
 Variants of ours, interleaved in every repeat: `--variants float32:torch,float32:auto,
 bfloat16:auto` (dtype `:` `HYBRID_SERVE_KERNELS` mode: bf16 weights on CPU; the eager torch
-references against the C++ CPU kernels), each optionally `:` a `--cpu-compile` mode (default
-off, as the server; `float32:auto:dynamic` compiles the decode step) or `eager`
-(`--disable-cuda-graph`: neither compiled nor the CPU decode plan, `models.cpu_decode`); one
-row each. Compiling happens when the engines are built, before anything is timed.
+references against the C++ CPU kernels), each optionally `:` `plan` (the default, as the
+server: small decode batches run the CPU decode plan, `models.cpu_decode`) or `eager`
+(`--disable-cuda-graph`: no decode plan); one row each.
 
 Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
 """
@@ -96,14 +95,15 @@ def main() -> None:
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]
-    variants = [(*v.split(":"), "off")[:3] for v in args.variants.split(",")]
+    variants = [(*v.split(":"), "plan")[:3] for v in args.variants.split(",")]
+    if any(comp not in ("plan", "eager") for *_, comp in variants):
+        ap.error("--variants: the decode step after dtype:kernels is plan or eager")
     engines = {
         (d, comp): Engine(
             args.model_path,
             max_running_requests=max(conc),
             dtype=d,
             max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
-            cpu_compile="off" if comp == "eager" else comp,
             disable_cuda_graph=comp == "eager",
         )
         for d, _, comp in dict.fromkeys(variants)

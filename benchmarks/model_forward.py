@@ -57,7 +57,6 @@ from tqdm import tqdm
 
 from kernels import dispatch, linear_cpp
 from kernels.dispatch import ENV_VAR, FUSIONS_ENV
-from scheduler.config import CPU_COMPILE_MODES
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
@@ -102,14 +101,6 @@ def ours_prefill(runner: ModelRunner, prompts: list[list[int]]) -> Step:
     return make
 
 
-def graphs_step(graphs: DecodeGraphRunner, dec: list[DecodeInput], out_loc: torch.Tensor):
-    """One step through `graphs` on normal tensors, also when timed under inference mode:
-    compiled graphs were traced on normal tensors, and inference-mode inputs would fail their
-    guards and run eagerly."""
-    with torch.inference_mode(False):
-        return graphs.forward(dec, out_loc.clone())
-
-
 def ours_decode(
     runner: ModelRunner,
     contexts: torch.Tensor,
@@ -117,8 +108,8 @@ def ours_decode(
     graphs: DecodeGraphRunner | None = None,
 ) -> tuple[Step, Callable[[], None]]:
     """Prefill B contexts once; return (step, free) where each step decodes at context length.
-    With `graphs` (the compiled step) the timed part is `graphs.forward`, which also builds the
-    batch (tens of microseconds; the eager step's batch is built off the clock)."""
+    With `graphs` (the decode plan) the timed part is `graphs.forward`, which also builds the
+    batch (the eager step's batch is built off the clock)."""
     b, ctx = contexts.shape
     reqs = runner.req_pool.alloc(b)
     live = runner.mamba_pool.alloc(b).tolist()
@@ -134,7 +125,7 @@ def ours_decode(
     def make():
         runner.mamba_pool.copy(snap, live)  # back to exactly ctx tokens of state
         if graphs is not None:
-            return lambda: graphs_step(graphs, dec, out_loc), lambda: None
+            return lambda: graphs.forward(dec, out_loc), lambda: None
         batch = runner.build_decode(dec, out_loc)
         return lambda: runner.forward(batch), lambda: None
 
@@ -223,7 +214,7 @@ def summarize(name: str, tokens: int, res: dict[str, list]) -> dict:
 def print_table(rows: list[dict], variants: list[str]) -> None:
     print(f"{'case':<18}{'variant':<14}{'ms (min)':>18}{'tok/s':>10}{'/hf':>7}{'max|dlogit|':>13}")
     for r in rows:
-        for who in (v for v in variants if v in r):  # no compiled prefill
+        for who in (v for v in variants if v in r):  # no plan prefill
             o = r[who]
             print(
                 f"{r['case']:<18}{who:<14}{o['median_ms']:>9.1f} ({o['min_ms']:>6.1f})"
@@ -267,17 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         "auto-unfused-mkl)",
     )
     p.add_argument(
-        "--compile",
-        default="off",
-        choices=CPU_COMPILE_MODES,
-        help="also time the decode step compiled as the server does (`--cpu-compile` mode, "
-        "default kernels), as variant ours-compiled; compiled for the batch sizes before timing",
-    )
-    p.add_argument(
         "--plan",
         action="store_true",
         help="also time the decode step through the CPU decode plan (models.cpu_decode, what "
-        "the server runs uncompiled up to 8 rows; larger batches run eagerly), as ours-plan",
+        "the server runs for small decode batches; larger batches run eagerly), as ours-plan",
     )
     p.add_argument("--json-out", help="also write the results here")
     args = p.parse_args(argv)
@@ -291,8 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     max_b = max(batch_sizes)
-    # the compiled and plan variants decode their own requests
-    sets = 1 + (args.compile != "off") + args.plan
+    # the plan variant decodes its own requests
+    sets = 1 + args.plan
     cfg = RunnerConfig(
         max_running_requests=max(sets * max_b, args.prefill_batch) + 1,
         max_total_tokens=sets * max_b * (args.context_len + 1)
@@ -315,14 +299,6 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]  # others' work on a small shared machine skews timings
     modes = args.kernels.split(",")
     variants = [f"ours-{m}" for m in modes] + ["hf"]
-    graphs, compile_s = None, 0.0
-    if args.compile != "off":
-        start = time.perf_counter()
-        graphs = DecodeGraphRunner(runner, batch_sizes, cpu_compile=args.compile)
-        compile_s = time.perf_counter() - start
-        if graphs.compiled is None:
-            p.error("compiling the decode step failed (see the warning)")
-        variants.insert(-1, "ours-compiled")
     planned = None
     if args.plan:
         planned = DecodeGraphRunner(runner, batch_sizes)
@@ -341,11 +317,6 @@ def main(argv: list[str] | None = None) -> None:
         for b in batch_sizes:
             ours_step, free = ours_decode(runner, contexts[:b], next_ids[:b])
             steps = {f"ours-{m}": with_kernels(ours_step, m) for m in modes}
-            if graphs is not None:
-                compiled_step, free_compiled = ours_decode(
-                    runner, contexts[:b], next_ids[:b], graphs
-                )
-                steps["ours-compiled"] = with_kernels(compiled_step, "auto")
             if planned is not None:
                 plan_step, free_plan = ours_decode(runner, contexts[:b], next_ids[:b], planned)
                 steps["ours-plan"] = with_kernels(plan_step, "auto")
@@ -353,8 +324,6 @@ def main(argv: list[str] | None = None) -> None:
             res = measure(steps, args.warmup, args.repeats, f"decode b={b}")
             rows.append(summarize(f"decode b={b}", b, res))
             free()
-            if graphs is not None:
-                free_compiled()
             if planned is not None:
                 free_plan()
     load = (load_before, os.getloadavg()[0])
@@ -364,12 +333,9 @@ def main(argv: list[str] | None = None) -> None:
         f" {args.repeats} repeats (+{args.warmup} warmup), torch {torch.__version__},"
         f" load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} CPUs"
     )
-    if graphs is not None:
-        print(f"decode step compiled ({args.compile}) in {compile_s:.1f} s before timing")
     print_table(rows, variants)
     if args.json_out:
         meta = {"model_path": str(path), "torch": torch.__version__, "load_average": load}
-        meta |= {"compile": args.compile, "compile_s": compile_s}
         meta |= {"machine": platform.machine(), "cpus": os.cpu_count()}
         report = {"args": vars(args), **meta, "results": rows}
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")

@@ -42,7 +42,7 @@ gdn_decode = dispatching(gdn_step.gdn_decode, None, "gdn_step_cpp", fusion=True)
 moe_decode = dispatching(moe_step.moe_decode, None, "moe_step_cpp", fusion=True)
 linear_multi = dispatching(multi_linear.linear_multi, None, "multi_linear_cpp", fusion=True)
 attn_decode = dispatching(attn_step.attn_decode, None, "attn_step_cpp", fusion=True)
-linear = dispatching(linear.linear, None, "linear_cpp", traced="traced_linear")
+linear = dispatching(linear.linear, None, "linear_cpp")
 routed_experts = dispatching(experts.routed_experts, None, "experts_cpp")
 
 __all__ = [

@@ -3,15 +3,14 @@
 Same signature and contract as `kernels.attn_step.attn_decode`. One call replaces the
 reference's ~50 torch ops: q/k RMSNorm and RoPE, the KV write, attention over each request's
 cached keys (read in place through `req_to_token`, no gather) and the output gate. It covers
-fp32 activations, norms and KV buffers; anything else, and tracing by torch.compile, runs the
-reference.
+fp32 activations, norms and KV buffers; anything else runs the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import attn_step, custom_ops
+from kernels import attn_step, cpp_build
 
 
 def attn_decode(
@@ -38,7 +37,7 @@ def attn_decode(
         qg, k, v, q_norm_w, k_norm_w, cos, sin, k_all, v_all, layer, out_loc, req_to_token,
         req_slots, seq_lens, num_heads, scale, eps, max_seq_len,
     )  # fmt: skip
-    ops = custom_ops.cpp_ops()
+    ops = cpp_build.load()
     if (
         ops is None
         or not all(t.dtype == torch.float32 for t in (qg, k, v, q_norm_w, k_norm_w, cos, sin))

@@ -48,8 +48,6 @@ _import_error: list[BaseException] = []  # first failure importing triton, if an
 _mode: list[str] = []  # the mode read from ENV_VAR, once
 _fusions: list[bool] = []  # FUSIONS_ENV, once
 _choices: dict[tuple[str, str], Callable] = {}  # (op name, device type) -> implementation
-TRACED: dict[str, Callable] = {}  # what torch.compile traces instead (see `dispatching`)
-_choosers: dict[str, Callable[[torch.Tensor], Callable]] = {}  # op name -> its `choose`
 
 
 def reset() -> None:
@@ -58,15 +56,6 @@ def reset() -> None:
     _mode.clear()
     _choices.clear()
     _fusions.clear()
-
-
-def prime(device: torch.device | str) -> None:
-    """Make every op's choice for `device` now (importing its kernel modules, building the C++
-    kernels): torch.compile cannot trace the choosing, so a graph compiles after this."""
-    x = torch.empty(0, device=device)
-    for key, choose in _choosers.items():
-        if (key, x.device.type) not in _choices:
-            _choices[(key, x.device.type)] = choose(x)
 
 
 def kernel_mode() -> str:
@@ -167,17 +156,14 @@ def dispatching(
     reference: Callable,
     module: str | None,
     cpp_module: str | None = None,
-    traced: str | None = None,
     fusion: bool = False,
 ) -> Callable:
     """Wrap a torch reference op so that each call runs the same-named function of Triton
     module `kernels.<module>` instead when `use_triton` says so for its first tensor argument,
     or that of C++ wrapper module `kernels.<cpp_module>` when `use_cpp` does. The choice is made
     at an op's first call per device type and cached (`reset()` forgets it). Arguments are
-    passed through unchanged: all implementations share the signature. While torch.compile
-    traces, an op with `traced` runs `kernels.custom_ops.<traced>` instead (the same choice,
-    written for the compiler: `custom_ops` registers it in `TRACED` when imported). A `fusion`
-    op runs its reference while `fusions_enabled()` is False."""
+    passed through unchanged: all implementations share the signature. A `fusion` op runs its
+    reference while `fusions_enabled()` is False."""
     first = next(iter(inspect.signature(reference).parameters))
     name = reference.__name__
     key = f"{reference.__module__}.{name}"
@@ -191,12 +177,8 @@ def dispatching(
             return getattr(importlib.import_module(f"kernels.{cpp_module}"), name)
         return reference
 
-    _choosers[key] = choose
-
     @functools.wraps(reference)
     def run(*args, **kwargs):
-        if traced is not None and torch.compiler.is_compiling():
-            return TRACED[traced](*args, **kwargs)
         x = args[0] if args else kwargs[first]
         impl = _choices.get((key, x.device.type))
         if impl is None:

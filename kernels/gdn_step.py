@@ -10,7 +10,7 @@ One token per row; the states live in the Mamba pool (`conv_pool`, `ssm_pool`: t
 [layers, slots, ...] tensors, `layer` picks the layer) and are updated in place at `slots`. A
 negative slot, or one repeating an earlier row's (only the reserved padding slot 0 repeats), is
 padding: zero output, no state read or written. This reference composes the unfused decode
-kernels (`kernels.custom_ops.decode_conv_update`, `decode_recurrent_update`,
+kernels (`kernels.causal_conv1d_update`, `kernels.fused_recurrent_gated_delta_rule`,
 `kernels.rms_norm_gated`); `kernels.gdn_step_cpp` does it all in one C++ call.
 """
 
@@ -44,19 +44,23 @@ def gdn_decode(
 ) -> torch.Tensor:
     """Returns y [T, value_dim] in qkvz's dtype (ready for out_proj)."""
     import kernels
-    from kernels import custom_ops
 
     T = qkvz.shape[0]
     HV, dk, dv = ssm_pool.shape[2:]
     key_dim, value_dim = num_k_heads * dk, HV * dv
     mixed_qkv, z = qkvz.split([2 * key_dim + value_dim, value_dim], dim=-1)
     b, a = ba.split([HV, HV], dim=-1)
-    mixed_qkv = custom_ops.decode_conv_update(mixed_qkv, conv_pool, layer, conv_weight, slots)
+    mixed_qkv = kernels.causal_conv1d_update(
+        mixed_qkv, conv_pool[layer], conv_weight, None, "silu", slots
+    )
     q, k, v = mixed_qkv.split([key_dim, key_dim, value_dim], dim=-1)
     q = q.reshape(T, 1, num_k_heads, dk)
     k = k.reshape(T, 1, num_k_heads, dk)
     v = v.reshape(T, 1, HV, dv)
     g, beta = (t.unsqueeze(1) for t in gates(b, a, A_log, dt_bias))  # [T, 1, HV]
-    core = custom_ops.decode_recurrent_update(q, k, v, g, beta, ssm_pool, layer, slots)
+    core, _ = kernels.fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=ssm_pool[layer], initial_state_indices=slots,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
     core = kernels.rms_norm_gated(core.reshape(T * HV, dv), z.reshape(T * HV, dv), norm_weight, eps)
     return core.reshape(T, value_dim)

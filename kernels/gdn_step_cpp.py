@@ -5,15 +5,14 @@ reference's ~40 torch ops: the conv update (silu vectorised across channels), th
 l2 norms, the recurrent update in place on the pool (each head state read once, updated and
 read out while in cache: no gather or scatter) and the gated RMSNorm. It covers fp32
 activations, pools and parameters (the CPU model's, with fp32 or bf16 matrices); anything else
-runs the reference. While torch.compile traces, graphs call the op itself once
-`kernels.custom_ops.enable_cpp_in_graphs` gave it a fake implementation.
+runs the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import custom_ops, gdn_step
+from kernels import cpp_build, gdn_step
 
 
 def gdn_decode(
@@ -34,7 +33,7 @@ def gdn_decode(
         qkvz, ba, conv_pool, ssm_pool, layer, conv_weight, A_log, dt_bias, norm_weight, slots,
         num_k_heads, eps,
     )  # fmt: skip
-    ops = custom_ops.cpp_ops()
+    ops = cpp_build.load()
     if (
         ops is None
         or not all(t.dtype == torch.float32 for t in (qkvz, ba, conv_pool, ssm_pool, A_log))

@@ -8,16 +8,14 @@ the weight-streaming GEMV on slices of the stacked weights; beyond, the tiled GE
 experts in one routed-experts call (kernels/csrc/gemm.cpp), as the reference picks them. It
 covers fp32 activations with fp32 or bf16 matrices, at most `max_tokens()` rows: the C++ GEMM's
 decode rows (`kernels.linear_cpp.GEMM_MAX_ROWS`) while it is on, the GEMV's block while
-`HYBRID_SERVE_CPU_GEMM=off`; anything else runs the reference. While torch.compile traces,
-graphs call the op itself once `kernels.custom_ops.enable_cpp_in_graphs` gave it a fake
-implementation.
+`HYBRID_SERVE_CPU_GEMM=off`; anything else runs the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import custom_ops, linear_cpp, moe_step
+from kernels import cpp_build, linear_cpp, moe_step
 
 MAX_TOKENS = linear_cpp.GEMM_MAX_ROWS  # decode batches; longer prefill chunks run the unfused block
 
@@ -43,7 +41,7 @@ def moe_decode(
         router_w, experts_gate_up, experts_down, shared_gate_w, shared_gate_proj,
         shared_up_proj, shared_down,
     )  # fmt: skip
-    ops = custom_ops.cpp_ops()
+    ops = cpp_build.load()
     if (
         ops is None
         or x.dtype != torch.float32

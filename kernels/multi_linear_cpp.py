@@ -2,23 +2,22 @@
 
 Same signature and contract as `kernels.multi_linear.linear_multi`. Where `kernels.linear_cpp`
 would run its weight-streaming GEMV for every weight (fp32 activations, fp32 or bf16 weights,
-rows within its limits, the same for all), one C++ call streams them all (in compiled graphs
-too, once `kernels.custom_ops.enable_cpp_in_graphs` ran); otherwise the reference (one
-`kernels.linear` per weight).
+rows within its limits, the same for all), one C++ call streams them all; otherwise the
+reference (one `kernels.linear` per weight).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import custom_ops, multi_linear
+from kernels import cpp_build, multi_linear
 from kernels.linear_cpp import SKINNY_ROWS
 
 
 def linear_multi(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
 ) -> list[torch.Tensor]:
-    ops = custom_ops.cpp_ops()
+    ops = cpp_build.load()
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     fits = (

@@ -4,8 +4,7 @@ Same signatures and contracts as `kernels.rmsnorm.rms_norm`, `fused_add_rmsnorm`
 `rms_norm_gated`: one pass over each row instead of the reference's ~8 torch ops (the gated
 norm computes as the fused GDN decode does, so a prompt's prefill and its decode steps agree).
 The C++ kernels cover fp32 x, z, residual and weight (the CPU model's activations and norms in
-both weight dtypes); anything else, and tracing by torch.compile (which fuses the reference
-itself), runs the reference.
+both weight dtypes); anything else runs the reference.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return rmsnorm.rms_norm(x, weight, eps)
     ops = cpp_build.load()
     if ops is None or not _fits(x, weight):
         return rmsnorm.rms_norm(x, weight, eps)
@@ -37,8 +34,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.compiler.is_compiling():
-        return rmsnorm.fused_add_rmsnorm(x, residual, weight, eps)
     ops = cpp_build.load()
     if ops is None or not _fits(x, weight):
         return rmsnorm.fused_add_rmsnorm(x, residual, weight, eps)
@@ -53,8 +48,6 @@ def fused_add_rmsnorm(
 def rms_norm_gated(
     x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return rmsnorm.rms_norm_gated(x, z, weight, eps)
     ops = cpp_build.load()
     if ops is None or not _fits(x, weight) or z.dtype != torch.float32 or z.shape != x.shape:
         return rmsnorm.rms_norm_gated(x, z, weight, eps)

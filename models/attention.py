@@ -16,7 +16,6 @@ from torch import nn
 
 import kernels
 from kernels import extend_attention
-from kernels.custom_ops import decode_attention, fused_decode_here, store_kv
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import Linear, RMSNorm, RotaryEmbedding
@@ -56,7 +55,7 @@ class GatedAttention(nn.Module):
         T = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)  # one call: `kernels.linear_multi`
         q, k, v = kernels.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
-        if batch.is_decode and not x.is_cuda and fused_decode_here():
+        if batch.is_decode and not x.is_cuda:
             return self.o_proj(self._decode(q, k, v, cos_sin, batch))
         q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)  # [T, nH, hd]
@@ -65,11 +64,14 @@ class GatedAttention(nn.Module):
         q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
 
         pool = batch.kv_pool
-        store_kv(pool, self.attn_layer_id, batch.out_loc, k, v)  # one opaque op when compiled
+        pool.set_kv(self.attn_layer_id, batch.out_loc, k, v)
+        k_buf, v_buf = pool.get_kv(self.attn_layer_id)
         if batch.is_decode:
-            o = decode_attention(q, batch, self.attn_layer_id, self.scale)
+            o = kernels.decode_attention(
+                q, k_buf, v_buf, batch.req_to_token, batch.req_slots, batch.seq_lens, self.scale,
+                batch.max_seq_len or None,
+            )  # fmt: skip
         else:
-            k_buf, v_buf = pool.get_kv(self.attn_layer_id)
             o = extend_attention(
                 q,
                 k_buf,
@@ -84,13 +86,10 @@ class GatedAttention(nn.Module):
         return self.o_proj(o)
 
     def _decode(self, qg, k, v, cos_sin, batch: ForwardBatch) -> torch.Tensor:
-        """Eager CPU decode: everything between the projections and o_proj is one fused op
-        (`kernels.attn_decode`), also in CPU graphs that call the fused ops; CUDA keeps the ops
-        above."""
+        """CPU decode: everything between the projections and o_proj is one fused op
+        (`kernels.attn_decode`); CUDA keeps the ops above."""
         pool = batch.kv_pool
-        # the host-side length hint changes every step: a graph must not guard on it (the C++
-        # op reads the lengths itself)
-        max_len = None if torch.compiler.is_compiling() else batch.max_seq_len or None
+        max_len = batch.max_seq_len or None
         return kernels.attn_decode(
             qg, k, v, self.q_norm.weight, self.k_norm.weight, *cos_sin, pool.k_all, pool.v_all,
             self.attn_layer_id, batch.out_loc, batch.req_to_token, batch.req_slots,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import custom_ops, dispatch, experts_cpp, linear_cpp, moe_step_cpp, rms_norm_gated
+from kernels import dispatch, experts_cpp, linear_cpp, moe_step_cpp, rms_norm_gated
 from kernels.attn_step import apply_rope
 from kernels.experts import grouped_mm_fits
 from kernels.experts import routed_experts as experts_reference
@@ -105,7 +105,7 @@ class Experts(nn.Module):
     takes the operands: fp32 weights); else `torch._grouped_mm` from
     `GROUPED_MIN_TOKENS` tokens where it takes the operands. Otherwise (CUDA, fewer tokens, bf16
     weights without the C++ op) one `kernels.linear` per active expert.
-    Measured: `benchmarks/moe_experts.py`, BENCHMARKS.md."""
+    `benchmarks/moe_experts.py` times these paths against each other."""
 
     GROUPED_MIN_TOKENS = 32  # torch._grouped_mm against the loop of F.linear (torch kernels)
 
@@ -216,11 +216,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        if (
-            x.shape[0] <= moe_step_cpp.max_tokens()
-            and not x.is_cuda
-            and custom_ops.fused_decode_here()  # else graphs keep the opaque experts op
-        ):
+        if x.shape[0] <= moe_step_cpp.max_tokens() and not x.is_cuda:
             shared = self.shared_expert
             return kernels.moe_decode(
                 x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
@@ -232,6 +228,6 @@ class SparseMoE(nn.Module):
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
-        routed = custom_ops.experts(self.experts, x, topk_ids, topk_w.to(x.dtype))
+        routed = self.experts(x, topk_ids, topk_w.to(x.dtype))
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

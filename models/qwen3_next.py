@@ -105,11 +105,6 @@ class Qwen3NextForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
         or [K, vocab] at `logit_indices`."""
-        return self.logits(batch)
-
-    def logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """`forward` without its inference-mode decorator, for torch.compile (which cannot trace
-        the mode switch): callers run it under `torch.inference_mode()` themselves."""
         return self.lm_head(self.final_hidden(batch)).float()
 
     @torch.inference_mode()

@@ -18,7 +18,6 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # models.loader.DTYPES's names, spelled out so that this module imports no torch
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-CPU_COMPILE_MODES = ("dynamic", "per_size", "off")
 # models.loader.LOAD_FORMATS, likewise (dummy: random weights from config.json alone)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -36,12 +35,6 @@ class SchedulerConfig:
     cuda_graph_max_bs: int = 64  # largest padded size (also added to the list)
     # off: decode batches run at their own size (on CPU without the decode plan either)
     disable_cuda_graph: bool = False
-    # CPU decode step (scheduler.cpu_compile): torch.compile it with a dynamic batch size, once
-    # per padded size, or not (off, the default: batches up to 64 rows then replay the CPU
-    # decode plan, models.cpu_decode, which beats compiling at 1 row and is level at 8 on the
-    # 2-core machine, without start-up compiling; BENCHMARKS.md, session 7); sizes up to
-    # cuda_graph_max_bs, none with --disable-cuda-graph. Test engines say off.
-    cpu_compile: str = "off"
     enable_hierarchical_cache: bool = False  # host-memory tier under the radix cache
     hicache_ratio: float = 2.0  # host pools = this times the device pools
     hicache_size: float = 0.0  # host pools in GB (> 0 overrides hicache_ratio)
@@ -76,8 +69,6 @@ class SchedulerConfig:
             raise ValueError("--mamba-track-interval must be >= 1")
         if self.cuda_graph_max_bs < 1 or any(bs < 1 for bs in self.cuda_graph_bs):
             raise ValueError("--cuda-graph-bs sizes and --cuda-graph-max-bs must be >= 1")
-        if self.cpu_compile not in CPU_COMPILE_MODES:
-            raise ValueError(f"--cpu-compile must be one of {', '.join(CPU_COMPILE_MODES)}")
         if not self.schedule_conservativeness > 0:
             raise ValueError("--schedule-conservativeness must be > 0")
         if self.max_sessions < 0 or self.session_timeout < 0:

@@ -1,9 +1,9 @@
-"""Decode batches through one seam: CUDA graphs on GPU (seed #24243), torch.compile on CPU.
+"""Decode batches through one seam: CUDA graphs on GPU (seed #24243), the decode plan on CPU.
 
 A decode batch of n requests runs at the smallest captured size bs >= n (`--cuda-graph-bs` up
 to `--cuda-graph-max-bs`, which is added; see `SchedulerConfig.decode_graph_sizes`); larger
-batches, every batch with `--disable-cuda-graph`, and every batch where nothing is captured or
-compiled run at their own size: a batch is never padded to a size without a graph. Padding rows
+batches, every batch with `--disable-cuda-graph`, and every batch where nothing is captured run
+at their own size: a batch is never padded to a size without a graph. Padding rows
 use request row 0, KV location 0, position 0 and Mamba slot 0, all reserved in their pools: a
 padding row reads and writes only scratch memory and never a live request's state, and its
 logits are dropped.
@@ -14,33 +14,23 @@ replays. Capturing needs a decode forward without host syncs or data-dependent s
 kernels are (they read lengths and slots on the device), and the MoE takes its static-shape path
 while a stream is capturing (`models.layers.Experts`).
 
-On CPU "capturing" is compiling the decode forward with torch.compile at start-up
-(`--cpu-compile`, `scheduler.cpu_compile`): `dynamic` compiles a graph for batch 1 and one with a
-symbolic batch size for 2 up to `--cuda-graph-max-bs`, and batches run at their own size,
-unpadded; `per_size` compiles every listed size and pads to it over static buffers like
-CUDA; `off` (the default, see `SchedulerConfig.cpu_compile`) runs eagerly. Without a C++
-compiler, or when compiling fails, one warning and eager. `static_buffers=True` runs the CUDA
-path's padded buffer filling eagerly, for tests.
-
-Where nothing is compiled, CPU batches of up to `models.cpu_decode.MAX_ROWS` rows (and
-`--cuda-graph-max-bs`) run the step as one C++ call over the model's C++ ops
-(`models.cpu_decode.CpuDecodePlan`, bit-identical to the eager step) whenever the model and the
-kernel choice allow it; `--disable-cuda-graph` turns that off too.
+On CPU, batches of up to `models.cpu_decode.MAX_ROWS` rows (and `--cuda-graph-max-bs`) run the
+step as one C++ call over the model's C++ ops (`models.cpu_decode.CpuDecodePlan`, bit-identical
+to the eager step), unpadded, whenever the model and the kernel choice allow it; other batches
+run eagerly at their own size, and `--disable-cuda-graph` turns the plan off too.
+`static_buffers=True` runs the CUDA path's padded buffer filling eagerly, for tests.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
-from tqdm import tqdm
 
 from kernels.dispatch import kernel_mode
 from models.cpu_decode import MAX_ROWS as MAX_PLAN_ROWS
 from models.cpu_decode import CpuDecodePlan
 from models.forward_batch import ForwardBatch
-from scheduler.cpu_compile import DYNAMIC_SIZES, CompiledDecode, cxx_compiler
 from scheduler.model_runner import DecodeInput, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,11 +43,9 @@ class DecodeGraphRunner:
         sizes: list[int],
         use_graphs: bool | None = None,
         static_buffers: bool = False,
-        cpu_compile: str = "off",
     ) -> None:
         """`sizes`: the padded decode sizes (`SchedulerConfig.decode_graph_sizes`); on CPU the
-        sizes to compile, which `cpu_compile` (`SchedulerConfig.cpu_compile`) chooses how:
-        off, dynamic or per_size (`scheduler.cpu_compile`)."""
+        largest bounds the rows the decode plan runs."""
         self.runner = runner
         self.sizes = sorted(sizes)
         if use_graphs is None:  # the torch reference kernels sync with the host: no capture
@@ -66,25 +54,13 @@ class DecodeGraphRunner:
         self.batches: dict[int, ForwardBatch] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.compiled: CompiledDecode | None = None
-        self.max_compiled = self.sizes[-1] if self.sizes else 0  # dynamic: 1..this compiled
-        want_compile = cpu_compile != "off" and runner.device.type == "cpu" and bool(self.sizes)
-        if self.use_graphs or static_buffers or want_compile:
+        if self.use_graphs or static_buffers:
             self.batches = {bs: self._static_batch(bs) for bs in self.sizes}
         self.plan: CpuDecodePlan | None = None
-        self.plan_rows = min(MAX_PLAN_ROWS, self.max_compiled)
+        self.plan_rows = min(MAX_PLAN_ROWS, self.sizes[-1] if self.sizes else 0)
         if self.use_graphs:
             self.capture()
-        elif want_compile:
-            self.compile(cpu_compile)
-            if self.compiled is None or self.compiled.dynamic:  # nothing to pad to
-                self.sizes, self.batches = [], {}
-        if (
-            runner.device.type == "cpu"
-            and self.compiled is None
-            and self.plan_rows
-            and not (static_buffers or self.use_graphs)
-        ):
+        elif runner.device.type == "cpu" and self.plan_rows and not static_buffers:
             self.plan = CpuDecodePlan.build(
                 runner.model, runner.kv_pool, runner.mamba_pool, runner.req_pool.req_to_token
             )
@@ -98,9 +74,6 @@ class DecodeGraphRunner:
     def forward(self, items: list[DecodeInput], out_loc: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] for one decode step of `items` (KV already allocated at out_loc)."""
         n, runner = len(items), self.runner
-        compiled = self.compiled
-        if compiled is not None and compiled.dynamic and n <= self.max_compiled:
-            return compiled(runner.build_decode(items, out_loc))  # at its own size
         if self.plan is not None and n <= self.plan_rows and self.plan.ready(n):
             return self.plan(runner.build_decode(items, out_loc))  # at its own size
         bs = self.padded_size(n)
@@ -111,8 +84,6 @@ class DecodeGraphRunner:
         if bs in self.graphs:
             self.graphs[bs].replay()
             return self.outputs[bs][:n]
-        if self.compiled is not None and self.compiled.covers(bs):
-            return self.compiled(batch)[:n]
         return runner.forward(batch)[:n]
 
     def _fill(self, batch: ForwardBatch, items: list[DecodeInput], out_loc: torch.Tensor) -> None:
@@ -177,36 +148,3 @@ class DecodeGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
-
-    def compile(self, mode: str) -> None:
-        """CPU: compile the decode step for every size (`scheduler.cpu_compile`), over the
-        static buffers (all padding rows, so only the reserved slots are written). Without a C++
-        compiler, or when compiling fails, one warning and every batch runs eagerly."""
-        if cxx_compiler() is None:
-            logger.warning("no C++ compiler found: the CPU decode step runs eagerly (not compiled)")
-            return
-        compiled = CompiledDecode(self.runner.model, mode)
-        start = time.perf_counter()
-        sizes = self.sizes
-        if compiled.dynamic:  # batch 1 (if listed), and symbolic sizes each side of the GEMV limit
-            sizes = [bs for bs in DYNAMIC_SIZES if bs in self.sizes or 2 <= bs <= self.max_compiled]
-        # a bar once compiling takes more than a few seconds (cold: minutes per size here)
-        for bs in tqdm(sizes, desc="compiling decode step", unit="size", delay=5):
-            logger.info("compiling the CPU decode step for batch size %d%s", bs,
-                        " and up" if compiled.dynamic and bs > 1 else "")  # fmt: skip
-            try:
-                batch = self.batches.get(bs) or self._static_batch(bs)
-                seconds = compiled.compile(bs, batch)
-            except Exception as e:  # no working toolchain, an op inductor cannot lower, ...
-                logger.warning(
-                    "compiling the CPU decode step failed, running it eagerly: %s: %s",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "",
-                )  # fmt: skip
-                return
-            logger.info("decode step for batch size %d compiled in %.1f s", bs, seconds)
-        self.compiled = compiled
-        logger.info(
-            "compiled the CPU decode step (%s) for batch sizes %s in %.1f s",
-            mode, f"1..{self.max_compiled}" if compiled.dynamic else self.sizes,
-            time.perf_counter() - start,
-        )  # fmt: skip

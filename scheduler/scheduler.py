@@ -54,7 +54,7 @@ class Scheduler:
         self.cache = PrefixCache(runner, self.tree, config)
         self.sessions = SessionManager(self.cache, config.max_sessions, config.session_timeout)
         sizes = config.decode_graph_sizes(runner.config.max_running_requests)
-        self.graph_runner = DecodeGraphRunner(runner, sizes, cpu_compile=config.cpu_compile)
+        self.graph_runner = DecodeGraphRunner(runner, sizes)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None

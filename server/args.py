@@ -193,9 +193,7 @@ HELP: dict[str, str] = {
     "mamba_track_interval": "decode tokens between Mamba state snapshots (extra_buffer*)",
     "cuda_graph_bs": "decode batch sizes (batches are padded up to one of them)",
     "cuda_graph_max_bs": "largest padded decode size (CUDA graphs captured up to it)",
-    "disable_cuda_graph": "run decode batches at their own size (on CPU: not compiled)",
-    "cpu_compile": "CPU decode step: torch.compile it at start-up with a dynamic batch size "
-    "(dynamic), once per --cuda-graph-bs size (per_size), or not at all (off)",
+    "disable_cuda_graph": "run decode batches at their own size (on CPU: no decode plan)",
     "enable_hierarchical_cache": "keep radix-cache KV and Mamba states in host memory too "
     "(evicted device nodes are demoted there and loaded back on a hit)",
     "hicache_ratio": "host pools as a multiple of the device KV and Mamba pools",

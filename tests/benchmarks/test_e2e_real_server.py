@@ -40,7 +40,6 @@ def server_url(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = os.environ | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_ckpt), "--port", str(port)]
-    cmd += ["--cpu-compile", "off"]  # eager decode: compiling costs tens of seconds per graph
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

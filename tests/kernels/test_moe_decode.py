@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import custom_ops, linear_cpp, moe_step, moe_step_cpp
+from kernels import linear_cpp, moe_step, moe_step_cpp
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
@@ -70,8 +70,8 @@ def test_rows_beyond_the_limit_run_the_reference(monkeypatch, gemm) -> None:
     assert limit == (moe_step_cpp.MAX_TOKENS if gemm else linear_cpp.SKINNY_ROWS)
     calls = []
     op = torch.ops.hybrid_serve.moe_decode
-    monkeypatch.setattr(custom_ops, "cpp_ops", lambda: SimpleNamespace(
-        moe_decode=lambda *a: calls.append(a[0].shape[0]) or op(*a)))  # fmt: skip
+    ops = SimpleNamespace(moe_decode=lambda *a: calls.append(a[0].shape[0]) or op(*a))
+    monkeypatch.setattr(moe_step_cpp, "cpp_build", SimpleNamespace(load=lambda: ops))
     torch.manual_seed(1)
     weights = moe_weights(4, 32, 16, 16, torch.float32)
     for rows in (limit, limit + 1):

@@ -69,7 +69,6 @@ def test_dummy_load_serves_tokens_through_the_engine(tiny_config_only, tmp_path,
         max_running_requests=2,
         max_total_tokens=256,
         max_context_len=128,
-        cpu_compile="off",
     )
     greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     outs = engine.generate([[5, 6, 7, 8, 9], [300, 301, 302]], greedy)

@@ -141,7 +141,6 @@ def _greedy(path: Path, prompts: list[list[int]], device: str = "cpu") -> list[l
         max_running_requests=4,
         max_total_tokens=1024,
         max_context_len=256,
-        cpu_compile="off",
     )
     try:
         outs = engine.generate(

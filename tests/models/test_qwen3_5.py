@@ -121,7 +121,6 @@ def test_engine_greedy_parity_with_radix_cache(dense, moe_pair, model, strategy)
     expected = hf_greedy(hf, prompts, GREEDY["max_new_tokens"])
     engine = Engine(
         str(served),
-        cpu_compile="off",
         max_running_requests=8,
         max_total_tokens=4096,
         mamba_scheduler_strategy=strategy,

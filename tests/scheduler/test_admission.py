@@ -72,14 +72,14 @@ def test_long_prompt_does_not_freeze_running_streams(model_path, radix):
         "disable_radix_cache": not radix,
         "disable_cuda_graph": True,
     }
-    engine = Engine(model_path, cpu_compile="off", **options)
+    engine = Engine(model_path, **options)
     streams, long, longest_stall = drive(engine, stream_new=200, long_new=16)
     assert longest_stall <= MAX_STALL_STEPS, f"streams froze for {longest_stall} steps"
     for req in [*streams, long]:
         assert req.finish_reason == FinishReason.LENGTH, (req.rid, req.finish_detail)
     assert engine.leak_report() == []
     # the same tokens as with room to spare
-    roomy = Engine(model_path, cpu_compile="off", **{**options, "max_total_tokens": 4096})
+    roomy = Engine(model_path, **{**options, "max_total_tokens": 4096})
     expected = roomy.generate(
         [r.prompt_ids for r in [*streams, long]],
         [
@@ -93,7 +93,6 @@ def test_long_prompt_does_not_freeze_running_streams(model_path, radix):
 def roomy(model_path: str) -> Engine:
     return Engine(
         model_path,
-        cpu_compile="off",
         max_running_requests=4,
         max_total_tokens=2048,
         chunked_prefill_size=64,
@@ -198,7 +197,6 @@ def test_reservation_scales_with_conservativeness(model_path):
     for c in (0.01, 1.0):
         engine = Engine(
             model_path,
-            cpu_compile="off",
             max_running_requests=4,
             max_total_tokens=900,
             chunked_prefill_size=64,
@@ -219,7 +217,7 @@ def test_reservation_scales_with_conservativeness(model_path):
 
 
 def test_prompt_larger_than_the_kv_cache_is_refused(model_path):
-    engine = Engine(model_path, cpu_compile="off", max_total_tokens=256, max_context_len=1024)
+    engine = Engine(model_path, max_total_tokens=256, max_context_len=1024)
     with pytest.raises(ValueError, match="KV cache holds 256"):
         engine.scheduler.add_request(Req("big", list(range(3, 303)), params(4)))
     assert not engine.scheduler.has_work()
@@ -228,7 +226,7 @@ def test_prompt_larger_than_the_kv_cache_is_refused(model_path):
 def test_mamba_slot_draws_evict_idle_sessions(model_path):
     """Every Mamba slot draw (not only admission's) frees an idle session's held slot when the
     pool and the tree have none left."""
-    engine = Engine(model_path, cpu_compile="off", max_running_requests=4, mamba_cache_size=4)
+    engine = Engine(model_path, max_running_requests=4, mamba_cache_size=4)
     sid = engine.open_session(capacity_of_str_len=500)
     engine.generate(list(range(3, 40)), {"max_new_tokens": 4}, session_params={"id": sid})
     session = engine.scheduler.sessions.sessions[sid]

@@ -48,7 +48,7 @@ def test_without_salts_the_probe_reads_the_pin(probe):
     """The attack the salt must stop: the right guess hits all 141 tokens (an exact repeat), a
     wrong one nothing."""
     path, secret, wrong, expected = probe
-    engine = Engine(path, cpu_compile="off", **TRACKED)
+    engine = Engine(path, **TRACKED)
     cached(engine, secret, None, expected)
     assert cached(engine, wrong, None) == 0
     assert cached(engine, secret, None, expected) == len(secret)
@@ -57,7 +57,7 @@ def test_without_salts_the_probe_reads_the_pin(probe):
 
 def test_different_salts_never_share_a_prefix(probe):
     path, secret, wrong, expected = probe
-    engine = Engine(path, cpu_compile="off", **TRACKED)
+    engine = Engine(path, **TRACKED)
     cached(engine, secret, "alice", expected)
     # mallory's guesses (and an unsalted request) hit nothing of alice's: the right guess
     # answers exactly what a wrong one does
@@ -80,13 +80,11 @@ def test_the_storage_tier_keeps_salts_apart_across_a_restart(probe, tmp_path):
         "hicache_storage_dir": str(tmp_path),
         "hicache_prefetch_threshold": 64,
     }
-    first = Engine(path, cpu_compile="off", **tiers)
+    first = Engine(path, **tiers)
     cached(first, secret, "alice", expected)
     assert first.scheduler.tree.stats["storage_written_tokens"] >= 128
     for salt, hit in (("mallory", 0), (None, 0), ("alice", 128)):
-        engine = Engine(
-            path, cpu_compile="off", **tiers
-        )  # a restart: only the storage tier remembers
+        engine = Engine(path, **tiers)  # a restart: only the storage tier remembers
         assert cached(engine, secret, salt, expected) == hit, salt
         assert engine.scheduler.tree.stats["storage_hit_tokens"] == hit
         assert engine.leak_report() == []

@@ -34,7 +34,6 @@ def test_prompt_logprobs_grammar_and_bias_on_cuda(tmp_path, chunk):
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
     engine = Engine(
         str(path),
-        cpu_compile="off",
         device="cuda",
         max_running_requests=8,
         max_total_tokens=4096,

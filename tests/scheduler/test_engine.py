@@ -66,7 +66,7 @@ def test_greedy_parity(setup, mode):
     options = {"max_running_requests": 32, "max_total_tokens": 8192, "mamba_cache_size": 96}
     options.update(MODES[mode])
     static = options.pop("static_buffers", False)
-    engine = Engine(path, cpu_compile="off", **options)
+    engine = Engine(path, **options)
     if static:
         sched = engine.scheduler
         sched.graph_runner = DecodeGraphRunner(
@@ -107,9 +107,7 @@ def test_greedy_parity(setup, mode):
 
 def test_kv_pressure_evicts_and_stays_exact(setup):
     path, prompts, expected = setup
-    engine = Engine(
-        path, cpu_compile="off", max_running_requests=4, max_total_tokens=1200, mamba_cache_size=10
-    )
+    engine = Engine(path, max_running_requests=4, max_total_tokens=1200, mamba_cache_size=10)
     outs = engine.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in outs] == expected
     assert engine.leak_report() == []
@@ -117,7 +115,7 @@ def test_kv_pressure_evicts_and_stays_exact(setup):
 
 def test_stream_and_abort(setup):
     path, prompts, expected = setup
-    engine = Engine(path, cpu_compile="off")
+    engine = Engine(path)
     chunks = list(engine.generate_stream(prompts[3], GREEDY))
     assert [t for c in chunks for t in c["output_ids"]] == expected[3]
     assert chunks[-1]["finish_reason"] == "length"
@@ -134,7 +132,7 @@ def test_request_larger_than_kv_pool_is_refused_cleanly(setup):
     """A prompt that could never fit the KV pool is refused before it starts (it would
     otherwise hold KV chunk after chunk and starve the rest); others run as usual."""
     path, prompts, expected = setup
-    engine = Engine(path, cpu_compile="off", max_total_tokens=64, chunked_prefill_size=16)
+    engine = Engine(path, max_total_tokens=64, chunked_prefill_size=16)
     with pytest.raises(ValueError, match="KV cache holds 64"):
         engine.generate(list(range(3, 103)), GREEDY)  # 100 tokens never fit
     assert not engine.scheduler.has_work()

@@ -31,10 +31,7 @@ def setup(tmp_path_factory):
     path = str(write_checkpoint(tmp_path_factory.mktemp("tiny"), preset_config("tiny"), seed=11))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 20, 37, 9)]
-    expected = [
-        o["output_ids"]
-        for o in Engine(path, cpu_compile="off", **OPTIONS).generate(prompts, GREEDY)
-    ]
+    expected = [o["output_ids"] for o in Engine(path, **OPTIONS).generate(prompts, GREEDY)]
     return path, prompts, expected
 
 
@@ -67,7 +64,7 @@ def check_rest(reqs: list[Req], expected: list[list[int]], failed: set[str]) -> 
 def test_step_fault_fails_only_that_request(setup, monkeypatch, spec):
     path, prompts, expected = setup
     monkeypatch.setenv(FAULT_ENV, spec)
-    engine = Engine(path, cpu_compile="off", **OPTIONS)
+    engine = Engine(path, **OPTIONS)
     reqs = run(engine, prompts, ["a", "bad-1", "b", "c"])
     check_rest(reqs, expected, {"bad-1"})
     assert engine.scheduler.aborts == {"error": 1}
@@ -82,7 +79,7 @@ def test_step_fault_fails_only_that_request(setup, monkeypatch, spec):
 def test_abort_and_stop_faults_fail_that_request(setup, monkeypatch):
     path, prompts, expected = setup
     monkeypatch.setenv(FAULT_ENV, "abort:bad")
-    engine = Engine(path, cpu_compile="off", **OPTIONS)
+    engine = Engine(path, **OPTIONS)
     sched = engine.scheduler
 
     def act(i: int) -> None:
@@ -101,7 +98,7 @@ def test_forward_fault_fails_the_batch_and_frees_its_kv(setup):
     """A fault that cannot be pinned on one request (the forward) fails the batch in flight,
     KV drawn for that step included; the next requests run normally."""
     path, prompts, expected = setup
-    engine = Engine(path, cpu_compile="off", **OPTIONS)
+    engine = Engine(path, **OPTIONS)
     runner, calls = engine.runner, []
     real = runner.forward
 
@@ -128,7 +125,7 @@ def test_forward_fault_fails_the_batch_and_frees_its_kv(setup):
 def test_fault_that_leaks_stops_the_scheduler(setup, monkeypatch):
     path, prompts, _ = setup
     monkeypatch.setenv(FAULT_ENV, "leak:bad")
-    engine = Engine(path, cpu_compile="off", **OPTIONS)
+    engine = Engine(path, **OPTIONS)
     with pytest.raises(PoolsCorrupt, match="Mamba slots leaked"):
         run(engine, prompts[:2], ["a", "bad"])
 
@@ -147,7 +144,7 @@ def test_switch_syntax(monkeypatch):
 def test_loop_refuses_a_bad_seed_and_keeps_serving(setup):
     """The issue's crash: make_generator raising for one request must not end the loop."""
     path, prompts, expected = setup
-    engine = Engine(path, cpu_compile="off", **OPTIONS)
+    engine = Engine(path, **OPTIONS)
     io = InProcessIO()
     loop = SchedulerLoop(engine.scheduler, io)
     bad = SamplingParams(**GREEDY)

@@ -41,7 +41,6 @@ def test_prefix_evicted_from_device_is_loaded_back_from_host(case, strategy):
     path, prompts, expected = case
     engine = Engine(
         path,
-        cpu_compile="off",
         mamba_scheduler_strategy=strategy,
         max_running_requests=2,
         max_total_tokens=1800,  # holds one 1.6k sequence, not the prefix beside another prompt

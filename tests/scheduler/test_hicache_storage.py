@@ -46,7 +46,7 @@ def store(tmp_path_factory):
     first = prefix + torch.randint(3, vocab, (20,), generator=gen).tolist()
     second = prefix + torch.randint(3, vocab, (24,), generator=gen).tolist()
     folder = tmp_path_factory.mktemp("storage")
-    engine = Engine(str(path), cpu_compile="off", hicache_storage_dir=str(folder), **OPTIONS)
+    engine = Engine(str(path), hicache_storage_dir=str(folder), **OPTIONS)
     assert engine.generate(first, GREEDY)["output_ids"] == hf_greedy(hf, [first], NEW)[0]
     assert engine.scheduler.tree.stats["storage_written_tokens"] >= PREFIX
     assert engine.leak_report() == []
@@ -54,9 +54,7 @@ def store(tmp_path_factory):
 
 
 def serve(path: str, folder, prompt: list[int], **options) -> tuple[dict, dict]:
-    engine = Engine(
-        path, cpu_compile="off", hicache_storage_dir=str(folder), **{**OPTIONS, **options}
-    )
+    engine = Engine(path, hicache_storage_dir=str(folder), **{**OPTIONS, **options})
     out = engine.generate(prompt, GREEDY)
     assert engine.leak_report() == []
     engine.scheduler.tree.sanity_check()
@@ -74,7 +72,7 @@ def test_a_restarted_engine_prefetches_the_prefix_from_storage(store):
 def test_a_corrupted_block_is_a_miss_from_there_on(store, tmp_path):
     path, folder, second, expected = store
     copy = shutil.copytree(folder, tmp_path / "copy")
-    engine = Engine(path, cpu_compile="off", hicache_storage_dir=str(copy), **OPTIONS)
+    engine = Engine(path, hicache_storage_dir=str(copy), **OPTIONS)
     storage = engine.scheduler.tree.storage
     victim = storage.path(storage.block_keys(second)[3], "kv")  # tokens 192 .. 256
     data = bytearray(victim.read_bytes())
@@ -129,7 +127,7 @@ def test_a_slow_prefetch_is_cut_short_by_the_policy(store, policy, monkeypatch):
 def test_wait_complete_holds_only_its_request_and_an_abort_frees_the_prefetch(store, monkeypatch):
     path, folder, second, _ = store
     monkeypatch.setenv(PREFETCH_DELAY_ENV, "30")
-    engine = Engine(path, cpu_compile="off", hicache_storage_dir=str(folder), **OPTIONS)
+    engine = Engine(path, hicache_storage_dir=str(folder), **OPTIONS)
     sched, tree = engine.scheduler, engine.scheduler.tree
     held = engine._make_req(second, GREEDY)
     other = engine._make_req(list(range(3, 40)), GREEDY)

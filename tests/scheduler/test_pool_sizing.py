@@ -22,7 +22,7 @@ def path(tmp_path_factory):
 
 
 def test_unit_sizes_equal_the_pools(path):
-    runner = Engine(path, cpu_compile="off", max_running_requests=4, max_total_tokens=1000).runner
+    runner = Engine(path, max_running_requests=4, max_total_tokens=1000).runner
     sizes = pool_bytes(runner.model)
     kv, mamba = runner.kv_pool, runner.mamba_pool
     kv_rows = kv._k.shape[1]  # pages + the reserved page 0, times page size
@@ -36,9 +36,7 @@ def test_unit_sizes_equal_the_pools(path):
 def test_budget_sizes_the_kv_pool(path, caplog):
     budget_gb = 0.02
     with caplog.at_level(logging.INFO, logger="scheduler.engine"):
-        engine = Engine(
-            path, cpu_compile="off", max_running_requests=4, pool_memory_gb=budget_gb, page_size=1
-        )
+        engine = Engine(path, max_running_requests=4, pool_memory_gb=budget_gb, page_size=1)
     runner = engine.runner
     sizes = pool_bytes(runner.model)
     used = (
@@ -69,9 +67,7 @@ def test_impossible_budgets_are_refused():
 
 @pytest.mark.gpu
 def test_mem_fraction_static_on_cuda(path):
-    engine = Engine(
-        path, cpu_compile="off", device="cuda", max_running_requests=4, mem_fraction_static=0.05
-    )
+    engine = Engine(path, device="cuda", max_running_requests=4, mem_fraction_static=0.05)
     total = torch.cuda.get_device_properties(0).total_memory
     sizes = pool_bytes(engine.runner.model)
     kv = engine.runner.config.max_total_tokens * sizes.kv_per_token

@@ -58,7 +58,7 @@ def ckpt(tmp_path_factory):
 def _engine(path: str, strategy: str | None, **options) -> Engine:
     if strategy is not None:
         options["mamba_scheduler_strategy"] = strategy
-    return Engine(path, cpu_compile="off", **POOLS, **options)
+    return Engine(path, **POOLS, **options)
 
 
 def _check_idle(engine: Engine) -> None:

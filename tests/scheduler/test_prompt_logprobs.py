@@ -66,7 +66,7 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_prompt_logprobs_equal_transformers(ckpt, mode):
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS, **MODES[mode])
+    engine = Engine(path, **POOLS, **MODES[mode])
     prompt = rand(40)
     ref = hf_prompt_logprobs(hf, prompt)
     greedy = {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}
@@ -93,7 +93,7 @@ def test_prompt_logprobs_equal_transformers(ckpt, mode):
 def test_prompt_logprobs_in_a_session_turn(ckpt):
     """A turn that asks for logprobs inside the held tokens does not take the held slot."""
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS)
+    engine = Engine(path, **POOLS)
     sid = engine.open_session()
     greedy = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
     p1, p2 = rand(12), rand(6)

@@ -44,7 +44,7 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_three_turns_equal_one_request_and_prefill_only_new_tokens(ckpt, mode):
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS, **MODES[mode])
+    engine = Engine(path, **POOLS, **MODES[mode])
     sid = engine.open_session(capacity_of_str_len=1000)
     turns = [rand(70), rand(9), rand(30)]
     context: list[int] = []
@@ -77,7 +77,7 @@ def test_three_turns_equal_one_request_and_prefill_only_new_tokens(ckpt, mode):
 
 def test_session_errors(ckpt):
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS)
+    engine = Engine(path, **POOLS)
     with pytest.raises(SessionError, match="not found") as err:
         engine.generate(rand(5), GREEDY, session_params={"id": "nope"})
     assert err.value.status == 404
@@ -108,7 +108,7 @@ def test_turn_not_admitted_leaves_the_slot_with_the_session(ckpt):
     """A restored turn that does not get in gives nothing back (the slot stays the session's)
     and restores again later: no double free (SGLang #23327)."""
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS)
+    engine = Engine(path, **POOLS)
     sched = engine.scheduler
     sid = engine.open_session(streaming=True)
     p1 = rand(12)
@@ -132,7 +132,7 @@ def test_turn_not_admitted_leaves_the_slot_with_the_session(ckpt):
 
 def test_abort_mid_turn_then_continue_through_the_radix_cache(ckpt):
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS)
+    engine = Engine(path, **POOLS)
     sched = engine.scheduler
     sid = engine.open_session(streaming=True)
     p1 = rand(20)
@@ -155,7 +155,7 @@ def test_abort_mid_turn_then_continue_through_the_radix_cache(ckpt):
 
 def test_replace_branches_from_an_earlier_turn(ckpt):
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS)
+    engine = Engine(path, **POOLS)
     sid = engine.open_session(streaming=True)
     p1, p2, p3 = rand(15), rand(6), rand(7)
     t1 = engine.generate(p1, GREEDY, session_params={"id": sid})
@@ -178,7 +178,7 @@ def test_replace_branches_from_an_earlier_turn(ckpt):
 
 def test_refused_turns_leave_the_session_unchanged(ckpt):
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", max_context_len=64, **POOLS)
+    engine = Engine(path, max_context_len=64, **POOLS)
     sid = engine.open_session(streaming=True)
     p1 = rand(20)
     t1 = engine.generate(p1, GREEDY, session_params={"id": sid})
@@ -202,7 +202,7 @@ def test_stop_finishes_a_session_turn_with_the_kept_tokens(ckpt):
     """Scheduler.stop (a stop string matched by the API layer): the turn is recorded with the
     kept tokens only, and the next turn is exact on that context; after the fact, trim_turn."""
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS)
+    engine = Engine(path, **POOLS)
     sched = engine.scheduler
     sid = engine.open_session(streaming=True)
     p1 = rand(10)
@@ -230,7 +230,7 @@ def test_idle_sessions_give_way_to_live_requests(ckpt):
     """Two idle sessions hold both request rows: a plain request evicts the least recently used
     one's slot and runs; that session's next turn goes through the radix cache, still exact."""
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", max_running_requests=2, max_total_tokens=2048)
+    engine = Engine(path, max_running_requests=2, max_total_tokens=2048)
     sids = [engine.open_session(streaming=True) for _ in range(2)]
     firsts = [rand(12), rand(15)]
     outs = [
@@ -258,7 +258,7 @@ def test_tree_session_follows_sglang_rules(ckpt):
     Python slice at a non-zero offset; replace:false forks, replace:true forgets the parent's
     children (aborting a running one). Each turn equals one plain request on that context."""
     path, hf, rand = ckpt
-    engine = Engine(path, cpu_compile="off", **POOLS)
+    engine = Engine(path, **POOLS)
     sched = engine.scheduler
     sid = engine.open_session()
     p1, p2, p3, p4 = rand(14), rand(5), rand(6), rand(4)
@@ -309,7 +309,7 @@ def test_sessions_time_out_and_are_capped(ckpt):
     flight aborted); `max_sessions` refuses one more with a 429; a new turn pushes the
     deadline."""
     path, _, rand = ckpt
-    engine = Engine(path, cpu_compile="off", max_sessions=2, session_timeout=100.0, **POOLS)
+    engine = Engine(path, max_sessions=2, session_timeout=100.0, **POOLS)
     sched = engine.scheduler
     held = engine.open_session()  # the server default timeout
     busy = engine.open_session(timeout=5.0)

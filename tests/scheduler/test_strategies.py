@@ -41,7 +41,6 @@ def test_branch_inside_a_finished_prompt_reuses_a_state(ckpt, strategy):
     path, hf, rand = ckpt
     engine = Engine(
         path,
-        cpu_compile="off",
         mamba_scheduler_strategy=strategy,
         chunked_prefill_size=128,
         **POOLS,
@@ -64,9 +63,7 @@ def test_decode_snapshots_every_track_interval(ckpt, strategy):
     """A 10-token prompt has no prefill snapshot; decode snapshots at kv_len 12, 16, 20 (the
     last, 20, is inserted on finish): the conversation continued hits exactly 20 tokens."""
     path, hf, rand = ckpt
-    engine = Engine(
-        path, cpu_compile="off", mamba_scheduler_strategy=strategy, mamba_track_interval=4, **POOLS
-    )
+    engine = Engine(path, mamba_scheduler_strategy=strategy, mamba_track_interval=4, **POOLS)
     p = rand(10)
     out = engine.generate(p, GREEDY)["output_ids"]
     assert out == hf_greedy(hf, [p], NEW)[0]
@@ -83,7 +80,6 @@ def test_lazy_holds_one_track_slot_and_borrows_a_second_at_boundaries(ckpt):
     path, hf, rand = ckpt
     engine = Engine(
         path,
-        cpu_compile="off",
         mamba_scheduler_strategy="extra_buffer_lazy",
         mamba_track_interval=4,
         **POOLS,
@@ -117,7 +113,6 @@ def test_lazy_forced_allocation_failure_is_exact_and_skips_insert(ckpt, monkeypa
     monkeypatch.setenv(LAZY_ALLOC_FAIL_ENV, "1")
     engine = Engine(
         path,
-        cpu_compile="off",
         mamba_scheduler_strategy="extra_buffer_lazy",
         mamba_track_interval=4,
         **POOLS,

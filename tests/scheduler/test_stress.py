@@ -176,7 +176,6 @@ def make_reference(model_path: str):
     transformers by test_engine.py)."""
     engine = Engine(
         model_path,
-        cpu_compile="off",
         disable_radix_cache=True,
         max_running_requests=64,
         max_total_tokens=64 * (MAX_PROMPT + MAX_NEW),
@@ -462,7 +461,7 @@ def test_random_workload_keeps_invariants_and_greedy_parity(model_path, referenc
     storage = (
         {"hicache_storage_dir": str(tmp_path)} if "hicache_storage_backend" in case.options else {}
     )
-    engine = Engine(model_path, cpu_compile="off", **case.options, **storage)
+    engine = Engine(model_path, **case.options, **storage)
     reqs, stats = run_workload(engine, case.seed)
     print(f"{name}: {stats}")
     check_outcome(engine, reqs, stats, reference)

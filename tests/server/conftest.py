@@ -111,8 +111,8 @@ def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Serve
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     fh = log.open("w")
-    proc = subprocess.Popen(  # eager CPU decode: compiling it costs tens of seconds per graph
-        [*cmd, "--port", str(port), "--log-level", "warning", "--cpu-compile", "off"],
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--log-level", "warning"],
         cwd=REPO,
         env=full_env,
         stdout=fh,
