@@ -1,19 +1,19 @@
 """Process-wide CPU settings that torch reads once, so they are set before torch is imported.
 
 * OpenMP spin count. torch's CPU wheels use GNU OpenMP. Between two parallel regions its idle
-  threads spin `GOMP_SPINCOUNT` times (300,000 by default, about a millisecond here) before they
-  block. On a machine whose cores are all in the team that is a trap: when anything else wants a
-  core (the API process answering streams, a benchmark client, another job), a spinning thread
-  holds it while the thread the region waits for sits in the run queue, and every parallel
-  region of the decode step can wait out a scheduler time slice. A short spin keeps the
-  quiet-machine speed (the next region usually starts within microseconds) and gives the core
-  back quickly when it is contended.
+  threads spin `GOMP_SPINCOUNT` times (300,000 by default) before they block. On a machine whose
+  cores are all in the team that is a trap: when anything else wants a core (the API process
+  answering streams, a benchmark client, another job), a spinning thread holds it while the
+  thread the region waits for sits in the run queue, and every parallel region of the decode
+  step can wait out a scheduler time slice. A short spin keeps the quiet-machine speed (the next
+  region usually starts within microseconds) and gives the core back quickly when it is
+  contended.
 * Transparent huge pages. A decode step streams every weight matrix (and, at larger batches,
   the recurrent states) from memory once; with 4 KB pages that is a TLB miss every 4 KB. Linux
   backs memory with 2 MB pages only where the program asks (`transparent_hugepage=madvise`, the
   common default), and torch's CPU allocator asks, for allocations of 2 MB and more, when
-  `THP_MEM_ALLOC_ENABLE=1` (c10's `alloc_cpu`). Measured: a 240 MB stream 15-17 -> 19-20 GB/s,
-  engine decode up to x1.3 at concurrency 1 and x1.05-1.1 at 64 (BENCHMARKS.md, issue 10).
+  `THP_MEM_ALLOC_ENABLE=1` (c10's `alloc_cpu`); the weight stream then takes a TLB miss every
+  2 MB instead of every 4 KB (`tests/server/test_cpu_env.py` checks torch honours the switch).
 
 libgomp and c10 read their variable once, so `apply_cpu_defaults` runs at the top of the entry
 points (the CLI, `benchmarks/`), before anything imports torch; it changes nothing the user set,

@@ -2,16 +2,16 @@
 
 `sample_rows` draws one token per row with the exponential race: argmax over tokens of
 p / E, E ~ Exp(1) i.i.d., picks each token with probability exactly p. E is -log(U) with U
-uniform (a uniform draw is ~10x cheaper than `exponential_` on CPU). A row with a generator (a
+uniform (a uniform draw is much cheaper than `exponential_` on CPU). A row with a generator (a
 seeded request) draws a full vocabulary of U from it once per step, so its tokens depend only on
 its own logits and seed, whatever the batch around it and whichever path below it takes.
 
-Sorting a [rows, vocab] tensor is the cost that dominates on CPU (8192 x 64 fp32: ~80 ms on one
-core), so rows that filter (top-k, or top-p below 1) work on candidates: the largest
-`max(top_k or CANDIDATES)` logits of the row, from one `topk`. A top-k row's candidates hold all
-its survivors. A top-p row without top-k is exact on its candidates when their mass already
-reaches top_p before the last one (the rest of the vocabulary is then dropped too); the other
-rows (and rows that only scale by temperature) run over the whole vocabulary.
+Sorting a [rows, vocab] tensor is the cost that dominates on CPU, so rows that filter (top-k, or
+top-p below 1) work on candidates: the largest `max(top_k or CANDIDATES)` logits of the row, from
+one `topk`. A top-k row's candidates hold all its survivors. A top-p row without top-k is exact
+on its candidates when their mass already reaches top_p before the last one (the rest of the
+vocabulary is then dropped too); the other rows (and rows that only scale by temperature) run over
+the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ CANDIDATES = 128  # top-p-only rows first try the 128 most likely tokens
 
 def row_argmax(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     """`x.argmax(-1)` of a [rows, vocab] tensor, the same index (the first maximum; NaN counts
-    as the maximum, as in argmax). On CPU argmax is a scalar loop (~0.8 ms at 64 x 8192 on one
-    core) while amax is vectorised, so: the first block holding the row's maximum by amax, then
-    argmax inside that block (~5x faster there). Below 4 rows the plain argmax is faster (one
-    op instead of four: 11 against 33 us at 1 x 8192)."""
+    as the maximum, as in argmax). On CPU argmax is a scalar loop while amax is vectorised, so:
+    the first block holding the row's maximum by amax, then argmax inside that block. Below 4
+    rows (one op instead of four), on CUDA and for rows too short to block, the plain argmax."""
     rows, vocab = x.shape
     if x.is_cuda or rows < 4 or vocab % block or vocab < 8 * block:
         return x.argmax(-1)
