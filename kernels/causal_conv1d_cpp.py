@@ -4,10 +4,9 @@ Same signatures and contracts as `kernels.causal_conv1d.causal_conv1d_update` an
 `causal_conv1d_fn`. The C++ kernels cover fp32 pools with explicit slot indices, no bias and
 silu or no activation. The update shifts each row's window in place; padding rows (index
 `pad_slot_id` = -1, or repeating an earlier row's slot) get zero output and touch no state. The
-prefill runs every packed sequence in one call (the reference loops over them in Python: at 64
-prompts of 32 tokens that loop was ~10% of the prefill), vectorised across channels of the
-token-major input, and returns y [dim, tokens] as a transposed view of a [tokens, dim] tensor.
-Everything else runs the torch reference.
+prefill runs every packed sequence in one call (the reference loops over them in Python),
+vectorised across channels of the token-major input, and returns y [dim, tokens] as a transposed
+view of a [tokens, dim] tensor. Everything else runs the torch reference.
 """
 
 from __future__ import annotations

@@ -8,11 +8,10 @@ registers two at a time, fp32 accumulation), each expert's rows packed once per 
 GEMM. An expert with more rows than `kernels.linear_cpp` gives the tiled GEMM (1,024 with fp32
 weights, 256 with bf16: a prefill chunk's) runs the packed GEMM instead, each matrix in as few
 pieces as keep the threads busy (its sums are the tiled GEMM's bit for bit, so no row depends on
-its expert's count; bf16, 2,048 tokens of the small preset: ~46 -> ~40 ms). bf16 weights on a
-CPU with AMX-BF16 (where `kernels.linear_cpp.amx_ready()`) run every expert on AMX tiles instead
-(kernels/csrc/amx.h): rows rounded to bf16 once, activations rounded as they are written, exact
-products summed in fp32, as `amx_linear` does for one matrix. Other dtypes take
-the reference, and so does everything while `kernels.linear_cpp.GEMM_ON` is off
+its expert's count). bf16 weights on a CPU with AMX-BF16 (where `kernels.linear_cpp.amx_ready()`)
+run every expert on AMX tiles instead (kernels/csrc/amx.h): rows rounded to bf16 once, activations
+rounded as they are written, exact products summed in fp32, as `amx_linear` does for one matrix.
+Other dtypes take the reference, and so does everything while `kernels.linear_cpp.GEMM_ON` is off
 (`HYBRID_SERVE_CPU_GEMM=off`).
 """
 

@@ -19,11 +19,9 @@ and writes it back to the pool. It computes in double precision: token by token,
 round-off grows along a prompt, and on the tiny preset's ill-conditioned random weights an fp32
 recurrence landed 1.6e-4 from transformers' logits on a 17-token prompt (its chunked form
 rounds differently), against 7e-5 in double (the torch chunked form: 3e-5; transformers itself
-is 5e-5 from a float64 run). On this project's CPU it is 2.5x faster than the torch chunked form
-on one 2,000-token sequence (52 against 129 ms per layer, small preset heads), and it has no
-Python loop over the sequences of a packed prefill (with the C++ prefill conv, 64 prompts of 32
-tokens prefill 1.7x faster: BENCHMARKS.md, session 8). The pool form only (packed or dense);
-every other form runs the torch reference.
+is 5e-5 from a float64 run). Unlike the torch chunked form it has no Python loop over the
+sequences of a packed prefill. The pool form only (packed or dense); every other form runs the
+torch reference.
 """
 
 from __future__ import annotations

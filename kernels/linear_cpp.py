@@ -4,33 +4,29 @@ Same signature and contract as `kernels.linear.linear`.
 
 - at most `SKINNY_ROWS` rows, fp32 or bf16 weights: a weight-streaming C++ GEMV that reads each
   weight row once for all rows of x (decode at small batches is a stream of weights through
-  mat-vec products; this streams about twice as fast as `F.linear` on a 2-core AVX2 EPYC), bf16
-  (`--dtype bfloat16` on CPU, fp32 activations) widened to fp32 as it streams (half the bytes).
-  Beyond 8 rows the GEMM below is as fast or faster in bf16 too, since its tiles broadcast bf16
-  weights in pairs (decode step at 16/32/64 rows 2/4/7.5% faster than with the GEMV up to 64
-  rows, BENCHMARKS.md session 10), so both dtypes switch at the same row count.
+  mat-vec products), bf16 (`--dtype bfloat16` on CPU, fp32 activations) widened to fp32 as it
+  streams (half the bytes). Beyond 8 rows the GEMM below takes over for both weight dtypes (its
+  tiles broadcast bf16 weights in pairs, so bf16 gains nothing from staying on the GEMV).
 - more rows, up to `TILED_MAX_ROWS` (fp32 weights) or `BF16_TILED_MAX_ROWS` (bf16): a C++ GEMM
   (`kernels/csrc/gemm.cpp`, `tiled_linear`) on the weight as stored, [N, K] row-major with no
   packed copy: x packed into 16-row panels once per call, outer-product register tiles of 6
   weight rows by 16 rows of x, weight blocks kept in L2 while the panels pass over them, bf16
-  widened in registers two at a time, fp32 accumulation. At decode batch sizes it beats MKL's
-  `F.linear` on these skinny shapes (BENCHMARKS.md, `benchmarks/gemm_shapes.py`).
+  widened in registers two at a time, fp32 accumulation. It serves the decode batch sizes, where
+  MKL's `F.linear` splits these skinny shapes poorly (`benchmarks/gemm_shapes.py` compares them).
 - more rows (prefill chunks): the packed GEMM (`kernels/csrc/gemm_packed.cpp`,
   `packed_linear`): both operands packed per call, weight slivers of 16 rows (bf16 widened once
   in the pack) against 6-row slivers of x. It sums every output in the tiled GEMM's order, so the
   two agree bit for bit and a row's result depends on neither its batch nor the GEMM its row
-  count picked (chunked and one-shot prefills differ only outside the matrix products). Summed
-  over the small preset's eight matrix shapes (2 threads, session 12), in ms, tiled / packed /
-  `F.linear` (MKL): fp32 at 512 rows 95 / 109 / 110, at 1,024 196 / 205 / 223, at 2,048
-  529 / 432 / 444; bf16 at 256 rows 73 / 75 / 117, at 1,024 264 / 180 / 211. The limits sit at
-  those crossovers (`benchmarks/gemm_shapes.py` measures them).
+  count picked (chunked and one-shot prefills differ only outside the matrix products). The
+  limits sit where, on the small preset's shapes, the packed GEMM's per-call pack starts to pay
+  off against the tiled GEMM (`benchmarks/gemm_shapes.py` times the three GEMMs by row count).
 - bf16 weights beyond the GEMV's rows on a CPU with AMX-BF16 (Sapphire Rapids on; the build
   targets it and the OS grants the tile state): the AMX GEMM (`kernels/csrc/gemm_amx.cpp`,
   `amx_linear`) in place of both GEMMs above, where K % 32 == 0 and N % 16 == 0. It rounds x to
   bf16 (nearest even) and sums the exact products in fp32: the bf16 mode's one change of
-  arithmetic against the AVX GEMMs, whose fp32 x keeps the GEMV's (BENCHMARKS.md has its
-  fidelity). Its results do not depend on the row count either. Small-preset shapes, 2 threads
-  (session 15): ~4x the tiled GEMM at 64 rows, ~3x the packed GEMM at 2,048.
+  arithmetic against the AVX GEMMs, whose fp32 x keeps the GEMV's (`benchmarks/bf16_fidelity.py`
+  measures its fidelity; BENCHMARKS.md has the figures). Its results do not depend on the row
+  count either.
   `HYBRID_SERVE_CPU_AMX=off` (read once, by the C++ library) keeps bf16 on the AVX GEMMs;
   `set_amx` switches in a running process (tests and benchmarks compare the two paths).
 - `HYBRID_SERVE_CPU_GEMM=off` (read at import; `GEMM_ON`, which benchmarks may flip between runs)
@@ -39,10 +35,9 @@ Same signature and contract as `kernels.linear.linear`.
   widened; the experts torch's grouped GEMM or the loop). `GEMM_MAX_ROWS` is the decode batches'
   bound, where the fused MoE (`kernels.moe_step_cpp`), the routed-experts op and the CPU decode
   plan run; prefill chunks beyond it keep MKL's grouped GEMM for the fp32 experts.
-  oneDNN with packed weights (`torch.ops.mkldnn._linear_pointwise`) was measured here too: it
-  builds a new primitive for every new row count (~0.6 ms per matrix on this machine), which a
-  serving loop with changing batch sizes pays on most steps. (oneDNN's bf16 path needs AVX-512
-  or AVX-NE-CONVERT.)
+  oneDNN with packed weights (`torch.ops.mkldnn._linear_pointwise`) is not used: it builds a new
+  primitive for every new row count, which a serving loop with changing batch sizes pays on most
+  steps. (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT.)
 """
 
 from __future__ import annotations
