@@ -1,0 +1,174 @@
+"""The runtime's import graph, read with `ast` (nothing is imported): the dependency direction of
+ARCHITECTURE.md between the five packages, and no import cycle between modules.
+
+    server -> scheduler -> models -> kernels,   scheduler -> mem_cache,   mem_cache -> kernels
+
+Every import counts for the package rules, also one inside a function or under
+`if TYPE_CHECKING:`. Between modules, the imports that run when a module loads (its top level,
+not under TYPE_CHECKING) form no cycle at all; the few cycles closed by a deferred import (in a
+function, or for typing only) are listed in `DEFERRED_CYCLES`, and a new one fails.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("server", "scheduler", "models", "kernels", "mem_cache")
+# package -> the packages of ours it may import
+ALLOWED = {
+    "server": {"scheduler", "models"},
+    "scheduler": {"models", "kernels", "mem_cache"},
+    "models": {"kernels", "mem_cache"},
+    "mem_cache": {"kernels"},
+    "kernels": set(),
+}
+# cycles whose back edge is a deferred import; each group may shrink, none may grow or appear
+DEFERRED_CYCLES = [
+    # the references call the dispatched ops (`import kernels` in the function)
+    {
+        "kernels",
+        "kernels.attn_step",
+        "kernels.gdn_step",
+        "kernels.moe_step",
+        "kernels.multi_linear",
+    },
+    {"mem_cache.radix_cache", "mem_cache.radix_check"},  # typing
+    {"scheduler.session", "scheduler.session_tree"},  # typing
+    {"scheduler.scheduler", "scheduler.leak_check", "scheduler.schedule_policy"},  # typing
+    {"scheduler.engine", "scheduler.tp_group"},  # tp_group builds an Engine in a function
+]
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> file of every runtime module (a package is its `__init__.py`)."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> dict[str, bool]:
+    """The runtime modules `path` imports -> whether some import of it runs at load time (top
+    level, not under TYPE_CHECKING). `from a import b` names the module a.b where there is one,
+    else a."""
+    found: dict[str, bool] = {}
+
+    def visit(node: ast.AST, eager: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            now = eager
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                now = False
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                now = False
+            names: list[str] = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                assert child.level == 0, f"{path}:{child.lineno}: relative import"
+                base = child.module or ""
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                         for a in child.names]  # fmt: skip
+            for name in names:
+                while name and name not in known and "." in name:  # import a.b.c of a module a.b
+                    name = name.rsplit(".", 1)[0]
+                if name in known:
+                    found[name] = found.get(name, False) or now
+            visit(child, now)
+
+    visit(ast.parse(path.read_text(), str(path)), True)
+    return found
+
+
+def graph() -> dict[str, dict[str, bool]]:
+    known = modules()
+    return {m: {d: e for d, e in imports(p, known).items() if d != m} for m, p in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_cycles_finds_components():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert cycles(edges) == [{"a", "b", "c"}]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_parse_sees_the_imports():
+    g = graph()
+    assert set(PACKAGES) <= set(g) and len(g) > 100
+    assert g["scheduler.graph_runner"]["models.cpu_decode"] is True
+    assert g["scheduler.leak_check"]["scheduler.scheduler"] is False  # under TYPE_CHECKING
+    assert g["kernels.gdn_step"]["kernels"] is False  # inside a function
+
+
+def test_packages_follow_the_dependency_direction():
+    bad = sorted(
+        f"{m} imports {d}"
+        for m, deps in graph().items()
+        for d in deps
+        if (a := m.split(".")[0]) != (b := d.split(".")[0]) and b not in ALLOWED[a]
+    )
+    assert bad == [], "\n".join(bad)
+
+
+def test_no_cycle_between_packages():
+    edges = {p: set() for p in PACKAGES}
+    for m, deps in graph().items():
+        edges[m.split(".")[0]] |= {d.split(".")[0] for d in deps} - {m.split(".")[0]}
+    found = [sorted(c) for c in cycles(edges)]
+    assert found == [], f"packages importing each other: {found}"
+
+
+def test_no_cycle_between_modules_at_load_time():
+    eager = {m: {d for d, e in deps.items() if e} for m, deps in graph().items()}
+    found = [sorted(c) for c in cycles(eager)]
+    assert found == [], f"modules importing each other at load time: {found}"
+
+
+def test_deferred_cycles_do_not_grow():
+    every = {m: set(deps) for m, deps in graph().items()}
+    new = [c for c in cycles(every) if not any(c <= known for known in DEFERRED_CYCLES)]
+    assert new == [], f"new import cycles: {[sorted(c) for c in new]}"
