@@ -206,8 +206,8 @@ inline void cols(const bf16* xb, int64_t M, int64_t K, const bf16* w, float* y, 
 // once per call); each accumulator holds a 16 x 16 block of y^T, transposed as it is stored.
 // The tile unit sums each output's products in the same order either way, so the two paths
 // give the same bits (tests/kernels/test_cpp_amx.py).
-// Up to here `cols_few`, beyond `cols`: in one process, small-preset shapes, `cols_few` was
-// 1.46x faster at 16 rows, 1.29x at 32, 1.14x at 64, ~1.07x at 128 and 256, 0.9x at 512.
+// Up to here `cols_few`, beyond `cols`: where, on the small preset's shapes, transposing each
+// weight block once starts to pay for the blocks of x that reuse it.
 constexpr int64_t kFewRows = 128;
 inline bool few(int64_t M) { return M <= kFewRows; }
 
@@ -226,8 +226,7 @@ inline void cols_few(const bf16* xt, int64_t M, int64_t K, const bf16* w, float*
     const bool two = n + TR < n1;
     // The next block's weights into L2 over this block's passes (the calling thread's columns
     // only; prefetch.h): the left tiles read 64 bytes from each of 32 rows at a time, runs too
-    // short for the hardware prefetchers, and without it the tile unit waits on memory
-    // (small-preset shapes at 16-128 rows: 10-26% faster with it).
+    // short for the hardware prefetchers, and without it the tile unit waits on memory.
     hs::Fetch next;
     if (n + 2 * TR < n1)
       next = hs::Fetch(w + (n + 2 * TR) * K, std::min(2 * TR, n1 - n - 2 * TR), ldw, ldw,

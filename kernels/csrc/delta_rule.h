@@ -20,10 +20,8 @@ namespace hs {
 // Pass 1 decays S and forms S^T k; pass 2 updates S while it is still in cache and reads o off
 // it, so each state is read from memory once and written once. `next` (or null) is the state
 // the caller updates next: both passes fetch it into L2 alongside (prefetch.h), half a row of
-// it per row of S, a second stream of reads that keeps more of the memory's parallelism busy
-// than one sequential run per core. Spread over both passes rather than all in pass 1, the
-// small preset's 64-row GDN decode took ~10% less time (9 layers of states, 2 threads, in one
-// process: 23.5-24.4 -> 20.4-21.6 ms).
+// it per row of S (spread over both passes, not all in pass 1), a second stream of reads that
+// keeps more of the memory's parallelism busy than one sequential run per core.
 inline void delta_rule_token(float* state, const float* k, const float* q, const float* v,
                              float decay, float beta, int64_t dk, int64_t dv, float* acc,
                              float* delta, float* o, const float* next = nullptr) {
@@ -98,7 +96,7 @@ inline void delta_rule_pass(double* __restrict__ s, const double* __restrict__ k
   _mm512_storeu_pd(a + 8, a1);
 #elif defined(__AVX2__) && defined(__FMA__)
   // the 16 columns as four 4-wide vectors, every accumulator named (arrays of vectors would
-  // be kept in memory by the compiler: 2-3x slower)
+  // be kept in memory by the compiler, stored and reloaded on every row)
   const __m256d dc = _mm256_set1_pd(decay), bt = _mm256_set1_pd(beta);
   auto delta = [&](int c) {
     return _mm256_mul_pd(_mm256_fnmadd_pd(dc, _mm256_loadu_pd(a + c), _mm256_loadu_pd(v + c)), bt);

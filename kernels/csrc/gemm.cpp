@@ -12,8 +12,7 @@
 // next tile's weights. Threads split the weight rows (at::parallel_for; nested inside another
 // parallel region it runs on the calling thread). Every output is the same blocked fp32 sum in
 // k order (`tile`), whatever M, the vector width and the rows beside it, so a row's result does
-// not depend on its batch. Small preset, large matrices at 64 rows: ~110-140 GFLOP/s on a 2-core
-// AVX2 EPYC (peak ~180), ~140-170 on a 2-core AVX-512 Xeon. Measured: benchmarks/gemm_shapes.py.
+// not depend on its batch. `benchmarks/gemm_shapes.py` times it beside MKL by row count.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -164,8 +163,8 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
   const int64_t P = panels(M);
   // A lone panel reuses no weight block: with AVX2 it takes whole rows per tile, long runs for
   // the prefetcher. With AVX-512 its panel is twice as wide (a whole row of k is 96 KB at
-  // K = 768, past L1) and KC blocks measured faster: the MoE experts of a 64-row step (~16 rows
-  // per expert) 15-20% in fp32, ~8% in bf16, on a 2-core Xeon. The sums are the same either way.
+  // K = 768, past L1), so it takes KC blocks, which keep the panel's block in L1 (the MoE
+  // experts of a decode step are such lone panels). The sums are the same either way.
   const int64_t kc = P == 1 && hs::simd::kLanes == 8 ? K : KC;
   for (int64_t b0 = n0; b0 < n1; b0 += NC) {
     const int64_t b1 = std::min(n1, b0 + NC), tiles = (b1 - b0 + NR - 1) / NR;

@@ -1,8 +1,8 @@
 // bf16 linear layers on AMX tiles (amx.h), for `--dtype bfloat16` on CPUs with AMX-BF16:
 // y [M, N] fp32 = bf16(x) [M, K] w [N, K]^T, w bf16 as stored, fp32 sums. Where it runs (beyond
 // the GEMV's rows, kernels/linear_cpp.py and hs::decode_product) it replaces the tiled and
-// packed GEMMs, which widen bf16 weights to fp32 and run at the fp32 FMA rate: small-preset
-// shapes at 64 rows ~3-4.5x faster, at 2,048 rows ~2.5-4.5x (benchmarks/gemm_shapes.py).
+// packed GEMMs, which widen bf16 weights to fp32 and run at the fp32 FMA rate
+// (`benchmarks/gemm_shapes.py` times the three side by side).
 //
 // `amx_ready` is false where the build does not target AMX, where the OS refuses the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per process), where HYBRID_SERVE_CPU_AMX=off (read

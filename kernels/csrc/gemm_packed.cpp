@@ -8,13 +8,11 @@
 // loop), and the rows of x, MC at a time, into slivers of MR rows ([k][MR]). The register tile
 // is MR rows of x by NR weight rows: each k step loads one weight sliver row (two vectors, from
 // L1), broadcasts MR x values (from L2) and does 2 MR FMAs into 2 MR accumulators; MR = 12 with
-// AVX-512's 32 registers, 6 with AVX2's 16 (2,048 rows of the small preset's eight shapes, against
-// MKL's time in the same process: 1.49-1.54x -> 1.41-1.44x fp32, 1.42-1.44x -> 1.20-1.28x bf16,
-// on a 2-core Xeon). Every run of
-// KR = 32 k steps is summed from zero in registers and then added to y: gemm.cpp's order exactly,
-// so the two GEMMs give bit-identical outputs and a row's result does not depend on which of them
-// its batch's row count picked. Threads split the weight rows (or, for a handful of weight rows,
-// the rows of x), each with its own packed buffers.
+// AVX-512's 32 registers, 6 with AVX2's 16. Every run of KR = 32 k steps is summed from zero in
+// registers and then added to y: gemm.cpp's order exactly, so the two GEMMs give bit-identical
+// outputs and a row's result does not depend on which of them its batch's row count picked.
+// Threads split the weight rows (or, for a handful of weight rows, the rows of x), each with its
+// own packed buffers.
 //
 // Unlike gemm.cpp's decode GEMM, which reads the weight as stored and broadcasts it, this one
 // pays a pack of the weight per call, which M rows of x amortise: it is for hundreds of rows.

@@ -33,10 +33,9 @@ inline float load1<at::BFloat16>(const at::BFloat16* p) {
 
 // How far ahead of the weight row being summed the GEMV fetches (bytes). A thread streams its
 // rows back to back, but the hardware prefetchers keep too few lines in flight for one core to
-// reach the memory's speed; asking for the row 4 KB ahead as each row starts does (2 threads, a
-// 2-core Xeon, weights from memory, in one process: bf16 ~12-13 -> 16-18.5 GB/s, fp32 ~16.5-19
-// -> 18.5-21; bf16 decode step at batch 1 10.9 -> 7.9 ms). A prefetch never faults, so past the
-// end of the matrix it only costs a wasted line.
+// reach the memory's speed; asking for the row 4 KB ahead as each row starts does (the best of
+// the distances tried, 1-8 KB). A prefetch never faults, so past the end of the matrix it only
+// costs a wasted line.
 constexpr int64_t kFetchAhead = 4096;
 
 inline void fetch_ahead(const void* row, int64_t bytes) {

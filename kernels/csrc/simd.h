@@ -3,8 +3,8 @@
 // In the GEMMs the lanes run along outputs, never along k, so every output is the same chain of
 // fused multiply-adds whatever the width: the two builds give bit-identical results. The GEMV's
 // lanes run along k, so its last bits differ between the builds (never within one). On an
-// AVX-512 CPU the FMA peak is twice AVX2's (measured on a 2-core Xeon: ~320-375 against ~150
-// GFLOP/s).
+// AVX-512 CPU each FMA does twice the work of an AVX2 one, so the narrower build would waste half
+// the FMA peak.
 #pragma once
 
 #include <c10/util/BFloat16.h>
