@@ -26,6 +26,8 @@ from functools import cache
 import torch
 
 from models.config import ModelConfig
+from models.layers import Experts
+from models.qwen3_next import Qwen3NextForCausalLM
 
 SSM_STATE_BYTES = 4  # the recurrent state is fp32 (mamba_ssm_dtype float32)
 BANDWIDTH = {"H100 SXM": 3.35e12, "H200": 4.8e12}  # bytes / s, the vendors' HBM figures
@@ -72,9 +74,6 @@ class StepBytes:
 @cache
 def param_groups(config: ModelConfig) -> ParamGroups:
     """`config`'s parameters grouped by how a decode step reads them (meta-device model)."""
-    from models.layers import Experts
-    from models.qwen3_next import Qwen3NextForCausalLM
-
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
