@@ -20,6 +20,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from scheduler.cpu_env import apply_cpu_defaults
 from server.model_path import checkpoint_dir
@@ -40,6 +41,8 @@ PRESET_NAMES = (
     "qwen3.5-35b-a3b",
     "qwen3-next-80b-a3b",
 )
+# what AutoTokenizer reads (a fast tokenizer, or a slow one's vocabulary)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # models.chat_templates' names, likewise
 CHAT_TEMPLATE_NAMES = ("qwen3-next-instruct", "qwen3-next-thinking", "qwen3.5", "qwen3.5-small")
 
@@ -121,6 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         max_total_tokens=tokens,
         max_context_len=tokens,
         dtype=args.dtype,
+        load_format=args.load_format,
     )
     start = time.perf_counter()
     out = engine.generate(ids, params)
@@ -188,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    gen.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights"
+    )
     gen.set_defaults(func=cmd_generate)
     return parser
 
@@ -216,6 +223,12 @@ def main(argv: list[str] | None = None) -> None:
         configs = configs_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    path = Path(configs[0].model_path or ".")  # a checkpoint (config.json) with no tokenizer
+    if (path / "config.json").is_file() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        parser.error(
+            f"no tokenizer files in {path} (the server needs them; make-model --config-only "
+            "writes the presets' tokenizer)"
+        )
     logging.basicConfig(level=configs[0].log_level.upper(), format=LOG_FORMAT)
     try:
         status = serve(*configs)

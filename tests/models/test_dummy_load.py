@@ -175,3 +175,19 @@ def test_tensor_parallel_shard_keeps_vocab_padding_rows_zero(tmp_path, monkeypat
     for table in (model.model.embed_tokens.weight, model.lm_head.weight):
         assert table.shape[0] == 1024
         assert not table[1023].any() and table[:1023].abs().sum(dim=1).all()
+
+
+def test_server_refuses_a_checkpoint_without_tokenizer(tmp_path, tiny_config_only, capsys):
+    (tmp_path / "config.json").write_text((tiny_config_only / "config.json").read_text())
+    with pytest.raises(SystemExit):
+        cli_main(["--model-path", str(tmp_path), "--load-format", "dummy"])
+    assert "no tokenizer files" in capsys.readouterr().err
+
+
+def test_generate_command_with_dummy_weights(tiny_config_only, caplog):
+    caplog.set_level("INFO", logger="hybrid-serve")
+    cli_main(
+        ["generate", "--model-path", str(tiny_config_only), "--load-format", "dummy"]
+        + ["--dtype", "float32", "--max-new-tokens", "4", "--ignore-eos"]
+    )
+    assert "+ 4 new tokens" in caplog.text
