@@ -41,6 +41,10 @@ _QWEN3_5_COMMON: dict = {
     "linear_value_head_dim": 128,
 }
 
+# The releases' chat templates where the family default does not fit: Qwen3.5 at 2B and smaller
+# ships with thinking off by default (models/chat_templates.py).
+CHAT_TEMPLATES: dict[str, str] = {"qwen3.5-2b": "qwen3.5-small"}
+
 REAL_SHAPES: dict[str, dict] = {
     "qwen3.5-2b": {
         **_QWEN3_5_COMMON,

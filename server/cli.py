@@ -56,15 +56,14 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         write_checkpoint,
         write_config_only,
     )
-    from models.real_shapes import REAL_SHAPES
+    from models.real_shapes import CHAT_TEMPLATES, REAL_SHAPES
 
     start = time.perf_counter()
+    template = args.chat_template or CHAT_TEMPLATES.get(args.preset)
     if args.config_only:
         if args.fp8 or args.multimodal:
             raise ValueError("--config-only writes no weights: drop --fp8 / --multimodal")
-        out = write_config_only(
-            args.out, preset_config(args.preset), chat_template=args.chat_template
-        )
+        out = write_config_only(args.out, preset_config(args.preset), chat_template=template)
         logger.info(
             "wrote %s (%s config only): serve it with --load-format dummy", out, args.preset
         )
@@ -83,7 +82,7 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         preset_config(args.preset),
         seed=args.seed,
         multimodal=args.multimodal,
-        chat_template=args.chat_template,
+        chat_template=template,
         **fp8,
     )
     n = count_parameters(preset_config(args.preset))

@@ -106,3 +106,20 @@ def test_reduced_layer_variant():
         real_shape_config("qwen3-next-80b-a3b", num_hidden_layers=49)
     with pytest.raises(ValueError, match="unknown real shape"):
         real_shape_config("qwen9")
+
+
+@pytest.mark.parametrize(("name", "thinks"), [("qwen3.5-2b", False), ("qwen3.5-9b", True)])
+def test_make_model_gives_each_release_its_thinking_default(tmp_path, name, thinks):
+    """Qwen3.5 at 2B and smaller ships with thinking off: its generation prompt closes an empty
+    think block; larger releases leave <think> open."""
+    from transformers import AutoTokenizer
+
+    from server.cli import main as cli_main
+
+    out = tmp_path / name
+    cli_main(["make-model", "--preset", name, "--config-only", "--out", str(out)])
+    tok = AutoTokenizer.from_pretrained(out)
+    msgs = [{"role": "user", "content": "hi"}]
+    prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<think>\n") == thinks
+    assert prompt.endswith("<think>\n\n</think>\n\n") != thinks
