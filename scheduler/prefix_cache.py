@@ -261,7 +261,8 @@ class PrefixCache:
             if hidden is not None and req.last_node is not self.tree.root:
                 self.tree.set_hidden(req.last_node, hidden)
             return
-        slot = self.alloc_slot(zero=False)
+        # (the extra copy of the tracking strategies never costs an idle session its state)
+        slot = self.alloc_slot(zero=False, sessions=not self.tracking)
         if slot is None:
             return  # nothing cached this time; the request keeps running unchanged
         self.pool.copy(req.mamba_slot, slot)
