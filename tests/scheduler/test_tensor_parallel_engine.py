@@ -49,14 +49,17 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _workload(engine: Engine) -> dict:
-    """Shared-prefix prompts twice (the second round hits the cache), a two-turn session and
-    sampled requests (one seeded); the tokens, the cache hits and every rank's leak report."""
+    """Shared-prefix prompts twice (the second round hits the cache), one prompt again (served
+    whole), a two-turn session and sampled requests (one seeded); the tokens, the cache hits and
+    every rank's leak report."""
     prefix = _prompts(1, 140, 1)[0]  # past one 64-token chunk: extra_buffer snapshots there
     first = [prefix + tail for tail in _prompts(3, 5, 2)]
     out = {"round1": [r["output_ids"] for r in engine.generate(first, GREEDY)]}
     second = engine.generate([prefix + tail for tail in _prompts(2, 7, 3)], GREEDY)
     out["round2"] = [r["output_ids"] for r in second]
     out["cached"] = [r["meta_info"]["cached_tokens"] for r in second]
+    repeat = engine.generate(first[0], GREEDY)  # an exact repeat: logits from the kept hidden
+    out["repeat"] = (repeat["output_ids"], repeat["meta_info"]["cached_tokens"])
     sid = engine.open_session(capacity_of_str_len=1000)
     turns = []
     for i, turn in enumerate(_prompts(2, 9, 4)):
@@ -87,7 +90,8 @@ def test_tp2_engine_equals_tp1(paths, strategy):
     one = _workload(Engine(paths["tiny"], mamba_scheduler_strategy=strategy, **POOLS))
     assert two["leaks"] == [] and one["leaks"] == []
     assert min(two["cached"]) >= 64, two["cached"]  # the shared prefix came from the cache
-    for key in ("round1", "round2", "cached", "session", "seeded"):
+    assert two["repeat"] == (two["round1"][0], 145)
+    for key in ("round1", "round2", "cached", "repeat", "session", "seeded"):
         assert two[key] == one[key], key
 
 
