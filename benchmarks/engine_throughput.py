@@ -13,6 +13,9 @@ server: small decode batches run the CPU decode plan, `models.cpu_decode`) or `e
 (`--disable-cuda-graph`: no decode plan); one row each.
 
 Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
+Real shapes with dummy weights (no transformers baseline: it needs weight files):
+         python -m benchmarks.engine_throughput --model-path /tmp/q35-2b --load-format dummy \
+             --variants bfloat16:auto --concurrency 1,16 --hf-batch ''
 """
 
 from __future__ import annotations
@@ -86,6 +89,12 @@ def main() -> None:
         default="float32:auto",
         help="comma-separated dtype:kernels pairs, e.g. float32:torch,float32:auto,bfloat16:auto",
     )
+    ap.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights from config.json alone (real shapes, make-model --config-only)",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -105,6 +114,7 @@ def main() -> None:
             dtype=d,
             max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
             disable_cuda_graph=comp == "eager",
+            load_format=args.load_format,
         )
         for d, _, comp in dict.fromkeys(variants)
     }
