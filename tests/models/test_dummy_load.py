@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from models.real_shapes import REAL_SHAPES
 from models.step_bytes import param_groups
 from scheduler.engine import Engine
 from server.cli import main as cli_main
+from tests.models.test_load_memory import measure_load_peak
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,48 +116,11 @@ def test_every_real_shape_loads_dummy_on_meta(tmp_path, monkeypatch, name):
     assert n == param_groups(model.config).total
 
 
-MEASURE = """
-import json, sys, threading, time
-import torch
-from models.loader import load_model
-
-def anon_kb():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-
-load_model(sys.argv[2], dtype="bfloat16", load_format="dummy")  # one-time set-up outside
-base = anon_kb()
-peak, done = [base], []
-def sample():
-    while not done:
-        peak[0] = max(peak[0], anon_kb())
-        time.sleep(0.0005)
-t = threading.Thread(target=sample, daemon=True)
-t.start()
-model = load_model(sys.argv[1], dtype="bfloat16", load_format="dummy")
-done.append(1)
-t.join()
-peak[0] = max(peak[0], anon_kb())
-nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-print(json.dumps({"peak_bytes": (peak[0] - base) * 1024, "param_bytes": nbytes}))
-"""
-
-
 def test_dummy_bf16_load_peak_is_one_copy_of_the_weights(tmp_path, tiny_config_only):
     cfg = preset_config("tiny")
     cfg.update(hidden_size=512, vocab_size=4096, moe_intermediate_size=512, num_experts=8)
     path = write_config_only(tmp_path / "big", cfg)
-    out = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(path), str(tiny_config_only)],
-        cwd=REPO,
-        env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    m = json.loads(out.stdout.strip().splitlines()[-1])
+    m = measure_load_peak(path, tiny_config_only, load_format="dummy")
     assert m["param_bytes"] > 40e6  # large enough for a copy to show against allocator noise
     assert m["peak_bytes"] < 1.1 * m["param_bytes"], m
     assert not math.isnan(m["peak_bytes"])
