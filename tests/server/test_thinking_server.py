@@ -12,6 +12,7 @@ import pytest
 
 from models.presets import preset_config, write_checkpoint
 from tests.server.conftest import running, serve_command, wait_idle_and_clean
+from tests.server.test_reasoning_server import collect
 
 ADD = {
     "type": "function",
@@ -55,13 +56,7 @@ def test_thinking_template_reasoning_then_json_call(http):
         "name": "add",
         "arguments": '{"a": 3, "note": "x}y"}',
     }
-    deltas, finish = [], None
-    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
-        for line in s.iter_lines():
-            if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
-                deltas.append(choice["delta"])
-                finish = choice["finish_reason"] or finish
+    deltas, finish = collect(http, body)
     assert finish == "tool_calls"
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Use the tool.\n"
     calls = [e for d in deltas for e in d.get("tool_calls", [])]
