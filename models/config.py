@@ -6,12 +6,14 @@
 both the transformers 4.x RoPE keys (`rope_theta`, `partial_rotary_factor`) and the 5.x
 `rope_parameters` dict (M-RoPE keys are ignored: with text-only positions it equals 1-D RoPE).
 Qwen3.5 differs only in its checkpoint layout (split GDN projections) and its MLP choice (dense on
-every layer, or MoE on every layer). A missing field or an unsupported architecture is a
-`ValueError` whose one line names it.
+every layer, or MoE on every layer). Defaults are transformers' own: the text config is completed
+by transformers' config class for its model_type; the fields that size the model must be in the
+file. A missing field or an unsupported architecture is a `ValueError` whose one line names it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -130,6 +132,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation_config: dict | None = None) -> ModelConfig:
+        """`raw` (a config.json's dict) read through transformers' config class for its
+        model_type, which supplies every default; fields that size the model must be in `raw`."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -150,57 +154,39 @@ class ModelConfig:
                 )
             model_type, prefix = raw["model_type"], "model.language_model."
         qwen3_5 = model_type in QWEN3_5_TEXT
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
+        d = _with_defaults(model_type, raw)
 
         def need(key: str) -> Any:
             if key not in raw:
                 raise ValueError(f"config.json: missing field {key!r}")
-            return raw[key]
+            return d[key]
 
         n_layers = int(need("num_hidden_layers"))
-        if "layer_types" in raw:
-            layer_types = tuple(raw["layer_types"])
-        else:
-            interval = int(raw.get("full_attention_interval", 4))
-            layer_types = tuple(
-                FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)
-            )
-
-        rope = raw.get("rope_parameters") or {}
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
-        rope_type = rope.get(
-            "rope_type", (raw.get("rope_scaling") or {}).get("rope_type", "default")
-        )
-        if rope_type != "default":
-            raise ValueError(f"config.json: unsupported rope_type {rope_type!r}")
-        hidden = int(need("hidden_size"))
-        n_heads = int(need("num_attention_heads"))
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: unsupported hidden_act {raw['hidden_act']!r}")
-
-        eos = (generation_config or {}).get("eos_token_id", raw.get("eos_token_id"))
+        rope = {**d, **(d.get("rope_parameters") or {})}  # 5.x dict, or 4.x top-level keys
+        if d["hidden_act"] != "silu":
+            raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
+        eos = (generation_config or {}).get("eos_token_id", d.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if model_type == "qwen3_5_text":  # dense MLP on every layer
-            num_experts = 0
-        elif model_type == "qwen3_5_moe_text":  # MoE on every layer, always renormalised
-            num_experts = int(need("num_experts"))
-        else:
-            num_experts = int(raw.get("num_experts", 0))
+        # Qwen3.5: dense MLP on every layer, or MoE on every layer, always renormalised
         all_moe = model_type == "qwen3_5_moe_text"
+        num_experts = 0 if model_type == "qwen3_5_text" else int(need("num_experts"))
         return cls(
             vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
+            hidden_size=int(need("hidden_size")),
             num_hidden_layers=n_layers,
-            layer_types=layer_types,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            num_attention_heads=n_heads,
+            layer_types=tuple(d["layer_types"]),
+            rms_norm_eps=float(d["rms_norm_eps"]),
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            max_position_embeddings=int(d["max_position_embeddings"]),
+            num_attention_heads=int(need("num_attention_heads")),
             num_key_value_heads=int(need("num_key_value_heads")),
-            head_dim=int(raw.get("head_dim") or hidden // n_heads),
-            partial_rotary_factor=float(partial),
-            rope_theta=float(rope_theta),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            head_dim=int(d["head_dim"]),
+            partial_rotary_factor=float(rope["partial_rotary_factor"]),
+            rope_theta=float(rope["rope_theta"]),
+            attention_bias=bool(d["attention_bias"]),
             linear_num_key_heads=int(need("linear_num_key_heads")),
             linear_num_value_heads=int(need("linear_num_value_heads")),
             linear_key_head_dim=int(need("linear_key_head_dim")),
@@ -210,14 +196,26 @@ class ModelConfig:
             num_experts=num_experts,
             num_experts_per_tok=int(need("num_experts_per_tok")) if num_experts else 0,
             moe_intermediate_size=int(need("moe_intermediate_size")) if num_experts else 0,
-            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
-            decoder_sparse_step=1 if qwen3_5 else int(raw.get("decoder_sparse_step", 1)),
-            mlp_only_layers=()
-            if qwen3_5
-            else tuple(int(i) for i in raw.get("mlp_only_layers", [])),
-            norm_topk_prob=True if qwen3_5 else bool(raw.get("norm_topk_prob", True)),
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            shared_expert_intermediate_size=num_experts
+            and int(d["shared_expert_intermediate_size"]),
+            decoder_sparse_step=1 if qwen3_5 else int(d["decoder_sparse_step"]),
+            mlp_only_layers=() if qwen3_5 else tuple(int(i) for i in d["mlp_only_layers"]),
+            norm_topk_prob=True if qwen3_5 else bool(d["norm_topk_prob"]),
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
             gdn_projections="split" if qwen3_5 else "grouped",
             weight_prefix=prefix,
         )
+
+
+def _with_defaults(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` completed by transformers' config class for `model_type` (its `to_dict()`); where the
+    installed transformers lacks that type (Qwen3.5 in 4.x), by Qwen3-Next's class, whose defaults
+    are Qwen3.5's for every field `ModelConfig` reads. Its validators' errors are `ValueError`s."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type if model_type in CONFIG_MAPPING else "qwen3_next"]
+    try:  # the class mutates nested dicts (rope_parameters) in place
+        return config_class.from_dict(copy.deepcopy(raw)).to_dict()
+    except Exception as e:
+        raise ValueError(" ".join(f"config.json: {e}".split())) from e

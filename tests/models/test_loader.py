@@ -121,7 +121,7 @@ def test_config_moe_layers():
         (_raw(model_type="llama"), "unsupported architecture: model_type 'llama'"),
         (_raw(hidden_size=None), "missing field 'hidden_size'"),
         (_raw(linear_num_value_heads=3), "multiple of linear_num_key_heads"),
-        (_raw(layer_types=["mamba"] * 8), "unsupported layer type 'mamba'"),
+        (_raw(layer_types=["sliding_attention"] * 8), "unsupported layer type 'sliding_attention'"),
         (_raw(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), "unsupported rope_type"),
     ],
 )
