@@ -96,6 +96,17 @@ class KVPool(SlotPool):
         (and then nothing is freed)."""
         self.allocator.free(pages)
 
+    def alloc_locs(self, n_tokens: int) -> torch.Tensor | None:
+        """Whole pages for ``n_tokens`` (a multiple of ``page_size``) as token locations (see
+        `page_locs`), or ``None`` if short; all or nothing, as `alloc`."""
+        pages = self.alloc(n_tokens // self.page_size)
+        return None if pages is None else self.page_locs(pages)
+
+    def free_locs(self, locs: torch.Tensor) -> None:
+        """Free the pages of token locations ``locs`` (whole pages, as `alloc_locs` gave them)."""
+        if len(locs):
+            self.free((locs[:: self.page_size] // self.page_size).tolist())
+
     def available_tokens(self) -> int:
         """Free token capacity: free pages times ``page_size``."""
         return self.allocator.available() * self.page_size

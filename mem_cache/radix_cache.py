@@ -1,4 +1,4 @@
-"""Mamba-aware radix prefix cache for hybrid Gated DeltaNet / attention models.
+"""Mamba-aware radix prefix cache for hybrid Gated DeltaNet / attention models, with its tiers.
 
 A radix tree over token ids. Each non-root node holds a segment of tokens (``key``), the KV token
 locations of those tokens (``value``, int64, one per token) and optionally a Mamba state slot
@@ -25,47 +25,66 @@ partial page of its key; `insert` requires ``len(key)``, ``len(kv_indices)`` and
 keyed by their first page. KV is freed to the pool as whole pages. Location 0 (page 0) never
 enters the tree.
 
-Locks: ``full_lock_ref`` counts locks on a node and all its descendants (a lock covers the whole
-path to the root); ``mamba_lock_ref`` counts direct locks on the node. Only nodes with a state (or
-the root, a no-op) may be locked, so ``full_lock_ref == mamba_lock_ref + sum(children's
-full_lock_ref)``. Locked KV is never evicted; a directly locked state is never evicted.
-
 Exact repeats: a node may also keep the final hidden state at its last token (in the Mamba
 pool's hidden row of its slot, flagged by ``hidden_valid``; `insert` with ``hidden``,
 `set_hidden`). A request whose whole prompt ends at such a node (`exact_node`) takes the state
 and gets its first token's logits from that hidden, with no forward for the prompt.
 
-Tiers: a node's device KV is optional (``value=None``: the node lives only in a host tier, see
-`mem_cache/radix_node.py` and `HiMambaRadixCache`). This class never creates such nodes; it walks
-them in `match_prefix` (reported as ``host_node`` / ``host_len``), gives them the caller's KV in
-`insert`, and leaves the rest to three hooks: `_evict_device_leaf` (the one way device memory is
-evicted), `load_back` (admission: match -> load back -> lock) and `_after_insert` / `note_hit`.
-
-LRU: two ordered dicts (least recent first): every node with device KV by id in ``full`` order
-and every node with a device state by slot in ``mamba`` order. Touching a path refreshes it
-deepest node first, so an ancestor is never older than its descendants and one eviction pass in
-LRU order meets every leaf it creates. Each eviction call costs one scan of its list, not one
-per evicted item.
+Tiers (HiCache, optional): with a `HostTier` a node may keep host copies of its KV and state and
+may live on the host alone (``value=None``, see `mem_cache/radix_node.py`); with a `StorageTier`
+host writes also reach files, and a prefetch reads them back into host memory as a host-only
+node. `match_prefix` walks host-only nodes (reported as ``host_node`` / ``host_len``), `load_back`
+copies them to the device (admission: match -> load back -> lock), and device eviction goes
+through one hook, `_evict_device_leaf`, which demotes a backed-up leaf to the host or deletes it.
+Copies are synchronous; during one, the nodes involved are pinned (``full_lock_ref`` for device
+KV, ``host_lock_ref`` for host copies) so the evictions it triggers cannot take them.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
-from mem_cache.radix_check import check_tree
-from mem_cache.radix_evict import RadixEviction
-from mem_cache.radix_node import EMPTY_LOCS as _EMPTY
-from mem_cache.radix_node import MatchResult, TreeNode
-from mem_cache.req_pool import SlotPool
+from mem_cache.radix_node import EMPTY_LOCS, MatchResult, TreeNode
+from mem_cache.storage_prefetch import PrefetchOp
+
+if TYPE_CHECKING:
+    from mem_cache.host_pool import HostTier
+    from mem_cache.req_pool import SlotPool
+    from mem_cache.storage_tier import StorageTier
+
+TIER_COUNTERS = (
+    "device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens",
+    "host_written_tokens", "host_evicted_tokens", "load_back_failed", "storage_hit_tokens",
+    "storage_written_tokens", "prefetches", "prefetch_started", "prefetch_truncated",
+    "prefetch_skipped", "prefetch_failed", "prefetch_terminated", "prefetch_discarded",
+)  # fmt: skip
 
 
-class MambaRadixCache(RadixEviction):
-    """Radix cache of KV locations plus Mamba state slots; see the module docstring."""
+class MambaRadixCache:
+    """Radix cache of KV locations plus Mamba state slots, over optional host and storage tiers.
+
+    Invariants (`sanity_check` asserts them all):
+
+    - Locks: ``full_lock_ref`` counts locks on a node and all its descendants (a lock covers the
+      whole path to the root); ``mamba_lock_ref`` counts direct locks. Only nodes with a device
+      state (or the root, a no-op) may be locked, so ``full_lock_ref == mamba_lock_ref +
+      sum(children's full_lock_ref)``. Locked KV is never evicted; a locked state never is.
+    - Counters: ``evictable_size() + protected_size()`` is the device KV the tree holds, split by
+      ``full_lock_ref == 0``; the Mamba counters likewise count device states by direct lock.
+    - LRU: two ordered dicts, least recent first: every node with device KV by id (``full``) and
+      every node with a device state by slot (``mamba``). Touching a path refreshes it deepest
+      node first, so an ancestor is never older than its descendants and one eviction pass in
+      LRU order meets every leaf it creates.
+    - Shape: every leaf has a state on some tier (no tombstone leaves, except on a path a storage
+      prefetch will hang under); tiers are closed towards the root (`mem_cache/radix_node.py`).
+    """
 
     DEFAULT_CHUNK = 64  # chunk_size: snapshot alignment (and the storage tier's block size)
 
@@ -76,22 +95,27 @@ class MambaRadixCache(RadixEviction):
         page_size: int = 1,
         chunk_size: int = DEFAULT_CHUNK,
         disable: bool = False,
+        host: HostTier | None = None,
+        storage: StorageTier | None = None,
     ) -> None:
         if page_size != kv_pool.page_size:
             raise ValueError(f"page_size {page_size} != kv_pool.page_size {kv_pool.page_size}")
         if chunk_size < 1 or chunk_size % page_size:
             raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of page_size")
-        self.kv_pool = kv_pool
-        self.mamba_pool = mamba_pool
-        self.page_size = page_size
-        self.chunk_size = chunk_size
+        if host is not None and host.kv_pool.page_size != page_size:
+            raise ValueError("the host KV pool must have the device pool's page size")
+        if storage is not None and (host is None or storage.host is not host):
+            raise ValueError("the storage tier sits under this cache's host tier")
+        self.kv_pool, self.mamba_pool = kv_pool, mamba_pool
+        self.page_size, self.chunk_size = page_size, chunk_size
         self.disable = disable
+        self.host, self.storage = host, storage
         self._ids = itertools.count()
         self._tick = 0
         self._init_tree()
 
     def _init_tree(self) -> None:
-        self.root = TreeNode(next(self._ids), [], _EMPTY, None)
+        self.root = TreeNode(next(self._ids), [], EMPTY_LOCS, None)
         self.root.full_lock_ref = self.root.mamba_lock_ref = 1
         self._full_lru: OrderedDict[int, TreeNode] = OrderedDict()
         self._mamba_lru: OrderedDict[int, TreeNode] = OrderedDict()  # keyed by slot
@@ -102,31 +126,25 @@ class MambaRadixCache(RadixEviction):
     # ------------------------------------------------------------------------------- match
 
     def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached prefix of ``key`` that ends at a node with a state.
+        """Longest cached prefix of ``key`` that ends at a node with a device state.
 
         Walks whole pages from the root, splitting a node matched only partly (the upper part
         becomes a tombstone). The KV of the matched path is cut back to the deepest node with a
-        state (``last_node``). ``branching_seqlen``: when the KV match went deeper than that node,
+        device state (``last_node``); a deeper node with only a host state is ``host_node``.
+        ``branching_seqlen``: when the KV match went deeper than ``last_node``,
         ``floor(kv_matched / chunk_size) * chunk_size`` if it exceeds the returned length, else
         None. Refreshes the full LRU of the matched path and the mamba LRU of ``last_node``.
         Allocates nothing: the caller limits ``key`` (e.g. to prompt_len - 1), locks
         ``last_node`` while it uses it and copies the state into its own slot.
         """
         if self.disable or len(key) < self.page_size:
-            return MatchResult(_EMPTY, self.root, None, None)
+            return MatchResult(EMPTY_LOCS, self.root, None, None)
         key = list(key[: len(key) - len(key) % self.page_size])
         node, pos, values = self.root, 0, []
         best, best_parts = self.root, 0
         host, host_pos = None, 0  # deepest node with a state that needs the host tier
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            n = self._common_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            values.append(child.value)
-            node, pos = child, pos + n
+        for node, pos in self._walk(key):
+            values.append(node.value)
             if node.mamba_slot is not None:  # implies device KV on the whole path
                 best, best_parts, host = node, len(values), None
             elif node.host_mamba_slot is not None:
@@ -134,7 +152,7 @@ class MambaRadixCache(RadixEviction):
         self._touch_path(node)
         if best is not self.root:
             self._touch_mamba(best)
-        kv = torch.cat(values[:best_parts]) if best_parts else _EMPTY
+        kv = torch.cat(values[:best_parts]) if best_parts else EMPTY_LOCS
         branching = None
         if pos > len(kv):
             aligned = pos // self.chunk_size * self.chunk_size
@@ -142,20 +160,16 @@ class MambaRadixCache(RadixEviction):
         host_len = host_pos - len(kv) if host is not None else 0
         return MatchResult(kv, best, best.mamba_slot, branching, host, host_len, False, pos, node)
 
-    def start_prefetch(self, key: list[int], match: MatchResult, timeout: float) -> None:
-        """Arrival's storage step: start reading what a storage tier holds of ``key`` past
-        ``match`` into host memory. Nothing to do without one (see `StorageTier`)."""
-        return None
-
-    def load_back(self, match: MatchResult, dst_slot: int | None = None) -> MatchResult:
-        """Make ``match`` usable from the device: the device-only cache has nothing to load, so
-        ``match`` is returned as is (its host part, always empty here, is dropped). The
-        hierarchical cache copies the host part back (see `HiMambaRadixCache.load_back`)."""
-        self.stats["device_hit_tokens"] += len(match.kv_indices)
-        return match
-
-    def note_hit(self, node: TreeNode) -> None:
-        """A request was admitted on ``node`` (locked); the hierarchical cache counts hits."""
+    def exact_node(self, key: list[int]) -> TreeNode | None:
+        """The node ending exactly at ``len(key)`` when it has a device state and a valid hidden
+        state, else None. Looks only: nothing is split, touched or locked."""
+        if self.disable or not key or len(key) % self.page_size:
+            return None
+        path = list(self._walk(key, split=False))
+        if not path or path[-1][1] != len(key):
+            return None
+        node = path[-1][0]
+        return node if node.hidden_valid and node.mamba_slot is not None else None
 
     # ------------------------------------------------------------------------------ insert
 
@@ -171,8 +185,9 @@ class MambaRadixCache(RadixEviction):
 
         ``prefix`` is how many leading tokens were already cached. Ownership of ``kv_indices``:
         ``[0, prev_prefix_len)`` is the tree's already (the caller matched and locked it); the
-        caller's duplicates of cached tokens past ``prev_prefix_len`` are freed to the KV pool;
-        a leftover tail becomes a new leaf that takes the rest and ``mamba_slot``. Then:
+        caller's duplicates of cached tokens past ``prev_prefix_len`` are freed to the KV pool,
+        except on a host-only node, which takes them as its device KV; a leftover tail becomes a
+        new leaf that takes the rest and ``mamba_slot``. Then:
 
         - exact match on a tombstone: it is revived with ``mamba_slot``;
         - exact match on a node with a state, or an empty key: ``exist=True``;
@@ -184,46 +199,29 @@ class MambaRadixCache(RadixEviction):
         In every case: ``exist=True`` means the caller still owns ``mamba_slot`` and must free
         it; otherwise the cache took it (or none was given). With ``hidden`` (the final hidden
         state at the key's last token), the node ending at ``len(key)``, when it has a device
-        state afterwards (new, revived or already there), keeps it (`set_hidden`).
+        state afterwards (new, revived or already there), keeps it (`set_hidden`). The node
+        counts a hit (`note_hit`).
         """
         kv = kv_indices.to(device="cpu", dtype=torch.int64)
-        ps = self.page_size
-        if len(kv) != len(key) or len(key) % ps or prev_prefix_len % ps:
-            raise ValueError(
-                f"insert: len(key)={len(key)}, len(kv)={len(kv)}, prev_prefix_len="
-                f"{prev_prefix_len} must agree and be multiples of page_size {ps}"
-            )
-        if not 0 <= prev_prefix_len <= len(key):
-            raise ValueError(f"insert: prev_prefix_len {prev_prefix_len} outside 0..{len(key)}")
-        if mamba_slot is not None and (
-            mamba_slot in self._mamba_lru or not self.mamba_pool.allocator.is_allocated(mamba_slot)
-        ):
-            raise ValueError(f"insert: mamba slot {mamba_slot} is not the caller's to give")
-        self._check_pages(kv)
+        self._check_insert(key, kv, mamba_slot, prev_prefix_len)
         if self.disable:
             self._free_kv(kv[prev_prefix_len:])
             return 0, mamba_slot is not None
         key = list(key)
         node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            n = self._common_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            if pos < prev_prefix_len and (
-                child.value is None
+        for node, pos in self._walk(key):
+            start = pos - len(node.key)
+            if start < prev_prefix_len and (
+                node.value is None
                 or not torch.equal(
-                    child.value[: prev_prefix_len - pos], kv[pos : min(pos + n, prev_prefix_len)]
+                    node.value[: prev_prefix_len - start], kv[start : min(pos, prev_prefix_len)]
                 )
             ):
                 raise ValueError("insert: KV of the cache-owned prefix differs from the tree's")
-            if child.value is None:  # host only: the caller's KV becomes its device copy
-                self._attach_kv(child, kv[pos : pos + n].clone())
+            if node.value is None:  # host only: the caller's KV becomes its device copy
+                self._attach_kv(node, kv[start:pos].clone())
             else:
-                self._free_kv(kv[max(pos, prev_prefix_len) : pos + n])
-            node, pos = child, pos + n
+                self._free_kv(kv[max(start, prev_prefix_len) : pos])
         if pos < prev_prefix_len:
             raise ValueError(f"insert: only {pos} of the cache-owned {prev_prefix_len} are cached")
         exist, ends_key = False, pos == len(key)  # ends_key: node ends at len(key)
@@ -249,8 +247,32 @@ class MambaRadixCache(RadixEviction):
                 self._touch_mamba(node)
                 if hidden is not None and ends_key:
                     self.set_hidden(node, hidden)
-                self._after_insert(node)
+                self.note_hit(node)
         return pos, exist
+
+    def _check_insert(
+        self, key: list[int], kv: torch.Tensor, mamba_slot: int | None, prev_prefix_len: int
+    ) -> None:
+        ps = self.page_size
+        if len(kv) != len(key) or len(key) % ps or prev_prefix_len % ps:
+            raise ValueError(
+                f"insert: len(key)={len(key)}, len(kv)={len(kv)}, prev_prefix_len="
+                f"{prev_prefix_len} must agree and be multiples of page_size {ps}"
+            )
+        if not 0 <= prev_prefix_len <= len(key):
+            raise ValueError(f"insert: prev_prefix_len {prev_prefix_len} outside 0..{len(key)}")
+        if mamba_slot is not None and (
+            mamba_slot in self._mamba_lru or not self.mamba_pool.allocator.is_allocated(mamba_slot)
+        ):
+            raise ValueError(f"insert: mamba slot {mamba_slot} is not the caller's to give")
+        if len(kv) and bool((kv < ps).any()):
+            raise ValueError("KV location in the reserved page 0")
+        if ps > 1 and len(kv):
+            pages = kv.view(-1, ps)
+            if not torch.equal(pages - pages[:, :1], torch.arange(ps).expand_as(pages)) or bool(
+                (pages[:, 0] % ps).any()
+            ):
+                raise ValueError("KV locations are not whole pages")
 
     def set_hidden(self, node: TreeNode, hidden: torch.Tensor) -> None:
         """Record ``hidden`` (the final hidden state at ``node``'s last token) with ``node``,
@@ -260,24 +282,6 @@ class MambaRadixCache(RadixEviction):
         row = self.mamba_pool.hidden[node.mamba_slot]
         row.copy_(hidden.reshape(row.shape))
         node.hidden_valid = True
-
-    def exact_node(self, key: list[int]) -> TreeNode | None:
-        """The node ending exactly at ``len(key)`` when it has a device state and a valid hidden
-        state, else None. Looks only: nothing is split, touched or locked."""
-        if self.disable or not key or len(key) % self.page_size:
-            return None
-        node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None or len(child.key) > len(key) - pos:
-                return None
-            if self._common_len(child.key, key, pos) < len(child.key):
-                return None
-            node, pos = child, pos + len(child.key)
-        return node if node.hidden_valid and node.mamba_slot is not None else None
-
-    def _after_insert(self, node: TreeNode) -> None:
-        """Hook: ``node`` (with a device state) was just inserted or re-inserted."""
 
     # ------------------------------------------------------------------------------- locks
 
@@ -292,20 +296,403 @@ class MambaRadixCache(RadixEviction):
     def _lock(self, node: TreeNode, d: int) -> None:
         if node is self.root:
             return
-        self._check_alive(node)
+        if self._full_lru.get(node.id) is not node:
+            raise ValueError(f"{node} is not in this tree (evicted or foreign)")
         if node.mamba_slot is None or node.mamba_lock_ref + d < 0:
             raise ValueError(f"{node}: lock a node with a state; unlock only what was locked")
-        edge = int(d > 0)  # the count after crossing zero
         node.mamba_lock_ref += d
-        if node.mamba_lock_ref == edge:
+        if node.mamba_lock_ref == int(d > 0):  # the count crossed zero
             self._mamba_evictable -= d
             self._mamba_protected += d
+        self._pin(node, d)
+
+    def _pin(self, node: TreeNode, d: int) -> None:
+        """Pin (d=1) or unpin the device KV of ``node`` and its path, without locking a state."""
+        edge = int(d > 0)  # the count after crossing zero
         while node is not self.root:
             node.full_lock_ref += d
-            if node.full_lock_ref == edge:
+            if node.full_lock_ref == edge and node.value is not None:
                 self._full_evictable -= d * len(node.key)
                 self._full_protected += d * len(node.key)
             node = node.parent
+
+    def _host_pin(self, node: TreeNode, d: int) -> None:
+        """Pin (d=1) or unpin the host copies of ``node`` and its path."""
+        while node is not self.root:
+            node.host_lock_ref += d
+            node = node.parent
+
+    # ---------------------------------------------------------------------- device eviction
+
+    def evict(self, num_tokens: int = 0, num_mamba: int = 0) -> tuple[int, int]:
+        """Free at least ``num_tokens`` device KV tokens and ``num_mamba`` slots, or all that can.
+
+        KV: least-recently-used unlocked device leaves (no child with device KV) go through the
+        one eviction hook, `_evict_device_leaf` (demoted to the host tier or deleted). Slots freed
+        that way count towards ``num_mamba``; `evict_mamba` frees the remainder. Returns (device
+        KV tokens freed, device slots freed).
+        """
+        tokens = slots = 0
+        if num_tokens > 0:
+            # One pass suffices: a leaf's parent comes after it in the LRU order.
+            for node in list(self._full_lru.values()):
+                if tokens >= num_tokens:
+                    break
+                is_leaf = self._full_lru.get(node.id) is node and not node.device_children()
+                if is_leaf and node.full_lock_ref == 0:
+                    t, s = self._evict_device_leaf(node)
+                    tokens, slots = tokens + t, slots + s
+        if num_mamba > slots:
+            t, s = self._evict_mamba(num_mamba - slots)
+            tokens, slots = tokens + t, slots + s
+        return tokens, slots
+
+    def evict_mamba(self, n: int = 1) -> int:
+        """Free up to ``n`` least-recently-used device states that are not directly locked.
+
+        A node with device children becomes a device tombstone (its KV stays); a device leaf goes
+        through `_evict_device_leaf` (KV too). Returns the number of device slots freed.
+        """
+        return self._evict_mamba(n)[1]
+
+    def _evict_mamba(self, n: int) -> tuple[int, int]:
+        tokens = slots = 0
+        for node in list(self._mamba_lru.values()):
+            if slots >= n:
+                break
+            if self._mamba_lru.get(node.mamba_slot) is not node or node.mamba_lock_ref > 0:
+                continue
+            if node.device_children():
+                slots += self._free_state(node)
+            elif node.full_lock_ref == 0:
+                t, s = self._evict_device_leaf(node)
+                tokens, slots = tokens + t, slots + s
+        return tokens, slots
+
+    def _evict_device_leaf(self, leaf: TreeNode) -> tuple[int, int]:
+        """The one way device memory is evicted: free an unlocked device leaf's device KV and
+        state; return (tokens, slots) freed. With a host copy (written now under
+        ``write_back``) the node stays, demoted to the host; without one it is deleted. Then
+        every ancestor left as a stateless unpinned leaf is deleted."""
+        host = self.host
+        if host is not None and (host.write_policy == "write_back" or leaf.host_value is not None):
+            self.write_backup(leaf)  # under write-through, only a state revived since its write
+        slots = self._free_state(leaf)
+        tokens = len(leaf.key)
+        if leaf.host_value is None:
+            self._delete(leaf)
+            return tokens + self._prune(leaf.parent), slots
+        self._detach_kv(leaf)
+        self.stats["demoted_tokens"] += tokens
+        return tokens + self._prune(leaf), slots
+
+    def _prune(self, node: TreeNode) -> int:
+        """Delete ``node`` and then its ancestors while each is an unpinned leaf with no state on
+        any tier; return the device KV tokens freed."""
+        tokens = 0
+        while (
+            node is not self.root
+            and not node.children
+            and not node.has_state
+            and node.full_lock_ref == 0
+            and node.host_lock_ref == 0
+        ):
+            tokens += 0 if node.value is None else len(node.key)
+            self._delete(node)
+            node = node.parent
+        return tokens
+
+    def _delete(self, node: TreeNode) -> None:
+        """Unlink a stateless leaf and free its KV on every tier."""
+        assert not node.children and not node.has_state, f"{node}: delete a stateless leaf only"
+        if node.value is not None:
+            self._detach_kv(node)
+        if node.host_value is not None:
+            self.host.drop(node)
+        del node.parent.children[self._child_key(node.key, 0)]
+
+    # ------------------------------------------------------------- device memory bookkeeping
+
+    def _attach_kv(self, node: TreeNode, locs: torch.Tensor) -> None:
+        """Give ``node`` device KV ``locs`` (the tree's from now on)."""
+        node.value = locs
+        self._full_lru[node.id] = node
+        if node.full_lock_ref == 0:
+            self._full_evictable += len(node.key)
+        else:
+            self._full_protected += len(node.key)
+
+    def _detach_kv(self, node: TreeNode) -> None:
+        """Free ``node``'s device KV; it must be unlocked."""
+        assert node.full_lock_ref == 0, f"{node}: free locked KV"
+        self._free_kv(node.value)
+        node.value = None
+        del self._full_lru[node.id]
+        self._full_evictable -= len(node.key)
+
+    def _add_state(self, node: TreeNode) -> None:
+        node.hidden_valid = False  # a new slot: its hidden row is not this node's yet
+        self._mamba_lru[node.mamba_slot] = node
+        self._mamba_evictable += 1
+
+    def _free_state(self, node: TreeNode) -> int:
+        """Give ``node``'s device state (if any) back to the Mamba pool; return the slots freed."""
+        if node.mamba_slot is None:
+            return 0
+        self.mamba_pool.free([node.mamba_slot])
+        del self._mamba_lru[node.mamba_slot]
+        node.mamba_slot = None
+        node.hidden_valid = False
+        self._mamba_evictable -= 1
+        return 1
+
+    def _free_kv(self, locs: torch.Tensor) -> None:
+        self.kv_pool.free_locs(locs)
+
+    @staticmethod
+    def _alloc_kv(pool: KVPool, tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
+        """Locations for ``tokens`` in ``pool``, after one ``evict(tokens)`` if it is short."""
+        if pool.available_tokens() < tokens:
+            evict(tokens)
+        return pool.alloc_locs(tokens)
+
+    @staticmethod
+    def _alloc_slot(pool: MambaPool, evict: Callable[[int], object]) -> int | None:
+        """One unzeroed state slot of ``pool``, after one ``evict(1)`` if it is full."""
+        if pool.available() == 0:
+            evict(1)
+        slot = pool.alloc(1, zero=False)
+        return None if slot is None else int(slot[0])
+
+    # ------------------------------------------------------------- host tier: write, load back
+
+    def note_hit(self, node: TreeNode) -> None:
+        """A request was admitted on ``node`` (locked) or inserted it: with a host tier, count
+        the hit and write the node to the host when the write policy says so."""
+        if self.host is None or node is self.root:
+            return
+        node.hit_count += 1
+        if self.host.writes_on_hit(node.hit_count):
+            self.write_backup(node)
+
+    def write_backup(self, node: TreeNode) -> bool:
+        """Give ``node`` and its path a host copy (KV of every node lacking one, top-down, and
+        ``node``'s device state), then store it with the storage tier; False, with nothing
+        changed, when host memory runs out even after host eviction."""
+        missing, anchor = [], node
+        while anchor is not self.root and anchor.host_value is None:
+            missing.append(anchor)
+            anchor = anchor.parent
+        missing.reverse()
+        want_state = node.mamba_slot is not None and node.host_mamba_slot is None
+        if not missing and not want_state:
+            return True
+        tokens = sum(len(n.key) for n in missing)
+        self._host_pin(anchor, 1)
+        try:
+            host_locs = self._alloc_kv(self.host.kv_pool, tokens, self.evict_host)
+            host_slot = None
+            if want_state and host_locs is not None:
+                host_slot = self._alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
+        finally:
+            self._host_pin(anchor, -1)
+        if host_locs is None or (want_state and host_slot is None):
+            if host_locs is not None:
+                self.host.kv_pool.free_locs(host_locs)
+            self.stats["host_write_failed"] += 1
+            return False
+        self.host.save(missing, host_locs)
+        if host_slot is not None:
+            self.host.save_state(node, host_slot)
+        self.stats["host_written_tokens"] += tokens
+        if self.storage is not None:
+            path = self._path(node)
+            host_kv = torch.cat([n.host_value for n in path])
+            tokens_path = [t for n in path for t in n.key]
+            written = self.storage.write(tokens_path, host_kv, node.host_mamba_slot)
+            self.stats["storage_written_tokens"] += written
+        return True
+
+    def load_back(self, match: MatchResult, dst_slot: int | None = None) -> MatchResult:
+        """Make ``match`` usable from the device. Its host part, if any, is copied back: device
+        KV for its host-only nodes and a device slot for ``match.host_node``'s state, which is
+        also written into ``dst_slot`` (the request's running slot) when given. Returns the
+        longer match (``state_loaded`` set), or ``match`` itself when there is nothing to load
+        or device memory runs out even by evicting."""
+        host = match.host_node
+        if host is None:
+            self.stats["device_hit_tokens"] += len(match.kv_indices)
+            return match
+        path = self._path(host, top=match.last_node)
+        missing = [p for p in path if p.value is None]
+        anchor = missing[0].parent if missing else host  # deepest device node to keep
+        need = sum(len(p.key) for p in missing)
+        self.inc_lock_ref(match.last_node)  # the fallback keeps its state
+        self._pin(anchor, 1)
+        self._host_pin(host, 1)
+        try:
+            locs = self._alloc_kv(self.kv_pool, need, self.evict)
+            slot = self._alloc_slot(self.mamba_pool, self.evict_mamba) if locs is not None else None
+        finally:
+            self._host_pin(host, -1)
+            self._pin(anchor, -1)
+            self.dec_lock_ref(match.last_node)
+        if locs is None or slot is None:
+            if locs is not None:
+                self._free_kv(locs)
+            self.stats["load_back_failed"] += 1
+            self.stats["device_hit_tokens"] += len(match.kv_indices)
+            return match
+        self.host.load(missing, locs, host, [slot] if dst_slot is None else [slot, dst_slot])
+        off = 0
+        for p in missing:
+            self._attach_kv(p, locs[off : off + len(p.key)].clone())
+            off += len(p.key)
+        host.mamba_slot = slot
+        self._add_state(host)
+        self._touch_path(host)
+        self._touch_mamba(host)
+        kv = torch.cat([match.kv_indices, *[p.value for p in path]])
+        self.stats["device_hit_tokens"] += len(match.kv_indices)
+        self.stats["host_hit_tokens"] += len(kv) - len(match.kv_indices)
+        self.stats["loaded_back_tokens"] += need
+        branch = match.branching_seqlen
+        branch = branch if branch is not None and branch > len(kv) else None
+        return MatchResult(kv, host, slot, branch, state_loaded=dst_slot is not None)
+
+    # ----------------------------------------------------------------------- host eviction
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` of host KV (LRU host copies with no backed-up child), or
+        all that can go; return the tokens freed."""
+        freed, progress = 0, True
+        while freed < num_tokens and progress:
+            progress = False
+            for node in list(self.host.lru.values()):
+                if freed >= num_tokens:
+                    break
+                if self.host.lru.get(node.id) is node and self._host_evictable(node):
+                    freed += self._evict_host_node(node)
+                    progress = True
+        return freed
+
+    def evict_host_mamba(self, n: int = 1) -> int:
+        """Free up to ``n`` host states (LRU); a leaf whose only state that is goes whole."""
+        freed = 0
+        for host_slot, node in list(self.host.state_lru.items()):
+            if freed >= n:
+                break
+            if self.host.state_lru.get(host_slot) is not node or node.host_lock_ref > 0:
+                continue
+            if node.children or node.mamba_slot is not None:
+                self.host.drop_state(node)
+            elif self._host_evictable(node):
+                self._evict_host_node(node)
+            else:
+                continue
+            freed += 1
+        return freed
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return node.host_lock_ref == 0 and all(c.host_value is None for c in node.children.values())
+
+    def _evict_host_node(self, node: TreeNode) -> int:
+        tokens = len(node.key)
+        if node.host_mamba_slot is not None:
+            self.host.drop_state(node)
+        parent = node.parent
+        if node.value is None:  # host only (and so a leaf): the node goes
+            self._delete(node)
+            self._prune(parent)
+        else:
+            self.host.drop(node)
+            self._prune(node)
+        self.stats["host_evicted_tokens"] += tokens
+        return tokens
+
+    # ------------------------------------------------------------------ storage tier prefetch
+
+    def start_prefetch(
+        self, key: list[int], match: MatchResult, timeout: float
+    ) -> PrefetchOp | None:
+        """On a request's arrival, start reading what the storage tier holds of ``key`` past
+        ``match`` into host memory: the blocks up to the deepest stored state, truncated when
+        host memory cannot hold them even after host eviction to the deepest state that fits
+        (SGLang #26945). None when there is no storage tier, nothing worth reading (under
+        ``prefetch_threshold`` tokens) or no host memory for it. While it runs, the operation
+        owns its host memory and the node it will hang under is host-pinned."""
+        storage = self.storage
+        if storage is None or match.end_node is None:
+            return None
+        start, bs = match.matched_len, storage.block_size
+        keys, states = storage.plan(key, start)
+        if not states or (states[-1] + 1) * bs - start < storage.prefetch_threshold:
+            return None
+        end_node = match.end_node
+        if end_node is not self.root and end_node.host_value is None:
+            if not self.write_backup(end_node):  # host copies must be closed towards the root
+                return None
+        self._host_pin(end_node, 1)
+        last = states[-1]
+        host_locs = self._alloc_kv(self.host.kv_pool, (last + 1) * bs - start, self.evict_host)
+        if host_locs is None:  # truncate to the page-aligned free host size
+            free = self.host.kv_pool.available_tokens()
+            fits = [i for i in states if (i + 1) * bs - start <= free]
+            if fits and (fits[-1] + 1) * bs - start >= storage.prefetch_threshold:
+                last = fits[-1]
+                host_locs = self.host.kv_pool.alloc_locs((last + 1) * bs - start)
+                self.stats["prefetch_truncated"] += 1
+            else:
+                self.stats["prefetch_skipped"] += 1
+        host_slot = None
+        if host_locs is not None:
+            host_slot = self._alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
+            if host_slot is None:
+                self.host.kv_pool.free_locs(host_locs)
+        if host_slot is None:
+            self._host_pin(end_node, -1)
+            return None
+        first = start // bs
+        op = PrefetchOp(
+            list(key), start, end_node, first, keys[first : last + 1],
+            frozenset(i for i in states if i <= last), host_locs, host_slot, timeout,
+        )  # fmt: skip
+        storage.submit(op)
+        self.stats["prefetch_started"] += 1
+        return op
+
+    def finish_prefetch(self, op: PrefetchOp, use: bool = True) -> int:
+        """Stop ``op`` (waiting for the block being read) and, with ``use``, hang the longest
+        complete part that ends with a state under its ``end_node`` as one host-only node, which
+        `load_back` then brings to the device; free the rest of its host memory. Returns the
+        tokens added to the tree."""
+        ready = self.storage.stop(op)
+        self._host_pin(op.end_node, -1)
+        n = 0
+        if use and ready:
+            n = (max(ready) + 1) * self.storage.block_size - op.start
+            again = self.match_prefix(op.key)  # the tree may have grown there meanwhile
+            if again.end_node is not op.end_node or again.matched_len != op.start:
+                self.stats["prefetch_discarded"] += 1
+                n = 0
+        if op.failed:
+            self.stats["prefetch_failed"] += 1
+        elif use and n < op.planned_tokens:
+            self.stats["prefetch_terminated"] += 1
+        self.host.kv_pool.free_locs(op.host_locs[n:])
+        if n == 0:
+            self.host.mamba_pool.free([op.host_slot])
+            self._prune(op.end_node)  # it may have lost its state while pinned
+            return 0
+        self.host.mamba_pool.write(op.host_slot, op.states[max(ready)])
+        leaf = TreeNode(next(self._ids), op.key[op.start : op.start + n], None, None)
+        leaf.parent, leaf.host_value = op.end_node, op.host_locs[:n]
+        op.end_node.children[self._child_key(leaf.key, 0)] = leaf
+        self.host.touch(leaf)
+        self.host.set_state(leaf, op.host_slot)
+        self.stats["prefetches"] += 1
+        self.stats["storage_hit_tokens"] += n
+        return n
 
     # ----------------------------------------------------------------------------- queries
 
@@ -322,55 +709,89 @@ class MambaRadixCache(RadixEviction):
         return self._mamba_protected
 
     def total_size(self) -> int:
-        """KV tokens held by the tree."""
+        """KV tokens held by the tree on the device."""
         return self._full_evictable + self._full_protected
 
     def held_kv_locs(self) -> set[int]:
-        """KV token locations (not pages) the tree owns."""
+        """Device KV token locations (not pages) the tree owns."""
         return {loc for node in self._full_lru.values() for loc in node.value.tolist()}
 
-    def held_host_kv_locs(self) -> set[int]:
-        """Host KV locations the tree owns (none without a host tier)."""
-        return set()
+    def held_mamba_slots(self) -> set[int]:
+        """Device Mamba slots the tree owns."""
+        return set(self._mamba_lru)
 
-    def held_host_mamba_slots(self) -> set[int]:
-        return set()
+    def host_pools(self) -> list[tuple[str, SlotPool, set[int]]]:
+        """(name, pool, ids held by the tree or by storage prefetches in flight) of each host
+        pool, for the leak checker; ids are pages for KV. Empty without a host tier."""
+        if self.host is None:
+            return []
+        busy = self.storage.held() if self.storage is not None else (set(), set())
+        return self.host.pools(*busy)
 
     def tier_stats(self) -> dict[str, int]:
         """Cumulative tier counters (prefix tokens served from device and host memory, tokens
         written to / loaded back from / demoted to / evicted from the host, storage prefetches
         by outcome and their tokens, which then reach the device as host hits) and host pool
         use."""
-        keys = ("device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens")
-        keys += ("host_written_tokens", "host_evicted_tokens", "load_back_failed")
-        keys += ("storage_hit_tokens", "storage_written_tokens", "prefetches")
-        keys += ("prefetch_started", "prefetch_truncated", "prefetch_skipped", "prefetch_failed")
-        keys += ("prefetch_terminated", "prefetch_discarded")
-        out = {k: self.stats[k] for k in keys}
+        out = {k: self.stats[k] for k in TIER_COUNTERS}
         for name, pool, _ in self.host_pools():
             key = "host_" + name.lower().replace(" ", "_")
             out[f"{key}_total"], out[f"{key}_free"] = pool.size, pool.available()
         return out
 
-    def host_pools(self) -> list[tuple[str, SlotPool, set[int]]]:
-        """(name, pool, ids the tree holds in it) of each host-tier pool, for the leak checker;
-        ids are pages for KV. None without a host tier."""
-        return []
-
-    def held_mamba_slots(self) -> set[int]:
-        return set(self._mamba_lru)
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
 
     def reset(self) -> None:
-        """Free every KV page and slot the tree owns and empty it; raises if anything is locked."""
+        """Free every KV page and slot the tree owns on every tier and empty it; raises if
+        anything is locked or a storage prefetch is in flight."""
         if self._full_protected or self._mamba_protected:
             raise RuntimeError("reset: the radix cache still has locked nodes")
+        if self.storage is not None and self.storage.prefetching:
+            raise RuntimeError("reset: storage prefetches are in flight")
+        if self.host is not None:
+            self.host.reset()
         nodes = list(self._full_lru.values())
         if nodes:
             self._free_kv(torch.cat([node.value for node in nodes]))
         self.mamba_pool.free(list(self._mamba_lru))
         self._init_tree()
 
-    # ----------------------------------------------------------------------------- helpers
+    # ------------------------------------------------------------------------ tree helpers
+
+    def _walk(self, key: list[int], split: bool = True) -> Iterator[tuple[TreeNode, int]]:
+        """(node, key length at its end) for each node along ``key`` from the root, in whole
+        pages. A node matched only partly is split, the walk ending at its upper part, or with
+        ``split=False`` ends the walk unvisited."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                return
+            n = self._common_len(child.key, key, pos)
+            if n < len(child.key):
+                if not split:
+                    return
+                child = self._split(child, n)
+            node, pos = child, pos + n
+            yield node, pos
+
+    def _path(self, node: TreeNode, top: TreeNode | None = None) -> list[TreeNode]:
+        """The nodes below ``top`` (the root by default) down to ``node``, top-down."""
+        top = self.root if top is None else top
+        path = []
+        while node is not top:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def _child_key(self, key: list[int], pos: int) -> int | tuple[int, ...]:
+        return key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
 
     def _common_len(self, node_key: list[int], key: list[int], pos: int) -> int:
         n = 0
@@ -384,29 +805,25 @@ class MambaRadixCache(RadixEviction):
         """Cut ``node`` after ``n`` tokens; return the new upper node (a tombstone)."""
         value = None if node.value is None else node.value[:n].clone()
         upper = TreeNode(next(self._ids), node.key[:n], value, None)
-        parent = node.parent
-        upper.parent = parent
-        parent.children[self._child_key(upper.key, 0)] = upper
+        upper.parent = node.parent
+        node.parent.children[self._child_key(upper.key, 0)] = upper
         upper.full_lock_ref = node.full_lock_ref
         upper.host_lock_ref = node.host_lock_ref
         upper.hit_count = node.hit_count
         node.key = node.key[n:]
         if node.value is not None:
             node.value = node.value[n:].clone()
-        if node.host_value is not None:
-            upper.host_value = node.host_value[:n].clone()
-            node.host_value = node.host_value[n:].clone()
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         # Most recent, after its descendants; the caller touches the path through it next.
         upper.last_access_time = self._tick
         if upper.value is not None:
             self._full_lru[upper.id] = upper
-        self._split_hook(upper)
+        if node.host_value is not None:
+            upper.host_value = node.host_value[:n].clone()
+            node.host_value = node.host_value[n:].clone()
+            self.host.touch(upper)
         return upper
-
-    def _split_hook(self, upper: TreeNode) -> None:
-        """Hook: ``upper`` was cut off the top of a node (the host tier registers its copy)."""
 
     def _touch_path(self, node: TreeNode) -> None:
         self._tick += 1
@@ -414,6 +831,8 @@ class MambaRadixCache(RadixEviction):
             node.last_access_time = self._tick
             if node.value is not None:
                 self._full_lru.move_to_end(node.id)
+            if node.host_value is not None:
+                self.host.touch(node)
             node = node.parent
 
     def _touch_mamba(self, node: TreeNode) -> None:
@@ -421,31 +840,80 @@ class MambaRadixCache(RadixEviction):
         node.mamba_access_time = self._tick
         self._mamba_lru.move_to_end(node.mamba_slot)
 
-    def _check_pages(self, kv: torch.Tensor) -> None:
-        ps = self.page_size
-        if len(kv) and bool((kv < ps).any()):
-            raise ValueError("KV location in the reserved page 0")
-        if ps > 1 and len(kv):
-            pages = kv.view(-1, ps)
-            if not torch.equal(pages - pages[:, :1], torch.arange(ps).expand_as(pages)) or bool(
-                (pages[:, 0] % ps).any()
-            ):
-                raise ValueError("KV locations are not whole pages")
-
-    def _check_alive(self, node: TreeNode) -> None:
-        if self._full_lru.get(node.id) is not node:
-            raise ValueError(f"{node} is not in this tree (evicted or foreign)")
-
     # ------------------------------------------------------------------------------ sanity
 
-    def iter_nodes(self):
-        """Every non-root node, parents before children."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
     def sanity_check(self) -> None:
-        """Check the tree's invariants; raise `AssertionError` naming the broken one."""
-        check_tree(self)
+        """Assert every invariant (the class docstring's, the tiers'); the `AssertionError`
+        names the first broken one. One pass over every node and location: tests, debugging."""
+        root = self.root
+        assert root.full_lock_ref == 1 and root.mamba_lock_ref == 1, "root must stay locked (1, 1)"
+        assert root.mamba_slot is None and not root.key, "root holds no key and no state"
+        pins: Counter[int] = Counter()  # a prefetch in flight pins the path it will hang under
+        for op in self.storage.prefetching if self.storage is not None else ():
+            pins.update(n.id for n in self._path(op.end_node))
+        sums, locs, slots = [0, 0, 0, 0], set(), set()
+        nodes = list(self.iter_nodes())
+        for node in [root, *nodes]:
+            for ck, child in node.children.items():
+                assert child.parent is node, f"{child} has a wrong parent link"
+                assert ck == self._child_key(child.key, 0), f"{child} keyed by {ck}"
+        for node in nodes:
+            self._check_node(node, pins[node.id], sums, locs, slots)
+        assert {n.id for n in nodes if n.value is not None} == set(self._full_lru), (
+            "full LRU holds nodes without device KV"
+        )
+        assert len(slots) == len(self._mamba_lru), "mamba LRU holds nodes without a state"
+        counters = [self._full_evictable, self._full_protected]
+        counters += [self._mamba_evictable, self._mamba_protected]
+        assert sums == counters, f"counters {counters} != sums over nodes {sums}"
+        times = [n.last_access_time for n in self._full_lru.values()]
+        assert times == sorted(times), "full LRU out of order"
+        times = [n.mamba_access_time for n in self._mamba_lru.values()]
+        assert times == sorted(times), "mamba LRU out of order"
+        assert 0 not in slots and slots <= self.mamba_pool.allocated_slots(), "slot not allocated"
+        pages = {loc // self.page_size for loc in locs}
+        assert pages <= self.kv_pool.allocated_slots(), "tree holds KV pages that are free"
+        if self.host is not None:
+            busy = self.storage.held() if self.storage is not None else (set(), set())
+            self.host.check([n for n in nodes if n.host_value is not None], *busy)
+
+    def _check_node(
+        self, node: TreeNode, pins: int, sums: list[int], locs: set[int], slots: set[int]
+    ) -> None:
+        """Shape and tier closure of one non-root node; add its device KV and state to the
+        lock-split ``sums`` (KV evictable, KV protected, states evictable, states locked),
+        ``locs`` and ``slots``."""
+        assert node.key and len(node.key) % self.page_size == 0, f"{node} key not whole pages"
+        assert node.value is not None or node.host_value is not None, f"{node} holds no KV at all"
+        for value in (node.value, node.host_value):
+            assert value is None or len(value) == len(node.key), f"{node} key and value differ"
+        assert node.children or node.has_state or pins, f"leaf {node} is a tombstone"
+        assert node.mamba_slot is None or node.value is not None, f"{node}: device state, no KV"
+        assert not node.hidden_valid or node.mamba_slot is not None, f"{node}: hidden, no state"
+        assert node.host_mamba_slot is None or node.host_value is not None, f"{node}: host state"
+        parent = node.parent
+        if node.value is not None and parent is not self.root:
+            assert parent.value is not None, f"{node} on device below a host-only parent"
+        if node.host_value is not None and parent is not self.root:
+            assert parent.host_value is not None, f"{node} backed up below a parent that is not"
+        assert node.host_lock_ref == pins, f"{node} host pins {node.host_lock_ref} != {pins}"
+        if node.value is None:
+            assert node.full_lock_ref == node.mamba_lock_ref == 0, f"host-only {node} is locked"
+            return
+        assert self._full_lru.get(node.id) is node, f"{node} missing from the full LRU"
+        assert node.last_access_time <= parent.last_access_time or parent is self.root, (
+            f"{node} is more recent than its parent"
+        )
+        below = sum(c.full_lock_ref for c in node.children.values())
+        assert node.full_lock_ref == node.mamba_lock_ref + below, f"{node} lock counts off"
+        assert node.mamba_lock_ref == 0 or node.mamba_slot is not None, f"{node} locks none"
+        sums[0 if node.full_lock_ref == 0 else 1] += len(node.key)
+        v = node.value.tolist()
+        assert not locs.intersection(v) and len(set(v)) == len(v), f"{node} KV shared"
+        assert min(v) >= self.page_size, f"{node} holds a location in page 0"
+        locs.update(v)
+        if node.mamba_slot is not None:
+            assert self._mamba_lru.get(node.mamba_slot) is node, f"{node} not in mamba LRU"
+            assert node.mamba_slot not in slots, f"slot {node.mamba_slot} held twice"
+            slots.add(node.mamba_slot)
+            sums[2 if node.mamba_lock_ref == 0 else 3] += 1

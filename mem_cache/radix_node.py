@@ -1,4 +1,4 @@
-"""Radix tree node and match result shared by the device-only and the hierarchical caches.
+"""Radix tree node and match result of `MambaRadixCache` (`mem_cache/radix_cache.py`).
 
 A node's KV may live on the device (``value``: KV pool locations), on the host (``host_value``:
 host KV pool locations) or both, never neither. Its Mamba state likewise: ``mamba_slot`` (device
@@ -49,14 +49,6 @@ class TreeNode:
         self.host_lock_ref = 0  # pins on this node and below: host copies are pinned
         self.hit_count = 0  # inserts and admissions that ended here (write-through policy)
         self.hidden_valid = False  # the device slot's hidden row is this node's last hidden
-
-    @property
-    def on_device(self) -> bool:
-        return self.value is not None
-
-    @property
-    def backed_up(self) -> bool:
-        return self.host_value is not None
 
     @property
     def has_state(self) -> bool:

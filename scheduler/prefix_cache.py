@@ -39,10 +39,10 @@ from collections.abc import Callable
 
 import torch
 
-from mem_cache.hiradix_cache import HiMambaRadixCache
-from mem_cache.host_pool import HostKVPool, HostMambaPool, host_pool_sizes
+from mem_cache.host_pool import HostTier, host_pool_sizes
 from mem_cache.radix_cache import MambaRadixCache
 from mem_cache.storage_file import FileStorage, model_identity
+from mem_cache.storage_tier import StorageTier
 from scheduler.config import SchedulerConfig
 from scheduler.model_runner import ModelRunner
 from scheduler.request import Req
@@ -60,7 +60,7 @@ def build_tree(runner: ModelRunner, config: SchedulerConfig) -> MambaRadixCache:
         return MambaRadixCache(kv, mamba, page_size=ps, disable=config.disable_radix_cache)
     pages, slots = host_pool_sizes(kv, mamba, config.hicache_ratio, config.hicache_size)
     pin = runner.device.type == "cuda"
-    host_kv, host_mamba = HostKVPool(kv, pages, pin), HostMambaPool(mamba, slots, pin)
+    host = HostTier(kv, mamba, pages, slots, config.hicache_write_policy, pin)
     logger.info(
         "host tier: %d KV tokens, %d Mamba slots, %s",
         pages * ps, slots, config.hicache_write_policy,
@@ -69,13 +69,11 @@ def build_tree(runner: ModelRunner, config: SchedulerConfig) -> MambaRadixCache:
     if config.hicache_storage_backend == "file":
         chunk = MambaRadixCache.DEFAULT_CHUNK
         extra = f"kv={kv.dtype},conv={mamba.conv_dtype},ssm={mamba.ssm_dtype},block={chunk}"
-        storage = FileStorage(
+        files = FileStorage(
             config.hicache_storage_dir, model_identity(runner.model, extra), block_size=chunk
         )
-    return HiMambaRadixCache(
-        kv, mamba, host_kv, host_mamba, page_size=ps, write_policy=config.hicache_write_policy,
-        storage=storage, prefetch_threshold=config.hicache_prefetch_threshold,
-    )  # fmt: skip
+        storage = StorageTier(files, host, config.hicache_prefetch_threshold)
+    return MambaRadixCache(kv, mamba, page_size=ps, host=host, storage=storage)
 
 
 class PrefixCache:

@@ -34,7 +34,6 @@ DEFERRED_CYCLES = [
         "kernels.moe_step",
         "kernels.multi_linear",
     },
-    {"mem_cache.radix_cache", "mem_cache.radix_check"},  # typing
     {"scheduler.session", "scheduler.session_tree"},  # typing
     {"scheduler.scheduler", "scheduler.leak_check", "scheduler.schedule_policy"},  # typing
     {"scheduler.engine", "scheduler.tp_group"},  # tp_group builds an Engine in a function

@@ -63,7 +63,7 @@ def test_prefix_evicted_from_device_is_loaded_back_from_host(case, strategy):
     assert engine.leak_report() == []
     tree.sanity_check()
     assert engine.flush_cache()
-    assert tree.host_kv_pool.available() == tree.host_kv_pool.size
+    assert tree.host.kv_pool.available() == tree.host.kv_pool.size
 
 
 def test_hicache_flags_validate():

@@ -73,7 +73,7 @@ def test_a_corrupted_block_is_a_miss_from_there_on(store, tmp_path):
     path, folder, second, expected = store
     copy = shutil.copytree(folder, tmp_path / "copy")
     engine = Engine(path, hicache_storage_dir=str(copy), **OPTIONS)
-    storage = engine.scheduler.tree.storage
+    storage = engine.scheduler.tree.storage.files
     victim = storage.path(storage.block_keys(second)[3], "kv")  # tokens 192 .. 256
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0x55
@@ -138,10 +138,10 @@ def test_wait_complete_holds_only_its_request_and_an_abort_frees_the_prefetch(st
         sched.step()
         tree.sanity_check()  # host memory owned by the tree or the prefetch in flight
     assert held in sched.waiting and held.req_slot is None and not held.prefetch.done.is_set()
-    pages, slots = tree.prefetch_held()
+    pages, slots = tree.storage.held()
     assert len(pages) == PREFIX and len(slots) == 1  # locked until the prefetch ends
     sched.abort(held.rid)
     assert held.prefetch is None and engine.leak_report() == []
-    assert tree.prefetch_held() == (set(), set())
+    assert tree.storage.held() == (set(), set())
     tree.sanity_check()
     assert tree.stats["prefetch_started"] == 1 and tree.stats["prefetches"] == 0

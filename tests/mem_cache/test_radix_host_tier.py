@@ -1,5 +1,6 @@
-"""CPU tests for HiMambaRadixCache: write policies, demotion, load-back, host eviction, and a
-randomized run checking KV / state contents and every pool's ownership after each op."""
+"""CPU tests for MambaRadixCache with a host tier: write policies, demotion, load-back, host
+eviction, and a randomized run checking KV / state contents and every pool's ownership after each
+op."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import random
 import pytest
 import torch
 
-from mem_cache.hiradix_cache import HiMambaRadixCache
-from mem_cache.host_pool import HostKVPool, HostMambaPool, host_pool_sizes
+from mem_cache.host_pool import HostTier, host_pool_sizes
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
+from mem_cache.radix_cache import MambaRadixCache
 
 
 def make_hi(
@@ -21,16 +22,14 @@ def make_hi(
     host_slots: int = 32,
     page_size: int = 1,
     policy: str = "write_through",
-) -> HiMambaRadixCache:
+) -> MambaRadixCache:
     kv = KVPool(kv_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
     mamba = MambaPool(
         slots, num_layers=1, conv_dim=1, conv_kernel=2, num_v_heads=1, k_head_dim=1, v_head_dim=1,
         conv_dtype=torch.float32,
     )  # fmt: skip
-    return HiMambaRadixCache(
-        kv, mamba, HostKVPool(kv, host_pages), HostMambaPool(mamba, host_slots),
-        page_size=page_size, chunk_size=4 * page_size, write_policy=policy,
-    )  # fmt: skip
+    host = HostTier(kv, mamba, host_pages, host_slots, policy)
+    return MambaRadixCache(kv, mamba, page_size=page_size, chunk_size=4 * page_size, host=host)
 
 
 def fingerprint(tokens: list[int]) -> float:
@@ -40,7 +39,7 @@ def fingerprint(tokens: list[int]) -> float:
     return float(h)
 
 
-def put(c: HiMambaRadixCache, key: list[int], prefix=None, pre: int = 0) -> None:
+def put(c: MambaRadixCache, key: list[int], prefix=None, pre: int = 0) -> None:
     """A request that computed ``key`` (past ``pre`` cached tokens) inserts it: KV holds the
     token ids, the state the fingerprint of the whole key."""
     pages = c.kv_pool.alloc((len(key) - pre) // c.page_size)
@@ -61,7 +60,7 @@ def test_write_through_demote_and_load_back_into_the_running_slot() -> None:
     c = make_hi(kv_pages=12)
     a = list(range(3, 13))  # 10 tokens
     put(c, a)
-    assert len(c.held_host_kv_locs()) == 10 and len(c.held_host_mamba_slots()) == 1
+    assert len(c.host.held_kv_locs()) == 10 and len(c.host.held_mamba_slots()) == 1
     assert c.evict(10) == (10, 1)  # demoted: the device space goes to another prompt
     put(c, [50 + i for i in range(10)])
     node = c.root.children[3]
@@ -78,23 +77,23 @@ def test_write_through_demote_and_load_back_into_the_running_slot() -> None:
     c.sanity_check()
     c.mamba_pool.free([run])
     c.reset()
-    assert c.host_kv_pool.available() == c.host_kv_pool.size
-    assert c.host_mamba_pool.available() == c.host_mamba_pool.size
+    assert c.host.kv_pool.available() == c.host.kv_pool.size
+    assert c.host.mamba_pool.available() == c.host.mamba_pool.size
 
 
 def test_write_back_writes_on_eviction_only_and_selective_on_second_hit() -> None:
     c = make_hi(policy="write_back")
     put(c, [3, 4, 5, 6])
-    assert not c.held_host_kv_locs()
+    assert not c.host.held_kv_locs()
     c.evict(4)
     node = c.root.children[3]
     assert node.value is None and node.host_mamba_slot is not None
     c = make_hi(policy="write_through_selective")
     put(c, [3, 4, 5, 6])
-    assert not c.held_host_kv_locs()
+    assert not c.host.held_kv_locs()
     node = c.root.children[3]
     c.note_hit(node)
-    assert len(c.held_host_kv_locs()) == 4
+    assert len(c.host.held_kv_locs()) == 4
     c.sanity_check()
 
 
@@ -119,7 +118,7 @@ def test_host_eviction_is_lru_and_deletes_host_only_nodes() -> None:
     c.evict(4)  # [3..6] host only
     put(c, [7, 8, 9, 10])
     c.evict(4)  # [7..10] host only; host full
-    assert len(c.held_host_kv_locs()) == 8
+    assert len(c.host.held_kv_locs()) == 8
     c.match_prefix([7, 8, 9, 10, 11])  # refreshes [7..10]
     put(c, [20, 21, 22, 23])  # its write needs 4 host tokens: the LRU host-only node goes
     assert 3 not in c.root.children and 7 in c.root.children and 20 in c.root.children
@@ -232,5 +231,5 @@ def test_random_ops_keep_contents_and_ownership(seed: int, policy: str) -> None:
     check()
     assert loaded > 0 and c.stats["demoted_tokens"] > 0 and c.stats["host_evicted_tokens"] > 0
     c.reset()
-    for pool in (kvp, mp, c.host_kv_pool, c.host_mamba_pool):
+    for pool in (kvp, mp, c.host.kv_pool, c.host.mamba_pool):
         assert pool.available() == pool.size
