@@ -9,14 +9,14 @@ stops the reader at the next block (a sleep of the test delay is cut short); ``d
 once the worker will not touch the operation's memory again, and only then may the tree hang
 what arrived in the tree or free it (`StorageTier.finish_prefetch`).
 
-Test switch: ``HYBRID_SERVE_TEST_PREFETCH_DELAY`` (seconds) makes the reader wait that long
-before each block, so a test can see a prefetch in flight, time out or be aborted.
+Test switch: ``delay`` (seconds; the scheduler sets it from ``HYBRID_SERVE_TEST_PREFETCH_DELAY``,
+`scheduler/debug.py`) makes the reader wait that long before each block, so a test can see a
+prefetch in flight, time out or be aborted.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from mem_cache.storage_file import FileStorage
 
 logger = logging.getLogger(__name__)
-
-PREFETCH_DELAY_ENV = "HYBRID_SERVE_TEST_PREFETCH_DELAY"
 
 
 @dataclass(eq=False)
@@ -64,9 +62,9 @@ class PrefetchOp:
 class PrefetchWorker:
     """A daemon thread reading `PrefetchOp`s in submission order (started on first use)."""
 
-    def __init__(self, storage: FileStorage, host_kv_pool: HostKVPool) -> None:
+    def __init__(self, storage: FileStorage, host_kv_pool: HostKVPool, delay: float = 0.0) -> None:
         self.storage, self.host_kv_pool = storage, host_kv_pool
-        self.delay = float(os.environ.get(PREFETCH_DELAY_ENV) or 0)
+        self.delay = delay  # test switch: seconds before each block
         self._queue: queue.SimpleQueue[PrefetchOp] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 

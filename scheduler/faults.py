@@ -1,69 +1,78 @@
-"""Faults inside one request, and the test switch that injects them.
+"""Faults inside one request: fail that request, keep serving, audit the pools.
 
 A fault raised for one request (admitting it, a step that includes it, stopping or aborting it)
-fails that request: it finishes with `Req.error` set and gives back everything it held, and the
-scheduler keeps serving. Afterwards the pools are audited (`scheduler/leak_check.pool_report`);
-when they do not add up, `PoolsCorrupt` is raised and the process must stop serving.
-
-Test switch (debugging only): `HYBRID_SERVE_TEST_FAULT=point:substr[,point:substr...]` makes the
-scheduler raise `InjectedFault` for every request whose rid contains `substr`, at `point`
-(`substr@k`: only once the request has k output tokens, e.g. to hit it in a decode step):
-
-    step   inside that request's share of a forward step (after sampling, before its token lands)
-    abort  inside stop / abort of that request
-    leak   inside a step, after losing one Mamba slot: the audit then finds pools that do not add
-           up, which must stop the server (the fatal path)
-    hold   no decode step for that request (it keeps everything it holds) until it is aborted,
-           stopped or its session closed: a request that cannot finish before the client
-           leaves, however fast the CPU
+fails that request: it finishes with ABORT and `Req.error` set and gives back everything it held,
+and the scheduler keeps serving. A fault that cannot be pinned on one request (the forward) fails
+every request of the batch in flight. Afterwards the pools are audited
+(`scheduler/leak_check.pool_report`); when they do not add up, `PoolsCorrupt` is raised and the
+process must stop serving. Tests inject faults with the switch in `scheduler/debug.py`.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-FAULT_ENV = "HYBRID_SERVE_TEST_FAULT"
-POINTS = ("step", "abort", "leak", "hold")
+from scheduler.debug import InjectedFault
+from scheduler.request import FinishReason, Req
 
+if TYPE_CHECKING:
+    from scheduler.session import SessionManager
 
-class InjectedFault(RuntimeError):
-    """Raised by the test switch."""
+logger = logging.getLogger(__name__)
 
 
 class PoolsCorrupt(RuntimeError):
     """The pools do not add up after a fault: nothing the scheduler does next can be trusted."""
 
 
-@dataclass(frozen=True)
-class FaultSwitch:
-    rules: tuple[tuple[str, str, int], ...] = ()  # (point, rid substring, min outputs)
+@dataclass
+class FaultHandler:
+    drop: Callable[[Req], None]  # take req out wherever it stands and free all it holds
+    sessions: SessionManager
+    pool_report: Callable[[], list[str]]  # problems with the pools, live requests counted
+    aborts: Counter[str] = field(default_factory=Counter)  # aborted requests by why
+    pending_audit: bool = False  # a request failed since the last audit
 
-    @classmethod
-    def from_env(cls) -> FaultSwitch:
-        """The rules in $HYBRID_SERVE_TEST_FAULT; ValueError names a malformed one."""
-        spec = os.environ.get(FAULT_ENV, "").strip()
-        rules = []
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            point, _, rest = item.partition(":")
-            substr, _, after = rest.partition("@")
-            if point not in POINTS or not substr or not (after.isdigit() or not after):
-                raise ValueError(
-                    f"{FAULT_ENV}: {item!r} is not one of {POINTS} ':' rid-substring ['@' k]"
-                )
-            rules.append((point, substr, int(after or 0)))
-        return cls(tuple(rules))
+    def error(self, req: Req, exc: BaseException) -> None:
+        """Mark req failed (it finishes with ABORT and its error); callers free what it holds."""
+        req.error = f"internal error in request {req.rid}: {type(exc).__name__}: {exc}"
+        req.finish_reason, req.finish_detail = FinishReason.ABORT, req.error
+        self.aborts["error"] += 1
+        self.pending_audit = True
+        logger.error("%s", req.error, exc_info=not isinstance(exc, InjectedFault))
 
-    def hits(self, point: str, rid: str, outputs: int = 0) -> bool:
-        return any(p == point and s in rid and outputs >= k for p, s, k in self.rules)
+    def fail(self, reqs: list[Req], exc: BaseException) -> list[Req]:
+        """Fail every request of reqs not already finished and released, wherever it stands
+        (mid-admission, chunked, running), freeing everything it holds, KV drawn for the step
+        in flight included. PoolsCorrupt when giving back fails."""
+        try:
+            for req in reqs:
+                if req.finished and req.req_slot is None:
+                    continue  # finished before the fault: it stands
+                self.error(req, exc)
+                if req.session_restored:
+                    self.sessions.admitted(req)  # the failed turn takes the session's slot along
+                req.kv_len = max(req.kv_len, req.kv_reserved_len)
+                self.drop(req)
+        except Exception as e:
+            raise PoolsCorrupt(f"freeing failed requests raised {type(e).__name__}: {e}") from e
+        return reqs
 
-    def held(self, reqs: list) -> list:
-        """The requests of ``reqs`` that a `hold` rule pauses (each with ``rid`` and
-        ``output_ids``)."""
-        if not self.rules:
-            return []
-        return [r for r in reqs if self.hits("hold", r.rid, len(r.output_ids))]
+    def audit(self) -> None:
+        """PoolsCorrupt unless every pool adds up with the live requests."""
+        self.pending_audit = False
+        problems = self.pool_report()
+        if problems:
+            raise PoolsCorrupt("pools do not add up after a request fault: " + "; ".join(problems))
 
-    def check(self, point: str, rid: str, outputs: int = 0) -> None:
-        if self.hits(point, rid, outputs):
-            raise InjectedFault(f"injected {point} fault for request {rid}")
+    def guarded(self, req: Req, fn: Callable[..., object], *args: object) -> None:
+        """fn(*args) for req; a fault in it fails req (then the pools are audited)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.fail([req], exc)
+            self.audit()

@@ -33,7 +33,6 @@ and a hidden state kept with that node is the final hidden state at token n - 1.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -44,15 +43,16 @@ from mem_cache.radix_cache import MambaRadixCache
 from mem_cache.storage_file import FileStorage, model_identity
 from mem_cache.storage_tier import StorageTier
 from scheduler.config import SchedulerConfig
+from scheduler.debug import DebugSwitches
 from scheduler.model_runner import ModelRunner
 from scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 
-LAZY_ALLOC_FAIL_ENV = "HYBRID_SERVE_TEST_MAMBA_LAZY_ALLOC_FAIL"  # test switch, as SGLang's
 
-
-def build_tree(runner: ModelRunner, config: SchedulerConfig) -> MambaRadixCache:
+def build_tree(
+    runner: ModelRunner, config: SchedulerConfig, debug: DebugSwitches | None = None
+) -> MambaRadixCache:
     """The radix cache over the runner's pools; with --enable-hierarchical-cache, over host
     pools too (sized by --hicache-size / --hicache-ratio, pinned when the device is CUDA)."""
     kv, mamba, ps = runner.kv_pool, runner.mamba_pool, runner.config.page_size
@@ -73,11 +73,20 @@ def build_tree(runner: ModelRunner, config: SchedulerConfig) -> MambaRadixCache:
             config.hicache_storage_dir, model_identity(runner.model, extra), block_size=chunk
         )
         storage = StorageTier(files, host, config.hicache_prefetch_threshold)
-    return MambaRadixCache(kv, mamba, page_size=ps, host=host, storage=storage)
+    tree = MambaRadixCache(kv, mamba, page_size=ps, host=host, storage=storage)
+    if storage is not None and debug is not None and debug.prefetch_delay:
+        storage.worker.delay = debug.prefetch_delay  # test switch; the reader starts on first use
+    return tree
 
 
 class PrefixCache:
-    def __init__(self, runner: ModelRunner, tree: MambaRadixCache, config: SchedulerConfig):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tree: MambaRadixCache,
+        config: SchedulerConfig,
+        force_lazy_alloc_fail: bool = False,  # test switch (scheduler/debug.py)
+    ) -> None:
         self.runner, self.tree, self.config = runner, tree, config
         self.pool = runner.mamba_pool
         self.enabled = not config.disable_radix_cache
@@ -87,7 +96,7 @@ class PrefixCache:
         self.num_tracks = (1 if self.lazy else 2) if self.tracking else 0
         self.chunk = tree.chunk_size
         self.interval = config.mamba_track_interval
-        self.force_lazy_alloc_fail = os.environ.get(LAZY_ALLOC_FAIL_ENV) == "1"
+        self.force_lazy_alloc_fail = force_lazy_alloc_fail
         self.evict_idle: Callable[[], bool] = lambda: False  # frees one idle session's slot
 
     # ---- slots ---------------------------------------------------------------------------
@@ -98,6 +107,41 @@ class PrefixCache:
         while slot is None and (self.tree.evict_mamba(1) or (sessions and self.evict_idle())):
             slot = self.pool.alloc(1, zero=zero)
         return None if slot is None else int(slot[0])
+
+    def _evicting(
+        self, alloc: Callable[[], torch.Tensor | None], num_tokens: int
+    ) -> torch.Tensor | None:
+        """alloc() until it succeeds, evicting num_tokens of the tree and then one idle
+        session's slot before each retry; None when neither frees anything more."""
+        got = alloc()
+        while got is None:
+            self.tree.evict(num_tokens=num_tokens)
+            got = alloc()
+            if got is None and not self.evict_idle():
+                break
+        return got
+
+    def alloc_kv(self, req: Req, n: int) -> bool:
+        """KV for n more tokens of req (recorded in `kv_reserved_len`), evicting when short."""
+        ok = self._evicting(lambda: self.runner.alloc_kv(req.req_slot, req.kv_len, n), n)
+        if ok is not None:
+            req.kv_reserved_len = req.kv_len + n
+        return ok is not None
+
+    def alloc_decode_kv(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One KV location per request for its next token, all or nothing, evicting when short."""
+        slots, positions = [r.req_slot for r in reqs], [r.kv_len for r in reqs]
+        tokens = len(slots) * self.runner.config.page_size
+        return self._evicting(lambda: self.runner.alloc_decode_kv(slots, positions), tokens)
+
+    def free_kv_tokens(self) -> int:
+        """KV tokens free or held by the tree and evictable."""
+        kv = self.runner.kv_pool
+        return kv.available() * kv.page_size + self.tree.evictable_size()
+
+    def match_len(self, req: Req) -> int:
+        """Tokens of req's prompt (all but the last) the tree holds."""
+        return len(self.tree.match_prefix(req.cache_key(req.seq_len - 1)).kv_indices)
 
     def take_slots(self, req: Req) -> bool:
         """Give a waiting request a row, a running slot (holding the matched prefix's state,
@@ -281,14 +325,8 @@ class PrefixCache:
     def _insert_and_relock(
         self, req: Req, length: int, slot: int, hidden: torch.Tensor | None = None
     ) -> None:
-        key = req.cache_key(length)
-        row = self.runner.req_pool.req_to_token[req.req_slot]
-        _, exists = self.tree.insert(
-            key, row[:length].long(), slot, prev_prefix_len=req.cache_protected_len, hidden=hidden
-        )
-        if exists:
-            self.pool.free([slot])
-        match = self.tree.match_prefix(key)  # the tree's own KV for what it just took over
+        row = self._insert(req, length, slot, hidden)
+        match = self.tree.match_prefix(req.cache_key(length))  # the tree's own KV for them
         assert len(match.kv_indices) == length
         protected = req.cache_protected_len
         row[protected:length] = match.kv_indices[protected:].to(row)
@@ -296,13 +334,24 @@ class PrefixCache:
         self.tree.inc_lock_ref(match.last_node)
         req.last_node, req.cache_protected_len = match.last_node, length
 
+    def _insert(
+        self, req: Req, length: int, slot: int, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Donate slot and the KV of req's first length tokens (past its protected prefix) to
+        the tree; the slot is freed when the tree had that state already. Returns req's row."""
+        row = self.runner.req_pool.req_to_token[req.req_slot]
+        key, kv = req.cache_key(length), row[:length].long()
+        _, exists = self.tree.insert(key, kv, slot, req.cache_protected_len, hidden)
+        if exists:
+            self.pool.free([slot])
+        return row
+
     def release(self, req: Req, insert: bool) -> None:
         """Give back everything the request holds; with insert, donate the newest state and its
         tokens' KV to the tree first. The request row and all other slots are freed."""
         runner = self.runner
         if insert and self.tracking and req.last_hidden is not None:
             self.cache_unfinished(req)  # finished in the round that ended its prompt
-        row = runner.req_pool.req_to_token[req.req_slot]
         kv_len, protected = req.kv_len, req.cache_protected_len
         donated: int | None = None
         hidden, req.last_hidden = req.last_hidden, None  # (no_buffer: kv_len is the prompt's)
@@ -315,11 +364,7 @@ class PrefixCache:
                 donated = req.track_slots[self._keep_idx(req)]
         if donated is not None:
             runner.free_kv(req.req_slot, kv_len, keep=length)
-            _, exists = self.tree.insert(
-                req.cache_key(length), row[:length].long(), donated, protected, hidden
-            )
-            if exists:
-                self.pool.free([donated])
+            self._insert(req, length, donated, hidden)
         else:
             runner.free_kv(req.req_slot, kv_len, keep=protected)
         rest = [s for s in (req.mamba_slot, *req.track_slots) if s is not None and s != donated]

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler.request import Req
 
 if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+    from scheduler.prefix_cache import PrefixCache
+    from scheduler.session import SessionManager
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
@@ -63,114 +65,103 @@ class NewTokenRatio:
         self.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(kept)) / (max_new + 1))
 
 
-class PrefillAdder:
-    """One prefill round's admission for a Scheduler (its admission half; it reads and updates
-    the scheduler's queues, slots and caches)."""
+@dataclass
+class PrefillRound:
+    """What one admission decided, for the scheduler to apply."""
 
-    def __init__(self, sched: Scheduler) -> None:
-        self.s = sched
-        self.reserved = sum(expected_new(r) * sched.ratio.value for r in sched.running)
+    batch: list[tuple[Req, int]]  # (request, extend_len) to prefill: row, slots and KV taken
+    waiting: deque[Req]  # the queue afterwards: the admitted requests left it, order kept
+    chunked: Req | None  # the chunked request, still holding its KV, when its chunk did not fit
+
+
+@dataclass
+class PrefillAdder:
+    """One prefill round's admission over the prefix cache and the sessions' held slots.
+
+    `admit` takes rows, Mamba slots, prefix matches and KV for the requests it picks (giving
+    back what a request that must wait took) and returns the round; it changes no queue. The
+    requests it touched are in `touched` as it goes, so a fault mid-admission can fail them.
+    """
+
+    cache: PrefixCache
+    sessions: SessionManager
+    token_budget: int  # new tokens the round may compute
+    chunking: bool  # a prompt past the budget is cut to it (else it goes alone, whole)
+    max_new_reqs: int  # requests the round may add to the running ones
+    reserved: float  # KV tokens kept for the decode of the running requests
+    running: bool  # some request decodes if the round is empty
+    lpm: bool = False  # longest prefix match first (else first come, first served)
+    touched: list[Req] = field(default_factory=list)
 
     def room(self) -> float:
         """KV tokens free or evictable, less the decode room reserved so far."""
-        s = self.s
-        kv = s.runner.kv_pool
-        free = kv.available() * kv.page_size + s.tree.evictable_size()
-        return free + s.sessions.evictable_kv() - self.reserved
+        return self.cache.free_kv_tokens() + self.sessions.evictable_kv() - self.reserved
 
-    def admit(self) -> list[tuple[Req, int]]:
-        """(request, extend_len) pairs for one prefill batch, with slots and KV allocated.
-
-        The batch holds at most `max_prefill_tokens` new tokens, and at most
-        `chunked_prefill_size` when chunking is on; the one request that does not fit whole is
-        cut to the remaining budget and becomes the chunked request (continued first next round).
-        A request whose storage prefetch the policy still holds is skipped.
-        """
-        s, cfg = self.s, self.s.config
-        chunking = cfg.chunked_prefill_size > 0
-        budget = min(cfg.max_prefill_tokens, cfg.chunked_prefill_size if chunking else 1 << 62)
+    def admit(self, chunked: Req | None, waiting: deque[Req]) -> PrefillRound:
+        """The round: the chunked request first, then waiting requests in order while the
+        budget and the room last. The one request that does not fit whole is cut to the
+        remaining budget and is the last of the batch (the chunked request of the next round).
+        A request whose storage prefetch the policy still holds is skipped (keeps its place)."""
         batch: list[tuple[Req, int]] = []
-        if s.chunked is not None:
-            req = s.chunked
-            s._batch.append(req)
-            n = min(req.fill_len - req.kv_len, budget)
-            if not self.alloc_kv(req, n):
-                if s.running:
-                    return []  # short: the running requests decode this step instead
-                s.chunked = None  # nothing else holds KV: start over from the tree
-                s._release(req, insert=False, requeue=True)
+        queue = list(waiting)
+        if chunked is not None:
+            self.touched.append(chunked)
+            n = min(chunked.fill_len - chunked.kv_len, self.token_budget)
+            if not self.cache.alloc_kv(chunked, n):
+                if self.running:  # short: the running requests decode this step instead
+                    return PrefillRound([], waiting, chunked)
+                self.cache.release(chunked, insert=False)  # nothing else holds KV: start over
+                queue.insert(0, chunked)
             else:
-                s.chunked = None
-                batch.append((req, n))
-                budget -= n
-                if req.kv_len + n < req.fill_len:
-                    return batch
-                self.reserved += expected_new(req)
-        if cfg.schedule_policy == "lpm":
-            s.waiting = deque(sorted(s.waiting, key=self.match_len, reverse=True))
-        pool = s.runner.mamba_pool
-        pool.alloc_group_begin(len(s.waiting))
-        i = 0  # requests before i are held by their storage prefetch (they keep their place)
-        try:
-            while i < len(s.waiting) and budget > 0:
-                if len(s.running) + len(batch) >= s.runner.config.max_running_requests:
-                    break
-                req = s.waiting[i]
-                if s.cache.prefetch_holds(req):
+                batch.append((chunked, n))
+                self.token_budget -= n
+                if chunked.kv_len + n < chunked.fill_len:
+                    return PrefillRound(batch, waiting, None)
+                self.reserved += expected_new(chunked)
+        if self.lpm:
+            queue.sort(key=self.cache.match_len, reverse=True)
+        with self.cache.pool.alloc_group(len(queue)):
+            i = 0  # requests before i are held by their storage prefetch
+            while i < len(queue) and self.token_budget > 0 and len(batch) < self.max_new_reqs:
+                req = queue[i]
+                if self.cache.prefetch_holds(req):
                     i += 1
                     continue
-                s._batch.append(req)
-                n = self.admit_one(req, budget, chunking, not batch, not (batch or s.running))
+                self.touched.append(req)
+                n = self._admit_one(req, first=not batch, alone=not (batch or self.running))
                 if n is None:
                     break
-                del s.waiting[i]
-                s.sessions.admitted(req)
+                del queue[i]
+                self.sessions.admitted(req)
                 if not req.admitted:
                     req.cached_len, req.admitted = req.kv_len, True
                     req.queue_time = time.monotonic() - req.queued_at
                 batch.append((req, n))
-                budget -= n
+                self.token_budget -= n
                 if req.kv_len + n < req.fill_len:
                     break  # it is the chunked request: nothing else fits
-        finally:
-            pool.alloc_group_end()
-        return batch
+        return PrefillRound(batch, deque(queue), None)
 
-    def admit_one(
-        self, req: Req, budget: int, chunking: bool, first: bool, alone: bool
-    ) -> int | None:
+    def _admit_one(self, req: Req, first: bool, alone: bool) -> int | None:
         """Slots, the prefix match and KV for req's first extend; its extend_len, or None when
         it must wait (it then holds nothing new: a session's slot goes back to the session).
         first: the batch is empty; alone: nothing runs either (only the prompt must fit)."""
-        s = self.s
-        restored = req.session is not None and s.sessions.restore(req)
-        while not restored and not s.cache.take_slots(req):
-            if not s.sessions.evict_one():  # idle sessions' slots are a cache too
+        restored = req.session is not None and self.sessions.restore(req)
+        while not restored and not self.cache.take_slots(req):
+            if not self.sessions.evict_one():  # idle sessions' slots are a cache too
                 return None
-        remaining, room = req.fill_len - req.kv_len, self.room()
+        remaining, budget, room = req.fill_len - req.kv_len, self.token_budget, self.room()
         fits = remaining + expected_new(req) <= room or (alone and remaining <= room)
-        if not fits or (remaining > budget and not chunking and not first):
-            s._release(req, insert=False)  # waits, first in the queue
-            return None
-        n = min(remaining, budget) if chunking else remaining
-        if not self.alloc_kv(req, n):
-            s._release(req, insert=False)
-            return None
+        n = min(remaining, budget) if self.chunking else remaining
+        if (
+            not fits
+            or (remaining > budget and not self.chunking and not first)
+            or not self.cache.alloc_kv(req, n)
+        ):
+            if req.session_restored:
+                self.sessions.unrestore(req)  # the slot stays the session's
+            else:
+                self.cache.release(req, insert=False)
+            return None  # waits, first in the queue
         self.reserved += expected_new(req)
         return n
-
-    def match_len(self, req: Req) -> int:
-        return len(self.s.tree.match_prefix(req.cache_key(req.seq_len - 1)).kv_indices)
-
-    def alloc_kv(self, req: Req, n: int) -> bool:
-        """KV for n more tokens of req, evicting the tree and then idle sessions' slots."""
-        s = self.s
-        locs = s.runner.alloc_kv(req.req_slot, req.kv_len, n)
-        while locs is None:
-            s.tree.evict(num_tokens=n)
-            locs = s.runner.alloc_kv(req.req_slot, req.kv_len, n)
-            if locs is None and not s.sessions.evict_one():
-                break
-        if locs is not None:
-            req.kv_reserved_len = req.kv_len + n
-        return locs is not None

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from models.presets import preset_config, write_checkpoint
+from scheduler.debug import FAULT_ENV, DebugSwitches
 from scheduler.engine import Engine
-from scheduler.faults import FAULT_ENV, FaultSwitch, PoolsCorrupt
+from scheduler.faults import PoolsCorrupt
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import InProcessIO
 from scheduler.messages import GenerateMsg
@@ -132,13 +133,13 @@ def test_fault_that_leaks_stops_the_scheduler(setup, monkeypatch):
 
 def test_switch_syntax(monkeypatch):
     monkeypatch.delenv(FAULT_ENV, raising=False)
-    assert FaultSwitch.from_env().rules == ()  # unset: no faults
+    assert DebugSwitches.from_env().faults == ()  # unset: no faults
     monkeypatch.setenv(FAULT_ENV, "step:a@3, abort:b")
-    assert FaultSwitch.from_env().rules == (("step", "a", 3), ("abort", "b", 0))
+    assert DebugSwitches.from_env().faults == (("step", "a", 3), ("abort", "b", 0))
     for bad in ("explode:x", "step:", "step:x@y"):
         monkeypatch.setenv(FAULT_ENV, bad)
         with pytest.raises(ValueError, match=FAULT_ENV):
-            FaultSwitch.from_env()
+            DebugSwitches.from_env()
 
 
 def test_loop_refuses_a_bad_seed_and_keeps_serving(setup):

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mem_cache.storage_prefetch import PREFETCH_DELAY_ENV
 from models.presets import preset_config, write_checkpoint
+from scheduler.debug import PREFETCH_DELAY_ENV
 from scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
 

@@ -91,7 +91,7 @@ def test_engine_penalties_from_kept_counts_equal_fresh_histories(tmp_path) -> No
 
     path = write_checkpoint(tmp_path / "tiny", preset_config("tiny"), seed=3)
     engine = Engine(str(path), max_running_requests=4, max_total_tokens=300)
-    sample, schedule_sample = engine.runner.sample, engine.scheduler._sample
+    sample, schedule_sample = engine.runner.sample, engine.scheduler.forward.sample
     batch: list = []
     checked = []
 
@@ -108,7 +108,7 @@ def test_engine_penalties_from_kept_counts_equal_fresh_histories(tmp_path) -> No
             checked.append(sum(c is not None for c in counts))
         return out
 
-    engine.scheduler._sample = recording
+    engine.scheduler.forward.sample = recording
     engine.runner.sample = checking_sample
     penalised = {
         "max_new_tokens": 12,

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.presets import preset_config, write_checkpoint
+from scheduler.debug import LAZY_ALLOC_FAIL_ENV
 from scheduler.engine import Engine
-from scheduler.prefix_cache import LAZY_ALLOC_FAIL_ENV
 from tests.hf_reference import hf_greedy
 
 NEW = 12

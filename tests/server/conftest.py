@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from models.presets import preset_config, write_checkpoint
-from scheduler.faults import FAULT_ENV
+from scheduler.debug import FAULT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 512
@@ -31,7 +31,7 @@ START_TIMEOUT_S = 180
 # `HYBRID_SERVE_TEST_DEVICE=cuda` runs the shared server (and so every test that uses it) on CUDA.
 TEST_DEVICE = os.environ.get("HYBRID_SERVE_TEST_DEVICE", "cpu")
 # The shared and data-parallel servers pause a request whose rid contains "held-" after two
-# outputs (scheduler/faults.py): a request that is still running when the test acts on it (a
+# outputs (scheduler/debug.py): a request that is still running when the test acts on it (a
 # client that leaves, an abort, a kill), on a CPU of any speed.
 HELD = "held-"
 HOLD_ENV = {FAULT_ENV: f"hold:{HELD}@2"}

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from scheduler.faults import FAULT_ENV
+from scheduler.debug import FAULT_ENV
 from tests.server.conftest import CONTEXT, alive, children_of, start, wait_idle_and_clean
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
