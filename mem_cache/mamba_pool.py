@@ -113,21 +113,8 @@ class MambaPool(SlotPool):
     @property
     def bytes_per_slot(self) -> int:
         """`state_bytes_per_slot` for this pool's shapes."""
-        return self.state_bytes_per_slot(
-            self.num_layers,
-            self.conv_dim,
-            self.conv_kernel,
-            self.num_v_heads,
-            self.k_head_dim,
-            self.v_head_dim,
-            self.conv_dtype,
-            self.ssm_dtype,
-        )
-
-    @property
-    def hidden_bytes_per_slot(self) -> int:
-        """Bytes of one slot's final-hidden row."""
-        return self.hidden_size * self.conv_dtype.itemsize
+        conv, ssm = self.conv_state[:, 0], self.ssm_state[:, 0]
+        return conv.numel() * conv.element_size() + ssm.numel() * ssm.element_size()
 
     # ------------------------------------------------------------------------------ allocation
 

@@ -325,12 +325,14 @@ class MambaRadixCache:
     # ---------------------------------------------------------------------- device eviction
 
     def evict(self, num_tokens: int = 0, num_mamba: int = 0) -> tuple[int, int]:
-        """Free at least ``num_tokens`` device KV tokens and ``num_mamba`` slots, or all that can.
+        """Free at least ``num_tokens`` device KV tokens and ``num_mamba`` slots, or all that can;
+        return (device KV tokens freed, device slots freed).
 
         KV: least-recently-used unlocked device leaves (no child with device KV) go through the
-        one eviction hook, `_evict_device_leaf` (demoted to the host tier or deleted). Slots freed
-        that way count towards ``num_mamba``; `evict_mamba` frees the remainder. Returns (device
-        KV tokens freed, device slots freed).
+        one eviction hook, `_evict_device_leaf` (demoted to the host tier or deleted). States,
+        while that freed fewer than ``num_mamba`` slots: least-recently-used states that are not
+        directly locked; a node with device children becomes a device tombstone (its KV stays),
+        an unlocked device leaf goes through the hook (KV too).
         """
         tokens = slots = 0
         if num_tokens > 0:
@@ -343,31 +345,21 @@ class MambaRadixCache:
                     t, s = self._evict_device_leaf(node)
                     tokens, slots = tokens + t, slots + s
         if num_mamba > slots:
-            t, s = self._evict_mamba(num_mamba - slots)
-            tokens, slots = tokens + t, slots + s
+            for node in list(self._mamba_lru.values()):
+                if slots >= num_mamba:
+                    break
+                if self._mamba_lru.get(node.mamba_slot) is not node or node.mamba_lock_ref > 0:
+                    continue
+                if node.device_children():
+                    slots += self._free_state(node)
+                elif node.full_lock_ref == 0:
+                    t, s = self._evict_device_leaf(node)
+                    tokens, slots = tokens + t, slots + s
         return tokens, slots
 
     def evict_mamba(self, n: int = 1) -> int:
-        """Free up to ``n`` least-recently-used device states that are not directly locked.
-
-        A node with device children becomes a device tombstone (its KV stays); a device leaf goes
-        through `_evict_device_leaf` (KV too). Returns the number of device slots freed.
-        """
-        return self._evict_mamba(n)[1]
-
-    def _evict_mamba(self, n: int) -> tuple[int, int]:
-        tokens = slots = 0
-        for node in list(self._mamba_lru.values()):
-            if slots >= n:
-                break
-            if self._mamba_lru.get(node.mamba_slot) is not node or node.mamba_lock_ref > 0:
-                continue
-            if node.device_children():
-                slots += self._free_state(node)
-            elif node.full_lock_ref == 0:
-                t, s = self._evict_device_leaf(node)
-                tokens, slots = tokens + t, slots + s
-        return tokens, slots
+        """Free up to ``n`` device states (`evict` with ``num_mamba=n``); return the slots freed."""
+        return self.evict(num_mamba=n)[1]
 
     def _evict_device_leaf(self, leaf: TreeNode) -> tuple[int, int]:
         """The one way device memory is evicted: free an unlocked device leaf's device KV and
@@ -633,23 +625,22 @@ class MambaRadixCache:
             if not self.write_backup(end_node):  # host copies must be closed towards the root
                 return None
         self._host_pin(end_node, 1)
-        last = states[-1]
-        host_locs = self._alloc_kv(self.host.kv_pool, (last + 1) * bs - start, self.evict_host)
-        if host_locs is None:  # truncate to the page-aligned free host size
-            free = self.host.kv_pool.available_tokens()
-            fits = [i for i in states if (i + 1) * bs - start <= free]
-            if fits and (fits[-1] + 1) * bs - start >= storage.prefetch_threshold:
-                last = fits[-1]
-                host_locs = self.host.kv_pool.alloc_locs((last + 1) * bs - start)
-                self.stats["prefetch_truncated"] += 1
-            else:
-                self.stats["prefetch_skipped"] += 1
-        host_slot = None
-        if host_locs is not None:
-            host_slot = self._alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
-            if host_slot is None:
-                self.host.kv_pool.free_locs(host_locs)
+        tokens = [(i + 1) * bs - start for i in states]  # to read up to each state block
+        if self.host.kv_pool.available_tokens() < tokens[-1]:
+            self.evict_host(tokens[-1])
+        free = self.host.kv_pool.available_tokens()
+        fits = [i for i, n in enumerate(tokens) if n <= free]
+        if not fits or tokens[fits[-1]] < storage.prefetch_threshold:
+            self.stats["prefetch_skipped"] += 1
+            self._host_pin(end_node, -1)
+            return None
+        if fits[-1] < len(states) - 1:  # truncated to the page-aligned free host size
+            self.stats["prefetch_truncated"] += 1
+        last = states[fits[-1]]
+        host_locs = self.host.kv_pool.alloc_locs(tokens[fits[-1]])
+        host_slot = self._alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
         if host_slot is None:
+            self.host.kv_pool.free_locs(host_locs)
             self._host_pin(end_node, -1)
             return None
         first = start // bs
