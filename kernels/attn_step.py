@@ -9,13 +9,19 @@ RMSNorms are zero-centred (`kernels.rmsnorm.rms_norm`), RoPE is partial NeoX (`a
 first `rot` channels of a head rotate in pairs (j, j + rot/2)). The pool is the KV pool's whole
 [layers, locs, nKV, D] buffers (`k_all`, `v_all`; `layer` picks one); keys of request t are read
 at `req_to_token[req_slots[t], :seq_lens[t]]` after the new tokens are written, so a request
-sees its own new token. This reference composes the unfused kernels (`kernels.rms_norm`,
-`store_kv`, `decode_attention`); `kernels.attn_step_cpp` does it all in one C++ call.
+sees its own new token. This reference composes the unfused ops it is given (by default the
+references of `rms_norm`, `store_kv` and `decode_attention`); `kernels.attn_step_cpp` does it
+all in one C++ call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from kernels.attention import decode_attention, store_kv
+from kernels.rmsnorm import rms_norm
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -47,17 +53,17 @@ def attn_decode(
     scale: float,
     eps: float,
     max_seq_len: int | None = None,  # max(seq_lens) when the caller knows it (no host sync)
+    *,
+    rms_norm: Callable = rms_norm,
+    store_kv: Callable = store_kv,
+    decode_attention: Callable = decode_attention,
 ) -> torch.Tensor:
     """Returns y [T, nH * D] in qg's dtype (ready for o_proj)."""
-    import kernels
-
     T, (nKV, D) = qg.shape[0], k_all.shape[2:]
     q, gate = qg.view(T, num_heads, 2 * D).chunk(2, dim=-1)
-    q = apply_rope(kernels.rms_norm(q, q_norm_w, eps), cos, sin)
-    k = apply_rope(kernels.rms_norm(k.view(T, nKV, D), k_norm_w, eps), cos, sin)
+    q = apply_rope(rms_norm(q, q_norm_w, eps), cos, sin)
+    k = apply_rope(rms_norm(k.view(T, nKV, D), k_norm_w, eps), cos, sin)
     k_buf, v_buf = k_all[layer], v_all[layer]
-    kernels.store_kv(k_buf, v_buf, out_loc.long(), k, v.view(T, nKV, D))
-    o = kernels.decode_attention(
-        q, k_buf, v_buf, req_to_token, req_slots, seq_lens, scale, max_seq_len
-    )
+    store_kv(k_buf, v_buf, out_loc.long(), k, v.view(T, nKV, D))
+    o = decode_attention(q, k_buf, v_buf, req_to_token, req_slots, seq_lens, scale, max_seq_len)
     return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))

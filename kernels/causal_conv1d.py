@@ -58,6 +58,13 @@ def causal_conv1d_fn(
     return out
 
 
+def live_rows(idx: torch.Tensor, pad_slot_id: int = PAD_SLOT_ID) -> torch.Tensor:
+    """[B] bool: rows that own their slot. A row whose slot is `pad_slot_id`, or repeats an
+    earlier row's slot (padding rows on the reserved slot 0), is padding."""
+    repeats = (idx.unsqueeze(1) == idx.unsqueeze(0)).tril(-1).any(1)
+    return (idx != pad_slot_id) & ~repeats
+
+
 def causal_conv1d_update(
     x: torch.Tensor,  # [B, dim] one new token per row
     conv_state: torch.Tensor,  # [slots, dim, Kc-1], updated in place
@@ -67,14 +74,15 @@ def causal_conv1d_update(
     conv_state_indices: torch.Tensor | None = None,  # [B]; None means row b uses slot b
     pad_slot_id: int = PAD_SLOT_ID,
 ) -> torch.Tensor:
-    """One decode step; returns y [B, dim] in x's dtype."""
+    """One decode step; returns y [B, dim] in x's dtype. Padding rows (`live_rows`) get zero
+    output and touch no state."""
     B = x.shape[0]
     idx = (
         torch.arange(B, device=x.device)
         if conv_state_indices is None
         else conv_state_indices.long()
     )
-    live = idx != pad_slot_id
+    live = live_rows(idx, pad_slot_id)
     safe = torch.where(live, idx, torch.zeros_like(idx))
     history = conv_state.index_select(0, safe).to(weight.dtype)
     window = torch.cat([history, x.unsqueeze(-1).to(weight.dtype)], -1)

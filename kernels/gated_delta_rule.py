@@ -25,6 +25,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from kernels.causal_conv1d import live_rows
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -129,9 +131,16 @@ def _run(
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     B, HV, T, K = k.shape
     V = v.shape[-1]
+    live = None
     if cu_seqlens is None:  # dense batch: one call over all B sequences
+        if initial_state_indices is not None:  # padding rows: zero output, no state touched
+            live = live_rows(initial_state_indices.long())
+            initial_state_indices = initial_state_indices.long().clamp(min=0)
         states = _split_states(initial_state, initial_state_indices, B, (HV, K, V), q.device)
         out, finals = step_fn(q, k, v, g, beta, states)
+        if live is not None and not bool(live.all()):
+            out = out * live.view(B, 1, 1, 1)
+            initial_state_indices, finals = initial_state_indices[live], finals[live]
     else:  # packed varlen: one call per sequence
         assert B == 1, "varlen inputs are packed into batch 1"
         cu = cu_seqlens.tolist()

@@ -10,14 +10,21 @@ One token per row; the states live in the Mamba pool (`conv_pool`, `ssm_pool`: t
 [layers, slots, ...] tensors, `layer` picks the layer) and are updated in place at `slots`. A
 negative slot, or one repeating an earlier row's (only the reserved padding slot 0 repeats), is
 padding: zero output, no state read or written. This reference composes the unfused decode
-kernels (`kernels.causal_conv1d_update`, `kernels.fused_recurrent_gated_delta_rule`,
-`kernels.rms_norm_gated`); `kernels.gdn_step_cpp` does it all in one C++ call.
+ops it is given (by default the references of `causal_conv1d_update`,
+`fused_recurrent_gated_delta_rule` and `rms_norm_gated`); `kernels.gdn_step_cpp` does it all
+in one C++ call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from kernels.causal_conv1d import causal_conv1d_update
+from kernels.gated_delta_rule import fused_recurrent_gated_delta_rule
+from kernels.rmsnorm import rms_norm_gated
 
 
 def gates(
@@ -41,26 +48,26 @@ def gdn_decode(
     slots: torch.Tensor,  # [T]
     num_k_heads: int,
     eps: float,
+    *,
+    conv_update: Callable = causal_conv1d_update,
+    recurrent: Callable = fused_recurrent_gated_delta_rule,
+    norm_gated: Callable = rms_norm_gated,
 ) -> torch.Tensor:
     """Returns y [T, value_dim] in qkvz's dtype (ready for out_proj)."""
-    import kernels
-
     T = qkvz.shape[0]
     HV, dk, dv = ssm_pool.shape[2:]
     key_dim, value_dim = num_k_heads * dk, HV * dv
     mixed_qkv, z = qkvz.split([2 * key_dim + value_dim, value_dim], dim=-1)
     b, a = ba.split([HV, HV], dim=-1)
-    mixed_qkv = kernels.causal_conv1d_update(
-        mixed_qkv, conv_pool[layer], conv_weight, None, "silu", slots
-    )
+    mixed_qkv = conv_update(mixed_qkv, conv_pool[layer], conv_weight, None, "silu", slots)
     q, k, v = mixed_qkv.split([key_dim, key_dim, value_dim], dim=-1)
     q = q.reshape(T, 1, num_k_heads, dk)
     k = k.reshape(T, 1, num_k_heads, dk)
     v = v.reshape(T, 1, HV, dv)
     g, beta = (t.unsqueeze(1) for t in gates(b, a, A_log, dt_bias))  # [T, 1, HV]
-    core, _ = kernels.fused_recurrent_gated_delta_rule(
+    core, _ = recurrent(
         q, k, v, g, beta, initial_state=ssm_pool[layer], initial_state_indices=slots,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
-    core = kernels.rms_norm_gated(core.reshape(T * HV, dv), z.reshape(T * HV, dv), norm_weight, eps)
+    core = norm_gated(core.reshape(T * HV, dv), z.reshape(T * HV, dv), norm_weight, eps)
     return core.reshape(T, value_dim)

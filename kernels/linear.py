@@ -1,7 +1,7 @@
 """Linear layer (y = x W^T + b): the pure-torch reference, `F.linear`.
 
-Faster CPU versions (`kernels.linear_cpp`) keep this signature; the model calls the dispatched
-`kernels.linear` for every dense projection and expert matrix.
+Faster CPU versions (`kernels.linear_cpp`) keep this signature; the model calls its kernel
+set's `linear` for every dense projection.
 """
 
 from __future__ import annotations

@@ -8,14 +8,20 @@ copy), so loading, tensor-parallel shards and checkpoint names are unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from kernels.linear import linear
 
 
 def linear_multi(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    *,
+    linear: Callable = linear,
 ) -> list[torch.Tensor]:
-    """x [..., K]; weights [N_i, K]; biases [N_i] or None -> [..., N_i] each, as
-    `kernels.linear` would give them one by one."""
-    import kernels
-
-    return [kernels.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    """x [..., K]; weights [N_i, K]; biases [N_i] or None -> [..., N_i] each, as `linear`
+    gives them one by one."""
+    return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]

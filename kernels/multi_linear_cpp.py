@@ -1,45 +1,33 @@
-"""Several linear projections of one input as one C++ CPU op.
+"""Several linear projections of one input as one C++ CPU op (`hybrid_serve::linear_multi`).
 
-Same signature and contract as `kernels.multi_linear.linear_multi`. Where `kernels.linear_cpp`
-would run its weight-streaming GEMV for every weight (fp32 activations, fp32 or bf16 weights,
-rows within its limits, the same for all), one C++ call streams them all; otherwise the
-reference (one `kernels.linear` per weight).
+Same signature and contract as `kernels.multi_linear.linear_multi`, for fp32 activations and
+fp32 or bf16 weights: at decode sizes one C++ call streams all the weights in one parallel
+region; beyond, each weight takes `kernels.linear_cpp`'s product. Anything else runs the
+reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build, multi_linear
-from kernels.linear_cpp import SKINNY_ROWS
+from kernels import linear_cpp, multi_linear
 
 
 def linear_multi(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
 ) -> list[torch.Tensor]:
-    ops = cpp_build.load()
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    fits = (
-        ops is not None
-        and x.dtype == torch.float32
-        and x.is_contiguous()
-        and M > 0
-        and not (torch.is_grad_enabled() and x.requires_grad)
-        and all(
-            w.dim() == 2
-            and w.is_contiguous()
-            and not (torch.is_grad_enabled() and w.requires_grad)
-            and w.dtype in (torch.float32, torch.bfloat16)
-            and M <= SKINNY_ROWS
-            for w in weights
-        )
+    if (
+        M == 0
+        or x.dtype != torch.float32
+        or any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights)
+    ):
+        return multi_linear.linear_multi(x, weights, biases, linear=linear_cpp.linear)
+    ys = torch.ops.hybrid_serve.linear_multi(
+        x.reshape(M, K).contiguous(), [w.contiguous() for w in weights]
     )
-    if not fits:
-        return multi_linear.linear_multi(x, weights, biases)
-    flat = x.dim() == 2
-    ys = ops.skinny_linear_multi(x if flat else x.reshape(M, K), weights)
     for y, b in zip(ys, biases, strict=True):
         if b is not None:
             y += b
-    return ys if flat else [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+    return ys if x.dim() == 2 else [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]

@@ -13,6 +13,8 @@ it (the sum in x's dtype, as `x + h` before).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    rms_norm: Callable = rms_norm,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., D] (None: nothing to add) -> (rms_norm(r), r), r = x + residual."""
     r = x if residual is None else x + residual

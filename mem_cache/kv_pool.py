@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import store_kv
+from kernels.attention import store_kv
 from mem_cache.req_pool import SlotAllocator, SlotIds, SlotPool
 
 

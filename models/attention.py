@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from kernels import extend_attention
+from kernels import KernelSet
+from kernels.attn_step import apply_rope
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
-from models.layers import Linear, RMSNorm, RotaryEmbedding
+from models.layers import REFERENCE, Linear, RMSNorm
 from models.parallel import ParallelContext
 from models.parallel_layers import row_linear
 
@@ -28,10 +28,14 @@ class GatedAttention(nn.Module):
     the ranks' heads."""
 
     def __init__(
-        self, config: ModelConfig, attn_layer_id: int, tp: ParallelContext | None = None
+        self,
+        config: ModelConfig,
+        attn_layer_id: int,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
     ) -> None:
         super().__init__()
-        c = config
+        c, self.ops = config, ops
         self.attn_layer_id = attn_layer_id  # index among the full-attention layers
         self.num_heads, self.num_kv_heads, self.head_dim = (
             c.num_attention_heads,
@@ -40,58 +44,52 @@ class GatedAttention(nn.Module):
         )
         self.scale = self.head_dim**-0.5
         bias = c.attention_bias
-        self.q_proj = Linear(c.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        q_rows, kv_rows = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(c.hidden_size, q_rows, bias=bias, ops=ops)
+        self.k_proj = Linear(c.hidden_size, kv_rows, bias=bias, ops=ops)
+        self.v_proj = Linear(c.hidden_size, kv_rows, bias=bias, ops=ops)
         self.o_proj = row_linear(
-            self.num_heads * self.head_dim, c.hidden_size, bias, tp or ParallelContext()
+            self.num_heads * self.head_dim, c.hidden_size, bias, tp or ParallelContext(), ops
         )
-        self.q_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
     ) -> torch.Tensor:
-        T = x.shape[0]
-        projs = (self.q_proj, self.k_proj, self.v_proj)  # one call: `kernels.linear_multi`
-        q, k, v = kernels.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
-        if batch.is_decode and not x.is_cuda:
-            return self.o_proj(self._decode(q, k, v, cos_sin, batch))
-        q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)  # [T, nH, hd]
-        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))  # [T, nKV, hd]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
-
-        pool = batch.kv_pool
-        pool.set_kv(self.attn_layer_id, batch.out_loc, k, v)
-        k_buf, v_buf = pool.get_kv(self.attn_layer_id)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        qg, k, v = self.ops.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
         if batch.is_decode:
-            o = kernels.decode_attention(
-                q, k_buf, v_buf, batch.req_to_token, batch.req_slots, batch.seq_lens, self.scale,
-                batch.max_seq_len or None,
-            )  # fmt: skip
-        else:
-            o = extend_attention(
-                q,
-                k_buf,
-                v_buf,
-                batch.req_to_token,
-                batch.req_slots,
-                batch.prefix_lens_cpu,
-                batch.extend_lens_cpu,
-                self.scale,
-            )  # [T, nH, hd]
-        o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
-        return self.o_proj(o)
+            return self.o_proj(self._decode(qg, k, v, cos_sin, batch))
+        return self.o_proj(self._extend(qg, k, v, cos_sin, batch))
+
+    def _extend(self, qg, k, v, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+        T = qg.shape[0]
+        q, gate = qg.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q), *cos_sin)  # [T, nH, hd]
+        k = apply_rope(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *cos_sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        pool = batch.kv_pool
+        k_buf, v_buf = pool.get_kv(self.attn_layer_id)
+        self.ops.store_kv(k_buf, v_buf, batch.out_loc, k, v)
+        o = self.ops.extend_attention(
+            q,
+            k_buf,
+            v_buf,
+            batch.req_to_token,
+            batch.req_slots,
+            batch.prefix_lens_cpu,
+            batch.extend_lens_cpu,
+            self.scale,
+        )  # fmt: skip  [T, nH, hd]
+        return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
 
     def _decode(self, qg, k, v, cos_sin, batch: ForwardBatch) -> torch.Tensor:
-        """CPU decode: everything between the projections and o_proj is one fused op
-        (`kernels.attn_decode`); CUDA keeps the ops above."""
+        """One token per request: norms, RoPE, the KV write, attention and the gate in one op
+        (`attn_decode`, reference `kernels.attn_step`)."""
         pool = batch.kv_pool
-        max_len = batch.max_seq_len or None
-        return kernels.attn_decode(
+        return self.ops.attn_decode(
             qg, k, v, self.q_norm.weight, self.k_norm.weight, *cos_sin, pool.k_all, pool.v_all,
             self.attn_layer_id, batch.out_loc, batch.req_to_token, batch.req_slots,
-            batch.seq_lens, self.num_heads, self.scale, self.q_norm.eps, max_len,
+            batch.seq_lens, self.num_heads, self.scale, self.q_norm.eps, batch.max_seq_len or None,
         )  # fmt: skip

@@ -3,12 +3,11 @@ kernel calls recorded once and replayed.
 
 The eager decode step runs ~75 C++ ops (per layer: residual add + RMSNorm, the input
 projections, the fused mixer, the output projection, add + RMSNorm, the fused MoE block), and
-at batch 1 on the small preset about a fifth of its time is the Python around them: module
-calls, the kernel dispatchers, each wrapper's checks. `CpuDecodePlan` takes every layer's
-weights and op arguments once from the model into `hybrid_serve::DecodeStep`
-(`kernels/csrc/decode_step.cpp`), whose `forward` calls the same ops' C++ functions with the
-same arguments in one loop, so its logits and pool updates are bit-identical to the eager
-step's:
+at batch 1 on the small preset a good share of its time is the Python around them: module
+calls and each wrapper's checks. `CpuDecodePlan` takes every layer's weights and op arguments
+once from the model into `hybrid_serve::DecodeStep` (`kernels/csrc/decode_step.cpp`), whose
+`forward` calls the same ops' C++ functions with the same arguments in one loop, so its logits
+and pool updates are bit-identical to the eager step's:
 
     x = embed(ids);  cos, sin = rope(positions);  residual = None          (here, in Python)
     for each layer:   h, residual = add_rmsnorm(x, residual)               (DecodeStep.forward)
@@ -16,17 +15,10 @@ step's:
                       h, residual = add_rmsnorm(h, residual);  x = moe_decode(h)
     logits = lm_head(add_rmsnorm(x, residual))
 
-The matrix products are the eager step's by row count: the weight-streaming GEMV up to
-`SKINNY_ROWS` rows, the tiled GEMM beyond (the fused MoE picks its products the same way).
-
-It applies where the eager step would run each of those parts in its C++ op
-(`kernels.*_cpp`): CPU tensors, the C++ kernels built and chosen (`HYBRID_SERVE_KERNELS` auto
-or cpp) with the fusions on, one rank (no tensor parallelism), sparse-MoE layers, no biases,
-fp32 activations, norms, states and KV, fp32 or bf16 matrices, and at most `MAX_ROWS` rows (the
-C++ GEMM's decode rows, the fused MoE's limit; the GEMV's `SKINNY_ROWS` while
-`HYBRID_SERVE_CPU_GEMM=off`). `CpuDecodePlan.build` returns None for any other model;
-`ready(rows)` says whether the kernel choice still holds for a batch (tests and benchmarks
-switch it).
+It applies where the model's kernel set is the C++ one with its fused decode ops
+(`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with sparse-MoE layers, no
+biases, fp32 norms, states and KV, fp32 or bf16 matrices, and at most `MAX_ROWS` rows (the fused
+MoE's). `CpuDecodePlan.build` returns None for any other model.
 """
 
 from __future__ import annotations
@@ -35,7 +27,7 @@ import logging
 
 import torch
 
-from kernels import cpp_build, dispatch, moe_step_cpp
+from kernels import moe_step_cpp
 from models.forward_batch import ForwardBatch
 from models.layers import SparseMoE
 from models.loader import matrices
@@ -43,12 +35,14 @@ from models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = moe_step_cpp.MAX_TOKENS  # the fused MoE's rows: the C++ GEMM's decode batches
+MAX_ROWS = moe_step_cpp.MAX_TOKENS  # the fused MoE's rows: decode batches
 MATRIX_DTYPES = (torch.float32, torch.bfloat16)  # `models.loader.matrices`; all else fp32
 
 
 def unsupported(model: Qwen3NextForCausalLM) -> str | None:
     """Why the plan cannot replay `model`'s decode step, or None when it can."""
+    if model.ops.backend != "cpp" or not model.ops.fused:
+        return f"the {model.ops.backend} kernels{'' if model.ops.fused else ' without fusions'}"
     if model.tp.enabled:
         return "tensor parallelism (the output projections all-reduce)"
     if next(model.parameters()).device.type != "cpu":
@@ -108,7 +102,7 @@ def layer_args(layer) -> tuple[list[torch.Tensor], list[int], list[float]]:
 
 class CpuDecodePlan:
     """`plan(batch)` == `model.forward(batch)` for a decode batch of at most MAX_ROWS rows
-    (bit for bit, pools updated alike) while `ready(rows)`. It holds the model's parameter tensors
+    (bit for bit, pools updated alike). It holds the model's parameter tensors
     themselves: weights changed in place are seen, replaced parameters are not."""
 
     def __init__(self, model: Qwen3NextForCausalLM) -> None:
@@ -132,22 +126,10 @@ class CpuDecodePlan:
         """The plan for `model` over these pools (those of every batch it will run), or None
         where it does not apply (the reason logged at debug level)."""
         reason = unsupported(model) or pools_unsupported(kv_pool, mamba_pool, req_to_token)
-        if reason is None and not cpp_build.available():
-            reason = "the C++ kernels are not built"
         if reason is not None:
             logger.debug("no CPU decode plan: %s", reason)
             return None
         return cls(model)
-
-    @staticmethod
-    def ready(rows: int) -> bool:
-        """Whether the eager step of `rows` rows would still call the C++ ops (the kernel choice
-        is read from the environment and can change between steps in tests)."""
-        return (
-            dispatch.kernel_mode() in ("auto", "cpp")
-            and dispatch.fusions_enabled()
-            and rows <= moe_step_cpp.max_tokens()  # MAX_ROWS, or the GEMV's while the GEMM is off
-        )
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:

@@ -19,12 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from kernels import causal_conv1d_fn, chunk_gated_delta_rule
+from kernels import KernelSet
 from kernels.gdn_step import gates
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
-from models.layers import Linear, RMSNormGated
+from models.layers import REFERENCE, Linear, RMSNormGated
 from models.parallel import ParallelContext
 from models.parallel_layers import row_linear
 
@@ -34,10 +33,14 @@ class GatedDeltaNet(nn.Module):
     the conv channels and the pool's states; out_proj sums the ranks' heads."""
 
     def __init__(
-        self, config: ModelConfig, linear_layer_id: int, tp: ParallelContext | None = None
+        self,
+        config: ModelConfig,
+        linear_layer_id: int,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
     ) -> None:
         super().__init__()
-        c = config
+        c, self.ops = config, ops
         self.linear_layer_id = linear_layer_id  # index among the linear-attention layers
         self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
@@ -48,15 +51,18 @@ class GatedDeltaNet(nn.Module):
         )
         # Rows are kept in contiguous [q | k | v | z] and [b | a] order (the loader regroups
         # Qwen3-Next's per-key-head rows and stacks Qwen3.5's split ones: `models.weight_map`).
-        self.in_proj_qkvz = Linear(c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = Linear(c.hidden_size, 2 * self.num_v_heads, bias=False)
+        qkvz_rows = 2 * self.key_dim + 2 * self.value_dim
+        self.in_proj_qkvz = Linear(c.hidden_size, qkvz_rows, bias=False, ops=ops)
+        self.in_proj_ba = Linear(c.hidden_size, 2 * self.num_v_heads, bias=False, ops=ops)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = RMSNormGated(self.head_v_dim, eps=c.rms_norm_eps)
-        self.out_proj = row_linear(self.value_dim, c.hidden_size, False, tp or ParallelContext())
+        self.norm = RMSNormGated(self.head_v_dim, c.rms_norm_eps, ops)
+        self.out_proj = row_linear(
+            self.value_dim, c.hidden_size, False, tp or ParallelContext(), ops
+        )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:
@@ -64,13 +70,13 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self._extend(x, batch))
 
     def _decode(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """One token per request: both projections in one call (`kernels.linear_multi`), then
-        everything up to out_proj one fused op (`kernels.gdn_decode`) on the pool's states, in
-        place."""
+        """One token per request: both projections in one call (`linear_multi`), then
+        everything up to out_proj one op (`gdn_decode`, reference `kernels.gdn_step`) on the
+        pool's states, in place."""
         pool = batch.mamba_pool
         qkvz, ba = (self.in_proj_qkvz, self.in_proj_ba)
-        qkvz, ba = kernels.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
-        return kernels.gdn_decode(
+        qkvz, ba = self.ops.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
+        return self.ops.gdn_decode(
             qkvz, ba, pool.conv_state, pool.ssm_state,
             self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
             self.norm.weight, batch.mamba_slots, self.num_k_heads, self.norm.eps,
@@ -88,7 +94,7 @@ class GatedDeltaNet(nn.Module):
 
         if batch.tracks_states:
             self._track_conv_states(mixed_qkv, conv_state, batch)
-        mixed_qkv = causal_conv1d_fn(
+        mixed_qkv = self.ops.causal_conv1d_fn(
             mixed_qkv.t(),
             weight,
             None,
@@ -111,7 +117,7 @@ class GatedDeltaNet(nn.Module):
                 track_offsets=torch.tensor(batch.mamba_track_offsets_cpu, device=x.device),
                 track_indices=batch.mamba_track_slots,
             )
-        core, _ = chunk_gated_delta_rule(
+        core, _ = self.ops.chunk_gated_delta_rule(
             q,
             k,
             v,

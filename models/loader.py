@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels import KernelSet
+from kernels import choose as choose_kernels
 from models.config import ModelConfig
 from models.dummy_weights import fill_dummy
 from models.fp8 import Fp8Checkpoint
@@ -81,6 +83,7 @@ def load_model(
     device: str | torch.device = "cpu",
     tp: ParallelContext | None = None,
     load_format: str = "auto",
+    ops: KernelSet | None = None,
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
@@ -91,6 +94,9 @@ def load_model(
     each checkpoint tensor is converted while copied, so peak memory is the model plus the
     largest single tensor (never a full-size copy in another dtype; an FP8 tensor is widened
     to fp32 one at a time).
+
+    The layers run `ops`, by default the kernel set `kernels.choose` picks for the device and
+    the activations' dtype (logged as a table).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
@@ -99,8 +105,11 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config)
     weights_only = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
     tp = tp or ParallelContext()
+    if ops is None:
+        ops = choose_kernels(device, torch.float32 if weights_only else torch_dtype)
+        logger.info("%s", ops.table())
     with torch.device("meta"):
-        model = Qwen3NextForCausalLM(config, tp)
+        model = Qwen3NextForCausalLM(config, tp, ops)
     # dtypes are set on meta (free), so each parameter is allocated once, in its final dtype
     model = model.to(torch.float32 if weights_only else torch_dtype)
     if weights_only:

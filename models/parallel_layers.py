@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from models.layers import MLP, Linear, SparseMoE
+from kernels import KernelSet
+from models.layers import MLP, REFERENCE, Linear, SparseMoE
 from models.parallel import ParallelContext
 
 
@@ -22,26 +22,32 @@ class RowParallelLinear(Linear):
     """`Linear` over this rank's input columns; the partial outputs are summed over the ranks,
     then the bias (held whole on every rank) is added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelContext):
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: ParallelContext, ops: KernelSet
+    ):
+        super().__init__(in_features, out_features, bias=bias, ops=ops)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(kernels.linear(x, self.weight))
+        y = self.tp.all_reduce(self.ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
-def row_linear(in_features: int, out_features: int, bias: bool, tp: ParallelContext) -> Linear:
+def row_linear(
+    in_features: int, out_features: int, bias: bool, tp: ParallelContext, ops: KernelSet = REFERENCE
+) -> Linear:
     if not tp.enabled:
-        return Linear(in_features, out_features, bias=bias)
-    return RowParallelLinear(in_features, out_features, bias, tp)
+        return Linear(in_features, out_features, bias=bias, ops=ops)
+    return RowParallelLinear(in_features, out_features, bias, tp, ops)
 
 
 class ParallelMLP(MLP):
     """SwiGLU over this rank's intermediate columns, summed over the ranks."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: ParallelContext) -> None:
-        super().__init__(hidden_size, intermediate_size)
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, tp: ParallelContext, ops: KernelSet
+    ) -> None:
+        super().__init__(hidden_size, intermediate_size, ops)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,8 +87,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(Linear):
     """This rank's vocab rows; the logits of every rank are gathered and the padding cut."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, tp: ParallelContext) -> None:
-        super().__init__(hidden_size, tp.vocab_range(vocab_size)[2], bias=False)
+    def __init__(
+        self, hidden_size: int, vocab_size: int, tp: ParallelContext, ops: KernelSet
+    ) -> None:
+        super().__init__(hidden_size, tp.vocab_range(vocab_size)[2], bias=False, ops=ops)
         self.tp, self.vocab_size = tp, vocab_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,16 +103,20 @@ def embedding(vocab_size: int, hidden_size: int, tp: ParallelContext) -> nn.Modu
     return VocabParallelEmbedding(vocab_size, hidden_size, tp)
 
 
-def lm_head(hidden_size: int, vocab_size: int, tp: ParallelContext) -> Linear:
+def lm_head(
+    hidden_size: int, vocab_size: int, tp: ParallelContext, ops: KernelSet = REFERENCE
+) -> Linear:
     if not tp.enabled:
-        return Linear(hidden_size, vocab_size, bias=False)
-    return ParallelLMHead(hidden_size, vocab_size, tp)
+        return Linear(hidden_size, vocab_size, bias=False, ops=ops)
+    return ParallelLMHead(hidden_size, vocab_size, tp, ops)
 
 
-def mlp(hidden_size: int, intermediate_size: int, tp: ParallelContext) -> MLP:
+def mlp(
+    hidden_size: int, intermediate_size: int, tp: ParallelContext, ops: KernelSet = REFERENCE
+) -> MLP:
     if not tp.enabled:
-        return MLP(hidden_size, intermediate_size)
-    return ParallelMLP(hidden_size, intermediate_size, tp)
+        return MLP(hidden_size, intermediate_size, ops)
+    return ParallelMLP(hidden_size, intermediate_size, tp, ops)
 
 
 def sparse_moe(*args, tp: ParallelContext, **kwargs) -> SparseMoE:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import KernelSet
 from models.attention import GatedAttention
 from models.config import FULL, ModelConfig
 from models.forward_batch import ForwardBatch
 from models.gated_delta_net import GatedDeltaNet
-from models.layers import RMSNorm, RotaryEmbedding
+from models.layers import REFERENCE, RMSNorm, RotaryEmbedding
 from models.parallel import ParallelContext
 from models.parallel_layers import embedding, lm_head, mlp, sparse_moe
 
@@ -25,16 +26,18 @@ from models.parallel_layers import embedding, lm_head, mlp, sparse_moe
 class DecoderLayer(nn.Module):
     """`config` carries this rank's shapes (`ParallelContext.local_shapes`)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, tp: ParallelContext) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, tp: ParallelContext, ops: KernelSet
+    ) -> None:
         super().__init__()
         self.is_full_attention = config.layer_types[layer_id] == FULL
         if self.is_full_attention:
             self.self_attn = GatedAttention(
-                config, config.full_attention_layers.index(layer_id), tp
+                config, config.full_attention_layers.index(layer_id), tp, ops
             )
         else:
             self.linear_attn = GatedDeltaNet(
-                config, config.linear_attention_layers.index(layer_id), tp
+                config, config.linear_attention_layers.index(layer_id), tp, ops
             )
         if config.is_moe_layer(layer_id):
             self.mlp: nn.Module = sparse_moe(
@@ -45,11 +48,12 @@ class DecoderLayer(nn.Module):
                 config.shared_expert_intermediate_size,
                 config.norm_topk_prob,
                 tp=tp,
+                ops=ops,
             )
         else:
-            self.mlp = mlp(config.hidden_size, config.intermediate_size, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp = mlp(config.hidden_size, config.intermediate_size, tp, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, batch: ForwardBatch
@@ -67,14 +71,14 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelContext, ops: KernelSet) -> None:
         super().__init__()
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
         local = tp.local_shapes(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(local, i, tp) for i in range(config.num_hidden_layers)
+            DecoderLayer(local, i, tp, ops) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,16 +94,27 @@ class Qwen3NextModel(nn.Module):
 
 class Qwen3NextForCausalLM(nn.Module):
     """The whole model, or rank `tp.rank`'s shard of it (`models.parallel`): `config` is the
-    checkpoint's, `local_config` this rank's head counts and widths (what its pools hold)."""
+    checkpoint's, `local_config` this rank's head counts and widths (what its pools hold).
+    `ops` is the kernel set every layer calls (`kernels.choose`; the torch references by
+    default)."""
 
-    def __init__(self, config: ModelConfig, tp: ParallelContext | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: ParallelContext | None = None, ops: KernelSet = REFERENCE
+    ) -> None:
         super().__init__()
-        self.tp = tp or ParallelContext()
+        self.tp, self.ops = tp or ParallelContext(), ops
         self.config, self.local_config = config, self.tp.local_shapes(config)
-        self.model = Qwen3NextModel(config, self.tp)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp)
+        self.model = Qwen3NextModel(config, self.tp, ops)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_kernels(self, ops: KernelSet) -> None:
+        """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on
+        the same weights)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -27,7 +27,6 @@ import logging
 
 import torch
 
-from kernels.dispatch import kernel_mode
 from models.cpu_decode import MAX_ROWS as MAX_PLAN_ROWS
 from models.cpu_decode import CpuDecodePlan
 from models.forward_batch import ForwardBatch
@@ -49,7 +48,7 @@ class DecodeGraphRunner:
         self.runner = runner
         self.sizes = sorted(sizes)
         if use_graphs is None:  # the torch reference kernels sync with the host: no capture
-            use_graphs = runner.device.type == "cuda" and kernel_mode() != "torch"
+            use_graphs = runner.device.type == "cuda" and runner.model.ops.backend != "torch"
         self.use_graphs = use_graphs
         self.batches: dict[int, ForwardBatch] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -74,7 +73,7 @@ class DecodeGraphRunner:
     def forward(self, items: list[DecodeInput], out_loc: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] for one decode step of `items` (KV already allocated at out_loc)."""
         n, runner = len(items), self.runner
-        if self.plan is not None and n <= self.plan_rows and self.plan.ready(n):
+        if self.plan is not None and n <= self.plan_rows:
             return self.plan(runner.build_decode(items, out_loc))  # at its own size
         bs = self.padded_size(n)
         batch = self.batches.get(bs) if bs is not None else None

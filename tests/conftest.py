@@ -9,8 +9,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Without CUDA, Triton kernels can only be tested in triton's interpreter, which must be chosen
-# before triton is first imported. Nothing else in the suite runs Triton on CPU (the kernels
-# dispatch to torch there unless forced), so this changes no other test.
+# before triton is first imported. Nothing else in the suite runs Triton on CPU (a CPU model's
+# kernel set is the C++ or torch one unless forced), so this changes no other test.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tiny models: one thread is as fast and does not collapse when the machine is shared.
@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def triton_device() -> torch.device:
     """Where Triton kernels under test run: CUDA when present, else CPU tensors in triton's
     interpreter (enabled above). Skips when triton does not import."""
-    from kernels.dispatch import interpreter_ready, triton_available
+    from kernels.kernel_set import interpreter_ready, triton_available
 
     if not triton_available():
         pytest.skip("triton is not importable, so the Triton kernels cannot be tested")
@@ -43,27 +43,17 @@ def triton_device() -> torch.device:
 
 @pytest.fixture
 def kernels_mode(monkeypatch):
-    """`kernels_mode("torch")` sets HYBRID_SERVE_KERNELS for this test. The dispatcher reads it
-    once per process and caches each op's choice, so every change resets that cache
-    (`kernels.dispatch.reset`), and so does the end of the test."""
-    from kernels import dispatch
+    """`kernels_mode("torch")` sets HYBRID_SERVE_KERNELS for this test (models loaded after it
+    choose their kernels by it); `kernels_mode("torch", model)` also gives that loaded model
+    the chosen kernel set (`Qwen3NextForCausalLM.use_kernels`)."""
+    from kernels import choose
+    from kernels.settings import KERNELS_ENV
 
-    def set_mode(mode: str) -> None:
-        monkeypatch.setenv(dispatch.ENV_VAR, mode)
-        dispatch.reset()
+    def set_mode(mode: str, model=None) -> None:
+        monkeypatch.setenv(KERNELS_ENV, mode)
+        if model is not None:
+            weight = model.lm_head.weight
+            act = torch.float32 if weight.device.type == "cpu" else weight.dtype
+            model.use_kernels(choose(weight.device, act))
 
-    dispatch.reset()
     yield set_mode
-    dispatch.reset()
-
-
-@pytest.fixture
-def amx_off():
-    """bf16 products on the AVX GEMMs (fp32 rows) for this test, where the CPU would take AMX
-    tiles (kernels/csrc/gemm_amx.cpp rounds rows to bf16); the switch is restored after."""
-    from kernels import linear_cpp
-
-    was = linear_cpp.amx_ready()
-    linear_cpp.set_amx(False)
-    yield
-    linear_cpp.set_amx(was)

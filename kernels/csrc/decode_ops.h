@@ -15,36 +15,26 @@ namespace hs {
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Tensor& residual,
                                                const at::Tensor& weight, double eps);
-// The decode products' choice by row count, as kernels/linear_cpp.py makes it: the
-// weight-streaming GEMV up to kGemvRows rows (`SKINNY_ROWS` there), the tiled GEMM beyond.
+// The CPU linear layer's product by row count, the one place that choice is made (the torch op
+// hybrid_serve::linear, the fused decode ops and the decode step all call `linear`): the
+// weight-streaming GEMV up to kGemvRows rows, the tiled GEMM beyond. benchmarks/gemm_shapes.py
+// compares it with MKL by row count: on the small preset's shapes the tiled GEMM is 1.2-2.6x
+// faster up to 256 rows and level beyond, so one GEMM serves prefill too (and a row's result
+// depends neither on its batch nor on how a prefill is chunked).
 constexpr int64_t kGemvRows = 8;
 // cpu_kernels.cpp, multi_linear.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);
+std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights);
 // gemm.cpp: tiled_linear; routed_experts_into writes y [T, H] for xs [T, H] sorted by expert,
 // counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I] alike fp32 or bf16
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
                          const std::vector<int64_t>& counts, float* y);
-// gemm_amx.cpp: y [M, N] fp32 = bf16(x) [M, K] w [N, K]^T on AMX tiles (amx.h), where
-// amx_linear_fits: an AMX-BF16 CPU whose OS grants the tile state (amx_ready), bf16 w,
-// K % 32 == 0, N % 16 == 0
-bool amx_ready();
-bool set_amx(bool on);
-bool amx_linear_fits(const at::Tensor& x, const at::Tensor& w);
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w);
-// A decode product by row count, as kernels/linear_cpp.py picks it: the GEMV up to kGemvRows
-// rows; beyond, AMX where it fits (bf16 weights), else the tiled GEMM.
-inline at::Tensor decode_product(const at::Tensor& x, const at::Tensor& w) {
-  if (x.size(0) <= kGemvRows) return skinny_linear(x, w);
-  return amx_linear_fits(x, w) ? amx_linear(x, w) : tiled_linear(x, w);
+// x [M, K] fp32, w [N, K] fp32 or bf16 (both contiguous) -> y [M, N] fp32
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+  return x.size(0) <= kGemvRows ? skinny_linear(x, w) : tiled_linear(x, w);
 }
-// gemm_packed.cpp: columns [n0, n1) of y [M, N] = x [M, K] w [N, K]^T on the calling thread
-// (x, w, y contiguous), bit for bit the tiled GEMM's outputs
-void packed_cols(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t M,
-                 int64_t n0, int64_t n1);
-void packed_cols(const float* x, const at::BFloat16* w, float* y, int64_t N, int64_t K,
-                 int64_t M, int64_t n0, int64_t n1);
 // gdn_decode.cpp
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
                       const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,

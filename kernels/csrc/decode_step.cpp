@@ -1,9 +1,8 @@
 // A whole CPU decode step in one call: the class `hybrid_serve::DecodeStep` holds every decoder
 // layer's weights and op arguments (taken once by models/cpu_decode.py) and `forward` runs the
 // layers by calling the decode ops' C++ functions (decode_ops.h) directly, with the same
-// arguments as the eager step and the same choice of product by row count (hs::decode_product:
-// the GEMV up to hs::kGemvRows rows, AMX or the tiled GEMM beyond, as kernels/linear_cpp.py
-// picks), so its logits and pool updates are bit-identical to it, without the ~75 trips per step
+// arguments as the eager step and the same products (hs::linear, the one choice by row count),
+// so its logits and pool updates are bit-identical to it, without the ~75 trips per step
 // through Python and the dispatcher:
 //
 //   for each layer:  h, residual = add_rmsnorm(x, residual)
@@ -30,14 +29,6 @@ namespace {
 // top_k, norm_topk_prob; floats: input eps, post eps, mixer eps, attention scale (GDN: 0).
 constexpr int64_t kInts = 5, kFloats = 4, kMoe = 7;
 
-// The layer's input projections of one x: one GEMV region for all, or one GEMM each (the eager
-// step's kernels.linear_multi falls back to kernels.linear per weight beyond the GEMV's rows).
-std::vector<at::Tensor> products(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
-  if (x.size(0) <= hs::kGemvRows) return hs::skinny_linear_multi(x, ws);
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& w : ws) out.push_back(hs::decode_product(x, w));
-  return out;
-}
 
 struct Layer {
   bool attention;
@@ -101,7 +92,7 @@ struct DecodeStep : torch::CustomClassHolder {
       } else {
         std::tie(h, residual) = hs::add_rmsnorm(x, residual, l.input_norm, l.eps);
       }
-      const std::vector<at::Tensor> p = products(h, l.in_projs);
+      const std::vector<at::Tensor> p = hs::linear_multi(h, l.in_projs);
       at::Tensor o;
       if (l.attention) {
         o = hs::attn_decode(p[0], p[1], p[2], l.mixer[0], l.mixer[1], cos, sin,
@@ -112,7 +103,7 @@ struct DecodeStep : torch::CustomClassHolder {
                            ssm_state.select(0, l.index), l.mixer[1], l.mixer[2], l.mixer[3],
                            slots, l.heads, l.mixer_eps);
       }
-      h = hs::decode_product(o, l.out_proj);
+      h = hs::linear(o, l.out_proj);
       std::tie(h, residual) = hs::add_rmsnorm(h, residual, l.post_norm, l.post_eps);
       x = hs::moe_decode(h, l.moe[0], l.moe[1], l.moe[2], l.moe[3], l.moe[4], l.moe[5],
                          l.moe[6], l.top_k, l.norm_topk);
@@ -120,7 +111,7 @@ struct DecodeStep : torch::CustomClassHolder {
     at::Tensor h = residual.defined()
                        ? std::get<0>(hs::add_rmsnorm(x, residual, final_norm, final_eps))
                        : hs::rmsnorm(x, final_norm, final_eps);
-    return hs::decode_product(h, lm_head);
+    return hs::linear(h, lm_head);
   }
 };
 

@@ -24,7 +24,6 @@
 #include <memory>
 #include <vector>
 
-#include "amx.h"
 #include "decode_ops.h"
 #include "gemv.h"
 #include "silu.h"
@@ -222,9 +221,8 @@ void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64
 }
 
 // ---- routed experts in one call ----------------------------------------------------------
-// Each expert's rows run the tiled GEMM above, or the packed GEMM beyond kTiledRows (the same
-// sums: a row's result does not depend on how many rows its expert has). bf16 weights on an AMX
-// CPU run every expert on AMX tiles instead (amx_experts_into, below; amx.h).
+// Each expert's rows run the tiled GEMM above (decode batches: kernels/experts_cpp.py sends
+// prefill-sized inputs to torch).
 
 // One piece of work: weight rows [n0, n1) of expert e; cost ~ weight bytes + flops.
 struct Task {
@@ -232,17 +230,14 @@ struct Task {
   double cost;
 };
 
-// Tasks of at most `rows` weight rows for every expert with tokens, or `pieces[e]` tasks of
-// whole 32-row slivers where that is not 0.
-std::vector<Task> expert_tasks(const std::vector<int64_t>& counts,
-                               const std::vector<int64_t>& pieces, int64_t N, int64_t K,
+// Tasks of at most `rows` weight rows for every expert with tokens.
+std::vector<Task> expert_tasks(const std::vector<int64_t>& counts, int64_t N, int64_t K,
                                int64_t rows, int64_t wbytes) {
   std::vector<Task> tasks;
   for (int64_t e = 0; e < int64_t(counts.size()); ++e) {
     if (counts[e] == 0) continue;
-    const int64_t step = pieces[e] == 0 ? rows : (N / pieces[e] + 31) / 32 * 32;
-    for (int64_t n0 = 0; n0 < N; n0 += step) {
-      const int64_t n1 = std::min(N, n0 + step);
+    for (int64_t n0 = 0; n0 < N; n0 += rows) {
+      const int64_t n1 = std::min(N, n0 + rows);
       // streaming a weight byte costs about as much as ~4 FMAs from cache here
       tasks.push_back({e, n0, n1, double(n1 - n0) * K * (wbytes * 4.0 + counts[e])});
     }
@@ -281,57 +276,29 @@ inline void swiglu_cols(const float* gate_up_row, int64_t I, int64_t n0, int64_t
   for (int64_t i = 0; i < n; ++i) out[i] *= gate_up_row[I + n0 + i];
 }
 
-// An expert with more rows than this takes the packed GEMM (gemm_packed.cpp: the tiled GEMM's
-// sums bit for bit, faster for hundreds of rows, as kernels/linear_cpp.py's TILED_MAX_ROWS and
-// BF16_TILED_MAX_ROWS choose for one matrix): a prefill chunk's experts.
-template <typename W>
-constexpr int64_t kTiledRows = std::is_same_v<W, float> ? 1024 : 256;
-
 // xs [T, H] rows sorted by expert, counts[e] each; gate_up [E, 2I, H]; down [E, H, I]; h [T, 2I]
 // scratch for the gate and up outputs.
 template <typename W>
 void experts_into(const float* xs, const W* gate_up, const W* down,
                   const std::vector<int64_t>& counts, float* h, float* y, int64_t H, int64_t I) {
   const int64_t E = int64_t(counts.size());
-  const auto packed = [&](int64_t e) { return counts[e] > kTiledRows<W>; };
   std::vector<int64_t> start(E + 1, 0), pstart(E + 1, 0);  // each expert's first row, panel
-  int64_t n_packed = 0;
   for (int64_t e = 0; e < E; ++e) {
-    n_packed += packed(e);
     start[e + 1] = start[e] + counts[e];
-    pstart[e + 1] = pstart[e] + (packed(e) ? 0 : panels(counts[e]));
+    pstart[e + 1] = pstart[e] + panels(counts[e]);
   }
-  // a packed expert's matrices in as few pieces as keep every thread busy (each piece packs its
-  // rows of x again); the tiled experts' (pieces 0) in cache blocks of NC weight rows
-  std::vector<int64_t> pieces(E, 0);
-  for (int64_t e = 0; e < E; ++e)
-    if (packed(e)) pieces[e] = (at::get_num_threads() + n_packed - 1) / n_packed;
-  // the tiled experts' rows and activations in panels, the packed experts' activations in rows
+  // every expert's rows and activations in panels
   const auto xp = panel_buffer(pstart[E], H), ap = panel_buffer(pstart[E], I);
-  std::vector<float> act(n_packed > 0 ? start[E] * I : 0);
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e)
-      if (!packed(e))
-        pack_panels(xs + start[e] * H, H, counts[e], H, xp.get() + pstart[e] * H * MR);
+      pack_panels(xs + start[e] * H, H, counts[e], H, xp.get() + pstart[e] * H * MR);
   });
   // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns, written
   // straight into the down projection's panels (their padding rows zero)
-  run_balanced(expert_tasks(counts, pieces, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
+  run_balanced(expert_tasks(counts, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
     const int64_t M = counts[t.e];
     const W* w = gate_up + t.e * 2 * I * H;
     float* hm = h + start[t.e] * 2 * I;
-    if (packed(t.e)) {
-      const float* x = xs + start[t.e] * H;
-      if (t.n1 - t.n0 == I) {  // every gate and up row in one call: x packed once
-        hs::packed_cols(x, w, hm, 2 * I, H, M, 0, 2 * I);
-      } else {
-        hs::packed_cols(x, w, hm, 2 * I, H, M, t.n0, t.n1);
-        hs::packed_cols(x, w, hm, 2 * I, H, M, I + t.n0, I + t.n1);
-      }
-      for (int64_t m = 0; m < M; ++m)
-        swiglu_cols(hm + m * 2 * I, I, t.n0, t.n1, act.data() + (start[t.e] + m) * I + t.n0);
-      return;
-    }
     gemm_cols(xp.get() + pstart[t.e] * H * MR, w, H, hm, 2 * I, M, H, t.n0, t.n1);
     gemm_cols(xp.get() + pstart[t.e] * H * MR, w + I * H, H, hm + I, 2 * I, M, H, t.n0, t.n1);
     std::vector<float> row(t.n1 - t.n0);
@@ -341,79 +308,12 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
       for (int64_t n = t.n0; n < t.n1; ++n) a[n * MR] = m < M ? row[n - t.n0] : 0.f;
     }
   });
-  run_balanced(expert_tasks(counts, pieces, H, I, NC, sizeof(W)), [&](const Task& t) {
-    const W* w = down + t.e * H * I;
-    if (packed(t.e)) {
-      hs::packed_cols(act.data() + start[t.e] * I, w, y + start[t.e] * H, H, I, counts[t.e], t.n0,
-                      t.n1);
-      return;
-    }
-    gemm_cols(ap.get() + pstart[t.e] * I * MR, w, I, y + start[t.e] * H, H, counts[t.e], I, t.n0,
-              t.n1);
+  run_balanced(expert_tasks(counts, H, I, NC, sizeof(W)), [&](const Task& t) {
+    gemm_cols(ap.get() + pstart[t.e] * I * MR, down + t.e * H * I, I, y + start[t.e] * H, H,
+              counts[t.e], I, t.n0, t.n1);
   });
 }
 
-#ifdef HS_AMX
-// experts_into for bf16 weights on AMX tiles (amx.h): each expert's rows rounded to bf16 once,
-// and its activations rounded as they are written (as amx_linear would round them).
-void amx_experts_into(const float* xs, const at::BFloat16* gate_up, const at::BFloat16* down,
-                      const std::vector<int64_t>& counts, float* y, int64_t H, int64_t I) {
-  namespace a = hs::amx;
-  const int64_t E = int64_t(counts.size());
-  std::vector<int64_t> start(E + 1, 0), pstart(E + 1, 0);  // each expert's first row, padded
-  for (int64_t e = 0; e < E; ++e) {
-    start[e + 1] = start[e] + counts[e];
-    pstart[e + 1] = pstart[e] + a::padded(counts[e]);
-  }
-  // bf16 rows of x and of the activations, each expert's padded to whole tiles (padding zero);
-  // an expert of few rows (a decode step's) also has its rows of x in the pair layout (amx.h)
-  const std::unique_ptr<a::bf16[]> xb(new a::bf16[pstart[E] * H]), ab(new a::bf16[pstart[E] * I]);
-  const std::unique_ptr<a::bf16[]> xt(new a::bf16[pstart[E] * H]);
-  const std::unique_ptr<float[]> h(new float[start[E] * 2 * I]);
-  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
-    for (int64_t e = e0; e < e1; ++e) {
-      const int64_t pad = pstart[e + 1] - pstart[e] - counts[e];
-      a::convert_rows(xs + start[e] * H, H, counts[e], H, xb.get() + pstart[e] * H);
-      std::fill_n(xb.get() + (pstart[e + 1] - pad) * H, pad * H, a::bf16(0.f));
-      std::fill_n(ab.get() + (pstart[e + 1] - pad) * I, pad * I, a::bf16(0.f));
-      if (a::few(counts[e]))
-        a::pack_rows(xb.get() + pstart[e] * H, counts[e], H, xt.get() + pstart[e] * H);
-    }
-  });
-  const std::vector<int64_t> whole(E, 0);
-  constexpr int64_t kRows = 128;  // weight rows per task (a multiple of 32)
-  // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns in bf16
-  run_balanced(expert_tasks(counts, whole, I, 2 * H, kRows, 2), [&](const Task& t) {
-    const int64_t M = counts[t.e];
-    const a::bf16* w = gate_up + t.e * 2 * I * H;
-    float* hm = h.get() + start[t.e] * 2 * I;
-    const a::bf16* x = (a::few(M) ? xt : xb).get() + pstart[t.e] * H;
-    a::configure();
-    a::any_cols(x, M, H, w, hm, 2 * I, t.n0, t.n1);
-    a::any_cols(x, M, H, w, hm, 2 * I, I + t.n0, I + t.n1);
-    a::release();
-    std::vector<float> row(t.n1 - t.n0);  // a multiple of 32 columns
-    for (int64_t m = 0; m < M; ++m) {
-      swiglu_cols(hm + m * 2 * I, I, t.n0, t.n1, row.data());
-      a::convert_rows(row.data(), 0, 1, t.n1 - t.n0, ab.get() + (pstart[t.e] + m) * I + t.n0);
-    }
-  });
-  run_balanced(expert_tasks(counts, whole, H, I, kRows, 2), [&](const Task& t) {
-    const int64_t M = counts[t.e];
-    const a::bf16* act = ab.get() + pstart[t.e] * I;
-    const a::bf16* w = down + t.e * H * I;
-    float* ye = y + start[t.e] * H;
-    std::vector<a::bf16> acts;  // few rows: this task's own copy in the pair layout
-    if (a::few(M)) {
-      acts.resize(a::padded(M) * I);
-      a::pack_rows(act, M, I, acts.data());
-    }
-    a::configure();
-    a::any_cols(a::few(M) ? acts.data() : act, M, I, w, ye, H, t.n0, t.n1);
-    a::release();
-  });
-}
-#endif
 
 }  // namespace
 
@@ -436,10 +336,6 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
   if (gate_up.scalar_type() == at::kBFloat16) {
     const auto* gu = gate_up.data_ptr<at::BFloat16>();
     const auto* dn = down.data_ptr<at::BFloat16>();
-#ifdef HS_AMX
-    if (hs::amx_ready() && H % 32 == 0 && I % 32 == 0)
-      return amx_experts_into(xs, gu, dn, counts, y, H, I);
-#endif
     std::vector<float> h(T * 2 * I);
     return experts_into(xs, gu, dn, counts, h.data(), y, H, I);
   }
@@ -487,10 +383,12 @@ at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("tiled_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("routed_experts(Tensor xs, Tensor gate_up, Tensor down, Tensor counts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
   m.impl("tiled_linear", &hs::tiled_linear);
+  m.impl("linear", [](const at::Tensor& x, const at::Tensor& w) { return hs::linear(x, w); });
   m.impl("routed_experts", &routed_experts);
 }

@@ -2,14 +2,13 @@
 // the sigmoid-gated shared expert and the combine. Reference and contract: kernels/moe_step.py.
 // Up to hs::kGemvRows tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
 // experts' products in two parallel regions (input projections, then down projections); beyond,
-// the products are hs::decode_product's (the tiled GEMM, or AMX for bf16 weights on an AMX CPU)
-// and all experts run in one `routed_experts_into` (gemm.cpp). fp32 or bf16 weights, fp32
-// activations and accumulation (on AMX, the bf16 products round their inputs to bf16).
+// the products are hs::linear's (the tiled GEMM at these sizes) and all experts run in one
+// `routed_experts_into` (gemm.cpp). fp32 or bf16 weights, fp32 activations and accumulation.
 //
-// Bit for bit the reference, which picks its products by the same row count: the element-wise
-// functions (softmax, silu, sigmoid) are torch's own kernels on the same layouts, and the combine
-// rounds each product before its sum (no FMA contraction in this file's own code), so a
-// request's tokens do not depend on which rows share its batch within either range.
+// The element-wise functions (softmax, silu, sigmoid) are torch's own kernels on the same
+// layouts, and the combine rounds each product before its sum (no FMA contraction in this
+// file's own code), so a request's tokens do not depend on which rows share its batch within
+// either range; the reference (pure torch) agrees to rounding.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -89,7 +88,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
     logits = at::empty({T, E}, x.options());
     linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T);
   } else {
-    logits = hs::decode_product(x, router_w);
+    logits = hs::linear(x, router_w);
   }
   auto [topk_w, topk_ids] = at::topk(at::_softmax(logits, -1, false), top_k, -1);
   if (norm_topk_prob) topk_w = topk_w / topk_w.sum(-1, true);
@@ -155,10 +154,10 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
     std::vector<int64_t> counts(E);
     for (int64_t e = 0; e < E; ++e) counts[e] = start[e + 1] - start[e];
     hs::routed_experts_into(xs.data(), experts_gate_up, experts_down, counts, ys.data());
-    sg = hs::decode_product(x, shared_gate_w);
-    const at::Tensor sact = at::silu(hs::decode_product(x, shared_gate_proj))
-                                .mul_(hs::decode_product(x, shared_up_proj));
-    sy = hs::decode_product(sact, shared_down);
+    sg = hs::linear(x, shared_gate_w);
+    const at::Tensor sact = at::silu(hs::linear(x, shared_gate_proj))
+                                .mul_(hs::linear(x, shared_up_proj));
+    sy = hs::linear(sact, shared_down);
   }
   for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
     float* o = op + row_tok[r] * H;

@@ -1,6 +1,7 @@
-// Several projections of one input in one op: y_i = x w_i^T, the weight-streaming GEMV
-// (hs::skinny_linear_jobs: all weights in one parallel region), fp32 activations, fp32 or bf16
-// weights. Reference and contract: kernels/multi_linear.py.
+// Several projections of one input in one op: y_i = x w_i^T, fp32 activations, fp32 or bf16
+// weights. Up to hs::kGemvRows rows the weight-streaming GEMV for all weights in one parallel
+// region (hs::skinny_linear_jobs); beyond, hs::linear per weight. Reference and contract:
+// kernels/multi_linear.py.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -31,10 +32,21 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
   return out;
 }
 
+std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights) {
+  if (x.size(0) <= kGemvRows) return skinny_linear_multi(x, weights);
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& w : weights) out.push_back(hs::linear(x, w));
+  return out;
+}
+
 }  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("skinny_linear_multi(Tensor x, Tensor[] weights) -> Tensor[]");
+  m.def("linear_multi(Tensor x, Tensor[] weights) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("skinny_linear_multi", &hs::skinny_linear_multi); }
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
+  m.impl("skinny_linear_multi", &hs::skinny_linear_multi);
+  m.impl("linear_multi", &hs::linear_multi);
+}

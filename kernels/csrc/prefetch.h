@@ -1,9 +1,9 @@
 // Software prefetch of a block of memory spread over the steps of the work that runs meanwhile.
 // On the 2-core Xeons these kernels are measured on, one core's hardware prefetchers keep too
 // few lines in flight for a stream to reach the memory's speed, and runs shorter than a few KB
-// (a 16-row AMX tile's rows, a state fetched beside another) get little from them at all. The
-// kernel asking for its next block a few cache lines per step keeps the loads ahead of it:
-// amx.h (`cols_few`: the next 32 weight rows) and delta_rule.h (the next recurrent state).
+// (a state fetched beside another) get little from them at all. The kernel asking for its next
+// block a few cache lines per step keeps the loads ahead of it: delta_rule.h (the next
+// recurrent state).
 #pragma once
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// The register vector of the CPU GEMV and GEMMs (gemv.h, gemm.cpp, gemm_packed.cpp): 16 fp32
+// The register vector of the CPU GEMV and GEMMs (gemv.h, gemm.cpp): 16 fp32
 // lanes where the compiler targets AVX-512 (`-march=native` on such a CPU), 8 with AVX2 + FMA.
 // In the GEMMs the lanes run along outputs, never along k, so every output is the same chain of
 // fused multiply-adds whatever the width: the two builds give bit-identical results. The GEMV's

@@ -1,9 +1,8 @@
-"""The C++ GEMMs (`tiled_linear` and `packed_linear`, through `kernels.linear_cpp.linear`) and the
-routed-experts op (`kernels.experts_cpp.routed_experts`) against their torch references, on the
-same inputs.
+"""The C++ GEMM (`tiled_linear`, through `kernels.linear_cpp.linear`) and the routed-experts op
+(`kernels.experts_cpp.routed_experts`) against their torch references, on the same inputs.
 
-The kernels are built at first use (`kernels.cpp_build`); on a machine that cannot build them
-these tests skip (the dispatcher then runs the references).
+The kernels are built at install or first use (`kernels.cpp_build`); on a machine that cannot
+build them these tests skip (models there get the torch kernel set).
 """
 
 from __future__ import annotations
@@ -26,10 +25,10 @@ def inference_mode():
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_gemm_matches_f_linear(seed, wdtype) -> None:
-    """Random M in 9..256 (the tiled GEMM's rows; the wrapper gives fp32 rows up to
-    `TILED_MAX_ROWS` to it), K not a multiple of 8, odd N, bias, leading dims."""
+    """Random M in 9..300 (the tiled GEMM's rows), K not a multiple of 8, odd N, bias, leading
+    dims."""
     g = torch.Generator().manual_seed(seed)
-    M = int(torch.randint(linear_cpp.SKINNY_ROWS + 1, 257, (1,), generator=g))
+    M = int(torch.randint(9, 301, (1,), generator=g))
     K = int(torch.randint(1, 100, (1,), generator=g)) * 8 + int(
         torch.randint(1, 8, (1,), generator=g)
     )
@@ -69,54 +68,28 @@ def test_gemm_edge_shapes(M, N, K, wdtype) -> None:
     torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("M", "N", "K", "wdtype"),
-    [
-        (1, 1, 1, torch.float32),
-        (7, 17, 5, torch.float32),  # one sliver each way, both with tails
-        (130, 33, 300, torch.float32),  # two KC slices, the second short
-        (257, 40, 768, torch.bfloat16),  # three MC blocks, the last of 17 rows
-        (600, 16, 64, torch.float32),  # one weight sliver: the threads split the rows of x
-        (5, 2100, 513, torch.bfloat16),  # two NC blocks of weight rows
-    ],
-)
-def test_packed_gemm_matches_f_linear(M, N, K, wdtype) -> None:
-    """The packed GEMM on tails in every direction (rows of x past a 6-row sliver and an MC
-    block, weight rows past a 16-row sliver and an NC block, k past a KC slice): close to
-    `F.linear`, and bit for bit the tiled GEMM (the same sum order), so a row's result does not
-    depend on which GEMM its batch's row count picked."""
-    torch.manual_seed(M + N + K)
-    x, w = torch.randn(M, K), torch.randn(N, K).to(wdtype)
-    y = torch.ops.hybrid_serve.packed_linear(x, w)
-    torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
-    assert torch.equal(y, torch.ops.hybrid_serve.tiled_linear(x, w))
-
-
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_linear_picks_the_gemm_by_rows(monkeypatch, wdtype) -> None:
-    """GEMV up to SKINNY_ROWS, the tiled GEMM up to its dtype's limit, the packed one beyond."""
-    calls = []
-    for name in ("skinny_linear", "tiled_linear", "packed_linear"):
-        op = getattr(torch.ops.hybrid_serve, name)
-        monkeypatch.setattr(torch.ops.hybrid_serve, name, lambda x, w, n=name, op=op:
-                            calls.append(n) or op(x, w))  # fmt: skip
-    limit = linear_cpp.TILED_MAX_ROWS if wdtype == torch.float32 else linear_cpp.BF16_TILED_MAX_ROWS
+def test_linear_picks_the_product_by_rows(monkeypatch, wdtype) -> None:
+    """The GEMV up to 8 rows, the tiled GEMM beyond (prefill sizes included), all inside the C++
+    op `hybrid_serve::linear`: the GEMV's and the GEMM's results for the same rows."""
+    torch.manual_seed(3)
     w = torch.randn(24, 40).to(wdtype)
-    for M in (linear_cpp.SKINNY_ROWS, linear_cpp.SKINNY_ROWS + 1, limit, limit + 1):
+    for M, op in ((1, "skinny_linear"), (8, "skinny_linear"), (9, "tiled_linear"),
+                  (1300, "tiled_linear")):  # fmt: skip
         x = torch.randn(M, 40)
-        torch.testing.assert_close(linear_cpp.linear(x, w), F.linear(x, w.float()), atol=1e-4,
-                                   rtol=1e-5)  # fmt: skip
-    assert calls == ["skinny_linear", "tiled_linear", "tiled_linear", "packed_linear"]
+        y = linear_cpp.linear(x, w)
+        assert torch.equal(y, getattr(torch.ops.hybrid_serve, op)(x, w)), M
+        torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_gemm_row_does_not_depend_on_its_batch(wdtype) -> None:
     """Each output is one fixed sum order: a row's result is bit-identical alone among 9 rows
-    (the GEMM's smallest), at any position of 64, and beside different rows."""
+    (the GEMM's smallest), at any position of 600, and beside different rows."""
     torch.manual_seed(5)
-    x, w = torch.randn(64, 300), torch.randn(70, 300).to(wdtype)
+    x, w = torch.randn(600, 300), torch.randn(70, 300).to(wdtype)
     full = torch.ops.hybrid_serve.tiled_linear(x, w)
-    for lo in (0, 5, 40, 55):
+    for lo in (0, 5, 40, 55, 591):
         part = torch.ops.hybrid_serve.tiled_linear(x[lo : lo + 9].contiguous(), w)
         assert torch.equal(part, full[lo : lo + 9])
     other = torch.cat([x[:1], torch.randn(20, 300)])
@@ -129,20 +102,6 @@ def test_gemm_non_contiguous_inputs() -> None:
     x = torch.randn(40, 2 * 77)[:, ::2]
     w = torch.randn(77, 33).t()
     torch.testing.assert_close(linear_cpp.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
-
-
-def test_gemm_switch_off(monkeypatch) -> None:
-    """GEMM_ON off (HYBRID_SERVE_CPU_GEMM=off) sends the same calls to the torch references."""
-    from kernels import experts_cpp
-
-    torch.manual_seed(2)
-    x, w = torch.randn(20, 30), torch.randn(10, 30)
-    xs, gate_up, down, counts = expert_inputs(3, 16, 8, [5, 0, 4], torch.float32)
-    monkeypatch.setattr(linear_cpp, "GEMM_ON", False)
-    assert torch.equal(linear_cpp.linear(x, w), F.linear(x, w))
-    assert not experts_cpp.takes(xs)
-    want = reference_experts(xs, gate_up, down, counts)
-    assert torch.equal(experts_cpp.routed_experts(xs, gate_up, down, counts), want)
 
 
 def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype):
@@ -160,10 +119,10 @@ def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype
         (37, 13, [0, 0, 5, 0]),  # one active expert, odd sizes (no 16-byte rows)
         (64, 24, [0, 0, 0]),  # no rows at all
         (768, 256, [16, 20, 12, 16, 18, 14, 17, 15]),  # the small preset at batch 64
-        (40, 24, [300, 0, 1030, 2]),  # prefill-sized experts: the packed GEMM (bf16 > 256 rows)
+        (40, 24, [100, 0, 150, 2]),  # the most rows the C++ op takes (beyond: the reference)
     ],
 )
-def test_routed_experts_match_reference(H, I, counts, wdtype, amx_off) -> None:
+def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
     from kernels.experts_cpp import routed_experts
 
     torch.manual_seed(len(counts) + H)
@@ -177,21 +136,13 @@ def test_routed_experts_match_reference(H, I, counts, wdtype, amx_off) -> None:
     torch.testing.assert_close(got.double(), want, atol=2e-6 * scale, rtol=0)
 
 
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_routed_expert_rows_do_not_depend_on_the_expert_row_count(wdtype, amx_off) -> None:
-    """An expert beyond the tiled GEMM's rows (1,024 fp32, 256 bf16) runs the packed GEMM, whose
-    sums are the tiled GEMM's bit for bit: its rows come out as they do from a few-row batch."""
-    from kernels.experts_cpp import routed_experts
+def test_routed_experts_beyond_the_cpp_rows_run_the_reference() -> None:
+    from kernels.experts_cpp import MAX_ROWS, routed_experts
 
-    torch.manual_seed(11)
-    big = 1030 if wdtype == torch.float32 else 260
-    xs, gate_up, down, _ = expert_inputs(2, 48, 32, [big, 3], wdtype)
-    full = routed_experts(xs, gate_up, down, torch.tensor([big, 3]))
-    for lo in (0, 97, big - 5):
-        part = routed_experts(xs[lo : lo + 5].contiguous(), gate_up, down, torch.tensor([5, 0]))
-        assert torch.equal(part, full[lo : lo + 5])
-    tail = routed_experts(xs[big:].contiguous(), gate_up, down, torch.tensor([0, 3]))
-    assert torch.equal(tail, full[big:])
+    xs, gate_up, down, cnt = expert_inputs(2, 16, 8, [MAX_ROWS, 1], torch.float32)
+    assert torch.equal(
+        routed_experts(xs, gate_up, down, cnt), reference_experts(xs, gate_up, down, cnt)
+    )
 
 
 def test_routed_experts_rejects_counts_that_do_not_sum() -> None:

@@ -1,4 +1,4 @@
-"""The multi-weight GEMV (C++) against its reference (one `kernels.linear` per weight): fp32 and
+"""The multi-weight op (C++) against its reference (one torch `linear` per weight): fp32 and
 bf16 weights, with and without biases, within and past the GEMV's row limit. Skips where the C++
 kernels cannot be built."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import multi_linear, multi_linear_cpp
+from kernels import linear_cpp, multi_linear, multi_linear_cpp
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
@@ -28,13 +28,15 @@ def test_linear_multi_matches_reference(lead, dtype, bias) -> None:
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_rows_past_the_gemv_limit_run_the_reference() -> None:
+def test_rows_past_the_gemv_limit_run_the_linear_op_per_weight() -> None:
+    """Beyond the GEMV's 8 rows each weight takes the C++ linear op's product (the tiled GEMM):
+    the same bits as `kernels.linear_cpp.linear` weight by weight."""
     torch.manual_seed(0)
-    x = torch.randn(9, 16)  # fp32 weights: the GEMV takes at most 8 rows
-    weights = [torch.randn(4, 16), torch.randn(3, 16)]
+    x = torch.randn(9, 16)
+    weights = [torch.randn(4, 16), torch.randn(3, 16).to(torch.bfloat16)]
     ys = multi_linear_cpp.linear_multi(x, weights, [None, None])
-    for y, ref in zip(ys, multi_linear.linear_multi(x, weights, [None, None]), strict=True):
-        assert torch.equal(y, ref)
+    for y, w in zip(ys, weights, strict=True):
+        assert torch.equal(y, linear_cpp.linear(x, w))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kernels import attention, causal_conv1d, gated_delta_rule, rmsnorm
 from kernels.causal_conv1d import PAD_SLOT_ID
-from kernels.dispatch import triton_module
+from kernels.kernel_set import triton_module
 
 CONV, GDR, ATTN, NORM = (
     "causal_conv1d_triton",

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import cpp_build, linear_cpp
+from kernels import KernelSettings, choose
 from models import cpu_decode
 from models.cpu_decode import MAX_ROWS, CpuDecodePlan
 from models.loader import load_model
@@ -68,7 +68,7 @@ def test_plan_equals_eager_bit_for_bit(ckpt, dtype):
     plain = DecodeGraphRunner(eager, [])  # no sizes: no plan, every batch eager
     planned = DecodeGraphRunner(fast, [1, 2, 4, 8, PLAN_ROWS])
     assert plain.plan is None and planned.plan is not None and planned.plan_rows == PLAN_ROWS
-    assert linear_cpp.SKINNY_ROWS < PLAN_ROWS <= MAX_ROWS
+    assert 8 < PLAN_ROWS <= MAX_ROWS  # the GEMV's rows and the tiled GEMM's
     planned.plan = spy = Counting(planned.plan)
     tokens, lens = list(first), [len(p) for p in PROMPTS]
     for n in [1, 3, PLAN_ROWS, 2, len(PROMPTS), 9, 1, 5]:
@@ -86,31 +86,22 @@ def test_plan_equals_eager_bit_for_bit(ckpt, dtype):
     assert spy.rows == [1, 3, PLAN_ROWS, 2, 9, 1, 5]  # the 12-row step ran eagerly
 
 
-def test_plan_rows_follow_the_gemm_switch(ckpt, monkeypatch):
-    """With the C++ GEMM off the eager step takes `F.linear` beyond the GEMV's rows, so the
-    plan (whose products there are the GEMM) covers only the GEMV's."""
-    runner, _, _ = prefilled(ckpt, "float32")
-    graphs = DecodeGraphRunner(runner, [1, 16])
-    assert graphs.plan.ready(8) and graphs.plan.ready(16) and not graphs.plan.ready(MAX_ROWS + 1)
-    monkeypatch.setattr(linear_cpp, "GEMM_ON", False)
-    assert graphs.plan.ready(8) and not graphs.plan.ready(9)
-
-
 def test_plan_follows_the_kernel_choice(ckpt, kernels_mode):
-    """With the torch references chosen the eager step does not call the C++ ops, so neither
-    does the runner: the plan steps aside."""
+    """A model on the torch references (or the C++ kernels without their fusions) does not run
+    the fused C++ decode ops, so it gets no plan."""
     runner, slots, first = prefilled(ckpt, "float32")
+    assert DecodeGraphRunner(runner, [1, 2]).plan is not None
+    kernels_mode("torch", runner.model)
     graphs = DecodeGraphRunner(runner, [1, 2])
-    assert graphs.plan is not None and graphs.plan.ready(1)
-    graphs.plan = spy = Counting(graphs.plan)
-    kernels_mode("torch")
-    assert not spy.ready(1)
+    assert graphs.plan is None
     (q, m), n = slots[0], len(PROMPTS[0])
     logits = graphs.forward([DecodeInput(q, m, n, first[0])], runner.alloc_kv(q, n, 1))
-    assert spy.rows == [] and logits.shape == (1, runner.model.config.vocab_size)
+    assert logits.shape == (1, runner.model.config.vocab_size)
+    runner.model.use_kernels(choose("cpu", settings=KernelSettings(fusions=False)))
+    assert DecodeGraphRunner(runner, [1, 2]).plan is None
 
 
-def test_where_the_plan_does_not_apply(ckpt, monkeypatch):
+def test_where_the_plan_does_not_apply(ckpt):
     runner, _, _ = prefilled(ckpt, "float32")
     model, pools_args = runner.model, (runner.kv_pool, runner.mamba_pool,
                                        runner.req_pool.req_to_token)  # fmt: skip
@@ -130,9 +121,6 @@ def test_where_the_plan_does_not_apply(ckpt, monkeypatch):
     assert cpu_decode.pools_unsupported(*bf16_args) == "the K pool is torch.bfloat16"
     assert CpuDecodePlan.build(model, *bf16_args) is None
     assert CpuDecodePlan.build(model, *pools_args) is not None
-    monkeypatch.setattr(cpp_build, "available", lambda: False)
-    assert CpuDecodePlan.build(model, *pools_args) is None
-    assert DecodeGraphRunner(runner, [1, 2]).plan is None
 
 
 def test_decode_step_checks_its_layout(ckpt):

@@ -1,6 +1,7 @@
-"""Routed experts: the one-call path (`kernels.routed_experts`: the C++ op, or grouped GEMMs under
-the torch kernels) and the per-expert loop against a plain per-token sum, at any stored shapes (a
-tensor-parallel shard keeps a slice of the intermediate dim)."""
+"""Routed experts (`Experts`, the kernel set's `fused_experts`) on every CPU kernel set: the C++
+op, or torch's grouped GEMM / the per-expert loop of the references, and the static-shape path
+of CUDA graphs, against a plain per-token sum at any stored shapes (a tensor-parallel shard keeps
+a slice of the intermediate dim)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build, dispatch, experts_cpp, linear_cpp
-from kernels.experts import routed_experts
+from kernels import KernelSettings, choose, cpp_build
+from kernels.experts import grouped_mm_fits, static_experts
 from models.layers import Experts
+
+BACKENDS = ["torch", "cpp"] if cpp_build.available() else ["torch"]
 
 
 def per_token_reference(moe: Experts, x, ids, w) -> torch.Tensor:
@@ -34,9 +37,12 @@ def per_token_reference(moe: Experts, x, ids, w) -> torch.Tensor:
         (4, 40, 12, 2, 70),  # a prefill-sized batch: torch's grouped GEMM, as transformers
     ],
 )
-def test_both_paths_match_the_per_token_sum(experts, hidden, inter, top_k, tokens) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_path_matches_the_per_token_sum(
+    experts, hidden, inter, top_k, tokens, backend
+) -> None:
     torch.manual_seed(tokens)
-    moe = Experts(experts, hidden, inter)
+    moe = Experts(experts, hidden, inter, choose("cpu", settings=KernelSettings(backend)))
     torch.nn.init.normal_(moe.gate_up_proj, std=0.2)
     torch.nn.init.normal_(moe.down_proj, std=0.2)
     x = torch.randn(tokens, hidden)
@@ -45,37 +51,22 @@ def test_both_paths_match_the_per_token_sum(experts, hidden, inter, top_k, token
     w = torch.rand(tokens, top_k)
     want = per_token_reference(moe, x, ids, w)
     with torch.inference_mode():
-        aligned = inter % 4 == 0  # 16-byte rows in fp32, as torch._grouped_mm needs
-        one_call = dispatch.use_cpp(x) or (tokens >= Experts.GROUPED_MIN_TOKENS and aligned)
-        assert experts_cpp.takes(x) == cpp_build.available()
-        assert moe.use_grouped(x) == one_call
         got = moe(x, ids, w)
-        flat = ids.flatten()
-        xs = x[flat.argsort(stable=True) // top_k]
-        counts = torch.bincount(flat, minlength=experts)
-        looped = moe.looped_experts(xs, counts.tolist())
-        grouped = moe.grouped_experts(xs, counts, tokens)
-        torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=1e-5)
-        reference = routed_experts(xs, moe.gate_up_proj, moe.down_proj, counts)  # grouped_mm
-        torch.testing.assert_close(reference, looped, atol=1e-5, rtol=1e-5)
-        if tokens > linear_cpp.GEMM_MAX_ROWS and aligned:  # prefill: MKL's round-off exactly
-            assert torch.equal(grouped, reference)
+        static = static_experts(x, ids, w, moe.gate_up_proj, moe.down_proj)
+        # the reference takes torch's grouped GEMM where its rows are 16-byte aligned, else loops
+        assert grouped_mm_fits(x, moe.gate_up_proj, moe.down_proj) == (inter % 4 == 0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(static, want, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_weights_under_fp32_rows() -> None:
-    moe = Experts(4, 16, 8).to(torch.bfloat16)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_weights_under_fp32_rows(backend) -> None:
+    moe = Experts(4, 16, 8, choose("cpu", settings=KernelSettings(backend))).to(torch.bfloat16)
     torch.nn.init.normal_(moe.gate_up_proj, std=0.2)
     torch.nn.init.normal_(moe.down_proj, std=0.2)
     x = torch.randn(12, 16)
     ids = torch.stack([torch.randperm(4)[:2] for _ in range(12)])
     w = torch.rand(12, 2)
-    assert moe.use_grouped(x) == dispatch.use_cpp(x)  # the C++ op takes bf16 weights
     with torch.inference_mode():
         got = moe(x, ids, w)
-        flat = ids.flatten()
-        xs = x[flat.argsort(stable=True) // 2]
-        counts = torch.bincount(flat, minlength=4)
-        grouped = moe.grouped_experts(xs, counts, 12)
-        torch.testing.assert_close(grouped, moe.looped_experts(xs, counts.tolist()))
     torch.testing.assert_close(got, per_token_reference(moe, x, ids, w), atol=1e-4, rtol=1e-4)

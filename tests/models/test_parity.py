@@ -19,8 +19,8 @@ from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, Runner
 from tests.hf_reference import hf_greedy
 from tests.ragged_prefill import admit, ragged_prefill
 
-# The ragged prefill of all of them (1,411 tokens) takes the packed GEMM on CPU (more rows than
-# kernels.linear_cpp.TILED_MAX_ROWS), the chunked prefills the tiled one
+# The ragged prefill of all of them (1,411 tokens) is one GEMM of 1,411 rows on CPU, the chunked
+# prefills' GEMMs a chunk's rows each
 PROMPT_LENS = [1, 17, 64, 129, 1200]
 DECODE_STEPS = 32
 ATOL = 1e-4

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels import dispatch
 from models.loader import load_model
 from models.presets import write_preset
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
@@ -53,27 +52,32 @@ def greedy(model, prompts: list[list[int]], device: str) -> tuple[list[list[int]
     return outputs, first_decode
 
 
-def test_tiny_model_triton_matches_torch(
-    tmp_path, triton_device, monkeypatch, kernels_mode
-) -> None:
+def test_tiny_model_triton_matches_torch(tmp_path, triton_device, kernels_mode) -> None:
     dev = str(triton_device)
     model = load_model(write_preset("tiny", tmp_path, seed=3), dtype="float32", device=dev)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2048, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
-    kernels_mode("torch")
+    kernels_mode("torch", model)
     ref_tokens, ref_logits = greedy(model, prompts, dev)
-    kernels_mode("triton")
-    used: set[str] = set()
-    load = dispatch.triton_module
-    monkeypatch.setattr(dispatch, "triton_module", lambda name, d: used.add(name) or load(name, d))
+    kernels_mode("triton", model)
     tokens, logits = greedy(model, prompts, dev)
 
-    assert used == {
-        "causal_conv1d_triton",
-        "gated_delta_rule_triton",
-        "attention_triton",
-        "rmsnorm_triton",
+    ops = model.ops
+    used = {
+        getattr(ops, f).__module__
+        for f in (
+            "causal_conv1d_fn",
+            "chunk_gated_delta_rule",
+            "extend_attention",
+            "rms_norm_gated",
+        )
+    }
+    assert ops.backend == "triton" and used == {
+        "kernels.causal_conv1d_triton",
+        "kernels.gated_delta_rule_triton",
+        "kernels.attention_triton",
+        "kernels.rmsnorm_triton",
     }
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() < 1e-3

@@ -1,0 +1,303 @@
+"""Which implementation runs each op: chosen once, when a model is built, from the device, the
+activations' dtype, what this machine can run and `KernelSettings`; then fixed.
+
+The model's layers receive a `KernelSet` at construction and call its fields; nothing decides
+per call which implementation runs. `choose` builds one of three sets:
+
+- `triton` (CUDA tensors, or CPU tensors in triton's interpreter): the Triton kernels for the
+  conv, the gated delta rule, attention and the gated norm; torch for the dense products;
+- `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
+  that has one, and the fused decode blocks;
+- `torch`: the pure-torch references, which call only references.
+
+A fused op that a set does not have is the reference composition of that set's unfused ops
+(`functools.partial` over the reference's sub-op arguments), so every set has every field.
+`table` is the start-up log's one-line-per-op summary.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import partial
+from types import ModuleType
+
+import torch
+
+from kernels import (
+    attention,
+    attn_step,
+    causal_conv1d,
+    cpp_build,
+    experts,
+    gated_delta_rule,
+    gdn_step,
+    linear,
+    moe_step,
+    multi_linear,
+    rmsnorm,
+)
+from kernels.settings import KERNELS_ENV, KernelSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One implementation per op; every implementation keeps its reference's signature and
+    contract (the reference modules' docstrings)."""
+
+    backend: str  # "triton", "cpp" or "torch"
+    fused: bool  # whether the fused decode ops are the backend's own kernels
+    linear: Callable
+    linear_multi: Callable
+    rms_norm: Callable
+    fused_add_rmsnorm: Callable
+    rms_norm_gated: Callable
+    causal_conv1d_fn: Callable
+    causal_conv1d_update: Callable
+    chunk_gated_delta_rule: Callable
+    fused_recurrent_gated_delta_rule: Callable
+    extend_attention: Callable
+    decode_attention: Callable
+    store_kv: Callable
+    gdn_decode: Callable
+    attn_decode: Callable
+    sparse_moe: Callable
+    fused_experts: Callable
+
+    def table(self) -> str:
+        """One line per op: its name and the function that runs it."""
+        rows = [
+            f"kernels: {self.backend} backend, fused decode ops {'on' if self.fused else 'off'}"
+        ]
+        for f in fields(self)[2:]:
+            rows.append(f"  {f.name:<34}{describe(getattr(self, f.name))}")
+        return "\n".join(rows)
+
+
+def describe(fn: Callable) -> str:
+    if isinstance(fn, partial):
+        subs = ", ".join(f"{k}={describe(v)}" for k, v in fn.keywords.items())
+        return f"{describe(fn.func)}({subs})"
+    return f"{fn.__module__.removeprefix('kernels.')}.{fn.__name__}"
+
+
+def compose(
+    linear_fn: Callable,
+    rms_norm_fn: Callable,
+    rms_norm_gated_fn: Callable,
+    conv_update: Callable,
+    recurrent: Callable,
+    store: Callable,
+    decode_attn: Callable,
+    experts_fn: Callable,
+) -> dict[str, Callable]:
+    """The fused ops as reference compositions of these unfused ones."""
+    fused_experts = partial(experts.fused_experts, routed=experts_fn)
+    return dict(
+        linear_multi=partial(multi_linear.linear_multi, linear=linear_fn),
+        fused_add_rmsnorm=partial(rmsnorm.fused_add_rmsnorm, rms_norm=rms_norm_fn),
+        gdn_decode=partial(
+            gdn_step.gdn_decode,
+            conv_update=conv_update,
+            recurrent=recurrent,
+            norm_gated=rms_norm_gated_fn,
+        ),  # fmt: skip
+        attn_decode=partial(
+            attn_step.attn_decode,
+            rms_norm=rms_norm_fn,
+            store_kv=store,
+            decode_attention=decode_attn,
+        ),
+        sparse_moe=partial(moe_step.sparse_moe, linear=linear_fn, fused_experts=fused_experts),
+        fused_experts=fused_experts,
+    )
+
+
+def reference_set() -> KernelSet:
+    """The pure-torch references (any device, any dtype)."""
+    return KernelSet(
+        backend="torch",
+        fused=False,
+        linear=linear.linear,
+        rms_norm=rmsnorm.rms_norm,
+        rms_norm_gated=rmsnorm.rms_norm_gated,
+        causal_conv1d_fn=causal_conv1d.causal_conv1d_fn,
+        causal_conv1d_update=causal_conv1d.causal_conv1d_update,
+        chunk_gated_delta_rule=gated_delta_rule.chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule=gated_delta_rule.fused_recurrent_gated_delta_rule,
+        extend_attention=attention.extend_attention,
+        decode_attention=attention.decode_attention,
+        store_kv=attention.store_kv,
+        **compose(
+            linear.linear,
+            rmsnorm.rms_norm,
+            rmsnorm.rms_norm_gated,
+            causal_conv1d.causal_conv1d_update,
+            gated_delta_rule.fused_recurrent_gated_delta_rule,
+            attention.store_kv,
+            attention.decode_attention,
+            experts.routed_experts,
+        ),  # fmt: skip
+    )
+
+
+def triton_set(device: torch.device) -> KernelSet:
+    """Triton for the conv, the delta rule, attention and the gated norm; torch elsewhere. On a
+    CUDA graph capture the experts take their static-shape path (`experts.fused_experts`)."""
+    conv = triton_module("causal_conv1d_triton", device)
+    gdr = triton_module("gated_delta_rule_triton", device)
+    attn = triton_module("attention_triton", device)
+    norm = triton_module("rmsnorm_triton", device)
+    return KernelSet(
+        backend="triton",
+        fused=False,
+        linear=linear.linear,
+        rms_norm=rmsnorm.rms_norm,
+        rms_norm_gated=norm.rms_norm_gated,
+        causal_conv1d_fn=conv.causal_conv1d_fn,
+        causal_conv1d_update=conv.causal_conv1d_update,
+        chunk_gated_delta_rule=gdr.chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule=gdr.fused_recurrent_gated_delta_rule,
+        extend_attention=attn.extend_attention,
+        decode_attention=attn.decode_attention,
+        store_kv=attn.store_kv,
+        **compose(
+            linear.linear,
+            rmsnorm.rms_norm,
+            norm.rms_norm_gated,
+            conv.causal_conv1d_update,
+            gdr.fused_recurrent_gated_delta_rule,
+            attn.store_kv,
+            attn.decode_attention,
+            experts.routed_experts,
+        ),  # fmt: skip
+    )
+
+
+def cpp_set(fusions: bool) -> KernelSet:
+    """The C++ CPU kernels (fp32 activations; fp32 or bf16 matrices)."""
+    from kernels import (
+        attn_step_cpp,
+        causal_conv1d_cpp,
+        experts_cpp,
+        gated_delta_rule_cpp,
+        gdn_step_cpp,
+        linear_cpp,
+        moe_step_cpp,
+        multi_linear_cpp,
+        rmsnorm_cpp,
+    )
+
+    composed = compose(
+        linear_cpp.linear, rmsnorm_cpp.rms_norm, rmsnorm_cpp.rms_norm_gated,
+        causal_conv1d_cpp.causal_conv1d_update,
+        gated_delta_rule_cpp.fused_recurrent_gated_delta_rule, attention.store_kv,
+        attention.decode_attention, experts_cpp.routed_experts,
+    )  # fmt: skip
+    if fusions:
+        composed.update(
+            linear_multi=multi_linear_cpp.linear_multi,
+            fused_add_rmsnorm=rmsnorm_cpp.fused_add_rmsnorm,
+            gdn_decode=gdn_step_cpp.gdn_decode,
+            attn_decode=attn_step_cpp.attn_decode,
+            sparse_moe=partial(moe_step_cpp.sparse_moe, unfused=composed["sparse_moe"]),
+        )
+    return KernelSet(
+        backend="cpp",
+        fused=fusions,
+        linear=linear_cpp.linear,
+        rms_norm=rmsnorm_cpp.rms_norm if fusions else rmsnorm.rms_norm,
+        rms_norm_gated=rmsnorm_cpp.rms_norm_gated,
+        causal_conv1d_fn=causal_conv1d_cpp.causal_conv1d_fn,
+        causal_conv1d_update=causal_conv1d_cpp.causal_conv1d_update,
+        chunk_gated_delta_rule=gated_delta_rule_cpp.chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule=gated_delta_rule_cpp.fused_recurrent_gated_delta_rule,
+        extend_attention=attention.extend_attention,
+        decode_attention=attention.decode_attention,
+        store_kv=attention.store_kv,
+        **composed,
+    )
+
+
+def choose(
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    settings: KernelSettings | None = None,
+) -> KernelSet:
+    """The kernel set for a model whose activations are `dtype` on `device` (see the module
+    docstring). `settings` default to the environment's."""
+    settings = settings or KernelSettings.from_env()
+    device = torch.device(device)
+    backend = settings.backend
+    if backend == "auto":
+        if device.type == "cuda":
+            backend = "triton" if triton_available() else "torch"
+        elif device.type == "cpu" and dtype == torch.float32 and cpp_build.available():
+            backend = "cpp"
+        else:
+            backend = "torch"
+    if backend == "triton":
+        return triton_set(device)
+    if backend == "cpp" and device.type == "cpu" and dtype == torch.float32:
+        if not cpp_build.available():
+            raise RuntimeError(f"{KERNELS_ENV}=cpp but the C++ kernels cannot be built") from (
+                cpp_build.load_error()
+            )
+        return cpp_set(settings.fusions)
+    return reference_set()
+
+
+_import_error: list[BaseException] = []  # the first failure importing triton, if any
+
+
+def triton_available() -> bool:
+    """True when `import triton` succeeds (tried once per process)."""
+    if _import_error:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # a broken install can raise more than ImportError
+        _import_error.append(e)
+        logger.info("triton unavailable, using torch kernels: %s", e)
+        return False
+    return True
+
+
+def interpreter_ready() -> bool:
+    """True when triton was imported in interpreter mode (its own helpers such as `tl.sum` are
+    then interpreted functions), so kernels can run on CPU tensors."""
+    import triton.language as tl
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def triton_module(name: str, device: torch.device) -> ModuleType:
+    """Import `kernels.<name>` (a Triton module) for use on `device`: on a device other than
+    CUDA in triton's interpreter, which must be chosen before triton is first imported (this
+    sets TRITON_INTERPRET=1 if nothing imported triton yet, and raises RuntimeError if it was
+    imported for the GPU). Every Triton module records in `INTERPRETED` whether its kernels were
+    defined for the interpreter."""
+    interpret = device.type != "cuda"
+    full_name = f"kernels.{name}"
+    if interpret and full_name not in sys.modules:
+        if "triton" in sys.modules and not interpreter_ready():
+            raise RuntimeError(_NO_INTERPRETER.format(device=device))
+        os.environ["TRITON_INTERPRET"] = "1"  # our kernels are defined at import
+    if not triton_available():
+        raise ImportError("triton cannot be imported") from _import_error[0]
+    module = importlib.import_module(full_name)
+    if interpret and not (module.INTERPRETED and interpreter_ready()):
+        raise RuntimeError(_NO_INTERPRETER.format(device=device))
+    return module
+
+
+_NO_INTERPRETER = (
+    "Triton kernels on {device} tensors need triton's interpreter, but triton (or the kernel "
+    "module) was imported without TRITON_INTERPRET=1; set it before anything imports triton"
+)

@@ -1,0 +1,116 @@
+"""Which implementation each op runs: `kernels.choose` by device, dtype, what builds and the
+settings (`HYBRID_SERVE_KERNELS`, `HYBRID_SERVE_FUSIONS`), decided once per model."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from dataclasses import fields
+from functools import partial
+
+import pytest
+import torch
+
+from kernels import KernelSet, KernelSettings, choose, cpp_build, kernel_set, reference_set, rmsnorm
+from models.loader import load_model
+from models.presets import preset_config, write_checkpoint
+
+OPS = [f.name for f in fields(KernelSet)][2:]
+
+
+def functions(fn) -> list:
+    """`fn` and, for a composition, every sub-op it was given (recursively)."""
+    if isinstance(fn, partial):
+        return [fn.func, *(g for sub in fn.keywords.values() for g in functions(sub))]
+    return [fn]
+
+
+def modules(ops: KernelSet) -> set[str]:
+    return {g.__module__ for name in OPS for g in functions(getattr(ops, name))}
+
+
+def test_settings_from_the_environment() -> None:
+    assert KernelSettings.from_env({}) == KernelSettings("auto", True)
+    env = {"HYBRID_SERVE_KERNELS": " Torch ", "HYBRID_SERVE_FUSIONS": "off"}
+    assert KernelSettings.from_env(env) == KernelSettings("torch", False)
+    with pytest.raises(ValueError, match="HYBRID_SERVE_KERNELS='cuda'"):
+        KernelSettings.from_env({"HYBRID_SERVE_KERNELS": "cuda"})
+    with pytest.raises(ValueError, match="HYBRID_SERVE_FUSIONS"):
+        KernelSettings.from_env({"HYBRID_SERVE_FUSIONS": "sideways"})
+
+
+def test_references_call_only_references() -> None:
+    """Every op of the torch set, and every sub-op its compositions were given, is a pure-torch
+    reference (no C++ or Triton module anywhere in it)."""
+    ops = choose("cpu", settings=KernelSettings("torch"))
+    assert ops.backend == "torch" and not ops.fused
+    assert not any(m.endswith(("_cpp", "_triton")) for m in modules(ops)), modules(ops)
+    assert modules(ops) == modules(reference_set())
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpp"])
+def test_cpu_fp32_takes_the_cpp_kernels(monkeypatch, backend) -> None:
+    monkeypatch.setattr(cpp_build, "available", lambda: True)
+    ops = choose("cpu", torch.float32, KernelSettings(backend))
+    assert ops.backend == "cpp" and ops.fused
+    assert ops.linear.__module__ == "kernels.linear_cpp"
+    assert ops.gdn_decode.__module__ == "kernels.gdn_step_cpp"
+    assert not any(m.endswith("_triton") for m in modules(ops))
+
+
+def test_fusions_off_composes_the_unfused_cpp_kernels(monkeypatch) -> None:
+    """Without fusions the fused ops are the references' compositions of the C++ unfused
+    kernels: the same kernels otherwise."""
+    monkeypatch.setattr(cpp_build, "available", lambda: True)
+    ops = choose("cpu", settings=KernelSettings("cpp", fusions=False))
+    assert ops.backend == "cpp" and not ops.fused
+    assert ops.gdn_decode.func.__module__ == "kernels.gdn_step"
+    assert ops.gdn_decode.keywords["recurrent"].__module__ == "kernels.gated_delta_rule_cpp"
+    assert ops.fused_add_rmsnorm.func is rmsnorm.fused_add_rmsnorm
+    assert ops.linear.__module__ == "kernels.linear_cpp"
+
+
+def test_where_the_cpp_kernels_do_not_apply(monkeypatch) -> None:
+    monkeypatch.setattr(cpp_build, "available", lambda: True)
+    assert choose("cpu", torch.bfloat16, KernelSettings()).backend == "torch"  # bf16 activations
+    monkeypatch.setattr(cpp_build, "available", lambda: False)
+    assert choose("cpu", settings=KernelSettings()).backend == "torch"  # auto: silently torch
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        choose("cpu", settings=KernelSettings("cpp"))
+
+
+def test_cuda_without_triton_takes_torch(monkeypatch) -> None:
+    monkeypatch.setattr(kernel_set, "triton_available", lambda: False)
+    assert choose("cuda", torch.bfloat16, KernelSettings()).backend == "torch"
+
+
+def test_forced_triton_on_cpu_runs_the_interpreter(triton_device) -> None:
+    ops = choose(triton_device, settings=KernelSettings("triton"))
+    assert ops.backend == "triton" and ops.rms_norm_gated.__module__ == "kernels.rmsnorm_triton"
+    args = (torch.randn(3, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
+    args = [a.to(triton_device) if isinstance(a, torch.Tensor) else a for a in args]
+    torch.testing.assert_close(
+        ops.rms_norm_gated(*args), rmsnorm.rms_norm_gated(*args), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_the_loader_logs_the_table_and_the_layers_hold_the_set(tmp_path, caplog) -> None:
+    ckpt = write_checkpoint(tmp_path, preset_config("tiny"), seed=1)
+    with caplog.at_level(logging.INFO, logger="models.loader"):
+        model = load_model(ckpt, dtype="float32")
+    table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
+    assert all(f"  {name} " in table for name in OPS)
+    holders = [m for m in model.modules() if hasattr(m, "ops")]
+    assert len(holders) > 10 and all(m.ops is model.ops for m in holders)
+    torch_ops = choose("cpu", settings=KernelSettings("torch"))
+    model.use_kernels(torch_ops)
+    assert all(m.ops is torch_ops for m in holders)
+
+
+def test_importing_the_model_does_not_import_triton() -> None:
+    code = (
+        "import sys, kernels, models.qwen3_next, mem_cache.kv_pool\n"
+        "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
