@@ -1,7 +1,7 @@
 """Where a CPU decode step's time goes: torch.profiler over our decode step, by op and by part.
 
 Uses `benchmarks.model_forward`'s decode set-up (B contexts of `--context-len` tokens prefilled
-once; every profiled step decodes from exactly that state) under the default kernel dispatch, and
+once; every profiled step decodes from exactly that state) on the default kernel set, and
 prints, per batch size: the step's median wall time (profiled), the top ops by self CPU time (all
 threads), and that time summed into the model's parts (linears, the GDN recurrent and conv
 updates, attention, MoE routing and gathers, norms and element-wise work). The parts say which

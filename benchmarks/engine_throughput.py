@@ -7,10 +7,11 @@ transformers baseline runs `generate` on static batches of the same prompts in t
 (eos disabled, so every row produces output_len tokens). Medians over `--repeats` waves.
 
 Variants of ours, interleaved in every repeat: `--variants float32:torch,float32:auto,
-bfloat16:auto` (dtype `:` `HYBRID_SERVE_KERNELS` mode: bf16 weights on CPU; the eager torch
+bfloat16:auto` (dtype `:` `HYBRID_SERVE_KERNELS` backend: bf16 weights on CPU; the eager torch
 references against the C++ CPU kernels), each optionally `:` `plan` (the default, as the
-server: small decode batches run the CPU decode plan, `models.cpu_decode`) or `eager`
-(`--disable-cuda-graph`: no decode plan); one row each.
+server: small decode batches run the CPU decode plan, `models.cpu_decode`, where the kernel set
+allows it) or `eager` (`--disable-cuda-graph`: no decode plan); one engine and one row each
+(the kernel set is chosen once, when the engine loads the model).
 
 Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
 Real shapes with dummy weights (no transformers baseline: it needs weight files):
@@ -35,8 +36,7 @@ import time
 
 import torch
 
-from kernels import dispatch
-from kernels.dispatch import ENV_VAR
+from kernels.settings import KERNELS_ENV
 from scheduler.engine import Engine
 
 logger = logging.getLogger("benchmarks.engine_throughput")
@@ -107,17 +107,24 @@ def main() -> None:
     variants = [(*v.split(":"), "plan")[:3] for v in args.variants.split(",")]
     if any(comp not in ("plan", "eager") for *_, comp in variants):
         ap.error("--variants: the decode step after dtype:kernels is plan or eager")
-    engines = {
-        (d, comp): Engine(
-            args.model_path,
-            max_running_requests=max(conc),
-            dtype=d,
-            max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
-            disable_cuda_graph=comp == "eager",
-            load_format=args.load_format,
-        )
-        for d, _, comp in dict.fromkeys(variants)
-    }
+    engines = {}
+    for d, mode, comp in dict.fromkeys(variants):
+        before = os.environ.get(KERNELS_ENV)
+        os.environ[KERNELS_ENV] = mode  # read once, when the engine loads the model
+        try:
+            engines[d, mode, comp] = Engine(
+                args.model_path,
+                max_running_requests=max(conc),
+                dtype=d,
+                max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
+                disable_cuda_graph=comp == "eager",
+                load_format=args.load_format,
+            )
+        finally:
+            if before is None:
+                os.environ.pop(KERNELS_ENV)
+            else:
+                os.environ[KERNELS_ENV] = before
     engine = next(iter(engines.values()))
     vocab = engine.runner.model.config.vocab_size
     hf = None
@@ -134,15 +141,11 @@ def main() -> None:
     for rep in range(args.repeats):  # interleave ours and transformers so noise hits both
         for c in conc:
             for d, mode, comp in variants:
-                os.environ[ENV_VAR] = mode
-                dispatch.reset()  # the dispatcher caches the mode: make it read the new one
                 prompts = _prompts(c, args.prompt_len, vocab, rep)
-                tps = run_engine(engines[d, comp], prompts, args.output_len)
+                tps = run_engine(engines[d, mode, comp], prompts, args.output_len)
                 name = f"ours {d} {mode} {comp} c={c}" if len(variants) > 1 else f"ours c={c}"
                 results.setdefault(name, []).append(tps)
                 logger.info("rep %d %s: %.1f tok/s", rep, name, tps)
-            os.environ.pop(ENV_VAR, None)
-            dispatch.reset()
         for b in hf_batches:
             tps = run_hf(hf, _prompts(b, args.prompt_len, vocab, rep), args.output_len)
             results.setdefault(f"transformers batch={b}", []).append(tps)

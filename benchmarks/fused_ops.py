@@ -1,10 +1,12 @@
-"""Each fused CPU decode op against its torch reference, alone, at the `small` preset's shapes.
+"""Each fused CPU decode op against its unfused composition, alone, at the `small` preset's shapes.
 
 Ops: `gdn_decode` (one Gated DeltaNet layer after its projections, states in a pool),
-`attn_decode` (one attention layer's glue over a `--context-len` cache), `moe_decode` (one sparse
-MoE block, at most 8 tokens) and `fused_add_rmsnorm`. The reference is what
-`HYBRID_SERVE_FUSIONS=off` runs (the unfused kernels, the C++ GEMV and recurrent update
-included). Reported: medians of interleaved repeats in ms per call, and the ratio.
+`attn_decode` (one attention layer's glue over a `--context-len` cache), `sparse_moe` (one sparse
+MoE block, at most `moe_step_cpp.MAX_TOKENS` tokens) and `fused_add_rmsnorm`. The fused op is
+the C++ kernel set's (`kernels.choose` with the `cpp` backend); the reference is the same set
+without fusions (`HYBRID_SERVE_FUSIONS=off`: the reference compositions over the unfused C++
+kernels, the GEMV and recurrent update included). Reported: medians of interleaved repeats in
+ms per call, and the ratio.
 
 Example: python -m benchmarks.fused_ops --threads 2 --batch-sizes 1,8,64 --repeats 15
 """
@@ -25,17 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import (
-    attn_step,
-    attn_step_cpp,
-    cpp_build,
-    gdn_step,
-    gdn_step_cpp,
-    moe_step,
-    moe_step_cpp,
-    rmsnorm,
-    rmsnorm_cpp,
-)
+from kernels import KernelSettings, choose, cpp_build, moe_step_cpp
 
 H, HV, DK, DV, KC = 4, 8, 128, 128, 4  # GDN heads of the small preset
 NH, NKV, HD, ROT = 8, 2, 64, 16  # attention
@@ -88,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if cpp_build.load() is None:
         raise SystemExit(f"the C++ kernels cannot be built here: {cpp_build.load_error()}")
+    fused_set = choose("cpu", settings=KernelSettings("cpp", fusions=True))
+    unfused_set = choose("cpu", settings=KernelSettings("cpp", fusions=False))
     print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads")
     print("| op | batch | fused ms | reference ms | speed-up |\n|---|---|---|---|---|")
     torch.manual_seed(0)
@@ -95,21 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         for b in (int(s) for s in args.batch_sizes.split(",")):
             x, res = torch.randn(b, HIDDEN), torch.randn(b, HIDDEN)
             cases = {
-                "gdn_decode": (gdn_step_cpp.gdn_decode, gdn_step.gdn_decode, gdn_args(b)),
-                "attn_decode": (
-                    attn_step_cpp.attn_decode,
-                    attn_step.attn_decode,
-                    attn_args(b, args.context_len),
-                ),
-                "fused_add_rmsnorm": (
-                    rmsnorm_cpp.fused_add_rmsnorm,
-                    rmsnorm.fused_add_rmsnorm,
-                    (x, res, torch.zeros(HIDDEN), 1e-6),
-                ),  # fmt: skip
+                "gdn_decode": gdn_args(b),
+                "attn_decode": attn_args(b, args.context_len),
+                "fused_add_rmsnorm": (x, res, torch.zeros(HIDDEN), 1e-6),
             }
             if b <= moe_step_cpp.MAX_TOKENS:
-                cases["moe_decode"] = (moe_step_cpp.moe_decode, moe_step.moe_decode, moe_args(b))
-            for name, (fused, reference, call_args) in cases.items():
+                cases["sparse_moe"] = moe_args(b)
+            for name, call_args in cases.items():
+                fused, reference = getattr(fused_set, name), getattr(unfused_set, name)
                 times: dict[str, list[float]] = {"fused": [], "reference": []}
                 for i in range(args.repeats + 2):  # 2 warm-up rounds
                     for key, fn in (("fused", fused), ("reference", reference)):

@@ -1,17 +1,16 @@
-"""The C++ GEMMs (`tiled_linear`, `packed_linear`, `amx_linear`) against `F.linear` (MKL) on a
-checkpoint's own dense shapes, CPU.
+"""The C++ tiled GEMM (`tiled_linear`) against `F.linear` (MKL) on a checkpoint's own dense
+shapes, CPU.
 
 For each row count M (`--rows`) and each distinct [N, K] weight shape of the model's `Linear`
-layers (the lm_head included), times `kernels.linear_cpp.linear` four ways, interleaved: with
-the tiled GEMM at any rows, with the packed GEMM at any rows beyond the GEMV's, with the AMX GEMM
-(bf16 weights on a CPU with AMX-BF16; it rounds x to bf16, so its column is blank elsewhere, and
-its sum over the shapes takes the tiled or packed GEMM where it does not fit) and with the GEMMs
-off (`GEMM_ON = False`: `F.linear`, bf16 weights widened to fp32 as `kernels.linear` does), for
-fp32 and bf16 weights. Prints GFLOP/s from the median of `--repeats` interleaved runs, each
-GEMM's ratio to `F.linear`, the sum over the shapes per row count in ms (where the `linear_cpp`
-row limits come from), and the machine's load average.
+layers (the lm_head included), times, interleaved: `torch.ops.hybrid_serve.tiled_linear` (what
+`kernels.linear_cpp.linear` runs beyond `GEMV_ROWS` rows), the weight-streaming GEMV (only at
+up to `GEMV_ROWS` rows, through `torch.ops.hybrid_serve.linear`, which runs it there) and the
+reference `kernels.linear.linear` (`F.linear`, bf16 weights widened to fp32 per call), for fp32
+and bf16 weights. Prints GFLOP/s from the median of `--repeats` interleaved runs, each C++
+product's ratio to `F.linear`, the sum over the shapes per row count in ms, and the machine's
+load average.
 
-Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 64,256,512,1024
+Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 8,64,256,512,1024
 """
 
 from __future__ import annotations
@@ -26,12 +25,15 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from kernels import cpp_build, linear_cpp
+from kernels import cpp_build, linear
 from models.layers import Linear
 from models.loader import load_model
+
+GEMV_ROWS = 8  # `hybrid_serve::linear` runs the GEMV up to this many rows (kernels.linear_cpp)
 
 
 def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:
@@ -44,24 +46,21 @@ def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:
     return found
 
 
-VARIANTS = ("F.linear", "tiled", "packed", "amx")
+def variants(m: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The products timed at `m` rows, `F.linear` first."""
+    ops = torch.ops.hybrid_serve
+    found = {"F.linear": linear.linear, "tiled": ops.tiled_linear}
+    if m <= GEMV_ROWS:
+        found["gemv"] = ops.linear
+    return found
 
 
-def time_linear(x: torch.Tensor, w: torch.Tensor, variant: str, inner: int) -> float:
-    """Seconds per `linear_cpp.linear(x, w)` with one GEMM at any rows, or the GEMMs off."""
-    limits = linear_cpp.GEMM_ON, linear_cpp.TILED_MAX_ROWS, linear_cpp.BF16_TILED_MAX_ROWS
-    rows = 1 << 30 if variant == "tiled" else 0
-    linear_cpp.GEMM_ON = variant != "F.linear"
-    linear_cpp.TILED_MAX_ROWS = linear_cpp.BF16_TILED_MAX_ROWS = rows
-    linear_cpp.set_amx(variant == "amx")
-    try:
-        start = time.perf_counter()
-        for _ in range(inner):
-            linear_cpp.linear(x, w)
-        return (time.perf_counter() - start) / inner
-    finally:
-        linear_cpp.GEMM_ON, linear_cpp.TILED_MAX_ROWS, linear_cpp.BF16_TILED_MAX_ROWS = limits
-        linear_cpp.set_amx(True)
+def time_linear(fn: Callable, x: torch.Tensor, w: torch.Tensor, inner: int) -> float:
+    """Seconds per `fn(x, w)`."""
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn(x, w)
+    return (time.perf_counter() - start) / inner
 
 
 def main() -> None:
@@ -81,43 +80,33 @@ def main() -> None:
 
         args.model_path = str(default_model_path(args.preset))
     shapes = shapes_of(load_model(args.model_path, dtype="float32"))
-    has_amx = linear_cpp.set_amx(True)
     print(f"{args.threads} threads, load {os.getloadavg()[0]:.1f}; GFLOP/s, medians")
     print(f"{'dtype':>9}{'M':>6}{'N':>6}{'K':>6}  {'layer':<28}{'F.linear':>9}{'tiled':>8}{'x':>6}"
-          f"{'packed':>8}{'x':>6}{'amx':>8}{'x':>6}")  # fmt: skip
+          f"{'gemv':>8}{'x':>6}")  # fmt: skip
     torch.manual_seed(0)
     with torch.inference_mode():
         for dtype in args.dtypes.split(","):
             for m in (int(r) for r in args.rows.split(",")):
-                total = dict.fromkeys(VARIANTS, 0.0)
+                fns = variants(m)
+                total = dict.fromkeys(fns, 0.0)
                 for (n, k), name in shapes.items():
                     x, w = torch.randn(m, k), (torch.randn(n, k) * 0.05).to(getattr(torch, dtype))
-                    amx = (
-                        has_amx and dtype == "bfloat16" and k % 32 == 0 and n % 16 == 0
-                        and m > linear_cpp.SKINNY_ROWS
-                    )  # fmt: skip
-                    variants = VARIANTS if amx else VARIANTS[:-1]
-                    xw = x.bfloat16().float() if amx else x  # the AMX GEMM rounds x to bf16
-                    torch.testing.assert_close(
-                        linear_cpp.linear(x, w), xw @ w.float().T, atol=1e-3, rtol=1e-4
-                    )
+                    for fn in fns.values():
+                        torch.testing.assert_close(fn(x, w), x @ w.float().T, atol=1e-3, rtol=1e-4)
                     inner = max(1, int(2e8 / (2 * m * n * k)))  # a few ms or more per sample
-                    times: dict[str, list[float]] = {v: [] for v in variants}
+                    times: dict[str, list[float]] = {v: [] for v in fns}
                     for _ in range(args.repeats):
-                        for variant in variants:
-                            times[variant].append(time_linear(x, w, variant, inner))
+                        for v, fn in fns.items():
+                            times[v].append(time_linear(fn, x, w, inner))
                     flop = 2 * m * n * k
                     flops = {v: flop / statistics.median(t) / 1e9 for v, t in times.items()}
                     for v, t in times.items():
                         total[v] += statistics.median(t)
-                    if not amx:  # the AMX sum takes what the dispatcher runs instead
-                        other = "tiled" if m <= linear_cpp.BF16_TILED_MAX_ROWS else "packed"
-                        total["amx"] += statistics.median(times[other])
                     base = flops["F.linear"]
-                    cols = "".join(f"{flops[v]:>8.1f}{flops[v] / base:>6.2f}" for v in variants[1:])
+                    cols = "".join(
+                        f"{flops[v]:>8.1f}{flops[v] / base:>6.2f}" for v in list(fns)[1:]
+                    )
                     print(f"{dtype:>9}{m:>6}{n:>6}{k:>6}  {name:<28}{base:>9.1f}{cols}", flush=True)
-                if not (has_amx and dtype == "bfloat16"):
-                    del total["amx"]
                 sums = ", ".join(f"{v} {t * 1e3:.2f}" for v, t in total.items())
                 print(f"{dtype:>9}{m:>6}  all shapes, ms: {sums}", flush=True)
     print(f"load {os.getloadavg()[0]:.1f}")

@@ -1,17 +1,18 @@
 """Kernel timings beside flash-linear-attention's, and the decode step with CUDA graphs.
 
-1. Every op exported by `kernels` on inputs shaped like the `small` preset's layers (bf16 on
-   GPU), timed as the dispatcher runs it (Triton on CUDA). Where flash-linear-attention (fla)
-   has the same op and is importable, fla runs on the same inputs beside it; otherwise the
-   table says fla is absent. fla has no pool form, so both sides get plain per-sequence states.
-   Where fla runs, a second table gives the largest output difference between the two on shared
-   inputs (outputs and final states), relative to the largest |fla output|.
+1. Every op of the kernel set that `kernels.choose` picks for the device (Triton on CUDA) on
+   inputs shaped like the `small` preset's layers (bf16 on GPU). Where flash-linear-attention
+   (fla) has the same op and is importable, fla runs on the same inputs beside it; otherwise
+   the table says fla is absent. fla has no pool form, so both sides get plain per-sequence
+   states. Where fla runs, a second table gives the largest output difference between the two
+   on shared inputs (outputs and final states), relative to the largest |fla output|.
 2. With CUDA: one decode step of the `small` preset at batch 1, 8 and 64 through
    `scheduler.graph_runner.DecodeGraphRunner`, eager against CUDA-graph replay (both include
    the host-side input copy of a real step). A failed capture is reported with its reason.
 
-Without CUDA it runs tiny shapes through the torch references as a smoke test (the timings
-mean nothing there) and skips the decode section.
+Without CUDA it runs tiny shapes through the set chosen for the CPU (the C++ kernels where they
+build, else the torch references) as a smoke test (the timings mean nothing there) and skips
+the decode section.
 
 Example: python -m benchmarks.kernels --json-out /tmp/kernels.json
 """
@@ -35,7 +36,7 @@ from functools import partial
 import torch
 
 import kernels
-from kernels.dispatch import use_triton
+from kernels import KernelSet
 
 DECODE_BATCHES = (1, 8, 64)
 
@@ -80,8 +81,10 @@ def gdn_shapes(small: bool) -> tuple[int, int, int, int, int, int, int]:
     return (2, 64, 2, 4, 32, 256, 4) if small else (8, 512, 4, 8, 128, 2048, 64)
 
 
-def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Callable | None]]:
-    """(name, run ours, run fla or None) on shared inputs."""
+def kernel_cases(
+    dev: torch.device, small: bool, ops: KernelSet
+) -> list[tuple[str, Callable, Callable | None]]:
+    """(name, run ours (`ops`), run fla or None) on shared inputs."""
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     n_seq, seq, H, HV, K, dim, batch = gdn_shapes(small)
     ctx, nH, nKV, D = (64, 4, 2, 32) if small else (1024, 8, 2, 64)
@@ -100,7 +103,7 @@ def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Ca
     cases = [
         (
             "causal_conv1d_fn",
-            lambda: kernels.causal_conv1d_fn(x, w, None, conv_states, cu, slots, has_init),
+            lambda: ops.causal_conv1d_fn(x, w, None, conv_states, cu, slots, has_init),
             fla.get("causal_conv1d_fn")
             and (lambda: fla["causal_conv1d_fn"](x.t()[None], w, activation="silu", cu_seqlens=cu)),
         ),
@@ -110,7 +113,7 @@ def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Ca
     cases.append(
         (
             "causal_conv1d_update",
-            lambda: kernels.causal_conv1d_update(xb, states_b, w, None, "silu", rows),
+            lambda: ops.causal_conv1d_update(xb, states_b, w, None, "silu", rows),
             None,
         )
     )
@@ -120,18 +123,18 @@ def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Ca
     beta = torch.rand(1, T, HV, device=dev).to(dt)
     h0 = torch.randn(n_seq, HV, K, K, device=dev)
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    ops = kernels.chunk_gated_delta_rule, fla.get("chunk_gated_delta_rule")
+    ops_c = ops.chunk_gated_delta_rule, fla.get("chunk_gated_delta_rule")
     cases.append(
         (
             "chunk_gated_delta_rule",
-            lambda: ops[0](q, k, v, g=g, beta=beta, cu_seqlens=cu, **kw),
-            ops[1] and (lambda: ops[1](q, k, v, g=g, beta=beta, cu_seqlens=cu, **kw)),
+            lambda: ops_c[0](q, k, v, g=g, beta=beta, cu_seqlens=cu, **kw),
+            ops_c[1] and (lambda: ops_c[1](q, k, v, g=g, beta=beta, cu_seqlens=cu, **kw)),
         )
     )
     qd, kd, vd = rnd(batch, 1, H, K), rnd(batch, 1, H, K), rnd(batch, 1, HV, K)
     gd, bd = -torch.rand(batch, 1, HV, device=dev), torch.rand(batch, 1, HV, device=dev).to(dt)
     kw_d = dict(kw, initial_state=torch.randn(batch, HV, K, K, device=dev))
-    ops_d = kernels.fused_recurrent_gated_delta_rule, fla.get("fused_recurrent_gated_delta_rule")
+    ops_d = ops.fused_recurrent_gated_delta_rule, fla.get("fused_recurrent_gated_delta_rule")
     cases.append(
         (
             "fused_recurrent_gated_delta_rule",
@@ -150,33 +153,33 @@ def kernel_cases(dev: torch.device, small: bool) -> list[tuple[str, Callable, Ca
     cases += [
         (
             "extend_attention",
-            lambda: kernels.extend_attention(qa, k_buf, v_buf, r2t, req, prefix, extend, 0.125),
+            lambda: ops.extend_attention(qa, k_buf, v_buf, r2t, req, prefix, extend, 0.125),
             None,
         ),
         (
             "decode_attention",
-            lambda: kernels.decode_attention(qa[:batch], k_buf, v_buf, r2t, req, seq_lens, 0.125),
+            lambda: ops.decode_attention(qa[:batch], k_buf, v_buf, r2t, req, seq_lens, 0.125),
             None,
         ),
         (
             "store_kv",
-            lambda: kernels.store_kv(k_buf, v_buf, r2t[0, :16], qa[:16, :nKV], qa[:16, :nKV]),
+            lambda: ops.store_kv(k_buf, v_buf, r2t[0, :16], qa[:16, :nKV], qa[:16, :nKV]),
             None,
         ),
     ]
     xn, zn, wn = rnd(T * HV, K), rnd(T * HV, K), torch.ones(K, device=dev, dtype=dt)
-    cases.append(("rms_norm_gated", lambda: kernels.rms_norm_gated(xn, zn, wn, 1e-6), None))
+    cases.append(("rms_norm_gated", lambda: ops.rms_norm_gated(xn, zn, wn, 1e-6), None))
     return cases
 
 
-def bench_kernels(dev: torch.device, small: bool) -> list[dict]:
+def bench_kernels(dev: torch.device, small: bool, ops: KernelSet) -> list[dict]:
     fla = load_fla()
     if isinstance(fla, str):
         print(f"{fla}: timing ours alone")
-    impl = "triton" if use_triton(torch.empty(0, device=dev)) else "torch"
+    impl = ops.backend
     print(f"{'kernel':34s} {'ours (' + impl + ') ms':>16s} {'fla ms':>10s}")
     rows = []
-    for name, ours, theirs in kernel_cases(dev, small):
+    for name, ours, theirs in kernel_cases(dev, small, ops):
         row = {"kernel": name, "impl": impl, "ours_ms": time_ms(ours), "fla_ms": None}
         if theirs:
             try:
@@ -189,13 +192,15 @@ def bench_kernels(dev: torch.device, small: bool) -> list[dict]:
     return rows
 
 
-def fla_parity(dev: torch.device, small: bool) -> list[dict]:
+def fla_parity(dev: torch.device, small: bool, ops: KernelSet | None = None) -> list[dict]:
     """Max |ours - fla| over outputs and final states of the ops both have, on shared inputs
-    (convolution from zero history: fla's initial state holds one column more than ours)."""
+    (convolution from zero history: fla's initial state holds one column more than ours);
+    ours are `ops`, by default the set `kernels.choose` picks for the device."""
     fla = load_fla()
     if isinstance(fla, str):
         return []
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    ops = ops or kernels.choose(dev, dt)
     n_seq, seq, H, HV, K, dim, batch = gdn_shapes(small)
     T = n_seq * seq
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -222,11 +227,11 @@ def fla_parity(dev: torch.device, small: bool) -> list[dict]:
     def fresh(op, h, *args, **kwargs):  # each side starts from its own copy of the state
         return op(*args, initial_state=h.clone(), **kwargs)
 
-    chunk = kernels.chunk_gated_delta_rule, fla["chunk_gated_delta_rule"]
-    rec = kernels.fused_recurrent_gated_delta_rule, fla["fused_recurrent_gated_delta_rule"]
+    chunk = ops.chunk_gated_delta_rule, fla["chunk_gated_delta_rule"]
+    rec = ops.fused_recurrent_gated_delta_rule, fla["fused_recurrent_gated_delta_rule"]
     cases = {
         "causal_conv1d_fn": (
-            lambda: [kernels.causal_conv1d_fn(x.t(), w, None, states, cu, slots, no_init).t()],
+            lambda: [ops.causal_conv1d_fn(x.t(), w, None, states, cu, slots, no_init).t()],
             lambda: [fla["causal_conv1d_fn"](x[None], w, activation="silu", cu_seqlens=cu)[0][0]],
         ),
         "chunk_gated_delta_rule": tuple(
@@ -309,10 +314,11 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if not cuda:
-        print("no CUDA: tiny shapes through the torch references, a smoke run only")
+        print("no CUDA: tiny shapes, a smoke run only")
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
-    result["kernels"] = bench_kernels(dev, args.small or not cuda)
-    result["fla_parity"] = fla_parity(dev, args.small or not cuda)
+    ops = kernels.choose(dev, torch.bfloat16 if cuda else torch.float32)
+    result["kernels"] = bench_kernels(dev, args.small or not cuda, ops)
+    result["fla_parity"] = fla_parity(dev, args.small or not cuda, ops)
     if cuda:
         result["decode"] = bench_decode_graphs()
     else:

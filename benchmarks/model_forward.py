@@ -24,11 +24,13 @@ region of a 2-thread run wait for a scheduler tick (~4 ms): whole runs get 5-30x
 both models alike but not equally. Compare minimums, use --threads 1, or set
 OMP_WAIT_POLICY=PASSIVE in the environment there.
 
-`--kernels torch,auto` times our forward twice per repeat, under the eager torch references and
-under the default dispatch (the C++ CPU kernels), interleaved with transformers. A mode with
-`-mkl` appended (`auto-mkl`) is that mode with the C++ GEMM and routed-experts op switched off
-(`kernels.linear_cpp.GEMM_ON`, as `HYBRID_SERVE_CPU_GEMM=off` does): MKL's `F.linear` above 8
-rows and torch's grouped GEMM for the experts, to compare the two in one run.
+`--kernels torch,auto` times our forward twice per repeat on the same weights, once on the
+pure-torch references and once on the kernel set `kernels.choose` picks by default (the C++
+CPU kernels), interleaved with transformers: each mode is a `KernelSettings` backend (`auto`,
+`triton`, `cpp`, `torch`) and the model switches to its set (`model.use_kernels`) off the clock
+before each of its runs. `-unfused` appended (`auto-unfused`) keeps the fused decode ops on
+their compositions of the unfused kernels (`HYBRID_SERVE_FUSIONS=off`), to compare the fusions
+alone.
 
 Example: python -m benchmarks.model_forward --preset small --kernels torch,auto \
     --decode-batch-sizes 1,8,64 --json-out /tmp/forward.json
@@ -55,8 +57,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from kernels import dispatch, linear_cpp
-from kernels.dispatch import ENV_VAR, FUSIONS_ENV
+from kernels import KernelSet, KernelSettings, choose
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
@@ -162,37 +163,22 @@ def hf_decode(model, contexts: torch.Tensor, next_ids: torch.Tensor) -> Step:
     return make
 
 
-def with_kernels(make: Step, mode: str) -> Step:
-    """The same step with `HYBRID_SERVE_KERNELS=mode` while its timed part runs. Suffixes, in
-    any order: `-unfused` also sets `HYBRID_SERVE_FUSIONS=off`, `-mkl` turns the C++ GEMM off
-    (e.g. `auto-unfused-mkl`)."""
-    kernels_mode, *flags = mode.split("-")
-    unknown = set(flags) - {"unfused", "mkl"}
-    if unknown:
-        raise SystemExit(f"--kernels {mode}: unknown suffix {sorted(unknown)}")
-    env = {ENV_VAR: kernels_mode, FUSIONS_ENV: "off" if "unfused" in flags else "on"}
-    gemm_on = "mkl" not in flags
+def kernel_set(runner: ModelRunner, mode: str) -> KernelSet:
+    """The kernel set of `--kernels` mode `mode`: a backend, optionally with `-unfused`."""
+    backend, *flags = mode.split("-")
+    if set(flags) - {"unfused"}:
+        raise SystemExit(f"--kernels {mode}: unknown suffix {sorted(set(flags) - {'unfused'})}")
+    settings = KernelSettings(backend, fusions="unfused" not in flags)
+    act_dtype = runner.model.model.norm.weight.dtype  # fp32 for bf16 matrices on the CPU
+    return choose(runner.device, act_dtype, settings)
+
+
+def with_kernels(make: Step, runner: ModelRunner, ops: KernelSet) -> Step:
+    """The same step with the model switched to `ops` (off the clock)."""
 
     def wrapped():
-        run, cleanup = make()
-
-        def timed() -> torch.Tensor:
-            before = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            dispatch.reset()  # the dispatcher caches the mode: make it read the new one
-            gemm_before, linear_cpp.GEMM_ON = linear_cpp.GEMM_ON, gemm_on
-            try:
-                return run()
-            finally:
-                linear_cpp.GEMM_ON = gemm_before
-                for k, v in before.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-                dispatch.reset()
-
-        return timed, cleanup
+        runner.model.use_kernels(ops)
+        return make()
 
     return wrapped
 
@@ -252,10 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--kernels",
         default="auto",
-        help="comma-separated HYBRID_SERVE_KERNELS modes to time ours under, interleaved "
-        "(e.g. torch,auto: the eager torch path against the C++ kernels; suffixes: -unfused "
-        "turns the fused decode ops off (HYBRID_SERVE_FUSIONS), -mkl the C++ GEMM, e.g. "
-        "auto-unfused-mkl)",
+        help="comma-separated kernel backends to time ours on, interleaved (e.g. torch,auto: "
+        "the torch references against the C++ kernels); the suffix -unfused turns the fused "
+        "decode ops off (e.g. auto-unfused)",
     )
     p.add_argument(
         "--plan",
@@ -298,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     load_before = os.getloadavg()[0]  # others' work on a small shared machine skews timings
     modes = args.kernels.split(",")
+    loaded = runner.model.ops  # the default set, which the decode plan was built for
+    kernel_sets = {m: kernel_set(runner, m) for m in modes}
     variants = [f"ours-{m}" for m in modes] + ["hf"]
     planned = None
     if args.plan:
@@ -306,7 +293,10 @@ def main(argv: list[str] | None = None) -> None:
             p.error("no CPU decode plan for this model or kernel choice")
         variants.insert(-1, "ours-plan")
     with torch.inference_mode():
-        steps = {f"ours-{m}": with_kernels(ours_prefill(runner, prompts), m) for m in modes}
+        steps = {
+            f"ours-{m}": with_kernels(ours_prefill(runner, prompts), runner, kernel_sets[m])
+            for m in modes
+        }
         steps["hf"] = hf_prefill(hf, prompts)
         if args.prefill_len:
             label = f"prefill {args.prefill_len}"
@@ -316,10 +306,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(summarize(label, args.prefill_batch * args.prefill_len, res))
         for b in batch_sizes:
             ours_step, free = ours_decode(runner, contexts[:b], next_ids[:b])
-            steps = {f"ours-{m}": with_kernels(ours_step, m) for m in modes}
+            steps = {f"ours-{m}": with_kernels(ours_step, runner, kernel_sets[m]) for m in modes}
             if planned is not None:
                 plan_step, free_plan = ours_decode(runner, contexts[:b], next_ids[:b], planned)
-                steps["ours-plan"] = with_kernels(plan_step, "auto")
+                steps["ours-plan"] = with_kernels(plan_step, runner, loaded)
             steps["hf"] = hf_decode(hf, contexts[:b], next_ids[:b])
             res = measure(steps, args.warmup, args.repeats, f"decode b={b}")
             rows.append(summarize(f"decode b={b}", b, res))
