@@ -2,8 +2,10 @@
 
 `IncrementalDetokenizer.push(ids)` returns only text made of complete characters: while the
 decoded tail ends in U+FFFD (a multi-byte character split across tokens) it waits for more
-tokens. It decodes a short window (the previously emitted chunk plus the new tokens), never the
-whole output again. Concatenating every `push` and the final `flush` gives `decode(all ids)`.
+tokens. It is `tokenizers`' `DecodeStream` on the tokenizer's Rust backend, which decodes a short
+window (the previously emitted chunk plus the new tokens), never the whole output again; `flush`
+adds what `DecodeStream` lacks, the held incomplete tail as U+FFFD. Concatenating every `push` and
+the final `flush` gives `decode(all ids)`.
 
 `TextStream` adds stop strings on top: text that could still become the start of a stop string is
 held back; once a stop string appears the text is cut right before it (right after it with
@@ -17,46 +19,44 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 from server.stop_matcher import StopMatcher
 
 REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix_offset = 0  # start of the window: the last chunk already turned into text
-        self.read_offset = 0  # tokens before this are emitted
+    """`tokenizer` is a fast (Rust-backed) transformers tokenizer."""
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.backend = tokenizer.backend_tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.chunk: list[int] = []  # ids of the last chunk turned into text: DecodeStream's window
+        self.pending: list[int] = []  # ids pushed since, not yet text
 
     def push(self, new_ids: list[int]) -> str:
         """Add tokens; return the new complete text (possibly empty)."""
-        self.ids.extend(new_ids)
-        if len(self.ids) == self.read_offset:
+        if not new_ids:
             return ""
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if full.endswith(REPLACEMENT) or len(full) < len(prefix):
-            return ""  # a character is still incomplete
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix) :]
+        one = new_ids[0] if len(new_ids) == 1 else list(new_ids)  # an int steps faster
+        text = self.stream.step(self.backend, one)
+        if text is None:  # a character is still incomplete
+            self.pending += new_ids
+            return ""
+        self.chunk, self.pending = self.pending + new_ids, []
+        return text
 
     def flush(self) -> str:
         """The rest, incomplete characters shown as U+FFFD (call once, at the end)."""
-        if len(self.ids) == self.read_offset:
+        if not self.pending:
             return ""
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix) :]
+        skip = self.skip_special_tokens
+        text = self.backend.decode(self.chunk + self.pending, skip_special_tokens=skip)
+        text = text[len(self.backend.decode(self.chunk, skip_special_tokens=skip)) :]
+        self.stream, self.chunk, self.pending = DecodeStream(skip_special_tokens=skip), [], []
+        return text
 
 
 class TextStream:
