@@ -1,14 +1,22 @@
 """`SchedulerLoop`: the one loop around `Scheduler`, for the server process and the `Engine` alike.
 
-    run_once: apply every waiting message -> reap expired sessions -> one `scheduler.step()` if
-              there is work -> send the new tokens of every request that moved (`TokenDelta`s)
-              -> a heartbeat when the last is `HEARTBEAT_S` old (an idle loop wakes for it)
+    run_once: receive the round's `Inputs` (the waiting messages, the sessions past their
+              deadline) -> `sync` them -> apply: close those sessions, apply the messages, one
+              `scheduler.step()` if there is work -> send the new tokens of every request that
+              moved (`TokenDelta`s) -> a heartbeat when the last is `HEARTBEAT_S` old (an idle
+              loop wakes for it)
 
 Its messages come and go through a swappable I/O object (`LoopIO`, `scheduler/loop_io.py`): a
 pipe to the API process in the server (`PipeIO`, driven by `run()`, which sleeps on the pipe
 when idle), a queue in the same process for the `Engine` and `hybrid-serve generate`
 (`InProcessIO`, driven by `run_once(wait=False)`). So the token deltas of every request are built
 in one place, `_emit`, whoever reads them.
+
+Tensor parallelism replicates the inputs, never method calls: `sync` is where rank 0 broadcasts
+each round's `Inputs` (`scheduler/lockstep.py`), and every rank applies them with `apply`, so
+the loop is a deterministic function of its inputs. What would differ between ranks is decided
+once, on rank 0, while receiving: a new session's id (random), which sessions have expired
+(rank 0's clock). Rank 0 alone draws sampled tokens (`ModelRunner.sample`).
 
 Contracts:
 - A request refused by `Scheduler.add_request` (prompt too long, unknown session, ...) is answered
@@ -26,7 +34,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from scheduler.leak_check import leak_report
@@ -57,9 +67,22 @@ def error_status(exc: Exception) -> int:
     return 400 if isinstance(exc, ValueError) else 500
 
 
+@dataclass
+class Inputs:
+    """One round's inputs as rank 0 received and decided them; every rank applies the same."""
+
+    msgs: list[Any] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)  # sessions past their deadline
+    step: bool = True  # False: apply the messages only (`SchedulerLoop.call`)
+
+
 class SchedulerLoop:
     def __init__(self, scheduler: Scheduler, io: LoopIO) -> None:
         self.scheduler, self.io = scheduler, io
+        # tensor parallelism (`scheduler.lockstep`): rank 0's inputs on every rank, and every
+        # rank's value of something, in rank order; one rank: the identity
+        self.sync: Callable[[Inputs], Inputs] = lambda inputs: inputs
+        self.gather: Callable[[Any], list[Any]] = lambda obj: [obj]
         self.reqs: dict[str, Req] = {}  # requests that came through the loop, unfinished
         self.sent: dict[str, int] = {}  # output tokens already sent, per request
         self.pending: list[TokenDelta] = []  # built this round, sent at its end
@@ -75,18 +98,41 @@ class SchedulerLoop:
     def run_once(self, wait: bool = False) -> bool:
         """One round; with `wait`, an idle scheduler first blocks until a message arrives or a
         session deadline passes. False once a `ShutdownMsg` was applied."""
-        sched = self.scheduler
-        if wait and not sched.has_work():
+        return self.apply(self.sync(self.receive(wait)))
+
+    def receive(self, wait: bool) -> Inputs:
+        """Rank 0's inputs of a round: the waiting messages and the expired sessions."""
+        if wait and not self.scheduler.has_work():
             self.io.poll(self._idle_wait())
+        inputs = Inputs()
         while self.io.poll(0):
-            if not self.handle(self.io.recv()):
-                return False
+            inputs.msgs.append(self._decide(self.io.recv()))
         if time.monotonic() >= self.next_reap:
             self.next_reap = time.monotonic() + REAP_INTERVAL_S
-            for req in sched.reap_sessions():
+            inputs.expired = self.scheduler.sessions.expired()
+        return inputs
+
+    @staticmethod
+    def _decide(msg: Any) -> Any:
+        """Settle what a message leaves to chance before it is replicated: a session's id."""
+        if isinstance(msg, QueryMsg) and msg.kind == "open_session":
+            if not msg.args.get("session_id"):
+                msg.args = {**msg.args, "session_id": uuid.uuid4().hex}
+        return msg
+
+    def apply(self, inputs: Inputs) -> bool:
+        """Apply one round's inputs, then step (every rank alike); False after a `ShutdownMsg`.
+        Expired sessions close first: a turn that arrives with its session's expiry finds no
+        session (404) rather than being admitted and aborted."""
+        sched = self.scheduler
+        for sid in inputs.expired:
+            self.close_session(sid, why=f"session {sid!r} timed out")
+        for msg in inputs.msgs:
+            if not self.handle(msg):
+                return False
+        if inputs.step:
+            for req in sched.step() if sched.has_work() else sched.take_finished():
                 self._emit(req)
-        for req in sched.step() if sched.has_work() else sched.take_finished():
-            self._emit(req)
         self.flush()
         if time.monotonic() >= self.next_beat:
             self.next_beat = time.monotonic() + HEARTBEAT_S
@@ -132,6 +178,17 @@ class SchedulerLoop:
         else:
             logger.error("unknown message %r", type(msg).__name__)
         return True
+
+    def call(self, msg: Any) -> Any:
+        """Apply one message now, on every rank, without a step (the `Engine`'s synchronous
+        calls): the `Req` of a `GenerateMsg`, a query's result; raises what `handle` answers."""
+        msg = self._decide(msg)
+        self.sync(Inputs([msg], step=False))
+        if isinstance(msg, GenerateMsg):
+            return self.add(msg)
+        if isinstance(msg, QueryMsg):
+            return self._handler(msg.kind)(**msg.args)
+        return self.handle(msg)
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, msg: GenerateMsg) -> Req:
@@ -190,16 +247,19 @@ class SchedulerLoop:
     # ---- queries -------------------------------------------------------------------------
     def query(self, msg: QueryMsg) -> QueryReply:
         """Answer a query; a refusal or a bug becomes an error reply, never an exception."""
-        handler = getattr(self, f"_q_{msg.kind}", None)
-        if handler is None:
-            return QueryReply(msg.qid, False, error=f"unknown query {msg.kind!r}")
         try:
-            return QueryReply(msg.qid, True, handler(**msg.args))
+            return QueryReply(msg.qid, True, self._handler(msg.kind)(**msg.args))
         except ValueError as e:
             return QueryReply(msg.qid, False, error=str(e), status=error_status(e))
         except Exception as e:  # a bug answers 500; the loop keeps serving
             logger.exception("query %s failed", msg.kind)
             return QueryReply(msg.qid, False, error=f"{type(e).__name__}: {e}", status=500)
+
+    def _handler(self, kind: str) -> Callable[..., Any]:
+        handler = getattr(self, f"_q_{kind}", None)
+        if handler is None:
+            raise ValueError(f"unknown query {kind!r}")
+        return handler
 
     def _q_ping(self) -> bool:
         return True
@@ -234,8 +294,16 @@ class SchedulerLoop:
             "runner_config": asdict(s.runner.config),
             "scheduler_config": asdict(s.config),
             "pools": self._q_stats(),
-            "leak_check": {"idle": idle, "problems": leak_report(s) if idle else None},
+            "leak_check": {"idle": idle, "problems": self._q_leaks() if idle else None},
         }
+
+    def _q_leaks(self) -> list[str]:
+        """`leak_report` of the pools (empty: clean); with tensor parallelism every rank's,
+        named (call when idle)."""
+        reports = self.gather(leak_report(self.scheduler))
+        if len(reports) == 1:
+            return reports[0]
+        return [f"rank {rank}: {line}" for rank, lines in enumerate(reports) for line in lines]
 
     def _q_flush(self) -> bool:
         """Free idle sessions' held slots and empty the radix tree; refused while requests run."""
@@ -256,11 +324,13 @@ class SchedulerLoop:
     def _q_close_session(self, session_id: str) -> bool:
         return self.close_session(session_id)
 
-    def close_session(self, session_id: str) -> bool:
-        """Close a session; its turns in flight are aborted and their last deltas say so."""
+    def close_session(self, session_id: str, why: str | None = None) -> bool:
+        """Close a session; its turns in flight are aborted and their last deltas say so (and
+        `why`, when given)."""
         session = self.scheduler.sessions.sessions.get(session_id)
         turns = list(session.in_flight.values()) if session is not None else []
         closed = self.scheduler.close_session(session_id)
         for turn in turns:  # aborted by the close: their waiters get the abort
+            turn.finish_detail = why or turn.finish_detail
             self._emit(turn)
         return closed
