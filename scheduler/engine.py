@@ -6,8 +6,10 @@
 Options are the fields of `RunnerConfig` and `SchedulerConfig` (SGLang's names). Each result is
 a dict with `text`, `output_ids` and `meta_info` (`id`, `prompt_tokens`, `completion_tokens`,
 `cached_tokens`, `finish_reason`, and `output_token_logprobs` when asked), folded from the
-loop's token deltas (`scheduler/output.py`) exactly as the API process receives them. Tests may
-still drive `engine.scheduler` directly; those requests run alongside, unseen by the loop.
+loop's token deltas (`scheduler/output.py`) exactly as the API process receives them. Every
+call goes to the loop as its input messages (`SchedulerLoop.call`), so tensor-parallel ranks
+apply them too. Tests may still drive `engine.scheduler` directly (without tensor parallelism);
+those requests run alongside, unseen by the loop.
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ from models.loader import load_model
 from models.parallel import ParallelContext
 from scheduler.config import SchedulerConfig
 from scheduler.grammar import GrammarBackend
-from scheduler.leak_check import leak_report
-from scheduler.lockstep import LockstepScheduler, check_same_config
+from scheduler.lockstep import Leader, check_same_config, check_supported
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import InProcessIO
-from scheduler.messages import GenerateMsg
+from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg
 from scheduler.model_runner import ModelRunner, RunnerConfig
 from scheduler.output import RequestOutput
 from scheduler.pool_sizing import describe, pool_bytes, size_pools
@@ -51,7 +52,7 @@ def build_scheduler(
     """Load the model and pools and make the scheduler; a Mamba pool size of 0 takes the
     strategy's default (`SchedulerConfig.mamba_slots_for`), and a memory budget sizes the KV
     pool (`scheduler.pool_sizing`). The sizes are logged. With a tensor-parallel context: this
-    rank's shard and pools; rank 0 gets the `LockstepScheduler` that leads the others."""
+    rank's shard and pools (every rank's loop runs on rank 0's inputs: `scheduler.lockstep`)."""
     if runner_cfg.mamba_cache_size == 0:
         slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
         runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
@@ -60,12 +61,9 @@ def build_scheduler(
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))
     if tp is not None and tp.enabled:
+        check_supported(sched_cfg)
         check_same_config(tp, runner_cfg, sched_cfg)
-    runner = ModelRunner(model, runner_cfg)
-    if tp is not None and tp.enabled and tp.is_first:
-        scheduler: Scheduler = LockstepScheduler(runner, sched_cfg, tp)
-    else:
-        scheduler = Scheduler(runner, sched_cfg)
+    scheduler = Scheduler(ModelRunner(model, runner_cfg), sched_cfg)
     scheduler.grammar = GrammarBackend(model_path, model.config.vocab_size)
     return scheduler
 
@@ -93,13 +91,12 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
-        if self.tp_group is not None:
-            self.scheduler.describe_failure = self.tp_group.failure
         self.runner = self.scheduler.runner
         self._tokenizer = None
         self._ids = itertools.count()
         self.io = InProcessIO()
         self.loop = SchedulerLoop(self.scheduler, self.io)
+        self._leader = None if tp is None else Leader(self.loop, tp, self.tp_group.failure)
         self._outputs: dict[str, RequestOutput] = {}  # by rid: requests someone waits for
 
     @property
@@ -144,7 +141,7 @@ class Engine:
         outs: list[RequestOutput] = []
         try:
             for msg in msgs:
-                self.loop.add(msg)
+                self.loop.call(msg)
                 outs.append(self._outputs.setdefault(msg.rid, RequestOutput(msg.rid)))
         except Exception:
             for out in outs:
@@ -155,7 +152,7 @@ class Engine:
     def _forget(self, rid: str) -> None:
         """Stop listening to `rid` and abort it if it still runs."""
         self._outputs.pop(rid, None)
-        self.loop.abort(rid)
+        self.loop.call(AbortMsg(rid))
 
     def _pump(self) -> None:
         """One round of the loop; its deltas go to the outputs that wait for them."""
@@ -247,11 +244,21 @@ class Engine:
     ) -> str:
         """A tree session by default (SGLang's rules), append-only with streaming; reaped by
         the loop `timeout` seconds after its last turn began."""
-        return self.scheduler.open_session(session_id, capacity_of_str_len, streaming, timeout)
+        return self._query(
+            "open_session",
+            session_id=session_id,
+            capacity_of_str_len=capacity_of_str_len,
+            streaming=streaming,
+            session_timeout=timeout,
+        )
+
+    def _query(self, kind: str, **args: Any) -> Any:
+        """A query applied at once (`SchedulerLoop._q_<kind>`): its result, or its refusal."""
+        return self.loop.call(QueryMsg(0, kind, args))
 
     def close_session(self, session_id: str) -> bool:
         """Close a session; a turn still in flight is aborted (its output says so)."""
-        closed = self.loop.close_session(session_id)
+        closed = self._query("close_session", session_id=session_id)
         self.loop.flush()
         return closed
 
@@ -260,25 +267,19 @@ class Engine:
         group, self.tp_group = self.tp_group, None
         if group is None:
             return
-        try:
-            if isinstance(getattr(self, "scheduler", None), LockstepScheduler):
-                self.scheduler.shutdown()
-        except RuntimeError as e:  # a rank is gone already
-            logger.warning("tensor-parallel group: %s", e)
+        if getattr(self, "_leader", None) is not None:
+            self._leader.stop()
         group.stop()
 
     def leak_report(self) -> list[str]:
         """Pool problems (empty: clean); with tensor parallelism every rank's, named."""
-        if not isinstance(self.scheduler, LockstepScheduler):
-            return leak_report(self.scheduler)
-        reports = self.scheduler.leak_reports()
-        return [f"rank {rank}: {line}" for rank, lines in enumerate(reports) for line in lines]
+        return self._query("leaks")
 
     def flush_cache(self) -> bool:
         """Free sessions' held slots and empty the radix tree; refused (False) while requests
         run."""
         try:
-            self.scheduler.flush_cache()
+            self._query("flush")
         except ValueError:
             return False
         return True

@@ -49,6 +49,7 @@ def run_scheduler(
         level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
     )
     from scheduler.engine import build_scheduler
+    from scheduler.lockstep import Leader
     from scheduler.loop import SchedulerLoop
     from scheduler.loop_io import PipeIO
     from scheduler.threads import configure_threads
@@ -60,7 +61,7 @@ def run_scheduler(
     else:
         configure_threads(runner_config.num_threads, pick_default=True)
     start = time.perf_counter()
-    group = scheduler = None
+    group = None
     try:
         group, runner_config, tp = start_ranks(
             model_path, runner_config, scheduler_config, log_level
@@ -68,11 +69,14 @@ def run_scheduler(
         scheduler = build_scheduler(model_path, runner_config, scheduler_config, tp)
     except Exception as e:  # reported to the API process, which exits with the message
         logger.exception("loading %s failed", model_path)
-        stop_ranks(group, scheduler)
+        stop_ranks(group, None)
         outbox.send(FailedMsg(f"{type(e).__name__}: {e}"))
         return
-    if group is not None:  # a dead rank stops the server, also while idle
-        outbox = supervise(group, scheduler, outbox)
+    # with tensor parallelism: a dead rank stops the server, also while idle, and rank 0
+    # broadcasts every round's inputs
+    outbox = supervise(group, outbox) if group is not None else outbox
+    loop = SchedulerLoop(scheduler, PipeIO(inbox, outbox))
+    leader = Leader(loop, group.tp, group.failure) if group is not None else None
     mc = scheduler.runner.model.config
     logger.info("model loaded from %s in %.1fs", model_path, time.perf_counter() - start)
     ready = ReadyMsg(
@@ -82,7 +86,7 @@ def run_scheduler(
     )
     try:
         outbox.send(ready)
-        SchedulerLoop(scheduler, PipeIO(inbox, outbox)).run()
+        loop.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("API process is gone; scheduler exits")
     except Exception as e:  # PoolsCorrupt, or a bug in the loop: nothing can be trusted now
@@ -93,4 +97,4 @@ def run_scheduler(
             pass
         sys.exit(1)
     finally:
-        stop_ranks(group, scheduler)
+        stop_ranks(group, leader)

@@ -6,7 +6,7 @@ caller of `Engine`) is rank 0 and spawns the host's other ranks (`TPGroup.start`
 hosts run `run_followers` with the same command and their node rank. Every rank joins the
 default process group at `--dist-init-addr` (host:port of rank 0; on one host a free loopback
 port when not given), builds its shard of the model and its own pools (sized per rank), and
-runs the same scheduler steps (`scheduler.lockstep`).
+runs the same loop on rank 0's inputs (`scheduler.lockstep`).
 
 A rank that dies closes its sockets, so the next collective of every other rank raises at once
 (gloo: "Connection closed by peer"): rank 0 then stops the group with a message naming the dead
@@ -85,7 +85,8 @@ def follower_main(
 ) -> None:
     """Entry point of a spawned follower rank."""
     from scheduler.engine import build_scheduler
-    from scheduler.lockstep import follow
+    from scheduler.lockstep import NullIO, follow
+    from scheduler.loop import SchedulerLoop
     from scheduler.threads import configure_threads
 
     _die_with_parent()
@@ -98,7 +99,7 @@ def follower_main(
     runner_cfg = replace(runner_cfg, device=rank_device(runner_cfg, rank))
     tp = init_process_group(rank, runner_cfg.tp_size, runner_cfg.dist_init_addr, runner_cfg.device)
     try:
-        follow(build_scheduler(model_path, runner_cfg, sched_cfg, tp), tp)
+        follow(SchedulerLoop(build_scheduler(model_path, runner_cfg, sched_cfg, tp), NullIO()), tp)
     except Exception as e:
         logger.error("tensor-parallel rank %d stops: %s: %s", rank, type(e).__name__, e)
         raise SystemExit(1) from None

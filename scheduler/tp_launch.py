@@ -1,11 +1,11 @@
 """The scheduler process as rank 0 of a tensor-parallel group (`--tp-size N`).
 
 `start_ranks` spawns this host's other ranks (`scheduler.tp_group`) before the model loads;
-`supervise` makes a dead rank stop the server: the next collective raises (`RankLost`, which the
-loop reports as a scheduler fault), and, so that an idle server notices too, a watcher sends the
-API process `FailedMsg("tensor-parallel rank R exited (code C)")` and ends this process, whose
+`supervise` makes a dead rank stop the server: the next broadcast raises (`RankLost`, which ends
+the loop as a scheduler fault), and, so that no round need fail first, a watcher sends the API
+process `FailedMsg("tensor-parallel rank R exited (code C)")` and ends this process, whose
 followers then see their sockets close and exit. The API process exits 1 with that message.
-`stop_ranks` lets the followers leave their loops and joins them on a normal shutdown.
+`stop_ranks` lets the followers leave their loops and joins them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from models.parallel import ParallelContext
 from scheduler.config import RunnerConfig, SchedulerConfig
-from scheduler.lockstep import LockstepScheduler
+from scheduler.lockstep import Leader
 from scheduler.messages import FailedMsg
 from scheduler.tp_group import TPGroup
 
@@ -49,10 +49,9 @@ def start_ranks(
     return group, runner_cfg, group.tp
 
 
-def supervise(group: TPGroup, scheduler: LockstepScheduler, outbox: Connection) -> Any:
+def supervise(group: TPGroup, outbox: Connection) -> Any:
     """Wire a dead rank to a server stop; returns the outbox the loop must use."""
     locked = LockedConnection(outbox)
-    scheduler.describe_failure = group.failure
 
     def on_failure(message: str) -> None:
         logger.error("%s; stopping the server", message)
@@ -66,12 +65,9 @@ def supervise(group: TPGroup, scheduler: LockstepScheduler, outbox: Connection) 
     return locked
 
 
-def stop_ranks(group: TPGroup | None, scheduler: Any) -> None:
-    if group is None:
-        return
-    try:
-        if isinstance(scheduler, LockstepScheduler):
-            scheduler.shutdown()
-    except RuntimeError as e:  # a rank is already gone
-        logger.warning("tensor-parallel group: %s", e)
-    group.stop()
+def stop_ranks(group: TPGroup | None, leader: Leader | None) -> None:
+    """Tell the followers to stop (when rank 0's loop ran) and join them."""
+    if leader is not None:
+        leader.stop()
+    if group is not None:
+        group.stop()
