@@ -73,3 +73,80 @@ def config_mismatch(tp: ParallelContext) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def lockstep_workload(tp: ParallelContext, path: str) -> dict | None:
+    """Every rank's `SchedulerLoop` on rank 0's inputs (`scheduler.lockstep`): requests, an abort
+    and a stop string mid-decode, a seeded sample, a session whose id rank 0 draws, whose held
+    slot a query unknown to the lockstep layer frees, and which expires on rank 0's clock with a
+    turn in flight, then a flush. Rank 0 gets every rank's state after each phase and the last
+    deltas it sent."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.engine import build_scheduler
+    from scheduler.leak_check import leak_report
+    from scheduler.lockstep import Leader, NullIO, follow
+    from scheduler.loop import SchedulerLoop
+    from scheduler.loop_io import InProcessIO
+    from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, ShutdownMsg
+    from scheduler.sampling_params import SamplingParams
+
+    def state(loop: SchedulerLoop) -> dict:
+        s, r = loop.scheduler, loop.scheduler.runner
+        return {
+            "free": [r.kv_pool.available(), r.mamba_pool.available(), r.req_pool.available()],
+            "cached": [s.tree.total_size(), s.tree.mamba_evictable_size()],
+            "sessions": {sid: x.slot is not None for sid, x in s.sessions.sessions.items()},
+            "aborts": dict(s.aborts),
+            "leaks": leak_report(s),
+        }
+
+    # queries no rank was told about: the loop's inputs reach every rank, whatever they do
+    SchedulerLoop._q_evict_sessions = lambda self: self.scheduler.sessions.evict_all()
+    SchedulerLoop._q_state = lambda self: self.gather(state(self))
+    runner_cfg = RunnerConfig(
+        tp_size=2, dtype="float32", max_running_requests=4, max_total_tokens=1024, num_threads=1
+    )
+    sched_cfg = SchedulerConfig(chunked_prefill_size=64, mamba_scheduler_strategy="extra_buffer")
+    sched = build_scheduler(path, runner_cfg, sched_cfg, tp)
+    if not tp.is_first:
+        follow(SchedulerLoop(sched, NullIO()), tp)
+        return None
+    io = InProcessIO()
+    loop = SchedulerLoop(sched, io)
+    Leader(loop, tp)
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    states, last = [], {}
+
+    def send(*msgs, rounds: int | None = None) -> None:
+        """Queue msgs and run `rounds` rounds (None: until idle)."""
+        for msg in msgs:
+            io.put(msg)
+        for _ in range(rounds or 1000):
+            loop.run_once()
+            last.update({d.rid: (d.finish_reason, d.finish_detail) for d in io.take_deltas()})
+            if rounds is None and not sched.has_work():
+                break
+        if rounds is None:
+            states.append(loop.call(QueryMsg(0, "state")))
+
+    def generate(rid: str, params: SamplingParams = greedy, session: dict | None = None):
+        prompt = torch.randint(3, 2000, (70,), generator=gen).tolist()
+        return GenerateMsg(rid, prompt, params, session)
+
+    seeded = SamplingParams(max_new_tokens=6, temperature=0.9, seed=7)
+    send(*(generate(rid) for rid in "abc"), generate("d", seeded), rounds=3)
+    send(AbortMsg("a"), AbortMsg("b", keep_output_tokens=1))
+    sid = loop.call(QueryMsg(0, "open_session", {"session_timeout": 60.0}))
+    send(generate("t1", session={"id": sid}))
+    loop.call(QueryMsg(0, "evict_sessions"))
+    send()
+    send(generate("t2", session={"id": sid, "rid": "t1"}))
+    send(generate("t3", session={"id": sid, "rid": "t2"}), rounds=2)
+    sched.sessions.sessions[sid].deadline, loop.next_reap = 0.0, 0.0  # rank 0's clock says so
+    send()
+    loop.call(QueryMsg(0, "flush"))
+    send()
+    io.put(ShutdownMsg())
+    assert not loop.run_once()
+    return {"states": states, "last": last, "sid": sid}

@@ -1,7 +1,9 @@
 """The lockstep engine: `Engine(tp_size=2)` (this process is rank 0, one spawned follower, gloo)
 gives the tokens of `Engine()` and of transformers, with the radix cache, chunked prefill, a
 session, seeded and unseeded sampling, under no_buffer and extra_buffer; every rank's pools are
-clean afterwards; a follower that dies stops the group with a message naming it."""
+clean afterwards; a follower that dies stops the group with a message naming it. Every rank's
+state agrees after every kind of input, a mutating query the lockstep layer never heard of
+included."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from scheduler.engine import Engine
 from scheduler.lockstep import RankLost
 from tests.hf_reference import hf_greedy
 from tests.tp_harness import run_ranks
-from tests.tp_workers import config_mismatch
+from tests.tp_workers import config_mismatch, lockstep_workload
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
 POOLS = dict(
@@ -115,3 +117,16 @@ def test_tp2_engine_matches_transformers_and_a_dead_rank_stops_it(paths):
 def test_ranks_started_with_other_options_refuse_to_run():
     message = run_ranks(config_mismatch, 2)
     assert "rank 1 runs with max_total_tokens=2048, this rank with 1024" in message
+
+
+def test_ranks_agree_after_every_kind_of_input(paths):
+    out = run_ranks(lockstep_workload, 2, paths["tiny"])
+    for rank0, rank1 in out["states"]:
+        assert rank0 == rank1
+        assert rank0["leaks"] == []
+    held = [rank0["sessions"].get(out["sid"]) for rank0, _ in out["states"]]
+    assert held == [None, True, False, True, None, None]  # evicted by the query; expired
+    assert out["states"][-1][0]["cached"] == [0, 0]  # flushed
+    last = out["last"]
+    assert last["a"] == ("abort", None) and last["b"][0] == "stop"
+    assert last["t3"] == ("abort", f"session {out['sid']!r} timed out")
