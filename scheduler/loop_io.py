@@ -6,7 +6,7 @@
     InProcessIO  the `Engine` (and `hybrid-serve generate`): a queue in the same process; the
                  caller puts messages and takes the deltas and replies after each round
 
-A third (tensor-parallel ranks in lockstep, say) only needs the same five methods.
+Tensor-parallel followers answer into `scheduler.lockstep.NullIO` (only rank 0 replies).
 """
 
 from __future__ import annotations
