@@ -11,7 +11,8 @@ per call which implementation runs. `choose` builds one of three sets:
 - `torch`: the pure-torch references, which call only references.
 
 A fused op that a set does not have is the reference composition of that set's unfused ops
-(`functools.partial` over the reference's sub-op arguments), so every set has every field.
+(`functools.partial` over the reference's sub-op arguments, `assemble`), so every set has every
+field.
 `table` is the start-up log's one-line-per-op summary.
 """
 
@@ -22,7 +23,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from types import ModuleType
 
@@ -87,32 +88,45 @@ def describe(fn: Callable) -> str:
     return f"{fn.__module__.removeprefix('kernels.')}.{fn.__name__}"
 
 
-def compose(
+def assemble(
+    backend: str,
     linear_fn: Callable,
     rms_norm_fn: Callable,
     rms_norm_gated_fn: Callable,
-    conv_update: Callable,
-    recurrent: Callable,
-    store: Callable,
-    decode_attn: Callable,
-    experts_fn: Callable,
-) -> dict[str, Callable]:
-    """The fused ops as reference compositions of these unfused ones."""
-    fused_experts = partial(experts.fused_experts, routed=experts_fn)
-    return dict(
+    conv: ModuleType,
+    gdr: ModuleType,
+    attn: ModuleType,
+    routed_experts: Callable,
+) -> KernelSet:
+    """A set of these unfused ops (`conv`, `gdr`, `attn`: modules with the references' function
+    names), its fused ops the reference compositions of them."""
+    fused_experts = partial(experts.fused_experts, routed=routed_experts)
+    return KernelSet(
+        backend=backend,
+        fused=False,
+        linear=linear_fn,
+        rms_norm=rms_norm_fn,
+        rms_norm_gated=rms_norm_gated_fn,
+        causal_conv1d_fn=conv.causal_conv1d_fn,
+        causal_conv1d_update=conv.causal_conv1d_update,
+        chunk_gated_delta_rule=gdr.chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule=gdr.fused_recurrent_gated_delta_rule,
+        extend_attention=attn.extend_attention,
+        decode_attention=attn.decode_attention,
+        store_kv=attn.store_kv,
         linear_multi=partial(multi_linear.linear_multi, linear=linear_fn),
         fused_add_rmsnorm=partial(rmsnorm.fused_add_rmsnorm, rms_norm=rms_norm_fn),
         gdn_decode=partial(
             gdn_step.gdn_decode,
-            conv_update=conv_update,
-            recurrent=recurrent,
+            conv_update=conv.causal_conv1d_update,
+            recurrent=gdr.fused_recurrent_gated_delta_rule,
             norm_gated=rms_norm_gated_fn,
-        ),  # fmt: skip
+        ),
         attn_decode=partial(
             attn_step.attn_decode,
             rms_norm=rms_norm_fn,
-            store_kv=store,
-            decode_attention=decode_attn,
+            store_kv=attn.store_kv,
+            decode_attention=attn.decode_attention,
         ),
         sparse_moe=partial(moe_step.sparse_moe, linear=linear_fn, fused_experts=fused_experts),
         fused_experts=fused_experts,
@@ -121,67 +135,28 @@ def compose(
 
 def reference_set() -> KernelSet:
     """The pure-torch references (any device, any dtype)."""
-    return KernelSet(
-        backend="torch",
-        fused=False,
-        linear=linear.linear,
-        rms_norm=rmsnorm.rms_norm,
-        rms_norm_gated=rmsnorm.rms_norm_gated,
-        causal_conv1d_fn=causal_conv1d.causal_conv1d_fn,
-        causal_conv1d_update=causal_conv1d.causal_conv1d_update,
-        chunk_gated_delta_rule=gated_delta_rule.chunk_gated_delta_rule,
-        fused_recurrent_gated_delta_rule=gated_delta_rule.fused_recurrent_gated_delta_rule,
-        extend_attention=attention.extend_attention,
-        decode_attention=attention.decode_attention,
-        store_kv=attention.store_kv,
-        **compose(
-            linear.linear,
-            rmsnorm.rms_norm,
-            rmsnorm.rms_norm_gated,
-            causal_conv1d.causal_conv1d_update,
-            gated_delta_rule.fused_recurrent_gated_delta_rule,
-            attention.store_kv,
-            attention.decode_attention,
-            experts.routed_experts,
-        ),  # fmt: skip
-    )
+    return assemble(
+        "torch", linear.linear, rmsnorm.rms_norm, rmsnorm.rms_norm_gated, causal_conv1d,
+        gated_delta_rule, attention, experts.routed_experts,
+    )  # fmt: skip
 
 
 def triton_set(device: torch.device) -> KernelSet:
     """Triton for the conv, the delta rule, attention and the gated norm; torch elsewhere. On a
     CUDA graph capture the experts take their static-shape path (`experts.fused_experts`)."""
-    conv = triton_module("causal_conv1d_triton", device)
-    gdr = triton_module("gated_delta_rule_triton", device)
-    attn = triton_module("attention_triton", device)
     norm = triton_module("rmsnorm_triton", device)
-    return KernelSet(
-        backend="triton",
-        fused=False,
-        linear=linear.linear,
-        rms_norm=rmsnorm.rms_norm,
-        rms_norm_gated=norm.rms_norm_gated,
-        causal_conv1d_fn=conv.causal_conv1d_fn,
-        causal_conv1d_update=conv.causal_conv1d_update,
-        chunk_gated_delta_rule=gdr.chunk_gated_delta_rule,
-        fused_recurrent_gated_delta_rule=gdr.fused_recurrent_gated_delta_rule,
-        extend_attention=attn.extend_attention,
-        decode_attention=attn.decode_attention,
-        store_kv=attn.store_kv,
-        **compose(
-            linear.linear,
-            rmsnorm.rms_norm,
-            norm.rms_norm_gated,
-            conv.causal_conv1d_update,
-            gdr.fused_recurrent_gated_delta_rule,
-            attn.store_kv,
-            attn.decode_attention,
-            experts.routed_experts,
-        ),  # fmt: skip
-    )
+    return assemble(
+        "triton", linear.linear, rmsnorm.rms_norm, norm.rms_norm_gated,
+        triton_module("causal_conv1d_triton", device),
+        triton_module("gated_delta_rule_triton", device),
+        triton_module("attention_triton", device), experts.routed_experts,
+    )  # fmt: skip
 
 
 def cpp_set(fusions: bool) -> KernelSet:
-    """The C++ CPU kernels (fp32 activations; fp32 or bf16 matrices)."""
+    """The C++ CPU kernels (fp32 activations; fp32 or bf16 matrices); with `fusions`, the fused
+    decode ops' own C++ kernels in place of the compositions (the residual-add norm and the
+    plain norm among them, as `HYBRID_SERVE_FUSIONS` switches them)."""
     from kernels import (
         attn_step_cpp,
         causal_conv1d_cpp,
@@ -194,34 +169,21 @@ def cpp_set(fusions: bool) -> KernelSet:
         rmsnorm_cpp,
     )
 
-    composed = compose(
-        linear_cpp.linear, rmsnorm_cpp.rms_norm, rmsnorm_cpp.rms_norm_gated,
-        causal_conv1d_cpp.causal_conv1d_update,
-        gated_delta_rule_cpp.fused_recurrent_gated_delta_rule, attention.store_kv,
-        attention.decode_attention, experts_cpp.routed_experts,
+    unfused = assemble(
+        "cpp", linear_cpp.linear, rmsnorm_cpp.rms_norm if fusions else rmsnorm.rms_norm,
+        rmsnorm_cpp.rms_norm_gated, causal_conv1d_cpp, gated_delta_rule_cpp, attention,
+        experts_cpp.routed_experts,
     )  # fmt: skip
-    if fusions:
-        composed.update(
-            linear_multi=multi_linear_cpp.linear_multi,
-            fused_add_rmsnorm=rmsnorm_cpp.fused_add_rmsnorm,
-            gdn_decode=gdn_step_cpp.gdn_decode,
-            attn_decode=attn_step_cpp.attn_decode,
-            sparse_moe=partial(moe_step_cpp.sparse_moe, unfused=composed["sparse_moe"]),
-        )
-    return KernelSet(
-        backend="cpp",
-        fused=fusions,
-        linear=linear_cpp.linear,
-        rms_norm=rmsnorm_cpp.rms_norm if fusions else rmsnorm.rms_norm,
-        rms_norm_gated=rmsnorm_cpp.rms_norm_gated,
-        causal_conv1d_fn=causal_conv1d_cpp.causal_conv1d_fn,
-        causal_conv1d_update=causal_conv1d_cpp.causal_conv1d_update,
-        chunk_gated_delta_rule=gated_delta_rule_cpp.chunk_gated_delta_rule,
-        fused_recurrent_gated_delta_rule=gated_delta_rule_cpp.fused_recurrent_gated_delta_rule,
-        extend_attention=attention.extend_attention,
-        decode_attention=attention.decode_attention,
-        store_kv=attention.store_kv,
-        **composed,
+    if not fusions:
+        return unfused
+    return replace(
+        unfused,
+        fused=True,
+        linear_multi=multi_linear_cpp.linear_multi,
+        fused_add_rmsnorm=rmsnorm_cpp.fused_add_rmsnorm,
+        gdn_decode=gdn_step_cpp.gdn_decode,
+        attn_decode=attn_step_cpp.attn_decode,
+        sparse_moe=partial(moe_step_cpp.sparse_moe, unfused=unfused.sparse_moe),
     )
 
 

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelSet, reference_set
-from kernels.attn_step import apply_rope
 
 REFERENCE = reference_set()
 
@@ -62,7 +61,8 @@ class RMSNormGated(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Partial NeoX RoPE: the first `rotary_dim` channels of a head rotate, pairs (j, j+rot/2)."""
+    """Partial NeoX RoPE angles: cos/sin of the first `rotary_dim` channels of a head, rotated in
+    pairs (j, j+rot/2) by `kernels.attn_step.apply_rope`."""
 
     def __init__(self, rotary_dim: int, theta: float) -> None:
         super().__init__()
@@ -77,11 +77,6 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, rot/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, rot]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D]; cos/sin [T, rot]."""
-        return apply_rope(x, cos, sin)
 
 
 class MLP(nn.Module):
