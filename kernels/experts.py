@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.quant import widen
+
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm's
 
 
@@ -36,8 +38,9 @@ def routed_experts(
     """xs [T, hidden], the rows of expert e the `counts[e]`-long slice after those of experts
     < e; gate_up [E, 2I, hidden], down [E, hidden, I]; counts [E] int64 summing to T ->
     [T, hidden] in xs' dtype: each row through its expert, down(silu(gate x) * up x). Weights in
-    another dtype (bf16 under fp32 rows) are widened. One `torch._grouped_mm` per matrix where it
-    takes the operands (counts stay on the device), else one `F.linear` per active expert."""
+    another form (bf16 under fp32 rows, int8-format: `kernels.quant`) are widened. One
+    `torch._grouped_mm` per matrix where it takes the operands (counts stay on the device), else
+    one `F.linear` per active expert."""
     if grouped_mm_fits(xs, gate_up, down):
         offs = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
@@ -45,8 +48,8 @@ def routed_experts(
     ys, start = [xs.new_empty(0, xs.shape[1])], 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            gate, up = F.linear(xs[start : start + n], gate_up[e].to(xs.dtype)).chunk(2, dim=-1)
-            ys.append(F.linear(F.silu(gate) * up, down[e].to(xs.dtype)))
+            gate, up = F.linear(xs[start : start + n], widen(gate_up[e], xs.dtype)).chunk(2, dim=-1)
+            ys.append(F.linear(F.silu(gate) * up, widen(down[e], xs.dtype)))
             start += n
     return torch.cat(ys)
 
@@ -89,6 +92,6 @@ def static_experts(
     """`fused_experts` with static shapes (no host sync; CUDA-graph capturable)."""
     weights = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
     weights.scatter_(1, topk_ids, topk_w.to(x.dtype))  # [T, E]
-    gate, up = torch.einsum("th,eih->eti", x, gate_up.to(x.dtype)).chunk(2, dim=-1)
-    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down.to(x.dtype))  # [E, T, hidden]
+    gate, up = torch.einsum("th,eih->eti", x, widen(gate_up, x.dtype)).chunk(2, dim=-1)
+    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, widen(down, x.dtype))  # [E, T, hidden]
     return (y * weights.t().unsqueeze(-1)).sum(0)

@@ -1,9 +1,9 @@
 """Routed SwiGLU experts on CPU in one C++ call (`routed_experts` in kernels/csrc/gemm.cpp).
 
-Same signature and contract as `kernels.experts.routed_experts`. For fp32 rows and fp32 or bf16
-weights (the two stacks alike), up to `MAX_ROWS` rows (decode batches and short prefills):
-every active expert's gate/up GEMM, silu(gate) * up and down GEMM run in two parallel passes
-whose pieces (weight-row blocks of one expert) are split among the threads by cost, on the
+Same signature and contract as `kernels.experts.routed_experts`. For fp32 rows and fp32, bf16 or
+int8-format weights (the two stacks alike), up to `MAX_ROWS` rows (decode batches and short
+prefills): every active expert's gate/up GEMM, silu(gate) * up and down GEMM run in two parallel
+passes whose pieces (weight-row blocks of one expert) are split among the threads by cost, on the
 weights as stored ([E, 2I, hidden] and [E, hidden, I], bf16 widened in registers, fp32
 accumulation), each expert's rows packed once per pass for the tiled GEMM. More rows and other
 dtypes run the reference (MKL's grouped GEMM for fp32 weights).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.experts import routed_experts as reference_experts
+from kernels.quant import CPP_WEIGHT_DTYPES
 
 MAX_ROWS = 256  # beyond, MKL's grouped GEMM is as fast (benchmarks/moe_experts.py)
 
@@ -25,7 +26,7 @@ def routed_experts(
         xs.shape[0] > MAX_ROWS
         or xs.dtype != torch.float32
         or gate_up.dtype != down.dtype
-        or gate_up.dtype not in (torch.float32, torch.bfloat16)
+        or gate_up.dtype not in CPP_WEIGHT_DTYPES
     ):
         return reference_experts(xs, gate_up, down, counts)
     return torch.ops.hybrid_serve.routed_experts(

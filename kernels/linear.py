@@ -9,11 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.quant import widen
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K], weight [N, K], bias [N] or None -> [..., N] in x's dtype. A weight stored in
-    another dtype (bf16 weights under fp32 activations on CPU) is widened for the call."""
+    another form (bf16 weights under fp32 activations on CPU, or the int8 format of
+    `kernels.quant`) is widened for the call."""
     if weight.dtype != x.dtype:
-        weight = weight.to(x.dtype)
+        weight = widen(weight, x.dtype)
         bias = None if bias is None else bias.to(x.dtype)
     return F.linear(x, weight, bias)

@@ -1,12 +1,12 @@
 """Linear layer on CPU: the C++ op `hybrid_serve::linear` (kernels/csrc/decode_ops.h).
 
-Same signature and contract as `kernels.linear.linear`, for fp32 activations and fp32 or bf16
-weights ([N, K] as stored, bf16 widened as it streams: half the bytes). The C++ op picks the
-product by row count, in that one place: a weight-streaming GEMV up to 8 rows (decode at small
-batches is a stream of weights through mat-vec products), a tiled GEMM beyond
-(kernels/csrc/gemm.cpp: x packed into panels once per call, register tiles of 6 weight rows,
-fp32 accumulation; `benchmarks/gemm_shapes.py` compares it with MKL by row count). Other dtypes
-take the reference.
+Same signature and contract as `kernels.linear.linear`, for fp32 activations and fp32, bf16 or
+int8-format weights ([N, K] as stored, bf16 and int8 widened as they stream: half or a quarter of
+the bytes; `kernels.quant`). The C++ op picks the product by row count, in that one place: a
+weight-streaming GEMV up to 8 rows (decode at small batches is a stream of weights through mat-vec
+products), a tiled GEMM beyond (kernels/csrc/gemm.cpp: x packed into panels once per call, register
+tiles of 6 weight rows, fp32 accumulation; `benchmarks/gemm_shapes.py` compares it with MKL by row
+count). Other dtypes take the reference.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from kernels.linear import linear as reference_linear
+from kernels.quant import CPP_WEIGHT_DTYPES
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if M == 0 or x.dtype != torch.float32 or weight.dtype not in (torch.float32, torch.bfloat16):
+    if M == 0 or x.dtype != torch.float32 or weight.dtype not in CPP_WEIGHT_DTYPES:
         return reference_linear(x, weight, bias)
     y = torch.ops.hybrid_serve.linear(x.reshape(M, K).contiguous(), weight.contiguous())
     if bias is not None:

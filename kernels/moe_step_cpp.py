@@ -4,10 +4,10 @@ Same contract as `kernels.moe_step.sparse_moe`. Up to `MAX_TOKENS` rows (decode 
 prefills), one call replaces the reference's ~40 torch ops and Python loop: the router product,
 torch's own fp32 softmax and top-k (called from C++, so ties pick the same experts), the active
 experts on the rows routed to each, the shared expert and its gate, and the combine. Up to 8 rows
-the products are the weight-streaming GEMV on slices of the stacked weights; beyond, the tiled
-GEMM and all experts in one routed-experts call (kernels/csrc/gemm.cpp). It covers fp32
-activations with fp32 or bf16 matrices; longer inputs and anything else run `unfused` (the
-reference block over the C++ unfused ops, as `kernels.kernel_set` composes it).
+the products are the weight-streaming GEMV on slices of the stacked weights; beyond, the tiled GEMM
+and all experts in one routed-experts call (kernels/csrc/gemm.cpp). It covers fp32 activations with
+fp32, bf16 or int8-format matrices; longer inputs and anything else run `unfused` (the reference
+block over the C++ unfused ops, as `kernels.kernel_set` composes it).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from kernels.quant import CPP_WEIGHT_DTYPES
 
 MAX_TOKENS = 64  # decode batches; longer inputs run the unfused block
 
@@ -41,7 +43,7 @@ def sparse_moe(
         x.dtype != torch.float32
         or x.dim() != 2
         or x.shape[0] > MAX_TOKENS
-        or any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights)
+        or any(w.dtype not in CPP_WEIGHT_DTYPES for w in weights)
     ):
         return unfused(x, *weights, top_k, norm_topk_prob)
     return torch.ops.hybrid_serve.moe_decode(

@@ -1,9 +1,8 @@
 """Several linear projections of one input as one C++ CPU op (`hybrid_serve::linear_multi`).
 
-Same signature and contract as `kernels.multi_linear.linear_multi`, for fp32 activations and
-fp32 or bf16 weights: at decode sizes one C++ call streams all the weights in one parallel
-region; beyond, each weight takes `kernels.linear_cpp`'s product. Anything else runs the
-reference.
+Same signature and contract as `kernels.multi_linear.linear_multi`, for fp32 activations and fp32,
+bf16 or int8-format weights: at decode sizes one C++ call streams all the weights in one parallel
+region; beyond, each weight takes `kernels.linear_cpp`'s product. Anything else runs the reference.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels import linear_cpp, multi_linear
+from kernels.quant import CPP_WEIGHT_DTYPES
 
 
 def linear_multi(
@@ -18,11 +18,7 @@ def linear_multi(
 ) -> list[torch.Tensor]:
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if (
-        M == 0
-        or x.dtype != torch.float32
-        or any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights)
-    ):
+    if M == 0 or x.dtype != torch.float32 or any(w.dtype not in CPP_WEIGHT_DTYPES for w in weights):
         return multi_linear.linear_multi(x, weights, biases, linear=linear_cpp.linear)
     ys = torch.ops.hybrid_serve.linear_multi(
         x.reshape(M, K).contiguous(), [w.contiguous() for w in weights]

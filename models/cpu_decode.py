@@ -17,8 +17,8 @@ and pool updates are bit-identical to the eager step's:
 
 It applies where the model's kernel set is the C++ one with its fused decode ops
 (`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with sparse-MoE layers, no
-biases, fp32 norms, states and KV, fp32 or bf16 matrices, and at most `MAX_ROWS` rows (the fused
-MoE's). `CpuDecodePlan.build` returns None for any other model.
+biases, fp32 norms, states and KV, fp32, bf16 or int8-format matrices, and at most `MAX_ROWS` rows
+(the fused MoE's). `CpuDecodePlan.build` returns None for any other model.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from models.qwen3_next import Qwen3NextForCausalLM
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = moe_step_cpp.MAX_TOKENS  # the fused MoE's rows: decode batches
-MATRIX_DTYPES = (torch.float32, torch.bfloat16)  # `models.loader.matrices`; all else fp32
+MATRIX_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # `models.loader.matrices`; else fp32
 
 
 def unsupported(model: Qwen3NextForCausalLM) -> str | None:

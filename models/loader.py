@@ -14,6 +14,12 @@ bf16 on CPU means bf16 *weights*: the matrices (every linear layer, the experts,
 are stored in bf16 and read by the C++ kernels with fp32 accumulation, while embeddings, norms,
 convolution and decay parameters, activations and every pool (KV, conv and recurrent states)
 stay fp32. Elsewhere a dtype applies to the whole model.
+
+`quantization="int8"` (CPU only) is weight-only quantization at load, from whatever the
+checkpoint holds (float or block-FP8): the model is loaded as for its dtype (matrices in it,
+the rest fp32), then every matrix but the MoE routers' gates (the router and the shared-expert
+gate) is replaced, one at a time, by its int8 format (`kernels.quant`: per output row scales).
+Activations, embeddings, norms and states are unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from safetensors import safe_open
 
 from kernels import KernelSet
 from kernels import choose as choose_kernels
+from kernels.quant import METHODS as QUANTIZATION_METHODS
+from kernels.quant import quantize_int8
 from models.config import ModelConfig
 from models.dummy_weights import fill_dummy
 from models.fp8 import Fp8Checkpoint
@@ -84,6 +92,7 @@ def load_model(
     tp: ParallelContext | None = None,
     load_format: str = "auto",
     ops: KernelSet | None = None,
+    quantization: str | None = None,
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
@@ -96,14 +105,21 @@ def load_model(
     to fp32 one at a time).
 
     The layers run `ops`, by default the kernel set `kernels.choose` picks for the device and
-    the activations' dtype (logged as a table).
+    the activations' dtype (logged as a table). `quantization`: None or "int8" (module
+    docstring).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
+    on_cpu = torch.device(device).type == "cpu"
+    if quantization is not None and (quantization not in QUANTIZATION_METHODS or not on_cpu):
+        raise ValueError(
+            f"quantization {quantization!r} on {device} (choose {', '.join(QUANTIZATION_METHODS)}"
+            ", on the CPU)"
+        )
     path = Path(model_path)
     config = ModelConfig.from_hf(path)
     torch_dtype = resolve_dtype(dtype, config)
-    weights_only = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    weights_only = on_cpu and (torch_dtype == torch.bfloat16 or quantization is not None)
     tp = tp or ParallelContext()
     if ops is None:
         ops = choose_kernels(device, torch.float32 if weights_only else torch_dtype)
@@ -125,13 +141,16 @@ def load_model(
         model.lm_head.weight.data[rows:].zero_()
     if load_format != "dummy":
         read_checkpoint(model, path, config, tp)
-    if weights_only and config.tie_word_embeddings:  # the LM head: a bf16 copy of the embedding
+    if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.to(torch_dtype))
+    if quantization is not None:
+        quantize_matrices(model)
     logger.info(
-        "loaded %s (%s%s, %s%s)",
+        "loaded %s (%s%s%s, %s%s)",
         path,
         torch_dtype,
         " weights, fp32 activations" * weights_only,
+        f", {quantization} matrices" * (quantization is not None),
         device,
         ", dummy weights" * (load_format == "dummy"),
     )
@@ -198,6 +217,27 @@ def matrices(model: Qwen3NextForCausalLM) -> list[torch.nn.Parameter]:
         elif isinstance(module, Experts):
             out += [module.gate_up_proj, module.down_proj]
     return out
+
+
+def quantize_matrices(model: Qwen3NextForCausalLM) -> None:
+    """Replace every linear layer's and expert stack's matrix, except the MoE routers' gates, by
+    its int8 format (`kernels.quant`), one matrix at a time."""
+    from models.layers import Experts, Linear, SparseMoE
+
+    gates = set()
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            gates |= {id(m.gate), id(m.shared_expert_gate)}
+    for module in list(model.modules()):
+        if isinstance(module, Linear) and id(module) not in gates:
+            names = ["weight"]
+        elif isinstance(module, Experts):
+            names = ["gate_up_proj", "down_proj"]
+        else:
+            continue
+        for name in names:
+            q = quantize_int8(getattr(module, name).detach())
+            setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
 
 
 def cast_matrices(model: Qwen3NextForCausalLM, dtype: torch.dtype) -> None:

@@ -20,6 +20,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # models.loader.LOAD_FORMATS, likewise (dummy: random weights from config.json alone)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("int8",)  # kernels.quant.METHODS: weight-only formats for CPU serving
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class RunnerConfig:
     dtype: str = "auto"
     device: str = "cpu"
     load_format: str = "auto"  # dummy: random weights, no weight file read (models.loader)
+    quantization: str | None = None  # int8: weight-only, quantized at load (CPU; models.loader)
     # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0
@@ -175,6 +177,13 @@ class RunnerConfig:
             )
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                f"{self.quantization!r}"
+            )
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
 
     @property
     def mamba_slots(self) -> int:

@@ -56,7 +56,10 @@ def build_scheduler(
     if runner_cfg.mamba_cache_size == 0:
         slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
         runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
-    model = load_model(model_path, runner_cfg.dtype, runner_cfg.device, tp, runner_cfg.load_format)
+    model = load_model(
+        model_path, runner_cfg.dtype, runner_cfg.device, tp, runner_cfg.load_format,
+        quantization=runner_cfg.quantization,
+    )  # fmt: skip
     sizes = pool_bytes(model)
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))

@@ -89,7 +89,10 @@ class ModelRunner:
         config = config or RunnerConfig()
         if config.num_threads:
             configure_threads(config.num_threads, pick_default=False)
-        model = load_model(model_path, config.dtype, config.device, load_format=config.load_format)
+        model = load_model(
+            model_path, config.dtype, config.device, load_format=config.load_format,
+            quantization=config.quantization,
+        )  # fmt: skip
         return cls(model, config)
 
     # ---- KV bookkeeping ------------------------------------------------------------------

@@ -124,6 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         max_context_len=tokens,
         dtype=args.dtype,
         load_format=args.load_format,
+        quantization=args.quantization,
     )
     start = time.perf_counter()
     out = engine.generate(ids, params)
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights"
     )
+    gen.add_argument("--quantization", default=None, choices=["int8"], help="weight-only, CPU")
     gen.set_defaults(func=cmd_generate)
     return parser
 

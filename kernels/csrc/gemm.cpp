@@ -1,6 +1,7 @@
 // GEMM for the decode batches above the GEMV's 8 rows, and the MoE experts in one call.
 //
-// y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32 or bf16 weights, fp32 accumulation.
+// y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16 or int8-format weights (gemv.h:
+// each int8 row's integers summed, the sum scaled once as it is written), fp32 accumulation.
 // The weight keeps its [N, K] row-major layout (no packed copy). x is packed once per call into
 // panels of MR = 2 vectors of rows (16 with AVX2, 32 with AVX-512: simd.h), k-major
 // ([panel][k][MR], rows past M zero), so a register tile is an outer product: each k step loads
@@ -163,8 +164,13 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
   // A lone panel reuses no weight block: with AVX2 it takes whole rows per tile, long runs for
   // the prefetcher. With AVX-512 its panel is twice as wide (a whole row of k is 96 KB at
   // K = 768, past L1), so it takes KC blocks, which keep the panel's block in L1 (the MoE
-  // experts of a decode step are such lone panels). The sums are the same either way.
-  const int64_t kc = P == 1 && hs::simd::kLanes == 8 ? K : KC;
+  // experts of a decode step are such lone panels). The sums are the same either way. int8
+  // weights are widened, one NC x KC block at a time, into `wide` (their integers, exact) and
+  // the tiles read that: one conversion per weight per pass instead of one per weight per
+  // panel in the tiles' broadcasts.
+  constexpr bool q8 = std::is_same_v<W, int8_t>;
+  const int64_t kc = P == 1 && hs::simd::kLanes == 8 && !q8 ? K : KC;
+  std::unique_ptr<float[]> wide(q8 ? new float[NC * KC] : nullptr);
   for (int64_t b0 = n0; b0 < n1; b0 += NC) {
     const int64_t b1 = std::min(n1, b0 + NC), tiles = (b1 - b0 + NR - 1) / NR;
     for (int64_t p0 = 0; p0 < P; p0 += PC) {
@@ -172,27 +178,48 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t kn = std::min(kc, K - k0);
         const W* wb = w + b0 * ldw + k0;
+        if constexpr (q8) {
+          for (int64_t i = 0; i < b1 - b0; ++i) {
+            const int8_t* src = wb + i * ldw;
+            float* dst = wide.get() + i * kn;
+            for (int64_t k = 0; k < kn; ++k) dst[k] = static_cast<float>(src[k]);
+          }
+        }
         for (int64_t p = p0; p < p1; ++p) {
           const float* xb = xp + (p * K + k0) * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
           for (int64_t t = 0; t < tiles; ++t) {
             const int r = int(std::min<int64_t>(NR, b1 - b0 - t * NR));
             float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
-            // the weights come from memory on the first panel's pass: fetch the next tile's
-            const W* next = nullptr;
-            if (p == p0)
-              next = t + 1 < tiles ? wb + (t + 1) * NR * ldw : k0 + kc < K ? wb + kc : nullptr;
-            any_tile(r, rows, wb + t * NR * ldw, ldw, xb, kn, c, k0 == 0, next);
+            if constexpr (q8) {
+              any_tile<float>(r, rows, wide.get() + t * NR * kn, kn, xb, kn, c, k0 == 0,
+                              nullptr);
+            } else {
+              // the weights come from memory on the first panel's pass: fetch the next tile's
+              const W* next = nullptr;
+              if (p == p0)
+                next = t + 1 < tiles ? wb + (t + 1) * NR * ldw : k0 + kc < K ? wb + kc : nullptr;
+              any_tile(r, rows, wb + t * NR * ldw, ldw, xb, kn, c, k0 == 0, next);
+            }
           }
         }
       }
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n = b0 + t * NR, r = std::min<int64_t>(NR, b1 - n);
+        float scale[NR] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+        if constexpr (q8)
+          for (int64_t i = 0; i < r; ++i) scale[i] = hs::row_scale(w + (n + i) * ldw, K);
         for (int64_t p = p0; p < p1; ++p) {
           const float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
           for (int64_t l = 0; l < rows; ++l)
-            for (int64_t i = 0; i < r; ++i) y[(p * MR + l) * ldy + n + i] = c[i * MR + l];
+            for (int64_t i = 0; i < r; ++i) {
+              if constexpr (q8) {
+                y[(p * MR + l) * ldy + n + i] = c[i * MR + l] * scale[i];
+              } else {
+                y[(p * MR + l) * ldy + n + i] = c[i * MR + l];
+              }
+            }
         }
       }
     }
@@ -203,20 +230,21 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
 template <typename W>
 void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   if (M == 0 || N == 0) return;
+  const int64_t ldw = K + hs::kRowPad<W>;
   const int64_t tiles = (N + NR - 1) / NR, P = panels(M);
   const auto xp = panel_buffer(P, K);
   pack_panels(x, K, M, K, xp.get());
   if (tiles < 2 * at::get_num_threads() && P >= 2) {  // a few weight rows (a gate): split x
     at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {
       const int64_t m0 = q0 * MR, m1 = std::min(M, q1 * MR);
-      gemm_cols(xp.get() + q0 * K * MR, w, K, y + m0 * N, N, m1 - m0, K, 0, N);
+      gemm_cols(xp.get() + q0 * K * MR, w, ldw, y + m0 * N, N, m1 - m0, K, 0, N);
     });
     return;
   }
   // at least ~32 KB of weights per task, in whole tiles
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K * sizeof(W) * NR));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    gemm_cols(xp.get(), w, K, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
+    gemm_cols(xp.get(), w, ldw, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
   });
 }
 
@@ -295,12 +323,13 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
   });
   // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns, written
   // straight into the down projection's panels (their padding rows zero)
+  const int64_t ldg = H + hs::kRowPad<W>, ldd = I + hs::kRowPad<W>;  // row strides
   run_balanced(expert_tasks(counts, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
     const int64_t M = counts[t.e];
-    const W* w = gate_up + t.e * 2 * I * H;
+    const W* w = gate_up + t.e * 2 * I * ldg;
     float* hm = h + start[t.e] * 2 * I;
-    gemm_cols(xp.get() + pstart[t.e] * H * MR, w, H, hm, 2 * I, M, H, t.n0, t.n1);
-    gemm_cols(xp.get() + pstart[t.e] * H * MR, w + I * H, H, hm + I, 2 * I, M, H, t.n0, t.n1);
+    gemm_cols(xp.get() + pstart[t.e] * H * MR, w, ldg, hm, 2 * I, M, H, t.n0, t.n1);
+    gemm_cols(xp.get() + pstart[t.e] * H * MR, w + I * ldg, ldg, hm + I, 2 * I, M, H, t.n0, t.n1);
     std::vector<float> row(t.n1 - t.n0);
     for (int64_t m = 0; m < panels(M) * MR; ++m) {
       float* a = ap.get() + (pstart[t.e] + m / MR) * I * MR + m % MR;
@@ -309,7 +338,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
     }
   });
   run_balanced(expert_tasks(counts, H, I, NC, sizeof(W)), [&](const Task& t) {
-    gemm_cols(ap.get() + pstart[t.e] * I * MR, down + t.e * H * I, I, y + start[t.e] * H, H,
+    gemm_cols(ap.get() + pstart[t.e] * I * MR, down + t.e * H * ldd, ldd, y + start[t.e] * H, H,
               counts[t.e], I, t.n0, t.n1);
   });
 }
@@ -319,7 +348,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
 
 namespace hs {
 
-// x [M, K] fp32, w [N, K] fp32 or bf16 -> y [M, N] fp32.
+// x [M, K] fp32, w [N, K] fp32, bf16 or int8-format -> y [M, N] fp32.
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
   return linear_op("tiled_linear", x, w,
                    [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {
@@ -332,22 +361,19 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
   int64_t T = 0;
   for (int64_t c : counts) T += c;
   if (T == 0) return;
-  const int64_t H = gate_up.size(2), I = down.size(2);
-  if (gate_up.scalar_type() == at::kBFloat16) {
-    const auto* gu = gate_up.data_ptr<at::BFloat16>();
-    const auto* dn = down.data_ptr<at::BFloat16>();
-    std::vector<float> h(T * 2 * I);
-    return experts_into(xs, gu, dn, counts, h.data(), y, H, I);
-  }
+  const int64_t H = hs::in_features(gate_up), I = hs::in_features(down);
   std::vector<float> h(T * 2 * I);
-  experts_into(xs, gate_up.data_ptr<float>(), down.data_ptr<float>(), counts, h.data(), y, H, I);
+  hs::with_weight(gate_up.scalar_type(), gate_up.data_ptr(), [&](auto* gu) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(gu)>>;
+    experts_into(xs, gu, static_cast<const W*>(down.data_ptr()), counts, h.data(), y, H, I);
+  });
 }
 
 }  // namespace hs
 
 namespace {
 
-// xs [T, H] fp32 sorted by expert; gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16, alike);
+// xs [T, H] fp32 sorted by expert; gate_up [E, 2I, H], down [E, H, I] (fp32, bf16 or int8, alike);
 // counts [E] int64 summing to T -> [T, H] fp32: row t is down_e(silu(gate_e x_t) * up_e x_t)
 // for the expert e whose slice holds t.
 at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const at::Tensor& down,
@@ -357,13 +383,12 @@ at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const
               "routed_experts: contiguous inputs");
   TORCH_CHECK(xs.scalar_type() == at::kFloat && counts.scalar_type() == at::kLong,
               "routed_experts: fp32 rows and int64 counts expected");
-  TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() &&
-                  (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
-              "routed_experts: fp32 or bf16 weights, both alike");
+  TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() && hs::weight_dtype(down.scalar_type()),
+              "routed_experts: fp32, bf16 or int8 weights, both alike");
   TORCH_CHECK(xs.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && counts.dim() == 1,
               "routed_experts: ranks");
-  const int64_t T = xs.size(0), H = xs.size(1), E = gate_up.size(0), I = down.size(2);
-  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(0) == E &&
+  const int64_t T = xs.size(0), H = xs.size(1), E = gate_up.size(0), I = hs::in_features(down);
+  TORCH_CHECK(gate_up.size(1) == 2 * I && hs::in_features(gate_up) == H && down.size(0) == E &&
                   down.size(1) == H && counts.size(0) == E,
               "routed_experts: shapes");
   const int64_t* cp = counts.data_ptr<int64_t>();

@@ -1,6 +1,7 @@
 // Weight-streaming GEMV / skinny GEMM on CPU: y[m, n] = sum_k x[m, k] w[n, k], fp32 activations,
-// fp32 or bf16 weights, fp32 accumulation. Shared by the ops of every kernels/csrc/*.cpp file
-// (`hs::skinny_linear_into`); `skinny_linear` in cpu_kernels.cpp is its torch op.
+// fp32, bf16 or int8-quantized weights, fp32 accumulation. Shared by the ops of every
+// kernels/csrc/*.cpp file (`hs::skinny_linear_into`); `skinny_linear` in cpu_kernels.cpp is its
+// torch op.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,6 +17,27 @@
 
 namespace hs {
 
+// The int8 weight format (kernels/quant.py): a matrix [..., N, K] is an int8 tensor
+// [..., N, K + kScaleBytes] whose row n holds q[n, 0..K) and then its fp32 scale's bytes, so
+// w[n, k] = q[n, k] * scale[n]. Every product sums the integers (exact in fp32) and scales the
+// sum once per output.
+constexpr int64_t kScaleBytes = 4;
+
+// Elements past a row's K values: the scale's bytes for int8 rows, none otherwise.
+template <typename W>
+constexpr int64_t kRowPad = std::is_same_v<W, int8_t> ? kScaleBytes : 0;
+
+// The K of a weight [..., N, K] as stored (fp32, bf16 or the int8 format above).
+inline int64_t in_features(const at::Tensor& w) {
+  return w.size(-1) - (w.scalar_type() == at::kChar ? kScaleBytes : 0);
+}
+
+// The scale of an int8 row of K values (read from its tail).
+inline float row_scale(const int8_t* row, int64_t K) {
+  float s;
+  std::memcpy(&s, row + K, sizeof s);
+  return s;
+}
 
 template <typename W>
 inline float load1(const W* p);
@@ -29,6 +51,10 @@ inline float load1<at::BFloat16>(const at::BFloat16* p) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+template <>
+inline float load1<int8_t>(const int8_t* p) {
+  return static_cast<float>(*p);
 }
 
 // How far ahead of the weight row being summed the GEMV fetches (bytes). A thread streams its
@@ -53,7 +79,7 @@ template <typename W, int M>
 void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
                int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    const W* wr = w + n * K;
+    const W* wr = w + n * (K + kRowPad<W>);
     fetch_ahead(wr, K * int64_t(sizeof(W)));
     int64_t k = 0;
     float tail[M] = {};
@@ -80,7 +106,12 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
       const float wk = load1(wr + k);
       for (int m = 0; m < M; ++m) tail[m] += wk * x[m * K + k];
     }
-    for (int m = 0; m < M; ++m) y[m * N + n] = tail[m];
+    if constexpr (std::is_same_v<W, int8_t>) {
+      const float scale = row_scale(wr, K);
+      for (int m = 0; m < M; ++m) y[m * N + n] = tail[m] * scale;
+    } else {
+      for (int m = 0; m < M; ++m) y[m * N + n] = tail[m];
+    }
   }
 }
 
@@ -118,14 +149,26 @@ void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, in
 }
 
 // One product y [M, N] = x [M, K] w [N, K]^T of a batch run in one parallel region; w holds
-// fp32 or bf16 (`bf16`), all contiguous.
+// fp32, bf16 or int8 rows (`dtype`), all contiguous.
 struct GemvJob {
   const float* x;
   const void* w;
-  bool bf16;
+  at::ScalarType dtype;
   float* y;
   int64_t M, N, K;
 };
+
+// fn(typed pointer) for the weight pointer `w` of dtype `dtype` (fp32, bf16 or int8).
+template <typename F>
+inline void with_weight(at::ScalarType dtype, const void* w, const F& fn) {
+  switch (dtype) {
+    case at::kBFloat16: return fn(static_cast<const at::BFloat16*>(w));
+    case at::kChar: return fn(static_cast<const int8_t*>(w));
+    default: return fn(static_cast<const float*>(w));
+  }
+}
+
+inline int64_t weight_bytes(at::ScalarType dtype) { return at::elementSize(dtype); }
 
 // Every job's weight rows in blocks of about 16 KB (`skinny_range`'s), all blocks split between
 // the threads in one parallel region: a layer's several small matrices cost one fork/join, and
@@ -136,7 +179,7 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
   std::vector<int64_t> first(n_jobs + 1, 0);  // job j holds blocks [first[j], first[j + 1])
   for (int64_t j = 0; j < n_jobs; ++j) {
     const GemvJob& g = jobs[j];
-    const int64_t nb = block_rows(g.K, g.bf16 ? 2 : 4);
+    const int64_t nb = block_rows(g.K, weight_bytes(g.dtype));
     first[j + 1] = first[j] + (g.M == 0 ? 0 : (g.N + nb - 1) / nb);
   }
   // grain: about 64 KB of weights per task, so small matrices stay on one thread
@@ -145,13 +188,9 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
       const int64_t lo = std::max(b0, first[j]), hi = std::min(b1, first[j + 1]);
       if (lo >= hi) continue;
       const GemvJob& g = jobs[j];
-      const int64_t nb = block_rows(g.K, g.bf16 ? 2 : 4);
+      const int64_t nb = block_rows(g.K, weight_bytes(g.dtype));
       const int64_t n0 = (lo - first[j]) * nb, n1 = std::min(g.N, (hi - first[j]) * nb);
-      if (g.bf16) {
-        skinny_range(g.M, g.x, static_cast<const at::BFloat16*>(g.w), g.y, g.N, g.K, n0, n1);
-      } else {
-        skinny_range(g.M, g.x, static_cast<const float*>(g.w), g.y, g.N, g.K, n0, n1);
-      }
+      with_weight(g.dtype, g.w, [&](auto* w) { skinny_range(g.M, g.x, w, g.y, g.N, g.K, n0, n1); });
     }
   });
 }
@@ -159,36 +198,37 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
 // y [M, N] = x [M, K] w [N, K]^T, all contiguous (one job of the above).
 template <typename W>
 void skinny_linear_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const GemvJob job{x, w, std::is_same_v<W, at::BFloat16>, y, M, N, K};
+  const GemvJob job{x, w, c10::CppTypeToScalarType<W>::value, y, M, N, K};
   skinny_linear_jobs(&job, 1);
 }
 
-// The job of `w` (a 2-D contiguous fp32 or bf16 tensor, or `rows` rows of it from `row0`).
-inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M, int64_t row0 = 0,
-                      int64_t rows = -1) {
-  const int64_t K = w.size(-1);
-  const bool bf16 = w.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || w.scalar_type() == at::kFloat, "GEMV weights: fp32 or bf16");
-  const char* base = static_cast<const char*>(w.data_ptr()) + row0 * K * (bf16 ? 2 : 4);
-  return {x, base, bf16, y, M, rows < 0 ? w.numel() / K - row0 : rows, K};
+inline bool weight_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kChar;
 }
 
-// The torch op y [M, N] = x [M, K] w [N, K]^T (x fp32, w fp32 or bf16, both 2-D contiguous) run
-// by `into(x, w, y, M, N, K)`, a generic callable given w's typed pointer: the checks and the
-// dtype dispatch that `skinny_linear` and `tiled_linear` share.
+// The job of `w` (a contiguous fp32, bf16 or int8-format matrix, or `rows` rows of it from
+// `row0`; a stack [E, N, K] is rows of one matrix).
+inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M, int64_t row0 = 0,
+                      int64_t rows = -1) {
+  TORCH_CHECK(weight_dtype(w.scalar_type()), "GEMV weights: fp32, bf16 or int8");
+  const int64_t K = in_features(w), stride = w.size(-1);
+  const char* base = static_cast<const char*>(w.data_ptr()) + row0 * stride * w.element_size();
+  return {x, base, w.scalar_type(), y, M, rows < 0 ? w.numel() / stride - row0 : rows, K};
+}
+
+// The torch op y [M, N] = x [M, K] w [N, K]^T (x fp32, w fp32, bf16 or int8-format, both 2-D
+// contiguous) run by `into(x, w, y, M, N, K)`, a generic callable given w's typed pointer: the
+// checks and the dtype dispatch that `skinny_linear` and `tiled_linear` share.
 template <typename Into>
 at::Tensor linear_op(const char* op, const at::Tensor& x, const at::Tensor& w, const Into& into) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), op, ": contiguous inputs");
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": fp32 activations expected");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), op, ": shapes");
+  TORCH_CHECK(weight_dtype(w.scalar_type()), op, ": fp32, bf16 or int8 weights");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == in_features(w), op, ": shapes");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = at::empty({M, N}, x.options());
-  if (w.scalar_type() == at::kFloat) {
-    into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
-  } else {
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16, op, ": fp32 or bf16 weights");
-    into(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, N, K);
-  }
+  with_weight(w.scalar_type(), w.data_ptr(),
+              [&](auto* wp) { into(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K); });
   return y;
 }
 

@@ -3,7 +3,8 @@
 // Up to hs::kGemvRows tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
 // experts' products in two parallel regions (input projections, then down projections); beyond,
 // the products are hs::linear's (the tiled GEMM at these sizes) and all experts run in one
-// `routed_experts_into` (gemm.cpp). fp32 or bf16 weights, fp32 activations and accumulation.
+// `routed_experts_into` (gemm.cpp). fp32, bf16 or int8 weights (each its own format, gemv.h),
+// fp32 activations and accumulation.
 //
 // The element-wise functions (softmax, silu, sigmoid) are torch's own kernels on the same
 // layouts, and the combine rounds each product before its sum (no FMA contraction in this
@@ -24,7 +25,7 @@
 
 namespace {
 
-// y [M, N] = x [M, K] w [N, K]^T for a weight of either dtype (w may be a slice of a stack).
+// y [M, N] = x [M, K] w [N, K]^T for a weight of any dtype (w may be a slice of a stack).
 void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
                  int64_t M) {
   const hs::GemvJob job = hs::job_of(x, w, y, M, offset_rows, N);
@@ -39,9 +40,8 @@ at::Tensor swiglu(float* buf, int64_t n, int64_t I, const at::TensorOptions& opt
 }
 
 void check_weight(const at::Tensor& w, const char* name) {
-  TORCH_CHECK(w.is_contiguous() &&
-                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "moe_decode: ", name, " must be contiguous fp32 or bf16");
+  TORCH_CHECK(w.is_contiguous() && hs::weight_dtype(w.scalar_type()), "moe_decode: ", name,
+              " must be contiguous fp32, bf16 or int8");
 }
 
 }  // namespace
@@ -66,12 +66,12 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   check_weight(shared_up_proj, "shared_up_proj");
   check_weight(shared_down, "shared_down");
   const int64_t T = x.size(0), H = x.size(1), E = router_w.size(0);
-  const int64_t I = experts_down.size(2), Is = shared_down.size(1);
-  TORCH_CHECK(router_w.size(1) == H && experts_gate_up.size(0) == E &&
-                  experts_gate_up.size(1) == 2 * I && experts_gate_up.size(2) == H &&
+  const int64_t I = hs::in_features(experts_down), Is = hs::in_features(shared_down);
+  TORCH_CHECK(hs::in_features(router_w) == H && experts_gate_up.size(0) == E &&
+                  experts_gate_up.size(1) == 2 * I && hs::in_features(experts_gate_up) == H &&
                   experts_down.size(0) == E && experts_down.size(1) == H,
               "moe_decode: expert shapes");
-  TORCH_CHECK(shared_gate_w.size(0) == 1 && shared_gate_w.size(1) == H &&
+  TORCH_CHECK(shared_gate_w.size(0) == 1 && hs::in_features(shared_gate_w) == H &&
                   shared_gate_proj.size(0) == Is && shared_up_proj.size(0) == Is &&
                   shared_down.size(0) == H,
               "moe_decode: shared expert shapes");

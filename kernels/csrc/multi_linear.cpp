@@ -1,5 +1,5 @@
-// Several projections of one input in one op: y_i = x w_i^T, fp32 activations, fp32 or bf16
-// weights. Up to hs::kGemvRows rows the weight-streaming GEMV for all weights in one parallel
+// Several projections of one input in one op: y_i = x w_i^T, fp32 activations, fp32, bf16 or
+// int8 weights (gemv.h). Up to hs::kGemvRows rows the weight-streaming GEMV for all weights in one parallel
 // region (hs::skinny_linear_jobs); beyond, hs::linear per weight. Reference and contract:
 // kernels/multi_linear.py.
 
@@ -23,7 +23,7 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
   out.reserve(weights.size());
   jobs.reserve(weights.size());
   for (const at::Tensor& w : weights) {
-    TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == K,
+    TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && hs::in_features(w) == K,
                 "skinny_linear_multi: contiguous [N, K] weights expected");
     out.push_back(at::empty({M, w.size(0)}, x.options()));
     jobs.push_back(hs::job_of(x.data_ptr<float>(), w, out.back().data_ptr<float>(), M));

@@ -1,6 +1,6 @@
 """The CPU decode plan (`models.cpu_decode`): bit for bit the eager decode step, logits and
-pools, in fp32 and with bf16 matrices; where it does not apply; and `DecodeGraphRunner` using
-it only for the batches it covers."""
+pools, in fp32 and with bf16 and int8 matrices; where it does not apply; and `DecodeGraphRunner`
+using it only for the batches it covers."""
 
 from __future__ import annotations
 
@@ -28,10 +28,9 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny"), preset_config("tiny"), seed=3)
 
 
-def prefilled(ckpt, dtype: str):
-    runner = ModelRunner(
-        load_model(ckpt, dtype=dtype), RunnerConfig(max_running_requests=len(PROMPTS) + 1)
-    )
+def prefilled(ckpt, dtype: str, quantization: str | None = None):
+    model = load_model(ckpt, dtype=dtype, quantization=quantization)
+    runner = ModelRunner(model, RunnerConfig(max_running_requests=len(PROMPTS) + 1))
     slots = [(runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])) for _ in PROMPTS]
     items = [ExtendInput(q, m, 0, p) for (q, m), p in zip(slots, PROMPTS, strict=True)]
     locs = [runner.alloc_kv(q, 0, len(p)) for (q, _), p in zip(slots, PROMPTS, strict=True)]
@@ -58,12 +57,14 @@ def pools(runner: ModelRunner) -> list[torch.Tensor]:
     return [m.conv_state, m.ssm_state, kv.k_all, kv.v_all]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_plan_equals_eager_bit_for_bit(ckpt, dtype):
     """Greedy steps of 1 to PLAN_ROWS requests (the GEMV's rows and the GEMM's), and one beyond
-    (which the runner runs eagerly): identical logits and identical pools after every step."""
-    eager, slots, first = prefilled(ckpt, dtype)
-    fast, slots2, first2 = prefilled(ckpt, dtype)
+    (which the runner runs eagerly): identical logits and identical pools after every step, with
+    fp32, bf16 and int8 (bf16 checkpoint loading) matrices."""
+    load = ("bfloat16", "int8") if dtype == "int8" else (dtype, None)
+    eager, slots, first = prefilled(ckpt, *load)
+    fast, slots2, first2 = prefilled(ckpt, *load)
     assert slots == slots2 and first == first2
     plain = DecodeGraphRunner(eager, [])  # no sizes: no plan, every batch eager
     planned = DecodeGraphRunner(fast, [1, 2, 4, 8, PLAN_ROWS])

@@ -1,0 +1,103 @@
+"""Weight-only int8 (`kernels.quant`): the format, and every C++ product that reads it against
+dequantize-then-reference, at odd sizes (K not a multiple of the vector width, N not of the
+tiles), at the GEMV's row counts and the tiled GEMM's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import experts, experts_cpp, linear_cpp, moe_step, moe_step_cpp, multi_linear_cpp
+from kernels.quant import SCALE_BYTES, dequantize, in_features, quantize_int8, scales, widen
+from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+
+ROWS = [1, 2, 5, 8, 9, 17, 40]  # the GEMV's row counts (<= 8) and the tiled GEMM's
+
+
+def rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-5) -> None:
+    """Equal up to fp32 summation order (the kernels sum integers, the reference q * scale)."""
+    assert a.shape == b.shape
+    err = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+    assert err < tol, err
+
+
+def test_format_round_trip() -> None:
+    w = rand(7, 37) * torch.linspace(0.01, 3.0, 7)[:, None]  # rows of different ranges
+    w[3] = 0.0  # an all-zero row: scale 1, all zeros back
+    q = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == (7, 37 + SCALE_BYTES) and q.is_contiguous()
+    assert in_features(q) == 37 == in_features(w)
+    s = scales(q)
+    torch.testing.assert_close(s, torch.where(w.abs().amax(1) > 0, w.abs().amax(1) / 127, 1.0))
+    back = dequantize(q)
+    assert back.shape == w.shape and torch.equal(back[3], torch.zeros(37))
+    assert ((back - w).abs() <= s[:, None] / 2 + 1e-7).all()  # within half a step per element
+    assert q[..., :37].abs().max() == 127  # each row's largest magnitude maps to 127
+    # a stack [E, N, K] quantizes per row of each expert, and slices per expert
+    stack = rand(3, 5, 11, seed=1)
+    qs = quantize_int8(stack)
+    assert torch.equal(qs[1], quantize_int8(stack[1]))
+    assert widen(qs, torch.float32).shape == stack.shape
+    assert widen(stack, torch.float32) is stack
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(13, 37), (70, 96), (6, 8)])
+def test_linear(rows: int, shape: tuple[int, int]) -> None:
+    n, k = shape
+    w, x, b = rand(n, k, seed=rows), rand(rows, k, seed=99), rand(n, seed=5)
+    q = quantize_int8(w)
+    want = F.linear(x, dequantize(q), b)
+    close(linear_cpp.linear(x, q, b), want)
+    close(linear_cpp.linear(x.view(1, rows, k), q, b), want.view(1, rows, n))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+def test_linear_multi_mixed_forms(rows: int) -> None:
+    """int8, bf16 and fp32 weights in one call, each as its own product gives it."""
+    x = rand(rows, 45, seed=rows)
+    ws = [quantize_int8(rand(19, 45, seed=1)), rand(7, 45, seed=2).bfloat16(), rand(30, 45, seed=3)]
+    for y, w in zip(multi_linear_cpp.linear_multi(x, ws, [None] * 3), ws, strict=True):
+        close(y, F.linear(x, widen(w, torch.float32)))
+
+
+@pytest.mark.parametrize("rows", [1, 6, 23, 70])
+def test_routed_experts(rows: int) -> None:
+    E, H, I = 5, 36, 22
+    gate_up, down = quantize_int8(rand(E, 2 * I, H, seed=1)), quantize_int8(rand(E, H, I, seed=2))
+    gen = torch.Generator().manual_seed(rows)
+    counts = torch.bincount(torch.randint(0, E, (rows,), generator=gen), minlength=E)
+    xs = rand(rows, H, seed=3)
+    want = experts.routed_experts(xs, dequantize(gate_up), dequantize(down), counts)
+    close(experts_cpp.routed_experts(xs, gate_up, down, counts), want)
+    close(experts.routed_experts(xs, gate_up, down, counts), want)  # the reference widens
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 8, 9, 30])
+def test_sparse_moe_block(tokens: int) -> None:
+    """The fused MoE op on int8 experts and shared expert (fp32 router gates, as the loader keeps
+    them) against the reference block on the dequantized matrices."""
+    E, H, I, Is = 6, 40, 18, 26
+    router, shared_gate = rand(E, H, seed=1), rand(1, H, seed=2)
+    mats = [rand(E, 2 * I, H, seed=3), rand(E, H, I, seed=4), rand(Is, H, seed=5),
+            rand(Is, H, seed=6), rand(H, Is, seed=7)]  # fmt: skip
+    q = [quantize_int8(m) for m in mats]
+    x = rand(tokens, H, seed=tokens)
+    args = lambda m: (router, m[0], m[1], shared_gate, *m[2:], 2, True)  # noqa: E731
+    want = moe_step.sparse_moe(x, *args([dequantize(t) for t in q]))
+    got = moe_step_cpp.sparse_moe(x, *args(q), unfused=moe_step.sparse_moe)
+    close(got, want)
+    close(moe_step.sparse_moe(x, *args(q)), want)
+
+
+def test_quantization_error_is_bounded() -> None:
+    """Against the float weights the int8 product's error is the rounding of the weights: about
+    1/(127 * sqrt(3)) of the output's scale for Gaussian weights, well under 1%."""
+    w, x = rand(256, 512, seed=1), rand(4, 512, seed=2)
+    err = (linear_cpp.linear(x, quantize_int8(w)) - F.linear(x, w)).norm() / F.linear(x, w).norm()
+    assert 1e-4 < err.item() < 1e-2
