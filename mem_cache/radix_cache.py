@@ -198,7 +198,7 @@ class MambaRadixCache:
         kv = kv_indices.to(device="cpu", dtype=torch.int64)
         self._check_insert(key, kv, mamba_slot, prev_prefix_len)
         if self.disable:
-            self._free_kv(kv[prev_prefix_len:])
+            self.kv_pool.free_locs(kv[prev_prefix_len:])
             return 0, mamba_slot is not None
         key = list(key)
         node, pos = self.root, 0
@@ -214,13 +214,13 @@ class MambaRadixCache:
             if node.value is None:  # host only: the caller's KV becomes its device copy
                 self._attach_kv(node, kv[start:pos].clone())
             else:
-                self._free_kv(kv[max(start, prev_prefix_len) : pos])
+                self.kv_pool.free_locs(kv[max(start, prev_prefix_len) : pos])
         if pos < prev_prefix_len:
             raise ValueError(f"insert: only {pos} of the cache-owned {prev_prefix_len} are cached")
         exist, ends_key = False, pos == len(key)  # ends_key: node ends at len(key)
         if pos < len(key):
             if mamba_slot is None:
-                self._free_kv(kv[pos:])
+                self.kv_pool.free_locs(kv[pos:])
             else:
                 leaf = TreeNode(next(self._ids), key[pos:], kv[pos:].clone(), mamba_slot)
                 leaf.parent = node
@@ -408,7 +408,7 @@ class MambaRadixCache:
     def _detach_kv(self, node: TreeNode) -> None:
         """Free ``node``'s device KV; it must be unlocked."""
         assert node.full_lock_ref == 0, f"{node}: free locked KV"
-        self._free_kv(node.value)
+        self.kv_pool.free_locs(node.value)
         node.value = None
         del self._full_lru[node.id]
         self._full_evictable -= len(node.key)
@@ -428,9 +428,6 @@ class MambaRadixCache:
         node.hidden_valid = False
         self._mamba_evictable -= 1
         return 1
-
-    def _free_kv(self, locs: torch.Tensor) -> None:
-        self.kv_pool.free_locs(locs)
 
     @staticmethod
     def _alloc_kv(pool: KVPool, tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
@@ -522,7 +519,7 @@ class MambaRadixCache:
             self.dec_lock_ref(match.last_node)
         if locs is None or slot is None:
             if locs is not None:
-                self._free_kv(locs)
+                self.kv_pool.free_locs(locs)
             self.stats["load_back_failed"] += 1
             self.stats["device_hit_tokens"] += len(match.kv_indices)
             return match
@@ -740,7 +737,7 @@ class MambaRadixCache:
             self.host.reset()
         nodes = list(self._full_lru.values())
         if nodes:
-            self._free_kv(torch.cat([node.value for node in nodes]))
+            self.kv_pool.free_locs(torch.cat([node.value for node in nodes]))
         self.mamba_pool.free(list(self._mamba_lru))
         self._init_tree()
 
