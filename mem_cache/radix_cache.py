@@ -613,28 +613,27 @@ class MambaRadixCache:
             if not self.write_backup(end_node):  # host copies must be closed towards the root
                 return None
         self._host_pin(end_node, 1)
-        tokens = [(i + 1) * bs - start for i in states]  # to read up to each state block
-        if self.host.kv_pool.available_tokens() < tokens[-1]:
-            self.evict_host(tokens[-1])
+        if self.host.kv_pool.available_tokens() < (states[-1] + 1) * bs - start:
+            self.evict_host((states[-1] + 1) * bs - start)
         free = self.host.kv_pool.available_tokens()
-        fits = [i for i, n in enumerate(tokens) if n <= free]
-        if not fits or tokens[fits[-1]] < storage.prefetch_threshold:
+        fits = [i for i in states if (i + 1) * bs - start <= free]  # state blocks host memory holds
+        n = (fits[-1] + 1) * bs - start if fits else 0
+        if n < storage.prefetch_threshold:
             self.stats["prefetch_skipped"] += 1
             self._host_pin(end_node, -1)
             return None
-        if fits[-1] < len(states) - 1:  # truncated to the page-aligned free host size
+        if fits[-1] != states[-1]:  # truncated to the page-aligned free host size
             self.stats["prefetch_truncated"] += 1
-        last = states[fits[-1]]
-        host_locs = self.host.kv_pool.alloc_locs(tokens[fits[-1]])
+        host_locs = self.host.kv_pool.alloc_locs(n)
         host_slot = self._alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
         if host_slot is None:
             self.host.kv_pool.free_locs(host_locs)
             self._host_pin(end_node, -1)
             return None
-        first = start // bs
+        first, last = start // bs, fits[-1]
         op = PrefetchOp(
-            list(key), start, end_node, first, keys[first : last + 1],
-            frozenset(i for i in states if i <= last), host_locs, host_slot, timeout,
+            list(key), start, end_node, first, keys[first : last + 1], frozenset(fits), host_locs,
+            host_slot, timeout,
         )  # fmt: skip
         storage.submit(op)
         self.stats["prefetch_started"] += 1
