@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import store_kv
-from mem_cache.req_pool import SlotAllocator, SlotIds, SlotPool
+from mem_cache.req_pool import SlotAllocator, SlotPool
 
 
 class KVPool(SlotPool):
@@ -69,7 +69,6 @@ class KVPool(SlotPool):
 
     @property
     def size_tokens(self) -> int:
-        """Usable capacity in tokens."""
         return self.num_pages * self.page_size
 
     @staticmethod
@@ -82,19 +81,12 @@ class KVPool(SlotPool):
     # ----------------------------------------------------------------------------- allocation
 
     def alloc(self, n_pages: int) -> torch.Tensor | None:
-        """Hand out ``n_pages`` distinct pages (int64 CPU tensor), or ``None`` if short.
-
-        All or nothing: on ``None`` the pool is unchanged. Never returns page 0.
-        """
+        """Hand out ``n_pages`` distinct pages (int64 CPU tensor), or ``None`` (pool unchanged) if
+        short. Never returns page 0."""
         pages = self.allocator.alloc(n_pages)
         if pages is None:
             return None
         return torch.tensor(pages, dtype=torch.int64)
-
-    def free(self, pages: SlotIds) -> None:
-        """Return whole pages. Page 0, unknown, free or repeated ids raise `ValueError` naming them
-        (and then nothing is freed)."""
-        self.allocator.free(pages)
 
     def alloc_locs(self, n_tokens: int) -> torch.Tensor | None:
         """Whole pages for ``n_tokens`` (a multiple of ``page_size``) as token locations (see
@@ -108,14 +100,11 @@ class KVPool(SlotPool):
             self.free((locs[:: self.page_size] // self.page_size).tolist())
 
     def available_tokens(self) -> int:
-        """Free token capacity: free pages times ``page_size``."""
         return self.allocator.available() * self.page_size
 
     def page_locs(self, pages: torch.Tensor) -> torch.Tensor:
-        """Token locations of ``pages``, page by page: int64 ``[len(pages) * page_size]``.
-
-        The result is on the device of ``pages``.
-        """
+        """Token locations of ``pages``, page by page: int64 ``[len(pages) * page_size]`` on the
+        device of ``pages``."""
         offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
         return (pages.to(torch.int64).unsqueeze(-1) * self.page_size + offsets).reshape(-1)
 

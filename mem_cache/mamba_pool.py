@@ -24,7 +24,6 @@ class MambaPool(SlotPool):
       last ``conv_kernel - 1`` pre-convolution inputs, channel-first, oldest first.
     - ``ssm_state``: ``[num_layers, size + 1, num_v_heads, k_head_dim, v_head_dim]`` in
       ``ssm_dtype`` (fp32 by default), K-major as in flash-linear-attention.
-
     - ``hidden``: ``[size + 1, hidden_size]`` in ``conv_dtype``, one row per slot for the final
       hidden state (the normed hidden that feeds lm_head) at the last position of the tokens
       behind the slot's state, where a radix node says it is valid (exact prompt repeats then
@@ -40,10 +39,8 @@ class MambaPool(SlotPool):
     (a device tensor costs a synchronisation).
 
     Grouped allocation (after SGLang PR #25000): the scheduler opens a group for a prefill round
-    with `alloc_group_begin(n)`, which draws up to ``n`` slots from the free list at once;
-    `alloc` then serves from the group first and `alloc_group_end()` puts the undrawn rest back.
-    While a group is open, `available()` counts the free list plus the undrawn group slots, so
-    opening or closing a group never changes `available()`.
+    (`alloc_group`), drawing its slots from the free list at once; `alloc` serves from the group
+    first. `available()` is the same with the group open or closed (`SlotAllocator.group_begin`).
     """
 
     def __init__(
@@ -92,8 +89,6 @@ class MambaPool(SlotPool):
         self.hidden_size = hidden_size
         self.hidden = torch.zeros((size + 1, hidden_size), dtype=conv_dtype, device=self.device)
 
-    # ---------------------------------------------------------------------------------- sizing
-
     @staticmethod
     def state_bytes_per_slot(
         num_layers: int,
@@ -112,17 +107,15 @@ class MambaPool(SlotPool):
 
     @property
     def bytes_per_slot(self) -> int:
-        """`state_bytes_per_slot` for this pool's shapes."""
         conv, ssm = self.conv_state[:, 0], self.ssm_state[:, 0]
         return conv.numel() * conv.element_size() + ssm.numel() * ssm.element_size()
 
     # ------------------------------------------------------------------------------ allocation
 
     def alloc(self, n: int = 1, *, zero: bool = True) -> torch.Tensor | None:
-        """Hand out ``n`` distinct slots as an int64 CPU tensor, or ``None`` if short.
+        """Hand out ``n`` distinct slots as an int64 CPU tensor, or ``None`` (pool unchanged) if
+        short; the group first while one is open.
 
-        While a group is open, slots come from the group first and then from the free list. All or
-        nothing: on ``None`` nothing changes; shortage never raises (a negative ``n`` does).
         Postcondition (with ``zero=True``, the default): the conv and ssm states of the returned
         slots are zero in every layer. ``zero=False`` skips that for a caller that overwrites the
         whole state at once, e.g. a copy-on-write destination filled by `copy`.
@@ -135,31 +128,12 @@ class MambaPool(SlotPool):
             self._zero(out)
         return out
 
-    def free(self, slots: SlotIds) -> None:
-        """Return handed-out slots to the free list.
-
-        Raises `ValueError` naming the offending ids, and frees nothing, for: slot 0, an id outside
-        ``1..size``, a free slot (double free), a slot drawn into the open group but not handed
-        out, or an id repeated in the call. Freed states are not cleared (`alloc` zeroes).
-        """
-        self.allocator.free(slots)
-
-    # ---------------------------------------------------------------------- grouped allocation
-
     def alloc_group_begin(self, n: int) -> int:
-        """Open a group: draw ``min(n, available())`` free slots in one bulk step; return the count.
-
-        The draw only moves ids (no state is touched; `alloc` zeroes when it hands a slot out).
-        Never raises for shortage. Raises `RuntimeError` if a group is already open, since nesting
-        is a bug. Drawn slots cannot be freed until handed out by `alloc`.
-        """
+        """`SlotAllocator.group_begin`: moves ids only (`alloc` zeroes a slot it hands out)."""
         return self.allocator.group_begin(n)
 
     def alloc_group_end(self) -> int:
-        """Close the group, returning undrawn slots to the front of the free list; return the count.
-
-        Harmless without an open group (returns 0), so it can run unconditionally in ``finally``.
-        """
+        """`SlotAllocator.group_end` (a no-op without an open group)."""
         return self.allocator.group_end()
 
     @contextmanager
@@ -176,24 +150,18 @@ class MambaPool(SlotPool):
         return self.allocator.group_open
 
     def group_remaining(self) -> int:
-        """Undrawn slots of the open group (0 when none is open)."""
         return self.allocator.group_remaining()
 
     # --------------------------------------------------------------------------- state access
 
     def get_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(conv_state[layer], ssm_state[layer])`` of one linear-attention layer.
-
-        Shapes ``[size + 1, conv_dim, conv_kernel - 1]`` and
-        ``[size + 1, num_v_heads, k_head_dim, v_head_dim]``; kernels update them in place.
-        """
+        """Views ``(conv_state[layer], ssm_state[layer])`` of one linear-attention layer, which
+        kernels update in place."""
         return self.conv_state[layer], self.ssm_state[layer]
 
     def zero_slots(self, slots: SlotIds) -> None:
-        """Zero conv and ssm state of handed-out ``slots`` in all layers.
-
-        Raises `ValueError` naming any id that is not currently handed out.
-        """
+        """Zero conv and ssm state of handed-out ``slots`` in all layers (`ValueError` naming
+        any id not handed out)."""
         ids = as_slot_list(slots)
         self._require_allocated(ids, "zero")
         if ids:
@@ -214,8 +182,7 @@ class MambaPool(SlotPool):
         self._require_allocated(src_ids, "copy from")
         self._require_allocated(dst_ids, "copy into")
         if len(set(dst_ids)) != len(dst_ids):
-            seen: set[int] = set()
-            dup = sorted({s for s in dst_ids if s in seen or seen.add(s)})
+            dup = sorted({s for s in dst_ids if dst_ids.count(s) > 1})
             raise ValueError(f"MambaPool.copy: target slot(s) {dup} given more than once")
         if not src_ids:
             return
@@ -223,8 +190,6 @@ class MambaPool(SlotPool):
         d = torch.tensor(dst_ids, dtype=torch.int64, device=self.device)
         self.conv_state.index_copy_(1, d, self.conv_state.index_select(1, s))
         self.ssm_state.index_copy_(1, d, self.ssm_state.index_select(1, s))
-
-    # -------------------------------------------------------------------------------- helpers
 
     def _require_allocated(self, ids: list[int], what: str) -> None:
         bad = [s for s in ids if not self.allocator.is_allocated(s)]

@@ -1,43 +1,36 @@
 """Mamba-aware radix prefix cache for hybrid Gated DeltaNet / attention models, with its tiers.
 
-A radix tree over token ids. Each non-root node holds a segment of tokens (``key``), the KV token
-locations of those tokens (``value``, int64, one per token) and optionally a Mamba state slot
+A radix tree over token ids (nodes: `mem_cache/radix_node.py`). Each non-root node holds a segment
+of tokens (``key``), their KV token locations (``value``, int64) and optionally a Mamba state slot
 (``mamba_slot``; ``None`` makes the node a *tombstone*). By contract (invariant I6) a node's slot
 holds exactly the recurrent state after every token from the root to the end of that node; the
-cache never computes states, callers insert slots that already hold them.
+cache never computes states, callers insert slots that already hold them. A state cannot be cut
+in two, so a split leaves the state on the lower part and makes the upper part a tombstone::
 
-A recurrent state cannot be cut in two, so splitting a node leaves the state on the lower part
-and makes the new upper part a tombstone::
-
-    before:  root -- [a b c d e] (slot 7)
-    split at 2 (e.g. matching [a b x]):
-             root -- [a b] (tombstone) -- [c d e] (slot 7)
+    root -- [a b c d e] (slot 7)   split at 2:   root -- [a b] (tombstone) -- [c d e] (slot 7)
 
 Ownership: the tree owns the KV locations and slots of its nodes until it frees them (eviction,
 `reset`) back to the pools. Every KV location and slot handed to `insert` either becomes the
 tree's or is freed by the cache, except a slot reported back with ``mamba_exist=True`` (the caller
-still owns it and must free it). A slot the cache keeps is never handed back to the caller.
+still owns it and must free it).
 
 Paging: with ``page_size > 1`` the cache works in whole pages. `match_prefix` ignores the trailing
-partial page of its key; `insert` requires ``len(key)``, ``len(kv_indices)`` and
-``prev_prefix_len`` to be multiples of ``page_size`` and each page's locations to be one KV page
-(``p * page_size + 0..page_size-1``); nodes are split only at page boundaries and children are
-keyed by their first page. KV is freed to the pool as whole pages. Location 0 (page 0) never
-enters the tree.
+partial page of its key; `insert` takes whole pages only (`_check_insert`); nodes are split only
+at page boundaries and children are keyed by their first page. Location 0 (page 0) never enters
+the tree.
 
-Exact repeats: a node may also keep the final hidden state at its last token (in the Mamba
-pool's hidden row of its slot, flagged by ``hidden_valid``; `insert` with ``hidden``,
-`set_hidden`). A request whose whole prompt ends at such a node (`exact_node`) takes the state
-and gets its first token's logits from that hidden, with no forward for the prompt.
+Exact repeats: a node may also keep the final hidden state at its last token (`set_hidden`). A
+request whose whole prompt ends at such a node (`exact_node`) takes the state and gets its first
+token's logits from that hidden, with no forward for the prompt.
 
 Tiers (HiCache, optional): with a `HostTier` a node may keep host copies of its KV and state and
-may live on the host alone (``value=None``, see `mem_cache/radix_node.py`); with a `StorageTier`
-host writes also reach files, and a prefetch reads them back into host memory as a host-only
-node. `match_prefix` walks host-only nodes (reported as ``host_node`` / ``host_len``), `load_back`
-copies them to the device (admission: match -> load back -> lock), and device eviction goes
-through one hook, `_evict_device_leaf`, which demotes a backed-up leaf to the host or deletes it.
-Copies are synchronous; during one, the nodes involved are pinned (``full_lock_ref`` for device
-KV, ``host_lock_ref`` for host copies) so the evictions it triggers cannot take them.
+may live on the host alone; with a `StorageTier` host writes also reach files, and a prefetch
+reads them back into host memory as a host-only node. `match_prefix` walks host-only nodes
+(``host_node`` / ``host_len``), `load_back` copies them to the device (admission: match -> load
+back -> lock), and device eviction goes through one hook, `_evict_device_leaf`, which demotes a
+backed-up leaf to the host or deletes it. Copies are synchronous; during one, the nodes involved
+are pinned (``full_lock_ref`` for device KV, ``host_lock_ref`` for host copies) so the evictions
+it triggers cannot take them.
 """
 
 from __future__ import annotations
@@ -205,7 +198,7 @@ class MambaRadixCache:
         kv = kv_indices.to(device="cpu", dtype=torch.int64)
         self._check_insert(key, kv, mamba_slot, prev_prefix_len)
         if self.disable:
-            self._free_kv(kv[prev_prefix_len:])
+            self.kv_pool.free_locs(kv[prev_prefix_len:])
             return 0, mamba_slot is not None
         key = list(key)
         node, pos = self.root, 0
@@ -221,13 +214,13 @@ class MambaRadixCache:
             if node.value is None:  # host only: the caller's KV becomes its device copy
                 self._attach_kv(node, kv[start:pos].clone())
             else:
-                self._free_kv(kv[max(start, prev_prefix_len) : pos])
+                self.kv_pool.free_locs(kv[max(start, prev_prefix_len) : pos])
         if pos < prev_prefix_len:
             raise ValueError(f"insert: only {pos} of the cache-owned {prev_prefix_len} are cached")
         exist, ends_key = False, pos == len(key)  # ends_key: node ends at len(key)
         if pos < len(key):
             if mamba_slot is None:
-                self._free_kv(kv[pos:])
+                self.kv_pool.free_locs(kv[pos:])
             else:
                 leaf = TreeNode(next(self._ids), key[pos:], kv[pos:].clone(), mamba_slot)
                 leaf.parent = node
@@ -267,12 +260,10 @@ class MambaRadixCache:
             raise ValueError(f"insert: mamba slot {mamba_slot} is not the caller's to give")
         if len(kv) and bool((kv < ps).any()):
             raise ValueError("KV location in the reserved page 0")
-        if ps > 1 and len(kv):
-            pages = kv.view(-1, ps)
-            if not torch.equal(pages - pages[:, :1], torch.arange(ps).expand_as(pages)) or bool(
-                (pages[:, 0] % ps).any()
-            ):
-                raise ValueError("KV locations are not whole pages")
+        if ps > 1 and not torch.equal(
+            kv.view(-1, ps), kv[::ps, None] // ps * ps + torch.arange(ps)
+        ):
+            raise ValueError("KV locations are not whole pages")
 
     def set_hidden(self, node: TreeNode, hidden: torch.Tensor) -> None:
         """Record ``hidden`` (the final hidden state at ``node``'s last token) with ``node``,
@@ -417,7 +408,7 @@ class MambaRadixCache:
     def _detach_kv(self, node: TreeNode) -> None:
         """Free ``node``'s device KV; it must be unlocked."""
         assert node.full_lock_ref == 0, f"{node}: free locked KV"
-        self._free_kv(node.value)
+        self.kv_pool.free_locs(node.value)
         node.value = None
         del self._full_lru[node.id]
         self._full_evictable -= len(node.key)
@@ -437,9 +428,6 @@ class MambaRadixCache:
         node.hidden_valid = False
         self._mamba_evictable -= 1
         return 1
-
-    def _free_kv(self, locs: torch.Tensor) -> None:
-        self.kv_pool.free_locs(locs)
 
     @staticmethod
     def _alloc_kv(pool: KVPool, tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
@@ -531,7 +519,7 @@ class MambaRadixCache:
             self.dec_lock_ref(match.last_node)
         if locs is None or slot is None:
             if locs is not None:
-                self._free_kv(locs)
+                self.kv_pool.free_locs(locs)
             self.stats["load_back_failed"] += 1
             self.stats["device_hit_tokens"] += len(match.kv_indices)
             return match
@@ -625,28 +613,27 @@ class MambaRadixCache:
             if not self.write_backup(end_node):  # host copies must be closed towards the root
                 return None
         self._host_pin(end_node, 1)
-        tokens = [(i + 1) * bs - start for i in states]  # to read up to each state block
-        if self.host.kv_pool.available_tokens() < tokens[-1]:
-            self.evict_host(tokens[-1])
+        if self.host.kv_pool.available_tokens() < (states[-1] + 1) * bs - start:
+            self.evict_host((states[-1] + 1) * bs - start)
         free = self.host.kv_pool.available_tokens()
-        fits = [i for i, n in enumerate(tokens) if n <= free]
-        if not fits or tokens[fits[-1]] < storage.prefetch_threshold:
+        fits = [i for i in states if (i + 1) * bs - start <= free]  # state blocks host memory holds
+        n = (fits[-1] + 1) * bs - start if fits else 0
+        if n < storage.prefetch_threshold:
             self.stats["prefetch_skipped"] += 1
             self._host_pin(end_node, -1)
             return None
-        if fits[-1] < len(states) - 1:  # truncated to the page-aligned free host size
+        if fits[-1] != states[-1]:  # truncated to the page-aligned free host size
             self.stats["prefetch_truncated"] += 1
-        last = states[fits[-1]]
-        host_locs = self.host.kv_pool.alloc_locs(tokens[fits[-1]])
+        host_locs = self.host.kv_pool.alloc_locs(n)
         host_slot = self._alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
         if host_slot is None:
             self.host.kv_pool.free_locs(host_locs)
             self._host_pin(end_node, -1)
             return None
-        first = start // bs
+        first, last = start // bs, fits[-1]
         op = PrefetchOp(
-            list(key), start, end_node, first, keys[first : last + 1],
-            frozenset(i for i in states if i <= last), host_locs, host_slot, timeout,
+            list(key), start, end_node, first, keys[first : last + 1], frozenset(fits), host_locs,
+            host_slot, timeout,
         )  # fmt: skip
         storage.submit(op)
         self.stats["prefetch_started"] += 1
@@ -749,7 +736,7 @@ class MambaRadixCache:
             self.host.reset()
         nodes = list(self._full_lru.values())
         if nodes:
-            self._free_kv(torch.cat([node.value for node in nodes]))
+            self.kv_pool.free_locs(torch.cat([node.value for node in nodes]))
         self.mamba_pool.free(list(self._mamba_lru))
         self._init_tree()
 
@@ -871,33 +858,13 @@ class MambaRadixCache:
     def _check_node(
         self, node: TreeNode, pins: int, sums: list[int], locs: set[int], slots: set[int]
     ) -> None:
-        """Shape and tier closure of one non-root node; add its device KV and state to the
-        lock-split ``sums`` (KV evictable, KV protected, states evictable, states locked),
-        ``locs`` and ``slots``."""
-        assert node.key and len(node.key) % self.page_size == 0, f"{node} key not whole pages"
-        assert node.value is not None or node.host_value is not None, f"{node} holds no KV at all"
-        for value in (node.value, node.host_value):
-            assert value is None or len(value) == len(node.key), f"{node} key and value differ"
-        assert node.children or node.has_state or pins, f"leaf {node} is a tombstone"
-        assert node.mamba_slot is None or node.value is not None, f"{node}: device state, no KV"
-        assert not node.hidden_valid or node.mamba_slot is not None, f"{node}: hidden, no state"
-        assert node.host_mamba_slot is None or node.host_value is not None, f"{node}: host state"
-        parent = node.parent
-        if node.value is not None and parent is not self.root:
-            assert parent.value is not None, f"{node} on device below a host-only parent"
-        if node.host_value is not None and parent is not self.root:
-            assert parent.host_value is not None, f"{node} backed up below a parent that is not"
-        assert node.host_lock_ref == pins, f"{node} host pins {node.host_lock_ref} != {pins}"
+        """`TreeNode.check` of one non-root node, its place in the LRUs; add its device KV and
+        state to the lock-split ``sums`` (KV evictable, KV protected, states evictable, states
+        locked), ``locs`` and ``slots``."""
+        node.check(self.page_size, pins)
         if node.value is None:
-            assert node.full_lock_ref == node.mamba_lock_ref == 0, f"host-only {node} is locked"
             return
         assert self._full_lru.get(node.id) is node, f"{node} missing from the full LRU"
-        assert node.last_access_time <= parent.last_access_time or parent is self.root, (
-            f"{node} is more recent than its parent"
-        )
-        below = sum(c.full_lock_ref for c in node.children.values())
-        assert node.full_lock_ref == node.mamba_lock_ref + below, f"{node} lock counts off"
-        assert node.mamba_lock_ref == 0 or node.mamba_slot is not None, f"{node} locks none"
         sums[0 if node.full_lock_ref == 0 else 1] += len(node.key)
         v = node.value.tolist()
         assert not locs.intersection(v) and len(set(v)) == len(v), f"{node} KV shared"

@@ -58,6 +58,32 @@ class TreeNode:
     def device_children(self) -> list[TreeNode]:
         return [c for c in self.children.values() if c.value is not None]
 
+    def check(self, page_size: int, pins: int) -> None:
+        """Assert this non-root node's own shape, tier closure and lock counts (`MambaRadixCache.
+        sanity_check` checks the rest); ``pins``: storage prefetches that host-pin it."""
+        assert self.key and len(self.key) % page_size == 0, f"{self} key not whole pages"
+        assert self.value is not None or self.host_value is not None, f"{self} holds no KV at all"
+        for value in (self.value, self.host_value):
+            assert value is None or len(value) == len(self.key), f"{self} key and value differ"
+        assert self.children or self.has_state or pins, f"leaf {self} is a tombstone"
+        assert self.mamba_slot is None or self.value is not None, f"{self}: device state, no KV"
+        assert not self.hidden_valid or self.mamba_slot is not None, f"{self}: hidden, no state"
+        assert self.host_mamba_slot is None or self.host_value is not None, f"{self}: host state"
+        parent = self.parent
+        if parent.parent is not None:  # below another non-root node: tiers closed towards it
+            assert self.value is None or parent.value is not None, f"{self} on device below host"
+            assert self.host_value is None or parent.host_value is not None, f"{self} backed up"
+        assert self.host_lock_ref == pins, f"{self} host pins {self.host_lock_ref} != {pins}"
+        if self.value is None:
+            assert self.full_lock_ref == self.mamba_lock_ref == 0, f"host-only {self} is locked"
+            return
+        assert parent.parent is None or self.last_access_time <= parent.last_access_time, (
+            f"{self} is more recent than its parent"
+        )
+        below = sum(c.full_lock_ref for c in self.children.values())
+        assert self.full_lock_ref == self.mamba_lock_ref + below, f"{self} lock counts off"
+        assert self.mamba_lock_ref == 0 or self.mamba_slot is not None, f"{self} locks none"
+
     def __repr__(self) -> str:
         host = "" if self.host_value is None else f", host_slot={self.host_mamba_slot}"
         dev = "" if self.value is not None else ", host-only"

@@ -27,24 +27,17 @@ SlotIds = int | Iterable[int] | torch.Tensor
 def as_slot_list(slots: SlotIds) -> list[int]:
     """Normalise an int, an iterable of ints or an integer tensor (any device, any shape) to a list.
 
-    A tensor that lives on an accelerator is copied to the host (a synchronisation); pools return
-    their own ids as CPU tensors, so the usual path stays on the host. Floats and bools are rejected
-    with `TypeError` rather than silently truncated.
+    A tensor on an accelerator is copied to the host (a synchronisation). Floats and bools raise
+    `TypeError` rather than being silently truncated.
     """
     if isinstance(slots, torch.Tensor):
         if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
             raise TypeError(f"slot ids must be an integer tensor, got dtype {slots.dtype}")
         return slots.reshape(-1).tolist()
-    if isinstance(slots, bool):
+    items = [slots] if isinstance(slots, int) else list(slots)
+    if any(isinstance(s, bool) for s in items):
         raise TypeError("slot ids must be integers, got bool")
-    if isinstance(slots, int):
-        return [slots]
-    out = []
-    for s in slots:
-        if isinstance(s, bool):
-            raise TypeError("slot ids must be integers, got bool")
-        out.append(operator.index(s))
-    return out
+    return [operator.index(s) for s in items]
 
 
 class SlotAllocator:
@@ -81,11 +74,6 @@ class SlotAllocator:
     def available(self) -> int:
         """Slots that `alloc` could still hand out: the free list plus undrawn group slots."""
         return len(self._free) + (len(self._group) if self._group is not None else 0)
-
-    @property
-    def num_allocated(self) -> int:
-        """Slots handed out and not yet freed (undrawn group slots are not counted)."""
-        return self._num_allocated
 
     @property
     def group_open(self) -> bool:
@@ -230,29 +218,21 @@ class SlotAllocator:
         ):
             seen: set[int] = set()
             for s in seq:
-                if not 0 < s <= self.size:
-                    raise RuntimeError(f"{self.name}: {label} holds invalid slot {s}")
-                if s in seen:
-                    raise RuntimeError(f"{self.name}: {label} holds slot {s} twice")
-                if state[s] != want:
-                    raise RuntimeError(f"{self.name}: {label} holds slot {s} in state {state[s]}")
+                if not 0 < s <= self.size or s in seen or state[s] != want:
+                    raise RuntimeError(f"{self.name}: {label} holds slot {s} wrongly")
                 seen.add(s)
-        counts = [0, 0, 0, 0]
-        for st in state:
-            counts[st] += 1
-        if counts[_FREE] != len(self._free) or counts[_GROUPED] != len(self._group or ()):
-            raise RuntimeError(f"{self.name}: slot states disagree with the free list / group")
-        if counts[_ALLOCATED] != self._num_allocated:
+        counts = [state.count(st) for st in (_FREE, _GROUPED, _ALLOCATED, _RESERVED)]
+        want = [len(self._free), len(self._group or ()), self._num_allocated, 1]
+        if counts != want:
             raise RuntimeError(
-                f"{self.name}: {counts[_ALLOCATED]} slots allocated but counter says "
-                f"{self._num_allocated}"
+                f"{self.name}: slot states (free, grouped, allocated, reserved) {counts} disagree "
+                f"with the free list, group and counter {want}"
             )
-        if counts[_FREE] + counts[_GROUPED] + counts[_ALLOCATED] != self.size:
-            raise RuntimeError(f"{self.name}: slot states do not add up to size {self.size}")
 
 
 class SlotPool:
-    """Bookkeeping every pool shares: a `SlotAllocator` of ids 1..size (id 0 reserved)."""
+    """Bookkeeping every pool shares: a `SlotAllocator` of ids 1..size (id 0 reserved), whose
+    contract `free`, `available` and the rest follow."""
 
     allocator: SlotAllocator
 
@@ -264,8 +244,12 @@ class SlotPool:
         """Ids currently handed out; undrawn group ids excluded (for the idle leak checker)."""
         return self.allocator.allocated_slots()
 
+    def free(self, slots: SlotIds) -> None:
+        """Return handed-out ids; bad ids raise `ValueError` naming them (nothing freed then).
+        Freed contents are not cleared."""
+        self.allocator.free(slots)
+
     def check_integrity(self) -> None:
-        """Raise `RuntimeError` if the free-list bookkeeping is inconsistent."""
         self.allocator.check_integrity()
 
     def clear(self) -> None:
@@ -282,8 +266,8 @@ class ReqToTokenPool(SlotPool):
 
     Ownership: `alloc` hands rows to the caller (the scheduler puts one on each `Req` as
     ``req_slot``); the caller must `free` each row exactly once. Freed rows are NOT cleared: a new
-    owner must write every position it reads. Positions past a request's ``seq_len`` hold stale
-    locations of an earlier owner and must never be read.
+    owner must write every position it reads, and positions past a request's ``seq_len`` hold an
+    earlier owner's stale locations.
     """
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
@@ -300,7 +284,3 @@ class ReqToTokenPool(SlotPool):
     def alloc(self, n: int = 1) -> list[int] | None:
         """Hand out ``n`` distinct rows from ``1..size``, or ``None`` (pool unchanged) if short."""
         return self.allocator.alloc(n)
-
-    def free(self, slot: SlotIds) -> None:
-        """Return one row or several; raises `ValueError` naming bad rows (nothing freed then)."""
-        self.allocator.free(slot)

@@ -74,6 +74,12 @@ class FileStorage:
             keys.append(prev)
         return keys
 
+    def _header(self, key: str, kind: str, payload: bytes) -> dict[str, object]:
+        return {
+            "magic": MAGIC, "version": VERSION, "identity": self.identity, "key": key,
+            "kind": kind, "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+        }  # fmt: skip
+
     def path(self, key: str, kind: str) -> Path:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}")
@@ -85,10 +91,7 @@ class FileStorage:
     def put(self, key: str, kind: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Write ``tensors`` under (key, kind) atomically; False (logged) on an OS error."""
         payload = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-        header = {
-            "magic": MAGIC, "version": VERSION, "identity": self.identity, "key": key,
-            "kind": kind, "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
-        }  # fmt: skip
+        header = self._header(key, kind, payload)
         final = self.path(key, kind)
         tmp = None
         try:
@@ -118,16 +121,7 @@ class FileStorage:
             return None
         line, _, payload = data.partition(b"\n")
         try:
-            header = json.loads(line)
-            ok = (
-                header["magic"] == MAGIC
-                and header["version"] == VERSION
-                and header["identity"] == self.identity
-                and header["key"] == key
-                and header["kind"] == kind
-                and header["length"] == len(payload)
-                and header["sha256"] == hashlib.sha256(payload).hexdigest()
-            )
+            ok = json.loads(line) == self._header(key, kind, payload)
             tensors = st_load(payload) if ok else None
         except (ValueError, KeyError, TypeError, RuntimeError):
             tensors = None
