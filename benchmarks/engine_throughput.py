@@ -7,8 +7,8 @@ transformers baseline runs `generate` on static batches of the same prompts in t
 (eos disabled, so every row produces output_len tokens). Medians over `--repeats` waves.
 
 Variants of ours, interleaved in every repeat: `--variants float32:torch,float32:auto,
-bfloat16:auto,int8:auto` (dtype `:` `HYBRID_SERVE_KERNELS` backend: bf16 weights on CPU; int8 the
-`--quantization int8` matrices, loaded through bf16; the eager torch references against the C++
+bfloat16:auto,int8:auto` (dtype `:` `HYBRID_SERVE_KERNELS` backend: bf16 weights on CPU; int8 and
+int4 the `--quantization` matrices, loaded through bf16; the eager torch references against the C++
 CPU kernels), each optionally `:` `plan` (the default, as the
 server: small decode batches run the CPU decode plan, `models.cpu_decode`, where the kernel set
 allows it) or `eager` (`--disable-cuda-graph`: no decode plan); one engine and one row each
@@ -116,8 +116,8 @@ def main() -> None:
             engines[d, mode, comp] = Engine(
                 args.model_path,
                 max_running_requests=max(conc),
-                dtype="bfloat16" if d == "int8" else d,
-                quantization="int8" if d == "int8" else None,
+                dtype="bfloat16" if d in ("int8", "int4") else d,
+                quantization=d if d in ("int8", "int4") else None,
                 max_total_tokens=max(conc) * (args.prompt_len + args.output_len + 8),
                 disable_cuda_graph=comp == "eager",
                 load_format=args.load_format,

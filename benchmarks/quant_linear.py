@@ -1,4 +1,5 @@
-"""The int8 weight-only product against the alternatives, on a checkpoint's own dense shapes, CPU.
+"""The int8 and int4 weight-only products against the alternatives, on a checkpoint's own dense
+shapes, CPU.
 
 For each row count M (`--rows`), summed over the distinct [N, K] shapes of the model's `Linear`
 layers (the LM head included), the median time of, interleaved:
@@ -8,9 +9,12 @@ layers (the LM head included), the median time of, interleaved:
 - `int8`: the same op on the int8 format (`kernels.quant`);
 - `int8pack`: `torch._weight_int8pack_mm` on the same integers and scales (bf16 activations, its
   fastest form on CPU; the fp32 form is several times slower);
-- `dequant`: the reference, dequantize to fp32 then `F.linear` (MKL), per call.
+- `int4`: our op on the int4 format (groups of 32);
+- `int4pack`: `torch._weight_int4pack_mm_for_cpu` (bf16 activations, groups of 32, its own
+  packing of the same integers; N padded to a multiple of 16, which it requires);
+- `dequant`: the reference for int8, dequantize to fp32 then `F.linear` (MKL), per call.
 
-Prints ms per row count and each variant's speed-up over bf16; the int8 rows' products are
+Prints ms per row count and each variant's speed-up over bf16; our quantized products are
 checked against the reference first.
 
 Example: python -m benchmarks.quant_linear --preset small --threads 2 --rows 1,4,8,16,64,256
@@ -33,7 +37,7 @@ import torch
 
 from benchmarks.gemm_shapes import shapes_of, time_linear
 from kernels import cpp_build, linear
-from kernels.quant import SCALE_BYTES, quantize_int8, scales
+from kernels.quant import GROUP, SCALE_BYTES, dequantize, quantize_int4, quantize_int8, scales
 from models.loader import load_model
 
 
@@ -62,18 +66,33 @@ def main() -> None:
             total: dict[str, float] = {}
             for n, k in shapes:
                 w = torch.randn(n, k) * 0.05
-                q = quantize_int8(w)
+                q, q4 = quantize_int8(w), quantize_int4(w)
                 ints, s16 = q[:, :-SCALE_BYTES].contiguous(), scales(q).bfloat16()
+                nib = torch.round(dequantize(q4) / scales(q4).repeat_interleave(GROUP, 1)) + 8
+                pad = -n % 16  # int4pack takes N in multiples of 16: zero rows added
+                nib = torch.nn.functional.pad(nib, (0, 0, 0, pad), value=8.0)
+                packed4 = torch._convert_weight_to_int4pack_for_cpu(nib.int(), 1)
+                s4 = torch.nn.functional.pad(scales(q4), (0, 0, 0, pad)).t()
+                sz = torch.stack([s4, -8 * s4], -1).bfloat16()
                 x = torch.randn(m, k)
                 xb = x.bfloat16()
                 fns = {
                     "bf16": (ops.linear, x, w.bfloat16()),
                     "int8": (ops.linear, x, q),
                     "int8pack": (partial(torch._weight_int8pack_mm, scales=s16), xb, ints),
+                    "int4": (ops.linear, x, q4),
+                    "int4pack": (
+                        partial(
+                            torch._weight_int4pack_mm_for_cpu, qGroupSize=GROUP, qScaleAndZeros=sz
+                        ),
+                        xb,
+                        packed4,
+                    ),  # fmt: skip
                     "dequant": (linear.linear, x, q),
                 }
-                torch.testing.assert_close(ops.linear(x, q), linear.linear(x, q), atol=1e-3,
-                                           rtol=1e-4)  # fmt: skip
+                for qw in (q, q4):
+                    torch.testing.assert_close(ops.linear(x, qw), linear.linear(x, qw), atol=1e-3,
+                                               rtol=1e-4)  # fmt: skip
                 inner = max(1, int(1e8 / (2 * m * n * k)))
                 times: dict[str, list[float]] = {v: [] for v in fns}
                 for _ in range(args.repeats):

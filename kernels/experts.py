@@ -38,7 +38,7 @@ def routed_experts(
     """xs [T, hidden], the rows of expert e the `counts[e]`-long slice after those of experts
     < e; gate_up [E, 2I, hidden], down [E, hidden, I]; counts [E] int64 summing to T ->
     [T, hidden] in xs' dtype: each row through its expert, down(silu(gate x) * up x). Weights in
-    another form (bf16 under fp32 rows, int8-format: `kernels.quant`) are widened. One
+    another form (bf16 under fp32 rows, quantized: `kernels.quant`) are widened. One
     `torch._grouped_mm` per matrix where it takes the operands (counts stay on the device), else
     one `F.linear` per active expert."""
     if grouped_mm_fits(xs, gate_up, down):

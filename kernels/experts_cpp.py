@@ -1,7 +1,7 @@
 """Routed SwiGLU experts on CPU in one C++ call (`routed_experts` in kernels/csrc/gemm.cpp).
 
 Same signature and contract as `kernels.experts.routed_experts`. For fp32 rows and fp32, bf16 or
-int8-format weights (the two stacks alike), up to `MAX_ROWS` rows (decode batches and short
+quantized weights (the two stacks alike), up to `MAX_ROWS` rows (decode batches and short
 prefills): every active expert's gate/up GEMM, silu(gate) * up and down GEMM run in two parallel
 passes whose pieces (weight-row blocks of one expert) are split among the threads by cost, on the
 weights as stored ([E, 2I, hidden] and [E, hidden, I], bf16 widened in registers, fp32

@@ -14,7 +14,7 @@ from kernels.quant import widen
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K], weight [N, K], bias [N] or None -> [..., N] in x's dtype. A weight stored in
-    another form (bf16 weights under fp32 activations on CPU, or the int8 format of
+    another form (bf16 weights under fp32 activations on CPU, or quantized:
     `kernels.quant`) is widened for the call."""
     if weight.dtype != x.dtype:
         weight = widen(weight, x.dtype)

@@ -1,12 +1,12 @@
 """Linear layer on CPU: the C++ op `hybrid_serve::linear` (kernels/csrc/decode_ops.h).
 
 Same signature and contract as `kernels.linear.linear`, for fp32 activations and fp32, bf16 or
-int8-format weights ([N, K] as stored, bf16 and int8 widened as they stream: half or a quarter of
-the bytes; `kernels.quant`). The C++ op picks the product by row count, in that one place: a
-weight-streaming GEMV up to 8 rows (decode at small batches is a stream of weights through mat-vec
-products), a tiled GEMM beyond (kernels/csrc/gemm.cpp: x packed into panels once per call, register
-tiles of 6 weight rows, fp32 accumulation; `benchmarks/gemm_shapes.py` compares it with MKL by row
-count). Other dtypes take the reference.
+quantized weights ([N, K] as stored, widened as they stream: bf16 half the bytes, int8 a quarter,
+int4 about an eighth; `kernels.quant`). The C++ op picks the product by row count, in that one
+place: a weight-streaming GEMV up to 8 rows (decode at small batches is a stream of weights through
+mat-vec products), a tiled GEMM beyond (kernels/csrc/gemm.cpp: x packed into panels once per call,
+register tiles of 6 weight rows, fp32 accumulation; `benchmarks/gemm_shapes.py` compares it with MKL
+by row count). Other dtypes take the reference.
 """
 
 from __future__ import annotations

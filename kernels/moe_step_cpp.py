@@ -6,7 +6,7 @@ torch's own fp32 softmax and top-k (called from C++, so ties pick the same exper
 experts on the rows routed to each, the shared expert and its gate, and the combine. Up to 8 rows
 the products are the weight-streaming GEMV on slices of the stacked weights; beyond, the tiled GEMM
 and all experts in one routed-experts call (kernels/csrc/gemm.cpp). It covers fp32 activations with
-fp32, bf16 or int8-format matrices; longer inputs and anything else run `unfused` (the reference
+fp32, bf16 or quantized matrices; longer inputs and anything else run `unfused` (the reference
 block over the C++ unfused ops, as `kernels.kernel_set` composes it).
 """
 

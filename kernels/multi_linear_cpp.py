@@ -1,7 +1,7 @@
 """Several linear projections of one input as one C++ CPU op (`hybrid_serve::linear_multi`).
 
 Same signature and contract as `kernels.multi_linear.linear_multi`, for fp32 activations and fp32,
-bf16 or int8-format weights: at decode sizes one C++ call streams all the weights in one parallel
+bf16 or quantized weights: at decode sizes one C++ call streams all the weights in one parallel
 region; beyond, each weight takes `kernels.linear_cpp`'s product. Anything else runs the reference.
 """
 

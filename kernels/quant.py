@@ -1,18 +1,27 @@
-"""Weight-only quantized matrices (`--quantization int8`): the format, quantization from float
-weights, and the reference dequantization.
+"""Weight-only quantized matrices (`--quantization int8|int4`): the formats, quantization from
+float weights, and the reference dequantization. A quantized matrix is ONE tensor, its scales
+kept at the end of each row as llama.cpp's blocks keep theirs, so every op that takes a weight
+takes a quantized one in its place: the C++ kernels read the format by dtype
+(`kernels/csrc/gemv.h`), the references `widen` it, and a stack of experts [E, N, ...] slices per
+expert like any stack.
 
-int8: symmetric, one scale per output row. A matrix w [..., N, K] is stored as ONE int8 tensor
-[..., N, K + 4] whose row n holds q[n, 0..K) followed by the 4 bytes of its fp32 scale (native
-byte order), with
+int8 (torch.int8): symmetric, one scale per output row. w [..., N, K] is stored as [..., N, K + 4]:
+row n holds q[n, 0..K) then the 4 bytes of its fp32 scale (native byte order), with
 
-    scale[n] = max_k |w[n, k]| / 127   (1 for an all-zero row),   q = round(w / scale[n])
-    w[n, k] ~ q[n, k] * scale[n]
+    scale[n] = max_k |w[n, k]| / 127   (1 for an all-zero row),   q = round(w / scale)
 
-Keeping the scale in the row, as llama.cpp's blocks keep theirs, makes a quantized matrix one
-tensor: every op that takes a weight takes a quantized one in its place (the C++ kernels read the
-format by dtype, `kernels/csrc/gemv.h`; the references `widen` it), and stacks of experts
-[E, N, K + 4] slice per expert like any stack. Products sum the integers (exact in fp32) and scale
-each output once.
+int4 (torch.uint8): symmetric, one bf16 scale per group of 32 along K (K a multiple of 32), the
+4.5 bits per weight of llama.cpp's Q4_0 and its rule: a group's scale is d = -p / 8 for p its
+element of largest magnitude (so p maps to -8 exactly), q = clamp(round(w / d), -8, 7). Row n is
+K / 2 bytes of groups of 16 (group g's element j in byte 16 g + j's low nibble, element j + 16
+in its high nibble, each stored as q + 8) followed by the K / 32 scales' bf16 bytes. Groups of 32
+keep the step fine (a group of 64 would save 0.25 bit per weight for a coarser step at every
+group's extremes); bf16 scales widen with one shift and their rounding (< 0.4%) is small beside
+the 4-bit step. The loader keeps int8 for a matrix whose K is not a multiple of 32 (as
+llama-quantize falls back for rows that do not divide into blocks).
+
+Products sum the integers (exact in fp32) and scale each output's sum (int8) or each group's
+partial sum (int4) once.
 """
 
 from __future__ import annotations
@@ -21,17 +30,29 @@ import torch
 
 SCALE_BYTES = 4  # an fp32 scale at the end of each int8 row
 QMAX = 127
-METHODS = ("int8",)
-CPP_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # what the C++ kernels read
+GROUP = 32  # int4 weights per bf16 scale
+METHODS = ("int8", "int4")
+CPP_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # C++ kernels read
 
 
 def is_quantized(w: torch.Tensor) -> bool:
-    return w.dtype == torch.int8
+    return w.dtype in (torch.int8, torch.uint8)
 
 
 def in_features(w: torch.Tensor) -> int:
     """K of a weight [..., N, K] as stored, quantized or not."""
-    return w.shape[-1] - SCALE_BYTES if is_quantized(w) else w.shape[-1]
+    if w.dtype == torch.int8:
+        return w.shape[-1] - SCALE_BYTES
+    if w.dtype == torch.uint8:
+        return w.shape[-1] * GROUP // (GROUP // 2 + 2)
+    return w.shape[-1]
+
+
+def quantize(w: torch.Tensor, method: str) -> torch.Tensor:
+    """w in the format of `method`; int4 falls back to int8 where K is not a multiple of GROUP."""
+    if method == "int4" and w.shape[-1] % GROUP == 0:
+        return quantize_int4(w)
+    return quantize_int8(w)
 
 
 def quantize_int8(w: torch.Tensor) -> torch.Tensor:
@@ -45,21 +66,45 @@ def quantize_int8(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, tail], dim=-1).contiguous()
 
 
+def quantize_int4(w: torch.Tensor) -> torch.Tensor:
+    """w [..., N, K] (any float dtype, K a multiple of GROUP) -> the int4 format [..., N, 9K/16]
+    (module docstring). The scales are computed in fp32, rounded to bf16, and q against the
+    rounded scale."""
+    *lead, n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"int4 needs K a multiple of {GROUP}, got {k}")
+    g = w.float().reshape(*lead, n, k // GROUP, GROUP)
+    peak = g.gather(-1, g.abs().argmax(-1, keepdim=True))
+    d = (peak / -8).bfloat16().float()
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    q = (torch.round(g / d).clamp_(-8, 7) + 8).to(torch.uint8)
+    nibbles = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)  # [..., N, K/32, 16]
+    tail = d.squeeze(-1).bfloat16().contiguous().view(torch.uint8)  # [..., N, K/32 * 2]
+    return torch.cat([nibbles.reshape(*lead, n, k // 2), tail], dim=-1).contiguous()
+
+
 def scales(w: torch.Tensor) -> torch.Tensor:
-    """The fp32 scales [..., N] of an int8-format matrix."""
+    """The fp32 scales of a quantized matrix: [..., N] (int8) or [..., N, K / GROUP] (int4)."""
+    if w.dtype == torch.uint8:
+        return w[..., in_features(w) // 2 :].contiguous().view(torch.bfloat16).float()
     return w[..., -SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
 
 
 def dequantize(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An int8-format matrix [..., N, K + 4] -> q * scale [..., N, K] in `dtype` (computed in
-    fp32)."""
+    """A quantized matrix -> its values w [..., N, K] in `dtype` (computed in fp32)."""
+    if w.dtype == torch.uint8:
+        *lead, n, _ = w.shape
+        k = in_features(w)
+        nib = w[..., : k // 2].reshape(*lead, n, k // GROUP, GROUP // 2)
+        q = torch.cat([nib & 15, nib >> 4], dim=-1).float() - 8  # [..., N, K/32, 32]
+        return (q * scales(w).unsqueeze(-1)).reshape(*lead, n, k).to(dtype)
     q = w[..., :-SCALE_BYTES].float()
     return (q * scales(w).unsqueeze(-1)).to(dtype)
 
 
 def widen(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight stored in another form than the activations' dtype (bf16 under fp32 activations,
-    or int8-format) as a `dtype` tensor of its values; a weight already in `dtype` as it is."""
+    or quantized) as a `dtype` tensor of its values; a weight already in `dtype` as it is."""
     if is_quantized(w):
         return dequantize(w, dtype)
     return w if w.dtype == dtype else w.to(dtype)

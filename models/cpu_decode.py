@@ -17,7 +17,7 @@ and pool updates are bit-identical to the eager step's:
 
 It applies where the model's kernel set is the C++ one with its fused decode ops
 (`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with sparse-MoE layers, no
-biases, fp32 norms, states and KV, fp32, bf16 or int8-format matrices, and at most `MAX_ROWS` rows
+biases, fp32 norms, states and KV, fp32, bf16 or quantized matrices, and at most `MAX_ROWS` rows
 (the fused MoE's). `CpuDecodePlan.build` returns None for any other model.
 """
 
@@ -28,6 +28,7 @@ import logging
 import torch
 
 from kernels import moe_step_cpp
+from kernels.quant import CPP_WEIGHT_DTYPES
 from models.forward_batch import ForwardBatch
 from models.layers import SparseMoE
 from models.loader import matrices
@@ -36,7 +37,7 @@ from models.qwen3_next import Qwen3NextForCausalLM
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = moe_step_cpp.MAX_TOKENS  # the fused MoE's rows: decode batches
-MATRIX_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # `models.loader.matrices`; else fp32
+MATRIX_DTYPES = CPP_WEIGHT_DTYPES  # `models.loader.matrices`; all else fp32
 
 
 def unsupported(model: Qwen3NextForCausalLM) -> str | None:

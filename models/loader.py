@@ -15,11 +15,12 @@ are stored in bf16 and read by the C++ kernels with fp32 accumulation, while emb
 convolution and decay parameters, activations and every pool (KV, conv and recurrent states)
 stay fp32. Elsewhere a dtype applies to the whole model.
 
-`quantization="int8"` (CPU only) is weight-only quantization at load, from whatever the
-checkpoint holds (float or block-FP8): the model is loaded as for its dtype (matrices in it,
+`quantization="int8"` or `"int4"` (CPU only) is weight-only quantization at load, from whatever
+the checkpoint holds (float or block-FP8): the model is loaded as for its dtype (matrices in it,
 the rest fp32), then every matrix but the MoE routers' gates (the router and the shared-expert
-gate) is replaced, one at a time, by its int8 format (`kernels.quant`: per output row scales).
-Activations, embeddings, norms and states are unchanged.
+gate) is replaced, one at a time, by its quantized format (`kernels.quant`: int8 per output row,
+int4 per group of 32 with int8 for a matrix whose K does not divide into groups). Activations,
+embeddings, norms and states are unchanged.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from safetensors import safe_open
 from kernels import KernelSet
 from kernels import choose as choose_kernels
 from kernels.quant import METHODS as QUANTIZATION_METHODS
-from kernels.quant import quantize_int8
+from kernels.quant import quantize
 from models.config import ModelConfig
 from models.dummy_weights import fill_dummy
 from models.fp8 import Fp8Checkpoint
@@ -105,7 +106,7 @@ def load_model(
     to fp32 one at a time).
 
     The layers run `ops`, by default the kernel set `kernels.choose` picks for the device and
-    the activations' dtype (logged as a table). `quantization`: None or "int8" (module
+    the activations' dtype (logged as a table). `quantization`: None, "int8" or "int4" (module
     docstring).
     """
     if load_format not in LOAD_FORMATS:
@@ -144,7 +145,7 @@ def load_model(
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.to(torch_dtype))
     if quantization is not None:
-        quantize_matrices(model)
+        quantize_matrices(model, quantization)
     logger.info(
         "loaded %s (%s%s%s, %s%s)",
         path,
@@ -219,9 +220,9 @@ def matrices(model: Qwen3NextForCausalLM) -> list[torch.nn.Parameter]:
     return out
 
 
-def quantize_matrices(model: Qwen3NextForCausalLM) -> None:
+def quantize_matrices(model: Qwen3NextForCausalLM, method: str) -> None:
     """Replace every linear layer's and expert stack's matrix, except the MoE routers' gates, by
-    its int8 format (`kernels.quant`), one matrix at a time."""
+    its `method` format (`kernels.quant.quantize`), one matrix at a time."""
     from models.layers import Experts, Linear, SparseMoE
 
     gates = set()
@@ -236,7 +237,7 @@ def quantize_matrices(model: Qwen3NextForCausalLM) -> None:
         else:
             continue
         for name in names:
-            q = quantize_int8(getattr(module, name).detach())
+            q = quantize(getattr(module, name).detach(), method)
             setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
 
 

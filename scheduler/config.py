@@ -20,7 +20,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # models.loader.LOAD_FORMATS, likewise (dummy: random weights from config.json alone)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-QUANTIZATIONS = ("int8",)  # kernels.quant.METHODS: weight-only formats for CPU serving
+QUANTIZATIONS = ("int8", "int4")  # kernels.quant.METHODS: weight-only formats for CPU serving
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class RunnerConfig:
     dtype: str = "auto"
     device: str = "cpu"
     load_format: str = "auto"  # dummy: random weights, no weight file read (models.loader)
-    quantization: str | None = None  # int8: weight-only, quantized at load (CPU; models.loader)
+    quantization: str | None = None  # int8 / int4: weight-only, quantized at load (CPU; loader)
     # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0

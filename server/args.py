@@ -177,8 +177,8 @@ HELP: dict[str, str] = {
     "device": "cpu or cuda",
     "load_format": "auto (the checkpoint's safetensors) or dummy: random weights from config.json "
     "alone, no weight file read (for real-size measurements; models/dummy_weights.py)",
-    "quantization": "int8: weight-only int8 matrices, one scale per output row, quantized at "
-    "load from any float or FP8 checkpoint (CPU; kernels/quant.py)",
+    "quantization": "weight-only matrices quantized at load from any float or FP8 checkpoint "
+    "(CPU; kernels/quant.py): int8 (one scale per output row) or int4 (a bf16 scale per 32)",
     "mem_fraction_static": "CUDA: fraction of GPU memory for weights + KV/Mamba pools; sizes the "
     "KV pool (0: --max-total-tokens decides)",
     "pool_memory_gb": "GB for the KV and Mamba pools on any device; sizes the KV pool "

@@ -195,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights"
     )
-    gen.add_argument("--quantization", default=None, choices=["int8"], help="weight-only, CPU")
+    gen.add_argument(
+        "--quantization", default=None, choices=["int8", "int4"], help="weight-only, CPU"
+    )
     gen.set_defaults(func=cmd_generate)
     return parser
 

@@ -390,7 +390,7 @@ at::Tensor conv1d_varlen_pool(const at::Tensor& x, at::Tensor conv_states,
 
 namespace hs {
 
-// x [M,K] fp32, w [N,K] fp32, bf16 or int8 (gemv.h) -> y [M,N] fp32, accumulated in fp32.
+// x [M,K] fp32, w [N,K] fp32, bf16, int8 or int4 (gemv.h) -> y [M,N] fp32, accumulated in fp32.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   return hs::linear_op("skinny_linear", x, w,
                        [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {

@@ -27,12 +27,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);
 std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights);
 // gemm.cpp: tiled_linear; routed_experts_into writes y [T, H] for xs [T, H] sorted by expert,
-// counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I] alike fp32, bf16 or
-// int8 (gemv.h's format)
+// counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I] alike fp32, bf16,
+// int8 or int4 (gemv.h's formats)
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
                          const std::vector<int64_t>& counts, float* y);
-// x [M, K] fp32, w [N, K] fp32, bf16 or int8 (gemv.h's format; both contiguous) -> y [M, N] fp32
+// x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous) ->
+// y [M, N] fp32
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   return x.size(0) <= kGemvRows ? skinny_linear(x, w) : tiled_linear(x, w);
 }

@@ -1,7 +1,7 @@
 // GEMM for the decode batches above the GEMV's 8 rows, and the MoE experts in one call.
 //
-// y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16 or int8-format weights (gemv.h:
-// each int8 row's integers summed, the sum scaled once as it is written), fp32 accumulation.
+// y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16, int8 or int4 weights (gemv.h's
+// formats; quantized blocks are widened to fp32 first), fp32 accumulation.
 // The weight keeps its [N, K] row-major layout (no packed copy). x is packed once per call into
 // panels of MR = 2 vectors of rows (16 with AVX2, 32 with AVX-512: simd.h), k-major
 // ([panel][k][MR], rows past M zero), so a register tile is an outer product: each k step loads
@@ -154,6 +154,34 @@ inline void any_tile(int r, int64_t rows, const W* w, int64_t ldw, const float* 
   return tile_rows<W, 1>(r, w, ldw, xp, kn, c, first, next);
 }
 
+// Columns [k0, k0 + kn) of `rows` quantized rows (row stride ldw) -> dst [rows][kn] fp32: int8
+// rows' integers (their scales are applied to the sums), int4 rows' values (group scales and
+// all; k0 and kn multiples of its group).
+inline void widen_block(const int8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0,
+                        int64_t kn, float* dst) {
+  (void)K;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = static_cast<float>(w[i * ldw + k0 + k]);
+}
+
+inline void widen_block(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0,
+                        int64_t kn, float* dst) {
+  constexpr int64_t Q = hs::kQ4Group;
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* row = w + i * ldw;
+    const auto* sc = reinterpret_cast<const at::BFloat16*>(row + K / 2);
+    for (int64_t g = k0 / Q; g < (k0 + kn) / Q; ++g) {
+      const float s = hs::load1(sc + g);
+      float* d = dst + i * kn + g * Q - k0;
+      for (int64_t j = 0; j < Q / 2; ++j) {
+        const uint8_t b = row[g * Q / 2 + j];
+        d[j] = float(int(b & 15) - 8) * s;
+        d[j + Q / 2] = float(int(b >> 4) - 8) * s;
+      }
+    }
+  }
+}
+
 // Output columns [n0, n1) of y [M, ldy] = x w[n0:n1, :K]^T on the calling thread, x given as
 // its packed panels xp (pack_panels of M rows, K columns).
 template <typename W>
@@ -164,13 +192,12 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
   // A lone panel reuses no weight block: with AVX2 it takes whole rows per tile, long runs for
   // the prefetcher. With AVX-512 its panel is twice as wide (a whole row of k is 96 KB at
   // K = 768, past L1), so it takes KC blocks, which keep the panel's block in L1 (the MoE
-  // experts of a decode step are such lone panels). The sums are the same either way. int8
-  // weights are widened, one NC x KC block at a time, into `wide` (their integers, exact) and
-  // the tiles read that: one conversion per weight per pass instead of one per weight per
-  // panel in the tiles' broadcasts.
-  constexpr bool q8 = std::is_same_v<W, int8_t>;
-  const int64_t kc = P == 1 && hs::simd::kLanes == 8 && !q8 ? K : KC;
-  std::unique_ptr<float[]> wide(q8 ? new float[NC * KC] : nullptr);
+  // experts of a decode step are such lone panels). The sums are the same either way. The
+  // quantized formats are widened, one NC x KC block at a time, into `wide` (`widen_block`)
+  // and the tiles read that: one conversion per weight per pass, not one per weight per panel.
+  constexpr bool q8 = std::is_same_v<W, int8_t>, quantized = q8 || std::is_same_v<W, uint8_t>;
+  const int64_t kc = P == 1 && hs::simd::kLanes == 8 && !quantized ? K : KC;
+  std::unique_ptr<float[]> wide(quantized ? new float[NC * KC] : nullptr);
   for (int64_t b0 = n0; b0 < n1; b0 += NC) {
     const int64_t b1 = std::min(n1, b0 + NC), tiles = (b1 - b0 + NR - 1) / NR;
     for (int64_t p0 = 0; p0 < P; p0 += PC) {
@@ -178,20 +205,14 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t kn = std::min(kc, K - k0);
         const W* wb = w + b0 * ldw + k0;
-        if constexpr (q8) {
-          for (int64_t i = 0; i < b1 - b0; ++i) {
-            const int8_t* src = wb + i * ldw;
-            float* dst = wide.get() + i * kn;
-            for (int64_t k = 0; k < kn; ++k) dst[k] = static_cast<float>(src[k]);
-          }
-        }
+        if constexpr (quantized) widen_block(w + b0 * ldw, ldw, b1 - b0, K, k0, kn, wide.get());
         for (int64_t p = p0; p < p1; ++p) {
           const float* xb = xp + (p * K + k0) * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
           for (int64_t t = 0; t < tiles; ++t) {
             const int r = int(std::min<int64_t>(NR, b1 - b0 - t * NR));
             float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
-            if constexpr (q8) {
+            if constexpr (quantized) {
               any_tile<float>(r, rows, wide.get() + t * NR * kn, kn, xb, kn, c, k0 == 0,
                               nullptr);
             } else {
@@ -230,7 +251,7 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
 template <typename W>
 void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   if (M == 0 || N == 0) return;
-  const int64_t ldw = K + hs::kRowPad<W>;
+  const int64_t ldw = hs::row_stride<W>(K);
   const int64_t tiles = (N + NR - 1) / NR, P = panels(M);
   const auto xp = panel_buffer(P, K);
   pack_panels(x, K, M, K, xp.get());
@@ -323,7 +344,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
   });
   // gate and up rows [n0, n1) of an expert, then silu(gate) * up on those columns, written
   // straight into the down projection's panels (their padding rows zero)
-  const int64_t ldg = H + hs::kRowPad<W>, ldd = I + hs::kRowPad<W>;  // row strides
+  const int64_t ldg = hs::row_stride<W>(H), ldd = hs::row_stride<W>(I);  // row strides
   run_balanced(expert_tasks(counts, I, 2 * H, NC, sizeof(W)), [&](const Task& t) {
     const int64_t M = counts[t.e];
     const W* w = gate_up + t.e * 2 * I * ldg;
@@ -348,7 +369,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
 
 namespace hs {
 
-// x [M, K] fp32, w [N, K] fp32, bf16 or int8-format -> y [M, N] fp32.
+// x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4-format -> y [M, N] fp32.
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
   return linear_op("tiled_linear", x, w,
                    [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {
@@ -373,7 +394,8 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
 
 namespace {
 
-// xs [T, H] fp32 sorted by expert; gate_up [E, 2I, H], down [E, H, I] (fp32, bf16 or int8, alike);
+// xs [T, H] fp32 sorted by expert; gate_up [E, 2I, H], down [E, H, I] (fp32, bf16, int8 or
+// int4, alike);
 // counts [E] int64 summing to T -> [T, H] fp32: row t is down_e(silu(gate_e x_t) * up_e x_t)
 // for the expert e whose slice holds t.
 at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const at::Tensor& down,
@@ -384,7 +406,7 @@ at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const
   TORCH_CHECK(xs.scalar_type() == at::kFloat && counts.scalar_type() == at::kLong,
               "routed_experts: fp32 rows and int64 counts expected");
   TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() && hs::weight_dtype(down.scalar_type()),
-              "routed_experts: fp32, bf16 or int8 weights, both alike");
+              "routed_experts: fp32, bf16, int8 or int4 weights, both alike");
   TORCH_CHECK(xs.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && counts.dim() == 1,
               "routed_experts: ranks");
   const int64_t T = xs.size(0), H = xs.size(1), E = gate_up.size(0), I = hs::in_features(down);

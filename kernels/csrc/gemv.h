@@ -1,5 +1,5 @@
 // Weight-streaming GEMV / skinny GEMM on CPU: y[m, n] = sum_k x[m, k] w[n, k], fp32 activations,
-// fp32, bf16 or int8-quantized weights, fp32 accumulation. Shared by the ops of every
+// fp32, bf16, int8 or int4-quantized weights, fp32 accumulation. Shared by the ops of every
 // kernels/csrc/*.cpp file (`hs::skinny_linear_into`); `skinny_linear` in cpu_kernels.cpp is its
 // torch op.
 #pragma once
@@ -17,19 +17,30 @@
 
 namespace hs {
 
-// The int8 weight format (kernels/quant.py): a matrix [..., N, K] is an int8 tensor
-// [..., N, K + kScaleBytes] whose row n holds q[n, 0..K) and then its fp32 scale's bytes, so
-// w[n, k] = q[n, k] * scale[n]. Every product sums the integers (exact in fp32) and scales the
-// sum once per output.
+// The quantized weight formats (kernels/quant.py), one tensor per matrix [..., N, K]:
+// - int8 (torch.int8): rows of K + kScaleBytes bytes, q[n, 0..K) then the fp32 scale's bytes,
+//   w[n, k] = q[n, k] * scale[n]. Products sum the integers (exact in fp32) and scale each
+//   output's sum once.
+// - int4 (torch.uint8): K a multiple of kQ4Group; rows of K / 2 bytes of groups of 16 (group
+//   g's element j in byte 16 g + j's low nibble, element j + 16 in its high nibble, each stored
+//   plus 8) then K / kQ4Group bf16 scales: w[n, k] = (nibble - 8) * scale[n, k / kQ4Group].
+//   Products scale each group's partial sum.
 constexpr int64_t kScaleBytes = 4;
+constexpr int64_t kQ4Group = 32;
 
-// Elements past a row's K values: the scale's bytes for int8 rows, none otherwise.
+// Elements (bytes for the quantized formats) per stored row of a K-wide matrix.
 template <typename W>
-constexpr int64_t kRowPad = std::is_same_v<W, int8_t> ? kScaleBytes : 0;
+constexpr int64_t row_stride(int64_t K) {
+  if constexpr (std::is_same_v<W, int8_t>) return K + kScaleBytes;
+  if constexpr (std::is_same_v<W, uint8_t>) return K / 2 + K / kQ4Group * 2;
+  return K;
+}
 
-// The K of a weight [..., N, K] as stored (fp32, bf16 or the int8 format above).
+// The K of a weight [..., N, K] as stored (fp32, bf16 or a format above).
 inline int64_t in_features(const at::Tensor& w) {
-  return w.size(-1) - (w.scalar_type() == at::kChar ? kScaleBytes : 0);
+  if (w.scalar_type() == at::kChar) return w.size(-1) - kScaleBytes;
+  if (w.scalar_type() == at::kByte) return w.size(-1) * kQ4Group / (kQ4Group / 2 + 2);
+  return w.size(-1);
 }
 
 // The scale of an int8 row of K values (read from its tail).
@@ -79,7 +90,7 @@ template <typename W, int M>
 void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
                int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    const W* wr = w + n * (K + kRowPad<W>);
+    const W* wr = w + n * row_stride<W>(K);
     fetch_ahead(wr, K * int64_t(sizeof(W)));
     int64_t k = 0;
     float tail[M] = {};
@@ -115,18 +126,73 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
   }
 }
 
+// int4 rows (the format above): per group of 32, the widened integers' products with each row
+// of x summed in registers, then multiplied by the group's scale into the row's sum.
+template <int M>
+void gemv_rows_q4(const float* x, const uint8_t* w, float* y, int64_t N, int64_t K, int64_t n0,
+                  int64_t n1) {
+  const int64_t G = K / kQ4Group, stride = row_stride<uint8_t>(K);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * stride;
+    const auto* sc = reinterpret_cast<const at::BFloat16*>(wr + K / 2);
+    fetch_ahead(wr, stride);
+#ifdef HS_SIMD
+    namespace v = simd;
+    constexpr int V = kQ4Group / v::kLanes;
+    v::vec acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = v::zero();
+    for (int64_t g = 0; g < G; ++g) {
+      v::vec wv[V];
+      v::load_q4(wr + g * kQ4Group / 2, wv);
+      const v::vec s = v::bcast(load1(sc + g));
+      for (int m = 0; m < M; ++m) {
+        const float* xg = x + m * K + g * kQ4Group;
+        v::vec part = v::mul(wv[0], v::load(xg));
+        for (int i = 1; i < V; ++i) part = v::fma(wv[i], v::load(xg + i * v::kLanes), part);
+        acc[m] = v::fma(part, s, acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = v::hsum(acc[m]);
+#else
+    for (int m = 0; m < M; ++m) {
+      float sum = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float part = 0.f;
+        for (int64_t j = 0; j < kQ4Group / 2; ++j) {
+          const uint8_t b = wr[g * kQ4Group / 2 + j];
+          const float* xg = x + m * K + g * kQ4Group;
+          part += float(int(b & 15) - 8) * xg[j] + float(int(b >> 4) - 8) * xg[j + 16];
+        }
+        sum += part * load1(sc + g);
+      }
+      y[m * N + n] = sum;
+    }
+#endif
+  }
+}
+
+template <typename W, int M>
+inline void gemv_any(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
+                     int64_t n1) {
+  if constexpr (std::is_same_v<W, uint8_t>) {
+    gemv_rows_q4<M>(x, w, y, N, K, n0, n1);
+  } else {
+    gemv_rows<W, M>(x, w, y, N, K, n0, n1);
+  }
+}
+
 template <typename W>
 void gemv_dispatch(int64_t M, const float* x, const W* w, float* y, int64_t N, int64_t K,
                    int64_t n0, int64_t n1) {
   switch (M) {
-    case 1: return gemv_rows<W, 1>(x, w, y, N, K, n0, n1);
-    case 2: return gemv_rows<W, 2>(x, w, y, N, K, n0, n1);
-    case 3: return gemv_rows<W, 3>(x, w, y, N, K, n0, n1);
-    case 4: return gemv_rows<W, 4>(x, w, y, N, K, n0, n1);
-    case 5: return gemv_rows<W, 5>(x, w, y, N, K, n0, n1);
-    case 6: return gemv_rows<W, 6>(x, w, y, N, K, n0, n1);
-    case 7: return gemv_rows<W, 7>(x, w, y, N, K, n0, n1);
-    default: return gemv_rows<W, 8>(x, w, y, N, K, n0, n1);
+    case 1: return gemv_any<W, 1>(x, w, y, N, K, n0, n1);
+    case 2: return gemv_any<W, 2>(x, w, y, N, K, n0, n1);
+    case 3: return gemv_any<W, 3>(x, w, y, N, K, n0, n1);
+    case 4: return gemv_any<W, 4>(x, w, y, N, K, n0, n1);
+    case 5: return gemv_any<W, 5>(x, w, y, N, K, n0, n1);
+    case 6: return gemv_any<W, 6>(x, w, y, N, K, n0, n1);
+    case 7: return gemv_any<W, 7>(x, w, y, N, K, n0, n1);
+    default: return gemv_any<W, 8>(x, w, y, N, K, n0, n1);
   }
 }
 
@@ -149,7 +215,7 @@ void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, in
 }
 
 // One product y [M, N] = x [M, K] w [N, K]^T of a batch run in one parallel region; w holds
-// fp32, bf16 or int8 rows (`dtype`), all contiguous.
+// fp32, bf16, int8 or int4 rows (`dtype`), all contiguous.
 struct GemvJob {
   const float* x;
   const void* w;
@@ -158,12 +224,13 @@ struct GemvJob {
   int64_t M, N, K;
 };
 
-// fn(typed pointer) for the weight pointer `w` of dtype `dtype` (fp32, bf16 or int8).
+// fn(typed pointer) for the weight pointer `w` of dtype `dtype` (fp32, bf16, int8 or int4).
 template <typename F>
 inline void with_weight(at::ScalarType dtype, const void* w, const F& fn) {
   switch (dtype) {
     case at::kBFloat16: return fn(static_cast<const at::BFloat16*>(w));
     case at::kChar: return fn(static_cast<const int8_t*>(w));
+    case at::kByte: return fn(static_cast<const uint8_t*>(w));
     default: return fn(static_cast<const float*>(w));
   }
 }
@@ -203,27 +270,27 @@ void skinny_linear_into(const float* x, const W* w, float* y, int64_t M, int64_t
 }
 
 inline bool weight_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kChar;
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kChar || t == at::kByte;
 }
 
-// The job of `w` (a contiguous fp32, bf16 or int8-format matrix, or `rows` rows of it from
+// The job of `w` (a contiguous fp32, bf16, int8 or int4-format matrix, or `rows` rows of it from
 // `row0`; a stack [E, N, K] is rows of one matrix).
 inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M, int64_t row0 = 0,
                       int64_t rows = -1) {
-  TORCH_CHECK(weight_dtype(w.scalar_type()), "GEMV weights: fp32, bf16 or int8");
+  TORCH_CHECK(weight_dtype(w.scalar_type()), "GEMV weights: fp32, bf16, int8 or int4");
   const int64_t K = in_features(w), stride = w.size(-1);
   const char* base = static_cast<const char*>(w.data_ptr()) + row0 * stride * w.element_size();
   return {x, base, w.scalar_type(), y, M, rows < 0 ? w.numel() / stride - row0 : rows, K};
 }
 
-// The torch op y [M, N] = x [M, K] w [N, K]^T (x fp32, w fp32, bf16 or int8-format, both 2-D
+// The torch op y [M, N] = x [M, K] w [N, K]^T (x fp32, w fp32, bf16, int8 or int4-format, both 2-D
 // contiguous) run by `into(x, w, y, M, N, K)`, a generic callable given w's typed pointer: the
 // checks and the dtype dispatch that `skinny_linear` and `tiled_linear` share.
 template <typename Into>
 at::Tensor linear_op(const char* op, const at::Tensor& x, const at::Tensor& w, const Into& into) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), op, ": contiguous inputs");
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": fp32 activations expected");
-  TORCH_CHECK(weight_dtype(w.scalar_type()), op, ": fp32, bf16 or int8 weights");
+  TORCH_CHECK(weight_dtype(w.scalar_type()), op, ": fp32, bf16, int8 or int4 weights");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == in_features(w), op, ": shapes");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = at::empty({M, N}, x.options());

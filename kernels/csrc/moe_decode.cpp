@@ -3,8 +3,8 @@
 // Up to hs::kGemvRows tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
 // experts' products in two parallel regions (input projections, then down projections); beyond,
 // the products are hs::linear's (the tiled GEMM at these sizes) and all experts run in one
-// `routed_experts_into` (gemm.cpp). fp32, bf16 or int8 weights (each its own format, gemv.h),
-// fp32 activations and accumulation.
+// `routed_experts_into` (gemm.cpp). fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
+// activations and accumulation.
 //
 // The element-wise functions (softmax, silu, sigmoid) are torch's own kernels on the same
 // layouts, and the combine rounds each product before its sum (no FMA contraction in this
@@ -41,7 +41,7 @@ at::Tensor swiglu(float* buf, int64_t n, int64_t I, const at::TensorOptions& opt
 
 void check_weight(const at::Tensor& w, const char* name) {
   TORCH_CHECK(w.is_contiguous() && hs::weight_dtype(w.scalar_type()), "moe_decode: ", name,
-              " must be contiguous fp32, bf16 or int8");
+              " must be contiguous fp32, bf16, int8 or int4");
 }
 
 }  // namespace

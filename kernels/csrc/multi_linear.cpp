@@ -1,7 +1,7 @@
-// Several projections of one input in one op: y_i = x w_i^T, fp32 activations, fp32, bf16 or
-// int8 weights (gemv.h). Up to hs::kGemvRows rows the weight-streaming GEMV for all weights in one parallel
-// region (hs::skinny_linear_jobs); beyond, hs::linear per weight. Reference and contract:
-// kernels/multi_linear.py.
+// Several projections of one input in one op: y_i = x w_i^T, fp32 activations, fp32, bf16, int8
+// or int4 weights (gemv.h). Up to hs::kGemvRows rows the weight-streaming GEMV for all weights in
+// one parallel region (hs::skinny_linear_jobs); beyond, hs::linear per weight. Reference and
+// contract: kernels/multi_linear.py.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

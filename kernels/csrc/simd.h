@@ -28,6 +28,7 @@ inline vec load_aligned(const float* p) { return _mm512_load_ps(p); }
 inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline void store_aligned(float* p, vec v) { _mm512_store_ps(p, v); }
 inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec bcast(float v) { return _mm512_set1_ps(v); }
 // Two adjacent bf16 values p[0], p[1] (one 4-byte load) widened exactly, each in every lane.
@@ -49,6 +50,21 @@ inline vec load_w(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
+// The 16 bytes of an int4 group (gemv.h: element j in byte j's low nibble, j + 16 in its high
+// one, each plus 8) as its 32 integers -8..7 in bytes: elements 0-15 in lo, 16-31 in hi.
+inline void q4_bytes(const uint8_t* p, __m128i& lo, __m128i& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  lo = _mm_sub_epi8(_mm_and_si128(b, nib), eight);
+  hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), eight);
+}
+// An int4 group's 32 weights widened exactly, in 32 / kLanes vectors (elements in order).
+inline void load_q4(const uint8_t* p, vec* out) {
+  __m128i lo, hi;
+  q4_bytes(p, lo, hi);
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+}
 inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
 }  // namespace hs::simd
 #elif defined(HS_AVX2)
@@ -62,6 +78,7 @@ inline vec load_aligned(const float* p) { return _mm256_load_ps(p); }
 inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline void store_aligned(float* p, vec v) { _mm256_store_ps(p, v); }
 inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec bcast(float v) { return _mm256_set1_ps(v); }
 inline void bcast_pair(const void* p, vec& lo, vec& hi) {
@@ -79,6 +96,20 @@ inline vec load_w(const c10::BFloat16* p) {
 inline vec load_w(const int8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+inline void q4_bytes(const uint8_t* p, __m128i& lo, __m128i& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  lo = _mm_sub_epi8(_mm_and_si128(b, nib), eight);
+  hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), eight);
+}
+inline void load_q4(const uint8_t* p, vec* out) {
+  __m128i lo, hi;
+  q4_bytes(p, lo, hi);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 inline float hsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,6 +1,7 @@
-"""Weight-only int8 (`kernels.quant`): the format, and every C++ product that reads it against
-dequantize-then-reference, at odd sizes (K not a multiple of the vector width, N not of the
-tiles), at the GEMV's row counts and the tiled GEMM's."""
+"""Weight-only int8 and int4 (`kernels.quant`): the formats, and every C++ product that reads them
+against dequantize-then-reference, at odd sizes (K not a multiple of the vector width, N not of
+the tiles; int4's fallback to int8 where K does not divide into groups), at the GEMV's row counts
+and the tiled GEMM's."""
 
 from __future__ import annotations
 
@@ -9,10 +10,21 @@ import torch
 import torch.nn.functional as F
 
 from kernels import experts, experts_cpp, linear_cpp, moe_step, moe_step_cpp, multi_linear_cpp
-from kernels.quant import SCALE_BYTES, dequantize, in_features, quantize_int8, scales, widen
+from kernels.quant import (
+    GROUP,
+    SCALE_BYTES,
+    dequantize,
+    in_features,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    scales,
+    widen,
+)
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
 
 ROWS = [1, 2, 5, 8, 9, 17, 40]  # the GEMV's row counts (<= 8) and the tiled GEMM's
+METHODS = ["int8", "int4"]
 
 
 def rand(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -46,12 +58,38 @@ def test_format_round_trip() -> None:
     assert widen(stack, torch.float32) is stack
 
 
+def test_int4_format() -> None:
+    w = rand(5, 96) * torch.linspace(0.01, 3.0, 5)[:, None]
+    w[1, 32:64] = 0.0  # an all-zero group: scale 1, zeros back
+    w[2, 5] = -9.0  # a group's peak is negative: it maps to -8 exactly, the scale positive
+    q = quantize_int4(w)
+    assert q.dtype == torch.uint8 and q.shape == (5, 96 // 2 + 96 // GROUP * 2)
+    assert in_features(q) == 96
+    s = scales(q)
+    assert s.shape == (5, 3) and s[1, 1] == 1.0 and s[2, 0] > 0
+    back = dequantize(q)
+    assert back[2, 5] == -9.0  # scale 9/8, exact in bf16
+    assert torch.equal(back[1, 32:64], torch.zeros(32))
+    step = s.abs().repeat_interleave(GROUP, dim=1)
+    err = (back - w).abs()
+    assert (err <= step * 1.01).all()  # one step at most (a value of the peak's opposite sign
+    assert (err <= step / 2 * 1.01).float().mean() > 0.95  # is clamped to 7); half a step else
+    nib = q[:, :48]
+    assert int((nib & 15).max()) <= 15 and int((nib >> 4).max()) <= 15
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(rand(3, 40))
+    assert quantize(rand(3, 40), "int4").dtype == torch.int8  # the fallback
+    stack = rand(3, 5, 64, seed=1)
+    assert torch.equal(quantize_int4(stack)[2], quantize_int4(stack[2]))
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("shape", [(13, 37), (70, 96), (6, 8)])
-def test_linear(rows: int, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("shape", [(13, 37), (70, 96), (6, 8), (33, 256)])
+def test_linear(rows: int, shape: tuple[int, int], method: str) -> None:
     n, k = shape
     w, x, b = rand(n, k, seed=rows), rand(rows, k, seed=99), rand(n, seed=5)
-    q = quantize_int8(w)
+    q = quantize(w, method)
     want = F.linear(x, dequantize(q), b)
     close(linear_cpp.linear(x, q, b), want)
     close(linear_cpp.linear(x.view(1, rows, k), q, b), want.view(1, rows, n))
@@ -59,17 +97,20 @@ def test_linear(rows: int, shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 12])
 def test_linear_multi_mixed_forms(rows: int) -> None:
-    """int8, bf16 and fp32 weights in one call, each as its own product gives it."""
-    x = rand(rows, 45, seed=rows)
-    ws = [quantize_int8(rand(19, 45, seed=1)), rand(7, 45, seed=2).bfloat16(), rand(30, 45, seed=3)]
-    for y, w in zip(multi_linear_cpp.linear_multi(x, ws, [None] * 3), ws, strict=True):
+    """int4, int8, bf16 and fp32 weights in one call, each as its own product gives it."""
+    x = rand(rows, 64, seed=rows)
+    ws = [quantize_int8(rand(19, 64, seed=1)), rand(7, 64, seed=2).bfloat16(), rand(30, 64, seed=3),
+          quantize_int4(rand(11, 64, seed=4))]  # fmt: skip
+    for y, w in zip(multi_linear_cpp.linear_multi(x, ws, [None] * 4), ws, strict=True):
         close(y, F.linear(x, widen(w, torch.float32)))
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, 6, 23, 70])
-def test_routed_experts(rows: int) -> None:
-    E, H, I = 5, 36, 22
-    gate_up, down = quantize_int8(rand(E, 2 * I, H, seed=1)), quantize_int8(rand(E, H, I, seed=2))
+def test_routed_experts(rows: int, method: str) -> None:
+    E, H, I = (5, 36, 22) if method == "int8" else (5, 64, 96)
+    gate_up = quantize(rand(E, 2 * I, H, seed=1), method)
+    down = quantize(rand(E, H, I, seed=2), method)
     gen = torch.Generator().manual_seed(rows)
     counts = torch.bincount(torch.randint(0, E, (rows,), generator=gen), minlength=E)
     xs = rand(rows, H, seed=3)
@@ -78,15 +119,16 @@ def test_routed_experts(rows: int) -> None:
     close(experts.routed_experts(xs, gate_up, down, counts), want)  # the reference widens
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("tokens", [1, 4, 8, 9, 30])
-def test_sparse_moe_block(tokens: int) -> None:
-    """The fused MoE op on int8 experts and shared expert (fp32 router gates, as the loader keeps
-    them) against the reference block on the dequantized matrices."""
-    E, H, I, Is = 6, 40, 18, 26
+def test_sparse_moe_block(tokens: int, method: str) -> None:
+    """The fused MoE op on quantized experts and shared expert (fp32 router gates, as the loader
+    keeps them) against the reference block on the dequantized matrices."""
+    E, H, I, Is = (6, 40, 18, 26) if method == "int8" else (6, 64, 32, 96)
     router, shared_gate = rand(E, H, seed=1), rand(1, H, seed=2)
     mats = [rand(E, 2 * I, H, seed=3), rand(E, H, I, seed=4), rand(Is, H, seed=5),
             rand(Is, H, seed=6), rand(H, Is, seed=7)]  # fmt: skip
-    q = [quantize_int8(m) for m in mats]
+    q = [quantize(m, method) for m in mats]
     x = rand(tokens, H, seed=tokens)
     args = lambda m: (router, m[0], m[1], shared_gate, *m[2:], 2, True)  # noqa: E731
     want = moe_step.sparse_moe(x, *args([dequantize(t) for t in q]))
@@ -95,9 +137,12 @@ def test_sparse_moe_block(tokens: int) -> None:
     close(moe_step.sparse_moe(x, *args(q)), want)
 
 
-def test_quantization_error_is_bounded() -> None:
-    """Against the float weights the int8 product's error is the rounding of the weights: about
-    1/(127 * sqrt(3)) of the output's scale for Gaussian weights, well under 1%."""
+@pytest.mark.parametrize(("method", "bound"), [("int8", 1e-2), ("int4", 0.12)])
+def test_quantization_error_is_bounded(method: str, bound: float) -> None:
+    """Against the float weights the product's error is the weights' rounding: for Gaussian
+    weights about 0.6% with int8's per-row scales and 9% with int4's groups of 32 (a step of
+    peak / 8, the peak of 32 Gaussians ~2.1 sigma: step / sqrt(12) / sigma ~ 0.08)."""
     w, x = rand(256, 512, seed=1), rand(4, 512, seed=2)
-    err = (linear_cpp.linear(x, quantize_int8(w)) - F.linear(x, w)).norm() / F.linear(x, w).norm()
-    assert 1e-4 < err.item() < 1e-2
+    want = F.linear(x, w)
+    err = (linear_cpp.linear(x, quantize(w, method)) - want).norm() / want.norm()
+    assert bound / 20 < err.item() < bound, err.item()

@@ -1,6 +1,6 @@
 """The CPU decode plan (`models.cpu_decode`): bit for bit the eager decode step, logits and
-pools, in fp32 and with bf16 and int8 matrices; where it does not apply; and `DecodeGraphRunner`
-using it only for the batches it covers."""
+pools, in fp32 and with bf16, int8 and int4 matrices; where it does not apply; and
+`DecodeGraphRunner` using it only for the batches it covers."""
 
 from __future__ import annotations
 
@@ -57,12 +57,12 @@ def pools(runner: ModelRunner) -> list[torch.Tensor]:
     return [m.conv_state, m.ssm_state, kv.k_all, kv.v_all]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_plan_equals_eager_bit_for_bit(ckpt, dtype):
     """Greedy steps of 1 to PLAN_ROWS requests (the GEMV's rows and the GEMM's), and one beyond
     (which the runner runs eagerly): identical logits and identical pools after every step, with
-    fp32, bf16 and int8 (bf16 checkpoint loading) matrices."""
-    load = ("bfloat16", "int8") if dtype == "int8" else (dtype, None)
+    fp32, bf16, int8 and int4 (bf16 checkpoint loading) matrices."""
+    load = ("bfloat16", dtype) if dtype.startswith("int") else (dtype, None)
     eager, slots, first = prefilled(ckpt, *load)
     fast, slots2, first2 = prefilled(ckpt, *load)
     assert slots == slots2 and first == first2

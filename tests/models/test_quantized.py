@@ -1,4 +1,4 @@
-"""`--quantization int8` on CPU: which matrices are quantized, the served model against
+"""`--quantization int8|int4` on CPU: which matrices are quantized, the served model against
 transformers on the dequantized checkpoint (the same numbers in fp32) through the scheduler's
 paths, and its distance from the fp32 model on the tiny preset."""
 
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from kernels.quant import dequantize, quantize_int8
+from kernels.quant import GROUP, dequantize, in_features, quantize
 from models.loader import load_model
 from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
@@ -38,10 +38,16 @@ def quantized_name(name: str, t: torch.Tensor) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    """The tiny preset, and its twin whose matrices hold their int8 values (q * scale) in fp32:
-    per-row scales are the same whether a checkpoint stores experts apart or stacked."""
-    path = write_checkpoint(tmp_path_factory.mktemp("tiny"), preset_config("tiny"), seed=3)
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), preset_config("tiny"), seed=3)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def ckpts(request, tiny, tmp_path_factory):
+    """(the tiny preset, its twin whose matrices hold their quantized values in fp32, the
+    method): per-row scales and groups along K are the same whether a checkpoint stores experts
+    apart or stacked, and whatever the row order of a fused projection."""
+    path, method = tiny, request.param
     twin = tmp_path_factory.mktemp("dequantized")
     for f in path.iterdir():
         if f.suffix != ".safetensors":
@@ -50,43 +56,54 @@ def ckpts(tmp_path_factory):
         tensors = load_file(f)
         for name, t in tensors.items():
             if quantized_name(name, t):
-                tensors[name] = dequantize(quantize_int8(t)).to(t.dtype)
+                tensors[name] = dequantize(quantize(t, method)).to(t.dtype)
         save_file(tensors, twin / f.name)
     assert not json.loads((path / "config.json").read_text())["tie_word_embeddings"]
-    return path, twin
+    return path, twin, method
 
 
 def test_what_is_quantized(ckpts) -> None:
-    model = load_model(ckpts[0], dtype="float32", quantization="int8")
+    path, _, method = ckpts
+    model = load_model(path, dtype="float32", quantization=method)
     forms = {n: p.dtype for n, p in model.named_parameters()}
-    int8 = {n for n, d in forms.items() if d == torch.int8}
-    assert "lm_head.weight" in int8 and any("experts.gate_up_proj" in n for n in int8)
-    assert any("shared_expert.down_proj" in n for n in int8)
-    assert any("in_proj_ba" in n for n in int8) and any("self_attn.o_proj" in n for n in int8)
+    quantized = {n for n, d in forms.items() if d in (torch.int8, torch.uint8)}
+    assert "lm_head.weight" in quantized and any("experts.gate_up_proj" in n for n in quantized)
+    assert any("shared_expert.down_proj" in n for n in quantized)
+    assert any("in_proj_ba" in n for n in quantized)
+    assert any("self_attn.o_proj" in n for n in quantized)
     for name, dtype in forms.items():
-        assert (dtype == torch.int8) == (name in int8)
-        if name not in int8:
+        if name not in quantized:
             assert dtype == torch.float32, name
             assert any(k in name for k in KEPT), name
-    with pytest.raises(ValueError, match="quantization 'int4'"):
-        load_model(ckpts[0], quantization="int4")
+    if method == "int4":  # int8 exactly where K does not divide into groups of 32
+        for name, p in model.named_parameters():
+            if name in quantized:
+                assert (p.dtype == torch.uint8) == (in_features(p) % GROUP == 0), name
+        assert torch.uint8 in {forms[n] for n in quantized}
+    with pytest.raises(ValueError, match="quantization 'int3'"):
+        load_model(path, quantization="int3")
+
+
+# How far the logits may move from the fp32 model's, as a multiple of bf16's distance: random
+# weights amplify every rounding through the layers (bf16 matrices already move the tiny
+# preset's logits by ~20%). Per weight int8 rounds ~5x coarser than bf16, int4 ~40x.
+BOUND_VS_BF16 = {"int8": 4.0, "int4": 8.0}
 
 
 def test_logits_match_the_dequantized_model(ckpts) -> None:
-    """Prefill and decode logits of the int8 model equal those of the fp32 model on the
-    dequantized twin up to summation order. Against the unquantized model they differ by the
-    weights' rounding, which random weights amplify through the layers (bf16 matrices already
-    move the tiny preset's logits by ~20%): the bound is at most 4x bf16's distance (measured
-    1.8-2.6x; per weight int8 rounds ~5x coarser than bf16)."""
+    """Prefill and decode logits of the quantized model equal those of the fp32 model on the
+    dequantized twin up to summation order; against the unquantized model they differ by at
+    most BOUND_VS_BF16 times bf16's distance."""
+    path, twin_path, method = ckpts
     prompt = torch.randint(3, 200, (33,), generator=torch.Generator().manual_seed(1)).tolist()
-    int8, twin, full, bf16 = (
+    quant, twin, full, bf16 = (
         logits(load_model(p, dtype=d, quantization=q), prompt)
-        for p, d, q in ((ckpts[0], "float32", "int8"), (ckpts[1], "float32", None),
-                        (ckpts[0], "float32", None), (ckpts[0], "bfloat16", None))
+        for p, d, q in ((path, "float32", method), (twin_path, "float32", None),
+                        (path, "float32", None), (path, "bfloat16", None))
     )  # fmt: skip
-    assert ((int8 - twin).norm() / twin.norm()).item() < 1e-5
-    rel, rel_bf16 = (((x - full).norm() / full.norm()).item() for x in (int8, bf16))
-    assert 0 < rel < 4 * rel_bf16, (rel, rel_bf16)
+    assert ((quant - twin).norm() / twin.norm()).item() < 1e-5
+    rel, rel_bf16 = (((x - full).norm() / full.norm()).item() for x in (quant, bf16))
+    assert 0 < rel < BOUND_VS_BF16[method] * rel_bf16, (rel, rel_bf16)
 
 
 def logits(model, prompt: list[int]) -> torch.Tensor:
@@ -111,13 +128,13 @@ def logits(model, prompt: list[int]) -> torch.Tensor:
 def test_served_tokens_equal_transformers_on_the_twin(ckpts, mode) -> None:
     """Greedy tokens through the scheduler (prefix hits, chunked prefill, batched decode on the
     CPU decode plan) equal transformers' on the dequantized twin; the pools come back whole."""
-    path, twin = ckpts
+    path, twin, method = ckpts
     hf = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(4)
     base = torch.randint(3, 200, (40,), generator=gen).tolist()
     prompts = [base, base + [7, 8, 9], base[:25] + [11] * 6, [5, 6, 7]]
     expected = hf_greedy(hf, prompts, NEW)
-    engine = Engine(str(path), quantization="int8", max_running_requests=4,
+    engine = Engine(str(path), quantization=method, max_running_requests=4,
                     max_total_tokens=2048, **mode)  # fmt: skip
     outs = [engine.generate(prompts[0], GREEDY)["output_ids"]]
     outs += [o["output_ids"] for o in engine.generate(prompts[1:], GREEDY)]
@@ -131,7 +148,7 @@ def test_serve_flag() -> None:
     _, runner, _ = parse_serve_args(["--model-path", "/x", "--quantization", "int8"])
     assert runner.quantization == "int8"
     assert parse_serve_args(["--model-path", "/x"])[1].quantization is None
-    with pytest.raises(ValueError, match="--quantization must be one of int8, got 'fp4'"):
+    with pytest.raises(ValueError, match="--quantization must be one of int8, int4, got 'fp4'"):
         parse_serve_args(["--quantization", "fp4"])
     with pytest.raises(ValueError, match="--quantization int8 runs on the CPU only"):
         parse_serve_args(["--quantization", "int8", "--device", "cuda"])
