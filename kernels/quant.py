@@ -48,18 +48,27 @@ def in_features(w: torch.Tensor) -> int:
     return w.shape[-1]
 
 
-def quantize(w: torch.Tensor, method: str) -> torch.Tensor:
-    """w in the format of `method`; int4 falls back to int8 where K is not a multiple of GROUP."""
+def quantize(w: torch.Tensor, method: str, peak: torch.Tensor | None = None) -> torch.Tensor:
+    """w in the format of `method`; int4 falls back to int8 where K is not a multiple of GROUP.
+    `peak`: see `quantize_int8`."""
     if method == "int4" and w.shape[-1] % GROUP == 0:
         return quantize_int4(w)
-    return quantize_int8(w)
+    return quantize_int8(w, peak)
 
 
-def quantize_int8(w: torch.Tensor) -> torch.Tensor:
+def row_peaks(w: torch.Tensor) -> torch.Tensor:
+    """max_k |w[..., n, k]| in fp32, [..., N]."""
+    return w.float().abs().amax(dim=-1)
+
+
+def quantize_int8(w: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Tensor:
     """w [..., N, K] (any float dtype) -> the int8 format [..., N, K + 4] (module docstring).
-    The scales are computed in fp32 from w's own values."""
+    The scales are computed in fp32 from `peak` [..., N], by default w's own `row_peaks` (a
+    tensor-parallel shard of the columns passes the whole rows' peaks, so that its numbers are
+    those of the whole matrix)."""
     wf = w.float()
-    scale = wf.abs().amax(dim=-1, keepdim=True) / QMAX
+    peak = row_peaks(w) if peak is None else peak
+    scale = peak.float().unsqueeze(-1) / QMAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(wf / scale).clamp_(-QMAX, QMAX).to(torch.int8)
     tail = scale.contiguous().view(torch.int8)  # [..., N, 4]: the fp32 scale's bytes

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from kernels import KernelSet
 from kernels import choose as choose_kernels
 from kernels.quant import METHODS as QUANTIZATION_METHODS
-from kernels.quant import quantize
+from kernels.quant import quantize, row_peaks
 from models.config import ModelConfig
 from models.dummy_weights import fill_dummy
 from models.fp8 import Fp8Checkpoint
@@ -145,7 +145,7 @@ def load_model(
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.to(torch_dtype))
     if quantization is not None:
-        quantize_matrices(model, quantization)
+        quantize_matrices(model, quantization, tp)
     logger.info(
         "loaded %s (%s%s%s, %s%s)",
         path,
@@ -220,10 +220,16 @@ def matrices(model: Qwen3NextForCausalLM) -> list[torch.nn.Parameter]:
     return out
 
 
-def quantize_matrices(model: Qwen3NextForCausalLM, method: str) -> None:
+def quantize_matrices(model: Qwen3NextForCausalLM, method: str, tp: ParallelContext) -> None:
     """Replace every linear layer's and expert stack's matrix, except the MoE routers' gates, by
-    its `method` format (`kernels.quant.quantize`), one matrix at a time."""
+    its `method` format (`kernels.quant.quantize`), one matrix at a time. A shard whose columns
+    are split over tensor-parallel ranks takes its int8 row scales from the whole rows (their
+    peaks reduced over the ranks), and int4's groups are whole where the split falls on a group
+    boundary (else int8): every rank count serves the same numbers."""
     from models.layers import Experts, Linear, SparseMoE
+    from models.parallel_layers import k_split_matrices
+
+    split = k_split_matrices(model) if tp.enabled else set()
 
     gates = set()
     for m in model.modules():
@@ -237,7 +243,9 @@ def quantize_matrices(model: Qwen3NextForCausalLM, method: str) -> None:
         else:
             continue
         for name in names:
-            q = quantize(getattr(module, name).detach(), method)
+            w = getattr(module, name).detach()
+            peak = tp.all_reduce_max(row_peaks(w)) if id(getattr(module, name)) in split else None
+            q = quantize(w, method, peak)
             setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
 
 

@@ -105,6 +105,14 @@ class ParallelContext:
         dist.all_reduce(x)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of `x` over the ranks."""
+        if not self.enabled:
+            return x
+        x = x.contiguous()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` concatenated along the last dimension, in rank order."""
         if not self.enabled:

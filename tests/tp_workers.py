@@ -16,11 +16,16 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 
 def model_outputs(
-    tp: ParallelContext, path: str, prompts: list[list[int]], decode_steps: int, chunk: int
+    tp: ParallelContext,
+    path: str,
+    prompts: list[list[int]],
+    decode_steps: int,
+    chunk: int,
+    quantization: str | None = None,
 ) -> dict:
     """One-shot prefill logits of every prompt, the same prompts prefilled `chunk` tokens a
     round, then greedy decode of the whole batch (padded to 8): logits and tokens."""
-    model = load_model(path, dtype="float32", tp=tp)
+    model = load_model(path, dtype="float32", tp=tp, quantization=quantization)
     runner = ModelRunner(model, RunnerConfig(max_running_requests=12, max_total_tokens=4096))
     out: dict = {"param_bytes": param_bytes(model)}
     n = len(prompts)
@@ -48,10 +53,10 @@ def model_outputs(
 
 
 def each_model_outputs(
-    tp: ParallelContext, jobs: list[tuple[str, list[list[int]]]], decode_steps: int, chunk: int
+    tp: ParallelContext, jobs: list[tuple], decode_steps: int, chunk: int
 ) -> list[dict]:
-    """`model_outputs` for each (checkpoint, prompts) in turn."""
-    return [model_outputs(tp, path, prompts, decode_steps, chunk) for path, prompts in jobs]
+    """`model_outputs` for each (checkpoint, prompts[, quantization]) in turn."""
+    return [model_outputs(tp, job[0], job[1], decode_steps, chunk, *job[2:]) for job in jobs]
 
 
 def _gather_bytes(tp: ParallelContext, n: int) -> list[int]:

@@ -46,6 +46,9 @@ CHECKPOINTS = {
 }
 
 
+QUANTIZED = ("int4", "int8")  # the tiny checkpoint again, quantized at load on each rank
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Both checkpoints through tp=2 in one launch of the ranks, and through tp=1 here."""
@@ -64,11 +67,16 @@ def runs(tmp_path_factory) -> dict:
                 ],
             )
         )
-    two = run_ranks(each_model_outputs, 2, jobs, DECODE_STEPS, 16)
+    tiny_path, tiny_prompts = jobs[0]
+    quantized = [(tiny_path, tiny_prompts, q) for q in QUANTIZED]
+    two = run_ranks(each_model_outputs, 2, jobs + quantized, DECODE_STEPS, 16)
+    one = [model_outputs(ParallelContext(), *job[:2], DECODE_STEPS, 16, *job[2:])
+           for job in jobs + quantized]  # fmt: skip
     return {
-        name: (path, prompts, model_outputs(ParallelContext(), path, prompts, DECODE_STEPS, 16), b)
-        for name, (path, prompts), b in zip(CHECKPOINTS, jobs, two, strict=True)
-    }
+        name: (job[0], job[1], a, b)
+        for name, job, a, b in zip([*CHECKPOINTS, *QUANTIZED], jobs + quantized, one, two,
+                                   strict=True)
+    }  # fmt: skip
 
 
 @pytest.fixture(params=list(CHECKPOINTS))
@@ -100,6 +108,18 @@ def test_each_rank_holds_half_the_sharded_bytes(outputs):
     assert len(ranks) == 2 and sum(ranks) >= whole
     for share in ranks:  # only norms, routers and the gates are whole on both ranks
         assert share / whole < 0.52, f"a rank holds {share / whole:.3f} of the model's bytes"
+
+
+@pytest.mark.parametrize("method", QUANTIZED)
+def test_tp2_quantized_equals_tp1(runs, method):
+    """Each rank quantizes its own shard to the numbers of the whole matrix (int8: the row scales
+    from the whole rows' peaks; int4: the tiny preset's column splits fall on group boundaries),
+    so tp=2 equals tp=1 as the unquantized model does; and the quantization did change them."""
+    _, _, one, two = runs[method]
+    for key in ("prefill", "chunked", "decode"):
+        assert (one[key] - two[key]).abs().max().item() < ATOL, key
+    assert two["tokens"] == one["tokens"]
+    assert (one["prefill"] - runs["tiny"][2]["prefill"]).abs().max().item() > 1e-2
 
 
 def test_splits_replicate_kv_heads_pad_the_vocab_and_refuse_uneven_heads():
