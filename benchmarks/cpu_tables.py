@@ -92,12 +92,20 @@ def _free_port() -> int:
 
 @contextmanager
 def server(model_path: str, dtype: str, threads: int, max_running: int, log: Path) -> Iterator[str]:
-    """A `python -m server` on 127.0.0.1 for the whole run; yields its URL, stops it (SIGINT,
-    then SIGKILL after 30 s) on the way out."""
+    """A `python -m server` on 127.0.0.1 for the whole run; yields its URL (`launched`)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "server", "--model-path", model_path, "--dtype", dtype]
     cmd += ["--num-threads", str(threads), "--max-running-requests", str(max_running)]
     cmd += ["--port", str(port), "--log-level", "warning"]
+    with launched(cmd, port, log) as url:
+        yield url
+
+
+@contextmanager
+def launched(cmd: list[str], port: int, log: Path) -> Iterator[str]:
+    """Run `cmd` (an HTTP server listening on 127.0.0.1:`port`, from the repo root), wait for its
+    /health to answer 200 (at most 300 s), yield its URL, and stop it (SIGINT, then SIGKILL
+    after 30 s) on the way out."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
     with log.open("w") as fh:

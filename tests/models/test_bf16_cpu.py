@@ -1,5 +1,5 @@
 """`--dtype bfloat16` on CPU: bf16 matrices, everything else fp32, close to the fp32 model
-(benchmarks/bf16_fidelity.py measures how close over the GSM8K prompts)."""
+(benchmarks/fidelity.py measures how close over the GSM8K prompts)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,20 @@
-"""Fidelity of `--dtype bfloat16` on CPU (bf16 weights, fp32 everything else) against fp32.
+"""Fidelity of the lossy CPU modes against fp32: `--dtype bfloat16` (bf16 matrices, fp32
+everything else) and `--quantization int8|int4` (quantized matrices, loaded through bf16).
 
-Both models load the same checkpoint in one process and serve the same GSM8K completion prompts
+Every mode loads the same checkpoint in one process and serves the same GSM8K completion prompts
 (`--num-shots` worked examples, then a test question) through the offline Engine, greedy, with
-exactly `--max-new-tokens` output tokens. Reported:
+exactly `--max-new-tokens` output tokens. Reported per mode (`--modes`):
 
-- greedy agreement: the share of requests whose bf16 output equals fp32's token for token, the
+- greedy agreement: the share of requests whose output equals fp32's token for token, the
   mean position of the first differing token, and the share of output tokens before it;
-- per-token KL(p_fp32 || p_bf16) and top-1 agreement, teacher-forced on fp32's own output: one
+- per-token KL(p_fp32 || p_mode) and top-1 agreement, teacher-forced on fp32's own output: one
   prefill of prompt + fp32 output through each model's runner, logits at every output position.
 
 SGLang's bar for its own kernels is a mean KL under 0.002. On random-weight presets logit
-margins are small, so greedy agreement understates what a trained model would keep.
+margins are small and every rounding is amplified through the layers, so these figures
+overstate what a trained model loses.
 
-Example: python -m benchmarks.bf16_fidelity --preset small --num-prompts 100 --json-out f.json
+Example: python -m benchmarks.fidelity --preset small --num-prompts 100 --modes bfloat16,int8,int4
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ from benchmarks.model_forward import resolve_model_path
 from scheduler.engine import Engine
 from scheduler.model_runner import ExtendInput, ModelRunner
 
-logger = logging.getLogger("benchmarks.bf16_fidelity")
+logger = logging.getLogger("benchmarks.fidelity")
+
+# mode -> Engine arguments
+MODES = {
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    "int4": {"dtype": "bfloat16", "quantization": "int4"},
+}
 
 
 def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
@@ -67,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--modes", default="bfloat16", help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -76,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     train, test = load_split(args.data_path, "train"), load_split(args.data_path, "test")
     texts = build_prompts(train, test[: args.num_prompts], args.num_shots)
     opts = dict(max_running_requests=args.max_running_requests, max_context_len=4096)
-    engines = {d: Engine(path, dtype=d, **opts) for d in ("float32", "bfloat16")}
+    modes = args.modes.split(",")
+    if unknown := set(modes) - MODES.keys():
+        p.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose {', '.join(MODES)})")
+    engines = {m: Engine(path, **opts, **MODES.get(m, {"dtype": m})) for m in ["float32", *modes]}
     prompts = [engines["float32"].tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
     outputs, wall = {}, {}
@@ -86,39 +99,44 @@ def main(argv: list[str] | None = None) -> None:
         wall[d] = time.perf_counter() - start
 
     n_out = args.max_new_tokens
-    first_diff = []
-    for a, b in zip(outputs["float32"], outputs["bfloat16"], strict=True):
-        first_diff.append(
-            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n_out)
-        )
     for engine in engines.values():
         engine.flush_cache()  # the radix cache holds the finished requests' slots
-    kls, top1 = [], []
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, outputs["float32"], strict=True):
-            ids = prompt + out[:-1]
-            pos = slice(len(prompt) - 1, len(ids))  # logits that predict each output token
-            ref = all_logits(engines["float32"].runner, ids)[pos].log_softmax(-1)
-            got = all_logits(engines["bfloat16"].runner, ids)[pos].log_softmax(-1)
-            kls += (ref.exp() * (ref - got)).sum(-1).tolist()
-            top1 += (ref.argmax(-1) == got.argmax(-1)).tolist()
-
     report = {
         "model_path": path,
         "prompts": len(prompts),
         "mean_prompt_tokens": statistics.mean(len(x) for x in prompts),
         "max_new_tokens": n_out,
-        "greedy_identical": sum(f == n_out for f in first_diff) / len(first_diff),
-        "mean_first_divergence": statistics.mean(first_diff),
-        "tokens_before_divergence": sum(first_diff) / (n_out * len(first_diff)),
-        "kl_mean": statistics.mean(kls),
-        "kl_median": statistics.median(kls),
-        "kl_p99": sorted(kls)[int(0.99 * (len(kls) - 1))],
-        "top1_agreement": sum(top1) / len(top1),
         "generate_wall_s": wall,
         "threads": args.threads,
         "load_average": os.getloadavg()[0],
     }
+    with torch.inference_mode():
+        refs = [
+            all_logits(engines["float32"].runner, prompt + out[:-1])[len(prompt) - 1 :].log_softmax(
+                -1
+            )
+            for prompt, out in zip(prompts, outputs["float32"], strict=True)
+        ]  # the logits that predict each of fp32's output tokens
+        for mode in modes:
+            first_diff = [
+                next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n_out)
+                for a, b in zip(outputs["float32"], outputs[mode], strict=True)
+            ]
+            kls, top1 = [], []
+            for prompt, out, ref in zip(prompts, outputs["float32"], refs, strict=True):
+                ids = prompt + out[:-1]
+                got = all_logits(engines[mode].runner, ids)[len(prompt) - 1 :].log_softmax(-1)
+                kls += (ref.exp() * (ref - got)).sum(-1).tolist()
+                top1 += (ref.argmax(-1) == got.argmax(-1)).tolist()
+            report[mode] = {
+                "greedy_identical": sum(f == n_out for f in first_diff) / len(first_diff),
+                "mean_first_divergence": statistics.mean(first_diff),
+                "tokens_before_divergence": sum(first_diff) / (n_out * len(first_diff)),
+                "kl_mean": statistics.mean(kls),
+                "kl_median": statistics.median(kls),
+                "kl_p99": sorted(kls)[int(0.99 * (len(kls) - 1))],
+                "top1_agreement": sum(top1) / len(top1),
+            }
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
