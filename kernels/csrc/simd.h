@@ -15,6 +15,16 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HS_AVX2 1
+namespace hs::simd {
+// The 16 bytes of an int4 group (gemv.h: element j in byte j's low nibble, j + 16 in its high
+// one, each plus 8) as its 32 integers -8..7 in bytes: elements 0-15 in lo, 16-31 in hi.
+inline void q4_bytes(const uint8_t* p, __m128i& lo, __m128i& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  lo = _mm_sub_epi8(_mm_and_si128(b, nib), eight);
+  hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), eight);
+}
+}  // namespace hs::simd
 #endif
 
 #if defined(__AVX512F__) && defined(HS_AVX2)
@@ -49,14 +59,6 @@ inline vec load_w(const c10::BFloat16* p) {
 inline vec load_w(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-// The 16 bytes of an int4 group (gemv.h: element j in byte j's low nibble, j + 16 in its high
-// one, each plus 8) as its 32 integers -8..7 in bytes: elements 0-15 in lo, 16-31 in hi.
-inline void q4_bytes(const uint8_t* p, __m128i& lo, __m128i& hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  lo = _mm_sub_epi8(_mm_and_si128(b, nib), eight);
-  hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), eight);
 }
 // An int4 group's 32 weights widened exactly, in 32 / kLanes vectors (elements in order).
 inline void load_q4(const uint8_t* p, vec* out) {
@@ -96,12 +98,6 @@ inline vec load_w(const c10::BFloat16* p) {
 inline vec load_w(const int8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-inline void q4_bytes(const uint8_t* p, __m128i& lo, __m128i& hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  lo = _mm_sub_epi8(_mm_and_si128(b, nib), eight);
-  hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), eight);
 }
 inline void load_q4(const uint8_t* p, vec* out) {
   __m128i lo, hi;
