@@ -5,7 +5,8 @@ The model's layers receive a `KernelSet` at construction and call its fields; no
 per call which implementation runs. `choose` builds one of three sets:
 
 - `triton` (CUDA tensors, or CPU tensors in triton's interpreter): the Triton kernels for the
-  conv, the gated delta rule, attention and the gated norm; torch for the dense products;
+  conv, the gated delta rule, attention, the gated norm and the routed experts; torch for the
+  dense products;
 - `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
   that has one, and the fused decode blocks;
 - `torch`: the pure-torch references, which call only references.
@@ -96,11 +97,10 @@ def assemble(
     conv: ModuleType,
     gdr: ModuleType,
     attn: ModuleType,
-    routed_experts: Callable,
+    fused_experts: Callable,
 ) -> KernelSet:
     """A set of these unfused ops (`conv`, `gdr`, `attn`: modules with the references' function
     names), its fused ops the reference compositions of them."""
-    fused_experts = partial(experts.fused_experts, routed=routed_experts)
     return KernelSet(
         backend=backend,
         fused=False,
@@ -137,19 +137,21 @@ def reference_set() -> KernelSet:
     """The pure-torch references (any device, any dtype)."""
     return assemble(
         "torch", linear.linear, rmsnorm.rms_norm, rmsnorm.rms_norm_gated, causal_conv1d,
-        gated_delta_rule, attention, experts.routed_experts,
+        gated_delta_rule, attention, partial(experts.fused_experts, routed=experts.routed_experts),
     )  # fmt: skip
 
 
 def triton_set(device: torch.device) -> KernelSet:
-    """Triton for the conv, the delta rule, attention and the gated norm; torch elsewhere. On a
-    CUDA graph capture the experts take their static-shape path (`experts.fused_experts`)."""
+    """Triton for the conv, the delta rule, attention, the gated norm and the routed experts
+    (grouped GEMMs over expert-sorted blocks, static shapes: `fused_moe_triton`); torch
+    elsewhere."""
     norm = triton_module("rmsnorm_triton", device)
     return assemble(
         "triton", linear.linear, rmsnorm.rms_norm, norm.rms_norm_gated,
         triton_module("causal_conv1d_triton", device),
         triton_module("gated_delta_rule_triton", device),
-        triton_module("attention_triton", device), experts.routed_experts,
+        triton_module("attention_triton", device),
+        triton_module("fused_moe_triton", device).fused_experts,
     )  # fmt: skip
 
 
@@ -172,7 +174,7 @@ def cpp_set(fusions: bool) -> KernelSet:
     unfused = assemble(
         "cpp", linear_cpp.linear, rmsnorm_cpp.rms_norm if fusions else rmsnorm.rms_norm,
         rmsnorm_cpp.rms_norm_gated, causal_conv1d_cpp, gated_delta_rule_cpp, attention,
-        experts_cpp.routed_experts,
+        partial(experts.fused_experts, routed=experts_cpp.routed_experts),
     )  # fmt: skip
     if not fusions:
         return unfused

@@ -12,15 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention, causal_conv1d, gated_delta_rule, rmsnorm
+from kernels import attention, causal_conv1d, experts, gated_delta_rule, rmsnorm
 from kernels.causal_conv1d import PAD_SLOT_ID
 from kernels.kernel_set import triton_module
 
-CONV, GDR, ATTN, NORM = (
+CONV, GDR, ATTN, NORM, MOE = (
     "causal_conv1d_triton",
     "gated_delta_rule_triton",
     "attention_triton",
     "rmsnorm_triton",
+    "fused_moe_triton",
 )
 
 
@@ -287,17 +288,51 @@ def test_rms_norm_gated(triton_device, dtype) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# routed experts
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts_n", "top_k", "hidden", "inter"),
+    [(1, 8, 2, 64, 32), (7, 16, 2, 48, 40), (40, 64, 4, 64, 96), (3, 512, 10, 32, 16)],
+)
+def test_fused_moe(triton_device, tokens, experts_n, top_k, hidden, inter) -> None:
+    """Odd sizes (hidden and I not multiples of the blocks), experts with no tokens, an expert
+    with more rows than a block, and 512 experts (most blocks of the static bound unused)."""
+    dev = triton_device
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(dev)
+    ids = torch.stack([torch.randperm(experts_n, generator=gen)[:top_k] for _ in range(tokens)])
+    if tokens >= 40:
+        ids[:, 0] = 3  # one expert takes every token: several blocks of one expert
+    w = torch.rand(tokens, top_k, generator=gen).to(dev)
+    gate_up = (torch.randn(experts_n, 2 * inter, hidden, generator=gen) * 0.1).to(dev)
+    down = (torch.randn(experts_n, hidden, inter, generator=gen) * 0.1).to(dev)
+    ids = ids.to(dev)
+    moe = triton_module(MOE, dev)
+    rows, block_expert = moe.align(ids, experts_n)
+    assert rows.numel() == block_expert.numel() * moe.BLOCK_M
+    assert sorted(rows[rows < tokens * top_k].tolist()) == list(range(tokens * top_k))
+    out = moe.fused_experts(x, ids, w, gate_up, down)
+    ref = experts.fused_experts(x, ids, w, gate_up, down)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    empty = moe.fused_experts(x[:0], ids[:0], w[:0], gate_up, down)
+    assert empty.shape == (0, hidden)
+
+
+# ----------------------------------------------------------------------------------------------
 # GPU only
 # ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
 def test_decode_kernels_replay_in_a_cuda_graph(triton_device) -> None:
-    """The decode-path kernels do not sync with the host: captured once, a replay on new
-    inputs matches an eager call on the same inputs and pool contents."""
+    """The decode-path kernels (the routed experts among them) do not sync with the host:
+    captured once, a replay on new inputs matches an eager call on the same inputs and pool
+    contents."""
     dev = triton_device
     torch.manual_seed(10)
-    gdr, conv, attn = (triton_module(m, dev) for m in (GDR, CONV, ATTN))
+    gdr, conv, attn, moe = (triton_module(m, dev) for m in (GDR, CONV, ATTN, MOE))
     B, H, HV, K, dim = 4, 2, 4, 32, 64
     idx = torch.tensor([3, 1, PAD_SLOT_ID, 2], device=dev)
     pool, conv_pool = torch.randn(5, HV, K, K, device=dev), torch.randn(5, dim, 3, device=dev)
@@ -310,17 +345,21 @@ def test_decode_kernels_replay_in_a_cuda_graph(triton_device) -> None:
         torch.rand(B, 1, HV, device=dev),
         torch.randn(B, dim, device=dev),
         torch.randn(B, 4, 32, device=dev),
+        torch.randn(B, 64, device=dev),  # the MoE's rows
+        torch.rand(B, 2, device=dev),  # and their routing weights
     ]
+    ids = torch.randint(0, 8, (B, 2), device=dev)
+    gate_up, down = torch.randn(8, 64, 64, device=dev), torch.randn(8, 64, 32, device=dev)
 
     def step():
-        q, k, v, g, beta, x, qa = static
+        q, k, v, g, beta, x, qa, xm, wm = static
         o, _ = gdr.fused_recurrent_gated_delta_rule(
             q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
             use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
         y = conv.causal_conv1d_update(x, conv_pool, weight, None, "silu", idx)
         a = attn.decode_attention(qa, k_buf, v_buf, r2t, slots, seq_lens, 0.2)
-        return o, y, a
+        return o, y, a, moe.fused_experts(xm, ids, wm, gate_up, down)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -329,6 +368,7 @@ def test_decode_kernels_replay_in_a_cuda_graph(triton_device) -> None:
         outs = step()
     for t in static:
         t.copy_(torch.rand_like(t) - (t < 0).float())  # new inputs, keep the decays <= 0
+    ids.copy_(torch.randint(0, 8, ids.shape, device=dev))  # other experts
     saved = pool.clone(), conv_pool.clone()
     graph.replay()
     replayed = [o.clone() for o in outs], pool.clone(), conv_pool.clone()
