@@ -138,29 +138,27 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.cache_isolation not in CACHE_ISOLATION:
-            raise ValueError(f"--cache-isolation must be one of {CACHE_ISOLATION}")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
+        for name, choices in (
+            ("cache_isolation", CACHE_ISOLATION),
+            ("log_level", LOG_LEVELS),
+            ("load_balance_method", LOAD_BALANCE_METHODS),
+            ("reasoning_parser", REASONING_FLAGS),
+            ("tool_call_parser", TOOL_CALL_FLAGS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {choices}")
         for name in ("max_request_bytes", "max_fan_out", "max_header_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            raise ValueError(f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("--cache-threshold must be in [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("--balance-abs-threshold must be >= 0, --balance-rel-threshold >= 1")
-        if self.reasoning_parser not in REASONING_FLAGS:
-            raise ValueError(f"--reasoning-parser must be one of {REASONING_FLAGS}")
-        if self.tool_call_parser not in TOOL_CALL_FLAGS:
-            raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_FLAGS}")
-        if self.max_tree_size < 0:
-            raise ValueError("--max-tree-size must be >= 0")
-        if self.max_queued_requests < 0:
-            raise ValueError("--max-queued-requests must be >= 0")
+        for name in ("max_tree_size", "max_queued_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         for name in ("shutdown_timeout", "health_timeout", "timeout_header", "timeout_keep_alive"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")

@@ -59,40 +59,27 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     from models.real_shapes import CHAT_TEMPLATES, REAL_SHAPES
 
     start = time.perf_counter()
+    config = preset_config(args.preset)
     template = args.chat_template or CHAT_TEMPLATES.get(args.preset)
     if args.config_only:
         if args.fp8 or args.multimodal:
             raise ValueError("--config-only writes no weights: drop --fp8 / --multimodal")
-        out = write_config_only(args.out, preset_config(args.preset), chat_template=template)
+        out = write_config_only(args.out, config, chat_template=template)
         logger.info(
             "wrote %s (%s config only): serve it with --load-format dummy", out, args.preset
         )
         return
+    n = count_parameters(config)
     fp8 = {"dtype": torch.bfloat16, "fp8_block": (128, 128)} if args.fp8 else {}
     if args.preset in REAL_SHAPES and not fp8:  # the releases' dtype; drawn in fp32 first
         fp8 = {"dtype": torch.bfloat16}
-        logger.info(
-            "%s: writing %.1f GB of bf16 weights (%.1f GB of memory while drawing)",
-            args.preset,
-            2 * count_parameters(preset_config(args.preset)) / 1e9,
-            4 * count_parameters(preset_config(args.preset)) / 1e9,
-        )
+        gb = f"{2 * n / 1e9:.1f} GB of bf16 weights ({4 * n / 1e9:.1f} GB of memory while drawing)"
+        logger.info("%s: writing %s", args.preset, gb)
     out = write_checkpoint(
-        args.out,
-        preset_config(args.preset),
-        seed=args.seed,
-        multimodal=args.multimodal,
-        chat_template=template,
-        **fp8,
+        args.out, config, seed=args.seed, multimodal=args.multimodal, chat_template=template, **fp8
     )
-    n = count_parameters(preset_config(args.preset))
-    logger.info(
-        "wrote %s (%s preset, %.1fM parameters) in %.1fs",
-        out,
-        args.preset,
-        n / 1e6,
-        time.perf_counter() - start,
-    )
+    took = time.perf_counter() - start
+    logger.info("wrote %s (%s preset, %.1fM parameters) in %.1fs", out, args.preset, n / 1e6, took)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

@@ -134,9 +134,6 @@ class SchedulerClient:
         return self._proc is not None and self._proc.is_alive() and self.failure is None
 
     # ---- writer and reader threads -------------------------------------------------------
-    def _send(self, msg: Any) -> None:
-        self._outq.put(msg)
-
     def _write(self) -> None:
         while (msg := self._outq.get()) is not None:
             try:
@@ -213,7 +210,7 @@ class SchedulerClient:
             raise SchedulerError(f"request id {msg.rid!r} is already in use", 400)
         q: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._queues[msg.rid] = q
-        self._send(msg)
+        self._outq.put(msg)
         return q
 
     def abort(
@@ -229,7 +226,7 @@ class SchedulerClient:
         if forget and rid is not None:
             self._queues.pop(rid, None)
         if self.alive:
-            self._send(AbortMsg(rid, abort_all, keep_output_tokens))
+            self._outq.put(AbortMsg(rid, abort_all, keep_output_tokens))
 
     async def query(self, kind: str, timeout: float = 60.0, **args: Any) -> Any:
         if not self.alive:
@@ -238,7 +235,7 @@ class SchedulerClient:
         qid = next(self._qids)
         fut = self._loop.create_future()
         self._futures[qid] = fut
-        self._send(QueryMsg(qid=qid, kind=kind, args=args))
+        self._outq.put(QueryMsg(qid=qid, kind=kind, args=args))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -311,28 +311,16 @@ class DPClient:
 
     def attach_metrics(self, metrics: Metrics) -> None:
         """Per-replica series on the server's registry, read at each scrape."""
-        labels = ("model_name", "dp_rank")
-        reg = metrics.registry
-        up = Gauge(PREFIX + "dp_replica_up", "1 while the replica serves", labels, registry=reg)
-        load = Gauge(
-            PREFIX + "dp_replica_requests_in_flight",
-            "Requests routed, unfinished",
-            labels,
-            registry=reg,
-        )
-        prompt = Counter(
-            PREFIX + "dp_replica_prompt_tokens",
-            "Prompt tokens routed to the replica",
-            labels,
-            registry=reg,
-        )
-        cached = Counter(
-            PREFIX + "dp_replica_cached_tokens",
-            "Prompt tokens the replica served from its prefix cache",
-            labels,
-            registry=reg,
-        )
-        name = metrics._label["model_name"]
+
+        def series(kind: type, name: str, doc: str) -> Any:
+            return kind(PREFIX + name, doc, ("model_name", "dp_rank"), registry=metrics.registry)
+
+        up = series(Gauge, "dp_replica_up", "1 while the replica serves")
+        load = series(Gauge, "dp_replica_requests_in_flight", "Requests routed, unfinished")
+        prompt = series(Counter, "dp_replica_prompt_tokens", "Prompt tokens routed to the replica")
+        doc = "Prompt tokens the replica served from its prefix cache"
+        cached = series(Counter, "dp_replica_cached_tokens", doc)
+        name = metrics.model_name
         for i, r in enumerate(self.replicas):
             lab = {"model_name": name, "dp_rank": str(i)}
             up.labels(**lab).set_function(lambda r=r: float(r.alive))

@@ -46,22 +46,8 @@ class Piece:
 
 
 @dataclass
-class Result:
-    """All pieces of one request folded together."""
-
-    rid: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    matched_stop: str | int | None = None
-    finish_detail: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    input_logprobs: list[float | None] | None = None
-    input_token_ids: list[int] | None = None
-    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+class Result(Piece):
+    """All pieces of one request folded together: the same fields, for the whole output."""
 
     def add(self, p: Piece) -> None:
         if p.input_logprobs is not None:

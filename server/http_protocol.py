@@ -27,7 +27,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.errors import error_body
+from server.errors import error_body, error_response
 
 RETRY_AFTER_S = 1
 
@@ -40,21 +40,6 @@ def raw_response(status: int, reason: str, message: str, extra: str = "") -> byt
         f"content-length: {len(body)}\r\nconnection: close\r\n{extra}\r\n"
     )
     return head.encode() + body
-
-
-async def over_capacity(scope: dict, receive, send) -> None:
-    """The ASGI app a connection past --max-connections gets: 503, then close."""
-    body = json.dumps(
-        error_body("the server has too many open connections (--max-connections); retry", 503)
-    ).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(RETRY_AFTER_S).encode()),
-        (b"connection", b"close"),
-    ]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def guarded_protocol(
@@ -70,7 +55,9 @@ def guarded_protocol(
             self.header_timer: asyncio.TimerHandle | None = None
             self.arm_header_timer()
             if max_connections is not None and len(self.connections) > max_connections:
-                self.app = over_capacity
+                msg = "the server has too many open connections (--max-connections); retry"
+                headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
+                self.app = error_response(msg, 503, headers=headers)
 
         def arm_header_timer(self) -> None:
             if self.header_timer is None:

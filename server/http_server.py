@@ -1,15 +1,10 @@
-"""The FastAPI app: lifespan (scheduler process up and down), auth, health, metrics.
+"""The FastAPI app: lifespan (scheduler process up and down), middleware, health, metrics.
 
 Routes live in `openai_api.py` (/v1/...) and `native_api.py` (SGLang's /generate, sessions and
-admin routes). `/health` answers 503 until the scheduler process has loaded the model, while the
-server drains for shutdown, and whenever the scheduler's last heartbeat is older than
-`--health-timeout` (answered at once from its age, never by waiting on the scheduler); otherwise
-200. With `--dp-size N` the 200 carries a JSON list of the
-replicas (a dead one stays listed as failed, with its error, while the others serve; 503 once
-none is left: `server/dp_client.py`). Long texts are tokenized on a worker thread (`off_loop`), so
-the event loop keeps answering while a big prompt is encoded.
-Keys, the admin key, the Host/Origin allow-lists and JSON-only bodies: `server/security.py`;
-the state the routes share: `server/app_state.py`.
+admin routes). `/health` answers 503 until the model is loaded, while the server drains, and
+whenever the scheduler's last heartbeat is older than `--health-timeout` (from its age, never by
+waiting on the scheduler); otherwise 200, with `--dp-size N` a JSON list of the replicas (a dead
+one listed as failed, with its error, while the others serve: `server/dp_client.py`).
 """
 
 from __future__ import annotations

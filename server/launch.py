@@ -1,20 +1,31 @@
 """`hybrid-serve` (the server): resolve the model, build the app, run uvicorn until a signal.
 
 The port is bound before anything is loaded, so a busy port is a one-line error (exit 2) at
-once. SIGINT/SIGTERM drain the server (`server/shutdown.py`): new work gets 503, requests in
-flight finish for up to `--shutdown-timeout` and are then aborted with a finish reason, and only
-then does uvicorn close connections and run the app's lifespan shutdown, which asks the
-scheduler process to exit and joins it (terminating it if it hangs). The scheduler process also
-exits on its own if this process dies, because its end of the pipe closes. If the model fails
-to load the server exits with status 1.
+once. If the model fails to load the server exits with status 1. The scheduler process also
+exits on its own if this process dies, because its end of the pipe closes.
+
+Graceful shutdown: on the first SIGTERM (or SIGINT) `DrainingServer`
+  1. refuses new work: `/health` and every new request answer 503 ("the server is shutting
+     down"), and the generator submits nothing more;
+  2. lets the requests in flight (running or queued) finish, for up to `--shutdown-timeout`
+     seconds;
+  3. then aborts the rest in the scheduler: each ends with finish reason `abort` (streams still
+     send their last chunk and `data: [DONE]`, non-streaming requests get their JSON body);
+  4. only then lets uvicorn shut down (close connections, lifespan shutdown: the scheduler
+     process is asked to exit and joined, killed if it hangs), so the process exits 0 with no
+     child left.
+A second signal while draining falls back to uvicorn's own handling (stop now).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 import signal
 import socket
+from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -22,16 +33,11 @@ from scheduler.config import RunnerConfig, SchedulerConfig
 from server.args import ServerConfig
 from server.http_protocol import guarded_protocol
 from server.model_path import checkpoint_dir
-from server.shutdown import DrainingServer
 
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5
-
-
-def resolve_model_path(config: ServerConfig) -> str:
-    """The checkpoint to serve: `--model-path`, or the tiny preset written on first use."""
-    return str(checkpoint_dir(config.model_path))
+ABORT_GRACE_S = 10.0  # after the abort, how long the aborted requests get to send their ends
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -64,6 +70,51 @@ def raise_fd_limit(connections: int) -> None:
             )
 
 
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: Any, timeout: float) -> None:
+        super().__init__(config)
+        self.state, self.timeout = state, timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None or self._drain is not None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        """Steps 1-3 of graceful shutdown (module docstring), then `should_exit` for uvicorn."""
+        state, generator = self.state, self.state.generator
+        state.draining = True
+        generator.closed = True
+        logger.info(
+            "shutting down: draining %d request(s) for up to %g s",
+            generator.outstanding,
+            self.timeout,
+        )
+        try:
+            await asyncio.wait_for(generator.idle.wait(), self.timeout)
+        except TimeoutError:
+            logger.warning(
+                "shutdown timeout: aborting %d request(s) still in flight", generator.outstanding
+            )
+            state.client.abort(abort_all=True)
+            try:
+                await asyncio.wait_for(generator.idle.wait(), ABORT_GRACE_S)
+            except TimeoutError:
+                logger.error("%d request(s) did not end after the abort", generator.outstanding)
+        self.should_exit = True
+
+
 def serve(
     config: ServerConfig, runner_config: RunnerConfig, scheduler_config: SchedulerConfig
 ) -> int:
@@ -73,11 +124,11 @@ def serve(
     if runner_config.node_rank > 0:  # another host's tensor-parallel ranks: no HTTP here
         from scheduler.tp_group import run_followers
 
-        model_path = resolve_model_path(config)
+        model_path = str(checkpoint_dir(config.model_path))
         return run_followers(model_path, runner_config, scheduler_config, config.log_level)
     sock = bind_socket(config.host, config.port)
     raise_fd_limit(config.max_connections)
-    model_path = resolve_model_path(config)
+    model_path = str(checkpoint_dir(config.model_path))  # --model-path, or the tiny preset
     app = create_app(config, runner_config, scheduler_config, model_path)
     server = DrainingServer(
         uvicorn.Config(

@@ -41,21 +41,25 @@ PREFETCH_KEYS = {
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
+        self.model_name = model_name
         label = {"model_name": model_name}
-        self._label = label
 
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, ("model_name", *labels), registry=r)
+        # one series per metric, bound to the model name (so each exists, at 0, from the start)
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, ("model_name",), registry=r).labels(**label)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ("model_name",), registry=r)
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, ("model_name",), registry=r).labels(**label)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(
-                PREFIX + name, doc, ("model_name",), buckets=LATENCY_BUCKETS, registry=r
-            )
+        def histogram(name: str, doc: str) -> Any:
+            h = Histogram(PREFIX + name, doc, ("model_name",), buckets=LATENCY_BUCKETS, registry=r)
+            return h.labels(**label)
 
-        self.requests = counter("requests", "Finished requests by outcome", ("outcome",))
+        def family(kind: type, name: str, doc: str, second: str) -> Any:
+            metric = kind(PREFIX + name, doc, ("model_name", second), registry=r)
+            return lambda value: metric.labels(model_name, value)
+
+        self.requests = family(Counter, "requests", "Finished requests by outcome", "outcome")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served by the prefix cache")
@@ -67,90 +71,80 @@ class Metrics:
         self.token_usage = gauge("token_usage", "Fraction of KV pages in use (tree included)")
         self.mamba_usage = gauge("mamba_usage", "Fraction of Mamba state slots in use")
         self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens")
-        self.tier_hit_tokens = Gauge(
-            PREFIX + "cache_tier_hit_tokens",
+        self.tier_hit_tokens = family(
+            Gauge,
+            "cache_tier_hit_tokens",
             "Prefix tokens served by the radix cache from each tier, since start",
-            ("model_name", "tier"),
-            registry=r,
+            "tier",
         )
         self.host_usage = gauge("hicache_host_usage", "Fraction of host-tier KV pages in use")
-        self.prefetches = Gauge(
-            PREFIX + "hicache_prefetches",
+        self.prefetches = family(
+            Gauge,
+            "hicache_prefetches",
             "Storage prefetches since start, by outcome (started, done, truncated, skipped, "
             "failed, terminated early, discarded)",
-            ("model_name", "outcome"),
-            registry=r,
+            "outcome",
         )
-        self.tier_events = Gauge(
-            PREFIX + "hicache_tokens",
+        self.tier_events = family(
+            Gauge,
+            "hicache_tokens",
             "Tier token movements since start (written to host, loaded_back, demoted, evicted "
             "from host, stored)",
-            ("model_name", "event"),
-            registry=r,
+            "event",
         )
         self.queue_time = histogram("queue_time_seconds", "Time from arrival to first prefill")
         self.retractions = counter("retractions", "Requests sent back to the queue, out of KV")
-        self.aborts = counter("aborted_requests", "Requests aborted, by reason", ("reason",))
+        self.aborts = family(Counter, "aborted_requests", "Requests aborted, by reason", "reason")
         self._seen: dict[str, float] = {}  # scheduler totals already counted
         self._prompt_total = 0
         self._cached_total = 0
         for outcome in OUTCOMES:  # every series exists (at 0) from the first scrape
-            self.requests.labels(**label, outcome=outcome)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.ttft,
-                       self.itl, self.e2e, self.running, self.waiting, self.token_usage,
-                       self.mamba_usage, self.cache_hit_rate, self.queue_time,
-                       self.retractions):  # fmt: skip
-            metric.labels(**label)
+            self.requests(outcome)
 
     def request_done(
         self, outcome: str, prompt: int, generated: int, cached: int, latency: float | None
     ) -> None:
         """Count one finished request (outcome: stop, length, abort or error)."""
-        self.requests.labels(**self._label, outcome=outcome).inc()
-        self.prompt_tokens.labels(**self._label).inc(prompt)
-        self.generation_tokens.labels(**self._label).inc(generated)
-        self.cached_tokens.labels(**self._label).inc(cached)
+        self.requests(outcome).inc()
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+        self.cached_tokens.inc(cached)
         self._prompt_total += prompt
         self._cached_total += cached
         if latency is not None:
-            self.e2e.labels(**self._label).observe(latency)
+            self.e2e.observe(latency)
 
     def queued(self, seconds: float) -> None:
-        self.queue_time.labels(**self._label).observe(seconds)
+        self.queue_time.observe(seconds)
 
     def first_token(self, seconds: float) -> None:
-        self.ttft.labels(**self._label).observe(seconds)
+        self.ttft.observe(seconds)
 
     def next_tokens(self, seconds: float, n: int) -> None:
         """`n` tokens arrived together `seconds` after the previous ones."""
-        h = self.itl.labels(**self._label)
         for _ in range(n):
-            h.observe(seconds / n)
+            self.itl.observe(seconds / n)
 
     def update_gauges(self, stats: dict[str, Any]) -> None:
-        self.running.labels(**self._label).set(stats["num_running_reqs"])
-        self.waiting.labels(**self._label).set(stats["num_waiting_reqs"])
-        self.token_usage.labels(**self._label).set(stats["token_usage"])
-        self.mamba_usage.labels(**self._label).set(stats["mamba_usage"])
+        self.running.set(stats["num_running_reqs"])
+        self.waiting.set(stats["num_waiting_reqs"])
+        self.token_usage.set(stats["token_usage"])
+        self.mamba_usage.set(stats["mamba_usage"])
         rate = self._cached_total / self._prompt_total if self._prompt_total else 0.0
-        self.cache_hit_rate.labels(**self._label).set(rate)
+        self.cache_hit_rate.set(rate)
         tiers = stats.get("cache_tiers", {})
         for tier in ("device", "host", "storage"):
-            hits = tiers.get(f"{tier}_hit_tokens", 0)
-            self.tier_hit_tokens.labels(**self._label, tier=tier).set(hits)
+            self.tier_hit_tokens(tier).set(tiers.get(f"{tier}_hit_tokens", 0))
         total = tiers.get("host_kv_pages_total", 0)
         used = total - tiers.get("host_kv_pages_free", 0)
-        self.host_usage.labels(**self._label).set(used / total if total else 0.0)
-        for event in TIER_EVENT_KEYS:
-            key = TIER_EVENT_KEYS[event]
-            self.tier_events.labels(**self._label, event=event).set(tiers.get(key, 0))
+        self.host_usage.set(used / total if total else 0.0)
+        for event, key in TIER_EVENT_KEYS.items():
+            self.tier_events(event).set(tiers.get(key, 0))
         for outcome, key in PREFETCH_KEYS.items():
-            self.prefetches.labels(**self._label, outcome=outcome).set(tiers.get(key, 0))
-        self._add(
-            "retractions", stats.get("num_retractions", 0), self.retractions.labels(**self._label)
-        )
+            self.prefetches(outcome).set(tiers.get(key, 0))
+        self._add("retractions", stats.get("num_retractions", 0), self.retractions)
         for reason, n in stats.get("aborts", {}).items():
-            self._add(f"abort:{reason}", n, self.aborts.labels(**self._label, reason=reason))
+            self._add(f"abort:{reason}", n, self.aborts(reason))
 
     def _add(self, key: str, total: float, counter: Any) -> None:
         """Bring a counter up to the scheduler's running total."""

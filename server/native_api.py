@@ -13,18 +13,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from scheduler.sampling_params import SamplingParams
 from server.app_state import VERSION, AppState, get_state
-from server.errors import APIError, error_body
-from server.generation import Result, merge, run_all, start_all
-from server.openai_api import DONE, completion_prompts, sse
+from server.errors import APIError
+from server.generation import Piece, Result
+from server.openai_api import completion_prompts, run_jobs, stream_jobs
 from server.ownership import cache_salt, caller_of, public_message, scoped
 from server.protocol import (
     AbortRequest,
@@ -32,8 +32,9 @@ from server.protocol import (
     GenerateRequest,
     NativeSamplingParams,
     OpenSessionRequest,
+    session_dict,
+    shared_sampling,
 )
-from server.request_fields import session_dict, shared_sampling
 from server.security import require_admin
 
 router = APIRouter()
@@ -129,50 +130,21 @@ async def generate(body: GenerateRequest, request: Request):
         elif not ids:
             raise APIError("the prompt is empty", 400, "prompt")
     start = time.perf_counter()
-    kws = [
-        {
-            "rid": rid,
-            "session": session,
-            "skip_special_tokens": sp.skip_special_tokens,
-            "no_stop_trim": sp.no_stop_trim,
-            "caller": caller,
-            "cache_salt": cache_salt(s.config.cache_isolation, caller, body.cache_salt),
-        }
-        for rid, sp in zip(rids, sps, strict=True)
-    ]
+    salt = cache_salt(s.config.cache_isolation, caller, body.cache_salt)
+    jobs = []
+    for ids, params_k, sp, rid in zip(prompts, params, sps, rids, strict=True):
+        kw = {"rid": rid, "session": session, "caller": caller, "cache_salt": salt}
+        text = {"skip_special_tokens": sp.skip_special_tokens, "no_stop_trim": sp.no_stop_trim}
+        jobs.append((ids, params_k, kw | text))
     if not body.stream:
-        results: list[Result] = await run_all(
-            [
-                s.generator.run(ids, sp, **kw)
-                for ids, sp, kw in zip(prompts, params, kws, strict=True)
-            ],
-            request.is_disconnected,
-        )
-        out = [answer(s, r, body, start) for r in results]
+        out = [answer(s, r, body, start) for r in await run_jobs(s, request, jobs)]
         return JSONResponse(out if batch else out[0])
 
-    streams = [
-        s.generator.stream(ids, sp, **kw) for ids, sp, kw in zip(prompts, params, kws, strict=True)
-    ]
-    firsts = await start_all(streams, request.is_disconnected)
+    def render(k: int, _: Piece, result: Result) -> Iterator[dict]:
+        data = answer(s, result, body, start)
+        yield {**data, "index": k} if batch else data
 
-    async def events() -> AsyncIterator[str]:
-        results = [Result(rid=p.rid) for p in firsts]
-        merged = merge(streams, firsts)
-        try:
-            async for k, p in merged:
-                results[k].add(p)
-                data = answer(s, results[k], body, start)
-                if batch:
-                    data["index"] = k
-                yield sse(data)
-        except APIError as e:
-            yield sse(error_body(e.message, e.status, e.param))
-        finally:
-            await merged.aclose()
-        yield DONE
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return await stream_jobs(s, request, jobs, render)
 
 
 # ---- sessions ------------------------------------------------------------------------------

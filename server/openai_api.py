@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from scheduler.sampling_params import SamplingParams
 from server.app_state import AppState, get_state
 from server.chat_output import ChoiceOutput, chat_format
 from server.chat_template import chat_prompt, utf8
@@ -27,47 +28,98 @@ from server.ownership import cache_salt, caller_of
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-)
-from server.reasoning import prompt_thinking, reasoning_mode
-from server.request_fields import (
+    SamplingFields,
     reject_unsupported,
     sampling_params,
     session_of,
-    text_options,
 )
+from server.reasoning import prompt_thinking, reasoning_mode
 from server.tools import call_grammar, check_tools, think_then_json
 
 router = APIRouter()
+Job = tuple[list[int], SamplingParams, dict[str, Any]]  # prompt ids, params, Generator kwargs
+DONE = "data: [DONE]\n\n"
 
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-DONE = "data: [DONE]\n\n"
-
-
-def usage(prompt_tokens: int, completion: int, cached: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
 def usage_of(results: list[Result], n: int) -> dict:
     """Each prompt counted once (its first choice), every choice's output."""
-    first = results[::n]
-    return usage(
-        sum(r.prompt_tokens for r in first),
-        sum(len(r.token_ids) for r in results),
-        sum(r.cached_tokens for r in first),
-    )
+    prompt = sum(r.prompt_tokens for r in results[::n])
+    completion = sum(len(r.token_ids) for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results[::n])},
+    }
 
 
 def token_text(s: AppState, token_id: int) -> str:
     return s.tokenizer.decode([token_id])
+
+
+def ready_state(request: Request, model: str | None) -> AppState:
+    s = get_state(request)
+    s.check_ready()
+    s.check_model(model)
+    return s
+
+
+def generate_kwargs(s: AppState, body: SamplingFields, request: Request) -> dict[str, Any]:
+    """The `Generator` keywords an OpenAI body sets: session, caller, cache salt, text options."""
+    caller = caller_of(request)
+    return {
+        "session": session_of(s, body, caller),
+        "caller": caller,
+        "cache_salt": cache_salt(s.config.cache_isolation, caller, body.cache_salt),
+        "skip_special_tokens": body.skip_special_tokens,
+        "no_stop_trim": body.no_stop_trim,
+    }
+
+
+async def run_jobs(s: AppState, request: Request, jobs: list[Job]) -> list[Result]:
+    """Every job to its end (non-streaming); 499 and all aborted when the client leaves."""
+    runs = [s.generator.run(ids, sp, **kw) for ids, sp, kw in jobs]
+    return await run_all(runs, request.is_disconnected)
+
+
+async def stream_jobs(
+    s: AppState,
+    request: Request,
+    jobs: list[Job],
+    render: Callable[[int, Piece, Result], Iterable[dict]],
+    first: Iterable[dict] = (),
+    usage: tuple[dict, int] | None = None,
+) -> StreamingResponse:
+    """The SSE answer: `first`'s events, then `render(k, piece, job k's result so far)`'s for
+    each piece, then with `usage` (chunk head, n) a chunk with empty choices and the usage, then
+    `[DONE]`. A refused job is an error status before anything is sent; a later failure, an
+    error event."""
+    streams = [s.generator.stream(ids, sp, **kw) for ids, sp, kw in jobs]
+    firsts = await start_all(streams, request.is_disconnected)
+
+    async def events() -> AsyncIterator[str]:
+        results = [Result(rid=p.rid) for p in firsts]
+        for event in first:
+            yield sse(event)
+        merged = merge(streams, firsts)
+        try:
+            async for k, p in merged:
+                results[k].add(p)
+                for event in render(k, p, results[k]):
+                    yield sse(event)
+            if usage is not None:
+                yield sse({**usage[0], "choices": [], "usage": usage_of(results, usage[1])})
+        except APIError as e:
+            yield sse(error_body(e.message, e.status, e.param))
+        finally:
+            await merged.aclose()
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 # ---- /v1/completions -----------------------------------------------------------------------
@@ -94,9 +146,7 @@ async def completion_prompts(s: AppState, prompt: Any, n: int = 1) -> list[list[
     return out
 
 
-def completion_logprobs(
-    s: AppState, r: Result | Piece, prompt_ids: list[int] | None, offset: int
-) -> dict:
+def completion_logprobs(s: AppState, r: Piece, prompt_ids: list[int] | None, offset: int) -> dict:
     ids, lps, tops = list(r.token_ids), list(r.logprobs), list(r.top_logprobs)
     tokens = [token_text(s, t) for t in ids]
     token_lps: list[float | None] = list(lps)
@@ -125,102 +175,64 @@ def completion_logprobs(
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    s = get_state(request)
-    s.check_ready()
-    s.check_model(body.model)
+    s = ready_state(request, body.model)
     reject_unsupported(body, ("suffix", "best_of"))
     if body.max_tokens == 0 and not body.echo:
         raise APIError("max_tokens must be >= 1 (0 only with echo)", 400, "max_tokens")
     prompts = await completion_prompts(s, body.prompt, body.n)
     for ids in prompts:
         s.generator.check_lengths(len(ids), body.max_tokens, "max_tokens")
-    caller = caller_of(request)
-    session = session_of(s, body, caller)
-    salt = cache_salt(s.config.cache_isolation, caller, body.cache_salt)
-    n = body.n
-    jobs = [
-        (ids, sampling_params(body, body.max_tokens, body.logprobs, j))
-        for ids in prompts
-        for j in range(n)
-    ]
-    if body.echo and body.logprobs is not None:  # lm-eval's loglikelihood: the prompt's too
-        for _, sp in jobs:
+    kw = generate_kwargs(s, body, request)
+    n, want_lp, count = body.n, body.logprobs is not None, len(prompts) * body.n
+    jobs = []
+    for k in range(count):  # choice k: prompt k // n, seed + k % n
+        sp = sampling_params(body, body.max_tokens, body.logprobs, k % n)
+        if body.echo and want_lp:  # lm-eval's loglikelihood: the prompt's too
             sp.logprob_start_len = 0
+        rid = body.rid if body.rid is None or count == 1 else f"{body.rid}_{k}"
+        jobs.append((prompts[k // n], sp, {**kw, "rid": rid}))
     echo = [s.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": s.model_name}
-    want_lp = body.logprobs is not None
 
-    rid = body.rid
-    rids = [rid if rid is None or len(jobs) == 1 else f"{rid}_{k}" for k in range(len(jobs))]
-    jobs = [(ids, sp, r) for (ids, sp), r in zip(jobs, rids, strict=True)]
-    kw = {"session": session, "caller": caller, "cache_salt": salt, **text_options(body)}
+    def logprobs(k: int, p: Piece, echoed: bool, offset: int) -> dict | None:
+        prompt_ids = prompts[k // n] if echoed and body.echo else None
+        return completion_logprobs(s, p, prompt_ids, offset) if want_lp else None
 
     if not body.stream:
-        results: list[Result] = await run_all(
-            [s.generator.run(ids, sp, rid=r, **kw) for ids, sp, r in jobs],
-            request.is_disconnected,
-        )
-        choices = []
-        for k, r in enumerate(results):
-            pi = k // n
-            choices.append(
-                {
-                    "index": k,
-                    "text": echo[pi] + r.text,
-                    "logprobs": completion_logprobs(s, r, prompts[pi] if body.echo else None, 0)
-                    if want_lp
-                    else None,
-                    "finish_reason": r.finish_reason,
-                    "matched_stop": r.matched_stop,
-                }
-            )
+        results = await run_jobs(s, request, jobs)
+        choices = [
+            {
+                "index": k,
+                "text": echo[k // n] + r.text,
+                "logprobs": logprobs(k, r, True, 0),
+                "finish_reason": r.finish_reason,
+                "matched_stop": r.matched_stop,
+            }
+            for k, r in enumerate(results)
+        ]
         return JSONResponse({**head, "choices": choices, "usage": usage_of(results, n)})
 
-    streams = [s.generator.stream(ids, sp, rid=r, **kw) for ids, sp, r in jobs]
-    firsts = await start_all(streams, request.is_disconnected)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    offsets: dict[int, int] = {}  # choice -> characters sent (absent: nothing yet)
 
-    async def events() -> AsyncIterator[str]:
-        results = [Result(rid=p.rid) for p in firsts]
-        started = [False] * len(jobs)
-        offsets = [0] * len(jobs)
-        merged = merge(streams, firsts)
-        try:
-            async for k, p in merged:
-                results[k].add(p)
-                text = p.text
-                prefix_ids = None
-                if not started[k]:
-                    started[k] = True
-                    text = echo[k // n] + text
-                    prefix_ids = prompts[k // n] if body.echo else None
-                if not (text or p.finish_reason or (want_lp and p.token_ids)):
-                    continue
-                lp = completion_logprobs(s, p, prefix_ids, offsets[k]) if want_lp else None
-                offsets[k] += len(text)
-                choice = {
-                    "index": k,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": p.finish_reason,
-                }
-                if p.finish_reason:
-                    choice["matched_stop"] = p.matched_stop
-                yield sse({**head, "choices": [choice], "usage": None})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage_of(results, n)})
-        except APIError as e:
-            yield sse(error_body(e.message, e.status, e.param))
-        finally:
-            await merged.aclose()
-        yield DONE
+    def render(k: int, p: Piece, _: Result) -> Iterator[dict]:
+        first = k not in offsets
+        text = echo[k // n] + p.text if first else p.text
+        offsets.setdefault(k, 0)
+        if text or p.finish_reason or (want_lp and p.token_ids):
+            lp = logprobs(k, p, first, offsets[k])
+            offsets[k] += len(text)
+            choice = {"index": k, "text": text, "logprobs": lp, "finish_reason": p.finish_reason}
+            if p.finish_reason:
+                choice["matched_stop"] = p.matched_stop
+            yield {**head, "choices": [choice], "usage": None}
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    usage = (head, n) if body.stream_options and body.stream_options.include_usage else None
+    return await stream_jobs(s, request, jobs, render, usage=usage)
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
-def chat_logprobs(s: AppState, p: Result | Piece) -> dict:
+def chat_logprobs(s: AppState, p: Piece) -> dict:
     def entry(t: int, lp: float) -> dict:
         text = token_text(s, t)
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
@@ -235,11 +247,13 @@ def chat_logprobs(s: AppState, p: Result | Piece) -> dict:
     return {"content": content}
 
 
+def chat_finish(out: ChoiceOutput, finish: str | None) -> str | None:
+    return "tool_calls" if out.has_calls and finish == "stop" else finish
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    s = get_state(request)
-    s.check_ready()
-    s.check_model(body.model)
+    s = ready_state(request, body.model)
     reject_unsupported(body, ("functions", "function_call"))
     forced = check_tools(body.tools, body.tool_choice)
     parse_calls = bool(body.tools) and body.tool_choice != "none"
@@ -259,9 +273,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         s.generator.check_lengths(len(ids), 1, field)
         max_new = s.generator.max_context_len - len(ids)
     s.generator.check_lengths(len(ids), max_new, field)
-    caller = caller_of(request)
-    session = session_of(s, body, caller)
-    salt = cache_salt(s.config.cache_isolation, caller, body.cache_salt)
+    kw = generate_kwargs(s, body, request)
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
@@ -280,75 +292,49 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         grammar = await s.off_loop(think_then_json, params[0].json_schema)
         for sp in params:
             sp.ebnf, sp.json_schema, sp.json_object = grammar, None, False
+    jobs = [(ids, sp, kw) for sp in params]
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
-    gen_kw = {"session": session, "caller": caller, "cache_salt": salt, **text_options(body)}
-
-    def output() -> ChoiceOutput:
-        tool_fmt = fmt.tool_call_parser if parse_calls else None
-        return ChoiceOutput(mode, tool_fmt, body.tools, body.stream_reasoning)
+    tool_fmt = fmt.tool_call_parser if parse_calls else None
+    outs = [ChoiceOutput(mode, tool_fmt, body.tools, body.stream_reasoning) for _ in range(n)]
 
     if not body.stream:
-        results: list[Result] = await run_all(
-            [s.generator.run(ids, sp, **gen_kw) for sp in params], request.is_disconnected
-        )
+        results = await run_jobs(s, request, jobs)
         choices = []
         for k, r in enumerate(results):
-            out = output()
-            message = out.message(r.text)
-            finish = r.finish_reason
-            if out.has_calls and finish == "stop":
-                finish = "tool_calls"
+            message = outs[k].message(r.text)
             choices.append(
                 {
                     "index": k,
                     "message": message,
                     "logprobs": chat_logprobs(s, r) if body.logprobs else None,
-                    "finish_reason": finish,
+                    "finish_reason": chat_finish(outs[k], r.finish_reason),
                     "matched_stop": r.matched_stop,
                 }
             )
+        usage = usage_of(results, n)
         return JSONResponse(
-            {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(results, n)}
+            {**head, "object": "chat.completion", "choices": choices, "usage": usage}
         )
 
-    streams = [s.generator.stream(ids, sp, **gen_kw) for sp in params]
-    firsts = await start_all(streams, request.is_disconnected)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = {**head, "object": "chat.completion.chunk"}
 
-    def event(k: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> str:
+    def event(k: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
         choice = {"index": k, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return sse({**chunk, "choices": [choice]})
+        return {**chunk, "choices": [choice]}
 
-    async def events() -> AsyncIterator[str]:
-        results = [Result(rid=p.rid) for p in firsts]
-        outs = [output() for _ in range(n)]
-        for k in range(n):
-            yield event(k, {"role": "assistant", "content": ""})
-        merged = merge(streams, firsts)
-        try:
-            async for k, p in merged:
-                results[k].add(p)
-                deltas = outs[k].push(p.text)
-                lp = chat_logprobs(s, p) if body.logprobs and p.token_ids else None
-                if lp and not deltas:
-                    deltas = [{"content": ""}]
-                for i, delta in enumerate(deltas):  # the piece's logprobs go with its first
-                    yield event(k, delta, lp=lp if i == 0 else None)
-                if p.finish_reason:
-                    for delta in outs[k].finish():
-                        yield event(k, delta)
-                    finish = p.finish_reason
-                    if outs[k].has_calls and finish == "stop":
-                        finish = "tool_calls"
-                    yield event(k, {}, finish)
-            if include_usage:
-                yield sse({**chunk, "choices": [], "usage": usage_of(results, n)})
-        except APIError as e:
-            yield sse(error_body(e.message, e.status, e.param))
-        finally:
-            await merged.aclose()
-        yield DONE
+    def render(k: int, p: Piece, _: Result) -> Iterator[dict]:
+        deltas = outs[k].push(p.text)
+        lp = chat_logprobs(s, p) if body.logprobs and p.token_ids else None
+        if lp and not deltas:
+            deltas = [{"content": ""}]
+        for i, delta in enumerate(deltas):  # the piece's logprobs go with its first
+            yield event(k, delta, lp=lp if i == 0 else None)
+        if p.finish_reason:
+            for delta in outs[k].finish():
+                yield event(k, delta)
+            yield event(k, {}, chat_finish(outs[k], p.finish_reason))
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    first = [event(k, {"role": "assistant", "content": ""}) for k in range(n)]
+    usage = (chunk, n) if body.stream_options and body.stream_options.include_usage else None
+    return await stream_jobs(s, request, jobs, render, first, usage)

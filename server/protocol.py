@@ -1,4 +1,5 @@
-"""Request bodies (pydantic): the OpenAI subset and SGLang's native /generate and sessions.
+"""Request bodies (pydantic): the OpenAI subset and SGLang's native /generate and sessions, and
+what their fields become for the scheduler (`SamplingParams`, `session_params`).
 
 Field names, types and defaults follow OpenAI and SGLang. Range checks that the client gets
 wrong most often (max_tokens < 1, n < 1, temperature < 0) fail validation and are answered 400.
@@ -10,11 +11,17 @@ them, as SGLang does.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler.sampling_params import SEED_MAX, SEED_MIN
+from scheduler.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from server.app_state import AppState
+from server.errors import APIError
+from server.ownership import scoped
+
+LENIENT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # unknown fields dropped
 
 
 class StreamOptions(BaseModel):
@@ -23,34 +30,49 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+class SessionParamsModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
 
-    model: str
+
+class SharedSampling(BaseModel):
+    """The sampling fields OpenAI's bodies and SGLang's `sampling_params` name alike."""
+
+    model_config = LENIENT
+
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1, le=64)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string in the text
-    min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
-    response_format: dict | None = None
     regex: str | None = None  # SGLang's: the output matches this regex / EBNF grammar
     ebnf: str | None = None
+
+
+class SamplingFields(SharedSampling):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    n: int = Field(1, ge=1, le=64)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    min_tokens: int = Field(0, ge=0)
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
+    response_format: dict | None = None
     session_params: SessionParamsModel | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefixes shared per salt
 
@@ -75,7 +97,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = LENIENT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
@@ -106,44 +128,19 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict | None = None
 
 
-class SessionParamsModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-    id: str
-    rid: str | None = None
-    offset: int | None = None
-    replace: bool = False
-    drop_previous_output: bool = False
-
-
-class NativeSamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+class NativeSamplingParams(SharedSampling):
+    model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
     sampling_seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1, le=1)
     min_new_tokens: int = Field(0, ge=0)
-    logit_bias: dict[str, float] | None = None
-    regex: str | None = None  # structured output (at most one of the three)
-    json_schema: str | None = None
-    ebnf: str | None = None
-    no_stop_trim: bool = False  # keep the matched stop string in the text
+    json_schema: str | None = None  # structured output: at most one of regex, json_schema, ebnf
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = LENIENT
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -159,7 +156,7 @@ class GenerateRequest(BaseModel):
 
 
 class OpenSessionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = LENIENT
 
     capacity_of_str_len: int | None = Field(None, ge=0)
     session_id: str | None = None
@@ -180,6 +177,102 @@ class AbortRequest(BaseModel):
     abort_all: bool = False
 
 
-SamplingFields.model_rebuild()
-CompletionRequest.model_rebuild()
-ChatCompletionRequest.model_rebuild()
+def sampling_params(
+    body: SamplingFields, max_new_tokens: int, top_logprobs: int | None, j: int
+) -> SamplingParams:
+    if body.seed is not None and body.seed + body.n - 1 > SEED_MAX:
+        raise APIError(
+            f"seed + n - 1 must be <= 2**64 - 1 (choice j samples with seed + j), got seed "
+            f"{body.seed} with n={body.n}",
+            400,
+            "seed",
+        )
+    try:
+        return SamplingParams(
+            **shared_sampling(body),
+            max_new_tokens=max_new_tokens,
+            seed=None if body.seed is None else body.seed + j,
+            return_logprob=top_logprobs is not None,
+            top_logprobs_num=top_logprobs or 0,
+            min_new_tokens=min(body.min_tokens, max_new_tokens),
+            regex=body.regex,
+            ebnf=body.ebnf,
+            **response_format(body.response_format),
+        )
+    except ValueError as e:
+        raise APIError(str(e), 400) from e
+
+
+def shared_sampling(src: Any) -> dict[str, Any]:
+    """The `SamplingParams` fields the OpenAI body and SGLang's `sampling_params` name alike."""
+    stop = [src.stop] if isinstance(src.stop, str) else list(src.stop or [])
+    return {
+        "temperature": src.temperature,
+        "top_p": src.top_p,
+        "top_k": src.top_k,
+        "min_p": src.min_p,
+        "stop_token_ids": list(src.stop_token_ids or []),
+        "stop": stop,
+        "ignore_eos": src.ignore_eos,
+        "presence_penalty": src.presence_penalty,
+        "frequency_penalty": src.frequency_penalty,
+        "repetition_penalty": src.repetition_penalty,
+        "logit_bias": logit_bias(src.logit_bias),
+    }
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as strings) -> {id: bias}; 400 on a key that is not one."""
+    if not raw:
+        return None
+    try:
+        return {int(k): float(v) for k, v in raw.items()}
+    except ValueError as e:
+        raise APIError(f"logit_bias keys must be token ids: {e}", 400, "logit_bias") from e
+
+
+def response_format(raw: dict | None) -> dict:
+    """OpenAI's `response_format` -> SamplingParams fields (json_object or json_schema)."""
+    kind = (raw or {}).get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    schema = (raw.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if not isinstance(schema, dict):
+        raise APIError(
+            "response_format must be text, json_object, or json_schema with json_schema.schema",
+            400,
+            "response_format",
+        )
+    return {"json_schema": json.dumps(schema)}
+
+
+def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
+    """A field this server knows but does not implement is refused, never silently dropped."""
+    for name in names:
+        value = getattr(body, name)
+        if value is None or (name == "best_of" and value == body.n):
+            continue
+        if (name in ("tools", "functions") and not value) or value == "none":
+            continue
+        raise APIError(f"'{name}' is not supported by this server", 400, name)
+
+
+def session_dict(s: AppState, params: SessionParamsModel | None, caller: str | None) -> dict | None:
+    """`session_params` for the scheduler: the session and parent-turn ids as the scheduler
+    knows them (scoped to the caller, `server/ownership.py`), with the tokenizer's BOS (dropped
+    from the start of a turn that continues another)."""
+    if params is None:
+        return None
+    out = {**params.model_dump(), "bos_token_id": s.tokenizer.bos_token_id}
+    out["id"] = s.session_ids.internal(caller, params.id)
+    if params.rid is not None:
+        out["rid"] = scoped(caller, params.rid)
+    return out
+
+
+def session_of(s: AppState, body: SamplingFields, caller: str | None) -> dict | None:
+    if body.session_params is not None and body.n != 1:
+        raise APIError("session requests need n=1", 400, "n")
+    return session_dict(s, body.session_params, caller)

@@ -62,7 +62,7 @@ def reasoning_mode(
     return "off" if (template_kwargs or {}).get("enable_thinking") is False else "detect"
 
 
-def _held(text: str, tags: tuple[str, ...]) -> int:
+def held(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that is a proper start of one of `tags`."""
     for k in range(min(len(text), max(map(len, tags)) - 1), 0, -1):
         if any(tag.startswith(text[-k:]) for tag in tags):
@@ -131,7 +131,7 @@ class ReasoningParser:
         if close >= 0:
             return close, THINK_CLOSE
         tags = (THINK_CLOSE, TOOL_OPEN) if self.with_tools else (THINK_CLOSE,)
-        return len(self.buf) - _held(self.buf, tags), ""
+        return len(self.buf) - held(self.buf, tags), ""
 
     def finish(self) -> tuple[str, str]:
         """What is still held: reasoning when the output ended inside it (or inside a leading
@@ -141,9 +141,3 @@ class ReasoningParser:
             out, self.pending = self.pending + rest, ""
             return out, ""
         return "", rest
-
-    def split(self, text: str) -> tuple[str, str]:
-        """The whole text at once: `(reasoning, content)`."""
-        r1, c1 = self.push(text)
-        r2, c2 = self.finish()
-        return r1 + r2, c1 + c2

@@ -4,7 +4,7 @@
   </tool_call>`. The arguments are the model's own JSON text, streamed as it arrives.
 * `qwen3_coder` (Qwen3-Coder, Qwen3.5): `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\n
   VALUE\\n</parameter>\\n</function>\\n</tool_call>`. Each value loses one newline on either
-  side and is converted with the tool's schema type (`server/tool_values.py`); the arguments
+  side and is converted with the tool's schema type (`server/tools.py`); the arguments
   are built as JSON, `{` and one `"key": value` fragment per finished parameter, `}` at
   `</function>` (SGLang's `qwen3_coder`).
 
@@ -21,7 +21,8 @@ import json
 import re
 from typing import Any
 
-from server.tool_values import convert_value, properties_of
+from server.reasoning import held
+from server.tools import convert_value, properties_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOL_CALL_PARSERS = ("qwen25", "qwen3_coder")
@@ -33,14 +34,6 @@ FUNC, PARAM, PARAM_END, FUNC_END = "<function=", "<parameter=", "</parameter>", 
 def default_tool_call_parser(template: str | None) -> str:
     """`qwen3_coder` when the chat template writes XML calls (`<function=`), else `qwen25`."""
     return "qwen3_coder" if template and FUNC in template else "qwen25"
-
-
-def _held(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class ToolParser:
@@ -65,7 +58,7 @@ class ToolParser:
             if not self.in_block:
                 at = self.buf.find(OPEN)
                 if at < 0:
-                    keep = _held(self.buf, OPEN)
+                    keep = held(self.buf, (OPEN,))
                     if len(self.buf) > keep:
                         events.append(("content", self.buf[: len(self.buf) - keep]))
                     self.buf = self.buf[len(self.buf) - keep :]

@@ -19,7 +19,7 @@ from server.reasoning import (
     reasoning_mode,
 )
 from server.tool_parsers import default_tool_call_parser, make_tool_parser
-from server.tool_values import convert_value
+from server.tools import convert_value
 
 TOOLS = [
     {
