@@ -3,9 +3,9 @@
 The sources are compiled into one library at first use with torch's extension tooling (`-O3
 -march=native`, OpenMP through ATen's `parallel_for`) and cached under torch's extensions directory
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); later processes load the cached
-library in well under a second. The build is named by a hash of the sources and this machine's
-CPU flags (`-march=native` code may not run on another CPU sharing the cache), so checkouts with
-different sources never rebuild each other's copy. Builders take an exclusive `flock` on the
+library in well under a second. The build is named by a hash of the sources, their directory
+and this machine's CPU flags (`-march=native` code may not run on another CPU sharing the cache),
+so two checkouts never rebuild each other's copy. Builders take an exclusive `flock` on the
 build directory first (the kernel drops it when a process dies), so once a process holds it, any
 baton file torch's builder left behind (a process killed while compiling; torch would wait on it
 forever) is stale and is removed. The ops are registered as `torch.ops.hybrid_serve.*`.
@@ -47,13 +47,15 @@ _state: dict[str, Any] = {}  # "ops" when loaded, "error" when the build failed
 
 
 def _build_tag() -> str:
-    """Hash of the sources and headers (names and text) and this machine's CPU flags."""
+    """Hash of the sources and headers (names and text), where they are (two checkouts of the
+    same sources would otherwise share one build whose ninja file names the other's paths, and
+    rebuild it for each other) and this machine's CPU flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
         flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = ""
-    h = hashlib.sha1(flags.encode())
+    h = hashlib.sha1(flags.encode() + b"\0" + str(CSRC.resolve()).encode())
     for src in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:12]

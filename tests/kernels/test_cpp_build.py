@@ -34,11 +34,15 @@ def test_a_dead_builders_baton_is_removed_and_a_live_builders_kept(tmp_path):
 
 
 def test_the_build_name_follows_the_source(monkeypatch, tmp_path):
-    tag = cpp_build._build_tag()
+    """Sources, headers and their directory name the build: another checkout of the same
+    sources builds its own (a shared build's ninja file would name the other's paths)."""
+    here = cpp_build._build_tag()
     for src in cpp_build.CSRC.iterdir():
-        (tmp_path / src.name).write_bytes(src.read_bytes())
+        if src.is_file():
+            (tmp_path / src.name).write_bytes(src.read_bytes())
     monkeypatch.setattr(cpp_build, "CSRC", tmp_path)
-    assert cpp_build._build_tag() == tag
+    tag = cpp_build._build_tag()
+    assert tag != here and cpp_build._build_tag() == tag
     first = cpp_build.sources()[0]
     first.write_bytes(first.read_bytes() + b"\n// changed\n")
     assert cpp_build._build_tag() != tag
