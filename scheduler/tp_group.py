@@ -21,9 +21,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -135,32 +132,16 @@ class TPGroup:
         the config with the rendezvous address filled in."""
         if not runner_cfg.dist_init_addr:
             runner_cfg = replace(runner_cfg, dist_init_addr=f"127.0.0.1:{free_port()}")
-        procs = {
-            rank: _spawn(
-                rank,
-                model_path=model_path,
-                runner_cfg=runner_cfg,
-                sched_cfg=sched_cfg,
-                log_level=log_level,
-            )
-            for rank in local_ranks(runner_cfg)
-            if rank != 0
-        }
-        group = cls(procs, None)
+        args = dict(model_path=model_path, runner_cfg=runner_cfg, sched_cfg=sched_cfg)
+        ranks, size, addr = local_ranks(runner_cfg), runner_cfg.tp_size, runner_cfg.dist_init_addr
+        group = cls({r: _spawn(r, **args, log_level=log_level) for r in ranks if r != 0}, None)
         if runner_cfg.node_rank == 0:
             try:
-                group.tp = init_process_group(
-                    0, runner_cfg.tp_size, runner_cfg.dist_init_addr, runner_cfg.device
-                )
+                group.tp = init_process_group(0, size, addr, runner_cfg.device)
             except Exception:
                 group.stop()
                 raise
-        logger.info(
-            "tensor parallel: %d ranks (%s), this host runs ranks %s",
-            runner_cfg.tp_size,
-            runner_cfg.dist_init_addr,
-            list(local_ranks(runner_cfg)),
-        )
+        logger.info("tensor parallel: %d ranks (%s), this host runs %s", size, addr, list(ranks))
         return group, runner_cfg
 
     def failure(self) -> str | None:
@@ -169,20 +150,6 @@ class TPGroup:
             if proc.poll() is not None:
                 return f"tensor-parallel rank {rank} exited (code {proc.returncode})"
         return None
-
-    def watch(self, on_failure: Callable[[str], None], interval_s: float = 0.5) -> None:
-        """Call `on_failure(message)` (once, from a daemon thread) when a follower exits
-        while this process lives: a dead rank is noticed even while no step runs."""
-
-        def run() -> None:
-            while self.procs:
-                message = self.failure()
-                if message is not None:
-                    on_failure(message)
-                    return
-                time.sleep(interval_s)
-
-        threading.Thread(target=run, name="tp-watch", daemon=True).start()
 
     def wait(self) -> int:
         """Block until this host's followers exit (hosts other than 0); 1 if any failed."""
