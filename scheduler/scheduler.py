@@ -54,6 +54,7 @@ class Scheduler:
         self.cache = PrefixCache(runner, self.tree, config, self.debug.lazy_alloc_fail)
         self.sessions = SessionManager(self.cache, config.max_sessions, config.session_timeout)
         self.cache.evict_idle = self.sessions.evict_one  # every Mamba slot draw may evict them
+        self.open_session = self.sessions.open
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -317,15 +318,6 @@ class Scheduler:
             raise ValueError("cannot flush the cache while requests are running or waiting")
         self.sessions.evict_all()
         self.tree.reset()
-
-    def open_session(
-        self,
-        session_id: str | None = None,
-        capacity_of_str_len: int | None = None,
-        streaming: bool = False,
-        timeout: float | None = None,
-    ) -> str:
-        return self.sessions.open(session_id, capacity_of_str_len, streaming, timeout)
 
     def end_session(self, session_id: str, why: str | None = None) -> list[Req] | None:
         """Abort the session's turns in flight (their detail says `why`, when given) and free

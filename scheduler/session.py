@@ -99,9 +99,9 @@ class SessionManager:
         return sid
 
     @staticmethod
-    def _touch(session: Session, now: float | None = None) -> None:
+    def _touch(session: Session) -> None:
         if session.timeout is not None:
-            session.deadline = (time.monotonic() if now is None else now) + session.timeout
+            session.deadline = time.monotonic() + session.timeout
 
     def expired(self, now: float | None = None) -> list[str]:
         """Ids of the sessions whose deadline has passed (the caller closes them)."""
