@@ -127,7 +127,7 @@ class RunnerConfig:
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0
 
-    num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.threads), the
+    num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.cpu_env), the
     # Engine keeps torch's setting
     # tensor parallelism (SGLang's flags): ranks, hosts, this host's index, rank 0's host:port
     # for the rendezvous ("" on one host: a free loopback port). See scheduler/tp_group.py.

@@ -10,12 +10,19 @@
 
 `apply_cpu_defaults` runs at the top of the entry points (the CLI, `benchmarks/`), before torch
 is imported; it changes nothing the user set, and child processes (ranks) inherit it.
+
+* Torch's intra-op threads (`configure_threads`): `--num-threads N` sets them; 0, the default,
+  lets the server pick `OMP_NUM_THREADS` when set, else the CPUs this process may run on (its
+  affinity mask). The offline Engine and the tests leave torch's own setting alone unless told.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+
+logger = logging.getLogger(__name__)
 
 SPIN_ENV = "GOMP_SPINCOUNT"
 DEFAULT_SPINCOUNT = 10_000
@@ -43,3 +50,26 @@ def apply_default_thp() -> bool:
 def apply_cpu_defaults() -> None:
     apply_default_spin()
     apply_default_thp()
+
+
+def default_num_threads() -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity API on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def configure_threads(num_threads: int, *, pick_default: bool) -> int:
+    """Set torch's thread count to `num_threads`, or when it is 0 and `pick_default`, to
+    `default_num_threads()`. Returns the count in effect."""
+    import torch
+
+    n = num_threads or (default_num_threads() if pick_default else 0)
+    if n > 0 and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    count = torch.get_num_threads()
+    logger.info("torch uses %d CPU threads", count)
+    return count

@@ -22,6 +22,7 @@ from typing import Any
 from models.loader import load_model
 from models.parallel import ParallelContext
 from scheduler.config import SchedulerConfig
+from scheduler.cpu_env import configure_threads
 from scheduler.grammar import GrammarBackend
 from scheduler.lockstep import Leader, check_same_config
 from scheduler.loop import SchedulerLoop
@@ -32,7 +33,6 @@ from scheduler.pool_sizing import describe, pool_bytes, size_pools
 from scheduler.request import Req, SessionParams
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.threads import configure_threads
 from scheduler.tp_group import TPGroup, rank_threads
 
 logger = logging.getLogger(__name__)

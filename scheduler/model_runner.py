@@ -26,10 +26,10 @@ from models.forward_batch import ForwardBatch
 from models.loader import load_model
 from models.qwen3_next import Qwen3NextForCausalLM
 from scheduler.config import RunnerConfig
+from scheduler.cpu_env import configure_threads
 from scheduler.penalties import TokenCounts
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
-from scheduler.threads import configure_threads
 
 logger = logging.getLogger(__name__)
 

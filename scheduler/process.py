@@ -85,11 +85,11 @@ def run_scheduler(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
     )
+    from scheduler.cpu_env import configure_threads
     from scheduler.engine import build_scheduler
     from scheduler.lockstep import Leader
     from scheduler.loop import SchedulerLoop
     from scheduler.loop_io import PipeIO
-    from scheduler.threads import configure_threads
     from scheduler.tp_group import TPGroup, rank_threads
 
     if runner_config.tp_size > 1:  # this process is rank 0

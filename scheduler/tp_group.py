@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from models.parallel import ParallelContext, free_port, init_process_group
 from scheduler.config import RunnerConfig, SchedulerConfig
+from scheduler.cpu_env import configure_threads, default_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,6 @@ def rank_device(cfg: RunnerConfig, rank: int) -> str:
 
 def rank_threads(cfg: RunnerConfig) -> int:
     """Torch threads of each rank: --num-threads, or this host's default shared by its ranks."""
-    from scheduler.threads import default_num_threads
-
     return cfg.num_threads or max(1, default_num_threads() // len(local_ranks(cfg)))
 
 
@@ -84,7 +83,6 @@ def follower_main(
     from scheduler.engine import build_scheduler
     from scheduler.lockstep import NullIO, follow
     from scheduler.loop import SchedulerLoop
-    from scheduler.threads import configure_threads
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
