@@ -23,6 +23,13 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("int8", "int4")  # kernels.quant.METHODS: weight-only formats for CPU serving
 
 
+def _one_of(cfg: object, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_prefill_tokens: int = 16384  # new tokens in one prefill batch
@@ -54,13 +61,10 @@ class SchedulerConfig:
     session_timeout: float = 3600.0  # seconds without a turn before a session is reaped (0: never)
 
     def __post_init__(self) -> None:
-        if self.schedule_policy not in POLICIES:
-            raise ValueError(f"--schedule-policy must be one of {POLICIES}")
-        if self.mamba_scheduler_strategy not in STRATEGIES:
-            raise ValueError(
-                f"--mamba-scheduler-strategy must be one of {', '.join(STRATEGIES)}, "
-                f"got {self.mamba_scheduler_strategy!r}"
-            )
+        _one_of(self, "schedule_policy", POLICIES)
+        _one_of(self, "mamba_scheduler_strategy", STRATEGIES)
+        _one_of(self, "hicache_storage_prefetch_policy", PREFETCH_POLICIES)
+        _one_of(self, "hicache_write_policy", HICACHE_WRITE_POLICIES)
         if self.mamba_scheduler_strategy != "no_buffer" and self.disable_radix_cache:
             raise ValueError(
                 f"--mamba-scheduler-strategy {self.mamba_scheduler_strategy} needs the radix "
@@ -91,14 +95,8 @@ class SchedulerConfig:
             )
         if self.hicache_prefetch_threshold < 0:
             raise ValueError("--hicache-prefetch-threshold must be >= 0")
-        if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(
-                f"--hicache-storage-prefetch-policy must be one of {PREFETCH_POLICIES}"
-            )
         if self.hicache_prefetch_timeout_base < 0 or self.hicache_prefetch_timeout_per_ki_token < 0:
             raise ValueError("--hicache-prefetch-timeout-base / -per-ki-token must be >= 0")
-        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
-            raise ValueError(f"--hicache-write-policy must be one of {HICACHE_WRITE_POLICIES}")
 
     def mamba_slots_for(self, max_running_requests: int) -> int:
         """Default Mamba pool size for this strategy."""
@@ -131,7 +129,7 @@ class RunnerConfig:
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0
 
-    num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.threads), the
+    num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.cpu_env), the
     # Engine keeps torch's setting
     # tensor parallelism (SGLang's flags): ranks, hosts, this host's index, rank 0's host:port
     # for the rendezvous ("" on one host: a free loopback port). See scheduler/tp_group.py.
@@ -158,10 +156,8 @@ class RunnerConfig:
             raise ValueError(f"--context-length must be >= 2, got {self.max_context_len}")
         if self.mamba_cache_size < 0:
             raise ValueError(f"--mamba-cache-size must be >= 0, got {self.mamba_cache_size}")
-        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
-            raise ValueError(
-                f"--dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
-            )
+        _one_of(self, "dtype", ("auto", *DTYPE_NAMES))
+        _one_of(self, "load_format", LOAD_FORMATS)
         if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(
                 f"--tp-size ({self.tp_size}) must be a positive multiple of --nnodes "
@@ -171,10 +167,6 @@ class RunnerConfig:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
-            )
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -1,29 +1,28 @@
 """Process-wide CPU settings that torch reads once, so they are set before torch is imported.
 
-* OpenMP spin count. torch's CPU wheels use GNU OpenMP. Between two parallel regions its idle
-  threads spin `GOMP_SPINCOUNT` times (300,000 by default) before they block. On a machine whose
-  cores are all in the team that is a trap: when anything else wants a core (the API process
-  answering streams, a benchmark client, another job), a spinning thread holds it while the
-  thread the region waits for sits in the run queue, and every parallel region of the decode
-  step can wait out a scheduler time slice. A short spin keeps the quiet-machine speed (the next
-  region usually starts within microseconds) and gives the core back quickly when it is
-  contended.
-* Transparent huge pages. A decode step streams every weight matrix (and, at larger batches,
-  the recurrent states) from memory once; with 4 KB pages that is a TLB miss every 4 KB. Linux
-  backs memory with 2 MB pages only where the program asks (`transparent_hugepage=madvise`, the
-  common default), and torch's CPU allocator asks, for allocations of 2 MB and more, when
-  `THP_MEM_ALLOC_ENABLE=1` (c10's `alloc_cpu`); the weight stream then takes a TLB miss every
-  2 MB instead of every 4 KB (`tests/server/test_cpu_env.py` checks torch honours the switch).
+* OpenMP spin count: idle GNU OpenMP threads spin `GOMP_SPINCOUNT` times (300,000 by default)
+  between parallel regions. When anything else wants a core (the API process, a benchmark
+  client), a spinning thread holds it while the thread a region waits for sits in the run queue.
+  A short spin keeps the quiet-machine speed and gives the core back quickly under contention.
+* Transparent huge pages: a decode step streams every weight from memory; with
+  `THP_MEM_ALLOC_ENABLE=1` torch's CPU allocator asks for 2 MB pages (`madvise`) for allocations
+  of 2 MB and more, one TLB miss per 2 MB instead of per 4 KB (`tests/server/test_cpu_env.py`).
 
-libgomp and c10 read their variable once, so `apply_cpu_defaults` runs at the top of the entry
-points (the CLI, `benchmarks/`), before anything imports torch; it changes nothing the user set,
-and child processes (data/tensor-parallel ranks) inherit it.
+`apply_cpu_defaults` runs at the top of the entry points (the CLI, `benchmarks/`), before torch
+is imported; it changes nothing the user set, and child processes (ranks) inherit it.
+
+* Torch's intra-op threads (`configure_threads`): `--num-threads N` sets them; 0, the default,
+  lets the server pick `OMP_NUM_THREADS` when set, else the CPUs this process may run on (its
+  affinity mask). The offline Engine and the tests leave torch's own setting alone unless told.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+
+logger = logging.getLogger(__name__)
 
 SPIN_ENV = "GOMP_SPINCOUNT"
 DEFAULT_SPINCOUNT = 10_000
@@ -41,8 +40,7 @@ def apply_default_spin() -> bool:
 
 
 def apply_default_thp() -> bool:
-    """Ask torch's CPU allocator for transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`) unless
-    the user set the variable (to anything: `0` turns it off). Same return as above."""
+    """Set `THP_MEM_ALLOC_ENABLE=1` unless the user set it (`0` turns it off); returns as above."""
     if THP_ENV in os.environ:
         return False
     os.environ[THP_ENV] = "1"
@@ -52,3 +50,26 @@ def apply_default_thp() -> bool:
 def apply_cpu_defaults() -> None:
     apply_default_spin()
     apply_default_thp()
+
+
+def default_num_threads() -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity API on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def configure_threads(num_threads: int, *, pick_default: bool) -> int:
+    """Set torch's thread count to `num_threads`, or when it is 0 and `pick_default`, to
+    `default_num_threads()`. Returns the count in effect."""
+    import torch
+
+    n = num_threads or (default_num_threads() if pick_default else 0)
+    if n > 0 and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    count = torch.get_num_threads()
+    logger.info("torch uses %d CPU threads", count)
+    return count

@@ -4,12 +4,10 @@
     outs = engine.generate(["Hello", [1, 2, 3]], {"max_new_tokens": 16, "temperature": 0})
 
 Options are the fields of `RunnerConfig` and `SchedulerConfig` (SGLang's names). Each result is
-a dict with `text`, `output_ids` and `meta_info` (`id`, `prompt_tokens`, `completion_tokens`,
-`cached_tokens`, `finish_reason`, and `output_token_logprobs` when asked), folded from the
-loop's token deltas (`scheduler/output.py`) exactly as the API process receives them. Every
-call goes to the loop as its input messages (`SchedulerLoop.call`), so tensor-parallel ranks
-apply them too. Tests may still drive `engine.scheduler` directly (without tensor parallelism);
-those requests run alongside, unseen by the loop.
+a dict with `text`, `output_ids` and `meta_info`, folded from the loop's token deltas
+(`scheduler/messages.py`) exactly as the API process receives them. Every call goes to the loop as
+an input message (`SchedulerLoop.call`), so tensor-parallel ranks apply it too. Tests may drive
+`engine.scheduler` directly (without tensor parallelism); the loop does not see those requests.
 """
 
 from __future__ import annotations
@@ -18,24 +16,23 @@ import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, fields, replace
+from functools import cached_property
 from typing import Any
 
 from models.loader import load_model
 from models.parallel import ParallelContext
 from scheduler.config import SchedulerConfig
+from scheduler.cpu_env import configure_threads
 from scheduler.grammar import GrammarBackend
-from scheduler.lockstep import Leader, check_same_config, check_supported
+from scheduler.lockstep import Leader, check_same_config
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import InProcessIO
-from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg
+from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, RequestOutput
 from scheduler.model_runner import ModelRunner, RunnerConfig
-from scheduler.output import RequestOutput
 from scheduler.pool_sizing import describe, pool_bytes, size_pools
 from scheduler.request import Req, SessionParams
-from scheduler.sampler import make_generator
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.threads import configure_threads
 from scheduler.tp_group import TPGroup, rank_threads
 
 logger = logging.getLogger(__name__)
@@ -64,11 +61,9 @@ def build_scheduler(
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))
     if tp is not None and tp.enabled:
-        check_supported(sched_cfg)
         check_same_config(tp, runner_cfg, sched_cfg)
-    scheduler = Scheduler(ModelRunner(model, runner_cfg), sched_cfg)
-    scheduler.grammar = GrammarBackend(model_path, model.config.vocab_size)
-    return scheduler
+    grammar = GrammarBackend(model_path, model.config.vocab_size)
+    return Scheduler(ModelRunner(model, runner_cfg), sched_cfg, grammar)
 
 
 class Engine:
@@ -95,20 +90,17 @@ class Engine:
             self.shutdown()
             raise
         self.runner = self.scheduler.runner
-        self._tokenizer = None
         self._ids = itertools.count()
         self.io = InProcessIO()
         self.loop = SchedulerLoop(self.scheduler, self.io)
         self._leader = None if tp is None else Leader(self.loop, tp, self.tp_group.failure)
         self._outputs: dict[str, RequestOutput] = {}  # by rid: requests someone waits for
 
-    @property
+    @cached_property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        return self._tokenizer
+        return AutoTokenizer.from_pretrained(self.model_path)
 
     def _make_req(
         self,
@@ -118,11 +110,7 @@ class Engine:
     ) -> Req:
         """A `Req` for driving `self.scheduler` directly (tests); `generate` goes through the
         loop instead."""
-        msg = self._message(prompt, params, session_params)
-        session = SessionParams(**msg.session) if msg.session is not None else None
-        req = Req(rid=msg.rid, prompt_ids=msg.prompt_ids, params=msg.params, session=session)
-        req.generator = make_generator(msg.params.seed, self.runner.device)
-        return req
+        return self.loop.make_req(self._message(prompt, params, session_params))
 
     def _message(
         self,
@@ -157,8 +145,9 @@ class Engine:
         self._outputs.pop(rid, None)
         self.loop.call(AbortMsg(rid))
 
-    def _pump(self) -> None:
-        """One round of the loop; its deltas go to the outputs that wait for them."""
+    def _pump(self, outs: list[RequestOutput]) -> None:
+        """One round of the loop; its deltas go to the outputs that wait for them. RuntimeError
+        when the scheduler is idle afterwards with some of `outs` unfinished."""
         self.loop.run_once()
         for d in self.io.take_deltas():
             out = self._outputs.get(d.rid)
@@ -166,14 +155,8 @@ class Engine:
                 out.add(d)
                 if out.finished:
                     del self._outputs[d.rid]
-
-    def _run_until(self, outs: list[RequestOutput]) -> None:
-        while True:
-            self._pump()
-            if all(o.finished for o in outs):
-                return
-            if not self.scheduler.has_work():
-                raise RuntimeError("scheduler went idle with unfinished requests")
+        if not all(o.finished for o in outs) and not self.scheduler.has_work():
+            raise RuntimeError("scheduler went idle with unfinished requests")
 
     def _result(self, out: RequestOutput, params: SamplingParams) -> dict:
         return {
@@ -205,7 +188,8 @@ class Engine:
             for p, sp in zip(batch, params, strict=True)
         ]
         outs = self._submit(msgs)
-        self._run_until(outs)
+        while not all(o.finished for o in outs):
+            self._pump(outs)
         results = [self._result(o, m.params) for o, m in zip(outs, msgs, strict=True)]
         return results[0] if single else results
 
@@ -223,9 +207,7 @@ class Engine:
         sent = 0
         try:
             while not out.finished:
-                self._pump()
-                if not out.finished and not self.scheduler.has_work():
-                    raise RuntimeError("scheduler went idle with an unfinished request")
+                self._pump([out])
                 if len(out.output_ids) > sent:
                     yield {"output_ids": out.output_ids[sent:], "finish_reason": None}
                     sent = len(out.output_ids)

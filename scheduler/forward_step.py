@@ -124,7 +124,7 @@ class ForwardStep:
             parts = [logits[[rows[id(r)] for r in computed]]] if computed else []
             if cached:
                 h = torch.stack([r.last_hidden for r in cached])
-                parts.append(self.runner.logits_from_hidden(h))
+                parts.append(self.runner.model.logits_from_hidden(h))
             self.sample(torch.cat(parts) if len(parts) > 1 else parts[0], computed + cached)
         return done
 
@@ -141,7 +141,7 @@ class ForwardStep:
         locs = [table[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in work]
         picks = prompt_logit_picks(work)
         indices = None if picks is None else [i for pick in picks for i in pick]
-        logits, hidden = runner.forward_with_hidden(
+        logits, hidden = runner.model.forward_with_hidden(
             runner.build_prefill(items, locs, logit_indices=indices)
         )
         if picks is not None:  # rows per request: its prompt positions, then its last token

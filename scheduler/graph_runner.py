@@ -1,24 +1,20 @@
 """Decode batches through one seam: CUDA graphs on GPU (seed #24243), the decode plan on CPU.
 
-A decode batch of n requests runs at the smallest captured size bs >= n (`--cuda-graph-bs` up
-to `--cuda-graph-max-bs`, which is added; see `SchedulerConfig.decode_graph_sizes`); larger
-batches, every batch with `--disable-cuda-graph`, and every batch where nothing is captured run
-at their own size: a batch is never padded to a size without a graph. Padding rows
-use request row 0, KV location 0, position 0 and Mamba slot 0, all reserved in their pools: a
-padding row reads and writes only scratch memory and never a live request's state, and its
-logits are dropped.
+A decode batch of n requests runs at the smallest captured size bs >= n (`decode_graph_sizes`);
+larger batches, and every batch where nothing is captured (`--disable-cuda-graph`), run at their
+own size: a batch is never padded to a size without a graph. Padding rows use request row 0, KV
+location 0, position 0 and Mamba slot 0, all reserved in their pools: they touch only scratch
+memory, never a live request's state, and their logits are dropped.
 
-On CUDA each size is captured once at start-up over static input buffers (`torch.cuda.CUDAGraph`,
-one shared memory pool, largest first); a step copies its inputs into the buffers of its size and
-replays. Capturing needs a decode forward without host syncs or data-dependent shapes: the Triton
-kernels are (they read lengths and slots on the device), and the MoE takes its static-shape path
-while a stream is capturing (`models.layers.Experts`).
+On CUDA each size is captured once at start-up over static input buffers (largest first, one
+shared memory pool); a step copies its inputs into its size's buffers and replays. Capture needs a
+decode forward without host syncs or data-dependent shapes (the Triton kernels read lengths and
+slots on the device; the MoE takes its static-shape path while a stream captures).
 
-On CPU, batches of up to `models.cpu_decode.MAX_ROWS` rows (and `--cuda-graph-max-bs`) run the
-step as one C++ call over the model's C++ ops (`models.cpu_decode.CpuDecodePlan`, bit-identical
-to the eager step), unpadded, whenever the model and the kernel choice allow it; other batches
-run eagerly at their own size, and `--disable-cuda-graph` turns the plan off too.
-`static_buffers=True` runs the CUDA path's padded buffer filling eagerly, for tests.
+On CPU, batches of up to `models.cpu_decode.MAX_ROWS` rows (and `--cuda-graph-max-bs`) run as one
+C++ call over the model's C++ ops (`CpuDecodePlan`, bit-identical to the eager step), unpadded,
+where the model and kernel choice allow; other batches run eagerly, and `--disable-cuda-graph`
+turns the plan off too. `static_buffers=True` runs the CUDA path's buffer filling eagerly (tests).
 """
 
 from __future__ import annotations
@@ -87,46 +83,18 @@ class DecodeGraphRunner:
 
     def _fill(self, batch: ForwardBatch, items: list[DecodeInput], out_loc: torch.Tensor) -> None:
         """Copy one step's inputs into the static buffers; padding rows get the reserved 0s."""
-        bs, n = batch.num_reqs, len(items)
-        host = torch.zeros(5, bs, dtype=torch.int64)  # ids, positions, rows, slots, seq_lens
-        host[0, :n] = torch.tensor([it.input_id for it in items])
-        host[1, :n] = torch.tensor([it.seq_len for it in items])
-        host[2, :n] = torch.tensor([it.req_slot for it in items])
-        host[3, :n] = torch.tensor([it.mamba_slot for it in items])
-        host[4] = host[1] + 1  # padding: seq_len 1 (position 0)
-        dev = host.to(batch.input_ids.device, non_blocking=True)
-        for dst, src in zip(
-            (batch.input_ids, batch.positions, batch.req_slots, batch.mamba_slots, batch.seq_lens),
-            dev,
-            strict=True,
-        ):
-            dst.copy_(src)
-        batch.out_loc[:n].copy_(out_loc)
-        batch.out_loc[n:].zero_()
-        batch.max_seq_len = max((it.seq_len + 1 for it in items), default=1)
+        step = self.runner.build_decode(items, out_loc, pad_to=batch.num_reqs)
+        for name in ("input_ids", "positions", "out_loc", "req_slots", "mamba_slots", "seq_lens"):
+            getattr(batch, name).copy_(getattr(step, name))
+        batch.max_seq_len = step.max_seq_len
 
     # ---- capture -------------------------------------------------------------------------
     def _static_batch(self, bs: int) -> ForwardBatch:
-        runner, dev = self.runner, self.runner.device
-
-        def zeros() -> torch.Tensor:
-            return torch.zeros(bs, dtype=torch.int64, device=dev)
-
-        return ForwardBatch(
-            phase="decode",
-            input_ids=zeros(),
-            positions=zeros(),
-            out_loc=zeros(),
-            req_slots=zeros(),
-            mamba_slots=zeros(),
-            seq_lens=torch.ones(bs, dtype=torch.int64, device=dev),
-            prefix_lens_cpu=[0] * bs,
-            extend_lens_cpu=[1] * bs,
-            req_to_token=runner.req_pool.req_to_token,
-            kv_pool=runner.kv_pool,
-            mamba_pool=runner.mamba_pool,
-            max_seq_len=runner.config.max_context_len,  # a static bound; kernels read seq_lens
-        )
+        """A batch of `bs` padding rows whose tensors a step's inputs are copied into."""
+        empty = torch.empty(0, dtype=torch.int64, device=self.runner.device)
+        batch = self.runner.build_decode([], empty, pad_to=bs)
+        batch.max_seq_len = self.runner.config.max_context_len  # kernels read seq_lens
+        return batch
 
     def capture(self) -> None:
         """Capture every size (largest first, one memory pool). The buffers hold padding rows

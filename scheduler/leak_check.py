@@ -76,8 +76,3 @@ def pool_report(scheduler: Scheduler) -> list[str]:
     if locked:
         problems.append(f"radix tree locks left by requests: {locked[:8]}")
     return problems
-
-
-def assert_no_leaks(scheduler: Scheduler) -> None:
-    problems = leak_report(scheduler)
-    assert not problems, "; ".join(problems)

@@ -10,7 +10,7 @@ decided once, on rank 0, and travels with them or after them: a new session's id
 sessions (`SchedulerLoop.receive`), the sampled tokens (`ModelRunner.sample` broadcasts rank 0's
 draw, so seeded and unseeded sampling agree). Only rank 0's loop talks to anyone: the followers'
 answers go to a `NullIO`. The storage tier's asynchronous prefetch would make admission depend on
-timing, so it is refused with tensor parallelism (`check_supported`).
+timing, so it is refused with tensor parallelism (`check_same_config`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 from models.parallel import ParallelContext
 from scheduler.config import SchedulerConfig
 from scheduler.loop import Inputs, SchedulerLoop
-from scheduler.messages import QueryReply, ShutdownMsg, TokenDelta
+from scheduler.loop_io import LoopIO
+from scheduler.messages import ShutdownMsg
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +33,12 @@ class RankLost(RuntimeError):
     """Another rank of the group is gone (its sockets closed): the group cannot go on."""
 
 
-def check_supported(config: SchedulerConfig) -> None:
-    if config.hicache_storage_backend:
-        raise ValueError("--hicache-storage-backend is not supported with --tp-size > 1")
-
-
 def check_same_config(tp: ParallelContext, runner_cfg: Any, sched_cfg: SchedulerConfig) -> None:
     """Every rank must run with rank 0's options (hosts started with different flags would size
     their pools differently and stop agreeing); ValueError, on every rank, naming the first
-    option that differs."""
+    option that differs, or the storage tier (not supported with tensor parallelism)."""
+    if sched_cfg.hicache_storage_backend:
+        raise ValueError("--hicache-storage-backend is not supported with --tp-size > 1")
     # each rank has its own GPU (`tp_group.rank_device`): only the device type must agree
     kind = runner_cfg.device.partition(":")[0]
     mine = {
@@ -95,20 +93,4 @@ def follow(loop: SchedulerLoop, tp: ParallelContext) -> None:
         pass
 
 
-class NullIO:
-    """A follower's loop I/O: its inputs come from rank 0, its answers go nowhere."""
-
-    def poll(self, timeout: float | None) -> bool:
-        return False
-
-    def recv(self) -> Any:
-        raise RuntimeError("a follower rank receives its inputs from rank 0")
-
-    def send_deltas(self, deltas: list[TokenDelta]) -> None:
-        pass
-
-    def send_reply(self, reply: QueryReply) -> None:
-        pass
-
-    def beat(self) -> None:
-        pass
+NullIO = LoopIO  # a follower's loop I/O: inputs from rank 0, answers go nowhere

@@ -1,33 +1,23 @@
 """`SchedulerLoop`: the one loop around `Scheduler`, for the server process and the `Engine` alike.
 
-    run_once: receive the round's `Inputs` (the waiting messages, the sessions past their
-              deadline) -> `sync` them -> apply: close those sessions, apply the messages, one
-              `scheduler.step()` if there is work -> send the new tokens of every request that
-              moved (`TokenDelta`s) -> a heartbeat when the last is `HEARTBEAT_S` old (an idle
-              loop wakes for it)
+    run_once: receive the round's `Inputs` (waiting messages, sessions past their deadline)
+              -> `sync` -> `apply`: close those sessions, apply the messages, one step if there
+              is work, send the `TokenDelta`s of every request that moved, a heartbeat when due
 
-Its messages come and go through a swappable I/O object (`LoopIO`, `scheduler/loop_io.py`): a
-pipe to the API process in the server (`PipeIO`, driven by `run()`, which sleeps on the pipe
-when idle), a queue in the same process for the `Engine` and `hybrid-serve generate`
-(`InProcessIO`, driven by `run_once(wait=False)`). So the token deltas of every request are built
-in one place, `_emit`, whoever reads them.
+Messages come and go through a swappable `LoopIO` (`scheduler/loop_io.py`): pipes to the API
+process (`PipeIO`, driven by `run()`), or a queue in the same process for the `Engine`
+(`InProcessIO`, driven by `run_once()`); token deltas are built in one place, `_emit`.
 
 Tensor parallelism replicates the inputs, never method calls: `sync` is where rank 0 broadcasts
-each round's `Inputs` (`scheduler/lockstep.py`), and every rank applies them with `apply`, so
-the loop is a deterministic function of its inputs. What would differ between ranks is decided
-once, on rank 0, while receiving: a new session's id (random), which sessions have expired
-(rank 0's clock). Rank 0 alone draws sampled tokens (`ModelRunner.sample`).
+each round's `Inputs`, decided on rank 0 while receiving (`scheduler/lockstep.py`).
 
 Contracts:
-- A request refused by `Scheduler.add_request` (prompt too long, unknown session, ...) is answered
-  by one `TokenDelta` with `error` set (400/404; 500 for an unexpected exception); so is one that
-  a fault failed (`Req.error`, 500). The loop keeps serving. `add` is the same without the
-  delta: it raises the refusal (the `Engine` raises it to its caller).
-- Exceptions that escape `run_once` (`PoolsCorrupt`, a bug in the loop, the API process gone)
-  mean nothing can be trusted any more; the caller decides (the server process reports and
-  exits, the `Engine` raises).
-- Deltas are only built for requests that came through the loop (`add` / `GenerateMsg`);
-  requests added to the scheduler directly run alongside, unseen.
+- A request the scheduler refuses is answered by one `TokenDelta` with `error` set (400/404; 500
+  for an unexpected exception); so is one a fault failed (500). The loop keeps serving. `add`
+  raises the refusal instead (the `Engine` raises it to its caller).
+- Exceptions escaping `run_once` (`PoolsCorrupt`, a bug in the loop, the API process gone) mean
+  nothing can be trusted any more: the server process reports and exits, the `Engine` raises.
+- Deltas are built only for requests that came through the loop (`add` / `GenerateMsg`).
 """
 
 from __future__ import annotations
@@ -126,7 +116,7 @@ class SchedulerLoop:
         session (404) rather than being admitted and aborted."""
         sched = self.scheduler
         for sid in inputs.expired:
-            self.close_session(sid, why=f"session {sid!r} timed out")
+            self._q_close_session(sid, why=f"session {sid!r} timed out")
         for msg in inputs.msgs:
             if not self.handle(msg):
                 return False
@@ -191,13 +181,17 @@ class SchedulerLoop:
         return self.handle(msg)
 
     # ---- requests ------------------------------------------------------------------------
-    def add(self, msg: GenerateMsg) -> Req:
-        """Queue a request; raises when the scheduler refuses it (nothing is then held)."""
+    def make_req(self, msg: GenerateMsg) -> Req:
         req = Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params)
         req.cache_salt = msg.cache_salt
         req.generator = make_generator(msg.params.seed, self.scheduler.runner.device)
         if msg.session is not None:
             req.session = SessionParams(**msg.session)
+        return req
+
+    def add(self, msg: GenerateMsg) -> Req:
+        """Queue a request; raises when the scheduler refuses it (nothing is then held)."""
+        req = self.make_req(msg)
         self.scheduler.add_request(req)
         self.reqs[req.rid] = req
         self.sent[req.rid] = 0
@@ -321,16 +315,9 @@ class SchedulerLoop:
             session_id, capacity_of_str_len, streaming, session_timeout
         )
 
-    def _q_close_session(self, session_id: str) -> bool:
-        return self.close_session(session_id)
-
-    def close_session(self, session_id: str, why: str | None = None) -> bool:
-        """Close a session; its turns in flight are aborted and their last deltas say so (and
-        `why`, when given)."""
-        session = self.scheduler.sessions.sessions.get(session_id)
-        turns = list(session.in_flight.values()) if session is not None else []
-        closed = self.scheduler.close_session(session_id)
-        for turn in turns:  # aborted by the close: their waiters get the abort
-            turn.finish_detail = why or turn.finish_detail
+    def _q_close_session(self, session_id: str, why: str | None = None) -> bool:
+        """Close a session; the last deltas of its aborted turns say so (and `why`)."""
+        turns = self.scheduler.end_session(session_id, why)
+        for turn in turns or []:
             self._emit(turn)
-        return closed
+        return turns is not None

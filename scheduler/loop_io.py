@@ -1,45 +1,42 @@
 """The I/O of `SchedulerLoop`: where its messages come from and where its answers go.
 
-`LoopIO` is the interface; two implementations:
-
-    PipeIO       the scheduler process: one `multiprocessing` pipe from the API process, one back
-    InProcessIO  the `Engine` (and `hybrid-serve generate`): a queue in the same process; the
-                 caller puts messages and takes the deltas and replies after each round
-
-Tensor-parallel followers answer into `scheduler.lockstep.NullIO` (only rank 0 replies).
+LoopIO       the interface; itself receives nothing and answers nowhere (a tensor-parallel
+             follower's I/O: its inputs come from rank 0, only rank 0 replies)
+PipeIO       the scheduler process: one `multiprocessing` pipe from the API process, one back
+InProcessIO  the `Engine`: a queue in the same process; the caller takes the deltas and
+             replies after each round
 """
 
 from __future__ import annotations
 
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any
 
 from scheduler.messages import Heartbeat, QueryReply, TokenDelta
 
 
-class LoopIO(Protocol):
+class LoopIO:
     def poll(self, timeout: float | None) -> bool:
         """Whether a message is waiting, after waiting for one up to `timeout` seconds (0: not
         at all, None: until one arrives)."""
-        ...
+        return False
 
     def recv(self) -> Any:
         """The next message (after `poll` said one is waiting)."""
-        ...
+        raise RuntimeError("this loop receives no messages (a follower's come from rank 0)")
 
     def send_deltas(self, deltas: list[TokenDelta]) -> None:
         """One round's token deltas, in the order they were built."""
-        ...
 
-    def send_reply(self, reply: QueryReply) -> None: ...
+    def send_reply(self, reply: QueryReply) -> None:
+        """The answer to a `QueryMsg`."""
 
     def beat(self) -> None:
         """Tell the other end the loop is turning (no-op where nobody watches)."""
-        ...
 
 
-class PipeIO:
+class PipeIO(LoopIO):
     """Messages over two one-way pipes; EOFError / BrokenPipeError when the other end is gone."""
 
     def __init__(self, inbox: Connection, outbox: Connection) -> None:
@@ -61,7 +58,7 @@ class PipeIO:
         self.outbox.send(Heartbeat())
 
 
-class InProcessIO:
+class InProcessIO(LoopIO):
     """A queue in the caller's thread: nothing arrives while the loop waits, so `poll` never
     blocks (a wait on an empty queue is a caller bug and raises)."""
 
@@ -86,9 +83,6 @@ class InProcessIO:
 
     def send_reply(self, reply: QueryReply) -> None:
         self.replies.append(reply)
-
-    def beat(self) -> None:
-        pass
 
     def take_deltas(self) -> list[TokenDelta]:
         deltas, self.deltas = self.deltas, []

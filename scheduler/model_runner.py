@@ -26,10 +26,10 @@ from models.forward_batch import ForwardBatch
 from models.loader import load_model
 from models.qwen3_next import Qwen3NextForCausalLM
 from scheduler.config import RunnerConfig
+from scheduler.cpu_env import configure_threads
 from scheduler.penalties import TokenCounts
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
-from scheduler.threads import configure_threads
 
 logger = logging.getLogger(__name__)
 
@@ -162,87 +162,71 @@ class ModelRunner:
     ) -> ForwardBatch:
         """A prefill batch; logits come for each request's last new token, or for every new
         token (return_all_logits), or for the packed token indices `logit_indices`."""
-        dev = self.device
-        ids = [t for it in items for t in it.input_ids]
-        positions = [
-            p for it in items for p in range(it.prefix_len, it.prefix_len + len(it.input_ids))
-        ]
+
+        def col(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        tracks = {}
+        if any(it.track_offset for it in items):
+            tracks = dict(
+                mamba_track_slots=col([it.track_slot for it in items]),
+                mamba_track_offsets_cpu=[it.track_offset for it in items],
+            )
         return ForwardBatch(
             phase="prefill",
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_loc=torch.cat(out_locs).to(dev),
-            req_slots=torch.tensor([it.req_slot for it in items], dtype=torch.int64, device=dev),
-            mamba_slots=torch.tensor(
-                [it.mamba_slot for it in items], dtype=torch.int64, device=dev
+            input_ids=col([t for it in items for t in it.input_ids]),
+            positions=col(
+                [p for it in items for p in range(it.prefix_len, it.prefix_len + len(it.input_ids))]
             ),
-            seq_lens=torch.tensor(
-                [it.prefix_len + len(it.input_ids) for it in items], dtype=torch.int64, device=dev
-            ),
+            out_loc=torch.cat(out_locs).to(self.device),
+            req_slots=col([it.req_slot for it in items]),
+            mamba_slots=col([it.mamba_slot for it in items]),
+            seq_lens=col([it.prefix_len + len(it.input_ids) for it in items]),
             prefix_lens_cpu=[it.prefix_len for it in items],
             extend_lens_cpu=[len(it.input_ids) for it in items],
             req_to_token=self.req_pool.req_to_token,
             kv_pool=self.kv_pool,
             mamba_pool=self.mamba_pool,
             return_all_logits=return_all_logits,
-            logit_indices=None
-            if logit_indices is None
-            else torch.tensor(logit_indices, dtype=torch.int64, device=dev),
-            **self._track_fields(items),
-        )
-
-    def _track_fields(self, items: list[ExtendInput]) -> dict:
-        if not any(it.track_offset for it in items):
-            return {}
-        return dict(
-            mamba_track_slots=torch.tensor(
-                [it.track_slot for it in items], dtype=torch.int64, device=self.device
-            ),
-            mamba_track_offsets_cpu=[it.track_offset for it in items],
+            logit_indices=None if logit_indices is None else col(logit_indices),
+            **tracks,
         )
 
     def build_decode(
         self, items: list[DecodeInput], out_loc: torch.Tensor, pad_to: int | None = None
     ) -> ForwardBatch:
-        """A decode batch; with pad_to, extra rows use request row 0, KV location 0 and Mamba
-        slot 0 (reserved in every pool), so they never touch a live request."""
-        n_pad = (pad_to or len(items)) - len(items)
-        assert n_pad >= 0
-        dev = self.device
-        pad = [0] * n_pad
-
-        def col(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values + pad, dtype=torch.int64, device=dev)
-
-        seq_lens = [it.seq_len + 1 for it in items]
+        """A decode batch; with pad_to, extra rows use request row 0, KV location 0, position 0
+        and Mamba slot 0 (reserved in every pool), so they never touch a live request."""
+        n = len(items)
+        bs = pad_to or n
+        assert bs >= n
+        host = torch.zeros(5, bs, dtype=torch.int64)  # ids, positions, rows, slots, seq_lens
+        if items:
+            cols = [(it.input_id, it.seq_len, it.req_slot, it.mamba_slot) for it in items]
+            host[:4, :n] = torch.tensor(cols).T
+        host[4] = host[1] + 1
+        ids, positions, rows, slots, seq_lens = host.to(self.device, non_blocking=True)
+        pad = torch.zeros(bs - n, dtype=torch.int64, device=self.device)
         return ForwardBatch(
             phase="decode",
-            input_ids=col([it.input_id for it in items]),
-            positions=col([it.seq_len for it in items]),
-            out_loc=torch.cat([out_loc.to(dev), torch.zeros(n_pad, dtype=torch.int64, device=dev)]),
-            req_slots=col([it.req_slot for it in items]),
-            mamba_slots=col([it.mamba_slot for it in items]),
-            seq_lens=torch.tensor(seq_lens + [1] * n_pad, dtype=torch.int64, device=dev),
-            prefix_lens_cpu=[it.seq_len for it in items] + pad,
-            extend_lens_cpu=[1] * (len(items) + n_pad),
+            input_ids=ids,
+            positions=positions,
+            out_loc=torch.cat([out_loc.to(self.device), pad]),
+            req_slots=rows,
+            mamba_slots=slots,
+            seq_lens=seq_lens,
+            prefix_lens_cpu=[it.seq_len for it in items] + [0] * (bs - n),
+            extend_lens_cpu=[1] * bs,
             req_to_token=self.req_pool.req_to_token,
             kv_pool=self.kv_pool,
             mamba_pool=self.mamba_pool,
-            max_seq_len=max(seq_lens, default=1),
+            max_seq_len=max((it.seq_len + 1 for it in items), default=1),
         )
 
     # ---- compute -------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] fp32 (padding rows included for padded decode batches)."""
         return self.model(batch)
-
-    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`'s logits and the final hidden state of each of their rows."""
-        return self.model.forward_with_hidden(batch)
-
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [K, vocab] fp32 of final hidden states (rows of `forward_with_hidden`)."""
-        return self.model.logits_from_hidden(hidden)
 
     def sample(
         self,

@@ -1,30 +1,27 @@
 """How a request's KV and Mamba states enter and leave the radix tree, per Mamba strategy.
 
 Every strategy snapshots prefill: an extend of at least one chunk (64 tokens) also leaves the
-state at its last chunk-aligned offset (or at the branching point `match_prefix` reported, so
-the next request on that branch hits) in a track slot, inserted after the round. So a prompt
-shares its chunk-aligned prefixes (a system prompt) and the storage tier, which keeps states at
-64-token block ends only, gets them. Every strategy also keeps the end of each prompt: after the
-round that completes a prompt, a copy of the running state is inserted under the whole prompt
-with the final hidden state at its last token (`MambaRadixCache.set_hidden`); the same prompt
-sent again takes that state and its first token's logits come from that hidden, with no forward
-for the prompt, then samples as usual (a request that needs prompt logits, `logprob_start_len`
-before its last position, keeps matching at most up to that start).
+state at its last chunk-aligned offset (or at the branching point `match_prefix` reported) in a
+track slot, inserted after the round; so chunk-aligned prefixes (a system prompt) are shared and
+the storage tier (64-token blocks) gets them. Every strategy also keeps the end of each prompt:
+after the round that completes it, a copy of the running state is inserted under the whole
+prompt with the final hidden state at its last token (`MambaRadixCache.set_hidden`); the same
+prompt sent again takes that state and its first logits from that hidden, with no forward (a
+request that needs prompt logits matches at most up to its `logprob_start_len`).
 
-`no_buffer`: a request owns one Mamba slot, its running state; for a prefill round that
-snapshots it takes one more slot, which goes to the tree right after the round (so a decoding
-request holds one slot). After each prefill round a copy of the running state is inserted under
-exactly the prefilled tokens; on finish the running slot itself is donated under the committed
-tokens.
+`no_buffer`: a request owns one Mamba slot, its running state; a prefill round that snapshots
+borrows one more, which goes to the tree right after the round. After each prefill round a copy
+of the running state is inserted under the prefilled tokens; on finish the running slot itself
+is donated under the committed tokens.
 
-`extra_buffer` / `extra_buffer_lazy`: the running slot is cached only as that copy at the end
-of a prompt. The request also owns track slots that receive the prefill snapshots and, in
-decode, whenever `kv_len` reaches a multiple of `--mamba-track-interval`. The latest snapshot
-(`last_track_len` tokens) is inserted after each prefill round and on finish; its slot is donated
-to the tree and replaced. `extra_buffer` keeps two track slots used in turn (ping-pong: the one
-written last is kept, the other is written next). `extra_buffer_lazy` keeps one and takes a
-second only for the copy at a decode boundary (evicting one tree state when short); when even
-that fails it overwrites its only snapshot, and a request finishing on that step skips its insert.
+`extra_buffer` / `extra_buffer_lazy`: the running slot is cached only as the copy at the end of
+a prompt. The request also owns track slots that receive the prefill snapshots and, in decode,
+one whenever `kv_len` reaches a multiple of `--mamba-track-interval`; the latest snapshot
+(`last_track_len` tokens) is inserted after each prefill round and on finish, its slot donated
+and replaced. `extra_buffer` keeps two track slots used in turn (ping-pong); `extra_buffer_lazy`
+keeps one and takes a second only for the copy at a decode boundary (evicting one tree state when
+short); when even that fails it overwrites its only snapshot, and a request finishing on that
+step skips its insert.
 
 Invariant (I6): a slot inserted under n tokens holds exactly the state after those n tokens,
 and a hidden state kept with that node is the final hidden state at token n - 1.

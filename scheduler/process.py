@@ -2,33 +2,72 @@
 
     run_scheduler: load -> `ReadyMsg` (or `FailedMsg`) -> `SchedulerLoop(PipeIO).run()`
 
-It never tokenizes; requests arrive as token ids and leave as token ids. A request that is
-refused or fails is answered and the loop keeps serving (`scheduler/loop.py`). Only a fault that
-leaves the pools in an unknown state (`PoolsCorrupt`), or a bug in the loop itself, stops it: the
-traceback is logged, the API process gets `FailedMsg` (it answers 503 and exits non-zero) and
-this process exits with status 1. Otherwise the process exits on `ShutdownMsg` or when the API
-process's end of the pipe closes (so it cannot outlive its parent); it ignores SIGINT and
-SIGTERM, which a terminal sends to the whole process group, and leaves shutdown to the parent.
+Requests arrive and leave as token ids. A request that is refused or fails is answered and the
+loop keeps serving (`scheduler/loop.py`). Only a fault that leaves the pools in an unknown state
+(`PoolsCorrupt`), or a bug in the loop itself, stops it: the traceback is logged, the API process
+gets `FailedMsg` (it answers 503 and exits non-zero) and this process exits with status 1. It
+also exits on `ShutdownMsg` or when the API process's end of the pipe closes; it ignores SIGINT
+and SIGTERM (sent to the whole process group) and leaves shutdown to the parent.
 
-This module imports nothing heavy at the top: the API process names `run_scheduler` as the
-target of the process it spawns without importing torch itself.
+With `--tp-size N` this process is rank 0 (`scheduler/tp_group.py`); a dead rank stops the
+server: a watcher sends the API process `FailedMsg` naming it and ends this process.
+
+Nothing heavy is imported at the top: the API process names `run_scheduler` as the target of the
+process it spawns without importing torch itself.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler.messages import FailedMsg, ReadyMsg
 
 if TYPE_CHECKING:
     from scheduler.config import RunnerConfig, SchedulerConfig
+    from scheduler.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
+WATCH_S = 0.5  # how often the watcher looks for a dead tensor-parallel rank
+
+
+class LockedConnection:
+    """A pipe end whose `send` may be called from two threads (the loop and the watcher)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def supervise(group: TPGroup, outbox: Connection) -> LockedConnection:
+    """Wire a dead follower to a server stop; returns the outbox the loop must use."""
+    locked = LockedConnection(outbox)
+
+    def watch() -> None:
+        while (message := group.failure()) is None:
+            time.sleep(WATCH_S)
+        logger.error("%s; stopping the server", message)
+        try:
+            locked.send(FailedMsg(message))
+        except OSError:
+            pass
+        os._exit(1)
+
+    if group.procs:
+        threading.Thread(target=watch, name="tp-watch", daemon=True).start()
+    return locked
 
 
 def run_scheduler(
@@ -40,50 +79,46 @@ def run_scheduler(
     log_level: str = "info",
 ) -> None:
     """Entry point of the spawned process: load, announce `ReadyMsg` (or `FailedMsg`), loop."""
-    # The API process decides when this one stops (it drains first, then sends ShutdownMsg); a
-    # signal sent to the whole process group (Ctrl-C, `timeout`, a container stop) must not cut
-    # the requests still running. If the API process dies, the pipe closes and this one exits.
+    # The API process decides when this one stops (it drains first, then sends ShutdownMsg)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
     )
+    from scheduler.cpu_env import configure_threads
     from scheduler.engine import build_scheduler
     from scheduler.lockstep import Leader
     from scheduler.loop import SchedulerLoop
     from scheduler.loop_io import PipeIO
-    from scheduler.threads import configure_threads
-    from scheduler.tp_group import rank_threads
-    from scheduler.tp_launch import start_ranks, stop_ranks, supervise
+    from scheduler.tp_group import TPGroup, rank_threads
 
-    if runner_config.tp_size > 1:  # this process is rank 0 (scheduler/tp_launch.py)
+    if runner_config.tp_size > 1:  # this process is rank 0
         configure_threads(rank_threads(runner_config), pick_default=False)
     else:
         configure_threads(runner_config.num_threads, pick_default=True)
     start = time.perf_counter()
-    group = None
+    group = leader = None
     try:
-        group, runner_config, tp = start_ranks(
-            model_path, runner_config, scheduler_config, log_level
-        )
+        if runner_config.tp_size > 1:
+            group, runner_config = TPGroup.start(
+                model_path, runner_config, scheduler_config, log_level
+            )
+        tp = group.tp if group is not None else None
         scheduler = build_scheduler(model_path, runner_config, scheduler_config, tp)
     except Exception as e:  # reported to the API process, which exits with the message
         logger.exception("loading %s failed", model_path)
-        stop_ranks(group, None)
+        if group is not None:
+            group.stop()
         outbox.send(FailedMsg(f"{type(e).__name__}: {e}"))
         return
-    # with tensor parallelism: a dead rank stops the server, also while idle, and rank 0
-    # broadcasts every round's inputs
-    outbox = supervise(group, outbox) if group is not None else outbox
+    if group is not None:  # a dead rank stops the server; rank 0 broadcasts every round
+        outbox = supervise(group, outbox)
     loop = SchedulerLoop(scheduler, PipeIO(inbox, outbox))
-    leader = Leader(loop, group.tp, group.failure) if group is not None else None
+    if group is not None:
+        leader = Leader(loop, group.tp, group.failure)
     mc = scheduler.runner.model.config
     logger.info("model loaded from %s in %.1fs", model_path, time.perf_counter() - start)
-    ready = ReadyMsg(
-        max_context_len=runner_config.max_context_len,
-        eos_token_ids=list(mc.eos_token_ids),
-        vocab_size=mc.vocab_size,
-    )
+    ready = ReadyMsg(runner_config.max_context_len, list(mc.eos_token_ids), mc.vocab_size)
     try:
         outbox.send(ready)
         loop.run()
@@ -97,4 +132,7 @@ def run_scheduler(
             pass
         sys.exit(1)
     finally:
-        stop_ranks(group, leader)
+        if leader is not None:
+            leader.stop()
+        if group is not None:
+            group.stop()

@@ -56,9 +56,7 @@ class Req:
     # progress
     kv_len: int = 0  # tokens with committed KV and recurrent state
     kv_reserved_len: int = 0  # positions with KV locations drawn (kv_len, or more within a step)
-    fill_len: int = (
-        0  # prefill target set at admission: seq_len then (prompt, or more if retracted)
-    )
+    fill_len: int = 0  # prefill target, seq_len at admission (more than the prompt if retracted)
     cached_len: int = 0  # prefix tokens served by the radix cache at (first) admission
     admitted: bool = False  # entered a batch at least once (cached_len is set then)
     cache_protected_len: int = 0  # prefix owned by the tree (locked through last_node)
@@ -82,7 +80,6 @@ class Req:
     generator: torch.Generator | None = None
     grammar: Any = None  # the output constraint (scheduler/grammar.py Constraint)
     token_counts: Any = None  # penalties' TokenCounts (scheduler/penalties.py), made on first use
-    arrival: int = 0  # admission order tiebreak
     queued_at: float = 0.0  # time.monotonic() at add_request
     queue_time: float | None = None  # seconds from add_request to its first prefill batch
     session: SessionParams | None = None

@@ -119,15 +119,9 @@ class Sampler:
             out.logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
             k = max(p.top_logprobs_num for p in params)
             if k:
-                vals, ids = logprobs_all.topk(k, dim=-1)
+                vals, ids = (t.tolist() for t in logprobs_all.topk(k, dim=-1))
                 out.top_logprobs = [
-                    list(
-                        zip(
-                            ids[i, : p.top_logprobs_num].tolist(),
-                            vals[i, : p.top_logprobs_num].tolist(),
-                            strict=True,
-                        )
-                    )
-                    for i, p in enumerate(params)
+                    list(zip(i[: p.top_logprobs_num], v[: p.top_logprobs_num], strict=True))
+                    for i, v, p in zip(ids, vals, params, strict=True)
                 ]
         return out

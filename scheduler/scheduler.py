@@ -1,22 +1,12 @@
 """The continuous-batching loop: admit -> prefill or decode -> sample -> cache or free.
 
-Each `step()` runs one forward: a prefill batch when something waits (the chunked request first,
-then the waiting queue within `max_prefill_tokens` and `max_running_requests`), otherwise one
-decode step of every running request. Prefill has priority, as in SGLang. The scheduler owns the
-queues (`waiting`, `running`, the `chunked` request) and applies what its collaborators decide:
-`PrefillAdder` picks a round (`scheduler/schedule_policy.py`), `ForwardStep` runs a batch and
-lands the sampled tokens (`scheduler/forward_step.py`), `PrefixCache` moves KV and states in and
-out of the radix tree (`scheduler/prefix_cache.py`), `SessionManager` holds sessions' slots.
-
-Prefix caching: on admission a request matches its prompt in the radix tree, locks the deepest
-node that holds a Mamba state and copies that state into its own slot; what enters the tree
-after each prefill round, at decode boundaries and on finish depends on the Mamba strategy
-(`scheduler/prefix_cache.py`). With a storage tier, a request starts a prefetch from storage on
-arrival and is admitted once the prefetch policy lets it go.
-
-Faults (`scheduler/faults.py`): an exception raised for one request fails that request
-(`Req.error`) and frees what it held; one raised for a whole step fails the requests of the batch
-in flight; then the pools are audited and `PoolsCorrupt` stops the caller when they do not add up.
+Each `step()` runs one forward: a prefill round when something waits (the chunked request first,
+then the queue within `max_prefill_tokens` and `max_running_requests`), otherwise one decode step
+of every running request; prefill has priority, as in SGLang. The scheduler owns the queues
+(`waiting`, `running`, `chunked`) and applies what its collaborators decide: `PrefillAdder` picks
+a round, `ForwardStep` runs a batch and lands its tokens, `PrefixCache` moves KV and states in
+and out of the radix tree (per Mamba strategy), `SessionManager` holds sessions' slots, and
+`FaultHandler` fails the requests a fault hits (`scheduler/faults.py`).
 """
 
 from __future__ import annotations
@@ -44,8 +34,18 @@ PREFETCH_POLL_S = 0.005  # an idle step waits this long for a storage prefetch
 HOLD_POLL_S = 0.01  # a step with only held requests (test switch) waits this long
 
 
+def _on_forward(name: str) -> property:
+    """An attribute of the scheduler that lives on its `ForwardStep`."""
+    return property(lambda s: getattr(s.forward, name), lambda s, v: setattr(s.forward, name, v))
+
+
 class Scheduler:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig) -> None:
+    grammar = _on_forward("grammar")  # structured output; None refuses requests with a grammar
+    graph_runner = _on_forward("graph_runner")
+
+    def __init__(
+        self, runner: ModelRunner, config: SchedulerConfig, grammar: GrammarBackend | None = None
+    ) -> None:
         self.runner, self.config = runner, config
         if runner.config.page_size != 1 and not config.disable_radix_cache:
             raise ValueError("the radix cache needs --page-size 1 (or --disable-radix-cache)")
@@ -54,11 +54,11 @@ class Scheduler:
         self.cache = PrefixCache(runner, self.tree, config, self.debug.lazy_alloc_fail)
         self.sessions = SessionManager(self.cache, config.max_sessions, config.session_timeout)
         self.cache.evict_idle = self.sessions.evict_one  # every Mamba slot draw may evict them
+        self.open_session = self.sessions.open
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.max_context_len = runner.config.max_context_len
-        self._arrivals = 0
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.retractions = 0  # running or chunked requests sent back to the queue
         self.faults = FaultHandler(
@@ -66,21 +66,12 @@ class Scheduler:
         )
         self.aborts: Counter[str] = self.faults.aborts  # aborted requests by why (client, ...)
         sizes = config.decode_graph_sizes(runner.config.max_running_requests)
+        graphs = DecodeGraphRunner(runner, sizes)
         self.forward = ForwardStep(
-            runner, self.cache, DecodeGraphRunner(runner, sizes), self.debug, self.faults.error
+            runner, self.cache, graphs, self.debug, self.faults.error, grammar
         )
-        self.graph_runner = self.forward.graph_runner
         self._batch: list[Req] = []  # the requests of the step in flight (failed by its fault)
         self._finished_elsewhere: list[Req] = []  # aborted outside step() (session replace)
-
-    @property
-    def grammar(self) -> GrammarBackend | None:
-        """Structured output (set by build_scheduler); None refuses requests with a grammar."""
-        return self.forward.grammar
-
-    @grammar.setter
-    def grammar(self, backend: GrammarBackend | None) -> None:
-        self.forward.grammar = backend
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -88,11 +79,10 @@ class Scheduler:
         vocab = self.runner.model.config.vocab_size
         if req.params.logit_bias and max(req.params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be < the vocabulary size {vocab}")
-        grammar = req.params.grammar
-        if grammar is not None and req.grammar is None:
+        if req.params.grammar is not None and req.grammar is None:
             if self.grammar is None:
                 raise ValueError("structured output needs a scheduler built from a model path")
-            req.grammar = self.grammar.constraint(*grammar)  # ValueError on a bad grammar
+            req.grammar = self.grammar.constraint(*req.params.grammar)  # ValueError when bad
         if req.session is not None:
             # prepends the context and checks the whole length itself; `replace` may abort turns
             for turn in self.sessions.prepare(req):
@@ -106,17 +96,16 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {req.prompt_len} tokens; the context is {self.max_context_len}"
             )
-        kv = self.runner.kv_pool
-        if req.seq_len > kv.size * kv.page_size:  # could never be admitted
+        kv_tokens = self.runner.kv_pool.size * self.runner.kv_pool.page_size
+        if req.seq_len > kv_tokens:  # could never be admitted
             raise ValueError(
-                f"the prompt needs {req.seq_len} KV tokens; the KV cache holds "
-                f"{kv.size * kv.page_size} (--max-total-tokens)"
+                f"the prompt needs {req.seq_len} KV tokens; the KV cache holds {kv_tokens} "
+                "(--max-total-tokens)"
             )
         if not self.has_work():
             self.ratio.reset()  # idle: reservations start from the initial ratio again
         init_prompt_logprobs(req)
-        self._arrivals += 1
-        req.arrival, req.queued_at = self._arrivals, time.monotonic()
+        req.queued_at = time.monotonic()
         self.waiting.append(req)
         self.cache.start_prefetch(req)
 
@@ -135,15 +124,15 @@ class Scheduler:
         req = self._find(rid)
         if req is None:
             self.sessions.trim_turn(rid, keep_output_tokens)
-            return None
-        self.faults.guarded(req, self._stop_req, req, keep_output_tokens)
+        else:
+            self.faults.guarded(req, self._stop_req, req, keep_output_tokens)
         return req
 
     def _stop_req(self, req: Req, keep_output_tokens: int) -> None:
         del req.output_ids[keep_output_tokens:]
         del req.output_logprobs[keep_output_tokens:]
         del req.output_top_logprobs[keep_output_tokens:]
-        self._abort_req(req, FinishReason.STOP)  # a session turn is recorded with those tokens
+        self._abort_req(req, FinishReason.STOP)
 
     def live_requests(self) -> list[Req]:
         return [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
@@ -155,8 +144,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked)
 
     def take_finished(self) -> list[Req]:
-        """Requests finished outside `step()` since the last call (a session `replace` aborted
-        them), for the caller to report."""
+        """Requests a session `replace` aborted outside `step()` since the last call."""
         out, self._finished_elsewhere = self._finished_elsewhere, []
         return out
 
@@ -180,11 +168,10 @@ class Scheduler:
             self.chunked = None
         elif req in self.running:
             self.running.remove(req)
-        if req.req_slot is None:
-            if req.session is not None:
-                self.sessions.done(req)
-            return
-        self._release(req, insert=False)
+        if req.req_slot is not None:
+            self._release(req, insert=False)
+        elif req.session is not None:
+            self.sessions.done(req)
 
     def _release(self, req: Req, insert: bool, requeue: bool = False) -> None:
         """Give back everything a request holds; with insert, donate KV and state to the tree
@@ -194,15 +181,14 @@ class Scheduler:
         insert = insert and req.error is None  # a failed request's state is not trusted
         if req.session_restored:  # not admitted: the session keeps its slot
             self.sessions.unrestore(req)
-            return
-        if req.session is not None and insert and req.finish_reason != FinishReason.ABORT:
+        elif req.session is not None and insert and req.finish_reason != FinishReason.ABORT:
             self.sessions.save(req)  # the next turn continues from here
-            return
-        self.cache.release(req, insert)
-        if requeue:
-            self.waiting.appendleft(req)
-        elif req.session is not None and req.finished:
-            self.sessions.done(req)
+        else:
+            self.cache.release(req, insert)
+            if requeue:
+                self.waiting.appendleft(req)
+            elif req.session is not None and req.finished:
+                self.sessions.done(req)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -242,7 +228,6 @@ class Scheduler:
         req.finish_detail = detail
         return [req]
 
-    # ---- prefill -------------------------------------------------------------------------
     def _admit(self) -> list[tuple[Req, int]]:
         """Choose this step's prefill round (`PrefillAdder`) and apply it to the queues."""
         cfg = self.config
@@ -278,7 +263,6 @@ class Scheduler:
                 self.running.append(req)
         return done
 
-    # ---- decode --------------------------------------------------------------------------
     def _run_decode(self) -> list[Req]:
         held = self.debug.held(self.running)
         if held:
@@ -302,11 +286,11 @@ class Scheduler:
         for req in [r for r in reqs if r.finished]:
             self.running.remove(req)
             self._release(req, insert=True)
-        return list(reqs)
+        return reqs
 
     def _decode_without(self, held: list[Req]) -> list[Req]:
         """Decode every running request but ``held`` (paused by the test switch); with none
-        left, wait a moment instead (a step that runs nothing)."""
+        left, wait a moment instead."""
         self.running = [r for r in self.running if r not in held]
         try:
             if self.running:
@@ -317,8 +301,7 @@ class Scheduler:
             self.running += held
 
     def _retract(self, req: Req) -> None:
-        """Out of KV: give everything back and re-queue; it is recomputed later (output kept).
-        The chunked request is one too (admitted on an estimate that proved short)."""
+        """Out of KV: give everything back and re-queue; it is recomputed later (output kept)."""
         logger.warning("retracting %s: out of KV memory", req.rid)
         self.retractions += 1
         if req is self.chunked:
@@ -336,32 +319,23 @@ class Scheduler:
         self.sessions.evict_all()
         self.tree.reset()
 
-    def open_session(
-        self,
-        session_id: str | None = None,
-        capacity_of_str_len: int | None = None,
-        streaming: bool = False,
-        timeout: float | None = None,
-    ) -> str:
-        return self.sessions.open(session_id, capacity_of_str_len, streaming, timeout)
+    def end_session(self, session_id: str, why: str | None = None) -> list[Req] | None:
+        """Abort the session's turns in flight (their detail says `why`, when given) and free
+        everything it holds; the aborted turns, or None when there is no such session."""
+        session = self.sessions.sessions.get(session_id)
+        if session is None:
+            return None
+        turns = list(session.in_flight.values())
+        for req in turns:
+            self.faults.guarded(req, self._abort_req, req)
+            req.finish_detail = why or req.finish_detail
+        self.sessions.close(session_id)
+        return turns
+
+    def close_session(self, session_id: str) -> bool:
+        return self.end_session(session_id) is not None
 
     def reap_sessions(self, now: float | None = None) -> list[Req]:
         """Close every session past its deadline; return the turns this aborted."""
-        aborted: list[Req] = []
-        for sid in self.sessions.expired(now):
-            turns = list(self.sessions.sessions[sid].in_flight.values())
-            self.close_session(sid)
-            for turn in turns:
-                turn.finish_detail = f"session {sid!r} timed out"
-            aborted += turns
-        return aborted
-
-    def close_session(self, session_id: str) -> bool:
-        """Abort the session's requests in flight and free everything it holds."""
-        session = self.sessions.sessions.get(session_id)
-        if session is None:
-            return False
-        for req in list(session.in_flight.values()):
-            self.faults.guarded(req, self._abort_req, req)
-        self.sessions.close(session_id)
-        return True
+        expired = self.sessions.expired(now)
+        return [t for sid in expired for t in self.end_session(sid, f"session {sid!r} timed out")]

@@ -39,6 +39,11 @@ if TYPE_CHECKING:
 __all__ = ["Session", "SessionError", "SessionManager", "SessionSlot"]
 
 
+# what a session's slot holds of a finished turn, under the `Req` field names
+HELD = ("req_slot", "mamba_slot", "track_slots", "next_track", "last_track_len", "kv_len")
+HELD += ("cache_protected_len", "last_node")
+
+
 @dataclass
 class SessionSlot:
     req_slot: int
@@ -94,9 +99,9 @@ class SessionManager:
         return sid
 
     @staticmethod
-    def _touch(session: Session, now: float | None = None) -> None:
+    def _touch(session: Session) -> None:
         if session.timeout is not None:
-            session.deadline = (time.monotonic() if now is None else now) + session.timeout
+            session.deadline = time.monotonic() + session.timeout
 
     def expired(self, now: float | None = None) -> list[str]:
         """Ids of the sessions whose deadline has passed (the caller closes them)."""
@@ -173,11 +178,9 @@ class SessionManager:
     @staticmethod
     def _lend(slot: SessionSlot, req: Req) -> None:
         """Point the request at everything the slot holds (ownership is the caller's call)."""
-        req.req_slot, req.mamba_slot = slot.req_slot, slot.mamba_slot
-        req.track_slots, req.next_track = list(slot.track_slots), slot.next_track
-        req.last_track_len, req.branching_len = slot.last_track_len, None
-        req.kv_len, req.cache_protected_len = slot.kv_len, slot.cache_protected_len
-        req.last_node = slot.last_node
+        for name in HELD:
+            setattr(req, name, getattr(slot, name))
+        req.track_slots, req.branching_len = list(slot.track_slots), None
 
     def unrestore(self, req: Req) -> None:
         """The turn was not admitted: the slot stays the session's, the request holds nothing."""
@@ -198,17 +201,8 @@ class SessionManager:
             return
         self._drop_slot(session)
         session.last_used = next(self._clock)
-        session.slot = SessionSlot(
-            req.req_slot,
-            req.mamba_slot,
-            list(req.track_slots),
-            req.next_track,
-            req.last_track_len,
-            req.kv_len,
-            req.cache_protected_len,
-            req.last_node,
-            req.all_ids[: req.kv_len],
-        )
+        held = {name: getattr(req, name) for name in HELD}
+        session.slot = SessionSlot(**held, ids=req.all_ids[: req.kv_len])
         req.reset_for_retract()
         self.done(req)
 
@@ -233,22 +227,20 @@ class SessionManager:
         if session is not None:
             session.finish(req)
 
+    def _idle(self) -> list[Session]:
+        return [s for s in self.sessions.values() if s.slot is not None and not s.in_flight]
+
     def evict_one(self) -> bool:
         """Free the held slot of the least recently used idle session (its next turn goes
         through the radix cache instead), so idle sessions never starve live requests."""
-        idle = [s for s in self.sessions.values() if s.slot is not None and not s.in_flight]
-        if not idle:
-            return False
-        self._drop_slot(min(idle, key=lambda s: s.last_used))
-        return True
+        idle = self._idle()
+        if idle:
+            self._drop_slot(min(idle, key=lambda s: s.last_used))
+        return bool(idle)
 
     def evictable_kv(self) -> int:
         """KV tokens that evicting every idle session's held slot would free."""
-        return sum(
-            s.slot.kv_len - s.slot.cache_protected_len
-            for s in self.sessions.values()
-            if s.slot is not None and not s.in_flight
-        )
+        return sum(s.slot.kv_len - s.slot.cache_protected_len for s in self._idle())
 
     def evict_all(self) -> None:
         """Free every idle session's held slot (`/flush_cache`)."""

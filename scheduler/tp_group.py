@@ -21,15 +21,13 @@ import pickle
 import signal
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch.distributed as dist
 
 from models.parallel import ParallelContext, free_port, init_process_group
 from scheduler.config import RunnerConfig, SchedulerConfig
+from scheduler.cpu_env import configure_threads, default_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +50,6 @@ def rank_device(cfg: RunnerConfig, rank: int) -> str:
 
 def rank_threads(cfg: RunnerConfig) -> int:
     """Torch threads of each rank: --num-threads, or this host's default shared by its ranks."""
-    from scheduler.threads import default_num_threads
-
     return cfg.num_threads or max(1, default_num_threads() // len(local_ranks(cfg)))
 
 
@@ -87,7 +83,6 @@ def follower_main(
     from scheduler.engine import build_scheduler
     from scheduler.lockstep import NullIO, follow
     from scheduler.loop import SchedulerLoop
-    from scheduler.threads import configure_threads
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
@@ -135,32 +130,16 @@ class TPGroup:
         the config with the rendezvous address filled in."""
         if not runner_cfg.dist_init_addr:
             runner_cfg = replace(runner_cfg, dist_init_addr=f"127.0.0.1:{free_port()}")
-        procs = {
-            rank: _spawn(
-                rank,
-                model_path=model_path,
-                runner_cfg=runner_cfg,
-                sched_cfg=sched_cfg,
-                log_level=log_level,
-            )
-            for rank in local_ranks(runner_cfg)
-            if rank != 0
-        }
-        group = cls(procs, None)
+        args = dict(model_path=model_path, runner_cfg=runner_cfg, sched_cfg=sched_cfg)
+        ranks, size, addr = local_ranks(runner_cfg), runner_cfg.tp_size, runner_cfg.dist_init_addr
+        group = cls({r: _spawn(r, **args, log_level=log_level) for r in ranks if r != 0}, None)
         if runner_cfg.node_rank == 0:
             try:
-                group.tp = init_process_group(
-                    0, runner_cfg.tp_size, runner_cfg.dist_init_addr, runner_cfg.device
-                )
+                group.tp = init_process_group(0, size, addr, runner_cfg.device)
             except Exception:
                 group.stop()
                 raise
-        logger.info(
-            "tensor parallel: %d ranks (%s), this host runs ranks %s",
-            runner_cfg.tp_size,
-            runner_cfg.dist_init_addr,
-            list(local_ranks(runner_cfg)),
-        )
+        logger.info("tensor parallel: %d ranks (%s), this host runs %s", size, addr, list(ranks))
         return group, runner_cfg
 
     def failure(self) -> str | None:
@@ -169,20 +148,6 @@ class TPGroup:
             if proc.poll() is not None:
                 return f"tensor-parallel rank {rank} exited (code {proc.returncode})"
         return None
-
-    def watch(self, on_failure: Callable[[str], None], interval_s: float = 0.5) -> None:
-        """Call `on_failure(message)` (once, from a daemon thread) when a follower exits
-        while this process lives: a dead rank is noticed even while no step runs."""
-
-        def run() -> None:
-            while self.procs:
-                message = self.failure()
-                if message is not None:
-                    on_failure(message)
-                    return
-                time.sleep(interval_s)
-
-        threading.Thread(target=run, name="tp-watch", daemon=True).start()
 
     def wait(self) -> int:
         """Block until this host's followers exit (hosts other than 0); 1 if any failed."""

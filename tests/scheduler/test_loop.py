@@ -15,8 +15,15 @@ from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import PipeIO
-from scheduler.messages import AbortMsg, GenerateMsg, Heartbeat, QueryMsg, QueryReply, ShutdownMsg
-from scheduler.output import RequestOutput
+from scheduler.messages import (
+    AbortMsg,
+    GenerateMsg,
+    Heartbeat,
+    QueryMsg,
+    QueryReply,
+    RequestOutput,
+    ShutdownMsg,
+)
 from scheduler.sampling_params import SamplingParams
 from server.cli import main as cli_main
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from scheduler.cpu_env import configure_threads, default_num_threads
 from scheduler.model_runner import RunnerConfig
-from scheduler.threads import configure_threads, default_num_threads
 from server.args import parse_serve_args
 
 
