@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -73,11 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         max_context_len=args.context_len + 1,
         mamba_cache_size=2 * max_b + 1,
         dtype=args.dtype,
+        quantization=args.quantization,
     )
     runner = ModelRunner.from_path(str(resolve_model_path(args)), cfg)
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, {args.dtype}")
+    quant = f", {args.quantization} matrices" if args.quantization else ""
+    print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, {args.dtype}{quant}")
     with torch.inference_mode():
         for b in sizes:
             contexts = torch.randint(vocab, (b, args.context_len), generator=gen)
