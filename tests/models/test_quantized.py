@@ -152,3 +152,25 @@ def test_serve_flag() -> None:
         parse_serve_args(["--quantization", "fp4"])
     with pytest.raises(ValueError, match="--quantization int8 runs on the CPU only"):
         parse_serve_args(["--quantization", "int8", "--device", "cuda"])
+
+
+def test_session_turns_equal_transformers_on_the_twin(ckpts) -> None:
+    """A three-turn session (each turn prefilling only its new tokens over the held state)
+    gives transformers' greedy tokens on the dequantized twin for the whole context."""
+    path, twin, method = ckpts
+    hf = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(8)
+    engine = Engine(str(path), quantization=method, max_running_requests=4,
+                    max_total_tokens=2048)  # fmt: skip
+    sid = engine.open_session(capacity_of_str_len=1000)
+    context: list[int] = []
+    rid = None
+    for n in (30, 7, 12):
+        new = torch.randint(3, 200, (n,), generator=gen).tolist()
+        out = engine.generate(new, GREEDY, session_params={"id": sid, "rid": rid})
+        expected = hf_greedy(hf, [context + new], NEW)[0]
+        assert out["output_ids"] == expected
+        context += new + expected
+        rid = out["meta_info"]["id"]
+    assert engine.close_session(sid)
+    assert engine.leak_report() == []
