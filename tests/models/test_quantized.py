@@ -174,3 +174,16 @@ def test_session_turns_equal_transformers_on_the_twin(ckpts) -> None:
         rid = out["meta_info"]["id"]
     assert engine.close_session(sid)
     assert engine.leak_report() == []
+
+
+def test_fp8_checkpoint_quantizes_its_dequantized_weights(tmp_path) -> None:
+    """From a block-FP8 checkpoint, each quantized matrix is the quantization of the matrix the
+    FP8 loader serves (dequantized, then the serving dtype)."""
+    path = write_checkpoint(tmp_path, preset_config("tiny"), seed=5, dtype=torch.bfloat16,
+                            fp8_block=(32, 64))  # fmt: skip
+    plain = dict(load_model(path, dtype="bfloat16").named_parameters())
+    for method in ("int8", "int4"):
+        model = load_model(path, dtype="bfloat16", quantization=method)
+        for name, p in model.named_parameters():
+            if p.dtype in (torch.int8, torch.uint8):
+                assert torch.equal(p, quantize(plain[name].detach(), method)), name
