@@ -20,8 +20,8 @@ group's extremes); bf16 scales widen with one shift and their rounding (< 0.4%) 
 the 4-bit step. The loader keeps int8 for a matrix whose K is not a multiple of 32 (as
 llama-quantize falls back for rows that do not divide into blocks).
 
-Products sum the integers (exact in fp32) and scale each output's sum (int8) or each group's
-partial sum (int4) once.
+The C++ products sum the integers (exact in fp32) and scale each output's sum (int8) or, in the
+GEMV, each group's partial sum (int4); the tiled GEMM widens int4 blocks with their scales.
 """
 
 from __future__ import annotations
