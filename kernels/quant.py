@@ -67,8 +67,8 @@ def quantize_int8(w: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Te
     tensor-parallel shard of the columns passes the whole rows' peaks, so that its numbers are
     those of the whole matrix)."""
     wf = w.float()
-    peak = row_peaks(w) if peak is None else peak
-    scale = peak.float().unsqueeze(-1) / QMAX
+    peak = wf.abs().amax(dim=-1) if peak is None else peak.float()
+    scale = peak.unsqueeze(-1) / QMAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(wf / scale).clamp_(-QMAX, QMAX).to(torch.int8)
     tail = scale.contiguous().view(torch.int8)  # [..., N, 4]: the fp32 scale's bytes

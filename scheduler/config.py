@@ -169,13 +169,10 @@ class RunnerConfig:
             raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got "
-                f"{self.quantization!r}"
-            )
-        if self.quantization is not None and self.device != "cpu":
-            raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
+        if self.quantization is not None:
+            _one_of(self, "quantization", QUANTIZATIONS)
+            if self.device != "cpu":
+                raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
 
     @property
     def mamba_slots(self) -> int:
