@@ -64,6 +64,7 @@ class ModelConfig:
     # in_proj_qkv/z/b/a (Qwen3.5); where the language model's tensors live in the file
     gdn_projections: str = "grouped"
     weight_prefix: str = "model."
+    mtp_num_hidden_layers: int = 0  # decoder layers of the multi-token-prediction head (mtp.*)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
@@ -205,6 +206,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             gdn_projections="split" if qwen3_5 else "grouped",
             weight_prefix=prefix,
+            mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers", 0)),
         )
 
 

@@ -19,6 +19,7 @@ from models.config import FULL, ModelConfig
 from models.forward_batch import ForwardBatch
 from models.gated_delta_net import GatedDeltaNet
 from models.layers import REFERENCE, RMSNorm, RotaryEmbedding
+from models.mtp import MultiTokenPredictor
 from models.parallel import ParallelContext
 from models.parallel_layers import embedding, lm_head, mlp, sparse_moe
 
@@ -27,14 +28,21 @@ class DecoderLayer(nn.Module):
     """`config` carries this rank's shapes (`ParallelContext.local_shapes`)."""
 
     def __init__(
-        self, config: ModelConfig, layer_id: int, tp: ParallelContext, ops: KernelSet
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        tp: ParallelContext,
+        ops: KernelSet,
+        kv_layer: int | None = None,
     ) -> None:
+        """`kv_layer`: a full-attention layer outside `layer_types` (the MTP head's), on that
+        KV-pool layer."""
         super().__init__()
-        self.is_full_attention = config.layer_types[layer_id] == FULL
+        self.is_full_attention = kv_layer is not None or config.layer_types[layer_id] == FULL
         if self.is_full_attention:
-            self.self_attn = GatedAttention(
-                config, config.full_attention_layers.index(layer_id), tp, ops
-            )
+            if kv_layer is None:
+                kv_layer = config.full_attention_layers.index(layer_id)
+            self.self_attn = GatedAttention(config, kv_layer, tp, ops)
         else:
             self.linear_attn = GatedDeltaNet(
                 config, config.linear_attention_layers.index(layer_id), tp, ops
@@ -96,10 +104,15 @@ class Qwen3NextForCausalLM(nn.Module):
     """The whole model, or rank `tp.rank`'s shard of it (`models.parallel`): `config` is the
     checkpoint's, `local_config` this rank's head counts and widths (what its pools hold).
     `ops` is the kernel set every layer calls (`kernels.choose`; the torch references by
-    default)."""
+    default). With `mtp` (the checkpoint has one: `config.mtp_num_hidden_layers`) the model also
+    holds its multi-token-prediction head, `self.mtp` (`models.mtp`; else None)."""
 
     def __init__(
-        self, config: ModelConfig, tp: ParallelContext | None = None, ops: KernelSet = REFERENCE
+        self,
+        config: ModelConfig,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
+        mtp: bool = False,
     ) -> None:
         super().__init__()
         self.tp, self.ops = tp or ParallelContext(), ops
@@ -108,6 +121,15 @@ class Qwen3NextForCausalLM(nn.Module):
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if mtp and not config.mtp_num_hidden_layers:
+            raise ValueError("this checkpoint has no MTP head (config: mtp_num_hidden_layers)")
+        self.mtp = MultiTokenPredictor(config, self.tp, ops) if mtp else None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Attention layers whose keys and values the KV pool holds (the MTP head's last)."""
+        extra = self.config.mtp_num_hidden_layers if self.mtp is not None else 0
+        return len(self.config.full_attention_layers) + extra
 
     def use_kernels(self, ops: KernelSet) -> None:
         """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on
@@ -135,14 +157,23 @@ class Qwen3NextForCausalLM(nn.Module):
         """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`forward_with_hidden`'s)."""
         return self.lm_head(hidden).float()
 
-    def final_hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """The final normed hidden states of the rows `forward` returns logits for."""
+    @torch.inference_mode()
+    def mtp_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head's output y [T, hidden] for every row of `batch` (`models.mtp`):
+        `batch.input_ids` are the tokens after the positions whose final hidden is `hidden`;
+        `logits_from_hidden(y)` are its predictions of the tokens after those."""
+        return self.mtp(batch, hidden, self.model.embed_tokens, self.model.rotary)
+
+    def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:
+        """The final normed hidden states of the rows `forward` returns logits for (with
+        `every_row`, of every new token)."""
         x, residual = self.model(batch)
         rows = None
-        if batch.logit_indices is not None and not batch.is_decode:
-            rows = batch.logit_indices
-        elif not batch.return_all_logits and not batch.is_decode:
-            rows = batch.last_token_indices()
+        if not (every_row or batch.is_decode):
+            if batch.logit_indices is not None:
+                rows = batch.logit_indices
+            elif not batch.return_all_logits:
+                rows = batch.last_token_indices()
         if rows is not None:
             x, residual = x[rows], residual[rows]
         h, _ = self.model.norm.add_forward(x, residual)

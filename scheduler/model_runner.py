@@ -64,7 +64,7 @@ class ModelRunner:
         self.kv_pool = KVPool(
             num_pages,
             config.page_size,
-            len(mc.full_attention_layers),
+            model.num_kv_layers,
             mc.num_key_value_heads,
             mc.head_dim,
             dtype,

@@ -36,7 +36,8 @@ class PoolBytes:
 def pool_bytes(model: nn.Module) -> PoolBytes:
     c: ModelConfig = getattr(model, "local_config", model.config)  # per tensor-parallel rank
     dtype_bytes = next(model.parameters()).element_size()
-    kv = len(c.full_attention_layers) * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
+    layers = getattr(model, "num_kv_layers", len(c.full_attention_layers))  # + the MTP head's
+    kv = layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
     conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * dtype_bytes
     ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4  # fp32
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
