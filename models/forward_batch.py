@@ -48,6 +48,10 @@ class ForwardBatch:
     # chunk size) in Mamba slot `mamba_track_slots[i]`
     mamba_track_slots: torch.Tensor | None = None  # [N] int64
     mamba_track_offsets_cpu: list[int] | None = None  # [N]
+    # verify (speculative decoding): the Gated DeltaNet layers step each request's new tokens
+    # one at a time, and the conv and recurrent state after its new token j (every one but its
+    # last) also go to Mamba slot `mamba_step_slots_cpu[i][j]`, to roll back to
+    mamba_step_slots_cpu: list[list[int]] | None = None  # [N][extend_len - 1]
 
     @property
     def num_reqs(self) -> int:
@@ -71,6 +75,30 @@ class ForwardBatch:
     @property
     def tracks_states(self) -> bool:
         return self.mamba_track_offsets_cpu is not None and any(self.mamba_track_offsets_cpu)
+
+    @property
+    def is_verify(self) -> bool:
+        return self.mamba_step_slots_cpu is not None
+
+    @cached_property
+    def recurrent_steps(self) -> list[tuple[torch.Tensor, ...]]:
+        """Verify: per token index j, (packed rows of the requests' token j, their Mamba slots,
+        the slots whose state is kept after it, where it goes) (built once)."""
+        lens, starts, out = self.extend_lens_cpu, [0], []
+        for n in lens:
+            starts.append(starts[-1] + n)
+        slots = self.mamba_slots.tolist()
+
+        def col(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.input_ids.device)
+
+        for j in range(max(lens, default=0)):
+            live = [i for i, n in enumerate(lens) if n > j]
+            kept = [i for i in live if j < lens[i] - 1]
+            src, dst = [slots[i] for i in kept], [self.mamba_step_slots_cpu[i][j] for i in kept]
+            out.append((col([starts[i] + j for i in live]), col([slots[i] for i in live]),
+                        col(src), col(dst)))  # fmt: skip
+        return out
 
     def last_token_indices(self) -> torch.Tensor:
         """[N] index of each request's last new token in the packed batch."""

@@ -67,6 +67,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:
             return self.out_proj(self._decode(x, batch))
+        if batch.is_verify:
+            return self.out_proj(self._verify(x, batch))
         return self.out_proj(self._extend(x, batch))
 
     def _decode(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -81,6 +83,26 @@ class GatedDeltaNet(nn.Module):
             self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
             self.norm.weight, batch.mamba_slots, self.num_k_heads, self.norm.eps,
         )  # fmt: skip
+
+    def _verify(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The recurrent form over a few new tokens per request (speculative verify): token j of
+        every request through the decode op at once, in place on the running slots, keeping the
+        state after each token but the last in the request's step slots; so the state after any
+        accepted prefix is the one a plain decode of those tokens leaves."""
+        pool = batch.mamba_pool
+        qkvz, ba = (self.in_proj_qkvz, self.in_proj_ba)
+        qkvz, ba = self.ops.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
+        out = qkvz.new_empty(x.shape[0], self.value_dim)
+        layer = self.linear_layer_id
+        for rows, slots, src, dst in batch.recurrent_steps:
+            out[rows] = self.ops.gdn_decode(
+                qkvz[rows], ba[rows], pool.conv_state, pool.ssm_state,
+                layer, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
+                self.norm.weight, slots, self.num_k_heads, self.norm.eps,
+            )  # fmt: skip
+            if src.numel():
+                pool.copy_layer(layer, src, dst)
+        return out
 
     def _extend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]

@@ -164,6 +164,7 @@ class Qwen3NextForCausalLM(nn.Module):
         `logits_from_hidden(y)` are its predictions of the tokens after those."""
         return self.mtp(batch, hidden, self.model.embed_tokens, self.model.rotary)
 
+    @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:
         """The final normed hidden states of the rows `forward` returns logits for (with
         `every_row`, of every new token)."""

@@ -20,7 +20,11 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # models.loader.LOAD_FORMATS, likewise (dummy: random weights from config.json alone)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SPECULATIVE_ALGORITHMS = ("NEXTN",)  # drafts from the checkpoint's own MTP head (models/mtp.py)
 QUANTIZATIONS = ("int8", "int4")  # kernels.quant.METHODS: weight-only formats for CPU serving
+
+
+DEFAULT_SPEC_STEPS = 3
 
 
 def _one_of(cfg: object, name: str, choices: tuple[str, ...]) -> None:
@@ -125,6 +129,13 @@ class RunnerConfig:
     device: str = "cpu"
     load_format: str = "auto"  # dummy: random weights, no weight file read (models.loader)
     quantization: str | None = None  # int8 / int4: weight-only, quantized at load (CPU; loader)
+    # speculative decoding (SGLang's flags; scheduler/speculative.py): NEXTN drafts a chain of
+    # num_steps tokens with the MTP head (topk 1, num_steps + 1 draft tokens verified at once);
+    # 0 picks the default (3 steps)
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int = 0
+    speculative_eagle_topk: int = 0
+    speculative_num_draft_tokens: int = 0
     # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0
@@ -169,10 +180,37 @@ class RunnerConfig:
             raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        self._check_speculative()
         if self.quantization is not None:
             _one_of(self, "quantization", QUANTIZATIONS)
             if self.device != "cpu":
                 raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is None:
+            if self.speculative_num_steps or self.speculative_num_draft_tokens:
+                raise ValueError("--speculative-num-steps needs --speculative-algorithm NEXTN")
+            return
+        _one_of(self, "speculative_algorithm", SPECULATIVE_ALGORITHMS)
+        steps = self.speculative_num_steps
+        if steps < 0 or self.speculative_num_draft_tokens < 0:
+            raise ValueError("--speculative-num-steps / -num-draft-tokens must be >= 1")
+        if self.speculative_eagle_topk not in (0, 1):
+            raise ValueError("--speculative-eagle-topk: only 1 (chain drafts) is supported")
+        if self.speculative_num_draft_tokens not in (0, (steps or DEFAULT_SPEC_STEPS) + 1):
+            raise ValueError(
+                "--speculative-num-draft-tokens must be --speculative-num-steps + 1 (chain "
+                f"drafts), got {self.speculative_num_draft_tokens}"
+            )
+        if self.page_size != 1:
+            raise ValueError("--speculative-algorithm needs --page-size 1")
+
+    @property
+    def spec_steps(self) -> int:
+        """Draft tokens per request and step (0: no speculative decoding)."""
+        if self.speculative_algorithm is None:
+            return 0
+        return self.speculative_num_steps or DEFAULT_SPEC_STEPS
 
     @property
     def mamba_slots(self) -> int:

@@ -52,10 +52,11 @@ def build_scheduler(
     rank's shard and pools (every rank's loop runs on rank 0's inputs: `scheduler.lockstep`)."""
     if runner_cfg.mamba_cache_size == 0:
         slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
+        slots += runner_cfg.spec_steps * runner_cfg.max_running_requests  # verify's step slots
         runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
     model = load_model(
         model_path, runner_cfg.dtype, runner_cfg.device, tp, runner_cfg.load_format,
-        quantization=runner_cfg.quantization,
+        quantization=runner_cfg.quantization, mtp=runner_cfg.spec_steps > 0,
     )  # fmt: skip
     sizes = pool_bytes(model)
     runner_cfg = size_pools(runner_cfg, sizes)

@@ -25,6 +25,7 @@ from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.penalties import TokenCounts, has_penalty
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
+from scheduler.speculative import SpecDecoder, can_draft
 
 
 def init_prompt_logprobs(req: Req) -> None:
@@ -94,6 +95,8 @@ class ForwardStep:
     def __post_init__(self) -> None:
         self.eos_ids = tuple(self.runner.model.config.eos_token_ids)
         self.max_context_len = self.runner.config.max_context_len
+        steps = self.runner.config.spec_steps
+        self.spec = SpecDecoder(self.runner, self.cache, steps, self) if steps else None
 
     def prefill(self, batch: list[tuple[Req, int]]) -> list[Req]:
         """Extend every (request, extend_len) of batch (slots and KV allocated) and sample the
@@ -103,7 +106,7 @@ class ForwardStep:
         logits come from that hidden. A request whose prompt is still incomplete (the chunked
         one) has its newest state cached; the others are the caller's to cache or release."""
         work = [(r, n) for r, n in batch if n]
-        logits, hidden = self._extend(work) if work else (None, None)
+        logits, hidden, every = self._extend(work) if work else (None, None, None)
         rows = {id(r): i for i, (r, _) in enumerate(work)}
         done = []
         for req, n in batch:
@@ -126,11 +129,16 @@ class ForwardStep:
                 h = torch.stack([r.last_hidden for r in cached])
                 parts.append(self.runner.model.logits_from_hidden(h))
             self.sample(torch.cat(parts) if len(parts) > 1 else parts[0], computed + cached)
+        if every is not None:  # the MTP head over the drafters' rows
+            self.spec.after_prefill(work, every)
         return done
 
-    def _extend(self, work: list[tuple[Req, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _extend(
+        self, work: list[tuple[Req, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Per request with tokens to compute: the logits and final hidden state of its last
-        new token (its prompt logprobs gathered on the way)."""
+        new token (its prompt logprobs gathered on the way); and when a request of the round
+        drafts (speculative decoding), the final hidden state of every packed row."""
         runner = self.runner
         items = []
         for r, n in work:
@@ -141,20 +149,33 @@ class ForwardStep:
         locs = [table[r.req_slot, r.kv_len : r.kv_len + n].long() for r, n in work]
         picks = prompt_logit_picks(work)
         indices = None if picks is None else [i for pick in picks for i in pick]
-        logits, hidden = runner.model.forward_with_hidden(
-            runner.build_prefill(items, locs, logit_indices=indices)
-        )
+        batch = runner.build_prefill(items, locs, logit_indices=indices)
+        every = None
+        if self.spec is not None and any(can_draft(r) for r, _ in work):
+            every = runner.model.final_hidden(batch, every_row=True)
+            rows = batch.last_token_indices() if indices is None else batch.logit_indices
+            hidden = every[rows]
+            logits = runner.model.logits_from_hidden(hidden)
+        else:
+            logits, hidden = runner.model.forward_with_hidden(batch)
         if picks is not None:  # rows per request: its prompt positions, then its last token
             ends = torch.tensor([len(pick) for pick in picks]).cumsum(0)
             for (req, _), pick, end in zip(work, picks, ends.tolist(), strict=True):
                 if len(pick) > 1:
                     gather_prompt_logprobs(req, logits[end - len(pick) : end - 1])
             logits, hidden = logits[ends - 1], hidden[ends - 1]
-        return logits, hidden
+        return logits, hidden, every
 
     def decode(self, reqs: list[Req], out_loc: torch.Tensor) -> None:
         """One decode step of reqs (their KV drawn at out_loc), then the track snapshots of the
-        requests that reached a boundary."""
+        requests that reached a boundary. With speculative decoding, a round where a request
+        drafts (`scheduler.speculative`) instead."""
+        if self.spec is not None and any(can_draft(r) for r in reqs):
+            try:
+                self.cache.after_decode(reqs, self.spec.round(reqs))
+            finally:
+                self.spec.release_steps()
+            return
         for req in reqs:
             req.kv_reserved_len = req.kv_len + 1
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
@@ -182,14 +203,42 @@ class ForwardStep:
         ended = set(GrammarBackend.advance(matchers, out.next_token_ids) if constrained else [])
         for i, req in enumerate(reqs):
             try:
-                self.debug.step_fault(req, self.runner.mamba_pool)
-                req.output_ids.append(out.next_token_ids[i])
-                if out.logprobs is not None:
-                    req.output_logprobs.append(out.logprobs[i])
-                if out.top_logprobs is not None:
-                    req.output_top_logprobs.append(out.top_logprobs[i])
-                req.check_finished(self.eos_ids, self.max_context_len)
-                if i in ended and not req.finished:  # the grammar is complete
-                    req.finish_reason, req.finish_detail = FinishReason.STOP, "grammar ended"
+                self._land(req, out, i, grammar_ended=i in ended)
             except Exception as exc:  # this request fails (released by the caller), not the batch
                 self.on_error(req, exc)
+
+    def land_drafted(
+        self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
+    ) -> list[int]:
+        """Speculative verify of greedy requests (`scheduler.speculative`): logits has
+        len(drafts[i]) + 1 rows per request, row j scoring the token after draft j. Row j's
+        argmax lands while row j-1's equalled draft j, so exactly the tokens plain decoding
+        would emit land, up to where the request finishes; returns how many landed each."""
+        params = [r.params for r, d in zip(reqs, drafts, strict=True) for _ in range(len(d) + 1)]
+        out = self.runner.sample(logits, params, [None] * len(params))
+        landed, base = [], 0
+        for req, draft in zip(reqs, drafts, strict=True):
+            m = 0
+            try:
+                for j in range(len(draft) + 1):
+                    self._land(req, out, base + j)
+                    m += 1
+                    if req.finished or j == len(draft) or out.next_token_ids[base + j] != draft[j]:
+                        break
+            except Exception as exc:
+                self.on_error(req, exc)
+            landed.append(m)
+            base += len(draft) + 1
+        return landed
+
+    def _land(self, req: Req, out, i: int, grammar_ended: bool = False) -> None:
+        """Append row i of a sampler output to req and check whether it finished."""
+        self.debug.step_fault(req, self.runner.mamba_pool)
+        req.output_ids.append(out.next_token_ids[i])
+        if out.logprobs is not None:
+            req.output_logprobs.append(out.logprobs[i])
+        if out.top_logprobs is not None:
+            req.output_top_logprobs.append(out.top_logprobs[i])
+        req.check_finished(self.eos_ids, self.max_context_len)
+        if grammar_ended and not req.finished:  # the grammar is complete
+            req.finish_reason, req.finish_detail = FinishReason.STOP, "grammar ended"

@@ -42,6 +42,7 @@ class ExtendInput:
     input_ids: list[int]  # the new tokens to compute now
     track_offset: int = 0  # > 0: also leave the state after this many new tokens in track_slot
     track_slot: int = 0
+    step_slots: list[int] | None = None  # verify: the state after each new token but the last
 
 
 @dataclass
@@ -91,7 +92,7 @@ class ModelRunner:
             configure_threads(config.num_threads, pick_default=False)
         model = load_model(
             model_path, config.dtype, config.device, load_format=config.load_format,
-            quantization=config.quantization,
+            quantization=config.quantization, mtp=config.spec_steps > 0,
         )  # fmt: skip
         return cls(model, config)
 
@@ -159,15 +160,20 @@ class ModelRunner:
         out_locs: list[torch.Tensor],
         return_all_logits: bool = False,
         logit_indices: list[int] | None = None,
+        verify: bool = False,
     ) -> ForwardBatch:
         """A prefill batch; logits come for each request's last new token, or for every new
-        token (return_all_logits), or for the packed token indices `logit_indices`."""
+        token (return_all_logits), or for the packed token indices `logit_indices`. `verify`:
+        a speculative verify batch, the recurrent layers stepping token by token and keeping
+        the states in each item's `step_slots` (`ForwardBatch.mamba_step_slots_cpu`)."""
 
         def col(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         tracks = {}
-        if any(it.track_offset for it in items):
+        if verify:
+            tracks = dict(mamba_step_slots_cpu=[it.step_slots or [] for it in items])
+        elif any(it.track_offset for it in items):
             tracks = dict(
                 mamba_track_slots=col([it.track_slot for it in items]),
                 mamba_track_offsets_cpu=[it.track_offset for it in items],

@@ -257,14 +257,22 @@ class PrefixCache:
         req.track_slots, req.last_track_len = [], None
         self._insert_and_relock(req, length, slot)
 
-    def after_decode(self, reqs: list[Req]) -> None:
-        """Snapshot the running state of requests whose kv_len just reached a track boundary."""
+    def after_decode(
+        self, reqs: list[Req], steps: list[tuple[int, list[int]]] | None = None
+    ) -> None:
+        """Snapshot the state of requests whose kv_len just reached or passed a track boundary.
+        A speculative round gives per request (kv_len before it, its step slots: the state
+        after each of its verified tokens but the last), so a boundary passed inside the round
+        is snapshotted from its step slot; a decode step moves kv_len by one."""
         if not self.tracking:
             return
         src, dst = [], []
-        for req in reqs:
-            if req.kv_len % self.interval:
+        for i, req in enumerate(reqs):
+            start, step_slots = steps[i] if steps is not None else (req.kv_len - 1, [])
+            boundary = req.kv_len // self.interval * self.interval
+            if boundary <= start or req.error is not None:
                 continue
+            source = req.mamba_slot if boundary == req.kv_len else step_slots[boundary - start - 1]
             if self.lazy:
                 new = None if self.force_lazy_alloc_fail else self.alloc_slot(zero=False)
                 if new is None:  # overwrite the only snapshot; a request ending now skips insert
@@ -277,9 +285,9 @@ class PrefixCache:
             else:
                 target = req.track_slots[req.next_track]
                 req.next_track ^= 1
-            src.append(req.mamba_slot)
+            src.append(source)
             dst.append(target)
-            req.last_track_len = req.kv_len
+            req.last_track_len = boundary
         if src:
             self.pool.copy(src, dst)
 

@@ -71,6 +71,11 @@ class Req:
     # into the tree yet: from the prefill round that ended the prompt, or (an exact repeat)
     # from the tree node the whole prompt matched; None otherwise
     last_hidden: torch.Tensor | None = None
+    # speculative decoding (scheduler/speculative.py): the MTP head's output at the newest
+    # verified row and its predicted token (the next round's first draft); the round's drafts
+    spec_hidden: torch.Tensor | None = None
+    spec_token: int = 0
+    spec_drafts: list[int] = field(default_factory=list)
     # outcome
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # e.g. which stop token matched, or an abort message
@@ -145,4 +150,4 @@ class Req:
         self.track_slots, self.next_track = [], 0
         self.last_track_len = self.branching_len = None
         self.lazy_insert_ok = True
-        self.last_hidden = None
+        self.last_hidden = self.spec_hidden = None

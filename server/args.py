@@ -177,6 +177,11 @@ HELP: dict[str, str] = {
     "alone, no weight file read (for real-size measurements; models/dummy_weights.py)",
     "quantization": "weight-only matrices quantized at load from any float or FP8 checkpoint "
     "(CPU; kernels/quant.py): int8 (one scale per output row) or int4 (a bf16 scale per 32)",
+    "speculative_algorithm": "NEXTN: speculative decoding with the checkpoint's MTP head "
+    "(greedy requests draft; the others decode as usual)",
+    "speculative_num_steps": "draft tokens per step (0: 3)",
+    "speculative_eagle_topk": "drafts per step; only 1 (a chain)",
+    "speculative_num_draft_tokens": "tokens verified per step: --speculative-num-steps + 1",
     "mem_fraction_static": "CUDA: fraction of GPU memory for weights + KV/Mamba pools; sizes the "
     "KV pool (0: --max-total-tokens decides)",
     "pool_memory_gb": "GB for the KV and Mamba pools on any device; sizes the KV pool "

@@ -1,0 +1,227 @@
+"""Speculative decoding with the checkpoint's MTP head (SGLang's NEXTN: a chain of N drafts).
+
+A row of the head pairs the main model's final hidden h_p with the token t_{p+1} after it and
+predicts t_{p+2} (`models.mtp`); its keys and values sit at position p's KV location. A decode
+round for the running requests, of which the *drafters* are the greedy ones without penalties,
+logit bias, min_new_tokens or a grammar (the others decode as usual in the same forward):
+
+1. KV for each request's position P (its newest token t_P, drawn by the scheduler) and, for a
+   drafter, for P+1 .. P+N; N Mamba step slots.
+2. Draft: d1 is the head's prediction from the end of the previous round; rows (y, d_k) at
+   positions P .. P+N-2 give d2 .. dN (argmax).
+3. Verify: one extend of [t_P, d1 .. dN] (a non-drafter: [t_P]) with every row's logits; the
+   Gated DeltaNet layers step token by token and keep the state after each in the step slots
+   (`ForwardBatch.mamba_step_slots_cpu`).
+4. Accept: the target's token at row j is sampled from row j (argmax: the drafters are greedy);
+   they land one by one while row j-1's target equals d_j, so the landed tokens are exactly
+   what plain decoding would emit, and landing stops early at EOS, a stop token or max_tokens.
+   m tokens landed: kv_len = P + m, the running slot takes the state after m tokens (step slot
+   m-1), KV past it goes back to the pool.
+5. The head runs over the verified rows (h_{P+j}, landed_j), j < m: that fills its KV there and
+   its last row predicts the next round's d1.
+
+After a prefill round the head runs over the computed prompt rows the same way (a chunk's last
+row takes the next prompt token, the prompt's last row the first output token). A row whose
+hidden state was never computed (the last position of a cached prefix) keeps whatever the pool
+holds there: drafts only change how many tokens a round lands, never which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
+from scheduler.penalties import has_penalty
+from scheduler.prefix_cache import PrefixCache
+from scheduler.request import Req
+
+if TYPE_CHECKING:
+    from scheduler.forward_step import ForwardStep
+
+
+def can_draft(req: Req) -> bool:
+    """Whether a request's tokens can be drafted and checked by argmax alone."""
+    p = req.params
+    return (
+        p.is_greedy
+        and not has_penalty(p)
+        and not p.logit_bias
+        and not p.min_new_tokens
+        and req.grammar is None
+    )
+
+
+@dataclass
+class SpecDecoder:
+    runner: ModelRunner
+    cache: PrefixCache
+    steps: int  # N: drafts per request and round
+    step: Any  # the ForwardStep whose decode this serves (it samples and lands tokens)
+
+    def __post_init__(self) -> None:
+        self.held: list[int] = []  # step slots of the round in flight (`release_steps`)
+        # controlled acceptance (benchmarks, tests): replaces a request's N head drafts after
+        # they were computed, e.g. with its known greedy continuation, some tokens corrupted
+        self.override: Callable[[Req, list[int]], list[int]] | None = None
+        self.rounds = self.drafted = self.accepted = 0  # drafting requests' counts
+
+    # ---- the head --------------------------------------------------------------------------
+    def _head(self, items: list[ExtendInput], hidden: torch.Tensor) -> torch.Tensor:
+        """The head over rows (hidden[r], next token) packed as in `items` (prefix_len: the
+        first row's position); returns y at each request's last row."""
+        runner = self.runner
+        locs = [self._locs(it.req_slot, it.prefix_len, len(it.input_ids)) for it in items]
+        batch = runner.build_prefill(items, locs)
+        y = runner.model.mtp_hidden(batch, hidden)
+        return y[batch.last_token_indices()]
+
+    def _predict(self, reqs: list[Req], y: torch.Tensor) -> None:
+        """Keep each request's head output and its argmax token (the next d1)."""
+        tokens = self.runner.model.logits_from_hidden(y).argmax(dim=-1).tolist()
+        for i, req in enumerate(reqs):
+            req.spec_hidden, req.spec_token = y[i], tokens[i]
+
+    def after_prefill(self, work: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
+        """After a prefill round (tokens sampled): the head over each drafter's computed rows,
+        `hidden` the final hidden of every packed row of the round."""
+        items, rows, reqs, base = [], [], [], 0
+        for req, n in work:
+            start = req.kv_len - n  # (kv_len already counts this round)
+            if can_draft(req) and not req.finished and len(req.all_ids) > req.kv_len:
+                ids = req.all_ids[start + 1 : req.kv_len + 1]
+                items.append(ExtendInput(req.req_slot, 0, start, ids))
+                rows.extend(range(base, base + n))
+                reqs.append(req)
+            base += n
+        if items:
+            y = self._head(items, hidden[torch.tensor(rows, device=hidden.device)])
+            done = [i for i, r in enumerate(reqs) if r.prefill_done]
+            self._predict([reqs[i] for i in done], y[done])
+
+    # ---- one round -----------------------------------------------------------------------
+    def round(self, reqs: list[Req]) -> list[tuple[int, list[int]]]:
+        """One decode round of reqs (each holds a KV location for its position kv_len, in its
+        req_to_token row); returns per request (kv_len before, its step slots), for the track
+        snapshots. The caller then frees the step slots (`release_steps`), also on a raise."""
+        runner, pool = self.runner, self.runner.mamba_pool
+        starts = [r.kv_len for r in reqs]
+        steps: list[list[int]] = [[] for _ in reqs]
+        for i, req in enumerate(reqs):
+            req.kv_reserved_len = req.kv_len + 1
+            if req.spec_hidden is not None and can_draft(req):
+                steps[i] = self._reserve(req)
+        self._draft(reqs, steps)
+        items, locs = [], []
+        for i, req in enumerate(reqs):
+            ids = [req.output_ids[-1], *req.spec_drafts[: len(steps[i])]]
+            step_slots = steps[i][: len(ids) - 1]
+            items.append(
+                ExtendInput(req.req_slot, req.mamba_slot, req.kv_len, ids, step_slots=step_slots)
+            )
+            locs.append(self._locs(req.req_slot, req.kv_len, len(ids)))
+        batch = runner.build_prefill(items, locs, return_all_logits=True, verify=True)
+        hidden = runner.model.final_hidden(batch, every_row=True)
+        logits = runner.model.logits_from_hidden(hidden)
+        landed = self._accept(reqs, items, logits)
+        heads, head_rows, base = [], [], 0
+        for i, req in enumerate(reqs):
+            m, n = landed[i], len(items[i].input_ids)
+            if 0 < m < n:  # roll back to the state after m tokens
+                pool.copy([steps[i][m - 1]], [req.mamba_slot])
+            if req.kv_reserved_len > req.kv_len + m:  # KV past them goes back
+                drawn = req.kv_reserved_len - req.kv_len - m
+                runner.kv_pool.free(self._locs(req.req_slot, req.kv_len + m, drawn))
+            req.kv_len += m
+            req.kv_reserved_len = req.kv_len
+            if can_draft(req) and not req.finished and m:
+                heads.append((req, starts[i], req.output_ids[-m:]))
+                head_rows.extend(range(base, base + m))
+            base += n
+        if heads:
+            items = [ExtendInput(r.req_slot, 0, s, ids) for r, s, ids in heads]
+            y = self._head(items, hidden[torch.tensor(head_rows, device=hidden.device)])
+            self._predict([r for r, _, _ in heads], y)
+        for req in reqs:
+            if req.finished or not can_draft(req):
+                req.spec_hidden = None
+        return list(zip(starts, steps, strict=True))
+
+    def _locs(self, req_slot: int, start: int, n: int) -> torch.Tensor:
+        """KV locations of positions [start, start + n) of a request row."""
+        return self.runner.req_pool.req_to_token[req_slot, start : start + n].long()
+
+    def release_steps(self) -> None:
+        if self.held:
+            self.runner.mamba_pool.free(self.held)
+            self.held = []
+
+    def _reserve(self, req: Req) -> list[int]:
+        """KV for positions kv_len+1 .. kv_len+N and N step slots, or nothing (no drafts this
+        round) when either is short."""
+        n = self.steps
+        if self.runner.alloc_kv(req.req_slot, req.kv_len + 1, n) is None:
+            return []
+        slots = []
+        for _ in range(n):
+            slot = self.cache.alloc_slot(zero=False, sessions=False)
+            if slot is None:
+                self.runner.mamba_pool.free(slots)
+                self.runner.kv_pool.free(self._locs(req.req_slot, req.kv_len + 1, n))
+                return []
+            slots.append(slot)
+        self.held += slots
+        req.kv_reserved_len = req.kv_len + 1 + n
+        return slots
+
+    def _draft(self, reqs: list[Req], steps: list[list[int]]) -> None:
+        """d1 .. dN of every request with step slots: rows (y, d_k) at positions kv_len + k - 1."""
+        drafters = [r for r, s in zip(reqs, steps, strict=True) if s]
+        for r in drafters:
+            r.spec_drafts = [r.spec_token]
+        if not drafters:
+            return
+        hidden = torch.stack([r.spec_hidden for r in drafters])
+        table = self.runner.req_pool.req_to_token
+        for k in range(1, self.steps):
+            items = [
+                DecodeInput(r.req_slot, 0, r.kv_len + k - 1, r.spec_drafts[-1]) for r in drafters
+            ]
+            out_loc = torch.stack([table[r.req_slot, r.kv_len + k - 1] for r in drafters]).long()
+            hidden = self.runner.model.mtp_hidden(self.runner.build_decode(items, out_loc), hidden)
+            tokens = self.runner.model.logits_from_hidden(hidden).argmax(dim=-1).tolist()
+            for r, t in zip(drafters, tokens, strict=True):
+                r.spec_drafts.append(t)
+        if self.override is not None:
+            for r in drafters:
+                r.spec_drafts = list(self.override(r, r.spec_drafts))[: self.steps]
+
+    def _accept(self, reqs: list[Req], items: list[ExtendInput], logits: torch.Tensor) -> list[int]:
+        """Land each request's tokens; returns how many landed per request."""
+        step: ForwardStep = self.step
+        bounds, base = [], 0
+        for it in items:
+            bounds.append((base, base + len(it.input_ids)))
+            base += len(it.input_ids)
+        plain = [i for i, it in enumerate(items) if len(it.input_ids) == 1]
+        drafted = [i for i, it in enumerate(items) if len(it.input_ids) > 1]
+        landed = [0] * len(reqs)
+        if plain:
+            before = [len(reqs[i].output_ids) for i in plain]
+            step.sample(logits[[bounds[i][0] for i in plain]], [reqs[i] for i in plain])
+            for i, n in zip(plain, before, strict=True):
+                landed[i] = len(reqs[i].output_ids) - n
+        if drafted:
+            rows = torch.cat([torch.arange(*bounds[i]) for i in drafted]).to(logits.device)
+            counts = step.land_drafted(
+                [reqs[i] for i in drafted], [items[i].input_ids[1:] for i in drafted], logits[rows]
+            )
+            for i, m in zip(drafted, counts, strict=True):
+                landed[i] = m
+            self.rounds += len(drafted)
+            self.drafted += sum(len(items[i].input_ids) - 1 for i in drafted)
+            self.accepted += sum(max(landed[i] - 1, 0) for i in drafted)
+        return landed

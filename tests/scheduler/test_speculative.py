@@ -1,0 +1,252 @@
+"""Speculative decoding (NEXTN with the checkpoint's MTP head): greedy outputs equal plain
+decoding in every scheduler mode, whatever the drafts; a rejected draft leaves exactly the state
+plain decoding leaves; sampled requests decode beside drafted ones unchanged; pools stay clean.
+
+The tiny preset's head is random, so it drafts almost nothing right; `override` (controlled
+acceptance) replaces its drafts with the plain run's own continuation, a share of it corrupted,
+so that every round accepts some drafts and rejects others."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from models.presets import preset_config, write_checkpoint
+from scheduler.config import RunnerConfig
+from scheduler.debug import FAULT_ENV
+from scheduler.engine import Engine
+from scheduler.request import Req
+from scheduler.sampling_params import SamplingParams
+
+NEW = 14
+GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+POOLS = {"max_running_requests": 8, "max_total_tokens": 4096}
+SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    config = {**preset_config("tiny"), "mtp_num_hidden_layers": 1}
+    path = str(write_checkpoint(tmp_path_factory.mktemp("tiny_mtp"), config, seed=5))
+    gen = torch.Generator().manual_seed(4)
+    vocab = config["vocab_size"]
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (6, 19, 70, 11, 33)]
+    plain = Engine(path, **POOLS)
+    expected = [o["output_ids"] for o in plain.generate(prompts, {**GREEDY, "max_new_tokens": 40})]
+    return path, prompts, expected, vocab
+
+
+def controlled(engine: Engine, prompts, expected, vocab: int, p_bad: float, seed: int = 0):
+    """Drafts = the plain run's next tokens, each wrong with probability p_bad."""
+    rng = random.Random(seed)
+    known = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+    spec = engine.scheduler.forward.spec
+
+    def override(req: Req, drafts: list[int]) -> list[int]:
+        done = len(req.output_ids)
+        cont = known.get(tuple(req.prompt_ids), [])[done : done + 3]
+        return [t if rng.random() >= p_bad else (t + 1) % vocab for t in cont] or drafts
+
+    spec.override = override
+    return spec
+
+
+MODES = {
+    "no-radix": {"disable_radix_cache": True},
+    "no_buffer": {},
+    "extra_buffer": {"mamba_scheduler_strategy": "extra_buffer", "mamba_track_interval": 4},
+    "extra_buffer_lazy": {
+        "mamba_scheduler_strategy": "extra_buffer_lazy",
+        "mamba_track_interval": 4,
+    },
+    "chunked": {"chunked_prefill_size": 16},
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_equals_plain_decoding(ckpt, mode):
+    path, prompts, expected, vocab = ckpt
+    engine = Engine(path, **POOLS, **SPEC, **MODES[mode])
+    # the head's own drafts (random weights: mostly rejected), one request at a time
+    for p, e in zip(prompts[:2], expected, strict=False):
+        assert engine.generate(p, GREEDY)["output_ids"] == e[:NEW]
+    # controlled acceptance, batched: accepted and rejected drafts in every round
+    for p_bad in (0.0, 0.3, 0.7):
+        spec = controlled(engine, prompts, expected, vocab, p_bad)
+        spec.rounds = spec.accepted = 0
+        outs = engine.generate(prompts, GREEDY)
+        assert [o["output_ids"] for o in outs] == [e[:NEW] for e in expected], p_bad
+        assert spec.accepted > 0
+        if p_bad == 0.0:  # every draft right: 4 tokens per round but where max_tokens cut
+            assert spec.accepted >= 2 * spec.rounds
+        assert engine.leak_report() == []
+    # the same prompts again hit the cache (whole prompts, or their chunk-aligned states)
+    outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": 40})
+    assert [o["output_ids"] for o in outs] == expected
+    assert engine.leak_report() == []
+    if "disable_radix_cache" not in MODES[mode]:
+        assert engine.scheduler.tree.sanity_check() is None
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 9])
+def test_max_tokens_and_stop_tokens_landing_mid_draft(ckpt, max_new):
+    path, prompts, expected, vocab = ckpt
+    engine = Engine(path, **POOLS, **SPEC)
+    controlled(engine, prompts, expected, vocab, 0.0)
+    outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": max_new})
+    assert [o["output_ids"] for o in outs] == [e[:max_new] for e in expected]
+    # a stop token inside an accepted draft ends the request on it
+    stop = expected[2][6]
+    out = engine.generate(prompts[2], {**GREEDY, "stop_token_ids": [stop]})
+    assert out["output_ids"] == expected[2][: expected[2].index(stop) + 1]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert engine.leak_report() == []
+
+
+def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
+    """Drive both schedulers by hand: after a round whose second draft is wrong, the running
+    Mamba slot (every layer's conv window and recurrent state) and the KV of the kept positions
+    equal those of plain decoding at the same length, and the KV past them is back in the pool."""
+    path, prompts, expected, vocab = ckpt
+    plain, spec = Engine(path, **POOLS), Engine(path, **POOLS, **SPEC)
+    prompt, cont = prompts[1], expected[1]
+    reqs = {}
+    for name, engine in (("plain", plain), ("spec", spec)):
+        req = Req(name, list(prompt), SamplingParams(**GREEDY))
+        engine.scheduler.add_request(req)
+        engine.scheduler.step()  # prefill: the first token
+        reqs[name] = req
+    sd = spec.scheduler.forward.spec
+    sd.override = lambda req, drafts: [cont[1], (cont[2] + 1) % vocab, cont[3]]
+    free_before = spec.runner.kv_pool.available()
+    spec.scheduler.step()  # lands cont[1] (accepted), cont[2] (the target's, not the draft)
+    assert reqs["spec"].output_ids == cont[:3]
+    assert spec.runner.kv_pool.available() == free_before - 2  # positions of cont[0], cont[1]
+    plain.scheduler.step()
+    plain.scheduler.step()
+    a, b = reqs["plain"], reqs["spec"]
+    assert a.output_ids == b.output_ids and a.kv_len == b.kv_len == len(prompt) + 2
+    pa, pb = plain.runner.mamba_pool, spec.runner.mamba_pool
+    torch.testing.assert_close(pb.conv_state[:, b.mamba_slot], pa.conv_state[:, a.mamba_slot])
+    torch.testing.assert_close(
+        pb.ssm_state[:, b.mamba_slot], pa.ssm_state[:, a.mamba_slot], atol=1e-5, rtol=1e-5
+    )
+    rows = [e.runner.req_pool.req_to_token[r.req_slot, : r.kv_len].long() for e, r in
+            ((plain, a), (spec, b))]  # fmt: skip
+    for layer in range(plain.runner.kv_pool.num_layers):  # the main model's attention layers
+        ka = plain.runner.kv_pool.get_kv(layer)[0][rows[0]]
+        kb = spec.runner.kv_pool.get_kv(layer)[0][rows[1]]
+        torch.testing.assert_close(kb, ka, atol=1e-5, rtol=1e-5)
+    for engine in (plain, spec):
+        while engine.scheduler.has_work():
+            engine.scheduler.step()
+    assert a.output_ids == b.output_ids == cont[:NEW]
+    assert plain.leak_report() == [] and spec.leak_report() == []
+
+
+def test_sampled_and_constrained_requests_decode_beside_drafted_ones(ckpt):
+    """Seeded sampling, penalties and logprobs do not draft; in the same batch as greedy
+    drafters they give what plain decoding gives (the same seed draws the same tokens)."""
+    path, prompts, expected, vocab = ckpt
+    others = [
+        {"max_new_tokens": NEW, "temperature": 0.8, "seed": 7},
+        {"max_new_tokens": NEW, "temperature": 0.0, "frequency_penalty": 0.5},
+        {"max_new_tokens": NEW, "temperature": 0.0, "return_logprob": True, "top_logprobs_num": 2},
+    ]
+    params = [GREEDY, *others, {**GREEDY, "return_logprob": True}]
+    plain = Engine(path, **POOLS).generate(prompts, params)
+    engine = Engine(path, **POOLS, **SPEC)
+    controlled(engine, prompts, expected, vocab, 0.2)
+    outs = engine.generate(prompts, params)
+    for o, p in zip(outs, plain, strict=True):
+        assert o["output_ids"] == p["output_ids"]
+        lp, lq = (
+            o["meta_info"].get("output_token_logprobs"),
+            p["meta_info"].get("output_token_logprobs"),
+        )
+        if lq:
+            assert [t for _, t, *_ in lp] == [t for _, t, *_ in lq]
+            torch.testing.assert_close(
+                torch.tensor([v for v, *_ in lp]),
+                torch.tensor([v for v, *_ in lq]),
+                atol=1e-4,
+                rtol=0,
+            )
+    assert engine.leak_report() == []
+
+
+def test_sessions_continue_from_the_accepted_state(ckpt):
+    path, prompts, expected, vocab = ckpt
+    engines = [Engine(path, **POOLS), Engine(path, **POOLS, **SPEC)]
+    controlled(engines[1], prompts, expected, vocab, 0.3)
+    outs = []
+    for engine in engines:
+        sid = engine.open_session(capacity_of_str_len=1000)
+        rid, turns = None, []
+        for new in (prompts[0], prompts[3], prompts[1]):
+            out = engine.generate(new, GREEDY, session_params={"id": sid, "rid": rid})
+            turns.append(out["output_ids"])
+            rid = out["meta_info"]["id"]
+        outs.append(turns)
+        assert engine.close_session(sid)
+        assert engine.leak_report() == []
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("fault", ["step:bad@2", "step:bad@5"])
+def test_a_fault_while_landing_drafts_fails_only_that_request(ckpt, monkeypatch, fault):
+    path, prompts, expected, vocab = ckpt
+    monkeypatch.setenv(FAULT_ENV, fault)
+    engine = Engine(path, **POOLS, **SPEC)
+    controlled(engine, prompts, expected, vocab, 0.0)
+    sched = engine.scheduler
+    reqs = [
+        Req(r, p, SamplingParams(**GREEDY))
+        for r, p in zip(["a", "bad-1", "b"], prompts[:3], strict=True)
+    ]
+    for req in reqs:
+        sched.add_request(req)
+    for _ in range(100):
+        if not sched.has_work():
+            break
+        sched.step()
+    assert reqs[1].error is not None
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [expected[0][:NEW], expected[2][:NEW]]
+    assert engine.leak_report() == []
+
+
+def test_aborted_mid_generation_frees_everything(ckpt):
+    path, prompts, expected, vocab = ckpt
+    engine = Engine(path, **POOLS, **SPEC)
+    controlled(engine, prompts, expected, vocab, 0.3)
+    sched = engine.scheduler
+    req = Req("x", prompts[2], SamplingParams(**GREEDY))
+    sched.add_request(req)
+    for _ in range(3):
+        sched.step()
+    assert len(req.output_ids) > 3
+    sched.abort("x")
+    assert engine.leak_report() == []
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm must be one of NEXTN"),
+        ({**SPEC, "speculative_eagle_topk": 2}, "only 1"),
+        ({**SPEC, "speculative_num_draft_tokens": 3}, "--speculative-num-steps + 1"),
+        ({**SPEC, "page_size": 4}, "--page-size 1"),
+        ({"speculative_num_steps": 2}, "needs --speculative-algorithm"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(options, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        RunnerConfig(**options)
+
+
+def test_a_checkpoint_without_a_head_is_refused(tmp_path):
+    path = write_checkpoint(tmp_path / "nohead", preset_config("tiny"), seed=1)
+    with pytest.raises(ValueError, match="no MTP head"):
+        Engine(str(path), **POOLS, **SPEC)
