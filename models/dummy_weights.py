@@ -5,7 +5,8 @@ allocated it once, in the serving dtype), so peak memory is the model itself and
 read. The distributions are those of `models.presets` (see its module docstring):
 
     matrices, embeddings, LM head          N(0, init_range)
-    zero-centred RMSNorm weights           N(0, 0.1)   (layer norms, model.norm, q_norm, k_norm)
+    zero-centred RMSNorm weights           N(0, 0.1)   (layer norms, model.norm, q_norm, k_norm,
+                                                        the MTP head's norms)
     GDN gated-norm weight                  1 + N(0, 0.1)
     conv1d.weight                          N(0, 0.3)
     A_log                                  log U(1, 16)
@@ -31,7 +32,10 @@ ZERO_CENTRED_NORMS = (
     "post_attention_layernorm.weight",
     "q_norm.weight",
     "k_norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
 )
+FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
 
 
 def init_kind(name: str) -> str:
@@ -44,7 +48,7 @@ def init_kind(name: str) -> str:
         return "conv"
     if name.endswith("linear_attn.norm.weight"):
         return "norm1"
-    if name.endswith(ZERO_CENTRED_NORMS) or name == "model.norm.weight":
+    if name.endswith(ZERO_CENTRED_NORMS) or name in FINAL_NORMS:
         return "norm0"
     return "w"
 

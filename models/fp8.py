@@ -10,7 +10,8 @@ without the `.weight` suffix: `X_scale_inv`), and
 
 (the tail blocks of a side that is not a multiple of the block are simply shorter). Everything
 else (embeddings, norms, the GDN conv / A_log / dt_bias / small b,a projections, the MoE router
-and shared-expert gate, usually the LM head) is stored unquantized.
+and shared-expert gate, usually the LM head, and the MTP head's `mtp.fc`) is stored unquantized;
+the MTP head's decoder layer is quantized like a main layer.
 
 `Fp8Checkpoint.open` checks that layout strictly before any data is read: every FP8 tensor has
 its scale, with the block grid's shape; every scale has an FP8 weight; no module named by the
@@ -171,17 +172,19 @@ class Fp8Checkpoint:
         return read_shard(_Held(dequantize(weight, scale, self.config.block)), name, shard)
 
     @classmethod
-    def open(cls, path: Path, where: dict[str, Path]) -> Fp8Checkpoint | None:
+    def open(cls, path: Path, where: dict[str, Path], mtp: bool = False) -> Fp8Checkpoint | None:
         """Check the FP8 layout of checkpoint `path` (`where`: tensor name -> file) from the
-        headers; None for a checkpoint without `quantization_config` and without FP8 tensors."""
+        headers, the MTP head's tensors included when `mtp` (else they are skipped, as the
+        loader skips them); None for a checkpoint without `quantization_config` and without FP8
+        tensors."""
         raw = json.loads((path / "config.json").read_text())
         qc = raw.get("quantization_config")
-        names = [n for n in where if not is_skipped(n)]
+        names = [n for n in where if not is_skipped(n, mtp)]
         meta: dict[str, tuple[str, tuple[int, ...]]] = {}
         for file in sorted(set(where[n] for n in names)):
             with safe_open(str(file), framework="pt") as f:
                 for n in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if n in where and not is_skipped(n):
+                    if n in where and not is_skipped(n, mtp):
                         piece = f.get_slice(n)
                         meta[n] = (piece.get_dtype(), tuple(piece.get_shape()))
         fp8 = sorted(n for n, (dtype, _) in meta.items() if dtype == "F8_E4M3")

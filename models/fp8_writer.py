@@ -3,11 +3,13 @@ dequantized twin of any FP8 checkpoint.
 
 `quantize_tensors` quantizes what the official Qwen3-Next / Qwen3.5 FP8 releases quantize: every
 linear layer's and expert's matrix except the embedding, the LM head, the GDN `in_proj_ba` (or
-`in_proj_b` / `in_proj_a`), the MoE router (`mlp.gate`) and `shared_expert_gate`; vectors and the
-conv weight stay as they are. `quantization_config` lists every module left unquantized in
-`modules_to_not_convert`, as those releases do. `write_dequantized` writes the checkpoint that
-holds exactly the numbers an FP8 checkpoint stands for, in bf16: the parity judge, and a way to
-serve an FP8 release anywhere without FP8 support.
+`in_proj_b` / `in_proj_a`), the MoE router (`mlp.gate`), `shared_expert_gate` and the MTP head's
+`mtp.fc` (SGLang reads that one as a plain bf16 `nn.Linear` from the Qwen3-Next FP8 release; the
+head's decoder layer is quantized like a main layer); vectors and the conv weight stay as they
+are. `quantization_config` lists every module left unquantized in `modules_to_not_convert`, as
+those releases do. `write_dequantized` writes the checkpoint that holds exactly the numbers an
+FP8 checkpoint stands for, in bf16: the parity judge, and a way to serve an FP8 release anywhere
+without FP8 support.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ KEPT_UNQUANTIZED = (
     "mlp.gate",
     "shared_expert_gate",
     "conv1d",
+    "mtp.fc",
 )
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

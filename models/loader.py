@@ -6,6 +6,11 @@ and a multimodal wrapper's vision tower excepted, named in one info line); other
 `ValueError` names the first offender. Names map to parameters through `models.weight_map`.
 A block-FP8 checkpoint (`quantization_config`) is checked and dequantized by `models.fp8`.
 
+`mtp=True` builds the model with its multi-token-prediction head (`models.mtp`; the checkpoint's
+config must have `mtp_num_hidden_layers`) and makes the head's `mtp.*` tensors part of the strict
+key set: from then on they load like any other tensor (FP8, tensor-parallel shards, dtype and
+quantization rules, dummy weights), and a missing one is an error. Without it they are skipped.
+
 `load_format="dummy"` (SGLang's and vLLM's `--load-format dummy`) reads config.json alone: the
 model is allocated exactly as for a checkpoint and filled with random weights in place
 (`models.dummy_weights`); no weight file is opened, and there need be none.
@@ -42,7 +47,7 @@ from models.fp8 import Fp8Checkpoint
 from models.parallel import ParallelContext
 from models.qwen3_next import Qwen3NextForCausalLM
 from models.shard_loader import read_shard, source_shard
-from models.weight_map import checkpoint_map, expert_layout_of, is_skipped
+from models.weight_map import MTP_PREFIX, checkpoint_map, expert_layout_of, is_skipped
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +99,7 @@ def load_model(
     load_format: str = "auto",
     ops: KernelSet | None = None,
     quantization: str | None = None,
+    mtp: bool = False,
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
@@ -107,7 +113,8 @@ def load_model(
 
     The layers run `ops`, by default the kernel set `kernels.choose` picks for the device and
     the activations' dtype (logged as a table). `quantization`: None, "int8" or "int4" (module
-    docstring).
+    docstring). `mtp`: build and load the MTP head too (module docstring; a `ValueError` when
+    the config has none).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
@@ -126,7 +133,7 @@ def load_model(
         ops = choose_kernels(device, torch.float32 if weights_only else torch_dtype)
         logger.info("%s", ops.table())
     with torch.device("meta"):
-        model = Qwen3NextForCausalLM(config, tp, ops)
+        model = Qwen3NextForCausalLM(config, tp, ops, mtp=mtp)
     # dtypes are set on meta (free), so each parameter is allocated once, in its final dtype
     model = model.to(torch.float32 if weights_only else torch_dtype)
     if weights_only:
@@ -147,13 +154,14 @@ def load_model(
     if quantization is not None:
         quantize_matrices(model, quantization, tp)
     logger.info(
-        "loaded %s (%s%s%s, %s%s)",
+        "loaded %s (%s%s%s, %s%s%s)",
         path,
         torch_dtype,
         " weights, fp32 activations" * weights_only,
         f", {quantization} matrices" * (quantization is not None),
         device,
         ", dummy weights" * (load_format == "dummy"),
+        ", with its MTP head" * mtp,
     )
     return model.eval()
 
@@ -161,14 +169,17 @@ def load_model(
 def read_checkpoint(
     model: Qwen3NextForCausalLM, path: Path, config: ModelConfig, tp: ParallelContext
 ) -> None:
-    """Fill `model` from the checkpoint at `path` (see `load_model`)."""
+    """Fill `model` from the checkpoint at `path` (see `load_model`); the `mtp.*` tensors are
+    read when the model holds its MTP head, else skipped."""
+    mtp = model.mtp is not None
     where = checkpoint_names(checkpoint_files(path))
-    fp8 = Fp8Checkpoint.open(path, where)  # None unless block-FP8; a bad layout raises
-    skipped = sorted(n for n in where if is_skipped(n))
+    fp8 = Fp8Checkpoint.open(path, where, mtp)  # None unless block-FP8; a bad layout raises
+    skipped = sorted(n for n in where if is_skipped(n, mtp))
     if config.tie_word_embeddings and "lm_head.weight" in where:
         skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy
     names = set(where) - set(skipped) - (fp8.scale_names if fp8 else set())
-    table = checkpoint_map(model, expert_layout_of(names))
+    head = {n for n in names if n.startswith(MTP_PREFIX)}
+    table = checkpoint_map(model, expert_layout_of(names - head), expert_layout_of(head))
     extra = sorted(names - table.keys())
     if extra:
         raise ValueError(f"unexpected checkpoint tensor {extra[0]} ({len(extra)} unexpected)")

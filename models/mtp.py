@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels import KernelSet
 from models.config import ModelConfig
+from models.decoder_layer import DecoderLayer
 from models.forward_batch import ForwardBatch
 from models.layers import Linear, RMSNorm, RotaryEmbedding
 from models.parallel import ParallelContext
@@ -32,8 +33,6 @@ class MultiTokenPredictor(nn.Module):
 
     def __init__(self, config: ModelConfig, tp: ParallelContext, ops: KernelSet) -> None:
         super().__init__()
-        from models.qwen3_next import DecoderLayer  # (the model module imports this one)
-
         hid, eps = config.hidden_size, config.rms_norm_eps
         self.fc = Linear(2 * hid, hid, bias=False, ops=ops)
         self.pre_fc_norm_embedding = RMSNorm(hid, eps, ops)

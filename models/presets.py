@@ -8,19 +8,22 @@ A checkpoint directory produced here loads with ``transformers`` (``AutoModelFor
   (``rope_parameters``) spelling, ``dtype``/``torch_dtype`` and the special-token ids;
 * ``model.safetensors`` (or ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json``
   when ``max_shard_bytes`` is given) with exactly the on-disk key set of a Qwen3-Next checkpoint
-  (see :func:`checkpoint_shapes`);
+  (see :func:`checkpoint_shapes`), with the multi-token-prediction head (``mtp.*``, the real
+  checkpoints' names) when the config sets ``mtp_num_hidden_layers`` (``make-model --mtp``);
 * ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` (byte-level BPE from
   :mod:`models.tokenizer_builder`) and ``generation_config.json``.
 
 Weights are a pure function of ``(config, seed, dtype, expert_layout, init_range, fp8_block)``:
 they are drawn in fp32 from one ``torch.Generator`` in the fixed key order of
 :func:`checkpoint_shapes` (per-expert order, also for the fused layout, so both layouts hold the
-same numbers), then quantized (``fp8_block``) or cast to ``dtype``; ``A_log`` and ``dt_bias``
-always stay fp32, as in real checkpoints. Equal arguments give byte-identical files.
+same numbers; an MTP head is drawn last, so the main model's numbers do not depend on it), then
+quantized (``fp8_block``) or cast to ``dtype``; ``A_log`` and ``dt_bias`` always stay fp32, as in
+real checkpoints. Equal arguments give byte-identical files.
 
 Initialisation (chosen so greedy decoding of random weights is varied and rarely near-tied, see
 the "near-ties" note in the CPU anchors): linear and embedding weights ~ N(0, init_range);
-zero-centred RMSNorm weights (layer norms, ``model.norm``, ``q_norm``, ``k_norm``) ~ N(0, 0.1);
+zero-centred RMSNorm weights (layer norms, ``model.norm``, ``q_norm``, ``k_norm``, the MTP
+head's ``pre_fc_norm_*`` and ``norm``) ~ N(0, 0.1); the MTP head's layer as a main layer;
 GDN gated-norm weight and ``dt_bias`` ~ 1 + N(0, 0.1); ``A_log`` = log U(1, 16);
 ``conv1d.weight`` ~ N(0, 0.3).
 
@@ -212,6 +215,9 @@ def _validate(config: dict) -> None:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if any(moe) and not 0 < config["num_experts_per_tok"] <= config["num_experts"]:
         raise ValueError("need 0 < num_experts_per_tok <= num_experts")
+    mtp = config.get("mtp_num_hidden_layers", 0)
+    if type(mtp) is not int or mtp < 0:
+        raise ValueError("mtp_num_hidden_layers must be a non-negative integer")
     layer_types(config)
 
 
@@ -235,78 +241,105 @@ def count_parameters(config: dict) -> int:
     return sum(math.prod(s) for s in checkpoint_shapes(config).values())
 
 
-def _tensor_specs(config: dict, layout: str) -> list[tuple[str, tuple[int, ...], str]]:
-    """(key, shape, init kind) triples in the fixed generation order. With ``layout="fused"`` the
-    per-expert entries are replaced by kind ``"fused"`` entries, which are not drawn but
-    assembled from the per-expert tensors (see :func:`_random_tensors`)."""
+Spec = tuple[str, tuple[int, ...], str]  # (checkpoint key, shape, init kind)
+
+
+def _tensor_specs(config: dict, layout: str) -> list[Spec]:
+    """(key, shape, init kind) triples in the fixed generation order: the main model, then the
+    MTP head when ``config`` has one. With ``layout="fused"`` the per-expert entries are
+    replaced by kind ``"fused"`` entries, which are not drawn but assembled from the per-expert
+    tensors (see :func:`_random_tensors`)."""
     c = config
     hid, vocab = c["hidden_size"], c["vocab_size"]
+    specs: list[Spec] = [("model.embed_tokens.weight", (vocab, hid), "w")]
+    for i, kind in enumerate(layer_types(c)):
+        specs += _layer_specs(c, f"model.layers.{i}", kind, is_moe_layer(c, i), layout)
+    specs.append(("model.norm.weight", (hid,), "norm0"))
+    if not c.get("tie_word_embeddings", False):
+        specs.append(("lm_head.weight", (vocab, hid), "w"))
+    if c.get("mtp_num_hidden_layers", 0):
+        specs += _mtp_specs(c, layout)
+    if layout == "fused":
+        specs = [s for s in specs if ".mlp.experts." not in s[0] or s[2] == "fused"]
+    return specs
+
+
+def _mtp_specs(c: dict, layout: str) -> list[Spec]:
+    """The multi-token-prediction head, with the real checkpoints' names: ``mtp.fc`` over the
+    two pre-fc norms, ``mtp_num_hidden_layers`` full-attention layers whose MLP is the main
+    model's kind (MoE or dense, by :func:`is_moe_layer` of the head's layer index), and
+    ``mtp.norm``."""
+    hid = c["hidden_size"]
+    specs: list[Spec] = [
+        ("mtp.fc.weight", (hid, 2 * hid), "w"),
+        ("mtp.pre_fc_norm_embedding.weight", (hid,), "norm0"),
+        ("mtp.pre_fc_norm_hidden.weight", (hid,), "norm0"),
+    ]
+    for i in range(c["mtp_num_hidden_layers"]):
+        specs += _layer_specs(c, f"mtp.layers.{i}", "full_attention", is_moe_layer(c, i), layout)
+    specs.append(("mtp.norm.weight", (hid,), "norm0"))
+    return specs
+
+
+def _layer_specs(c: dict, p: str, kind: str, moe: bool, layout: str) -> list[Spec]:
+    """One decoder layer's tensors under prefix ``p``: mixer ``kind``, sparse MoE or dense MLP."""
+    hid = c["hidden_size"]
     nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     kh, vh = c["linear_num_key_heads"], c["linear_num_value_heads"]
     kd, vd = c["linear_key_head_dim"], c["linear_value_head_dim"]
     kc = c.get("linear_conv_kernel_dim", 4)
     split_gdn = c.get("model_type", "qwen3_next") != "qwen3_next"
-    specs: list[tuple[str, tuple[int, ...], str]] = [
-        ("model.embed_tokens.weight", (vocab, hid), "w")
-    ]
+    specs: list[Spec] = [(f"{p}.input_layernorm.weight", (hid,), "norm0")]
 
     def mlp(prefix: str, width: int) -> None:
         specs.append((f"{prefix}.gate_proj.weight", (width, hid), "w"))
         specs.append((f"{prefix}.up_proj.weight", (width, hid), "w"))
         specs.append((f"{prefix}.down_proj.weight", (hid, width), "w"))
 
-    for i, kind in enumerate(layer_types(c)):
-        p = f"model.layers.{i}"
-        specs.append((f"{p}.input_layernorm.weight", (hid,), "norm0"))
-        if kind == "linear_attention":
-            a = f"{p}.linear_attn"
-            if split_gdn:  # Qwen3.5: [q|k|v] and z, b, a as separate linears
-                specs += [
-                    (f"{a}.in_proj_qkv.weight", (2 * kh * kd + vh * vd, hid), "w"),
-                    (f"{a}.in_proj_z.weight", (vh * vd, hid), "w"),
-                    (f"{a}.in_proj_b.weight", (vh, hid), "w"),
-                    (f"{a}.in_proj_a.weight", (vh, hid), "w"),
-                ]
-            else:  # Qwen3-Next: rows grouped per key head
-                specs += [
-                    (f"{a}.in_proj_qkvz.weight", (2 * kh * kd + 2 * vh * vd, hid), "w"),
-                    (f"{a}.in_proj_ba.weight", (2 * vh, hid), "w"),
-                ]
+    if kind == "linear_attention":
+        a = f"{p}.linear_attn"
+        if split_gdn:  # Qwen3.5: [q|k|v] and z, b, a as separate linears
             specs += [
-                (f"{a}.conv1d.weight", (2 * kh * kd + vh * vd, 1, kc), "conv"),
-                (f"{a}.A_log", (vh,), "a_log"),
-                (f"{a}.dt_bias", (vh,), "dt_bias"),
-                (f"{a}.norm.weight", (vd,), "norm1"),
-                (f"{a}.out_proj.weight", (hid, vh * vd), "w"),
+                (f"{a}.in_proj_qkv.weight", (2 * kh * kd + vh * vd, hid), "w"),
+                (f"{a}.in_proj_z.weight", (vh * vd, hid), "w"),
+                (f"{a}.in_proj_b.weight", (vh, hid), "w"),
+                (f"{a}.in_proj_a.weight", (vh, hid), "w"),
             ]
-        else:
-            a = f"{p}.self_attn"
+        else:  # Qwen3-Next: rows grouped per key head
             specs += [
-                (f"{a}.q_proj.weight", (2 * nh * hd, hid), "w"),
-                (f"{a}.k_proj.weight", (nkv * hd, hid), "w"),
-                (f"{a}.v_proj.weight", (nkv * hd, hid), "w"),
-                (f"{a}.o_proj.weight", (hid, nh * hd), "w"),
-                (f"{a}.q_norm.weight", (hd,), "norm0"),
-                (f"{a}.k_norm.weight", (hd,), "norm0"),
+                (f"{a}.in_proj_qkvz.weight", (2 * kh * kd + 2 * vh * vd, hid), "w"),
+                (f"{a}.in_proj_ba.weight", (2 * vh, hid), "w"),
             ]
-        specs.append((f"{p}.post_attention_layernorm.weight", (hid,), "norm0"))
-        if is_moe_layer(c, i):
-            n_exp, width = c["num_experts"], c["moe_intermediate_size"]
-            specs.append((f"{p}.mlp.gate.weight", (n_exp, hid), "w"))
-            for e in range(n_exp):
-                mlp(f"{p}.mlp.experts.{e}", width)
-            if layout == "fused":
-                specs.append((f"{p}.mlp.experts.gate_up_proj", (n_exp, 2 * width, hid), "fused"))
-                specs.append((f"{p}.mlp.experts.down_proj", (n_exp, hid, width), "fused"))
-            mlp(f"{p}.mlp.shared_expert", c["shared_expert_intermediate_size"])
-            specs.append((f"{p}.mlp.shared_expert_gate.weight", (1, hid), "w"))
-        else:
-            mlp(f"{p}.mlp", c["intermediate_size"])
-    specs.append(("model.norm.weight", (hid,), "norm0"))
-    if not c.get("tie_word_embeddings", False):
-        specs.append(("lm_head.weight", (vocab, hid), "w"))
-    if layout == "fused":
-        specs = [s for s in specs if ".mlp.experts." not in s[0] or s[2] == "fused"]
+        specs += [
+            (f"{a}.conv1d.weight", (2 * kh * kd + vh * vd, 1, kc), "conv"),
+            (f"{a}.A_log", (vh,), "a_log"),
+            (f"{a}.dt_bias", (vh,), "dt_bias"),
+            (f"{a}.norm.weight", (vd,), "norm1"),
+            (f"{a}.out_proj.weight", (hid, vh * vd), "w"),
+        ]
+    else:
+        a = f"{p}.self_attn"
+        specs += [
+            (f"{a}.q_proj.weight", (2 * nh * hd, hid), "w"),
+            (f"{a}.k_proj.weight", (nkv * hd, hid), "w"),
+            (f"{a}.v_proj.weight", (nkv * hd, hid), "w"),
+            (f"{a}.o_proj.weight", (hid, nh * hd), "w"),
+            (f"{a}.q_norm.weight", (hd,), "norm0"),
+            (f"{a}.k_norm.weight", (hd,), "norm0"),
+        ]
+    specs.append((f"{p}.post_attention_layernorm.weight", (hid,), "norm0"))
+    if moe:
+        n_exp, width = c["num_experts"], c["moe_intermediate_size"]
+        specs.append((f"{p}.mlp.gate.weight", (n_exp, hid), "w"))
+        for e in range(n_exp):
+            mlp(f"{p}.mlp.experts.{e}", width)
+        if layout == "fused":
+            specs.append((f"{p}.mlp.experts.gate_up_proj", (n_exp, 2 * width, hid), "fused"))
+            specs.append((f"{p}.mlp.experts.down_proj", (n_exp, hid, width), "fused"))
+        mlp(f"{p}.mlp.shared_expert", c["shared_expert_intermediate_size"])
+        specs.append((f"{p}.mlp.shared_expert_gate.weight", (1, hid), "w"))
+    else:
+        mlp(f"{p}.mlp", c["intermediate_size"])
     return specs
 
 
@@ -450,8 +483,14 @@ def write_checkpoint(
     ``multimodal=True`` (Qwen3.5 configs only) writes the layout of the vision-language release:
     the config nested as ``text_config`` of a ``qwen3_5`` / ``qwen3_5_moe`` wrapper, the language
     model's tensors under ``model.language_model.``, plus a token vision tower (``model.visual.*``)
-    and MTP head (``mtp.*``) that a text server must skip. The language model's numbers are the
-    same as those of the text-only checkpoint with the same seed.
+    that a text server must skip, and the MTP head at top level (``mtp.*``, as in the release):
+    the complete head when ``config`` has ``mtp_num_hidden_layers``, else a two-tensor stand-in.
+    The language model's numbers are the same as those of the text-only checkpoint with the
+    same seed.
+
+    ``config["mtp_num_hidden_layers"]`` > 0 adds the complete multi-token-prediction head
+    (:func:`_mtp_specs`), drawn after every other tensor: the rest of the checkpoint holds the
+    same numbers as without it.
 
     ``chat_template`` names one of :data:`models.chat_templates.TEMPLATES` (default: the model
     family's, Qwen3-Next Instruct or Qwen3.5).
@@ -572,8 +611,9 @@ def write_config_only(
 def _wrap_multimodal(
     tensors: dict[str, torch.Tensor], text_cfg: dict, dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Language-model tensors moved under ``model.language_model.``, with small stand-ins for
-    the vision tower and the MTP head; the wrapper config around ``text_cfg``."""
+    """Language-model tensors moved under ``model.language_model.`` (the MTP head, if any, stays
+    at top level), with small stand-ins for the vision tower and, when there is no head, for
+    the MTP head; the wrapper config around ``text_cfg``."""
     out = {
         (f"model.language_model.{k.removeprefix('model.')}" if k.startswith("model.") else k): t
         for k, t in tensors.items()
@@ -586,7 +626,8 @@ def _wrap_multimodal(
         ("mtp.fc.weight", (hid, 2 * hid)),
         ("mtp.norm.weight", (hid,)),
     ):
-        out[key] = torch.randn(shape, generator=gen).to(dtype)
+        if key not in out:  # a complete MTP head is not replaced (its stand-ins come last)
+            out[key] = torch.randn(shape, generator=gen).to(dtype)
     wrapper = {
         "model_type": WRAPPERS[text_cfg["model_type"]],
         "architectures": ["Qwen3_5ForConditionalGeneration"],

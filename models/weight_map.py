@@ -14,8 +14,11 @@ tensor before reading any data. The table covers every layout we read:
                  or those fused tensors themselves (no `.weight` suffix)
 
 Checkpoint names carry the config's `weight_prefix` in place of `model.` (`model.language_model.`
-in the multimodal Qwen3.5 wrappers); `lm_head.weight` never moves. Names under `mtp.` (the
-multi-token-prediction head) and the wrappers' vision tower are not ours (`is_skipped`).
+in the multimodal Qwen3.5 wrappers); `lm_head.weight` and the multi-token-prediction head
+(`mtp.*`, top level in Qwen3-Next and in the Qwen3.5 wrappers alike) never move. The head's
+names are ours only when the model holds it (`load_model(mtp=True)`); otherwise they, and the
+wrappers' vision tower, are skipped (`is_skipped`). The head's expert layout is read from its own
+names (`checkpoint_map`'s `mtp_expert_layout`), so it need not match the main model's.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from torch import nn
 
 from models.config import ModelConfig
 
-SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+MTP_PREFIX = "mtp."
+SKIPPED_PREFIXES = (MTP_PREFIX, "model.visual.", "visual.", "model.mtp.")
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,11 @@ class Target:
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-def is_skipped(name: str) -> bool:
+def is_skipped(name: str, mtp: bool = False) -> bool:
+    """Whether checkpoint tensor `name` is not the model's: the vision tower's, and the MTP
+    head's unless the model holds the head (`mtp`)."""
+    if mtp and name.startswith(MTP_PREFIX):
+        return False
     return name.startswith(SKIPPED_PREFIXES)
 
 
@@ -107,14 +115,21 @@ def _param_entries(pname: str, c: ModelConfig, expert_layout: str) -> dict[str, 
     return {pname: Target(pname)}
 
 
-def checkpoint_map(model: nn.Module, expert_layout: str) -> dict[str, Target]:
-    """Checkpoint name -> Target for every tensor a complete checkpoint of `model` holds. Row
-    slices and regrouping follow the model's own shapes: a tensor-parallel rank's (its
-    `local_config`), whose part of each tensor `models.shard_loader` reads."""
+def checkpoint_map(
+    model: nn.Module, expert_layout: str, mtp_expert_layout: str | None = None
+) -> dict[str, Target]:
+    """Checkpoint name -> Target for every tensor a complete checkpoint of `model` holds (its
+    MTP head's too when it has one: `mtp.*`, never renamed). Row slices and regrouping follow
+    the model's own shapes: a tensor-parallel rank's (its `local_config`), whose part of each
+    tensor `models.shard_loader` reads. `mtp_expert_layout`: the head's expert layout (default
+    `expert_layout`)."""
     c: ModelConfig = getattr(model, "local_config", model.config)
     table: dict[str, Target] = {}
     for pname, _ in model.named_parameters():  # tied lm_head is listed once, as the embedding
-        for name, target in _param_entries(pname, c, expert_layout).items():
+        layout = expert_layout
+        if mtp_expert_layout is not None and pname.startswith(MTP_PREFIX):
+            layout = mtp_expert_layout
+        for name, target in _param_entries(pname, c, layout).items():
             if name.startswith("model."):
                 name = c.weight_prefix + name.removeprefix("model.")
             table[name] = target

@@ -2,7 +2,7 @@
 
     hybrid-serve [--model-path DIR] [--host H] [--port P] [...]   the HTTP server (server/args.py)
     hybrid-serve make-model --preset tiny|small|tiny-qwen3.5|tiny-qwen3.5-moe --out DIR
-        [--seed N] [--multimodal] [--fp8] [--chat-template NAME]
+        [--seed N] [--multimodal] [--fp8] [--mtp] [--chat-template NAME]
     hybrid-serve make-model --preset qwen3.5-35b-a3b --config-only --out DIR   (any preset:
         config.json, generation_config.json and the presets' tokenizer, no weights; serve it
         with --load-format dummy)
@@ -60,6 +60,8 @@ def cmd_make_model(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     config = preset_config(args.preset)
+    if args.mtp:  # the multi-token-prediction head, as the releases ship it (one layer)
+        config["mtp_num_hidden_layers"] = 1
     template = args.chat_template or CHAT_TEMPLATES.get(args.preset)
     if args.config_only:
         if args.fp8 or args.multimodal:
@@ -140,13 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--multimodal",
         action="store_true",
         help="Qwen3.5 presets: the vision-language release's layout (text_config, "
-        "model.language_model.* weights, a vision tower and MTP head to skip)",
+        "model.language_model.* weights, a vision tower to skip, an MTP head stand-in unless "
+        "--mtp)",
     )
     mk.add_argument(
         "--fp8",
         action="store_true",
         help="the official block-FP8 layout: e4m3 matrices with 128x128 weight_scale_inv, the "
         "rest bf16, quantization_config in config.json",
+    )
+    mk.add_argument(
+        "--mtp",
+        action="store_true",
+        help="add the multi-token-prediction head (mtp.*, one layer; config "
+        "mtp_num_hidden_layers 1), drawn after the other weights, which stay as without it",
     )
     mk.add_argument(
         "--chat-template",

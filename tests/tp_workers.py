@@ -7,7 +7,7 @@ import torch
 
 from models.loader import load_model
 from models.parallel import ParallelContext
-from scheduler.model_runner import DecodeInput, ModelRunner, RunnerConfig
+from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.ragged_prefill import admit, ragged_prefill
 
 
@@ -155,3 +155,44 @@ def lockstep_workload(tp: ParallelContext, path: str) -> dict | None:
     io.put(ShutdownMsg())
     assert not loop.run_once()
     return {"states": states, "last": last, "sid": sid}
+
+
+def mtp_outputs(
+    tp: ParallelContext,
+    path: str,
+    lens: tuple[int, ...],
+    seed: int,
+    quantization: str | None = None,
+) -> dict:
+    """The MTP head's y (`mtp_hidden`) for an extend batch of requests of `lens` tokens and then
+    one decode row for each, on seeded random token ids and hidden states (the same on every
+    rank)."""
+    model = load_model(path, dtype="float32", tp=tp, quantization=quantization, mtp=True)
+    runner = ModelRunner(model, RunnerConfig(max_running_requests=4, max_total_tokens=64))
+    gen = torch.Generator().manual_seed(seed)
+    c = model.config
+    ids = [torch.randint(3, c.vocab_size, (n + 1,), generator=gen).tolist() for n in lens]
+    hidden = [torch.randn(n + 1, c.hidden_size, generator=gen) for n in lens]
+    slots = admit(runner, len(lens))
+    requests = list(zip(slots, ids, hidden, lens, strict=True))
+    items = [ExtendInput(r, m, 0, i[:n]) for (r, m), i, _, n in requests]
+    locs = [runner.alloc_kv(r, 0, n) for (r, _), _, _, n in requests]
+    h = torch.cat([h[:n] for _, _, h, n in requests])  # [T, hidden]
+    extend = model.mtp_hidden(runner.build_prefill(items, locs), h)
+    rows = [DecodeInput(r, m, n, i[n]) for (r, m), i, _, n in requests]
+    loc = torch.cat([runner.alloc_kv(r, n, 1) for (r, _), _, _, n in requests])
+    h = torch.stack([h[n] for _, _, h, n in requests])  # [N, hidden]
+    decode = model.mtp_hidden(runner.build_decode(rows, loc), h)
+    pool = runner.kv_pool
+    return {
+        "ids": ids,
+        "hidden": hidden,
+        "extend": extend,
+        "decode": decode,
+        "head_bytes": param_bytes(model.mtp),
+        "kv_layers": pool.k_all.shape[0],
+        # the head wrote its keys and values to its own pool layer, the last, and only there
+        "kv_written": [
+            bool(pool.k_all[i].any() or pool.v_all[i].any()) for i in range(pool.k_all.shape[0])
+        ],
+    }
