@@ -88,6 +88,7 @@ class TokenDelta:
     input_token_ids: list[int] | None = None  # the prompt tokens those are for
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     cached_tokens: int = 0
+    spec_verify_ct: int = 0  # speculative verify rounds so far (SGLang's meta_info field)
     queue_time: float | None = None  # on the first delta: seconds waiting for admission
     error: str | None = None  # refused at add_request: nothing ran
     error_status: int = 400
@@ -113,6 +114,7 @@ class RequestOutput:
     input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_ct: int = 0
     finish_reason: str | None = None
     finish_detail: str | None = None
     error: str | None = None
@@ -131,6 +133,7 @@ class RequestOutput:
             self.input_top_logprobs = d.input_top_logprobs or []
         if d.prompt_tokens:
             self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
+        self.spec_verify_ct = max(self.spec_verify_ct, d.spec_verify_ct)
         if d.error is not None:
             self.error = d.error
         if d.finish_reason is not None:
@@ -147,6 +150,8 @@ class RequestOutput:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
         }
+        if self.spec_verify_ct:  # speculative decoding: accept length = completion / this
+            meta["spec_verify_ct"] = self.spec_verify_ct
         if self.error is not None:
             meta["error"] = self.error
         if return_logprob:

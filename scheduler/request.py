@@ -76,6 +76,7 @@ class Req:
     spec_hidden: torch.Tensor | None = None
     spec_token: int = 0
     spec_drafts: list[int] = field(default_factory=list)
+    spec_verify_ct: int = 0  # speculative rounds it could draft in (SGLang's spec_verify_ct)
     # outcome
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # e.g. which stop token matched, or an abort message

@@ -137,6 +137,7 @@ class SpecDecoder:
                 runner.kv_pool.free(self._locs(req.req_slot, req.kv_len + m, drawn))
             req.kv_len += m
             req.kv_reserved_len = req.kv_len
+            req.spec_verify_ct += can_draft(req)
             if can_draft(req) and not req.finished and m:
                 heads.append((req, starts[i], req.output_ids[-m:]))
                 head_rows.extend(range(base, base + m))
@@ -160,10 +161,12 @@ class SpecDecoder:
             self.held = []
 
     def _reserve(self, req: Req) -> list[int]:
-        """KV for positions kv_len+1 .. kv_len+N and N step slots, or nothing (no drafts this
-        round) when either is short."""
-        n = self.steps
-        if self.runner.alloc_kv(req.req_slot, req.kv_len + 1, n) is None:
+        """KV for positions kv_len+1 .. kv_len+n and n step slots, or nothing (no drafts this
+        round) when either is short: n = N, or fewer where max_new_tokens or the context end
+        leave room for fewer tokens."""
+        left = req.params.max_new_tokens - len(req.output_ids) - 1  # beyond the target's own
+        n = min(self.steps, left, self.runner.config.max_context_len - 1 - (req.kv_len + 1))
+        if n <= 0 or self.runner.alloc_kv(req.req_slot, req.kv_len + 1, n) is None:
             return []
         slots = []
         for _ in range(n):
@@ -178,26 +181,27 @@ class SpecDecoder:
         return slots
 
     def _draft(self, reqs: list[Req], steps: list[list[int]]) -> None:
-        """d1 .. dN of every request with step slots: rows (y, d_k) at positions kv_len + k - 1."""
-        drafters = [r for r, s in zip(reqs, steps, strict=True) if s]
-        for r in drafters:
+        """d1 .. dn of every request with n step slots: rows (y, d_k) at positions
+        kv_len + k - 1 give d_{k+1}."""
+        drafters = [(r, len(s)) for r, s in zip(reqs, steps, strict=True) if s]
+        for r, _ in drafters:
             r.spec_drafts = [r.spec_token]
-        if not drafters:
-            return
-        hidden = torch.stack([r.spec_hidden for r in drafters])
         table = self.runner.req_pool.req_to_token
         for k in range(1, self.steps):
-            items = [
-                DecodeInput(r.req_slot, 0, r.kv_len + k - 1, r.spec_drafts[-1]) for r in drafters
-            ]
-            out_loc = torch.stack([table[r.req_slot, r.kv_len + k - 1] for r in drafters]).long()
+            live = [r for r, n in drafters if n > k]
+            if not live:
+                break
+            items = [DecodeInput(r.req_slot, 0, r.kv_len + k - 1, r.spec_drafts[-1]) for r in live]
+            out_loc = torch.stack([table[r.req_slot, r.kv_len + k - 1] for r in live]).long()
+            hidden = torch.stack([r.spec_hidden for r in live])
             hidden = self.runner.model.mtp_hidden(self.runner.build_decode(items, out_loc), hidden)
             tokens = self.runner.model.logits_from_hidden(hidden).argmax(dim=-1).tolist()
-            for r, t in zip(drafters, tokens, strict=True):
+            for i, (r, t) in enumerate(zip(live, tokens, strict=True)):
                 r.spec_drafts.append(t)
+                r.spec_hidden = hidden[i]
         if self.override is not None:
-            for r in drafters:
-                r.spec_drafts = list(self.override(r, r.spec_drafts))[: self.steps]
+            for r, n in drafters:
+                r.spec_drafts = list(self.override(r, r.spec_drafts))[:n]
 
     def _accept(self, reqs: list[Req], items: list[ExtendInput], logits: torch.Tensor) -> list[int]:
         """Land each request's tokens; returns how many landed per request."""

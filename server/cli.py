@@ -114,6 +114,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         load_format=args.load_format,
         quantization=args.quantization,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_num_steps=args.speculative_num_steps,
     )
     start = time.perf_counter()
     out = engine.generate(ids, params)
@@ -128,6 +130,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         meta["completion_tokens"] / elapsed,
         meta["finish_reason"],
     )
+    if meta.get("spec_verify_ct"):
+        logger.info(
+            "speculative: %d verify rounds, accept length %.2f",
+            meta["spec_verify_ct"],
+            meta["completion_tokens"] / meta["spec_verify_ct"],
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--quantization", default=None, choices=["int8", "int4"], help="weight-only, CPU"
     )
+    gen.add_argument(
+        "--speculative-algorithm", default=None, choices=["NEXTN"], help="draft with the MTP head"
+    )
+    gen.add_argument("--speculative-num-steps", type=int, default=0, help="drafts per step (0: 3)")
     gen.set_defaults(func=cmd_generate)
     return parser
 

@@ -40,6 +40,7 @@ class Piece:
     finish_detail: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_ct: int = 0  # speculative verify rounds so far
     input_logprobs: list[float | None] | None = None  # prompt logprobs (first piece only)
     input_token_ids: list[int] | None = None
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
@@ -58,6 +59,7 @@ class Result(Piece):
         self.logprobs += p.logprobs
         self.top_logprobs += p.top_logprobs
         self.prompt_tokens, self.cached_tokens = p.prompt_tokens, p.cached_tokens
+        self.spec_verify_ct = max(self.spec_verify_ct, p.spec_verify_ct)
         if p.finish_reason:
             self.finish_reason, self.matched_stop = p.finish_reason, p.matched_stop
             self.finish_detail = p.finish_detail
@@ -170,6 +172,7 @@ class Generator:
                     top_logprobs=d.top_logprobs,
                     prompt_tokens=prompt,
                     cached_tokens=cached,
+                    spec_verify_ct=d.spec_verify_ct,
                     input_logprobs=d.input_logprobs,
                     input_token_ids=d.input_token_ids,
                     input_top_logprobs=d.input_top_logprobs,

@@ -3,8 +3,8 @@
 /generate takes `text` or `input_ids` (one or a batch), SGLang's `sampling_params`, `stream`,
 `return_logprob`, `top_logprobs_num` and `session_params`; each answer is
 `{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
-"cached_tokens", "finish_reason", "e2e_latency", ["output_token_logprobs"]}}` with
-`finish_reason` in SGLang's shape (`{"type": "stop", "matched": ...}`,
+"cached_tokens", "finish_reason", "e2e_latency", ["spec_verify_ct"], ["output_token_logprobs"]}}`
+with `finish_reason` in SGLang's shape (`{"type": "stop", "matched": ...}`,
 `{"type": "length", "length": N}`, `{"type": "abort", "message": ...}`) and logprobs as
 `[logprob, token_id, text or null]`. Streamed events repeat that shape with the text and ids so far
 (cumulative, as SGLang's bench_serving reads them), then `data: [DONE]`.
@@ -77,6 +77,8 @@ def answer(s: AppState, r: Result, body: GenerateRequest, start: float) -> dict:
         "finish_reason": finish_reason(r),
         "e2e_latency": time.perf_counter() - start,
     }
+    if r.spec_verify_ct:
+        meta["spec_verify_ct"] = r.spec_verify_ct
     if body.return_logprob:
         text = body.return_text_in_logprobs
 

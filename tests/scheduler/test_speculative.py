@@ -101,7 +101,18 @@ def test_max_tokens_and_stop_tokens_landing_mid_draft(ckpt, max_new):
     stop = expected[2][6]
     out = engine.generate(prompts[2], {**GREEDY, "stop_token_ids": [stop]})
     assert out["output_ids"] == expected[2][: expected[2].index(stop) + 1]
-    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert out["meta_info"]["finish_reason"] == "stop"
+    assert engine.leak_report() == []
+    # drafts never reach past the context (here sized to the request, as `generate` does)
+    tight = len(prompts[0]) + max_new + 1
+    engine = Engine(
+        path, max_running_requests=1, max_total_tokens=tight, max_context_len=tight, **SPEC
+    )
+    controlled(engine, prompts, expected, vocab, 0.0)
+    out = engine.generate(prompts[0], {**GREEDY, "max_new_tokens": max_new})
+    assert out["output_ids"] == expected[0][:max_new]
+    # every draft right: each round lands 4 tokens, or what max_tokens leaves
+    assert out["meta_info"].get("spec_verify_ct", 0) == -(-(max_new - 1) // 4)
     assert engine.leak_report() == []
 
 

@@ -130,3 +130,21 @@ def test_ranks_agree_after_every_kind_of_input(paths):
     last = out["last"]
     assert last["a"] == ("abort", None) and last["b"][0] == "stop"
     assert last["t3"] == ("abort", f"session {out['sid']!r} timed out")
+
+
+def test_tp2_speculative_equals_tp1_plain(tmp_path):
+    """NEXTN under tensor parallelism: every rank drafts the same tokens from the gathered
+    logits and lands the same ones; the tokens are plain decoding's."""
+    cfg = {**preset_config("tiny"), "mtp_num_hidden_layers": 1}
+    path = str(write_checkpoint(tmp_path / "tp-mtp", cfg, seed=3))
+    spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
+    tp2 = Engine(path, tp_size=2, mamba_scheduler_strategy="extra_buffer", **spec, **POOLS)
+    try:
+        two = _workload(tp2)
+        drafted = tp2.scheduler.forward.spec.drafted
+    finally:
+        tp2.shutdown()
+    one = _workload(Engine(path, mamba_scheduler_strategy="extra_buffer", **POOLS))
+    assert two["leaks"] == [] and drafted > 0
+    for key in ("round1", "round2", "cached", "repeat", "session", "seeded"):
+        assert two[key] == one[key], key
