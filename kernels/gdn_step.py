@@ -71,3 +71,49 @@ def gdn_decode(
     )  # fmt: skip
     core = norm_gated(core.reshape(T * HV, dv), z.reshape(T * HV, dv), norm_weight, eps)
     return core.reshape(T, value_dim)
+
+
+def gdn_verify(
+    qkvz: torch.Tensor,  # [T, 2 key_dim + 2 value_dim], request n's rows packed after n-1's
+    ba: torch.Tensor,  # [T, 2 HV]
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    layer: int,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    slots: torch.Tensor,  # [N]: request n's state, updated in place through all its rows
+    lens: list[int],  # [N] rows per request (>= 1)
+    step_slots: list[list[int]],  # [N][lens[n] - 1]: the state after each row but the last
+    num_k_heads: int,
+    eps: float,
+    *,
+    decode: Callable = gdn_decode,
+) -> torch.Tensor:
+    """Speculative verify (`scheduler.speculative`): each request's rows as consecutive decode
+    steps on its slot, the conv window and recurrent state after its row j (but its last) also
+    copied to `step_slots[n][j]`; so any prefix of the rows leaves exactly the state decoding
+    those tokens one at a time leaves. Returns y [T, value_dim] like `gdn_decode`. This
+    reference runs `decode` once per row index, across the requests that have one."""
+    out = qkvz.new_empty(qkvz.shape[0], ssm_pool.shape[2] * ssm_pool.shape[4])
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+
+    def col(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=qkvz.device)
+
+    for j in range(max(lens, default=0)):
+        live = [n for n, length in enumerate(lens) if length > j]
+        rows = col([starts[n] + j for n in live])
+        out[rows] = decode(
+            qkvz[rows], ba[rows], conv_pool, ssm_pool, layer, conv_weight, A_log, dt_bias,
+            norm_weight, slots[col(live)], num_k_heads, eps,
+        )  # fmt: skip
+        kept = [n for n in live if j < lens[n] - 1]
+        if kept:
+            src, dst = slots[col(kept)], col([step_slots[n][j] for n in kept])
+            for pool in (conv_pool[layer], ssm_pool[layer]):
+                pool.index_copy_(0, dst, pool.index_select(0, src))
+    return out

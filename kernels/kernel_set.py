@@ -68,6 +68,7 @@ class KernelSet:
     decode_attention: Callable
     store_kv: Callable
     gdn_decode: Callable
+    gdn_verify: Callable
     attn_decode: Callable
     sparse_moe: Callable
     fused_experts: Callable
@@ -101,6 +102,12 @@ def assemble(
 ) -> KernelSet:
     """A set of these unfused ops (`conv`, `gdr`, `attn`: modules with the references' function
     names), its fused ops the reference compositions of them."""
+    gdn_decode = partial(
+        gdn_step.gdn_decode,
+        conv_update=conv.causal_conv1d_update,
+        recurrent=gdr.fused_recurrent_gated_delta_rule,
+        norm_gated=rms_norm_gated_fn,
+    )
     return KernelSet(
         backend=backend,
         fused=False,
@@ -116,12 +123,8 @@ def assemble(
         store_kv=attn.store_kv,
         linear_multi=partial(multi_linear.linear_multi, linear=linear_fn),
         fused_add_rmsnorm=partial(rmsnorm.fused_add_rmsnorm, rms_norm=rms_norm_fn),
-        gdn_decode=partial(
-            gdn_step.gdn_decode,
-            conv_update=conv.causal_conv1d_update,
-            recurrent=gdr.fused_recurrent_gated_delta_rule,
-            norm_gated=rms_norm_gated_fn,
-        ),
+        gdn_decode=gdn_decode,
+        gdn_verify=partial(gdn_step.gdn_verify, decode=gdn_decode),
         attn_decode=partial(
             attn_step.attn_decode,
             rms_norm=rms_norm_fn,
@@ -184,6 +187,7 @@ def cpp_set(fusions: bool) -> KernelSet:
         linear_multi=multi_linear_cpp.linear_multi,
         fused_add_rmsnorm=rmsnorm_cpp.fused_add_rmsnorm,
         gdn_decode=gdn_step_cpp.gdn_decode,
+        gdn_verify=gdn_step_cpp.gdn_verify,
         attn_decode=attn_step_cpp.attn_decode,
         sparse_moe=partial(moe_step_cpp.sparse_moe, unfused=unfused.sparse_moe),
     )

@@ -191,13 +191,6 @@ class MambaPool(SlotPool):
         self.conv_state.index_copy_(1, d, self.conv_state.index_select(1, s))
         self.ssm_state.index_copy_(1, d, self.ssm_state.index_select(1, s))
 
-    def copy_layer(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """`copy` within one layer, for a forward pass (speculative verify) whose slots the
-        scheduler has checked: src, dst int64 on the pool's device, dst without repeats."""
-        conv, ssm = self.conv_state[layer], self.ssm_state[layer]
-        conv.index_copy_(0, dst, conv.index_select(0, src))
-        ssm.index_copy_(0, dst, ssm.index_select(0, src))
-
     def _require_allocated(self, ids: list[int], what: str) -> None:
         bad = [s for s in ids if not self.allocator.is_allocated(s)]
         if bad:

@@ -80,26 +80,6 @@ class ForwardBatch:
     def is_verify(self) -> bool:
         return self.mamba_step_slots_cpu is not None
 
-    @cached_property
-    def recurrent_steps(self) -> list[tuple[torch.Tensor, ...]]:
-        """Verify: per token index j, (packed rows of the requests' token j, their Mamba slots,
-        the slots whose state is kept after it, where it goes) (built once)."""
-        lens, starts, out = self.extend_lens_cpu, [0], []
-        for n in lens:
-            starts.append(starts[-1] + n)
-        slots = self.mamba_slots.tolist()
-
-        def col(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.input_ids.device)
-
-        for j in range(max(lens, default=0)):
-            live = [i for i, n in enumerate(lens) if n > j]
-            kept = [i for i in live if j < lens[i] - 1]
-            src, dst = [slots[i] for i in kept], [self.mamba_step_slots_cpu[i][j] for i in kept]
-            out.append((col([starts[i] + j for i in live]), col([slots[i] for i in live]),
-                        col(src), col(dst)))  # fmt: skip
-        return out
-
     def last_token_indices(self) -> torch.Tensor:
         """[N] index of each request's last new token in the packed batch."""
         return self.query_start_loc[1:] - 1

@@ -85,24 +85,19 @@ class GatedDeltaNet(nn.Module):
         )  # fmt: skip
 
     def _verify(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The recurrent form over a few new tokens per request (speculative verify): token j of
-        every request through the decode op at once, in place on the running slots, keeping the
-        state after each token but the last in the request's step slots; so the state after any
-        accepted prefix is the one a plain decode of those tokens leaves."""
+        """Speculative verify: each request's few new tokens as consecutive decode steps on
+        its running state, the state after each but the last kept in its step slots
+        (`gdn_verify`), so the state after any accepted prefix is the one decoding those tokens
+        leaves."""
         pool = batch.mamba_pool
         qkvz, ba = (self.in_proj_qkvz, self.in_proj_ba)
         qkvz, ba = self.ops.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
-        out = qkvz.new_empty(x.shape[0], self.value_dim)
-        layer = self.linear_layer_id
-        for rows, slots, src, dst in batch.recurrent_steps:
-            out[rows] = self.ops.gdn_decode(
-                qkvz[rows], ba[rows], pool.conv_state, pool.ssm_state,
-                layer, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
-                self.norm.weight, slots, self.num_k_heads, self.norm.eps,
-            )  # fmt: skip
-            if src.numel():
-                pool.copy_layer(layer, src, dst)
-        return out
+        return self.ops.gdn_verify(
+            qkvz, ba, pool.conv_state, pool.ssm_state,
+            self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
+            self.norm.weight, batch.mamba_slots, batch.extend_lens_cpu,
+            batch.mamba_step_slots_cpu, self.num_k_heads, self.norm.eps,
+        )  # fmt: skip
 
     def _extend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]

@@ -30,6 +30,7 @@ embeddings, norms and states are unchanged.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -100,6 +101,7 @@ def load_model(
     ops: KernelSet | None = None,
     quantization: str | None = None,
     mtp: bool = False,
+    draft_quantization: str | None = None,
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
@@ -114,16 +116,21 @@ def load_model(
     The layers run `ops`, by default the kernel set `kernels.choose` picks for the device and
     the activations' dtype (logged as a table). `quantization`: None, "int8" or "int4" (module
     docstring). `mtp`: build and load the MTP head too (module docstring; a `ValueError` when
-    the config has none).
+    the config has none). `draft_quantization` ("int8"/"int4", CPU): the head, which only drafts,
+    gets its own matrices in that format and a copy of the LM head in it for its predictions
+    (SGLang's --speculative-draft-model-quantization); with `quantization` it must be the same.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
     on_cpu = torch.device(device).type == "cpu"
-    if quantization is not None and (quantization not in QUANTIZATION_METHODS or not on_cpu):
-        raise ValueError(
-            f"quantization {quantization!r} on {device} (choose {', '.join(QUANTIZATION_METHODS)}"
-            ", on the CPU)"
-        )
+    for method in (quantization, draft_quantization):
+        if method is not None and (method not in QUANTIZATION_METHODS or not on_cpu):
+            raise ValueError(
+                f"quantization {method!r} on {device} (choose {', '.join(QUANTIZATION_METHODS)}"
+                ", on the CPU)"
+            )
+    if draft_quantization is not None and quantization not in (None, draft_quantization):
+        raise ValueError("the draft head's quantization must be the model's (--quantization)")
     path = Path(model_path)
     config = ModelConfig.from_hf(path)
     torch_dtype = resolve_dtype(dtype, config)
@@ -153,6 +160,9 @@ def load_model(
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.to(torch_dtype))
     if quantization is not None:
         quantize_matrices(model, quantization, tp)
+    elif draft_quantization is not None and model.mtp is not None:
+        model.mtp.lm_head = copy.deepcopy(model.lm_head)  # the head's own, for its drafts
+        quantize_matrices(model.mtp, draft_quantization, tp)
     logger.info(
         "loaded %s (%s%s%s, %s%s%s)",
         path,
@@ -161,7 +171,8 @@ def load_model(
         f", {quantization} matrices" * (quantization is not None),
         device,
         ", dummy weights" * (load_format == "dummy"),
-        ", with its MTP head" * mtp,
+        ", with its MTP head" * mtp
+        + f" ({draft_quantization} draft matrices)" * (draft_quantization is not None),
     )
     return model.eval()
 

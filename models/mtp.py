@@ -44,6 +44,7 @@ class MultiTokenPredictor(nn.Module):
             for i in range(config.mtp_num_hidden_layers)
         )
         self.norm = RMSNorm(hid, eps, ops)
+        self.lm_head: nn.Module | None = None  # its own LM head (quantized drafts), else shared
 
     def forward(
         self,

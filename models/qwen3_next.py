@@ -104,6 +104,13 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
+    def draft_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """The MTP head's predictions [K, vocab] fp32 from its outputs y (`mtp_hidden`): through
+        its own LM head where the loader gave it one (`draft_quantization`), else the model's."""
+        head = self.mtp.lm_head if self.mtp.lm_head is not None else self.lm_head
+        return head(y).float()
+
+    @torch.inference_mode()
     def mtp_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP head's output y [T, hidden] for every row of `batch` (`models.mtp`):
         `batch.input_ids` are the tokens after the positions whose final hidden is `hidden`;

@@ -136,6 +136,7 @@ class RunnerConfig:
     speculative_num_steps: int = 0
     speculative_eagle_topk: int = 0
     speculative_num_draft_tokens: int = 0
+    speculative_draft_model_quantization: str | None = None  # int8 / int4: the head's matrices
     # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0
@@ -188,7 +189,11 @@ class RunnerConfig:
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:
-            if self.speculative_num_steps or self.speculative_num_draft_tokens:
+            if (
+                self.speculative_num_steps
+                or self.speculative_num_draft_tokens
+                or self.speculative_draft_model_quantization
+            ):
                 raise ValueError("--speculative-num-steps needs --speculative-algorithm NEXTN")
             return
         _one_of(self, "speculative_algorithm", SPECULATIVE_ALGORITHMS)
@@ -204,6 +209,14 @@ class RunnerConfig:
             )
         if self.page_size != 1:
             raise ValueError("--speculative-algorithm needs --page-size 1")
+        draft = self.speculative_draft_model_quantization
+        if draft is not None:
+            _one_of(self, "speculative_draft_model_quantization", QUANTIZATIONS)
+            if self.device != "cpu" or self.quantization not in (None, draft):
+                raise ValueError(
+                    "--speculative-draft-model-quantization runs on the CPU, and with "
+                    "--quantization only as the same format"
+                )
 
     @property
     def spec_steps(self) -> int:

@@ -57,6 +57,7 @@ def build_scheduler(
     model = load_model(
         model_path, runner_cfg.dtype, runner_cfg.device, tp, runner_cfg.load_format,
         quantization=runner_cfg.quantization, mtp=runner_cfg.spec_steps > 0,
+        draft_quantization=runner_cfg.speculative_draft_model_quantization,
     )  # fmt: skip
     sizes = pool_bytes(model)
     runner_cfg = size_pools(runner_cfg, sizes)

@@ -93,6 +93,7 @@ class ModelRunner:
         model = load_model(
             model_path, config.dtype, config.device, load_format=config.load_format,
             quantization=config.quantization, mtp=config.spec_steps > 0,
+            draft_quantization=config.speculative_draft_model_quantization,
         )  # fmt: skip
         return cls(model, config)
 

@@ -81,7 +81,7 @@ class SpecDecoder:
 
     def _predict(self, reqs: list[Req], y: torch.Tensor) -> None:
         """Keep each request's head output and its argmax token (the next d1)."""
-        tokens = self.runner.model.logits_from_hidden(y).argmax(dim=-1).tolist()
+        tokens = self.runner.model.draft_logits(y).argmax(dim=-1).tolist()
         for i, req in enumerate(reqs):
             req.spec_hidden, req.spec_token = y[i], tokens[i]
 
@@ -195,7 +195,7 @@ class SpecDecoder:
             out_loc = torch.stack([table[r.req_slot, r.kv_len + k - 1] for r in live]).long()
             hidden = torch.stack([r.spec_hidden for r in live])
             hidden = self.runner.model.mtp_hidden(self.runner.build_decode(items, out_loc), hidden)
-            tokens = self.runner.model.logits_from_hidden(hidden).argmax(dim=-1).tolist()
+            tokens = self.runner.model.draft_logits(hidden).argmax(dim=-1).tolist()
             for i, (r, t) in enumerate(zip(live, tokens, strict=True)):
                 r.spec_drafts.append(t)
                 r.spec_hidden = hidden[i]

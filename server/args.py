@@ -182,6 +182,8 @@ HELP: dict[str, str] = {
     "speculative_num_steps": "draft tokens per step (0: 3)",
     "speculative_eagle_topk": "drafts per step; only 1 (a chain)",
     "speculative_num_draft_tokens": "tokens verified per step: --speculative-num-steps + 1",
+    "speculative_draft_model_quantization": "int8 or int4 (CPU): the MTP head's matrices and "
+    "its own copy of the LM head in that format (drafts only: outputs are unchanged)",
     "mem_fraction_static": "CUDA: fraction of GPU memory for weights + KV/Mamba pools; sizes the "
     "KV pool (0: --max-total-tokens decides)",
     "pool_memory_gb": "GB for the KV and Mamba pools on any device; sizes the KV pool "

@@ -1,5 +1,6 @@
 // The Gated DeltaNet decode step after its projections, one op per layer, in place on the
-// layer's conv and recurrent states. Reference and contract: kernels/gdn_decode.py.
+// layer's conv and recurrent states (reference and contract: kernels/gdn_step.py); and its
+// speculative-verify form, a few tokens per request in order, keeping each state.
 //
 //   [q | k | v] = silu(conv1d update of qkv on the conv window);  q, k l2-normalised, q * dk^-0.5
 //   g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)
@@ -92,22 +93,55 @@ inline void conv_row(const float* x, float* window, const float* wt, float* y, i
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
+// The layer's fixed shapes and parameters, and per-thread scratch for `head_token`.
+struct GdnLayer {
+  int64_t dk, dv, HV, ratio, key_dim, value_dim, conv_dim, row;
+  const float *x, *ba, *A_log, *dt_bias, *norm_w;
+  float *ssm, *out;
+  float scale, eps;
+};
+
+// One token (packed row b, its conv output a_row) of value head hv on `state`, in place:
+// normalise q and k, the gates, the delta rule, then the gated norm into out[b].
+inline void head_token(const GdnLayer& L, int64_t b, int64_t hv, const float* a_row, float* state,
+                       const float* next, float* qs, float* ks, float* acc, float* delta,
+                       float* o) {
+  const int64_t dk = L.dk, dv = L.dv, HV = L.HV, hk = hv / L.ratio;
+  const float* qr = a_row + hk * dk;
+  const float* kr = a_row + L.key_dim + hk * dk;
+  const float* vr = a_row + 2 * L.key_dim + hv * dv;
+  const float qm = L.scale / std::sqrt(hs::dot8(qr, qr, dk) + 1e-6f);
+  const float km = 1.f / std::sqrt(hs::dot8(kr, kr, dk) + 1e-6f);
+  for (int64_t i = 0; i < dk; ++i) {
+    qs[i] = qr[i] * qm;
+    ks[i] = kr[i] * km;
+  }
+  const float bt = 1.f / (1.f + std::exp(-L.ba[b * 2 * HV + hv]));
+  const float g = -std::exp(L.A_log[hv]) * softplus(L.ba[b * 2 * HV + HV + hv] + L.dt_bias[hv]);
+  std::fill(o, o + dv, 0.f);
+  hs::delta_rule_token(state, ks, qs, vr, std::exp(g), bt, dk, dv, acc, delta, o, next);
+  hs::gated_rmsnorm_row(o, L.x + b * L.row + L.conv_dim + hv * dv, L.norm_w,
+                        L.out + b * L.value_dim + hv * dv, dv, L.eps);  // with z
+}
+
 }  // namespace
 
 namespace hs {
 
-at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
-                      const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
-                      const at::Tensor& dt_bias, const at::Tensor& norm_weight,
-                      const at::Tensor& slots_t, int64_t num_k_heads, double eps) {
+namespace {
+
+// Checks shared by both ops; the layer's shapes and pointers, `out` [T, value_dim] allocated.
+GdnLayer layer_of(const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_state,
+                  const at::Tensor& conv_weight, const at::Tensor& ssm_state,
+                  const at::Tensor& A_log, const at::Tensor& dt_bias,
+                  const at::Tensor& norm_weight, int64_t num_k_heads, double eps,
+                  at::Tensor& out) {
   const std::initializer_list<const at::Tensor*> tensors = {
       &qkvz, &ba, &conv_state, &conv_weight, &ssm_state, &A_log, &dt_bias, &norm_weight};
   for (const at::Tensor* t : tensors) {
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat,
                 "gdn_decode: contiguous fp32 tensors expected");
   }
-  TORCH_CHECK(slots_t.is_contiguous() && slots_t.scalar_type() == at::kLong,
-              "gdn_decode: int64 slots expected");
   const int64_t T = qkvz.size(0), S = ssm_state.size(0), HV = ssm_state.size(1);
   const int64_t dk = ssm_state.size(2), dv = ssm_state.size(3), H = num_k_heads;
   const int64_t key_dim = H * dk, value_dim = HV * dv, conv_dim = 2 * key_dim + value_dim;
@@ -118,30 +152,50 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
                   conv_state.size(2) == W - 1 && conv_weight.size(0) == conv_dim,
               "gdn_decode: conv shapes");
   TORCH_CHECK(HV % H == 0 && A_log.numel() == HV && dt_bias.numel() == HV &&
-                  norm_weight.numel() == dv && slots_t.numel() == T,
+                  norm_weight.numel() == dv,
               "gdn_decode: head shapes");
-  const int64_t ratio = HV / H;
-  const std::vector<int64_t> slots = hs::live_slots(slots_t, S);
-  auto out = at::zeros({T, value_dim}, qkvz.options());
-  std::vector<float> act(T * conv_dim);  // silu(conv) of the live rows
-  std::vector<float> wt(W * conv_dim);  // the conv weight transposed, [W][conv_dim]
-  const float* cwp = conv_weight.data_ptr<float>();
-  for (int64_t c = 0; c < conv_dim; ++c) {
-    for (int64_t j = 0; j < W; ++j) wt[j * conv_dim + c] = cwp[c * W + j];
-  }
+  out = at::zeros({T, value_dim}, qkvz.options());
+  return GdnLayer{dk, dv, HV, HV / H, key_dim, value_dim, conv_dim, conv_dim + value_dim,
+                  qkvz.data_ptr<float>(), ba.data_ptr<float>(), A_log.data_ptr<float>(),
+                  dt_bias.data_ptr<float>(), norm_weight.data_ptr<float>(),
+                  ssm_state.data_ptr<float>(), out.data_ptr<float>(),
+                  1.f / std::sqrt(static_cast<float>(dk)), static_cast<float>(eps)};
+}
 
-  const float *xp = qkvz.data_ptr<float>(), *bap = ba.data_ptr<float>();
-  const float* alp = A_log.data_ptr<float>();
-  const float *dtp = dt_bias.data_ptr<float>(), *nwp = norm_weight.data_ptr<float>();
-  float *csp = conv_state.data_ptr<float>(), *ssp = ssm_state.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = 1.f / std::sqrt(static_cast<float>(dk)), e = static_cast<float>(eps);
-  const int64_t row = conv_dim + value_dim;
+// The conv weight transposed, [W][conv_dim].
+std::vector<float> transposed(const at::Tensor& conv_weight) {
+  const int64_t D = conv_weight.size(0), W = conv_weight.size(1);
+  std::vector<float> wt(W * D);
+  const float* cwp = conv_weight.data_ptr<float>();
+  for (int64_t c = 0; c < D; ++c) {
+    for (int64_t j = 0; j < W; ++j) wt[j * D + c] = cwp[c * W + j];
+  }
+  return wt;
+}
+
+}  // namespace
+
+at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
+                      const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
+                      const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                      const at::Tensor& slots_t, int64_t num_k_heads, double eps) {
+  at::Tensor out;
+  const GdnLayer L = layer_of(qkvz, ba, conv_state, conv_weight, ssm_state, A_log, dt_bias,
+                              norm_weight, num_k_heads, eps, out);
+  TORCH_CHECK(slots_t.is_contiguous() && slots_t.scalar_type() == at::kLong &&
+                  slots_t.numel() == qkvz.size(0),
+              "gdn_decode: int64 slots, one per row, expected");
+  const int64_t T = qkvz.size(0), HV = L.HV, dk = L.dk, dv = L.dv, conv_dim = L.conv_dim;
+  const int64_t W = conv_weight.size(1);
+  const std::vector<int64_t> slots = hs::live_slots(slots_t, ssm_state.size(0));
+  std::vector<float> act(T * conv_dim);  // silu(conv) of the live rows
+  const std::vector<float> wt = transposed(conv_weight);
+  float* csp = conv_state.data_ptr<float>();
 
   at::parallel_for(0, T, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       if (slots[b] < 0) continue;
-      conv_row(xp + b * row, csp + slots[b] * conv_dim * (W - 1), wt.data(),
+      conv_row(L.x + b * L.row, csp + slots[b] * conv_dim * (W - 1), wt.data(),
                act.data() + b * conv_dim, conv_dim, W);
     }
   });
@@ -149,30 +203,78 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
   at::parallel_for(0, T * HV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(dk), ks(dk), delta(dv), acc(dv), o(dv);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / HV, hv = job % HV, hk = hv / ratio;
+      const int64_t b = job / HV, hv = job % HV;
       if (slots[b] < 0) continue;
-      const float* a_row = act.data() + b * conv_dim;
-      const float* qr = a_row + hk * dk;
-      const float* kr = a_row + key_dim + hk * dk;
-      const float* vr = a_row + 2 * key_dim + hv * dv;
-      const float qm = scale / std::sqrt(hs::dot8(qr, qr, dk) + 1e-6f);
-      const float km = 1.f / std::sqrt(hs::dot8(kr, kr, dk) + 1e-6f);
-      for (int64_t i = 0; i < dk; ++i) {
-        qs[i] = qr[i] * qm;
-        ks[i] = kr[i] * km;
-      }
-      const float bt = 1.f / (1.f + std::exp(-bap[b * 2 * HV + hv]));
-      const float g = -std::exp(alp[hv]) * softplus(bap[b * 2 * HV + HV + hv] + dtp[hv]);
-      const float decay = std::exp(g);
-      float* state = ssp + (slots[b] * HV + hv) * dk * dv;
-      std::fill(o.begin(), o.end(), 0.f);
       const float* next = nullptr;  // the state of this thread's next job
       const int64_t next_slot = job + 1 < end ? slots[(job + 1) / HV] : -1;
-      if (next_slot >= 0) next = ssp + (next_slot * HV + (job + 1) % HV) * dk * dv;
-      hs::delta_rule_token(state, ks.data(), qs.data(), vr, decay, bt, dk, dv, acc.data(),
-                           delta.data(), o.data(), next);
-      hs::gated_rmsnorm_row(o.data(), xp + b * row + conv_dim + hv * dv, nwp,
-                            op + b * value_dim + hv * dv, dv, e);  // with z
+      if (next_slot >= 0) next = L.ssm + (next_slot * HV + (job + 1) % HV) * dk * dv;
+      head_token(L, b, hv, act.data() + b * conv_dim, L.ssm + (slots[b] * HV + hv) * dk * dv,
+                 next, qs.data(), ks.data(), acc.data(), delta.data(), o.data());
+    }
+  });
+  return out;
+}
+
+// Speculative verify: request n's rows [starts[n], starts[n+1]) run in order on its state in
+// slot slots[n], each token continuing from the last; after each of its rows but the last, the
+// conv window and recurrent state are also copied to slot steps[n][j] (steps: [N, width], -1
+// past a request's rows). Reference and contract: kernels/gdn_step.py gdn_verify.
+at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
+                      const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
+                      const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                      const at::Tensor& slots_t, const at::Tensor& starts_t,
+                      const at::Tensor& steps_t, int64_t num_k_heads, double eps) {
+  at::Tensor out;
+  const GdnLayer L = layer_of(qkvz, ba, conv_state, conv_weight, ssm_state, A_log, dt_bias,
+                              norm_weight, num_k_heads, eps, out);
+  const int64_t N = slots_t.numel(), HV = L.HV, dk = L.dk, dv = L.dv, conv_dim = L.conv_dim;
+  const int64_t W = conv_weight.size(1), S = ssm_state.size(0);
+  TORCH_CHECK(slots_t.scalar_type() == at::kLong && starts_t.scalar_type() == at::kLong &&
+                  steps_t.scalar_type() == at::kLong && slots_t.is_contiguous() &&
+                  starts_t.is_contiguous() && steps_t.is_contiguous() &&
+                  starts_t.numel() == N + 1 && steps_t.dim() == 2 && steps_t.size(0) == N,
+              "gdn_verify: int64 slots [N], starts [N+1], steps [N, width] expected");
+  const int64_t *slots = slots_t.data_ptr<int64_t>(), *starts = starts_t.data_ptr<int64_t>();
+  const int64_t *steps = steps_t.data_ptr<int64_t>(), width = steps_t.size(1);
+  TORCH_CHECK(starts[0] == 0 && starts[N] == qkvz.size(0), "gdn_verify: starts");
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t len = starts[n + 1] - starts[n];
+    TORCH_CHECK(len >= 1 && len - 1 <= width && slots[n] >= 0 && slots[n] < S,
+                "gdn_verify: rows or slot of request ", n);
+    for (int64_t j = 0; j + 1 < len; ++j) {
+      TORCH_CHECK(steps[n * width + j] >= 0 && steps[n * width + j] < S, "gdn_verify: steps");
+    }
+  }
+  std::vector<float> act(qkvz.size(0) * conv_dim);
+  const std::vector<float> wt = transposed(conv_weight);
+  float* csp = conv_state.data_ptr<float>();
+  const int64_t window = conv_dim * (W - 1), state = dk * dv;
+
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float* win = csp + slots[n] * window;
+      for (int64_t b = starts[n]; b < starts[n + 1]; ++b) {
+        conv_row(L.x + b * L.row, win, wt.data(), act.data() + b * conv_dim, conv_dim, W);
+        if (b + 1 < starts[n + 1]) {
+          std::copy(win, win + window, csp + steps[n * width + b - starts[n]] * window);
+        }
+      }
+    }
+  });
+
+  at::parallel_for(0, N * HV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(dk), ks(dk), delta(dv), acc(dv), o(dv);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t n = job / HV, hv = job % HV;
+      float* st = L.ssm + (slots[n] * HV + hv) * state;
+      for (int64_t b = starts[n]; b < starts[n + 1]; ++b) {
+        head_token(L, b, hv, act.data() + b * conv_dim, st, nullptr, qs.data(), ks.data(),
+                   acc.data(), delta.data(), o.data());
+        if (b + 1 < starts[n + 1]) {
+          float* dst = L.ssm + (steps[n * width + b - starts[n]] * HV + hv) * state;
+          std::copy(st, st + state, dst);
+        }
+      }
     }
   });
   return out;
@@ -184,6 +286,12 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("gdn_decode(Tensor qkvz, Tensor ba, Tensor(a!) conv_state, Tensor conv_weight, "
         "Tensor(b!) ssm_state, Tensor A_log, Tensor dt_bias, Tensor norm_weight, Tensor slots, "
         "int num_k_heads, float eps) -> Tensor");
+  m.def("gdn_verify(Tensor qkvz, Tensor ba, Tensor(a!) conv_state, Tensor conv_weight, "
+        "Tensor(b!) ssm_state, Tensor A_log, Tensor dt_bias, Tensor norm_weight, Tensor slots, "
+        "Tensor starts, Tensor steps, int num_k_heads, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("gdn_decode", &hs::gdn_decode); }
+TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
+  m.impl("gdn_decode", &hs::gdn_decode);
+  m.impl("gdn_verify", &hs::gdn_verify);
+}

@@ -56,3 +56,51 @@ def test_gdn_decode_matches_reference(B, H, HV, dk, dv, Kc, scale) -> None:
     assert torch.equal(conv_pool, conv_ref)  # shifts and copies only
     untouched = [s for s in range(1, n_slots) if s not in slots]
     assert torch.equal(ssm_pool[1, untouched], ssm_ref[1, untouched])
+
+
+@pytest.mark.parametrize(("lens", "H", "HV", "dk", "dv", "Kc"), [
+    ([4], 2, 4, 32, 32, 4),  # one request, three drafts
+    ([1, 3, 2, 4], 2, 4, 16, 24, 4),  # ragged, one without drafts
+    ([2, 2], 1, 3, 8, 40, 3),  # ratio 3, conv width 3
+])  # fmt: skip
+def test_gdn_verify_is_decode_steps_keeping_each_state(lens, H, HV, dk, dv, Kc) -> None:
+    """gdn_verify (C++ and reference) equals gdn_decode run row after row per request; the
+    step slots hold the states after each row but the last, the running slot the last's."""
+    torch.manual_seed(sum(lens) + dk)
+    key_dim, value_dim = H * dk, HV * dv
+    conv_dim, N, T = 2 * key_dim + value_dim, len(lens), sum(lens)
+    n_slots = 1 + N + T
+    perm = (torch.randperm(n_slots - 1) + 1).tolist()
+    slots, free = perm[:N], perm[N:]
+    steps = [[free.pop() for _ in range(n - 1)] for n in lens]
+    qkvz = torch.randn(T, conv_dim + value_dim)
+    ba = torch.randn(T, 2 * HV) * 2
+    conv_pool = torch.randn(2, n_slots, conv_dim, Kc - 1)
+    ssm_pool = torch.randn(2, n_slots, HV, dk, dv) * 0.3
+    conv_w = torch.randn(conv_dim, Kc) * 0.3
+    A_log = torch.empty(HV).uniform_(1, 16).log_()
+    dt_bias, norm_w = torch.randn(HV), torch.randn(dv) * 0.1 + 1
+    params = (1, conv_w, A_log, dt_bias, norm_w)
+
+    # expected: each request's rows through gdn_decode one at a time, states recorded
+    conv_e, ssm_e = conv_pool.clone(), ssm_pool.clone()
+    y_e, kept_e, start = torch.empty(T, value_dim), {}, 0
+    for n, length in enumerate(lens):
+        for j in range(length):
+            r = start + j
+            idx = torch.tensor([slots[n]])
+            y_e[r] = gdn_step.gdn_decode(qkvz[r : r + 1], ba[r : r + 1], conv_e, ssm_e, *params,
+                                         idx, H, 1e-6)[0]  # fmt: skip
+            if j < length - 1:
+                kept_e[steps[n][j]] = (conv_e[1, slots[n]].clone(), ssm_e[1, slots[n]].clone())
+        start += length
+    for fn in (gdn_step.gdn_verify, gdn_step_cpp.gdn_verify):
+        conv, ssm = conv_pool.clone(), ssm_pool.clone()
+        y = fn(qkvz, ba, conv, ssm, *params, torch.tensor(slots), lens, steps, H, 1e-6)
+        torch.testing.assert_close(y, y_e, rtol=1e-4, atol=1e-5)
+        for slot, (c, s) in kept_e.items():
+            assert torch.equal(conv[1, slot], c)
+            torch.testing.assert_close(ssm[1, slot], s, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ssm[1, slots], ssm_e[1, slots], rtol=1e-4, atol=1e-5)
+        assert torch.equal(conv[1, slots], conv_e[1, slots])
+        assert torch.equal(ssm[0], ssm_pool[0]) and torch.equal(conv[0], conv_pool[0])

@@ -116,6 +116,21 @@ def test_max_tokens_and_stop_tokens_landing_mid_draft(ckpt, max_new):
     assert engine.leak_report() == []
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_draft_head_changes_drafts_not_outputs(ckpt, method):
+    """--speculative-draft-model-quantization: the head's matrices and its own LM head copy
+    are quantized; the main model is untouched and the tokens are plain decoding's."""
+    path, prompts, expected, vocab = ckpt
+    engine = Engine(path, **POOLS, **SPEC, speculative_draft_model_quantization=method)
+    model = engine.runner.model
+    dtype = {"int8": torch.int8, "int4": torch.uint8}[method]
+    assert model.mtp.lm_head.weight.dtype == dtype and model.mtp.fc.weight.dtype == dtype
+    assert model.lm_head.weight.dtype == torch.float32
+    outs = engine.generate(prompts, GREEDY)
+    assert [o["output_ids"] for o in outs] == [e[:NEW] for e in expected]
+    assert engine.leak_report() == []
+
+
 def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
     """Drive both schedulers by hand: after a round whose second draft is wrong, the running
     Mamba slot (every layer's conv window and recurrent state) and the KV of the kept positions
@@ -250,6 +265,11 @@ def test_aborted_mid_generation_frees_everything(ckpt):
         ({**SPEC, "speculative_num_draft_tokens": 3}, "--speculative-num-steps + 1"),
         ({**SPEC, "page_size": 4}, "--page-size 1"),
         ({"speculative_num_steps": 2}, "needs --speculative-algorithm"),
+        ({**SPEC, "speculative_draft_model_quantization": "fp8"}, "must be one of int8, int4"),
+        (
+            {**SPEC, "speculative_draft_model_quantization": "int8", "quantization": "int4"},
+            "only as the same format",
+        ),
     ],
 )
 def test_bad_flags_are_one_line_errors(options, message):
