@@ -54,6 +54,16 @@ def _runs_cpp(tensors: tuple[torch.Tensor, ...], pools: tuple[torch.Tensor, ...]
     return all(t.dtype == torch.float32 for t in tensors) and all(p.is_contiguous() for p in pools)
 
 
+def verify_rows(lens: list[int], step_slots: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C++ form of a verify's rows: starts [N+1] (each request's first row), steps [N, w]
+    (its step slots, -1 past them), int64 on the CPU."""
+    width = max(max(lens, default=1) - 1, 1)
+    steps = torch.full((len(lens), width), -1, dtype=torch.int64)
+    for n, row in enumerate(step_slots):
+        steps[n, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0), steps
+
+
 def gdn_verify(
     qkvz: torch.Tensor,
     ba: torch.Tensor,
@@ -77,11 +87,7 @@ def gdn_verify(
             qkvz, ba, conv_pool, ssm_pool, layer, conv_weight, A_log, dt_bias, norm_weight,
             slots, lens, step_slots, num_k_heads, eps, decode=gdn_decode,
         )  # fmt: skip
-    width = max(max(lens, default=1) - 1, 1)
-    steps = torch.full((len(lens), width), -1, dtype=torch.int64)
-    for n, row in enumerate(step_slots):
-        steps[n, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    starts = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
+    starts, steps = verify_rows(lens, step_slots)
     return ops.gdn_verify(
         qkvz.contiguous(), ba.contiguous(), conv_pool[layer], conv_weight.contiguous(),
         ssm_pool[layer], A_log, dt_bias, norm_weight, slots.long().contiguous(), starts, steps,

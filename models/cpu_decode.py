@@ -28,6 +28,7 @@ import logging
 import torch
 
 from kernels import moe_step_cpp
+from kernels.gdn_step_cpp import verify_rows
 from kernels.quant import CPP_WEIGHT_DTYPES
 from models.forward_batch import ForwardBatch
 from models.layers import SparseMoE
@@ -131,6 +132,25 @@ class CpuDecodePlan:
             logger.debug("no CPU decode plan: %s", reason)
             return None
         return cls(model)
+
+    @torch.inference_mode()
+    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final hidden) of every row of a speculative verify batch
+        (`ForwardBatch.mamba_step_slots_cpu`), as `model.final_hidden(batch, every_row=True)`
+        and its logits: each row a decode row at its position, the recurrent layers through
+        `gdn_verify`."""
+        kv, mamba = batch.kv_pool, batch.mamba_pool
+        x = self.embed(batch.input_ids)
+        cos, sin = (t.contiguous() for t in self.rotary.cos_sin(batch.positions, x.dtype))
+        starts, steps = verify_rows(batch.extend_lens_cpu, batch.mamba_step_slots_cpu)
+        lens = torch.tensor(batch.extend_lens_cpu, device=x.device)
+        req_slots = batch.req_slots.repeat_interleave(lens).long().contiguous()
+        return self.step.verify(
+            x, cos, sin, kv.k_all, kv.v_all, mamba.conv_state, mamba.ssm_state,
+            batch.mamba_slots.long().contiguous(), starts, steps,
+            batch.out_loc.long().contiguous(), batch.req_to_token.contiguous(), req_slots,
+            (batch.positions + 1).long().contiguous(),
+        )  # fmt: skip
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:

@@ -137,6 +137,8 @@ class RunnerConfig:
     speculative_eagle_topk: int = 0
     speculative_num_draft_tokens: int = 0
     speculative_draft_model_quantization: str | None = None  # int8 / int4: the head's matrices
+    # decode steps with more running requests than this do not speculate (0: every step may)
+    speculative_disable_by_batch_size: int = 0
     # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0
@@ -188,6 +190,8 @@ class RunnerConfig:
                 raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
 
     def _check_speculative(self) -> None:
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError("--speculative-disable-by-batch-size must be >= 0")
         if self.speculative_algorithm is None:
             if (
                 self.speculative_num_steps

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scheduler import spec_sampling
 from scheduler.debug import DebugSwitches
 from scheduler.grammar import GrammarBackend
 from scheduler.graph_runner import DecodeGraphRunner
@@ -25,7 +26,8 @@ from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.penalties import TokenCounts, has_penalty
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
-from scheduler.speculative import SpecDecoder, can_draft
+from scheduler.sampler import SampleOutput
+from scheduler.speculative import SpecDecoder
 
 
 def init_prompt_logprobs(req: Req) -> None:
@@ -151,7 +153,7 @@ class ForwardStep:
         indices = None if picks is None else [i for pick in picks for i in pick]
         batch = runner.build_prefill(items, locs, logit_indices=indices)
         every = None
-        if self.spec is not None and any(can_draft(r) for r, _ in work):
+        if self.spec is not None and any(self.spec.can_draft(r) for r, _ in work):
             every = runner.model.final_hidden(batch, every_row=True)
             rows = batch.last_token_indices() if indices is None else batch.logit_indices
             hidden = every[rows]
@@ -170,12 +172,15 @@ class ForwardStep:
         """One decode step of reqs (their KV drawn at out_loc), then the track snapshots of the
         requests that reached a boundary. With speculative decoding, a round where a request
         drafts (`scheduler.speculative`) instead."""
-        if self.spec is not None and any(can_draft(r) for r in reqs):
-            try:
-                self.cache.after_decode(reqs, self.spec.round(reqs))
-            finally:
-                self.spec.release_steps()
-            return
+        if self.spec is not None:
+            if self.spec.wanted(reqs):
+                try:
+                    self.cache.after_decode(reqs, self.spec.round(reqs))
+                finally:
+                    self.spec.release_steps()
+                return
+            for req in reqs:  # the head's last prediction is for a position now passed
+                req.spec_hidden = None
         for req in reqs:
             req.kv_reserved_len = req.kv_len + 1
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
@@ -230,6 +235,33 @@ class ForwardStep:
             landed.append(m)
             base += len(draft) + 1
         return landed
+
+    def land_sampled(self, req: Req, q: list[torch.Tensor], logits: torch.Tensor) -> int:
+        """Speculative verify of a sampled request: its drafts (the verify rows' inputs after
+        the first) were drawn from `q`; rejection sampling (`scheduler.spec_sampling.accept`)
+        picks the tokens, which land one by one up to where it finishes; returns how many."""
+        p, drafts = req.params, req.spec_drafts[: logits.shape[0] - 1]
+        m = 0
+        try:
+            tokens = spec_sampling.accept(logits, drafts, q[: len(drafts)], p, req.generator)
+            out = SampleOutput(next_token_ids=tokens)
+            if p.return_logprob:
+                lsm = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+                out.logprobs = lsm[torch.arange(len(tokens)), tokens].tolist()
+                if p.top_logprobs_num:
+                    vals, ids = lsm.topk(p.top_logprobs_num, dim=-1)
+                    out.top_logprobs = [
+                        list(zip(i, v, strict=True))
+                        for i, v in zip(ids.tolist(), vals.tolist(), strict=True)
+                    ]
+            for j in range(len(tokens)):
+                self._land(req, out, j)
+                m += 1
+                if req.finished:
+                    break
+        except Exception as exc:
+            self.on_error(req, exc)
+        return m
 
     def _land(self, req: Req, out, i: int, grammar_ended: bool = False) -> None:
         """Append row i of a sampler output to req and check whether it finished."""

@@ -62,6 +62,15 @@ class DecodeGraphRunner:
             if self.plan is not None:
                 logger.info("CPU decode batches of 1..%d rows run the decode plan", self.plan_rows)
 
+    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final hidden) of every row of a speculative verify batch: through the
+        decode plan on CPU (up to its rows), else the model's extend forward."""
+        model = self.runner.model
+        if self.plan is not None and batch.input_ids.numel() <= MAX_PLAN_ROWS:
+            return self.plan.verify(batch)
+        hidden = model.final_hidden(batch, every_row=True)
+        return model.logits_from_hidden(hidden), hidden
+
     def padded_size(self, n: int) -> int | None:
         return next((bs for bs in self.sizes if bs >= n), None)
 

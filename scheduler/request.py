@@ -74,8 +74,9 @@ class Req:
     # speculative decoding (scheduler/speculative.py): the MTP head's output at the newest
     # verified row and its predicted token (the next round's first draft); the round's drafts
     spec_hidden: torch.Tensor | None = None
-    spec_token: int = 0
+    spec_token: tuple[int, torch.Tensor | None] = (0, None)  # and q, the draw's distribution
     spec_drafts: list[int] = field(default_factory=list)
+    spec_q: list[torch.Tensor | None] = field(default_factory=list)  # sampled drafts' q
     spec_verify_ct: int = 0  # speculative rounds it could draft in (SGLang's spec_verify_ct)
     # outcome
     finish_reason: FinishReason | None = None

@@ -38,21 +38,10 @@ from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.penalties import has_penalty
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Req
+from scheduler.spec_sampling import draw, filtered_probs
 
 if TYPE_CHECKING:
     from scheduler.forward_step import ForwardStep
-
-
-def can_draft(req: Req) -> bool:
-    """Whether a request's tokens can be drafted and checked by argmax alone."""
-    p = req.params
-    return (
-        p.is_greedy
-        and not has_penalty(p)
-        and not p.logit_bias
-        and not p.min_new_tokens
-        and req.grammar is None
-    )
 
 
 @dataclass
@@ -69,6 +58,33 @@ class SpecDecoder:
         self.override: Callable[[Req, list[int]], list[int]] | None = None
         self.rounds = self.drafted = self.accepted = 0  # drafting requests' counts
 
+    def can_draft(self, req: Req) -> bool:
+        """Whether a request drafts: greedy (checked by argmax) or sampled (checked by
+        rejection sampling, `scheduler.spec_sampling`; one rank only: the draws are local),
+        without penalties, logit bias, min_new_tokens or a grammar."""
+        p = req.params
+        return (
+            (p.is_greedy or not self.runner.model.tp.enabled)
+            and not has_penalty(p)
+            and not p.logit_bias
+            and not p.min_new_tokens
+            and req.grammar is None
+        )
+
+    def _choose(self, reqs: list[Req], y: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """Each request's next draft from the head's outputs y: the argmax (greedy), or a draw
+        from its sampling distribution q, kept for the rejection test."""
+        logits = self.runner.model.draft_logits(y)
+        tokens = logits.argmax(dim=-1).tolist()
+        out: list[tuple[int, torch.Tensor | None]] = []
+        for i, req in enumerate(reqs):
+            if req.params.is_greedy:
+                out.append((tokens[i], None))
+            else:
+                q = filtered_probs(logits[i : i + 1], req.params)[0]
+                out.append((draw(q, req.generator), q))
+        return out
+
     # ---- the head --------------------------------------------------------------------------
     def _head(self, items: list[ExtendInput], hidden: torch.Tensor) -> torch.Tensor:
         """The head over rows (hidden[r], next token) packed as in `items` (prefix_len: the
@@ -80,10 +96,9 @@ class SpecDecoder:
         return y[batch.last_token_indices()]
 
     def _predict(self, reqs: list[Req], y: torch.Tensor) -> None:
-        """Keep each request's head output and its argmax token (the next d1)."""
-        tokens = self.runner.model.draft_logits(y).argmax(dim=-1).tolist()
-        for i, req in enumerate(reqs):
-            req.spec_hidden, req.spec_token = y[i], tokens[i]
+        """Keep each request's head output and its next d1 (`_choose`)."""
+        for i, (req, choice) in enumerate(zip(reqs, self._choose(reqs, y), strict=True)):
+            req.spec_hidden, req.spec_token = y[i], choice
 
     def after_prefill(self, work: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
         """After a prefill round (tokens sampled): the head over each drafter's computed rows,
@@ -91,7 +106,7 @@ class SpecDecoder:
         items, rows, reqs, base = [], [], [], 0
         for req, n in work:
             start = req.kv_len - n  # (kv_len already counts this round)
-            if can_draft(req) and not req.finished and len(req.all_ids) > req.kv_len:
+            if self.can_draft(req) and not req.finished and len(req.all_ids) > req.kv_len:
                 ids = req.all_ids[start + 1 : req.kv_len + 1]
                 items.append(ExtendInput(req.req_slot, 0, start, ids))
                 rows.extend(range(base, base + n))
@@ -103,6 +118,12 @@ class SpecDecoder:
             self._predict([reqs[i] for i in done], y[done])
 
     # ---- one round -----------------------------------------------------------------------
+    def wanted(self, reqs: list[Req]) -> bool:
+        """Whether this decode step speculates: a request can draft and the batch is within
+        --speculative-disable-by-batch-size."""
+        limit = self.runner.config.speculative_disable_by_batch_size
+        return (not limit or len(reqs) <= limit) and any(self.can_draft(r) for r in reqs)
+
     def round(self, reqs: list[Req]) -> list[tuple[int, list[int]]]:
         """One decode round of reqs (each holds a KV location for its position kv_len, in its
         req_to_token row); returns per request (kv_len before, its step slots), for the track
@@ -112,7 +133,7 @@ class SpecDecoder:
         steps: list[list[int]] = [[] for _ in reqs]
         for i, req in enumerate(reqs):
             req.kv_reserved_len = req.kv_len + 1
-            if req.spec_hidden is not None and can_draft(req):
+            if req.spec_hidden is not None and self.can_draft(req):
                 steps[i] = self._reserve(req)
         self._draft(reqs, steps)
         items, locs = [], []
@@ -124,8 +145,7 @@ class SpecDecoder:
             )
             locs.append(self._locs(req.req_slot, req.kv_len, len(ids)))
         batch = runner.build_prefill(items, locs, return_all_logits=True, verify=True)
-        hidden = runner.model.final_hidden(batch, every_row=True)
-        logits = runner.model.logits_from_hidden(hidden)
+        logits, hidden = self.step.graph_runner.verify(batch)
         landed = self._accept(reqs, items, logits)
         heads, head_rows, base = [], [], 0
         for i, req in enumerate(reqs):
@@ -137,8 +157,8 @@ class SpecDecoder:
                 runner.kv_pool.free(self._locs(req.req_slot, req.kv_len + m, drawn))
             req.kv_len += m
             req.kv_reserved_len = req.kv_len
-            req.spec_verify_ct += can_draft(req)
-            if can_draft(req) and not req.finished and m:
+            req.spec_verify_ct += self.can_draft(req)
+            if self.can_draft(req) and not req.finished and m:
                 heads.append((req, starts[i], req.output_ids[-m:]))
                 head_rows.extend(range(base, base + m))
             base += n
@@ -147,7 +167,7 @@ class SpecDecoder:
             y = self._head(items, hidden[torch.tensor(head_rows, device=hidden.device)])
             self._predict([r for r, _, _ in heads], y)
         for req in reqs:
-            if req.finished or not can_draft(req):
+            if req.finished or not self.can_draft(req):
                 req.spec_hidden = None
         return list(zip(starts, steps, strict=True))
 
@@ -181,11 +201,12 @@ class SpecDecoder:
         return slots
 
     def _draft(self, reqs: list[Req], steps: list[list[int]]) -> None:
-        """d1 .. dn of every request with n step slots: rows (y, d_k) at positions
-        kv_len + k - 1 give d_{k+1}."""
+        """d1 .. dn of every request with n step slots (and, sampled, the q each was drawn
+        from): rows (y, d_k) at positions kv_len + k - 1 give d_{k+1}."""
         drafters = [(r, len(s)) for r, s in zip(reqs, steps, strict=True) if s]
         for r, _ in drafters:
-            r.spec_drafts = [r.spec_token]
+            token, q = r.spec_token
+            r.spec_drafts, r.spec_q = [token], [q]
         table = self.runner.req_pool.req_to_token
         for k in range(1, self.steps):
             live = [r for r, n in drafters if n > k]
@@ -195,13 +216,17 @@ class SpecDecoder:
             out_loc = torch.stack([table[r.req_slot, r.kv_len + k - 1] for r in live]).long()
             hidden = torch.stack([r.spec_hidden for r in live])
             hidden = self.runner.model.mtp_hidden(self.runner.build_decode(items, out_loc), hidden)
-            tokens = self.runner.model.draft_logits(hidden).argmax(dim=-1).tolist()
-            for i, (r, t) in enumerate(zip(live, tokens, strict=True)):
-                r.spec_drafts.append(t)
+            for i, (r, (token, q)) in enumerate(zip(live, self._choose(live, hidden), strict=True)):
+                r.spec_drafts.append(token)
+                r.spec_q.append(q)
                 r.spec_hidden = hidden[i]
         if self.override is not None:
+            vocab = self.runner.model.config.vocab_size
             for r, n in drafters:
                 r.spec_drafts = list(self.override(r, r.spec_drafts))[:n]
+                if not r.params.is_greedy:  # drafts that were not drawn: q is a point mass
+                    r.spec_q = [torch.nn.functional.one_hot(torch.tensor(d), vocab).float()
+                                for d in r.spec_drafts]  # fmt: skip
 
     def _accept(self, reqs: list[Req], items: list[ExtendInput], logits: torch.Tensor) -> list[int]:
         """Land each request's tokens; returns how many landed per request."""
@@ -218,13 +243,19 @@ class SpecDecoder:
             step.sample(logits[[bounds[i][0] for i in plain]], [reqs[i] for i in plain])
             for i, n in zip(plain, before, strict=True):
                 landed[i] = len(reqs[i].output_ids) - n
-        if drafted:
-            rows = torch.cat([torch.arange(*bounds[i]) for i in drafted]).to(logits.device)
+        greedy = [i for i in drafted if reqs[i].params.is_greedy]
+        if greedy:
+            rows = torch.cat([torch.arange(*bounds[i]) for i in greedy]).to(logits.device)
             counts = step.land_drafted(
-                [reqs[i] for i in drafted], [items[i].input_ids[1:] for i in drafted], logits[rows]
+                [reqs[i] for i in greedy], [items[i].input_ids[1:] for i in greedy], logits[rows]
             )
-            for i, m in zip(drafted, counts, strict=True):
+            for i, m in zip(greedy, counts, strict=True):
                 landed[i] = m
+        for i in drafted:
+            if not reqs[i].params.is_greedy:
+                req = reqs[i]
+                landed[i] = step.land_sampled(req, req.spec_q, logits[bounds[i][0] : bounds[i][1]])
+        if drafted:
             self.rounds += len(drafted)
             self.drafted += sum(len(items[i].input_ids) - 1 for i in drafted)
             self.accepted += sum(max(landed[i] - 1, 0) for i in drafted)

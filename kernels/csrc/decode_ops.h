@@ -42,6 +42,11 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
                       const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
                       const at::Tensor& dt_bias, const at::Tensor& norm_weight,
                       const at::Tensor& slots_t, int64_t num_k_heads, double eps);
+at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
+                      const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
+                      const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                      const at::Tensor& slots_t, const at::Tensor& starts_t,
+                      const at::Tensor& steps_t, int64_t num_k_heads, double eps);
 // attn_decode.cpp
 at::Tensor attn_decode(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "decode_ops.h"
@@ -83,6 +84,36 @@ struct DecodeStep : torch::CustomClassHolder {
                      at::Tensor v_all, at::Tensor conv_state, at::Tensor ssm_state,
                      at::Tensor slots, at::Tensor out_loc, at::Tensor req_to_token,
                      at::Tensor req_slots, at::Tensor seq_lens) {
+    const at::Tensor h = run(x, cos, sin, k_all, v_all, conv_state, ssm_state, slots, {}, {},
+                             out_loc, req_to_token, req_slots, seq_lens);
+    return hs::linear(h, lm_head);
+  }
+
+  // Speculative verify: the B rows are N requests' few tokens each, request n's rows
+  // [starts[n], starts[n+1]) at consecutive positions (their seq_lens), its state in slots[n]
+  // [N] stepped through them in order, the state after each row but its last kept in
+  // steps[n] (gdn_verify); attention sees each row's earlier rows (attn_decode writes every
+  // row's K/V first). Returns (logits [B, vocab], final normed hidden [B, hidden]).
+  std::tuple<at::Tensor, at::Tensor> verify(
+      at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_all, at::Tensor v_all,
+      at::Tensor conv_state, at::Tensor ssm_state, at::Tensor slots, at::Tensor starts,
+      at::Tensor steps, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor req_slots,
+      at::Tensor seq_lens) {
+    TORCH_CHECK(starts.defined() && steps.defined(), "DecodeStep.verify: starts and steps");
+    const at::Tensor h = run(x, cos, sin, k_all, v_all, conv_state, ssm_state, slots, starts,
+                             steps, out_loc, req_to_token, req_slots, seq_lens);
+    return {hs::linear(h, lm_head), h};
+  }
+
+ private:
+  // The layers and the final norm: the normed hidden states [B, hidden]. With `starts`
+  // defined, the GDN layers run gdn_verify over the requests' rows, else gdn_decode per row.
+  at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& k_all, const at::Tensor& v_all, const at::Tensor& conv_state,
+                 const at::Tensor& ssm_state, const at::Tensor& slots, const at::Tensor& starts,
+                 const at::Tensor& steps, const at::Tensor& out_loc,
+                 const at::Tensor& req_to_token, const at::Tensor& req_slots,
+                 const at::Tensor& seq_lens) {
     at::Tensor residual;
     for (const Layer& l : layers) {
       at::Tensor h;
@@ -98,6 +129,10 @@ struct DecodeStep : torch::CustomClassHolder {
         o = hs::attn_decode(p[0], p[1], p[2], l.mixer[0], l.mixer[1], cos, sin,
                             k_all.select(0, l.index), v_all.select(0, l.index), out_loc,
                             req_to_token, req_slots, seq_lens, l.heads, l.scale, l.mixer_eps);
+      } else if (starts.defined()) {
+        o = hs::gdn_verify(p[0], p[1], conv_state.select(0, l.index), l.mixer[0],
+                           ssm_state.select(0, l.index), l.mixer[1], l.mixer[2], l.mixer[3],
+                           slots, starts, steps, l.heads, l.mixer_eps);
       } else {
         o = hs::gdn_decode(p[0], p[1], conv_state.select(0, l.index), l.mixer[0],
                            ssm_state.select(0, l.index), l.mixer[1], l.mixer[2], l.mixer[3],
@@ -108,10 +143,8 @@ struct DecodeStep : torch::CustomClassHolder {
       x = hs::moe_decode(h, l.moe[0], l.moe[1], l.moe[2], l.moe[3], l.moe[4], l.moe[5],
                          l.moe[6], l.top_k, l.norm_topk);
     }
-    at::Tensor h = residual.defined()
-                       ? std::get<0>(hs::add_rmsnorm(x, residual, final_norm, final_eps))
-                       : hs::rmsnorm(x, final_norm, final_eps);
-    return hs::linear(h, lm_head);
+    return residual.defined() ? std::get<0>(hs::add_rmsnorm(x, residual, final_norm, final_eps))
+                              : hs::rmsnorm(x, final_norm, final_eps);
   }
 };
 
@@ -119,5 +152,6 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.class_<DecodeStep>("DecodeStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>,
                        at::Tensor, double, at::Tensor>())
-      .def("forward", &DecodeStep::forward);
+      .def("forward", &DecodeStep::forward)
+      .def("verify", &DecodeStep::verify);
 }

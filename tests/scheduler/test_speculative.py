@@ -131,6 +131,21 @@ def test_quantized_draft_head_changes_drafts_not_outputs(ckpt, method):
     assert engine.leak_report() == []
 
 
+def test_large_batches_decode_plainly(ckpt):
+    """--speculative-disable-by-batch-size 2: while more than two requests run, steps decode
+    plainly; the two longest then speculate. Tokens are plain decoding's either way."""
+    path, prompts, expected, vocab = ckpt
+    engine = Engine(path, **POOLS, **SPEC, speculative_disable_by_batch_size=2)
+    controlled(engine, prompts, expected, vocab, 0.0)
+    lens = [3, 5, 6, 30, 40]
+    params = [{**GREEDY, "max_new_tokens": n} for n in lens]
+    outs = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in outs] == [e[:n] for e, n in zip(expected, lens, strict=True)]
+    rounds = [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
+    assert rounds[:3] == [0, 0, 0] and min(rounds[3:]) > 0, rounds
+    assert engine.leak_report() == []
+
+
 def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
     """Drive both schedulers by hand: after a round whose second draft is wrong, the running
     Mamba slot (every layer's conv window and recurrent state) and the KV of the kept positions
@@ -172,34 +187,70 @@ def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
     assert plain.leak_report() == [] and spec.leak_report() == []
 
 
-def test_sampled_and_constrained_requests_decode_beside_drafted_ones(ckpt):
-    """Seeded sampling, penalties and logprobs do not draft; in the same batch as greedy
-    drafters they give what plain decoding gives (the same seed draws the same tokens)."""
+def test_penalised_and_logprob_requests_decode_beside_drafted_ones(ckpt):
+    """Penalties do not draft, logprob requests draft greedily; in the same batch as other
+    drafters they give what plain decoding gives, logprobs included. A seeded sampled request
+    drafts too (rejection sampling, its draws from its own generator): the same batch on a
+    fresh engine gives the same tokens."""
     path, prompts, expected, vocab = ckpt
+    sampled = {"max_new_tokens": NEW, "temperature": 0.8, "seed": 7}
     others = [
-        {"max_new_tokens": NEW, "temperature": 0.8, "seed": 7},
         {"max_new_tokens": NEW, "temperature": 0.0, "frequency_penalty": 0.5},
         {"max_new_tokens": NEW, "temperature": 0.0, "return_logprob": True, "top_logprobs_num": 2},
     ]
-    params = [GREEDY, *others, {**GREEDY, "return_logprob": True}]
+    params = [GREEDY, sampled, *others, {**GREEDY, "return_logprob": True}]
     plain = Engine(path, **POOLS).generate(prompts, params)
-    engine = Engine(path, **POOLS, **SPEC)
-    controlled(engine, prompts, expected, vocab, 0.2)
-    outs = engine.generate(prompts, params)
-    for o, p in zip(outs, plain, strict=True):
+    runs = [Engine(path, **POOLS, **SPEC).generate(prompts, params) for _ in range(2)]
+    outs = runs[0]
+    assert (
+        outs[1]["output_ids"] == runs[1][1]["output_ids"] and outs[1]["meta_info"]["spec_verify_ct"]
+    )
+    for i, (o, p) in enumerate(zip(outs, plain, strict=True)):
+        if i == 1:
+            continue
         assert o["output_ids"] == p["output_ids"]
-        lp, lq = (
-            o["meta_info"].get("output_token_logprobs"),
-            p["meta_info"].get("output_token_logprobs"),
-        )
+        lp, lq = (r["meta_info"].get("output_token_logprobs") for r in (o, p))
         if lq:
             assert [t for _, t, *_ in lp] == [t for _, t, *_ in lq]
-            torch.testing.assert_close(
-                torch.tensor([v for v, *_ in lp]),
-                torch.tensor([v for v, *_ in lq]),
-                atol=1e-4,
-                rtol=0,
-            )
+            got, want = (torch.tensor([v for v, *_ in x]) for x in (lp, lq))
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_speculative_sampling_keeps_the_target_distribution(ckpt):
+    """Three sampled tokens (temperature 0.7 over the top 2) from 600 seeds, drafts kept or
+    replaced by rejection sampling: the empirical distribution of the 8 possible sequences is
+    within 0.1 (total variation) of the exact one from transformers' logits; drafts were both
+    kept and refused. Always keeping the (greedy) drafts would put all mass on one sequence."""
+    from transformers import AutoModelForCausalLM
+
+    path, prompts, expected, vocab = ckpt
+    prompt, temp = prompts[0], 0.7
+    params = {"max_new_tokens": 3, "temperature": temp, "top_k": 2, "ignore_eos": True}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def top2(ids: list[int]) -> list[tuple[int, float]]:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        vals, toks = logits.topk(2)
+        return list(zip(toks.tolist(), torch.softmax(vals / temp, -1).tolist(), strict=True))
+
+    exact: dict[tuple[int, ...], float] = {}
+    for a, pa in top2(prompt):
+        for b, pb in top2([*prompt, a]):
+            for c, pc in top2([*prompt, a, b]):
+                exact[(a, b, c)] = pa * pb * pc
+    engine = Engine(path, max_running_requests=64, max_total_tokens=8192, **SPEC)
+    controlled(engine, [prompt], [expected[0]], vocab, 0.0)  # greedy drafts: q a point mass
+    n = 600
+    outs = engine.generate([prompt] * n, [{**params, "seed": s} for s in range(n)])
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
+    assert tv < 0.1, (tv, counts, exact)
+    spec = engine.scheduler.forward.spec
+    assert 0 < spec.accepted < spec.drafted
     assert engine.leak_report() == []
 
 
