@@ -136,3 +136,30 @@ def test_decode_step_checks_its_layout(ckpt):
         step([norm] * 3, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head)
     with pytest.raises(RuntimeError, match="1 tensors left over"):
         step([norm] * 16, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head)
+
+
+def test_plan_verify_equals_the_eager_extend(ckpt):
+    """A speculative verify batch (requests with 1 to 4 rows at consecutive positions, step
+    slots kept): through the plan (`DecodeStep.verify`) as through the model's extend forward,
+    logits and hidden within fp32 rounding, the pools (states kept in the step slots too) alike."""
+    eager, slots, first = prefilled(ckpt, "float32")
+    fast, _, _ = prefilled(ckpt, "float32")
+    plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 2, 4, 8])
+    assert plain.plan is None and planned.plan is not None
+    lens = [1, 4, 2, 3]
+    outs = []
+    for graphs in (plain, planned):
+        runner = graphs.runner
+        items, locs = [], []
+        for i, n in enumerate(lens):
+            q, m = slots[i]
+            steps = [int(s) for s in runner.mamba_pool.alloc(n - 1)] if n > 1 else []
+            ids = [first[i], *range(10, 9 + n)]
+            items.append(ExtendInput(q, m, len(PROMPTS[i]), ids, step_slots=steps))
+            locs.append(runner.alloc_kv(q, len(PROMPTS[i]), n))
+        batch = runner.build_prefill(items, locs, return_all_logits=True, verify=True)
+        outs.append(graphs.verify(batch))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    for a, b in zip(pools(eager), pools(fast), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
