@@ -105,22 +105,32 @@ def layer_args(layer) -> tuple[list[torch.Tensor], list[int], list[float]]:
 class CpuDecodePlan:
     """`plan(batch)` == `model.forward(batch)` for a decode batch of at most MAX_ROWS rows
     (bit for bit, pools updated alike). It holds the model's parameter tensors
-    themselves: weights changed in place are seen, replaced parameters are not."""
+    themselves: weights changed in place are seen, replaced parameters are not. `for_mtp`
+    builds the same over the MTP head's layer (`rows`, its drafts' passes)."""
 
-    def __init__(self, model: Qwen3NextForCausalLM) -> None:
+    def __init__(self, model: Qwen3NextForCausalLM, layers=None, norm=None, lm_head=None) -> None:
         self.model = model
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary
         tensors, ints, floats = [], [], []
-        for layer in model.model.layers:
+        for layer in model.model.layers if layers is None else layers:
             t, i, f = layer_args(layer)
             tensors += t
             ints += i
             floats += f
-        norm = model.model.norm
+        norm = norm or model.model.norm
+        head = lm_head if lm_head is not None else model.lm_head.weight
         self.step = torch.classes.hybrid_serve.DecodeStep(
-            tensors, ints, floats, norm.weight, norm.eps, model.lm_head.weight
+            tensors, ints, floats, norm.weight, norm.eps, head
         )
+
+    @classmethod
+    def for_mtp(cls, model: Qwen3NextForCausalLM) -> CpuDecodePlan:
+        """The plan over the MTP head's layer, its norm and its LM head (for `rows`); call
+        where the model's own plan applies."""
+        mtp = model.mtp
+        head = (mtp.lm_head if mtp.lm_head is not None else model.lm_head).weight
+        return cls(model, mtp.layers, mtp.norm, head)
 
     @classmethod
     def build(cls, model: Qwen3NextForCausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
@@ -134,17 +144,22 @@ class CpuDecodePlan:
         return cls(model)
 
     @torch.inference_mode()
-    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self, batch: ForwardBatch, x: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final hidden) of every row of a speculative verify batch
         (`ForwardBatch.mamba_step_slots_cpu`), as `model.final_hidden(batch, every_row=True)`
         and its logits: each row a decode row at its position, the recurrent layers through
-        `gdn_verify`."""
+        `gdn_verify`. With `x` (the MTP plan: the head's layer input, `layer_input`), any batch
+        whose rows sit at consecutive positions per request, decode or extend."""
         kv, mamba = batch.kv_pool, batch.mamba_pool
-        x = self.embed(batch.input_ids)
+        x = self.embed(batch.input_ids) if x is None else x
         cos, sin = (t.contiguous() for t in self.rotary.cos_sin(batch.positions, x.dtype))
-        starts, steps = verify_rows(batch.extend_lens_cpu, batch.mamba_step_slots_cpu)
-        lens = torch.tensor(batch.extend_lens_cpu, device=x.device)
-        req_slots = batch.req_slots.repeat_interleave(lens).long().contiguous()
+        lens = batch.extend_lens_cpu
+        steps = batch.mamba_step_slots_cpu or [[] for _ in lens]
+        starts, steps = verify_rows(lens, steps)
+        counts = torch.tensor(lens, device=x.device)
+        req_slots = batch.req_slots.repeat_interleave(counts).long().contiguous()
         return self.step.verify(
             x, cos, sin, kv.k_all, kv.v_all, mamba.conv_state, mamba.ssm_state,
             batch.mamba_slots.long().contiguous(), starts, steps,

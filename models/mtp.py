@@ -46,6 +46,14 @@ class MultiTokenPredictor(nn.Module):
         self.norm = RMSNorm(hid, eps, ops)
         self.lm_head: nn.Module | None = None  # its own LM head (quantized drafts), else shared
 
+    def layer_input(
+        self, ids: torch.Tensor, hidden: torch.Tensor, embed: nn.Module
+    ) -> torch.Tensor:
+        """fc([pre_fc_norm_embedding(embed(ids)); pre_fc_norm_hidden(hidden)]): what the
+        decoder layer reads."""
+        e = self.pre_fc_norm_embedding(embed(ids))
+        return self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
+
     def forward(
         self,
         batch: ForwardBatch,
@@ -54,8 +62,7 @@ class MultiTokenPredictor(nn.Module):
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
         """The head's normed output y [T, hidden] for every row of `batch`."""
-        e = self.pre_fc_norm_embedding(embed(batch.input_ids))
-        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
+        x = self.layer_input(batch.input_ids, hidden, embed)
         cos_sin = rotary.cos_sin(batch.positions, x.dtype)
         residual = None
         for layer in self.layers:

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from models.cpu_decode import MAX_ROWS as MAX_PLAN_ROWS
+from models.cpu_decode import CpuDecodePlan
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.penalties import has_penalty
 from scheduler.prefix_cache import PrefixCache
@@ -71,10 +74,11 @@ class SpecDecoder:
             and req.grammar is None
         )
 
-    def _choose(self, reqs: list[Req], y: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
-        """Each request's next draft from the head's outputs y: the argmax (greedy), or a draw
+    def _choose(
+        self, reqs: list[Req], logits: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        """Each request's next draft from the head's logits: the argmax (greedy), or a draw
         from its sampling distribution q, kept for the rejection test."""
-        logits = self.runner.model.draft_logits(y)
         tokens = logits.argmax(dim=-1).tolist()
         out: list[tuple[int, torch.Tensor | None]] = []
         for i, req in enumerate(reqs):
@@ -86,18 +90,38 @@ class SpecDecoder:
         return out
 
     # ---- the head --------------------------------------------------------------------------
-    def _head(self, items: list[ExtendInput], hidden: torch.Tensor) -> torch.Tensor:
+    def _mtp(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits, y) of every row of a head pass: through the head's decode plan on CPU
+        (where the model has one, up to its rows), else the head's eager forward."""
+        model, plan = self.runner.model, self.mtp_plan
+        if plan is not None and batch.input_ids.numel() <= MAX_PLAN_ROWS:
+            with torch.inference_mode():
+                x = model.mtp.layer_input(batch.input_ids, hidden, model.model.embed_tokens)
+            return plan.verify(batch, x)
+        y = model.mtp_hidden(batch, hidden)
+        return model.draft_logits(y), y
+
+    @cached_property
+    def mtp_plan(self) -> CpuDecodePlan | None:
+        if self.step.graph_runner.plan is None:
+            return None
+        return CpuDecodePlan.for_mtp(self.runner.model)
+
+    def _head(
+        self, items: list[ExtendInput], hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over rows (hidden[r], next token) packed as in `items` (prefix_len: the
-        first row's position); returns y at each request's last row."""
+        first row's position); (logits, y) at each request's last row."""
         runner = self.runner
         locs = [self._locs(it.req_slot, it.prefix_len, len(it.input_ids)) for it in items]
         batch = runner.build_prefill(items, locs)
-        y = runner.model.mtp_hidden(batch, hidden)
-        return y[batch.last_token_indices()]
+        logits, y = self._mtp(batch, hidden)
+        last = batch.last_token_indices()
+        return logits[last], y[last]
 
-    def _predict(self, reqs: list[Req], y: torch.Tensor) -> None:
+    def _predict(self, reqs: list[Req], logits: torch.Tensor, y: torch.Tensor) -> None:
         """Keep each request's head output and its next d1 (`_choose`)."""
-        for i, (req, choice) in enumerate(zip(reqs, self._choose(reqs, y), strict=True)):
+        for i, (req, choice) in enumerate(zip(reqs, self._choose(reqs, logits), strict=True)):
             req.spec_hidden, req.spec_token = y[i], choice
 
     def after_prefill(self, work: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
@@ -113,9 +137,9 @@ class SpecDecoder:
                 reqs.append(req)
             base += n
         if items:
-            y = self._head(items, hidden[torch.tensor(rows, device=hidden.device)])
+            logits, y = self._head(items, hidden[torch.tensor(rows, device=hidden.device)])
             done = [i for i, r in enumerate(reqs) if r.prefill_done]
-            self._predict([reqs[i] for i in done], y[done])
+            self._predict([reqs[i] for i in done], logits[done], y[done])
 
     # ---- one round -----------------------------------------------------------------------
     def wanted(self, reqs: list[Req]) -> bool:
@@ -164,8 +188,8 @@ class SpecDecoder:
             base += n
         if heads:
             items = [ExtendInput(r.req_slot, 0, s, ids) for r, s, ids in heads]
-            y = self._head(items, hidden[torch.tensor(head_rows, device=hidden.device)])
-            self._predict([r for r, _, _ in heads], y)
+            logits, y = self._head(items, hidden[torch.tensor(head_rows, device=hidden.device)])
+            self._predict([r for r, _, _ in heads], logits, y)
         for req in reqs:
             if req.finished or not self.can_draft(req):
                 req.spec_hidden = None
@@ -215,8 +239,8 @@ class SpecDecoder:
             items = [DecodeInput(r.req_slot, 0, r.kv_len + k - 1, r.spec_drafts[-1]) for r in live]
             out_loc = torch.stack([table[r.req_slot, r.kv_len + k - 1] for r in live]).long()
             hidden = torch.stack([r.spec_hidden for r in live])
-            hidden = self.runner.model.mtp_hidden(self.runner.build_decode(items, out_loc), hidden)
-            for i, (r, (token, q)) in enumerate(zip(live, self._choose(live, hidden), strict=True)):
+            logits, hidden = self._mtp(self.runner.build_decode(items, out_loc), hidden)
+            for i, (r, (token, q)) in enumerate(zip(live, self._choose(live, logits), strict=True)):
                 r.spec_drafts.append(token)
                 r.spec_q.append(q)
                 r.spec_hidden = hidden[i]

@@ -163,3 +163,39 @@ def test_plan_verify_equals_the_eager_extend(ckpt):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     for a, b in zip(pools(eager), pools(fast), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_mtp_plan_equals_the_eager_head(tmp_path):
+    """The MTP head's plan (`CpuDecodePlan.for_mtp`): an extend pass of several rows per
+    request, then a decode pass, give the eager head's logits and outputs, and the same KV."""
+    cfg = {**preset_config("tiny"), "mtp_num_hidden_layers": 1}
+    path = write_checkpoint(tmp_path / "mtp", cfg, seed=2)
+    outs, kvs = [], []
+    hidden, h2 = torch.randn(8, cfg["hidden_size"]), torch.randn(2, cfg["hidden_size"])
+    for planned in (False, True):
+        model = load_model(path, dtype="float32", mtp=True)
+        runner = ModelRunner(model, RunnerConfig(max_running_requests=4))
+        plan = CpuDecodePlan.for_mtp(model) if planned else None
+        rows = [(runner.req_pool.alloc(1)[0], 3), (runner.req_pool.alloc(1)[0], 5)]
+        items = [ExtendInput(q, 0, 0, list(range(7, 7 + n))) for q, n in rows]
+        locs = [runner.alloc_kv(q, 0, n + 1) for q, n in rows]
+        batch = runner.build_prefill(
+            items, [loc[:n] for loc, (_, n) in zip(locs, rows, strict=True)]
+        )
+        step = [DecodeInput(q, 0, n, 3) for q, n in rows]
+        dec = runner.build_decode(
+            step, torch.cat([loc[n:] for loc, (_, n) in zip(locs, rows, strict=True)])
+        )
+        if planned:
+            with torch.inference_mode():
+                x1 = model.mtp.layer_input(batch.input_ids, hidden, model.model.embed_tokens)
+                x2 = model.mtp.layer_input(dec.input_ids, h2, model.model.embed_tokens)
+            outs.append((*plan.verify(batch, x1), *plan.verify(dec, x2)))
+        else:
+            y1, y2 = model.mtp_hidden(batch, hidden), model.mtp_hidden(dec, h2)
+            outs.append((model.draft_logits(y1), y1, model.draft_logits(y2), y2))
+        kvs.append(runner.kv_pool.k_all[-1].clone())
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kvs[1], kvs[0], rtol=1e-4, atol=1e-5)
+    assert kvs[0].abs().sum() > 0  # the head wrote its own KV layer
