@@ -62,6 +62,7 @@ MODES = {
         "mamba_track_interval": 4,
     },
     "chunked": {"chunked_prefill_size": 16},
+    "host-tier": {"enable_hierarchical_cache": True, "mamba_scheduler_strategy": "extra_buffer"},
 }
 
 
