@@ -2,19 +2,21 @@
 
 A row of the head pairs the main model's final hidden h_p with the token t_{p+1} after it and
 predicts t_{p+2} (`models.mtp`); its keys and values sit at position p's KV location. A decode
-round for the running requests, of which the *drafters* are the greedy ones without penalties,
-logit bias, min_new_tokens or a grammar (the others decode as usual in the same forward):
+round for the running requests, of which the *drafters* are those without penalties, logit bias,
+min_new_tokens or a grammar (`can_draft`; the others decode as usual in the same forward):
 
 1. KV for each request's position P (its newest token t_P, drawn by the scheduler) and, for a
    drafter, for P+1 .. P+N; N Mamba step slots.
 2. Draft: d1 is the head's prediction from the end of the previous round; rows (y, d_k) at
-   positions P .. P+N-2 give d2 .. dN (argmax).
-3. Verify: one extend of [t_P, d1 .. dN] (a non-drafter: [t_P]) with every row's logits; the
-   Gated DeltaNet layers step token by token and keep the state after each in the step slots
-   (`ForwardBatch.mamba_step_slots_cpu`).
-4. Accept: the target's token at row j is sampled from row j (argmax: the drafters are greedy);
-   they land one by one while row j-1's target equals d_j, so the landed tokens are exactly
-   what plain decoding would emit, and landing stops early at EOS, a stop token or max_tokens.
+   positions P .. P+N-2 give d2 .. dN (argmax, or for a sampled request a draw from its
+   sampling distribution q over the head's logits).
+3. Verify: one pass over [t_P, d1 .. dN] (a non-drafter: [t_P]) with every row's logits (the
+   CPU decode plan's `verify`, else an extend); the Gated DeltaNet layers step token by token
+   and keep the state after each in the step slots (`ForwardBatch.mamba_step_slots_cpu`).
+4. Accept: greedy, row j's argmax lands while row j-1's equalled d_j, so the landed tokens are
+   exactly what plain decoding emits; sampled, rejection sampling (`scheduler.spec_sampling`)
+   keeps each token's target distribution. Landing stops early at EOS, a stop token or
+   max_tokens.
    m tokens landed: kv_len = P + m, the running slot takes the state after m tokens (step slot
    m-1), KV past it goes back to the pool.
 5. The head runs over the verified rows (h_{P+j}, landed_j), j < m: that fills its KV there and
