@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -44,9 +44,6 @@ from scheduler.penalties import has_penalty
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Req
 from scheduler.spec_sampling import draw, filtered_probs
-
-if TYPE_CHECKING:
-    from scheduler.forward_step import ForwardStep
 
 
 @dataclass
@@ -256,7 +253,7 @@ class SpecDecoder:
 
     def _accept(self, reqs: list[Req], items: list[ExtendInput], logits: torch.Tensor) -> list[int]:
         """Land each request's tokens; returns how many landed per request."""
-        step: ForwardStep = self.step
+        step = self.step
         bounds, base = [], 0
         for it in items:
             bounds.append((base, base + len(it.input_ids)))
