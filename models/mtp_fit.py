@@ -11,6 +11,10 @@ the trainable twin of the served head, the training loop, the accept rate and th
 The twin (`TrainableHead`) is a `MultiTokenPredictor` on the torch reference kernels (every op
 of its MLP or MoE and its norms runs under autograd) whose attention is plain causal attention
 over each sequence instead of the KV pool; embedding and LM head are the main model's, frozen.
+
+What a fit reaches on new prompts is bounded by how predictable the main model is: the presets'
+random models are chaotic (any one context token changed changes the next greedy token), so
+there the head learns its training sequences and little that carries over.
 """
 
 from __future__ import annotations
