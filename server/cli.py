@@ -3,6 +3,7 @@
     hybrid-serve [--model-path DIR] [--host H] [--port P] [...]   the HTTP server (server/args.py)
     hybrid-serve make-model --preset tiny|small|tiny-qwen3.5|tiny-qwen3.5-moe --out DIR
         [--seed N] [--multimodal] [--fp8] [--mtp] [--chat-template NAME]
+        [--fit-mtp [--fit-steps N] [--fit-prompts N] [--fit-time-limit S]]
     hybrid-serve make-model --preset qwen3.5-35b-a3b --config-only --out DIR   (any preset:
         config.json, generation_config.json and the presets' tokenizer, no weights; serve it
         with --load-format dummy)
@@ -59,8 +60,23 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     from models.real_shapes import CHAT_TEMPLATES, REAL_SHAPES
 
     start = time.perf_counter()
+    fit_options = {
+        key: value
+        for key, value in (
+            ("steps", args.fit_steps),
+            ("prompts", args.fit_prompts),
+            ("time_limit", args.fit_time_limit),
+        )
+        if value is not None
+    }
+    if fit_options and not args.fit_mtp:
+        raise ValueError("--fit-steps / --fit-prompts / --fit-time-limit need --fit-mtp")
+    if args.fit_mtp and args.config_only:
+        raise ValueError("--fit-mtp fits the head's weights: --config-only writes none")
     config = preset_config(args.preset)
-    if args.mtp:  # the multi-token-prediction head, as the releases ship it (one layer)
+    if (
+        args.mtp or args.fit_mtp
+    ):  # the multi-token-prediction head, as the releases ship it (one layer)
         config["mtp_num_hidden_layers"] = 1
     template = args.chat_template or CHAT_TEMPLATES.get(args.preset)
     if args.config_only:
@@ -82,6 +98,20 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     )
     took = time.perf_counter() - start
     logger.info("wrote %s (%s preset, %.1fM parameters) in %.1fs", out, args.preset, n / 1e6, took)
+    if args.fit_mtp:
+        from scheduler.mtp_fitting import fit_checkpoint
+
+        result = fit_checkpoint(out, seed=args.seed, **fit_options)
+        logger.info(
+            "fitted the MTP head of %s: accept rate %.3f -> %.3f on held-out prompts "
+            "(%.3f -> %.3f on its training prompts), %.1fs in all",
+            out,
+            result.before,
+            result.after,
+            result.train_before,
+            result.train_after,
+            time.perf_counter() - start,
+        )
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -164,6 +194,28 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add the multi-token-prediction head (mtp.*, one layer; config "
         "mtp_num_hidden_layers 1), drawn after the other weights, which stay as without it",
+    )
+    mk.add_argument(
+        "--fit-mtp",
+        action="store_true",
+        help="implies --mtp; then fit the head to the written main model (greedy continuations "
+        "of random prompts, CPU training) and rewrite its mtp.* tensors; logs the accept rate "
+        "before and after (scheduler/mtp_fitting.py)",
+    )
+    mk.add_argument(
+        "--fit-steps", type=int, default=None, help="--fit-mtp: optimizer steps (default 200)"
+    )
+    mk.add_argument(
+        "--fit-prompts",
+        type=int,
+        default=None,
+        help="--fit-mtp: training sequences (default 96; 16 more are held out)",
+    )
+    mk.add_argument(
+        "--fit-time-limit",
+        type=float,
+        default=None,
+        help="--fit-mtp: stop training after this many seconds (default: no limit)",
     )
     mk.add_argument(
         "--chat-template",
