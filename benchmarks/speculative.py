@@ -87,6 +87,10 @@ def main() -> None:
     ap.add_argument(
         "--draft-quantization", default=None, help="--speculative-draft-model-quantization"
     )
+    ap.add_argument(
+        "--disable-by-batch-size", type=int, default=0,
+        help="--speculative-disable-by-batch-size (0 here: speculate at every size)",
+    )  # fmt: skip
     ap.add_argument("--accept", default="head,0,0.3,0.6", help="rows: head and/or p values")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
@@ -115,6 +119,7 @@ def main() -> None:
         speculative_algorithm="NEXTN",
         speculative_num_steps=args.steps,
         speculative_draft_model_quantization=args.draft_quantization,
+        speculative_disable_by_batch_size=args.disable_by_batch_size,
         **common,
     )
     vocab = plain.runner.model.config.vocab_size
