@@ -18,7 +18,8 @@ min_new_tokens or a grammar (`can_draft`; the others decode as usual in the same
    keeps each token's target distribution. Landing stops early at EOS, a stop token or
    max_tokens.
    m tokens landed: kv_len = P + m, the running slot takes the state after m tokens (step slot
-   m-1), KV past it goes back to the pool.
+   m-1), KV past it goes back to the pool. Next round the request drafts one more than the
+   drafts it kept (up to N): a head that keeps missing costs one draft a round, not N.
 5. The head runs over the verified rows (h_{P+j}, landed_j), j < m: that fills its KV there and
    its last row predicts the next round's d1.
 
@@ -180,6 +181,8 @@ class SpecDecoder:
                 runner.kv_pool.free(self._locs(req.req_slot, req.kv_len + m, drawn))
             req.kv_len += m
             req.kv_reserved_len = req.kv_len
+            if n > 1 and not req.finished:  # drafts next round: one more after a clean sweep,
+                req.spec_n = n if m == n else m  # else one past the drafts it kept
             req.spec_verify_ct += self.can_draft(req)
             if self.can_draft(req) and not req.finished and m:
                 heads.append((req, starts[i], req.output_ids[-m:]))
@@ -208,7 +211,8 @@ class SpecDecoder:
         round) when either is short: n = N, or fewer where max_new_tokens or the context end
         leave room for fewer tokens."""
         left = req.params.max_new_tokens - len(req.output_ids) - 1  # beyond the target's own
-        n = min(self.steps, left, self.runner.config.max_context_len - 1 - (req.kv_len + 1))
+        want = min(self.steps, req.spec_n or self.steps)
+        n = min(want, left, self.runner.config.max_context_len - 1 - (req.kv_len + 1))
         if n <= 0 or self.runner.alloc_kv(req.req_slot, req.kv_len + 1, n) is None:
             return []
         slots = []

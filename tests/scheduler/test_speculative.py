@@ -185,10 +185,15 @@ def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
         ka = plain.runner.kv_pool.get_kv(layer)[0][rows[0]]
         kb = spec.runner.kv_pool.get_kv(layer)[0][rows[1]]
         torch.testing.assert_close(kb, ka, atol=1e-5, rtol=1e-5)
+    seen = []  # drafts asked for next: one past the one it kept, then one more per clean sweep
+    sd.override = lambda req, drafts: (
+        seen.append(len(drafts)) or cont[len(req.output_ids) :][: len(drafts)]
+    )
     for engine in (plain, spec):
         while engine.scheduler.has_work():
             engine.scheduler.step()
     assert a.output_ids == b.output_ids == cont[:NEW]
+    assert seen[:3] == [2, 3, 3], seen
     assert plain.leak_report() == [] and spec.leak_report() == []
 
 
