@@ -138,8 +138,8 @@ class RunnerConfig:
     speculative_num_draft_tokens: int = 0
     speculative_draft_model_quantization: str | None = None  # int8 / int4: the head's matrices
     # decode steps with more running requests than this do not speculate (0: every step may);
-    # 4: where speculation stops paying on CPU (BENCHMARKS.md)
-    speculative_disable_by_batch_size: int = 4
+    # 2: beyond it speculation pays on CPU only at very high acceptance (BENCHMARKS.md)
+    speculative_disable_by_batch_size: int = 2
     # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
     mem_fraction_static: float = 0.0
     pool_memory_gb: float = 0.0

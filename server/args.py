@@ -183,7 +183,7 @@ HELP: dict[str, str] = {
     "speculative_eagle_topk": "drafts per step; only 1 (a chain)",
     "speculative_num_draft_tokens": "tokens verified per step: --speculative-num-steps + 1",
     "speculative_disable_by_batch_size": "decode steps with more running requests than this "
-    "decode plainly (vLLM's disable_by_batch_size; 0: no limit; 4: where it stops paying on CPU)",
+    "decode plainly (vLLM's disable_by_batch_size; 0: no limit; 2: where it stops paying on CPU)",
     "speculative_draft_model_quantization": "int8 or int4 (CPU): the MTP head's matrices and "
     "its own copy of the LM head in that format (drafts only: outputs are unchanged)",
     "mem_fraction_static": "CUDA: fraction of GPU memory for weights + KV/Mamba pools; sizes the "

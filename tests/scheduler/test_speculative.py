@@ -23,7 +23,7 @@ from scheduler.sampling_params import SamplingParams
 NEW = 14
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
 POOLS = {"max_running_requests": 8, "max_total_tokens": 4096}
-# every batch size speculates here (the default stops above 4 running requests)
+# every batch size speculates here (the default stops above 2 running requests)
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3,
         "speculative_disable_by_batch_size": 0}  # fmt: skip
 
@@ -137,7 +137,7 @@ def test_quantized_draft_head_changes_drafts_not_outputs(ckpt, method):
 def test_large_batches_decode_plainly(ckpt):
     """--speculative-disable-by-batch-size 2: while more than two requests run, steps decode
     plainly; the two longest then speculate. Tokens are plain decoding's either way. The
-    default limit is 4."""
+    default limit is 2."""
     path, prompts, expected, vocab = ckpt
     engine = Engine(path, **POOLS, **{**SPEC, "speculative_disable_by_batch_size": 2})
     controlled(engine, prompts, expected, vocab, 0.0)
@@ -148,7 +148,7 @@ def test_large_batches_decode_plainly(ckpt):
     rounds = [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
     assert rounds[:3] == [0, 0, 0] and min(rounds[3:]) > 0, rounds
     assert engine.leak_report() == []
-    assert RunnerConfig().speculative_disable_by_batch_size == 4
+    assert RunnerConfig().speculative_disable_by_batch_size == 2
 
 
 def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
