@@ -153,7 +153,7 @@ class ForwardStep:
         indices = None if picks is None else [i for pick in picks for i in pick]
         batch = runner.build_prefill(items, locs, logit_indices=indices)
         every = None
-        if self.spec is not None and any(self.spec.can_draft(r) for r, _ in work):
+        if self.spec is not None and self.spec.heads_prefill(work):
             every = runner.model.final_hidden(batch, every_row=True)
             rows = batch.last_token_indices() if indices is None else batch.logit_indices
             hidden = every[rows]

@@ -124,9 +124,18 @@ class SpecDecoder:
         for i, (req, choice) in enumerate(zip(reqs, self._choose(reqs, logits), strict=True)):
             req.spec_hidden, req.spec_token = y[i], choice
 
+    def heads_prefill(self, work: list[tuple[Req, int]]) -> bool:
+        """Whether the head runs over this prefill round (`after_prefill`): a request of it can
+        draft, and the round is within --speculative-disable-by-batch-size."""
+        limit = self.runner.config.speculative_disable_by_batch_size
+        return (not limit or len(work) <= limit) and any(self.can_draft(r) for r, _ in work)
+
     def after_prefill(self, work: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
         """After a prefill round (tokens sampled): the head over each drafter's computed rows,
-        `hidden` the final hidden of every packed row of the round."""
+        `hidden` the final hidden of every packed row of the round. Not for a round of more
+        requests than --speculative-disable-by-batch-size: they would decode plainly first."""
+        if not self.heads_prefill(work):
+            return
         items, rows, reqs, base = [], [], [], 0
         for req, n in work:
             start = req.kv_len - n  # (kv_len already counts this round)
