@@ -35,13 +35,8 @@ def gdn_decode(
         num_k_heads, eps,
     )  # fmt: skip
     ops = cpp_build.load()
-    if (
-        ops is None
-        or not all(t.dtype == torch.float32 for t in (qkvz, ba, conv_pool, ssm_pool, A_log))
-        or not all(t.dtype == torch.float32 for t in (conv_weight, dt_bias, norm_weight))
-        or not conv_pool.is_contiguous()
-        or not ssm_pool.is_contiguous()
-    ):
+    floats = (qkvz, ba, conv_pool, ssm_pool, A_log, conv_weight, dt_bias, norm_weight)
+    if ops is None or not _runs_cpp(floats, (conv_pool, ssm_pool)):
         return gdn_step.gdn_decode(*args)
     return ops.gdn_decode(
         qkvz.contiguous(), ba.contiguous(), conv_pool[layer], conv_weight.contiguous(),

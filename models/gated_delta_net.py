@@ -71,13 +71,17 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(self._verify(x, batch))
         return self.out_proj(self._extend(x, batch))
 
+    def _in_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[qkvz | ba] of a few rows in one call (`linear_multi`)."""
+        qkvz, ba = (self.in_proj_qkvz, self.in_proj_ba)
+        return self.ops.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
+
     def _decode(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One token per request: both projections in one call (`linear_multi`), then
         everything up to out_proj one op (`gdn_decode`, reference `kernels.gdn_step`) on the
         pool's states, in place."""
         pool = batch.mamba_pool
-        qkvz, ba = (self.in_proj_qkvz, self.in_proj_ba)
-        qkvz, ba = self.ops.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
+        qkvz, ba = self._in_projections(x)
         return self.ops.gdn_decode(
             qkvz, ba, pool.conv_state, pool.ssm_state,
             self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
@@ -90,8 +94,7 @@ class GatedDeltaNet(nn.Module):
         (`gdn_verify`), so the state after any accepted prefix is the one decoding those tokens
         leaves."""
         pool = batch.mamba_pool
-        qkvz, ba = (self.in_proj_qkvz, self.in_proj_ba)
-        qkvz, ba = self.ops.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
+        qkvz, ba = self._in_projections(x)
         return self.ops.gdn_verify(
             qkvz, ba, pool.conv_state, pool.ssm_state,
             self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,

@@ -91,16 +91,9 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.lm_head(self.final_hidden(batch)).float()
 
     @torch.inference_mode()
-    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`'s logits and, row for row, the final hidden states they were computed from
-        (the normed hidden that feeds lm_head), so that `logits_from_hidden` of a row gives
-        that row's logits again."""
-        h = self.final_hidden(batch)
-        return self.lm_head(h).float(), h
-
-    @torch.inference_mode()
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`forward_with_hidden`'s)."""
+        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s): `forward`
+        is `logits_from_hidden(final_hidden(batch))`."""
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()

@@ -26,7 +26,7 @@ from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.penalties import TokenCounts, has_penalty
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
-from scheduler.sampler import SampleOutput
+from scheduler.sampler import SampleOutput, add_logprobs
 from scheduler.speculative import SpecDecoder
 
 
@@ -152,14 +152,13 @@ class ForwardStep:
         picks = prompt_logit_picks(work)
         indices = None if picks is None else [i for pick in picks for i in pick]
         batch = runner.build_prefill(items, locs, logit_indices=indices)
-        every = None
-        if self.spec is not None and self.spec.heads_prefill(work):
-            every = runner.model.final_hidden(batch, every_row=True)
-            rows = batch.last_token_indices() if indices is None else batch.logit_indices
-            hidden = every[rows]
-            logits = runner.model.logits_from_hidden(hidden)
+        heads = self.spec is not None and self.spec.heads_prefill(work)
+        hidden = every = runner.model.final_hidden(batch, every_row=heads)
+        if heads:  # the rows `forward` would keep
+            hidden = every[batch.last_token_indices() if indices is None else batch.logit_indices]
         else:
-            logits, hidden = runner.model.forward_with_hidden(batch)
+            every = None
+        logits = runner.model.logits_from_hidden(hidden)
         if picks is not None:  # rows per request: its prompt positions, then its last token
             ends = torch.tensor([len(pick) for pick in picks]).cumsum(0)
             for (req, _), pick, end in zip(work, picks, ends.tolist(), strict=True):
@@ -245,15 +244,7 @@ class ForwardStep:
         try:
             tokens = spec_sampling.accept(logits, drafts, q[: len(drafts)], p, req.generator)
             out = SampleOutput(next_token_ids=tokens)
-            if p.return_logprob:
-                lsm = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
-                out.logprobs = lsm[torch.arange(len(tokens)), tokens].tolist()
-                if p.top_logprobs_num:
-                    vals, ids = lsm.topk(p.top_logprobs_num, dim=-1)
-                    out.top_logprobs = [
-                        list(zip(i, v, strict=True))
-                        for i, v in zip(ids.tolist(), vals.tolist(), strict=True)
-                    ]
+            add_logprobs(out, logits[: len(tokens)], [p] * len(tokens))
             for j in range(len(tokens)):
                 self._land(req, out, j)
                 m += 1

@@ -78,6 +78,23 @@ def apply_bias_and_min_tokens(
     return logits
 
 
+def add_logprobs(out: SampleOutput, logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """When a row asks for them: the logprobs of out's tokens under the raw logits (before
+    penalties and bias) and each row's `top_logprobs_num` best (token, logprob)."""
+    if not any(p.return_logprob for p in params):
+        return
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(out.next_token_ids, device=lsm.device)
+    out.logprobs = lsm.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    k = max(p.top_logprobs_num for p in params)
+    if k:
+        vals, top = (t.tolist() for t in lsm.topk(k, dim=-1))
+        out.top_logprobs = [
+            list(zip(i[: p.top_logprobs_num], v[: p.top_logprobs_num], strict=True))
+            for i, v, p in zip(top, vals, params, strict=True)
+        ]
+
+
 class Sampler:
     def __init__(self, eos_ids: tuple[int, ...] = ()) -> None:
         self.eos_ids = tuple(eos_ids)  # masked by min_new_tokens
@@ -93,9 +110,7 @@ class Sampler:
         """Penalties come from `counts[i]` (kept by the caller across steps) or, failing that,
         from `histories[i]`; `min_new_tokens` needs `histories` (only the output lengths are
         read)."""
-        logprobs_all = None
-        if any(p.return_logprob for p in params):
-            logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+        raw = logits
         penalised = any(has_penalty(p) for p in params)
         biased = any(p.logit_bias or p.min_new_tokens for p in params)
         if penalised or biased:  # the caller's logits stay as they are
@@ -115,13 +130,5 @@ class Sampler:
                 logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
             )
         out = SampleOutput(next_token_ids=next_ids.tolist())
-        if logprobs_all is not None:
-            out.logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
-            k = max(p.top_logprobs_num for p in params)
-            if k:
-                vals, ids = (t.tolist() for t in logprobs_all.topk(k, dim=-1))
-                out.top_logprobs = [
-                    list(zip(i[: p.top_logprobs_num], v[: p.top_logprobs_num], strict=True))
-                    for i, v, p in zip(ids, vals, params, strict=True)
-                ]
+        add_logprobs(out, raw, params)
         return out

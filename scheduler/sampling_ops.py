@@ -61,6 +61,13 @@ def race_noise(
 
 def _full_vocab(x: torch.Tensor, params: list[SamplingParams], fixed: list) -> torch.Tensor:
     """Rows without top-k: softmax over the vocabulary, top-p by a full sort, min-p."""
+    probs = full_vocab_probs(x, params)
+    return row_argmax(probs / race_noise(fixed, x.shape[-1], x.device))
+
+
+def full_vocab_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Logits [rows, vocab] (any top-k already masked to -inf) -> each row's sampling
+    probabilities after temperature, top-p (a full sort) and min-p; not renormalised."""
     dev, dt = x.device, x.dtype
     x = x / torch.tensor([p.temperature for p in params], dtype=dt, device=dev)[:, None]
     probs = torch.softmax(x, dim=-1)
@@ -74,7 +81,7 @@ def _full_vocab(x: torch.Tensor, params: list[SamplingParams], fixed: list) -> t
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=dt, device=dev)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
-    return row_argmax(probs / race_noise(fixed, x.shape[-1], dev))
+    return probs
 
 
 def _candidates(

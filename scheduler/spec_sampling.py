@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import torch
 
+from scheduler.sampling_ops import full_vocab_probs
 from scheduler.sampling_params import SamplingParams
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """[rows, vocab] logits -> the request's sampling distribution per row (fp32)."""
-    x = logits.float() / p.temperature
-    vocab = x.shape[-1]
-    if 0 < p.top_k < vocab:
+    """[rows, vocab] logits -> the request's sampling distribution per row (fp32): top-k
+    masked, then `sampling_ops.full_vocab_probs`, renormalised."""
+    x = logits.float()
+    if 0 < p.top_k < x.shape[-1]:
         kth = x.topk(p.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p  # the top token always survives
-        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), 0.0)
+    probs = full_vocab_probs(x, [p] * x.shape[0])
     return probs / probs.sum(-1, keepdim=True)
 
 
