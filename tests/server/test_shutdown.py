@@ -60,12 +60,6 @@ def test_sigterm_under_load_drains_and_every_request_gets_an_end(tiny_path, tmp_
     def pools() -> dict:
         return httpx.get(f"{srv.url}/get_server_info", timeout=10).json()["pools"]
 
-    def wait_for(pred) -> None:
-        deadline = time.monotonic() + 60
-        while not pred(pools()):
-            assert time.monotonic() < deadline, pools()
-            time.sleep(0.05)
-
     # held requests (paused after two outputs: they cannot finish in the grace period, however
     # fast the CPU): two streams and a non-streaming one running, then a short stream that
     # finishes inside the grace period, and a fifth held one queued behind the four running
@@ -73,11 +67,22 @@ def test_sigterm_under_load_drains_and_every_request_gets_an_end(tiny_path, tmp_
     jobs = [(stream, HELD + "long1", long), (stream, HELD + "long2", long)]
     jobs += [(plain, HELD + "plain", long), (stream, "short", 60), (stream, HELD + "queued", long)]
     threads = [threading.Thread(target=f, args=(n, m)) for f, n, m in jobs]
+
+    def arrived(started: list[str]) -> bool:
+        # held requests never leave before the signal; "short" counts only while it has not ended
+        # (read before the pools, so a short that ends in between only makes this poll wait)
+        expected = sum(n.startswith(HELD) for n in started)
+        expected += "short" in started and "short" not in out
+        p = pools()
+        return p["num_running_reqs"] + p["num_waiting_reqs"] >= expected
+
     for i, t in enumerate(threads):
         t.start()  # each arrives before the next: wait until the scheduler has it
-        wait_for(
-            lambda p, i=i: p["num_running_reqs"] + p["num_waiting_reqs"] >= i + 1 or "short" in out
-        )
+        started = [name for _, name, _ in jobs[: i + 1]]
+        deadline = time.monotonic() + 60
+        while not arrived(started):
+            assert time.monotonic() < deadline, pools()
+            time.sleep(0.05)
     kids = children_of(srv.proc.pid)
     t0 = time.monotonic()
     srv.proc.send_signal(15)
