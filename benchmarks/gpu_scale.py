@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_scale [--out DIR]     on a CUDA machine (JSON + markdown to DIR)
     python -m benchmarks.gpu_scale --dry-run       anywhere: the roofline bytes only
 
-Cases (models/real_shapes.py, `--load-format dummy`, bf16, CUDA graphs captured):
+Cases (make_model/real_shapes.py, `--load-format dummy`, bf16, CUDA graphs captured):
   qwen3.5-35b-a3b        the whole model (69 GB of bf16 weights)
   qwen3-next-80b-a3b     16 of its 48 layers (12 GDN + 4 attention, the 3:1 pattern kept):
                          the FP8 path (models/fp8.py) dequantizes at load, so the whole model
@@ -42,9 +42,9 @@ import time
 
 import torch
 
+from make_model.presets import complete_config, write_config_only
+from make_model.real_shapes import REAL_SHAPES, real_shape_config
 from models.config import ModelConfig
-from models.presets import complete_config, write_config_only
-from models.real_shapes import REAL_SHAPES, real_shape_config
 from models.step_bytes import (
     BANDWIDTH,
     decode_step_bytes,

@@ -262,7 +262,7 @@ def fla_parity(dev: torch.device, small: bool, ops: KernelSet | None = None) -> 
 def bench_decode_graphs(preset: str = "small", device: str = "cuda", steps: int = 20) -> list[dict]:
     """Decode step of `preset` through `DecodeGraphRunner`: eager padded batches against CUDA-graph
     replay (graphs are captured on CUDA only; elsewhere the replay column reports why not)."""
-    from models.presets import write_preset
+    from make_model.presets import write_preset
     from scheduler.graph_runner import DecodeGraphRunner
     from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 

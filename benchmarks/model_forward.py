@@ -211,7 +211,7 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
 def resolve_model_path(args: argparse.Namespace) -> Path:
     if args.model_path:
         return Path(args.model_path)
-    from models.presets import write_preset
+    from make_model.presets import write_preset
 
     out = Path.home() / ".cache" / "hybrid-serve" / args.preset
     complete = (out / "config.json").is_file() and any(out.glob("*.safetensors"))

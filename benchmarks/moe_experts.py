@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from kernels import cpp_build, experts_cpp
 from kernels.experts import routed_experts
-from models.presets import PRESETS
+from make_model.presets import PRESETS
 
 
 def loop(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor):

@@ -101,7 +101,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     if args.model_path is None:
-        from models.presets import preset_config, write_checkpoint
+        from make_model.presets import preset_config, write_checkpoint
 
         out = Path(tempfile.mkdtemp(prefix="spec-bench-"))
         config = {**preset_config(args.preset), "mtp_num_hidden_layers": 1}

@@ -2,7 +2,7 @@
 
 `fill_dummy(model)` draws each parameter where it already lives (its device, its dtype: the loader
 allocated it once, in the serving dtype), so peak memory is the model itself and no weight file is
-read. The distributions are those of `models.presets` (see its module docstring):
+read. The distributions are those the presets' writer (`make_model.presets`) draws too:
 
     matrices, embeddings, LM head          N(0, init_range)
     zero-centred RMSNorm weights           N(0, 0.1)   (layer norms, model.norm, q_norm, k_norm,
@@ -25,7 +25,8 @@ import math
 import torch
 from torch import nn
 
-from models.presets import CONV_STD, NORM_STD
+NORM_STD = 0.1  # the zero-centred norms' spread (and the GDN gated norm's, around 1)
+CONV_STD = 0.3
 
 ZERO_CENTRED_NORMS = (
     "input_layernorm.weight",
@@ -39,7 +40,7 @@ FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
 
 
 def init_kind(name: str) -> str:
-    """The presets' init kind of parameter `name` (`models.presets._tensor_specs`' kinds)."""
+    """The presets' init kind of parameter `name` (`make_model.presets._tensor_specs`' kinds)."""
     if name.endswith(".A_log"):
         return "a_log"
     if name.endswith(".dt_bias"):

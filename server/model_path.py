@@ -17,7 +17,7 @@ DEFAULT_CACHE = Path(os.environ.get("HYBRID_SERVE_CACHE", Path.home() / ".cache"
 
 def default_model_path(preset: str = "tiny") -> Path:
     """The preset checkpoint under the cache directory, written on first use."""
-    from models.presets import write_preset
+    from make_model.presets import write_preset
 
     path = DEFAULT_CACHE / preset
     if not (path / "config.json").is_file():

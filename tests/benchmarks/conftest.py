@@ -10,7 +10,7 @@ from tests.benchmarks.sample_data import TEST, TRAIN
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.presets import write_preset
+    from make_model.presets import write_preset
 
     return write_preset("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
 

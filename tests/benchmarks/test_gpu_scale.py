@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks import gpu_scale
-from models.real_shapes import REAL_SHAPES
+from make_model.real_shapes import REAL_SHAPES
 from models.step_bytes import BANDWIDTH, decode_step_bytes
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kernels import KernelSet, KernelSettings, choose, cpp_build, kernel_set, reference_set, rmsnorm
+from make_model.presets import preset_config, write_checkpoint
 from models.loader import load_model
-from models.presets import preset_config, write_checkpoint
 
 OPS = [f.name for f in fields(KernelSet)][2:]
 

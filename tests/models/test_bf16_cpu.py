@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from make_model.presets import preset_config, write_checkpoint
 from models.loader import cast_matrices, load_model
-from models.presets import preset_config, write_checkpoint
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from models.chat_templates import TEMPLATES, template_for
-from models.tokenizer_builder import build_tokenizer
-from server.cli import CHAT_TEMPLATE_NAMES
+from make_model.chat_templates import TEMPLATES, template_for
+from make_model.cli import CHAT_TEMPLATE_NAMES
+from make_model.tokenizer_builder import build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"n": 2, "s": "x"}}}

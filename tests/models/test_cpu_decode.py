@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kernels import KernelSettings, choose
+from make_model.presets import preset_config, write_checkpoint
 from models import cpu_decode
 from models.cpu_decode import MAX_ROWS, CpuDecodePlan
 from models.loader import load_model
-from models.presets import preset_config, write_checkpoint
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from make_model.presets import preset_config, write_config_only
+from make_model.real_shapes import REAL_SHAPES
 from models.loader import load_model
-from models.presets import preset_config, write_config_only
-from models.real_shapes import REAL_SHAPES
 from models.step_bytes import param_groups
 from scheduler.engine import Engine
 from server.cli import main as cli_main

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from make_model.fp8_writer import write_dequantized
+from make_model.presets import preset_config, write_checkpoint
 from models.fp8 import E4M3, Fp8Config, dequantize, quantize, scale_shape
-from models.fp8_writer import write_dequantized
 from models.loader import load_model
 from models.parallel import ParallelContext
-from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from make_model.presets import preset_config, write_checkpoint
 from models.fp8 import E4M3
 from models.loader import load_model
-from models.presets import preset_config, write_checkpoint
 from server.cli import main as cli_main
 
 LAYER0 = "model.layers.0"

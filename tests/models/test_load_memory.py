@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from make_model.presets import preset_config, write_checkpoint
 from models.config import ModelConfig
 from models.loader import load_model
-from models.presets import preset_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")

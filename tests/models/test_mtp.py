@@ -17,11 +17,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from kernels.quant import is_quantized
+from make_model.presets import preset_config, write_checkpoint, write_config_only
 from models.config import ModelConfig
 from models.fp8 import E4M3, dequantize
 from models.loader import load_model
 from models.parallel import ParallelContext
-from models.presets import preset_config, write_checkpoint, write_config_only
 from server.cli import main as cli_main
 from tests.tp_harness import run_ranks
 from tests.tp_workers import mtp_outputs

@@ -1,4 +1,4 @@
-"""Fitting the MTP head (`models.mtp_fit`, `scheduler.mtp_fitting`, `make-model --fit-mtp`).
+"""Fitting the MTP head (`make_model.mtp_fit`, `make_model.mtp_fitting`, `make-model --fit-mtp`).
 
 The trainable twin equals the served head before training (MoE and dense heads); fitting raises
 the held-out accept rate far above the random head's on a main model whose next token a head
@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from make_model.mtp_fit import TrainableHead, accept_rate, write_head
+from make_model.mtp_fitting import fit_checkpoint, greedy_data
+from make_model.presets import preset_config, write_checkpoint
 from models.loader import checkpoint_files, load_model
-from models.mtp_fit import TrainableHead, accept_rate, write_head
-from models.presets import preset_config, write_checkpoint
 from scheduler.config import RunnerConfig
 from scheduler.model_runner import ExtendInput, ModelRunner
-from scheduler.mtp_fitting import fit_checkpoint, greedy_data
 from server.cli import main as cli_main
 
 

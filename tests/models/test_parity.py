@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from make_model.presets import preset_config, write_checkpoint
 from models.loader import load_model
-from models.presets import preset_config, write_checkpoint
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.hf_reference import hf_greedy
 from tests.ragged_prefill import admit, ragged_prefill

@@ -1,4 +1,4 @@
-"""Tests for models.presets / models.tokenizer_builder (CPU, offline, a few seconds in total)."""
+"""Tests for make_model.presets and make_model.tokenizer_builder (CPU, offline, a few seconds)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models.presets import (
+from make_model.presets import (
     PRESETS,
     checkpoint_shapes,
     count_parameters,
@@ -21,7 +21,7 @@ from models.presets import (
     write_checkpoint,
     write_preset,
 )
-from models.tokenizer_builder import ENDOFTEXT, IM_END, IM_START, build_tokenizer
+from make_model.tokenizer_builder import ENDOFTEXT, IM_END, IM_START, build_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -94,7 +94,7 @@ def test_same_seed_gives_identical_files_other_seed_differs(tmp_path: Path, tiny
 
 def test_tokenizer_is_identical_across_processes() -> None:
     code = (
-        "import hashlib; from models.tokenizer_builder import build_tokenizer; "
+        "import hashlib; from make_model.tokenizer_builder import build_tokenizer; "
         "print(hashlib.sha256(build_tokenizer(2048).to_str().encode()).hexdigest())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from kernels.quant import GROUP, dequantize, in_features, quantize
+from make_model.presets import preset_config, write_checkpoint
 from models.loader import load_model
-from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.hf_reference import hf_greedy

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from make_model.cli import PRESET_NAMES
+from make_model.presets import PRESETS, preset_config, write_checkpoint
 from models.config import ModelConfig
 from models.loader import load_model
-from models.presets import PRESETS, preset_config, write_checkpoint
 from scheduler.engine import Engine
-from server.cli import PRESET_NAMES
 from server.cli import main as cli_main
 from tests.hf_reference import hf_greedy
 

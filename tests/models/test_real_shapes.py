@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from make_model.presets import complete_config, count_parameters, preset_config
+from make_model.real_shapes import PUBLISHED, REAL_SHAPES, real_shape_config
 from models.config import ModelConfig
-from models.presets import complete_config, count_parameters, preset_config
 from models.qwen3_next import Qwen3NextForCausalLM
-from models.real_shapes import PUBLISHED, REAL_SHAPES, real_shape_config
 from models.step_bytes import (
     decode_step_bytes,
     expected_experts,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from make_model.presets import write_preset
 from models.loader import load_model
-from models.presets import write_preset
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 PROMPT_LENS = [3, 21]

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.request import FinishReason, Req
 from scheduler.sampling_params import SamplingParams

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from make_model.presets import preset_config, write_checkpoint
 from mem_cache.cache_salt import salted_key
-from models.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
 

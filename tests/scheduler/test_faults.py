@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.debug import FAULT_ENV, DebugSwitches
 from scheduler.engine import Engine
 from scheduler.faults import PoolsCorrupt

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.grammar import GrammarBackend
 
 

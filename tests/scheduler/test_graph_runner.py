@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kernels.experts import static_experts
+from make_model.presets import preset_config, write_checkpoint
 from models.loader import load_model
-from models.presets import preset_config, write_checkpoint
 from scheduler.config import SchedulerConfig
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig

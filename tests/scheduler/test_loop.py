@@ -11,7 +11,7 @@ from multiprocessing import Pipe
 import pytest
 import torch
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import PipeIO

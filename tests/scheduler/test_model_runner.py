@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from make_model.presets import preset_config, write_checkpoint
 from models.loader import load_model
-from models.presets import preset_config, write_checkpoint
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 

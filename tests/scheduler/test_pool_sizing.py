@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.model_runner import RunnerConfig
 from scheduler.pool_sizing import GB, PoolBytes, pool_bytes, size_pools

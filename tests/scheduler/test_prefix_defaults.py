@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
 

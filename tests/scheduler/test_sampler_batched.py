@@ -86,7 +86,7 @@ def test_row_argmax_is_argmax() -> None:
 def test_engine_penalties_from_kept_counts_equal_fresh_histories(tmp_path) -> None:
     """Through the real scheduler, every step's tokens from the per-request counts (kept across
     steps) equal those from each request's whole history rebuilt from copies of its lists."""
-    from models.presets import preset_config, write_checkpoint
+    from make_model.presets import preset_config, write_checkpoint
     from scheduler.engine import Engine
 
     path = write_checkpoint(tmp_path / "tiny", preset_config("tiny"), seed=3)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.config import RunnerConfig
 from scheduler.debug import FAULT_ENV
 from scheduler.engine import Engine

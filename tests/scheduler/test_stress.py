@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.request import FinishReason, Req
 from scheduler.scheduler import Scheduler

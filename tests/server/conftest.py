@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.debug import FAULT_ENV
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from models.chat_templates import TEMPLATES
+from make_model.chat_templates import TEMPLATES
 from server.chat_output import ChatFormat, ChoiceOutput, chat_format
 from server.reasoning import (
     ReasoningParser,

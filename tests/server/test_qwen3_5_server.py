@@ -8,7 +8,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from tests.hf_reference import hf_greedy
 from tests.server.conftest import serve_command, start, wait_idle_and_clean
 

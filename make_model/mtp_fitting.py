@@ -3,10 +3,10 @@
 1. Load the checkpoint with its head (fp32) and a `ModelRunner` around it.
 2. Random prompts (ids past the special tokens), greedy continuations by the main model: one
    extend batch for the prompts, then decode batches, a chunk of sequences at a time; every
-   position's final normed hidden state and argmax are kept (`models.mtp_fit.FitData`).
+   position's final normed hidden state and argmax are kept (`make_model.mtp_fit.FitData`).
 3. Fit the head on the first `prompts` sequences, measure the accept rate on the held-out rest
-   before and after (`models.mtp_fit.fit`), and rewrite the checkpoint's `mtp.*` tensors
-   (`models.mtp_fit.write_head`).
+   before and after (`make_model.mtp_fit.fit`), and rewrite the checkpoint's `mtp.*` tensors
+   (`make_model.mtp_fit.write_head`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from make_model.mtp_fit import FitData, FitResult, fit, write_head
+from make_model.tokenizer_builder import special_token_ids
 from models.loader import load_model
-from models.mtp_fit import FitData, FitResult, fit, write_head
 from models.qwen3_next import Qwen3NextForCausalLM
-from models.tokenizer_builder import special_token_ids
 from scheduler.config import RunnerConfig
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 

@@ -1,6 +1,6 @@
 """Config-only presets with the real shapes of released Qwen3.5 and Qwen3-Next models.
 
-Each entry is the language model's config in the presets' flat form (`models.presets` reads it:
+Each entry is the language model's config in the presets' flat form (`make_model.presets` reads it:
 `write_checkpoint`, `complete_config`, `count_parameters`), so a real shape can be written as a
 config-only directory (`write_config_only`) and served with `--load-format dummy`, or written as a
 full random checkpoint where the size fits. The Qwen3.5 releases wrap these fields in the
@@ -42,7 +42,7 @@ _QWEN3_5_COMMON: dict = {
 }
 
 # The releases' chat templates where the family default does not fit: Qwen3.5 at 2B and smaller
-# ships with thinking off by default (models/chat_templates.py).
+# ships with thinking off by default (make_model/chat_templates.py).
 CHAT_TEMPLATES: dict[str, str] = {"qwen3.5-2b": "qwen3.5-small"}
 
 REAL_SHAPES: dict[str, dict] = {

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from models.chat_templates import TEMPLATES
+from make_model.chat_templates import TEMPLATES
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ CORPUS_LINES = 24000
 
 # ChatML, as used by Qwen: every message is "<|im_start|>{role}\n{content}<|im_end|>\n"; with
 # add_generation_prompt the prompt ends in "<|im_start|>assistant\n". The default is the Qwen3-Next
-# Instruct template; models/chat_templates.py holds it and the others.
+# Instruct template; make_model/chat_templates.py holds it and the others.
 CHAT_TEMPLATE = TEMPLATES["qwen3-next-instruct"]
 
 _NAMES = (

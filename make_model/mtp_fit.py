@@ -6,7 +6,7 @@ whose target is the main model's greedy token at p+1 (so t_{p+2} inside a greedy
 
     loss = CE(lm_head(head(h_p, t_{p+1})), argmax main(t_0 .. t_{p+1}))    over every row p
 
-The sequences (`FitData`) come from the scheduler's runner (`scheduler.mtp_fitting`); here are
+The sequences (`FitData`) come from the scheduler's runner (`make_model.mtp_fitting`); here are
 the trainable twin of the served head, the training loop, the accept rate and the write-back.
 The twin (`TrainableHead`) is a `MultiTokenPredictor` on the torch reference kernels (every op
 of its MLP or MoE and its norms runs under autograd) whose attention is plain causal attention

@@ -11,7 +11,7 @@ A checkpoint directory produced here loads with ``transformers`` (``AutoModelFor
   (see :func:`checkpoint_shapes`), with the multi-token-prediction head (``mtp.*``, the real
   checkpoints' names) when the config sets ``mtp_num_hidden_layers`` (``make-model --mtp``);
 * ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` (byte-level BPE from
-  :mod:`models.tokenizer_builder`) and ``generation_config.json``.
+  :mod:`make_model.tokenizer_builder`) and ``generation_config.json``.
 
 Weights are a pure function of ``(config, seed, dtype, expert_layout, init_range, fp8_block)``:
 they are drawn in fp32 from one ``torch.Generator`` in the fixed key order of
@@ -43,16 +43,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from models import fp8_writer
-from models.chat_templates import template_for
-from models.real_shapes import REAL_SHAPES
-from models.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
+from make_model import fp8_writer
+from make_model.chat_templates import template_for
+from make_model.real_shapes import REAL_SHAPES
+from make_model.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
+from models.dummy_weights import CONV_STD, NORM_STD
 
 logger = logging.getLogger(__name__)
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
-NORM_STD = 0.1
-CONV_STD = 0.3
 
 _COMMON: dict = {
     "hidden_act": "silu",
@@ -127,7 +126,7 @@ for _key in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_inte
 PRESETS["tiny-qwen3.5-moe"] = {**copy.deepcopy(_QWEN3_5_TINY), "model_type": "qwen3_5_moe_text"}
 PRESETS["tiny-qwen3.5-moe"].pop("intermediate_size")
 
-# Real shapes of released models (models/real_shapes.py): config-only use with --load-format
+# Real shapes of released models (make_model/real_shapes.py): config-only use with --load-format
 # dummy; full checkpoints only where they fit (4 bytes per parameter while drawing).
 PRESETS.update(copy.deepcopy(REAL_SHAPES))
 
@@ -492,12 +491,12 @@ def write_checkpoint(
     (:func:`_mtp_specs`), drawn after every other tensor: the rest of the checkpoint holds the
     same numbers as without it.
 
-    ``chat_template`` names one of :data:`models.chat_templates.TEMPLATES` (default: the model
+    ``chat_template`` names one of :data:`make_model.chat_templates.TEMPLATES` (default: the model
     family's, Qwen3-Next Instruct or Qwen3.5).
 
     ``fp8_block=(rows, cols)`` writes the official block-FP8 layout (``models.fp8``): the
-    matrices ``models.fp8_writer.quantize_tensors`` picks as e4m3 plus fp32 ``weight_scale_inv``,
-    everything else in ``dtype``, and ``quantization_config`` in config.json.
+    matrices ``make_model.fp8_writer.quantize_tensors`` picks as e4m3 plus fp32
+    ``weight_scale_inv``, everything else in ``dtype``, and ``quantization_config`` in config.json.
 
     ``out_dir`` is created if missing; existing weight files in it are replaced. With
     ``max_shard_bytes`` the weights are always written as ``model-0000k-of-0000N.safetensors``
