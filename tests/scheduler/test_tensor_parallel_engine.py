@@ -148,3 +148,20 @@ def test_tp2_speculative_equals_tp1_plain(tmp_path):
     assert two["leaks"] == [] and drafted > 0
     for key in ("round1", "round2", "cached", "repeat", "session", "seeded"):
         assert two[key] == one[key], key
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_tp2_quantized_engine_equals_tp1(paths, method):
+    """`--quantization` under tensor parallelism: each rank quantizes its shards so that the
+    served numbers are tp=1's (int8 row scales from the whole rows), through the radix cache,
+    chunked prefill, a session and sampling."""
+    opts = {"mamba_scheduler_strategy": "extra_buffer", "quantization": method, **POOLS}
+    tp2 = Engine(paths["mixed"], tp_size=2, **opts)
+    try:
+        two = _workload(tp2)
+    finally:
+        tp2.shutdown()
+    one = _workload(Engine(paths["mixed"], **opts))
+    assert two["leaks"] == [] and one["leaks"] == []
+    for key in ("round1", "round2", "cached", "repeat", "session", "seeded"):
+        assert two[key] == one[key], key
