@@ -1,53 +1,44 @@
-"""HiCache: the radix cache over a host tier and, optionally, a storage tier.
+"""HiCache: `MambaRadixCache` (`mem_cache/radix_cache.py`) over a host tier and a storage tier.
 
-`HiMambaRadixCache` extends `MambaRadixCache` (`mem_cache/radix_cache.py`) with a `HostTier`
-(`mem_cache/host_pool.py`): a node may keep host copies of its KV and state and may live on the
-host alone. With a `StorageTier` host writes also reach files, and a prefetch reads them back
-into host memory as a host-only node. `match_prefix` walks host-only nodes (``host_node`` /
-``host_len``), `load_back` copies them to the device (admission: match -> load back -> lock),
-and device eviction goes through one hook, `_evict_device_leaf`, which demotes a backed-up leaf
-to the host or deletes it. Copies are synchronous; during one, the nodes involved are pinned
-(``full_lock_ref`` for device KV, ``host_lock_ref`` for host copies) so the evictions it
-triggers cannot take them.
+With a `HostTier` (`mem_cache/host_pool.py`) a node may keep host copies of its KV and state and
+may live on the host alone; with a `StorageTier` host writes also reach files, and a prefetch
+reads them back into host memory as a host-only node. `match_prefix` walks host-only nodes
+(``host_node`` / ``host_len``), `load_back` copies them to the device (admission: match -> load
+back -> lock), and device eviction goes through one hook, `_evict_device_leaf`, which demotes a
+backed-up leaf to the host or deletes it. Copies are synchronous; during one, the nodes involved
+are pinned (``full_lock_ref`` for device KV, ``host_lock_ref`` for host copies) so the evictions
+it triggers cannot take them.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mem_cache.kv_pool import KVPool
-from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_cache import MambaRadixCache
 from mem_cache.radix_node import MatchResult, TreeNode
 from mem_cache.storage_prefetch import PrefetchOp
 
 if TYPE_CHECKING:
     from mem_cache.host_pool import HostTier
+    from mem_cache.kv_pool import KVPool
+    from mem_cache.mamba_pool import MambaPool
     from mem_cache.req_pool import SlotPool
     from mem_cache.storage_tier import StorageTier
 
 
 class HiMambaRadixCache(MambaRadixCache):
-    """`MambaRadixCache` whose nodes may also keep host copies (``host_value``,
-    ``host_mamba_slot``) or live on the host alone: the tier invariants of
-    `mem_cache/radix_node.py` hold, and ``host``'s books match the tree (`HostTier.check`)."""
+    """The radix cache whose nodes may also keep host copies (tier invariants:
+    `mem_cache/radix_node.py`), with ``host``'s books matching the tree (`HostTier.check`)."""
 
     def __init__(
-        self,
-        kv_pool: KVPool,
-        mamba_pool: MambaPool,
-        page_size: int = 1,
-        chunk_size: int = MambaRadixCache.DEFAULT_CHUNK,
-        *,
-        host: HostTier,
-        storage: StorageTier | None = None,
+        self, *args: Any, host: HostTier, storage: StorageTier | None = None, **kw: Any
     ) -> None:
-        super().__init__(kv_pool, mamba_pool, page_size, chunk_size)
-        if host.kv_pool.page_size != page_size:
+        """``args``, ``kw``: `MambaRadixCache`'s; ``storage`` must sit under ``host``."""
+        super().__init__(*args, **kw)
+        if host.kv_pool.page_size != self.page_size:
             raise ValueError("the host KV pool must have the device pool's page size")
         if storage is not None and storage.host is not host:
             raise ValueError("the storage tier sits under this cache's host tier")
@@ -79,10 +70,10 @@ class HiMambaRadixCache(MambaRadixCache):
         tokens = sum(len(n.key) for n in missing)
         self._host_pin(anchor, 1)
         try:
-            host_locs = self._alloc_kv(self.host.kv_pool, tokens, self.evict_host)
+            host_locs = _alloc_kv(self.host.kv_pool, tokens, self.evict_host)
             host_slot = None
             if want_state and host_locs is not None:
-                host_slot = self._alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
+                host_slot = _alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
         finally:
             self._host_pin(anchor, -1)
         if host_locs is None or (want_state and host_slot is None):
@@ -119,8 +110,8 @@ class HiMambaRadixCache(MambaRadixCache):
         self._pin(anchor, 1)
         self._host_pin(host, 1)
         try:
-            locs = self._alloc_kv(self.kv_pool, need, self.evict)
-            slot = self._alloc_slot(self.mamba_pool, self.evict_mamba) if locs is not None else None
+            locs = _alloc_kv(self.kv_pool, need, self.evict)
+            slot = _alloc_slot(self.mamba_pool, self.evict_mamba) if locs is not None else None
         finally:
             self._host_pin(host, -1)
             self._pin(anchor, -1)
@@ -232,7 +223,7 @@ class HiMambaRadixCache(MambaRadixCache):
         if fits[-1] != states[-1]:  # truncated to the page-aligned free host size
             self.stats["prefetch_truncated"] += 1
         host_locs = self.host.kv_pool.alloc_locs(n)
-        host_slot = self._alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
+        host_slot = _alloc_slot(self.host.mamba_pool, self.evict_host_mamba)
         if host_slot is None:
             self.host.kv_pool.free_locs(host_locs)
             self._host_pin(end_node, -1)
@@ -292,14 +283,6 @@ class HiMambaRadixCache(MambaRadixCache):
             out[f"{key}_total"], out[f"{key}_free"] = pool.size, pool.available()
         return out
 
-    def reset(self) -> None:
-        """Also free every host copy; raises too while a storage prefetch is in flight."""
-        locked = self._full_protected or self._mamba_protected  # the base reports that first
-        if not locked and self.storage is not None and self.storage.prefetching:
-            raise RuntimeError("reset: storage prefetches are in flight")
-        super().reset()
-        self.host.reset()
-
     def _evict_device_leaf(self, leaf: TreeNode) -> tuple[int, int]:
         """With a host copy (written now under ``write_back``) the leaf stays, demoted to the
         host: only its device KV and state are freed, then its stateless ancestors go. Without
@@ -313,57 +296,23 @@ class HiMambaRadixCache(MambaRadixCache):
         self.stats["demoted_tokens"] += len(leaf.key)
         return len(leaf.key) + self._prune(leaf), slots
 
-    def _delete(self, node: TreeNode) -> None:
-        super()._delete(node)
-        if node.host_value is not None:
-            self.host.drop(node)
-
-    def _split(self, node: TreeNode, n: int) -> TreeNode:
-        upper = super()._split(node, n)
-        upper.host_lock_ref, upper.hit_count = node.host_lock_ref, node.hit_count
-        if node.host_value is not None:
-            upper.host_value = node.host_value[:n].clone()
-            node.host_value = node.host_value[n:].clone()
-            self.host.touch(upper)
-        return upper
-
-    def _touch_path(self, node: TreeNode) -> None:
-        super()._touch_path(node)
-        while node is not self.root:
-            if node.host_value is not None:
-                self.host.touch(node)
-            node = node.parent
-
     def _host_pin(self, node: TreeNode, d: int) -> None:
         """Pin (d=1) or unpin the host copies of ``node`` and its path."""
         while node is not self.root:
             node.host_lock_ref += d
             node = node.parent
 
-    @staticmethod
-    def _alloc_kv(pool: KVPool, tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
-        """Locations for ``tokens`` in ``pool``, after one ``evict(tokens)`` if it is short."""
-        if pool.available_tokens() < tokens:
-            evict(tokens)
-        return pool.alloc_locs(tokens)
 
-    @staticmethod
-    def _alloc_slot(pool: MambaPool, evict: Callable[[int], object]) -> int | None:
-        """One unzeroed state slot of ``pool``, after one ``evict(1)`` if it is full."""
-        if pool.available() == 0:
-            evict(1)
-        slot = pool.alloc(1, zero=False)
-        return None if slot is None else int(slot[0])
+def _alloc_kv(pool: KVPool, tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
+    """Locations for ``tokens`` in ``pool``, after one ``evict(tokens)`` if it is short."""
+    if pool.available_tokens() < tokens:
+        evict(tokens)
+    return pool.alloc_locs(tokens)
 
-    # ------------------------------------------------------------------------------ sanity
 
-    def sanity_check(self) -> None:
-        super().sanity_check()
-        busy = self.storage.held() if self.storage is not None else (set(), set())
-        self.host.check([n for n in self.iter_nodes() if n.host_value is not None], *busy)
-
-    def _host_pins(self) -> Counter[int]:
-        pins: Counter[int] = Counter()  # a prefetch in flight pins the path it will hang under
-        for op in self.storage.prefetching if self.storage is not None else ():
-            pins.update(n.id for n in self._path(op.end_node))
-        return pins
+def _alloc_slot(pool: MambaPool, evict: Callable[[int], object]) -> int | None:
+    """One unzeroed state slot of ``pool``, after one ``evict(1)`` if it is full."""
+    if pool.available() == 0:
+        evict(1)
+    slot = pool.alloc(1, zero=False)
+    return None if slot is None else int(slot[0])

@@ -23,9 +23,8 @@ Exact repeats: a node may also keep the final hidden state at its last token (`s
 request whose whole prompt ends at such a node (`exact_node`) takes the state and gets its first
 token's logits from that hidden, with no forward for the prompt.
 
-Tiers (HiCache) live in `HiMambaRadixCache` (`mem_cache/hiradix_cache.py`); this class has the
-tier entry points every cache answers (`note_hit`, `load_back`, `start_prefetch`, `host_pools`,
-`tier_stats`), which here do nothing beyond counting device hits.
+Tiers (HiCache): `HiMambaRadixCache` (`mem_cache/hiradix_cache.py`). Here the tier entry points
+(`note_hit`, `load_back`, `start_prefetch`, `host_pools`, `tier_stats`) only count device hits.
 """
 
 from __future__ import annotations
@@ -42,8 +41,10 @@ from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_node import EMPTY_LOCS, MatchResult, TreeNode
 
 if TYPE_CHECKING:
+    from mem_cache.host_pool import HostTier
     from mem_cache.req_pool import SlotPool
     from mem_cache.storage_prefetch import PrefetchOp
+    from mem_cache.storage_tier import StorageTier
 
 TIER_COUNTERS = (
     "device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens",
@@ -89,6 +90,8 @@ class MambaRadixCache:
         self.kv_pool, self.mamba_pool = kv_pool, mamba_pool
         self.page_size, self.chunk_size = page_size, chunk_size
         self.disable = disable
+        self.host: HostTier | None = None  # the tiers, set by HiMambaRadixCache
+        self.storage: StorageTier | None = None
         self._ids = itertools.count()
         self._tick = 0
         self._init_tree()
@@ -361,6 +364,8 @@ class MambaRadixCache:
         assert not node.children and not node.has_state, f"{node}: delete a stateless leaf only"
         if node.value is not None:
             self._detach_kv(node)
+        if node.host_value is not None:
+            self.host.drop(node)
         del node.parent.children[self._child_key(node.key, 0)]
 
     # ------------------------------------------------------------- device memory bookkeeping
@@ -398,11 +403,10 @@ class MambaRadixCache:
         self._mamba_evictable -= 1
         return 1
 
-    # ------------------------------------------------------------------ tier entry points
+    # ------------------------------------------------------ tier entry points (no tiers here)
 
     def note_hit(self, node: TreeNode) -> None:
-        """A request was admitted on ``node`` (locked) or inserted it (a tier cache may write it
-        to the host)."""
+        """A request was admitted on ``node`` (locked) or inserted it: nothing to do here."""
 
     def load_back(self, match: MatchResult, dst_slot: int | None = None) -> MatchResult:
         """Make ``match`` usable from the device: without tiers it is; count its device hit."""
@@ -463,9 +467,13 @@ class MambaRadixCache:
 
     def reset(self) -> None:
         """Free every KV page and slot the tree owns on every tier and empty it; raises if
-        anything is locked."""
+        anything is locked or a storage prefetch is in flight."""
         if self._full_protected or self._mamba_protected:
             raise RuntimeError("reset: the radix cache still has locked nodes")
+        if self.storage is not None and self.storage.prefetching:
+            raise RuntimeError("reset: storage prefetches are in flight")
+        if self.host is not None:
+            self.host.reset()
         nodes = list(self._full_lru.values())
         if nodes:
             self.kv_pool.free_locs(torch.cat([node.value for node in nodes]))
@@ -518,6 +526,8 @@ class MambaRadixCache:
         upper.parent = node.parent
         node.parent.children[self._child_key(upper.key, 0)] = upper
         upper.full_lock_ref = node.full_lock_ref
+        upper.host_lock_ref = node.host_lock_ref
+        upper.hit_count = node.hit_count
         node.key = node.key[n:]
         if node.value is not None:
             node.value = node.value[n:].clone()
@@ -527,6 +537,10 @@ class MambaRadixCache:
         upper.last_access_time = self._tick
         if upper.value is not None:
             self._full_lru[upper.id] = upper
+        if node.host_value is not None:
+            upper.host_value = node.host_value[:n].clone()
+            node.host_value = node.host_value[n:].clone()
+            self.host.touch(upper)
         return upper
 
     def _touch_path(self, node: TreeNode) -> None:
@@ -535,6 +549,8 @@ class MambaRadixCache:
             node.last_access_time = self._tick
             if node.value is not None:
                 self._full_lru.move_to_end(node.id)
+            if node.host_value is not None:
+                self.host.touch(node)
             node = node.parent
 
     def _touch_mamba(self, node: TreeNode) -> None:
@@ -550,7 +566,9 @@ class MambaRadixCache:
         root = self.root
         assert root.full_lock_ref == 1 and root.mamba_lock_ref == 1, "root must stay locked (1, 1)"
         assert root.mamba_slot is None and not root.key, "root holds no key and no state"
-        pins = self._host_pins()
+        pins: Counter[int] = Counter()  # a prefetch in flight pins the path it will hang under
+        for op in self.storage.prefetching if self.storage is not None else ():
+            pins.update(n.id for n in self._path(op.end_node))
         sums, locs, slots = [0, 0, 0, 0], set(), set()
         nodes = list(self.iter_nodes())
         for node in [root, *nodes]:
@@ -573,10 +591,9 @@ class MambaRadixCache:
         assert 0 not in slots and slots <= self.mamba_pool.allocated_slots(), "slot not allocated"
         pages = {loc // self.page_size for loc in locs}
         assert pages <= self.kv_pool.allocated_slots(), "tree holds KV pages that are free"
-
-    def _host_pins(self) -> Counter[int]:
-        """Node id -> storage prefetches in flight that host-pin it (`TreeNode.check`)."""
-        return Counter()
+        if self.host is not None:
+            busy = self.storage.held() if self.storage is not None else (set(), set())
+            self.host.check([n for n in nodes if n.host_value is not None], *busy)
 
     def _check_node(
         self, node: TreeNode, pins: int, sums: list[int], locs: set[int], slots: set[int]
