@@ -12,7 +12,7 @@ is complete when the call returns, so a node is never seen half-copied (on CUDA 
 before the forward that reads it by the stream).
 
 `HostTier` holds both pools and the books of which node owns which host copy; the radix cache
-decides what to write, demote, load back or evict (`mem_cache/radix_cache.py`).
+decides what to write, demote, load back or evict (`mem_cache/hiradix_cache.py`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Asynchronous storage reads: one worker thread fills host memory for prefetch operations.
 
-A `PrefetchOp` is planned by the tree (`MambaRadixCache.start_prefetch`) when a request arrives: its
+A `PrefetchOp` is planned (`HiMambaRadixCache.start_prefetch`) when a request arrives: its
 host KV pages and one host Mamba slot are allocated up front and owned by the operation (they are
 in no tree node yet). The `PrefetchWorker` reads the operation's blocks in order, writing each
 block's KV straight into its host pages and keeping the block-end states it finds in memory;
 ``blocks_done`` only grows, so a prefix of the blocks is always complete. Setting ``cancel``
 stops the reader at the next block (a sleep of the test delay is cut short); ``done`` is set
 once the worker will not touch the operation's memory again, and only then may the tree hang
-what arrived in the tree or free it (`MambaRadixCache.finish_prefetch`).
+what arrived in the tree or free it (`HiMambaRadixCache.finish_prefetch`).
 
 Test switch: ``delay`` (seconds; the scheduler sets it from ``HYBRID_SERVE_TEST_PREFETCH_DELAY``,
 `scheduler/debug.py`) makes the reader wait that long before each block, so a test can see a

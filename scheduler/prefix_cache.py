@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from mem_cache.hiradix_cache import HiMambaRadixCache
 from mem_cache.host_pool import HostTier, host_pool_sizes
 from mem_cache.radix_cache import MambaRadixCache
 from mem_cache.storage_file import FileStorage, model_identity
@@ -70,7 +71,7 @@ def build_tree(
             config.hicache_storage_dir, model_identity(runner.model, extra), block_size=chunk
         )
         storage = StorageTier(files, host, config.hicache_prefetch_threshold)
-    tree = MambaRadixCache(kv, mamba, page_size=ps, host=host, storage=storage)
+    tree = HiMambaRadixCache(kv, mamba, page_size=ps, host=host, storage=storage)
     if storage is not None and debug is not None and debug.prefetch_delay:
         storage.worker.delay = debug.prefetch_delay  # test switch; the reader starts on first use
     return tree

@@ -1,4 +1,4 @@
-"""CPU tests for MambaRadixCache with a host tier: write policies, demotion, load-back, host
+"""CPU tests for HiMambaRadixCache (a host tier): write policies, demotion, load-back, host
 eviction, and a randomized run checking KV / state contents and every pool's ownership after each
 op."""
 
@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from mem_cache.hiradix_cache import HiMambaRadixCache
 from mem_cache.host_pool import HostTier, host_pool_sizes
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
@@ -22,14 +23,14 @@ def make_hi(
     host_slots: int = 32,
     page_size: int = 1,
     policy: str = "write_through",
-) -> MambaRadixCache:
+) -> HiMambaRadixCache:
     kv = KVPool(kv_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
     mamba = MambaPool(
         slots, num_layers=1, conv_dim=1, conv_kernel=2, num_v_heads=1, k_head_dim=1, v_head_dim=1,
         conv_dtype=torch.float32,
     )  # fmt: skip
     host = HostTier(kv, mamba, host_pages, host_slots, policy)
-    return MambaRadixCache(kv, mamba, page_size=page_size, chunk_size=4 * page_size, host=host)
+    return HiMambaRadixCache(kv, mamba, page_size=page_size, chunk_size=4 * page_size, host=host)
 
 
 def fingerprint(tokens: list[int]) -> float:
