@@ -48,9 +48,10 @@ if TYPE_CHECKING:
 
 TIER_COUNTERS = (
     "device_hit_tokens", "host_hit_tokens", "loaded_back_tokens", "demoted_tokens",
-    "host_written_tokens", "host_evicted_tokens", "load_back_failed", "storage_hit_tokens",
-    "storage_written_tokens", "prefetches", "prefetch_started", "prefetch_truncated",
-    "prefetch_skipped", "prefetch_failed", "prefetch_terminated", "prefetch_discarded",
+    "host_written_tokens", "host_write_failed", "host_evicted_tokens", "load_back_failed",
+    "storage_hit_tokens", "storage_written_tokens", "prefetches", "prefetch_started",
+    "prefetch_truncated", "prefetch_skipped", "prefetch_failed", "prefetch_terminated",
+    "prefetch_discarded",
 )  # fmt: skip
 
 

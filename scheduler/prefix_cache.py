@@ -190,7 +190,7 @@ class PrefixCache:
     def start_prefetch(self, req: Req) -> None:
         """On arrival: start reading what storage holds of the prompt past the tree's match (not
         for session turns, which continue from their session's own state)."""
-        if getattr(self.tree, "storage", None) is None or req.session is not None:
+        if self.tree.storage is None or req.session is not None:
             return  # (no match here without storage: it would refresh the LRU order)
         key = req.cache_key(req.seq_len - 1)
         cfg = self.config
