@@ -115,6 +115,43 @@ inline int32_t dot_tail(const A* w, const int8_t* a, int64_t n) {
   return s;
 }
 
+// Independent sums per row of x: one FMA chain per row would stall a lone row on the FMA's
+// latency (one block per 4-5 cycles), so 1 and 2 rows take 4 and 2 chains over alternate blocks.
+template <int M>
+constexpr int kChains = M == 1 ? 4 : M == 2 ? 2 : 1;
+
+#ifdef HS_AVX2
+// The 32 weights of an int4 group as bytes -8..7, elements in order.
+inline __m256i q4_group(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+  return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
+}
+
+// acc[m][c] += (the integer dot of block b's weights `wv` with row m's block) * scale[m], for
+// scale[m] the block's activation scale times `ws`.
+template <int M>
+inline void block_step(__m256 (&acc)[M][kChains<M>], int c, __m256i wv, const int8_t* q,
+                       int64_t K, const float* d, int64_t B, int64_t b, float ws) {
+  const __m256i wa = _mm256_sign_epi8(wv, wv);
+  for (int m = 0; m < M; ++m) {
+    const __m256i av =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + b * kActBlock));
+    acc[m][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(wa, wv, av)),
+                                _mm256_set1_ps(ws * d[m * B + b]), acc[m][c]);
+  }
+}
+
+template <int M>
+inline void sum_chains(__m256 (&acc)[M][kChains<M>], float* sum) {
+  for (int m = 0; m < M; ++m) {
+    __m256 t = acc[m][0];
+    for (int c = 1; c < kChains<M>; ++c) t = _mm256_add_ps(t, acc[m][c]);
+    sum[m] = simd::hsum(t);
+  }
+}
+#endif
+
 // y[m, n] for rows [n0, n1) of int8 weights and M <= 8 rounded activation rows.
 template <int M>
 void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
@@ -128,19 +165,17 @@ void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, i
     float sum[M] = {};
     int64_t b = 0;
 #ifdef HS_AVX2
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (; b < full; ++b) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kActBlock));
-      const __m256i wa = _mm256_sign_epi8(wv, wv);
-      for (int m = 0; m < M; ++m) {
-        const __m256i av =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + b * kActBlock));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(wa, wv, av)),
-                                 _mm256_set1_ps(d[m * B + b]), acc[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) sum[m] = simd::hsum(acc[m]);
+    constexpr int C = kChains<M>;
+    __m256 acc[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm256_setzero_ps();
+    auto wblock = [&](int64_t i) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + i * kActBlock));
+    };
+    for (; b + C <= full; b += C)
+      for (int c = 0; c < C; ++c) block_step<M>(acc, c, wblock(b + c), q, K, d, B, b + c, 1.f);
+    for (; b < full; ++b) block_step<M>(acc, 0, wblock(b), q, K, d, B, b, 1.f);
+    sum_chains<M>(acc, sum);
 #endif
     for (; b < B; ++b) {  // the scalar build's blocks, and a last block shorter than 32
       const int64_t k0 = b * kActBlock, len = std::min(kActBlock, K - k0);
@@ -160,28 +195,25 @@ void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, 
   const int64_t K = xa.K, G = xa.blocks, stride = row_stride<uint8_t>(K);
   const int8_t* q = xa.q.data() + m0 * K;
   const float* d = xa.d.data() + m0 * G;
+  std::vector<float> scale(G);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * stride;
     const auto* sc = reinterpret_cast<const at::BFloat16*>(wr + K / 2);
     fetch_ahead(wr, stride);
+    for (int64_t g = 0; g < G; ++g) scale[g] = load1(sc + g);  // vectorised by the compiler
     float sum[M] = {};
 #ifdef HS_AVX2
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      __m128i lo, hi;
-      simd::q4_bytes(wr + g * kQ4Group / 2, lo, hi);
-      const __m256i wv = _mm256_set_m128i(hi, lo);  // elements 0-31 in order
-      const __m256i wa = _mm256_sign_epi8(wv, wv);
-      const float s = load1(sc + g);
-      for (int m = 0; m < M; ++m) {
-        const __m256i av =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + g * kQ4Group));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(wa, wv, av)),
-                                 _mm256_set1_ps(s * d[m * G + g]), acc[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) sum[m] = simd::hsum(acc[m]);
+    constexpr int C = kChains<M>;
+    __m256 acc[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + C <= G; g += C)
+      for (int c = 0; c < C; ++c)
+        block_step<M>(acc, c, q4_group(wr + (g + c) * kQ4Group / 2), q, K, d, G, g + c,
+                      scale[g + c]);
+    for (; g < G; ++g) block_step<M>(acc, 0, q4_group(wr + g * kQ4Group / 2), q, K, d, G, g, scale[g]);
+    sum_chains<M>(acc, sum);
 #else
     for (int64_t g = 0; g < G; ++g) {
       int8_t wq[kQ4Group];
@@ -190,9 +222,8 @@ void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, 
         wq[j] = int8_t(int(byte & 15) - 8);
         wq[j + kQ4Group / 2] = int8_t(int(byte >> 4) - 8);
       }
-      const float s = load1(sc + g);
       for (int m = 0; m < M; ++m)
-        sum[m] += float(dot_tail(wq, q + m * K + g * kQ4Group, kQ4Group)) * (s * d[m * G + g]);
+        sum[m] += float(dot_tail(wq, q + m * K + g * kQ4Group, kQ4Group)) * (scale[g] * d[m * G + g]);
     }
 #endif
     for (int m = 0; m < M; ++m) y[m * N + n] = sum[m];
