@@ -128,17 +128,16 @@ inline __m256i q4_group(const uint8_t* p) {
   return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
 }
 
-// acc[m][c] += (the integer dot of block b's weights `wv` with row m's block) * scale[m], for
-// scale[m] the block's activation scale times `ws`.
+// acc[m][c] += (the integer dot of block b's weights `wv` with row m's block) * s[m * ld + b].
 template <int M>
 inline void block_step(__m256 (&acc)[M][kChains<M>], int c, __m256i wv, const int8_t* q,
-                       int64_t K, const float* d, int64_t B, int64_t b, float ws) {
+                       int64_t K, const float* s, int64_t ld, int64_t b) {
   const __m256i wa = _mm256_sign_epi8(wv, wv);
   for (int m = 0; m < M; ++m) {
     const __m256i av =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + b * kActBlock));
     acc[m][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(wa, wv, av)),
-                                _mm256_set1_ps(ws * d[m * B + b]), acc[m][c]);
+                                _mm256_set1_ps(s[m * ld + b]), acc[m][c]);
   }
 }
 
@@ -173,8 +172,8 @@ void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, i
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + i * kActBlock));
     };
     for (; b + C <= full; b += C)
-      for (int c = 0; c < C; ++c) block_step<M>(acc, c, wblock(b + c), q, K, d, B, b + c, 1.f);
-    for (; b < full; ++b) block_step<M>(acc, 0, wblock(b), q, K, d, B, b, 1.f);
+      for (int c = 0; c < C; ++c) block_step<M>(acc, c, wblock(b + c), q, K, d, B, b + c);
+    for (; b < full; ++b) block_step<M>(acc, 0, wblock(b), q, K, d, B, b);
     sum_chains<M>(acc, sum);
 #endif
     for (; b < B; ++b) {  // the scalar build's blocks, and a last block shorter than 32
@@ -195,12 +194,14 @@ void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, 
   const int64_t K = xa.K, G = xa.blocks, stride = row_stride<uint8_t>(K);
   const int8_t* q = xa.q.data() + m0 * K;
   const float* d = xa.d.data() + m0 * G;
-  std::vector<float> scale(G);
+  std::vector<float> scale(G), sd(M * G);  // a row's scales; each block's scale by row of x
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * stride;
     const auto* sc = reinterpret_cast<const at::BFloat16*>(wr + K / 2);
     fetch_ahead(wr, stride);
     for (int64_t g = 0; g < G; ++g) scale[g] = load1(sc + g);  // vectorised by the compiler
+    for (int m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) sd[m * G + g] = scale[g] * d[m * G + g];
     float sum[M] = {};
 #ifdef HS_AVX2
     constexpr int C = kChains<M>;
@@ -210,9 +211,8 @@ void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, 
     int64_t g = 0;
     for (; g + C <= G; g += C)
       for (int c = 0; c < C; ++c)
-        block_step<M>(acc, c, q4_group(wr + (g + c) * kQ4Group / 2), q, K, d, G, g + c,
-                      scale[g + c]);
-    for (; g < G; ++g) block_step<M>(acc, 0, q4_group(wr + g * kQ4Group / 2), q, K, d, G, g, scale[g]);
+        block_step<M>(acc, c, q4_group(wr + (g + c) * kQ4Group / 2), q, K, sd.data(), G, g + c);
+    for (; g < G; ++g) block_step<M>(acc, 0, q4_group(wr + g * kQ4Group / 2), q, K, sd.data(), G, g);
     sum_chains<M>(acc, sum);
 #else
     for (int64_t g = 0; g < G; ++g) {
@@ -223,7 +223,7 @@ void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, 
         wq[j + kQ4Group / 2] = int8_t(int(byte >> 4) - 8);
       }
       for (int m = 0; m < M; ++m)
-        sum[m] += float(dot_tail(wq, q + m * K + g * kQ4Group, kQ4Group)) * (scale[g] * d[m * G + g]);
+        sum[m] += float(dot_tail(wq, q + m * K + g * kQ4Group, kQ4Group)) * sd[m * G + g];
     }
 #endif
     for (int m = 0; m < M; ++m) y[m * N + n] = sum[m];
