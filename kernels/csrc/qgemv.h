@@ -155,7 +155,7 @@ inline void sum_chains(__m256 (&acc)[M][kChains<M>], float* sum) {
 template <int M>
 void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
-  const int64_t K = xa.K, B = xa.blocks, full = K / kActBlock, stride = K + 4;
+  const int64_t K = xa.K, B = xa.blocks, full = K / kActBlock, stride = row_stride<int8_t>(K);
   const int8_t* q = xa.q.data() + m0 * K;
   const float* d = xa.d.data() + m0 * B;
   for (int64_t n = n0; n < n1; ++n) {
