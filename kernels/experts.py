@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import widen
+from kernels.linear import linear
+from kernels.quant import is_quantized, round_activations, widen
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm's
 
@@ -38,7 +39,8 @@ def routed_experts(
     """xs [T, hidden], the rows of expert e the `counts[e]`-long slice after those of experts
     < e; gate_up [E, 2I, hidden], down [E, hidden, I]; counts [E] int64 summing to T ->
     [T, hidden] in xs' dtype: each row through its expert, down(silu(gate x) * up x). Weights in
-    another form (bf16 under fp32 rows, quantized: `kernels.quant`) are widened. One
+    another form (bf16 under fp32 rows, quantized: `kernels.quant`) are widened, and quantized
+    ones multiply their inputs rounded to int8 (`kernels.linear.linear`'s products). One
     `torch._grouped_mm` per matrix where it takes the operands (counts stay on the device), else
     one `F.linear` per active expert."""
     if grouped_mm_fits(xs, gate_up, down):
@@ -48,8 +50,8 @@ def routed_experts(
     ys, start = [xs.new_empty(0, xs.shape[1])], 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            gate, up = F.linear(xs[start : start + n], widen(gate_up[e], xs.dtype)).chunk(2, dim=-1)
-            ys.append(F.linear(F.silu(gate) * up, widen(down[e], xs.dtype)))
+            gate, up = linear(xs[start : start + n], gate_up[e]).chunk(2, dim=-1)
+            ys.append(linear(F.silu(gate) * up, down[e]))
             start += n
     return torch.cat(ys)
 
@@ -92,6 +94,7 @@ def static_experts(
     """`fused_experts` with static shapes (no host sync; CUDA-graph capturable)."""
     weights = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
     weights.scatter_(1, topk_ids, topk_w.to(x.dtype))  # [T, E]
-    gate, up = torch.einsum("th,eih->eti", x, widen(gate_up, x.dtype)).chunk(2, dim=-1)
-    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, widen(down, x.dtype))  # [E, T, hidden]
+    rnd = round_activations if is_quantized(gate_up) else (lambda t: t)
+    gate, up = torch.einsum("th,eih->eti", rnd(x), widen(gate_up, x.dtype)).chunk(2, dim=-1)
+    y = torch.einsum("eti,ehi->eth", rnd(F.silu(gate) * up), widen(down, x.dtype))  # [E, T, hidden]
     return (y * weights.t().unsqueeze(-1)).sum(0)

@@ -4,7 +4,8 @@ Same signature and contract as `kernels.experts.routed_experts`. For fp32 rows a
 quantized weights (the two stacks alike), up to `MAX_ROWS` rows (decode batches and short
 prefills): every active expert's gate/up GEMM, silu(gate) * up and down GEMM run in two parallel
 passes whose pieces (weight-row blocks of one expert) are split among the threads by cost, on the
-weights as stored ([E, 2I, hidden] and [E, hidden, I], bf16 widened in registers, fp32
+weights as stored ([E, 2I, hidden] and [E, hidden, I], bf16 widened in registers, quantized ones
+widened per block and multiplying their inputs rounded to int8 as the reference's do; fp32
 accumulation), each expert's rows packed once per pass for the tiled GEMM. More rows and other
 dtypes run the reference (MKL's grouped GEMM for fp32 weights).
 """

@@ -1,12 +1,14 @@
 """Linear layer on CPU: the C++ op `hybrid_serve::linear` (kernels/csrc/decode_ops.h).
 
 Same signature and contract as `kernels.linear.linear`, for fp32 activations and fp32, bf16 or
-quantized weights ([N, K] as stored, widened as they stream: bf16 half the bytes, int8 a quarter,
-int4 about an eighth; `kernels.quant`). The C++ op picks the product by row count, in that one
-place: a weight-streaming GEMV up to 8 rows (decode at small batches is a stream of weights through
-mat-vec products), a tiled GEMM beyond (kernels/csrc/gemm.cpp: x packed into panels once per call,
-register tiles of 6 weight rows, fp32 accumulation; `benchmarks/gemm_shapes.py` compares it with MKL
-by row count). Other dtypes take the reference.
+quantized weights ([N, K] as stored: bf16 half the bytes, widened as they stream; int8 a quarter
+and int4 about an eighth, multiplying the activations rounded to int8 per block of 32 as the
+reference does, `kernels.quant`). The C++ op picks the product by row count, in that one
+place: a weight-streaming GEMV up to 8 rows (decode at small batches is a stream of weights
+through mat-vec products; integer dot products for the quantized formats), a tiled GEMM beyond
+(kernels/csrc/gemm.cpp: x packed into panels once per call, register tiles of 6 weight rows, fp32
+accumulation; `benchmarks/gemm_shapes.py` compares it with MKL by row count). Other dtypes take
+the reference.
 """
 
 from __future__ import annotations

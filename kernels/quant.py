@@ -20,17 +20,24 @@ group's extremes); bf16 scales widen with one shift and their rounding (< 0.4%) 
 the 4-bit step. The loader keeps int8 for a matrix whose K is not a multiple of 32 (as
 llama-quantize falls back for rows that do not divide into blocks).
 
-The C++ products sum the integers (exact in fp32) and scale each output's sum (int8) or, in the
-GEMV, each group's partial sum (int4); the tiled GEMM widens int4 blocks with their scales.
+A quantized matrix multiplies activations rounded to int8 (`round_activations`), as llama.cpp's
+Q8_0 and Q4_0 dot products multiply Q8_0 activations: per block of ACT_BLOCK values along K (a
+shorter last block where K is not a multiple), d = max |x| / 127 in fp32 and q = round(x * (127 /
+max |x|)), half to even. Every product of a quantized matrix, the references' (`linear`,
+`experts`) and the C++ kernels' alike, is the dequantized weights times the rounded activations
+(`q * d`): the C++ GEMV sums the integer products of each block exactly (int32) and scales each
+block's sum (kernels/csrc/qgemv.h); the tiled GEMM multiplies the rounded values in fp32.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 SCALE_BYTES = 4  # an fp32 scale at the end of each int8 row
 QMAX = 127
 GROUP = 32  # int4 weights per bf16 scale
+ACT_BLOCK = 32  # activations per int8 scale in a quantized matrix's products
 METHODS = ("int8", "int4")
 CPP_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # C++ kernels read
 
@@ -117,3 +124,15 @@ def widen(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if is_quantized(w):
         return dequantize(w, dtype)
     return w if w.dtype == dtype else w.to(dtype)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (fp32) rounded to int8 per block of ACT_BLOCK along K (module docstring) and
+    returned as the rounded values q * d in fp32, the C++ kernels' numbers exactly."""
+    k = x.shape[-1]
+    pad = -k % ACT_BLOCK
+    xf = F.pad(x.float(), (0, pad)).unflatten(-1, (-1, ACT_BLOCK))  # [..., K/32, 32]
+    peak = xf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(peak > 0, torch.full_like(peak, QMAX).div(peak), 0.0)
+    q = torch.round(xf * inv)  # half to even, as the kernels' round
+    return (q * (peak / QMAX)).flatten(-2)[..., :k]

@@ -24,8 +24,10 @@ stay fp32. Elsewhere a dtype applies to the whole model.
 the checkpoint holds (float or block-FP8): the model is loaded as for its dtype (matrices in it,
 the rest fp32), then every matrix but the MoE routers' gates (the router and the shared-expert
 gate) is replaced, one at a time, by its quantized format (`kernels.quant`: int8 per output row,
-int4 per group of 32 with int8 for a matrix whose K does not divide into groups). Activations,
-embeddings, norms and states are unchanged.
+int4 per group of 32 with int8 for a matrix whose K does not divide into groups). Embeddings,
+norms and states are unchanged; the products of the quantized matrices take their fp32
+activations rounded to int8 per block of 32 (`kernels.quant.round_activations`, llama.cpp's Q8_0
+activations).
 """
 
 from __future__ import annotations

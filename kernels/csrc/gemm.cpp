@@ -1,7 +1,8 @@
 // GEMM for the decode batches above the GEMV's 8 rows, and the MoE experts in one call.
 //
-// y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16, int8 or int4 weights (gemv.h's
-// formats; quantized blocks are widened to fp32 first), fp32 accumulation.
+// y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16, int8 or int4 weights (weights.h's
+// formats; quantized blocks are widened to fp32 first, and multiply the activations rounded to
+// int8 as the GEMV's do: qgemv.h's `round_rows`), fp32 accumulation.
 // The weight keeps its [N, K] row-major layout (no packed copy). x is packed once per call into
 // panels of MR = 2 vectors of rows (16 with AVX2, 32 with AVX-512: simd.h), k-major
 // ([panel][k][MR], rows past M zero), so a register tile is an outer product: each k step loads
@@ -37,6 +38,9 @@ constexpr int NR = 6;         // weight rows per register tile
 constexpr int64_t KC = 256;   // k per cache block
 constexpr int64_t NC = 48;    // weight rows per cache block (a multiple of NR)
 constexpr int64_t PC = 4;     // panels per m block
+
+template <typename W>
+constexpr bool is_quantized = std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>;
 
 // x [M, K] (row stride ldx) -> xp [ceil(M / MR)][K][MR], rows past M zero.
 void pack_panels(const float* x, int64_t ldx, int64_t M, int64_t K, float* xp) {
@@ -254,6 +258,12 @@ void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64
   const int64_t ldw = hs::row_stride<W>(K);
   const int64_t tiles = (N + NR - 1) / NR, P = panels(M);
   const auto xp = panel_buffer(P, K);
+  std::vector<float> rounded;
+  if constexpr (is_quantized<W>) {
+    rounded.resize(M * K);
+    hs::round_rows(x, M, K, rounded.data());
+    x = rounded.data();
+  }
   pack_panels(x, K, M, K, xp.get());
   if (tiles < 2 * at::get_num_threads() && P >= 2) {  // a few weight rows (a gate): split x
     at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {
@@ -325,6 +335,22 @@ inline void swiglu_cols(const float* gate_up_row, int64_t I, int64_t n0, int64_t
   for (int64_t i = 0; i < n; ++i) out[i] *= gate_up_row[I + n0 + i];
 }
 
+// The activation rows (`counts[e]` of expert e from panel pstart[e]) in the panels `ap` of
+// K columns rounded to int8 in place (qgemv.h's `round_rows`), the experts in parallel.
+inline void round_panel_rows(float* ap, const std::vector<int64_t>& pstart,
+                             const std::vector<int64_t>& counts, int64_t K) {
+  at::parallel_for(0, int64_t(counts.size()), 1, [&](int64_t e0, int64_t e1) {
+    std::vector<float> row(K);
+    for (int64_t e = e0; e < e1; ++e)
+      for (int64_t m = 0; m < counts[e]; ++m) {
+        float* a = ap + (pstart[e] + m / MR) * K * MR + m % MR;
+        for (int64_t k = 0; k < K; ++k) row[k] = a[k * MR];
+        hs::round_rows(row.data(), 1, K, row.data());
+        for (int64_t k = 0; k < K; ++k) a[k * MR] = row[k];
+      }
+  });
+}
+
 // xs [T, H] rows sorted by expert, counts[e] each; gate_up [E, 2I, H]; down [E, H, I]; h [T, 2I]
 // scratch for the gate and up outputs.
 template <typename W>
@@ -338,6 +364,12 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
   }
   // every expert's rows and activations in panels
   const auto xp = panel_buffer(pstart[E], H), ap = panel_buffer(pstart[E], I);
+  std::vector<float> rounded;
+  if constexpr (is_quantized<W>) {
+    rounded.resize(start[E] * H);
+    hs::round_rows(xs, start[E], H, rounded.data());
+    xs = rounded.data();
+  }
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e)
       pack_panels(xs + start[e] * H, H, counts[e], H, xp.get() + pstart[e] * H * MR);
@@ -358,6 +390,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
       for (int64_t n = t.n0; n < t.n1; ++n) a[n * MR] = m < M ? row[n - t.n0] : 0.f;
     }
   });
+  if constexpr (is_quantized<W>) round_panel_rows(ap.get(), pstart, counts, I);
   run_balanced(expert_tasks(counts, H, I, NC, sizeof(W)), [&](const Task& t) {
     gemm_cols(ap.get() + pstart[t.e] * I * MR, down + t.e * H * ldd, ldd, y + start[t.e] * H, H,
               counts[t.e], I, t.n0, t.n1);

@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #define HS_AVX2 1
 namespace hs::simd {
-// The 16 bytes of an int4 group (gemv.h: element j in byte j's low nibble, j + 16 in its high
+// The 16 bytes of an int4 group (weights.h: element j in byte j's low nibble, j + 16 in its high
 // one, each plus 8) as its 32 integers -8..7 in bytes: elements 0-15 in lo, 16-31 in hi.
 inline void q4_bytes(const uint8_t* p, __m128i& lo, __m128i& hi) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -55,18 +55,6 @@ inline vec load_w(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-// kLanes int8 weights (a quantized row's integers, exact in fp32).
-inline vec load_w(const int8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-// An int4 group's 32 weights widened exactly, in 32 / kLanes vectors (elements in order).
-inline void load_q4(const uint8_t* p, vec* out) {
-  __m128i lo, hi;
-  q4_bytes(p, lo, hi);
-  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-}
 inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
 }  // namespace hs::simd
 #elif defined(HS_AVX2)
@@ -94,18 +82,6 @@ inline vec load_w(const float* p) { return _mm256_loadu_ps(p); }
 inline vec load_w(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline vec load_w(const int8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-inline void load_q4(const uint8_t* p, vec* out) {
-  __m128i lo, hi;
-  q4_bytes(p, lo, hi);
-  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 inline float hsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

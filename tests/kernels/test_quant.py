@@ -1,7 +1,8 @@
-"""Weight-only int8 and int4 (`kernels.quant`): the formats, and every C++ product that reads them
-against dequantize-then-reference, at odd sizes (K not a multiple of the vector width, N not of
-the tiles; int4's fallback to int8 where K does not divide into groups), at the GEMV's row counts
-and the tiled GEMM's."""
+"""Weight-only int8 and int4 (`kernels.quant`): the formats, the activations' rounding to int8,
+and every C++ product that reads them against the dequantized weights times the rounded
+activations (`round_activations`), at odd sizes (K not a multiple of the vector width or of the
+activation blocks, N not of the tiles; int4's fallback to int8 where K does not divide into
+groups), at the GEMV's row counts and the tiled GEMM's."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kernels.quant import (
     quantize,
     quantize_int4,
     quantize_int8,
+    round_activations,
     scales,
     widen,
 )
@@ -32,7 +34,8 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-5) -> None:
-    """Equal up to fp32 summation order (the kernels sum integers, the reference q * scale)."""
+    """Equal up to fp32 summation order (the kernels sum integers per block, the reference the
+    products of the dequantized values)."""
     assert a.shape == b.shape
     err = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
     assert err < tol, err
@@ -90,7 +93,7 @@ def test_linear(rows: int, shape: tuple[int, int], method: str) -> None:
     n, k = shape
     w, x, b = rand(n, k, seed=rows), rand(rows, k, seed=99), rand(n, seed=5)
     q = quantize(w, method)
-    want = F.linear(x, dequantize(q), b)
+    want = F.linear(round_activations(x), dequantize(q), b)
     close(linear_cpp.linear(x, q, b), want)
     close(linear_cpp.linear(x.view(1, rows, k), q, b), want.view(1, rows, n))
 
@@ -102,7 +105,8 @@ def test_linear_multi_mixed_forms(rows: int) -> None:
     ws = [quantize_int8(rand(19, 64, seed=1)), rand(7, 64, seed=2).bfloat16(), rand(30, 64, seed=3),
           quantize_int4(rand(11, 64, seed=4))]  # fmt: skip
     for y, w in zip(multi_linear_cpp.linear_multi(x, ws, [None] * 4), ws, strict=True):
-        close(y, F.linear(x, widen(w, torch.float32)))
+        xr = round_activations(x) if w.dtype in (torch.int8, torch.uint8) else x
+        close(y, F.linear(xr, widen(w, torch.float32)))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -114,16 +118,30 @@ def test_routed_experts(rows: int, method: str) -> None:
     gen = torch.Generator().manual_seed(rows)
     counts = torch.bincount(torch.randint(0, E, (rows,), generator=gen), minlength=E)
     xs = rand(rows, H, seed=3)
-    want = experts.routed_experts(xs, dequantize(gate_up), dequantize(down), counts)
+    want = rounded_experts(xs, gate_up, down, counts)
     close(experts_cpp.routed_experts(xs, gate_up, down, counts), want)
     close(experts.routed_experts(xs, gate_up, down, counts), want)  # the reference widens
+    unrounded = experts.routed_experts(xs, dequantize(gate_up), dequantize(down), counts)
+    assert not torch.allclose(unrounded, want, rtol=1e-4, atol=1e-4)  # the rounding is seen
+
+
+def rounded_experts(xs, gate_up, down, counts) -> torch.Tensor:
+    """The routed experts spelled out: each product the dequantized weights times its input
+    rounded to int8."""
+    ys, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        h = F.linear(round_activations(xs[start : start + n]), dequantize(gate_up[e]))
+        gate, up = h.chunk(2, dim=-1)
+        ys.append(F.linear(round_activations(F.silu(gate) * up), dequantize(down[e])))
+        start += n
+    return torch.cat(ys)
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("tokens", [1, 4, 8, 9, 30])
 def test_sparse_moe_block(tokens: int, method: str) -> None:
     """The fused MoE op on quantized experts and shared expert (fp32 router gates, as the loader
-    keeps them) against the reference block on the dequantized matrices."""
+    keeps them) against the reference block, whose quantized products round their inputs."""
     E, H, I, Is = (6, 40, 18, 26) if method == "int8" else (6, 64, 32, 96)
     router, shared_gate = rand(E, H, seed=1), rand(1, H, seed=2)
     mats = [rand(E, 2 * I, H, seed=3), rand(E, H, I, seed=4), rand(Is, H, seed=5),
@@ -131,10 +149,11 @@ def test_sparse_moe_block(tokens: int, method: str) -> None:
     q = [quantize(m, method) for m in mats]
     x = rand(tokens, H, seed=tokens)
     args = lambda m: (router, m[0], m[1], shared_gate, *m[2:], 2, True)  # noqa: E731
-    want = moe_step.sparse_moe(x, *args([dequantize(t) for t in q]))
+    want = moe_step.sparse_moe(x, *args(q))
     got = moe_step_cpp.sparse_moe(x, *args(q), unfused=moe_step.sparse_moe)
     close(got, want)
-    close(moe_step.sparse_moe(x, *args(q)), want)
+    unrounded = moe_step.sparse_moe(x, *args([dequantize(t) for t in q]))
+    assert not torch.allclose(unrounded, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("method", "bound"), [("int8", 1e-2), ("int4", 0.12)])

@@ -110,16 +110,31 @@ def test_each_rank_holds_half_the_sharded_bytes(outputs):
         assert share / whole < 0.52, f"a rank holds {share / whole:.3f} of the model's bytes"
 
 
+# How far tp=2's logits may be from tp=1's on the quantized tiny checkpoint, relative: the
+# all-reduce sums the partial products in another order, and where an activation's last bit
+# differs its rounding to int8 can flip by a step, which the random weights amplify
+# (tests/models/test_quantized.py: FLIP_BOUND); the quantization itself moves them ~35%.
+FLIP_BOUND = 0.1
+
+
 @pytest.mark.parametrize("method", QUANTIZED)
 def test_tp2_quantized_equals_tp1(runs, method):
     """Each rank quantizes its own shard to the numbers of the whole matrix (int8: the row scales
-    from the whole rows' peaks; int4: the tiny preset's column splits fall on group boundaries),
-    so tp=2 equals tp=1 as the unquantized model does; and the quantization did change them."""
+    from the whole rows' peaks; int4: the tiny preset's column splits fall on group boundaries,
+    as do the activations' blocks of 32), so tp=2 equals tp=1 up to the activations' rounding
+    flips; and the quantization did change them."""
     _, _, one, two = runs[method]
-    for key in ("prefill", "chunked", "decode"):
-        assert (one[key] - two[key]).abs().max().item() < ATOL, key
-    assert two["tokens"] == one["tokens"]
-    assert (one["prefill"] - runs["tiny"][2]["prefill"]).abs().max().item() > 1e-2
+    for key in ("prefill", "chunked"):
+        assert ((one[key] - two[key]).norm() / one[key].norm()).item() < FLIP_BOUND, key
+    # decode step s of a prompt compares while both fed it the same tokens (a flip can turn a
+    # near-tie of the greedy choice, and the sequences part there)
+    same = (torch.tensor(one["tokens"]) == torch.tensor(two["tokens"])).cumprod(0).bool()[:-1]
+    assert same.any()
+    a, b = one["decode"][same], two["decode"][same]
+    assert ((a - b).norm() / a.norm()).item() < FLIP_BOUND
+    assert (one["prefill"][0] - two["prefill"][0]).abs().max().item() < ATOL  # a 1-token prompt
+    full = runs["tiny"][2]["prefill"]
+    assert ((one["prefill"] - full).norm() / full.norm()).item() > 2 * FLIP_BOUND
 
 
 def test_splits_replicate_kv_heads_pad_the_vocab_and_refuse_uneven_heads():
