@@ -203,7 +203,7 @@ def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
         while engine.scheduler.has_work():
             engine.scheduler.step()
     assert a.output_ids == b.output_ids == cont[:NEW]
-    assert seen[:3] == [3, 3, 3], seen
+    assert seen == [3, 3, 2], seen  # the last cut by max_tokens
     assert plain.leak_report() == [] and spec.leak_report() == []
 
 
