@@ -12,7 +12,8 @@ the wave (prefill included). Rows, interleaved in every repeat (medians of `--re
   token corrupted with probability X (`SpecDecoder.override`).
 
 Accept length = tokens landed per verify round (SGLang's completion_tokens / spec_verify_ct,
-less the prefill's token). Every speculative wave's tokens are checked against the plain run's.
+less the prefill's token); a step the draft-length policy (`scheduler.spec_policy`) decoded
+plainly counts as a round. Every speculative wave's tokens are checked against the plain run's.
 The checkpoint needs an MTP head (`hybrid-serve make-model --preset small --mtp`); without
 `--model-path` one is written for `--preset` into a temporary directory.
 
@@ -128,6 +129,7 @@ def main() -> None:
     rows = [None if a == "head" else float(a) for a in args.accept.split(",")]
     results: dict[str, list[float]] = {}
     accept: dict[str, list[float]] = {}
+    shared: dict[str, list[float]] = {}  # the draft policy's estimate for fresh requests
     for rep in range(args.repeats):  # interleaved so that noise hits every row alike
         for c in conc:
             prompts = _prompts(c, args.prompt_len, vocab, rep)
@@ -137,6 +139,9 @@ def main() -> None:
             for p_bad in rows:
                 name = f"{'head' if p_bad is None else f'p={p_bad}'} c={c}"
                 controlled(spec, known, p_bad, seed=rep)
+                # each row's own acceptance history (as if it ran alone); the costs are shared
+                policy = spec.scheduler.forward.spec.policy
+                policy.shared = shared.setdefault(name, [1.0] * args.steps)
                 tps, outs, rounds = wave(spec, prompts, args.output_len)
                 assert outs == expected, f"{name}: tokens differ from plain decoding"
                 results.setdefault(name, []).append(tps)

@@ -180,6 +180,7 @@ class ForwardStep:
                 return
             for req in reqs:  # the head's last prediction is for a position now passed
                 req.spec_hidden = None
+            start = self.spec.clock()
         for req in reqs:
             req.kv_reserved_len = req.kv_len + 1
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
@@ -187,6 +188,8 @@ class ForwardStep:
         for req in reqs:
             req.kv_len += 1
         self.sample(logits, reqs)
+        if self.spec is not None:  # the plain step's cost, beside the rounds' (the policy's)
+            self.spec.policy.costs.observe("step", len(reqs), self.spec.clock() - start)
         self.cache.after_decode(reqs)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:

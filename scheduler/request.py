@@ -78,6 +78,7 @@ class Req:
     spec_drafts: list[int] = field(default_factory=list)
     spec_q: list[torch.Tensor | None] = field(default_factory=list)  # sampled drafts' q
     spec_n: int = 0  # drafts it asks for next round (0: --speculative-num-steps)
+    spec_policy: Any = None  # its draft-length state (scheduler/spec_policy.py DraftState)
     spec_verify_ct: int = 0  # speculative rounds it could draft in (SGLang's spec_verify_ct)
     # outcome
     finish_reason: FinishReason | None = None

@@ -18,8 +18,9 @@ min_new_tokens or a grammar (`can_draft`; the others decode as usual in the same
    keeps each token's target distribution. Landing stops early at EOS, a stop token or
    max_tokens.
    m tokens landed: kv_len = P + m, the running slot takes the state after m tokens (step slot
-   m-1), KV past it goes back to the pool. Next round the request drafts one more than the
-   drafts it kept (up to N): a head that keeps missing costs one draft a round, not N.
+   m-1), KV past it goes back to the pool. How many each request drafts, if any, is
+   `scheduler.spec_policy`'s choice (expected tokens per second from its kept drafts so far
+   and the measured cost of each pass); a step where no request drafts decodes plainly.
 5. The head runs over the verified rows (h_{P+j}, landed_j), j < m: that fills its KV there and
    its last row predicts the next round's d1.
 
@@ -31,6 +32,7 @@ holds there: drafts only change how many tokens a round lands, never which.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -44,6 +46,7 @@ from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.penalties import has_penalty
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Req
+from scheduler.spec_policy import DraftPolicy, measured_costs
 from scheduler.spec_sampling import draw, filtered_probs
 
 
@@ -60,6 +63,18 @@ class SpecDecoder:
         # they were computed, e.g. with its known greedy continuation, some tokens corrupted
         self.override: Callable[[Req, list[int]], list[int]] | None = None
         self.rounds = self.drafted = self.accepted = 0  # drafting requests' counts
+        # draft lengths (`scheduler.spec_policy`); tests replace `policy.costs`
+        self.policy = DraftPolicy(self.steps, measured_costs(self.runner.model))
+        if self.runner.model.tp.enabled:
+            self.policy.agree = self.runner.model.tp.broadcast_object
+        self.lengths: list[int] = []  # of the round `wanted` planned
+        self.head_time = 0.0  # the round's head passes so far
+
+    def clock(self) -> float:
+        """perf_counter after the device's queued work (a pass's cost, for the policy)."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def can_draft(self, req: Req) -> bool:
         """Whether a request drafts: greedy (checked by argmax) or sampled (checked by
@@ -93,13 +108,18 @@ class SpecDecoder:
     def _mtp(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits, y) of every row of a head pass: through the head's decode plan on CPU
         (where the model has one, up to its rows), else the head's eager forward."""
-        model, plan = self.runner.model, self.mtp_plan
-        if plan is not None and batch.input_ids.numel() <= MAX_PLAN_ROWS:
+        model, plan, rows = self.runner.model, self.mtp_plan, batch.input_ids.numel()
+        start = self.clock()
+        if plan is not None and rows <= MAX_PLAN_ROWS:
             with torch.inference_mode():
                 x = model.mtp.layer_input(batch.input_ids, hidden, model.model.embed_tokens)
-            return plan.verify(batch, x)
-        y = model.mtp_hidden(batch, hidden)
-        return model.draft_logits(y), y
+            out = plan.verify(batch, x)
+        else:
+            y = model.mtp_hidden(batch, hidden)
+            out = model.draft_logits(y), y
+        self.head_time += (spent := self.clock() - start)
+        self.policy.costs.observe("head", rows, spent)
+        return out
 
     @cached_property
     def mtp_plan(self) -> CpuDecodePlan | None:
@@ -152,22 +172,33 @@ class SpecDecoder:
 
     # ---- one round -----------------------------------------------------------------------
     def wanted(self, reqs: list[Req]) -> bool:
-        """Whether this decode step speculates: a request can draft and the batch is within
-        --speculative-disable-by-batch-size."""
+        """Whether this decode step speculates: a request can draft, the batch is within
+        --speculative-disable-by-batch-size and the policy plans a round (`self.lengths`).
+        A planned plain step still counts as a verify round of the requests that could draft
+        (accept length = tokens per round)."""
         limit = self.runner.config.speculative_disable_by_batch_size
-        return (not limit or len(reqs) <= limit) and any(self.can_draft(r) for r in reqs)
+        drafters = [self.can_draft(r) for r in reqs]
+        if (limit and len(reqs) > limit) or not any(drafters):
+            return False
+        lengths = self.policy.plan(reqs, drafters)
+        if lengths is None:
+            for req, may in zip(reqs, drafters, strict=True):
+                req.spec_verify_ct += may
+            return False
+        self.lengths = lengths
+        return True
 
     def round(self, reqs: list[Req]) -> list[tuple[int, list[int]]]:
         """One decode round of reqs (each holds a KV location for its position kv_len, in its
         req_to_token row); returns per request (kv_len before, its step slots), for the track
         snapshots. The caller then frees the step slots (`release_steps`), also on a raise."""
-        runner, pool = self.runner, self.runner.mamba_pool
+        runner, pool, begin, self.head_time = self.runner, self.runner.mamba_pool, self.clock(), 0.0
         starts = [r.kv_len for r in reqs]
         steps: list[list[int]] = [[] for _ in reqs]
         for i, req in enumerate(reqs):
             req.kv_reserved_len = req.kv_len + 1
-            if req.spec_hidden is not None and self.can_draft(req):
-                steps[i] = self._reserve(req)
+            if self.lengths[i] and req.spec_hidden is not None and self.can_draft(req):
+                steps[i] = self._reserve(req, self.lengths[i])
         self._draft(reqs, steps)
         items, locs = [], []
         for i, req in enumerate(reqs):
@@ -178,7 +209,10 @@ class SpecDecoder:
             )
             locs.append(self._locs(req.req_slot, req.kv_len, len(ids)))
         batch = runner.build_prefill(items, locs, return_all_logits=True, verify=True)
+        start = self.clock()
         logits, hidden = self.step.graph_runner.verify(batch)
+        verify = self.clock() - start
+        self.policy.costs.observe("verify", batch.input_ids.numel(), verify)
         landed = self._accept(reqs, items, logits)
         heads, head_rows, base = [], [], 0
         for i, req in enumerate(reqs):
@@ -190,10 +224,11 @@ class SpecDecoder:
                 runner.kv_pool.free(self._locs(req.req_slot, req.kv_len + m, drawn))
             req.kv_len += m
             req.kv_reserved_len = req.kv_len
-            if n > 1 and not req.finished:  # drafts next round: one more after a clean sweep,
-                req.spec_n = n if m == n else m  # else one past the drafts it kept
+            if n > 1 and not req.finished:  # a seeded sampled request's next drafts: one
+                req.spec_n = n if m == n else m  # more after a clean sweep, else one past the kept
+                self.policy.observe(req, n - 1, m - 1)
             req.spec_verify_ct += self.can_draft(req)
-            if self.can_draft(req) and not req.finished and m:
+            if self.can_draft(req) and not req.finished and m and req.spec_policy.head:
                 heads.append((req, starts[i], req.output_ids[-m:]))
                 head_rows.extend(range(base, base + m))
             base += n
@@ -202,8 +237,10 @@ class SpecDecoder:
             logits, y = self._head(items, hidden[torch.tensor(head_rows, device=hidden.device)])
             self._predict([r for r, _, _ in heads], logits, y)
         for req in reqs:
-            if req.finished or not self.can_draft(req):
+            if req.finished or not self.can_draft(req) or not req.spec_policy.head:
                 req.spec_hidden = None
+        rest = self.clock() - begin - verify - self.head_time
+        self.policy.costs.observe("round", len(reqs), rest)
         return list(zip(starts, steps, strict=True))
 
     def _locs(self, req_slot: int, start: int, n: int) -> torch.Tensor:
@@ -215,12 +252,11 @@ class SpecDecoder:
             self.runner.mamba_pool.free(self.held)
             self.held = []
 
-    def _reserve(self, req: Req) -> list[int]:
+    def _reserve(self, req: Req, want: int) -> list[int]:
         """KV for positions kv_len+1 .. kv_len+n and n step slots, or nothing (no drafts this
-        round) when either is short: n = N, or fewer where max_new_tokens or the context end
-        leave room for fewer tokens."""
+        round) when either is short: n = want, or fewer where max_new_tokens or the context
+        end leave room for fewer tokens."""
         left = req.params.max_new_tokens - len(req.output_ids) - 1  # beyond the target's own
-        want = min(self.steps, req.spec_n or self.steps)
         n = min(want, left, self.runner.config.max_context_len - 1 - (req.kv_len + 1))
         if n <= 0 or self.runner.alloc_kv(req.req_slot, req.kv_len + 1, n) is None:
             return []

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.lockstep import RankLost
+from scheduler.spec_policy import FixedCosts
 from tests.hf_reference import hf_greedy
 from tests.tp_harness import run_ranks
 from tests.tp_workers import config_mismatch, lockstep_workload
@@ -134,11 +135,16 @@ def test_ranks_agree_after_every_kind_of_input(paths):
 
 def test_tp2_speculative_equals_tp1_plain(tmp_path):
     """NEXTN under tensor parallelism: every rank drafts the same tokens from the gathered
-    logits and lands the same ones; the tokens are plain decoding's."""
+    logits (as many as rank 0's draft-length policy chose) and lands the same ones; the tokens
+    are plain decoding's."""
     cfg = {**preset_config("tiny"), "mtp_num_hidden_layers": 1}
     path = str(write_checkpoint(tmp_path / "tp-mtp", cfg, seed=3))
     spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
     tp2 = Engine(path, tp_size=2, mamba_scheduler_strategy="extra_buffer", **spec, **POOLS)
+    # rank 0 chooses the draft lengths for every rank: drafting free there, N drafts a round
+    tp2.scheduler.forward.spec.policy.costs = FixedCosts(
+        lambda b: 1.0, lambda r, b: 1.0, lambda r: 0.0
+    )
     try:
         two = _workload(tp2)
         drafted = tp2.scheduler.forward.spec.drafted
