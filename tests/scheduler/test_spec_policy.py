@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.presets import preset_config, write_checkpoint
+from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.request import Req
 from scheduler.sampling_params import SamplingParams
