@@ -147,7 +147,8 @@ def load_model(
     model = model.to(torch.float32 if weights_only else torch_dtype)
     if weights_only:
         cast_matrices(model, torch_dtype)
-    model = model.to_empty(device=device)
+    # what to_empty() does, with torch.empty: empty_like on meta tensors would import sympy
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if config.tie_word_embeddings:  # to_empty() unties: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     if load_format == "dummy":

@@ -113,7 +113,7 @@ def k_split_matrices(model: nn.Module) -> set[int]:
 
 def embedding(vocab_size: int, hidden_size: int, tp: ParallelContext) -> nn.Module:
     if not tp.enabled:
-        return nn.Embedding(vocab_size, hidden_size)
+        return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
     return VocabParallelEmbedding(vocab_size, hidden_size, tp)
 
 

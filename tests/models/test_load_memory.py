@@ -1,5 +1,7 @@
 """Peak memory of loading a bf16 checkpoint as bf16: the parameters plus about one tensor, never
-a second full-size copy (measured in a fresh process by sampling its anonymous RSS)."""
+a second full-size copy (measured in a fresh process by sampling its anonymous RSS). The same
+fresh process shows that loading imports neither torch._dynamo nor sympy: building on the meta
+device through torch's init functions or `to_empty` would, seconds of every server start."""
 
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ done.append(1)
 t.join()
 peak[0] = max(peak[0], anon_kb())
 nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-print(json.dumps({"peak_bytes": (peak[0] - base) * 1024, "param_bytes": nbytes}))
+slow = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
+print(json.dumps({"peak_bytes": (peak[0] - base) * 1024, "param_bytes": nbytes, "slow": slow}))
 """
 
 
@@ -66,3 +69,4 @@ def test_bf16_load_peak_under_1_1x_weights(tmp_path):
     m = measure_load_peak(path, warm)
     assert m["param_bytes"] > 40e6  # large enough for a copy to show against allocator noise
     assert m["peak_bytes"] < 1.1 * m["param_bytes"], m
+    assert m["slow"] == [], "loading imported these"
