@@ -14,12 +14,15 @@ is imported; it changes nothing the user set, and child processes (ranks) inheri
 * Torch's intra-op threads (`configure_threads`): `--num-threads N` sets them; 0, the default,
   lets the server pick `OMP_NUM_THREADS` when set, else the CPUs this process may run on (its
   affinity mask). The offline Engine and the tests leave torch's own setting alone unless told.
+* `die_with_parent`: a spawned process (the scheduler, a tensor-parallel rank) never outlives
+  the process that started it, even while it is still loading the model.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 logger = logging.getLogger(__name__)
@@ -73,3 +76,15 @@ def configure_threads(num_threads: int, *, pick_default: bool) -> int:
     count = torch.get_num_threads()
     logger.info("torch uses %d CPU threads", count)
     return count
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies. The kernel ties
+    it to the thread that spawned this one, so spawn from a thread that lives as long as its
+    process (the main thread; `TPGroup.start` runs on the thread that owns the group)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -79,6 +79,9 @@ def run_scheduler(
     log_level: str = "info",
 ) -> None:
     """Entry point of the spawned process: load, announce `ReadyMsg` (or `FailedMsg`), loop."""
+    from scheduler.cpu_env import die_with_parent
+
+    die_with_parent()  # spawned before the API process serves: it may die before it could stop us
     # The API process decides when this one stops (it drains first, then sends ShutdownMsg)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from models.parallel import ParallelContext, free_port, init_process_group
 from scheduler.config import RunnerConfig, SchedulerConfig
-from scheduler.cpu_env import configure_threads, default_num_threads
+from scheduler.cpu_env import configure_threads, default_num_threads, die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +60,6 @@ FOLLOWER_CMD = (
 )
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies (so a follower
-    never outlives rank 0, even before the group is formed). The kernel ties it to the thread
-    that spawned us: `TPGroup.start` is called from the thread that owns the group."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def follower_main(
     rank: int,
     model_path: str,
@@ -84,7 +72,7 @@ def follower_main(
     from scheduler.lockstep import NullIO, follow
     from scheduler.loop import SchedulerLoop
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(

@@ -87,12 +87,12 @@ class SchedulerClient:
         self._last_heard = time.monotonic()  # when the reader last got a message
 
     # ---- life cycle ----------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Spawn the scheduler process (it loads the model in the background) and the reader."""
+    def spawn(self) -> None:
+        """Spawn the scheduler process; it loads the model meanwhile, and its messages wait in
+        the pipe until `start`."""
         ctx = mp.get_context("spawn")
         sched_in, self._out = ctx.Pipe(duplex=False)
         self._in, sched_out = ctx.Pipe(duplex=False)
-        self._loop = loop
         self._proc = ctx.Process(
             target=run_scheduler,
             args=(*self.args, sched_in, sched_out, self.log_level),
@@ -102,6 +102,13 @@ class SchedulerClient:
         self._proc.start()
         sched_in.close()
         sched_out.close()
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Hand the scheduler's messages to `loop` (spawning the process first if `spawn` was
+        not called): the reader and writer threads."""
+        if self._proc is None:
+            self.spawn()
+        self._loop = loop
         threading.Thread(target=self._read, name="scheduler-reader", daemon=True).start()
         self._writer = threading.Thread(target=self._write, name="scheduler-writer", daemon=True)
         self._writer.start()

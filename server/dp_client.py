@@ -139,6 +139,10 @@ class DPClient:
         self._counters: dict[int, tuple[Any, Any]] = {}  # replica -> (prompt, cached) counters
 
     # ---- life cycle ----------------------------------------------------------------------
+    def spawn(self) -> None:
+        for r in self.replicas:
+            r.spawn()
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         for i, r in enumerate(self.replicas):
             r.on_failure = lambda message, i=i: self._replica_failed(i, message)

@@ -1,4 +1,5 @@
-"""The FastAPI app: lifespan (scheduler process up and down), middleware, health, metrics.
+"""The FastAPI app: the scheduler process (spawned with the app, attached and stopped by its
+lifespan), middleware, health, metrics.
 
 Routes live in `openai_api.py` (/v1/...) and `native_api.py` (SGLang's /generate, sessions and
 admin routes). `/health` answers 503 until the model is loaded, while the server drains, and
@@ -44,15 +45,22 @@ def create_app(
     scheduler_config: SchedulerConfig,
     model_path: str,
 ) -> FastAPI:
-    """Build the app; the scheduler process starts with the app's lifespan."""
-    from transformers import AutoTokenizer
-
+    """Build the app. The scheduler process is spawned first, so that it loads the model while
+    this process imports and loads the tokenizer; the app's lifespan attaches it to the event
+    loop and stops it."""
     keys = Keys.load(config.api_key, config.api_key_file, config.admin_api_key)
     if config.cache_isolation == "per-key" and not keys.enabled:
         raise ValueError("--cache-isolation per-key needs API keys")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    name = config.served_model_name or Path(model_path).name
     client = make_client(config, model_path, runner_config, scheduler_config)
+    client.spawn()
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except BaseException:
+        client.shutdown(timeout=0)
+        raise
+    name = config.served_model_name or Path(model_path).name
     metrics = Metrics(name)
     if isinstance(client, DPClient):
         client.attach_metrics(metrics)
