@@ -13,7 +13,7 @@ from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, Runner
 
 PROMPT_LENS = [3, 21]
 FIRST_ROUND = 12  # tokens per request in the first prefill round
-DECODE_STEPS = 4
+DECODE_STEPS = 2
 
 
 def greedy(model, prompts: list[list[int]], device: str) -> tuple[list[list[int]], torch.Tensor]:
