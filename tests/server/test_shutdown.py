@@ -1,12 +1,16 @@
 """Shutdown (issue 13, item 5): SIGTERM under load drains (new work and /health get 503, a request
 that can finish in the grace period finishes, the rest end with finish reason `abort`: streams
 with `data: [DONE]`, non-streaming requests with their JSON body), the server exits 0 and leaves
-no child; SIGTERM while the model loads exits 0 too; a busy port fails at once, before loading.
+no child; SIGTERM while the model loads exits 0 too; an API process killed outright takes the
+scheduler with it even while it loads; a busy port fails at once, before loading.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -125,6 +129,34 @@ def test_sigterm_while_the_model_loads_exits_cleanly(tiny_path, tmp_path):
     kids = children_of(srv.proc.pid)
     srv.proc.send_signal(15)
     assert wait_exit(srv, kids) == 0, log.read_text()[-4000:]
+
+
+def test_a_killed_api_process_takes_the_loading_scheduler_with_it(tiny_path, tmp_path):
+    """The scheduler is spawned before the API process serves (or handles signals): SIGKILL the
+    API process once the scheduler has started and the scheduler is killed too, not left to
+    finish loading. This process becomes the orphans' subreaper to read how it ended."""
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
+    cmd += ["--port", str(free_port()), "--log-level", "info"]
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    assert libc.prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
+    try:
+        with log.open("w") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while "scheduler scheduler.cpu_env" not in log.read_text():  # past die_with_parent
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        kids = children_of(proc.pid)
+        proc.kill()
+        proc.wait()
+        ends = {}
+        for kid in kids:  # the scheduler, and multiprocessing's resource tracker if any
+            _, status = os.waitpid(kid, 0)
+            ends[kid] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        assert signal.SIGKILL in ends.values(), (ends, log.read_text()[-4000:])
+    finally:
+        libc.prctl(36, 0)
 
 
 def test_a_busy_port_fails_before_loading_the_model(tiny_path):
