@@ -6,7 +6,9 @@ mode, then `llama-server` per `--gguf`; the order reverses every other round, so
 both), runs one wave per concurrency C (`benchmarks.serving`: `--num-prompts-factor` * C
 streaming `/v1/completions` requests of `--prompt-len` random token ids, exactly
 `--output-len` greedy tokens with `ignore_eos`, C in flight, one warm-up request first) and
-stops it. Only one server runs at a time, each with `--threads` threads.
+stops it. Only one server runs at a time, each with `--threads` threads. With `--prefill-len N`
+each server then also prefills one prompt of N random token ids (a new one every round, so no
+prefix cache hits) for one output token: prefill tok/s = N / its time to first token.
 
 The GGUFs come from llama.cpp's own converter and `llama-quantize` on the same checkpoint
 (`reference/cpu-anchors.md`): `convert_hf_to_gguf.py $M --outtype bf16 --no-mtp`, then
@@ -49,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefill-len", type=int, default=0, help="also time one N-token prefill")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json-out")
     return p.parse_args(argv)
@@ -68,7 +71,8 @@ def commands(args: argparse.Namespace, port: int) -> dict[str, list[str]]:
         name, path = item.split("=", 1)
         cmds[f"llama {name}"] = [
             args.llama_server, "-m", path, "-t", str(args.threads), "-np", str(max_c),
-            "-c", str(max_c * (args.prompt_len + args.output_len + 16)), "--port", str(port),
+            "-c", str(max(max_c * (args.prompt_len + args.output_len), args.prefill_len) + 64),
+            "--port", str(port),
         ]  # fmt: skip
     return cmds
 
@@ -87,6 +91,20 @@ def wave(url: str, args: argparse.Namespace, c: int, seed: int) -> float:
     return record["output_throughput"]
 
 
+def prefill(url: str, args: argparse.Namespace, seed: int) -> float:
+    """Prefill tok/s of one `--prefill-len` prompt: its length over its time to first token."""
+    argv = [
+        "--base-url", url, "--tokenizer", args.model_path, "--dataset", "random", "--token-ids",
+        "--num-prompts", "1", "--max-concurrency", "1", "--seed", str(1000 + seed),
+        "--random-input-len", str(args.prefill_len), "--random-output-len", "1",
+        "--random-range-ratio", "1.0", "--warmup-requests", "0", "--no-progress",
+    ]  # fmt: skip
+    record = serving.main(argv)
+    if record["completed"] != 1:
+        raise RuntimeError(f"prefill of {args.prefill_len} tokens: {record['error_samples']}")
+    return args.prefill_len / (record["mean_ttft_ms"] / 1e3)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -94,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     port = _free_port()
     cmds = commands(args, port)
     runs: dict[str, dict[int, list[float]]] = {name: {c: [] for c in conc} for name in cmds}
+    prefills: dict[str, list[float]] = {name: [] for name in cmds}
     loads = []
     logs = Path(tempfile.mkdtemp(prefix="llama_cpp_sbs_"))
     for r in range(args.rounds):
@@ -103,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
                     tps = wave(url, args, c, seed=r)
                     runs[name][c].append(tps)
                     logger.info("round %d %s C=%d: %.1f tok/s", r, name, c, tps)
+                if args.prefill_len:
+                    prefills[name].append(prefill(url, args, seed=r))
+                    logger.info("round %d %s prefill: %.1f tok/s", r, name, prefills[name][-1])
             loads.append(os.getloadavg()[0])
     med = {n: {c: statistics.median(v) for c, v in by_c.items()} for n, by_c in runs.items()}
     print(f"{args.threads} threads, {args.rounds} rounds, load {min(loads):.1f}-{max(loads):.1f}")
@@ -111,14 +133,21 @@ def main(argv: list[str] | None = None) -> dict:
     for c in conc:
         cells = [f"{med[n][c]:,.1f} ({', '.join(f'{x:.1f}' for x in runs[n][c])})" for n in cmds]
         print(f"| C={c} | " + " | ".join(cells) + " |")
+    if args.prefill_len:
+        cells = [f"{statistics.median(v):,.1f} ({', '.join(f'{x:.1f}' for x in v)})"
+                 for v in prefills.values()]  # fmt: skip
+        print(f"| prefill {args.prefill_len} tok/s | " + " | ".join(cells) + " |")
     pairs = [("ours int8", "ours bfloat16"), ("ours int8", "llama q8_0"),
              ("ours int4", "ours bfloat16"), ("ours int4", "llama q4_0"),
              ("ours bfloat16", "llama bf16"), ("ours bfloat16", "ours float32")]  # fmt: skip
     for a, b in pairs:
         if a in med and b in med:
             ratios = ", ".join(f"C={c} {med[a][c] / med[b][c]:.2f}x" for c in conc)
+            if args.prefill_len:
+                pa, pb = (statistics.median(prefills[n]) for n in (a, b))
+                ratios += f", prefill {pa / pb:.2f}x"
             print(f"{a} / {b}: {ratios}")
-    report = {"args": vars(args), "runs": runs, "median": med, "load": loads}
+    report = {"args": vars(args), "runs": runs, "median": med, "prefill": prefills, "load": loads}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
     return report
