@@ -2,7 +2,8 @@
 //
 // y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16, int8 or int4 weights (weights.h's
 // formats; quantized blocks are widened to fp32 first, and multiply the activations rounded to
-// int8 as the GEMV's do: qgemv.h's `round_rows`), fp32 accumulation.
+// int8 as the GEMV's do: qgemv.h's `round_rows`; bf16 blocks too once an m block spans PC
+// panels), fp32 accumulation.
 // The weight keeps its [N, K] row-major layout (no packed copy). x is packed once per call into
 // panels of MR = 2 vectors of rows (16 with AVX2, 32 with AVX-512: simd.h), k-major
 // ([panel][k][MR], rows past M zero), so a register tile is an outer product: each k step loads
@@ -158,14 +159,21 @@ inline void any_tile(int r, int64_t rows, const W* w, int64_t ldw, const float* 
   return tile_rows<W, 1>(r, w, ldw, xp, kn, c, first, next);
 }
 
-// Columns [k0, k0 + kn) of `rows` quantized rows (row stride ldw) -> dst [rows][kn] fp32: int8
-// rows' integers (their scales are applied to the sums), int4 rows' values (group scales and
-// all; k0 and kn multiples of its group).
+// Columns [k0, k0 + kn) of `rows` bf16 or quantized rows (row stride ldw) -> dst [rows][kn]
+// fp32: bf16 values, int8 rows' integers (their scales are applied to the sums), int4 rows'
+// values (group scales and all; k0 and kn multiples of its group).
 inline void widen_block(const int8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0,
                         int64_t kn, float* dst) {
   (void)K;
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = static_cast<float>(w[i * ldw + k0 + k]);
+}
+
+inline void widen_block(const at::BFloat16* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0,
+                        int64_t kn, float* dst) {
+  (void)K;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = hs::load1(w + i * ldw + k0 + k);
 }
 
 inline void widen_block(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0,
@@ -199,9 +207,13 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
   // experts of a decode step are such lone panels). The sums are the same either way. The
   // quantized formats are widened, one NC x KC block at a time, into `wide` (`widen_block`)
   // and the tiles read that: one conversion per weight per pass, not one per weight per panel.
+  // So is bf16 once the m block spans PC panels (the pair broadcasts' shift and mask per weight
+  // and panel then cost more than one conversion per pass; widened or not, the sums are the
+  // same, so rows still do not depend on their batch).
   constexpr bool q8 = std::is_same_v<W, int8_t>, quantized = q8 || std::is_same_v<W, uint8_t>;
-  const int64_t kc = P == 1 && hs::simd::kLanes == 8 && !quantized ? K : KC;
-  std::unique_ptr<float[]> wide(quantized ? new float[NC * KC] : nullptr);
+  const bool widen = quantized || (std::is_same_v<W, at::BFloat16> && P >= PC);
+  const int64_t kc = P == 1 && hs::simd::kLanes == 8 && !widen ? K : KC;
+  std::unique_ptr<float[]> wide(widen ? new float[NC * KC] : nullptr);
   for (int64_t b0 = n0; b0 < n1; b0 += NC) {
     const int64_t b1 = std::min(n1, b0 + NC), tiles = (b1 - b0 + NR - 1) / NR;
     for (int64_t p0 = 0; p0 < P; p0 += PC) {
@@ -209,17 +221,18 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t kn = std::min(kc, K - k0);
         const W* wb = w + b0 * ldw + k0;
-        if constexpr (quantized) widen_block(w + b0 * ldw, ldw, b1 - b0, K, k0, kn, wide.get());
+        if constexpr (!std::is_same_v<W, float>)
+          if (widen) widen_block(w + b0 * ldw, ldw, b1 - b0, K, k0, kn, wide.get());
         for (int64_t p = p0; p < p1; ++p) {
           const float* xb = xp + (p * K + k0) * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
           for (int64_t t = 0; t < tiles; ++t) {
             const int r = int(std::min<int64_t>(NR, b1 - b0 - t * NR));
             float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
-            if constexpr (quantized) {
+            if (widen) {
               any_tile<float>(r, rows, wide.get() + t * NR * kn, kn, xb, kn, c, k0 == 0,
                               nullptr);
-            } else {
+            } else if constexpr (!quantized) {
               // the weights come from memory on the first panel's pass: fetch the next tile's
               const W* next = nullptr;
               if (p == p0)
