@@ -8,7 +8,7 @@ streaming `/v1/completions` requests of `--prompt-len` random token ids, exactly
 `--output-len` greedy tokens with `ignore_eos`, C in flight, one warm-up request first) and
 stops it. Only one server runs at a time, each with `--threads` threads. With `--prefill-len N`
 each server then also prefills one prompt of N random token ids (a new one every round, so no
-prefix cache hits) for one output token: prefill tok/s = N / its time to first token.
+prefix cache hits) for one output token: prefill tok/s = N / that request's latency.
 
 The GGUFs come from llama.cpp's own converter and `llama-quantize` on the same checkpoint
 (`reference/cpu-anchors.md`): `convert_hf_to_gguf.py $M --outtype bf16 --no-mtp`, then
@@ -92,7 +92,8 @@ def wave(url: str, args: argparse.Namespace, c: int, seed: int) -> float:
 
 
 def prefill(url: str, args: argparse.Namespace, seed: int) -> float:
-    """Prefill tok/s of one `--prefill-len` prompt: its length over its time to first token."""
+    """Prefill tok/s of one `--prefill-len` prompt: its length over the latency of a request for
+    one token (a stream of one token may carry it in its last chunk, so not the TTFT)."""
     argv = [
         "--base-url", url, "--tokenizer", args.model_path, "--dataset", "random", "--token-ids",
         "--num-prompts", "1", "--max-concurrency", "1", "--seed", str(1000 + seed),
@@ -102,7 +103,7 @@ def prefill(url: str, args: argparse.Namespace, seed: int) -> float:
     record = serving.main(argv)
     if record["completed"] != 1:
         raise RuntimeError(f"prefill of {args.prefill_len} tokens: {record['error_samples']}")
-    return args.prefill_len / (record["mean_ttft_ms"] / 1e3)
+    return args.prefill_len / (record["mean_e2e_latency_ms"] / 1e3)
 
 
 def main(argv: list[str] | None = None) -> dict:
