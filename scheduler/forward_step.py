@@ -245,7 +245,9 @@ class ForwardStep:
         p, drafts = req.params, req.spec_drafts[: logits.shape[0] - 1]
         m = 0
         try:
-            tokens = spec_sampling.accept(logits, drafts, q[: len(drafts)], p, req.generator)
+            tokens = self.runner.first_rank_draws(
+                lambda: spec_sampling.accept(logits, drafts, q[: len(drafts)], p, req.generator)
+            )
             out = SampleOutput(next_token_ids=tokens)
             add_logprobs(out, logits[: len(tokens)], [p] * len(tokens))
             for j in range(len(tokens)):

@@ -15,7 +15,9 @@ request's pages back.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +32,8 @@ from scheduler.cpu_env import configure_threads
 from scheduler.penalties import TokenCounts
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -243,15 +247,22 @@ class ModelRunner:
         histories: list[tuple[list[int], list[int]]] | None = None,
         counts: list[TokenCounts | None] | None = None,
     ) -> SampleOutput:
-        """Next tokens; with tensor parallelism rank 0 draws them (or fails) and every rank gets
-        its result, so all ranks continue with the same tokens."""
+        """Next tokens; with tensor parallelism rank 0 draws them (`first_rank_draws`)."""
+        return self.first_rank_draws(
+            lambda: self.sampler(logits[: len(params)], params, generators, histories, counts)
+        )
+
+    def first_rank_draws(self, draw: Callable[[], T]) -> T:
+        """`draw()`, a random choice: with tensor parallelism run on rank 0 only (the request
+        generators advance there) and its result, or its exception, given to every rank, so
+        all ranks continue with the same tokens."""
         tp = self.model.tp
         if not tp.enabled:
-            return self.sampler(logits[: len(params)], params, generators, histories, counts)
-        result: SampleOutput | Exception | None = None
+            return draw()
+        result: T | Exception | None = None
         if tp.is_first:
             try:
-                result = self.sampler(logits[: len(params)], params, generators, histories, counts)
+                result = draw()
             except Exception as e:  # raised on every rank alike, after the broadcast
                 result = e
         result = tp.broadcast_object(result)

@@ -78,31 +78,32 @@ class SpecDecoder:
 
     def can_draft(self, req: Req) -> bool:
         """Whether a request drafts: greedy (checked by argmax) or sampled (checked by
-        rejection sampling, `scheduler.spec_sampling`; one rank only: the draws are local),
-        without penalties, logit bias, min_new_tokens or a grammar."""
+        rejection sampling, `scheduler.spec_sampling`), without penalties, logit bias,
+        min_new_tokens or a grammar."""
         p = req.params
         return (
-            (p.is_greedy or not self.runner.model.tp.enabled)
-            and not has_penalty(p)
-            and not p.logit_bias
-            and not p.min_new_tokens
-            and req.grammar is None
+            not has_penalty(p) and not p.logit_bias and not p.min_new_tokens and req.grammar is None
         )
 
     def _choose(
         self, reqs: list[Req], logits: torch.Tensor
     ) -> list[tuple[int, torch.Tensor | None]]:
         """Each request's next draft from the head's logits: the argmax (greedy), or a draw
-        from its sampling distribution q, kept for the rejection test."""
+        from its sampling distribution q, kept for the rejection test (drawn on rank 0 under
+        tensor parallelism, `ModelRunner.first_rank_draws`)."""
         tokens = logits.argmax(dim=-1).tolist()
-        out: list[tuple[int, torch.Tensor | None]] = []
-        for i, req in enumerate(reqs):
-            if req.params.is_greedy:
-                out.append((tokens[i], None))
-            else:
-                q = filtered_probs(logits[i : i + 1], req.params)[0]
-                out.append((draw(q, req.generator), q))
-        return out
+        qs = [
+            None if req.params.is_greedy else filtered_probs(logits[i : i + 1], req.params)[0]
+            for i, req in enumerate(reqs)
+        ]
+        sampled = [i for i, q in enumerate(qs) if q is not None]
+        if sampled:
+            drawn = self.runner.first_rank_draws(
+                lambda: [draw(qs[i], reqs[i].generator) for i in sampled]
+            )
+            for i, token in zip(sampled, drawn, strict=True):
+                tokens[i] = token
+        return list(zip(tokens, qs, strict=True))
 
     # ---- the head --------------------------------------------------------------------------
     def _mtp(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

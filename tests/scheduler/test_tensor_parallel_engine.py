@@ -133,27 +133,42 @@ def test_ranks_agree_after_every_kind_of_input(paths):
     assert last["t3"] == ("abort", f"session {out['sid']!r} timed out")
 
 
-def test_tp2_speculative_equals_tp1_plain(tmp_path):
+def test_tp2_speculative_equals_tp1_speculative(tmp_path):
     """NEXTN under tensor parallelism: every rank drafts the same tokens from the gathered
-    logits (as many as rank 0's draft-length policy chose) and lands the same ones; the tokens
-    are plain decoding's."""
+    logits (as many as rank 0's draft-length policy chose) and lands the same ones; sampled
+    requests draft too, rank 0 drawing their drafts and running the rejection test for all
+    ranks. The tokens are tp=1 NEXTN's: greedy ones plain decoding's (tests/scheduler/
+    test_speculative.py), seeded sampled ones drawn the same way."""
     cfg = {**preset_config("tiny"), "mtp_num_hidden_layers": 1}
     path = str(write_checkpoint(tmp_path / "tp-mtp", cfg, seed=3))
     spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
-    tp2 = Engine(path, tp_size=2, mamba_scheduler_strategy="extra_buffer", **spec, **POOLS)
-    # rank 0 chooses the draft lengths for every rank: drafting free there, N drafts a round
-    tp2.scheduler.forward.spec.policy.costs = FixedCosts(
-        lambda b: 1.0, lambda r, b: 1.0, lambda r: 0.0
-    )
-    try:
-        two = _workload(tp2)
-        drafted = tp2.scheduler.forward.spec.drafted
-    finally:
-        tp2.shutdown()
-    one = _workload(Engine(path, mamba_scheduler_strategy="extra_buffer", **POOLS))
-    assert two["leaks"] == [] and drafted > 0
+    seeded = {"max_new_tokens": 8, "temperature": 0.9, "seed": 5}
+    prompt = _prompts(1, 12, 6)[0]
+
+    def run(tp_size: int) -> tuple[dict, list[int], int]:
+        engine = Engine(
+            path, tp_size=tp_size, mamba_scheduler_strategy="extra_buffer", **spec, **POOLS
+        )
+        # rank 0 chooses the draft lengths for every rank: drafting free there, N drafts a round
+        engine.scheduler.forward.spec.policy.costs = FixedCosts(
+            lambda b: 1.0, lambda r, b: 1.0, lambda r: 0.0
+        )
+        try:
+            out = _workload(engine)
+            before = engine.scheduler.forward.spec.drafted
+            alone = engine.generate(prompt, seeded)["output_ids"]
+            drafted = engine.scheduler.forward.spec.drafted - before
+            out["leaks"] = engine.leak_report()
+        finally:
+            engine.shutdown()
+        return out, alone, drafted
+
+    two, two_alone, two_drafted = run(2)
+    one, one_alone, _ = run(1)
+    assert two["leaks"] == [] and two_drafted > 0  # the sampled request drafted
     for key in ("round1", "round2", "cached", "repeat", "session", "seeded"):
         assert two[key] == one[key], key
+    assert two_alone == one_alone
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
