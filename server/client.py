@@ -104,10 +104,8 @@ class SchedulerClient:
         sched_out.close()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Hand the scheduler's messages to `loop` (spawning the process first if `spawn` was
-        not called): the reader and writer threads."""
-        if self._proc is None:
-            self.spawn()
+        """After `spawn`: hand the scheduler's messages to `loop` (the reader and writer
+        threads)."""
         self._loop = loop
         threading.Thread(target=self._read, name="scheduler-reader", daemon=True).start()
         self._writer = threading.Thread(target=self._write, name="scheduler-writer", daemon=True)

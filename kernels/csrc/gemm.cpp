@@ -210,7 +210,7 @@ void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, 
   // So is bf16 once the m block spans PC panels (the pair broadcasts' shift and mask per weight
   // and panel then cost more than one conversion per pass; widened or not, the sums are the
   // same, so rows still do not depend on their batch).
-  constexpr bool q8 = std::is_same_v<W, int8_t>, quantized = q8 || std::is_same_v<W, uint8_t>;
+  constexpr bool q8 = std::is_same_v<W, int8_t>, quantized = is_quantized<W>;
   const bool widen = quantized || (std::is_same_v<W, at::BFloat16> && P >= PC);
   const int64_t kc = P == 1 && hs::simd::kLanes == 8 && !widen ? K : KC;
   std::unique_ptr<float[]> wide(widen ? new float[NC * KC] : nullptr);

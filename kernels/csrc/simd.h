@@ -15,16 +15,6 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HS_AVX2 1
-namespace hs::simd {
-// The 16 bytes of an int4 group (weights.h: element j in byte j's low nibble, j + 16 in its high
-// one, each plus 8) as its 32 integers -8..7 in bytes: elements 0-15 in lo, 16-31 in hi.
-inline void q4_bytes(const uint8_t* p, __m128i& lo, __m128i& hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  lo = _mm_sub_epi8(_mm_and_si128(b, nib), eight);
-  hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), eight);
-}
-}  // namespace hs::simd
 #endif
 
 #if defined(__AVX512F__) && defined(HS_AVX2)
