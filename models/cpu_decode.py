@@ -2,23 +2,25 @@
 kernel calls recorded once and replayed.
 
 The eager decode step runs ~75 C++ ops (per layer: residual add + RMSNorm, the input
-projections, the fused mixer, the output projection, add + RMSNorm, the fused MoE block), and
-at batch 1 on the small preset a good share of its time is the Python around them: module
-calls and each wrapper's checks. `CpuDecodePlan` takes every layer's weights and op arguments
-once from the model into `hybrid_serve::DecodeStep` (`kernels/csrc/decode_step.cpp`), whose
-`forward` calls the same ops' C++ functions with the same arguments in one loop, so its logits
-and pool updates are bit-identical to the eager step's:
+projections, the fused mixer, the output projection, add + RMSNorm, the fused MoE block or the
+dense MLP), and at batch 1 on the small preset a good share of its time is the Python around
+them: module calls and each wrapper's checks. `CpuDecodePlan` takes every layer's weights and op
+arguments once from the model into `hybrid_serve::DecodeStep` (`kernels/csrc/decode_step.cpp`),
+whose `forward` calls the same ops' C++ functions with the same arguments in one loop, so its
+logits and pool updates are bit-identical to the eager step's:
 
     x = embed(ids);  cos, sin = rope(positions);  residual = None          (here, in Python)
     for each layer:   h, residual = add_rmsnorm(x, residual)               (DecodeStep.forward)
                       h = out_proj(gdn_decode(in_projs(h)))   or   o_proj(attn_decode(qkv(h)))
-                      h, residual = add_rmsnorm(h, residual);  x = moe_decode(h)
+                      h, residual = add_rmsnorm(h, residual)
+                      x = moe_decode(h)   or   down(silu(gate(h)) * up(h))   (dense MLP)
     logits = lm_head(add_rmsnorm(x, residual))
 
 It applies where the model's kernel set is the C++ one with its fused decode ops
-(`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with sparse-MoE layers, no
-biases, fp32 norms, states and KV, fp32, bf16 or quantized matrices, and at most `MAX_ROWS` rows
-(the fused MoE's). `CpuDecodePlan.build` returns None for any other model.
+(`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with sparse-MoE or dense
+MLP layers (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE), no biases, fp32 norms, states and KV, fp32,
+bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's). `CpuDecodePlan.build`
+returns None for any other model.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kernels import moe_step_cpp
 from kernels.gdn_step_cpp import verify_rows
 from kernels.quant import CPP_WEIGHT_DTYPES
 from models.forward_batch import ForwardBatch
-from models.layers import SparseMoE
+from models.layers import MLP, SparseMoE
 from models.loader import matrices
 from models.qwen3_next import Qwen3NextForCausalLM
 
@@ -58,8 +60,8 @@ def unsupported(model: Qwen3NextForCausalLM) -> str | None:
         if p.dtype not in (MATRIX_DTYPES if id(p) in matrix else (torch.float32,)):
             return f"{name} is {p.dtype}"
     for layer in model.model.layers:
-        if type(layer.mlp) is not SparseMoE:
-            return "a dense MLP layer"
+        if type(layer.mlp) not in (SparseMoE, MLP):
+            return f"a {type(layer.mlp).__name__} layer"
     return None
 
 
@@ -78,27 +80,32 @@ def pools_unsupported(kv_pool, mamba_pool, req_to_token: torch.Tensor) -> str | 
 def layer_args(layer) -> tuple[list[torch.Tensor], list[int], list[float]]:
     """One decoder layer's op arguments as (tensors, ints, floats), in the per-layer layout
     that `DecodeStep`'s constructor reads (described in kernels/csrc/decode_step.cpp)."""
-    norm, post, moe = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+    norm, post, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
     tensors = [norm.weight, post.weight]
-    moe_weights = [
-        moe.gate.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
-        moe.shared_expert_gate.weight, moe.shared_expert.gate_proj.weight,
-        moe.shared_expert.up_proj.weight, moe.shared_expert.down_proj.weight,
-    ]  # fmt: skip
+    if isinstance(mlp, SparseMoE):
+        mlp_weights = [
+            mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj,
+            mlp.shared_expert_gate.weight, mlp.shared_expert.gate_proj.weight,
+            mlp.shared_expert.up_proj.weight, mlp.shared_expert.down_proj.weight,
+        ]  # fmt: skip
+        routing = [mlp.top_k, int(mlp.norm_topk_prob)]
+    else:  # dense: top_k 0
+        mlp_weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        routing = [0, 0]
     if layer.is_full_attention:
         a = layer.self_attn
-        tensors += [a.o_proj.weight, *moe_weights, a.q_proj.weight, a.k_proj.weight,
+        tensors += [a.o_proj.weight, *mlp_weights, a.q_proj.weight, a.k_proj.weight,
                     a.v_proj.weight, a.q_norm.weight, a.k_norm.weight]  # fmt: skip
         ints = [1, a.attn_layer_id, a.num_heads]
         mixer_floats = [float(a.q_norm.eps), float(a.scale)]
     else:
         g = layer.linear_attn
         conv = g.conv1d.weight.squeeze(1).contiguous()  # [D, W]
-        tensors += [g.out_proj.weight, *moe_weights, g.in_proj_qkvz.weight, g.in_proj_ba.weight,
+        tensors += [g.out_proj.weight, *mlp_weights, g.in_proj_qkvz.weight, g.in_proj_ba.weight,
                     conv, g.A_log, g.dt_bias, g.norm.weight]  # fmt: skip
         ints = [0, g.linear_layer_id, g.num_k_heads]
         mixer_floats = [float(g.norm.eps), 0.0]
-    ints += [moe.top_k, int(moe.norm_topk_prob)]
+    ints += routing
     return tensors, ints, [norm.eps, post.eps, *mixer_floats]
 
 

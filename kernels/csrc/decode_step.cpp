@@ -7,7 +7,8 @@
 //
 //   for each layer:  h, residual = add_rmsnorm(x, residual)
 //                    h = out_proj(gdn_decode(in_projs(h)))   or   o_proj(attn_decode(qkv(h)))
-//                    h, residual = add_rmsnorm(h, residual);  x = moe_decode(h)
+//                    h, residual = add_rmsnorm(h, residual)
+//                    x = moe_decode(h)   or   down(silu(gate(h)) * up(h))   (a dense MLP)
 //   logits = lm_head(add_rmsnorm(x, residual))
 
 #include <ATen/ATen.h>
@@ -23,12 +24,22 @@
 namespace {
 
 // The per-layer layout of the constructor's flat lists (models/cpu_decode.py writes them):
-// tensors: input_norm, post_norm, out_proj, the seven MoE weights, then the input projections
-// (GDN: qkvz, ba; attention: q with its gate, k, v), then the mixer's own weights (GDN: conv
-// weight [D, W], A_log, dt_bias, norm weight; attention: q_norm, k_norm);
+// tensors: input_norm, post_norm, out_proj, the MLP's weights (a sparse MoE's seven: router,
+// experts' gate_up and down, shared expert gate, gate, up and down; a dense MLP's three: gate,
+// up, down), then the input projections (GDN: qkvz, ba; attention: q with its gate, k, v), then
+// the mixer's own weights (GDN: conv weight [D, W], A_log, dt_bias, norm weight; attention:
+// q_norm, k_norm);
 // ints: attention (0/1), pool layer index, heads (GDN: key heads; attention: query heads),
-// top_k, norm_topk_prob; floats: input eps, post eps, mixer eps, attention scale (GDN: 0).
-constexpr int64_t kInts = 5, kFloats = 4, kMoe = 7;
+// top_k (0: a dense MLP), norm_topk_prob; floats: input eps, post eps, mixer eps, attention
+// scale (GDN: 0).
+constexpr int64_t kInts = 5, kFloats = 4, kMoe = 7, kDense = 3;
+
+// models.layers.MLP with the eager step's ops (its two input products are each the product
+// hs::linear picks, so the one call over both gives the same sums): down(silu(gate h) * up h).
+at::Tensor dense_mlp(const at::Tensor& h, const std::vector<at::Tensor>& w) {
+  const std::vector<at::Tensor> gate_up = hs::linear_multi(h, {w[0], w[1]});
+  return hs::linear(at::silu(gate_up[0]).mul_(gate_up[1]), w[2]);
+}
 
 
 struct Layer {
@@ -37,7 +48,7 @@ struct Layer {
   bool norm_topk;
   double eps, post_eps, mixer_eps, scale;
   at::Tensor input_norm, post_norm, out_proj;
-  std::vector<at::Tensor> moe, in_projs, mixer;
+  std::vector<at::Tensor> mlp, in_projs, mixer;  // mlp: kMoe or kDense weights
 };
 
 }  // namespace
@@ -68,7 +79,7 @@ struct DecodeStep : torch::CustomClassHolder {
       l.input_norm = common[0];
       l.post_norm = common[1];
       l.out_proj = common[2];
-      l.moe = take(kMoe);
+      l.mlp = take(l.top_k > 0 ? kMoe : kDense);
       l.in_projs = take(l.attention ? 3 : 2);
       l.mixer = take(l.attention ? 2 : 4);
       layers.push_back(std::move(l));
@@ -140,8 +151,9 @@ struct DecodeStep : torch::CustomClassHolder {
       }
       h = hs::linear(o, l.out_proj);
       std::tie(h, residual) = hs::add_rmsnorm(h, residual, l.post_norm, l.post_eps);
-      x = hs::moe_decode(h, l.moe[0], l.moe[1], l.moe[2], l.moe[3], l.moe[4], l.moe[5],
-                         l.moe[6], l.top_k, l.norm_topk);
+      x = l.top_k == 0 ? dense_mlp(h, l.mlp)
+                       : hs::moe_decode(h, l.mlp[0], l.mlp[1], l.mlp[2], l.mlp[3], l.mlp[4],
+                                        l.mlp[5], l.mlp[6], l.top_k, l.norm_topk);
     }
     return residual.defined() ? std::get<0>(hs::add_rmsnorm(x, residual, final_norm, final_eps))
                               : hs::rmsnorm(x, final_norm, final_eps);

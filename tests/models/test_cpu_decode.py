@@ -28,6 +28,13 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny"), preset_config("tiny"), seed=3)
 
 
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory):
+    """Qwen3.5's dense layout: every layer a plain SwiGLU MLP, gated attention."""
+    cfg = preset_config("tiny-qwen3.5")
+    return write_checkpoint(tmp_path_factory.mktemp("dense"), cfg, seed=4)
+
+
 def prefilled(ckpt, dtype: str, quantization: str | None = None):
     model = load_model(ckpt, dtype=dtype, quantization=quantization)
     runner = ModelRunner(model, RunnerConfig(max_running_requests=len(PROMPTS) + 1))
@@ -57,11 +64,16 @@ def pools(runner: ModelRunner) -> list[torch.Tensor]:
     return [m.conv_state, m.ssm_state, kv.k_all, kv.v_all]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
-def test_plan_equals_eager_bit_for_bit(ckpt, dtype):
+@pytest.mark.parametrize(
+    ("layout", "dtype"),
+    [("moe", "float32"), ("moe", "bfloat16"), ("moe", "int8"), ("moe", "int4"),
+     ("dense", "float32"), ("dense", "bfloat16"), ("dense", "int4")],
+)  # fmt: skip
+def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
     """Greedy steps of 1 to PLAN_ROWS requests (the GEMV's rows and the GEMM's), and one beyond
     (which the runner runs eagerly): identical logits and identical pools after every step, with
-    fp32, bf16, int8 and int4 (bf16 checkpoint loading) matrices."""
+    fp32, bf16, int8 and int4 (bf16 checkpoint loading) matrices, sparse-MoE and dense MLPs."""
+    ckpt = request.getfixturevalue("ckpt" if layout == "moe" else "dense_ckpt")
     load = ("bfloat16", dtype) if dtype.startswith("int") else (dtype, None)
     eager, slots, first = prefilled(ckpt, *load)
     fast, slots2, first2 = prefilled(ckpt, *load)
@@ -138,10 +150,12 @@ def test_decode_step_checks_its_layout(ckpt):
         step([norm] * 16, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head)
 
 
-def test_plan_verify_equals_the_eager_extend(ckpt):
+@pytest.mark.parametrize("layout", ["moe", "dense"])
+def test_plan_verify_equals_the_eager_extend(request, layout):
     """A speculative verify batch (requests with 1 to 4 rows at consecutive positions, step
     slots kept): through the plan (`DecodeStep.verify`) as through the model's extend forward,
     logits and hidden within fp32 rounding, the pools (states kept in the step slots too) alike."""
+    ckpt = request.getfixturevalue("ckpt" if layout == "moe" else "dense_ckpt")
     eager, slots, first = prefilled(ckpt, "float32")
     fast, _, _ = prefilled(ckpt, "float32")
     plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 2, 4, 8])
@@ -165,10 +179,12 @@ def test_plan_verify_equals_the_eager_extend(ckpt):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-def test_mtp_plan_equals_the_eager_head(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5"])
+def test_mtp_plan_equals_the_eager_head(tmp_path, preset):
     """The MTP head's plan (`CpuDecodePlan.for_mtp`): an extend pass of several rows per
-    request, then a decode pass, give the eager head's logits and outputs, and the same KV."""
-    cfg = {**preset_config("tiny"), "mtp_num_hidden_layers": 1}
+    request, then a decode pass, give the eager head's logits and outputs, and the same KV
+    (a sparse-MoE head and Qwen3.5's dense one)."""
+    cfg = {**preset_config(preset), "mtp_num_hidden_layers": 1}
     path = write_checkpoint(tmp_path / "mtp", cfg, seed=2)
     outs, kvs = [], []
     hidden, h2 = torch.randn(8, cfg["hidden_size"]), torch.randn(2, cfg["hidden_size"])
