@@ -185,11 +185,24 @@ inline void widen_block(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, 
     for (int64_t g = k0 / Q; g < (k0 + kn) / Q; ++g) {
       const float s = hs::load1(sc + g);
       float* d = dst + i * kn + g * Q - k0;
+#ifdef HS_AVX2  // the group's 32 values in one pass (the scalar loop below does not vectorize)
+      const __m256i q = hs::q4_group(row + g * Q / 2);
+      const __m256 sv = _mm256_set1_ps(s);
+      const auto put = [&](float* out, __m128i v) {  // the low 8 bytes' values, scaled
+        _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sv));
+      };
+      const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+      put(d, lo);
+      put(d + 8, _mm_srli_si128(lo, 8));
+      put(d + 16, hi);
+      put(d + 24, _mm_srli_si128(hi, 8));
+#else
       for (int64_t j = 0; j < Q / 2; ++j) {
         const uint8_t b = row[g * Q / 2 + j];
         d[j] = float(int(b & 15) - 8) * s;
         d[j + Q / 2] = float(int(b >> 4) - 8) * s;
       }
+#endif
     }
   }
 }
