@@ -13,59 +13,24 @@ an input message (`SchedulerLoop.call`), so tensor-parallel ranks apply it too. 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterator
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from functools import cached_property
 from typing import Any
 
-from models.loader import load_model
-from models.parallel import ParallelContext
+from scheduler.build import build_scheduler
 from scheduler.config import SchedulerConfig
 from scheduler.cpu_env import configure_threads
-from scheduler.grammar import GrammarBackend
-from scheduler.lockstep import Leader, check_same_config
+from scheduler.lockstep import Leader
 from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import InProcessIO
 from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, RequestOutput
-from scheduler.model_runner import ModelRunner, RunnerConfig
-from scheduler.pool_sizing import describe, pool_bytes, size_pools
+from scheduler.model_runner import RunnerConfig
 from scheduler.request import Req, SessionParams
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler
 from scheduler.tp_group import TPGroup, rank_threads
 
-logger = logging.getLogger(__name__)
-
 Prompt = str | list[int]
-
-
-def build_scheduler(
-    model_path: str,
-    runner_cfg: RunnerConfig,
-    sched_cfg: SchedulerConfig,
-    tp: ParallelContext | None = None,
-) -> Scheduler:
-    """Load the model and pools and make the scheduler; a Mamba pool size of 0 takes the
-    strategy's default (`SchedulerConfig.mamba_slots_for`), and a memory budget sizes the KV
-    pool (`scheduler.pool_sizing`). The sizes are logged. With a tensor-parallel context: this
-    rank's shard and pools (every rank's loop runs on rank 0's inputs: `scheduler.lockstep`)."""
-    if runner_cfg.mamba_cache_size == 0:
-        slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
-        slots += runner_cfg.spec_steps * runner_cfg.max_running_requests  # verify's step slots
-        runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
-    model = load_model(
-        model_path, runner_cfg.dtype, runner_cfg.device, tp, runner_cfg.load_format,
-        quantization=runner_cfg.quantization, mtp=runner_cfg.spec_steps > 0,
-        draft_quantization=runner_cfg.speculative_draft_model_quantization,
-    )  # fmt: skip
-    sizes = pool_bytes(model)
-    runner_cfg = size_pools(runner_cfg, sizes)
-    logger.info(describe(runner_cfg, sizes))
-    if tp is not None and tp.enabled:
-        check_same_config(tp, runner_cfg, sched_cfg)
-    grammar = GrammarBackend(model_path, model.config.vocab_size)
-    return Scheduler(ModelRunner(model, runner_cfg), sched_cfg, grammar)
 
 
 class Engine:

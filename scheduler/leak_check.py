@@ -12,20 +12,35 @@ lock on `last_node` each; that audit runs after a request fault (`scheduler/faul
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+    from mem_cache.radix_cache import MambaRadixCache
+    from scheduler.model_runner import ModelRunner
+    from scheduler.request import Req
+    from scheduler.session import SessionManager
 
 
-def leak_report(scheduler: Scheduler) -> list[str]:
+class Audited(Protocol):
+    """What the audit reads of a `Scheduler`."""
+
+    runner: ModelRunner
+    tree: MambaRadixCache
+    sessions: SessionManager
+
+    def has_work(self) -> bool: ...
+
+    def live_requests(self) -> list[Req]: ...
+
+
+def leak_report(scheduler: Audited) -> list[str]:
     """Problems found (empty when clean). Call only when the scheduler is idle."""
     if scheduler.has_work():
         return ["scheduler is not idle"]
     return pool_report(scheduler)
 
 
-def pool_report(scheduler: Scheduler) -> list[str]:
+def pool_report(scheduler: Audited) -> list[str]:
     """Problems found with live requests counted as holders (call between steps; O(pool size))."""
     runner, tree = scheduler.runner, scheduler.tree
     problems: list[str] = []

@@ -88,8 +88,8 @@ def run_scheduler(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
     )
+    from scheduler.build import build_scheduler
     from scheduler.cpu_env import configure_threads
-    from scheduler.engine import build_scheduler
     from scheduler.lockstep import Leader
     from scheduler.loop import SchedulerLoop
     from scheduler.loop_io import PipeIO

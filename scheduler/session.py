@@ -27,37 +27,15 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler.request import Req
-from scheduler.session_tree import Session, SessionError, Turn, resolve_turn
+from scheduler.session_tree import HELD, Session, SessionError, SessionSlot, Turn, resolve_turn
 
 if TYPE_CHECKING:
     from scheduler.prefix_cache import PrefixCache
 
 __all__ = ["Session", "SessionError", "SessionManager", "SessionSlot"]
-
-
-# what a session's slot holds of a finished turn, under the `Req` field names
-HELD = ("req_slot", "mamba_slot", "track_slots", "next_track", "last_track_len", "kv_len")
-HELD += ("cache_protected_len", "last_node")
-
-
-@dataclass
-class SessionSlot:
-    req_slot: int
-    mamba_slot: int
-    track_slots: list[int]
-    next_track: int
-    last_track_len: int | None
-    kv_len: int
-    cache_protected_len: int
-    last_node: Any
-    ids: list[int]  # the kv_len tokens behind the held KV and state
-
-    def extended_by(self, prompt: list[int]) -> bool:
-        return self.kv_len < len(prompt) and prompt[: self.kv_len] == self.ids
 
 
 class SessionManager:

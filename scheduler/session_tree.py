@@ -1,4 +1,6 @@
-"""Which context a session turn continues: SGLang's rules for both kinds of session.
+"""Which context a session turn continues: SGLang's rules for both kinds of session; and the
+records a session keeps (`Session`, its `Turn`s, the `SessionSlot` it holds between turns,
+whose ownership `scheduler/session.py` manages).
 
 A tree session (the default) keeps every turn as a node under the turn it continued
 (`session_params.rid`; `None`: no parent). A turn with a parent starts from the parent's
@@ -15,12 +17,9 @@ latest finished one (or the turn `rid` names, cut at `offset`, as before), one a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from scheduler.request import FinishReason, Req
-
-if TYPE_CHECKING:
-    from scheduler.session import SessionSlot
 
 
 class SessionError(ValueError):
@@ -29,6 +28,27 @@ class SessionError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+# what a session's slot holds of a finished turn, under the `Req` field names
+HELD = ("req_slot", "mamba_slot", "track_slots", "next_track", "last_track_len", "kv_len")
+HELD += ("cache_protected_len", "last_node")
+
+
+@dataclass
+class SessionSlot:
+    req_slot: int
+    mamba_slot: int
+    track_slots: list[int]
+    next_track: int
+    last_track_len: int | None
+    kv_len: int
+    cache_protected_len: int
+    last_node: Any
+    ids: list[int]  # the kv_len tokens behind the held KV and state
+
+    def extended_by(self, prompt: list[int]) -> bool:
+        return self.kv_len < len(prompt) and prompt[: self.kv_len] == self.ids
 
 
 @dataclass

@@ -68,7 +68,7 @@ def follower_main(
     log_level: str,
 ) -> None:
     """Entry point of a spawned follower rank."""
-    from scheduler.engine import build_scheduler
+    from scheduler.build import build_scheduler
     from scheduler.lockstep import NullIO, follow
     from scheduler.loop import SchedulerLoop
 

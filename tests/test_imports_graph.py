@@ -4,10 +4,9 @@ ARCHITECTURE.md between the five packages, and no import cycle between modules.
     server -> scheduler -> models -> kernels,   scheduler -> mem_cache,   mem_cache -> kernels
     make_model (the checkpoint writers) -> scheduler, models;   server -> make_model
 
-Every import counts for the package rules, also one inside a function or under
-`if TYPE_CHECKING:`. Between modules, the imports that run when a module loads (its top level,
-not under TYPE_CHECKING) form no cycle at all; the few cycles closed by a deferred import (in a
-function, or for typing only) are listed in `DEFERRED_CYCLES`, and a new one fails.
+Every import counts, also one inside a function or under `if TYPE_CHECKING:`: for the package
+rules, and between modules, which form no cycle at all (neither through the imports that run
+when a module loads nor through a deferred or typing-only one).
 """
 
 from __future__ import annotations
@@ -26,13 +25,6 @@ ALLOWED = {
     "kernels": set(),
     "make_model": {"scheduler", "models", "kernels"},
 }
-# cycles whose back edge is a deferred import: exactly these (a new one fails, and so does a
-# listed one that is gone, so the list stays true)
-DEFERRED_CYCLES = [
-    {"scheduler.session", "scheduler.session_tree"},  # typing
-    {"scheduler.scheduler", "scheduler.leak_check"},  # typing
-    {"scheduler.engine", "scheduler.tp_group"},  # tp_group builds an Engine in a function
-]
 
 
 def modules() -> dict[str, Path]:
@@ -134,7 +126,7 @@ def test_the_parse_sees_the_imports():
     g = graph()
     assert set(PACKAGES) <= set(g) and len(g) > 100
     assert g["scheduler.graph_runner"]["models.cpu_decode"] is True
-    assert g["scheduler.leak_check"]["scheduler.scheduler"] is False  # under TYPE_CHECKING
+    assert g["scheduler.leak_check"]["scheduler.session"] is False  # under TYPE_CHECKING
     assert g["kernels.kernel_set"]["kernels.gdn_step_cpp"] is False  # inside a function
 
 
@@ -162,7 +154,6 @@ def test_no_cycle_between_modules_at_load_time():
     assert found == [], f"modules importing each other at load time: {found}"
 
 
-def test_deferred_cycles_are_the_listed_ones():
-    every = {m: set(deps) for m, deps in graph().items()}
-    found = sorted(sorted(c) for c in cycles(every))
-    assert found == sorted(sorted(c) for c in DEFERRED_CYCLES), f"import cycles: {found}"
+def test_no_cycle_between_modules():
+    found = [sorted(c) for c in cycles({m: set(deps) for m, deps in graph().items()})]
+    assert found == [], f"modules importing each other (deferred or for typing): {found}"

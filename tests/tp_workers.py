@@ -86,8 +86,8 @@ def lockstep_workload(tp: ParallelContext, path: str) -> dict | None:
     slot a query unknown to the lockstep layer frees, and which expires on rank 0's clock with a
     turn in flight, then a flush. Rank 0 gets every rank's state after each phase and the last
     deltas it sent."""
+    from scheduler.build import build_scheduler
     from scheduler.config import SchedulerConfig
-    from scheduler.engine import build_scheduler
     from scheduler.leak_check import leak_report
     from scheduler.lockstep import Leader, NullIO, follow
     from scheduler.loop import SchedulerLoop
