@@ -1,4 +1,5 @@
-"""How the scheduler and the model runner run: frozen dataclasses with SGLang's option names.
+"""How the scheduler and the model runner run: frozen dataclasses with SGLang's option names,
+each field with its `--help` text (`opt`; `server/args.py` makes the command line from them).
 
 Torch-free, so that the API process can parse and validate them before it spawns the scheduler
 process (the only one that imports torch).
@@ -7,7 +8,8 @@ process (the only one that imports torch).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
 # Mamba slots per running request (running + track slots + a share for tree states), as SGLang's
@@ -27,6 +29,11 @@ QUANTIZATIONS = ("int8", "int4")  # kernels.quant.METHODS: weight-only formats f
 DEFAULT_SPEC_STEPS = 3
 
 
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field with its command-line help (`server/args.py` makes the flags)."""
+    return field(default=default, metadata={"help": help})
+
+
 def _one_of(cfg: object, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(cfg, name)
     if value not in choices:
@@ -36,33 +43,70 @@ def _one_of(cfg: object, name: str, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_prefill_tokens: int = 16384  # new tokens in one prefill batch
-    chunked_prefill_size: int = 2048  # max new tokens of one request per round; <= 0: no chunking
-    schedule_policy: str = "fcfs"
-    schedule_conservativeness: float = 1.0  # scales the decode room reserved at admission
-    disable_radix_cache: bool = False
-    mamba_scheduler_strategy: str = "no_buffer"
-    mamba_track_interval: int = 256  # decode snapshot every this many tokens (extra_buffer*)
-    cuda_graph_bs: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # padded decode sizes
-    cuda_graph_max_bs: int = 64  # largest padded size (also added to the list)
-    # off: decode batches run at their own size (on CPU without the decode plan either)
-    disable_cuda_graph: bool = False
-    enable_hierarchical_cache: bool = False  # host-memory tier under the radix cache
-    hicache_ratio: float = 2.0  # host pools = this times the device pools
-    hicache_size: float = 0.0  # host pools in GB (> 0 overrides hicache_ratio)
-    hicache_write_policy: str = "write_through"
-    hicache_storage_backend: str = ""  # "file": a storage tier under the host tier
-    hicache_storage_dir: str = ""
-    hicache_prefetch_threshold: int = 256  # shorter storage hits are not prefetched
-    # how long a request waits for its storage prefetch: best_effort (not at all: admitted with
-    # what has arrived), wait_complete (until every block is read), timeout (until read or
-    # base + per_ki_token * tokens / 1024 seconds have passed, as SGLang's extra-config keys).
+    max_prefill_tokens: int = opt(16384, "new tokens in one prefill batch")
+    chunked_prefill_size: int = opt(
+        2048, "max new tokens of one request per prefill round (<= 0: no chunking)"
+    )
+    schedule_policy: str = opt("fcfs", "waiting queue order: fcfs or lpm (longest prefix match)")
+    schedule_conservativeness: float = opt(
+        1.0,
+        "scales the decode room reserved for running requests when admitting new ones (larger: "
+        "fewer retractions, smaller batches)",
+    )
+    disable_radix_cache: bool = opt(False, "turn prefix caching off")
+    mamba_scheduler_strategy: str = opt(
+        "no_buffer", "when Mamba states are snapshotted for the radix cache"
+    )
+    mamba_track_interval: int = opt(
+        256, "decode tokens between Mamba state snapshots (extra_buffer*)"
+    )
+    cuda_graph_bs: tuple[int, ...] = opt(
+        (1, 2, 4, 8, 16, 24, 32, 48, 64), "decode batch sizes (batches are padded up to one)"
+    )
+    cuda_graph_max_bs: int = opt(
+        64, "largest padded decode size (CUDA graphs captured up to it; also added to the list)"
+    )
+    disable_cuda_graph: bool = opt(
+        False, "run decode batches at their own size (on CPU: no decode plan)"
+    )
+    enable_hierarchical_cache: bool = opt(
+        False,
+        "keep radix-cache KV and Mamba states in host memory too (evicted device nodes are "
+        "demoted there and loaded back on a hit)",
+    )
+    hicache_ratio: float = opt(2.0, "host pools as a multiple of the device KV and Mamba pools")
+    hicache_size: float = opt(0.0, "host pools in GB (> 0 overrides --hicache-ratio)")
+    hicache_write_policy: str = opt(
+        "write_through",
+        "when nodes are copied to host: write_through (on insert), write_through_selective (on "
+        "the second hit) or write_back (on device eviction)",
+    )
+    hicache_storage_backend: str = opt("", "storage tier under the host tier: file (default: none)")
+    hicache_storage_dir: str = opt("", "folder of the file storage tier (kept across restarts)")
+    hicache_prefetch_threshold: int = opt(
+        256, "storage hits shorter than this many tokens are not prefetched"
+    )
     # SGLang defaults to best_effort; a request arriving at an idle server then reads nothing.
-    hicache_storage_prefetch_policy: str = "timeout"
-    hicache_prefetch_timeout_base: float = 1.0
-    hicache_prefetch_timeout_per_ki_token: float = 0.25
-    max_sessions: int = 4096  # open sessions at once (0: no cap)
-    session_timeout: float = 3600.0  # seconds without a turn before a session is reaped (0: never)
+    hicache_storage_prefetch_policy: str = opt(
+        "timeout",
+        "how long an arriving request waits for its storage prefetch: best_effort (admitted "
+        "with what has arrived), wait_complete (until every block is read), timeout (until "
+        "read or base + per_ki_token * tokens / 1024 seconds have passed)",
+    )
+    hicache_prefetch_timeout_base: float = opt(
+        1.0, "timeout policy: seconds waited for any prefetch"
+    )
+    hicache_prefetch_timeout_per_ki_token: float = opt(
+        0.25, "timeout policy: extra seconds per 1024 tokens"
+    )
+    max_sessions: int = opt(
+        4096, "most sessions open at once (0: no cap); /open_session beyond it is a 429"
+    )
+    session_timeout: float = opt(
+        3600.0,
+        "seconds a session may go without a new turn before it is closed and its state freed "
+        "(0: never; /open_session's timeout overrides it)",
+    )
 
     def __post_init__(self) -> None:
         _one_of(self, "schedule_policy", POLICIES)
@@ -119,39 +163,69 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    max_running_requests: int = 64  # rows of req_to_token
-    max_total_tokens: int = 65536  # KV capacity in tokens
-    max_context_len: int = 4096
-    page_size: int = 1
-    mamba_cache_size: int = 0  # Mamba slots; 0: 3 * max_running_requests (the Engine sizes it
-    # per strategy, see SchedulerConfig.mamba_slots_for)
-    dtype: str = "auto"
-    device: str = "cpu"
-    load_format: str = "auto"  # dummy: random weights, no weight file read (models.loader)
-    quantization: str | None = None  # int8 / int4: weight-only, quantized at load (CPU; loader)
-    # speculative decoding (SGLang's flags; scheduler/speculative.py): NEXTN drafts a chain of
-    # num_steps tokens with the MTP head (topk 1, num_steps + 1 draft tokens verified at once);
-    # 0 picks the default (3 steps)
-    speculative_algorithm: str | None = None
-    speculative_num_steps: int = 0
-    speculative_eagle_topk: int = 0
-    speculative_num_draft_tokens: int = 0
-    speculative_draft_model_quantization: str | None = None  # int8 / int4: the head's matrices
-    # decode steps with more running requests than this do not speculate (0: every step may);
-    # 2: beyond it speculation pays on CPU only at very high acceptance (BENCHMARKS.md)
-    speculative_disable_by_batch_size: int = 2
+    max_running_requests: int = opt(64, "requests decoded together (rows of req_to_token)")
+    max_total_tokens: int = opt(65536, "KV cache capacity in tokens")
+    max_context_len: int = opt(4096, "longest sequence (prompt + output) in tokens")
+    page_size: int = opt(1, "tokens per KV page")
+    mamba_cache_size: int = opt(
+        0, "Mamba state slots (0: sized from the strategy and max running requests)"
+    )
+    dtype: str = opt("auto", "weights and activations dtype (auto: the checkpoint's)")
+    device: str = opt("cpu", "cpu or cuda")
+    load_format: str = opt(
+        "auto",
+        "auto (the checkpoint's safetensors) or dummy: random weights from config.json alone, "
+        "no weight file read (for real-size measurements; models/dummy_weights.py)",
+    )
+    quantization: str | None = opt(
+        None,
+        "weight-only matrices quantized at load from any float or FP8 checkpoint (CPU; "
+        "kernels/quant.py): int8 (one scale per output row) or int4 (a bf16 scale per 32)",
+    )
+    # speculative decoding: SGLang's flags (scheduler/speculative.py)
+    speculative_algorithm: str | None = opt(
+        None,
+        "NEXTN: speculative decoding with the checkpoint's MTP head (greedy requests draft; "
+        "the others decode as usual)",
+    )
+    speculative_num_steps: int = opt(0, f"draft tokens per step (0: {DEFAULT_SPEC_STEPS})")
+    speculative_eagle_topk: int = opt(0, "drafts per step; only 1 (a chain)")
+    speculative_num_draft_tokens: int = opt(
+        0, "tokens verified per step: --speculative-num-steps + 1"
+    )
+    speculative_draft_model_quantization: str | None = opt(
+        None,
+        "int8 or int4 (CPU): the MTP head's matrices and its own copy of the LM head in that "
+        "format (drafts only: outputs are unchanged)",
+    )
+    speculative_disable_by_batch_size: int = opt(
+        2,
+        "decode steps with more running requests than this decode plainly (vLLM's "
+        "disable_by_batch_size; 0: no limit; 2: where it stops paying on CPU)",
+    )
     # memory budgets that size the KV pool instead of max_total_tokens (scheduler/pool_sizing.py)
-    mem_fraction_static: float = 0.0
-    pool_memory_gb: float = 0.0
-
-    num_threads: int = 0  # torch CPU threads; 0: the server picks (scheduler.cpu_env), the
-    # Engine keeps torch's setting
-    # tensor parallelism (SGLang's flags): ranks, hosts, this host's index, rank 0's host:port
-    # for the rendezvous ("" on one host: a free loopback port). See scheduler/tp_group.py.
-    tp_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str = ""
+    mem_fraction_static: float = opt(
+        0.0,
+        "CUDA: fraction of GPU memory for weights + KV/Mamba pools; sizes the KV pool (0: "
+        "--max-total-tokens decides)",
+    )
+    pool_memory_gb: float = opt(
+        0.0,
+        "GB for the KV and Mamba pools on any device; sizes the KV pool (0: --max-total-tokens "
+        "decides)",
+    )
+    num_threads: int = opt(
+        0,
+        "torch CPU threads (0: OMP_NUM_THREADS if set, else the CPUs this process may use; the "
+        "Engine keeps torch's setting)",
+    )
+    # tensor parallelism: SGLang's flags (scheduler/tp_group.py)
+    tp_size: int = opt(1, "tensor parallel ranks")
+    nnodes: int = opt(1, "hosts the ranks run on")
+    node_rank: int = opt(0, "this host's index")
+    dist_init_addr: str = opt(
+        "", "rank 0's host:port for the rendezvous (default on one host: a free loopback port)"
+    )
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:

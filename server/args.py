@@ -12,10 +12,10 @@ tuples take several values. Values are validated by the dataclasses' `__post_ini
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from scheduler.config import RunnerConfig, SchedulerConfig
+from scheduler.config import RunnerConfig, SchedulerConfig, opt
 from server.dp_router import LOAD_BALANCE_METHODS
 from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import TOOL_CALL_PARSERS
@@ -26,110 +26,106 @@ REASONING_FLAGS = ("auto", "none", *REASONING_PARSERS)
 TOOL_CALL_FLAGS = ("auto", *TOOL_CALL_PARSERS)
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     """How the HTTP front end runs; `model_path=None` means the tiny preset in the cache dir."""
 
-    model_path: str | None = _opt(
+    model_path: str | None = opt(
         None, "checkpoint directory (default: the tiny preset, written on first use)"
     )
-    host: str = _opt("127.0.0.1", "address to bind")
-    port: int = _opt(30000, "port to bind")
-    api_key: str | None = _opt(
+    host: str = opt("127.0.0.1", "address to bind")
+    port: int = opt(30000, "port to bind")
+    api_key: str | None = opt(
         None,
         "require 'Authorization: Bearer KEY' on every route but /health and /metrics (visible "
         "in ps: prefer HYBRID_SERVE_API_KEY or --api-key-file)",
     )
-    served_model_name: str | None = _opt(
+    served_model_name: str | None = opt(
         None, "model name in the API (default: the checkpoint directory's name)"
     )
-    log_level: str = _opt("info", f"logging level: {', '.join(LOG_LEVELS)}")
-    api_key_file: str | None = _opt(None, "file of API keys, one per line (# comments)")
-    admin_api_key: str | None = _opt(
+    log_level: str = opt("info", f"logging level: {', '.join(LOG_LEVELS)}")
+    api_key_file: str | None = opt(None, "file of API keys, one per line (# comments)")
+    admin_api_key: str | None = opt(
         None,
         "key for the admin routes (/flush_cache, abort_all); without it they take any API key "
         "(also HYBRID_SERVE_ADMIN_API_KEY)",
     )
-    allowed_hosts: tuple[str, ...] = _opt(
+    allowed_hosts: tuple[str, ...] = opt(
         (), "Host header names accepted (default: loopback names when bound to loopback; * any)"
     )
-    allowed_origins: tuple[str, ...] = _opt(
+    allowed_origins: tuple[str, ...] = opt(
         (), "browser origins allowed to call the server, with CORS (default: none)"
     )
-    max_request_bytes: int = _opt(
+    max_request_bytes: int = opt(
         16 * 1024 * 1024, "largest request body in bytes (larger: 413, refused while reading)"
     )
-    max_header_bytes: int = _opt(
+    max_header_bytes: int = opt(
         32 * 1024, "largest request head (request line and headers) in bytes; larger: 431"
     )
-    timeout_header: float = _opt(
+    timeout_header: float = opt(
         30.0,
         "seconds a connection has to deliver a request's complete headers (from opening, or "
         "from the next request's first byte on a keep-alive connection); then it is closed",
     )
-    timeout_keep_alive: float = _opt(
+    timeout_keep_alive: float = opt(
         5.0, "seconds an idle keep-alive connection stays open between requests"
     )
-    max_connections: int = _opt(
+    max_connections: int = opt(
         2048, "open connections served at once; a request on one past this gets a fast 503"
     )
-    max_queued_requests: int = _opt(
+    max_queued_requests: int = opt(
         1024,
         "requests allowed to wait beyond --max-running-requests; past that new ones get 503 "
         "with Retry-After",
     )
-    max_fan_out: int = _opt(
+    max_fan_out: int = opt(
         256, "most scheduler requests one HTTP request may become (prompts x n; more: 400)"
     )
-    shutdown_timeout: float = _opt(
+    shutdown_timeout: float = opt(
         30.0,
         "seconds SIGTERM lets running requests finish before aborting the rest (they still "
         "end with a finish reason)",
     )
-    health_timeout: float = _opt(
+    health_timeout: float = opt(
         20.0, "/health answers 503 when the scheduler's loop has sent no heartbeat for this long"
     )
-    cache_isolation: str = _opt(
+    cache_isolation: str = opt(
         "none",
         "per-key: every API key is its own cache_salt (no prefix cache sharing across keys)",
     )
-    session_secret: str | None = _opt(
+    session_secret: str | None = opt(
         None,
         "HMAC key: /open_session answers ids carrying a tag only the opener knows, and refuses "
         "untagged ids (also HYBRID_SERVE_SESSION_SECRET)",
     )
-    dp_size: int = _opt(
+    dp_size: int = opt(
         1,
         "data parallel: scheduler replicas behind this API process, each with its own pools "
         "and cache (server/dp_client.py)",
     )
-    load_balance_method: str = _opt(
+    load_balance_method: str = opt(
         "cache_aware",
         f"how --dp-size replicas are picked: {', '.join(LOAD_BALANCE_METHODS)} "
         "(server/dp_router.py)",
     )
-    cache_threshold: float = _opt(
+    cache_threshold: float = opt(
         0.3, "cache_aware: least share of the prompt a replica must hold to win on the cache"
     )
-    balance_abs_threshold: int = _opt(
+    balance_abs_threshold: int = opt(
         64,
         "cache_aware: pick the least loaded replica when the busiest has this many more "
         "requests in flight than the idlest and --balance-rel-threshold times as many",
     )
-    balance_rel_threshold: float = _opt(1.5, "cache_aware: see --balance-abs-threshold")
-    max_tree_size: int = _opt(
+    balance_rel_threshold: float = opt(1.5, "cache_aware: see --balance-abs-threshold")
+    max_tree_size: int = opt(
         0, "cache_aware: tokens each replica's routing tree keeps (0: --max-total-tokens)"
     )
-    reasoning_parser: str = _opt(
+    reasoning_parser: str = opt(
         "auto",
         f"chat: split <think> reasoning into reasoning_content: {', '.join(REASONING_FLAGS)} "
         "(auto: from the chat template; server/reasoning.py)",
     )
-    tool_call_parser: str = _opt(
+    tool_call_parser: str = opt(
         "auto",
         f"chat: the tool call format: {', '.join(TOOL_CALL_FLAGS)} (auto: from the chat "
         "template; server/tool_parsers.py)",
@@ -163,63 +159,6 @@ class ServerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
 
-
-# Help for the scheduler's dataclasses (ServerConfig carries its own in field metadata).
-HELP: dict[str, str] = {
-    "max_running_requests": "requests decoded together (rows of req_to_token)",
-    "max_total_tokens": "KV cache capacity in tokens",
-    "max_context_len": "longest sequence (prompt + output) in tokens",
-    "page_size": "tokens per KV page",
-    "mamba_cache_size": "Mamba state slots (0: sized from the strategy and max running requests)",
-    "dtype": "weights and activations dtype (auto: the checkpoint's)",
-    "device": "cpu or cuda",
-    "load_format": "auto (the checkpoint's safetensors) or dummy: random weights from config.json "
-    "alone, no weight file read (for real-size measurements; models/dummy_weights.py)",
-    "quantization": "weight-only matrices quantized at load from any float or FP8 checkpoint "
-    "(CPU; kernels/quant.py): int8 (one scale per output row) or int4 (a bf16 scale per 32)",
-    "speculative_algorithm": "NEXTN: speculative decoding with the checkpoint's MTP head "
-    "(greedy requests draft; the others decode as usual)",
-    "speculative_num_steps": "draft tokens per step (0: 3)",
-    "speculative_eagle_topk": "drafts per step; only 1 (a chain)",
-    "speculative_num_draft_tokens": "tokens verified per step: --speculative-num-steps + 1",
-    "speculative_disable_by_batch_size": "decode steps with more running requests than this "
-    "decode plainly (vLLM's disable_by_batch_size; 0: no limit; 2: where it stops paying on CPU)",
-    "speculative_draft_model_quantization": "int8 or int4 (CPU): the MTP head's matrices and "
-    "its own copy of the LM head in that format (drafts only: outputs are unchanged)",
-    "mem_fraction_static": "CUDA: fraction of GPU memory for weights + KV/Mamba pools; sizes the "
-    "KV pool (0: --max-total-tokens decides)",
-    "pool_memory_gb": "GB for the KV and Mamba pools on any device; sizes the KV pool "
-    "(0: --max-total-tokens decides)",
-    "num_threads": "torch CPU threads (0: OMP_NUM_THREADS if set, else the CPUs this process "
-    "may use)",
-    "max_prefill_tokens": "new tokens in one prefill batch",
-    "chunked_prefill_size": "max new tokens of one request per prefill round (<= 0: no chunking)",
-    "schedule_policy": "waiting queue order: fcfs or lpm (longest prefix match)",
-    "schedule_conservativeness": "scales the decode room reserved for running requests when "
-    "admitting new ones (larger: fewer retractions, smaller batches)",
-    "disable_radix_cache": "turn prefix caching off",
-    "mamba_scheduler_strategy": "when Mamba states are snapshotted for the radix cache",
-    "mamba_track_interval": "decode tokens between Mamba state snapshots (extra_buffer*)",
-    "cuda_graph_bs": "decode batch sizes (batches are padded up to one of them)",
-    "cuda_graph_max_bs": "largest padded decode size (CUDA graphs captured up to it)",
-    "disable_cuda_graph": "run decode batches at their own size (on CPU: no decode plan)",
-    "enable_hierarchical_cache": "keep radix-cache KV and Mamba states in host memory too "
-    "(evicted device nodes are demoted there and loaded back on a hit)",
-    "hicache_ratio": "host pools as a multiple of the device KV and Mamba pools",
-    "hicache_size": "host pools in GB (> 0 overrides --hicache-ratio)",
-    "hicache_storage_backend": "storage tier under the host tier: file (default: none)",
-    "hicache_storage_dir": "folder of the file storage tier (kept across restarts)",
-    "hicache_prefetch_threshold": "storage hits shorter than this many tokens are not prefetched",
-    "hicache_storage_prefetch_policy": "how long an arriving request waits for its storage "
-    "prefetch: best_effort (admitted with what has arrived), wait_complete, timeout",
-    "hicache_prefetch_timeout_base": "timeout policy: seconds waited for any prefetch",
-    "hicache_prefetch_timeout_per_ki_token": "timeout policy: extra seconds per 1024 tokens",
-    "hicache_write_policy": "when nodes are copied to host: write_through (on insert), "
-    "write_through_selective (on the second hit) or write_back (on device eviction)",
-    "max_sessions": "most sessions open at once (0: no cap); /open_session beyond it is a 429",
-    "session_timeout": "seconds a session may go without a new turn before it is closed and its "
-    "state freed (0: never; /open_session's timeout overrides it)",
-}
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "max_context_len": ("--context-length",),
@@ -257,7 +196,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             seen.add(f.name)
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
             elem = str if "tuple[str" in str(f.type) else int  # for empty tuple defaults
-            _add_field(group, f.name, default, f.metadata.get("help") or HELP.get(f.name, ""), elem)
+            _add_field(group, f.name, default, f.metadata.get("help", ""), elem)
 
 
 def configs_from_args(
