@@ -114,7 +114,8 @@ def _timed(engine, prompts, new_tokens: int) -> float:
 
 
 def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> dict:
-    import scheduler.engine as engine_module
+    import scheduler.build as build_module
+    from scheduler.engine import Engine
 
     loads: list[float] = []
 
@@ -131,11 +132,11 @@ def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> 
     batches = [b for b in BATCHES if b <= top]
     if not batches:
         return {"model": name, "layers": c.num_hidden_layers, "skipped": "weights do not fit"}
-    load_model = engine_module.load_model
-    engine_module.load_model = timed_load
+    load_model = build_module.load_model
+    build_module.load_model = timed_load
     start = time.perf_counter()
     try:
-        engine = engine_module.Engine(
+        engine = Engine(
             str(path),
             load_format="dummy",
             dtype="bfloat16",
@@ -150,7 +151,7 @@ def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> 
             cuda_graph_max_bs=max(batches),
         )
     finally:
-        engine_module.load_model = load_model
+        build_module.load_model = load_model
     out: dict = {"model": name, "layers": c.num_hidden_layers, "load_s": loads[0]}
     out["startup_s"] = time.perf_counter() - start  # load, pools and graph capture
     cfg = engine.runner.config

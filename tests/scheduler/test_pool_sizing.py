@@ -35,7 +35,7 @@ def test_unit_sizes_equal_the_pools(path):
 
 def test_budget_sizes_the_kv_pool(path, caplog):
     budget_gb = 0.02
-    with caplog.at_level(logging.INFO, logger="scheduler.engine"):
+    with caplog.at_level(logging.INFO, logger="scheduler.build"):
         engine = Engine(path, max_running_requests=4, pool_memory_gb=budget_gb, page_size=1)
     runner = engine.runner
     sizes = pool_bytes(runner.model)
