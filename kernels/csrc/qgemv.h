@@ -146,7 +146,7 @@ inline void sum_chains(__m256 (&acc)[M][kChains<M>], float* sum) {
   for (int m = 0; m < M; ++m) {
     __m256 t = acc[m][0];
     for (int c = 1; c < kChains<M>; ++c) t = _mm256_add_ps(t, acc[m][c]);
-    sum[m] = simd::hsum(t);
+    sum[m] = simd::hsum8(t);
   }
 }
 #endif

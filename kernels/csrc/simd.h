@@ -17,6 +17,19 @@
 #define HS_AVX2 1
 #endif
 
+#ifdef HS_AVX2
+namespace hs::simd {
+// The sum of 8 fp32 lanes, in one fixed order at every width: the integer GEMV (qgemv.h) keeps
+// 8-lane accumulators whatever the build targets.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+}  // namespace hs::simd
+#endif
+
 #if defined(__AVX512F__) && defined(HS_AVX2)
 #define HS_SIMD 1
 namespace hs::simd {
@@ -73,12 +86,7 @@ inline vec load_w(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline float hsum(vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float hsum(vec v) { return hsum8(v); }
 }  // namespace hs::simd
 #else
 namespace hs::simd {
