@@ -1,4 +1,4 @@
-"""Routed SwiGLU experts on CPU in one C++ call (`routed_experts` in kernels/csrc/gemm.cpp).
+"""Routed SwiGLU experts on CPU in one C++ call (kernels/csrc/routed_experts.cpp).
 
 Same signature and contract as `kernels.experts.routed_experts`. For fp32 rows and fp32, bf16 or
 quantized weights (the two stacks alike), up to `MAX_ROWS` rows (decode batches and short

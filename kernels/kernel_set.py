@@ -74,13 +74,29 @@ class KernelSet:
     fused_experts: Callable
 
     def table(self) -> str:
-        """One line per op: its name and the function that runs it."""
+        """One line per op: its name and the function that runs it, after a line naming the
+        backend and, for the C++ kernels, their CPU level."""
         rows = [
-            f"kernels: {self.backend} backend, fused decode ops {'on' if self.fused else 'off'}"
+            f"kernels: {self.backend} backend{self.level_note()}, "
+            f"fused decode ops {'on' if self.fused else 'off'}"
         ]
         for f in fields(self)[2:]:
             rows.append(f"  {f.name:<34}{describe(getattr(self, f.name))}")
         return "\n".join(rows)
+
+    def level_note(self) -> str:
+        level = cpp_build.loaded_level() if self.backend == "cpp" else None
+        return "" if level is None else f" at CPU level {level.name} ({level.summary})"
+
+    def info(self) -> dict[str, object]:
+        """What /server_info reports of the kernels."""
+        level = cpp_build.loaded_level() if self.backend == "cpp" else None
+        return {
+            "backend": self.backend,
+            "fused_decode_ops": self.fused,
+            "cpu_level": None if level is None else level.name,
+            "cpu_level_summary": None if level is None else level.summary,
+        }
 
 
 def describe(fn: Callable) -> str:
@@ -203,22 +219,36 @@ def choose(
     settings = settings or KernelSettings.from_env()
     device = torch.device(device)
     backend = settings.backend
+    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
     if backend == "auto":
         if device.type == "cuda":
             backend = "triton" if triton_available() else "torch"
-        elif device.type == "cpu" and dtype == torch.float32 and cpp_build.available():
-            backend = "cpp"
         else:
-            backend = "torch"
+            backend = "cpp" if cpu_fp32 and cpp_ready(settings) else "torch"
     if backend == "triton":
         return triton_set(device)
-    if backend == "cpp" and device.type == "cpu" and dtype == torch.float32:
-        if not cpp_build.available():
+    if backend == "cpp" and cpu_fp32:
+        if not cpp_ready(settings):
             raise RuntimeError(f"{KERNELS_ENV}=cpp but the C++ kernels cannot be built") from (
                 cpp_build.load_error()
             )
         return cpp_set(settings.fusions)
     return reference_set()
+
+
+def cpp_ready(settings: KernelSettings) -> bool:
+    """Whether the C++ kernels are loaded at the settings' CPU level. False where this machine
+    has no compiler (`cpp_build` warned once); a build that failed with a compiler present
+    raises: the server does not start on the references unless asked to
+    (`HYBRID_SERVE_KERNELS=torch`)."""
+    if cpp_build.load(settings.cpu_level, settings) is not None:
+        return True
+    err = cpp_build.load_error()
+    if isinstance(err, cpp_build.BuildError):
+        raise RuntimeError(
+            f"{err} (set {KERNELS_ENV}=torch to serve on the torch references instead)"
+        ) from err
+    return False
 
 
 _import_error: list[BaseException] = []  # the first failure importing triton, if any

@@ -6,7 +6,7 @@ and int4 about an eighth, multiplying the activations rounded to int8 per block 
 reference does, `kernels.quant`). The C++ op picks the product by row count, in that one
 place: a weight-streaming GEMV up to 8 rows (decode at small batches is a stream of weights
 through mat-vec products; integer dot products for the quantized formats), a tiled GEMM beyond
-(kernels/csrc/gemm.cpp: x packed into panels once per call, register tiles of 6 weight rows, fp32
+(kernels/csrc/gemm.h: x packed into panels once per call, register tiles of 6 weight rows, fp32
 accumulation; `benchmarks/gemm_shapes.py` compares it with MKL by row count). Other dtypes take
 the reference.
 """

@@ -5,9 +5,9 @@ prefills), one call replaces the reference's ~40 torch ops and Python loop: the 
 torch's own fp32 softmax and top-k (called from C++, so ties pick the same experts), the active
 experts on the rows routed to each, the shared expert and its gate, and the combine. Up to 8 rows
 the products are the weight-streaming GEMV on slices of the stacked weights; beyond, the tiled GEMM
-and all experts in one routed-experts call (kernels/csrc/gemm.cpp). It covers fp32 activations with
-fp32, bf16 or quantized matrices; longer inputs and anything else run `unfused` (the reference
-block over the C++ unfused ops, as `kernels.kernel_set` composes it).
+and all experts in one routed-experts call (kernels/csrc/routed_experts.cpp). It covers fp32
+activations with fp32, bf16 or quantized matrices; longer inputs and anything else run `unfused`
+(the reference block over the C++ unfused ops, as `kernels.kernel_set` composes it).
 """
 
 from __future__ import annotations

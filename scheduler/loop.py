@@ -289,6 +289,7 @@ class SchedulerLoop:
             "runner_config": asdict(s.runner.config),
             "scheduler_config": asdict(s.config),
             "pools": self._q_stats(),
+            "kernels": s.runner.model.ops.info(),
             "leak_check": {"idle": idle, "problems": self._q_leaks() if idle else None},
         }
 

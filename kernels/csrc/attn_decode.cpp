@@ -14,6 +14,7 @@
 
 #include "lanes.h"
 #include "decode_ops.h"
+#include "simd.h"
 
 namespace {
 
@@ -36,7 +37,7 @@ inline void norm_rope(const float* x, const float* w, const float* cos, const fl
 // kAhead tokens on while this one is used.
 constexpr int64_t kAhead = 6;
 inline void prefetch_row(const float* row, int64_t D) {
-  for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(row + i);
+  for (int64_t i = 0; i < D; i += 16) hs::simd::prefetch(row + i);
 }
 
 }  // namespace

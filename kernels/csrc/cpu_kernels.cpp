@@ -1,6 +1,6 @@
 // CPU kernels for the decode step, registered as torch ops `hybrid_serve::*`.
 //
-// Built at first use by kernels/cpp_build.py (torch.utils.cpp_extension.load, -O3 -march=native).
+// Built at first use by kernels/cpp_build.py, at the CPU's ISA level (kernels/cpu_levels.py).
 // Each op has a pure-torch reference in kernels/*.py with the same meaning; see the Python
 // wrappers (kernels/*_cpp.py) for the contracts. Every op takes contiguous tensors; the
 // wrappers make them so.
@@ -20,8 +20,10 @@
 #include "delta_rule.h"
 #include "decode_ops.h"
 #include "gemv.h"
+#include "tensor_args.h"
 #include "pool_slots.h"
 #include "silu.h"
+#include "simd.h"
 
 namespace {
 
@@ -223,8 +225,8 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
           if (t + 2 < cu[i + 1]) {  // this head's rows of v and o lie HV V floats apart per
             // token: the prefetcher misses them, and a pass is too long for the next load to
             // start early
-            __builtin_prefetch(vp + (vh + 2 * HV) * V + j0, 0, 3);
-            __builtin_prefetch(op + (vh + 2 * HV) * V + j0, 1, 3);
+            hs::simd::prefetch(vp + (vh + 2 * HV) * V + j0);
+            hs::simd::prefetch_w(op + (vh + 2 * HV) * V + j0);
           }
           for (int64_t j = 0; j < n; ++j) vt[j] = vp[vh * V + j0 + j];
           hs::delta_rule_pass(block, kn.get() + qk, qn.get() + qk, kn.get() + qk_next, vt,
@@ -233,7 +235,7 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
           for (int64_t j = 0; j < n; ++j) op[vh * V + j0 + j] = static_cast<float>(ot[j]);
           if (tracked != nullptr && t + 1 == cu[i] + toff[i]) store_block(tracked, b, j0);
           for (const int64_t e = std::min(pf_done + pf_step, pf_len); pf_done < e; pf_done += 64)
-            __builtin_prefetch(pf + pf_done, 0, 2);
+            hs::simd::prefetch_l2(pf + pf_done);
         }
       }
       for (int64_t b = 0; b < per_job; ++b) store_block(state, b, (b0 + b) * kBlock);
@@ -279,15 +281,6 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
     }
   });
   return out;
-}
-
-// a * b + c, fused where the machine has FMA (as GCC contracts `y += a * b` there)
-inline float madd(float a, float b, float c) {
-#ifdef __FMA__
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
 }
 
 // Causal conv1d prefill over packed sequences on the conv-state pool, in place. x [T, D] fp32
@@ -363,8 +356,8 @@ at::Tensor conv1d_varlen_pool(const at::Tensor& x, at::Tensor conv_states,
                                   *__restrict e2 = entry(t + 2), *__restrict e3 = entry(t + 3);
           const float* __restrict w = wt.data();
           for (int64_t c = 0; c < nc; ++c) {
-            const float v = madd(w[kCh + c], e1[c], w[c] * e0[c]);
-            y[c] = madd(w[3 * kCh + c], e3[c], madd(w[2 * kCh + c], e2[c], v));
+            const float v = hs::simd::madd(w[kCh + c], e1[c], w[c] * e0[c]);
+            y[c] = hs::simd::madd(w[3 * kCh + c], e3[c], hs::simd::madd(w[2 * kCh + c], e2[c], v));
           }
         } else {
           const float* e0 = entry(t);

@@ -26,7 +26,7 @@ constexpr int64_t kGemvRows = 8;
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);
 std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights);
-// gemm.cpp: tiled_linear; routed_experts_into writes y [T, H] for xs [T, H] sorted by expert,
+// gemm.cpp: tiled_linear; routed_experts.cpp: routed_experts_into writes y [T, H] for xs [T, H] sorted by expert,
 // counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I] alike fp32, bf16,
 // int8 or int4 (gemv.h's formats)
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);

@@ -7,10 +7,7 @@
 #include <cstdint>
 
 #include "prefetch.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace hs {
 
@@ -69,84 +66,48 @@ inline void delta_rule_pass(double* __restrict__ s, const double* __restrict__ k
                             const double* __restrict__ q, const double* __restrict__ k_next,
                             const double* __restrict__ v, double decay, double beta, int64_t dk,
                             double* __restrict__ a, double* __restrict__ o) {
-#if defined(__AVX512F__) && defined(__FMA__)
-  // the 16 columns as two 8-wide vectors: the AVX2 branch's operations, lane for lane
-  const __m512d dc = _mm512_set1_pd(decay), bt = _mm512_set1_pd(beta);
-  auto delta = [&](int c) {
-    return _mm512_mul_pd(_mm512_fnmadd_pd(dc, _mm512_loadu_pd(a + c), _mm512_loadu_pd(v + c)), bt);
-  };
-  const __m512d d0 = delta(0), d1 = delta(8);
-  __m512d o0 = _mm512_setzero_pd(), o1 = o0, a0 = o0, a1 = o0;
-  for (int64_t i = 0; i < dk; ++i) {
-    double* r = s + i * kBlockCols;
-    const __m512d ki = _mm512_set1_pd(k[i]), qi = _mm512_set1_pd(q[i]);
-    const __m512d ni = _mm512_set1_pd(k_next[i]);
-    const __m512d r0 = _mm512_fmadd_pd(ki, d0, _mm512_mul_pd(_mm512_loadu_pd(r), dc));
-    const __m512d r1 = _mm512_fmadd_pd(ki, d1, _mm512_mul_pd(_mm512_loadu_pd(r + 8), dc));
-    _mm512_storeu_pd(r, r0);
-    _mm512_storeu_pd(r + 8, r1);
-    o0 = _mm512_fmadd_pd(qi, r0, o0);
-    o1 = _mm512_fmadd_pd(qi, r1, o1);
-    a0 = _mm512_fmadd_pd(ni, r0, a0);
-    a1 = _mm512_fmadd_pd(ni, r1, a1);
-  }
-  _mm512_storeu_pd(o, o0);
-  _mm512_storeu_pd(o + 8, o1);
-  _mm512_storeu_pd(a, a0);
-  _mm512_storeu_pd(a + 8, a1);
-#elif defined(__AVX2__) && defined(__FMA__)
-  // the 16 columns as four 4-wide vectors, every accumulator named (arrays of vectors would
-  // be kept in memory by the compiler, stored and reloaded on every row)
-  const __m256d dc = _mm256_set1_pd(decay), bt = _mm256_set1_pd(beta);
-  auto delta = [&](int c) {
-    return _mm256_mul_pd(_mm256_fnmadd_pd(dc, _mm256_loadu_pd(a + c), _mm256_loadu_pd(v + c)), bt);
-  };
-  const __m256d d0 = delta(0), d1 = delta(4), d2 = delta(8), d3 = delta(12);
-  __m256d o0 = _mm256_setzero_pd(), o1 = o0, o2 = o0, o3 = o0, a0 = o0, a1 = o0, a2 = o0, a3 = o0;
-  for (int64_t i = 0; i < dk; ++i) {
-    double* r = s + i * kBlockCols;
-    const __m256d ki = _mm256_broadcast_sd(k + i), qi = _mm256_broadcast_sd(q + i);
-    const __m256d ni = _mm256_broadcast_sd(k_next + i);
-    const __m256d r0 = _mm256_fmadd_pd(ki, d0, _mm256_mul_pd(_mm256_loadu_pd(r), dc));
-    const __m256d r1 = _mm256_fmadd_pd(ki, d1, _mm256_mul_pd(_mm256_loadu_pd(r + 4), dc));
-    const __m256d r2 = _mm256_fmadd_pd(ki, d2, _mm256_mul_pd(_mm256_loadu_pd(r + 8), dc));
-    const __m256d r3 = _mm256_fmadd_pd(ki, d3, _mm256_mul_pd(_mm256_loadu_pd(r + 12), dc));
-    _mm256_storeu_pd(r, r0);
-    _mm256_storeu_pd(r + 4, r1);
-    _mm256_storeu_pd(r + 8, r2);
-    _mm256_storeu_pd(r + 12, r3);
-    o0 = _mm256_fmadd_pd(qi, r0, o0);
-    o1 = _mm256_fmadd_pd(qi, r1, o1);
-    o2 = _mm256_fmadd_pd(qi, r2, o2);
-    o3 = _mm256_fmadd_pd(qi, r3, o3);
-    a0 = _mm256_fmadd_pd(ni, r0, a0);
-    a1 = _mm256_fmadd_pd(ni, r1, a1);
-    a2 = _mm256_fmadd_pd(ni, r2, a2);
-    a3 = _mm256_fmadd_pd(ni, r3, a3);
-  }
-  _mm256_storeu_pd(o, o0);
-  _mm256_storeu_pd(o + 4, o1);
-  _mm256_storeu_pd(o + 8, o2);
-  _mm256_storeu_pd(o + 12, o3);
-  _mm256_storeu_pd(a, a0);
-  _mm256_storeu_pd(a + 4, a1);
-  _mm256_storeu_pd(a + 8, a2);
-  _mm256_storeu_pd(a + 12, a3);
-#else
-  double delta[kBlockCols];
-  for (int j = 0; j < kBlockCols; ++j) {
-    delta[j] = (v[j] - decay * a[j]) * beta;
-    o[j] = a[j] = 0.0;
-  }
-  for (int64_t i = 0; i < dk; ++i) {
-    double* r = s + i * kBlockCols;
+  if constexpr (!simd::kVector) {  // generic x86: plain double loops (no FMA instruction)
+    double delta[kBlockCols];
     for (int j = 0; j < kBlockCols; ++j) {
-      r[j] = r[j] * decay + k[i] * delta[j];
-      o[j] += q[i] * r[j];
-      a[j] += k_next[i] * r[j];
+      delta[j] = (v[j] - decay * a[j]) * beta;
+      o[j] = a[j] = 0.0;
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      double* r = s + i * kBlockCols;
+      for (int j = 0; j < kBlockCols; ++j) {
+        r[j] = r[j] * decay + k[i] * delta[j];
+        o[j] += q[i] * r[j];
+        a[j] += k_next[i] * r[j];
+      }
+    }
+  } else {
+    // the 16 columns as 16 / kLanesD vectors (all in registers once the loops are unrolled)
+    namespace V = simd;
+    constexpr int L = V::kLanesD, NV = kBlockCols / L;
+    const V::vd dc = V::bcast_d(decay), bt = V::bcast_d(beta);
+    V::vd dl[NV], ov[NV], av[NV];
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) {
+      dl[c] = V::mul(V::fnma(dc, V::load_d(a + c * L), V::load_d(v + c * L)), bt);
+      ov[c] = av[c] = V::zero_d();
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      double* r = s + i * kBlockCols;
+      const V::vd ki = V::bcast_d(k[i]), qi = V::bcast_d(q[i]), ni = V::bcast_d(k_next[i]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) {
+        const V::vd rc = V::fma(ki, dl[c], V::mul(V::load_d(r + c * L), dc));
+        V::store_d(r + c * L, rc);
+        ov[c] = V::fma(qi, rc, ov[c]);
+        av[c] = V::fma(ni, rc, av[c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) {
+      V::store_d(o + c * L, ov[c]);
+      V::store_d(a + c * L, av[c]);
     }
   }
-#endif
 }
 
 }  // namespace hs

@@ -24,66 +24,40 @@
 #include "silu.h"
 #include "pool_slots.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define GDN_AVX2 1
-#endif
 
 namespace {
 
-#ifdef GDN_AVX2
-inline __m256i lanes(int a, int b, int c, int d, int e, int f, int g, int h) {
-  return _mm256_setr_epi32(a, b, c, d, e, f, g, h);
-}
-
-// Kernel size 4, channels [c0, c0 + 8) of one row, across channels: the 24 window floats
-// (3 per channel) are de-interleaved with blends and lane permutes, y = w3 x + w0 h0 + w1 h1 +
-// w2 h2 in 8 lanes, and the shifted window (h1, h2, x) is the block moved down by one float
-// with x blended into every third lane. Reads one float past the block: the caller keeps
-// c0 + 8 < D. `wt` holds the weights transposed, [4][D].
+// Kernel size 4, channels [c0, c0 + 8) of one row: the 24 window floats (3 per channel)
+// de-interleaved, y = w3 x + w0 h0 + w1 h1 + w2 h2 in 8 lanes, and the window shifted in place
+// with x as its newest entry (simd.h's shift_in3 may read one float past the block: the caller
+// keeps c0 + 8 < D). `wt` holds the weights transposed, [4][D].
 inline void conv4_block8(const float* x, float* window, const float* wt, float* y, int64_t D,
                          int64_t c0) {
+  namespace v = hs::simd;
   float* h = window + c0 * 3;
-  const __m256 a = _mm256_loadu_ps(h), b = _mm256_loadu_ps(h + 8), c = _mm256_loadu_ps(h + 16);
-  const __m256 a1 = _mm256_loadu_ps(h + 1), b1 = _mm256_loadu_ps(h + 9);
-  const __m256 c1 = _mm256_loadu_ps(h + 17);
-  // h_j holds window float j of channels c0..c0+7 (element 3i + j of the block)
-  const __m256 h0 = _mm256_permutevar8x32_ps(
-      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x92), c, 0x24), lanes(0, 3, 6, 1, 4, 7, 2, 5));
-  const __m256 h1 = _mm256_permutevar8x32_ps(
-      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x24), c, 0x49), lanes(1, 4, 7, 2, 5, 0, 3, 6));
-  const __m256 h2 = _mm256_permutevar8x32_ps(
-      _mm256_blend_ps(_mm256_blend_ps(a, b, 0x49), c, 0x92), lanes(2, 5, 0, 3, 6, 1, 4, 7));
-  const __m256 xv = _mm256_loadu_ps(x + c0);
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(wt + 3 * D + c0), xv);
-  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + c0), h0, acc);
-  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + D + c0), h1, acc);
-  acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + 2 * D + c0), h2, acc);
-  _mm256_storeu_ps(y + c0, acc);
-  // new window: element k takes old element k + 1, and x[i] goes to element 3i + 2
-  const __m256 xa = _mm256_permutevar8x32_ps(xv, lanes(0, 0, 0, 0, 0, 1, 0, 0));
-  const __m256 xb = _mm256_permutevar8x32_ps(xv, lanes(2, 0, 0, 3, 0, 0, 4, 0));
-  const __m256 xc = _mm256_permutevar8x32_ps(xv, lanes(0, 5, 0, 0, 6, 0, 0, 7));
-  _mm256_storeu_ps(h, _mm256_blend_ps(a1, xa, 0x24));
-  _mm256_storeu_ps(h + 8, _mm256_blend_ps(b1, xb, 0x49));
-  _mm256_storeu_ps(h + 16, _mm256_blend_ps(c1, xc, 0x92));
+  v::f8 h0, h1, h2;
+  v::deinterleave3(h, h0, h1, h2);
+  const v::f8 xv = v::load8(x + c0);
+  v::f8 acc = v::mul(v::load8(wt + 3 * D + c0), xv);
+  acc = v::fma(v::load8(wt + c0), h0, acc);
+  acc = v::fma(v::load8(wt + D + c0), h1, acc);
+  acc = v::fma(v::load8(wt + 2 * D + c0), h2, acc);
+  v::store8(y + c0, acc);
+  v::shift_in3(h, xv);
 }
-#endif
 
 // One row's conv update: window [D, W-1] shifted in place, y [D] = silu(conv). `wt` is the
 // weight transposed, [W][D].
 inline void conv_row(const float* x, float* window, const float* wt, float* y, int64_t D,
                      int64_t W) {
   int64_t c = 0;
-#ifdef GDN_AVX2
-  if (W == 4) {  // Qwen3-Next's kernel size
+  if (W == 4 && hs::simd::kVector) {  // Qwen3-Next's kernel size
     for (; c + 8 < D; c += 8) conv4_block8(x, window, wt, y, D, c);
   }
-#endif
   for (; c < D; ++c) {
     float* h = window + c * (W - 1);
     float acc = wt[(W - 1) * D + c] * x[c];
-    for (int64_t j = 0; j < W - 1; ++j) acc += wt[j * D + c] * h[j];
+    for (int64_t j = 0; j < W - 1; ++j) acc = hs::simd::madd(wt[j * D + c], h[j], acc);
     for (int64_t j = 0; j + 1 < W - 1; ++j) h[j] = h[j + 1];
     h[W - 2] = x[c];
     y[c] = acc;

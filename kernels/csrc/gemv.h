@@ -2,11 +2,11 @@
 // fp32, bf16, int8 or int4-quantized weights (weights.h), fp32 accumulation; the quantized
 // weights multiply the activations rounded to int8 in integer dot products (qgemv.h). Shared by
 // the ops of every kernels/csrc/*.cpp file (`hs::skinny_linear_jobs`); `skinny_linear` in
-// cpu_kernels.cpp is its torch op.
+// cpu_kernels.cpp is its torch op (tensor_args.h: the tensor-side checks).
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/ScalarType.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -20,12 +20,12 @@
 
 namespace hs {
 
-// y[m, n] = sum_k x[m, k] w[n, k] for M <= 8 rows of x, fp32 or bf16 weights: each weight row is read once
-// from memory and used for all M rows while it is in registers / L1. One FMA chain per row of
-// x, 8 lanes wide (16 where the compiler targets AVX-512: half the uops, which bf16 rows need to
-// reach the memory's speed), except a lone row: it sums even and odd chunks in two chains, so its
-// last bits may differ from the same row's in a batch of 2-8 (as rows already differ between the
-// GEMV and the tiled GEMM).
+// y[m, n] = sum_k x[m, k] w[n, k] for M <= 8 rows of x, fp32 or bf16 weights: each weight row is
+// read once from memory and used for all M rows while it is in registers / L1. One FMA chain per
+// row of x, simd::kLanes wide (16 with AVX-512: half the uops, which bf16 rows need to reach the
+// memory's speed), except a lone row: it sums even and odd chunks in two chains, so its last bits
+// may differ from the same row's in a batch of 2-8 (as rows already differ between the GEMV and
+// the tiled GEMM), and between levels of another width.
 template <typename W, int M>
 void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
                int64_t n1) {
@@ -34,25 +34,25 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
     fetch_ahead(wr, K * int64_t(sizeof(W)));
     int64_t k = 0;
     float tail[M] = {};
-#ifdef HS_SIMD
-    namespace v = simd;
-    constexpr int64_t L = v::kLanes;
-    v::vec acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = v::zero();
-    if constexpr (M == 1) {  // two chains: one FMA chain (4 cycles per vector) caps bf16 rows
-      v::vec odd = v::zero();
-      for (; k + 2 * L <= K; k += 2 * L) {
-        acc[0] = v::fma(v::load_w(wr + k), v::load(x + k), acc[0]);
-        odd = v::fma(v::load_w(wr + k + L), v::load(x + k + L), odd);
+    if constexpr (simd::kVector) {  // at generic x86 the plain loop below is the faster
+      namespace v = simd;
+      constexpr int64_t L = v::kLanes;
+      v::vec acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = v::zero();
+      if constexpr (M == 1) {  // two chains: one FMA chain (4 cycles per vector) caps bf16 rows
+        v::vec odd = v::zero();
+        for (; k + 2 * L <= K; k += 2 * L) {
+          acc[0] = v::fma(v::load_w(wr + k), v::load(x + k), acc[0]);
+          odd = v::fma(v::load_w(wr + k + L), v::load(x + k + L), odd);
+        }
+        acc[0] = v::add(acc[0], odd);
       }
-      acc[0] = v::add(acc[0], odd);
+      for (; k + L <= K; k += L) {
+        const v::vec wv = v::load_w(wr + k);
+        for (int m = 0; m < M; ++m) acc[m] = v::fma(wv, v::load(x + m * K + k), acc[m]);
+      }
+      for (int m = 0; m < M; ++m) tail[m] = v::hsum(acc[m]);
     }
-    for (; k + L <= K; k += L) {
-      const v::vec wv = v::load_w(wr + k);
-      for (int m = 0; m < M; ++m) acc[m] = v::fma(wv, v::load(x + m * K + k), acc[m]);
-    }
-    for (int m = 0; m < M; ++m) tail[m] = v::hsum(acc[m]);
-#endif
     for (; k < K; ++k) {
       const float wk = load1(wr + k);
       for (int m = 0; m < M; ++m) tail[m] += wk * x[m * K + k];
@@ -93,25 +93,12 @@ void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, in
 struct GemvJob {
   const float* x;
   const void* w;
-  at::ScalarType dtype;
+  c10::ScalarType dtype;
   float* y;
   int64_t M, N, K;
 };
 
-// fn(typed pointer) for the weight pointer `w` of dtype `dtype` (fp32, bf16, int8 or int4).
-template <typename F>
-inline void with_weight(at::ScalarType dtype, const void* w, const F& fn) {
-  switch (dtype) {
-    case at::kBFloat16: return fn(static_cast<const at::BFloat16*>(w));
-    case at::kChar: return fn(static_cast<const int8_t*>(w));
-    case at::kByte: return fn(static_cast<const uint8_t*>(w));
-    default: return fn(static_cast<const float*>(w));
-  }
-}
-
-inline int64_t weight_bytes(at::ScalarType dtype) { return at::elementSize(dtype); }
-
-inline bool quantized(at::ScalarType dtype) { return dtype == at::kChar || dtype == at::kByte; }
+inline int64_t weight_bytes(c10::ScalarType dtype) { return c10::elementSize(dtype); }
 
 // Every job's weight rows in blocks of about 16 KB (`skinny_range`'s), all blocks split between
 // the threads in one parallel region: a layer's several small matrices cost one fork/join, and
@@ -162,36 +149,6 @@ template <typename W>
 void skinny_linear_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   const GemvJob job{x, w, c10::CppTypeToScalarType<W>::value, y, M, N, K};
   skinny_linear_jobs(&job, 1);
-}
-
-inline bool weight_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kChar || t == at::kByte;
-}
-
-// The job of `w` (a contiguous fp32, bf16, int8 or int4-format matrix, or `rows` rows of it from
-// `row0`; a stack [E, N, K] is rows of one matrix).
-inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M, int64_t row0 = 0,
-                      int64_t rows = -1) {
-  TORCH_CHECK(weight_dtype(w.scalar_type()), "GEMV weights: fp32, bf16, int8 or int4");
-  const int64_t K = in_features(w), stride = w.size(-1);
-  const char* base = static_cast<const char*>(w.data_ptr()) + row0 * stride * w.element_size();
-  return {x, base, w.scalar_type(), y, M, rows < 0 ? w.numel() / stride - row0 : rows, K};
-}
-
-// The torch op y [M, N] = x [M, K] w [N, K]^T (x fp32, w fp32, bf16, int8 or int4-format, both 2-D
-// contiguous) run by `into(x, w, y, M, N, K)`, a generic callable given w's typed pointer: the
-// checks and the dtype dispatch that `skinny_linear` and `tiled_linear` share.
-template <typename Into>
-at::Tensor linear_op(const char* op, const at::Tensor& x, const at::Tensor& w, const Into& into) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), op, ": contiguous inputs");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": fp32 activations expected");
-  TORCH_CHECK(weight_dtype(w.scalar_type()), op, ": fp32, bf16, int8 or int4 weights");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == in_features(w), op, ": shapes");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = at::empty({M, N}, x.options());
-  with_weight(w.scalar_type(), w.data_ptr(),
-              [&](auto* wp) { into(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K); });
-  return y;
 }
 
 }  // namespace hs

@@ -3,7 +3,7 @@
 // Up to hs::kGemvRows tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
 // experts' products in two parallel regions (input projections, then down projections); beyond,
 // the products are hs::linear's (the tiled GEMM at these sizes) and all experts run in one
-// `routed_experts_into` (gemm.cpp). fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
+// `routed_experts_into` (routed_experts.cpp). fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
 // activations and accumulation.
 //
 // The element-wise functions (softmax, silu, sigmoid) are torch's own kernels on the same
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gemv.h"
+#include "tensor_args.h"
 #include "decode_ops.h"
 
 #pragma GCC optimize("fp-contract=off")

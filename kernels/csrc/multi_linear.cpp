@@ -11,6 +11,7 @@
 
 #include "decode_ops.h"
 #include "gemv.h"
+#include "tensor_args.h"
 
 namespace hs {
 

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "simd.h"
+
 namespace hs {
 
 // `rows` rows of `row_bytes` bytes from `base` (row stride `stride` bytes) into L2, over `steps`
@@ -25,7 +27,7 @@ struct Fetch {
 
   void step() {
     for (const int64_t stop = std::min(end, line + per); line < stop; ++line)
-      __builtin_prefetch(base + line / lines_per_row * stride + line % lines_per_row * 64, 0, 2);
+      simd::prefetch_l2(base + line / lines_per_row * stride + line % lines_per_row * 64);
   }
 };
 

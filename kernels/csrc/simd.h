@@ -1,95 +1,298 @@
-// The register vector of the CPU GEMV and GEMMs (gemv.h, gemm.cpp): 16 fp32
-// lanes where the compiler targets AVX-512 (`-march=native` on such a CPU), 8 with AVX2 + FMA.
-// In the GEMMs the lanes run along outputs, never along k, so every output is the same chain of
-// fused multiply-adds whatever the width: the two builds give bit-identical results. The GEMV's
-// lanes run along k, so its last bits differ between the builds (never within one). On an
-// AVX-512 CPU each FMA does twice the work of an AVX2 one, so the narrower build would waste half
-// the FMA peak.
+// The one home of intrinsics: the vector vocabulary every kernel in kernels/csrc is written in.
+//
+// The library is compiled once per named ISA level (kernels/cpu_levels.py): generic, x86-64-v3
+// (AVX2 + FMA), x86-64-v3-vnni (+ AVX-VNNI), x86-64-v4 (AVX-512), x86-64-v4-vnni (+ AVX512-VNNI),
+// sapphirerapids (+ BF16, FP16, AMX) and, on aarch64, generic (NEON) and armv8.2-a+dotprod. This
+// header reads the compiler's target macros (the only place in kernels/csrc that does) and
+// includes the body of each entry for that target: simd_x86.h, simd_neon.h, or the scalar bodies
+// below, which are also every entry's reference (namespace hs::simd::ref, always compiled).
+//
+// The vocabulary:
+// - `vec`: the widest fp32 register (kLanes = 16 with AVX-512, 8 with AVX2, 4 with NEON, 8
+//   scalar lanes at generic x86): zero, load, store, add, mul, fma, bcast, bcast_pair (two bf16
+//   widened exactly), load_w (kLanes fp32 or bf16 weights), hsum. `kVector` says whether it is a
+//   hardware register (a kernel may then prefer a plain loop, which the compiler vectorizes).
+// - `f8`: 8 fp32 lanes at every level (the integer products' accumulators, exp, the conv
+//   window): zero8, load8, store8, bcast8, add, sub, mul, div, fma, fnma, min, max, round_even,
+//   pow2i, hsum, exp (composed below from the others).
+// - `b32` / `i32x8`: a block of 32 int8 values and 8 int32 lanes: load32, q4_unpack (16 bytes of
+//   int4 nibbles), dot (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd,
+//   VNNI vpdpbusd, NEON sdot), to_float, widen; quantize32 (Q8_0's rounding of 32 activations).
+// - `vd`: the widest fp64 register (kLanesD): zero_d, load_d, store_d, bcast_d, add, mul, fma,
+//   fnma.
+// - deinterleave3 / shift_in3: eight channels' windows of 3 floats ([c][3] interleaved).
+// - prefetch (into L1), prefetch_l2, prefetch_w (for a write); madd (a * b + c as GCC rounds
+//   `y += a * b` at the level: fused at every vector level).
+//
+// Contracts. `fma` rounds once at every level (the scalar body is std::fma), `hsum` adds the
+// lanes as a halving tree (lanes i and i + n/2, then again), whatever the width. So every
+// composition of entries gives the same bits at every level: the integer products (qgemv.h) and
+// the tiled GEMM (gemm.h) are bit-identical across levels, generic included. The fp32/bf16 GEMV
+// (gemv.h) runs its lanes along k, so its last bits depend on kLanes (a different summation
+// order, never a different result within one level). Preconditions: `dot` takes weights in
+// [-127, 127] and activations in [-127, 127] (AVX2's maddubs pairs then never saturate).
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #define HS_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define HS_AVX512 1
+#endif
+#if defined(HS_AVX512) && defined(__AVX512VNNI__)
+#define HS_VNNI_EVEX 1
+#elif defined(__AVXVNNI__)
+#define HS_VNNI_VEX 1
+#endif
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define HS_NEON 1
+#if defined(__ARM_FEATURE_DOTPROD)
+#define HS_DOTPROD 1
+#endif
 #endif
 
-#ifdef HS_AVX2
 namespace hs::simd {
-// The sum of 8 fp32 lanes, in one fixed order at every width: the integer GEMV (qgemv.h) keeps
-// 8-lane accumulators whatever the build targets.
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-}  // namespace hs::simd
-#endif
 
-#if defined(__AVX512F__) && defined(HS_AVX2)
-#define HS_SIMD 1
-namespace hs::simd {
-constexpr int kLanes = 16;
-using vec = __m512;
-inline vec zero() { return _mm512_setzero_ps(); }
-inline vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline vec load_aligned(const float* p) { return _mm512_load_ps(p); }
-inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline void store_aligned(float* p, vec v) { _mm512_store_ps(p, v); }
-inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec bcast(float v) { return _mm512_set1_ps(v); }
-// Two adjacent bf16 values p[0], p[1] (one 4-byte load) widened exactly, each in every lane.
-inline void bcast_pair(const void* p, vec& lo, vec& hi) {
-  int32_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  const __m512i pair = _mm512_set1_epi32(bits);
-  lo = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-  hi = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-}
-// kLanes weights, bf16 widened exactly.
-inline vec load_w(const float* p) { return _mm512_loadu_ps(p); }
-inline vec load_w(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
-}  // namespace hs::simd
+// The features this build's vocabulary uses, for the start-up log and the level tests.
+inline const char* features() {
+#if defined(HS_AVX512) && defined(HS_VNNI_EVEX)
+  return "avx512 avx512-vnni";
+#elif defined(HS_AVX512)
+  return "avx512";
+#elif defined(HS_VNNI_VEX)
+  return "avx2 fma avx-vnni";
 #elif defined(HS_AVX2)
-#define HS_SIMD 1
-namespace hs::simd {
-constexpr int kLanes = 8;
-using vec = __m256;
-inline vec zero() { return _mm256_setzero_ps(); }
-inline vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline vec load_aligned(const float* p) { return _mm256_load_ps(p); }
-inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline void store_aligned(float* p, vec v) { _mm256_store_ps(p, v); }
-inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec bcast(float v) { return _mm256_set1_ps(v); }
-inline void bcast_pair(const void* p, vec& lo, vec& hi) {
-  int32_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  const __m256i pair = _mm256_set1_epi32(bits);
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-  hi = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+  return "avx2 fma";
+#elif defined(HS_DOTPROD)
+  return "neon dotprod";
+#elif defined(HS_NEON)
+  return "neon";
+#else
+  return "scalar";
+#endif
 }
-inline vec load_w(const float* p) { return _mm256_loadu_ps(p); }
-inline vec load_w(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+
+// a * b + c rounded once, at every level.
+inline float fma1(float a, float b, float c) { return std::fma(a, b, c); }
+
+// The scalar bodies: the generic level's vocabulary and every entry's reference.
+namespace ref {
+
+template <typename T, int N>
+struct lanes {
+  T v[N];
+};
+using f8 = lanes<float, 8>;
+using i32x8 = lanes<int32_t, 8>;
+using b32 = lanes<int8_t, 32>;
+using vd = lanes<double, 4>;
+
+template <typename T, int N, typename F>
+inline lanes<T, N> map(const F& f) {
+  lanes<T, N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = f(i);
+  return r;
 }
-inline float hsum(vec v) { return hsum8(v); }
+
+template <typename T, int N>
+inline lanes<T, N> add(lanes<T, N> a, lanes<T, N> b) {
+  return map<T, N>([&](int i) { return a.v[i] + b.v[i]; });
+}
+template <typename T, int N>
+inline lanes<T, N> sub(lanes<T, N> a, lanes<T, N> b) {
+  return map<T, N>([&](int i) { return a.v[i] - b.v[i]; });
+}
+template <typename T, int N>
+inline lanes<T, N> mul(lanes<T, N> a, lanes<T, N> b) {
+  return map<T, N>([&](int i) { return a.v[i] * b.v[i]; });
+}
+template <typename T, int N>
+inline lanes<T, N> div(lanes<T, N> a, lanes<T, N> b) {
+  return map<T, N>([&](int i) { return a.v[i] / b.v[i]; });
+}
+template <typename T, int N>  // a * b + c, rounded once
+inline lanes<T, N> fma(lanes<T, N> a, lanes<T, N> b, lanes<T, N> c) {
+  return map<T, N>([&](int i) { return std::fma(a.v[i], b.v[i], c.v[i]); });
+}
+template <typename T, int N>  // c - a * b, rounded once
+inline lanes<T, N> fnma(lanes<T, N> a, lanes<T, N> b, lanes<T, N> c) {
+  return map<T, N>([&](int i) { return std::fma(-a.v[i], b.v[i], c.v[i]); });
+}
+template <typename T, int N>
+inline lanes<T, N> min(lanes<T, N> a, lanes<T, N> b) {
+  return map<T, N>([&](int i) { return a.v[i] < b.v[i] ? a.v[i] : b.v[i]; });
+}
+template <typename T, int N>
+inline lanes<T, N> max(lanes<T, N> a, lanes<T, N> b) {
+  return map<T, N>([&](int i) { return a.v[i] > b.v[i] ? a.v[i] : b.v[i]; });
+}
+template <typename T, int N>
+inline lanes<T, N> splat(T x) {
+  return map<T, N>([&](int) { return x; });
+}
+template <typename T, int N>
+inline lanes<T, N> load_n(const T* p) {
+  return map<T, N>([&](int i) { return p[i]; });
+}
+template <typename T, int N>
+inline void store_n(T* p, lanes<T, N> a) {
+  std::copy(a.v, a.v + N, p);
+}
+template <typename T, int N>  // the halving tree: lanes i and i + N/2 first
+inline T hsum(lanes<T, N> a) {
+  for (int n = N / 2; n >= 1; n /= 2)
+    for (int i = 0; i < n; ++i) a.v[i] = a.v[i] + a.v[i + n];
+  return a.v[0];
+}
+
+template <int N>  // to the nearest integer, ties to even (the default rounding mode)
+inline lanes<float, N> round_even(lanes<float, N> a) {
+  return map<float, N>([&](int i) { return std::nearbyint(a.v[i]); });
+}
+template <int N>  // 2^n for integral n in [-126, 127]
+inline lanes<float, N> pow2i(lanes<float, N> n) {
+  return map<float, N>([&](int i) {
+    const uint32_t bits = uint32_t(int32_t(n.v[i]) + 127) << 23;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  });
+}
+inline f8 to_float(i32x8 a) {
+  return map<float, 8>([&](int i) { return float(a.v[i]); });
+}
+inline b32 load32(const int8_t* p) { return load_n<int8_t, 32>(p); }
+inline b32 q4_unpack(const uint8_t* p) {  // byte j: element j low nibble, j + 16 high, each + 8
+  return map<int8_t, 32>([&](int i) {
+    return int8_t(i < 16 ? int(p[i] & 15) - 8 : int(p[i - 16] >> 4) - 8);
+  });
+}
+inline i32x8 dot(b32 w, b32 a) {
+  return map<int32_t, 8>([&](int i) {
+    int32_t s = 0;
+    for (int j = 4 * i; j < 4 * i + 4; ++j) s += int32_t(w.v[j]) * int32_t(a.v[j]);
+    return s;
+  });
+}
+inline void widen(b32 q, float s, float* out) {  // out[j] = q[j] * s
+  for (int j = 0; j < 32; ++j) out[j] = float(q.v[j]) * s;
+}
+// Q8_0's rounding of 32 values: q[j] = round_even(x[j] * (127 / max |x|)); returns max |x|.
+inline float quantize32(const float* x, int8_t* q) {
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  for (int j = 0; j < 32; ++j) q[j] = int8_t(std::nearbyint(x[j] * id));
+  return amax;
+}
+// p[3i + j] -> h_j lane i, for eight channels' windows of three.
+inline void deinterleave3(const float* p, f8& h0, f8& h1, f8& h2) {
+  for (int i = 0; i < 8; ++i) {
+    h0.v[i] = p[3 * i];
+    h1.v[i] = p[3 * i + 1];
+    h2.v[i] = p[3 * i + 2];
+  }
+}
+// Each channel's window moves down one and takes x as its newest entry:
+// p[3i] = p[3i + 1], p[3i + 1] = p[3i + 2], p[3i + 2] = x_i. The SIMD bodies may read p[24].
+inline void shift_in3(float* p, f8 x) {
+  for (int i = 0; i < 8; ++i) {
+    p[3 * i] = p[3 * i + 1];
+    p[3 * i + 1] = p[3 * i + 2];
+    p[3 * i + 2] = x.v[i];
+  }
+}
+
+}  // namespace ref
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+inline void prefetch_w(const void* p) { __builtin_prefetch(p, 1, 3); }  // for a write
+
 }  // namespace hs::simd
+
+#if defined(HS_AVX2)
+#include "simd_x86.h"
+#elif defined(HS_NEON)
+#include "simd_neon.h"
 #else
 namespace hs::simd {
-constexpr int kLanes = 8;  // the scalar fallbacks keep the AVX2 build's blocking
+constexpr bool kVector = false;
+constexpr int kLanes = 8;  // the AVX2 build's blocking
+constexpr int kLanesD = 4;
+using vec = ref::lanes<float, kLanes>;
+using f8 = ref::f8;
+using i32x8 = ref::i32x8;
+using b32 = ref::b32;
+using vd = ref::vd;
+using ref::add, ref::sub, ref::mul, ref::div, ref::fma, ref::fnma, ref::min, ref::max;
+using ref::dot, ref::deinterleave3, ref::hsum, ref::load32, ref::pow2i, ref::q4_unpack;
+using ref::quantize32, ref::round_even, ref::shift_in3, ref::to_float, ref::widen;
+inline vec zero() { return ref::splat<float, kLanes>(0.f); }
+inline vec load(const float* p) { return ref::load_n<float, kLanes>(p); }
+inline void store(float* p, vec v) { ref::store_n(p, v); }
+inline vec bcast(float x) { return ref::splat<float, kLanes>(x); }
+inline vec load_w(const float* p) { return load(p); }
+inline vec load_w(const c10::BFloat16* p) {
+  return ref::map<float, kLanes>([&](int i) { return float(p[i]); });
+}
+inline void bcast_pair(const void* p, vec& lo, vec& hi) {
+  const auto* b = static_cast<const c10::BFloat16*>(p);
+  lo = bcast(float(b[0]));
+  hi = bcast(float(b[1]));
+}
+inline f8 zero8() { return ref::splat<float, 8>(0.f); }
+inline f8 load8(const float* p) { return ref::load_n<float, 8>(p); }
+inline void store8(float* p, f8 v) { ref::store_n(p, v); }
+inline f8 bcast8(float x) { return ref::splat<float, 8>(x); }
+inline vd zero_d() { return ref::splat<double, kLanesD>(0.0); }
+inline vd load_d(const double* p) { return ref::load_n<double, kLanesD>(p); }
+inline void store_d(double* p, vd v) { ref::store_n(p, v); }
+inline vd bcast_d(double x) { return ref::splat<double, kLanesD>(x); }
 }  // namespace hs::simd
 #endif
+
+namespace hs::simd {
+
+// a * b + c in one rounding where the level has an FMA instruction (every vector level), two at
+// generic x86: what GCC makes of `y += a * b` at each level, for a plain loop that must round as
+// a vectorized one beside it does.
+inline float madd(float a, float b, float c) {
+  if constexpr (kVector) return std::fma(a, b, c);
+  return a * b + c;
+}
+
+// exp: 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p a degree-6
+// minimax polynomial: within 2 ulp of expf over [-87, 88]; inputs are clamped there. One body
+// for f8 and for the scalar lanes of `exp1`, so a value's exp does not depend on its lane.
+template <typename V, typename Splat>
+inline V exp_poly(V x, const Splat& b) {
+  x = min(max(x, b(-87.3f)), b(88.3f));
+  const V n = round_even(mul(x, b(1.44269504088896341f)));
+  V r = fnma(n, b(0.693359375f), x);
+  r = fnma(n, b(-2.12194440e-4f), r);
+  V p = b(1.9875691500e-4f);
+  p = fma(p, r, b(1.3981999507e-3f));
+  p = fma(p, r, b(8.3334519073e-3f));
+  p = fma(p, r, b(4.1665795894e-2f));
+  p = fma(p, r, b(1.6666665459e-1f));
+  p = fma(p, r, b(5.0000001201e-1f));
+  p = fma(p, mul(r, r), add(r, b(1.f)));
+  return mul(p, pow2i(n));
+}
+
+inline f8 exp(f8 x) { return exp_poly(x, bcast8); }
+
+inline float exp1(float x) {
+  using one = ref::lanes<float, 1>;
+  return exp_poly(one{{x}}, [](float s) { return one{{s}}; }).v[0];
+}
+
+}  // namespace hs::simd

@@ -1,13 +1,17 @@
 // The weight formats the CPU products read (fp32, bf16, and the quantized int8 and int4 of
-// kernels/quant.py) and the helpers the GEMVs share (gemv.h, qgemv.h).
+// kernels/quant.py) and the helpers the GEMVs share (gemv.h, qgemv.h). No tensors here (the
+// tensor-side helpers are in tensor_args.h), so the level tests compile the products alone.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include "simd.h"
 
 namespace hs {
 
@@ -17,7 +21,7 @@ namespace hs {
 // - int4 (torch.uint8): K a multiple of kQ4Group; rows of K / 2 bytes of groups of 16 (group
 //   g's element j in byte 16 g + j's low nibble, element j + 16 in its high nibble, each stored
 //   plus 8) then K / kQ4Group bf16 scales: w[n, k] = (nibble - 8) * scale[n, k / kQ4Group].
-// Their products (qgemv.h, gemm.cpp) multiply int8-rounded activations.
+// Their products (qgemv.h, gemm.h) multiply int8-rounded activations.
 constexpr int64_t kScaleBytes = 4;
 constexpr int64_t kQ4Group = 32;
 
@@ -27,13 +31,6 @@ constexpr int64_t row_stride(int64_t K) {
   if constexpr (std::is_same_v<W, int8_t>) return K + kScaleBytes;
   if constexpr (std::is_same_v<W, uint8_t>) return K / 2 + K / kQ4Group * 2;
   return K;
-}
-
-// The K of a weight [..., N, K] as stored (fp32, bf16 or a format above).
-inline int64_t in_features(const at::Tensor& w) {
-  if (w.scalar_type() == at::kChar) return w.size(-1) - kScaleBytes;
-  if (w.scalar_type() == at::kByte) return w.size(-1) * kQ4Group / (kQ4Group / 2 + 2);
-  return w.size(-1);
 }
 
 // The scale of an int8 row of K values (read from its tail).
@@ -50,7 +47,7 @@ inline float load1<float>(const float* p) {
   return *p;
 }
 template <>
-inline float load1<at::BFloat16>(const at::BFloat16* p) {
+inline float load1<c10::BFloat16>(const c10::BFloat16* p) {
   uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[0]) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
@@ -66,7 +63,7 @@ constexpr int64_t kFetchAhead = 4096;
 
 inline void fetch_ahead(const void* row, int64_t bytes) {
   const char* p = static_cast<const char*>(row) + kFetchAhead;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  for (int64_t b = 0; b < bytes; b += 64) simd::prefetch(p + b);
 }
 
 // Rows of x in blocks of 8 against a block of weight rows small enough to stay in L1/L2 (about
@@ -74,5 +71,22 @@ inline void fetch_ahead(const void* row, int64_t bytes) {
 inline int64_t block_rows(int64_t K, int64_t weight_bytes) {
   return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * weight_bytes));
 }
+
+// fn(typed pointer) for the weight pointer `w` of dtype `dtype` (fp32, bf16, int8 or int4).
+template <typename F>
+inline void with_weight(c10::ScalarType dtype, const void* w, const F& fn) {
+  switch (dtype) {
+    case c10::kBFloat16: return fn(static_cast<const c10::BFloat16*>(w));
+    case c10::kChar: return fn(static_cast<const int8_t*>(w));
+    case c10::kByte: return fn(static_cast<const uint8_t*>(w));
+    default: return fn(static_cast<const float*>(w));
+  }
+}
+
+inline bool weight_dtype(c10::ScalarType t) {
+  return t == c10::kFloat || t == c10::kBFloat16 || t == c10::kChar || t == c10::kByte;
+}
+
+inline bool quantized(c10::ScalarType dtype) { return dtype == c10::kChar || dtype == c10::kByte; }
 
 }  // namespace hs

@@ -1,0 +1,198 @@
+// simd.h's vocabulary on x86: AVX2 + FMA, AVX-512 (F/BW/DQ/VL), and VNNI (EVEX on AVX-512
+// levels, VEX AVX-VNNI otherwise) for the integer dot. Included by simd.h only; the contracts
+// and the scalar reference of each entry are there.
+#pragma once
+
+#include <immintrin.h>
+
+namespace hs::simd {
+
+constexpr bool kVector = true;
+
+// ---- f8, i32x8, b32: 256-bit at every x86 level ----
+struct f8 {
+  __m256 v;
+};
+struct i32x8 {
+  __m256i v;
+};
+struct b32 {
+  __m256i v;
+};
+
+inline f8 zero8() { return {_mm256_setzero_ps()}; }
+inline f8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store8(float* p, f8 a) { _mm256_storeu_ps(p, a.v); }
+inline f8 bcast8(float x) { return {_mm256_set1_ps(x)}; }
+inline f8 add(f8 a, f8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline f8 sub(f8 a, f8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline f8 mul(f8 a, f8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline f8 div(f8 a, f8 b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline f8 fma(f8 a, f8 b, f8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline f8 fnma(f8 a, f8 b, f8 c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }
+inline f8 min(f8 a, f8 b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline f8 max(f8 a, f8 b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline f8 round_even(f8 a) {
+  return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline f8 pow2i(f8 n) {
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
+}
+inline float hsum(f8 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline f8 to_float(i32x8 a) { return {_mm256_cvtepi32_ps(a.v)}; }
+
+inline b32 load32(const int8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))};
+}
+inline b32 q4_unpack(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+  return {_mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8))};
+}
+inline i32x8 dot(b32 w, b32 a) {
+  const __m256i w_abs = _mm256_sign_epi8(w.v, w.v), a_signed = _mm256_sign_epi8(a.v, w.v);
+#if defined(HS_VNNI_EVEX)
+  return {_mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, a_signed)};
+#elif defined(HS_VNNI_VEX)
+  return {_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w_abs, a_signed)};
+#else
+  return {_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, a_signed), _mm256_set1_epi16(1))};
+#endif
+}
+inline void widen(b32 q, float s, float* out) {
+  const __m256 sv = _mm256_set1_ps(s);
+  const auto put = [&](float* o, __m128i v) {  // the low 8 bytes' values, scaled
+    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sv));
+  };
+  const __m128i lo = _mm256_castsi256_si128(q.v), hi = _mm256_extracti128_si256(q.v, 1);
+  put(out, lo);
+  put(out + 8, _mm_srli_si128(lo, 8));
+  put(out + 16, hi);
+  put(out + 24, _mm_srli_si128(hi, 8));
+}
+inline float quantize32(const float* x, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // packs interleave the 128-bit lanes: 0-3 8-11 4-7 12-15 | 16-19 24-27 20-23 28-31 as dwords
+  // of 4 bytes; one dword permutation restores the order
+  const __m256i b =
+      _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return amax;
+}
+
+// The 24 floats of eight windows as three loads, de-interleaved with blends and lane permutes.
+inline void deinterleave3(const float* p, f8& h0, f8& h1, f8& h2) {
+  const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8), c = _mm256_loadu_ps(p + 16);
+  h0.v = _mm256_permutevar8x32_ps(_mm256_blend_ps(_mm256_blend_ps(a, b, 0x92), c, 0x24),
+                                  _mm256_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5));
+  h1.v = _mm256_permutevar8x32_ps(_mm256_blend_ps(_mm256_blend_ps(a, b, 0x24), c, 0x49),
+                                  _mm256_setr_epi32(1, 4, 7, 2, 5, 0, 3, 6));
+  h2.v = _mm256_permutevar8x32_ps(_mm256_blend_ps(_mm256_blend_ps(a, b, 0x49), c, 0x92),
+                                  _mm256_setr_epi32(2, 5, 0, 3, 6, 1, 4, 7));
+}
+// The block moved down one float (three loads at p + 1: reads p[24]) with x blended into every
+// third lane.
+inline void shift_in3(float* p, f8 x) {
+  const __m256 a1 = _mm256_loadu_ps(p + 1), b1 = _mm256_loadu_ps(p + 9);
+  const __m256 c1 = _mm256_loadu_ps(p + 17);
+  const __m256 xa = _mm256_permutevar8x32_ps(x.v, _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 0, 0));
+  const __m256 xb = _mm256_permutevar8x32_ps(x.v, _mm256_setr_epi32(2, 0, 0, 3, 0, 0, 4, 0));
+  const __m256 xc = _mm256_permutevar8x32_ps(x.v, _mm256_setr_epi32(0, 5, 0, 0, 6, 0, 0, 7));
+  _mm256_storeu_ps(p, _mm256_blend_ps(a1, xa, 0x24));
+  _mm256_storeu_ps(p + 8, _mm256_blend_ps(b1, xb, 0x49));
+  _mm256_storeu_ps(p + 16, _mm256_blend_ps(c1, xc, 0x92));
+}
+
+// ---- vec and vd: the widest registers ----
+#if defined(HS_AVX512)
+constexpr int kLanes = 16;
+constexpr int kLanesD = 8;
+using vec = __m512;
+using vd = __m512d;
+inline vec zero() { return _mm512_setzero_ps(); }
+inline vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec bcast(float x) { return _mm512_set1_ps(x); }
+inline void bcast_pair(const void* p, vec& lo, vec& hi) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const __m512i pair = _mm512_set1_epi32(bits);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline vec load_w(const float* p) { return _mm512_loadu_ps(p); }
+inline vec load_w(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline float hsum(vec v) {  // halves first, then simd.h's 8-lane tree
+  return hsum(f8{_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))});
+}
+inline vd zero_d() { return _mm512_setzero_pd(); }
+inline vd load_d(const double* p) { return _mm512_loadu_pd(p); }
+inline void store_d(double* p, vd v) { _mm512_storeu_pd(p, v); }
+inline vd bcast_d(double x) { return _mm512_set1_pd(x); }
+inline vd add(vd a, vd b) { return _mm512_add_pd(a, b); }
+inline vd mul(vd a, vd b) { return _mm512_mul_pd(a, b); }
+inline vd fma(vd a, vd b, vd c) { return _mm512_fmadd_pd(a, b, c); }
+inline vd fnma(vd a, vd b, vd c) { return _mm512_fnmadd_pd(a, b, c); }
+#else
+constexpr int kLanes = 8;
+constexpr int kLanesD = 4;
+using vec = __m256;
+using vd = __m256d;
+inline vec zero() { return _mm256_setzero_ps(); }
+inline vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec bcast(float x) { return _mm256_set1_ps(x); }
+inline void bcast_pair(const void* p, vec& lo, vec& hi) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const __m256i pair = _mm256_set1_epi32(bits);
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline vec load_w(const float* p) { return _mm256_loadu_ps(p); }
+inline vec load_w(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum(vec v) { return hsum(f8{v}); }
+inline vd zero_d() { return _mm256_setzero_pd(); }
+inline vd load_d(const double* p) { return _mm256_loadu_pd(p); }
+inline void store_d(double* p, vd v) { _mm256_storeu_pd(p, v); }
+inline vd bcast_d(double x) { return _mm256_set1_pd(x); }
+inline vd add(vd a, vd b) { return _mm256_add_pd(a, b); }
+inline vd mul(vd a, vd b) { return _mm256_mul_pd(a, b); }
+inline vd fma(vd a, vd b, vd c) { return _mm256_fmadd_pd(a, b, c); }
+inline vd fnma(vd a, vd b, vd c) { return _mm256_fnmadd_pd(a, b, c); }
+#endif
+
+}  // namespace hs::simd

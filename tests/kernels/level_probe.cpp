@@ -1,0 +1,71 @@
+// The numeric cores of kernels/csrc behind a C interface, compiled once per ISA level by
+// tests/kernels/test_cpu_levels.py (the flags of kernels/cpu_levels.py) and called through
+// ctypes, so one process compares every level this CPU runs with the generic one. Only the
+// torch-free headers are included: a level compiles in seconds.
+
+#include <cstdint>
+
+#include "gemm.h"
+#include "gemv.h"
+#include "qgemv.h"
+#include "silu.h"
+#include "delta_rule.h"
+#include "simd.h"
+
+namespace {
+
+// 0 fp32, 1 bf16, 2 int8, 3 int4 (weights.h's formats)
+template <typename F>
+void with_code(int code, const void* w, const F& fn) {
+  switch (code) {
+    case 1: return fn(static_cast<const c10::BFloat16*>(w));
+    case 2: return fn(static_cast<const int8_t*>(w));
+    case 3: return fn(static_cast<const uint8_t*>(w));
+    default: return fn(static_cast<const float*>(w));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* probe_features() { return hs::simd::features(); }
+
+// y [M, N] = x [M, K] w [N, K]^T: the GEMV (integer GEMV for int8/int4) up to 8 rows, the tiled
+// GEMM beyond, as hs::linear chooses.
+void probe_linear(int code, const float* x, const void* w, float* y, int64_t M, int64_t N,
+                  int64_t K) {
+  with_code(code, w, [&](auto* wp) {
+    if (M <= 8) {
+      hs::skinny_linear_into(x, wp, y, M, N, K);
+    } else {
+      hs::tiled::gemm_into(x, wp, y, M, N, K);
+    }
+  });
+}
+
+float probe_quantize(const float* x, int64_t n, int8_t* q) { return hs::quantize_block(x, n, q); }
+
+void probe_silu(float* y, int64_t n) { hs::silu_inplace(y, n); }
+
+float probe_exp1(float x) { return hs::simd::exp1(x); }
+
+// Eight windows of three at p: de-interleaved into h [3][8], then shifted in place taking x.
+void probe_window(float* p, const float* x, float* h) {
+  namespace v = hs::simd;
+  v::f8 h0, h1, h2;
+  v::deinterleave3(p, h0, h1, h2);
+  v::store8(h, h0);
+  v::store8(h + 8, h1);
+  v::store8(h + 16, h2);
+  v::shift_in3(p, v::load8(x));
+}
+
+// delta_rule.h's pass over a [dk, 16] double block (a and o [16]: see there).
+void probe_delta_pass(double* s, const double* k, const double* q, const double* k_next,
+                      const double* v, double decay, double beta, int64_t dk, double* a,
+                      double* o) {
+  hs::delta_rule_pass(s, k, q, k_next, v, decay, beta, dk, a, o);
+}
+
+}  // extern "C"

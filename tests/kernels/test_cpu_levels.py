@@ -1,0 +1,227 @@
+"""Every ISA level of the C++ kernels, whatever the host (kernels/cpu_levels.py).
+
+- Every source compiles at every level of both architectures: x86-64 through the host compiler
+  (or x86_64-linux-gnu-g++ on an aarch64 host), aarch64 through aarch64-linux-gnu-g++, which
+  `make test` installs where it is missing. A missing cross compiler fails the test: the AVX-512
+  build broke unseen while every machine it was built on had AVX2 only.
+- Every level this CPU runs is compared with the generic one through a probe library of the
+  numeric cores (tests/kernels/level_probe.cpp): the integer products, the tiled GEMM, the
+  activations' rounding, exp/silu and the window shuffles bit for bit; the fp32/bf16 GEMV
+  within fp32 round-off (its lanes run along k, so its bits follow the vector width: simd.h).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpp_build, cpu_levels, quant
+
+HERE = Path(__file__).parent
+ARCHES = ("x86_64", "aarch64")
+
+
+def compiler_for(arch: str) -> str | None:
+    """The compiler that targets `arch` from this host (None: not installed)."""
+    if arch == platform.machine():
+        return shutil.which(os.environ.get("CXX", "c++"))
+    return shutil.which(f"{arch}-linux-gnu-g++")
+
+
+def compile_unity(level: cpu_levels.Level, cxx: str, tmp: Path) -> str:
+    """Every source of kernels/csrc in one translation unit at `level`, compiled to an object
+    at -O0 (the intrinsics' target checks run at every optimisation level); '' or the first
+    error."""
+    unity = tmp / f"unity-{level.arch}-{level.name}.cpp"
+    unity.write_text("".join(f'#include "{src}"\n' for src in cpp_build.sources()))
+    flags = [f for f in cpp_build.compile_flags(level) if f != "-O3"]
+    out = subprocess.run(
+        [cxx, *flags, "-O0", "-c", str(unity), "-o", os.devnull],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return "" if out.returncode == 0 else cpp_build.first_error(out.stderr + out.stdout)
+
+
+@pytest.mark.slow
+def test_every_source_compiles_at_every_level_of_both_architectures(tmp_path):
+    missing = [arch for arch in ARCHES if compiler_for(arch) is None]
+    assert not missing, (
+        f"no compiler for {', '.join(missing)}: `make test` installs the cross compiler "
+        "(Debian: apt-get install g++-aarch64-linux-gnu, or g++-x86-64-linux-gnu on aarch64)"
+    )
+    jobs = [(lv, compiler_for(lv.arch)) for arch in ARCHES for lv in cpu_levels.levels(arch)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        errors = list(pool.map(lambda job: compile_unity(job[0], job[1], tmp_path), jobs))
+    failed = {f"{lv.arch}/{lv.name}": err for (lv, _), err in zip(jobs, errors, strict=True) if err}
+    assert not failed, failed
+    assert {(lv.arch, lv.name) for lv, _ in jobs} >= {
+        ("x86_64", "generic"), ("x86_64", "x86-64-v3"), ("x86_64", "x86-64-v4"),
+        ("x86_64", "sapphirerapids"), ("aarch64", "armv8.2-a+dotprod"),
+    }  # fmt: skip
+
+
+# ---- the levels this CPU runs, against the generic one ----------------------------------------
+
+RUNNABLE = [lv for lv in cpu_levels.levels() if lv.runs_on(cpu_levels.host_features())]
+FEATURES = {  # what each level's vocabulary must have compiled to (simd.h's `features`)
+    "generic": "scalar",
+    "x86-64-v3": "avx2 fma",
+    "x86-64-v3-vnni": "avx2 fma avx-vnni",
+    "x86-64-v4": "avx512",
+    "x86-64-v4-vnni": "avx512 avx512-vnni",
+    "sapphirerapids": "avx512 avx512-vnni",
+    "armv8.2-a+dotprod": "neon dotprod",
+}
+if platform.machine() == "aarch64":
+    FEATURES["generic"] = "neon"
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> dict[str, ctypes.CDLL]:
+    cxx = compiler_for(platform.machine())
+    if cxx is None:
+        pytest.skip("no C++ compiler: the kernels' references serve")
+    tmp = tmp_path_factory.mktemp("probes")
+
+    def build(level: cpu_levels.Level) -> Path:
+        lib = tmp / f"probe-{level.name}.so"
+        flags = [f for f in cpp_build.compile_flags(level) if f != "-O3"]
+        cmd = [cxx, *flags, "-O2", f"-I{cpp_build.CSRC}", str(HERE / "level_probe.cpp")]
+        subprocess.run([*cmd, *cpp_build.link_flags(), "-o", str(lib)], check=True)
+        return lib
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        libs = dict(zip([lv.name for lv in RUNNABLE], pool.map(build, RUNNABLE), strict=True))
+    out = {}
+    for name, path in libs.items():
+        lib = ctypes.CDLL(str(path))
+        lib.probe_features.restype = ctypes.c_char_p
+        lib.probe_quantize.restype = ctypes.c_float
+        lib.probe_exp1.restype = ctypes.c_float
+        lib.probe_exp1.argtypes = [ctypes.c_float]
+        lib.probe_delta_pass.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_double] * 2 + [
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ]  # fmt: skip
+        out[name] = lib
+    return out
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}[w.dtype]
+    M, K, N = x.shape[0], x.shape[1], w.shape[0]
+    y = torch.empty(M, N)
+    i64 = ctypes.c_int64
+    lib.probe_linear(code, ptr(x), ptr(w), ptr(y), i64(M), i64(N), i64(K))
+    return y
+
+
+OTHERS = [lv.name for lv in RUNNABLE if lv.name != "generic"]
+
+
+def test_each_level_compiled_to_its_features(probes):
+    for name, lib in probes.items():
+        assert lib.probe_features().decode() == FEATURES[name], name
+
+
+@pytest.mark.parametrize("level", OTHERS)
+def test_integer_products_and_the_gemm_are_the_generic_levels_bit_for_bit(probes, level):
+    g = torch.Generator().manual_seed(0)
+    for M, N, K in [(1, 7, 96), (2, 50, 64), (3, 9, 100), (5, 33, 256), (8, 13, 160),
+                    (9, 50, 96), (17, 13, 100), (40, 48, 288)]:  # fmt: skip
+        x = torch.randn(M, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        weights = [quant.quantize(w, "int8")]
+        if K % quant.GROUP == 0:
+            weights.append(quant.quantize(w, "int4"))
+        if M > 8:  # the tiled GEMM: one fused chain per output at every width
+            weights += [w, w.bfloat16()]
+        for wq in weights:
+            want = linear(probes["generic"], x, wq)
+            got = linear(probes[level], x, wq)
+            assert torch.equal(got, want), (level, M, N, K, wq.dtype)
+            xr = quant.round_activations(x) if quant.is_quantized(wq) else x
+            ref = xr @ quant.widen(wq, torch.float32).T
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("level", OTHERS)
+def test_the_gemv_agrees_within_round_off(probes, level):
+    """fp32/bf16 rows up to 8: lanes along k, so the bits follow the width (simd.h); levels of
+    one width agree bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    width = {lv: FEATURES[lv].startswith("avx512") for lv in OTHERS}
+    for M, N, K in [(1, 20, 300), (4, 17, 64), (8, 5, 1000)]:
+        x = torch.randn(M, K, generator=g)
+        for w in (torch.randn(N, K, generator=g), torch.randn(N, K, generator=g).bfloat16()):
+            got = linear(probes[level], x, w)
+            torch.testing.assert_close(got, linear(probes["generic"], x, w), rtol=1e-5, atol=1e-5)
+            for other in OTHERS:
+                if width[other] == width[level]:
+                    assert torch.equal(linear(probes[other], x, w), got), (level, other)
+
+
+@pytest.mark.parametrize("level", OTHERS)
+def test_rounding_exp_silu_and_windows_are_the_generic_levels(probes, level):
+    g = torch.Generator().manual_seed(2)
+    lib, ref = probes[level], probes["generic"]
+    for x in (torch.randn(32, generator=g) * 3, torch.randn(17, generator=g), torch.zeros(32)):
+        n = x.numel()
+        qa, qb = torch.empty(n, dtype=torch.int8), torch.empty(n, dtype=torch.int8)
+        sa = lib.probe_quantize(ptr(x), ctypes.c_int64(n), ptr(qa))
+        sb = ref.probe_quantize(ptr(x), ctypes.c_int64(n), ptr(qb))
+        assert sa == sb and torch.equal(qa, qb)
+    y = torch.cat([torch.linspace(-90, 90, 61), torch.randn(40, generator=g) * 8])
+    a, b = y.clone(), y.clone()
+    lib.probe_silu(ptr(a), ctypes.c_int64(a.numel()))
+    ref.probe_silu(ptr(b), ctypes.c_int64(b.numel()))
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, torch.nn.functional.silu(y), rtol=1e-6, atol=1e-30)
+    for v in (-87.0, -1.5, 0.0, 0.3, 10.0, 88.0):
+        assert lib.probe_exp1(v) == ref.probe_exp1(v)
+    window = torch.randn(25, generator=g)
+    xs = torch.randn(8, generator=g)
+    wa, wb, ha, hb = window.clone(), window.clone(), torch.empty(24), torch.empty(24)
+    lib.probe_window(ptr(wa), ptr(xs), ptr(ha))
+    ref.probe_window(ptr(wb), ptr(xs), ptr(hb))
+    assert torch.equal(ha, hb) and torch.equal(wa, wb)
+    assert torch.equal(ha.view(3, 8), window[:24].view(8, 3).T)
+    assert torch.equal(wa[:24].view(8, 3), torch.stack([window[1:24:3], window[2:24:3], xs], 1))
+
+
+@pytest.mark.parametrize("level", OTHERS)
+def test_the_delta_rule_pass_is_the_same_at_every_vector_level(probes, level):
+    g = torch.Generator().manual_seed(3)
+    dk = 24
+    s0 = torch.randn(dk, 16, dtype=torch.float64, generator=g)
+    k, q, kn = (torch.randn(dk, dtype=torch.float64, generator=g) for _ in range(3))
+    v, a0 = (torch.randn(16, dtype=torch.float64, generator=g) for _ in range(2))
+
+    def run(lib: ctypes.CDLL) -> tuple[torch.Tensor, ...]:
+        s, a, o = s0.clone(), a0.clone(), torch.empty(16, dtype=torch.float64)
+        lib.probe_delta_pass(ptr(s), ptr(k), ptr(q), ptr(kn), ptr(v), 0.9, 0.5, dk, ptr(a), ptr(o))
+        return s, a, o
+
+    got = run(probes[level])
+    delta = (v - 0.9 * a0) * 0.5
+    s_ref = 0.9 * s0 + k[:, None] * delta
+    for t, want in zip(got, (s_ref, s_ref.T @ kn, s_ref.T @ q), strict=True):
+        torch.testing.assert_close(t, want, rtol=1e-12, atol=1e-12)
+    for other in OTHERS:  # elementwise along the columns: no width in the sums
+        assert all(torch.equal(a, b) for a, b in zip(run(probes[other]), got, strict=True)), (
+            level,
+            other,
+        )
