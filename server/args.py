@@ -47,8 +47,9 @@ class ServerConfig:
     api_key_file: str | None = opt(None, "file of API keys, one per line (# comments)")
     admin_api_key: str | None = opt(
         None,
-        "key for the admin routes (/flush_cache, abort_all); without it they take any API key "
-        "(also HYBRID_SERVE_ADMIN_API_KEY)",
+        "key for the server-wide routes (/flush_cache, abort_all); without it, one API key may "
+        "use them, but with several keys /flush_cache is refused and abort_all ends the "
+        "caller's own requests (also HYBRID_SERVE_ADMIN_API_KEY)",
     )
     allowed_hosts: tuple[str, ...] = opt(
         (), "Host header names accepted (default: loopback names when bound to loopback; * any)"

@@ -78,10 +78,20 @@ class Generator:
     ) -> None:
         self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
         self.max_outstanding = max_outstanding
-        self.outstanding = 0  # submitted, not yet finished
+        self.in_flight: set[str] = set()  # the scheduler's ids of requests submitted, unfinished
         self.closed = False  # draining for shutdown: nothing new is submitted
         self.idle = asyncio.Event()  # set while nothing is outstanding
         self.idle.set()
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.in_flight)
+
+    def rids_of(self, caller: str) -> list[str]:
+        """The scheduler's ids of `caller`'s requests in flight (ids are scoped to their caller,
+        `server/ownership.py`): what an `abort_all` limited to that caller ends."""
+        prefix = scoped(caller, "")
+        return [rid for rid in self.in_flight if rid.startswith(prefix)]
 
     @property
     def max_context_len(self) -> int:
@@ -142,7 +152,7 @@ class Generator:
             status = getattr(e, "status", 503)
             self.metrics.request_done("error", 0, 0, 0, None)
             raise APIError(str(e), status) from e
-        self.outstanding += 1
+        self.in_flight.add(rid)
         self.idle.clear()
         text = TextStream(self.tokenizer, params.stop, skip_special_tokens, no_stop_trim)
         start = last = time.perf_counter()
@@ -192,8 +202,8 @@ class Generator:
                     outcome = piece.finish_reason or "abort"
                 yield piece
         finally:
-            self.outstanding -= 1
-            if not self.outstanding:
+            self.in_flight.discard(rid)
+            if not self.in_flight:
                 self.idle.set()
             if not finished:
                 self.client.abort(rid, forget=True)

@@ -35,7 +35,7 @@ from server.protocol import (
     session_dict,
     shared_sampling,
 )
-from server.security import require_admin
+from server.security import server_wide
 
 router = APIRouter()
 
@@ -238,21 +238,35 @@ async def get_server_info(request: Request) -> JSONResponse:
 @router.api_route("/flush_cache", methods=["POST", "GET"])
 async def flush_cache(request: Request) -> PlainTextResponse:
     """Empty the radix cache and free idle sessions' held slots (they stay open; their next
-    turns recompute); 400 while requests run, as SGLang."""
-    require_admin(request)
+    turns recompute); 400 while requests run, as SGLang. Every key's cache goes, so with several
+    API keys only the admin key may: 403 naming `--admin-api-key` otherwise
+    (`server/security.py`)."""
+    if not server_wide(request):
+        raise APIError(
+            "/flush_cache empties the cache of every API key: with several keys it needs the "
+            "admin key, and none is set (--admin-api-key)",
+            403,
+        )
     await get_state(request).query("flush")
     return PlainTextResponse("Cache flushed.\n")
 
 
 @router.post("/abort_request")
 async def abort_request(body: AbortRequest, request: Request) -> Response:
+    """Abort the caller's request `rid` (another key's rid names nothing: a no-op), or with
+    `abort_all` every request; with several API keys and no admin key, `abort_all` from a key
+    ends that key's own requests only (`server/security.py`). 200 either way."""
     s = get_state(request)
     s.check_ready()
     if body.rid is None and not body.abort_all:
         raise APIError("give 'rid' or 'abort_all': true", 400)
-    if body.abort_all:
-        require_admin(request)
+    caller = caller_of(request)
+    if not body.abort_all:
+        s.client.abort(scoped(caller, body.rid))
+    elif server_wide(request):
         s.client.abort(None, abort_all=True)
-    else:  # only the caller's own request: another key's rid names nothing here
-        s.client.abort(scoped(caller_of(request), body.rid))
+    else:
+        assert caller is not None  # several keys are set, so every caller has one
+        for rid in s.generator.rids_of(caller):
+            s.client.abort(rid)
     return Response(status_code=200)

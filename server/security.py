@@ -4,10 +4,19 @@ Keys. Inference keys come from `--api-key`, `HYBRID_SERVE_API_KEY` and `--api-ke
 a line; blank lines and `#` comments skipped); the admin key from `--admin-api-key` or
 `HYBRID_SERVE_ADMIN_API_KEY`. With any key set, every route but /health and /metrics wants
 `Authorization: Bearer KEY` (401 otherwise); keys are compared in constant time, all of them on
-every request, and never logged. The admin routes (`/flush_cache`, `/abort_request` with
-`abort_all`) want the admin key when one is set, and otherwise accept any inference key. A caller
-is known by a fingerprint of its key (`request.state.caller`; None on a keyless server), which
-is what sessions and request ids are scoped to.
+every request, and never logged. A caller is known by a fingerprint of its key
+(`request.state.caller`; None on a keyless server), which is what sessions and request ids are
+scoped to.
+
+Server-wide acts (`/flush_cache`, `/abort_request` with `abort_all`) reach every key's work, so
+who may do them depends on the keys (`Keys.server_wide`):
+  - an admin key is set: only it (an inference key gets a 403 naming `--admin-api-key`);
+  - no admin key, at most one inference key: any caller, as in SGLang (whoever can call is the
+    only tenant);
+  - no admin key, several inference keys: nobody. `/flush_cache` is refused with a 403 naming
+    `--admin-api-key`; `abort_all` is scoped to the caller's own requests instead of refused, so
+    a key can still stop everything it started. (An abort by `rid` is scoped on every keyed
+    server: another key's rid names nothing, `server/ownership.py`.)
 
 Browsers. `RequestGuard` runs before everything else and refuses:
   - a `Host` header outside the allow-list (`--allowed-hosts`; by default the loopback names when
@@ -73,6 +82,18 @@ class Keys:
     def enabled(self) -> bool:
         return bool(self.api or self.admin)
 
+    def server_wide(self, admin: bool) -> bool:
+        """Whether a caller (`admin`: it gave the admin key) may act on every key's work: True
+        for the admin key, and for any caller when no admin key is set and at most one inference
+        key is; False for an inference key among several with no admin key (the routes then
+        refuse or scope the act, see the module docstring). With an admin key set, any other
+        caller gets `APIError` 403 naming `--admin-api-key`."""
+        if self.admin is not None:
+            if not admin:
+                raise APIError("this route needs the admin API key (--admin-api-key)", 403)
+            return True
+        return len(self.api) <= 1
+
     def caller(self, authorization: str) -> tuple[str | None, bool]:
         """(fingerprint of the matching key or None, whether it is the admin key). Every key is
         compared, so the time taken does not tell which one (or how much of one) matched."""
@@ -109,11 +130,10 @@ class KeyCheck:
         await self.app(scope, receive, send)
 
 
-def require_admin(request: Request) -> None:
-    """Admin routes: with an admin key set only it passes (403 for an inference key)."""
+def server_wide(request: Request) -> bool:
+    """`Keys.server_wide` for the caller of `request` (403 raised as `APIError`)."""
     keys: Keys = request.app.state.hs.keys
-    if keys.admin is not None and not getattr(request.state, "admin", False):
-        raise APIError("this route needs the admin API key", 403)
+    return keys.server_wide(getattr(request.state, "admin", False))
 
 
 def default_allowed_hosts(bind_host: str) -> tuple[str, ...]:

@@ -2,7 +2,9 @@
 continuing, branching, closing or probing another key's session, a second key aborting (or
 taking first) another key's request id, a keyless caller using a session id it did not open
 under `--session-secret`, the PIN-guess probe on the prefix cache under two `cache_salt`s and
-under `--cache-isolation per-key`; plus session timeouts and `--max-sessions`."""
+under `--cache-isolation per-key`; a second key stopping the first's requests with `abort_all` or
+emptying the shared cache with /flush_cache (issue 46); plus session timeouts and
+`--max-sessions`."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.server.conftest import start, wait_idle_and_clean
+from tests.server.conftest import HELD, HOLD_ENV, start, wait_idle_and_clean
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 # states every 64-token chunk, so a prompt sharing 128 tokens with a cached one hits 128
@@ -34,7 +37,7 @@ def two_keys(tiny_path, tmp_path_factory):
     (tmp / "keys").write_text("alice-key\nbob-key\n")
     cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path), *TRACKED]
     cmd += ["--api-key-file", str(tmp / "keys"), "--max-sessions", "3"]
-    srv = start([*cmd, "--cache-isolation", "per-key"], tmp / "log")
+    srv = start([*cmd, "--cache-isolation", "per-key"], tmp / "log", HOLD_ENV)
     try:
         srv.wait_healthy()
         with (
@@ -114,6 +117,54 @@ def test_a_second_key_cannot_abort_or_take_a_request_id(two_keys):
         last = last_event(stream.iter_lines(), abort_after=3)
     assert last["finish_reason"]["type"] == "abort" and last["completion_tokens"] < 400
     assert wait_idle_and_clean(alice)["problems"] == []
+
+
+def _events(lines) -> Iterator[dict]:
+    for line in lines:
+        if line.startswith("data:") and line != "data: [DONE]":
+            yield json.loads(line[5:])
+
+
+def test_a_second_key_cannot_stop_or_flush_the_first(two_keys):
+    """Several keys, no admin key: bob's abort_all ends bob's requests only, his abort of
+    alice's rid ends nothing, and /flush_cache (server-wide) is a 403 naming --admin-api-key."""
+    alice, bob = two_keys
+    sp = {**GREEDY, "max_new_tokens": 16}
+    held = {"input_ids": [6, 7, 8], "stream": True, "sampling_params": sp}  # paused at 2 outputs
+    long = {"input_ids": [3, 4, 5], "rid": "alice-long", "stream": True}
+    long["sampling_params"] = {**GREEDY, "max_new_tokens": 400}
+    with (
+        alice.stream("POST", "/generate", json=long) as a_long,
+        alice.stream("POST", "/generate", json={**held, "rid": HELD + "alice"}) as a_held,
+        bob.stream("POST", "/generate", json={**held, "rid": HELD + "bob"}) as b_held,
+    ):
+        a_long_events, a_held_events = _events(a_long.iter_lines()), _events(a_held.iter_lines())
+        b_held_events = _events(b_held.iter_lines())
+        for events in (a_long_events, a_held_events, b_held_events):
+            assert next(events)["meta_info"]["finish_reason"] is None  # all three are running
+        assert bob.post("/abort_request", json={"rid": HELD + "alice"}).status_code == 200
+        assert bob.post("/abort_request", json={"abort_all": True}).status_code == 200
+        *_, last = b_held_events
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"  # bob's own: ended
+        # the scheduler has applied both of bob's aborts (his own request's end came after
+        # them); alice's paused request is still there, so the scheduler is not idle
+        assert alice.get("/get_server_info").json()["leak_check"]["idle"] is False
+        *_, last = a_long_events
+        assert last["meta_info"]["finish_reason"]["type"] == "length"  # ran to its end
+        assert last["meta_info"]["completion_tokens"] == 400
+        assert alice.post("/abort_request", json={"abort_all": True}).status_code == 200
+        *_, last = a_held_events
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"  # her own abort_all
+    assert wait_idle_and_clean(alice)["problems"] == []
+    # /flush_cache would empty every key's cache: refused to each key, with the flag named
+    _cached(alice, SECRET, "flush-probe")
+    for c in (bob, alice):
+        r = c.post("/flush_cache")
+        assert r.status_code == 403 and "--admin-api-key" in r.json()["message"], r.text
+        assert r.json()["object"] == "error"
+    assert _cached(alice, SECRET, "flush-probe") == len(SECRET)  # her cache is still there
+    assert _cached(bob, [9, 10, 11]) == 0  # and the server keeps serving
+    assert wait_idle_and_clean(bob)["problems"] == []
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,16 @@ leaking through the command line, the logs or /get_server_info."""
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import serve_command, start
+from server.errors import APIError
+from server.security import Keys
+from tests.server.conftest import HELD, HOLD_ENV, serve_command, start, wait_idle_and_clean
 
 BODY = {"model": "default", "prompt": "x", "max_tokens": 2}
 
@@ -47,7 +50,7 @@ def keyed_server(tiny_path, tmp_path):
         tiny_path, "--api-key-file", str(key_file), "--allowed-origins", "http://ok.example"
     )
     env = {"HYBRID_SERVE_API_KEY": "env-key-one", "HYBRID_SERVE_ADMIN_API_KEY": "admin-key"}
-    srv = start(cmd, tmp_path / "keyed.log", env)
+    srv = start(cmd, tmp_path / "keyed.log", {**env, **HOLD_ENV})
     try:
         srv.wait_healthy()
         yield srv
@@ -66,13 +69,25 @@ def test_keys_from_env_and_file_and_the_admin_key(keyed_server):
         assert r.status_code == 200, (key, r.text)
     assert httpx.post(f"{url}/v1/completions", json=BODY).status_code == 401
     assert httpx.post(f"{url}/v1/completions", json=BODY, headers=_auth("nope")).status_code == 401
-    # admin routes: an inference key is not enough once an admin key is set
+    # admin routes: an inference key is not enough once an admin key is set (even for its own
+    # requests); the admin key's abort_all ends every key's requests
     abort_all = {"abort_all": True}
-    r = httpx.post(f"{url}/abort_request", json=abort_all, headers=_auth("user-two-key"))
-    assert r.status_code == 403
-    assert httpx.post(f"{url}/flush_cache", headers=_auth("env-key-one")).status_code == 403
-    assert httpx.post(f"{url}/abort_request", json=abort_all, headers=_auth("admin-key")).is_success
+    body = {"input_ids": [3, 4], "rid": HELD + "user", "stream": True}  # paused at 2 outputs
+    with httpx.stream(
+        "POST", f"{url}/generate", json=body, headers=_auth("user-two-key"), timeout=60
+    ) as held:
+        lines = (line for line in held.iter_lines() if line.startswith("data:"))
+        assert next(lines)
+        for key, path in (("user-two-key", "/abort_request"), ("env-key-one", "/flush_cache")):
+            r = httpx.post(f"{url}{path}", json=abort_all, headers=_auth(key))
+            assert r.status_code == 403 and "--admin-api-key" in r.json()["message"], r.text
+        r = httpx.post(f"{url}/abort_request", json=abort_all, headers=_auth("admin-key"))
+        assert r.status_code == 200
+        *_, last = (json.loads(line[5:]) for line in lines if line != "data: [DONE]")
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert httpx.post(f"{url}/flush_cache", headers=_auth("admin-key")).status_code == 200
+    with httpx.Client(base_url=url, headers=_auth("admin-key")) as admin:
+        assert wait_idle_and_clean(admin)["problems"] == []
     # a listed origin gets CORS answers (preflight included); others are refused
     pre = {"Origin": "http://ok.example", "Access-Control-Request-Method": "POST"}
     r = httpx.options(f"{url}/v1/completions", headers=pre)
@@ -104,3 +119,17 @@ def test_keys_are_not_visible(keyed_server):
     keyed_server.stop(signal.SIGTERM)
     log = keyed_server.log.read_text()
     assert "env-key-one" not in log and "admin-key" not in log and "user-two-key" not in log
+
+
+def test_who_may_act_server_wide():
+    """`Keys.server_wide`, the rule behind /flush_cache and abort_all: keyless and one-key
+    servers as before, the admin key always, an inference key among several never."""
+    assert Keys().server_wide(False)
+    assert Keys(("only",)).server_wide(False)
+    assert not Keys(("alice", "bob")).server_wide(False)
+    assert Keys(("alice", "bob"), "root").server_wide(True)
+    assert Keys((), "root").server_wide(True)
+    for keys in (Keys(("alice", "bob"), "root"), Keys(("only",), "root")):
+        with pytest.raises(APIError, match="--admin-api-key") as e:
+            keys.server_wide(False)
+        assert e.value.status == 403
