@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels import KernelSet
 from kernels.gdn_step import gates
+from mem_cache.state_shape import MambaStateShape
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import REFERENCE, Linear, RMSNormGated
@@ -62,6 +63,12 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, c.rms_norm_eps, ops)
         self.out_proj = row_linear(
             self.value_dim, c.hidden_size, False, tp or ParallelContext(), ops
+        )
+        # conv window [conv_dim, Kc-1]; delta-rule state [HV, dk, dv] (K-major, as in fla)
+        self.state_shape = MambaStateShape(
+            self.conv_dim,
+            c.linear_conv_kernel_dim - 1,
+            (self.num_v_heads, self.head_k_dim, self.head_v_dim),
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
