@@ -42,6 +42,7 @@ from kernels import (
     mamba2_step,
     moe_step,
     multi_linear,
+    relu2_moe,
     rmsnorm,
     selective_state_update,
     ssd,
@@ -82,6 +83,7 @@ class KernelSet:
     selective_state_update: Callable
     mamba2_decode: Callable
     mamba2_verify: Callable
+    relu2_moe: Callable
 
     def table(self) -> str:
         """One line per op: its name and the function that runs it."""
@@ -155,6 +157,7 @@ def assemble(
         selective_state_update=selective_state_update.selective_state_update,
         mamba2_decode=mamba2_decode,
         mamba2_verify=partial(mamba2_step.mamba2_verify, decode=mamba2_decode),
+        relu2_moe=partial(relu2_moe.relu2_moe, linear=linear_fn),
     )
 
 
