@@ -73,6 +73,10 @@ class Qwen3NextForCausalLM(nn.Module):
         self.mtp = MultiTokenPredictor(config, self.tp, ops) if mtp else None
 
     @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    @property
     def state_shapes(self) -> tuple[MambaStateShape, ...]:
         """Each Gated DeltaNet layer's per-sequence state, in pool order (this rank's share):
         what the Mamba pool is built from."""
