@@ -2,7 +2,8 @@
 the SSD chunk (128 here), so in every Mamba strategy a shared 512-token prefix reuses at least
 448 tokens (prefill one shot, or in chunks of 96, where the snapshot at 448 sits inside an SSD
 chunk) and an exact repeat all but at most one; a prefix evicted from the device comes back from
-the host tier. Greedy tokens equal transformers' (dt clamp patched) throughout."""
+the host tier; session turns prefill only their new tokens. Greedy tokens equal transformers'
+(dt clamp patched) throughout."""
 
 from __future__ import annotations
 
@@ -83,4 +84,27 @@ def test_prefix_evicted_from_device_is_loaded_back_from_host(case):
     res = engine.generate(follow, GREEDY)
     assert res["output_ids"] == expected[4]
     assert res["meta_info"]["cached_tokens"] >= HOST_PREFIX
+    assert engine.leak_report() == []
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+def test_session_turns_equal_one_request(case, strategy):
+    """Three turns of a session: each equals transformers on the whole conversation, and only
+    the new tokens are prefilled (all but the previous turn's last sampled token is held)."""
+    path, prompts, _ = case
+    hf = hf_reference(path)
+    engine = Engine(path, mamba_scheduler_strategy=strategy, max_running_requests=4)
+    sid = engine.open_session(capacity_of_str_len=2000)
+    context: list[int] = []
+    rid = None
+    for i, new in enumerate([prompts[3][:150], prompts[3][150:159], prompts[0][:70]]):
+        out = engine.generate(new, GREEDY, session_params={"id": sid, "rid": rid})
+        expected = hf_greedy(hf, [context + new], NEW)[0]
+        assert out["output_ids"] == expected, f"turn {i + 1}"
+        if i:
+            assert out["meta_info"]["cached_tokens"] == len(context) - 1
+        context += new + expected
+        rid = out["meta_info"]["id"]
+        assert engine.leak_report() == []
+    assert engine.close_session(sid)
     assert engine.leak_report() == []
