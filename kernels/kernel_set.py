@@ -39,9 +39,13 @@ from kernels import (
     gated_delta_rule,
     gdn_step,
     linear,
+    mamba2_step,
     moe_step,
     multi_linear,
+    relu2_moe,
     rmsnorm,
+    selective_state_update,
+    ssd,
 )
 from kernels.settings import KERNELS_ENV, KernelSettings
 
@@ -72,6 +76,14 @@ class KernelSet:
     attn_decode: Callable
     sparse_moe: Callable
     fused_experts: Callable
+    # Mamba2 hybrids (the torch references in every set for now)
+    rms_norm_plain: Callable
+    rms_norm_gate_first: Callable
+    mamba_chunk_scan_combined: Callable
+    selective_state_update: Callable
+    mamba2_decode: Callable
+    mamba2_verify: Callable
+    relu2_moe: Callable
 
     def table(self) -> str:
         """One line per op: its name and the function that runs it, after a line naming the
@@ -124,6 +136,12 @@ def assemble(
         recurrent=gdr.fused_recurrent_gated_delta_rule,
         norm_gated=rms_norm_gated_fn,
     )
+    mamba2_decode = partial(
+        mamba2_step.mamba2_decode,
+        conv_update=conv.causal_conv1d_update,
+        state_update=selective_state_update.selective_state_update,
+        norm_gate_first=rmsnorm.rms_norm_gate_first,
+    )
     return KernelSet(
         backend=backend,
         fused=False,
@@ -149,6 +167,13 @@ def assemble(
         ),
         sparse_moe=partial(moe_step.sparse_moe, linear=linear_fn, fused_experts=fused_experts),
         fused_experts=fused_experts,
+        rms_norm_plain=rmsnorm.rms_norm_plain,
+        rms_norm_gate_first=rmsnorm.rms_norm_gate_first,
+        mamba_chunk_scan_combined=ssd.mamba_chunk_scan_combined,
+        selective_state_update=selective_state_update.selective_state_update,
+        mamba2_decode=mamba2_decode,
+        mamba2_verify=partial(mamba2_step.mamba2_verify, decode=mamba2_decode),
+        relu2_moe=partial(relu2_moe.relu2_moe, linear=linear_fn),
     )
 
 

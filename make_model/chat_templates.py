@@ -213,9 +213,11 @@ TEMPLATES: dict[str, str] = {
 
 def template_for(model_type: str, name: str | None = None) -> str:
     """The chat template `name` (one of TEMPLATES), or the family's default for `model_type`:
-    Qwen3-Next Instruct for ``qwen3_next``, Qwen3.5 (thinking on) for the Qwen3.5 types."""
+    Qwen3-Next Instruct for ``qwen3_next`` (and, until its own lands, ``nemotron_h``, also
+    ChatML), Qwen3.5 (thinking on) for the Qwen3.5 types."""
     if name is None:
-        name = "qwen3-next-instruct" if model_type == "qwen3_next" else "qwen3.5"
+        instruct = model_type in ("qwen3_next", "nemotron_h")
+        name = "qwen3-next-instruct" if instruct else "qwen3.5"
     if name not in TEMPLATES:
         raise ValueError(f"unknown chat template {name!r}; known: {sorted(TEMPLATES)}")
     return TEMPLATES[name]

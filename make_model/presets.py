@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from make_model import fp8_writer
+from make_model import fp8_writer, nemotron_h_preset
 from make_model.chat_templates import template_for
 from make_model.real_shapes import REAL_SHAPES
 from make_model.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
@@ -126,6 +126,10 @@ for _key in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_inte
 PRESETS["tiny-qwen3.5-moe"] = {**copy.deepcopy(_QWEN3_5_TINY), "model_type": "qwen3_5_moe_text"}
 PRESETS["tiny-qwen3.5-moe"].pop("intermediate_size")
 
+# NemotronH (Mamba2 hybrids) in their releases' config.json form (make_model/nemotron_h_preset.py)
+PRESETS.update(copy.deepcopy(nemotron_h_preset.NEMOTRON_H_PRESETS))
+PRESETS.update(copy.deepcopy(nemotron_h_preset.NEMOTRON_H_REAL_SHAPES))
+
 # Real shapes of released models (make_model/real_shapes.py): config-only use with --load-format
 # dummy; full checkpoints only where they fit (4 bytes per parameter while drawing).
 PRESETS.update(copy.deepcopy(REAL_SHAPES))
@@ -134,6 +138,7 @@ MODEL_TYPES = {  # model_type -> transformers class (text-only)
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 WRAPPERS = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 
@@ -191,6 +196,8 @@ def is_moe_layer(config: dict, layer: int) -> bool:
 def _validate(config: dict) -> None:
     if config.get("model_type", "qwen3_next") not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {sorted(MODEL_TYPES)}")
+    if config.get("model_type") == "nemotron_h":  # its config class validates it on load
+        return
     missing = [k for k in _REQUIRED if k not in config]
     n = config.get("num_hidden_layers", 0)
     moe = [is_moe_layer(config, i) for i in range(n)]
@@ -249,6 +256,8 @@ def _tensor_specs(config: dict, layout: str) -> list[Spec]:
     replaced by kind ``"fused"`` entries, which are not drawn but assembled from the per-expert
     tensors (see :func:`_random_tensors`)."""
     c = config
+    if c.get("model_type") == "nemotron_h":
+        return nemotron_h_preset.tensor_specs(c, layout)
     hid, vocab = c["hidden_size"], c["vocab_size"]
     specs: list[Spec] = [("model.embed_tokens.weight", (vocab, hid), "w")]
     for i, kind in enumerate(layer_types(c)):
@@ -415,6 +424,17 @@ def complete_config(
     bos = pad = ``<|endoftext|>``, eos = ``<|im_end|>``.
     """
     _validate(config)
+    ids = special_token_ids()
+    common = dict(
+        dtype=_dtype_name(dtype),
+        torch_dtype=_dtype_name(dtype),
+        initializer_range=init_range,
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+    )
+    if config.get("model_type") == "nemotron_h":
+        return nemotron_h_preset.complete_config(config, [MODEL_TYPES["nemotron_h"]], common)
     cfg = copy.deepcopy(config)
     for key, value in _OPTIONAL_DEFAULTS.items():
         cfg.setdefault(key, copy.deepcopy(value))
@@ -424,7 +444,6 @@ def complete_config(
     rope.update(
         rope_type=rope.get("rope_type", "default"), rope_theta=theta, partial_rotary_factor=factor
     )
-    ids = special_token_ids()
     model_type = cfg.get("model_type", "qwen3_next")
     cfg.update(
         model_type=model_type,
@@ -433,12 +452,7 @@ def complete_config(
         rope_theta=theta,
         partial_rotary_factor=factor,
         rope_parameters=rope,
-        dtype=_dtype_name(dtype),
-        torch_dtype=_dtype_name(dtype),
-        initializer_range=init_range,
-        bos_token_id=ids[ENDOFTEXT],
-        eos_token_id=ids[IM_END],
-        pad_token_id=ids[ENDOFTEXT],
+        **common,
     )
     return cfg
 

@@ -1,10 +1,10 @@
 """Host-memory tier: pools in CPU memory and the host copies of radix nodes (HiCache).
 
 `HostKVPool` and `HostMambaPool` have the shapes of the device pools they mirror (same layers,
-heads, dims and dtypes) and the same allocators (page 0 / slot 0 reserved, all-or-nothing
-`alloc`, exact-once `free`). Their tensors live in CPU memory, pinned when the device pool is on
-CUDA; on a CPU-only machine the tier is plain memory that still widens what the cache holds
-beyond the pools the model runs on.
+heads, dims, state shapes and dtypes) and the same allocators (page 0 / slot 0 reserved,
+all-or-nothing `alloc`, exact-once `free`). Their tensors live in CPU memory, pinned when the
+device pool is on CUDA; on a CPU-only machine the tier is plain memory that still widens what the
+cache holds beyond the pools the model runs on.
 
 Copies: `save` reads device rows into host rows, `load` writes host rows into device rows; one
 batched `index_select` / `index_copy_` per tensor covers every layer. Both are synchronous: a copy
@@ -79,10 +79,7 @@ class HostMambaPool(MambaPool):
 
     def __init__(self, device_pool: MambaPool, size: int, pin_memory: bool = False) -> None:
         p = device_pool
-        super().__init__(
-            size, p.num_layers, p.conv_dim, p.conv_kernel, p.num_v_heads, p.k_head_dim,
-            p.v_head_dim, p.conv_dtype, p.ssm_dtype, "cpu",
-        )  # fmt: skip
+        super().__init__(size, p.shapes, p.conv_dtype, p.ssm_dtype, "cpu")
         if pin_memory:
             self.conv_state = self.conv_state.pin_memory()
             self.ssm_state = self.ssm_state.pin_memory()

@@ -1,35 +1,42 @@
-"""Per-slot recurrent state of the Gated DeltaNet (linear-attention) layers.
+"""Per-slot recurrent state of the recurrent layers (Gated DeltaNet, Mamba2).
 
-One slot holds, for every linear-attention layer, the short-convolution window and the delta-rule
-state of one sequence. A running request owns one slot (``mamba_slot``), extra-buffer strategies
-also own track slots, and radix-tree nodes and sessions own slots of their own; every slot has
-exactly one owner at a time (invariant I2). Slot 0 is reserved: padded decode rows may write
+One slot holds, for every recurrent layer, the short-convolution window and the recurrent state
+of one sequence, in the shapes the layers describe (`mem_cache/state_shape.py`). A running
+request owns one slot (``mamba_slot``), extra-buffer strategies also own track slots, and
+radix-tree nodes and sessions own slots of their own; every slot has exactly one owner at a time
+(invariant I2). Slot 0 is reserved: padded decode rows may write
 garbage there, and it is never handed out (invariant I1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from mem_cache.req_pool import SlotAllocator, SlotIds, SlotPool, as_slot_list
+from mem_cache.state_shape import MambaStateShape, common_shape, state_bytes_per_slot
+
+_NO_LAYERS = MambaStateShape(1, 1, (1,))  # the trailing dims of a pool without recurrent layers
 
 
 class MambaPool(SlotPool):
     """State tensors for ``size`` slots (plus the reserved slot 0) and their free list.
 
-    - ``conv_state``: ``[num_layers, size + 1, conv_dim, conv_kernel - 1]`` in ``conv_dtype``, the
-      last ``conv_kernel - 1`` pre-convolution inputs, channel-first, oldest first.
-    - ``ssm_state``: ``[num_layers, size + 1, num_v_heads, k_head_dim, v_head_dim]`` in
-      ``ssm_dtype`` (fp32 by default), K-major as in flash-linear-attention.
+    Built from one `MambaStateShape` per recurrent layer (``shapes``, the model's own
+    description: `mem_cache/state_shape.py`), all of one shape:
+
+    - ``conv_state``: ``[num_layers, size + 1, conv_dim, conv_width]`` in ``conv_dtype``, the
+      last ``conv_width`` (kernel - 1) pre-convolution inputs, channel-first, oldest first.
+    - ``ssm_state``: ``[num_layers, size + 1, *temporal]`` in ``ssm_dtype`` (fp32 by default),
+      laid out as the layer's kernels read it (GDN: K-major [HV, dk, dv]; Mamba2: [H, P, N]).
     - ``hidden``: ``[size + 1, hidden_size]`` in ``conv_dtype``, one row per slot for the final
       hidden state (the normed hidden that feeds lm_head) at the last position of the tokens
       behind the slot's state, where a radix node says it is valid (exact prompt repeats then
       need no forward: `mem_cache/radix_cache.py`). Empty rows when ``hidden_size`` is 0.
 
-    ``num_layers`` counts linear-attention layers; the model addresses them by their dense index.
+    ``num_layers`` counts recurrent layers; the model addresses them by their dense index.
     All tensors start zeroed. `copy` and zeroing leave ``hidden`` alone: a row means something
     only through its node's flag.
 
@@ -46,64 +53,37 @@ class MambaPool(SlotPool):
     def __init__(
         self,
         size: int,
-        num_layers: int,
-        conv_dim: int,
-        conv_kernel: int,
-        num_v_heads: int,
-        k_head_dim: int,
-        v_head_dim: int,
+        shapes: Sequence[MambaStateShape],
         conv_dtype: torch.dtype,
         ssm_dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         hidden_size: int = 0,
     ) -> None:
-        if num_layers < 0 or conv_dim < 1 or conv_kernel < 1:
-            raise ValueError(
-                f"bad conv state shape: num_layers={num_layers}, conv_dim={conv_dim}, "
-                f"conv_kernel={conv_kernel}"
-            )
-        if num_v_heads < 1 or k_head_dim < 1 or v_head_dim < 1:
-            raise ValueError(
-                f"bad ssm state shape: num_v_heads={num_v_heads}, k_head_dim={k_head_dim}, "
-                f"v_head_dim={v_head_dim}"
-            )
+        self.shapes = tuple(shapes)
+        shape = common_shape(self.shapes) or _NO_LAYERS
         self.size = size
-        self.num_layers = num_layers
-        self.conv_dim = conv_dim
-        self.conv_kernel = conv_kernel
-        self.num_v_heads = num_v_heads
-        self.k_head_dim = k_head_dim
-        self.v_head_dim = v_head_dim
+        self.num_layers = len(self.shapes)
         self.conv_dtype = conv_dtype
         self.ssm_dtype = ssm_dtype
         self.device = torch.device(device)
         self.allocator = SlotAllocator(size, name="MambaPool")
         self.conv_state = torch.zeros(
-            (num_layers, size + 1, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=self.device
+            (self.num_layers, size + 1, *shape.conv), dtype=conv_dtype, device=self.device
         )
         self.ssm_state = torch.zeros(
-            (num_layers, size + 1, num_v_heads, k_head_dim, v_head_dim),
-            dtype=ssm_dtype,
-            device=self.device,
+            (self.num_layers, size + 1, *shape.temporal), dtype=ssm_dtype, device=self.device
         )
         self.hidden_size = hidden_size
         self.hidden = torch.zeros((size + 1, hidden_size), dtype=conv_dtype, device=self.device)
 
     @staticmethod
     def state_bytes_per_slot(
-        num_layers: int,
-        conv_dim: int,
-        conv_kernel: int,
-        num_v_heads: int,
-        k_head_dim: int,
-        v_head_dim: int,
+        shapes: Sequence[MambaStateShape],
         conv_dtype: torch.dtype,
         ssm_dtype: torch.dtype = torch.float32,
     ) -> int:
         """Bytes one slot occupies over all layers (conv plus ssm state), for sizing the pool."""
-        conv = conv_dim * (conv_kernel - 1) * conv_dtype.itemsize
-        ssm = num_v_heads * k_head_dim * v_head_dim * ssm_dtype.itemsize
-        return num_layers * (conv + ssm)
+        return state_bytes_per_slot(shapes, conv_dtype, ssm_dtype)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -155,7 +135,7 @@ class MambaPool(SlotPool):
     # --------------------------------------------------------------------------- state access
 
     def get_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(conv_state[layer], ssm_state[layer])`` of one linear-attention layer, which
+        """Views ``(conv_state[layer], ssm_state[layer])`` of one recurrent layer, which
         kernels update in place."""
         return self.conv_state[layer], self.ssm_state[layer]
 

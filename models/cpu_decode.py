@@ -45,6 +45,8 @@ MATRIX_DTYPES = CPP_WEIGHT_DTYPES  # `models.loader.matrices`; all else fp32
 
 def unsupported(model: Qwen3NextForCausalLM) -> str | None:
     """Why the plan cannot replay `model`'s decode step, or None when it can."""
+    if not isinstance(model, Qwen3NextForCausalLM):
+        return f"a {type(model).__name__} (the plan replays Qwen3-Next's layers)"
     if model.ops.backend != "cpp" or not model.ops.fused:
         return f"the {model.ops.backend} kernels{'' if model.ops.fused else ' without fusions'}"
     if model.tp.enabled:

@@ -8,6 +8,8 @@ read. The distributions are those the presets' writer (`make_model.presets`) dra
     zero-centred RMSNorm weights           N(0, 0.1)   (layer norms, model.norm, q_norm, k_norm,
                                                         the MTP head's norms)
     GDN gated-norm weight                  1 + N(0, 0.1)
+    plain-weight norms, Mamba2 D           1 + N(0, 0.1)   (NemotronH's block norms, norm_f,
+                                                        the Mamba2 gated norm, D)
     conv1d.weight                          N(0, 0.3)
     A_log                                  log U(1, 16)
     dt_bias                                softplus^-1(dt), dt = exp(U(log 1e-3, log 1e-1))
@@ -37,6 +39,7 @@ ZERO_CENTRED_NORMS = (
     "pre_fc_norm_hidden.weight",
 )
 FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
+PLAIN_NORMS = ("norm.weight", "norm_f.weight", "mixer.D")  # under backbone. (NemotronH)
 
 
 def init_kind(name: str) -> str:
@@ -48,6 +51,8 @@ def init_kind(name: str) -> str:
     if name.endswith("conv1d.weight"):
         return "conv"
     if name.endswith("linear_attn.norm.weight"):
+        return "norm1"
+    if name.startswith("backbone.") and name.endswith(PLAIN_NORMS):
         return "norm1"
     if name.endswith(ZERO_CENTRED_NORMS) or name in FINAL_NORMS:
         return "norm0"

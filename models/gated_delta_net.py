@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels import KernelSet
 from kernels.gdn_step import gates
+from mem_cache.state_shape import MambaStateShape
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.layers import REFERENCE, Linear, RMSNormGated
@@ -62,6 +63,12 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, c.rms_norm_eps, ops)
         self.out_proj = row_linear(
             self.value_dim, c.hidden_size, False, tp or ParallelContext(), ops
+        )
+        # conv window [conv_dim, Kc-1]; delta-rule state [HV, dk, dv] (K-major, as in fla)
+        self.state_shape = MambaStateShape(
+            self.conv_dim,
+            c.linear_conv_kernel_dim - 1,
+            (self.num_v_heads, self.head_k_dim, self.head_v_dim),
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -113,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)  # [T, HV]
 
         if batch.tracks_states:
-            self._track_conv_states(mixed_qkv, conv_state, batch)
+            track_conv_states(mixed_qkv, conv_state, batch)
         mixed_qkv = self.ops.causal_conv1d_fn(
             mixed_qkv.t(),
             weight,
@@ -156,16 +163,16 @@ class GatedDeltaNet(nn.Module):
         )
         return core.reshape(T, self.value_dim)
 
-    @staticmethod
-    def _track_conv_states(
-        raw: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch
-    ) -> None:
-        """conv_state[track slot] = the Kc-1 raw inputs just before each tracked offset."""
-        width = conv_state.shape[-1]  # Kc-1; offsets are >= one chunk, so all inside the extend
-        starts = batch.query_start_loc.tolist()
-        rows = [i for i, off in enumerate(batch.mamba_track_offsets_cpu) if off]
-        ends = torch.tensor([starts[i] + batch.mamba_track_offsets_cpu[i] for i in rows])
-        pos = ends.unsqueeze(1) - width + torch.arange(width).unsqueeze(0)  # [n, Kc-1]
-        window = raw[pos.to(raw.device)].transpose(1, 2)  # [n, conv_dim, Kc-1]
-        dst = batch.mamba_track_slots[torch.tensor(rows, device=raw.device)]
-        conv_state.index_copy_(0, dst, window.to(conv_state.dtype))
+
+def track_conv_states(raw: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> None:
+    """conv_state[track slot] = the Kc-1 raw (pre-conv) inputs just before each tracked offset
+    of a prefill batch (`ForwardBatch.mamba_track_offsets_cpu`); raw is [T, conv_dim]. Every
+    recurrent layer with a short conv snapshots its window this way."""
+    width = conv_state.shape[-1]  # Kc-1; offsets are >= one chunk, so all inside the extend
+    starts = batch.query_start_loc.tolist()
+    rows = [i for i, off in enumerate(batch.mamba_track_offsets_cpu) if off]
+    ends = torch.tensor([starts[i] + batch.mamba_track_offsets_cpu[i] for i in rows])
+    pos = ends.unsqueeze(1) - width + torch.arange(width).unsqueeze(0)  # [n, Kc-1]
+    window = raw[pos.to(raw.device)].transpose(1, 2)  # [n, conv_dim, Kc-1]
+    dst = batch.mamba_track_slots[torch.tensor(rows, device=raw.device)]
+    conv_state.index_copy_(0, dst, window.to(conv_state.dtype))

@@ -48,6 +48,19 @@ class RMSNorm(nn.Module):
         return self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
+class RMSNormPlain(nn.Module):
+    """RMSNorm with a plain weight (NemotronH, Granite, Bamba, Falcon-H1): y = w * x / rms(x),
+    the product in fp32, cast back."""
+
+    def __init__(self, dim: int, eps: float, ops: KernelSet = REFERENCE) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm_plain(x, self.weight, self.eps)
+
+
 class RMSNormGated(nn.Module):
     """Gated DeltaNet output norm: y = w * (x / rms(x)) * silu(z); plain weight, norm first."""
 

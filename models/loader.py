@@ -1,4 +1,5 @@
-"""Strict safetensors loading of a Qwen3-Next or Qwen3.5 checkpoint directory.
+"""Strict safetensors loading of a checkpoint directory of any family `models.registry` knows
+(Qwen3-Next, Qwen3.5, NemotronH).
 
 Reads `model.safetensors` or the shards named by `model.safetensors.index.json`. Every tensor
 the model needs must be present exactly once and every tensor present must be used (the MTP head
@@ -49,6 +50,7 @@ from models.dummy_weights import fill_dummy
 from models.fp8 import Fp8Checkpoint
 from models.parallel import ParallelContext
 from models.qwen3_next import Qwen3NextForCausalLM
+from models.registry import model_class, read_config
 from models.shard_loader import read_shard, source_shard
 from models.weight_map import MTP_PREFIX, checkpoint_map, expert_layout_of, is_skipped
 
@@ -134,7 +136,7 @@ def load_model(
     if draft_quantization is not None and quantization not in (None, draft_quantization):
         raise ValueError("the draft head's quantization must be the model's (--quantization)")
     path = Path(model_path)
-    config = ModelConfig.from_hf(path)
+    config = read_config(path)
     torch_dtype = resolve_dtype(dtype, config)
     weights_only = on_cpu and (torch_dtype == torch.bfloat16 or quantization is not None)
     tp = tp or ParallelContext()
@@ -142,7 +144,7 @@ def load_model(
         ops = choose_kernels(device, torch.float32 if weights_only else torch_dtype)
         logger.info("%s", ops.table())
     with torch.device("meta"):
-        model = Qwen3NextForCausalLM(config, tp, ops, mtp=mtp)
+        model = model_class(config)(config, tp, ops, mtp=mtp)
     # dtypes are set on meta (free), so each parameter is allocated once, in its final dtype
     model = model.to(torch.float32 if weights_only else torch_dtype)
     if weights_only:
@@ -150,17 +152,17 @@ def load_model(
     # what to_empty() does, with torch.empty: empty_like on meta tensors would import sympy
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if config.tie_word_embeddings:  # to_empty() unties: tie again
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.embed_tokens.weight
     if load_format == "dummy":
         fill_dummy(model)
     if tp.enabled:  # the vocab shards' padding rows
         _, rows, _ = tp.vocab_range(config.vocab_size)
-        model.model.embed_tokens.weight.data[rows:].zero_()
+        model.embed_tokens.weight.data[rows:].zero_()
         model.lm_head.weight.data[rows:].zero_()
     if load_format != "dummy":
         read_checkpoint(model, path, config, tp)
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
-        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.to(torch_dtype))
+        model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.to(torch_dtype))
     if quantization is not None:
         quantize_matrices(model, quantization, tp)
     elif draft_quantization is not None and model.mtp is not None:
@@ -278,7 +280,7 @@ def cast_matrices(model: Qwen3NextForCausalLM, dtype: torch.dtype) -> None:
     """Store every matrix (`matrices`) in `dtype`, nothing else (on the meta model: free). A
     tied LM head is left tied here (the embedding stays fp32); the loader gives it its own copy
     once the embedding is loaded."""
-    embedding = model.model.embed_tokens.weight
+    embedding = model.embed_tokens.weight
     for param in matrices(model):
         if param is not embedding:
             param.data = param.data.to(dtype)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels import KernelSet
+from mem_cache.state_shape import MambaStateShape
 from models.config import ModelConfig
 from models.decoder_layer import DecoderLayer
 from models.forward_batch import ForwardBatch
@@ -70,6 +71,20 @@ class Qwen3NextForCausalLM(nn.Module):
         if mtp and not config.mtp_num_hidden_layers:
             raise ValueError("this checkpoint has no MTP head (config: mtp_num_hidden_layers)")
         self.mtp = MultiTokenPredictor(config, self.tp, ops) if mtp else None
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    @property
+    def state_shapes(self) -> tuple[MambaStateShape, ...]:
+        """Each Gated DeltaNet layer's per-sequence state, in pool order (this rank's share):
+        what the Mamba pool is built from."""
+        return tuple(
+            layer.linear_attn.state_shape
+            for layer in self.model.layers
+            if not layer.is_full_attention
+        )
 
     @property
     def num_kv_layers(self) -> int:

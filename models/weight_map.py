@@ -12,6 +12,9 @@ tensor before reading any data. The table covers every layout we read:
     experts      per-expert experts.{e}.{gate,up,down}_proj.weight -> rows of the fused
                  experts.gate_up_proj [E, 2I, hidden] / experts.down_proj [E, hidden, I];
                  or those fused tensors themselves (no `.weight` suffix)
+    NemotronH    per-expert mixer.experts.{e}.{up,down}_proj.weight -> entry e of the stacked
+                 mixer.experts.up_proj [E, I, hidden] / down_proj [E, hidden, I] (the
+                 releases' layout), or the stacked tensors themselves (transformers 5.x's)
 
 Checkpoint names carry the config's `weight_prefix` in place of `model.` (`model.language_model.`
 in the multimodal Qwen3.5 wrappers); `lm_head.weight` and the multi-token-prediction head
@@ -54,7 +57,8 @@ def is_skipped(name: str, mtp: bool = False) -> bool:
 
 def expert_layout_of(names: list[str] | set[str]) -> str:
     """`fused` when the checkpoint stores stacked expert tensors, else `per_expert`."""
-    return "fused" if any(n.endswith("mlp.experts.gate_up_proj") for n in names) else "per_expert"
+    fused = ("mlp.experts.gate_up_proj", "mixer.experts.up_proj")
+    return "fused" if any(n.endswith(fused) for n in names) else "per_expert"
 
 
 def _regroup_qkvz(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -109,6 +113,11 @@ def _param_entries(pname: str, c: ModelConfig, expert_layout: str) -> dict[str, 
             out[f"{base}{e}.gate_proj.weight"] = Target(pname, (e, slice(0, inter)))
             out[f"{base}{e}.up_proj.weight"] = Target(pname, (e, slice(inter, 2 * inter)))
         return out
+    if expert_layout == "per_expert" and pname.endswith(
+        ("mixer.experts.up_proj", "mixer.experts.down_proj")
+    ):  # NemotronH's stacked relu^2 experts
+        base, name = pname.rsplit(".", 1)
+        return {f"{base}.{e}.{name}.weight": Target(pname, (e,)) for e in range(c.num_experts)}
     if expert_layout == "per_expert" and pname.endswith("mlp.experts.down_proj"):
         base = pname.removesuffix("down_proj")
         return {f"{base}{e}.down_proj.weight": Target(pname, (e,)) for e in range(c.num_experts)}

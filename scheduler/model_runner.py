@@ -77,12 +77,7 @@ class ModelRunner:
         )
         self.mamba_pool = MambaPool(
             config.mamba_slots,
-            len(mc.linear_attention_layers),
-            mc.conv_dim,
-            mc.linear_conv_kernel_dim,
-            mc.linear_num_value_heads,
-            mc.linear_key_head_dim,
-            mc.linear_value_head_dim,
+            model.state_shapes,  # what each recurrent layer keeps per sequence
             conv_dtype=dtype,
             device=device,
             hidden_size=mc.hidden_size,

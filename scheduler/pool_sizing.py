@@ -10,8 +10,10 @@ The Mamba pool is sized first (its slot count follows the strategy and
 takes the rest, rounded down to whole pages. Sizes per unit:
 
     KV token    = full-attention layers x 2 (K, V) x kv_heads x head_dim x dtype bytes
-    Mamba slot  = linear layers x (conv_dim x (Kc - 1) x dtype bytes + HV x dk x dv x 4)
-                  + hidden_size x dtype bytes (the slot's final-hidden row, exact repeats)
+    Mamba slot  = sum over recurrent layers of (conv_dim x (K - 1) x dtype bytes
+                  + the temporal state's elements x 4), as each layer describes its state
+                  (`model.state_shapes`), + hidden_size x dtype bytes (the slot's final-hidden
+                  row, exact repeats)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from mem_cache.state_shape import state_bytes_per_slot
 from models.config import ModelConfig
 
 GB = 1e9
@@ -38,11 +41,11 @@ def pool_bytes(model: nn.Module) -> PoolBytes:
     dtype_bytes = next(model.parameters()).element_size()
     layers = getattr(model, "num_kv_layers", len(c.full_attention_layers))  # + the MTP head's
     kv = layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
-    conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * dtype_bytes
-    ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4  # fp32
+    dtype = next(model.parameters()).dtype
+    states = state_bytes_per_slot(model.state_shapes, dtype, torch.float32)  # fp32 recurrent
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     hidden = c.hidden_size * dtype_bytes
-    return PoolBytes(kv, len(c.linear_attention_layers) * (conv + ssm) + hidden, weights)
+    return PoolBytes(kv, states + hidden, weights)
 
 
 def _budget(cfg, sizes: PoolBytes) -> float | None:

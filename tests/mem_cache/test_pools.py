@@ -10,6 +10,7 @@ import torch
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.req_pool import ReqToTokenPool, SlotAllocator
+from mem_cache.state_shape import MambaStateShape
 
 
 def make_req_pool(size: int = 6) -> ReqToTokenPool:
@@ -22,17 +23,11 @@ def make_kv_pool(num_pages: int = 6, page_size: int = 4) -> KVPool:
     )
 
 
+SHAPE = MambaStateShape(5, 3, (2, 3, 2))  # conv 5 x 3, temporal 2 x 3 x 2
+
+
 def make_mamba_pool(size: int = 6) -> MambaPool:
-    return MambaPool(
-        size,
-        num_layers=3,
-        conv_dim=5,
-        conv_kernel=4,
-        num_v_heads=2,
-        k_head_dim=3,
-        v_head_dim=2,
-        conv_dtype=torch.bfloat16,
-    )
+    return MambaPool(size, [SHAPE] * 3, conv_dtype=torch.bfloat16)
 
 
 def ids(x: list[int] | torch.Tensor) -> list[int]:
@@ -239,10 +234,28 @@ def test_mamba_pool_shapes_and_sizing() -> None:
     assert conv.data_ptr() == pool.conv_state[2].data_ptr()  # a view, not a copy
     per_slot = 3 * (5 * 3 * 2 + 2 * 3 * 2 * 4)
     assert pool.bytes_per_slot == per_slot
-    assert MambaPool.state_bytes_per_slot(3, 5, 4, 2, 3, 2, torch.bfloat16) == per_slot
+    assert MambaPool.state_bytes_per_slot([SHAPE] * 3, torch.bfloat16) == per_slot
     # Qwen3-Next default: 36 linear layers, about 74 MiB per request (reference section 2.1).
-    qwen = MambaPool.state_bytes_per_slot(36, 8192, 4, 32, 128, 128, torch.bfloat16)
+    gdn = MambaStateShape(8192, 3, (32, 128, 128))
+    qwen = MambaPool.state_bytes_per_slot([gdn] * 36, torch.bfloat16)
     assert 73 * 2**20 < qwen < 75 * 2**20
+    # Nemotron-3-Nano-30B-A3B: 23 Mamba2 layers, conv 6144 x 3, SSM 64 x 64 x 128 (47 MiB)
+    mamba2 = MambaStateShape(6144, 3, (64, 64, 128))
+    nano = MambaPool.state_bytes_per_slot([mamba2] * 23, torch.bfloat16)
+    assert 46 * 2**20 < nano < 47 * 2**20
+
+
+def test_mamba_pool_takes_any_temporal_rank_but_one_shape() -> None:
+    pool = MambaPool(2, [MambaStateShape(4, 2, (3, 5))] * 2, conv_dtype=torch.float32)
+    assert pool.conv_state.shape == (2, 3, 4, 2) and pool.ssm_state.shape == (2, 3, 3, 5)
+    empty = MambaPool(2, [], conv_dtype=torch.float32)
+    assert empty.num_layers == 0 and empty.bytes_per_slot == 0
+    with pytest.raises(ValueError, match="one state shape"):
+        MambaPool(2, [SHAPE, MambaStateShape(5, 3, (2, 3, 3))], conv_dtype=torch.float32)
+    with pytest.raises(ValueError, match="bad conv state shape"):
+        MambaStateShape(0, 3, (1,))
+    with pytest.raises(ValueError, match="bad temporal"):
+        MambaStateShape(1, 3, ())
 
 
 def dirty(pool: MambaPool, slots: list[int], value: float = 7.0) -> None:
@@ -425,7 +438,7 @@ def test_allocator_random_ops_against_model(seed: int) -> None:
     """Random alloc/free/group ops against a plain-set model of the pool."""
     rng = random.Random(seed)
     size = rng.randint(1, 12)
-    pool = MambaPool(size, 1, 2, 2, 1, 1, 1, conv_dtype=torch.float32)
+    pool = MambaPool(size, [MambaStateShape(2, 1, (1, 1, 1))], conv_dtype=torch.float32)
     free: set[int] = set(range(1, size + 1))
     group: set[int] | None = None
     held: set[int] = set()

@@ -11,6 +11,7 @@ from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_cache import MambaRadixCache
 from mem_cache.radix_node import TreeNode
+from mem_cache.state_shape import MambaStateShape
 
 
 def make_cache(
@@ -18,8 +19,7 @@ def make_cache(
 ) -> MambaRadixCache:
     kv = KVPool(kv_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
     mamba = MambaPool(
-        slots, num_layers=1, conv_dim=1, conv_kernel=2, num_v_heads=1, k_head_dim=1, v_head_dim=1,
-        conv_dtype=torch.float32,
+        slots, [MambaStateShape(1, 1, (1, 1, 1))], conv_dtype=torch.float32,
     )  # fmt: skip
     return MambaRadixCache(kv, mamba, page_size=page_size, chunk_size=chunk_size, **kw)
 

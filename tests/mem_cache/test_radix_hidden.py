@@ -10,6 +10,7 @@ import torch
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_cache import MambaRadixCache
+from mem_cache.state_shape import MambaStateShape
 
 H = 3
 
@@ -17,8 +18,7 @@ H = 3
 def make_cache(slots: int = 8) -> MambaRadixCache:
     kv = KVPool(64, 1, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
     mamba = MambaPool(
-        slots, num_layers=1, conv_dim=1, conv_kernel=2, num_v_heads=1, k_head_dim=1, v_head_dim=1,
-        conv_dtype=torch.float32, hidden_size=H,
+        slots, [MambaStateShape(1, 1, (1, 1, 1))], conv_dtype=torch.float32, hidden_size=H,
     )  # fmt: skip
     return MambaRadixCache(kv, mamba, chunk_size=4)
 

@@ -14,6 +14,7 @@ from mem_cache.host_pool import HostTier, host_pool_sizes
 from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_cache import MambaRadixCache
+from mem_cache.state_shape import MambaStateShape
 
 
 def make_hi(
@@ -26,8 +27,7 @@ def make_hi(
 ) -> HiMambaRadixCache:
     kv = KVPool(kv_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
     mamba = MambaPool(
-        slots, num_layers=1, conv_dim=1, conv_kernel=2, num_v_heads=1, k_head_dim=1, v_head_dim=1,
-        conv_dtype=torch.float32,
+        slots, [MambaStateShape(1, 1, (1, 1, 1))], conv_dtype=torch.float32,
     )  # fmt: skip
     host = HostTier(kv, mamba, host_pages, host_slots, policy)
     return HiMambaRadixCache(kv, mamba, page_size=page_size, chunk_size=4 * page_size, host=host)

@@ -1,0 +1,186 @@
+"""The Mamba2 mixer (Dao and Gu, 2024), the recurrent token mixer of NemotronH, Granite-4.0-H,
+Bamba and Falcon-H1.
+
+    z | xBC | dt = in_proj(x)                         widths I, I + 2GN, H   (I = H * P)
+    x | B | C = silu(conv1d(xBC) + conv_bias)          x [H, P]; B, C [G, N]; head h reads group
+                                                       h // (H/G)
+    dt = clamp(softplus(dt + dt_bias), *time_step_limit);   A = -exp(A_log)
+    S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,        y_t = S_t C_t + D x_t      (per head)
+    out = out_proj(rms_norm_gate_first(y, z))          RMS over groups of I/G, gate first
+
+Both states live in the Mamba pool, addressed by `ForwardBatch.mamba_slots`: the conv window
+[conv_dim, K-1] and S [H, P, N] (`state_shape`). Prefill runs the chunked SSD scan from whatever
+the slot holds (zeros for a fresh request) and may leave snapshots at any tracked offset
+(`mamba_track_slots`: the conv window is the K-1 raw inputs before the offset); decode steps the
+state by one token; verify steps each request's tokens one at a time, keeping the states between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import KernelSet
+from mem_cache.state_shape import MambaStateShape
+from models.forward_batch import ForwardBatch
+from models.gated_delta_net import track_conv_states
+from models.layers import REFERENCE, Linear
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """One Mamba2 mixer's shapes and options, read from each family's config.json."""
+
+    hidden_size: int
+    num_heads: int  # H
+    head_dim: int  # P
+    n_groups: int  # G
+    state_size: int  # N
+    conv_kernel: int  # K
+    chunk_size: int  # the SSD scan's chunk
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj and out_proj
+    norm_eps: float = 1e-5
+    gated_norm: bool = True  # False: y * silu(z), no norm (Falcon-H1's mamba_rms_norm=false)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.n_groups:
+            raise ValueError(
+                f"config.json: {self.num_heads} Mamba heads do not divide into "
+                f"{self.n_groups} groups"
+            )
+
+    @property
+    def inner_size(self) -> int:  # I = H * P
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the conv: [x | B | C]
+        return self.inner_size + 2 * self.n_groups * self.state_size
+
+
+class RMSNormGateFirst(nn.Module):
+    """The Mamba2 output norm: g = y * silu(z), then w * g / rms(g) over groups of
+    `group_size` channels (mamba_ssm's `norm_before_gate=False`)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, ops: KernelSet = REFERENCE):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps, self.ops = group_size, eps, ops
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm_gate_first(y, z, self.weight, self.eps, self.group_size)
+
+
+class Mamba2Mixer(nn.Module):
+    """Module names are the checkpoints' (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
+    `norm`, `out_proj`). `mamba_layer_id` is the layer's index among the model's recurrent
+    layers (its pool layer)."""
+
+    def __init__(self, config: Mamba2Config, mamba_layer_id: int, ops: KernelSet = REFERENCE):
+        super().__init__()
+        c, self.config, self.ops = config, config, ops
+        self.mamba_layer_id = mamba_layer_id
+        H, inner, conv_dim = c.num_heads, c.inner_size, c.conv_dim
+        self.in_proj = Linear(c.hidden_size, inner + conv_dim + H, bias=c.proj_bias, ops=ops)
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, c.conv_kernel, groups=conv_dim, bias=c.conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(H))
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.D = nn.Parameter(torch.ones(H))
+        self.norm = (
+            RMSNormGateFirst(inner, inner // c.n_groups, c.norm_eps, ops) if c.gated_norm else None
+        )
+        self.out_proj = Linear(inner, c.hidden_size, bias=c.proj_bias, ops=ops)
+        # conv window [conv_dim, K-1]; SSM state [H, P, N]
+        self.state_shape = MambaStateShape(
+            conv_dim, c.conv_kernel - 1, (H, c.head_dim, c.state_size)
+        )
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        zxbcdt = self.in_proj(x)  # [T, I + conv_dim + H]
+        if batch.is_decode:
+            return self.out_proj(self._decode(zxbcdt, batch))
+        if batch.is_verify:
+            return self.out_proj(self._verify(zxbcdt, batch))
+        return self.out_proj(self._extend(zxbcdt, batch))
+
+    def _step_args(self, batch: ForwardBatch) -> tuple:
+        """The decode and verify ops' leading arguments after the projection."""
+        pool = batch.mamba_pool
+        norm = None if self.norm is None else self.norm.weight
+        return (
+            pool.conv_state, pool.ssm_state, self.mamba_layer_id, self.conv1d.weight.squeeze(1),
+            self.conv1d.bias, self.A_log, self.dt_bias, self.D, norm,
+        )  # fmt: skip
+
+    def _decode(self, zxbcdt: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """One token per request: conv update, state update and norm in one op
+        (`mamba2_decode`, reference `kernels.mamba2_step`), on the pool's states in place."""
+        c = self.config
+        return self.ops.mamba2_decode(
+            zxbcdt, *self._step_args(batch), batch.mamba_slots, c.n_groups, c.norm_eps,
+            c.time_step_limit,
+        )  # fmt: skip
+
+    def _verify(self, zxbcdt: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Speculative verify: each request's new tokens as consecutive decode steps, the state
+        after each but the last kept in its step slots (`mamba2_verify`)."""
+        c = self.config
+        return self.ops.mamba2_verify(
+            zxbcdt, *self._step_args(batch), batch.mamba_slots, batch.extend_lens_cpu,
+            batch.mamba_step_slots_cpu, c.n_groups, c.norm_eps, c.time_step_limit,
+        )  # fmt: skip
+
+    def _extend(self, zxbcdt: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        c = self.config
+        T, H, P, G, N = zxbcdt.shape[0], c.num_heads, c.head_dim, c.n_groups, c.state_size
+        pool = batch.mamba_pool
+        conv_state = pool.conv_state[self.mamba_layer_id]  # [slots, conv_dim, K-1]
+        ssm_state = pool.ssm_state[self.mamba_layer_id]  # [slots, H, P, N]
+        z, xbc, dt = zxbcdt.split([c.inner_size, c.conv_dim, H], dim=-1)
+
+        if batch.tracks_states:
+            track_conv_states(xbc, conv_state, batch)
+        xbc = self.ops.causal_conv1d_fn(
+            xbc.t(),
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            conv_state,
+            batch.query_start_loc,
+            batch.mamba_slots,
+            batch.has_initial_state,
+            "silu",
+        ).t()  # [T, conv_dim]
+        x, B, C = xbc.split([c.inner_size, G * N, G * N], dim=-1)
+
+        track = {}
+        if batch.tracks_states:
+            track = dict(
+                track_offsets=batch.mamba_track_offsets_cpu, track_indices=batch.mamba_track_slots
+            )
+        y = self.ops.mamba_chunk_scan_combined(
+            x.reshape(T, H, P),
+            dt,
+            -self.A_log.float().exp(),
+            B.reshape(T, G, N),
+            C.reshape(T, G, N),
+            c.chunk_size,
+            self.D,
+            self.dt_bias,
+            True,
+            c.time_step_limit,
+            cu_seqlens=batch.query_start_loc,
+            ssm_states=ssm_state,
+            state_indices=batch.mamba_slots,
+            has_initial_state=batch.has_initial_state,
+            **track,
+        ).reshape(T, c.inner_size)  # fp32
+        if self.norm is None:
+            return (y * F.silu(z.float())).to(zxbcdt.dtype)
+        return self.norm(y, z).to(zxbcdt.dtype)

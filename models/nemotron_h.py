@@ -1,0 +1,200 @@
+"""NemotronH (NVIDIA, 2025): Nemotron-H, Nemotron-Nano-v2 and Nemotron-3-Nano, a stack of
+blocks with one mixer each, picked by the config's pattern:
+
+    h = x + mixer(norm(x))      mixer = Mamba2 (M), attention without positions (*),
+                                        relu^2 MLP (-) or relu^2 MoE with a shared expert (E)
+    logits = lm_head(norm_f(h))
+
+Module names equal the checkpoints' (`backbone.embeddings`, `backbone.layers.{i}.norm`,
+`backbone.layers.{i}.mixer.*`, `backbone.norm_f`, `lm_head`), routed experts stacked as
+transformers 5.x stores them (`mixer.experts.up_proj` [E, I, H], `mixer.experts.down_proj`
+[E, H, I]; `models.weight_map` also reads the per-expert tensors the releases ship). The model
+reads one `ForwardBatch` and returns logits for the last new token of each request (or every
+token). No tensor parallelism yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import KernelSet
+from kernels.relu2_moe import relu2
+from mem_cache.state_shape import MambaStateShape
+from models.forward_batch import ForwardBatch
+from models.gqa_attention import Attention
+from models.layers import REFERENCE, Linear, RMSNormPlain
+from models.mamba2_mixer import Mamba2Mixer
+from models.nemotron_h_config import ATTENTION, MAMBA, MLP, NemotronHConfig
+from models.parallel import ParallelContext
+
+
+class NemotronHMLP(nn.Module):
+    """down(relu(up(x))^2): no gate."""
+
+    def __init__(self, hidden: int, width: int, bias: bool, ops: KernelSet = REFERENCE) -> None:
+        super().__init__()
+        self.up_proj = Linear(hidden, width, bias=bias, ops=ops)
+        self.down_proj = Linear(width, hidden, bias=bias, ops=ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(relu2(self.up_proj(x)))
+
+
+class NemotronHRouter(nn.Module):
+    """The router's fp32 weight [E, H] and its score-correction bias [E] (checkpoint names
+    `gate.weight`, `gate.e_score_correction_bias`)."""
+
+    def __init__(self, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+
+class NemotronHExperts(nn.Module):
+    """E routed relu^2 experts, stacked: up_proj [E, I, H], down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+
+
+class NemotronHMoE(nn.Module):
+    """Sigmoid router with group-limited top-k over relu^2 experts, plus a shared expert; the
+    whole block is one op of the kernel set (`relu2_moe`, reference `kernels.relu2_moe`)."""
+
+    def __init__(self, c: NemotronHConfig, ops: KernelSet = REFERENCE) -> None:
+        super().__init__()
+        self.config, self.ops = c, ops
+        self.gate = NemotronHRouter(c.num_experts, c.hidden_size)
+        self.experts = NemotronHExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.shared_experts = NemotronHMLP(
+            c.hidden_size, c.shared_expert_intermediate_size, c.mlp_bias, ops
+        )
+        if c.mlp_bias:
+            raise ValueError("config.json: MoE blocks with mlp_bias are unsupported")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
+        c, shared = self.config, self.shared_experts
+        return self.ops.relu2_moe(
+            x, self.gate.weight, self.gate.e_score_correction_bias, self.experts.up_proj,
+            self.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight,
+            c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )  # fmt: skip
+
+
+class NemotronHBlock(nn.Module):
+    """One block: h = x + mixer(norm(x))."""
+
+    def __init__(self, c: NemotronHConfig, layer_id: int, ops: KernelSet) -> None:
+        super().__init__()
+        self.kind = c.layer_types[layer_id]
+        self.norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
+        if self.kind == MAMBA:
+            self.mixer: nn.Module = Mamba2Mixer(
+                c.mamba, c.linear_attention_layers.index(layer_id), ops
+            )
+        elif self.kind == ATTENTION:
+            self.mixer = Attention(
+                c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                c.full_attention_layers.index(layer_id), ops=ops,
+            )  # fmt: skip
+        elif self.kind == MLP:
+            self.mixer = NemotronHMLP(c.hidden_size, c.mlp_width(layer_id), c.mlp_bias, ops)
+        else:
+            self.mixer = NemotronHMoE(c, ops)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.norm(x)
+        if self.kind in (MAMBA, ATTENTION):  # the sequence mixers read the batch
+            return x + self.mixer(h, batch)
+        return x + self.mixer(h)
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, c: NemotronHConfig, ops: KernelSet) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(
+            c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
+        )
+        self.layers = nn.ModuleList(NemotronHBlock(c, i, ops) for i in range(c.num_hidden_layers))
+        self.norm_f = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> the last block's output [T, hidden] (before `norm_f`)."""
+        x = self.embeddings(batch.input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, batch)
+        return x
+
+
+class NemotronHForCausalLM(nn.Module):
+    """The whole model. `ops` is the kernel set every layer calls (`kernels.choose`; the torch
+    references by default). The loader's and scheduler's contract is `Qwen3NextForCausalLM`'s:
+    `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`."""
+
+    def __init__(
+        self,
+        config: NemotronHConfig,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
+        mtp: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp, self.ops = tp or ParallelContext(), ops
+        if self.tp.enabled:
+            raise ValueError("nemotron_h: tensor parallelism is not supported yet")
+        if mtp:
+            raise ValueError("nemotron_h: no MTP head is served for this family yet")
+        self.config = self.local_config = config
+        self.backbone = NemotronHModel(config, ops)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+        self.mtp = None
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.backbone.embeddings
+
+    @property
+    def state_shapes(self) -> tuple[MambaStateShape, ...]:
+        """Each Mamba2 block's per-sequence state, in pool order: what the Mamba pool is built
+        from."""
+        return tuple(
+            layer.mixer.state_shape for layer in self.backbone.layers if layer.kind == MAMBA
+        )
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.config.full_attention_layers)
+
+    def use_kernels(self, ops: KernelSet) -> None:
+        """Run every layer on `ops` from now on."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
+        or [K, vocab] at `logit_indices`."""
+        return self.lm_head(self.final_hidden(batch)).float()
+
+    @torch.inference_mode()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:
+        """The final normed hidden states of the rows `forward` returns logits for (with
+        `every_row`, of every new token)."""
+        x = self.backbone(batch)
+        if not (every_row or batch.is_decode):
+            if batch.logit_indices is not None:
+                x = x[batch.logit_indices]
+            elif not batch.return_all_logits:
+                x = x[batch.last_token_indices()]
+        return self.backbone.norm_f(x)

@@ -1,0 +1,150 @@
+"""NemotronH on real pools against transformers' NemotronHForCausalLM on the tiny preset.
+
+The judge is transformers with one difference patched, as the issue asks: its torch path clamps
+dt at `time_step_min` (HF PR #48989), where NVIDIA's code, vLLM and SGLang (and we) apply the
+config's `time_step_limit` (0, inf). One test shows the unpatched port really differs here, so
+the patch is not a no-op. Then: ragged prefill logits within 1e-4 of the float64 reference,
+chunked prefill at sizes the SSD chunk (128) does not divide equal to one shot, and greedy
+decode of a padded batch equal to `generate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from make_model.presets import preset_config, write_checkpoint
+from models.loader import load_model
+from models.nemotron_h import NemotronHForCausalLM
+from scheduler.model_runner import DecodeInput, ModelRunner, RunnerConfig
+from tests.hf_reference import hf_greedy
+from tests.ragged_prefill import admit, ragged_prefill
+
+PRESET = "tiny-nemotron-h"
+PROMPT_LENS = [1, 17, 129, 300]
+DECODE_STEPS = 24
+ATOL = 1e-4
+
+
+def patch_time_step_limit(hf) -> None:
+    """transformers' NemotronH mixer clamps dt >= time_step_min in its torch path; the model as
+    trained (and every serving peer) uses the config's limit, (0, inf)."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    for module in hf.modules():
+        if isinstance(module, NemotronHMamba2Mixer):
+            module.time_step_limit = tuple(hf.config.time_step_limit)
+
+
+def hf_reference(path, patched: bool = True):
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), f"transformers did not load the checkpoint cleanly: {info}"
+    if patched:
+        patch_time_step_limit(hf)
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nemotron-h")
+    write_checkpoint(path, preset_config(PRESET), seed=1)
+    hf = hf_reference(path)
+    ours = load_model(path, dtype="float32")
+    gen = torch.Generator().manual_seed(7)
+    vocab = preset_config(PRESET)["vocab_size"]
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return path, hf, ours, prompts
+
+
+def _runner(model) -> ModelRunner:
+    return ModelRunner(model, RunnerConfig(max_running_requests=12, max_total_tokens=4096))
+
+
+def _hf_last_logits(hf, prompt) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, -1]
+
+
+def test_registry_builds_nemotron_h_with_mamba2_state_shapes(checkpoint):
+    _, _, ours, _ = checkpoint
+    assert isinstance(ours, NemotronHForCausalLM)
+    c = ours.config
+    assert c.layer_types.count("linear_attention") == 4 and ours.num_kv_layers == 1
+    shape = ours.state_shapes[0]
+    assert shape.conv == (128 + 2 * 8 * 16, 3) and shape.temporal == (16, 8, 16)
+    assert len(ours.state_shapes) == 4
+    pool = _runner(ours).mamba_pool
+    assert pool.ssm_state.shape[2:] == (16, 8, 16) and pool.conv_state.shape[2:] == (384, 3)
+
+
+def test_ragged_prefill_logits_match(checkpoint):
+    """Within ATOL of transformers (patched) run in float64, within 2 ATOL of its fp32 run."""
+    _, hf, ours, prompts = checkpoint
+    hf64 = copy.deepcopy(hf).double()
+    hf64.config._experts_implementation = "eager"  # no float64 grouped GEMM
+    runner = _runner(ours)
+    slots = admit(runner, len(prompts))
+    logits = ragged_prefill(runner, prompts, slots, chunk=None)
+    worst = 0.0
+    for i, p in enumerate(prompts):
+        err = (logits[i].double() - _hf_last_logits(hf64, p)).abs().max().item()
+        assert err < ATOL, f"prompt of {len(p)} tokens: max |dlogit| to float64 {err:.2e}"
+        err32 = (logits[i] - _hf_last_logits(hf, p)).abs().max().item()
+        assert err32 < 2 * ATOL, f"prompt of {len(p)} tokens: max |dlogit| to fp32 {err32:.2e}"
+        worst = max(worst, err)
+    print(f"max |dlogit| to float64 transformers: {worst:.2e}")
+
+
+def test_unpatched_transformers_differs(checkpoint):
+    """The dt >= time_step_min clamp of transformers' torch path changes this model's logits:
+    the patch above is what makes the reference the model as trained."""
+    path, _, ours, prompts = checkpoint
+    unpatched = hf_reference(path, patched=False)
+    assert unpatched.model.layers[0].mixer.time_step_limit[0] == pytest.approx(1e-3)
+    runner = _runner(ours)
+    slots = admit(runner, 1)
+    ours_logits = ragged_prefill(runner, prompts[-1:], slots, chunk=None)[0]
+    assert (ours_logits - _hf_last_logits(unpatched, prompts[-1])).abs().max().item() > 10 * ATOL
+    assert math.isinf(ours.config.mamba.time_step_limit[1])
+
+
+@pytest.mark.parametrize("chunk", [48, 100])
+def test_chunked_prefill_equals_one_shot(checkpoint, chunk):
+    _, _, ours, prompts = checkpoint
+    runner = _runner(ours)
+    slots = admit(runner, len(prompts))
+    one_shot = ragged_prefill(runner, prompts, slots, chunk=None)
+    slots2 = admit(runner, len(prompts))
+    chunked = ragged_prefill(runner, prompts, slots2, chunk=chunk)
+    assert (chunked - one_shot).abs().max().item() < ATOL
+    pool = runner.mamba_pool
+    a = torch.tensor([m for _, m in slots])
+    b = torch.tensor([m for _, m in slots2])
+    torch.testing.assert_close(pool.ssm_state[:, a], pool.ssm_state[:, b], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool.conv_state[:, a], pool.conv_state[:, b], rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_decode_matches_generate(checkpoint):
+    _, hf, ours, prompts = checkpoint
+    expected = hf_greedy(hf, prompts, DECODE_STEPS)
+    runner = _runner(ours)
+    slots = admit(runner, len(prompts))
+    tokens = ragged_prefill(runner, prompts, slots, chunk=None).argmax(-1).tolist()
+    outputs = [[t] for t in tokens]
+    seq_lens = [len(p) for p in prompts]
+    for _ in range(DECODE_STEPS - 1):
+        items = [DecodeInput(r, m, seq_lens[i], tokens[i]) for i, (r, m) in enumerate(slots)]
+        locs = torch.cat([runner.alloc_kv(r, seq_lens[i], 1) for i, (r, _) in enumerate(slots)])
+        logits = runner.forward(runner.build_decode(items, locs, pad_to=8))  # 4 padding rows
+        tokens = logits[: len(slots)].argmax(-1).tolist()
+        seq_lens = [s + 1 for s in seq_lens]
+        for out, t in zip(outputs, tokens, strict=True):
+            out.append(t)
+    for i, p in enumerate(prompts):
+        assert outputs[i] == expected[i], f"prompt of {len(p)} tokens diverges"
