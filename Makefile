@@ -10,12 +10,13 @@ SERVE_ARGS  ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The compile-matrix test builds the C++ kernels for the other architecture too.
+# The kernels' level tests build the C++ kernels for the other architecture too, and run them
+# under qemu-user.
 ARCH := $(shell uname -m)
+OTHER := $(if $(filter aarch64,$(ARCH)),x86_64,aarch64)
 CROSS_PKG := $(if $(filter aarch64,$(ARCH)),g++-x86-64-linux-gnu,g++-aarch64-linux-gnu)
-CROSS_CXX := $(if $(filter aarch64,$(ARCH)),x86_64-linux-gnu-g++,aarch64-linux-gnu-g++)
 
-.PHONY: install test serve lint clean cross-compiler
+.PHONY: install test serve lint clean cross-tools
 
 install: $(STAMP)
 
@@ -29,16 +30,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m kernels.prebuild
 	touch $(STAMP)
 
-test: $(STAMP) cross-compiler
+test: $(STAMP) cross-tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Debian's cross compiler for the other architecture, installed where missing (as root)
-cross-compiler:
-	@command -v $(CROSS_CXX) >/dev/null || { \
+# Debian's cross compiler for the other architecture and qemu-user, installed where missing
+# (as root; elsewhere the level tests say what to install)
+cross-tools:
+	@command -v $(OTHER)-linux-gnu-g++ >/dev/null && command -v qemu-$(OTHER) >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get install -y -q $(CROSS_PKG) >/dev/null 2>&1 || \
-	      { apt-get update -q >/dev/null && apt-get install -y -q $(CROSS_PKG) >/dev/null; }; \
-	  else echo "install $(CROSS_PKG) (the kernels' compile-matrix test needs $(CROSS_CXX))"; fi; }
+	    apt-get install -y -q $(CROSS_PKG) qemu-user >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && apt-get install -y -q $(CROSS_PKG) qemu-user >/dev/null; }; \
+	  else echo "install $(CROSS_PKG) and qemu-user (the kernels' level tests use them)"; fi; }
 
 # The HTTP server on 127.0.0.1:30000; with no MODEL_PATH it serves the tiny preset (written on
 # first use to ~/.cache/hybrid-serve/tiny). More flags: make serve SERVE_ARGS="--port 8000".

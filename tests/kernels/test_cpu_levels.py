@@ -8,6 +8,9 @@
   numeric cores (tests/kernels/level_probe.cpp): the integer products, the tiled GEMM, the
   activations' rounding, exp/silu and the window shuffles bit for bit; the fp32/bf16 GEMV
   within fp32 round-off (its lanes run along k, so its bits follow the vector width: simd.h).
+- The other architecture's levels run too, under qemu-user (which `make test` installs with the
+  cross compiler): the probe as a standalone program (level_probe_main.cpp, torch_stubs.cpp),
+  its results held to the same contract against this host's generic level.
 """
 
 from __future__ import annotations
@@ -74,16 +77,16 @@ def test_every_source_compiles_at_every_level_of_both_architectures(tmp_path):
 
 RUNNABLE = [lv for lv in cpu_levels.levels() if lv.runs_on(cpu_levels.host_features())]
 FEATURES = {  # what each level's vocabulary must have compiled to (simd.h's `features`)
-    "generic": "scalar",
-    "x86-64-v3": "avx2 fma",
-    "x86-64-v3-vnni": "avx2 fma avx-vnni",
-    "x86-64-v4": "avx512",
-    "x86-64-v4-vnni": "avx512 avx512-vnni",
-    "sapphirerapids": "avx512 avx512-vnni",
-    "armv8.2-a+dotprod": "neon dotprod",
+    ("x86_64", "generic"): "scalar",
+    ("x86_64", "x86-64-v3"): "avx2 fma",
+    ("x86_64", "x86-64-v3-vnni"): "avx2 fma avx-vnni",
+    ("x86_64", "x86-64-v4"): "avx512",
+    ("x86_64", "x86-64-v4-vnni"): "avx512 avx512-vnni",
+    ("x86_64", "sapphirerapids"): "avx512 avx512-vnni",
+    ("aarch64", "generic"): "neon",
+    ("aarch64", "armv8.2-a+dotprod"): "neon dotprod",
 }
-if platform.machine() == "aarch64":
-    FEATURES["generic"] = "neon"
+HOST = platform.machine()
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +137,7 @@ OTHERS = [lv.name for lv in RUNNABLE if lv.name != "generic"]
 
 def test_each_level_compiled_to_its_features(probes):
     for name, lib in probes.items():
-        assert lib.probe_features().decode() == FEATURES[name], name
+        assert lib.probe_features().decode() == FEATURES[HOST, name], name
 
 
 @pytest.mark.parametrize("level", OTHERS)
@@ -163,7 +166,7 @@ def test_the_gemv_agrees_within_round_off(probes, level):
     """fp32/bf16 rows up to 8: lanes along k, so the bits follow the width (simd.h); levels of
     one width agree bit for bit."""
     g = torch.Generator().manual_seed(1)
-    width = {lv: FEATURES[lv].startswith("avx512") for lv in OTHERS}
+    width = {lv: FEATURES[HOST, lv].startswith("avx512") for lv in OTHERS}
     for M, N, K in [(1, 20, 300), (4, 17, 64), (8, 5, 1000)]:
         x = torch.randn(M, K, generator=g)
         for w in (torch.randn(N, K, generator=g), torch.randn(N, K, generator=g).bfloat16()):
@@ -225,3 +228,104 @@ def test_the_delta_rule_pass_is_the_same_at_every_vector_level(probes, level):
             level,
             other,
         )
+
+
+# ---- the other architecture's levels, under emulation ------------------------------------------
+
+OTHER = "aarch64" if platform.machine() == "x86_64" else "x86_64"
+EMULATED = [
+    lv
+    for lv in cpu_levels.levels(OTHER)
+    if OTHER == "aarch64" or lv.name in ("generic", "x86-64-v3")
+]  # fmt: skip  (qemu emulates AVX2, not AVX-512)
+
+
+class Emulated:
+    """The probe of one level of the other architecture, run under qemu-user, file in file out."""
+
+    def __init__(self, exe: Path, tmp: Path) -> None:
+        self.exe, self.tmp = exe, tmp
+        sysroot = Path(f"/usr/{OTHER}-linux-gnu")
+        self.cmd = [f"qemu-{OTHER}", "-L", str(sysroot), "-cpu", "max", str(exe)]
+
+    def run(self, *args: object) -> str:
+        out = subprocess.run([*self.cmd, *map(str, args)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def file(self, name: str, t: torch.Tensor | None = None) -> Path:
+        path = self.tmp / name
+        if t is not None:
+            path.write_bytes(t.contiguous().view(torch.uint8).numpy().tobytes())
+        return path
+
+    def read(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        data = bytearray((self.tmp / name).read_bytes())
+        return torch.frombuffer(data, dtype=dtype).view(shape).clone()
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        code = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}[w.dtype]
+        (M, K), N = x.shape, w.shape[0]
+        self.run("linear", code, M, N, K, self.file("x", x), self.file("w", w), self.file("y"))
+        return self.read("y", torch.float32, (M, N))
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory) -> dict[str, Emulated]:
+    cxx = compiler_for(OTHER)
+    missing = [n for n, p in ((f"{OTHER} compiler", cxx), ("qemu", shutil.which(f"qemu-{OTHER}")))
+               if p is None]  # fmt: skip
+    assert not missing, f"no {', '.join(missing)}: `make test` installs them (Debian: qemu-user)"
+    tmp = tmp_path_factory.mktemp("emulated")
+
+    def build(level: cpu_levels.Level) -> Path:
+        exe = tmp / f"probe-{level.name}"
+        flags = [f for f in cpp_build.compile_flags(level) if f not in ("-O3", "-fPIC")]
+        srcs = [HERE / "level_probe_main.cpp", HERE / "torch_stubs.cpp"]
+        cmd = [cxx, *flags, "-O2", f"-I{cpp_build.CSRC}", f"-I{HERE}", *map(str, srcs)]
+        subprocess.run([*cmd, "-o", str(exe)], check=True)
+        return exe
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        exes = list(pool.map(build, EMULATED))
+    return {
+        lv.name: Emulated(exe, tmp_path_factory.mktemp(lv.name))
+        for lv, exe in zip(EMULATED, exes, strict=True)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [lv.name for lv in EMULATED])
+def test_the_other_architecture_keeps_the_contract(probes, emulated, level):
+    emu, host = emulated[level], probes["generic"]
+    assert emu.run("features") == FEATURES[OTHER, level]
+    g = torch.Generator().manual_seed(4)
+    for M, N, K in [(1, 7, 96), (3, 9, 100), (8, 13, 160), (17, 13, 100), (40, 20, 288)]:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+        exact = [quant.quantize(w, "int8")] + ([quant.quantize(w, "int4")] if K % 32 == 0 else [])
+        if M > 8:
+            exact += [w, w.bfloat16()]
+        for wq in exact:  # integer products and the tiled GEMM: the host's generic bits
+            assert torch.equal(emu.linear(x, wq), linear(host, x, wq)), (level, M, N, K, wq.dtype)
+        if M <= 8:
+            for wf in (w, w.bfloat16()):
+                torch.testing.assert_close(emu.linear(x, wf), linear(host, x, wf), rtol=1e-5,
+                                           atol=1e-5)  # fmt: skip
+    x = torch.randn(32, generator=g) * 3
+    emu.run("quantize", 32, emu.file("qx", x), emu.file("q"))
+    q_host = torch.empty(32, dtype=torch.int8)
+    scale = host.probe_quantize(ptr(x), ctypes.c_int64(32), ptr(q_host))
+    got = (emu.tmp / "q").read_bytes()
+    assert got[4:] == q_host.numpy().tobytes()
+    assert torch.frombuffer(bytearray(got[:4]), dtype=torch.float32).item() == scale
+    y = torch.cat([torch.linspace(-90, 90, 61), torch.randn(40, generator=g) * 8])
+    emu.run("silu", y.numel(), emu.file("s", y))
+    host_y = y.clone()
+    host.probe_silu(ptr(host_y), ctypes.c_int64(y.numel()))
+    assert torch.equal(emu.read("s", torch.float32, (y.numel(),)), host_y)
+    window, xs = torch.randn(25, generator=g), torch.randn(8, generator=g)
+    emu.run("window", emu.file("p", window), emu.file("wx", xs), emu.file("h"))
+    hw, hh = window.clone(), torch.empty(24)
+    host.probe_window(ptr(hw), ptr(xs), ptr(hh))
+    assert torch.equal(emu.read("h", torch.float32, (24,)), hh)
+    assert torch.equal(emu.read("p", torch.float32, (25,))[:24], hw[:24])

@@ -149,6 +149,13 @@ def test_admin_routes(http):
     assert server["scheduler_config"]["chunked_prefill_size"] == 64
     assert server["pools"]["kv_pages_total"] > 0
     assert server["leak_check"] == {"idle": True, "problems": []}
+    from kernels import cpp_build  # the server loads this machine's level of the C++ kernels
+
+    kernels = server["kernels"]
+    if cpp_build.load() is not None:
+        assert kernels["backend"] == "cpp" and kernels["cpu_level"] == cpp_build.loaded_level().name
+    else:
+        assert kernels["backend"] == "torch" and kernels["cpu_level"] is None
     assert http.post("/flush_cache").status_code == 200
     assert http.get("/get_server_info").json()["pools"]["kv_pages_cached"] == 0
     # SGLang's current names (bench_serving asks /model_info for the tokenizer path)
