@@ -29,6 +29,7 @@ class Level:
     flags: tuple[str, ...]  # compiler flags beyond the common ones
     requires: frozenset[str]  # /proc/cpuinfo feature names
     summary: str
+    vector: bool = True  # simd.h has vector bodies here (x86's generic level runs the scalar ones)
 
     def runs_on(self, features: Iterable[str]) -> bool:
         return self.requires <= set(features)
@@ -42,7 +43,14 @@ _V4 = _V3 | frozenset("avx512f avx512bw avx512cd avx512dq avx512vl".split())
 
 # Best last within an architecture: `best` takes the last level a host runs.
 LEVELS: tuple[Level, ...] = (
-    Level("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset(), "x86-64 baseline"),
+    Level(
+        "generic",
+        "x86_64",
+        ("-march=x86-64", "-mtune=generic"),
+        frozenset(),
+        "x86-64 baseline, scalar",
+        vector=False,
+    ),
     Level("x86-64-v3", "x86_64", ("-march=x86-64-v3",), _V3, "AVX2 + FMA (Haswell, Zen 1-3)"),
     Level(
         "x86-64-v3-vnni",

@@ -249,7 +249,7 @@ def choose(
         if device.type == "cuda":
             backend = "triton" if triton_available() else "torch"
         else:
-            backend = "cpp" if cpu_fp32 and cpp_ready(settings) else "torch"
+            backend = "cpp" if cpu_fp32 and cpp_ready(settings) and vector_level() else "torch"
     if backend == "triton":
         return triton_set(device)
     if backend == "cpp" and cpu_fp32:
@@ -259,6 +259,18 @@ def choose(
             )
         return cpp_set(settings.fusions)
     return reference_set()
+
+
+def vector_level() -> bool:
+    """Whether the loaded C++ level has vector bodies. At x86's generic level (no AVX2) torch's
+    own matmuls, which dispatch to the SSE the CPU has, outrun our scalar products many times
+    over at 8 rows and more (BENCHMARKS.md, "CPU levels"), so `auto` takes the torch set there;
+    `HYBRID_SERVE_KERNELS=cpp` still forces the C++ one."""
+    level = cpp_build.loaded_level()
+    if level is not None and not level.vector:
+        logger.info("CPU level %s has no vector unit: the torch kernels serve", level.name)
+        return False
+    return True
 
 
 def cpp_ready(settings: KernelSettings) -> bool:

@@ -111,3 +111,18 @@ def test_importing_the_model_does_not_import_triton() -> None:
         "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_level_without_vector_bodies_takes_torchs_matmuls(monkeypatch) -> None:
+    """x86's generic level runs simd.h's scalar bodies: `auto` takes the torch set there, `cpp`
+    still forces the C++ one."""
+    from kernels import cpp_build, cpu_levels
+
+    generic = cpu_levels.get("generic", "x86_64")
+    monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
+    monkeypatch.setattr(cpp_build, "loaded_level", lambda: generic)
+    assert choose("cpu", torch.float32, KernelSettings()).backend == "torch"
+    assert choose("cpu", torch.float32, KernelSettings("cpp")).backend == "cpp"
+    best = cpu_levels.get("x86-64-v3", "x86_64")
+    monkeypatch.setattr(cpp_build, "loaded_level", lambda: best)
+    assert choose("cpu", torch.float32, KernelSettings()).backend == "cpp"
