@@ -17,13 +17,12 @@ from typing import Any
 
 from scheduler.config import RunnerConfig, SchedulerConfig, opt
 from server.dp_router import LOAD_BALANCE_METHODS
-from server.reasoning import REASONING_PARSERS
-from server.tool_parsers import TOOL_CALL_PARSERS
+from server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CACHE_ISOLATION = ("none", "per-key")
-REASONING_FLAGS = ("auto", "none", *REASONING_PARSERS)
-TOOL_CALL_FLAGS = ("auto", *TOOL_CALL_PARSERS)
+REASONING_FLAGS = ("auto", "none", *REASONING_FORMATS)
+TOOL_CALL_FLAGS = ("auto", *TOOL_CALL_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -123,12 +122,12 @@ class ServerConfig:
     reasoning_parser: str = opt(
         "auto",
         f"chat: split <think> reasoning into reasoning_content: {', '.join(REASONING_FLAGS)} "
-        "(auto: from the chat template; server/reasoning.py)",
+        "(auto: from the chat template; server/formats/)",
     )
     tool_call_parser: str = opt(
         "auto",
         f"chat: the tool call format: {', '.join(TOOL_CALL_FLAGS)} (auto: from the chat "
-        "template; server/tool_parsers.py)",
+        "template; server/formats/)",
     )
 
     def __post_init__(self) -> None:

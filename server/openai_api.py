@@ -23,6 +23,7 @@ from server.app_state import AppState, get_state
 from server.chat_output import ChoiceOutput, chat_format
 from server.chat_template import chat_prompt, utf8
 from server.errors import APIError, error_body
+from server.formats.reasoning import ReasoningFormat
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.ownership import cache_salt, caller_of
 from server.protocol import (
@@ -33,7 +34,6 @@ from server.protocol import (
     sampling_params,
     session_of,
 )
-from server.reasoning import prompt_thinking, reasoning_mode
 from server.tools import call_grammar, check_tools, think_then_json
 
 router = APIRouter()
@@ -264,8 +264,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         s.config.tool_call_parser,
         getattr(s.tokenizer, "chat_template", None),
     )
-    mode = reasoning_mode(
-        fmt.reasoning_parser, prompt, body.separate_reasoning, body.chat_template_kwargs
+    reasoning = fmt.reasoning
+    mode = (
+        reasoning.mode(prompt, body.separate_reasoning, body.chat_template_kwargs)
+        if reasoning is not None
+        else "off"
     )
     max_new = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -277,15 +280,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
-    think = prompt_thinking(prompt) is True  # a constraint lets the reasoning run free first
+    # a constraint lets the reasoning run free first
+    think = (reasoning or ReasoningFormat).prompt_thinking(prompt) is True
     if forced is not None:  # required / named: the grammar makes the call valid
         if body.response_format or body.regex or body.ebnf:
             message = "give response_format, regex or ebnf, or a forced tool_choice"
             raise APIError(message, 400, "tool_choice")
         # off the loop: the first use imports xgrammar (and torch) in this process
-        grammar = await s.off_loop(
-            call_grammar, body.tools or [], forced, fmt.tool_call_parser, think
-        )
+        grammar = await s.off_loop(call_grammar, body.tools or [], forced, fmt.tool_call, think)
         for sp in params:
             sp.ebnf = grammar
     elif think and (params[0].json_schema is not None or params[0].json_object):
@@ -295,8 +297,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     jobs = [(ids, sp, kw) for sp in params]
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": s.model_name}
-    tool_fmt = fmt.tool_call_parser if parse_calls else None
-    outs = [ChoiceOutput(mode, tool_fmt, body.tools, body.stream_reasoning) for _ in range(n)]
+    tool_fmt = fmt.tool_call if parse_calls else None
+    outs = [
+        ChoiceOutput(mode, reasoning, tool_fmt, body.tools, body.stream_reasoning) for _ in range(n)
+    ]
 
     if not body.stream:
         results = await run_jobs(s, request, jobs)
