@@ -4,7 +4,8 @@ Each `step()` runs one forward: a prefill round when something waits (the chunke
 then the queue within `max_prefill_tokens` and `max_running_requests`), otherwise one decode step
 of every running request; prefill has priority, as in SGLang. The scheduler owns the queues
 (`waiting`, `running`, `chunked`) and applies what its collaborators decide: `PrefillAdder` picks
-a round, `ForwardStep` runs a batch and lands its tokens, `PrefixCache` moves KV and states in
+a round, `ForwardStep` runs a batch and lands its tokens (wrapped by `SpecWorker` with
+speculative decoding), `PrefixCache` moves KV and states in
 and out of the radix tree (per Mamba strategy), `SessionManager` holds sessions' slots, and
 `FaultHandler` fails the requests a fault hits (`scheduler/faults.py`).
 """
@@ -27,6 +28,7 @@ from scheduler.prefix_cache import PrefixCache, build_tree
 from scheduler.request import FinishReason, Req
 from scheduler.schedule_policy import NewTokenRatio, PrefillAdder, expected_new
 from scheduler.session import SessionManager
+from scheduler.spec.worker import SpecWorker
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +36,21 @@ PREFETCH_POLL_S = 0.005  # an idle step waits this long for a storage prefetch
 HOLD_POLL_S = 0.01  # a step with only held requests (test switch) waits this long
 
 
-def _on_forward(name: str) -> property:
+def _on_step(name: str) -> property:
     """An attribute of the scheduler that lives on its `ForwardStep`."""
-    return property(lambda s: getattr(s.forward, name), lambda s, v: setattr(s.forward, name, v))
+
+    def get(s: Scheduler) -> object:
+        return getattr(s.forward_step, name)
+
+    def put(s: Scheduler, value: object) -> None:
+        setattr(s.forward_step, name, value)
+
+    return property(get, put)
 
 
 class Scheduler:
-    grammar = _on_forward("grammar")  # structured output; None refuses requests with a grammar
-    graph_runner = _on_forward("graph_runner")
+    grammar = _on_step("grammar")  # structured output; None refuses requests with a grammar
+    graph_runner = _on_step("graph_runner")
 
     def __init__(
         self, runner: ModelRunner, config: SchedulerConfig, grammar: GrammarBackend | None = None
@@ -67,8 +76,13 @@ class Scheduler:
         self.aborts: Counter[str] = self.faults.aborts  # aborted requests by why (client, ...)
         sizes = config.decode_graph_sizes(runner.config.max_running_requests)
         graphs = DecodeGraphRunner(runner, sizes)
-        self.forward = ForwardStep(
+        self.forward_step = ForwardStep(
             runner, self.cache, graphs, self.debug, self.faults.error, grammar
+        )
+        # what runs a batch: the step, or with speculative decoding the worker around it
+        steps = runner.config.spec_steps
+        self.forward: ForwardStep | SpecWorker = (
+            SpecWorker(self.forward_step, steps) if steps else self.forward_step
         )
         self._batch: list[Req] = []  # the requests of the step in flight (failed by its fault)
         self._finished_elsewhere: list[Req] = []  # aborted outside step() (session replace)
