@@ -10,6 +10,7 @@ from dataclasses import replace
 from models.loader import load_model
 from models.parallel import ParallelContext
 from scheduler.config import RunnerConfig, SchedulerConfig
+from scheduler.debug import DebugSwitches, install
 from scheduler.grammar import GrammarBackend
 from scheduler.lockstep import check_same_config
 from scheduler.model_runner import ModelRunner
@@ -28,7 +29,8 @@ def build_scheduler(
     """Load the model and pools and make the scheduler; a Mamba pool size of 0 takes the
     strategy's default (`SchedulerConfig.mamba_slots_for`), and a memory budget sizes the KV
     pool (`scheduler.pool_sizing`). The sizes are logged. With a tensor-parallel context: this
-    rank's shard and pools (every rank's loop runs on rank 0's inputs: `scheduler.lockstep`)."""
+    rank's shard and pools (every rank's loop runs on rank 0's inputs: `scheduler.lockstep`).
+    The test switches set in the environment are installed here (`scheduler/debug.py`)."""
     if runner_cfg.mamba_cache_size == 0:
         slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
         slots += runner_cfg.spec_steps * runner_cfg.max_running_requests  # verify's step slots
@@ -44,4 +46,6 @@ def build_scheduler(
     if tp is not None and tp.enabled:
         check_same_config(tp, runner_cfg, sched_cfg)
     grammar = GrammarBackend(model_path, model.config.vocab_size)
-    return Scheduler(ModelRunner(model, runner_cfg), sched_cfg, grammar)
+    scheduler = Scheduler(ModelRunner(model, runner_cfg), sched_cfg, grammar)
+    install(scheduler, DebugSwitches.from_env())
+    return scheduler

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.debug import DebugSwitches
 from scheduler.grammar import GrammarBackend
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
@@ -89,7 +88,6 @@ class ForwardStep:
     runner: ModelRunner
     cache: PrefixCache
     graph_runner: DecodeGraphRunner
-    debug: DebugSwitches
     on_error: Callable[[Req, BaseException], None]  # req failed; the caller frees it later
     grammar: GrammarBackend | None = None  # structured output (set by build_scheduler)
 
@@ -208,7 +206,6 @@ class ForwardStep:
 
     def land(self, req: Req, out: SampleOutput, i: int, grammar_ended: bool = False) -> None:
         """Append row i of a sampler output to req and check whether it finished."""
-        self.debug.step_fault(req, self.runner.mamba_pool)
         req.output_ids.append(out.next_token_ids[i])
         if out.logprobs is not None:
             req.output_logprobs.append(out.logprobs[i])

@@ -41,16 +41,13 @@ from mem_cache.radix_cache import MambaRadixCache
 from mem_cache.storage_file import FileStorage, model_identity
 from mem_cache.storage_tier import StorageTier
 from scheduler.config import SchedulerConfig
-from scheduler.debug import DebugSwitches
 from scheduler.model_runner import ModelRunner
 from scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 
 
-def build_tree(
-    runner: ModelRunner, config: SchedulerConfig, debug: DebugSwitches | None = None
-) -> MambaRadixCache:
+def build_tree(runner: ModelRunner, config: SchedulerConfig) -> MambaRadixCache:
     """The radix cache over the runner's pools; with --enable-hierarchical-cache, over host
     pools too (sized by --hicache-size / --hicache-ratio, pinned when the device is CUDA)."""
     kv, mamba, ps = runner.kv_pool, runner.mamba_pool, runner.config.page_size
@@ -71,20 +68,11 @@ def build_tree(
             config.hicache_storage_dir, model_identity(runner.model, extra), block_size=chunk
         )
         storage = StorageTier(files, host, config.hicache_prefetch_threshold)
-    tree = HiMambaRadixCache(kv, mamba, page_size=ps, host=host, storage=storage)
-    if storage is not None and debug is not None and debug.prefetch_delay:
-        storage.worker.delay = debug.prefetch_delay  # test switch; the reader starts on first use
-    return tree
+    return HiMambaRadixCache(kv, mamba, page_size=ps, host=host, storage=storage)
 
 
 class PrefixCache:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        tree: MambaRadixCache,
-        config: SchedulerConfig,
-        force_lazy_alloc_fail: bool = False,  # test switch (scheduler/debug.py)
-    ) -> None:
+    def __init__(self, runner: ModelRunner, tree: MambaRadixCache, config: SchedulerConfig) -> None:
         self.runner, self.tree, self.config = runner, tree, config
         self.pool = runner.mamba_pool
         self.enabled = not config.disable_radix_cache
@@ -94,7 +82,6 @@ class PrefixCache:
         self.num_tracks = (1 if self.lazy else 2) if self.tracking else 0
         self.chunk = tree.chunk_size
         self.interval = config.mamba_track_interval
-        self.force_lazy_alloc_fail = force_lazy_alloc_fail
         self.evict_idle: Callable[[], bool] = lambda: False  # frees one idle session's slot
 
     # ---- slots ---------------------------------------------------------------------------
@@ -275,7 +262,7 @@ class PrefixCache:
                 continue
             source = req.mamba_slot if boundary == req.kv_len else step_slots[boundary - start - 1]
             if self.lazy:
-                new = None if self.force_lazy_alloc_fail else self.alloc_slot(zero=False)
+                new = self.alloc_slot(zero=False)
                 if new is None:  # overwrite the only snapshot; a request ending now skips insert
                     if req.finished:
                         req.lazy_insert_ok = False

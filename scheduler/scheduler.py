@@ -17,7 +17,6 @@ import time
 from collections import Counter, deque
 
 from scheduler.config import SchedulerConfig
-from scheduler.debug import DebugSwitches
 from scheduler.faults import FaultHandler, PoolsCorrupt
 from scheduler.forward_step import ForwardStep, init_prompt_logprobs
 from scheduler.grammar import GrammarBackend
@@ -33,7 +32,6 @@ from scheduler.spec.worker import SpecWorker
 logger = logging.getLogger(__name__)
 
 PREFETCH_POLL_S = 0.005  # an idle step waits this long for a storage prefetch
-HOLD_POLL_S = 0.01  # a step with only held requests (test switch) waits this long
 
 
 def _on_step(name: str) -> property:
@@ -58,9 +56,8 @@ class Scheduler:
         self.runner, self.config = runner, config
         if runner.config.page_size != 1 and not config.disable_radix_cache:
             raise ValueError("the radix cache needs --page-size 1 (or --disable-radix-cache)")
-        self.debug = DebugSwitches.from_env()  # test switches, read once
-        self.tree = build_tree(runner, config, self.debug)
-        self.cache = PrefixCache(runner, self.tree, config, self.debug.lazy_alloc_fail)
+        self.tree = build_tree(runner, config)
+        self.cache = PrefixCache(runner, self.tree, config)
         self.sessions = SessionManager(self.cache, config.max_sessions, config.session_timeout)
         self.cache.evict_idle = self.sessions.evict_one  # every Mamba slot draw may evict them
         self.open_session = self.sessions.open
@@ -76,9 +73,7 @@ class Scheduler:
         self.aborts: Counter[str] = self.faults.aborts  # aborted requests by why (client, ...)
         sizes = config.decode_graph_sizes(runner.config.max_running_requests)
         graphs = DecodeGraphRunner(runner, sizes)
-        self.forward_step = ForwardStep(
-            runner, self.cache, graphs, self.debug, self.faults.error, grammar
-        )
+        self.forward_step = ForwardStep(runner, self.cache, graphs, self.faults.error, grammar)
         # what runs a batch: the step, or with speculative decoding the worker around it
         steps = runner.config.spec_steps
         self.forward: ForwardStep | SpecWorker = (
@@ -164,7 +159,6 @@ class Scheduler:
 
     # ---- ownership -----------------------------------------------------------------------
     def _abort_req(self, req: Req, reason: FinishReason = FinishReason.ABORT) -> None:
-        self.debug.check("abort", req.rid)
         self._drop(req, reason)
 
     def _drop(
@@ -278,9 +272,6 @@ class Scheduler:
         return done
 
     def _run_decode(self) -> list[Req]:
-        held = self.debug.held(self.running)
-        if held:
-            return self._decode_without(held)
         self._batch = list(self.running)
         out_loc = self.cache.alloc_decode_kv(self.running)
         if out_loc is None:  # short even after eviction: retract until the rest fits
@@ -301,18 +292,6 @@ class Scheduler:
             self.running.remove(req)
             self._release(req, insert=True)
         return reqs
-
-    def _decode_without(self, held: list[Req]) -> list[Req]:
-        """Decode every running request but ``held`` (paused by the test switch); with none
-        left, wait a moment instead."""
-        self.running = [r for r in self.running if r not in held]
-        try:
-            if self.running:
-                return self._run_decode()
-            time.sleep(HOLD_POLL_S)
-            return []
-        finally:
-            self.running += held
 
     def _retract(self, req: Req) -> None:
         """Out of KV: give everything back and re-queue; it is recomputed later (output kept)."""

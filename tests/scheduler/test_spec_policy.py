@@ -13,7 +13,7 @@ from scheduler.request import Req
 from scheduler.sampling_params import SamplingParams
 from scheduler.spec.policy import DraftPolicy, MeasuredCosts
 from scheduler.spec.state import DraftState
-from tests.scheduler.spec_costs import FixedCosts
+from tests.scheduler.helpers import FixedCosts
 from tests.scheduler.test_speculative import GREEDY, POOLS, SPEC, controlled, spec_engine
 
 

@@ -21,7 +21,7 @@ from scheduler.debug import FAULT_ENV
 from scheduler.engine import Engine
 from scheduler.request import Req
 from scheduler.sampling_params import SamplingParams
-from tests.scheduler.spec_costs import FixedCosts
+from tests.scheduler.helpers import FixedCosts
 
 NEW = 14
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}

@@ -117,7 +117,7 @@ def test_lazy_forced_allocation_failure_is_exact_and_skips_insert(ckpt, monkeypa
         mamba_track_interval=4,
         **POOLS,
     )
-    assert engine.scheduler.cache.force_lazy_alloc_fail
+    assert "after_decode" in vars(engine.scheduler.cache)  # the switch's wrapper
     prompts = [rand(n) for n in (8, 9, 70, 131)]
     # kv_len at the end = prompt + new - 1: 20 (a boundary: finished on it), 22, 81, 142
     news = [13, 14, NEW, NEW]

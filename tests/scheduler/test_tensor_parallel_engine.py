@@ -18,7 +18,7 @@ from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.lockstep import RankLost
 from tests.hf_reference import hf_greedy
-from tests.scheduler.spec_costs import FixedCosts
+from tests.scheduler.helpers import FixedCosts
 from tests.tp_harness import run_ranks
 from tests.tp_workers import config_mismatch, lockstep_workload
 

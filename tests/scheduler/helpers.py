@@ -1,5 +1,5 @@
-"""`FixedCosts`: a speculative worker's pass costs given as functions, for tests that must
-not read this CPU's timings (`DraftPolicy.costs`, `scheduler/spec/policy.py`)."""
+"""Test-side stand-ins for things the runtime itself does not need: fixed costs for the
+speculative draft policy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 @dataclass
 class FixedCosts:
-    """Costs given as functions; measurements ignored."""
+    """A speculative worker's pass costs given as functions (`DraftPolicy.costs`), so that a
+    test never reads this CPU's timings; measurements ignored."""
 
     step_cost: Callable[[int], float]
     verify_cost: Callable[[int, int], float]
