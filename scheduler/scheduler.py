@@ -327,8 +327,3 @@ class Scheduler:
 
     def close_session(self, session_id: str) -> bool:
         return self.end_session(session_id) is not None
-
-    def reap_sessions(self, now: float | None = None) -> list[Req]:
-        """Close every session past its deadline; return the turns this aborted."""
-        expired = self.sessions.expired(now)
-        return [t for sid in expired for t in self.end_session(sid, f"session {sid!r} timed out")]
