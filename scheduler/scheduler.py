@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter, deque
 
+from scheduler.cache_tiers import build_tree
 from scheduler.config import SchedulerConfig
 from scheduler.faults import FaultHandler, PoolsCorrupt
 from scheduler.forward_step import ForwardStep, init_prompt_logprobs
@@ -23,7 +24,7 @@ from scheduler.grammar import GrammarBackend
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.leak_check import pool_report
 from scheduler.model_runner import ModelRunner
-from scheduler.prefix_cache import PrefixCache, build_tree
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
 from scheduler.schedule_policy import NewTokenRatio, PrefillAdder, expected_new
 from scheduler.session import SessionManager
@@ -116,7 +117,7 @@ class Scheduler:
         init_prompt_logprobs(req)
         req.queued_at = time.monotonic()
         self.waiting.append(req)
-        self.cache.start_prefetch(req)
+        self.cache.prefetch.start(req)
 
     def abort(self, rid: str) -> Req | None:
         """Finish a request wherever it is; everything it holds goes back (KV is not cached)."""
@@ -171,7 +172,7 @@ class Scheduler:
             self.aborts[why] += 1
         if req in self.waiting:
             self.waiting.remove(req)
-            self.cache.end_prefetch(req, use=False)
+            self.cache.prefetch.end(req, use=False)
         elif req is self.chunked:
             self.chunked = None
         elif req in self.running:
