@@ -57,9 +57,6 @@ class SpecWorker:
         self.head = MtpHead(self.runner, steps, self.policy, use_plan)
         self.lengths: list[int] = []  # of the round `wanted` planned
 
-    def clock(self) -> float:
-        return clock(self.runner.device)
-
     def can_draft(self, req: Req) -> bool:
         """Whether a request drafts: greedy (checked by argmax) or sampled (checked by
         rejection sampling, `scheduler.spec.sampling`), without penalties, logit bias,
@@ -110,9 +107,9 @@ class SpecWorker:
             return
         for req in reqs:  # the head's last prediction is for a position now passed
             req.spec.hidden = None
-        start = self.clock()
+        start = clock(self.runner.device)
         self.target.decode_tokens(reqs, out_loc)
-        self.policy.costs.observe("step", len(reqs), self.clock() - start)
+        self.policy.costs.observe("step", len(reqs), clock(self.runner.device) - start)
         self.cache.after_decode(reqs)
 
     def wanted(self, reqs: list[Req]) -> bool:
@@ -136,7 +133,8 @@ class SpecWorker:
         """One decode round of reqs (each holds a KV location for its position kv_len, in its
         req_to_token row); returns per request (kv_len before, its step slots), for the track
         snapshots. The caller then frees the step slots (`release_steps`), also on a raise."""
-        runner, pool, begin, self.head.time = self.runner, self.runner.mamba_pool, self.clock(), 0.0
+        runner, pool, self.head.time = self.runner, self.runner.mamba_pool, 0.0
+        begin = clock(runner.device)
         starts = [r.kv_len for r in reqs]
         steps: list[list[int]] = [[] for _ in reqs]
         for i, req in enumerate(reqs):
@@ -153,9 +151,9 @@ class SpecWorker:
             )
             locs.append(kv_locs(runner, req.req_slot, req.kv_len, len(ids)))
         batch = runner.build_prefill(items, locs, return_all_logits=True, verify=True)
-        start = self.clock()
+        start = clock(self.runner.device)
         logits, hidden = self.target.graph_runner.verify(batch)
-        verify = self.clock() - start
+        verify = clock(self.runner.device) - start
         self.policy.costs.observe("verify", batch.input_ids.numel(), verify)
         landed = land_round(self.target, reqs, items, logits)
         self._count(items, landed)
@@ -185,7 +183,7 @@ class SpecWorker:
         for req in reqs:
             if req.finished or not self.can_draft(req) or not req.spec.policy.head:
                 req.spec.hidden = None
-        rest = self.clock() - begin - verify - self.head.time
+        rest = clock(self.runner.device) - begin - verify - self.head.time
         self.policy.costs.observe("round", len(reqs), rest)
         return list(zip(starts, steps, strict=True))
 

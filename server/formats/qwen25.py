@@ -10,13 +10,7 @@ import json
 import re
 from typing import TYPE_CHECKING
 
-from server.formats.tool_call import (
-    Event,
-    ToolCallFormat,
-    grammar_class,
-    literal,
-    schema_grammar,
-)
+from server.formats.tool_call import Event, ToolCallFormat, grammar_class, literal, schema_grammar
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -27,13 +27,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from server.formats.tool_call import (
-    Event,
-    ToolCallFormat,
-    grammar_class,
-    literal,
-    schema_grammar,
-)
+from server.formats.tool_call import Event, ToolCallFormat, grammar_class, literal, schema_grammar
 
 if TYPE_CHECKING:
     import xgrammar as xgr
