@@ -29,6 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.model_forward import ours_decode, resolve_model_path
+from scheduler.build import load_runner_model
 from scheduler.model_runner import ModelRunner, RunnerConfig
 
 # op-name fragments -> part of the step (first match wins; the rest is "other")
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         quantization=args.quantization,
     )
-    runner = ModelRunner.from_path(str(resolve_model_path(args)), cfg)
+    runner = ModelRunner(load_runner_model(str(resolve_model_path(args)), cfg), cfg)
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     quant = f", {args.quantization} matrices" if args.quantization else ""

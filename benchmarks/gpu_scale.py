@@ -46,13 +46,13 @@ from make_model.presets import complete_config, write_config_only
 from make_model.real_shapes import REAL_SHAPES, real_shape_config
 from models.config import ModelConfig
 from models.step_bytes import (
-    BANDWIDTH,
     decode_step_bytes,
     kv_bytes_per_token,
     param_groups,
     state_bytes_per_request,
 )
 
+BANDWIDTH = {"H100 SXM": 3.35e12, "H200": 4.8e12}  # bytes / s, the vendors' HBM figures
 CASES = (("qwen3.5-35b-a3b", None), ("qwen3-next-80b-a3b", 16))
 BATCHES = (1, 16, 64, 256)
 PROMPT, OUTPUT, LONG, SUFFIX = 128, 256, 8192, 16
@@ -210,7 +210,7 @@ def main() -> None:
     device = torch.cuda.get_device_name(0)
     bandwidth = next((bw for d, bw in BANDWIDTH.items() if d.split()[0] in device), None)
     if bandwidth is None:
-        sys.exit(f"gpu_scale: no bandwidth figure for {device} (models/step_bytes.BANDWIDTH)")
+        sys.exit(f"gpu_scale: no bandwidth figure for {device} (benchmarks/gpu_scale.BANDWIDTH)")
     results = {"device": device, "bandwidth": bandwidth, "cases": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name, layers in CASES:

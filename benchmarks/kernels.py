@@ -263,6 +263,7 @@ def bench_decode_graphs(preset: str = "small", device: str = "cuda", steps: int 
     """Decode step of `preset` through `DecodeGraphRunner`: eager padded batches against CUDA-graph
     replay (graphs are captured on CUDA only; elsewhere the replay column reports why not)."""
     from make_model.presets import write_preset
+    from scheduler.build import load_runner_model
     from scheduler.graph_runner import DecodeGraphRunner
     from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
@@ -274,7 +275,7 @@ def bench_decode_graphs(preset: str = "small", device: str = "cuda", steps: int 
             dtype="bfloat16" if device == "cuda" else "float32",
             device=device,
         )
-        runner = ModelRunner.from_path(str(write_preset(preset, tmp)), config)
+        runner = ModelRunner(load_runner_model(str(write_preset(preset, tmp)), config), config)
         eager = DecodeGraphRunner(runner, list(DECODE_BATCHES), use_graphs=False)
         graphs, graph_error = None, "no CUDA"
         if device == "cuda":

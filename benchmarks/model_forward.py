@@ -58,6 +58,7 @@ import torch
 from tqdm import tqdm
 
 from kernels import KernelSet, KernelSettings, choose
+from scheduler.build import load_runner_model
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         mamba_cache_size=max(sets * 2 * max_b, args.prefill_batch) + 1,
         dtype=args.dtype,
     )
-    runner = ModelRunner.from_path(str(path), cfg)
+    runner = ModelRunner(load_runner_model(str(path), cfg), cfg)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     vocab = runner.model.config.vocab_size

@@ -74,7 +74,9 @@ def main() -> None:
         params = {"max_new_tokens": args.steps + 2, "temperature": 0.0, "ignore_eos": True}
         if args.sampling == "full":
             params |= SAMPLED
-        reqs = [engine._make_req(list(range(3, 19)), params) for _ in range(bs)]
+        reqs = [
+            engine.loop.make_req(engine._message(list(range(3, 19)), params)) for _ in range(bs)
+        ]
         for r in reqs:
             sched.add_request(r)
         while sched.waiting or sched.chunked:

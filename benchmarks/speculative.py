@@ -9,10 +9,10 @@ the wave (prefill included). Rows, interleaved in every repeat (medians of `--re
   random preset's head drafts almost nothing right);
 - `p=X`: controlled acceptance, the machinery's cost at a known accept rate: the head still runs
   every draft step, then its drafts are replaced by the plain run's own continuation with each
-  token corrupted with probability X (`SpecDecoder.override`).
+  token corrupted with probability X (`override_drafts`, which tests use too).
 
 Accept length = tokens landed per verify round (SGLang's completion_tokens / spec_verify_ct,
-less the prefill's token); a step the draft-length policy (`scheduler.spec_policy`) decoded
+less the prefill's token); a step the draft-length policy (`scheduler/spec/policy.py`) decoded
 plainly counts as a round. Every speculative wave's tokens are checked against the plain run's.
 The checkpoint needs an MTP head (`hybrid-serve make-model --preset small --mtp`); without
 `--model-path` one is written for `--preset` into a temporary directory.
@@ -36,10 +36,13 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
 from scheduler.engine import Engine
+from scheduler.request import Req
+from scheduler.spec.worker import SpecWorker
 
 logger = logging.getLogger("benchmarks.speculative")
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -50,11 +53,32 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
+def override_drafts(worker: SpecWorker, fn: Callable[[Req, list[int]], list[int]] | None) -> None:
+    """Controlled acceptance: after the head drafts, each drafting request's n drafts become
+    the first n of fn(req, its drafts), and a sampled request's q a point mass on each (they
+    were not drawn); fn None: the head's own drafts again. The head's passes all still run."""
+    head = worker.head
+    head.__dict__.pop("draft", None)  # back to the class's own
+    if fn is None:
+        return
+    draft, vocab = head.draft, worker.runner.model.config.vocab_size
+
+    def overridden(reqs: list[Req], steps: list[list[int]]) -> None:
+        draft(reqs, steps)
+        for r, slots in zip(reqs, steps, strict=True):
+            if slots:
+                r.spec.drafts = list(fn(r, r.spec.drafts))[: len(slots)]
+                if not r.params.is_greedy:
+                    r.spec.q = [torch.nn.functional.one_hot(torch.tensor(d), vocab).float()
+                                for d in r.spec.drafts]  # fmt: skip
+
+    head.draft = overridden
+
+
 def controlled(engine: Engine, known: dict[tuple, list[int]], p_bad: float | None, seed: int):
     """Set (or, with p_bad None, clear) the engine's draft override."""
-    spec = engine.scheduler.forward.spec
     if p_bad is None:
-        spec.override = None
+        override_drafts(engine.scheduler.forward, None)
         return
     rng, vocab = random.Random(seed), engine.runner.model.config.vocab_size
 
@@ -64,7 +88,7 @@ def controlled(engine: Engine, known: dict[tuple, list[int]], p_bad: float | Non
         return [t if rng.random() >= p_bad else (t + 1 + rng.randrange(vocab - 1)) % vocab
                 for t in cont]  # fmt: skip
 
-    spec.override = override
+    override_drafts(engine.scheduler.forward, override)
 
 
 def wave(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[float, list, int]:
@@ -140,7 +164,7 @@ def main() -> None:
                 name = f"{'head' if p_bad is None else f'p={p_bad}'} c={c}"
                 controlled(spec, known, p_bad, seed=rep)
                 # each row's own acceptance history (as if it ran alone); the costs are shared
-                policy = spec.scheduler.forward.spec.policy
+                policy = spec.scheduler.forward.policy
                 policy.shared = shared.setdefault(name, [1.0] * args.steps)
                 tps, outs, rounds = wave(spec, prompts, args.output_len)
                 assert outs == expected, f"{name}: tokens differ from plain decoding"

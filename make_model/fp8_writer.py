@@ -22,8 +22,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config, dequantize, module_of, quantize, scale_name
+from models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config, dequantize, module_of, scale_name
 
+E4M3_MAX = 448.0  # the largest finite e4m3 value
 KEPT_UNQUANTIZED = (
     "embed_tokens",
     "lm_head",
@@ -36,6 +37,21 @@ KEPT_UNQUANTIZED = (
     "mtp.fc",
 )
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, fp32 scale_inv) with each block's largest magnitude mapped to 448; an all
+    zero block gets scale 1. `dequantize` of the result is the weight rounded to e4m3 per block."""
+    rows, cols = weight.shape[-2:]
+    br, bc = block
+    pad_r, pad_c = -rows % br, -cols % bc
+    w = torch.nn.functional.pad(weight.float(), (0, pad_c, 0, pad_r))
+    grid = w.reshape(*w.shape[:-2], w.shape[-2] // br, br, w.shape[-1] // bc, bc)
+    amax = grid.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    s = scale.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
+    q = (weight.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
 
 
 def is_quantized(name: str, tensor: torch.Tensor) -> bool:
@@ -65,7 +81,13 @@ def quantization_config(tensors: dict[str, torch.Tensor], block: tuple[int, int]
     kept = {
         module_of(n) for n, t in tensors.items() if t.dtype != E4M3 and not n.endswith(SCALE_SUFFIX)
     }
-    return Fp8Config(tuple(block), tuple(sorted(kept))).to_dict()
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": sorted(kept),
+    }
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -34,8 +34,9 @@ from torch import nn
 from tqdm import tqdm
 
 from kernels.attn_step import apply_rope
+from make_model.fp8_writer import quantize
 from models.attention import GatedAttention
-from models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config, quantize
+from models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config
 from models.layers import REFERENCE
 from models.loader import checkpoint_files, checkpoint_names
 from models.mtp import MultiTokenPredictor

@@ -67,10 +67,6 @@ class KVPool(SlotPool):
         """Usable capacity in pages (page 0 excluded)."""
         return self.num_pages
 
-    @property
-    def size_tokens(self) -> int:
-        return self.num_pages * self.page_size
-
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

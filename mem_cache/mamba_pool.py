@@ -139,14 +139,6 @@ class MambaPool(SlotPool):
         kernels update in place."""
         return self.conv_state[layer], self.ssm_state[layer]
 
-    def zero_slots(self, slots: SlotIds) -> None:
-        """Zero conv and ssm state of handed-out ``slots`` in all layers (`ValueError` naming
-        any id not handed out)."""
-        ids = as_slot_list(slots)
-        self._require_allocated(ids, "zero")
-        if ids:
-            self._zero(torch.tensor(ids, dtype=torch.int64))
-
     def copy(self, src: SlotIds, dst: SlotIds) -> None:
         """Copy conv and ssm state of ``src[i]`` into ``dst[i]`` in every layer (copy-on-write).
 

@@ -24,7 +24,8 @@ holding the dequantized numbers (the same fp32 products, the same rounding to bf
 checkpoint serves token for token what its dequantized twin serves, and every kernel (the CPU
 decode GEMV streaming bf16, the CUDA graphs) is unchanged. Keeping the FP8 bytes resident and
 widening them in the product would halve the bytes the decode GEMV streams (one byte per weight,
-like the int8 mode); that is weight-only quantization's job, not the loader's.
+like the int8 mode); that is weight-only quantization's job, not the loader's. Writing FP8
+checkpoints (quantizing, the `quantization_config` written) is `make_model/fp8_writer.py`'s.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from models.shard_loader import Shard, read_shard
 from models.weight_map import is_skipped
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # the largest finite e4m3 value
 SCALE_SUFFIX = "_scale_inv"
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -71,21 +71,6 @@ def dequantize(
     s = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
     s = s.repeat_interleave(block[1], dim=-1)[..., :cols]
     return weight.float() * s
-
-
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, fp32 scale_inv) with each block's largest magnitude mapped to 448; an all
-    zero block gets scale 1. `dequantize` of the result is the weight rounded to e4m3 per block."""
-    rows, cols = weight.shape[-2:]
-    br, bc = block
-    pad_r, pad_c = -rows % br, -cols % bc
-    w = torch.nn.functional.pad(weight.float(), (0, pad_c, 0, pad_r))
-    grid = w.reshape(*w.shape[:-2], w.shape[-2] // br, br, w.shape[-1] // bc, bc)
-    amax = grid.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    s = scale.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
-    q = (weight.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
 
 
 @dataclass(frozen=True)
@@ -117,15 +102,6 @@ class Fp8Config:
             )
         ignored = [*(qc.get("modules_to_not_convert") or []), *(qc.get("ignored_layers") or [])]
         return cls((int(block[0]), int(block[1])), tuple(ignored))
-
-    def to_dict(self) -> dict:
-        return {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": list(self.block),
-            "modules_to_not_convert": list(self.ignored),
-        }
 
     def ignores(self, module: str) -> bool:
         """Whether `module` is named by the ignore list: an entry equal to it, to a module it

@@ -30,7 +30,6 @@ from models.layers import Experts
 from models.qwen3_next import Qwen3NextForCausalLM
 
 SSM_STATE_BYTES = 4  # the recurrent state is fp32 (mamba_ssm_dtype float32)
-BANDWIDTH = {"H100 SXM": 3.35e12, "H200": 4.8e12}  # bytes / s, the vendors' HBM figures
 
 
 @dataclass(frozen=True)

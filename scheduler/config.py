@@ -182,7 +182,7 @@ class RunnerConfig:
         "weight-only matrices quantized at load from any float or FP8 checkpoint (CPU; "
         "kernels/quant.py): int8 (one scale per output row) or int4 (a bf16 scale per 32)",
     )
-    # speculative decoding: SGLang's flags (scheduler/speculative.py)
+    # speculative decoding: SGLang's flags (scheduler/spec/)
     speculative_algorithm: str | None = opt(
         None,
         "NEXTN: speculative decoding with the checkpoint's MTP head (greedy requests draft; "

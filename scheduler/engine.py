@@ -26,7 +26,7 @@ from scheduler.loop import SchedulerLoop
 from scheduler.loop_io import InProcessIO
 from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, RequestOutput
 from scheduler.model_runner import RunnerConfig
-from scheduler.request import Req, SessionParams
+from scheduler.request import SessionParams
 from scheduler.sampling_params import SamplingParams
 from scheduler.tp_group import TPGroup, rank_threads
 
@@ -68,16 +68,6 @@ class Engine:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.model_path)
-
-    def _make_req(
-        self,
-        prompt: Prompt,
-        params: dict | SamplingParams | None,
-        session_params: dict | SessionParams | None = None,
-    ) -> Req:
-        """A `Req` for driving `self.scheduler` directly (tests); `generate` goes through the
-        loop instead."""
-        return self.loop.make_req(self._message(prompt, params, session_params))
 
     def _message(
         self,

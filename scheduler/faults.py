@@ -5,7 +5,8 @@ fails that request: it finishes with ABORT and `Req.error` set and gives back ev
 and the scheduler keeps serving. A fault that cannot be pinned on one request (the forward) fails
 every request of the batch in flight. Afterwards the pools are audited
 (`scheduler/leak_check.pool_report`); when they do not add up, `PoolsCorrupt` is raised and the
-process must stop serving. Tests inject faults with the switch in `scheduler/debug.py`.
+process must stop serving. Tests inject faults (`InjectedFault`) with the switch in
+`scheduler/debug.py`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.debug import InjectedFault
 from scheduler.request import FinishReason, Req
 
 if TYPE_CHECKING:
     from scheduler.session import SessionManager
 
 logger = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test switch (`scheduler/debug.py`)."""
 
 
 class PoolsCorrupt(RuntimeError):

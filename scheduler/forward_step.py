@@ -4,7 +4,8 @@
 everything about queues and ownership): it builds the model's inputs from the requests' slots,
 gathers prompt logprobs on the way, samples, and appends each request's token, logprobs and
 finish reason. A fault raised while one request's token lands fails that request only: it goes
-to ``on_error`` and the rest of the batch goes on.
+to ``on_error`` and the rest of the batch goes on. Speculative decoding wraps this step
+(`scheduler/spec/worker.py`) and lands its tokens through `sample` and `land`.
 
 Prompt logprobs (SGLang's input logprobs): one entry per prompt token from `logprob_start_len`
 (-1: the last one) on, the first None; they are gathered chunk by chunk while the prompt is
@@ -18,16 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler import spec_sampling
-from scheduler.debug import DebugSwitches
 from scheduler.grammar import GrammarBackend
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from scheduler.penalties import TokenCounts, has_penalty
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
-from scheduler.sampler import SampleOutput, add_logprobs
-from scheduler.speculative import SpecDecoder
+from scheduler.sampler import SampleOutput
 
 
 def init_prompt_logprobs(req: Req) -> None:
@@ -90,15 +88,12 @@ class ForwardStep:
     runner: ModelRunner
     cache: PrefixCache
     graph_runner: DecodeGraphRunner
-    debug: DebugSwitches
     on_error: Callable[[Req, BaseException], None]  # req failed; the caller frees it later
     grammar: GrammarBackend | None = None  # structured output (set by build_scheduler)
 
     def __post_init__(self) -> None:
         self.eos_ids = tuple(self.runner.model.config.eos_token_ids)
         self.max_context_len = self.runner.config.max_context_len
-        steps = self.runner.config.spec_steps
-        self.spec = SpecDecoder(self.runner, self.cache, steps, self) if steps else None
 
     def prefill(self, batch: list[tuple[Req, int]]) -> list[Req]:
         """Extend every (request, extend_len) of batch (slots and KV allocated) and sample the
@@ -107,8 +102,15 @@ class ForwardStep:
         node that keeps the last position's hidden state) is not in the forward: its first
         logits come from that hidden. A request whose prompt is still incomplete (the chunked
         one) has its newest state cached; the others are the caller's to cache or release."""
+        return self.prefill_rows(batch, every_row=False)[0]
+
+    def prefill_rows(
+        self, batch: list[tuple[Req, int]], every_row: bool
+    ) -> tuple[list[Req], torch.Tensor | None]:
+        """`prefill`, and with `every_row` the final hidden state of every packed row of the
+        requests with tokens to compute (in batch order), else None."""
         work = [(r, n) for r, n in batch if n]
-        logits, hidden, every = self._extend(work) if work else (None, None, None)
+        logits, hidden, every = self._extend(work, every_row) if work else (None, None, None)
         rows = {id(r): i for i, (r, _) in enumerate(work)}
         done = []
         for req, n in batch:
@@ -131,16 +133,14 @@ class ForwardStep:
                 h = torch.stack([r.last_hidden for r in cached])
                 parts.append(self.runner.model.logits_from_hidden(h))
             self.sample(torch.cat(parts) if len(parts) > 1 else parts[0], computed + cached)
-        if every is not None:  # the MTP head over the drafters' rows
-            self.spec.after_prefill(work, every)
-        return done
+        return done, every
 
     def _extend(
-        self, work: list[tuple[Req, int]]
+        self, work: list[tuple[Req, int]], every_row: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Per request with tokens to compute: the logits and final hidden state of its last
-        new token (its prompt logprobs gathered on the way); and when a request of the round
-        drafts (speculative decoding), the final hidden state of every packed row."""
+        new token (its prompt logprobs gathered on the way); with `every_row`, the final
+        hidden state of every packed row too."""
         runner = self.runner
         items = []
         for r, n in work:
@@ -152,9 +152,8 @@ class ForwardStep:
         picks = prompt_logit_picks(work)
         indices = None if picks is None else [i for pick in picks for i in pick]
         batch = runner.build_prefill(items, locs, logit_indices=indices)
-        heads = self.spec is not None and self.spec.heads_prefill(work)
-        hidden = every = runner.model.final_hidden(batch, every_row=heads)
-        if heads:  # the rows `forward` would keep
+        hidden = every = runner.model.final_hidden(batch, every_row=every_row)
+        if every_row:  # the rows `forward` would keep
             hidden = every[batch.last_token_indices() if indices is None else batch.logit_indices]
         else:
             every = None
@@ -169,18 +168,12 @@ class ForwardStep:
 
     def decode(self, reqs: list[Req], out_loc: torch.Tensor) -> None:
         """One decode step of reqs (their KV drawn at out_loc), then the track snapshots of the
-        requests that reached a boundary. With speculative decoding, a round where a request
-        drafts (`scheduler.speculative`) instead."""
-        if self.spec is not None:
-            if self.spec.wanted(reqs):
-                try:
-                    self.cache.after_decode(reqs, self.spec.round(reqs))
-                finally:
-                    self.spec.release_steps()
-                return
-            for req in reqs:  # the head's last prediction is for a position now passed
-                req.spec_hidden = None
-            start = self.spec.clock()
+        requests that reached a boundary."""
+        self.decode_tokens(reqs, out_loc)
+        self.cache.after_decode(reqs)
+
+    def decode_tokens(self, reqs: list[Req], out_loc: torch.Tensor) -> None:
+        """The decode step's forward and its tokens landed, without the snapshots."""
         for req in reqs:
             req.kv_reserved_len = req.kv_len + 1
         items = [DecodeInput(r.req_slot, r.mamba_slot, r.kv_len, r.output_ids[-1]) for r in reqs]
@@ -188,9 +181,6 @@ class ForwardStep:
         for req in reqs:
             req.kv_len += 1
         self.sample(logits, reqs)
-        if self.spec is not None:  # the plain step's cost, beside the rounds' (the policy's)
-            self.spec.policy.costs.observe("step", len(reqs), self.spec.clock() - start)
-        self.cache.after_decode(reqs)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """Sample row i of logits for reqs[i] and land the token (penalties, grammar masks and
@@ -210,58 +200,12 @@ class ForwardStep:
         ended = set(GrammarBackend.advance(matchers, out.next_token_ids) if constrained else [])
         for i, req in enumerate(reqs):
             try:
-                self._land(req, out, i, grammar_ended=i in ended)
+                self.land(req, out, i, grammar_ended=i in ended)
             except Exception as exc:  # this request fails (released by the caller), not the batch
                 self.on_error(req, exc)
 
-    def land_drafted(
-        self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
-    ) -> list[int]:
-        """Speculative verify of greedy requests (`scheduler.speculative`): logits has
-        len(drafts[i]) + 1 rows per request, row j scoring the token after draft j. Row j's
-        argmax lands while row j-1's equalled draft j, so exactly the tokens plain decoding
-        would emit land, up to where the request finishes; returns how many landed each."""
-        params = [r.params for r, d in zip(reqs, drafts, strict=True) for _ in range(len(d) + 1)]
-        out = self.runner.sample(logits, params, [None] * len(params))
-        landed, base = [], 0
-        for req, draft in zip(reqs, drafts, strict=True):
-            m = 0
-            try:
-                for j in range(len(draft) + 1):
-                    self._land(req, out, base + j)
-                    m += 1
-                    if req.finished or j == len(draft) or out.next_token_ids[base + j] != draft[j]:
-                        break
-            except Exception as exc:
-                self.on_error(req, exc)
-            landed.append(m)
-            base += len(draft) + 1
-        return landed
-
-    def land_sampled(self, req: Req, q: list[torch.Tensor], logits: torch.Tensor) -> int:
-        """Speculative verify of a sampled request: its drafts (the verify rows' inputs after
-        the first) were drawn from `q`; rejection sampling (`scheduler.spec_sampling.accept`)
-        picks the tokens, which land one by one up to where it finishes; returns how many."""
-        p, drafts = req.params, req.spec_drafts[: logits.shape[0] - 1]
-        m = 0
-        try:
-            tokens = self.runner.first_rank_draws(
-                lambda: spec_sampling.accept(logits, drafts, q[: len(drafts)], p, req.generator)
-            )
-            out = SampleOutput(next_token_ids=tokens)
-            add_logprobs(out, logits[: len(tokens)], [p] * len(tokens))
-            for j in range(len(tokens)):
-                self._land(req, out, j)
-                m += 1
-                if req.finished:
-                    break
-        except Exception as exc:
-            self.on_error(req, exc)
-        return m
-
-    def _land(self, req: Req, out, i: int, grammar_ended: bool = False) -> None:
+    def land(self, req: Req, out: SampleOutput, i: int, grammar_ended: bool = False) -> None:
         """Append row i of a sampler output to req and check whether it finished."""
-        self.debug.step_fault(req, self.runner.mamba_pool)
         req.output_ids.append(out.next_token_ids[i])
         if out.logprobs is not None:
             req.output_logprobs.append(out.logprobs[i])

@@ -14,7 +14,7 @@ slots on the device; the MoE takes its static-shape path while a stream captures
 On CPU, batches of up to `models.cpu_decode.MAX_ROWS` rows (and `--cuda-graph-max-bs`) run as one
 C++ call over the model's C++ ops (`CpuDecodePlan`, bit-identical to the eager step), unpadded,
 where the model and kernel choice allow; other batches run eagerly, and `--disable-cuda-graph`
-turns the plan off too. `static_buffers=True` runs the CUDA path's buffer filling eagerly (tests).
+turns the plan off too.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ class DecodeGraphRunner:
         runner: ModelRunner,
         sizes: list[int],
         use_graphs: bool | None = None,
-        static_buffers: bool = False,
     ) -> None:
         """`sizes`: the padded decode sizes (`SchedulerConfig.decode_graph_sizes`); on CPU the
         largest bounds the rows the decode plan runs."""
@@ -49,13 +48,13 @@ class DecodeGraphRunner:
         self.batches: dict[int, ForwardBatch] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.use_graphs or static_buffers:
+        if self.use_graphs:
             self.batches = {bs: self._static_batch(bs) for bs in self.sizes}
         self.plan: CpuDecodePlan | None = None
         self.plan_rows = min(MAX_PLAN_ROWS, self.sizes[-1] if self.sizes else 0)
         if self.use_graphs:
             self.capture()
-        elif runner.device.type == "cpu" and self.plan_rows and not static_buffers:
+        elif runner.device.type == "cpu" and self.plan_rows:
             self.plan = CpuDecodePlan.build(
                 runner.model, runner.kv_pool, runner.mamba_pool, runner.req_pool.req_to_token
             )

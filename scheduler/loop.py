@@ -221,7 +221,7 @@ class SchedulerLoop:
             top_logprobs=req.output_top_logprobs[n:],
             prompt_tokens=req.prompt_len,
             cached_tokens=req.cached_len,
-            spec_verify_ct=req.spec_verify_ct,
+            spec_verify_ct=req.spec.verify_ct,
             queue_time=req.queue_time if n == 0 else None,
         )
         if n == 0 and req.input_logprobs:  # the prompt's, once

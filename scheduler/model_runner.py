@@ -25,10 +25,8 @@ from mem_cache.kv_pool import KVPool
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.req_pool import ReqToTokenPool
 from models.forward_batch import ForwardBatch
-from models.loader import load_model
 from models.qwen3_next import Qwen3NextForCausalLM
 from scheduler.config import RunnerConfig
-from scheduler.cpu_env import configure_threads
 from scheduler.penalties import TokenCounts
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
@@ -83,18 +81,6 @@ class ModelRunner:
             hidden_size=mc.hidden_size,
         )
         self.sampler = Sampler(tuple(mc.eos_token_ids))
-
-    @classmethod
-    def from_path(cls, model_path: str, config: RunnerConfig | None = None) -> ModelRunner:
-        config = config or RunnerConfig()
-        if config.num_threads:
-            configure_threads(config.num_threads, pick_default=False)
-        model = load_model(
-            model_path, config.dtype, config.device, load_format=config.load_format,
-            quantization=config.quantization, mtp=config.spec_steps > 0,
-            draft_quantization=config.speculative_draft_model_quantization,
-        )  # fmt: skip
-        return cls(model, config)
 
     # ---- KV bookkeeping ------------------------------------------------------------------
     def alloc_kv(self, req_slot: int, prefix_len: int, extend_len: int) -> torch.Tensor | None:

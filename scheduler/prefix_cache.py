@@ -29,62 +29,19 @@ and a hidden state kept with that node is the final hidden state at token n - 1.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 
 import torch
 
-from mem_cache.hiradix_cache import HiMambaRadixCache
-from mem_cache.host_pool import HostTier, host_pool_sizes
 from mem_cache.radix_cache import MambaRadixCache
-from mem_cache.storage_file import FileStorage, model_identity
-from mem_cache.storage_tier import StorageTier
+from scheduler.cache_tiers import StoragePrefetch
 from scheduler.config import SchedulerConfig
-from scheduler.debug import DebugSwitches
 from scheduler.model_runner import ModelRunner
 from scheduler.request import Req
 
-logger = logging.getLogger(__name__)
-
-
-def build_tree(
-    runner: ModelRunner, config: SchedulerConfig, debug: DebugSwitches | None = None
-) -> MambaRadixCache:
-    """The radix cache over the runner's pools; with --enable-hierarchical-cache, over host
-    pools too (sized by --hicache-size / --hicache-ratio, pinned when the device is CUDA)."""
-    kv, mamba, ps = runner.kv_pool, runner.mamba_pool, runner.config.page_size
-    if not config.enable_hierarchical_cache:
-        return MambaRadixCache(kv, mamba, page_size=ps, disable=config.disable_radix_cache)
-    pages, slots = host_pool_sizes(kv, mamba, config.hicache_ratio, config.hicache_size)
-    pin = runner.device.type == "cuda"
-    host = HostTier(kv, mamba, pages, slots, config.hicache_write_policy, pin)
-    logger.info(
-        "host tier: %d KV tokens, %d Mamba slots, %s",
-        pages * ps, slots, config.hicache_write_policy,
-    )  # fmt: skip
-    storage = None
-    if config.hicache_storage_backend == "file":
-        chunk = MambaRadixCache.DEFAULT_CHUNK
-        extra = f"kv={kv.dtype},conv={mamba.conv_dtype},ssm={mamba.ssm_dtype},block={chunk}"
-        files = FileStorage(
-            config.hicache_storage_dir, model_identity(runner.model, extra), block_size=chunk
-        )
-        storage = StorageTier(files, host, config.hicache_prefetch_threshold)
-    tree = HiMambaRadixCache(kv, mamba, page_size=ps, host=host, storage=storage)
-    if storage is not None and debug is not None and debug.prefetch_delay:
-        storage.worker.delay = debug.prefetch_delay  # test switch; the reader starts on first use
-    return tree
-
 
 class PrefixCache:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        tree: MambaRadixCache,
-        config: SchedulerConfig,
-        force_lazy_alloc_fail: bool = False,  # test switch (scheduler/debug.py)
-    ) -> None:
+    def __init__(self, runner: ModelRunner, tree: MambaRadixCache, config: SchedulerConfig) -> None:
         self.runner, self.tree, self.config = runner, tree, config
         self.pool = runner.mamba_pool
         self.enabled = not config.disable_radix_cache
@@ -94,8 +51,8 @@ class PrefixCache:
         self.num_tracks = (1 if self.lazy else 2) if self.tracking else 0
         self.chunk = tree.chunk_size
         self.interval = config.mamba_track_interval
-        self.force_lazy_alloc_fail = force_lazy_alloc_fail
         self.evict_idle: Callable[[], bool] = lambda: False  # frees one idle session's slot
+        self.prefetch = StoragePrefetch(tree, config)  # storage reads started on arrival
 
     # ---- slots ---------------------------------------------------------------------------
     def alloc_slot(self, zero: bool = True, sessions: bool = True) -> int | None:
@@ -186,39 +143,6 @@ class PrefixCache:
             req.last_hidden = self.pool.hidden[match.mamba_slot].clone()
         return True
 
-    # ---- storage prefetch ----------------------------------------------------------------
-    def start_prefetch(self, req: Req) -> None:
-        """On arrival: start reading what storage holds of the prompt past the tree's match (not
-        for session turns, which continue from their session's own state)."""
-        if self.tree.storage is None or req.session is not None:
-            return  # (no match here without storage: it would refresh the LRU order)
-        key = req.cache_key(req.seq_len - 1)
-        cfg = self.config
-        timeout = cfg.hicache_prefetch_timeout_base
-        timeout += cfg.hicache_prefetch_timeout_per_ki_token * len(key) / 1024
-        req.prefetch = self.tree.start_prefetch(key, self.tree.match_prefix(key), timeout)
-
-    def prefetch_holds(self, req: Req) -> bool:
-        """True while the prefetch policy keeps ``req`` waiting; once it lets it go, the
-        prefetch is finished (what arrived is in the tree) and False is returned."""
-        op = req.prefetch
-        if op is None:
-            return False
-        if not op.done.is_set():
-            policy = self.config.hicache_storage_prefetch_policy
-            if policy == "wait_complete":
-                return True
-            if policy == "timeout" and time.monotonic() - op.created < op.timeout:
-                return True
-        self.end_prefetch(req, use=True)
-        return False
-
-    def end_prefetch(self, req: Req, use: bool) -> None:
-        """Stop ``req``'s prefetch; with ``use`` keep what arrived in the tree, else free it."""
-        if req.prefetch is not None:
-            self.tree.finish_prefetch(req.prefetch, use)
-            req.prefetch = None
-
     def _keep_idx(self, req: Req) -> int:
         """Index of the track slot holding the latest snapshot."""
         return req.next_track if self.lazy else req.next_track ^ 1
@@ -275,7 +199,7 @@ class PrefixCache:
                 continue
             source = req.mamba_slot if boundary == req.kv_len else step_slots[boundary - start - 1]
             if self.lazy:
-                new = None if self.force_lazy_alloc_fail else self.alloc_slot(zero=False)
+                new = self.alloc_slot(zero=False)
                 if new is None:  # overwrite the only snapshot; a request ending now skips insert
                     if req.finished:
                         req.lazy_insert_ok = False

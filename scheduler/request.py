@@ -22,6 +22,7 @@ import torch
 
 from mem_cache.cache_salt import salted_key
 from scheduler.sampling_params import SamplingParams
+from scheduler.spec.state import SpecState
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,7 @@ class Req:
     # into the tree yet: from the prefill round that ended the prompt, or (an exact repeat)
     # from the tree node the whole prompt matched; None otherwise
     last_hidden: torch.Tensor | None = None
-    # speculative decoding (scheduler/speculative.py): the MTP head's output at the newest
-    # verified row and its predicted token (the next round's first draft); the round's drafts
-    spec_hidden: torch.Tensor | None = None
-    spec_token: tuple[int, torch.Tensor | None] = (0, None)  # and q, the draw's distribution
-    spec_drafts: list[int] = field(default_factory=list)
-    spec_q: list[torch.Tensor | None] = field(default_factory=list)  # sampled drafts' q
-    spec_n: int = 0  # drafts it asks for next round (0: --speculative-num-steps)
-    spec_policy: Any = None  # its draft-length state (scheduler/spec_policy.py DraftState)
-    spec_verify_ct: int = 0  # speculative rounds it could draft in (SGLang's spec_verify_ct)
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding (scheduler/spec/)
     # outcome
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # e.g. which stop token matched, or an abort message
@@ -154,4 +147,4 @@ class Req:
         self.track_slots, self.next_track = [], 0
         self.last_track_len = self.branching_len = None
         self.lazy_insert_ok = True
-        self.last_hidden = self.spec_hidden = None
+        self.last_hidden = self.spec.hidden = None

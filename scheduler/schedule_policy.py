@@ -124,7 +124,7 @@ class PrefillAdder:
             i = 0  # requests before i are held by their storage prefetch
             while i < len(queue) and self.token_budget > 0 and len(batch) < self.max_new_reqs:
                 req = queue[i]
-                if self.cache.prefetch_holds(req):
+                if self.cache.prefetch.holds(req):
                     i += 1
                     continue
                 self.touched.append(req)

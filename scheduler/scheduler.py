@@ -4,7 +4,8 @@ Each `step()` runs one forward: a prefill round when something waits (the chunke
 then the queue within `max_prefill_tokens` and `max_running_requests`), otherwise one decode step
 of every running request; prefill has priority, as in SGLang. The scheduler owns the queues
 (`waiting`, `running`, `chunked`) and applies what its collaborators decide: `PrefillAdder` picks
-a round, `ForwardStep` runs a batch and lands its tokens, `PrefixCache` moves KV and states in
+a round, `ForwardStep` runs a batch and lands its tokens (wrapped by `SpecWorker` with
+speculative decoding), `PrefixCache` moves KV and states in
 and out of the radix tree (per Mamba strategy), `SessionManager` holds sessions' slots, and
 `FaultHandler` fails the requests a fault hits (`scheduler/faults.py`).
 """
@@ -15,33 +16,40 @@ import logging
 import time
 from collections import Counter, deque
 
+from scheduler.cache_tiers import build_tree
 from scheduler.config import SchedulerConfig
-from scheduler.debug import DebugSwitches
 from scheduler.faults import FaultHandler, PoolsCorrupt
 from scheduler.forward_step import ForwardStep, init_prompt_logprobs
 from scheduler.grammar import GrammarBackend
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.leak_check import pool_report
 from scheduler.model_runner import ModelRunner
-from scheduler.prefix_cache import PrefixCache, build_tree
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Req
 from scheduler.schedule_policy import NewTokenRatio, PrefillAdder, expected_new
 from scheduler.session import SessionManager
+from scheduler.spec.worker import SpecWorker
 
 logger = logging.getLogger(__name__)
 
 PREFETCH_POLL_S = 0.005  # an idle step waits this long for a storage prefetch
-HOLD_POLL_S = 0.01  # a step with only held requests (test switch) waits this long
 
 
-def _on_forward(name: str) -> property:
+def _on_step(name: str) -> property:
     """An attribute of the scheduler that lives on its `ForwardStep`."""
-    return property(lambda s: getattr(s.forward, name), lambda s, v: setattr(s.forward, name, v))
+
+    def get(s: Scheduler) -> object:
+        return getattr(s.forward_step, name)
+
+    def put(s: Scheduler, value: object) -> None:
+        setattr(s.forward_step, name, value)
+
+    return property(get, put)
 
 
 class Scheduler:
-    grammar = _on_forward("grammar")  # structured output; None refuses requests with a grammar
-    graph_runner = _on_forward("graph_runner")
+    grammar = _on_step("grammar")  # structured output; None refuses requests with a grammar
+    graph_runner = _on_step("graph_runner")
 
     def __init__(
         self, runner: ModelRunner, config: SchedulerConfig, grammar: GrammarBackend | None = None
@@ -49,9 +57,8 @@ class Scheduler:
         self.runner, self.config = runner, config
         if runner.config.page_size != 1 and not config.disable_radix_cache:
             raise ValueError("the radix cache needs --page-size 1 (or --disable-radix-cache)")
-        self.debug = DebugSwitches.from_env()  # test switches, read once
-        self.tree = build_tree(runner, config, self.debug)
-        self.cache = PrefixCache(runner, self.tree, config, self.debug.lazy_alloc_fail)
+        self.tree = build_tree(runner, config)
+        self.cache = PrefixCache(runner, self.tree, config)
         self.sessions = SessionManager(self.cache, config.max_sessions, config.session_timeout)
         self.cache.evict_idle = self.sessions.evict_one  # every Mamba slot draw may evict them
         self.open_session = self.sessions.open
@@ -67,8 +74,11 @@ class Scheduler:
         self.aborts: Counter[str] = self.faults.aborts  # aborted requests by why (client, ...)
         sizes = config.decode_graph_sizes(runner.config.max_running_requests)
         graphs = DecodeGraphRunner(runner, sizes)
-        self.forward = ForwardStep(
-            runner, self.cache, graphs, self.debug, self.faults.error, grammar
+        self.forward_step = ForwardStep(runner, self.cache, graphs, self.faults.error, grammar)
+        # what runs a batch: the step, or with speculative decoding the worker around it
+        steps = runner.config.spec_steps
+        self.forward: ForwardStep | SpecWorker = (
+            SpecWorker(self.forward_step, steps) if steps else self.forward_step
         )
         self._batch: list[Req] = []  # the requests of the step in flight (failed by its fault)
         self._finished_elsewhere: list[Req] = []  # aborted outside step() (session replace)
@@ -107,7 +117,7 @@ class Scheduler:
         init_prompt_logprobs(req)
         req.queued_at = time.monotonic()
         self.waiting.append(req)
-        self.cache.start_prefetch(req)
+        self.cache.prefetch.start(req)
 
     def abort(self, rid: str) -> Req | None:
         """Finish a request wherever it is; everything it holds goes back (KV is not cached)."""
@@ -150,7 +160,6 @@ class Scheduler:
 
     # ---- ownership -----------------------------------------------------------------------
     def _abort_req(self, req: Req, reason: FinishReason = FinishReason.ABORT) -> None:
-        self.debug.check("abort", req.rid)
         self._drop(req, reason)
 
     def _drop(
@@ -163,7 +172,7 @@ class Scheduler:
             self.aborts[why] += 1
         if req in self.waiting:
             self.waiting.remove(req)
-            self.cache.end_prefetch(req, use=False)
+            self.cache.prefetch.end(req, use=False)
         elif req is self.chunked:
             self.chunked = None
         elif req in self.running:
@@ -264,9 +273,6 @@ class Scheduler:
         return done
 
     def _run_decode(self) -> list[Req]:
-        held = self.debug.held(self.running)
-        if held:
-            return self._decode_without(held)
         self._batch = list(self.running)
         out_loc = self.cache.alloc_decode_kv(self.running)
         if out_loc is None:  # short even after eviction: retract until the rest fits
@@ -287,18 +293,6 @@ class Scheduler:
             self.running.remove(req)
             self._release(req, insert=True)
         return reqs
-
-    def _decode_without(self, held: list[Req]) -> list[Req]:
-        """Decode every running request but ``held`` (paused by the test switch); with none
-        left, wait a moment instead."""
-        self.running = [r for r in self.running if r not in held]
-        try:
-            if self.running:
-                return self._run_decode()
-            time.sleep(HOLD_POLL_S)
-            return []
-        finally:
-            self.running += held
 
     def _retract(self, req: Req) -> None:
         """Out of KV: give everything back and re-queue; it is recomputed later (output kept)."""
@@ -334,8 +328,3 @@ class Scheduler:
 
     def close_session(self, session_id: str) -> bool:
         return self.end_session(session_id) is not None
-
-    def reap_sessions(self, now: float | None = None) -> list[Req]:
-        """Close every session past its deadline; return the turns this aborted."""
-        expired = self.sessions.expired(now)
-        return [t for sid in expired for t in self.end_session(sid, f"session {sid!r} timed out")]

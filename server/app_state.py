@@ -1,8 +1,8 @@
 """`AppState`: what every route shares (configs, tokenizer, scheduler client, generator,
 metrics, keys), kept on `app.state.hs` by `server/http_server.py`'s `create_app`.
 
-Routes (`openai_api.py`, `native_api.py`) import this module, never `http_server`, which imports
-them to build the app.
+Routes (`openai_api.py`, `chat_api.py`, `native_api.py`) import this module, never
+`http_server`, which imports them to build the app.
 """
 
 from __future__ import annotations

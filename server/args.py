@@ -17,13 +17,12 @@ from typing import Any
 
 from scheduler.config import RunnerConfig, SchedulerConfig, opt
 from server.dp_router import LOAD_BALANCE_METHODS
-from server.reasoning import REASONING_PARSERS
-from server.tool_parsers import TOOL_CALL_PARSERS
+from server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CACHE_ISOLATION = ("none", "per-key")
-REASONING_FLAGS = ("auto", "none", *REASONING_PARSERS)
-TOOL_CALL_FLAGS = ("auto", *TOOL_CALL_PARSERS)
+REASONING_FLAGS = ("auto", "none", *REASONING_FORMATS)
+TOOL_CALL_FLAGS = ("auto", *TOOL_CALL_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -124,12 +123,12 @@ class ServerConfig:
     reasoning_parser: str = opt(
         "auto",
         f"chat: split <think> reasoning into reasoning_content: {', '.join(REASONING_FLAGS)} "
-        "(auto: from the chat template; server/reasoning.py)",
+        "(auto: from the chat template; server/formats/)",
     )
     tool_call_parser: str = opt(
         "auto",
         f"chat: the tool call format: {', '.join(TOOL_CALL_FLAGS)} (auto: from the chat "
-        "template; server/tool_parsers.py)",
+        "template; server/formats/)",
     )
 
     def __post_init__(self) -> None:
@@ -186,32 +185,41 @@ def _add_field(
     parser.add_argument(*flags, **kwargs)
 
 
+def add_fields(
+    group: argparse._ActionsContainer, cls: type, seen: set[str], skip: tuple[str, ...] = ()
+) -> None:
+    """One flag per field of the dataclass `cls` but `skip` (names kept in `seen`, so that no
+    option is defined twice)."""
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        if f.name in seen:
+            raise RuntimeError(f"option {f.name} is defined twice")
+        seen.add(f.name)
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        elem = str if "tuple[str" in str(f.type) else int  # for empty tuple defaults
+        _add_field(group, f.name, default, f.metadata.get("help", ""), elem)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field of ServerConfig, RunnerConfig and SchedulerConfig."""
     seen: set[str] = set()
     for cls in CONFIG_CLASSES:
-        group = parser.add_argument_group(cls.__name__)
-        for f in fields(cls):
-            if f.name in seen:
-                raise RuntimeError(f"option {f.name} is defined twice")
-            seen.add(f.name)
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            elem = str if "tuple[str" in str(f.type) else int  # for empty tuple defaults
-            _add_field(group, f.name, default, f.metadata.get("help", ""), elem)
+        add_fields(parser.add_argument_group(cls.__name__), cls, seen)
+
+
+def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The parsed flags of `cls`'s fields (lists back to tuples), as its keyword arguments."""
+    values = vars(args)
+    kw = {f.name: values[f.name] for f in fields(cls) if f.name in values}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
 
 
 def configs_from_args(
     args: argparse.Namespace,
 ) -> tuple[ServerConfig, RunnerConfig, SchedulerConfig]:
     """Split parsed flags back into the three dataclasses (ValueError on bad values)."""
-    values = vars(args)
-    out = []
-    for cls in CONFIG_CLASSES:
-        kw = {f.name: values[f.name] for f in fields(cls) if f.name in values}
-        for k, v in kw.items():
-            if isinstance(v, list):
-                kw[k] = tuple(v)
-        out.append(cls(**kw))
+    out = [cls(**config_values(args, cls)) for cls in CONFIG_CLASSES]
     server, runner, _ = out
     if server.dp_size > 1 and (runner.nnodes > 1 or runner.dist_init_addr):
         raise ValueError(

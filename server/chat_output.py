@@ -1,6 +1,6 @@
 """One chat choice's output text -> OpenAI message fields or stream deltas: reasoning split off
-first (`server/reasoning.py`), then tool calls parsed out of the content
-(`server/tool_parsers.py`).
+first, then tool calls parsed out of the content, each by its format's class
+(`server/formats/`).
 
 `ChatFormat` is what the server's flags and the checkpoint's chat template select
 (`--reasoning-parser`, `--tool-call-parser`, each `auto` by default). `ChoiceOutput.push`
@@ -18,51 +18,52 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from server.reasoning import REASONING_PARSERS, Mode, ReasoningParser, default_reasoning_parser
-from server.tool_parsers import TOOL_CALL_PARSERS, default_tool_call_parser, make_tool_parser
+from server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
+from server.formats.reasoning import Mode, ReasoningFormat
+from server.formats.tool_call import ToolCallFormat
 
 AUTO, NONE = "auto", "none"
 
 
 @dataclass(frozen=True)
 class ChatFormat:
-    reasoning_parser: str | None  # None: reasoning stays in the content
-    tool_call_parser: str  # qwen25 / qwen3_coder
+    reasoning: type[ReasoningFormat] | None  # None: reasoning stays in the content
+    tool_call: type[ToolCallFormat]
 
 
 @functools.lru_cache(maxsize=8)
 def chat_format(reasoning_flag: str, tool_flag: str, template: str | None) -> ChatFormat:
-    """The parsers for the flags' values; `auto` reads them off the chat template."""
-    if reasoning_flag not in (AUTO, NONE, *REASONING_PARSERS):
-        raise ValueError(f"unknown reasoning parser {reasoning_flag!r}")
-    if tool_flag not in (AUTO, *TOOL_CALL_PARSERS):
-        raise ValueError(f"unknown tool call parser {tool_flag!r}")
-    reasoning = {AUTO: default_reasoning_parser(template), NONE: None}.get(
-        reasoning_flag, reasoning_flag
-    )
-    tools = default_tool_call_parser(template) if tool_flag == AUTO else tool_flag
-    return ChatFormat(reasoning, tools)
+    """The formats the flags name (`ServerConfig` checked them); `auto` takes the first of a
+    registry that matches the chat template."""
+    if reasoning_flag == AUTO:
+        reasoning = next((f for f in REASONING_FORMATS.values() if f.matches(template)), None)
+    else:
+        reasoning = None if reasoning_flag == NONE else REASONING_FORMATS[reasoning_flag]
+    if tool_flag == AUTO:
+        tool_call = next(f for f in TOOL_CALL_FORMATS.values() if f.matches(template))
+    else:
+        tool_call = TOOL_CALL_FORMATS[tool_flag]
+    return ChatFormat(reasoning, tool_call)
 
 
 class ChoiceOutput:
-    """Parses one choice: `mode` from `reasoning_mode`, `tool_parser` None when tool calls are
-    not parsed (no tools, or `tool_choice: none`)."""
+    """Parses one choice: `mode` from `reasoning.mode` ("off": `reasoning` unused, may be
+    None), `tool_format` None when tool calls are not parsed (no tools, or `tool_choice:
+    none`)."""
 
     def __init__(
         self,
         mode: Mode,
-        tool_parser: str | None,
+        reasoning: type[ReasoningFormat] | None,
+        tool_format: type[ToolCallFormat] | None,
         tools: list[dict] | None = None,
         stream_reasoning: bool = True,
     ) -> None:
-        self.reasoning = (
-            None
-            if mode == "off"
-            else ReasoningParser(
-                mode, with_tools=tool_parser is not None, stream_reasoning=stream_reasoning
-            )
-        )
-        self.tools = None if tool_parser is None else make_tool_parser(tool_parser, tools)
+        self.reasoning: ReasoningFormat | None = None
+        if mode != "off":
+            assert reasoning is not None
+            self.reasoning = reasoning(mode, tool_format, stream_reasoning)
+        self.tools = None if tool_format is None else tool_format(tools)
         self.ids: list[str] = []  # one per call started
 
     @property

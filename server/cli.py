@@ -8,6 +8,7 @@
         config.json, generation_config.json and the presets' tokenizer, no weights; serve it
         with --load-format dummy)
     hybrid-serve generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N] ...
+        [every RunnerConfig field but the three sizes it sets itself, as --flag-name]
 
 With no `--model-path` the server (and `generate`) use the `tiny` preset, written on first use to
 `~/.cache/hybrid-serve/tiny` (`$HYBRID_SERVE_CACHE` moves the cache). `generate` runs one offline
@@ -37,8 +38,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 def cmd_generate(args: argparse.Namespace) -> None:
     """One prompt through the offline `Engine`: the same loop, stop rules and results as the
     server, sized for this one request."""
+    from scheduler.config import RunnerConfig
     from scheduler.engine import Engine
     from scheduler.sampling_params import SamplingParams
+    from server.args import config_values
 
     path = checkpoint_dir(args.model_path)
     params = SamplingParams(
@@ -56,17 +59,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not ids:
         raise ValueError("the prompt is empty")
     tokens = len(ids) + params.max_new_tokens + 1
-    engine = Engine(
-        str(path),
-        max_running_requests=1,
-        max_total_tokens=tokens,
-        max_context_len=tokens,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        quantization=args.quantization,
-        speculative_algorithm=args.speculative_algorithm,
-        speculative_num_steps=args.speculative_num_steps,
-    )
+    runner = config_values(args, RunnerConfig)
+    runner.update(max_running_requests=1, max_total_tokens=tokens, max_context_len=tokens)
+    engine = Engine(str(path), **runner)
     start = time.perf_counter()
     out = engine.generate(ids, params)
     elapsed = time.perf_counter() - start
@@ -88,7 +83,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
 
 
+# RunnerConfig fields `generate` sets itself: the pools sized for its one request
+GENERATE_SIZES = ("max_running_requests", "max_total_tokens", "max_context_len")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from scheduler.config import RunnerConfig
+    from server.args import add_fields
+
     parser = argparse.ArgumentParser(prog="hybrid-serve", description="offline commands")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -108,17 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop-token-ids", type=int, nargs="+", default=[], help="stop at any of these tokens"
     )
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    gen.add_argument(
-        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights"
-    )
-    gen.add_argument(
-        "--quantization", default=None, choices=["int8", "int4"], help="weight-only, CPU"
-    )
-    gen.add_argument(
-        "--speculative-algorithm", default=None, choices=["NEXTN"], help="draft with the MTP head"
-    )
-    gen.add_argument("--speculative-num-steps", type=int, default=0, help="drafts per step (0: 3)")
+    add_fields(gen.add_argument_group("RunnerConfig"), RunnerConfig, set(), GENERATE_SIZES)
     gen.set_defaults(func=cmd_generate)
     return parser
 

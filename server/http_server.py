@@ -1,11 +1,12 @@
 """The FastAPI app: the scheduler process (spawned with the app, attached and stopped by its
 lifespan), middleware, health, metrics.
 
-Routes live in `openai_api.py` (/v1/...) and `native_api.py` (SGLang's /generate, sessions and
-admin routes). `/health` answers 503 until the model is loaded, while the server drains, and
-whenever the scheduler's last heartbeat is older than `--health-timeout` (from its age, never by
-waiting on the scheduler); otherwise 200, with `--dp-size N` a JSON list of the replicas (a dead
-one listed as failed, with its error, while the others serve: `server/dp_client.py`).
+Routes live in `openai_api.py` and `chat_api.py` (/v1/...) and `native_api.py` (SGLang's
+/generate, sessions and admin routes). `/health` answers 503 until the model is loaded, while the
+server drains, and whenever the scheduler's last heartbeat is older than `--health-timeout` (from
+its age, never by waiting on the scheduler); otherwise 200, with `--dp-size N` a JSON list of the
+replicas (a dead one listed as failed, with its error, while the others serve:
+`server/dp_client.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse
 from scheduler.config import RunnerConfig, SchedulerConfig
 from server.app_state import VERSION, AppState, get_state
 from server.args import ServerConfig
+from server.chat_api import router as chat_router
 from server.client import SchedulerError
 from server.dp_client import DPClient, make_client
 from server.errors import APIError, error_response, install_error_handlers
@@ -155,6 +157,7 @@ def create_app(
         return JSONResponse(model_card(s))
 
     app.include_router(openai_router)
+    app.include_router(chat_router)
     app.include_router(native_router)
     return app
 

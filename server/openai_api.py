@@ -1,4 +1,6 @@
-"""OpenAI-compatible routes: /v1/completions and /v1/chat/completions (plain and SSE streaming).
+"""OpenAI's /v1/completions (plain and SSE streaming), and what it shares with
+/v1/chat/completions (`chat_api.py`) and `/generate` (`native_api.py`): running and streaming
+jobs, usage.
 
 Each prompt times `n` becomes one scheduler request (choice index = prompt index * n + j); with a
 `seed`, choice j samples with seed + j, so a seed reproduces the whole response. Usage counts each
@@ -20,21 +22,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from scheduler.sampling_params import SamplingParams
 from server.app_state import AppState, get_state
-from server.chat_output import ChoiceOutput, chat_format
-from server.chat_template import chat_prompt, utf8
+from server.chat_template import utf8
 from server.errors import APIError, error_body
 from server.generation import Piece, Result, merge, run_all, start_all
 from server.ownership import cache_salt, caller_of
 from server.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     reject_unsupported,
     sampling_params,
     session_of,
 )
-from server.reasoning import prompt_thinking, reasoning_mode
-from server.tools import call_grammar, check_tools, think_then_json
 
 router = APIRouter()
 Job = tuple[list[int], SamplingParams, dict[str, Any]]  # prompt ids, params, Generator kwargs
@@ -122,7 +120,6 @@ async def stream_jobs(
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-# ---- /v1/completions -----------------------------------------------------------------------
 async def completion_prompts(s: AppState, prompt: Any, n: int = 1) -> list[list[int]]:
     """Token ids of each prompt (long texts tokenized off the loop); 400 when prompts x n is
     past `--max-fan-out`, checked before any tokenizing."""
@@ -229,112 +226,3 @@ async def completions(body: CompletionRequest, request: Request):
 
     usage = (head, n) if body.stream_options and body.stream_options.include_usage else None
     return await stream_jobs(s, request, jobs, render, usage=usage)
-
-
-# ---- /v1/chat/completions ------------------------------------------------------------------
-def chat_logprobs(s: AppState, p: Piece) -> dict:
-    def entry(t: int, lp: float) -> dict:
-        text = token_text(s, t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    content = []
-    for i, (t, lp) in enumerate(zip(p.token_ids, p.logprobs, strict=False)):
-        e = entry(t, lp)
-        e["top_logprobs"] = (
-            [entry(tt, tlp) for tt, tlp in p.top_logprobs[i]] if p.top_logprobs else []
-        )
-        content.append(e)
-    return {"content": content}
-
-
-def chat_finish(out: ChoiceOutput, finish: str | None) -> str | None:
-    return "tool_calls" if out.has_calls and finish == "stop" else finish
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    s = ready_state(request, body.model)
-    reject_unsupported(body, ("functions", "function_call"))
-    forced = check_tools(body.tools, body.tool_choice)
-    parse_calls = bool(body.tools) and body.tool_choice != "none"
-    s.check_fan_out(body.n)
-    prompt, ids = await chat_prompt(s, body)
-    fmt = chat_format(
-        s.config.reasoning_parser,
-        s.config.tool_call_parser,
-        getattr(s.tokenizer, "chat_template", None),
-    )
-    mode = reasoning_mode(
-        fmt.reasoning_parser, prompt, body.separate_reasoning, body.chat_template_kwargs
-    )
-    max_new = body.max_completion_tokens or body.max_tokens
-    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    if max_new is None:
-        s.generator.check_lengths(len(ids), 1, field)
-        max_new = s.generator.max_context_len - len(ids)
-    s.generator.check_lengths(len(ids), max_new, field)
-    kw = generate_kwargs(s, body, request)
-    n = body.n
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    params = [sampling_params(body, max_new, top, j) for j in range(n)]
-    think = prompt_thinking(prompt) is True  # a constraint lets the reasoning run free first
-    if forced is not None:  # required / named: the grammar makes the call valid
-        if body.response_format or body.regex or body.ebnf:
-            message = "give response_format, regex or ebnf, or a forced tool_choice"
-            raise APIError(message, 400, "tool_choice")
-        # off the loop: the first use imports xgrammar (and torch) in this process
-        grammar = await s.off_loop(
-            call_grammar, body.tools or [], forced, fmt.tool_call_parser, think
-        )
-        for sp in params:
-            sp.ebnf = grammar
-    elif think and (params[0].json_schema is not None or params[0].json_object):
-        grammar = await s.off_loop(think_then_json, params[0].json_schema)
-        for sp in params:
-            sp.ebnf, sp.json_schema, sp.json_object = grammar, None, False
-    jobs = [(ids, sp, kw) for sp in params]
-    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": cid, "created": created, "model": s.model_name}
-    tool_fmt = fmt.tool_call_parser if parse_calls else None
-    outs = [ChoiceOutput(mode, tool_fmt, body.tools, body.stream_reasoning) for _ in range(n)]
-
-    if not body.stream:
-        results = await run_jobs(s, request, jobs)
-        choices = []
-        for k, r in enumerate(results):
-            message = outs[k].message(r.text)
-            choices.append(
-                {
-                    "index": k,
-                    "message": message,
-                    "logprobs": chat_logprobs(s, r) if body.logprobs else None,
-                    "finish_reason": chat_finish(outs[k], r.finish_reason),
-                    "matched_stop": r.matched_stop,
-                }
-            )
-        usage = usage_of(results, n)
-        return JSONResponse(
-            {**head, "object": "chat.completion", "choices": choices, "usage": usage}
-        )
-
-    chunk = {**head, "object": "chat.completion.chunk"}
-
-    def event(k: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
-        choice = {"index": k, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {**chunk, "choices": [choice]}
-
-    def render(k: int, p: Piece, _: Result) -> Iterator[dict]:
-        deltas = outs[k].push(p.text)
-        lp = chat_logprobs(s, p) if body.logprobs and p.token_ids else None
-        if lp and not deltas:
-            deltas = [{"content": ""}]
-        for i, delta in enumerate(deltas):  # the piece's logprobs go with its first
-            yield event(k, delta, lp=lp if i == 0 else None)
-        if p.finish_reason:
-            for delta in outs[k].finish():
-                yield event(k, delta)
-            yield event(k, {}, chat_finish(outs[k], p.finish_reason))
-
-    first = [event(k, {"role": "assistant", "content": ""}) for k in range(n)]
-    usage = (chunk, n) if body.stream_options and body.stream_options.include_usage else None
-    return await stream_jobs(s, request, jobs, render, first, usage)

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import gpu_scale
 from make_model.real_shapes import REAL_SHAPES
-from models.step_bytes import BANDWIDTH, decode_step_bytes
+from models.step_bytes import decode_step_bytes
 
 
 def test_dry_run_prints_bytes_per_step_for_every_shape_and_batch(tmp_path, monkeypatch, capsys):
@@ -28,7 +28,7 @@ def test_dry_run_prints_bytes_per_step_for_every_shape_and_batch(tmp_path, monke
     c = gpu_scale.model_config("qwen3.5-35b-a3b", None)
     step = decode_step_bytes(c, 64, gpu_scale.CONTEXT)
     assert row["total_gb"] == pytest.approx(step.total / 1e9)
-    for device, bandwidth in BANDWIDTH.items():
+    for device, bandwidth in gpu_scale.BANDWIDTH.items():
         assert row[f"{device} ms"] == pytest.approx(1e3 * step.total / bandwidth)
 
 

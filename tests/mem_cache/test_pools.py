@@ -168,7 +168,7 @@ def test_kv_pool_buffers_and_token_counts() -> None:
     pool = make_kv_pool(num_pages=5, page_size=4)
     assert len(pool.k_buffer) == len(pool.v_buffer) == 2
     assert pool.k_buffer[0].shape == (24, 2, 3)
-    assert pool.available_tokens() == 20 and pool.size_tokens == 20
+    assert pool.available_tokens() == 20 and pool.size * pool.page_size == 20
     pages = pool.alloc(2)
     assert pages.dtype == torch.int64
     assert pool.available() == 3 and pool.available_tokens() == 12
@@ -282,7 +282,8 @@ def test_mamba_alloc_zeroes_previous_owners_state() -> None:
     raw = int(pool.alloc(1, zero=False))
     assert raw == again[0]
     assert bool((pool.conv_state[:, raw] == 7.0).all())
-    pool.zero_slots(raw)
+    pool.free(raw)
+    assert int(pool.alloc(1)) == raw  # zero=True: zeroed again
     assert torch.count_nonzero(pool.conv_state[:, raw]) == 0
 
 

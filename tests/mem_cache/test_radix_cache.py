@@ -44,7 +44,7 @@ def put(cache: MambaRadixCache, key: list[int], with_state: bool = True) -> tupl
 
 
 def used_kv(cache: MambaRadixCache) -> int:
-    return cache.kv_pool.size_tokens - cache.kv_pool.available_tokens()
+    return cache.kv_pool.size * cache.kv_pool.page_size - cache.kv_pool.available_tokens()
 
 
 def used_slots(cache: MambaRadixCache) -> int:
@@ -304,7 +304,7 @@ def test_random_ops_conserve_pools(seed: int, page_size: int) -> None:
         c.sanity_check()
         req_locs = {x for r in live for x in r["own"].tolist()}
         req_slots = {r["slot"] for r in live}
-        assert kvp.available_tokens() + c.total_size() + len(req_locs) == kvp.size_tokens
+        assert kvp.available_tokens() + c.total_size() + len(req_locs) == kvp.size * kvp.page_size
         assert mp.available() + len(c.held_mamba_slots()) + len(req_slots) == mp.size
         tree_locs = c.held_kv_locs()
         assert not tree_locs & req_locs and not c.held_mamba_slots() & req_slots

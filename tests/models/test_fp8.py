@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from make_model.fp8_writer import write_dequantized
+from make_model.fp8_writer import quantize, write_dequantized
 from make_model.presets import preset_config, write_checkpoint
-from models.fp8 import E4M3, Fp8Config, dequantize, quantize, scale_shape
+from models.fp8 import E4M3, Fp8Config, dequantize, scale_shape
 from models.loader import load_model
 from models.parallel import ParallelContext
 from scheduler.engine import Engine

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
-from scheduler.graph_runner import DecodeGraphRunner
 from tests.hf_reference import hf_greedy
+from tests.scheduler.helpers import StaticBuffers, make_req
 
 NEW_TOKENS = 12
 
@@ -69,9 +69,7 @@ def test_greedy_parity(setup, mode):
     engine = Engine(path, **options)
     if static:
         sched = engine.scheduler
-        sched.graph_runner = DecodeGraphRunner(
-            engine.runner, sched.graph_runner.sizes, static_buffers=True
-        )
+        sched.graph_runner = StaticBuffers(engine.runner, sched.graph_runner.sizes)
     outs = engine.generate(prompts, GREEDY)
     for p, out, exp in zip(prompts, outs, expected, strict=True):
         assert out["output_ids"] == exp, f"prompt of {len(p)} tokens"
@@ -119,7 +117,7 @@ def test_stream_and_abort(setup):
     chunks = list(engine.generate_stream(prompts[3], GREEDY))
     assert [t for c in chunks for t in c["output_ids"]] == expected[3]
     assert chunks[-1]["finish_reason"] == "length"
-    victim = engine._make_req(prompts[4], GREEDY)
+    victim = make_req(engine, prompts[4], GREEDY)
     engine.scheduler.add_request(victim)
     engine.scheduler.step()  # prefill
     engine.scheduler.step()  # one decode step

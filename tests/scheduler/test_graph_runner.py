@@ -12,6 +12,7 @@ from models.loader import load_model
 from scheduler.config import SchedulerConfig
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from tests.scheduler.helpers import StaticBuffers
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_static_buffers_equal_eager_padded_decode(ckpt, n):
     eager, slots, first = _prefilled(ckpt, "cpu", prompts)
     want, want_logits = _decode(eager, DecodeGraphRunner(eager, sizes), slots, prompts, first, 6)
     static, slots2, first2 = _prefilled(ckpt, "cpu", prompts)
-    graphs = DecodeGraphRunner(static, sizes, static_buffers=True)
+    graphs = StaticBuffers(static, sizes)
     assert sorted(graphs.batches) == sizes and not graphs.graphs
     got, got_logits = _decode(static, graphs, slots2, prompts, first2, 6)
     assert got == want

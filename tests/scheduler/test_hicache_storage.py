@@ -18,6 +18,7 @@ from make_model.presets import preset_config, write_checkpoint
 from scheduler.debug import PREFETCH_DELAY_ENV
 from scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
+from tests.scheduler.helpers import make_req
 
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
@@ -129,8 +130,8 @@ def test_wait_complete_holds_only_its_request_and_an_abort_frees_the_prefetch(st
     monkeypatch.setenv(PREFETCH_DELAY_ENV, "30")
     engine = Engine(path, hicache_storage_dir=str(folder), **OPTIONS)
     sched, tree = engine.scheduler, engine.scheduler.tree
-    held = engine._make_req(second, GREEDY)
-    other = engine._make_req(list(range(3, 40)), GREEDY)
+    held = make_req(engine, second, GREEDY)
+    other = make_req(engine, list(range(3, 40)), GREEDY)
     sched.add_request(held)
     sched.add_request(other)
     assert held.prefetch is not None and other.prefetch is None

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
+from tests.scheduler.helpers import make_req
 
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
@@ -130,7 +131,7 @@ def test_a_decoding_no_buffer_request_holds_one_slot(ckpt):
     path, prompts, _ = ckpt
     engine = _engine(path, None)
     sched, pool = engine.scheduler, engine.runner.mamba_pool
-    req = engine._make_req(prompts["tails"][0], GREEDY)
+    req = make_req(engine, prompts["tails"][0], GREEDY)
     sched.add_request(req)
     sched.step()  # the whole prompt in one round
     assert req.kv_len == 552 and req.track_slots == [] and not req.finished

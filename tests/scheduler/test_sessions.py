@@ -13,6 +13,7 @@ from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.session import SessionError
 from tests.hf_reference import hf_greedy
+from tests.scheduler.helpers import make_req, reap_sessions
 
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
@@ -92,10 +93,10 @@ def test_session_errors(ckpt):
     with pytest.raises(SessionError, match="capacity"):
         engine.generate(rand(30), GREEDY, session_params={"id": sid})
     # one request in flight at a time
-    req = engine._make_req(rand(3), GREEDY, {"id": sid, "rid": first["meta_info"]["id"]})
+    req = make_req(engine, rand(3), GREEDY, {"id": sid, "rid": first["meta_info"]["id"]})
     engine.scheduler.add_request(req)
     with pytest.raises(SessionError, match="in flight"):
-        engine.scheduler.add_request(engine._make_req(rand(3), GREEDY, {"id": sid}))
+        engine.scheduler.add_request(make_req(engine, rand(3), GREEDY, {"id": sid}))
     engine.scheduler.step()  # prefill: the held slot is now the request's
     assert engine.close_session(sid)  # aborts the turn in flight, frees everything once
     assert req.finish_reason.value == "abort"
@@ -116,7 +117,7 @@ def test_turn_not_admitted_leaves_the_slot_with_the_session(ckpt):
     slot = sched.sessions.sessions[sid].slot
     free = (engine.runner.kv_pool.available(), engine.runner.mamba_pool.available())
     p2 = rand(6)
-    req = engine._make_req(p2, GREEDY, {"id": sid})
+    req = make_req(engine, p2, GREEDY, {"id": sid})
     sched.add_request(req)
     assert sched.sessions.restore(req) and req.req_slot == slot.req_slot
     sched._release(req, insert=False)  # what admission does when the turn does not fit
@@ -137,7 +138,7 @@ def test_abort_mid_turn_then_continue_through_the_radix_cache(ckpt):
     sid = engine.open_session(streaming=True)
     p1 = rand(20)
     out1 = engine.generate(p1, GREEDY, session_params={"id": sid})
-    req = engine._make_req(rand(4), GREEDY, {"id": sid, "rid": out1["meta_info"]["id"]})
+    req = make_req(engine, rand(4), GREEDY, {"id": sid, "rid": out1["meta_info"]["id"]})
     sched.add_request(req)
     sched.step()
     sched.step()
@@ -187,7 +188,7 @@ def test_refused_turns_leave_the_session_unchanged(ckpt):
     with pytest.raises(SessionError, match="context is 64"):  # too long: nothing changes
         engine.generate(rand(40), GREEDY, session_params={"id": sid, "rid": None})
     with pytest.raises(SessionError, match="already a turn"):  # a rid used twice
-        req = engine._make_req(rand(3), GREEDY, {"id": sid})
+        req = make_req(engine, rand(3), GREEDY, {"id": sid})
         req.rid = t1["meta_info"]["id"]
         engine.scheduler.add_request(req)
     assert session.slot is slot and not session.in_flight and len(session.order) == 1
@@ -206,7 +207,7 @@ def test_stop_finishes_a_session_turn_with_the_kept_tokens(ckpt):
     sched = engine.scheduler
     sid = engine.open_session(streaming=True)
     p1 = rand(10)
-    req = engine._make_req(p1, GREEDY, {"id": sid})
+    req = make_req(engine, p1, GREEDY, {"id": sid})
     sched.add_request(req)
     while len(req.output_ids) < 5:
         sched.step()
@@ -288,11 +289,11 @@ def test_tree_session_follows_sglang_rules(ckpt):
     with pytest.raises(SessionError, match="Invalid request session id"):
         turn(p2, r2)
     # a running child is aborted when its parent is replaced; a running parent cannot fork
-    running = engine._make_req(p2, GREEDY, {"id": sid, "rid": r7})
+    running = make_req(engine, p2, GREEDY, {"id": sid, "rid": r7})
     sched.add_request(running)
     sched.step()
     with pytest.raises(SessionError, match="has not finished"):
-        sched.add_request(engine._make_req(p3, GREEDY, {"id": sid, "rid": running.rid}))
+        sched.add_request(make_req(engine, p3, GREEDY, {"id": sid, "rid": running.rid}))
     _, o8, _ = turn(p3, r7, replace=True)
     assert running.finish_reason.value == "abort"
     assert o8 == hf_greedy(hf, [p1[:5] + p2 + o7 + p3], NEW)[0]
@@ -320,19 +321,19 @@ def test_sessions_time_out_and_are_capped(ckpt):
         sched.sessions.open("x", timeout=0.0)
     engine.generate(rand(12), GREEDY, session_params={"id": held})
     assert sched.sessions.sessions[held].slot is not None
-    req = engine._make_req(rand(6), GREEDY, {"id": busy})
+    req = make_req(engine, rand(6), GREEDY, {"id": busy})
     sched.add_request(req)
     sched.step()
     now = sched.sessions.sessions[busy].deadline
     assert sched.sessions.next_deadline() == now
-    assert sched.reap_sessions(now - 1.0) == []
-    assert sched.reap_sessions(now) == [req]  # the in-flight turn is aborted with its session
+    assert reap_sessions(sched, now - 1.0) == []
+    assert reap_sessions(sched, now) == [req]  # the in-flight turn is aborted with its session
     assert req.finished and "timed out" in req.finish_detail
     assert list(sched.sessions.sessions) == [held]
     engine.open_session()  # room again
     later = sched.sessions.sessions[held].deadline + 1.0
-    assert sched.reap_sessions(later - 2.0) == []
-    sched.reap_sessions(later)
+    assert reap_sessions(sched, later - 2.0) == []
+    reap_sessions(sched, later)
     assert held not in sched.sessions.sessions  # its held slot went with it
     while sched.has_work():
         sched.step()

@@ -1,4 +1,4 @@
-"""The draft-length policy (`scheduler.spec_policy`): the chosen k maximises expected tokens per
+"""The draft-length policy (`scheduler/spec/policy.py`): the chosen k maximises expected tokens per
 unit of cost, from the request's acceptance estimates and the costs given (never this CPU's
 timings); unseen row counts scale by bytes; a request where drafting does not pay decodes
 plainly and probes again later, its greedy tokens unchanged."""
@@ -11,13 +11,15 @@ from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.request import Req
 from scheduler.sampling_params import SamplingParams
-from scheduler.spec_policy import DraftPolicy, DraftState, FixedCosts, MeasuredCosts
+from scheduler.spec.policy import DraftPolicy, MeasuredCosts
+from scheduler.spec.state import DraftState
+from tests.scheduler.helpers import FixedCosts
 from tests.scheduler.test_speculative import GREEDY, POOLS, SPEC, controlled, spec_engine
 
 
 def req(name: str, keep: list[float], **params) -> Req:
     r = Req(name, [5, 6, 7], SamplingParams(**{**GREEDY, **params}))
-    r.spec_policy = DraftState(keep)
+    r.spec.policy = DraftState(keep)
     return r
 
 
@@ -44,10 +46,10 @@ def test_the_draft_length_maximises_expected_tokens_per_cost():
     policy.costs = costs(0.1, 0.02)
     reqs = [req("a", [1.0, 1.0, 1.0]), req("b", [0.05, 0.5, 0.5]), req("c", [1.0, 1.0, 1.0])]
     assert policy.choose(reqs, [True, True, False]) == [3, 0, 0]
-    # a seeded sampled request drafts by its own outcomes (spec_n), whatever the costs
+    # a seeded sampled request drafts by its own outcomes (spec.n), whatever the costs
     policy.costs = costs(1.0, 0.05)
     seeded = req("s", [0.1, 0.1, 0.1], temperature=0.7, seed=3)
-    seeded.spec_n = 2
+    seeded.spec.n = 2
     assert policy.choose([seeded], [True]) == [2]
 
 
@@ -55,17 +57,17 @@ def test_acceptance_estimates_and_probes():
     policy = DraftPolicy(3, costs(1.0, 0.05))  # drafting never pays
     r = req("a", [1.0, 1.0, 1.0])
     policy.observe(r, drafted=3, kept=1)  # position 1 kept, 2 refused, 3 not tried
-    assert r.spec_policy.keep == pytest.approx([1.0, 0.8, 1.0])
-    r.spec_hidden = object()  # the head's prediction is there
-    assert policy.plan([r], [True]) is None and r.spec_policy.wait == 8  # idle
-    r.spec_hidden = None
+    assert r.spec.policy.keep == pytest.approx([1.0, 0.8, 1.0])
+    r.spec.hidden = object()  # the head's prediction is there
+    assert policy.plan([r], [True]) is None and r.spec.policy.wait == 8  # idle
+    r.spec.hidden = None
     for _ in range(7):
         assert policy.plan([r], [True]) is None
-    assert policy.plan([r], [True]) == [0] and r.spec_policy.head  # warms up: the head runs
-    r.spec_hidden = object()
+    assert policy.plan([r], [True]) == [0] and r.spec.policy.head  # warms up: the head runs
+    r.spec.hidden = object()
     assert policy.plan([r], [True]) == [1]  # the probe: one draft
     policy.observe(r, drafted=1, kept=0)  # refused: idle again, twice as long
-    assert policy.plan([r], [True]) is None and r.spec_policy.wait == 16
+    assert policy.plan([r], [True]) is None and r.spec.policy.wait == 16
 
 
 def test_measured_costs_scale_unseen_rows_by_bytes():

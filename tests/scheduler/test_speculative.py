@@ -2,9 +2,10 @@
 decoding in every scheduler mode, whatever the drafts; a rejected draft leaves exactly the state
 plain decoding leaves; sampled requests decode beside drafted ones unchanged; pools stay clean.
 
-The tiny preset's head is random, so it drafts almost nothing right; `override` (controlled
-acceptance) replaces its drafts with the plain run's own continuation, a share of it corrupted,
-so that every round accepts some drafts and rejects others."""
+The tiny preset's head is random, so it drafts almost nothing right; `override_drafts`
+(controlled acceptance, `benchmarks/speculative.py`) replaces its drafts with the plain run's
+own continuation, a share of it corrupted, so that every round accepts some drafts and rejects
+others."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import random
 import pytest
 import torch
 
+from benchmarks.speculative import override_drafts
 from make_model.presets import preset_config, write_checkpoint
 from scheduler.config import RunnerConfig
 from scheduler.debug import FAULT_ENV
 from scheduler.engine import Engine
 from scheduler.request import Req
 from scheduler.sampling_params import SamplingParams
-from scheduler.spec_policy import FixedCosts
+from tests.scheduler.helpers import FixedCosts
 
 NEW = 14
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
@@ -34,7 +36,7 @@ FREE = FixedCosts(lambda batch: 1.0, lambda rows, batch: 1.0, lambda rows: 0.0)
 
 def spec_engine(path: str, costs=FREE, **options) -> Engine:
     engine = Engine(path, **options)
-    engine.scheduler.forward.spec.policy.costs = costs
+    engine.scheduler.forward.policy.costs = costs
     return engine
 
 
@@ -54,14 +56,14 @@ def controlled(engine: Engine, prompts, expected, vocab: int, p_bad: float, seed
     """Drafts = the plain run's next tokens, each wrong with probability p_bad."""
     rng = random.Random(seed)
     known = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
-    spec = engine.scheduler.forward.spec
+    spec = engine.scheduler.forward
 
     def override(req: Req, drafts: list[int]) -> list[int]:
         done = len(req.output_ids)
         cont = known.get(tuple(req.prompt_ids), [])[done : done + 3]
         return [t if rng.random() >= p_bad else (t + 1) % vocab for t in cont] or drafts
 
-    spec.override = override
+    override_drafts(spec, override)
     return spec
 
 
@@ -174,8 +176,8 @@ def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
         engine.scheduler.add_request(req)
         engine.scheduler.step()  # prefill: the first token
         reqs[name] = req
-    sd = spec.scheduler.forward.spec
-    sd.override = lambda req, drafts: [cont[1], (cont[2] + 1) % vocab, cont[3]]
+    sd = spec.scheduler.forward
+    override_drafts(sd, lambda req, drafts: [cont[1], (cont[2] + 1) % vocab, cont[3]])
     free_before = spec.runner.kv_pool.available()
     spec.scheduler.step()  # lands cont[1] (accepted), cont[2] (the target's, not the draft)
     assert reqs["spec"].output_ids == cont[:3]
@@ -196,9 +198,12 @@ def test_rejected_draft_leaves_the_plain_decode_state(ckpt):
         kb = spec.runner.kv_pool.get_kv(layer)[0][rows[1]]
         torch.testing.assert_close(kb, ka, atol=1e-5, rtol=1e-5)
     seen = []  # drafts asked for next: N, drafting being free here
-    sd.override = lambda req, drafts: (
-        seen.append(len(drafts)) or cont[len(req.output_ids) :][: len(drafts)]
-    )
+
+    def asked(req: Req, drafts: list[int]) -> list[int]:
+        seen.append(len(drafts))
+        return cont[len(req.output_ids) :][: len(drafts)]
+
+    override_drafts(sd, asked)
     for engine in (plain, spec):
         while engine.scheduler.has_work():
             engine.scheduler.step()
@@ -269,7 +274,7 @@ def test_speculative_sampling_keeps_the_target_distribution(ckpt):
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
     assert tv < 0.1, (tv, counts, exact)
-    spec = engine.scheduler.forward.spec
+    spec = engine.scheduler.forward
     assert 0 < spec.accepted < spec.drafted
     assert engine.leak_report() == []
 
@@ -363,5 +368,5 @@ def test_greedy_equals_plain_decoding_on_cuda(ckpt):
     controlled(engine, prompts, expected, vocab, 0.3)
     outs = engine.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain]
-    assert engine.scheduler.forward.spec.accepted > 0
+    assert engine.scheduler.forward.accepted > 0
     assert engine.leak_report() == []

@@ -11,6 +11,7 @@ from make_model.presets import preset_config, write_checkpoint
 from scheduler.debug import LAZY_ALLOC_FAIL_ENV
 from scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
+from tests.scheduler.helpers import make_req
 
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
@@ -85,7 +86,7 @@ def test_lazy_holds_one_track_slot_and_borrows_a_second_at_boundaries(ckpt):
         **POOLS,
     )
     sched = engine.scheduler
-    req = engine._make_req(rand(30), GREEDY)
+    req = make_req(engine, rand(30), GREEDY)
     sched.add_request(req)
     sched.step()  # prefill
     assert len(req.track_slots) == 1
@@ -117,7 +118,7 @@ def test_lazy_forced_allocation_failure_is_exact_and_skips_insert(ckpt, monkeypa
         mamba_track_interval=4,
         **POOLS,
     )
-    assert engine.scheduler.cache.force_lazy_alloc_fail
+    assert "after_decode" in vars(engine.scheduler.cache)  # the switch's wrapper
     prompts = [rand(n) for n in (8, 9, 70, 131)]
     # kv_len at the end = prompt + new - 1: 20 (a boundary: finished on it), 22, 81, 142
     news = [13, 14, NEW, NEW]

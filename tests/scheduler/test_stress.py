@@ -36,6 +36,7 @@ from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.request import FinishReason, Req
 from scheduler.scheduler import Scheduler
+from tests.scheduler.helpers import make_req
 
 VOCAB = preset_config("tiny")["vocab_size"]
 MAX_NEW = 12
@@ -386,7 +387,7 @@ def run_workload(engine: Engine, seed: int) -> tuple[list[Req], Stats]:
             if len(reqs) < NUM_REQUESTS:
                 session = work.session_turn(sched)
                 prompt = work.prompt()[: SESSION_TURN if session else MAX_PROMPT]
-                reqs.append(engine._make_req(prompt, work.params(), session))
+                reqs.append(make_req(engine, prompt, work.params(), session))
                 try:
                     sched.add_request(reqs[-1])
                     if reqs[-1].prefetch is not None:  # read before the next step: deterministic

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
 from scheduler.lockstep import RankLost
-from scheduler.spec_policy import FixedCosts
 from tests.hf_reference import hf_greedy
+from tests.scheduler.helpers import FixedCosts
 from tests.tp_harness import run_ranks
 from tests.tp_workers import config_mismatch, lockstep_workload
 
@@ -150,14 +150,14 @@ def test_tp2_speculative_equals_tp1_speculative(tmp_path):
             path, tp_size=tp_size, mamba_scheduler_strategy="extra_buffer", **spec, **POOLS
         )
         # rank 0 chooses the draft lengths for every rank: drafting free there, N drafts a round
-        engine.scheduler.forward.spec.policy.costs = FixedCosts(
+        engine.scheduler.forward.policy.costs = FixedCosts(
             lambda b: 1.0, lambda r, b: 1.0, lambda r: 0.0
         )
         try:
             out = _workload(engine)
-            before = engine.scheduler.forward.spec.drafted
+            before = engine.scheduler.forward.drafted
             alone = engine.generate(prompt, seeded)["output_ids"]
-            drafted = engine.scheduler.forward.spec.drafted - before
+            drafted = engine.scheduler.forward.drafted - before
             out["leaks"] = engine.leak_report()
         finally:
             engine.shutdown()

@@ -79,3 +79,19 @@ def test_offline_subcommands_still_work(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["--port", "-1"])
     assert e.value.code == 2
+
+
+def test_generate_takes_the_runner_configs_flags():
+    """`generate`'s engine flags are RunnerConfig's fields (every dtype and load format it
+    knows), but for the three sizes the command sets for its one request."""
+    from server.args import config_values
+    from server.cli import GENERATE_SIZES, build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "--dtype", "float16", "--load-format", "safetensors"]
+    )
+    runner = config_values(args, RunnerConfig)
+    assert runner["dtype"] == "float16" and runner["load_format"] == "safetensors"
+    assert set(runner) == {f.name for f in fields(RunnerConfig)} - set(GENERATE_SIZES)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--max-total-tokens", "5"])

@@ -11,15 +11,12 @@ import random
 import pytest
 
 from make_model.chat_templates import TEMPLATES
+from server.args import ServerConfig
 from server.chat_output import ChatFormat, ChoiceOutput, chat_format
-from server.reasoning import (
-    ReasoningParser,
-    default_reasoning_parser,
-    prompt_thinking,
-    reasoning_mode,
-)
-from server.tool_parsers import default_tool_call_parser, make_tool_parser
-from server.tools import convert_value
+from server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
+from server.formats.qwen3_coder import Qwen3Coder, convert_value
+from server.formats.qwen25 import Qwen25
+from server.formats.reasoning import Qwen3Reasoning, Qwen3ThinkingReasoning
 
 TOOLS = [
     {
@@ -65,8 +62,8 @@ def cuttings(text: str, n: int = 300) -> list[list[str]]:
     return [[text], list(text), *single, *(pieces(text, rng) for _ in range(n))]
 
 
-def split(mode: str, parts: list[str], tools: bool = False, stream: bool = True):
-    p = ReasoningParser(mode, with_tools=tools, stream_reasoning=stream)
+def split(mode: str, parts: list[str], tools=None, stream: bool = True):
+    p = Qwen3Reasoning(mode, tools, stream_reasoning=stream)
     got = [p.push(x) for x in parts] + [p.finish()]
     return "".join(r for r, _ in got), "".join(c for _, c in got)
 
@@ -74,21 +71,33 @@ def split(mode: str, parts: list[str], tools: bool = False, stream: bool = True)
 @pytest.mark.parametrize(
     ("mode", "text", "tools", "want"),
     [
-        ("forced", "Hmm.\n</think>\n\nHi", False, ("Hmm.\n", "\n\nHi")),
-        ("forced", "<think>Hmm.</think>Hi", False, ("Hmm.", "Hi")),  # an echoed <think>
-        ("forced", "cut short by the length limit", False, ("cut short by the length limit", "")),
-        ("forced", "a </thin b", False, ("a </thin b", "")),
-        ("forced", "<thi", False, ("<thi", "")),
-        ("detect", "<think>r</think>c", False, ("r", "c")),
-        ("detect", "no thinking </think> here", False, ("", "no thinking </think> here")),
-        ("detect", "<thi", False, ("", "<thi")),
-        ("forced", "plan<tool_call>\n<function=f>", True, ("plan", "<tool_call>\n<function=f>")),
-        ("forced", "plan<tool_call>x", False, ("plan<tool_call>x", "")),
-        ("forced", "plan<tool_call>x", True, ("plan<tool_call>x", "")),  # a mention, no call
-        ("forced", "a <tool_call> b</think>c", True, ("a <tool_call> b", "c")),
-        ("forced", 'p<tool_call>\n {"name"', True, ("p", '<tool_call>\n {"name"')),
-        ("forced", "p<tool_call>\n<func", True, ("p<tool_call>\n<func", "")),  # cut: undecided
-        ("forced", "a</think>b</think>c", True, ("a", "b</think>c")),
+        ("forced", "Hmm.\n</think>\n\nHi", None, ("Hmm.\n", "\n\nHi")),
+        ("forced", "<think>Hmm.</think>Hi", None, ("Hmm.", "Hi")),  # an echoed <think>
+        ("forced", "cut short by the length limit", None, ("cut short by the length limit", "")),
+        ("forced", "a </thin b", None, ("a </thin b", "")),
+        ("forced", "<thi", None, ("<thi", "")),
+        ("detect", "<think>r</think>c", None, ("r", "c")),
+        ("detect", "no thinking </think> here", None, ("", "no thinking </think> here")),
+        ("detect", "<thi", None, ("", "<thi")),
+        (
+            "forced",
+            "plan<tool_call>\n<function=f>",
+            Qwen3Coder,
+            ("plan", "<tool_call>\n<function=f>"),
+        ),
+        ("forced", "plan<tool_call>x", None, ("plan<tool_call>x", "")),
+        ("forced", "plan<tool_call>x", Qwen3Coder, ("plan<tool_call>x", "")),  # a mention, no call
+        ("forced", "a <tool_call> b</think>c", Qwen25, ("a <tool_call> b", "c")),
+        ("forced", 'p<tool_call>\n {"name"', Qwen25, ("p", '<tool_call>\n {"name"')),
+        # each format ends the reasoning only at its own call start
+        ("forced", 'p<tool_call>\n {"name"', Qwen3Coder, ('p<tool_call>\n {"name"', "")),
+        (
+            "forced",
+            "p<tool_call>\n<func",
+            Qwen3Coder,
+            ("p<tool_call>\n<func", ""),
+        ),  # cut: undecided
+        ("forced", "a</think>b</think>c", Qwen3Coder, ("a", "b</think>c")),
     ],
 )
 def test_reasoning_split_any_cut(mode, text, tools, want):
@@ -98,48 +107,47 @@ def test_reasoning_split_any_cut(mode, text, tools, want):
 
 
 def test_reasoning_streams_as_it_comes_unless_held():
-    p = ReasoningParser("forced")
+    p = Qwen3Reasoning("forced")
     assert p.push("Let me") == ("Let me", "")
     assert p.push(" see </th") == (" see ", "")  # a possible tag is held back
     assert p.push("ink>\n\nOK") == ("", "\n\nOK")
-    held = ReasoningParser("forced", stream_reasoning=False)
+    held = Qwen3Reasoning("forced", stream_reasoning=False)
     assert held.push("Let me") == ("", "") and held.push(" see</think>OK") == ("Let me see", "OK")
     with pytest.raises(ValueError):
-        ReasoningParser("off")
+        Qwen3Reasoning("off")
 
 
 def test_reasoning_mode_from_the_prompt():
     on = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
     off = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     plain = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    assert (prompt_thinking(on), prompt_thinking(off), prompt_thinking(plain)) == (
-        True,
-        False,
-        None,
-    )
-    assert reasoning_mode("qwen3", on, True, None) == "forced"
-    assert reasoning_mode("qwen3", on, False, None) == "off"  # separate_reasoning: false
-    assert reasoning_mode("qwen3", off, True, {"enable_thinking": False}) == "off"
-    assert reasoning_mode("qwen3", plain, True, None) == "detect"
-    assert reasoning_mode("qwen3", plain, True, {"enable_thinking": False}) == "off"
-    assert reasoning_mode("qwen3-thinking", plain, True, None) == "forced"
-    assert reasoning_mode(None, on, True, None) == "off"
+    qwen3, thinking = Qwen3Reasoning, Qwen3ThinkingReasoning
+    assert [qwen3.prompt_thinking(p) for p in (on, off, plain)] == [True, False, None]
+    assert qwen3.mode(on, True, None) == "forced"
+    assert qwen3.mode(on, False, None) == "off"  # separate_reasoning: false
+    assert qwen3.mode(off, True, {"enable_thinking": False}) == "off"
+    assert qwen3.mode(plain, True, None) == "detect"
+    assert qwen3.mode(plain, True, {"enable_thinking": False}) == "off"
+    assert thinking.mode(plain, True, None) == "forced"
 
 
 def test_defaults_follow_the_template():
-    assert default_reasoning_parser(TEMPLATES["qwen3.5"]) == "qwen3"
-    assert default_reasoning_parser(TEMPLATES["qwen3-next-thinking"]) == "qwen3-thinking"
-    assert default_reasoning_parser(TEMPLATES["qwen3-next-instruct"]) is None
-    assert default_tool_call_parser(TEMPLATES["qwen3.5"]) == "qwen3_coder"
-    assert default_tool_call_parser(TEMPLATES["qwen3-next-thinking"]) == "qwen25"
-    assert chat_format("auto", "auto", TEMPLATES["qwen3.5"]) == ChatFormat("qwen3", "qwen3_coder")
-    assert chat_format("none", "qwen25", TEMPLATES["qwen3.5"]) == ChatFormat(None, "qwen25")
+    def auto(template: str) -> tuple[str | None, str]:
+        fmt = chat_format("auto", "auto", template)
+        return (fmt.reasoning and fmt.reasoning.name), fmt.tool_call.name
+
+    assert auto(TEMPLATES["qwen3.5"]) == ("qwen3", "qwen3_coder")
+    assert auto(TEMPLATES["qwen3-next-thinking"]) == ("qwen3-thinking", "qwen25")
+    assert auto(TEMPLATES["qwen3-next-instruct"]) == (None, "qwen25")
+    assert chat_format("none", "qwen25", TEMPLATES["qwen3.5"]) == ChatFormat(None, Qwen25)
+    assert list(REASONING_FORMATS) == ["qwen3", "qwen3-thinking"]
+    assert list(TOOL_CALL_FORMATS) == ["qwen3_coder", "qwen25"]
     with pytest.raises(ValueError):
-        chat_format("r1", "auto", None)
+        ServerConfig(reasoning_parser="r1")
 
 
 def parse(kind: str, parts: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    p, events = make_tool_parser(kind, TOOLS), []
+    p, events = TOOL_CALL_FORMATS[kind](TOOLS), []
     for x in parts:
         events += p.push(x)
     events += p.finish()
@@ -214,7 +222,7 @@ def stream(out: ChoiceOutput, parts: list[str]) -> list[dict]:
 
 def test_choice_streams_reasoning_content_and_incremental_calls():
     text = "Need the weather.\n</think>\n\n" + XML
-    message = ChoiceOutput("forced", "qwen3_coder", TOOLS).message(text)
+    message = ChoiceOutput("forced", Qwen3Reasoning, Qwen3Coder, TOOLS).message(text)
     assert message["reasoning_content"] == "Need the weather.\n"
     assert message["content"] == "Sure."
     assert [c["function"] for c in message["tool_calls"]] == [
@@ -222,7 +230,7 @@ def test_choice_streams_reasoning_content_and_incremental_calls():
         {"name": "get_weather", "arguments": "{}"},
     ]
     for parts in cuttings(text, 100):
-        deltas = stream(ChoiceOutput("forced", "qwen3_coder", TOOLS), parts)
+        deltas = stream(ChoiceOutput("forced", Qwen3Reasoning, Qwen3Coder, TOOLS), parts)
         assert all(len(d) == 1 for d in deltas)
         calls = [e for d in deltas for e in d.get("tool_calls", [])]
         starts = [e for e in calls if "id" in e]
@@ -240,7 +248,7 @@ def test_choice_streams_reasoning_content_and_incremental_calls():
     # XML arguments arrive parameter by parameter, not in one piece at the end
     fragments = [
         e
-        for d in stream(ChoiceOutput("off", "qwen3_coder", TOOLS), list(XML))
+        for d in stream(ChoiceOutput("off", None, Qwen3Coder, TOOLS), list(XML))
         for e in d.get("tool_calls", [])
         if e["index"] == 0
     ]
@@ -248,14 +256,14 @@ def test_choice_streams_reasoning_content_and_incremental_calls():
 
 
 def test_plain_and_reasoning_only_messages():
-    assert ChoiceOutput("off", None).message("") == {
+    assert ChoiceOutput("off", None, None).message("") == {
         "role": "assistant",
         "content": "",
         "reasoning_content": None,
     }
-    m = ChoiceOutput("forced", None).message("all thinking, cut off")
+    m = ChoiceOutput("forced", Qwen3Reasoning, None).message("all thinking, cut off")
     assert m["content"] is None and m["reasoning_content"] == "all thinking, cut off"
-    m = ChoiceOutput("off", "qwen25", TOOLS).message("  just text  ")
+    m = ChoiceOutput("off", None, Qwen25, TOOLS).message("  just text  ")
     assert m == {"role": "assistant", "content": "just text", "reasoning_content": None}
 
 
@@ -292,10 +300,12 @@ def test_forced_call_grammars():
 
     from server.tools import call_grammar, think_then_json
 
+    xml_format = Qwen3Coder
+
     def accepts(grammar: str, text: str) -> bool:
         return _is_grammar_accept_string(xgr.Grammar.from_ebnf(grammar), text)
 
-    xml = call_grammar(GRAMMAR_TOOLS, "", "qwen3_coder")
+    xml = call_grammar(GRAMMAR_TOOLS, "", xml_format)
     assert accepts(xml, XML_CALL.format(city="", days=3))
     assert accepts(xml, XML_CALL.format(city="<parameter=city>\nParis\n</parameter>\n", days=7))
     assert accepts(xml, PING_XML)
@@ -313,11 +323,11 @@ def test_forced_call_grammars():
     assert not accepts(
         xml, XML_CALL.format(city="<parameter=city>\nLondon\n</parameter>\n", days=2)
     )
-    assert not accepts(call_grammar(GRAMMAR_TOOLS, "weather", "qwen3_coder"), PING_XML)
-    js = call_grammar(GRAMMAR_TOOLS, "ping", "qwen25")
+    assert not accepts(call_grammar(GRAMMAR_TOOLS, "weather", xml_format), PING_XML)
+    js = call_grammar(GRAMMAR_TOOLS, "ping", Qwen25)
     assert accepts(js, PING_JSON) and not accepts(js, PING_XML)
     # a prompt that opens <think>: free reasoning (without "</think>") comes first
-    think = call_grammar(GRAMMAR_TOOLS, "ping", "qwen3_coder", think=True)
+    think = call_grammar(GRAMMAR_TOOLS, "ping", xml_format, think=True)
     assert accepts(think, "Just ping <it>.</think>\n\n" + PING_XML)
     assert accepts(think, "</think>\n\n" + PING_XML)
     assert not accepts(think, "a</think>b</think>\n\n" + PING_XML)

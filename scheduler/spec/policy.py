@@ -1,4 +1,4 @@
-"""How many tokens each request drafts in a speculative round (`scheduler.speculative`).
+"""How many tokens each request drafts in a speculative round (`scheduler/spec/worker.py`).
 
 A round of B requests with draft lengths k_i costs one verify pass over R = B + sum(k_i) rows,
 the head's draft passes (pass j over the requests with k_i > j), its pass over the landed rows
@@ -19,7 +19,8 @@ depend on timings.
 The costs come from the program: `MeasuredCosts` keeps a moving average of every pass it times
 (plain steps by batch size, verify passes by rows, head passes by rows, the rest of a round by
 batch size); a row count not seen yet is scaled from the nearest one seen by the ratio of the
-bytes a pass over that many rows reads (`models.step_bytes`). Tests pass `FixedCosts`.
+bytes a pass over that many rows reads (`models.step_bytes`). Tests replace `DraftPolicy.costs`
+with costs of their own (anything with the `Costs` methods).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.request import Req
+from scheduler.spec.state import FIRST_WAIT, DraftState
 
 KEEP_WEIGHT = 0.2  # a request's estimate: weight of its newest outcome
 SHARED_WEIGHT = 0.1  # the estimate fresh requests start from
 COST_WEIGHT = 0.2  # a measured cost's newest sample
-FIRST_WAIT, MAX_WAIT = 8, 256  # decode steps a request waits before probing again
+MAX_WAIT = 256  # the longest wait before probing again (decode steps; from FIRST_WAIT, doubled)
 
 
 class Costs(Protocol):
@@ -46,27 +48,6 @@ class Costs(Protocol):
     def head(self, rows: float) -> float: ...  # one head pass over `rows` rows
 
     def observe(self, kind: str, rows: int, seconds: float) -> None: ...
-
-
-@dataclass
-class FixedCosts:
-    """Costs given as functions (tests, or a caller that knows them); measurements ignored."""
-
-    step_cost: Callable[[int], float]
-    verify_cost: Callable[[int, int], float]
-    head_cost: Callable[[float], float]
-
-    def step(self, batch: int) -> float:
-        return self.step_cost(batch)
-
-    def verify(self, rows: int, batch: int) -> float:
-        return self.verify_cost(rows, batch)
-
-    def head(self, rows: float) -> float:
-        return self.head_cost(rows)
-
-    def observe(self, kind: str, rows: int, seconds: float) -> None:
-        pass
 
 
 @dataclass
@@ -121,17 +102,6 @@ class MeasuredCosts:
 
 
 @dataclass
-class DraftState:
-    """A request's drafting state (`Req.spec_policy`)."""
-
-    keep: list[float]  # a_j: P(draft j kept | drafts 1 .. j-1 kept)
-    wait: int = 0  # > 0: idle (no drafts, no head passes) for this many more decode steps
-    next_wait: int = FIRST_WAIT
-    probe: bool = False  # its next drafting round is a probe (one draft)
-    head: bool = False  # the head runs over its landed rows after the round in flight
-
-
-@dataclass
 class DraftPolicy:
     steps: int  # N
     costs: Costs
@@ -148,9 +118,9 @@ class DraftPolicy:
         self.shared = [1.0] * self.steps
 
     def state(self, req: Req) -> DraftState:
-        if req.spec_policy is None:
-            req.spec_policy = DraftState(list(self.shared))
-        return req.spec_policy
+        if req.spec.policy is None:
+            req.spec.policy = DraftState(list(self.shared))
+        return req.spec.policy
 
     @staticmethod
     def fixed(req: Req) -> bool:
@@ -170,7 +140,7 @@ class DraftPolicy:
             if st.probe:
                 ks[i] = 1
             elif self.fixed(req):
-                ks[i] = min(n, req.spec_n or n)
+                ks[i] = min(n, req.spec.n or n)
             else:
                 p = 1.0
                 for j in range(1, n + 1):
@@ -240,8 +210,8 @@ class DraftPolicy:
             if st is not None and st.wait > 0:
                 st.wait -= 1
             ok = st is not None and st.wait == 0
-            ready.append(ok and req.spec_hidden is not None)
-            warming.append(ok and req.spec_hidden is None)
+            ready.append(ok and req.spec.hidden is not None)
+            warming.append(ok and req.spec.hidden is None)
         ks = self.agree(self.choose(reqs, ready))
         for i, req in enumerate(reqs):
             if not drafters[i]:

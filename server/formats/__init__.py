@@ -1,0 +1,20 @@
+"""Chat output formats, one class per format: tool calls (`server/formats/tool_call.py`) and
+reasoning (`server/formats/reasoning.py`).
+
+Each registry maps a `--tool-call-parser` / `--reasoning-parser` name to its class, in the order
+`auto` tries them on the chat template: the first whose `matches` holds (tool calls end with
+`qwen25`, which matches any template; a template with no reasoning format gets none). A new
+format is one class and one entry here.
+"""
+
+from __future__ import annotations
+
+from server.formats.qwen3_coder import Qwen3Coder
+from server.formats.qwen25 import Qwen25
+from server.formats.reasoning import Qwen3Reasoning, Qwen3ThinkingReasoning, ReasoningFormat
+from server.formats.tool_call import ToolCallFormat
+
+TOOL_CALL_FORMATS: dict[str, type[ToolCallFormat]] = {f.name: f for f in (Qwen3Coder, Qwen25)}
+REASONING_FORMATS: dict[str, type[ReasoningFormat]] = {
+    f.name: f for f in (Qwen3Reasoning, Qwen3ThinkingReasoning)
+}
