@@ -61,7 +61,7 @@ class NoCompiler(RuntimeError):
 
 
 def sources() -> list[Path]:
-    """One file per concern: `cpu_kernels.cpp` defines the `hybrid_serve` op library
+    """One file per concern: `library.cpp` defines the `hybrid_serve` op library
     (TORCH_LIBRARY), every other file adds its ops with TORCH_LIBRARY_FRAGMENT; shared C++ lives
     in headers beside them, which the tag hashes too."""
     return sorted(CSRC.glob("*.cpp"))
@@ -198,6 +198,9 @@ def _load(want: str, settings: KernelSettings) -> None:
     try:
         path = build(level, cache_dir(settings))
         torch.ops.load_library(str(path))
+        compiled = torch.ops.hybrid_serve.features()
+        if compiled != level.features:  # the flags did not give the vocabulary they name
+            raise BuildError(level.name, f"compiled to {compiled!r}, not {level.features!r}", "")
     except NoCompiler as e:
         _state["error"] = e
         logger.warning("C++ CPU kernels unavailable, using the torch references: %s", e)
@@ -207,7 +210,8 @@ def _load(want: str, settings: KernelSettings) -> None:
         logger.error("%s", e)
         return
     _state["ops"], _state["path"] = torch.ops.hybrid_serve, path
-    logger.info("C++ CPU kernels: level %s (%s), %s", level.name, level.summary, path)
+    logger.info("C++ CPU kernels: level %s (%s; %s), %s", level.name, level.summary,
+                level.features, path)  # fmt: skip
 
 
 def available(level: str | None = None) -> bool:

@@ -29,6 +29,7 @@ class Level:
     flags: tuple[str, ...]  # compiler flags beyond the common ones
     requires: frozenset[str]  # /proc/cpuinfo feature names
     summary: str
+    features: str  # what simd.h compiles to at this level (its `features()`, the library's op)
     vector: bool = True  # simd.h has vector bodies here (x86's generic level runs the scalar ones)
 
     def runs_on(self, features: Iterable[str]) -> bool:
@@ -49,23 +50,33 @@ LEVELS: tuple[Level, ...] = (
         ("-march=x86-64", "-mtune=generic"),
         frozenset(),
         "x86-64 baseline, scalar",
+        "scalar",
         vector=False,
     ),
-    Level("x86-64-v3", "x86_64", ("-march=x86-64-v3",), _V3, "AVX2 + FMA (Haswell, Zen 1-3)"),
+    Level(
+        "x86-64-v3",
+        "x86_64",
+        ("-march=x86-64-v3",),
+        _V3,
+        "AVX2 + FMA (Haswell, Zen 1-3)",
+        "avx2 fma",
+    ),  # fmt: skip
     Level(
         "x86-64-v3-vnni",
         "x86_64",
         ("-march=x86-64-v3", "-mavxvnni"),
         _V3 | {"avx_vnni"},
         "AVX2 + AVX-VNNI (Alder Lake, Sierra Forest)",
+        "avx2 fma avx-vnni",
     ),
-    Level("x86-64-v4", "x86_64", ("-march=x86-64-v4",), _V4, "AVX-512 (Skylake-SP)"),
+    Level("x86-64-v4", "x86_64", ("-march=x86-64-v4",), _V4, "AVX-512 (Skylake-SP)", "avx512"),
     Level(
         "x86-64-v4-vnni",
         "x86_64",
         ("-march=x86-64-v4", "-mavx512vnni"),
         _V4 | {"avx512_vnni"},
         "AVX-512 + VNNI (Cascade Lake, Ice Lake, Zen 4/5)",
+        "avx512 avx512-vnni",
     ),
     Level(
         "sapphirerapids",
@@ -82,14 +93,18 @@ LEVELS: tuple[Level, ...] = (
         ),
         _V4 | {"avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16"},
         "AVX-512 + VNNI + BF16/FP16 + AMX (Sapphire Rapids and later Xeons)",
+        "avx512 avx512-vnni",
     ),
-    Level("generic", "aarch64", ("-march=armv8-a",), frozenset({"asimd"}), "ARMv8-A with NEON"),
+    Level(
+        "generic", "aarch64", ("-march=armv8-a",), frozenset({"asimd"}), "ARMv8-A with NEON", "neon"
+    ),  # fmt: skip
     Level(
         "armv8.2-a+dotprod",
         "aarch64",
         ("-march=armv8.2-a+dotprod",),
         frozenset({"asimd", "asimddp"}),
         "NEON + dot product (Graviton 2+, Ampere, Apple M, Neoverse)",
+        "neon dotprod",
     ),
 )
 

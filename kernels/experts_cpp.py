@@ -17,7 +17,7 @@ import torch
 from kernels.experts import routed_experts as reference_experts
 from kernels.quant import CPP_WEIGHT_DTYPES
 
-MAX_ROWS = 256  # beyond, MKL's grouped GEMM is as fast (benchmarks/moe_experts.py)
+MAX_ROWS = 256  # beyond, MKL's grouped GEMM (benchmarks/moe_experts.py; BENCHMARKS.md)
 
 
 def routed_experts(

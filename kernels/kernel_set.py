@@ -98,7 +98,7 @@ class KernelSet:
 
     def level_note(self) -> str:
         level = cpp_build.loaded_level() if self.backend == "cpp" else None
-        return "" if level is None else f" at CPU level {level.name} ({level.summary})"
+        return "" if level is None else f" at CPU level {level.name} ({level.features})"
 
     def info(self) -> dict[str, object]:
         """What /server_info reports of the kernels."""
@@ -107,7 +107,7 @@ class KernelSet:
             "backend": self.backend,
             "fused_decode_ops": self.fused,
             "cpu_level": None if level is None else level.name,
-            "cpu_level_summary": None if level is None else level.summary,
+            "cpu_features": None if level is None else level.features,
         }
 
 

@@ -17,18 +17,17 @@ std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Te
                                                const at::Tensor& weight, double eps);
 // The CPU linear layer's product by row count, the one place that choice is made (the torch op
 // hybrid_serve::linear, the fused decode ops and the decode step all call `linear`): the
-// weight-streaming GEMV up to kGemvRows rows, the tiled GEMM beyond. benchmarks/gemm_shapes.py
-// compares it with MKL by row count: on the small preset's shapes the tiled GEMM is 1.2-2.6x
-// faster up to 256 rows and level beyond, so one GEMM serves prefill too (and a row's result
-// depends neither on its batch nor on how a prefill is chunked).
+// weight-streaming GEMV up to kGemvRows rows, the tiled GEMM beyond, prefill included, so a row's
+// result depends neither on its batch nor on how a prefill is chunked (benchmarks/gemm_shapes.py
+// compares it with MKL by row count: BENCHMARKS.md, "The hand-written products against MKL").
 constexpr int64_t kGemvRows = 8;
-// cpu_kernels.cpp, multi_linear.cpp
+// linear_ops.cpp, multi_linear.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);
 std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights);
-// gemm.cpp: tiled_linear; routed_experts.cpp: routed_experts_into writes y [T, H] for xs [T, H] sorted by expert,
-// counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I] alike fp32, bf16,
-// int8 or int4 (gemv.h's formats)
+// linear_ops.cpp: tiled_linear; routed_experts.cpp: routed_experts_into writes y [T, H] for xs [T, H]
+// sorted by expert, counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I]
+// alike fp32, bf16, int8 or int4 (weights.h's formats)
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
                          const std::vector<int64_t>& counts, float* y);

@@ -1,5 +1,5 @@
 // The gated delta rule on recurrent states, in place: one token on a head's fp32 state (the pool
-// decode kernels of cpu_kernels.cpp and gdn_decode.cpp), and the prefill's per-token pass over a
+// decode kernels of delta_rule_pool.cpp and gdn_decode.cpp), and the prefill's per-token pass over a
 // double block of state columns (gdr_varlen_pool).
 #pragma once
 

@@ -1,5 +1,5 @@
 // The tiled GEMM for the decode batches above the GEMV's 8 rows, prefill, and each expert of the
-// routed experts (routed_experts.cpp); gemm.cpp holds its torch op.
+// routed experts (routed_experts.cpp); linear_ops.cpp holds its torch op.
 //
 // y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16, int8 or int4 weights (weights.h's
 // formats; quantized blocks are widened to fp32 first, and multiply the activations rounded to

@@ -2,7 +2,7 @@
 // fp32, bf16, int8 or int4-quantized weights (weights.h), fp32 accumulation; the quantized
 // weights multiply the activations rounded to int8 in integer dot products (qgemv.h). Shared by
 // the ops of every kernels/csrc/*.cpp file (`hs::skinny_linear_jobs`); `skinny_linear` in
-// cpu_kernels.cpp is its torch op (tensor_args.h: the tensor-side checks).
+// linear_ops.cpp is its torch op (tensor_args.h: the tensor-side checks).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 // silu(y) = y / (1 + exp(-y)) in place, with simd.h's polynomial exp (eight lanes at a time, the
 // tail through the same polynomial, so a value's result does not depend on where it sits):
-// shared by the fused GDN decode (gdn_decode.cpp), the prefill conv (cpu_kernels.cpp) and the
+// shared by the fused GDN decode (gdn_decode.cpp), the prefill conv (conv_pool.cpp) and the
 // experts' swiglu (routed_experts.cpp).
 #pragma once
 

@@ -76,17 +76,6 @@ def test_every_source_compiles_at_every_level_of_both_architectures(tmp_path):
 # ---- the levels this CPU runs, against the generic one ----------------------------------------
 
 RUNNABLE = [lv for lv in cpu_levels.levels() if lv.runs_on(cpu_levels.host_features())]
-FEATURES = {  # what each level's vocabulary must have compiled to (simd.h's `features`)
-    ("x86_64", "generic"): "scalar",
-    ("x86_64", "x86-64-v3"): "avx2 fma",
-    ("x86_64", "x86-64-v3-vnni"): "avx2 fma avx-vnni",
-    ("x86_64", "x86-64-v4"): "avx512",
-    ("x86_64", "x86-64-v4-vnni"): "avx512 avx512-vnni",
-    ("x86_64", "sapphirerapids"): "avx512 avx512-vnni",
-    ("aarch64", "generic"): "neon",
-    ("aarch64", "armv8.2-a+dotprod"): "neon dotprod",
-}
-HOST = platform.machine()
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +126,7 @@ OTHERS = [lv.name for lv in RUNNABLE if lv.name != "generic"]
 
 def test_each_level_compiled_to_its_features(probes):
     for name, lib in probes.items():
-        assert lib.probe_features().decode() == FEATURES[HOST, name], name
+        assert lib.probe_features().decode() == cpu_levels.get(name).features, name
 
 
 @pytest.mark.parametrize("level", OTHERS)
@@ -166,7 +155,7 @@ def test_the_gemv_agrees_within_round_off(probes, level):
     """fp32/bf16 rows up to 8: lanes along k, so the bits follow the width (simd.h); levels of
     one width agree bit for bit."""
     g = torch.Generator().manual_seed(1)
-    width = {lv: FEATURES[HOST, lv].startswith("avx512") for lv in OTHERS}
+    width = {lv: cpu_levels.get(lv).features.startswith("avx512") for lv in OTHERS}
     for M, N, K in [(1, 20, 300), (4, 17, 64), (8, 5, 1000)]:
         x = torch.randn(M, K, generator=g)
         for w in (torch.randn(N, K, generator=g), torch.randn(N, K, generator=g).bfloat16()):
@@ -298,7 +287,7 @@ def emulated(tmp_path_factory) -> dict[str, Emulated]:
 @pytest.mark.parametrize("level", [lv.name for lv in EMULATED])
 def test_the_other_architecture_keeps_the_contract(probes, emulated, level):
     emu, host = emulated[level], probes["generic"]
-    assert emu.run("features") == FEATURES[OTHER, level]
+    assert emu.run("features") == cpu_levels.get(level, OTHER).features
     g = torch.Generator().manual_seed(4)
     for M, N, K in [(1, 7, 96), (3, 9, 100), (8, 13, 160), (17, 13, 100), (40, 20, 288)]:
         x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
