@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels.fp8 import E4M3, dequantize_blocks  # noqa: F401 (E4M3: re-exported)
 from models.shard_loader import Shard, read_shard
 from models.weight_map import is_skipped
 
-E4M3 = torch.float8_e4m3fn
+dequantize = dequantize_blocks  # fp32 weight * scale_inv per block: the checkpoints' rule
 SCALE_SUFFIX = "_scale_inv"
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -61,16 +62,6 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
     """The block grid of a weight of `shape`: its last two sides divided by `block`, rounded up."""
     *lead, rows, cols = shape
     return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-
-
-def dequantize(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-) -> torch.Tensor:
-    """fp32 `weight * scale_inv`, each scale broadcast over its block of the last two dims."""
-    rows, cols = weight.shape[-2:]
-    s = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    s = s.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return weight.float() * s
 
 
 @dataclass(frozen=True)
