@@ -104,7 +104,7 @@ class Fp8Config:
         )
 
 
-class _Held:
+class HeldTensor:
     """A tensor standing in for an open safetensors file (so `read_shard` can slice it)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -123,6 +123,7 @@ class Fp8Checkpoint:
 
     config: Fp8Config
     scales: dict[str, torch.Tensor]  # FP8 weight name -> its scale_inv tensor
+    shapes: dict[str, tuple[int, ...]]  # FP8 weight name -> its shape on disk
 
     @property
     def scale_names(self) -> set[str]:
@@ -136,7 +137,7 @@ class Fp8Checkpoint:
         if scale is None:
             return read_shard(f, name, shard)
         weight = f.get_tensor(name)
-        return read_shard(_Held(dequantize(weight, scale, self.config.block)), name, shard)
+        return read_shard(HeldTensor(dequantize(weight, scale, self.config.block)), name, shard)
 
     @classmethod
     def open(cls, path: Path, where: dict[str, Path], mtp: bool = False) -> Fp8Checkpoint | None:
@@ -194,4 +195,4 @@ class Fp8Checkpoint:
                 for n in fp8:
                     if where[scale_name(n)] == file:
                         scales[n] = f.get_tensor(scale_name(n)).float()
-        return cls(config, scales)
+        return cls(config, scales, {n: meta[n][1] for n in fp8})
