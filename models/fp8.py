@@ -34,6 +34,7 @@ import fnmatch
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -98,10 +99,26 @@ class Fp8Config:
         """Whether `module` is named by the ignore list: an entry equal to it, to a module it
         lies inside, or to a run of whole name components of it (`lm_head`, `mlp.gate`, never
         `mlp.gate_proj`); entries with `*` are glob patterns over the whole name."""
-        dotted = f".{module}."
-        return any(
-            fnmatch.fnmatchcase(module, e) if "*" in e else f".{e}." in dotted for e in self.ignored
-        )
+        parts = module.split(".")
+        for j, part in enumerate(parts):  # a run ending at component j
+            for entry in self._by_last.get(part, ()):
+                if j + 1 >= len(entry) and tuple(parts[j + 1 - len(entry) : j + 1]) == entry:
+                    return True
+        return any(fnmatch.fnmatchcase(module, e) for e in self._patterns)
+
+    @cached_property
+    def _by_last(self) -> dict[str, list[tuple[str, ...]]]:
+        """The plain entries' components, by their last component."""
+        out: dict[str, list[tuple[str, ...]]] = {}
+        for e in self.ignored:
+            if "*" not in e:
+                parts = tuple(e.split("."))
+                out.setdefault(parts[-1], []).append(parts)
+        return out
+
+    @cached_property
+    def _patterns(self) -> tuple[str, ...]:
+        return tuple(e for e in self.ignored if "*" in e)
 
 
 class HeldTensor:

@@ -158,21 +158,13 @@ def test_triton_kernels_serve_resident_fp8(fp8_tiny, triton_device, kernels_mode
     assert (logits - ref_logits).abs().max().item() < 1e-3
 
 
-def test_dummy_load_keeps_the_configs_fp8_matrices(tmp_path) -> None:
-    """A config-only directory with a block-FP8 quantization_config: random e4m3 matrices where
-    the ignore list does not name them, counted at one byte (plus scales) by the pool sizing."""
-    cfg = preset_config("tiny")
-    write_config_only(tmp_path, cfg)
-    raw = json.loads((tmp_path / "config.json").read_text())
-    raw["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": list(BLOCK),
-        "modules_to_not_convert": ["lm_head", "embed_tokens", "in_proj_ba", "mlp.gate",
-                                   "shared_expert_gate"],
-    }  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(raw))
+def test_dummy_load_keeps_the_configs_fp8_matrices(tmp_path, fp8_tiny) -> None:
+    """A config-only directory of the FP8 form (`make-model --config-only --fp8`): the
+    quantization_config the FP8 checkpoint has, and random e4m3 matrices where its ignore list
+    does not name them, counted at one byte (plus scales) by the pool sizing."""
+    write_config_only(tmp_path, preset_config("tiny"), fp8_block=BLOCK)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc == json.loads((fp8_tiny / "config.json").read_text())["quantization_config"]
     dense = load_model(tmp_path, "bfloat16", load_format="dummy", fp8_resident=False)
     model = load_model(tmp_path, "bfloat16", load_format="dummy", fp8_resident=True)
     names = resident_names(model)
