@@ -47,11 +47,8 @@ def _block_gemm_kernel(
         k_ok = ks < K
         a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        q = tl.load(
-            w_ptr + cols[None, :] * stride_wn + ks[:, None],
-            mask=col_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )  # fmt: skip  [BK, BN]
+        q = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None],  # [BK, BN] e4m3
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
         s = tl.load(scale_rows + k0 // SCALE_K, mask=col_ok, other=0.0)  # [BN]
         acc += tl.dot(a, q.to(a.dtype), input_precision=PREC) * s[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
