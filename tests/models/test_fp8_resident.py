@@ -125,10 +125,11 @@ def test_fused_expert_layout_and_qwen3_5_projections(tmp_path) -> None:
         fp8_block=(32, 64),
         expert_layout="fused",
     )
-    kept = load_model(path, "float32", fp8_resident=True)
-    names = {n.split(".", 3)[-1] for n in resident_names(kept)}
-    assert {"mlp.experts.gate_up_proj", "linear_attn.in_proj_qkvz.weight"} <= names
-    assert_same_numbers(kept, load_model(path, "float32"))
+    for tp in (None, ParallelContext(1, 2)):  # the rank's gate and up rows of the fused stack
+        kept = load_model(path, "float32", tp=tp, fp8_resident=True)
+        names = {n.split(".", 3)[-1] for n in resident_names(kept)}
+        assert {"mlp.experts.gate_up_proj", "linear_attn.in_proj_qkvz.weight"} <= names
+        assert_same_numbers(kept, load_model(path, "float32", tp=tp))
 
 
 def test_resident_model_serves_its_dequantized_twins_numbers(fp8_tiny, kernels_mode) -> None:
