@@ -185,3 +185,14 @@ def test_fp8_stays_off_without_cuda_and_triton() -> None:
 
     assert not fp8_device("cpu", reference_set())
     assert isinstance(Fp8Weight, type)
+
+
+@pytest.mark.gpu
+def test_dummy_fp8_config_stays_fp8_on_cuda_by_default(tmp_path) -> None:
+    """`--load-format dummy` of an FP8 config on CUDA (what gpu_scale measures): FP8 matrices
+    without asking, the Triton products, finite logits."""
+    write_config_only(tmp_path, preset_config("tiny"), fp8_block=BLOCK)
+    model = load_model(tmp_path, "bfloat16", "cuda", load_format="dummy")
+    assert resident_names(model) and model.ops.linear.__module__ == "kernels.fp8_gemm_triton"
+    tokens, logits = greedy(model, [list(range(3, 24)), [7, 8, 9]], "cuda")
+    assert torch.isfinite(logits).all() and all(len(t) == 3 for t in tokens)
