@@ -18,14 +18,14 @@ its scale, with the block grid's shape; every scale has an FP8 weight; no module
 ignore list is quantized; only block-FP8 e4m3 with dynamic activations is accepted. Each failure
 is a `ValueError` whose one line names the tensor or field.
 
-Serving: the weights are dequantized at load (in fp32, then cast to the serving dtype as any
-checkpoint tensor is), on CPU and CUDA alike. That is exact with respect to the bf16 checkpoint
-holding the dequantized numbers (the same fp32 products, the same rounding to bf16), so an FP8
-checkpoint serves token for token what its dequantized twin serves, and every kernel (the CPU
-decode GEMV streaming bf16, the CUDA graphs) is unchanged. Keeping the FP8 bytes resident and
-widening them in the product would halve the bytes the decode GEMV streams (one byte per weight,
-like the int8 mode); that is weight-only quantization's job, not the loader's. Writing FP8
-checkpoints (quantizing, the `quantization_config` written) is `make_model/fp8_writer.py`'s.
+Serving: on CUDA with the Triton kernels the matrices stay FP8 where their blocks land whole
+(`models.fp8_resident`, `kernels.fp8`: the products dequantize per block inside the kernel).
+Everywhere else, and for the matrices that do not land whole, `Fp8Checkpoint.read` dequantizes at
+load (in fp32, then cast to the serving dtype as any checkpoint tensor is). That is exact with
+respect to the bf16 checkpoint holding the dequantized numbers (the same fp32 products, the same
+rounding to bf16), so there an FP8 checkpoint serves token for token what its dequantized twin
+serves, and every CPU kernel is unchanged. Writing FP8 checkpoints (quantizing, the
+`quantization_config` written) is `make_model/fp8_writer.py`'s.
 """
 
 from __future__ import annotations
