@@ -4,10 +4,13 @@
     python -m benchmarks.gpu_scale --dry-run       anywhere: the roofline bytes only
 
 Cases (make_model/real_shapes.py, `--load-format dummy`, bf16, CUDA graphs captured):
-  qwen3.5-35b-a3b        the whole model (69 GB of bf16 weights)
-  qwen3-next-80b-a3b     16 of its 48 layers (12 GDN + 4 attention, the 3:1 pattern kept):
-                         the FP8 path (models/fp8.py) dequantizes at load, so the whole model
-                         would hold 159 GB of bf16 weights, more than one H100 or H200 has
+  qwen3.5-35b-a3b          the whole model (69 GB of bf16 weights)
+  qwen3-next-80b-a3b       16 of its 48 layers (12 GDN + 4 attention, the 3:1 pattern kept):
+                           the whole model holds 159 GB of bf16 weights, more than one H100 or
+                           H200 has
+  qwen3-next-80b-a3b FP8   the whole model as the FP8 release holds it on CUDA: its matrices
+                           stay block-FP8 (models/fp8_resident.py), 80 GB with the scales, the
+                           Triton block GEMM and FP8 experts multiplying them
 
 Per case: the dummy load's time and the whole start-up (load, pools, graph capture), the pool
 sizes, decode tok/s at batch 1, 16, 64, 256 (prompts of 128 random tokens, 256 output tokens;
@@ -18,10 +21,14 @@ at the decode's mean context of 256 tokens) over the device's bandwidth, as the 
 roofline / measured. A batch whose pools do not fit beside the weights is reported as skipped,
 with the largest batch that fits.
 
---dry-run prints, for every real shape and batch, the bytes per step and the roofline step time
-and tok/s at H100 SXM (3.35 TB/s) and H200 (4.8 TB/s) bandwidth, and the largest batch whose
-pools fit on an 80 GB H100 beside the weights (no batch of the whole 80B-A3B does: its bf16
-weights alone exceed the device).
+--dry-run prints, for every real shape (and the 80B-A3B in FP8) and batch, the bytes per step and
+the roofline step time and tok/s at H100 SXM (3.35 TB/s) and H200 (4.8 TB/s) bandwidth, whether
+the pools of that batch fit on an 80 GB H100 and on a 141 GB H200 beside the weights (no batch of
+the whole 80B-A3B in bf16 does: its weights alone exceed either device); then the memory plan of
+the 80B-A3B on one H200 in bf16 and in FP8, from the model the loader builds (on the meta device,
+`--load-format dummy`) and the server's own pool sizing (scheduler/pool_sizing.py): the weights'
+bytes, the pool budget at --mem-fraction-static 0.9, the bytes per KV token and per Mamba slot,
+and the KV tokens and Mamba slots of this benchmark's largest batch that fits.
 """
 
 from __future__ import annotations
@@ -42,9 +49,11 @@ import time
 
 import torch
 
-from make_model.presets import complete_config, write_config_only
+from make_model.fp8_writer import config_quantization
+from make_model.presets import checkpoint_shapes, complete_config, write_config_only
 from make_model.real_shapes import REAL_SHAPES, real_shape_config
 from models.config import ModelConfig
+from models.fp8 import Fp8Config
 from models.step_bytes import (
     decode_step_bytes,
     kv_bytes_per_token,
@@ -53,23 +62,49 @@ from models.step_bytes import (
 )
 
 BANDWIDTH = {"H100 SXM": 3.35e12, "H200": 4.8e12}  # bytes / s, the vendors' HBM figures
-CASES = (("qwen3.5-35b-a3b", None), ("qwen3-next-80b-a3b", 16))
+CASES = (  # (real shape, layers kept or None: all, FP8)
+    ("qwen3.5-35b-a3b", None, False),
+    ("qwen3-next-80b-a3b", 16, False),
+    ("qwen3-next-80b-a3b", None, True),
+)
 BATCHES = (1, 16, 64, 256)
 PROMPT, OUTPUT, LONG, SUFFIX = 128, 256, 8192, 16
 CONTEXT = PROMPT + OUTPUT // 2  # the decode's mean cached length
 FRACTION = 0.9  # --mem-fraction-static: weights + pools
 H100_BYTES = 85.0e9  # an "80 GB" H100 as torch reports it (79.2 GiB)
+H200_BYTES = 141.0e9  # the H200's "141 GB" (torch reports about 150e9: this plan is the tighter)
+FP8_BLOCK = (128, 128)  # the official FP8 releases' weight_block_size
+
+
+def case_config(name: str, layers: int | None, fp8: bool = False) -> dict:
+    """Real shape `name` (cut to `layers`) as a complete config.json, in bf16; with `fp8`, with
+    the quantization_config of its block-FP8 release."""
+    raw = real_shape_config(name, layers)
+    cfg = complete_config(raw, dtype=torch.bfloat16)
+    if fp8:
+        cfg["quantization_config"] = config_quantization(checkpoint_shapes(raw), FP8_BLOCK)
+    return cfg
 
 
 def model_config(name: str, layers: int | None) -> ModelConfig:
-    cfg = complete_config(real_shape_config(name, layers), dtype=torch.bfloat16)
-    return ModelConfig.from_dict(cfg)
+    return ModelConfig.from_dict(case_config(name, layers))
 
 
-def max_batch(c: ModelConfig, device_bytes: float, slack: int = 8) -> int:
+def fp8_config(name: str, layers: int | None) -> Fp8Config:
+    return Fp8Config.from_dict(case_config(name, layers, fp8=True)["quantization_config"])
+
+
+def label(name: str, layers: int | None, fp8: bool = False) -> str:
+    return name + " FP8" * fp8 + (f" ({layers} layers)" if layers else "")
+
+
+def max_batch(
+    c: ModelConfig, device_bytes: float, slack: int = 8, fp8: Fp8Config | None = None
+) -> int:
     """Largest batch (<= 256) whose Mamba slots, KV and request rows fit in FRACTION of the
-    device beside the weights, with room for one LONG + SUFFIX prompt and `slack` cached states."""
-    room = FRACTION * device_bytes - 2 * param_groups(c).total
+    device beside the weights (bf16, or with `fp8` its block-FP8 matrices at one byte), with
+    room for one LONG + SUFFIX prompt and `slack` cached states."""
+    room = FRACTION * device_bytes - param_groups(c, fp8).resident_bytes()
     per_req = state_bytes_per_request(c) + 2 * c.hidden_size
     room -= slack * per_req + (LONG + SUFFIX) * kv_bytes_per_token(c)
     per_req += (PROMPT + OUTPUT) * kv_bytes_per_token(c) + 4 * (LONG + 2 * SUFFIX)
@@ -78,15 +113,16 @@ def max_batch(c: ModelConfig, device_bytes: float, slack: int = 8) -> int:
 
 def dry_run() -> list[dict]:
     rows = []
-    names = [(n, None) for n in REAL_SHAPES] + [c for c in CASES if c[1] is not None]
-    for name, layers in names:
+    names = [(n, None, False) for n in REAL_SHAPES] + [c for c in CASES if c[1] or c[2]]
+    for name, layers, fp8 in names:
         c = model_config(name, layers)
-        fits = max_batch(c, H100_BYTES)
+        quant = fp8_config(name, layers) if fp8 else None
+        fits = {dev: max_batch(c, size, fp8=quant) for dev, size in DEVICES.items()}
         for b in BATCHES:
-            step = decode_step_bytes(c, b, CONTEXT)
+            step = decode_step_bytes(c, b, CONTEXT, fp8=quant)
             rows.append(
                 {
-                    "model": name + (f" ({layers} layers)" if layers else ""),
+                    "model": label(name, layers, fp8),
                     "batch": b,
                     "weights_gb": step.weights / 1e9,
                     "kv_gb": step.kv / 1e9,
@@ -94,10 +130,60 @@ def dry_run() -> list[dict]:
                     "total_gb": step.total / 1e9,
                     **{f"{dev} ms": 1e3 * step.seconds(bw) for dev, bw in BANDWIDTH.items()},
                     **{f"{dev} tok/s": b / step.seconds(bw) for dev, bw in BANDWIDTH.items()},
-                    "fits_h100": b <= fits,
+                    **{f"fits_{dev.lower()}": b <= fits[dev] for dev in DEVICES},
                 }
             )
     return rows
+
+
+DEVICES = {"H100": H100_BYTES, "H200": H200_BYTES}
+
+
+def memory_plan(name: str, layers: int | None, fp8: bool, device_bytes: float) -> dict:
+    """What one device of `device_bytes` holds for this case: the weights of the model the
+    loader builds (meta device, dummy weights, FP8 matrices kept FP8 when `fp8`) and the pools
+    the server's sizing gives the rest of FRACTION of the device, for this benchmark's largest
+    batch that fits (`max_batch`; the pools of one request where none does)."""
+    from models.loader import load_model
+    from scheduler.config import RunnerConfig
+    from scheduler.pool_sizing import GB, pool_bytes, size_pools
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(case_config(name, layers, fp8)))
+        model = load_model(tmp, "bfloat16", device="meta", load_format="dummy", fp8_resident=fp8)
+    sizes = pool_bytes(model)
+    quant = fp8_config(name, layers) if fp8 else None
+    batch = max_batch(model.config, device_bytes, fp8=quant)
+    plan = {
+        "model": label(name, layers, fp8),
+        "device_gb": device_bytes / GB,
+        "weights_gb": sizes.weights / GB,
+        "pool_budget_gb": (FRACTION * device_bytes - sizes.weights) / GB,
+        "kv_bytes_per_token": sizes.kv_per_token,
+        "mamba_slot_mb": sizes.mamba_per_slot / 1e6,
+        "batch": batch,
+    }
+    if plan["pool_budget_gb"] <= 0:
+        return {**plan, "fits": False, "why": "the weights alone exceed the fraction"}
+    cfg = RunnerConfig(
+        max_running_requests=max(batch, 1),
+        max_context_len=LONG + 2 * SUFFIX,
+        mamba_cache_size=max(batch, 1) + 8,
+        pool_memory_gb=plan["pool_budget_gb"],
+    )
+    try:
+        cfg = size_pools(cfg, sizes)
+    except ValueError as e:  # the weights leave too little for the pools
+        return {**plan, "fits": False, "why": str(e)}
+    kv, mamba = cfg.max_total_tokens * sizes.kv_per_token, cfg.mamba_slots * sizes.mamba_per_slot
+    return {
+        **plan,
+        "fits": True,
+        "kv_tokens": cfg.max_total_tokens,
+        "kv_pool_gb": kv / GB,
+        "mamba_slots": cfg.mamba_slots,
+        "mamba_pool_gb": mamba / GB,
+    }
 
 
 def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -113,8 +199,9 @@ def _timed(engine, prompts, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> dict:
+def run_case(name: str, layers: int | None, fp8: bool, workdir: Path, bandwidth: float) -> dict:
     import scheduler.build as build_module
+    from kernels.fp8 import is_fp8, weight_bytes
     from scheduler.engine import Engine
 
     loads: list[float] = []
@@ -127,9 +214,13 @@ def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> 
         return model
 
     c = model_config(name, layers)
-    path = write_config_only(workdir / name, real_shape_config(name, layers))
-    top = max_batch(c, torch.cuda.get_device_properties(0).total_memory)
+    quant = fp8_config(name, layers) if fp8 else None
+    block = FP8_BLOCK if fp8 else None
+    path = write_config_only(workdir / label(name, None, fp8), real_shape_config(name, layers),
+                             fp8_block=block)  # fmt: skip
+    top = max_batch(c, torch.cuda.get_device_properties(0).total_memory, fp8=quant)
     batches = [b for b in BATCHES if b <= top]
+    name = label(name, None, fp8)
     if not batches:
         return {"model": name, "layers": c.num_hidden_layers, "skipped": "weights do not fit"}
     load_model = build_module.load_model
@@ -153,6 +244,9 @@ def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> 
     finally:
         build_module.load_model = load_model
     out: dict = {"model": name, "layers": c.num_hidden_layers, "load_s": loads[0]}
+    model = engine.runner.model
+    out["weights_gb"] = sum(weight_bytes(p) for p in model.parameters()) / 1e9
+    out["fp8_matrices"] = sum(is_fp8(p) for p in model.parameters())
     out["startup_s"] = time.perf_counter() - start  # load, pools and graph capture
     cfg = engine.runner.config
     out["pools"] = {"kv_tokens": cfg.max_total_tokens, "mamba_slots": cfg.mamba_slots}
@@ -168,7 +262,7 @@ def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> 
         first = _timed(engine, _prompts(rng, b, PROMPT, c.vocab_size), 1)
         full = _timed(engine, _prompts(rng, b, PROMPT, c.vocab_size), OUTPUT)
         step_s = (full - first) / (OUTPUT - 1)
-        roof = decode_step_bytes(c, b, CONTEXT).seconds(bandwidth)
+        roof = decode_step_bytes(c, b, CONTEXT, fp8=quant).seconds(bandwidth)
         out["decode"].append(
             {"batch": b, "tok_s": b / step_s, "step_ms": 1e3 * step_s, "roofline": roof / step_s}
         )
@@ -183,10 +277,11 @@ def run_case(name: str, layers: int | None, workdir: Path, bandwidth: float) -> 
 
 
 def markdown(rows: list[dict]) -> str:
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # every row's keys, in order
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()]
+        values = [r.get(k, "") for k in keys]
+        cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in values]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -200,9 +295,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         rows = dry_run()
-        table = markdown(rows)
+        plans = [memory_plan("qwen3-next-80b-a3b", None, fp8, H200_BYTES) for fp8 in (False, True)]
+        table = markdown(rows) + "\nMemory plan on one H200 (141 GB):\n\n" + markdown(plans)
         print(table)
         (out / "gpu_scale_dry_run.json").write_text(json.dumps(rows, indent=1))
+        (out / "gpu_scale_memory_plan.json").write_text(json.dumps(plans, indent=1))
         (out / "gpu_scale_dry_run.md").write_text(table)
         return
     if not torch.cuda.is_available():
@@ -213,14 +310,16 @@ def main() -> None:
         sys.exit(f"gpu_scale: no bandwidth figure for {device} (benchmarks/gpu_scale.BANDWIDTH)")
     results = {"device": device, "bandwidth": bandwidth, "cases": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, layers in CASES:
-            results["cases"].append(run_case(name, layers, Path(tmp), bandwidth))
+        for name, layers, fp8 in CASES:
+            results["cases"].append(run_case(name, layers, fp8, Path(tmp), bandwidth))
     rows = []
     for case in results["cases"]:
         for d in case.get("decode", []):
             rows.append(
                 {
                     "model": f"{case['model']} ({case['layers']} layers)",
+                    "weights_gb": case["weights_gb"],
+                    "fp8_matrices": case["fp8_matrices"],
                     "load_s": case["load_s"],
                     "startup_s": case["startup_s"],
                     "kv_tokens": case["pools"]["kv_tokens"],

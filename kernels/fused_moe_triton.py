@@ -14,6 +14,13 @@ and work proportional to the routed rows whatever the number of experts (as SGLa
     combine  out[t] = sum_j y[t*k + j]               (a reshape and a sum: no scatter)
 
 fp32 models take exact fp32 products (`input_precision="ieee"`), others tf32/bf16 tensor cores.
+
+Block-FP8 experts (`kernels.fp8.Fp8Weight` stacks: e4m3 [E, N, K] with scales [E, ceil(N/bn),
+ceil(K/bk)]) are read as e4m3 and dequantized inside the K loop as `kernels.fp8_gemm_triton`
+does: the K tile (BLOCK_K, or the largest power of two dividing bk below it) lies inside one
+block column, and expert e's scale of each column's block multiplies the tile's fp32 partial
+sums. The reference (`kernels.experts`) widens the stacks instead; the two differ by the rounding
+of the dequantized weights to the activations' dtype.
 """
 
 from __future__ import annotations
@@ -23,18 +30,22 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8 import is_fp8, tile_k
+
 INTERPRETED: bool = triton.knobs.runtime.interpret
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
 
 @triton.jit
 def _grouped_kernel(
-    a_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, scale_ptr,
-    P, E, N, K, stride_a, stride_we, stride_wn, stride_o,
+    a_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, scale_ptr, ws_ptr,
+    P, E, N, K, stride_a, stride_we, stride_wn, stride_o, stride_se, stride_sn,
     TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+    FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """out[p, n] = sum_k A[row(p), k] W[e, n, k] (times scale[p]) for the pairs p of one block."""
+    """out[p, n] = sum_k A[row(p), k] W[e, n, k] (times scale[p]) for the pairs p of one block;
+    FP8: W's values times ws[e, n // SCALE_N, k // SCALE_K], per K tile on the fp32 sums."""
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= E:  # past the used blocks (the padded length is only bounded statically)
@@ -50,7 +61,12 @@ def _grouped_kernel(
                     mask=valid[:, None] & (ks < K)[None, :], other=0.0)  # fmt: skip
         w = tl.load(w_ptr + e * stride_we + cols[None, :] * stride_wn + ks[:, None],
                     mask=(cols < N)[None, :] & (ks < K)[:, None], other=0.0)  # fmt: skip
-        acc += tl.dot(a, w.to(a.dtype), input_precision=PREC)
+        part = tl.dot(a, w.to(a.dtype), input_precision=PREC)
+        if FP8:
+            ws = tl.load(ws_ptr + e * stride_se + (cols // SCALE_N) * stride_sn + k0 // SCALE_K,
+                         mask=cols < N, other=0.0)  # fmt: skip
+            part *= ws[None, :]
+        acc += part
     if SCALE:
         acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pair[:, None] * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -78,16 +94,27 @@ def align(topk_ids: torch.Tensor, num_experts: int, block: int = BLOCK_M):
 
 
 def _grouped(a, w, rows, block_expert, P, top_k, by_token, scale=None):
-    """out [P, N] = A[row(p)] W[e(p)]^T (times scale[p]) over the aligned pairs."""
+    """out [P, N] = A[row(p)] W[e(p)]^T (times scale[p]) over the aligned pairs; W a float
+    stack or a block-FP8 one."""
     E, N, K = w.shape
+    fp8 = is_fp8(w)
+    if fp8:
+        values, ws, block = w.data.contiguous(), w.scale_inv.contiguous(), w.block
+        bk = tile_k(block[1], BLOCK_K)
+        if bk < 16:
+            raise ValueError(f"fused_experts: {block[1]}-column FP8 blocks hold no 16-column tile")
+    else:
+        values, ws, block, bk = w.contiguous(), a, (1, 1), BLOCK_K
     out = a.new_zeros(P, N)
     grid = (block_expert.numel(), triton.cdiv(N, BLOCK_N))
     _grouped_kernel[grid](
-        a, w, out, rows, block_expert, scale if scale is not None else a,
-        P, E, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a, values, out, rows, block_expert, scale if scale is not None else a, ws,
+        P, E, N, K, a.stride(0), values.stride(0), values.stride(1), out.stride(0),
+        ws.stride(0) if fp8 else 0, ws.stride(1) if fp8 else 0,
         TOP_K=top_k, A_BY_TOKEN=by_token, SCALE=scale is not None,
         PREC="ieee" if a.dtype == torch.float32 else "tf32",
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        FP8=fp8, SCALE_N=block[0], SCALE_K=block[1],
+        BM=BLOCK_M, BN=BLOCK_N, BK=bk,
     )  # fmt: skip
     return out
 
@@ -100,16 +127,17 @@ def fused_experts(
     down: torch.Tensor,
 ) -> torch.Tensor:
     """`kernels.experts.fused_experts`' contract: x [T, hidden]; topk_ids / topk_w [T, k];
-    gate_up [E, 2I, hidden], down [E, hidden, I] -> [T, hidden] in x's dtype."""
+    gate_up [E, 2I, hidden], down [E, hidden, I] (float, or block-FP8 stacks) -> [T, hidden] in
+    x's dtype."""
     T, k = topk_ids.shape
     if T == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
     rows, block_expert = align(topk_ids, gate_up.shape[0])
     P = T * k
-    h = _grouped(x, gate_up.contiguous(), rows, block_expert, P, k, by_token=True)
+    h = _grouped(x, gate_up, rows, block_expert, P, k, by_token=True)
     gate, up = h.chunk(2, dim=-1)
     act = (F.silu(gate) * up).contiguous()
     w = topk_w.reshape(P).to(torch.float32).contiguous()
-    y = _grouped(act, down.contiguous(), rows, block_expert, P, k, by_token=False, scale=w)
+    y = _grouped(act, down, rows, block_expert, P, k, by_token=False, scale=w)
     return y.view(T, k, -1).sum(1).to(x.dtype)

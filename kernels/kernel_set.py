@@ -5,8 +5,8 @@ The model's layers receive a `KernelSet` at construction and call its fields; no
 per call which implementation runs. `choose` builds one of three sets:
 
 - `triton` (CUDA tensors, or CPU tensors in triton's interpreter): the Triton kernels for the
-  conv, the gated delta rule, attention, the gated norm and the routed experts; torch for the
-  dense products;
+  conv, the gated delta rule, attention, the gated norm and the routed experts, and the block
+  GEMM for resident block-FP8 matrices (`kernels.fp8`); torch for the other dense products;
 - `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
   that has one, and the fused decode blocks;
 - `torch`: the pure-torch references, which call only references.
@@ -186,12 +186,14 @@ def reference_set() -> KernelSet:
 
 
 def triton_set(device: torch.device) -> KernelSet:
-    """Triton for the conv, the delta rule, attention, the gated norm and the routed experts
-    (grouped GEMMs over expert-sorted blocks, static shapes: `fused_moe_triton`); torch
+    """Triton for the conv, the delta rule, attention, the gated norm, the routed experts
+    (grouped GEMMs over expert-sorted blocks, static shapes: `fused_moe_triton`) and the
+    products of block-FP8 matrices (`fp8_gemm_triton.linear`, torch's for the others); torch
     elsewhere."""
     norm = triton_module("rmsnorm_triton", device)
     return assemble(
-        "triton", linear.linear, rmsnorm.rms_norm, norm.rms_norm_gated,
+        "triton", triton_module("fp8_gemm_triton", device).linear, rmsnorm.rms_norm,
+        norm.rms_norm_gated,
         triton_module("causal_conv1d_triton", device),
         triton_module("gated_delta_rule_triton", device),
         triton_module("attention_triton", device),

@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import fp8
+
 SCALE_BYTES = 4  # an fp32 scale at the end of each int8 row
 QMAX = 127
 GROUP = 32  # int4 weights per bf16 scale
@@ -120,9 +122,12 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 def widen(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight stored in another form than the activations' dtype (bf16 under fp32 activations,
-    or quantized) as a `dtype` tensor of its values; a weight already in `dtype` as it is."""
+    quantized, or resident block-FP8: `kernels.fp8`) as a `dtype` tensor of its values; a weight
+    already in `dtype` as it is."""
     if is_quantized(w):
         return dequantize(w, dtype)
+    if fp8.is_fp8(w):
+        return fp8.dequantize(w, dtype)
     return w if w.dtype == dtype else w.to(dtype)
 
 

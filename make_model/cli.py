@@ -59,9 +59,10 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         config["mtp_num_hidden_layers"] = 1
     template = args.chat_template or CHAT_TEMPLATES.get(args.preset)
     if args.config_only:
-        if args.fp8 or args.multimodal:
-            raise ValueError("--config-only writes no weights: drop --fp8 / --multimodal")
-        out = write_config_only(args.out, config, chat_template=template)
+        if args.multimodal:
+            raise ValueError("--config-only writes no weights: drop --multimodal")
+        block = (128, 128) if args.fp8 else None  # --fp8: the FP8 form's quantization_config
+        out = write_config_only(args.out, config, chat_template=template, fp8_block=block)
         logger.info(
             "wrote %s (%s config only): serve it with --load-format dummy", out, args.preset
         )
@@ -109,7 +110,8 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
         "--fp8",
         action="store_true",
         help="the official block-FP8 layout: e4m3 matrices with 128x128 weight_scale_inv, the "
-        "rest bf16, quantization_config in config.json",
+        "rest bf16, quantization_config in config.json (with --config-only: that config alone, "
+        "for --load-format dummy)",
     )
     mk.add_argument(
         "--mtp",

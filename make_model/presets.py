@@ -599,14 +599,19 @@ def write_config_only(
     dtype: torch.dtype = torch.bfloat16,
     init_range: float = 0.1,
     chat_template: str | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> Path:
     """A checkpoint directory without weights: ``config.json`` (as :func:`write_checkpoint`
-    completes it, ``dtype`` as the checkpoint dtype), ``generation_config.json`` and the presets'
+    completes it, ``dtype`` as the checkpoint dtype; with ``fp8_block`` the
+    ``quantization_config`` of its block-FP8 form), ``generation_config.json`` and the presets'
     tokenizer files, for ``--load-format dummy``. Weight files a previous write left are removed
     (a dummy load reads none anyway). The tokenizer is the presets' byte-level BPE: for a real
     vocabulary (151936 or 248320 rows) it holds only the few thousand tokens its corpus supplies
     and the other ids decode to nothing, which is all a throughput measurement needs."""
     cfg = complete_config(config, dtype=dtype, init_range=init_range)
+    if fp8_block is not None:
+        shapes = checkpoint_shapes(config)
+        cfg["quantization_config"] = fp8_writer.config_quantization(shapes, fp8_block)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _clear_weights(out)

@@ -14,6 +14,10 @@ read. The distributions are those the presets' writer (`make_model.presets`) dra
     A_log                                  log U(1, 16)
     dt_bias                                softplus^-1(dt), dt = exp(U(log 1e-3, log 1e-1))
 
+A block-FP8 matrix kept in FP8 (`kernels.fp8.Fp8Weight`, `models.fp8_resident`) gets the same
+N(0, init_range) as its values times its scales: e4m3 values drawn N(0, FP8_STD) (in fp32, one
+leading index at a time, then rounded to e4m3) and every block scale init_range / FP8_STD.
+
 The numbers are a pure function of (parameter shapes and order, dtype, device, seed): one
 generator on the parameters' device draws them in `named_parameters()` order. They are not the
 numbers of a preset checkpoint with the same seed (that one is drawn in fp32 on the CPU in
@@ -27,8 +31,11 @@ import math
 import torch
 from torch import nn
 
+from kernels.fp8 import is_fp8
+
 NORM_STD = 0.1  # the zero-centred norms' spread (and the GDN gated norm's, around 1)
 CONV_STD = 0.3
+FP8_STD = 16.0  # e4m3 values of a dummy FP8 matrix: well inside its +-448, fine steps near 0
 
 ZERO_CENTRED_NORMS = (
     "input_layernorm.weight",
@@ -78,6 +85,16 @@ def _fill(param: torch.Tensor, kind: str, gen: torch.Generator, init_range: floa
         param.copy_(x)
 
 
+def _fill_fp8(param: torch.Tensor, gen: torch.Generator, init_range: float) -> None:
+    """An FP8 matrix's values N(0, FP8_STD) rounded to e4m3, its scales init_range / FP8_STD."""
+    values = param.data
+    rows = values.reshape(-1, *values.shape[-2:])  # [lead..., N, K] -> [L, N, K]
+    for i in range(rows.shape[0]):
+        x = torch.empty(rows.shape[1:], dtype=torch.float32, device=values.device)
+        rows[i].copy_(x.normal_(0.0, FP8_STD, generator=gen))
+    param.scale_inv.fill_(init_range / FP8_STD)
+
+
 @torch.no_grad()
 def fill_dummy(model: nn.Module, seed: int = 0, init_range: float = 0.1) -> None:
     """Fill every parameter of `model` in place with the presets' init (module docstring). A
@@ -89,4 +106,7 @@ def fill_dummy(model: nn.Module, seed: int = 0, init_range: float = 0.1) -> None
         gen = gens.get(param.device)
         if gen is None:
             gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        _fill(param.data, init_kind(name), gen, init_range)
+        if is_fp8(param):
+            _fill_fp8(param, gen, init_range)
+        else:
+            _fill(param.data, init_kind(name), gen, init_range)

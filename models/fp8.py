@@ -18,14 +18,14 @@ its scale, with the block grid's shape; every scale has an FP8 weight; no module
 ignore list is quantized; only block-FP8 e4m3 with dynamic activations is accepted. Each failure
 is a `ValueError` whose one line names the tensor or field.
 
-Serving: the weights are dequantized at load (in fp32, then cast to the serving dtype as any
-checkpoint tensor is), on CPU and CUDA alike. That is exact with respect to the bf16 checkpoint
-holding the dequantized numbers (the same fp32 products, the same rounding to bf16), so an FP8
-checkpoint serves token for token what its dequantized twin serves, and every kernel (the CPU
-decode GEMV streaming bf16, the CUDA graphs) is unchanged. Keeping the FP8 bytes resident and
-widening them in the product would halve the bytes the decode GEMV streams (one byte per weight,
-like the int8 mode); that is weight-only quantization's job, not the loader's. Writing FP8
-checkpoints (quantizing, the `quantization_config` written) is `make_model/fp8_writer.py`'s.
+Serving: on CUDA with the Triton kernels the matrices stay FP8 where their blocks land whole
+(`models.fp8_resident`, `kernels.fp8`: the products dequantize per block inside the kernel).
+Everywhere else, and for the matrices that do not land whole, `Fp8Checkpoint.read` dequantizes at
+load (in fp32, then cast to the serving dtype as any checkpoint tensor is). That is exact with
+respect to the bf16 checkpoint holding the dequantized numbers (the same fp32 products, the same
+rounding to bf16), so there an FP8 checkpoint serves token for token what its dequantized twin
+serves, and every CPU kernel is unchanged. Writing FP8 checkpoints (quantizing, the
+`quantization_config` written) is `make_model/fp8_writer.py`'s.
 """
 
 from __future__ import annotations
@@ -34,15 +34,17 @@ import fnmatch
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from kernels.fp8 import E4M3, dequantize_blocks  # noqa: F401 (E4M3: re-exported)
 from models.shard_loader import Shard, read_shard
 from models.weight_map import is_skipped
 
-E4M3 = torch.float8_e4m3fn
+dequantize = dequantize_blocks  # fp32 weight * scale_inv per block: the checkpoints' rule
 SCALE_SUFFIX = "_scale_inv"
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -61,16 +63,6 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
     """The block grid of a weight of `shape`: its last two sides divided by `block`, rounded up."""
     *lead, rows, cols = shape
     return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-
-
-def dequantize(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-) -> torch.Tensor:
-    """fp32 `weight * scale_inv`, each scale broadcast over its block of the last two dims."""
-    rows, cols = weight.shape[-2:]
-    s = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    s = s.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return weight.float() * s
 
 
 @dataclass(frozen=True)
@@ -107,13 +99,29 @@ class Fp8Config:
         """Whether `module` is named by the ignore list: an entry equal to it, to a module it
         lies inside, or to a run of whole name components of it (`lm_head`, `mlp.gate`, never
         `mlp.gate_proj`); entries with `*` are glob patterns over the whole name."""
-        dotted = f".{module}."
-        return any(
-            fnmatch.fnmatchcase(module, e) if "*" in e else f".{e}." in dotted for e in self.ignored
-        )
+        parts = module.split(".")
+        for j, part in enumerate(parts):  # a run ending at component j
+            for entry in self._by_last.get(part, ()):
+                if j + 1 >= len(entry) and tuple(parts[j + 1 - len(entry) : j + 1]) == entry:
+                    return True
+        return any(fnmatch.fnmatchcase(module, e) for e in self._patterns)
+
+    @cached_property
+    def _by_last(self) -> dict[str, list[tuple[str, ...]]]:
+        """The plain entries' components, by their last component."""
+        out: dict[str, list[tuple[str, ...]]] = {}
+        for e in self.ignored:
+            if "*" not in e:
+                parts = tuple(e.split("."))
+                out.setdefault(parts[-1], []).append(parts)
+        return out
+
+    @cached_property
+    def _patterns(self) -> tuple[str, ...]:
+        return tuple(e for e in self.ignored if "*" in e)
 
 
-class _Held:
+class HeldTensor:
     """A tensor standing in for an open safetensors file (so `read_shard` can slice it)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -132,6 +140,7 @@ class Fp8Checkpoint:
 
     config: Fp8Config
     scales: dict[str, torch.Tensor]  # FP8 weight name -> its scale_inv tensor
+    shapes: dict[str, tuple[int, ...]]  # FP8 weight name -> its shape on disk
 
     @property
     def scale_names(self) -> set[str]:
@@ -145,7 +154,7 @@ class Fp8Checkpoint:
         if scale is None:
             return read_shard(f, name, shard)
         weight = f.get_tensor(name)
-        return read_shard(_Held(dequantize(weight, scale, self.config.block)), name, shard)
+        return read_shard(HeldTensor(dequantize(weight, scale, self.config.block)), name, shard)
 
     @classmethod
     def open(cls, path: Path, where: dict[str, Path], mtp: bool = False) -> Fp8Checkpoint | None:
@@ -203,4 +212,4 @@ class Fp8Checkpoint:
                 for n in fp8:
                     if where[scale_name(n)] == file:
                         scales[n] = f.get_tensor(scale_name(n)).float()
-        return cls(config, scales)
+        return cls(config, scales, {n: meta[n][1] for n in fp8})

@@ -5,7 +5,11 @@ Reads `model.safetensors` or the shards named by `model.safetensors.index.json`.
 the model needs must be present exactly once and every tensor present must be used (the MTP head
 and a multimodal wrapper's vision tower excepted, named in one info line); otherwise a
 `ValueError` names the first offender. Names map to parameters through `models.weight_map`.
-A block-FP8 checkpoint (`quantization_config`) is checked and dequantized by `models.fp8`.
+A block-FP8 checkpoint (`quantization_config`) is checked by `models.fp8`. On CUDA with the
+Triton kernels (`fp8_resident=None`: a device of compute capability 8.9 or more, whose Triton
+has e4m3) its matrices stay FP8, one byte per weight plus the block scales, wherever the
+checkpoint's blocks land whole on the parameter (`models.fp8_resident`); elsewhere, and on the
+CPU always, the weights are dequantized at load (`models.fp8`).
 
 `mtp=True` builds the model with its multi-token-prediction head (`models.mtp`; the checkpoint's
 config must have `mtp_num_hidden_layers`) and makes the head's `mtp.*` tensors part of the strict
@@ -36,6 +40,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,12 +52,26 @@ from kernels.quant import METHODS as QUANTIZATION_METHODS
 from kernels.quant import quantize, row_peaks
 from models.config import ModelConfig
 from models.dummy_weights import fill_dummy
-from models.fp8 import Fp8Checkpoint
+from models.fp8 import Fp8Checkpoint, Fp8Config
+from models.fp8_resident import (
+    BlockTarget,
+    attach_scales,
+    dummy_plan,
+    make_resident,
+    read_resident,
+)
+from models.fp8_resident import plan as resident_plan
 from models.parallel import ParallelContext
 from models.qwen3_next import Qwen3NextForCausalLM
 from models.registry import model_class, read_config
 from models.shard_loader import read_shard, source_shard
-from models.weight_map import MTP_PREFIX, checkpoint_map, expert_layout_of, is_skipped
+from models.weight_map import (
+    MTP_PREFIX,
+    Target,
+    checkpoint_map,
+    expert_layout_of,
+    is_skipped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +125,7 @@ def load_model(
     quantization: str | None = None,
     mtp: bool = False,
     draft_quantization: str | None = None,
+    fp8_resident: bool | None = None,
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
@@ -123,6 +143,10 @@ def load_model(
     the config has none). `draft_quantization` ("int8"/"int4", CPU): the head, which only drafts,
     gets its own matrices in that format and a copy of the LM head in it for its predictions
     (SGLang's --speculative-draft-model-quantization); with `quantization` it must be the same.
+    `fp8_resident`: keep a block-FP8 checkpoint's matrices in FP8 (`models.fp8_resident`; with
+    dummy weights, those of the config's `quantization_config`); None decides by the device and
+    the kernels (module docstring), True forces it on any device (the references widen the
+    matrices per product: tests).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
@@ -143,24 +167,33 @@ def load_model(
     if ops is None:
         ops = choose_kernels(device, torch.float32 if weights_only else torch_dtype)
         logger.info("%s", ops.table())
+    if fp8_resident is None:
+        fp8_resident = fp8_device(device, ops)
+    elif fp8_resident and quantization is not None:
+        raise ValueError("FP8-resident matrices and --quantization exclude each other")
     with torch.device("meta"):
         model = model_class(config)(config, tp, ops, mtp=mtp)
     # dtypes are set on meta (free), so each parameter is allocated once, in its final dtype
     model = model.to(torch.float32 if weights_only else torch_dtype)
     if weights_only:
         cast_matrices(model, torch_dtype)
+    source = None if load_format == "dummy" else index_checkpoint(model, path, config, tp)
+    resident, block = plan_fp8(model, path, source, tp) if fp8_resident else (set(), None)
+    make_resident(model, resident)
     # what to_empty() does, with torch.empty: empty_like on meta tensors would import sympy
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if config.tie_word_embeddings:  # to_empty() unties: tie again
         model.lm_head.weight = model.embed_tokens.weight
+    if resident:
+        attach_scales(model, resident, block)
     if load_format == "dummy":
         fill_dummy(model)
     if tp.enabled:  # the vocab shards' padding rows
         _, rows, _ = tp.vocab_range(config.vocab_size)
         model.embed_tokens.weight.data[rows:].zero_()
         model.lm_head.weight.data[rows:].zero_()
-    if load_format != "dummy":
-        read_checkpoint(model, path, config, tp)
+    if source is not None:
+        read_checkpoint(model, source, config, tp)
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.to(torch_dtype))
     if quantization is not None:
@@ -182,11 +215,23 @@ def load_model(
     return model.eval()
 
 
-def read_checkpoint(
+@dataclass
+class CheckpointIndex:
+    """A checkpoint checked against the model from its headers: where each tensor is, its
+    target parameter, the FP8 layout if any, and the FP8 tensors whose parameters stay FP8."""
+
+    where: dict[str, Path]
+    table: dict[str, Target]
+    fp8: Fp8Checkpoint | None
+    resident: dict[str, BlockTarget] = field(default_factory=dict)
+
+
+def index_checkpoint(
     model: Qwen3NextForCausalLM, path: Path, config: ModelConfig, tp: ParallelContext
-) -> None:
-    """Fill `model` from the checkpoint at `path` (see `load_model`); the `mtp.*` tensors are
-    read when the model holds its MTP head, else skipped."""
+) -> CheckpointIndex:
+    """The strict key set of the checkpoint at `path` against `model` (meta is enough), from the
+    headers: a missing or extra tensor, or a bad FP8 layout, is a `ValueError` naming it. The
+    `mtp.*` tensors are the model's when it holds its MTP head, else skipped."""
     mtp = model.mtp is not None
     where = checkpoint_names(checkpoint_files(path))
     fp8 = Fp8Checkpoint.open(path, where, mtp)  # None unless block-FP8; a bad layout raises
@@ -209,28 +254,93 @@ def read_checkpoint(
         logger.info(
             "skipped %d checkpoint tensors not used here (%s)", len(skipped), ", ".join(groups[:4])
         )
+    return CheckpointIndex(where, table, fp8)
 
+
+def fp8_device(device: str | torch.device, ops: KernelSet) -> bool:
+    """Whether block-FP8 matrices stay FP8 by default: a CUDA device whose Triton has e4m3
+    (compute capability 8.9 or more) under the Triton kernels."""
+    device = torch.device(device)
+    if device.type != "cuda" or ops.backend != "triton":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def plan_fp8(
+    model: Qwen3NextForCausalLM,
+    path: Path,
+    source: CheckpointIndex | None,
+    tp: ParallelContext,
+) -> tuple[set[str], tuple[int, int] | None]:
+    """(the parameters that stay FP8, the block) for the checkpoint `source`, or for dummy
+    weights (`source` None) the config's `quantization_config`; records the checkpoint's
+    resident tensors in `source.resident`."""
+    params = dict(model.named_parameters())
+    embedding = model.embed_tokens.weight
+    ids = {id(p) for p in matrices(model) if p is not embedding}
+    mats = {n for n, p in params.items() if id(p) in ids}
+    if source is None:
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+        if qc is None:
+            return set(), None
+        fp8 = Fp8Config.from_dict(qc)
+        table = checkpoint_map(model, "per_expert")
+        names = dummy_plan(params, mats, table, fp8)
+    else:
+        if source.fp8 is None:
+            return set(), None
+        c = model.config
+        source.resident = resident_plan(
+            params, mats, source.table, source.fp8, lambda n: source_shard(n, c, tp)
+        )
+        names = {source.table[n].param for n in source.resident}
+        fp8 = source.fp8.config
+        left = len(source.fp8.scales) - len(source.resident)
+        if left:
+            logger.info("%d FP8 tensors do not land on whole blocks: dequantized at load", left)
+    if names:
+        gb = sum(params[p].numel() for p in names) / 1e9
+        logger.info("%d matrices stay block-FP8 (%.2f GB, one byte per weight)", len(names), gb)
+    return names, fp8.block
+
+
+def read_checkpoint(
+    model: Qwen3NextForCausalLM, source: CheckpointIndex, config: ModelConfig, tp: ParallelContext
+) -> None:
+    """Fill `model` from the checkpoint `source` (see `load_model`): FP8 tensors of resident
+    parameters copied as they are with their scales, the others converted while copied."""
+    table, fp8 = source.table, source.fp8
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for file in sorted(set(where.values())):
+        for file in sorted(set(source.where.values())):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118
                     target = table.get(name)
                     if target is None:
                         continue
                     shard = source_shard(name, config, tp)
+                    bt = source.resident.get(name)
+                    if bt is not None:
+                        values, scales = read_resident(f, name, shard, target, bt, fp8)
+                        param = params[target.param]
+                        _copy(name, param.scale_inv[bt.index], scales)
+                        _copy(name, param.data[target.index], values)
+                        continue
                     w = fp8.read(f, name, shard) if fp8 else read_shard(f, name, shard)
                     if target.transform is not None:
                         w = target.transform(w)
                     dst = params[target.param].data[target.index]
                     if shard is not None and shard.rows is not None:
                         dst = dst[: shard.rows]
-                    if dst.shape != w.shape:
-                        raise ValueError(
-                            f"checkpoint tensor {name}: shape {tuple(w.shape)}, "
-                            f"expected {tuple(dst.shape)}"
-                        )
-                    dst.copy_(w)
+                    _copy(name, dst, w)
+
+
+def _copy(name: str, dst: torch.Tensor, w: torch.Tensor) -> None:
+    if dst.shape != w.shape:
+        raise ValueError(
+            f"checkpoint tensor {name}: shape {tuple(w.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(w)
 
 
 def matrices(model: Qwen3NextForCausalLM) -> list[torch.nn.Parameter]:

@@ -16,6 +16,11 @@ parameter shapes; nothing is allocated). For a decode step of `batch` requests w
 
 The roofline step time is their sum over the device's memory bandwidth: no step can be faster.
 Activations and the per-token writes of one new KV row are left out (under 1% at batch <= 256).
+
+With a block-FP8 `quantization_config` (`fp8`) the matrices a load keeps FP8
+(`models.fp8_resident`: every linear layer and expert stack its ignore list does not name) count
+one byte per weight plus their block scales (4 bytes per bn x bk block), the rest the serving
+dtype's bytes.
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ from functools import cache
 import torch
 
 from models.config import ModelConfig
+from models.fp8 import Fp8Config
+from models.fp8_resident import dummy_plan
 from models.layers import Experts
+from models.loader import matrices
 from models.qwen3_next import Qwen3NextForCausalLM
+from models.weight_map import checkpoint_map
 
 SSM_STATE_BYTES = 4  # the recurrent state is fp32 (mamba_ssm_dtype float32)
 
@@ -43,10 +52,20 @@ class ParamGroups:
     num_experts: int
     experts_per_tok: int
     hidden: int
+    dense_fp8: int = 0  # of `dense`, the parameters kept block-FP8
+    experts_fp8: bool = False  # the routed experts kept block-FP8
+    fp8_bytes: float = 1.0  # bytes per FP8 weight: one, plus its share of a block's scale
 
     @property
     def total(self) -> int:
         return self.dense + self.embedding + self.per_expert * self.moe_layers * self.num_experts
+
+    def resident_bytes(self, weight_bytes: int = 2) -> float:
+        """Bytes the parameters hold on the device: FP8 ones at `fp8_bytes`, the rest at
+        `weight_bytes`."""
+        experts = self.per_expert * self.moe_layers * self.num_experts
+        fp8 = self.dense_fp8 + experts * self.experts_fp8
+        return (self.total - fp8) * weight_bytes + fp8 * self.fp8_bytes
 
     @property
     def active(self) -> int:
@@ -71,8 +90,9 @@ class StepBytes:
 
 
 @cache
-def param_groups(config: ModelConfig) -> ParamGroups:
-    """`config`'s parameters grouped by how a decode step reads them (meta-device model)."""
+def param_groups(config: ModelConfig, fp8: Fp8Config | None = None) -> ParamGroups:
+    """`config`'s parameters grouped by how a decode step reads them (meta-device model); with
+    `fp8`, which of them a load keeps block-FP8 (module docstring)."""
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
@@ -81,6 +101,14 @@ def param_groups(config: ModelConfig) -> ParamGroups:
     dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids and p is not embed)
     tied = model.lm_head.weight is embed
     per_expert = 3 * config.moe_intermediate_size * config.hidden_size if experts else 0
+    kept = _fp8_params(model, fp8) if fp8 is not None else {}
+    fp8_groups = {}
+    if fp8 is not None:
+        fp8_groups = dict(
+            dense_fp8=sum(p.numel() for p in kept.values() if id(p) not in expert_ids),
+            experts_fp8=any(id(p) in expert_ids for p in kept.values()),
+            fp8_bytes=1.0 + 4.0 / (fp8.block[0] * fp8.block[1]),
+        )
     return ParamGroups(
         dense=dense + (embed.numel() if tied else 0),
         embedding=0 if tied else embed.numel(),
@@ -89,7 +117,17 @@ def param_groups(config: ModelConfig) -> ParamGroups:
         num_experts=config.num_experts if experts else 0,
         experts_per_tok=config.num_experts_per_tok if experts else 0,
         hidden=config.hidden_size,
+        **fp8_groups,
     )
+
+
+def _fp8_params(model: Qwen3NextForCausalLM, fp8: Fp8Config) -> dict[str, torch.Tensor]:
+    """The parameters of (meta) `model` a load with `fp8`'s quantization_config keeps FP8."""
+    params = dict(model.named_parameters())
+    ids = {id(p) for p in matrices(model)} - {id(model.model.embed_tokens.weight)}
+    mats = {n for n, p in params.items() if id(p) in ids}
+    names = dummy_plan(params, mats, checkpoint_map(model, "per_expert"), fp8)
+    return {n: params[n] for n in names}
 
 
 def kv_bytes_per_token(config: ModelConfig, cache_bytes: int = 2) -> int:
@@ -119,14 +157,22 @@ def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
 
 
 def decode_step_bytes(
-    config: ModelConfig, batch: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2
+    config: ModelConfig,
+    batch: int,
+    context: int,
+    weight_bytes: int = 2,
+    cache_bytes: int = 2,
+    fp8: Fp8Config | None = None,
 ) -> StepBytes:
     """Bytes one decode step of `batch` requests with `context` cached tokens each must move;
-    weights in `weight_bytes` per parameter, KV and conv windows in `cache_bytes`."""
-    g = param_groups(config)
+    weights in `weight_bytes` per parameter (block-FP8 ones, with `fp8`, at one byte plus
+    scales), KV and conv windows in `cache_bytes`."""
+    g = param_groups(config, fp8)
     experts = g.moe_layers * expected_experts(g.num_experts, g.experts_per_tok, batch)
     rows = min(batch, config.vocab_size) * g.hidden if g.embedding else 0
-    weights = (g.dense + experts * g.per_expert + rows) * weight_bytes
+    expert_bytes = g.fp8_bytes if g.experts_fp8 else weight_bytes
+    dense = (g.dense - g.dense_fp8) * weight_bytes + g.dense_fp8 * g.fp8_bytes
+    weights = dense + experts * g.per_expert * expert_bytes + rows * weight_bytes
     kv = batch * context * kv_bytes_per_token(config, cache_bytes)
     state = 2 * batch * state_bytes_per_request(config, cache_bytes)
     return StepBytes(float(weights), float(kv), float(state))

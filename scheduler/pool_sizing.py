@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from kernels.fp8 import weight_bytes
 from mem_cache.state_shape import state_bytes_per_slot
 from models.config import ModelConfig
 
@@ -43,7 +44,7 @@ def pool_bytes(model: nn.Module) -> PoolBytes:
     kv = layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
     dtype = next(model.parameters()).dtype
     states = state_bytes_per_slot(model.state_shapes, dtype, torch.float32)  # fp32 recurrent
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(weight_bytes(p) for p in model.parameters())  # FP8 matrices: 1 B + scales
     hidden = c.hidden_size * dtype_bytes
     return PoolBytes(kv, states + hidden, weights)
 

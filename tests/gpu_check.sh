@@ -3,11 +3,14 @@
 #   1. every `gpu`-marked test (CUDA-graph replay, decode kernels in a graph, the server on CUDA),
 #   2. the Triton kernel and model tests, which run on CUDA when it is present,
 #   3. the HTTP server tests with the shared server on CUDA (HYBRID_SERVE_TEST_DEVICE=cuda),
-#   4. the comparison test against flash-linear-attention (skips without fla-core),
-#   5. benchmarks/kernels.py (kernels vs fla when importable; decode eager vs CUDA-graph replay),
-#   6. benchmarks/gpu_scale.py (real shapes with dummy weights beside the HBM roofline; skipped
-#      when HYBRID_SERVE_SKIP_GPU_SCALE is set).
-# 1-3 run side by side (small models, one GPU); 4-6 run alone, 5 and 6 so their timings are theirs.
+#   4. the FP8 checks: the block GEMM and FP8 experts on CUDA (bf16, a CUDA graph), FP8 kept
+#      resident by the default CUDA load (tiny preset: its numbers, logits and tokens beside its
+#      bf16 twin), and the memory plan of the 80B-A3B FP8 on one H200 (gpu_scale --dry-run),
+#   5. the comparison test against flash-linear-attention (skips without fla-core),
+#   6. benchmarks/kernels.py (kernels vs fla when importable; decode eager vs CUDA-graph replay),
+#   7. benchmarks/gpu_scale.py (real shapes with dummy weights beside the HBM roofline, the whole
+#      80B-A3B in FP8 among them; skipped when HYBRID_SERVE_SKIP_GPU_SCALE is set).
+# 1-4 run side by side (small models, one GPU); 5-7 run alone, 6 and 7 so their timings are theirs.
 # Logs and the benchmark's JSON go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (packages
 # the machine lacks, e.g. fastapi/uvicorn/openai) are installed to /tmp/site first. fla-core (for
 # the comparisons with flash-linear-attention; never installed on the CPU machines) goes to its own
@@ -38,21 +41,26 @@ p2=$!
 HYBRID_SERVE_TEST_DEVICE=cuda timeout "$T" $PYTEST tests/server/test_openai.py \
     tests/server/test_native.py >"$OUT/server_cuda.log" 2>&1 &
 p3=$!
+{ timeout "$T" $PYTEST tests/kernels/test_fp8_kernels.py tests/models/test_fp8_resident.py \
+    tests/models/test_fp8.py -rs && timeout "$T" python3 -m benchmarks.gpu_scale --dry-run \
+    --out "$OUT/fp8_plan"; } >"$OUT/fp8.log" 2>&1 &
+p4=$!
 rc=0
-for p in $p1 $p2 $p3; do wait $p || rc=1; done
+for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
 PYTHONPATH="$FLA_PATH" timeout "$T" $PYTEST tests/kernels/test_triton_kernels.py \
     -k flash_linear_attention -rs >"$OUT/fla.log" 2>&1 || rc=1
-for f in gpu_marked triton server_cuda fla; do
+for f in gpu_marked triton server_cuda fp8 fla; do
     echo "== $f"
     grep -E "passed|failed|error|Error|FAILED" "$OUT/$f.log" | tail -15
 done
+grep -A 5 "Memory plan" "$OUT/fp8.log"
 PYTHONPATH="$FLA_PATH" timeout "${GPU_BENCH_TIMEOUT:-150}" python3 -m benchmarks.kernels --json-out "$OUT/kernels.json" \
     >"$OUT/kernels.log" 2>&1 || rc=1
 echo "== kernels"
 tail -40 "$OUT/kernels.log"
 if [ -z "${HYBRID_SERVE_SKIP_GPU_SCALE:-}" ] && \
     python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-    timeout "${GPU_SCALE_TIMEOUT:-420}" python3 -m benchmarks.gpu_scale --out "$OUT" \
+    timeout "${GPU_SCALE_TIMEOUT:-600}" python3 -m benchmarks.gpu_scale --out "$OUT" \
         >"$OUT/gpu_scale.log" 2>&1 || rc=1
     echo "== gpu_scale"
     tail -30 "$OUT/gpu_scale.log"

@@ -160,11 +160,13 @@ def test_fp8_serves_the_tokens_of_its_bf16_twin(fp8_pair) -> None:
     assert all(len(t) == 12 for t in tokens) and len({tuple(t) for t in tokens}) == 3
 
 
-def _logits(path: Path, prompt: list[int]) -> torch.Tensor:
+def _logits(path: Path, prompt: list[int], device: str = "cpu") -> torch.Tensor:
     """Prefill logits of `prompt` then one decode step's, at the checkpoint's dtype (bf16)."""
     runner = ModelRunner(
-        load_model(path),
-        RunnerConfig(max_running_requests=2, max_total_tokens=256, max_context_len=128),
+        load_model(path, device=device),
+        RunnerConfig(
+            max_running_requests=2, max_total_tokens=256, max_context_len=128, device=device
+        ),
     )
     req, slot = runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])
     loc = runner.alloc_kv(req, 0, len(prompt))
@@ -217,12 +219,32 @@ def test_tensor_parallel_shards_of_fp8_equal_the_twins(fp8_pair) -> None:
 
 
 @pytest.mark.gpu
-def test_fp8_on_cuda_serves_the_tokens_of_its_bf16_twin(fp8_pair) -> None:
-    """CUDA loads FP8 the same way (dequantized at load, then the usual bf16 kernels)."""
+def test_fp8_dequantized_on_cuda_equals_its_bf16_twin(fp8_pair) -> None:
+    """With `fp8_resident=False` CUDA dequantizes at load as the CPU does: the twin's numbers."""
     fp8, twin = fp8_pair
-    a, b = load_model(fp8, "bfloat16", "cuda"), load_model(twin, "bfloat16", "cuda")
+    a = load_model(fp8, "bfloat16", "cuda", fp8_resident=False)
+    b = load_model(twin, "bfloat16", "cuda")
     for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
         assert x.is_cuda and torch.equal(x, y), name
+
+
+@pytest.mark.gpu
+def test_fp8_on_cuda_stays_fp8_and_serves_its_bf16_twins_tokens(fp8_pair) -> None:
+    """By default CUDA keeps the FP8 matrices resident (the Triton block GEMM and FP8 experts):
+    each holds the twin's numbers before their rounding to bf16; the logits are the twin's
+    within bf16 rounding, and so are the greedy tokens (no near ties in these prompts)."""
+    from kernels.fp8 import dequantize, is_fp8
+
+    fp8, twin = fp8_pair
+    a, b = load_model(fp8, "bfloat16", "cuda"), load_model(twin, "bfloat16", "cuda")
+    kept = 0
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        kept += is_fp8(x)
+        got = dequantize(x, torch.bfloat16) if is_fp8(x) else x
+        assert x.is_cuda and torch.equal(got, y), name
+    assert kept > 0 and a.ops.linear.__module__ == "kernels.fp8_gemm_triton"
     del a, b
+    got, want = _logits(fp8, list(range(3, 40)), "cuda"), _logits(twin, list(range(3, 40)), "cuda")
+    assert (got - want).abs().max().item() < 0.05 * want.std().item()
     prompts = [list(range(3, 3 + n)) for n in (6, 30)]
     assert _greedy(fp8, prompts, "cuda") == _greedy(twin, prompts, "cuda")
