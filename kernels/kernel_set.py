@@ -5,8 +5,8 @@ The model's layers receive a `KernelSet` at construction and call its fields; no
 per call which implementation runs. `choose` builds one of three sets:
 
 - `triton` (CUDA tensors, or CPU tensors in triton's interpreter): the Triton kernels for the
-  conv, the gated delta rule, attention, the gated norm and the routed experts; torch for the
-  dense products;
+  conv, the gated delta rule, Mamba2's chunked scan and state update, attention, the gated norm
+  and the routed experts; torch for the dense products;
 - `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
   that has one, and the fused decode blocks;
 - `torch`: the pure-torch references, which call only references.
@@ -76,7 +76,7 @@ class KernelSet:
     attn_decode: Callable
     sparse_moe: Callable
     fused_experts: Callable
-    # Mamba2 hybrids (the torch references in every set for now)
+    # Mamba2 hybrids
     rms_norm_plain: Callable
     rms_norm_gate_first: Callable
     mamba_chunk_scan_combined: Callable
@@ -127,9 +127,11 @@ def assemble(
     gdr: ModuleType,
     attn: ModuleType,
     fused_experts: Callable,
+    scan: ModuleType = ssd,
+    state_update: ModuleType = selective_state_update,
 ) -> KernelSet:
-    """A set of these unfused ops (`conv`, `gdr`, `attn`: modules with the references' function
-    names), its fused ops the reference compositions of them."""
+    """A set of these unfused ops (`conv`, `gdr`, `attn`, `scan`, `state_update`: modules with
+    the references' function names), its fused ops the reference compositions of them."""
     gdn_decode = partial(
         gdn_step.gdn_decode,
         conv_update=conv.causal_conv1d_update,
@@ -139,7 +141,7 @@ def assemble(
     mamba2_decode = partial(
         mamba2_step.mamba2_decode,
         conv_update=conv.causal_conv1d_update,
-        state_update=selective_state_update.selective_state_update,
+        state_update=state_update.selective_state_update,
         norm_gate_first=rmsnorm.rms_norm_gate_first,
     )
     return KernelSet(
@@ -169,8 +171,8 @@ def assemble(
         fused_experts=fused_experts,
         rms_norm_plain=rmsnorm.rms_norm_plain,
         rms_norm_gate_first=rmsnorm.rms_norm_gate_first,
-        mamba_chunk_scan_combined=ssd.mamba_chunk_scan_combined,
-        selective_state_update=selective_state_update.selective_state_update,
+        mamba_chunk_scan_combined=scan.mamba_chunk_scan_combined,
+        selective_state_update=state_update.selective_state_update,
         mamba2_decode=mamba2_decode,
         mamba2_verify=partial(mamba2_step.mamba2_verify, decode=mamba2_decode),
         relu2_moe=partial(relu2_moe.relu2_moe, linear=linear_fn),
@@ -186,9 +188,9 @@ def reference_set() -> KernelSet:
 
 
 def triton_set(device: torch.device) -> KernelSet:
-    """Triton for the conv, the delta rule, attention, the gated norm and the routed experts
-    (grouped GEMMs over expert-sorted blocks, static shapes: `fused_moe_triton`); torch
-    elsewhere."""
+    """Triton for the conv, the delta rule, Mamba2's chunked scan and state update, attention,
+    the gated norm and the routed experts (grouped GEMMs over expert-sorted blocks, static
+    shapes: `fused_moe_triton`); torch elsewhere."""
     norm = triton_module("rmsnorm_triton", device)
     return assemble(
         "triton", linear.linear, rmsnorm.rms_norm, norm.rms_norm_gated,
@@ -196,6 +198,8 @@ def triton_set(device: torch.device) -> KernelSet:
         triton_module("gated_delta_rule_triton", device),
         triton_module("attention_triton", device),
         triton_module("fused_moe_triton", device).fused_experts,
+        triton_module("ssd_triton", device),
+        triton_module("selective_state_update_triton", device),
     )  # fmt: skip
 
 
