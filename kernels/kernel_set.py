@@ -214,6 +214,7 @@ def cpp_set(fusions: bool) -> KernelSet:
         gated_delta_rule_cpp,
         gdn_step_cpp,
         linear_cpp,
+        mamba2_step_cpp,
         moe_step_cpp,
         multi_linear_cpp,
         rmsnorm_cpp,
@@ -234,6 +235,8 @@ def cpp_set(fusions: bool) -> KernelSet:
         gdn_decode=gdn_step_cpp.gdn_decode,
         gdn_verify=gdn_step_cpp.gdn_verify,
         attn_decode=attn_step_cpp.attn_decode,
+        mamba2_decode=mamba2_step_cpp.mamba2_decode,
+        mamba2_verify=mamba2_step_cpp.mamba2_verify,
         sparse_moe=partial(moe_step_cpp.sparse_moe, unfused=unfused.sparse_moe),
     )
 
