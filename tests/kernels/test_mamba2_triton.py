@@ -111,3 +111,32 @@ def test_state_update_matches_reference_and_skips_padding(triton_device, H, P, G
             assert not out[[2, 4]].any()  # the pad id and the repeat of slot 0
             untouched = [1, 3, 5]
             assert torch.equal(tri_pool[untouched], pool[untouched])
+
+
+def test_verify_on_the_triton_set_matches_reference(triton_device) -> None:
+    """The Triton set's Mamba2 verify (the reference composition over the Triton conv update and
+    state update) against the torch set's: two requests of 3 and 2 rows, step slots kept."""
+    from kernels.kernel_set import reference_set, triton_set
+
+    dev = triton_device
+    gen = torch.Generator().manual_seed(7)
+    H, P, N, G, K = 4, 8, 16, 2, 4
+    inner, conv_dim = H * P, H * P + 2 * G * N
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev)
+
+    rows = randn(5, inner + conv_dim + H)
+    params = (
+        randn(conv_dim, K) * 0.3, randn(conv_dim), torch.rand(H, generator=gen).to(dev),
+        randn(H), 1 + randn(H) * 0.1, 1 + randn(inner) * 0.1,
+    )  # fmt: skip
+    conv0, ssm0 = randn(1, 8, conv_dim, K - 1), randn(1, 8, H, P, N)
+    outs = []
+    for ops in (reference_set(), triton_set(dev)):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        slots = torch.tensor([1, 2], device=dev)
+        y = ops.mamba2_verify(rows, conv, ssm, 0, *params, slots, [3, 2], [[3, 4], [5]], G, 1e-5)
+        outs.append((y, conv, ssm))
+    for ref, out in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
