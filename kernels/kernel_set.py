@@ -5,8 +5,8 @@ The model's layers receive a `KernelSet` at construction and call its fields; no
 per call which implementation runs. `choose` builds one of three sets:
 
 - `triton` (CUDA tensors, or CPU tensors in triton's interpreter): the Triton kernels for the
-  conv, the gated delta rule, Mamba2's chunked scan and state update, attention, the gated norm
-  and the routed experts; torch for the dense products;
+  conv, the gated delta rule, Mamba2's chunked scan and state update, attention, the gated
+  norms and the routed experts; torch for the dense products;
 - `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
   that has one, and the fused decode blocks;
 - `torch`: the pure-torch references, which call only references.
@@ -129,6 +129,7 @@ def assemble(
     fused_experts: Callable,
     scan: ModuleType = ssd,
     state_update: ModuleType = selective_state_update,
+    norm_gate_first: Callable = rmsnorm.rms_norm_gate_first,
 ) -> KernelSet:
     """A set of these unfused ops (`conv`, `gdr`, `attn`, `scan`, `state_update`: modules with
     the references' function names), its fused ops the reference compositions of them."""
@@ -142,7 +143,7 @@ def assemble(
         mamba2_step.mamba2_decode,
         conv_update=conv.causal_conv1d_update,
         state_update=state_update.selective_state_update,
-        norm_gate_first=rmsnorm.rms_norm_gate_first,
+        norm_gate_first=norm_gate_first,
     )
     return KernelSet(
         backend=backend,
@@ -170,7 +171,7 @@ def assemble(
         sparse_moe=partial(moe_step.sparse_moe, linear=linear_fn, fused_experts=fused_experts),
         fused_experts=fused_experts,
         rms_norm_plain=rmsnorm.rms_norm_plain,
-        rms_norm_gate_first=rmsnorm.rms_norm_gate_first,
+        rms_norm_gate_first=norm_gate_first,
         mamba_chunk_scan_combined=scan.mamba_chunk_scan_combined,
         selective_state_update=state_update.selective_state_update,
         mamba2_decode=mamba2_decode,
@@ -189,7 +190,7 @@ def reference_set() -> KernelSet:
 
 def triton_set(device: torch.device) -> KernelSet:
     """Triton for the conv, the delta rule, Mamba2's chunked scan and state update, attention,
-    the gated norm and the routed experts (grouped GEMMs over expert-sorted blocks, static
+    the gated norms and the routed experts (grouped GEMMs over expert-sorted blocks, static
     shapes: `fused_moe_triton`); torch elsewhere."""
     norm = triton_module("rmsnorm_triton", device)
     return assemble(
@@ -199,7 +200,7 @@ def triton_set(device: torch.device) -> KernelSet:
         triton_module("attention_triton", device),
         triton_module("fused_moe_triton", device).fused_experts,
         triton_module("ssd_triton", device),
-        triton_module("selective_state_update_triton", device),
+        triton_module("selective_state_update_triton", device), norm.rms_norm_gate_first,
     )  # fmt: skip
 
 

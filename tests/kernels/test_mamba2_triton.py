@@ -1,10 +1,12 @@
 """The Mamba2 Triton kernels against their torch references (kernels.ssd,
-kernels.selective_state_update), on the same inputs, fp32.
+kernels.selective_state_update, kernels.rmsnorm's gate-first norm), on the same inputs, fp32
+(and the norm in bf16).
 
 Without CUDA they run in triton's interpreter (the `triton_device` fixture), so the shapes stay
 small: packed sequences whose lengths the chunk does not divide, pool states with and without an
 initial state, tracked offsets on and off the chunk grid, one group and several, a chunk of two
-row tiles; the one-token update with padding rows (the pad id and a repeated slot 0).
+row tiles; the one-token update with padding rows (the pad id and a repeated slot 0); verify on
+the Triton set; the grouped gate-first norm.
 """
 
 from __future__ import annotations
@@ -140,3 +142,23 @@ def test_verify_on_the_triton_set_matches_reference(triton_device) -> None:
         outs.append((y, conv, ssm))
     for ref, out in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "groups"), [(torch.float32, 1), (torch.float32, 4), (torch.bfloat16, 4)]
+)
+def test_rms_norm_gate_first(triton_device, dtype, groups) -> None:
+    """Mamba2's output norm: gate first, RMS per group (a group width off the power of two)."""
+    from kernels import rmsnorm
+
+    dev = triton_device
+    gen = torch.Generator().manual_seed(groups)
+    x = torch.randn(37, 4 * 24, generator=gen).to(dev, dtype)
+    z = torch.randn(37, 4 * 24, generator=gen).to(dev, dtype)
+    weight = (torch.rand(4 * 24, generator=gen) + 0.5).to(dev, dtype)
+    size = 4 * 24 // groups
+    ref = rmsnorm.rms_norm_gate_first(x, z, weight, 1e-5, size)
+    out = triton_module("rmsnorm_triton", dev).rms_norm_gate_first(x, z, weight, 1e-5, size)
+    assert out.dtype == ref.dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding step
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

@@ -31,5 +31,6 @@ def test_tiny_nemotron_h_triton_matches_torch(tmp_path, triton_device, kernels_m
     assert ops.mamba_chunk_scan_combined.__module__ == "kernels.ssd_triton"
     assert ops.selective_state_update.__module__ == "kernels.selective_state_update_triton"
     assert ops.mamba2_decode.keywords["state_update"] is ops.selective_state_update
+    assert ops.rms_norm_gate_first.__module__ == "kernels.rmsnorm_triton"
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() < 1e-4
