@@ -1,8 +1,10 @@
 """Each fused CPU decode op against its unfused composition, alone, at the `small` preset's shapes.
 
 Ops: `gdn_decode` (one Gated DeltaNet layer after its projections, states in a pool),
-`attn_decode` (one attention layer's glue over a `--context-len` cache), `sparse_moe` (one sparse
-MoE block, at most `moe_step_cpp.MAX_TOKENS` tokens) and `fused_add_rmsnorm`. The fused op is
+`mamba2_decode` (one Mamba2 layer after its projection, at Nemotron-3-Nano-30B's Mamba2 shape:
+64 heads x 64 x 128, 8 groups, conv bias and grouped norm), `attn_decode` (one attention
+layer's glue over a `--context-len` cache), `sparse_moe` (one sparse MoE block, at most
+`moe_step_cpp.MAX_TOKENS` tokens) and `fused_add_rmsnorm`. The fused op is
 the C++ kernel set's (`kernels.choose` with the `cpp` backend); the reference is the same set
 without fusions (`HYBRID_SERVE_FUSIONS=off`: the reference compositions over the unfused C++
 kernels, the GEMV and recurrent update included). Reported: medians of interleaved repeats in
@@ -32,6 +34,7 @@ from kernels import KernelSettings, choose, cpp_build, moe_step_cpp
 H, HV, DK, DV, KC = 4, 8, 128, 128, 4  # GDN heads of the small preset
 NH, NKV, HD, ROT = 8, 2, 64, 16  # attention
 HIDDEN, E, TOPK, INTER = 768, 8, 2, 256  # MoE (shared expert as wide as one expert)
+MH, MP, MN, MG = 64, 64, 128, 8  # Mamba2 heads, head dim, state, groups (Nemotron-3-Nano-30B)
 
 
 def gdn_args(B: int) -> tuple:
@@ -42,6 +45,18 @@ def gdn_args(B: int) -> tuple:
     return (
         torch.randn(B, cd + vd), torch.randn(B, 2 * HV), conv, ssm, 0, torch.randn(cd, KC) * 0.3,
         torch.rand(HV) + 1, torch.randn(HV), torch.ones(DV), torch.arange(1, B + 1), H, 1e-6,
+    )  # fmt: skip
+
+
+def mamba2_args(B: int) -> tuple:
+    inner = MH * MP
+    cd = inner + 2 * MG * MN
+    conv = torch.randn(1, B + 1, cd, KC - 1)
+    ssm = torch.randn(1, B + 1, MH, MP, MN) * 0.1
+    return (
+        torch.randn(B, inner + cd + MH), conv, ssm, 0, torch.randn(cd, KC) * 0.3, torch.randn(cd),
+        torch.rand(MH) + 1, torch.randn(MH), torch.ones(MH), torch.ones(inner),
+        torch.arange(1, B + 1), MG, 1e-5,
     )  # fmt: skip
 
 
@@ -90,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             x, res = torch.randn(b, HIDDEN), torch.randn(b, HIDDEN)
             cases = {
                 "gdn_decode": gdn_args(b),
+                "mamba2_decode": mamba2_args(b),
                 "attn_decode": attn_args(b, args.context_len),
                 "fused_add_rmsnorm": (x, res, torch.zeros(HIDDEN), 1e-6),
             }

@@ -170,7 +170,9 @@ def kernel_set(runner: ModelRunner, mode: str) -> KernelSet:
     if set(flags) - {"unfused"}:
         raise SystemExit(f"--kernels {mode}: unknown suffix {sorted(set(flags) - {'unfused'})}")
     settings = KernelSettings(backend, fusions="unfused" not in flags)
-    act_dtype = runner.model.model.norm.weight.dtype  # fp32 for bf16 matrices on the CPU
+    model = runner.model  # its final norm's dtype: fp32 for bf16 matrices on the CPU
+    final_norm = model.model.norm if hasattr(model, "model") else model.backbone.norm_f
+    act_dtype = final_norm.weight.dtype
     return choose(runner.device, act_dtype, settings)
 
 

@@ -5,8 +5,10 @@ The model's layers receive a `KernelSet` at construction and call its fields; no
 per call which implementation runs. `choose` builds one of three sets:
 
 - `triton` (CUDA tensors, or CPU tensors in triton's interpreter): the Triton kernels for the
-  conv, the gated delta rule, attention, the gated norm and the routed experts, and the block
-  GEMM for resident block-FP8 matrices (`kernels.fp8`); torch for the other dense products;
+    """Triton for the conv, the delta rule, Mamba2's chunked scan and state update, attention,
+    the gated norms, the routed experts (grouped GEMMs over expert-sorted blocks, static shapes:
+    `fused_moe_triton`) and the products of block-FP8 matrices (`fp8_gemm_triton.linear`,
+    torch's for the others); torch elsewhere."""
 - `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
   that has one, and the fused decode blocks;
 - `torch`: the pure-torch references, which call only references.
@@ -76,7 +78,7 @@ class KernelSet:
     attn_decode: Callable
     sparse_moe: Callable
     fused_experts: Callable
-    # Mamba2 hybrids (the torch references in every set for now)
+    # Mamba2 hybrids
     rms_norm_plain: Callable
     rms_norm_gate_first: Callable
     mamba_chunk_scan_combined: Callable
@@ -127,9 +129,12 @@ def assemble(
     gdr: ModuleType,
     attn: ModuleType,
     fused_experts: Callable,
+    scan: ModuleType = ssd,
+    state_update: ModuleType = selective_state_update,
+    norm_gate_first: Callable = rmsnorm.rms_norm_gate_first,
 ) -> KernelSet:
-    """A set of these unfused ops (`conv`, `gdr`, `attn`: modules with the references' function
-    names), its fused ops the reference compositions of them."""
+    """A set of these unfused ops (`conv`, `gdr`, `attn`, `scan`, `state_update`: modules with
+    the references' function names), its fused ops the reference compositions of them."""
     gdn_decode = partial(
         gdn_step.gdn_decode,
         conv_update=conv.causal_conv1d_update,
@@ -139,8 +144,8 @@ def assemble(
     mamba2_decode = partial(
         mamba2_step.mamba2_decode,
         conv_update=conv.causal_conv1d_update,
-        state_update=selective_state_update.selective_state_update,
-        norm_gate_first=rmsnorm.rms_norm_gate_first,
+        state_update=state_update.selective_state_update,
+        norm_gate_first=norm_gate_first,
     )
     return KernelSet(
         backend=backend,
@@ -168,9 +173,9 @@ def assemble(
         sparse_moe=partial(moe_step.sparse_moe, linear=linear_fn, fused_experts=fused_experts),
         fused_experts=fused_experts,
         rms_norm_plain=rmsnorm.rms_norm_plain,
-        rms_norm_gate_first=rmsnorm.rms_norm_gate_first,
-        mamba_chunk_scan_combined=ssd.mamba_chunk_scan_combined,
-        selective_state_update=selective_state_update.selective_state_update,
+        rms_norm_gate_first=norm_gate_first,
+        mamba_chunk_scan_combined=scan.mamba_chunk_scan_combined,
+        selective_state_update=state_update.selective_state_update,
         mamba2_decode=mamba2_decode,
         mamba2_verify=partial(mamba2_step.mamba2_verify, decode=mamba2_decode),
         relu2_moe=partial(relu2_moe.relu2_moe, linear=linear_fn),
@@ -186,10 +191,16 @@ def reference_set() -> KernelSet:
 
 
 def triton_set(device: torch.device) -> KernelSet:
+<<<<<<< HEAD
     """Triton for the conv, the delta rule, attention, the gated norm, the routed experts
     (grouped GEMMs over expert-sorted blocks, static shapes: `fused_moe_triton`) and the
     products of block-FP8 matrices (`fp8_gemm_triton.linear`, torch's for the others); torch
     elsewhere."""
+=======
+    """Triton for the conv, the delta rule, Mamba2's chunked scan and state update, attention,
+    the gated norms and the routed experts (grouped GEMMs over expert-sorted blocks, static
+    shapes: `fused_moe_triton`); torch elsewhere."""
+>>>>>>> mamba2-kernels
     norm = triton_module("rmsnorm_triton", device)
     return assemble(
         "triton", triton_module("fp8_gemm_triton", device).linear, rmsnorm.rms_norm,
@@ -198,6 +209,8 @@ def triton_set(device: torch.device) -> KernelSet:
         triton_module("gated_delta_rule_triton", device),
         triton_module("attention_triton", device),
         triton_module("fused_moe_triton", device).fused_experts,
+        triton_module("ssd_triton", device),
+        triton_module("selective_state_update_triton", device), norm.rms_norm_gate_first,
     )  # fmt: skip
 
 
@@ -212,6 +225,7 @@ def cpp_set(fusions: bool) -> KernelSet:
         gated_delta_rule_cpp,
         gdn_step_cpp,
         linear_cpp,
+        mamba2_step_cpp,
         moe_step_cpp,
         multi_linear_cpp,
         rmsnorm_cpp,
@@ -232,6 +246,8 @@ def cpp_set(fusions: bool) -> KernelSet:
         gdn_decode=gdn_step_cpp.gdn_decode,
         gdn_verify=gdn_step_cpp.gdn_verify,
         attn_decode=attn_step_cpp.attn_decode,
+        mamba2_decode=mamba2_step_cpp.mamba2_decode,
+        mamba2_verify=mamba2_step_cpp.mamba2_verify,
         sparse_moe=partial(moe_step_cpp.sparse_moe, unfused=unfused.sparse_moe),
     )
 

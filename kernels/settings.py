@@ -5,8 +5,8 @@
   tensors in triton's interpreter), `cpp` (the C++ kernels on CPU, an error where they do not
   build), `torch` (the references; also the way to serve where the C++ build fails).
 - `HYBRID_SERVE_FUSIONS=off` keeps the fused decode ops (residual add + RMSNorm, the
-  multi-weight GEMV, the Gated DeltaNet, attention and MoE decode blocks) on their compositions
-  of the unfused kernels, so a benchmark can compare the fusions alone.
+  multi-weight GEMV, the Gated DeltaNet, Mamba2, attention and MoE decode blocks) on their
+  compositions of the unfused kernels, so a benchmark can compare the fusions alone.
 - `HYBRID_SERVE_CPU_LEVEL` forces the ISA level of the C++ kernels (kernels/cpu_levels.py:
   `generic`, `x86-64-v3`, ..., or `auto`, the best this CPU runs).
 - `HYBRID_SERVE_KERNEL_CACHE` is where the compiled libraries live (default

@@ -19,8 +19,18 @@ logits and pool updates are bit-identical to the eager step's:
 It applies where the model's kernel set is the C++ one with its fused decode ops
 (`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with sparse-MoE or dense
 MLP layers (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE), no biases, fp32 norms, states and KV, fp32,
-bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's). `CpuDecodePlan.build`
-returns None for any other model.
+bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's).
+
+NemotronH's step has its own class, `NemotronHDecodePlan` over `hybrid_serve::NemotronHStep`
+(kernels/csrc/nemotron_h_step.cpp), under the same conditions (a conv bias allowed): its blocks
+call the C++ kernels where the eager step does (the projections, the fused Mamba2 decode) and
+ATen's ops in the sequence of the torch references where the eager step runs those (the plain
+RMSNorm, the KV store and decode attention, the relu^2 MoE), so it too is bit-identical:
+
+    for each block:   x = x + mixer(rms_norm_plain(x))
+    logits = lm_head(rms_norm_plain(x))
+
+`CpuDecodePlan.build` returns the plan of the model's family, or None for any other model.
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ from kernels.quant import CPP_WEIGHT_DTYPES
 from models.forward_batch import ForwardBatch
 from models.layers import MLP, SparseMoE
 from models.loader import matrices
+from models.nemotron_h import NemotronHForCausalLM
+from models.nemotron_h_config import ATTENTION, MAMBA
+from models.nemotron_h_config import MLP as MLP_BLOCK
 from models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -43,25 +56,26 @@ MAX_ROWS = moe_step_cpp.MAX_TOKENS  # the fused MoE's rows: decode batches
 MATRIX_DTYPES = CPP_WEIGHT_DTYPES  # `models.loader.matrices`; all else fp32
 
 
-def unsupported(model: Qwen3NextForCausalLM) -> str | None:
-    """Why the plan cannot replay `model`'s decode step, or None when it can."""
-    if not isinstance(model, Qwen3NextForCausalLM):
-        return f"a {type(model).__name__} (the plan replays Qwen3-Next's layers)"
+def unsupported(model: Qwen3NextForCausalLM | NemotronHForCausalLM) -> str | None:
+    """Why no plan can replay `model`'s decode step, or None when one can."""
+    nemotron_h = isinstance(model, NemotronHForCausalLM)
+    if not (nemotron_h or isinstance(model, Qwen3NextForCausalLM)):
+        return f"a {type(model).__name__} (the plans replay Qwen3-Next's and NemotronH's layers)"
     if model.ops.backend != "cpp" or not model.ops.fused:
         return f"the {model.ops.backend} kernels{'' if model.ops.fused else ' without fusions'}"
     if model.tp.enabled:
         return "tensor parallelism (the output projections all-reduce)"
     if next(model.parameters()).device.type != "cpu":
         return "not on the CPU"
-    matrix = {id(p) for p in matrices(model)} - {id(model.model.embed_tokens.weight)}
+    matrix = {id(p) for p in matrices(model)} - {id(model.embed_tokens.weight)}
     for name, p in model.named_parameters():
         if not p.is_contiguous():
             return f"{name} is not contiguous"
-        if name.endswith(".bias"):
+        if name.endswith(".bias") and not (nemotron_h and name.endswith("conv1d.bias")):
             return f"a bias ({name})"
         if p.dtype not in (MATRIX_DTYPES if id(p) in matrix else (torch.float32,)):
             return f"{name} is {p.dtype}"
-    for layer in model.model.layers:
+    for layer in () if nemotron_h else model.model.layers:
         if type(layer.mlp) not in (SparseMoE, MLP):
             return f"a {type(layer.mlp).__name__} layer"
     return None
@@ -142,15 +156,17 @@ class CpuDecodePlan:
         return cls(model, mtp.layers, mtp.norm, head)
 
     @classmethod
-    def build(cls, model: Qwen3NextForCausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
-              ) -> CpuDecodePlan | None:  # fmt: skip
-        """The plan for `model` over these pools (those of every batch it will run), or None
-        where it does not apply (the reason logged at debug level)."""
+    def build(
+        cls, model: Qwen3NextForCausalLM | NemotronHForCausalLM, kv_pool, mamba_pool,
+        req_to_token: torch.Tensor,
+    ) -> CpuDecodePlan | NemotronHDecodePlan | None:  # fmt: skip
+        """The plan of `model`'s family over these pools (those of every batch it will run), or
+        None where none applies (the reason logged at debug level)."""
         reason = unsupported(model) or pools_unsupported(kv_pool, mamba_pool, req_to_token)
         if reason is not None:
             logger.debug("no CPU decode plan: %s", reason)
             return None
-        return cls(model)
+        return NemotronHDecodePlan(model) if isinstance(model, NemotronHForCausalLM) else cls(model)
 
     @torch.inference_mode()
     def verify(
@@ -186,4 +202,72 @@ class CpuDecodePlan:
             batch.mamba_slots.long().contiguous(), batch.out_loc.long().contiguous(),
             batch.req_to_token.contiguous(), batch.req_slots.long().contiguous(),
             batch.seq_lens.long().contiguous(),
+        )  # fmt: skip
+
+
+def block_args(block) -> tuple[list[torch.Tensor], list[int], list[float]]:
+    """One NemotronH block's op arguments as (tensors, ints, floats), in the per-block layout
+    that `NemotronHStep`'s constructor reads (described in kernels/csrc/nemotron_h_step.cpp)."""
+    m = block.mixer
+    tensors, floats = [block.norm.weight], [float(block.norm.eps)]
+    if block.kind == MAMBA:
+        c, bias, norm = m.config, m.conv1d.bias, m.norm
+        tensors += [m.in_proj.weight, m.conv1d.weight.squeeze(1), *([] if bias is None else [bias]),
+                    m.A_log, m.dt_bias, m.D, *([] if norm is None else [norm.weight]),
+                    m.out_proj.weight]  # fmt: skip
+        ints = [0, m.mamba_layer_id, c.n_groups, int(bias is not None), int(norm is not None), 0]
+        floats += [float(c.norm_eps), *(float(t) for t in c.time_step_limit)]
+    elif block.kind == ATTENTION:
+        tensors += [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight, m.o_proj.weight]
+        ints = [1, m.kv_layer, m.num_heads, m.num_kv_heads, 0, 0]
+        floats += [float(m.scale), 0.0, 0.0]
+    elif block.kind == MLP_BLOCK:
+        tensors += [m.up_proj.weight, m.down_proj.weight]
+        ints, floats = [2, 0, 0, 0, 0, 0], floats + [0.0, 0.0, 0.0]
+    else:  # MoE
+        c, shared = m.config, m.shared_experts
+        tensors += [m.gate.weight, m.gate.e_score_correction_bias, m.experts.up_proj,
+                    m.experts.down_proj, shared.up_proj.weight,
+                    shared.down_proj.weight]  # fmt: skip
+        ints = [3, 0, c.num_experts_per_tok, c.n_group, c.topk_group, int(c.norm_topk_prob)]
+        floats += [float(c.routed_scaling_factor), 0.0, 0.0]
+    return tensors, ints, floats
+
+
+class NemotronHDecodePlan:
+    """`plan(batch)` == `model.forward(batch)` for a NemotronH decode batch (bit for bit, pools
+    updated alike), through `hybrid_serve::NemotronHStep`. It holds the model's parameter
+    tensors themselves. A speculative verify batch runs the eager model (`verify`)."""
+
+    def __init__(self, model: NemotronHForCausalLM) -> None:
+        self.model = model
+        self.embed = model.backbone.embeddings
+        tensors, ints, floats = [], [], []
+        for block in model.backbone.layers:
+            t, i, f = block_args(block)
+            tensors += t
+            ints += i
+            floats += f
+        norm = model.backbone.norm_f
+        self.step = torch.classes.hybrid_serve.NemotronHStep(
+            tensors, ints, floats, norm.weight, norm.eps, model.lm_head.weight
+        )
+
+    @torch.inference_mode()
+    def verify(
+        self, batch: ForwardBatch, x: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final hidden) of every row of a verify batch: the eager model's."""
+        if x is not None:
+            raise ValueError("nemotron_h has no MTP head to run a plan over")
+        hidden = self.model.final_hidden(batch, every_row=True)
+        return self.model.logits_from_hidden(hidden), hidden
+
+    @torch.inference_mode()
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        kv, mamba = batch.kv_pool, batch.mamba_pool
+        return self.step.forward(
+            self.embed(batch.input_ids), kv.k_all, kv.v_all, mamba.conv_state, mamba.ssm_state,
+            batch.mamba_slots.long().contiguous(), batch.out_loc, batch.req_to_token,
+            batch.req_slots, batch.seq_lens, batch.max_seq_len,
         )  # fmt: skip

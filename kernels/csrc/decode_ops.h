@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -46,6 +47,20 @@ at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
                       const at::Tensor& dt_bias, const at::Tensor& norm_weight,
                       const at::Tensor& slots_t, const at::Tensor& starts_t,
                       const at::Tensor& steps_t, int64_t num_k_heads, double eps);
+// mamba2_decode.cpp
+at::Tensor mamba2_decode(const at::Tensor& zxbcdt, at::Tensor conv_state,
+                         const at::Tensor& conv_weight, const std::optional<at::Tensor>& conv_bias,
+                         at::Tensor ssm_state, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                         const at::Tensor& D, const std::optional<at::Tensor>& norm_weight,
+                         const at::Tensor& slots_t, int64_t num_groups, double eps,
+                         double dt_min, double dt_max);
+at::Tensor mamba2_verify(const at::Tensor& zxbcdt, at::Tensor conv_state,
+                         const at::Tensor& conv_weight, const std::optional<at::Tensor>& conv_bias,
+                         at::Tensor ssm_state, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                         const at::Tensor& D, const std::optional<at::Tensor>& norm_weight,
+                         const at::Tensor& slots_t, const at::Tensor& starts_t,
+                         const at::Tensor& steps_t, int64_t num_groups, double eps,
+                         double dt_min, double dt_max);
 // attn_decode.cpp
 at::Tensor attn_decode(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,

@@ -17,6 +17,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "conv_update.h"
 #include "delta_rule.h"
 #include "decode_ops.h"
 #include "lanes.h"
@@ -26,46 +27,6 @@
 
 
 namespace {
-
-// Kernel size 4, channels [c0, c0 + 8) of one row: the 24 window floats (3 per channel)
-// de-interleaved, y = w3 x + w0 h0 + w1 h1 + w2 h2 in 8 lanes, and the window shifted in place
-// with x as its newest entry (simd.h's shift_in3 may read one float past the block: the caller
-// keeps c0 + 8 < D). `wt` holds the weights transposed, [4][D].
-inline void conv4_block8(const float* x, float* window, const float* wt, float* y, int64_t D,
-                         int64_t c0) {
-  namespace v = hs::simd;
-  float* h = window + c0 * 3;
-  v::f8 h0, h1, h2;
-  v::deinterleave3(h, h0, h1, h2);
-  const v::f8 xv = v::load8(x + c0);
-  v::f8 acc = v::mul(v::load8(wt + 3 * D + c0), xv);
-  acc = v::fma(v::load8(wt + c0), h0, acc);
-  acc = v::fma(v::load8(wt + D + c0), h1, acc);
-  acc = v::fma(v::load8(wt + 2 * D + c0), h2, acc);
-  v::store8(y + c0, acc);
-  v::shift_in3(h, xv);
-}
-
-// One row's conv update: window [D, W-1] shifted in place, y [D] = silu(conv). `wt` is the
-// weight transposed, [W][D].
-inline void conv_row(const float* x, float* window, const float* wt, float* y, int64_t D,
-                     int64_t W) {
-  int64_t c = 0;
-  if (W == 4 && hs::simd::kVector) {  // Qwen3-Next's kernel size
-    for (; c + 8 < D; c += 8) conv4_block8(x, window, wt, y, D, c);
-  }
-  for (; c < D; ++c) {
-    float* h = window + c * (W - 1);
-    float acc = wt[(W - 1) * D + c] * x[c];
-    for (int64_t j = 0; j < W - 1; ++j) acc = hs::simd::madd(wt[j * D + c], h[j], acc);
-    for (int64_t j = 0; j + 1 < W - 1; ++j) h[j] = h[j + 1];
-    h[W - 2] = x[c];
-    y[c] = acc;
-  }
-  hs::silu_inplace(y, D);
-}
-
-inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 // The layer's fixed shapes and parameters, and per-thread scratch for `head_token`.
 struct GdnLayer {
@@ -91,7 +52,8 @@ inline void head_token(const GdnLayer& L, int64_t b, int64_t hv, const float* a_
     ks[i] = kr[i] * km;
   }
   const float bt = 1.f / (1.f + std::exp(-L.ba[b * 2 * HV + hv]));
-  const float g = -std::exp(L.A_log[hv]) * softplus(L.ba[b * 2 * HV + HV + hv] + L.dt_bias[hv]);
+  const float g =
+      -std::exp(L.A_log[hv]) * hs::softplus(L.ba[b * 2 * HV + HV + hv] + L.dt_bias[hv]);
   std::fill(o, o + dv, 0.f);
   hs::delta_rule_token(state, ks, qs, vr, std::exp(g), bt, dk, dv, acc, delta, o, next);
   hs::gated_rmsnorm_row(o, L.x + b * L.row + L.conv_dim + hv * dv, L.norm_w,
@@ -136,17 +98,6 @@ GdnLayer layer_of(const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor
                   1.f / std::sqrt(static_cast<float>(dk)), static_cast<float>(eps)};
 }
 
-// The conv weight transposed, [W][conv_dim].
-std::vector<float> transposed(const at::Tensor& conv_weight) {
-  const int64_t D = conv_weight.size(0), W = conv_weight.size(1);
-  std::vector<float> wt(W * D);
-  const float* cwp = conv_weight.data_ptr<float>();
-  for (int64_t c = 0; c < D; ++c) {
-    for (int64_t j = 0; j < W; ++j) wt[j * D + c] = cwp[c * W + j];
-  }
-  return wt;
-}
-
 }  // namespace
 
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
@@ -163,14 +114,14 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
   const int64_t W = conv_weight.size(1);
   const std::vector<int64_t> slots = hs::live_slots(slots_t, ssm_state.size(0));
   std::vector<float> act(T * conv_dim);  // silu(conv) of the live rows
-  const std::vector<float> wt = transposed(conv_weight);
+  const std::vector<float> wt = hs::conv_weight_transposed(conv_weight);
   float* csp = conv_state.data_ptr<float>();
 
   at::parallel_for(0, T, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       if (slots[b] < 0) continue;
-      conv_row(L.x + b * L.row, csp + slots[b] * conv_dim * (W - 1), wt.data(),
-               act.data() + b * conv_dim, conv_dim, W);
+      hs::conv_update_row(L.x + b * L.row, csp + slots[b] * conv_dim * (W - 1), wt.data(),
+                          nullptr, act.data() + b * conv_dim, conv_dim, W);
     }
   });
 
@@ -220,7 +171,7 @@ at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
     }
   }
   std::vector<float> act(qkvz.size(0) * conv_dim);
-  const std::vector<float> wt = transposed(conv_weight);
+  const std::vector<float> wt = hs::conv_weight_transposed(conv_weight);
   float* csp = conv_state.data_ptr<float>();
   const int64_t window = conv_dim * (W - 1), state = dk * dv;
 
@@ -228,7 +179,8 @@ at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
     for (int64_t n = n0; n < n1; ++n) {
       float* win = csp + slots[n] * window;
       for (int64_t b = starts[n]; b < starts[n + 1]; ++b) {
-        conv_row(L.x + b * L.row, win, wt.data(), act.data() + b * conv_dim, conv_dim, W);
+        hs::conv_update_row(L.x + b * L.row, win, wt.data(), nullptr, act.data() + b * conv_dim,
+                            conv_dim, W);
         if (b + 1 < starts[n + 1]) {
           std::copy(win, win + window, csp + steps[n * width + b - starts[n]] * window);
         }

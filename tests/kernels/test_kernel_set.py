@@ -56,6 +56,7 @@ def test_cpu_fp32_takes_the_cpp_kernels(monkeypatch, backend) -> None:
     assert ops.backend == "cpp" and ops.fused
     assert ops.linear.__module__ == "kernels.linear_cpp"
     assert ops.gdn_decode.__module__ == "kernels.gdn_step_cpp"
+    assert ops.mamba2_decode.__module__ == ops.mamba2_verify.__module__ == "kernels.mamba2_step_cpp"
     assert not any(m.endswith("_triton") for m in modules(ops))
 
 
@@ -68,6 +69,7 @@ def test_fusions_off_composes_the_unfused_cpp_kernels(monkeypatch) -> None:
     assert ops.gdn_decode.func.__module__ == "kernels.gdn_step"
     assert ops.gdn_decode.keywords["recurrent"].__module__ == "kernels.gated_delta_rule_cpp"
     assert ops.fused_add_rmsnorm.func is rmsnorm.fused_add_rmsnorm
+    assert ops.mamba2_decode.func.__module__ == "kernels.mamba2_step"
     assert ops.linear.__module__ == "kernels.linear_cpp"
 
 
@@ -85,6 +87,8 @@ def test_cuda_without_triton_takes_torch(monkeypatch) -> None:
 def test_forced_triton_on_cpu_runs_the_interpreter(triton_device) -> None:
     ops = choose(triton_device, settings=KernelSettings("triton"))
     assert ops.backend == "triton" and ops.rms_norm_gated.__module__ == "kernels.rmsnorm_triton"
+    assert ops.mamba_chunk_scan_combined.__module__ == "kernels.ssd_triton"
+    assert ops.selective_state_update.__module__ == "kernels.selective_state_update_triton"
     args = (torch.randn(3, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
     args = [a.to(triton_device) if isinstance(a, torch.Tensor) else a for a in args]
     torch.testing.assert_close(

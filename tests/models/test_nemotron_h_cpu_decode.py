@@ -1,0 +1,106 @@
+"""NemotronH's CPU decode plan (`models.cpu_decode.NemotronHDecodePlan`): bit for bit the eager
+decode step, logits and pools (conv and SSM states, KV), on the tiny preset (every block kind)
+and a variant without the conv bias and with a clamping dt limit; and where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from make_model.presets import preset_config, write_checkpoint
+from models import cpu_decode
+from models.cpu_decode import CpuDecodePlan, NemotronHDecodePlan
+from models.loader import load_model
+from scheduler.graph_runner import DecodeGraphRunner
+from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+
+PROMPTS = [[5, 17, 2, 30, 9], [44, 3], list(range(3, 40)), [7] * 11, [1], [9, 9, 4], [60] * 20,
+           [2, 8], [31, 5, 7], [12] * 6]  # fmt: skip
+PLAN_ROWS = 10  # beyond the GEMV's 8 rows
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(
+        tmp_path_factory.mktemp("nemotron-h"), preset_config("tiny-nemotron-h"), seed=3
+    )
+
+
+@pytest.fixture(scope="module")
+def variant_ckpt(tmp_path_factory):
+    """No conv bias, a clamping dt limit (transformers' native NemotronH clamp, as a config)."""
+    cfg = {**preset_config("tiny-nemotron-h"), "use_conv_bias": False}
+    cfg["time_step_limit"] = [0.01, 0.05]
+    return write_checkpoint(tmp_path_factory.mktemp("variant"), cfg, seed=4)
+
+
+def prefilled(ckpt):
+    model = load_model(ckpt, dtype="float32")
+    runner = ModelRunner(model, RunnerConfig(max_running_requests=len(PROMPTS) + 1))
+    slots = [(runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])) for _ in PROMPTS]
+    items = [ExtendInput(q, m, 0, p) for (q, m), p in zip(slots, PROMPTS, strict=True)]
+    locs = [runner.alloc_kv(q, 0, len(p)) for (q, _), p in zip(slots, PROMPTS, strict=True)]
+    first = runner.forward(runner.build_prefill(items, locs)).argmax(-1).tolist()
+    return runner, slots, first
+
+
+def pools(runner: ModelRunner) -> list[torch.Tensor]:
+    m, kv = runner.mamba_pool, runner.kv_pool
+    return [m.conv_state, m.ssm_state, kv.k_all, kv.v_all]
+
+
+@pytest.mark.parametrize("which", ["ckpt", "variant_ckpt"])
+def test_plan_equals_eager_bit_for_bit(request, which):
+    """Greedy steps of 1 to PLAN_ROWS requests (the GEMV's rows and the GEMM's): identical
+    logits and identical pools after every step."""
+    ckpt = request.getfixturevalue(which)
+    eager, slots, first = prefilled(ckpt)
+    fast, slots2, first2 = prefilled(ckpt)
+    assert slots == slots2 and first == first2
+    if which == "variant_ckpt":
+        mixer = fast.model.backbone.layers[0].mixer
+        assert mixer.conv1d.bias is None and mixer.config.time_step_limit == (0.01, 0.05)
+    plain = DecodeGraphRunner(eager, [])  # no sizes: no plan, every batch eager
+    planned = DecodeGraphRunner(fast, [1, 2, 4, 8, PLAN_ROWS])
+    assert plain.plan is None and isinstance(planned.plan, NemotronHDecodePlan)
+    tokens, lens = list(first), [len(p) for p in PROMPTS]
+    for n in [1, 3, PLAN_ROWS, 2, 9, 1]:
+        out = []
+        for graphs in (plain, planned):
+            runner = graphs.runner
+            items = [DecodeInput(q, m, lens[i], tokens[i]) for i, (q, m) in enumerate(slots[:n])]
+            loc = torch.cat([runner.alloc_kv(q, lens[i], 1) for i, (q, _) in enumerate(slots[:n])])
+            out.append(graphs.forward(items, loc))
+        assert torch.equal(out[0], out[1]), n
+        for a, b in zip(pools(eager), pools(fast), strict=True):
+            assert torch.equal(a, b), n
+        tokens[:n] = out[0].argmax(-1).tolist()
+        lens[:n] = [k + 1 for k in lens[:n]]
+
+
+def test_where_the_plan_does_not_apply(ckpt, kernels_mode):
+    runner, _, _ = prefilled(ckpt)
+    model = runner.model
+    args = (runner.kv_pool, runner.mamba_pool, runner.req_pool.req_to_token)
+    assert cpu_decode.unsupported(model) is None
+    proj = model.backbone.layers[0].mixer.out_proj
+    proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))
+    assert cpu_decode.unsupported(model) == "a bias (backbone.layers.0.mixer.out_proj.bias)"
+    proj.bias = None
+    assert isinstance(CpuDecodePlan.build(model, *args), NemotronHDecodePlan)
+    kernels_mode("torch", model)
+    assert CpuDecodePlan.build(model, *args) is None
+
+
+def test_step_checks_its_layout(ckpt):
+    """`NemotronHStep` refuses flat lists of the wrong length when it is built."""
+    model = load_model(ckpt, dtype="float32")
+    norm, head = model.backbone.norm_f.weight, model.lm_head.weight
+    step = torch.classes.hybrid_serve.NemotronHStep
+    with pytest.raises(RuntimeError, match="6 ints and 4 floats per block"):
+        step([norm], [2, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head)
+    with pytest.raises(RuntimeError, match="too few tensors"):
+        step([norm] * 2, [2, 0, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head)
+    with pytest.raises(RuntimeError, match="1 tensors left over"):
+        step([norm] * 4, [2, 0, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head)
