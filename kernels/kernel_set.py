@@ -5,10 +5,9 @@ The model's layers receive a `KernelSet` at construction and call its fields; no
 per call which implementation runs. `choose` builds one of three sets:
 
 - `triton` (CUDA tensors, or CPU tensors in triton's interpreter): the Triton kernels for the
-    """Triton for the conv, the delta rule, Mamba2's chunked scan and state update, attention,
-    the gated norms, the routed experts (grouped GEMMs over expert-sorted blocks, static shapes:
-    `fused_moe_triton`) and the products of block-FP8 matrices (`fp8_gemm_triton.linear`,
-    torch's for the others); torch elsewhere."""
+  conv, the gated delta rule, Mamba2's chunked scan and state update, attention, the gated
+  norms and the routed experts, and the block GEMM for resident block-FP8 matrices
+  (`kernels.fp8`); torch for the other dense products;
 - `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
   that has one, and the fused decode blocks;
 - `torch`: the pure-torch references, which call only references.
@@ -191,16 +190,10 @@ def reference_set() -> KernelSet:
 
 
 def triton_set(device: torch.device) -> KernelSet:
-<<<<<<< HEAD
-    """Triton for the conv, the delta rule, attention, the gated norm, the routed experts
-    (grouped GEMMs over expert-sorted blocks, static shapes: `fused_moe_triton`) and the
-    products of block-FP8 matrices (`fp8_gemm_triton.linear`, torch's for the others); torch
-    elsewhere."""
-=======
     """Triton for the conv, the delta rule, Mamba2's chunked scan and state update, attention,
-    the gated norms and the routed experts (grouped GEMMs over expert-sorted blocks, static
-    shapes: `fused_moe_triton`); torch elsewhere."""
->>>>>>> mamba2-kernels
+    the gated norms, the routed experts (grouped GEMMs over expert-sorted blocks, static shapes:
+    `fused_moe_triton`) and the products of block-FP8 matrices (`fp8_gemm_triton.linear`,
+    torch's for the others); torch elsewhere."""
     norm = triton_module("rmsnorm_triton", device)
     return assemble(
         "triton", triton_module("fp8_gemm_triton", device).linear, rmsnorm.rms_norm,
