@@ -1,5 +1,5 @@
 """Strict safetensors loading of a checkpoint directory of any family `models.registry` knows
-(Qwen3-Next, Qwen3.5, NemotronH).
+(Qwen3-Next, Qwen3.5, NemotronH, Granite-4.0-H, Bamba, Falcon-H1).
 
 Reads `model.safetensors` or the shards named by `model.safetensors.index.json`. Every tensor
 the model needs must be present exactly once and every tensor present must be used (the MTP head
@@ -258,10 +258,14 @@ def quantize_matrices(model: Qwen3NextForCausalLM, method: str, tp: ParallelCont
 
     split = k_split_matrices(model) if tp.enabled else set()
 
+    from models.granite_moe_hybrid import GraniteMoeHybridRouter
+
     gates = set()
     for m in model.modules():
         if isinstance(m, SparseMoE):
             gates |= {id(m.gate), id(m.shared_expert_gate)}
+        elif isinstance(m, GraniteMoeHybridRouter):
+            gates.add(id(m.layer))
     for module in list(model.modules()):
         if isinstance(module, Linear) and id(module) not in gates:
             names = ["weight"]

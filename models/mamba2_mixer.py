@@ -1,7 +1,8 @@
 """The Mamba2 mixer (Dao and Gu, 2024), the recurrent token mixer of NemotronH, Granite-4.0-H,
 Bamba and Falcon-H1.
 
-    z | xBC | dt = in_proj(x)                         widths I, I + 2GN, H   (I = H * P)
+    z | xBC | dt = in_proj(x * m_in) * m_zxbcdt        widths I, I + 2GN, H   (I = H * P); the
+                                                       muP multipliers are Falcon-H1's (else 1)
     x | B | C = silu(conv1d(xBC) + conv_bias)          x [H, P]; B, C [G, N]; head h reads group
                                                        h // (H/G)
     dt = clamp(softplus(dt + dt_bias), *time_step_limit);   A = -exp(A_log)
@@ -46,6 +47,10 @@ class Mamba2Config:
     proj_bias: bool = False  # in_proj and out_proj
     norm_eps: float = 1e-5
     gated_norm: bool = True  # False: y * silu(z), no norm (Falcon-H1's mamba_rms_norm=false)
+    # Falcon-H1's muP: the input scaled by `in_multiplier`, the projection's z, x, B, C and dt
+    # segments by `zxbcdt_multipliers` (its `ssm_in_multiplier`, `ssm_multipliers`)
+    in_multiplier: float = 1.0
+    zxbcdt_multipliers: tuple[float, float, float, float, float] = (1.0,) * 5
 
     def __post_init__(self) -> None:
         if self.num_heads % self.n_groups:
@@ -61,6 +66,20 @@ class Mamba2Config:
     @property
     def conv_dim(self) -> int:  # channels of the conv: [x | B | C]
         return self.inner_size + 2 * self.n_groups * self.state_size
+
+    def zxbcdt_scale(self) -> torch.Tensor | None:
+        """The per-channel multiplier of in_proj's output [I + conv_dim + H] (fp32, on the
+        CPU), or None when every segment's is 1."""
+        if all(m == 1.0 for m in self.zxbcdt_multipliers):
+            return None
+        gn = self.n_groups * self.state_size
+        widths = (self.inner_size, self.inner_size, gn, gn, self.num_heads)
+        return torch.cat(
+            [
+                torch.full((w,), m, device="cpu")
+                for w, m in zip(widths, self.zxbcdt_multipliers, strict=True)
+            ]
+        )
 
 
 class RMSNormGateFirst(nn.Module):
@@ -97,13 +116,21 @@ class Mamba2Mixer(nn.Module):
             RMSNormGateFirst(inner, inner // c.n_groups, c.norm_eps, ops) if c.gated_norm else None
         )
         self.out_proj = Linear(inner, c.hidden_size, bias=c.proj_bias, ops=ops)
+        # A plain attribute built on the CPU (a model constructed on the meta device keeps it),
+        # moved to the activations' device and dtype where used
+        self.zxbcdt_scale = c.zxbcdt_scale()
         # conv window [conv_dim, K-1]; SSM state [H, P, N]
         self.state_shape = MambaStateShape(
             conv_dim, c.conv_kernel - 1, (H, c.head_dim, c.state_size)
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.config.in_multiplier != 1.0:
+            x = x * self.config.in_multiplier
         zxbcdt = self.in_proj(x)  # [T, I + conv_dim + H]
+        if self.zxbcdt_scale is not None:
+            self.zxbcdt_scale = self.zxbcdt_scale.to(zxbcdt)  # a no-op once moved
+            zxbcdt = zxbcdt * self.zxbcdt_scale
         if batch.is_decode:
             return self.out_proj(self._decode(zxbcdt, batch))
         if batch.is_verify:

@@ -20,9 +20,9 @@ from torch import nn
 
 from kernels import KernelSet
 from kernels.relu2_moe import relu2
-from mem_cache.state_shape import MambaStateShape
 from models.forward_batch import ForwardBatch
 from models.gqa_attention import Attention
+from models.hybrid_lm import HybridForCausalLM
 from models.layers import REFERENCE, Linear, RMSNormPlain
 from models.mamba2_mixer import Mamba2Mixer
 from models.nemotron_h_config import ATTENTION, MAMBA, MLP, NemotronHConfig
@@ -130,10 +130,9 @@ class NemotronHModel(nn.Module):
         return x
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridForCausalLM):
     """The whole model. `ops` is the kernel set every layer calls (`kernels.choose`; the torch
-    references by default). The loader's and scheduler's contract is `Qwen3NextForCausalLM`'s:
-    `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`."""
+    references by default); the loader's and scheduler's contract is `models.hybrid_lm`'s."""
 
     def __init__(
         self,
@@ -142,59 +141,20 @@ class NemotronHForCausalLM(nn.Module):
         ops: KernelSet = REFERENCE,
         mtp: bool = False,
     ) -> None:
-        super().__init__()
-        self.tp, self.ops = tp or ParallelContext(), ops
+        super().__init__(config, tp, ops, mtp)
         if self.tp.enabled:
             raise ValueError("nemotron_h: tensor parallelism is not supported yet")
-        if mtp:
-            raise ValueError("nemotron_h: no MTP head is served for this family yet")
-        self.config = self.local_config = config
         self.backbone = NemotronHModel(config, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
-        self.mtp = None
 
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.backbone.embeddings
 
-    @property
-    def state_shapes(self) -> tuple[MambaStateShape, ...]:
-        """Each Mamba2 block's per-sequence state, in pool order: what the Mamba pool is built
-        from."""
-        return tuple(
-            layer.mixer.state_shape for layer in self.backbone.layers if layer.kind == MAMBA
-        )
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.backbone(batch)
 
-    @property
-    def num_kv_layers(self) -> int:
-        return len(self.config.full_attention_layers)
-
-    def use_kernels(self, ops: KernelSet) -> None:
-        """Run every layer on `ops` from now on."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
-        or [K, vocab] at `logit_indices`."""
-        return self.lm_head(self.final_hidden(batch)).float()
-
-    @torch.inference_mode()
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    @torch.inference_mode()
-    def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:
-        """The final normed hidden states of the rows `forward` returns logits for (with
-        `every_row`, of every new token)."""
-        x = self.backbone(batch)
-        if not (every_row or batch.is_decode):
-            if batch.logit_indices is not None:
-                x = x[batch.logit_indices]
-            elif not batch.return_all_logits:
-                x = x[batch.last_token_indices()]
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone.norm_f(x)

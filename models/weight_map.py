@@ -15,6 +15,9 @@ tensor before reading any data. The table covers every layout we read:
     NemotronH    per-expert mixer.experts.{e}.{up,down}_proj.weight -> entry e of the stacked
                  mixer.experts.up_proj [E, I, hidden] / down_proj [E, hidden, I] (the
                  releases' layout), or the stacked tensors themselves (transformers 5.x's)
+    Granite-4.0-H  block_sparse_moe.input_linear.weight [E, 2I, hidden] ([gate | up] rows) /
+                 output_linear.weight [E, hidden, I] -> block_sparse_moe.experts.gate_up_proj /
+                 down_proj (the releases' fused layout, as stored)
 
 Checkpoint names carry the config's `weight_prefix` in place of `model.` (`model.language_model.`
 in the multimodal Qwen3.5 wrappers); `lm_head.weight` and the multi-token-prediction head
@@ -36,6 +39,10 @@ from models.config import ModelConfig
 
 MTP_PREFIX = "mtp."
 SKIPPED_PREFIXES = (MTP_PREFIX, "model.visual.", "visual.", "model.mtp.")
+GRANITE_EXPERTS = {
+    "experts.gate_up_proj": "input_linear.weight",
+    "experts.down_proj": "output_linear.weight",
+}
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,10 @@ def _param_entries(pname: str, c: ModelConfig, expert_layout: str) -> dict[str, 
             f"{base}in_proj_b.weight": Target(pname, (slice(0, hv),)),
             f"{base}in_proj_a.weight": Target(pname, (slice(hv, 2 * hv),)),
         }
+    if ".block_sparse_moe.experts." in pname:  # Granite-4.0-H's fused experts, as stored
+        for ours, stored in GRANITE_EXPERTS.items():
+            if pname.endswith(ours):
+                return {pname.removesuffix(ours) + stored: Target(pname)}
     if expert_layout == "per_expert" and pname.endswith("mlp.experts.gate_up_proj"):
         base, inter = pname.removesuffix("gate_up_proj"), c.moe_intermediate_size
         out = {}

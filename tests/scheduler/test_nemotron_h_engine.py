@@ -10,8 +10,10 @@ import torch
 
 from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
+from tests.families import hf_reference
 from tests.hf_reference import hf_greedy
-from tests.models.test_nemotron_h import PRESET, hf_reference
+
+PRESET = "tiny-nemotron-h"
 
 NEW = 10
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
