@@ -20,6 +20,7 @@ PRESET_NAMES = (
     "tiny-granite-4.0-h",  # make_model.mamba2_hybrid_preset (Mamba2 hybrids)
     "tiny-granite-4.0-h-dense",
     "tiny-bamba",
+    "tiny-falcon-h1",
     # make_model.real_shapes: the released models' shapes (--config-only for --load-format dummy)
     "qwen3.5-2b",
     "qwen3.5-9b",
@@ -29,6 +30,7 @@ PRESET_NAMES = (
     "nemotron-3-nano-30b-a3b",  # make_model.nemotron_h_preset
     "granite-4.0-h-tiny",  # make_model.mamba2_hybrid_preset
     "granite-4.0-h-small",
+    "falcon-h1-7b",
 )
 # make_model.chat_templates' names, likewise
 CHAT_TEMPLATE_NAMES = ("qwen3-next-instruct", "qwen3-next-thinking", "qwen3.5", "qwen3.5-small")

@@ -33,6 +33,7 @@ Spec = tuple[str, tuple[int, ...], str]  # (checkpoint key, shape, init kind)
 MODEL_TYPES = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "bamba": "BambaForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
 }
 
 _MAMBA_TINY = {
@@ -92,6 +93,37 @@ MAMBA2_HYBRID_PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
         **_MAMBA_TINY,
     },
+    "tiny-falcon-h1": {
+        "model_type": "falcon_h1",
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e11,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        **_MAMBA_TINY,
+        "mamba_d_ssm": 256,
+        "mamba_n_groups": 2,
+        "mamba_chunk_size": 128,
+        "mamba_rms_norm": False,
+        "mamba_norm_before_gate": False,
+        "projectors_bias": False,
+        "embedding_multiplier": 5.656854249492381,
+        "lm_head_multiplier": 2.0,  # the release's 0.039 leaves random logits within 0.1
+        "key_multiplier": 0.390625,
+        "attention_in_multiplier": 1.5,
+        "attention_out_multiplier": 0.9375,
+        "ssm_in_multiplier": 1.25,
+        "ssm_out_multiplier": 0.23570226039551587,
+        "mlp_multipliers": [0.8838834764831844, 0.5859375],
+        "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+    },
 }
 
 # Real shapes for `--load-format dummy` (`make-model --config-only`). Sources: the releases'
@@ -150,12 +182,51 @@ MAMBA2_HYBRID_REAL_SHAPES: dict[str, dict] = {
         "intermediate_size": 768,
         "shared_intermediate_size": 1536,
     },
+    "falcon-h1-7b": {
+        "model_type": "falcon_h1",
+        "vocab_size": 130_049,
+        "hidden_size": 3072,
+        "num_hidden_layers": 44,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "intermediate_size": 12_288,
+        "mamba_d_ssm": 3072,
+        "mamba_n_heads": 24,
+        "mamba_d_head": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 256,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 128,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "mamba_rms_norm": False,
+        "mamba_norm_before_gate": False,
+        "projectors_bias": False,
+        "rope_theta": 1e11,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "max_position_embeddings": 262_144,
+        "tie_word_embeddings": False,
+        "embedding_multiplier": 5.656854249492381,
+        "lm_head_multiplier": 0.0390625,
+        "key_multiplier": 0.390625,
+        "attention_in_multiplier": 1.0,
+        "attention_out_multiplier": 0.3125,
+        "ssm_in_multiplier": 0.25,
+        "ssm_out_multiplier": 0.23570226039551587,
+        "mlp_multipliers": [0.8838834764831844, 0.5859375],
+        "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+        "mamba_ssm_cache_dtype": "float32",
+    },
 }
 
 # released names' figures: (total parameters, active parameters per token)
 PUBLISHED: dict[str, tuple[float, float]] = {
     "granite-4.0-h-tiny": (7e9, 1e9),
     "granite-4.0-h-small": (32e9, 9e9),
+    "falcon-h1-7b": (7e9, 7e9),
 }
 
 

@@ -30,8 +30,8 @@ from typing import Any
 from models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, HYBRID = "linear_attention", "full_attention", "hybrid"
-MODEL_TYPES = ("granitemoehybrid", "bamba")
-ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM")
+MODEL_TYPES = ("granitemoehybrid", "bamba", "falcon_h1")
+ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class Mamba2HybridConfig:
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
         )
-        read = {"granitemoehybrid": _granite, "bamba": _bamba}
+        read = {"granitemoehybrid": _granite, "bamba": _bamba, "falcon_h1": _falcon_h1}
         return cls(**common, **read[model_type](d, head_dim))
 
 
@@ -198,6 +198,41 @@ def _bamba(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
         num_experts=0,
         num_experts_per_tok=0,
         moe_intermediate_size=0,
+    )
+
+
+def _falcon_h1(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    if d["mamba_rms_norm"] and d["mamba_norm_before_gate"]:
+        raise ValueError("config.json: a Mamba norm before the gate is unsupported (Falcon-H1)")
+    if bool(d["projectors_bias"]) != bool(d["mamba_proj_bias"]):
+        raise ValueError("config.json: projectors_bias must equal mamba_proj_bias")
+    inner = d["mamba_d_ssm"] or int(d["mamba_expand"] * d["hidden_size"])
+    gate, down = (float(m) for m in d["mlp_multipliers"])
+    ssm = tuple(float(m) for m in d["ssm_multipliers"])
+    if len(ssm) != 5:
+        raise ValueError("config.json: ssm_multipliers must hold 5 values (z, x, B, C, dt)")
+    return dict(
+        layer_types=(HYBRID,) * int(d["num_hidden_layers"]),
+        rotary_dim=head_dim,
+        attention_scale=None,
+        mamba=_mamba(
+            d,
+            int(inner),
+            gated_norm=bool(d["mamba_rms_norm"]),
+            in_multiplier=float(d["ssm_in_multiplier"]),
+            zxbcdt_multipliers=ssm,
+        ),
+        intermediate_size=int(d["intermediate_size"]),
+        num_experts=0,
+        num_experts_per_tok=0,
+        moe_intermediate_size=0,
+        embedding_multiplier=float(d["embedding_multiplier"]),
+        logits_multiplier=float(d["lm_head_multiplier"]),
+        attention_in_multiplier=float(d["attention_in_multiplier"]),
+        attention_out_multiplier=float(d["attention_out_multiplier"]),
+        key_multiplier=float(d["key_multiplier"]),
+        ssm_out_multiplier=float(d["ssm_out_multiplier"]),
+        mlp_multipliers=(gate, down),
     )
 
 

@@ -56,8 +56,8 @@ FAMILIES = (
     Family(
         Mamba2HybridConfig,
         BambaForCausalLM,
-        ("bamba",),
-        ("BambaForCausalLM",),
+        ("bamba", "falcon_h1"),
+        ("BambaForCausalLM", "FalconH1ForCausalLM"),
     ),
 )
 Config = ModelConfig | NemotronHConfig | Mamba2HybridConfig

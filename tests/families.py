@@ -24,6 +24,7 @@ FAMILY_PRESETS = (
     "tiny-granite-4.0-h",
     "tiny-granite-4.0-h-dense",
     "tiny-bamba",
+    "tiny-falcon-h1",
 )
 
 

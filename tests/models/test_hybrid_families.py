@@ -59,6 +59,8 @@ def test_pools_hold_each_layers_state_and_kv(checkpoint):
     assert ours.num_kv_layers == len(c.full_attention_layers) > 0
     assert pool.ssm_state.shape[2:] == ours.state_shapes[0].temporal
     assert pool.conv_state.shape[2:] == ours.state_shapes[0].conv
+    if c.model_type == "falcon_h1":  # the parallel hybrid: every layer holds KV and a state
+        assert ours.num_kv_layers == len(ours.state_shapes) == c.num_hidden_layers
 
 
 def test_ragged_prefill_logits_match(checkpoint):

@@ -19,7 +19,7 @@ from make_model.presets import count_parameters, preset_config, write_config_onl
 from models.bamba import BambaForCausalLM
 from models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from models.loader import load_model
-from models.mamba2_hybrid_config import ATTENTION, MAMBA, Mamba2HybridConfig
+from models.mamba2_hybrid_config import ATTENTION, HYBRID, MAMBA, Mamba2HybridConfig
 from models.registry import family_of, model_class
 from scheduler.pool_sizing import pool_bytes
 
@@ -56,6 +56,23 @@ BAMBA = {
     "mamba_d_state": 8,
     "intermediate_size": 48,
 }
+FALCON = {
+    "model_type": "falcon_h1",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "mamba_d_ssm": 48,
+    "mamba_n_heads": 6,
+    "mamba_d_state": 8,
+    "intermediate_size": 48,
+    "ssm_multipliers": [1.0, 2.0, 3.0, 4.0, 5.0],
+    "mlp_multipliers": [0.5, 0.25],
+    "ssm_in_multiplier": 0.75,
+    "lm_head_multiplier": 0.03,
+}
 
 
 def test_granite_legacy_layer_types_multipliers_and_defaults():
@@ -82,11 +99,31 @@ def test_bamba_attention_layers_and_partial_rope():
     assert c.num_experts == 0 and c.intermediate_size == 48
 
 
+def test_falcon_h1_every_layer_hybrid_with_its_multipliers():
+    c = Mamba2HybridConfig.from_dict(FALCON)
+    assert c.layer_types == (HYBRID, HYBRID)
+    assert c.full_attention_layers == c.linear_attention_layers == (0, 1)
+    m = c.mamba
+    assert (m.inner_size, m.head_dim, m.gated_norm, m.in_multiplier) == (48, 8, False, 0.75)
+    scale = m.zxbcdt_scale()
+    widths = [48, 48, 8, 8, 6]
+    assert scale.tolist() == [
+        v for w, v in zip(widths, [1, 2, 3, 4, 5], strict=True) for _ in range(w)
+    ]
+    assert c.mlp_multipliers == (0.5, 0.25) and c.logits_multiplier == 0.03
+    assert (
+        Mamba2HybridConfig.from_dict({**FALCON, "ssm_multipliers": None}).mamba.zxbcdt_scale()
+        is None
+    )
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
         ({**GRANITE, "hidden_act": "gelu"}, "unsupported hidden_act"),
         ({**BAMBA, "mamba_d_head": 7}, "Mamba head state do not match"),
+        ({**FALCON, "mamba_rms_norm": True, "mamba_norm_before_gate": True}, "before the gate"),
+        ({**FALCON, "projectors_bias": True}, "projectors_bias"),
         ({k: v for k, v in GRANITE.items() if k != "mamba_n_heads"}, "'mamba_n_heads'"),
     ],
 )
@@ -125,6 +162,7 @@ def test_real_shape_parameter_counts(name, tmp_path):
     [
         ("granite-4.0-h-tiny", 36, (3072 + 256, 3), (48, 64, 128), 4, (54.5, 55.0)),
         ("granite-4.0-h-small", 36, (8192 + 256, 3), (128, 64, 128), 4, (145.5, 146.0)),
+        ("falcon-h1-7b", 44, (3072 + 512, 3), (24, 128, 256), 44, (132.5, 133.0)),
     ],
 )
 def test_real_shape_state_and_kv_bytes(
