@@ -21,6 +21,7 @@ PRESET_NAMES = (
     "tiny-granite-4.0-h-dense",
     "tiny-bamba",
     "tiny-falcon-h1",
+    "tiny-olmo-hybrid",  # make_model.olmo_hybrid_preset
     # make_model.real_shapes: the released models' shapes (--config-only for --load-format dummy)
     "qwen3.5-2b",
     "qwen3.5-9b",
@@ -31,6 +32,7 @@ PRESET_NAMES = (
     "granite-4.0-h-tiny",  # make_model.mamba2_hybrid_preset
     "granite-4.0-h-small",
     "falcon-h1-7b",
+    "olmo-hybrid-7b",  # make_model.olmo_hybrid_preset
 )
 # make_model.chat_templates' names, likewise
 CHAT_TEMPLATE_NAMES = ("qwen3-next-instruct", "qwen3-next-thinking", "qwen3.5", "qwen3.5-small")

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from make_model import fp8_writer, mamba2_hybrid_preset, nemotron_h_preset
+from make_model import fp8_writer, mamba2_hybrid_preset, nemotron_h_preset, olmo_hybrid_preset
 from make_model.chat_templates import template_for
 from make_model.real_shapes import REAL_SHAPES
 from make_model.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
@@ -132,6 +132,9 @@ PRESETS.update(copy.deepcopy(nemotron_h_preset.NEMOTRON_H_REAL_SHAPES))
 # Granite-4.0-H, Bamba, Falcon-H1 likewise (make_model/mamba2_hybrid_preset.py)
 PRESETS.update(copy.deepcopy(mamba2_hybrid_preset.MAMBA2_HYBRID_PRESETS))
 PRESETS.update(copy.deepcopy(mamba2_hybrid_preset.MAMBA2_HYBRID_REAL_SHAPES))
+# OLMo-Hybrid (Gated DeltaNet in its own layout; make_model/olmo_hybrid_preset.py)
+PRESETS.update(copy.deepcopy(olmo_hybrid_preset.OLMO_HYBRID_PRESETS))
+PRESETS.update(copy.deepcopy(olmo_hybrid_preset.OLMO_HYBRID_REAL_SHAPES))
 
 # Real shapes of released models (make_model/real_shapes.py): config-only use with --load-format
 # dummy; full checkpoints only where they fit (4 bytes per parameter while drawing).
@@ -143,9 +146,10 @@ MODEL_TYPES = {  # model_type -> transformers class (text-only)
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     **mamba2_hybrid_preset.MODEL_TYPES,
+    "olmo_hybrid": olmo_hybrid_preset.ARCHITECTURE,
 }
 WRAPPERS = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
-FAMILY_TYPES = ("nemotron_h", *mamba2_hybrid_preset.MODEL_TYPES)  # their own preset modules
+FAMILY_TYPES = ("nemotron_h", *mamba2_hybrid_preset.MODEL_TYPES, "olmo_hybrid")  # own modules
 
 _REQUIRED = (
     "vocab_size",
@@ -265,6 +269,8 @@ def _tensor_specs(config: dict, layout: str) -> list[Spec]:
         return nemotron_h_preset.tensor_specs(c, layout)
     if c.get("model_type") in mamba2_hybrid_preset.MODEL_TYPES:
         return mamba2_hybrid_preset.tensor_specs(c, layout)
+    if c.get("model_type") == "olmo_hybrid":
+        return olmo_hybrid_preset.tensor_specs(c, layout)
     hid, vocab = c["hidden_size"], c["vocab_size"]
     specs: list[Spec] = [("model.embed_tokens.weight", (vocab, hid), "w")]
     for i, kind in enumerate(layer_types(c)):
@@ -444,6 +450,8 @@ def complete_config(
         return nemotron_h_preset.complete_config(config, [MODEL_TYPES["nemotron_h"]], common)
     if config.get("model_type") in mamba2_hybrid_preset.MODEL_TYPES:
         return mamba2_hybrid_preset.complete_config(config, common)
+    if config.get("model_type") == "olmo_hybrid":
+        return olmo_hybrid_preset.complete_config(config, common)
     cfg = copy.deepcopy(config)
     for key, value in _OPTIONAL_DEFAULTS.items():
         cfg.setdefault(key, copy.deepcopy(value))

@@ -103,6 +103,14 @@ class ModelConfig:
     def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
         return 2 * self.linear_key_dim + self.linear_value_dim
 
+    @property
+    def linear_norm_eps(self) -> float:  # the GDN output norm's (OLMo-Hybrid's differs)
+        return self.rms_norm_eps
+
+    @property
+    def linear_beta_scale(self) -> float:  # beta = scale * sigmoid(b) (OLMo-Hybrid: 2)
+        return 1.0
+
     @cached_property
     def full_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)

@@ -1,6 +1,7 @@
 """Plain grouped-query softmax attention, the attention blocks of the Mamba2 hybrids:
 
     q, k, v = q_proj(x), k_proj(x) * key_multiplier, v_proj(x)
+    q, k = q_norm(q), k_norm(k)                 (OLMo-Hybrid: RMSNorm over all heads' channels)
     q, k = rope(q), rope(k)                     (when the model passes angles: Bamba's partial
                                                  RoPE, Falcon-H1's; none for NemotronH and
                                                  Granite-4.0-H, which use no positions)
@@ -19,15 +20,16 @@ from torch import nn
 from kernels import KernelSet
 from kernels.attn_step import apply_rope
 from models.forward_batch import ForwardBatch
-from models.layers import REFERENCE, Linear
+from models.layers import REFERENCE, Linear, RMSNormPlain
 from models.parallel import ParallelContext
 from models.parallel_layers import row_linear
 
 
 class Attention(nn.Module):
     """`kv_layer` is the layer's index among the attention layers (its KV-pool layer);
-    `scale` defaults to head_dim^-0.5. Under tensor parallelism the head counts are this
-    rank's (`ParallelContext.kv_heads`) and o_proj sums the ranks' heads."""
+    `scale` defaults to head_dim^-0.5; `qk_norm_eps` adds the q/k norms (plain-weight RMSNorm
+    over the whole projection). Under tensor parallelism the head counts are this rank's
+    (`ParallelContext.kv_heads`) and o_proj sums the ranks' heads."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class Attention(nn.Module):
         scale: float | None = None,
         bias: bool = False,
         key_multiplier: float = 1.0,
+        qk_norm_eps: float | None = None,
         ops: KernelSet = REFERENCE,
         tp: ParallelContext | None = None,
     ) -> None:
@@ -51,6 +54,10 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden_size, kv_rows, bias=bias, ops=ops)
         self.v_proj = Linear(hidden_size, kv_rows, bias=bias, ops=ops)
         self.o_proj = row_linear(q_rows, hidden_size, bias, tp or ParallelContext(), ops)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNormPlain(q_rows, qk_norm_eps, ops)
+            self.k_norm = RMSNormPlain(kv_rows, qk_norm_eps, ops)
 
     def forward(
         self,
@@ -62,6 +69,8 @@ class Attention(nn.Module):
         positions)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = self.ops.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         T = x.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)  # [T, nH, hd]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, nKV, hd]
@@ -69,7 +78,7 @@ class Attention(nn.Module):
         if self.key_multiplier != 1.0:  # Falcon-H1 (muP), before the rotation as trained
             k = k * self.key_multiplier
         if cos_sin is not None:
-            q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+            q, k = apply_rope(q, *cos_sin).to(q.dtype), apply_rope(k, *cos_sin).to(k.dtype)
         k_buf, v_buf = batch.kv_pool.get_kv(self.kv_layer)
         self.ops.store_kv(k_buf, v_buf, batch.out_loc, k, v)
         if batch.is_decode:

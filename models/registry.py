@@ -22,6 +22,8 @@ from models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from models.mamba2_hybrid_config import Mamba2HybridConfig
 from models.nemotron_h import NemotronHForCausalLM
 from models.nemotron_h_config import NemotronHConfig
+from models.olmo_hybrid import OlmoHybridForCausalLM
+from models.olmo_hybrid_config import OlmoHybridConfig
 from models.qwen3_next import Qwen3NextForCausalLM
 
 
@@ -59,8 +61,9 @@ FAMILIES = (
         ("bamba", "falcon_h1"),
         ("BambaForCausalLM", "FalconH1ForCausalLM"),
     ),
+    Family(OlmoHybridConfig, OlmoHybridForCausalLM, ("olmo_hybrid",), ("OlmoHybridForCausalLM",)),
 )
-Config = ModelConfig | NemotronHConfig | Mamba2HybridConfig
+Config = ModelConfig | NemotronHConfig | Mamba2HybridConfig | OlmoHybridConfig
 
 
 def family_of(raw: dict[str, Any]) -> Family:

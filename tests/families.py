@@ -25,6 +25,7 @@ FAMILY_PRESETS = (
     "tiny-granite-4.0-h-dense",
     "tiny-bamba",
     "tiny-falcon-h1",
+    "tiny-olmo-hybrid",
 )
 
 
