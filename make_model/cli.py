@@ -29,6 +29,7 @@ PRESET_NAMES = (
     "qwen3.5-35b-a3b",
     "qwen3-next-80b-a3b",
     "nemotron-3-nano-30b-a3b",  # make_model.nemotron_h_preset
+    "nemotron-nano-9b-v2",
     "granite-4.0-h-tiny",  # make_model.mamba2_hybrid_preset
     "granite-4.0-h-small",
     "falcon-h1-7b",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from models.config import checkpoint_ssm_dtype
 from models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, HYBRID = "linear_attention", "full_attention", "hybrid"
@@ -73,6 +74,7 @@ class Mamba2HybridConfig:
     eos_token_ids: tuple[int, ...] = ()
     weight_prefix: str = "model."
     mtp_num_hidden_layers: int = 0  # no MTP head is served for these families
+    mamba_ssm_dtype: str = "float32"  # the checkpoint's SSM-state dtype (models.config)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -137,6 +139,7 @@ class Mamba2HybridConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
+            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
         )
         read = {"granitemoehybrid": _granite, "bamba": _bamba, "falcon_h1": _falcon_h1}
         return cls(**common, **read[model_type](d, head_dim))

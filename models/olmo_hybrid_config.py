@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from models.config import checkpoint_ssm_dtype
+
 LINEAR, FULL = "linear_attention", "full_attention"
 GDN_NORM_EPS = 1e-5  # transformers and vLLM: FLA's FusedRMSNormGated default
 
@@ -50,6 +52,7 @@ class OlmoHybridConfig:
     gdn_projections: str = "olmo"  # separate q/k/v/g/a/b projections and q/k/v convs
     weight_prefix: str = "model."
     mtp_num_hidden_layers: int = 0
+    mamba_ssm_dtype: str = "float32"  # the checkpoint's recurrent-state dtype (models.config)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
@@ -131,6 +134,7 @@ class OlmoHybridConfig:
             intermediate_size=int(d["intermediate_size"]),
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
+            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
         )
 
 

@@ -13,7 +13,7 @@ from scheduler.config import RunnerConfig, SchedulerConfig
 from scheduler.grammar import GrammarBackend
 from scheduler.lockstep import check_same_config
 from scheduler.model_runner import ModelRunner
-from scheduler.pool_sizing import describe, pool_bytes, size_pools
+from scheduler.pool_sizing import describe, pool_bytes, size_pools, ssm_state_dtype
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def build_scheduler(
         quantization=runner_cfg.quantization, mtp=runner_cfg.spec_steps > 0,
         draft_quantization=runner_cfg.speculative_draft_model_quantization,
     )  # fmt: skip
-    sizes = pool_bytes(model)
+    sizes = pool_bytes(model, ssm_state_dtype(runner_cfg, model))
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))
     if tp is not None and tp.enabled:

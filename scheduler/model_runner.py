@@ -30,6 +30,7 @@ from models.qwen3_next import Qwen3NextForCausalLM
 from scheduler.config import RunnerConfig
 from scheduler.cpu_env import configure_threads
 from scheduler.penalties import TokenCounts
+from scheduler.pool_sizing import ssm_state_dtype
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
 
@@ -79,6 +80,7 @@ class ModelRunner:
             config.mamba_slots,
             model.state_shapes,  # what each recurrent layer keeps per sequence
             conv_dtype=dtype,
+            ssm_dtype=ssm_state_dtype(config, model),
             device=device,
             hidden_size=mc.hidden_size,
         )
