@@ -23,13 +23,16 @@ from models.forward_batch import ForwardBatch
 from models.layers import REFERENCE, Linear, RMSNormPlain
 from models.parallel import ParallelContext
 from models.parallel_layers import row_linear
+from models.shard_loader import Shard
+from models.tp_shards import attention_shards
 
 
 class Attention(nn.Module):
     """`kv_layer` is the layer's index among the attention layers (its KV-pool layer);
     `scale` defaults to head_dim^-0.5; `qk_norm_eps` adds the q/k norms (plain-weight RMSNorm
-    over the whole projection). Under tensor parallelism the head counts are this rank's
-    (`ParallelContext.kv_heads`) and o_proj sums the ranks' heads."""
+    over the whole projection). Head counts are the checkpoint's; under tensor parallelism the
+    layer holds this rank's heads (`ParallelContext.split`, `.kv_heads`: one replicated KV head
+    when there are fewer than ranks) and o_proj sums the ranks' heads."""
 
     def __init__(
         self,
@@ -47,17 +50,27 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.ops, self.kv_layer, self.key_multiplier = ops, kv_layer, key_multiplier
+        self.tp = tp or ParallelContext()
+        self.whole = (num_heads, num_kv_heads, head_dim, bias)
+        if self.tp.enabled and qk_norm_eps is not None:
+            raise ValueError("q/k norms over all heads are not supported under tensor parallelism")
+        num_heads = self.tp.split(num_heads, "num_attention_heads")[1]
+        num_kv_heads = self.tp.kv_heads(num_kv_heads)[1]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
         self.q_proj = Linear(hidden_size, q_rows, bias=bias, ops=ops)
         self.k_proj = Linear(hidden_size, kv_rows, bias=bias, ops=ops)
         self.v_proj = Linear(hidden_size, kv_rows, bias=bias, ops=ops)
-        self.o_proj = row_linear(q_rows, hidden_size, bias, tp or ParallelContext(), ops)
+        self.o_proj = row_linear(q_rows, hidden_size, bias, self.tp, ops)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
             self.q_norm = RMSNormPlain(q_rows, qk_norm_eps, ops)
             self.k_norm = RMSNormPlain(kv_rows, qk_norm_eps, ops)
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """This rank's q/k/v rows and o_proj columns (`models.tp_shards`)."""
+        return attention_shards(self.tp, *self.whole) if self.tp.enabled else {}
 
     def forward(
         self,

@@ -14,6 +14,10 @@ Module names are the released checkpoints' (`model.layers.{i}.mamba.*`, `.self_a
 `.block_sparse_moe.router.layer`, `.shared_mlp.input_linear` / `.output_linear`, ...); the
 routed experts' fused `block_sparse_moe.input_linear` [E, 2I, H] ([gate | up] rows) and
 `output_linear` [E, H, I] load into `block_sparse_moe.experts` (`models.weight_map`).
+
+Under tensor parallelism each rank holds its share of the Mamba2 and attention heads, of the
+experts' and the shared MLP's widths (the router whole) and of the vocabulary; a layer's MoE and
+shared-MLP partial sums are all-reduced once, together.
 """
 
 from __future__ import annotations
@@ -30,15 +34,30 @@ from models.layers import REFERENCE, Experts, Linear, RMSNormPlain, RotaryEmbedd
 from models.mamba2_hybrid_config import MAMBA, Mamba2HybridConfig
 from models.mamba2_mixer import Mamba2Mixer
 from models.parallel import ParallelContext
+from models.parallel_layers import embedding, lm_head
+from models.shard_loader import Shard
+from models.tp_shards import swiglu_rows, width_share
 
 
 class GraniteMoeHybridMLP(nn.Module):
-    """The shared SwiGLU MLP: [gate | up] = input_linear(x); output_linear(silu(gate) * up)."""
+    """The shared SwiGLU MLP: [gate | up] = input_linear(x); output_linear(silu(gate) * up).
+    Under tensor parallelism: this rank's share of the width, its partial sum (the layer
+    all-reduces)."""
 
-    def __init__(self, hidden_size: int, width: int, ops: KernelSet = REFERENCE) -> None:
+    def __init__(self, hidden_size: int, width: int, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
-        self.input_linear = Linear(hidden_size, 2 * width, bias=False, ops=ops)
-        self.output_linear = Linear(width, hidden_size, bias=False, ops=ops)
+        self.tp, self.width = tp, width
+        local = tp.split(width, "shared_intermediate_size")[1]
+        self.input_linear = Linear(hidden_size, 2 * local, bias=False, ops=ops)
+        self.output_linear = Linear(local, hidden_size, bias=False, ops=ops)
+
+    def tp_shards(self) -> dict[str, Shard]:
+        if not self.tp.enabled:
+            return {}
+        return {
+            "input_linear.weight": swiglu_rows(self.tp, self.width),
+            "output_linear.weight": width_share(self.tp, self.width, dim=1),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
@@ -55,13 +74,23 @@ class GraniteMoeHybridRouter(nn.Module):
 
 class GraniteMoeHybridMoE(nn.Module):
     """Top-k of the fp32 router logits, softmax over the k picked, then the routed SwiGLU
-    experts (the kernel set's `fused_experts`)."""
+    experts (the kernel set's `fused_experts`; this rank's share of their width, a partial sum,
+    under tensor parallelism)."""
 
-    def __init__(self, c: Mamba2HybridConfig, ops: KernelSet = REFERENCE) -> None:
+    def __init__(self, c: Mamba2HybridConfig, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
-        self.top_k = c.num_experts_per_tok
+        self.top_k, self.tp, self.width = c.num_experts_per_tok, tp, c.moe_intermediate_size
+        local = tp.split(self.width, "intermediate_size")[1]
         self.router = GraniteMoeHybridRouter(c.num_experts, c.hidden_size, ops)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, ops)
+        self.experts = Experts(c.num_experts, c.hidden_size, local, ops)
+
+    def tp_shards(self) -> dict[str, Shard]:
+        if not self.tp.enabled:
+            return {}
+        return {
+            "experts.gate_up_proj": swiglu_rows(self.tp, self.width, dim=1),
+            "experts.down_proj": width_share(self.tp, self.width, dim=2),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
         logits = self.router.layer(x).float()  # [T, E]
@@ -71,23 +100,25 @@ class GraniteMoeHybridMoE(nn.Module):
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
-    def __init__(self, c: Mamba2HybridConfig, layer_id: int, ops: KernelSet) -> None:
+    def __init__(
+        self, c: Mamba2HybridConfig, layer_id: int, ops: KernelSet, tp: ParallelContext
+    ) -> None:
         super().__init__()
-        self.residual_multiplier = c.residual_multiplier
+        self.residual_multiplier, self.tp = c.residual_multiplier, tp
         self.input_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
         self.mamba: Mamba2Mixer | None = None
         self.self_attn: Attention | None = None
         if c.layer_types[layer_id] == MAMBA:
-            self.mamba = Mamba2Mixer(c.mamba, c.linear_attention_layers.index(layer_id), ops)
+            self.mamba = Mamba2Mixer(c.mamba, c.linear_attention_layers.index(layer_id), ops, tp)
         else:
             self.self_attn = Attention(
                 c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                 c.full_attention_layers.index(layer_id), scale=c.attention_scale,
-                bias=c.attention_bias, ops=ops,
+                bias=c.attention_bias, ops=ops, tp=tp,
             )  # fmt: skip
         self.post_attention_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
-        self.block_sparse_moe = GraniteMoeHybridMoE(c, ops) if c.num_experts else None
-        self.shared_mlp = GraniteMoeHybridMLP(c.hidden_size, c.intermediate_size, ops)
+        self.block_sparse_moe = GraniteMoeHybridMoE(c, ops, tp) if c.num_experts else None
+        self.shared_mlp = GraniteMoeHybridMLP(c.hidden_size, c.intermediate_size, ops, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -101,18 +132,16 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             h = self.block_sparse_moe(h) + self.shared_mlp(h)
         else:
             h = self.shared_mlp(h)
-        return x + h * self.residual_multiplier
+        return x + self.tp.all_reduce(h) * self.residual_multiplier
 
 
 class GraniteMoeHybridModel(nn.Module):
-    def __init__(self, c: Mamba2HybridConfig, ops: KernelSet) -> None:
+    def __init__(self, c: Mamba2HybridConfig, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
         self.embedding_multiplier = c.embedding_multiplier
-        self.embed_tokens = nn.Embedding(
-            c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
-        )
+        self.embed_tokens = embedding(c.vocab_size, c.hidden_size, tp)
         self.layers = nn.ModuleList(
-            GraniteMoeHybridDecoderLayer(c, i, ops) for i in range(c.num_hidden_layers)
+            GraniteMoeHybridDecoderLayer(c, i, ops, tp) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta) if c.rotary_dim else None
@@ -129,7 +158,7 @@ class GraniteMoeHybridModel(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
-    """The whole model (`models.hybrid_lm`'s contract). No tensor parallelism yet."""
+    """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract)."""
 
     def __init__(
         self,
@@ -139,16 +168,14 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         mtp: bool = False,
     ) -> None:
         super().__init__(config, tp, ops, mtp)
-        if self.tp.enabled:
-            raise ValueError(f"{config.model_type}: tensor parallelism is not supported yet")
         self.logits_multiplier = config.logits_multiplier
-        self.model = GraniteMoeHybridModel(config, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
+        self.model = GraniteMoeHybridModel(config, ops, self.tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> nn.Module:
         return self.model.embed_tokens
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:

@@ -10,10 +10,16 @@ The contract is `Qwen3NextForCausalLM`'s: `forward`, `final_hidden`, `logits_fro
     lm_head                the output projection; logits = lm_head(h) * logits_multiplier
 
 The recurrent mixers (Mamba2, Gated DeltaNet) are found in module order, which is their layer
-order and so their Mamba-pool order; each describes its own state (`state_shape`).
+order and so their Mamba-pool order; each describes its own state (`state_shape`). Under tensor
+parallelism every sharded module declares its parameters' shards (`tp_shards`, see
+`models.tp_shards`), the embedding and LM head are vocab-parallel, and `local_config` carries
+this rank's attention heads (what its KV pool holds).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -23,6 +29,9 @@ from mem_cache.state_shape import MambaStateShape
 from models.forward_batch import ForwardBatch
 from models.layers import REFERENCE
 from models.parallel import ParallelContext
+from models.shard_loader import Shard
+from models.tp_shards import stacked
+from models.weight_map import Target
 
 
 class HybridForCausalLM(nn.Module):
@@ -39,7 +48,13 @@ class HybridForCausalLM(nn.Module):
             raise ValueError(f"{config.model_type}: no MTP head is served for this family")
         self.tp, self.ops = tp or ParallelContext(), ops
         self.config = config
-        self.local_config = config  # a sharded family overrides it with this rank's shapes
+        self.local_config = config
+        if self.tp.enabled:  # this rank's attention heads: what its KV pool holds
+            self.local_config = replace(
+                config,
+                num_attention_heads=self.tp.split(config.num_attention_heads, "heads")[1],
+                num_key_value_heads=self.tp.kv_heads(config.num_key_value_heads)[1],
+            )
         self.mtp = None
 
     # ---- what a family supplies ------------------------------------------------------------
@@ -55,6 +70,30 @@ class HybridForCausalLM(nn.Module):
         raise NotImplementedError
 
     # ---- the contract ------------------------------------------------------------------------
+    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
+        """The part of checkpoint tensor `name` (loading into `target`) this rank reads; None:
+        all of it."""
+        shard = self._param_shards.get(target.param)
+        if shard is None:
+            return None
+        return stacked(shard, len(target.index)) if target.index else shard
+
+    @cached_property
+    def _param_shards(self) -> dict[str, Shard]:
+        """Parameter name -> this rank's shard, from every sharded module and the vocab."""
+        if not self.tp.enabled:
+            return {}
+        found = {}
+        for prefix, module in self.named_modules():
+            if hasattr(module, "tp_shards"):
+                found |= {f"{prefix}.{k}": s for k, s in module.tp_shards().items()}
+        start, count, _ = self.tp.vocab_range(self.config.vocab_size)
+        vocab = Shard(0, ((start, start + count),), rows=count)
+        names = {id(p): n for n, p in self.named_parameters()}
+        for weight in (self.embed_tokens.weight, self.lm_head.weight):
+            found[names[id(weight)]] = vocab
+        return found
+
     @property
     def state_shapes(self) -> tuple[MambaStateShape, ...]:
         """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what

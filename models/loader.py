@@ -51,7 +51,7 @@ from models.fp8 import Fp8Checkpoint
 from models.parallel import ParallelContext
 from models.qwen3_next import Qwen3NextForCausalLM
 from models.registry import model_class, read_config
-from models.shard_loader import read_shard, source_shard
+from models.shard_loader import read_shard
 from models.weight_map import MTP_PREFIX, checkpoint_map, expert_layout_of, is_skipped
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ def load_model(
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
-    sharded tensor (`models.shard_loader`). `load_format="dummy"`: random weights, no file read.
+    sharded tensor (the model's `checkpoint_shard`: `models.shard_loader`, `models.tp_shards`).
+    `load_format="dummy"`: random weights, no file read.
 
     The key set is checked against `checkpoint_map` before any data is read (a missing or extra
     tensor is a `ValueError` naming it). Parameters are allocated once, in the target dtype, and
@@ -218,7 +219,7 @@ def read_checkpoint(
                     target = table.get(name)
                     if target is None:
                         continue
-                    shard = source_shard(name, config, tp)
+                    shard = model.checkpoint_shard(name, target)
                     w = fp8.read(f, name, shard) if fp8 else read_shard(f, name, shard)
                     if target.transform is not None:
                         w = target.transform(w)

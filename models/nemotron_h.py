@@ -10,7 +10,8 @@ Module names equal the checkpoints' (`backbone.embeddings`, `backbone.layers.{i}
 transformers 5.x stores them (`mixer.experts.up_proj` [E, I, H], `mixer.experts.down_proj`
 [E, H, I]; `models.weight_map` also reads the per-expert tensors the releases ship). The model
 reads one `ForwardBatch` and returns logits for the last new token of each request (or every
-token). No tensor parallelism yet.
+token). Under tensor parallelism each rank holds its share of the Mamba2 and attention heads,
+of every MLP's and expert's intermediate width (the router whole), and of the vocabulary.
 """
 
 from __future__ import annotations
@@ -27,15 +28,35 @@ from models.layers import REFERENCE, Linear, RMSNormPlain
 from models.mamba2_mixer import Mamba2Mixer
 from models.nemotron_h_config import ATTENTION, MAMBA, MLP, NemotronHConfig
 from models.parallel import ParallelContext
+from models.parallel_layers import embedding, lm_head, row_linear
+from models.shard_loader import Shard
+from models.tp_shards import cols, width_share
 
 
 class NemotronHMLP(nn.Module):
-    """down(relu(up(x))^2): no gate."""
+    """down(relu(up(x))^2): no gate. Under tensor parallelism: this rank's share of the
+    width, down_proj summed over the ranks."""
 
-    def __init__(self, hidden: int, width: int, bias: bool, ops: KernelSet = REFERENCE) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        width: int,
+        bias: bool,
+        ops: KernelSet = REFERENCE,
+        tp: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
-        self.up_proj = Linear(hidden, width, bias=bias, ops=ops)
-        self.down_proj = Linear(width, hidden, bias=bias, ops=ops)
+        self.tp, self.width, self.bias = tp or ParallelContext(), width, bias
+        local = self.tp.split(width, "MLP width")[1]
+        self.up_proj = Linear(hidden, local, bias=bias, ops=ops)
+        self.down_proj = row_linear(local, hidden, bias, self.tp, ops)
+
+    def tp_shards(self) -> dict[str, Shard]:
+        if not self.tp.enabled:
+            return {}
+        share = width_share(self.tp, self.width)
+        out = {"up_proj.weight": share, "down_proj.weight": cols(*share.ranges)}
+        return out | ({"up_proj.bias": share} if self.bias else {})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
@@ -52,59 +73,72 @@ class NemotronHRouter(nn.Module):
 
 
 class NemotronHExperts(nn.Module):
-    """E routed relu^2 experts, stacked: up_proj [E, I, H], down_proj [E, H, I]."""
+    """E routed relu^2 experts, stacked: up_proj [E, I, H], down_proj [E, H, I] (this rank's
+    share of I under tensor parallelism)."""
 
-    def __init__(self, num_experts: int, hidden: int, width: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, width: int, tp: ParallelContext) -> None:
         super().__init__()
-        self.up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.tp, self.width = tp, width
+        local = tp.split(width, "moe_intermediate_size")[1]
+        self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
+
+    def tp_shards(self) -> dict[str, Shard]:
+        if not self.tp.enabled:
+            return {}
+        share = width_share(self.tp, self.width, dim=1)
+        return {"up_proj": share, "down_proj": cols(*share.ranges, dim=2)}
 
 
 class NemotronHMoE(nn.Module):
     """Sigmoid router with group-limited top-k over relu^2 experts, plus a shared expert; the
-    whole block is one op of the kernel set (`relu2_moe`, reference `kernels.relu2_moe`)."""
+    whole block is one op of the kernel set (`relu2_moe`, reference `kernels.relu2_moe`). Under
+    tensor parallelism the router is whole, the experts' and shared expert's widths split, and
+    their summed output all-reduced once."""
 
-    def __init__(self, c: NemotronHConfig, ops: KernelSet = REFERENCE) -> None:
+    def __init__(self, c: NemotronHConfig, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
-        self.config, self.ops = c, ops
+        self.config, self.ops, self.tp = c, ops, tp
         self.gate = NemotronHRouter(c.num_experts, c.hidden_size)
-        self.experts = NemotronHExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.experts = NemotronHExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, tp)
         self.shared_experts = NemotronHMLP(
-            c.hidden_size, c.shared_expert_intermediate_size, c.mlp_bias, ops
+            c.hidden_size, c.shared_expert_intermediate_size, c.mlp_bias, ops, tp
         )
         if c.mlp_bias:
             raise ValueError("config.json: MoE blocks with mlp_bias are unsupported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
         c, shared = self.config, self.shared_experts
-        return self.ops.relu2_moe(
+        return self.tp.all_reduce(self.ops.relu2_moe(
             x, self.gate.weight, self.gate.e_score_correction_bias, self.experts.up_proj,
             self.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight,
             c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
             c.routed_scaling_factor,
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 class NemotronHBlock(nn.Module):
     """One block: h = x + mixer(norm(x))."""
 
-    def __init__(self, c: NemotronHConfig, layer_id: int, ops: KernelSet) -> None:
+    def __init__(
+        self, c: NemotronHConfig, layer_id: int, ops: KernelSet, tp: ParallelContext
+    ) -> None:
         super().__init__()
         self.kind = c.layer_types[layer_id]
         self.norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
         if self.kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(
-                c.mamba, c.linear_attention_layers.index(layer_id), ops
+                c.mamba, c.linear_attention_layers.index(layer_id), ops, tp
             )
         elif self.kind == ATTENTION:
             self.mixer = Attention(
                 c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                c.full_attention_layers.index(layer_id), ops=ops,
+                c.full_attention_layers.index(layer_id), ops=ops, tp=tp,
             )  # fmt: skip
         elif self.kind == MLP:
-            self.mixer = NemotronHMLP(c.hidden_size, c.mlp_width(layer_id), c.mlp_bias, ops)
+            self.mixer = NemotronHMLP(c.hidden_size, c.mlp_width(layer_id), c.mlp_bias, ops, tp)
         else:
-            self.mixer = NemotronHMoE(c, ops)
+            self.mixer = NemotronHMoE(c, ops, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = self.norm(x)
@@ -114,12 +148,12 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, c: NemotronHConfig, ops: KernelSet) -> None:
+    def __init__(self, c: NemotronHConfig, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(
-            c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
+        self.embeddings = embedding(c.vocab_size, c.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            NemotronHBlock(c, i, ops, tp) for i in range(c.num_hidden_layers)
         )
-        self.layers = nn.ModuleList(NemotronHBlock(c, i, ops) for i in range(c.num_hidden_layers))
         self.norm_f = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -142,10 +176,8 @@ class NemotronHForCausalLM(HybridForCausalLM):
         mtp: bool = False,
     ) -> None:
         super().__init__(config, tp, ops, mtp)
-        if self.tp.enabled:
-            raise ValueError("nemotron_h: tensor parallelism is not supported yet")
-        self.backbone = NemotronHModel(config, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
+        self.backbone = NemotronHModel(config, ops, self.tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 
