@@ -61,10 +61,11 @@ def plain_weights(model: nn.Module) -> set[int]:
     """ids of the parameters drawn around 1: plain-weight norms and the Mamba2 D skip."""
     from models.layers import RMSNormPlain
     from models.mamba2_mixer import Mamba2Mixer, RMSNormGateFirst
+    from models.parallel_layers import ParallelRMSNormGateFirst
 
     found = set()
     for m in model.modules():
-        if isinstance(m, (RMSNormPlain, RMSNormGateFirst)):
+        if isinstance(m, (RMSNormPlain, RMSNormGateFirst, ParallelRMSNormGateFirst)):
             found.add(id(m.weight))
         elif isinstance(m, Mamba2Mixer):
             found.add(id(m.D))
