@@ -2,7 +2,8 @@
 
     mixed_qkv, z = qkvz;  b, a = ba
     q, k, v = split(silu(causal conv1d update of mixed_qkv on the layer's conv window))
-    g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)
+    g = -exp(A_log) * softplus(a + dt_bias);  beta = beta_scale * sigmoid(b)
+                      (beta_scale 2 for OLMo-Hybrid's negative eigenvalues, else 1)
     o = gated delta rule recurrent update of the layer's state (q, k l2-normalised in it)
     y = rms_norm_gated(o, z, norm_weight, eps)                      -> [T, value_dim]
 
@@ -28,11 +29,19 @@ from kernels.rmsnorm import rms_norm_gated
 
 
 def gates(
-    b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    b: torch.Tensor,
+    a: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    beta_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """b, a [T, HV] -> (g, beta) [T, HV]: g = -exp(A_log) softplus(a + dt_bias) in fp32,
-    beta = sigmoid(b). The one definition for prefill (the model) and this decode reference."""
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+    beta = sigmoid(b) (times `beta_scale` when not 1). The one definition for prefill (the
+    model) and this decode reference."""
+    beta = b.sigmoid()
+    if beta_scale != 1.0:
+        beta = beta * beta_scale
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), beta
 
 
 def gdn_decode(
@@ -52,6 +61,7 @@ def gdn_decode(
     conv_update: Callable = causal_conv1d_update,
     recurrent: Callable = fused_recurrent_gated_delta_rule,
     norm_gated: Callable = rms_norm_gated,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
     """Returns y [T, value_dim] in qkvz's dtype (ready for out_proj)."""
     T = qkvz.shape[0]
@@ -64,7 +74,7 @@ def gdn_decode(
     q = q.reshape(T, 1, num_k_heads, dk)
     k = k.reshape(T, 1, num_k_heads, dk)
     v = v.reshape(T, 1, HV, dv)
-    g, beta = (t.unsqueeze(1) for t in gates(b, a, A_log, dt_bias))  # [T, 1, HV]
+    g, beta = (t.unsqueeze(1) for t in gates(b, a, A_log, dt_bias, beta_scale))  # [T, 1, HV]
     core, _ = recurrent(
         q, k, v, g, beta, initial_state=ssm_pool[layer], initial_state_indices=slots,
         use_qk_l2norm_in_kernel=True,

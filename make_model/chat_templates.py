@@ -213,11 +213,10 @@ TEMPLATES: dict[str, str] = {
 
 def template_for(model_type: str, name: str | None = None) -> str:
     """The chat template `name` (one of TEMPLATES), or the family's default for `model_type`:
-    Qwen3-Next Instruct for ``qwen3_next`` (and, until its own lands, ``nemotron_h``, also
-    ChatML), Qwen3.5 (thinking on) for the Qwen3.5 types."""
+    Qwen3.5 (thinking on) for the Qwen3.5 types, Qwen3-Next Instruct for ``qwen3_next`` (and,
+    until their own land, the other families, also ChatML)."""
     if name is None:
-        instruct = model_type in ("qwen3_next", "nemotron_h")
-        name = "qwen3-next-instruct" if instruct else "qwen3.5"
+        name = "qwen3.5" if model_type.startswith("qwen3_5") else "qwen3-next-instruct"
     if name not in TEMPLATES:
         raise ValueError(f"unknown chat template {name!r}; known: {sorted(TEMPLATES)}")
     return TEMPLATES[name]

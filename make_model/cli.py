@@ -17,6 +17,11 @@ PRESET_NAMES = (
     "tiny-qwen3.5",
     "tiny-qwen3.5-moe",
     "tiny-nemotron-h",  # make_model.nemotron_h_preset (Mamba2 hybrid)
+    "tiny-granite-4.0-h",  # make_model.mamba2_hybrid_preset (Mamba2 hybrids)
+    "tiny-granite-4.0-h-dense",
+    "tiny-bamba",
+    "tiny-falcon-h1",
+    "tiny-olmo-hybrid",  # make_model.olmo_hybrid_preset
     # make_model.real_shapes: the released models' shapes (--config-only for --load-format dummy)
     "qwen3.5-2b",
     "qwen3.5-9b",
@@ -24,6 +29,11 @@ PRESET_NAMES = (
     "qwen3.5-35b-a3b",
     "qwen3-next-80b-a3b",
     "nemotron-3-nano-30b-a3b",  # make_model.nemotron_h_preset
+    "nemotron-nano-9b-v2",
+    "granite-4.0-h-tiny",  # make_model.mamba2_hybrid_preset
+    "granite-4.0-h-small",
+    "falcon-h1-7b",
+    "olmo-hybrid-7b",  # make_model.olmo_hybrid_preset
 )
 # make_model.chat_templates' names, likewise
 CHAT_TEMPLATE_NAMES = ("qwen3-next-instruct", "qwen3-next-thinking", "qwen3.5", "qwen3.5-small")

@@ -12,7 +12,8 @@ router and its correction bias ~ N(0, init_range); plain norm weights (block nor
 Mamba2 gated norm) and D ~ 1 + N(0, 0.1); `conv1d.weight` ~ N(0, 0.3); `A_log` = log U(1, 16);
 `dt_bias` = softplus^-1(dt), dt ~ logU(1e-3, 1e-1).
 
-`nemotron-3-nano-30b-a3b` is the release's shape (config only, for `--load-format dummy`).
+`nemotron-3-nano-30b-a3b` and `nemotron-nano-9b-v2` are the releases' shapes (config only, for
+`--load-format dummy`).
 `tiny-nemotron-h` covers every block kind (pattern `ME*M-MEM`: 4 Mamba2, 1 attention, 1 MLP,
 2 MoE), G = 8 groups of 2 heads, chunk 128, group-limited routing (2 groups, 1 picked).
 """
@@ -96,6 +97,32 @@ NEMOTRON_H_REAL_SHAPES: dict[str, dict] = {
         "routed_scaling_factor": 2.5,
         "layer_norm_epsilon": 1e-5,
         "max_position_embeddings": 262_144,
+        "tie_word_embeddings": False,
+        "mamba_ssm_cache_dtype": "float32",
+    },
+    # nvidia/NVIDIA-Nemotron-Nano-9B-v2: 56 blocks (27 Mamba2, 4 attention, 25 relu^2 MLP), as
+    # recalled from its config.json; the count it gives (8.89B) and the state (137 MiB a slot,
+    # the issue's reference notes) are the release's figures
+    "nemotron-nano-9b-v2": {
+        "model_type": "nemotron_h",
+        "vocab_size": 131_072,
+        "hidden_size": 4480,
+        "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "mamba_num_heads": 128,
+        "mamba_head_dim": 80,
+        "n_groups": 8,
+        "ssm_state_size": 128,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+        "time_step_min": 0.001,
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "intermediate_size": 15_680,
+        "layer_norm_epsilon": 1e-5,
+        "max_position_embeddings": 131_072,
         "tie_word_embeddings": False,
         "mamba_ssm_cache_dtype": "float32",
     },

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from make_model import fp8_writer, nemotron_h_preset
+from make_model import fp8_writer, mamba2_hybrid_preset, nemotron_h_preset, olmo_hybrid_preset
 from make_model.chat_templates import template_for
 from make_model.real_shapes import REAL_SHAPES
 from make_model.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
@@ -129,6 +129,12 @@ PRESETS["tiny-qwen3.5-moe"].pop("intermediate_size")
 # NemotronH (Mamba2 hybrids) in their releases' config.json form (make_model/nemotron_h_preset.py)
 PRESETS.update(copy.deepcopy(nemotron_h_preset.NEMOTRON_H_PRESETS))
 PRESETS.update(copy.deepcopy(nemotron_h_preset.NEMOTRON_H_REAL_SHAPES))
+# Granite-4.0-H, Bamba, Falcon-H1 likewise (make_model/mamba2_hybrid_preset.py)
+PRESETS.update(copy.deepcopy(mamba2_hybrid_preset.MAMBA2_HYBRID_PRESETS))
+PRESETS.update(copy.deepcopy(mamba2_hybrid_preset.MAMBA2_HYBRID_REAL_SHAPES))
+# OLMo-Hybrid (Gated DeltaNet in its own layout; make_model/olmo_hybrid_preset.py)
+PRESETS.update(copy.deepcopy(olmo_hybrid_preset.OLMO_HYBRID_PRESETS))
+PRESETS.update(copy.deepcopy(olmo_hybrid_preset.OLMO_HYBRID_REAL_SHAPES))
 
 # Real shapes of released models (make_model/real_shapes.py): config-only use with --load-format
 # dummy; full checkpoints only where they fit (4 bytes per parameter while drawing).
@@ -139,8 +145,11 @@ MODEL_TYPES = {  # model_type -> transformers class (text-only)
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    **mamba2_hybrid_preset.MODEL_TYPES,
+    "olmo_hybrid": olmo_hybrid_preset.ARCHITECTURE,
 }
 WRAPPERS = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+FAMILY_TYPES = ("nemotron_h", *mamba2_hybrid_preset.MODEL_TYPES, "olmo_hybrid")  # own modules
 
 _REQUIRED = (
     "vocab_size",
@@ -196,7 +205,7 @@ def is_moe_layer(config: dict, layer: int) -> bool:
 def _validate(config: dict) -> None:
     if config.get("model_type", "qwen3_next") not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {sorted(MODEL_TYPES)}")
-    if config.get("model_type") == "nemotron_h":  # its config class validates it on load
+    if config.get("model_type") in FAMILY_TYPES:  # their config classes validate them on load
         return
     missing = [k for k in _REQUIRED if k not in config]
     n = config.get("num_hidden_layers", 0)
@@ -258,6 +267,10 @@ def _tensor_specs(config: dict, layout: str) -> list[Spec]:
     c = config
     if c.get("model_type") == "nemotron_h":
         return nemotron_h_preset.tensor_specs(c, layout)
+    if c.get("model_type") in mamba2_hybrid_preset.MODEL_TYPES:
+        return mamba2_hybrid_preset.tensor_specs(c, layout)
+    if c.get("model_type") == "olmo_hybrid":
+        return olmo_hybrid_preset.tensor_specs(c, layout)
     hid, vocab = c["hidden_size"], c["vocab_size"]
     specs: list[Spec] = [("model.embed_tokens.weight", (vocab, hid), "w")]
     for i, kind in enumerate(layer_types(c)):
@@ -435,6 +448,10 @@ def complete_config(
     )
     if config.get("model_type") == "nemotron_h":
         return nemotron_h_preset.complete_config(config, [MODEL_TYPES["nemotron_h"]], common)
+    if config.get("model_type") in mamba2_hybrid_preset.MODEL_TYPES:
+        return mamba2_hybrid_preset.complete_config(config, common)
+    if config.get("model_type") == "olmo_hybrid":
+        return olmo_hybrid_preset.complete_config(config, common)
     cfg = copy.deepcopy(config)
     for key, value in _OPTIONAL_DEFAULTS.items():
         cfg.setdefault(key, copy.deepcopy(value))

@@ -25,6 +25,17 @@ QWEN3_5_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 SUPPORTED_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TEXT, *WRAPPERS)
 LINEAR, FULL = "linear_attention", "full_attention"
+SSM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_ssm_dtype(raw: dict[str, Any]) -> str:
+    """The dtype a config.json asks the recurrent (SSM) state to be kept in: its
+    `mamba_ssm_dtype` (Qwen3.5), `mamba_ssm_cache_dtype` (NemotronH), else float32. What
+    `--mamba-ssm-dtype` falls back to (scheduler/pool_sizing.py)."""
+    name = raw.get("mamba_ssm_dtype") or raw.get("mamba_ssm_cache_dtype") or "float32"
+    if name not in SSM_DTYPES:
+        raise ValueError(f"config.json: unsupported mamba_ssm_dtype {name!r}")
+    return str(name)
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class ModelConfig:
     gdn_projections: str = "grouped"
     weight_prefix: str = "model."
     mtp_num_hidden_layers: int = 0  # decoder layers of the multi-token-prediction head (mtp.*)
+    mamba_ssm_dtype: str = "float32"  # the checkpoint's recurrent-state dtype (SSM_DTYPES)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
@@ -102,6 +114,14 @@ class ModelConfig:
     @property
     def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
         return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def linear_norm_eps(self) -> float:  # the GDN output norm's (OLMo-Hybrid's differs)
+        return self.rms_norm_eps
+
+    @property
+    def linear_beta_scale(self) -> float:  # beta = scale * sigmoid(b) (OLMo-Hybrid: 2)
+        return 1.0
 
     @cached_property
     def full_attention_layers(self) -> tuple[int, ...]:
@@ -207,6 +227,7 @@ class ModelConfig:
             gdn_projections="split" if qwen3_5 else "grouped",
             weight_prefix=prefix,
             mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers", 0)),
+            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
         )
 
 

@@ -8,8 +8,9 @@ read. The distributions are those the presets' writer (`make_model.presets`) dra
     zero-centred RMSNorm weights           N(0, 0.1)   (layer norms, model.norm, q_norm, k_norm,
                                                         the MTP head's norms)
     GDN gated-norm weight                  1 + N(0, 0.1)
-    plain-weight norms, Mamba2 D           1 + N(0, 0.1)   (NemotronH's block norms, norm_f,
-                                                        the Mamba2 gated norm, D)
+    plain-weight norms, Mamba2 D           1 + N(0, 0.1)   (every `RMSNormPlain` and Mamba2
+                                                        gated norm: the Mamba2 hybrids' and
+                                                        OLMo-Hybrid's norms; D)
     conv1d.weight                          N(0, 0.3)
     A_log                                  log U(1, 16)
     dt_bias                                softplus^-1(dt), dt = exp(U(log 1e-3, log 1e-1))
@@ -46,7 +47,6 @@ ZERO_CENTRED_NORMS = (
     "pre_fc_norm_hidden.weight",
 )
 FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
-PLAIN_NORMS = ("norm.weight", "norm_f.weight", "mixer.D")  # under backbone. (NemotronH)
 
 
 def init_kind(name: str) -> str:
@@ -59,11 +59,24 @@ def init_kind(name: str) -> str:
         return "conv"
     if name.endswith("linear_attn.norm.weight"):
         return "norm1"
-    if name.startswith("backbone.") and name.endswith(PLAIN_NORMS):
-        return "norm1"
     if name.endswith(ZERO_CENTRED_NORMS) or name in FINAL_NORMS:
         return "norm0"
     return "w"
+
+
+def plain_weights(model: nn.Module) -> set[int]:
+    """ids of the parameters drawn around 1: plain-weight norms and the Mamba2 D skip."""
+    from models.layers import RMSNormPlain
+    from models.mamba2_mixer import Mamba2Mixer, RMSNormGateFirst
+    from models.parallel_layers import ParallelRMSNormGateFirst
+
+    found = set()
+    for m in model.modules():
+        if isinstance(m, (RMSNormPlain, RMSNormGateFirst, ParallelRMSNormGateFirst)):
+            found.add(id(m.weight))
+        elif isinstance(m, Mamba2Mixer):
+            found.add(id(m.D))
+    return found
 
 
 def _fill(param: torch.Tensor, kind: str, gen: torch.Generator, init_range: float) -> None:
@@ -100,6 +113,7 @@ def fill_dummy(model: nn.Module, seed: int = 0, init_range: float = 0.1) -> None
     """Fill every parameter of `model` in place with the presets' init (module docstring). A
     parameter shared by two names (tied embeddings) is drawn once."""
     gens: dict[torch.device, torch.Generator] = {}
+    plain = plain_weights(model)
     for name, param in model.named_parameters():  # shared parameters are listed once
         if param.is_meta:  # shapes only (a model built to be measured, not run)
             continue
@@ -109,4 +123,4 @@ def fill_dummy(model: nn.Module, seed: int = 0, init_range: float = 0.1) -> None
         if is_fp8(param):
             _fill_fp8(param, gen, init_range)
         else:
-            _fill(param.data, init_kind(name), gen, init_range)
+            _fill(param.data, "norm1" if id(param) in plain else init_kind(name), gen, init_range)

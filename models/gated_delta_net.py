@@ -4,7 +4,8 @@ Per value head the layer keeps a recurrent state S [dk, dv] and a short causal-c
 
     q, k, v = silu(conv1d([q|k|v] projections));  q, k l2-normalised, q scaled by dk^-0.5
     S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
-    g_t = -exp(A_log) * softplus(a_t + dt_bias),   beta_t = sigmoid(b_t)
+    g_t = -exp(A_log) * softplus(a_t + dt_bias),   beta_t = sigmoid(b_t)  (x2 in OLMo-Hybrid,
+                                                     whose eigenvalues may be negative)
     y = out_proj(RMSNormGated(o, z))
 
 Both states live in the Mamba pool and are addressed by `ForwardBatch.mamba_slots`; prefill
@@ -16,10 +17,13 @@ state of the chunked kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
-from kernels import KernelSet
+from kernels import KernelSet, gdn_step
 from kernels.gdn_step import gates
 from mem_cache.state_shape import MambaStateShape
 from models.config import ModelConfig
@@ -31,7 +35,9 @@ from models.parallel_layers import row_linear
 
 class GatedDeltaNet(nn.Module):
     """`config` carries this rank's key/value heads (`ParallelContext.local_shapes`), and so do
-    the conv channels and the pool's states; out_proj sums the ranks' heads."""
+    the conv channels and the pool's states; out_proj sums the ranks' heads. The config's
+    `linear_norm_eps` is the output norm's epsilon and `linear_beta_scale` beta's factor (Qwen's
+    1, OLMo-Hybrid's 2)."""
 
     def __init__(
         self,
@@ -60,7 +66,8 @@ class GatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = RMSNormGated(self.head_v_dim, c.rms_norm_eps, ops)
+        self.beta_scale = c.linear_beta_scale
+        self.norm = RMSNormGated(self.head_v_dim, c.linear_norm_eps, ops)
         self.out_proj = row_linear(
             self.value_dim, c.hidden_size, False, tp or ParallelContext(), ops
         )
@@ -89,7 +96,7 @@ class GatedDeltaNet(nn.Module):
         pool's states, in place."""
         pool = batch.mamba_pool
         qkvz, ba = self._in_projections(x)
-        return self.ops.gdn_decode(
+        return self._decode_op()(
             qkvz, ba, pool.conv_state, pool.ssm_state,
             self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
             self.norm.weight, batch.mamba_slots, self.num_k_heads, self.norm.eps,
@@ -102,12 +109,28 @@ class GatedDeltaNet(nn.Module):
         leaves."""
         pool = batch.mamba_pool
         qkvz, ba = self._in_projections(x)
-        return self.ops.gdn_verify(
+        verify = self.ops.gdn_verify
+        if self.beta_scale != 1.0:
+            verify = partial(gdn_step.gdn_verify, decode=self._decode_op())
+        return verify(
             qkvz, ba, pool.conv_state, pool.ssm_state,
             self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
             self.norm.weight, batch.mamba_slots, batch.extend_lens_cpu,
             batch.mamba_step_slots_cpu, self.num_k_heads, self.norm.eps,
         )  # fmt: skip
+
+    def _decode_op(self) -> Callable:
+        """The kernel set's fused decode op; with a beta scale, which the fused ops do not take,
+        the reference composition of the set's unfused ops."""
+        if self.beta_scale == 1.0:
+            return self.ops.gdn_decode
+        return partial(
+            gdn_step.gdn_decode,
+            conv_update=self.ops.causal_conv1d_update,
+            recurrent=self.ops.fused_recurrent_gated_delta_rule,
+            norm_gated=self.ops.rms_norm_gated,
+            beta_scale=self.beta_scale,
+        )
 
     def _extend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
@@ -136,7 +159,8 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(1, T, self.num_k_heads, self.head_k_dim)  # [1, T, H, dk]
         k = k.reshape(1, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(1, T, self.num_v_heads, self.head_v_dim)  # [1, T, HV, dv]
-        g, beta = (t.unsqueeze(0) for t in gates(b, a, self.A_log, self.dt_bias))  # [1, T, HV]
+        g, beta = gates(b, a, self.A_log, self.dt_bias, self.beta_scale)  # [T, HV]
+        g, beta = g.unsqueeze(0), beta.unsqueeze(0)  # [1, T, HV]
 
         track = {}
         if batch.tracks_states:

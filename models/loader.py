@@ -1,5 +1,5 @@
 """Strict safetensors loading of a checkpoint directory of any family `models.registry` knows
-(Qwen3-Next, Qwen3.5, NemotronH).
+(Qwen3-Next, Qwen3.5, NemotronH, Granite-4.0-H, Bamba, Falcon-H1).
 
 Reads `model.safetensors` or the shards named by `model.safetensors.index.json`. Every tensor
 the model needs must be present exactly once and every tensor present must be used (the MTP head
@@ -64,7 +64,7 @@ from models.fp8_resident import plan as resident_plan
 from models.parallel import ParallelContext
 from models.qwen3_next import Qwen3NextForCausalLM
 from models.registry import model_class, read_config
-from models.shard_loader import read_shard, source_shard
+from models.shard_loader import read_shard
 from models.weight_map import (
     MTP_PREFIX,
     Target,
@@ -129,7 +129,8 @@ def load_model(
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
-    sharded tensor (`models.shard_loader`). `load_format="dummy"`: random weights, no file read.
+    sharded tensor (the model's `checkpoint_shard`: `models.shard_loader`, `models.tp_shards`).
+    `load_format="dummy"`: random weights, no file read.
 
     The key set is checked against `checkpoint_map` before any data is read (a missing or extra
     tensor is a `ValueError` naming it). Parameters are allocated once, in the target dtype, and
@@ -289,10 +290,10 @@ def plan_fp8(
     else:
         if source.fp8 is None:
             return set(), None
-        c = model.config
         source.resident = resident_plan(
-            params, mats, source.table, source.fp8, lambda n: source_shard(n, c, tp)
-        )
+            params, mats, source.table, source.fp8,
+            lambda n: model.checkpoint_shard(n, source.table[n]),
+        )  # fmt: skip
         names = {source.table[n].param for n in source.resident}
         fp8 = source.fp8.config
         left = len(source.fp8.scales) - len(source.resident)
@@ -318,7 +319,7 @@ def read_checkpoint(
                     target = table.get(name)
                     if target is None:
                         continue
-                    shard = source_shard(name, config, tp)
+                    shard = model.checkpoint_shard(name, target)
                     bt = source.resident.get(name)
                     if bt is not None:
                         values, scales = read_resident(f, name, shard, target, bt, fp8)
@@ -368,10 +369,14 @@ def quantize_matrices(model: Qwen3NextForCausalLM, method: str, tp: ParallelCont
 
     split = k_split_matrices(model) if tp.enabled else set()
 
+    from models.granite_moe_hybrid import GraniteMoeHybridRouter
+
     gates = set()
     for m in model.modules():
         if isinstance(m, SparseMoE):
             gates |= {id(m.gate), id(m.shared_expert_gate)}
+        elif isinstance(m, GraniteMoeHybridRouter):
+            gates.add(id(m.layer))
     for module in list(model.modules()):
         if isinstance(module, Linear) and id(module) not in gates:
             names = ["weight"]

@@ -1,12 +1,18 @@
 """The Mamba2 mixer (Dao and Gu, 2024), the recurrent token mixer of NemotronH, Granite-4.0-H,
 Bamba and Falcon-H1.
 
-    z | xBC | dt = in_proj(x)                         widths I, I + 2GN, H   (I = H * P)
+    z | xBC | dt = in_proj(x * m_in) * m_zxbcdt        widths I, I + 2GN, H   (I = H * P); the
+                                                       muP multipliers are Falcon-H1's (else 1)
     x | B | C = silu(conv1d(xBC) + conv_bias)          x [H, P]; B, C [G, N]; head h reads group
                                                        h // (H/G)
     dt = clamp(softplus(dt + dt_bias), *time_step_limit);   A = -exp(A_log)
     S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,        y_t = S_t C_t + D x_t      (per head)
     out = out_proj(rms_norm_gate_first(y, z))          RMS over groups of I/G, gate first
+
+Under tensor parallelism a rank holds H/N heads and their groups (all groups when G = 1,
+replicated, as SGLang and vLLM do; a share when N divides G), its columns of out_proj (summed
+over the ranks) and its channels of the norm, whose RMS spans every rank when G = 1
+(`models.parallel_layers.ParallelRMSNormGateFirst`); its pool holds only its heads' states.
 
 Both states live in the Mamba pool, addressed by `ForwardBatch.mamba_slots`: the conv window
 [conv_dim, K-1] and S [H, P, N] (`state_shape`). Prefill runs the chunked SSD scan from whatever
@@ -17,7 +23,7 @@ state by one token; verify steps each request's tokens one at a time, keeping th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +34,10 @@ from mem_cache.state_shape import MambaStateShape
 from models.forward_batch import ForwardBatch
 from models.gated_delta_net import track_conv_states
 from models.layers import REFERENCE, Linear
+from models.parallel import ParallelContext
+from models.parallel_layers import ParallelRMSNormGateFirst, row_linear
+from models.shard_loader import Shard
+from models.tp_shards import cols, rows, span
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,10 @@ class Mamba2Config:
     proj_bias: bool = False  # in_proj and out_proj
     norm_eps: float = 1e-5
     gated_norm: bool = True  # False: y * silu(z), no norm (Falcon-H1's mamba_rms_norm=false)
+    # Falcon-H1's muP: the input scaled by `in_multiplier`, the projection's z, x, B, C and dt
+    # segments by `zxbcdt_multipliers` (its `ssm_in_multiplier`, `ssm_multipliers`)
+    in_multiplier: float = 1.0
+    zxbcdt_multipliers: tuple[float, float, float, float, float] = (1.0,) * 5
 
     def __post_init__(self) -> None:
         if self.num_heads % self.n_groups:
@@ -61,6 +75,27 @@ class Mamba2Config:
     @property
     def conv_dim(self) -> int:  # channels of the conv: [x | B | C]
         return self.inner_size + 2 * self.n_groups * self.state_size
+
+    def local(self, tp: ParallelContext) -> Mamba2Config:
+        """This rank's heads and groups: H/N heads; G/N groups, or all of them when G = 1."""
+        heads = tp.split(self.num_heads, "Mamba heads")[1]
+        if self.n_groups == 1 or not tp.enabled:
+            return replace(self, num_heads=heads)
+        return replace(self, num_heads=heads, n_groups=tp.split(self.n_groups, "Mamba groups")[1])
+
+    def zxbcdt_scale(self) -> torch.Tensor | None:
+        """The per-channel multiplier of in_proj's output [I + conv_dim + H] (fp32, on the
+        CPU), or None when every segment's is 1."""
+        if all(m == 1.0 for m in self.zxbcdt_multipliers):
+            return None
+        gn = self.n_groups * self.state_size
+        widths = (self.inner_size, self.inner_size, gn, gn, self.num_heads)
+        return torch.cat(
+            [
+                torch.full((w,), m, device="cpu")
+                for w, m in zip(widths, self.zxbcdt_multipliers, strict=True)
+            ]
+        )
 
 
 class RMSNormGateFirst(nn.Module):
@@ -79,12 +114,19 @@ class RMSNormGateFirst(nn.Module):
 class Mamba2Mixer(nn.Module):
     """Module names are the checkpoints' (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
     `norm`, `out_proj`). `mamba_layer_id` is the layer's index among the model's recurrent
-    layers (its pool layer)."""
+    layers (its pool layer). `config` is the checkpoint's; `self.config` this rank's."""
 
-    def __init__(self, config: Mamba2Config, mamba_layer_id: int, ops: KernelSet = REFERENCE):
+    def __init__(
+        self,
+        config: Mamba2Config,
+        mamba_layer_id: int,
+        ops: KernelSet = REFERENCE,
+        tp: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
-        c, self.config, self.ops = config, config, ops
-        self.mamba_layer_id = mamba_layer_id
+        self.tp, self.whole = tp or ParallelContext(), config
+        c = self.config = config.local(self.tp)
+        self.ops, self.mamba_layer_id = ops, mamba_layer_id
         H, inner, conv_dim = c.num_heads, c.inner_size, c.conv_dim
         self.in_proj = Linear(c.hidden_size, inner + conv_dim + H, bias=c.proj_bias, ops=ops)
         self.conv1d = nn.Conv1d(
@@ -93,27 +135,65 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.zeros(H))
         self.D = nn.Parameter(torch.ones(H))
-        self.norm = (
-            RMSNormGateFirst(inner, inner // c.n_groups, c.norm_eps, ops) if c.gated_norm else None
-        )
-        self.out_proj = Linear(inner, c.hidden_size, bias=c.proj_bias, ops=ops)
+        self.norm: nn.Module | None = None
+        if c.gated_norm and self.tp.enabled and config.n_groups == 1:  # one group on all ranks
+            self.norm = ParallelRMSNormGateFirst(inner, c.norm_eps, self.tp)
+        elif c.gated_norm:
+            self.norm = RMSNormGateFirst(inner, inner // c.n_groups, c.norm_eps, ops)
+        # whether the decode ops apply the norm (else they return y * silu(z), normed after)
+        self.norm_in_op = isinstance(self.norm, RMSNormGateFirst)
+        self.out_proj = row_linear(inner, c.hidden_size, c.proj_bias, self.tp, ops)
+        # A plain attribute built on the CPU (a model constructed on the meta device keeps it),
+        # moved to the activations' device and dtype where used
+        self.zxbcdt_scale = c.zxbcdt_scale()
         # conv window [conv_dim, K-1]; SSM state [H, P, N]
         self.state_shape = MambaStateShape(
             conv_dim, c.conv_kernel - 1, (H, c.head_dim, c.state_size)
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.config.in_multiplier != 1.0:
+            x = x * self.config.in_multiplier
         zxbcdt = self.in_proj(x)  # [T, I + conv_dim + H]
-        if batch.is_decode:
-            return self.out_proj(self._decode(zxbcdt, batch))
-        if batch.is_verify:
-            return self.out_proj(self._verify(zxbcdt, batch))
+        if self.zxbcdt_scale is not None:
+            self.zxbcdt_scale = self.zxbcdt_scale.to(zxbcdt)  # a no-op once moved
+            zxbcdt = zxbcdt * self.zxbcdt_scale
+        if batch.is_decode or batch.is_verify:
+            step = self._decode if batch.is_decode else self._verify
+            y = step(zxbcdt, batch)  # [T, I], normed unless the norm spans the ranks
+            if self.norm is not None and not self.norm_in_op:
+                y = self.norm.scale(y)
+            return self.out_proj(y)
         return self.out_proj(self._extend(zxbcdt, batch))
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """This rank's part of each parameter (`models.tp_shards`): its heads' rows of z, x and
+        dt, its groups' (all when G = 1) of B and C."""
+        if not self.tp.enabled:
+            return {}
+        w, hn, gn = self.whole, self.config.num_heads, self.config.n_groups
+        h0 = self.tp.rank * hn
+        g0 = 0 if w.n_groups == 1 else self.tp.rank * gn
+        I, GN, P, N = w.inner_size, w.n_groups * w.state_size, w.head_dim, w.state_size
+        # in_proj rows [z | x | B | C | dt]; conv channels [x | B | C]
+        x, b, c = span(h0, hn, P), span(g0, gn, N, offset=I), span(g0, gn, N, offset=I + GN)
+        shifted = tuple((start + I, end + I) for start, end in (x, b, c))
+        proj = rows(span(h0, hn, P), *shifted, span(h0, hn, offset=2 * I + 2 * GN))
+        heads, conv = rows(span(h0, hn)), rows(x, b, c)
+        out = {"in_proj.weight": proj, "conv1d.weight": conv, "out_proj.weight": cols(x)}
+        out |= {"dt_bias": heads, "A_log": heads, "D": heads}
+        if self.norm is not None:
+            out["norm.weight"] = rows(x)
+        if w.proj_bias:
+            out["in_proj.bias"] = proj
+        if w.conv_bias:
+            out["conv1d.bias"] = conv
+        return out
 
     def _step_args(self, batch: ForwardBatch) -> tuple:
         """The decode and verify ops' leading arguments after the projection."""
         pool = batch.mamba_pool
-        norm = None if self.norm is None else self.norm.weight
+        norm = self.norm.weight if self.norm_in_op else None
         return (
             pool.conv_state, pool.ssm_state, self.mamba_layer_id, self.conv1d.weight.squeeze(1),
             self.conv1d.bias, self.A_log, self.dt_bias, self.D, norm,

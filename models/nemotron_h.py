@@ -10,7 +10,8 @@ Module names equal the checkpoints' (`backbone.embeddings`, `backbone.layers.{i}
 transformers 5.x stores them (`mixer.experts.up_proj` [E, I, H], `mixer.experts.down_proj`
 [E, H, I]; `models.weight_map` also reads the per-expert tensors the releases ship). The model
 reads one `ForwardBatch` and returns logits for the last new token of each request (or every
-token). No tensor parallelism yet.
+token). Under tensor parallelism each rank holds its share of the Mamba2 and attention heads,
+of every MLP's and expert's intermediate width (the router whole), and of the vocabulary.
 """
 
 from __future__ import annotations
@@ -20,22 +21,42 @@ from torch import nn
 
 from kernels import KernelSet
 from kernels.relu2_moe import relu2
-from mem_cache.state_shape import MambaStateShape
 from models.forward_batch import ForwardBatch
 from models.gqa_attention import Attention
+from models.hybrid_lm import HybridForCausalLM
 from models.layers import REFERENCE, Linear, RMSNormPlain
 from models.mamba2_mixer import Mamba2Mixer
 from models.nemotron_h_config import ATTENTION, MAMBA, MLP, NemotronHConfig
 from models.parallel import ParallelContext
+from models.parallel_layers import embedding, lm_head, row_linear
+from models.shard_loader import Shard
+from models.tp_shards import cols, width_share
 
 
 class NemotronHMLP(nn.Module):
-    """down(relu(up(x))^2): no gate."""
+    """down(relu(up(x))^2): no gate. Under tensor parallelism: this rank's share of the
+    width, down_proj summed over the ranks."""
 
-    def __init__(self, hidden: int, width: int, bias: bool, ops: KernelSet = REFERENCE) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        width: int,
+        bias: bool,
+        ops: KernelSet = REFERENCE,
+        tp: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
-        self.up_proj = Linear(hidden, width, bias=bias, ops=ops)
-        self.down_proj = Linear(width, hidden, bias=bias, ops=ops)
+        self.tp, self.width, self.bias = tp or ParallelContext(), width, bias
+        local = self.tp.split(width, "MLP width")[1]
+        self.up_proj = Linear(hidden, local, bias=bias, ops=ops)
+        self.down_proj = row_linear(local, hidden, bias, self.tp, ops)
+
+    def tp_shards(self) -> dict[str, Shard]:
+        if not self.tp.enabled:
+            return {}
+        share = width_share(self.tp, self.width)
+        out = {"up_proj.weight": share, "down_proj.weight": cols(*share.ranges)}
+        return out | ({"up_proj.bias": share} if self.bias else {})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
@@ -52,59 +73,72 @@ class NemotronHRouter(nn.Module):
 
 
 class NemotronHExperts(nn.Module):
-    """E routed relu^2 experts, stacked: up_proj [E, I, H], down_proj [E, H, I]."""
+    """E routed relu^2 experts, stacked: up_proj [E, I, H], down_proj [E, H, I] (this rank's
+    share of I under tensor parallelism)."""
 
-    def __init__(self, num_experts: int, hidden: int, width: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, width: int, tp: ParallelContext) -> None:
         super().__init__()
-        self.up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.tp, self.width = tp, width
+        local = tp.split(width, "moe_intermediate_size")[1]
+        self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
+
+    def tp_shards(self) -> dict[str, Shard]:
+        if not self.tp.enabled:
+            return {}
+        share = width_share(self.tp, self.width, dim=1)
+        return {"up_proj": share, "down_proj": cols(*share.ranges, dim=2)}
 
 
 class NemotronHMoE(nn.Module):
     """Sigmoid router with group-limited top-k over relu^2 experts, plus a shared expert; the
-    whole block is one op of the kernel set (`relu2_moe`, reference `kernels.relu2_moe`)."""
+    whole block is one op of the kernel set (`relu2_moe`, reference `kernels.relu2_moe`). Under
+    tensor parallelism the router is whole, the experts' and shared expert's widths split, and
+    their summed output all-reduced once."""
 
-    def __init__(self, c: NemotronHConfig, ops: KernelSet = REFERENCE) -> None:
+    def __init__(self, c: NemotronHConfig, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
-        self.config, self.ops = c, ops
+        self.config, self.ops, self.tp = c, ops, tp
         self.gate = NemotronHRouter(c.num_experts, c.hidden_size)
-        self.experts = NemotronHExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.experts = NemotronHExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, tp)
         self.shared_experts = NemotronHMLP(
-            c.hidden_size, c.shared_expert_intermediate_size, c.mlp_bias, ops
+            c.hidden_size, c.shared_expert_intermediate_size, c.mlp_bias, ops, tp
         )
         if c.mlp_bias:
             raise ValueError("config.json: MoE blocks with mlp_bias are unsupported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
         c, shared = self.config, self.shared_experts
-        return self.ops.relu2_moe(
+        return self.tp.all_reduce(self.ops.relu2_moe(
             x, self.gate.weight, self.gate.e_score_correction_bias, self.experts.up_proj,
             self.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight,
             c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
             c.routed_scaling_factor,
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 class NemotronHBlock(nn.Module):
     """One block: h = x + mixer(norm(x))."""
 
-    def __init__(self, c: NemotronHConfig, layer_id: int, ops: KernelSet) -> None:
+    def __init__(
+        self, c: NemotronHConfig, layer_id: int, ops: KernelSet, tp: ParallelContext
+    ) -> None:
         super().__init__()
         self.kind = c.layer_types[layer_id]
         self.norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
         if self.kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(
-                c.mamba, c.linear_attention_layers.index(layer_id), ops
+                c.mamba, c.linear_attention_layers.index(layer_id), ops, tp
             )
         elif self.kind == ATTENTION:
             self.mixer = Attention(
                 c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                c.full_attention_layers.index(layer_id), ops=ops,
+                c.full_attention_layers.index(layer_id), ops=ops, tp=tp,
             )  # fmt: skip
         elif self.kind == MLP:
-            self.mixer = NemotronHMLP(c.hidden_size, c.mlp_width(layer_id), c.mlp_bias, ops)
+            self.mixer = NemotronHMLP(c.hidden_size, c.mlp_width(layer_id), c.mlp_bias, ops, tp)
         else:
-            self.mixer = NemotronHMoE(c, ops)
+            self.mixer = NemotronHMoE(c, ops, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = self.norm(x)
@@ -114,12 +148,12 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, c: NemotronHConfig, ops: KernelSet) -> None:
+    def __init__(self, c: NemotronHConfig, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(
-            c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
+        self.embeddings = embedding(c.vocab_size, c.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            NemotronHBlock(c, i, ops, tp) for i in range(c.num_hidden_layers)
         )
-        self.layers = nn.ModuleList(NemotronHBlock(c, i, ops) for i in range(c.num_hidden_layers))
         self.norm_f = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -130,10 +164,9 @@ class NemotronHModel(nn.Module):
         return x
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridForCausalLM):
     """The whole model. `ops` is the kernel set every layer calls (`kernels.choose`; the torch
-    references by default). The loader's and scheduler's contract is `Qwen3NextForCausalLM`'s:
-    `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`."""
+    references by default); the loader's and scheduler's contract is `models.hybrid_lm`'s."""
 
     def __init__(
         self,
@@ -142,59 +175,18 @@ class NemotronHForCausalLM(nn.Module):
         ops: KernelSet = REFERENCE,
         mtp: bool = False,
     ) -> None:
-        super().__init__()
-        self.tp, self.ops = tp or ParallelContext(), ops
-        if self.tp.enabled:
-            raise ValueError("nemotron_h: tensor parallelism is not supported yet")
-        if mtp:
-            raise ValueError("nemotron_h: no MTP head is served for this family yet")
-        self.config = self.local_config = config
-        self.backbone = NemotronHModel(config, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
+        super().__init__(config, tp, ops, mtp)
+        self.backbone = NemotronHModel(config, ops, self.tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
-        self.mtp = None
 
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.backbone.embeddings
 
-    @property
-    def state_shapes(self) -> tuple[MambaStateShape, ...]:
-        """Each Mamba2 block's per-sequence state, in pool order: what the Mamba pool is built
-        from."""
-        return tuple(
-            layer.mixer.state_shape for layer in self.backbone.layers if layer.kind == MAMBA
-        )
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.backbone(batch)
 
-    @property
-    def num_kv_layers(self) -> int:
-        return len(self.config.full_attention_layers)
-
-    def use_kernels(self, ops: KernelSet) -> None:
-        """Run every layer on `ops` from now on."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
-        or [K, vocab] at `logit_indices`."""
-        return self.lm_head(self.final_hidden(batch)).float()
-
-    @torch.inference_mode()
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    @torch.inference_mode()
-    def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:
-        """The final normed hidden states of the rows `forward` returns logits for (with
-        `every_row`, of every new token)."""
-        x = self.backbone(batch)
-        if not (every_row or batch.is_decode):
-            if batch.logit_indices is not None:
-                x = x[batch.logit_indices]
-            elif not batch.return_all_logits:
-                x = x[batch.last_token_indices()]
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone.norm_f(x)

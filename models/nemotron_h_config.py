@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from models.config import checkpoint_ssm_dtype
 from models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -59,6 +60,7 @@ class NemotronHConfig:
     model_type: str = "nemotron_h"
     mtp_num_hidden_layers: int = 0  # no MTP head is served for this family yet
     weight_prefix: str = "backbone."  # where the checkpoint's stack lives (our names too)
+    mamba_ssm_dtype: str = "float32"  # the checkpoint's SSM-state dtype (models.config)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -167,6 +169,7 @@ class NemotronHConfig:
             routed_scaling_factor=float(d["routed_scaling_factor"]),
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
+            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
         )
 
 

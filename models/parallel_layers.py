@@ -97,6 +97,30 @@ class ParallelLMHead(Linear):
         return self.tp.all_gather_last(super().forward(x))[..., : self.vocab_size]
 
 
+class ParallelRMSNormGateFirst(nn.Module):
+    """The Mamba2 gated norm over channels split across the ranks in one group (G = 1, as
+    SGLang's Mixer2RMSNormGated): g = y * silu(z), its sum of squares summed over the ranks,
+    w * g / rms(g) with this rank's share of w."""
+
+    def __init__(self, dim: int, eps: float, tp: ParallelContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.tp = eps, tp
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self._normalize(y.float() * F.silu(z.float()), y.dtype)
+
+    def scale(self, g: torch.Tensor) -> torch.Tensor:
+        """w * g / rms(g) of the gated output g [M, dim] (the decode ops' output without a
+        norm), the rms over every rank's channels."""
+        return self._normalize(g.float(), g.dtype)
+
+    def _normalize(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # g fp32
+        squares = self.tp.all_reduce(g.pow(2).sum(-1, keepdim=True))
+        mean = squares / (g.shape[-1] * self.tp.size)
+        return self.weight * (g * torch.rsqrt(mean + self.eps)).to(dtype)
+
+
 def k_split_matrices(model: nn.Module) -> set[int]:
     """ids of the matrices whose input columns (K) are split over the ranks: the row-parallel
     linears', the parallel MLPs' and MoE blocks' down projections (experts and shared)."""

@@ -23,6 +23,8 @@ from models.layers import REFERENCE, RMSNorm, RotaryEmbedding
 from models.mtp import MultiTokenPredictor
 from models.parallel import ParallelContext
 from models.parallel_layers import embedding, lm_head
+from models.shard_loader import Shard, source_shard
+from models.weight_map import Target
 
 
 class Qwen3NextModel(nn.Module):
@@ -91,6 +93,10 @@ class Qwen3NextForCausalLM(nn.Module):
         """Attention layers whose keys and values the KV pool holds (the MTP head's last)."""
         extra = self.config.mtp_num_hidden_layers if self.mtp is not None else 0
         return len(self.config.full_attention_layers) + extra
+
+    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
+        """The part of checkpoint tensor `name` this rank reads (`source_shard`; None: all)."""
+        return source_shard(name, self.config, self.tp)
 
     def use_kernels(self, ops: KernelSet) -> None:
         """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on

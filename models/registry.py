@@ -16,9 +16,14 @@ from typing import Any
 
 from torch import nn
 
+from models.bamba import BambaForCausalLM
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
+from models.mamba2_hybrid_config import Mamba2HybridConfig
 from models.nemotron_h import NemotronHForCausalLM
 from models.nemotron_h_config import NemotronHConfig
+from models.olmo_hybrid import OlmoHybridForCausalLM
+from models.olmo_hybrid_config import OlmoHybridConfig
 from models.qwen3_next import Qwen3NextForCausalLM
 
 
@@ -44,7 +49,21 @@ FAMILIES = (
         ),
     ),
     Family(NemotronHConfig, NemotronHForCausalLM, ("nemotron_h",), ("NemotronHForCausalLM",)),
+    Family(
+        Mamba2HybridConfig,
+        GraniteMoeHybridForCausalLM,
+        ("granitemoehybrid",),
+        ("GraniteMoeHybridForCausalLM",),
+    ),
+    Family(
+        Mamba2HybridConfig,
+        BambaForCausalLM,
+        ("bamba", "falcon_h1"),
+        ("BambaForCausalLM", "FalconH1ForCausalLM"),
+    ),
+    Family(OlmoHybridConfig, OlmoHybridForCausalLM, ("olmo_hybrid",), ("OlmoHybridForCausalLM",)),
 )
+Config = ModelConfig | NemotronHConfig | Mamba2HybridConfig | OlmoHybridConfig
 
 
 def family_of(raw: dict[str, Any]) -> Family:
@@ -62,7 +81,7 @@ def family_of(raw: dict[str, Any]) -> Family:
     )
 
 
-def read_config(path: str | Path) -> ModelConfig | NemotronHConfig:
+def read_config(path: str | Path) -> Config:
     """`path/config.json` (or that file) read by its family's config class;
     `generation_config.json` beside it adds EOS ids."""
     path = Path(path)
@@ -70,14 +89,19 @@ def read_config(path: str | Path) -> ModelConfig | NemotronHConfig:
     if not cfg_file.is_file():
         raise ValueError(f"no config.json at {cfg_file}")
     raw = json.loads(cfg_file.read_text())
+    family = family_of(raw)
     gen_file = cfg_file.parent / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-    return family_of(raw).config_class.from_dict(raw, generation_config=gen)
+    return family.config_class.from_dict(raw, generation_config=gen)
 
 
-def model_class(config: ModelConfig | NemotronHConfig) -> type[nn.Module]:
-    """The model class that builds `config`."""
+def model_class(config: Config) -> type[nn.Module]:
+    """The model class that builds `config` (by its class, and its `model_type` where one config
+    class reads several families)."""
     for family in FAMILIES:
-        if isinstance(config, family.config_class):
+        model_type = getattr(config, "model_type", None)
+        if isinstance(config, family.config_class) and (
+            model_type is None or model_type in family.model_types
+        ):
             return family.model_class
     raise ValueError(f"no model class for {type(config).__name__}")

@@ -15,6 +15,12 @@ tensor before reading any data. The table covers every layout we read:
     NemotronH    per-expert mixer.experts.{e}.{up,down}_proj.weight -> entry e of the stacked
                  mixer.experts.up_proj [E, I, hidden] / down_proj [E, hidden, I] (the
                  releases' layout), or the stacked tensors themselves (transformers 5.x's)
+    OLMo-Hybrid  linear_attn.{q,k,v,g}_proj -> rows of in_proj_qkvz ([Q|K|V|Z]); {b,a}_proj ->
+                 rows of in_proj_ba; {q,k,v}_conv1d -> rows of conv1d; o_norm -> norm;
+                 o_proj -> out_proj
+    Granite-4.0-H  block_sparse_moe.input_linear.weight [E, 2I, hidden] ([gate | up] rows) /
+                 output_linear.weight [E, hidden, I] -> block_sparse_moe.experts.gate_up_proj /
+                 down_proj (the releases' fused layout, as stored)
 
 Checkpoint names carry the config's `weight_prefix` in place of `model.` (`model.language_model.`
 in the multimodal Qwen3.5 wrappers); `lm_head.weight` and the multi-token-prediction head
@@ -36,6 +42,10 @@ from models.config import ModelConfig
 
 MTP_PREFIX = "mtp."
 SKIPPED_PREFIXES = (MTP_PREFIX, "model.visual.", "visual.", "model.mtp.")
+GRANITE_EXPERTS = {
+    "experts.gate_up_proj": "input_linear.weight",
+    "experts.down_proj": "output_linear.weight",
+}
 
 
 @dataclass(frozen=True)
@@ -86,8 +96,34 @@ def _regroup_ba(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     return f
 
 
+def _olmo_gdn_entries(pname: str, c) -> dict[str, Target]:
+    """OLMo-Hybrid's separate GDN tensors that fill GDN parameter `pname`."""
+    base, leaf = pname.split(".linear_attn.")
+    a = f"{base}.linear_attn."
+    kd, vd, hv = c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
+
+    def rows(*spans: tuple[str, int]) -> dict[str, Target]:
+        out, start = {}, 0
+        for name, width in spans:
+            out[a + name] = Target(pname, (slice(start, start + width),))
+            start += width
+        return out
+
+    if leaf == "in_proj_qkvz.weight":
+        return rows(("q_proj.weight", kd), ("k_proj.weight", kd), ("v_proj.weight", vd),
+                    ("g_proj.weight", vd))  # fmt: skip
+    if leaf == "in_proj_ba.weight":
+        return rows(("b_proj.weight", hv), ("a_proj.weight", hv))
+    if leaf == "conv1d.weight":
+        return rows(("q_conv1d.weight", kd), ("k_conv1d.weight", kd), ("v_conv1d.weight", vd))
+    renamed = {"norm.weight": "o_norm.weight", "out_proj.weight": "o_proj.weight"}
+    return {a + renamed.get(leaf, leaf): Target(pname)}
+
+
 def _param_entries(pname: str, c: ModelConfig, expert_layout: str) -> dict[str, Target]:
     """Checkpoint names (without the prefix change) that fill parameter `pname`."""
+    if ".linear_attn." in pname and c.gdn_projections == "olmo":
+        return _olmo_gdn_entries(pname, c)
     if pname.endswith("linear_attn.in_proj_qkvz.weight"):
         base = pname.removesuffix("in_proj_qkvz.weight")
         if c.gdn_projections == "grouped":
@@ -106,6 +142,10 @@ def _param_entries(pname: str, c: ModelConfig, expert_layout: str) -> dict[str, 
             f"{base}in_proj_b.weight": Target(pname, (slice(0, hv),)),
             f"{base}in_proj_a.weight": Target(pname, (slice(hv, 2 * hv),)),
         }
+    if ".block_sparse_moe.experts." in pname:  # Granite-4.0-H's fused experts, as stored
+        for ours, stored in GRANITE_EXPERTS.items():
+            if pname.endswith(ours):
+                return {pname.removesuffix(ours) + stored: Target(pname)}
     if expert_layout == "per_expert" and pname.endswith("mlp.experts.gate_up_proj"):
         base, inter = pname.removesuffix("gate_up_proj"), c.moe_intermediate_size
         out = {}

@@ -16,7 +16,7 @@ from scheduler.debug import DebugSwitches, install
 from scheduler.grammar import GrammarBackend
 from scheduler.lockstep import check_same_config
 from scheduler.model_runner import ModelRunner
-from scheduler.pool_sizing import describe, pool_bytes, size_pools
+from scheduler.pool_sizing import describe, pool_bytes, size_pools, ssm_state_dtype
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def build_scheduler(
         slots += runner_cfg.spec_steps * runner_cfg.max_running_requests  # verify's step slots
         runner_cfg = replace(runner_cfg, mamba_cache_size=slots)
     model = load_runner_model(model_path, runner_cfg, tp)
-    sizes = pool_bytes(model)
+    sizes = pool_bytes(model, ssm_state_dtype(runner_cfg, model))
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))
     if tp is not None and tp.enabled:

@@ -177,6 +177,12 @@ class RunnerConfig:
         "auto (the checkpoint's safetensors) or dummy: random weights from config.json alone, "
         "no weight file read (for real-size measurements; models/dummy_weights.py)",
     )
+    mamba_ssm_dtype: str | None = opt(
+        None,
+        "dtype of the Mamba pool's temporal (SSM / recurrent) states: float32, bfloat16 or "
+        "float16 (default: the checkpoint's mamba_ssm_dtype, else float32); the conv windows "
+        "keep the model's dtype and every update is computed in fp32",
+    )
     quantization: str | None = opt(
         None,
         "weight-only matrices quantized at load from any float or FP8 checkpoint (CPU; "
@@ -246,6 +252,8 @@ class RunnerConfig:
         if self.mamba_cache_size < 0:
             raise ValueError(f"--mamba-cache-size must be >= 0, got {self.mamba_cache_size}")
         _one_of(self, "dtype", ("auto", *DTYPE_NAMES))
+        if self.mamba_ssm_dtype is not None:
+            _one_of(self, "mamba_ssm_dtype", DTYPE_NAMES)
         _one_of(self, "load_format", LOAD_FORMATS)
         if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(

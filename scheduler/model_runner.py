@@ -28,6 +28,7 @@ from models.forward_batch import ForwardBatch
 from models.qwen3_next import Qwen3NextForCausalLM
 from scheduler.config import RunnerConfig
 from scheduler.penalties import TokenCounts
+from scheduler.pool_sizing import ssm_state_dtype
 from scheduler.sampler import SampleOutput, Sampler
 from scheduler.sampling_params import SamplingParams
 
@@ -77,6 +78,7 @@ class ModelRunner:
             config.mamba_slots,
             model.state_shapes,  # what each recurrent layer keeps per sequence
             conv_dtype=dtype,
+            ssm_dtype=ssm_state_dtype(config, model),
             device=device,
             hidden_size=mc.hidden_size,
         )

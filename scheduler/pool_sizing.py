@@ -11,9 +11,12 @@ takes the rest, rounded down to whole pages. Sizes per unit:
 
     KV token    = full-attention layers x 2 (K, V) x kv_heads x head_dim x dtype bytes
     Mamba slot  = sum over recurrent layers of (conv_dim x (K - 1) x dtype bytes
-                  + the temporal state's elements x 4), as each layer describes its state
-                  (`model.state_shapes`), + hidden_size x dtype bytes (the slot's final-hidden
-                  row, exact repeats)
+                  + the temporal state's elements x its dtype's bytes), as each layer
+                  describes its state (`model.state_shapes`), + hidden_size x dtype bytes (the
+                  slot's final-hidden row, exact repeats)
+
+The temporal (SSM) state's dtype is `--mamba-ssm-dtype` (SGLang's flag), else the checkpoint's
+`mamba_ssm_dtype` (`models.config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 from kernels.fp8 import weight_bytes
 from mem_cache.state_shape import state_bytes_per_slot
 from models.config import ModelConfig
+from models.loader import DTYPES
 
 GB = 1e9
 
@@ -35,18 +39,25 @@ class PoolBytes:
     kv_per_token: int
     mamba_per_slot: int
     weights: int
+    ssm_dtype: torch.dtype = torch.float32
 
 
-def pool_bytes(model: nn.Module) -> PoolBytes:
+def ssm_state_dtype(cfg, model: nn.Module) -> torch.dtype:
+    """The Mamba pool's temporal-state dtype: `cfg.mamba_ssm_dtype` (a RunnerConfig's), else
+    the checkpoint's."""
+    return DTYPES[cfg.mamba_ssm_dtype or model.config.mamba_ssm_dtype]
+
+
+def pool_bytes(model: nn.Module, ssm_dtype: torch.dtype = torch.float32) -> PoolBytes:
     c: ModelConfig = getattr(model, "local_config", model.config)  # per tensor-parallel rank
     dtype_bytes = next(model.parameters()).element_size()
     layers = getattr(model, "num_kv_layers", len(c.full_attention_layers))  # + the MTP head's
     kv = layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
     dtype = next(model.parameters()).dtype
-    states = state_bytes_per_slot(model.state_shapes, dtype, torch.float32)  # fp32 recurrent
+    states = state_bytes_per_slot(model.state_shapes, dtype, ssm_dtype)
     weights = sum(weight_bytes(p) for p in model.parameters())  # FP8 matrices: 1 B + scales
     hidden = c.hidden_size * dtype_bytes
-    return PoolBytes(kv, states + hidden, weights)
+    return PoolBytes(kv, states + hidden, weights, ssm_dtype)
 
 
 def _budget(cfg, sizes: PoolBytes) -> float | None:
@@ -89,5 +100,6 @@ def describe(cfg, sizes: PoolBytes) -> str:
     return (
         f"memory: weights {sizes.weights / GB:.3f} GB; KV pool {cfg.max_total_tokens} tokens x "
         f"{sizes.kv_per_token} B = {kv / GB:.3f} GB; Mamba pool {cfg.mamba_slots} slots x "
-        f"{sizes.mamba_per_slot / 1e6:.2f} MB = {mamba / GB:.3f} GB"
+        f"{sizes.mamba_per_slot / 1e6:.2f} MB ({sizes.mamba_per_slot / 2**20:.1f} MiB, "
+        f"{str(sizes.ssm_dtype).removeprefix('torch.')} SSM states) = {mamba / GB:.3f} GB"
     )

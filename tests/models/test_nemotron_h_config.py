@@ -106,3 +106,20 @@ def test_nano_30b_real_shape_on_meta(tmp_path):
     assert 46.5 < state / 2**20 < 47.0
     assert sizes.kv_per_token == 6 * 2 * 2 * 128 * 2
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_nano_9b_v2_real_shape_on_meta(tmp_path):
+    """Nemotron-Nano-9B-v2: 27 Mamba2, 4 attention and 25 relu^2 MLP blocks of 56; 8.89B
+    parameters (the release's count; "9B" its label) and 137 MiB of fp32 state a slot."""
+    write_config_only(tmp_path, preset_config("nemotron-nano-9b-v2"))
+    model = load_model(tmp_path, dtype="bfloat16", device="meta", load_format="dummy")
+    c = model.config
+    assert c.layer_types.count("linear_attention") == 27 and model.num_kv_layers == 4
+    assert c.layer_types.count("mlp") == 25
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(total - 8.89e9) / 8.89e9 < 0.005, total
+    assert model.state_shapes[0].conv == (10240 + 2 * 8 * 128, 3)
+    assert model.state_shapes[0].temporal == (128, 80, 128)
+    state = 27 * ((10240 + 2048) * 3 * 2 + 128 * 80 * 128 * 4)
+    assert pool_bytes(model).mamba_per_slot == state + c.hidden_size * 2
+    assert 136.5 < state / 2**20 < 137.0

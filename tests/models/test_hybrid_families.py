@@ -1,11 +1,11 @@
-"""NemotronH on real pools against transformers' NemotronHForCausalLM on the tiny preset.
+"""Each hybrid family's tiny preset on real pools against transformers' own model class
+(`tests.families`: NemotronH with its dt clamp patched, Granite-4.0-H with and without experts,
+Bamba, Falcon-H1, OLMo-Hybrid).
 
-The judge is transformers with one difference patched, as the issue asks: its torch path clamps
-dt at `time_step_min` (HF PR #48989), where NVIDIA's code, vLLM and SGLang (and we) apply the
-config's `time_step_limit` (0, inf). One test shows the unpatched port really differs here, so
-the patch is not a no-op. Then: ragged prefill logits within 1e-4 of the float64 reference,
-chunked prefill at sizes the SSD chunk (128) does not divide equal to one shot, and greedy
-decode of a padded batch equal to `generate`.
+Per family: ragged prefill logits within 1e-4 of the reference run in float64 (and 2e-4 of its
+fp32 run), chunked prefill at sizes the SSD chunk (128 or 256) does not divide equal to one shot
+(logits and the pool's states), and greedy decode of a padded batch equal to `generate`. For
+NemotronH one test shows the unpatched port really differs, so the patch is not a no-op.
 """
 
 from __future__ import annotations
@@ -15,49 +15,29 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from make_model.presets import preset_config, write_checkpoint
 from models.loader import load_model
 from models.nemotron_h import NemotronHForCausalLM
 from scheduler.model_runner import DecodeInput, ModelRunner, RunnerConfig
+from tests.families import FAMILY_PRESETS, hf_reference
 from tests.hf_reference import hf_greedy
 from tests.ragged_prefill import admit, ragged_prefill
 
-PRESET = "tiny-nemotron-h"
 PROMPT_LENS = [1, 17, 129, 300]
 DECODE_STEPS = 24
 ATOL = 1e-4
 
 
-def patch_time_step_limit(hf) -> None:
-    """transformers' NemotronH mixer clamps dt >= time_step_min in its torch path; the model as
-    trained (and every serving peer) uses the config's limit, (0, inf)."""
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
-
-    for module in hf.modules():
-        if isinstance(module, NemotronHMamba2Mixer):
-            module.time_step_limit = tuple(hf.config.time_step_limit)
-
-
-def hf_reference(path, patched: bool = True):
-    hf, info = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True
-    )
-    assert not any(info.values()), f"transformers did not load the checkpoint cleanly: {info}"
-    if patched:
-        patch_time_step_limit(hf)
-    return hf.eval()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("nemotron-h")
-    write_checkpoint(path, preset_config(PRESET), seed=1)
+@pytest.fixture(scope="module", params=FAMILY_PRESETS)
+def checkpoint(request, tmp_path_factory):
+    preset = request.param
+    path = tmp_path_factory.mktemp(preset)
+    write_checkpoint(path, preset_config(preset), seed=1)
     hf = hf_reference(path)
     ours = load_model(path, dtype="float32")
     gen = torch.Generator().manual_seed(7)
-    vocab = preset_config(PRESET)["vocab_size"]
+    vocab = preset_config(preset)["vocab_size"]
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     return path, hf, ours, prompts
 
@@ -71,20 +51,20 @@ def _hf_last_logits(hf, prompt) -> torch.Tensor:
         return hf(torch.tensor([prompt])).logits[0, -1]
 
 
-def test_registry_builds_nemotron_h_with_mamba2_state_shapes(checkpoint):
-    _, _, ours, _ = checkpoint
-    assert isinstance(ours, NemotronHForCausalLM)
+def test_pools_hold_each_layers_state_and_kv(checkpoint):
+    _, hf, ours, _ = checkpoint
     c = ours.config
-    assert c.layer_types.count("linear_attention") == 4 and ours.num_kv_layers == 1
-    shape = ours.state_shapes[0]
-    assert shape.conv == (128 + 2 * 8 * 16, 3) and shape.temporal == (16, 8, 16)
-    assert len(ours.state_shapes) == 4
     pool = _runner(ours).mamba_pool
-    assert pool.ssm_state.shape[2:] == (16, 8, 16) and pool.conv_state.shape[2:] == (384, 3)
+    assert len(ours.state_shapes) == len(c.linear_attention_layers) == pool.ssm_state.shape[0]
+    assert ours.num_kv_layers == len(c.full_attention_layers) > 0
+    assert pool.ssm_state.shape[2:] == ours.state_shapes[0].temporal
+    assert pool.conv_state.shape[2:] == ours.state_shapes[0].conv
+    if c.model_type == "falcon_h1":  # the parallel hybrid: every layer holds KV and a state
+        assert ours.num_kv_layers == len(ours.state_shapes) == c.num_hidden_layers
 
 
 def test_ragged_prefill_logits_match(checkpoint):
-    """Within ATOL of transformers (patched) run in float64, within 2 ATOL of its fp32 run."""
+    """Within ATOL of transformers run in float64, within 2 ATOL of its fp32 run."""
     _, hf, ours, prompts = checkpoint
     hf64 = copy.deepcopy(hf).double()
     hf64.config._experts_implementation = "eager"  # no float64 grouped GEMM
@@ -98,13 +78,15 @@ def test_ragged_prefill_logits_match(checkpoint):
         err32 = (logits[i] - _hf_last_logits(hf, p)).abs().max().item()
         assert err32 < 2 * ATOL, f"prompt of {len(p)} tokens: max |dlogit| to fp32 {err32:.2e}"
         worst = max(worst, err)
-    print(f"max |dlogit| to float64 transformers: {worst:.2e}")
+    print(f"{ours.config.model_type}: max |dlogit| to float64 transformers: {worst:.2e}")
 
 
-def test_unpatched_transformers_differs(checkpoint):
-    """The dt >= time_step_min clamp of transformers' torch path changes this model's logits:
-    the patch above is what makes the reference the model as trained."""
+@pytest.mark.parametrize("checkpoint", ["tiny-nemotron-h"], indirect=True)
+def test_unpatched_nemotron_h_differs(checkpoint):
+    """The dt >= time_step_min clamp of transformers' NemotronH torch path changes this model's
+    logits: the patch is what makes the reference the model as trained."""
     path, _, ours, prompts = checkpoint
+    assert isinstance(ours, NemotronHForCausalLM)
     unpatched = hf_reference(path, patched=False)
     assert unpatched.model.layers[0].mixer.time_step_limit[0] == pytest.approx(1e-3)
     runner = _runner(ours)

@@ -1,7 +1,8 @@
-"""NemotronH through the whole scheduler: greedy tokens identical to transformers (dt clamp
-patched, `tests/models/test_nemotron_h.py`) with the radix cache off and on in each Mamba
-strategy, prefill chunked at a size the SSD chunk (128) does not divide, a repeated prompt and a
-shared prefix served from the cache; the leak checker clean after each."""
+"""Each hybrid family (`tests.families`: NemotronH, Granite-4.0-H with and without experts,
+Bamba, Falcon-H1, OLMo-Hybrid) through the whole scheduler: greedy tokens identical to
+transformers (NemotronH's dt clamp patched) with the radix cache off and on in each Mamba
+strategy, prefill chunked at a size neither SSD chunk (128, 256) divides, a repeated prompt and
+a shared prefix served from the cache; the leak checker clean after each."""
 
 from __future__ import annotations
 
@@ -10,20 +11,21 @@ import torch
 
 from make_model.presets import preset_config, write_checkpoint
 from scheduler.engine import Engine
+from tests.families import FAMILY_PRESETS, hf_reference
 from tests.hf_reference import hf_greedy
-from tests.models.test_nemotron_h import PRESET, hf_reference
 
 NEW = 10
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
 POOLS = {"max_running_requests": 8, "max_total_tokens": 4096, "chunked_prefill_size": 96}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = write_checkpoint(tmp_path_factory.mktemp("nemotron-h"), preset_config(PRESET), seed=3)
+@pytest.fixture(scope="module", params=FAMILY_PRESETS)
+def ckpt(request, tmp_path_factory):
+    preset = request.param
+    path = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=3)
     hf = hf_reference(path)
     gen = torch.Generator().manual_seed(11)
-    vocab = preset_config(PRESET)["vocab_size"]
+    vocab = preset_config(preset)["vocab_size"]
 
     def rand(n: int) -> list[int]:
         return torch.randint(3, vocab, (n,), generator=gen).tolist()

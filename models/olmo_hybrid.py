@@ -1,0 +1,108 @@
+"""OLMo-Hybrid (AllenAI, 2026; `olmo_hybrid`): Gated DeltaNet layers (Qwen3-Next's,
+`models.gated_delta_net`) and OLMo-3 attention layers, 3 to 1, each with a SwiGLU MLP:
+
+    GDN layer        h = x + gdn(norm(x));              y = h + mlp(norm(h))        (pre-norm)
+    attention layer  h = x + norm(attention(x));        y = h + norm(mlp(h))        (post-norm)
+    attention(x) = o_proj(softmax(q k^T / sqrt(d)) v),  q = q_norm(q_proj(x)), k = k_norm(...)
+                   (norms over all heads' channels; no positions in the releases)
+    logits = lm_head(norm(x_L))
+
+The GDN layer is the Qwen3-Next one with OLMo's two differences as config fields (beta doubled,
+its output norm's epsilon); the checkpoint's separate `linear_attn.{q,k,v,g,b,a}_proj`,
+`{q,k,v}_conv1d`, `o_norm` and `o_proj` load into its fused projections, conv, norm and
+out_proj (`models.weight_map`). Every other module name is the release's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import KernelSet
+from models.forward_batch import ForwardBatch
+from models.gated_delta_net import GatedDeltaNet
+from models.gqa_attention import Attention
+from models.hybrid_lm import HybridForCausalLM
+from models.layers import MLP, REFERENCE, Linear, RMSNormPlain, RotaryEmbedding
+from models.olmo_hybrid_config import FULL, OlmoHybridConfig
+from models.parallel import ParallelContext
+
+
+class OlmoHybridDecoderLayer(nn.Module):
+    """A GDN layer (pre-norm) or an attention layer (post-norm), by `layer_types`."""
+
+    def __init__(self, c: OlmoHybridConfig, layer_id: int, ops: KernelSet) -> None:
+        super().__init__()
+        self.is_full_attention = c.layer_types[layer_id] == FULL
+        if self.is_full_attention:
+            self.self_attn = Attention(
+                c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                c.full_attention_layers.index(layer_id), bias=c.attention_bias,
+                qk_norm_eps=c.rms_norm_eps, ops=ops,
+            )  # fmt: skip
+            self.post_attention_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
+            self.post_feedforward_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
+        else:
+            self.input_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
+            self.linear_attn = GatedDeltaNet(c, c.linear_attention_layers.index(layer_id), ops=ops)
+            self.post_attention_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, ops)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        if self.is_full_attention:
+            x = x + self.post_attention_layernorm(self.self_attn(x, batch, cos_sin))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + self.linear_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class OlmoHybridModel(nn.Module):
+    def __init__(self, c: OlmoHybridConfig, ops: KernelSet) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
+        )
+        self.layers = nn.ModuleList(
+            OlmoHybridDecoderLayer(c, i, ops) for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
+        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta) if c.rotary_dim else None
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> the last layer's output [T, hidden] (before `norm`)."""
+        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos_sin = None
+        if self.rotary is not None:  # OLMo keeps the angles in fp32
+            cos_sin = self.rotary.cos_sin(batch.positions, torch.float32)
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin)
+        return x
+
+
+class OlmoHybridForCausalLM(HybridForCausalLM):
+    """The whole model (`models.hybrid_lm`'s contract). No tensor parallelism yet."""
+
+    def __init__(
+        self,
+        config: OlmoHybridConfig,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
+        mtp: bool = False,
+    ) -> None:
+        super().__init__(config, tp, ops, mtp)
+        if self.tp.enabled:
+            raise ValueError("olmo_hybrid: tensor parallelism is not supported yet")
+        self.model = OlmoHybridModel(config, ops)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
