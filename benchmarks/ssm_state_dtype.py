@@ -30,6 +30,7 @@ import tempfile
 
 import torch
 
+from kernels import choose
 from make_model.presets import preset_config, write_checkpoint, write_config_only
 from models.loader import load_model
 from scheduler.config import RunnerConfig
@@ -55,6 +56,10 @@ GIB = 2**30
 
 
 def _runner(model, ssm_dtype: str, n: int) -> ModelRunner:
+    """A runner whose pool keeps `ssm_dtype` states, the model's kernels chosen for them (as
+    `load_model(..., mamba_ssm_dtype=...)` chooses them)."""
+    states = getattr(torch, ssm_dtype)
+    model.use_kernels(choose(next(model.parameters()).device, torch.float32, state_dtype=states))
     cfg = RunnerConfig(max_running_requests=n, max_total_tokens=8192, mamba_ssm_dtype=ssm_dtype)
     return ModelRunner(model, cfg)
 

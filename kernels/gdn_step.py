@@ -101,7 +101,7 @@ def gdn_verify(
     *,
     decode: Callable = gdn_decode,
 ) -> torch.Tensor:
-    """Speculative verify (`scheduler.speculative`): each request's rows as consecutive decode
+    """Speculative verify (`scheduler/spec/`): each request's rows as consecutive decode
     steps on its slot, the conv window and recurrent state after its row j (but its last) also
     copied to `step_slots[n][j]`; so any prefix of the rows leaves exactly the state decoding
     those tokens one at a time leaves. Returns y [T, value_dim] like `gdn_decode`. This

@@ -85,6 +85,7 @@ class KernelSet:
     mamba2_decode: Callable
     mamba2_verify: Callable
     relu2_moe: Callable
+    state_dtype: torch.dtype = torch.float32  # the recurrent states the recurrent ops take
 
     def table(self) -> str:
         """One line per op: its name and the function that runs it, after a line naming the
@@ -93,7 +94,7 @@ class KernelSet:
             f"kernels: {self.backend} backend{self.level_note()}, "
             f"fused decode ops {'on' if self.fused else 'off'}"
         ]
-        for f in fields(self)[2:]:
+        for f in fields(self)[2:-1]:
             rows.append(f"  {f.name:<34}{describe(getattr(self, f.name))}")
         return "\n".join(rows)
 
@@ -245,13 +246,20 @@ def cpp_set(fusions: bool) -> KernelSet:
     )
 
 
+RECURRENT = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gdn_decode",
+             "gdn_verify", "mamba2_decode", "mamba2_verify")  # fmt: skip
+
+
 def choose(
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
     settings: KernelSettings | None = None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> KernelSet:
-    """The kernel set for a model whose activations are `dtype` on `device` (see the module
-    docstring). `settings` default to the environment's."""
+    """The kernel set for a model whose activations are `dtype` on `device` and whose recurrent
+    states are `state_dtype` (see the module docstring). The C++ kernels read and write fp32
+    states in place: with other states the C++ set takes the references' recurrent ops
+    (`RECURRENT`). `settings` default to the environment's."""
     settings = settings or KernelSettings.from_env()
     device = torch.device(device)
     backend = settings.backend
@@ -262,14 +270,18 @@ def choose(
         else:
             backend = "cpp" if cpu_fp32 and cpp_ready(settings) and vector_level() else "torch"
     if backend == "triton":
-        return triton_set(device)
+        return replace(triton_set(device), state_dtype=state_dtype)
     if backend == "cpp" and cpu_fp32:
         if not cpp_ready(settings):
             raise RuntimeError(f"{KERNELS_ENV}=cpp but the C++ kernels cannot be built") from (
                 cpp_build.load_error()
             )
-        return cpp_set(settings.fusions)
-    return reference_set()
+        ops = cpp_set(settings.fusions)
+        if state_dtype != torch.float32:
+            ref = reference_set()
+            ops = replace(ops, **{name: getattr(ref, name) for name in RECURRENT})
+        return replace(ops, state_dtype=state_dtype)
+    return replace(reference_set(), state_dtype=state_dtype)
 
 
 def vector_level() -> bool:

@@ -126,6 +126,7 @@ def load_model(
     mtp: bool = False,
     draft_quantization: str | None = None,
     fp8_resident: bool | None = None,
+    mamba_ssm_dtype: str | None = None,
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
@@ -166,7 +167,9 @@ def load_model(
     weights_only = on_cpu and (torch_dtype == torch.bfloat16 or quantization is not None)
     tp = tp or ParallelContext()
     if ops is None:
-        ops = choose_kernels(device, torch.float32 if weights_only else torch_dtype)
+        states = getattr(torch, mamba_ssm_dtype or config.mamba_ssm_dtype)
+        ops = choose_kernels(device, torch.float32 if weights_only else torch_dtype,
+                             state_dtype=states)  # fmt: skip
         logger.info("%s", ops.table())
     if fp8_resident is None:
         fp8_resident = fp8_device(device, ops)

@@ -31,6 +31,7 @@ def load_runner_model(
         model_path, runner_cfg.dtype, runner_cfg.device, tp, runner_cfg.load_format,
         quantization=runner_cfg.quantization, mtp=runner_cfg.spec_steps > 0,
         draft_quantization=runner_cfg.speculative_draft_model_quantization,
+        mamba_ssm_dtype=runner_cfg.mamba_ssm_dtype,
     )  # fmt: skip
 
 

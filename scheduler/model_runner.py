@@ -74,11 +74,18 @@ class ModelRunner:
             dtype,
             device,
         )
+        ssm_dtype = ssm_state_dtype(config, model)
+        cpp_fp32 = model.ops.backend == "cpp" and model.ops.state_dtype == torch.float32
+        if cpp_fp32 and ssm_dtype != torch.float32:  # the C++ recurrent ops read fp32 only
+            raise ValueError(
+                f"the model's kernels were chosen for {model.ops.state_dtype} recurrent states, "
+                f"the pool holds {ssm_dtype}: load it with mamba_ssm_dtype as the runner's"
+            )
         self.mamba_pool = MambaPool(
             config.mamba_slots,
             model.state_shapes,  # what each recurrent layer keeps per sequence
             conv_dtype=dtype,
-            ssm_dtype=ssm_state_dtype(config, model),
+            ssm_dtype=ssm_dtype,
             device=device,
             hidden_size=mc.hidden_size,
         )

@@ -16,7 +16,7 @@ from kernels import KernelSet, KernelSettings, choose, kernel_set, reference_set
 from make_model.presets import preset_config, write_checkpoint
 from models.loader import load_model
 
-OPS = [f.name for f in fields(KernelSet)][2:]
+OPS = [f.name for f in fields(KernelSet)][2:-1]
 
 
 def functions(fn) -> list:

@@ -85,3 +85,24 @@ def test_bf16_states_serve_through_the_cache_and_host_tier(granite):
     assert again["meta_info"]["cached_tokens"] >= len(prompt) - 1
     assert engine.scheduler.tree.host.mamba_pool.ssm_state.dtype == torch.bfloat16
     assert engine.leak_report() == []
+
+
+def test_bf16_states_take_the_reference_recurrent_ops_on_the_cpp_set(tmp_path):
+    """The C++ recurrent ops read and write fp32 states in place: a bf16-state model on the C++
+    set runs the references' recurrent ops (the rest stays C++), and a runner refuses a bf16
+    pool under a set chosen for fp32 states."""
+    from kernels import KernelSettings, choose, reference_set
+    from kernels.kernel_set import RECURRENT
+
+    try:
+        ops = choose("cpu", settings=KernelSettings("cpp"), state_dtype=torch.bfloat16)
+    except RuntimeError:
+        pytest.skip("no C++ kernels here")
+    ref = reference_set()
+    assert ops.backend == "cpp" and ops.state_dtype == torch.bfloat16
+    assert all(getattr(ops, name) == getattr(ref, name) for name in RECURRENT)
+    assert ops.linear != ref.linear
+    path = write_checkpoint(tmp_path, preset_config("tiny-nemotron-h"), seed=1)
+    model = load_model(path, dtype="float32", ops=choose("cpu", settings=KernelSettings("cpp")))
+    with pytest.raises(ValueError, match="chosen for torch.float32 recurrent states"):
+        ModelRunner(model, RunnerConfig(max_running_requests=2, mamba_ssm_dtype="bfloat16"))
