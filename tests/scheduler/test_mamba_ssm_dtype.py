@@ -92,7 +92,7 @@ def test_bf16_states_take_the_reference_recurrent_ops_on_the_cpp_set(tmp_path):
     set runs the references' recurrent ops (the rest stays C++), and a runner refuses a bf16
     pool under a set chosen for fp32 states."""
     from kernels import KernelSettings, choose, reference_set
-    from kernels.kernel_set import RECURRENT
+    from kernels.kernel_set import RECURRENT, describe
 
     try:
         ops = choose("cpu", settings=KernelSettings("cpp"), state_dtype=torch.bfloat16)
@@ -100,8 +100,9 @@ def test_bf16_states_take_the_reference_recurrent_ops_on_the_cpp_set(tmp_path):
         pytest.skip("no C++ kernels here")
     ref = reference_set()
     assert ops.backend == "cpp" and ops.state_dtype == torch.bfloat16
-    assert all(getattr(ops, name) == getattr(ref, name) for name in RECURRENT)
-    assert ops.linear != ref.linear
+    for name in RECURRENT:
+        assert describe(getattr(ops, name)) == describe(getattr(ref, name)), name
+    assert describe(ops.linear) != describe(ref.linear)
     path = write_checkpoint(tmp_path, preset_config("tiny-nemotron-h"), seed=1)
     model = load_model(path, dtype="float32", ops=choose("cpu", settings=KernelSettings("cpp")))
     with pytest.raises(ValueError, match="chosen for torch.float32 recurrent states"):
