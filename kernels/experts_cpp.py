@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels.experts import routed_experts as reference_experts
-from kernels.quant import CPP_WEIGHT_DTYPES
+from kernels.weight_formats import CPP_DTYPES
 
 MAX_ROWS = 256  # beyond, MKL's grouped GEMM (benchmarks/moe_experts.py; BENCHMARKS.md)
 
@@ -27,7 +27,7 @@ def routed_experts(
         xs.shape[0] > MAX_ROWS
         or xs.dtype != torch.float32
         or gate_up.dtype != down.dtype
-        or gate_up.dtype not in CPP_WEIGHT_DTYPES
+        or gate_up.dtype not in CPP_DTYPES
     ):
         return reference_experts(xs, gate_up, down, counts)
     return torch.ops.hybrid_serve.routed_experts(

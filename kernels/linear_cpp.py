@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 
 from kernels.linear import linear as reference_linear
-from kernels.quant import CPP_WEIGHT_DTYPES
+from kernels.weight_formats import CPP_DTYPES
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if M == 0 or x.dtype != torch.float32 or weight.dtype not in CPP_WEIGHT_DTYPES:
+    if M == 0 or x.dtype != torch.float32 or weight.dtype not in CPP_DTYPES:
         return reference_linear(x, weight, bias)
     y = torch.ops.hybrid_serve.linear(x.reshape(M, K).contiguous(), weight.contiguous())
     if bias is not None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.quant import CPP_WEIGHT_DTYPES
+from kernels.weight_formats import CPP_DTYPES
 
 MAX_TOKENS = 64  # decode batches; longer inputs run the unfused block
 
@@ -43,7 +43,7 @@ def sparse_moe(
         x.dtype != torch.float32
         or x.dim() != 2
         or x.shape[0] > MAX_TOKENS
-        or any(w.dtype not in CPP_WEIGHT_DTYPES for w in weights)
+        or any(w.dtype not in CPP_DTYPES for w in weights)
     ):
         return unfused(x, *weights, top_k, norm_topk_prob)
     return torch.ops.hybrid_serve.moe_decode(

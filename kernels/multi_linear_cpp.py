@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels import linear_cpp, multi_linear
-from kernels.quant import CPP_WEIGHT_DTYPES
+from kernels.weight_formats import CPP_DTYPES
 
 
 def linear_multi(
@@ -18,7 +18,7 @@ def linear_multi(
 ) -> list[torch.Tensor]:
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if M == 0 or x.dtype != torch.float32 or any(w.dtype not in CPP_WEIGHT_DTYPES for w in weights):
+    if M == 0 or x.dtype != torch.float32 or any(w.dtype not in CPP_DTYPES for w in weights):
         return multi_linear.linear_multi(x, weights, biases, linear=linear_cpp.linear)
     ys = torch.ops.hybrid_serve.linear_multi(
         x.reshape(M, K).contiguous(), [w.contiguous() for w in weights]

@@ -5,6 +5,8 @@ takes a quantized one in its place: the C++ kernels read the format by dtype
 (`kernels/csrc/gemv.h`), the references `widen` it, and a stack of experts [E, N, ...] slices per
 expert like any stack.
 
+The formats' table (storage dtype, row layout, devices) is `kernels.weight_formats`.
+
 int8 (torch.int8): symmetric, one scale per output row. w [..., N, K] is stored as [..., N, K + 4]:
 row n holds q[n, 0..K) then the 4 bytes of its fp32 scale (native byte order), with
 
@@ -35,26 +37,23 @@ import torch
 import torch.nn.functional as F
 
 from kernels import fp8
+from kernels.weight_formats import GROUP, QUANTIZATION_METHODS, SCALE_BYTES, format_of
 
-SCALE_BYTES = 4  # an fp32 scale at the end of each int8 row
 QMAX = 127
-GROUP = 32  # int4 weights per bf16 scale
 ACT_BLOCK = 32  # activations per int8 scale in a quantized matrix's products
-METHODS = ("int8", "int4")
-CPP_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # C++ kernels read
+METHODS = QUANTIZATION_METHODS  # int8, int4 (kernels.weight_formats)
 
 
 def is_quantized(w: torch.Tensor) -> bool:
-    return w.dtype in (torch.int8, torch.uint8)
+    """Stored in a `--quantization` format (int8, int4)."""
+    fmt = format_of(w)
+    return fmt is not None and fmt.method
 
 
 def in_features(w: torch.Tensor) -> int:
-    """K of a weight [..., N, K] as stored, quantized or not."""
-    if w.dtype == torch.int8:
-        return w.shape[-1] - SCALE_BYTES
-    if w.dtype == torch.uint8:
-        return w.shape[-1] * GROUP // (GROUP // 2 + 2)
-    return w.shape[-1]
+    """K of a weight [..., N, K] as stored, in any format (kernels.weight_formats)."""
+    fmt = format_of(w)
+    return w.shape[-1] if fmt is None else fmt.in_features(w.shape[-1])
 
 
 def quantize(w: torch.Tensor, method: str, peak: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 
 from kernels import moe_step_cpp
 from kernels.gdn_step_cpp import verify_rows
-from kernels.quant import CPP_WEIGHT_DTYPES
+from kernels.weight_formats import CPP_DTYPES
 from models.forward_batch import ForwardBatch
 from models.layers import MLP, SparseMoE
 from models.loader import matrices
@@ -53,7 +53,7 @@ from models.qwen3_next import Qwen3NextForCausalLM
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = moe_step_cpp.MAX_TOKENS  # the fused MoE's rows: decode batches
-MATRIX_DTYPES = CPP_WEIGHT_DTYPES  # `models.loader.matrices`; all else fp32
+MATRIX_DTYPES = CPP_DTYPES  # `models.loader.matrices`; all else fp32
 
 
 def unsupported(model: Qwen3NextForCausalLM | NemotronHForCausalLM) -> str | None:

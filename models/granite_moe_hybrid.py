@@ -69,7 +69,7 @@ class GraniteMoeHybridRouter(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, ops: KernelSet = REFERENCE) -> None:
         super().__init__()
-        self.layer = Linear(hidden_size, num_experts, bias=False, ops=ops)
+        self.layer = Linear(hidden_size, num_experts, bias=False, ops=ops, keep_float=True)
 
 
 class GraniteMoeHybridMoE(nn.Module):

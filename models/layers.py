@@ -18,13 +18,20 @@ REFERENCE = reference_set()
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and names) whose forward is the kernel set's `linear`."""
+    """`nn.Linear` (same parameters and names) whose forward is the kernel set's `linear`.
+    `keep_float`: weight-only quantization leaves this matrix in its float dtype (the routers'
+    gates: their top-k picks must not move)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, ops: KernelSet = REFERENCE
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        ops: KernelSet = REFERENCE,
+        keep_float: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.ops = ops
+        self.ops, self.keep_float = ops, keep_float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
@@ -148,10 +155,10 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob, self.ops = top_k, norm_topk_prob, ops
-        self.gate = Linear(hidden_size, num_experts, bias=False, ops=ops)
+        self.gate = Linear(hidden_size, num_experts, bias=False, ops=ops, keep_float=True)
         self.experts = Experts(num_experts, hidden_size, moe_intermediate_size, ops)
         self.shared_expert = MLP(hidden_size, shared_intermediate_size, ops)
-        self.shared_expert_gate = Linear(hidden_size, 1, bias=False, ops=ops)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False, ops=ops, keep_float=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
         shared = self.shared_expert

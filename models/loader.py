@@ -48,8 +48,8 @@ from safetensors import safe_open
 
 from kernels import KernelSet
 from kernels import choose as choose_kernels
-from kernels.quant import METHODS as QUANTIZATION_METHODS
 from kernels.quant import quantize, row_peaks
+from kernels.weight_formats import check_quantization
 from models.config import ModelConfig
 from models.dummy_weights import fill_dummy
 from models.fp8 import Fp8Checkpoint, Fp8Config
@@ -153,12 +153,8 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
     on_cpu = torch.device(device).type == "cpu"
-    for method in (quantization, draft_quantization):
-        if method is not None and (method not in QUANTIZATION_METHODS or not on_cpu):
-            raise ValueError(
-                f"quantization {method!r} on {device} (choose {', '.join(QUANTIZATION_METHODS)}"
-                ", on the CPU)"
-            )
+    check_quantization(quantization, str(device), "quantization")
+    check_quantization(draft_quantization, str(device), "draft_quantization")
     if draft_quantization is not None and quantization not in (None, draft_quantization):
         raise ValueError("the draft head's quantization must be the model's (--quantization)")
     path = Path(model_path)
@@ -362,26 +358,18 @@ def matrices(model: Qwen3NextForCausalLM) -> list[torch.nn.Parameter]:
 
 
 def quantize_matrices(model: Qwen3NextForCausalLM, method: str, tp: ParallelContext) -> None:
-    """Replace every linear layer's and expert stack's matrix, except the MoE routers' gates, by
+    """Replace every linear layer's and expert stack's matrix, except those the model keeps in
+    float (`Linear.keep_float`: the MoE routers' gates, whose top-k picks must not move), by
     its `method` format (`kernels.quant.quantize`), one matrix at a time. A shard whose columns
     are split over tensor-parallel ranks takes its int8 row scales from the whole rows (their
     peaks reduced over the ranks), and int4's groups are whole where the split falls on a group
     boundary (else int8): every rank count serves the same numbers."""
-    from models.layers import Experts, Linear, SparseMoE
+    from models.layers import Experts, Linear
     from models.parallel_layers import k_split_matrices
 
     split = k_split_matrices(model) if tp.enabled else set()
-
-    from models.granite_moe_hybrid import GraniteMoeHybridRouter
-
-    gates = set()
-    for m in model.modules():
-        if isinstance(m, SparseMoE):
-            gates |= {id(m.gate), id(m.shared_expert_gate)}
-        elif isinstance(m, GraniteMoeHybridRouter):
-            gates.add(id(m.layer))
     for module in list(model.modules()):
-        if isinstance(module, Linear) and id(module) not in gates:
+        if isinstance(module, Linear) and not module.keep_float:
             names = ["weight"]
         elif isinstance(module, Experts):
             names = ["gate_up_proj", "down_proj"]

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernels.weight_formats import QUANTIZATION_METHODS, check_quantization
+
 STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
 # Mamba slots per running request (running + track slots + a share for tree states), as SGLang's
 # ratios without the overlap scheduler; sizes the pool when --mamba-cache-size is not given.
@@ -23,7 +25,6 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # models.loader.LOAD_FORMATS, likewise (dummy: random weights from config.json alone)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SPECULATIVE_ALGORITHMS = ("NEXTN",)  # drafts from the checkpoint's own MTP head (models/mtp.py)
-QUANTIZATIONS = ("int8", "int4")  # kernels.quant.METHODS: weight-only formats for CPU serving
 
 
 DEFAULT_SPEC_STEPS = 3
@@ -186,7 +187,8 @@ class RunnerConfig:
     quantization: str | None = opt(
         None,
         "weight-only matrices quantized at load from any float or FP8 checkpoint (CPU; "
-        "kernels/quant.py): int8 (one scale per output row) or int4 (a bf16 scale per 32)",
+        f"kernels/quant.py): {' or '.join(QUANTIZATION_METHODS)} (int8: one scale per output "
+        "row; int4: a bf16 scale per 32)",
     )
     # speculative decoding: SGLang's flags (scheduler/spec/)
     speculative_algorithm: str | None = opt(
@@ -201,7 +203,8 @@ class RunnerConfig:
     )
     speculative_draft_model_quantization: str | None = opt(
         None,
-        "int8 or int4 (CPU): the MTP head's matrices and its own copy of the LM head in that "
+        f"{' or '.join(QUANTIZATION_METHODS)} (CPU): the MTP head's matrices and its own copy of "
+        "the LM head in that "
         "format (drafts only: outputs are unchanged)",
     )
     speculative_disable_by_batch_size: int = opt(
@@ -267,10 +270,7 @@ class RunnerConfig:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         self._check_speculative()
-        if self.quantization is not None:
-            _one_of(self, "quantization", QUANTIZATIONS)
-            if self.device != "cpu":
-                raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
+        check_quantization(self.quantization, self.device)
 
     def _check_speculative(self) -> None:
         if self.speculative_disable_by_batch_size < 0:
@@ -298,11 +298,11 @@ class RunnerConfig:
             raise ValueError("--speculative-algorithm needs --page-size 1")
         draft = self.speculative_draft_model_quantization
         if draft is not None:
-            _one_of(self, "speculative_draft_model_quantization", QUANTIZATIONS)
-            if self.device != "cpu" or self.quantization not in (None, draft):
+            check_quantization(draft, self.device, "--speculative-draft-model-quantization")
+            if self.quantization not in (None, draft):
                 raise ValueError(
-                    "--speculative-draft-model-quantization runs on the CPU, and with "
-                    "--quantization only as the same format"
+                    "--speculative-draft-model-quantization with --quantization must be the "
+                    "same format"
                 )
 
     @property

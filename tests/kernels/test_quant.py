@@ -165,3 +165,31 @@ def test_quantization_error_is_bounded(method: str, bound: float) -> None:
     want = F.linear(x, w)
     err = (linear_cpp.linear(x, quantize(w, method)) - want).norm() / want.norm()
     assert bound / 20 < err.item() < bound, err.item()
+
+
+def test_the_format_table_is_what_weights_h_reads():
+    """kernels/weight_formats.py and kernels/csrc/weights.h describe the same layouts: the
+    constants agree, and the C++ products take a matrix of every C++ format exactly when the
+    activations have the K the table gives for its stored width."""
+    import re
+
+    from kernels import cpp_build, weight_formats
+
+    header = (cpp_build.CSRC / "weights.h").read_text()
+    const = dict(re.findall(r"constexpr int64_t (k\w+) = (\d+);", header))
+    assert int(const["kScaleBytes"]) == weight_formats.SCALE_BYTES == SCALE_BYTES
+    assert int(const["kQ4Group"]) == weight_formats.GROUP == GROUP
+    assert weight_formats.get("int4").row_tail == 2  # one bf16 scale per group
+    ops = cpp_build.load()
+    x = rand(3, 96, seed=7)
+    for fmt in weight_formats.FORMATS:
+        w = rand(5, 96, seed=8)
+        stored = quantize(w, fmt.name) if fmt.method else w.to(fmt.dtype)
+        assert weight_formats.format_of(stored) is fmt
+        assert stored.shape[-1] == fmt.stored_columns(96) and in_features(stored) == 96
+        if not fmt.cpp:
+            continue
+        close(ops.linear(x, stored), F.linear(round_activations(x) if fmt.method else x,
+                                              widen(stored, torch.float32)))  # fmt: skip
+        with pytest.raises(RuntimeError, match="shapes"):
+            ops.linear(rand(3, 128), stored)

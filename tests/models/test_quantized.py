@@ -107,7 +107,7 @@ def test_what_is_quantized(ckpts) -> None:
             if name in quantized:
                 assert (p.dtype == torch.uint8) == (in_features(p) % GROUP == 0), name
         assert torch.uint8 in {forms[n] for n in quantized}
-    with pytest.raises(ValueError, match="quantization 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, got 'int3'"):
         load_model(path, quantization="int3")
 
 

@@ -344,7 +344,11 @@ def test_aborted_mid_generation_frees_everything(ckpt):
         ({**SPEC, "speculative_draft_model_quantization": "fp8"}, "must be one of int8, int4"),
         (
             {**SPEC, "speculative_draft_model_quantization": "int8", "quantization": "int4"},
-            "only as the same format",
+            "with --quantization must be the same format",
+        ),
+        (
+            {**SPEC, "speculative_draft_model_quantization": "int8", "device": "cuda"},
+            "--speculative-draft-model-quantization int8 runs on the CPU only",
         ),
     ],
 )
