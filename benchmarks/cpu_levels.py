@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(args.threads)
     out: dict[str, float] = {}
     conc = [int(c) for c in args.concurrency.split(",")]
-    for dtype in args.dtypes.split(","):
+    for dtype in filter(None, args.dtypes.split(",")):
         quantized = dtype in quant.METHODS
         engine = Engine(
             args.model_path,

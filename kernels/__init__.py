@@ -2,9 +2,23 @@
 (`kernels/<family>_triton.py`) and for some a C++ CPU version (`kernels/<family>_cpp.py`), all
 with the same signature. `choose` picks one implementation per op once, when a model is built
 (`kernels.kernel_set`); nothing here dispatches per call, and kernels/ imports nothing else of
-this project."""
+this project. The names below load on first use, so a torch-free module of the package
+(`kernels.weight_formats`) imports without torch."""
 
-from kernels.kernel_set import KernelSet, choose, reference_set
-from kernels.settings import KernelSettings
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["KernelSet", "KernelSettings", "choose", "reference_set"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("KernelSet", "choose", "reference_set"):
+        from kernels import kernel_set
+
+        return getattr(kernel_set, name)
+    if name == "KernelSettings":
+        from kernels.settings import KernelSettings
+
+        return KernelSettings
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels.experts import routed_experts as reference_experts
-from kernels.weight_formats import CPP_DTYPES
+from kernels.quant import CPP_DTYPES
 
 MAX_ROWS = 256  # beyond, MKL's grouped GEMM (benchmarks/moe_experts.py; BENCHMARKS.md)
 

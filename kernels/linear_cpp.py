@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.linear import linear as reference_linear
-from kernels.weight_formats import CPP_DTYPES
+from kernels.quant import CPP_DTYPES
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

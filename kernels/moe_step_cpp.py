@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.weight_formats import CPP_DTYPES
+from kernels.quant import CPP_DTYPES
 
 MAX_TOKENS = 64  # decode batches; longer inputs run the unfused block
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels import linear_cpp, multi_linear
-from kernels.weight_formats import CPP_DTYPES
+from kernels.quant import CPP_DTYPES
 
 
 def linear_multi(

@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import fp8
-from kernels.weight_formats import GROUP, QUANTIZATION_METHODS, SCALE_BYTES, format_of
+from kernels.weight_formats import FORMATS, GROUP, QUANTIZATION_METHODS, SCALE_BYTES, format_of
 
 QMAX = 127
 ACT_BLOCK = 32  # activations per int8 scale in a quantized matrix's products
 METHODS = QUANTIZATION_METHODS  # int8, int4 (kernels.weight_formats)
+CPP_DTYPES = tuple(getattr(torch, f.dtype) for f in FORMATS if f.cpp)  # what the C++ reads
 
 
 def is_quantized(w: torch.Tensor) -> bool:

@@ -16,13 +16,14 @@ checks the two agree) and which devices serve it.
 
 A format to come (AWQ/GPTQ int4 packed in int32 words with zero points, say) is one more entry
 with its own storage dtype and layout, one more `widen` in kernels/quant.py, and its kernels.
+
+The table names dtypes by torch's attribute names and imports no torch, so the API process can
+validate flags with it (tests/server/test_imports.py); `kernels.quant` holds the torch side.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 SCALE_BYTES = 4  # the fp32 scale at the end of every int8 row
 GROUP = 32  # int4 values per bf16 scale
@@ -31,7 +32,7 @@ GROUP = 32  # int4 values per bf16 scale
 @dataclass(frozen=True)
 class WeightFormat:
     name: str
-    dtype: torch.dtype  # the stored tensor's dtype: the format is read from it
+    dtype: str  # the stored tensor's dtype (torch's name for it): the format is read from it
     row_tail: int  # bytes of scales at the end of every row (per GROUP values where grouped)
     group: int  # values per scale along K (0: one scale per row, or none, or block scales)
     method: bool  # made from float weights by `--quantization <name>`
@@ -54,20 +55,20 @@ class WeightFormat:
 
 
 FORMATS: tuple[WeightFormat, ...] = (
-    WeightFormat("float32", torch.float32, 0, 0, False, True, ("cpu", "cuda")),
-    WeightFormat("bfloat16", torch.bfloat16, 0, 0, False, True, ("cpu", "cuda")),
-    WeightFormat("int8", torch.int8, SCALE_BYTES, 0, True, True, ("cpu",)),
-    WeightFormat("int4", torch.uint8, 2, GROUP, True, True, ("cpu",)),
-    WeightFormat("fp8", torch.float8_e4m3fn, 0, 0, False, False, ("cuda",)),
+    WeightFormat("float32", "float32", 0, 0, False, True, ("cpu", "cuda")),
+    WeightFormat("bfloat16", "bfloat16", 0, 0, False, True, ("cpu", "cuda")),
+    WeightFormat("int8", "int8", SCALE_BYTES, 0, True, True, ("cpu",)),
+    WeightFormat("int4", "uint8", 2, GROUP, True, True, ("cpu",)),
+    WeightFormat("fp8", "float8_e4m3fn", 0, 0, False, False, ("cuda",)),
 )
 BY_DTYPE = {f.dtype: f for f in FORMATS}
 QUANTIZATION_METHODS = tuple(f.name for f in FORMATS if f.method)
-CPP_DTYPES = tuple(f.dtype for f in FORMATS if f.cpp)
 
 
-def format_of(w: torch.Tensor) -> WeightFormat | None:
-    """The format of a stored matrix, by its dtype (None: a dtype no format has, e.g. fp16)."""
-    return BY_DTYPE.get(w.dtype)
+def format_of(w) -> WeightFormat | None:
+    """The format of a stored matrix (a torch tensor), by its dtype (None: a dtype no format
+    has, e.g. fp16)."""
+    return BY_DTYPE.get(str(w.dtype).removeprefix("torch."))
 
 
 def get(name: str) -> WeightFormat:
@@ -84,7 +85,7 @@ def check_quantization(method: str | None, device: str, flag: str = "--quantizat
         return
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"{flag} must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
-    kind = torch.device(device).type
+    kind = str(device).split(":")[0]
     if kind not in get(method).devices:
         raise ValueError(f"{flag} {method} runs on the {' or '.join(get(method).devices).upper()}"
                          f" only, not {kind}")  # fmt: skip

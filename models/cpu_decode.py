@@ -41,7 +41,7 @@ import torch
 
 from kernels import moe_step_cpp
 from kernels.gdn_step_cpp import verify_rows
-from kernels.weight_formats import CPP_DTYPES
+from kernels.quant import CPP_DTYPES
 from models.forward_batch import ForwardBatch
 from models.layers import MLP, SparseMoE
 from models.loader import matrices

@@ -184,7 +184,7 @@ def test_the_format_table_is_what_weights_h_reads():
     x = rand(3, 96, seed=7)
     for fmt in weight_formats.FORMATS:
         w = rand(5, 96, seed=8)
-        stored = quantize(w, fmt.name) if fmt.method else w.to(fmt.dtype)
+        stored = quantize(w, fmt.name) if fmt.method else w.to(getattr(torch, fmt.dtype))
         assert weight_formats.format_of(stored) is fmt
         assert stored.shape[-1] == fmt.stored_columns(96) and in_features(stored) == 96
         if not fmt.cpp:
