@@ -38,7 +38,6 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
 CHATML = TemplateTokens()  # the Qwen templates: ChatML's tokens alone
-MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 CORPUS_SEED = 20240917
 CORPUS_LINES = 24000
 
