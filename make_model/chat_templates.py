@@ -12,9 +12,19 @@ checkpoints are sent and answer.
   with the XML call format (``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n
   </parameter>\\n</function>\\n</tool_call>``); ``enable_thinking`` picks ``<think>\\n`` or an
   empty ``<think>\\n\\n</think>\\n\\n`` in the generation prompt (default on, resp. off).
+* ``nemotron-3-nano``, ``granite-4.0`` (Nemotron-3-Nano, Granite 4.0): in
+  ``make_model/mamba2_chat_templates.py``.
+
+`TEMPLATE_TOKENS` names, per template, the tokens its tokenizer keeps whole and its end-of-turn
+token (the Qwen templates: ChatML's, which every preset tokenizer has; their think and tool tags
+stay plain text, as the presets always had them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+from make_model.mamba2_chat_templates import granite_4, nemotron_3
 
 _JSON_TOOLS_INTRO = (
     "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
@@ -203,20 +213,58 @@ def _qwen3_5(thinking_default: bool) -> str:
     return head + body
 
 
+@dataclass(frozen=True)
+class TemplateTokens:
+    """The tokens a template writes that its tokenizer keeps whole, besides ChatML's three
+    (`make_model/tokenizer_builder.py`): `special` ones (roles, end of text: dropped from output
+    text with `skip_special_tokens`) and `tags` (think and tool tags: kept in the text the
+    output parsers read). `eos` ends an assistant turn: the checkpoint's stop token."""
+
+    special: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    eos: str = "<|im_end|>"
+
+
+_TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+TEMPLATE_TOKENS: dict[str, TemplateTokens] = {
+    "nemotron-3-nano": TemplateTokens(tags=("<think>", "</think>", *_TOOL_TAGS)),
+    "granite-4.0": TemplateTokens(
+        special=("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"),
+        tags=_TOOL_TAGS,
+        eos="<|end_of_text|>",
+    ),
+}
+
+
 TEMPLATES: dict[str, str] = {
     "qwen3-next-instruct": _qwen3_next(thinking=False),
     "qwen3-next-thinking": _qwen3_next(thinking=True),
     "qwen3.5": _qwen3_5(thinking_default=True),
     "qwen3.5-small": _qwen3_5(thinking_default=False),
+    "nemotron-3-nano": nemotron_3(),
+    "granite-4.0": granite_4(),
 }
+# The families' own templates (the others: Qwen3-Next Instruct, ChatML; Bamba ships none)
+_FAMILY_TEMPLATES = {"nemotron_h": "nemotron-3-nano", "granitemoehybrid": "granite-4.0"}
+
+
+def template_name(model_type: str, name: str | None = None) -> str:
+    """`name` (one of TEMPLATES), or the family's default for `model_type`: Qwen3.5 (thinking
+    on) for the Qwen3.5 types, Nemotron-3-Nano for ``nemotron_h``, Granite 4.0 for
+    ``granitemoehybrid``, Qwen3-Next Instruct (ChatML) for the rest."""
+    if name is None:
+        qwen = "qwen3.5" if model_type.startswith("qwen3_5") else "qwen3-next-instruct"
+        name = _FAMILY_TEMPLATES.get(model_type, qwen)
+    if name not in TEMPLATES:
+        raise ValueError(f"unknown chat template {name!r}; known: {sorted(TEMPLATES)}")
+    return name
 
 
 def template_for(model_type: str, name: str | None = None) -> str:
-    """The chat template `name` (one of TEMPLATES), or the family's default for `model_type`:
-    Qwen3.5 (thinking on) for the Qwen3.5 types, Qwen3-Next Instruct for ``qwen3_next`` (and,
-    until their own land, the other families, also ChatML)."""
-    if name is None:
-        name = "qwen3.5" if model_type.startswith("qwen3_5") else "qwen3-next-instruct"
-    if name not in TEMPLATES:
-        raise ValueError(f"unknown chat template {name!r}; known: {sorted(TEMPLATES)}")
-    return TEMPLATES[name]
+    """The text of the chat template `template_name` picks."""
+    return TEMPLATES[template_name(model_type, name)]
+
+
+def tokens_for(name: str) -> TemplateTokens:
+    """The tokens template `name` needs whole (none beyond ChatML's for the Qwen templates)."""
+    return TEMPLATE_TOKENS.get(name, TemplateTokens())

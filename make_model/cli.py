@@ -36,7 +36,14 @@ PRESET_NAMES = (
     "olmo-hybrid-7b",  # make_model.olmo_hybrid_preset
 )
 # make_model.chat_templates' names, likewise
-CHAT_TEMPLATE_NAMES = ("qwen3-next-instruct", "qwen3-next-thinking", "qwen3.5", "qwen3.5-small")
+CHAT_TEMPLATE_NAMES = (
+    "qwen3-next-instruct",
+    "qwen3-next-thinking",
+    "qwen3.5",
+    "qwen3.5-small",
+    "nemotron-3-nano",
+    "granite-4.0",
+)
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:
@@ -155,8 +162,8 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
         "--chat-template",
         choices=CHAT_TEMPLATE_NAMES,
         default=None,
-        help="the chat template written (default: the preset family's, qwen3-next-instruct or "
-        "qwen3.5; make_model/chat_templates.py)",
+        help="the chat template written (default: the preset family's: qwen3-next-instruct, "
+        "qwen3.5, nemotron-3-nano or granite-4.0; make_model/chat_templates.py)",
     )
     mk.add_argument(
         "--config-only",

@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import save_file
 
 from make_model import fp8_writer, mamba2_hybrid_preset, nemotron_h_preset, olmo_hybrid_preset
-from make_model.chat_templates import template_for
+from make_model.chat_templates import TEMPLATES, template_name, tokens_for
 from make_model.real_shapes import REAL_SHAPES
 from make_model.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
 from models.dummy_weights import CONV_STD, NORM_STD
@@ -523,7 +523,8 @@ def write_checkpoint(
     same numbers as without it.
 
     ``chat_template`` names one of :data:`make_model.chat_templates.TEMPLATES` (default: the model
-    family's, Qwen3-Next Instruct or Qwen3.5).
+    family's: Qwen3-Next Instruct, Qwen3.5, Nemotron-3-Nano or Granite 4.0); the tokenizer holds
+    its tokens whole and its end of turn is the checkpoint's eos.
 
     ``fp8_block=(rows, cols)`` writes the official block-FP8 layout (``models.fp8``): the
     matrices ``make_model.fp8_writer.quantize_tensors`` picks as e4m3 plus fp32
@@ -589,20 +590,28 @@ def write_checkpoint(
 
 def _write_side_files(out: Path, cfg: dict, file_cfg: dict, chat_template: str | None) -> int:
     """The tokenizer files, ``config.json`` (``file_cfg``) and ``generation_config.json``;
-    returns the tokenizer's size."""
+    returns the tokenizer's size. The chat template (``chat_template``, else the family's) sets
+    the tokens the tokenizer holds whole and the end-of-turn token: ``eos_token_id`` in both
+    configs (with ``<|endoftext|>`` in generation_config.json)."""
+    name = template_name(cfg["model_type"], chat_template)
+    tokens = tokens_for(name)
     n_tok = write_tokenizer_files(
         out,
         cfg["vocab_size"],
         model_max_length=cfg["max_position_embeddings"],
-        chat_template=template_for(cfg["model_type"], chat_template),
+        chat_template=TEMPLATES[name],
+        tokens=tokens,
     )
     if n_tok > cfg["vocab_size"]:  # pragma: no cover - BpeTrainer never exceeds vocab_size
         raise RuntimeError(f"tokenizer has {n_tok} tokens > vocab_size {cfg['vocab_size']}")
-    ids = special_token_ids()
+    ids = special_token_ids(tokens)
+    eos = ids[tokens.eos]
+    if "eos_token_id" in file_cfg:  # a VL wrapper holds it in text_config (Qwen: ChatML's)
+        file_cfg = {**file_cfg, "eos_token_id": eos}
     _write_json(out / "config.json", file_cfg)
     generation = {
         "bos_token_id": ids[ENDOFTEXT],
-        "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
+        "eos_token_id": [eos, ids[ENDOFTEXT]],
         "pad_token_id": ids[ENDOFTEXT],
     }
     _write_json(out / "generation_config.json", generation)

@@ -10,7 +10,10 @@ Contracts:
   normalizer), so ``decode(encode(s)) == s`` for any unicode string that contains no special-token
   text;
 * the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` are single tokens with ids
-  0, 1, 2 (always below any legal ``vocab_size``);
+  0, 1, 2 (always below any legal ``vocab_size``); a chat template's own tokens
+  (``make_model.chat_templates.TemplateTokens``: Granite's role tokens, the think and tool tags)
+  follow them, ids 3, 4, ...: its ``special`` ones, then its ``tags``, which are not special
+  (decoding keeps them in the text, where the output parsers read them);
 * ``len(tokenizer) <= vocab_size``; it is equal whenever the corpus can supply enough merges, which
   holds for every vocab size up to at least 8192 (the presets use 2048 and 8192).
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from make_model.chat_templates import TEMPLATES
+from make_model.chat_templates import TEMPLATES, TemplateTokens
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
-MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+CHATML = TemplateTokens()  # the Qwen templates: ChatML's tokens alone
 CORPUS_SEED = 20240917
 CORPUS_LINES = 24000
 
@@ -201,8 +204,13 @@ def corpus_lines(num_lines: int = CORPUS_LINES, seed: int = CORPUS_SEED) -> Iter
         yield _word_problem(rng) if rng.random() < 0.5 else _sentence(rng)
 
 
+def added_tokens(tokens: TemplateTokens = CHATML) -> tuple[str, ...]:
+    """The tokens every tokenizer built for `tokens` holds whole, in id order (0, 1, ...)."""
+    return (*SPECIAL_TOKENS, *tokens.special, *tokens.tags)
+
+
 @functools.lru_cache(maxsize=8)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+def _trained_tokenizer_json(vocab_size: int, tokens: TemplateTokens) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -210,10 +218,15 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         vocab_size=vocab_size,
         min_frequency=2,
         show_progress=False,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        special_tokens=[AddedToken(t, normalized=False) for t in added_tokens(tokens)],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus_lines(), trainer=trainer, length=CORPUS_LINES)
+    if tokens.tags:  # the trainer makes every token it is given special: not so the tags
+        spec = json.loads(tok.to_str())
+        for entry in spec["added_tokens"]:
+            entry["special"] = entry["content"] not in tokens.tags
+        tok = Tokenizer.from_str(json.dumps(spec))
     size = tok.get_vocab_size(with_added_tokens=True)
     if size < vocab_size:
         logger.warning(
@@ -224,23 +237,26 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str(pretty=False)
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train (or fetch from the in-process cache) the byte-level BPE for ``vocab_size``.
+def build_tokenizer(vocab_size: int, tokens: TemplateTokens = CHATML) -> Tokenizer:
+    """Train (or fetch from the in-process cache) the byte-level BPE for ``vocab_size``, holding
+    the chat template's ``tokens`` whole (ChatML's alone: the same tokenizer as ever).
 
-    Raises ValueError when ``vocab_size`` cannot hold the 256 byte symbols plus the specials.
+    Raises ValueError when ``vocab_size`` cannot hold the 256 byte symbols plus those tokens.
     """
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
-    tok = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
-    for i, text in enumerate(SPECIAL_TOKENS):
+    low = 256 + len(added_tokens(tokens))
+    if vocab_size < low:
+        raise ValueError(f"vocab_size must be >= {low}, got {vocab_size}")
+    tok = Tokenizer.from_str(_trained_tokenizer_json(vocab_size, tokens))
+    for i, text in enumerate(added_tokens(tokens)):
         if tok.token_to_id(text) != i:  # pragma: no cover - would be a tokenizers behaviour change
             raise RuntimeError(f"special token {text!r} got id {tok.token_to_id(text)}, not {i}")
     return tok
 
 
-def special_token_ids() -> dict[str, int]:
-    """Ids of the special tokens in every tokenizer built here (independent of vocab size)."""
-    return {text: i for i, text in enumerate(SPECIAL_TOKENS)}
+def special_token_ids(tokens: TemplateTokens = CHATML) -> dict[str, int]:
+    """Ids of the tokens held whole (ChatML's and the template's) in every tokenizer built here
+    for ``tokens`` (independent of vocab size)."""
+    return {text: i for i, text in enumerate(added_tokens(tokens))}
 
 
 def write_tokenizer_files(
@@ -249,35 +265,37 @@ def write_tokenizer_files(
     *,
     model_max_length: int,
     chat_template: str = CHAT_TEMPLATE,
+    tokens: TemplateTokens = CHATML,
 ) -> int:
     """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``.
 
     The files load offline with ``AutoTokenizer.from_pretrained(out_dir)`` (class
-    ``PreTrainedTokenizerFast``, i.e. the ``tokenizer.json`` pipeline is used as is). eos is
-    ``<|im_end|>``, pad ``<|endoftext|>``, no bos (as in Qwen chat checkpoints). Returns
-    ``len(tokenizer)`` (``<= vocab_size``).
+    ``PreTrainedTokenizerFast``, i.e. the ``tokenizer.json`` pipeline is used as is). eos is the
+    template's end of turn (``tokens.eos``: ``<|im_end|>`` for ChatML), pad ``<|endoftext|>``, no
+    bos (as in Qwen chat checkpoints); the template's tokens are held whole (``build_tokenizer``).
+    Returns ``len(tokenizer)`` (``<= vocab_size``).
     """
     out = Path(out_dir)
-    tok = build_tokenizer(vocab_size)
+    tok = build_tokenizer(vocab_size, tokens)
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    ids = special_token_ids()
     added = {
-        str(ids[text]): {
+        str(i): {
             "content": text,
             "lstrip": False,
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": text not in tokens.tags,
         }
-        for text in SPECIAL_TOKENS
+        for text, i in special_token_ids(tokens).items()
     }
+    specials = [IM_START, IM_END, *tokens.special]
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
-        "additional_special_tokens": [IM_START, IM_END],
+        "additional_special_tokens": specials,
         "bos_token": None,
-        "eos_token": IM_END,
+        "eos_token": tokens.eos,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
         "add_prefix_space": False,
@@ -287,8 +305,8 @@ def write_tokenizer_files(
         "chat_template": chat_template,
     }
     special_map = {
-        "additional_special_tokens": [IM_START, IM_END],
-        "eos_token": IM_END,
+        "additional_special_tokens": specials,
+        "eos_token": tokens.eos,
         "pad_token": ENDOFTEXT,
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)

@@ -17,12 +17,17 @@ from typing import Any
 
 from scheduler.config import RunnerConfig, SchedulerConfig, opt
 from server.dp_router import LOAD_BALANCE_METHODS
-from server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
+from server.formats import (
+    REASONING_ALIASES,
+    REASONING_FORMATS,
+    TOOL_CALL_ALIASES,
+    TOOL_CALL_FORMATS,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CACHE_ISOLATION = ("none", "per-key")
-REASONING_FLAGS = ("auto", "none", *REASONING_FORMATS)
-TOOL_CALL_FLAGS = ("auto", *TOOL_CALL_FORMATS)
+REASONING_FLAGS = ("auto", "none", *REASONING_FORMATS, *REASONING_ALIASES)
+TOOL_CALL_FLAGS = ("auto", *TOOL_CALL_FORMATS, *TOOL_CALL_ALIASES)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
+from server.formats import (
+    REASONING_ALIASES,
+    REASONING_FORMATS,
+    TOOL_CALL_ALIASES,
+    TOOL_CALL_FORMATS,
+)
 from server.formats.reasoning import Mode, ReasoningFormat
 from server.formats.tool_call import ToolCallFormat
 
@@ -33,16 +38,18 @@ class ChatFormat:
 
 @functools.lru_cache(maxsize=8)
 def chat_format(reasoning_flag: str, tool_flag: str, template: str | None) -> ChatFormat:
-    """The formats the flags name (`ServerConfig` checked them); `auto` takes the first of a
-    registry that matches the chat template."""
+    """The formats the flags name (`ServerConfig` checked them), aliases resolved; `auto` takes
+    the first of a registry that matches the chat template."""
     if reasoning_flag == AUTO:
         reasoning = next((f for f in REASONING_FORMATS.values() if f.matches(template)), None)
+    elif reasoning_flag == NONE:
+        reasoning = None
     else:
-        reasoning = None if reasoning_flag == NONE else REASONING_FORMATS[reasoning_flag]
+        reasoning = REASONING_FORMATS[REASONING_ALIASES.get(reasoning_flag, reasoning_flag)]
     if tool_flag == AUTO:
         tool_call = next(f for f in TOOL_CALL_FORMATS.values() if f.matches(template))
     else:
-        tool_call = TOOL_CALL_FORMATS[tool_flag]
+        tool_call = TOOL_CALL_FORMATS[TOOL_CALL_ALIASES.get(tool_flag, tool_flag)]
     return ChatFormat(reasoning, tool_call)
 
 

@@ -1,15 +1,16 @@
-"""The preset chat templates render what the real Qwen3-Next Instruct / Thinking and Qwen3.5
-templates render: tool lists, JSON and XML calls in history, tool results grouped into one user
-turn, reasoning kept only after the last user query, and the thinking switch."""
+"""The preset chat templates render what the real Qwen3-Next Instruct / Thinking, Qwen3.5,
+Nemotron-3-Nano and Granite 4.0 templates render: tool lists, JSON and XML calls in history, tool
+results grouped into one user turn, reasoning kept only where the release keeps it, and the
+thinking switch; the presets' tokenizers hold each template's own tokens whole."""
 
 from __future__ import annotations
 
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from make_model.chat_templates import TEMPLATES, template_for
+from make_model.chat_templates import TEMPLATES, template_for, template_name, tokens_for
 from make_model.cli import CHAT_TEMPLATE_NAMES
-from make_model.tokenizer_builder import build_tokenizer
+from make_model.tokenizer_builder import build_tokenizer, special_token_ids
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"n": 2, "s": "x"}}}
@@ -91,10 +92,112 @@ def test_qwen3_5_xml_calls_and_thinking_switch(tok):
         render(tok, "qwen3.5", [{"role": "system", "content": "x"}])
 
 
+XML_CALL = (
+    "<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n<parameter=s>\nx\n</parameter>\n"
+    "</function>\n</tool_call>\n"
+)
+PARAMS = {"type": "object", "properties": {"n": {"type": "integer", "description": "how many"}}}
+DESCRIBED = [{"type": "function", "function": {"name": "f", "parameters": PARAMS}}]
+
+
+def test_nemotron_3_tools_xml_calls_and_thinking_switch(tok):
+    system = [{"role": "system", "content": "Be brief."}]
+    out = render(tok, "nemotron-3-nano", [*system, *HISTORY], tools=DESCRIBED)
+    assert out.startswith(
+        "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou have access to the following "
+        "functions:\n\n<tools>\n<function>\n<name>f</name>\n<parameters>\n<parameter>\n"
+        "<name>n</name>\n<type>integer</type>\n<description>how many</description>\n"
+        "</parameter>\n</parameters>\n</function>\n</tools>\n\n"
+    )
+    assert "<function=example_function_name>" in out  # the call format's instructions
+    results = (
+        "<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n"
+        "</tool_response>\n<|im_end|>\n"
+    )
+    assert out.endswith(
+        "</IMPORTANT><|im_end|>\n<|im_start|>user\nGo<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nplan\n</think>\n"
+        + XML_CALL
+        + "<|im_end|>\n"
+        + results
+        + "<|im_start|>assistant\n<think>\n"  # thinking on by default
+    )
+    user = [{"role": "user", "content": "Hi"}]
+    assert render(tok, "nemotron-3-nano", user) == (  # a system turn always, empty here
+        "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n"
+    )
+    off = render(tok, "nemotron-3-nano", user, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think></think>")
+    # every assistant turn opens a think block; before the last user message it is emptied
+    # (truncate_history_thinking, on by default)
+    old = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "A1", "reasoning_content": "r1"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "<think>\nr2\n</think>\nA2"},
+        {"role": "assistant", "content": "A3"},
+    ]
+    turns = render(tok, "nemotron-3-nano", old).split("<|im_start|>assistant\n")[1:]
+    assert turns == [
+        "<think></think>\nA1<|im_end|>\n<|im_start|>user\nb<|im_end|>\n",
+        "<think>\nr2\n</think>\nA2<|im_end|>\n",
+        "<think></think>A3<|im_end|>\n",
+        "<think>\n",
+    ]
+    kept = render(tok, "nemotron-3-nano", old, truncate_history_thinking=False)
+    assert "<|im_start|>assistant\n<think>\nr1\n</think>\nA1<|im_end|>" in kept
+
+
+def test_granite_4_tools_json_calls_and_no_thinking(tok):
+    out = render(tok, "granite-4.0", HISTORY, tools=TOOLS)
+    assert out.startswith("<|start_of_role|>system<|end_of_role|>You are a helpful assistant")
+    assert '<tools>\n{"type": "function", "function": {"name": "f"' in out
+    assert out.endswith(
+        "<|end_of_text|>\n<|start_of_role|>user<|end_of_role|>Go<|end_of_text|>\n"
+        "<|start_of_role|>assistant<|end_of_role|><tool_call>\n"
+        '{"name": "f", "arguments": {"n": 2, "s": "x"}}\n</tool_call><|end_of_text|>\n'
+        "<|start_of_role|>user<|end_of_role|>\n<tool_response>\na\n</tool_response>\n"
+        "<tool_response>\nb\n</tool_response><|end_of_text|>\n"
+        "<|start_of_role|>assistant<|end_of_role|>"
+    )
+    assert "plan" not in out and "think" not in TEMPLATES["granite-4.0"]  # no reasoning
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    plain = render(tok, "granite-4.0", system)
+    assert (
+        plain
+        == render(tok, "granite-4.0", system, enable_thinking=True)
+        == (
+            "<|start_of_role|>system<|end_of_role|>Be brief.<|end_of_text|>\n"
+            "<|start_of_role|>user<|end_of_role|>Hi<|end_of_text|>\n"
+            "<|start_of_role|>assistant<|end_of_role|>"
+        )
+    )
+    with_tools = render(tok, "granite-4.0", system, tools=TOOLS)
+    assert with_tools.startswith("<|start_of_role|>system<|end_of_role|>Be brief.\n\nYou are")
+
+
+@pytest.mark.parametrize("name", ["nemotron-3-nano", "granite-4.0"])
+def test_template_tokens_are_whole_and_tags_stay_in_the_text(name):
+    tokens = tokens_for(name)
+    hf = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(2048, tokens))
+    ids = special_token_ids(tokens)
+    for text in (*tokens.special, *tokens.tags, tokens.eos):
+        assert hf.encode(text, add_special_tokens=False) == [ids[text]] and ids[text] < 2048
+    text = "".join(tokens.special) + "".join(tokens.tags)
+    kept = hf.decode(hf.encode(text, add_special_tokens=False), skip_special_tokens=True)
+    assert kept == "".join(tokens.tags)  # role tokens dropped, the parsers' tags kept
+
+
 def test_template_for_defaults_and_unknown():
     assert set(CHAT_TEMPLATE_NAMES) == set(TEMPLATES)  # make-model --chat-template's choices
     assert template_for("qwen3_next") == TEMPLATES["qwen3-next-instruct"]
     assert template_for("qwen3_5_moe_text") == TEMPLATES["qwen3.5"]
+    assert template_name("nemotron_h") == "nemotron-3-nano"
+    assert template_name("granitemoehybrid") == "granite-4.0"
+    assert template_name("bamba") == template_name("falcon_h1") == "qwen3-next-instruct"
+    assert tokens_for("granite-4.0").eos == "<|end_of_text|>"
+    assert tokens_for("qwen3.5") == tokens_for("qwen3-next-instruct")  # ChatML's alone
     assert template_for("qwen3_next", "qwen3-next-thinking") == TEMPLATES["qwen3-next-thinking"]
     with pytest.raises(ValueError, match="unknown chat template"):
         template_for("qwen3_next", "nope")

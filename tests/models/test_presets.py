@@ -128,6 +128,27 @@ def test_config_and_tokenizer_are_consistent(tiny_dir: Path) -> None:
     assert hf_cfg.rope_parameters["partial_rotary_factor"] == 0.25
 
 
+@pytest.mark.parametrize(
+    ("preset", "template", "eos"),
+    [
+        ("tiny-nemotron-h", "nemotron-3-nano", IM_END),
+        ("tiny-granite-4.0-h", "granite-4.0", "<|end_of_text|>"),
+        ("tiny-bamba", "qwen3-next-instruct", IM_END),  # Bamba ships no template: ChatML
+    ],
+)
+def test_family_presets_carry_their_template_and_its_end_of_turn(tmp_path, preset, template, eos):
+    from make_model.chat_templates import TEMPLATES
+    from make_model.presets import write_config_only
+
+    d = write_config_only(tmp_path, preset_config(preset))
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    gen = json.loads((d / "generation_config.json").read_text())
+    assert tok.chat_template == TEMPLATES[template] and tok.eos_token == eos
+    assert cfg["eos_token_id"] == gen["eos_token_id"][0] == tok.eos_token_id
+    assert tok.convert_tokens_to_ids(ENDOFTEXT) == cfg["pad_token_id"] == 0
+
+
 def test_tokenizer_specials_round_trip_and_chat_template(tiny_dir: Path) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
     for text in (ENDOFTEXT, IM_START, IM_END):

@@ -139,11 +139,40 @@ def test_defaults_follow_the_template():
     assert auto(TEMPLATES["qwen3.5"]) == ("qwen3", "qwen3_coder")
     assert auto(TEMPLATES["qwen3-next-thinking"]) == ("qwen3-thinking", "qwen25")
     assert auto(TEMPLATES["qwen3-next-instruct"]) == (None, "qwen25")
+    # Nemotron-3-Nano: <think> with the enable_thinking switch, XML calls; Granite 4.0: JSON
+    # calls in <tool_call>, no reasoning
+    assert auto(TEMPLATES["nemotron-3-nano"]) == ("qwen3", "qwen3_coder")
+    assert auto(TEMPLATES["granite-4.0"]) == (None, "qwen25")
     assert chat_format("none", "qwen25", TEMPLATES["qwen3.5"]) == ChatFormat(None, Qwen25)
     assert list(REASONING_FORMATS) == ["qwen3", "qwen3-thinking"]
     assert list(TOOL_CALL_FORMATS) == ["qwen3_coder", "qwen25"]
+    # SGLang's other names for these parsers
+    aliased = ChatFormat(Qwen3Reasoning, Qwen25)
+    assert chat_format("nemotron_3", "qwen", TEMPLATES["granite-4.0"]) == aliased
+    config = ServerConfig(reasoning_parser="nemotron_3", tool_call_parser="qwen")
+    assert (config.reasoning_parser, config.tool_call_parser) == ("nemotron_3", "qwen")
     with pytest.raises(ValueError):
         ServerConfig(reasoning_parser="r1")
+
+
+def test_nemotron_3_output_split_by_its_prompts():
+    """What Nemotron-3-Nano writes after its two generation prompts: reasoning closed by
+    `</think>` then an XML call (thinking on), or content only (off: the prompt closed an
+    empty think block)."""
+    turn = "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    on, off = turn + "<think>\n", turn + "<think></think>"
+    fmt = chat_format("auto", "auto", TEMPLATES["nemotron-3-nano"])
+    assert fmt.reasoning.mode(on, True, None) == "forced"
+    assert fmt.reasoning.mode(off, True, {"enable_thinking": False}) == "off"
+    text = "Need the weather.\n</think>\n" + XML
+    for parts in cuttings(text, 50):
+        deltas = stream(ChoiceOutput("forced", fmt.reasoning, fmt.tool_call, TOOLS), parts)
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need the weather.\n"
+        calls = [e for d in deltas for e in d.get("tool_calls", [])]
+        assert "".join(e["function"]["arguments"] for e in calls if e["index"] == 0) == XML_ARGS
+    m = ChoiceOutput("off", fmt.reasoning, fmt.tool_call, TOOLS).message("Hi.</think>" + XML)
+    assert m["reasoning_content"] is None and m["content"] == "Hi.</think>Sure."
+    assert len(m["tool_calls"]) == 2
 
 
 def parse(kind: str, parts: list[str]) -> tuple[str, list[tuple[str, str]]]:
