@@ -63,7 +63,9 @@ from models.step_bytes import (
 
 BANDWIDTH = {"H100 SXM": 3.35e12, "H200": 4.8e12}  # bytes / s, the vendors' HBM figures
 CASES = (  # (real shape, layers kept or None: all, FP8)
+    ("qwen3.5-2b", None, False),
     ("qwen3.5-35b-a3b", None, False),
+    ("nemotron-3-nano-30b-a3b", None, False),
     ("qwen3-next-80b-a3b", 16, False),
     ("qwen3-next-80b-a3b", None, True),
 )

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, for a lent CUDA machine (run from the repository root):
 #   1. every `gpu`-marked test (CUDA-graph replay, decode kernels in a graph, the server on CUDA),
-#   2. the Triton kernel and model tests, which run on CUDA when it is present,
+#   2. the Triton kernel and model tests (Gated DeltaNet and Mamba2: Qwen3-Next, NemotronH), which
+#      run on CUDA when it is present,
 #   3. the HTTP server tests with the shared server on CUDA (HYBRID_SERVE_TEST_DEVICE=cuda),
 #   4. the FP8 checks: the block GEMM and FP8 experts on CUDA (bf16, a CUDA graph), FP8 kept
 #      resident by the default CUDA load (tiny preset: its numbers, logits and tokens beside its
 #      bf16 twin), and the memory plan of the 80B-A3B FP8 on one H200 (gpu_scale --dry-run),
 #   5. the comparison test against flash-linear-attention (skips without fla-core),
 #   6. benchmarks/kernels.py (kernels vs fla when importable; decode eager vs CUDA-graph replay),
-#   7. benchmarks/gpu_scale.py (real shapes with dummy weights beside the HBM roofline, the whole
-#      80B-A3B in FP8 among them; skipped when HYBRID_SERVE_SKIP_GPU_SCALE is set).
+#   7. benchmarks/gpu_scale.py (real shapes with dummy weights beside the HBM roofline: qwen3.5-2b,
+#      qwen3.5-35b-a3b, nemotron-3-nano-30b-a3b, the 80B-A3B in bf16 (16 layers) and whole in FP8;
+#      skipped when HYBRID_SERVE_SKIP_GPU_SCALE is set).
 # 1-4 run side by side (small models, one GPU); 5-7 run alone, 6 and 7 so their timings are theirs.
 # Logs and the benchmark's JSON go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (packages
 # the machine lacks, e.g. fastapi/uvicorn/openai) are installed to /tmp/site first. fla-core (for
@@ -36,6 +38,7 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider"
 timeout "$T" $PYTEST -m gpu tests >"$OUT/gpu_marked.log" 2>&1 &
 p1=$!
 timeout "$T" $PYTEST tests/kernels/test_triton_kernels.py tests/models/test_triton_model.py \
+    tests/kernels/test_mamba2_triton.py tests/models/test_nemotron_h_triton.py \
     >"$OUT/triton.log" 2>&1 &
 p2=$!
 HYBRID_SERVE_TEST_DEVICE=cuda timeout "$T" $PYTEST tests/server/test_openai.py \
