@@ -71,6 +71,9 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         raise ValueError("--fit-steps / --fit-prompts / --fit-time-limit need --fit-mtp")
     if args.fit_mtp and args.config_only:
         raise ValueError("--fit-mtp fits the head's weights: --config-only writes none")
+    if args.train_text and (args.config_only or args.fp8 or args.multimodal):
+        raise ValueError("--train-text trains a plain float checkpoint: drop "
+                         "--config-only / --fp8 / --multimodal")  # fmt: skip
     config = preset_config(args.preset)
     if args.mtp or args.fit_mtp:  # the multi-token-prediction head, one layer as released
         config["mtp_num_hidden_layers"] = 1
@@ -95,6 +98,14 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     )
     took = time.perf_counter() - start
     logger.info("wrote %s (%s preset, %.1fM parameters) in %.1fs", out, args.preset, n / 1e6, took)
+    if args.train_text:
+        from make_model.train_text import train_checkpoint
+
+        r = train_checkpoint(out, args.train_text, args.train_minutes, seed=args.seed)
+        logger.info(
+            "trained %s on %s: %d steps, %d tokens, loss %.3f -> %.3f, %.0fs",
+            out, args.train_text, r.steps, r.tokens, r.loss_first, r.loss_last, r.seconds,
+        )  # fmt: skip
     if args.fit_mtp:
         from make_model.mtp_fitting import fit_checkpoint
 
@@ -145,6 +156,16 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
     )
     mk.add_argument(
         "--fit-steps", type=int, default=None, help="--fit-mtp: optimizer steps (default 200)"
+    )
+    mk.add_argument(
+        "--train-text",
+        default=None,
+        help="train the written model on this text before anything else (GSM8K .jsonl or plain "
+        "text; transformers' model class, AdamW, fp32) so its predictions have real margins "
+        "(make_model/train_text.py); with --fit-mtp the head is fitted to the trained model",
+    )
+    mk.add_argument(
+        "--train-minutes", type=float, default=5.0, help="--train-text: wall-clock budget"
     )
     mk.add_argument(
         "--fit-prompts",
