@@ -92,7 +92,7 @@ def quantization_config(tensors: dict[str, torch.Tensor], block: tuple[int, int]
 
 def config_quantization(shapes: dict[str, tuple[int, ...]], block: tuple[int, int]) -> dict:
     """The `quantization_config` an FP8 checkpoint of these tensors (name -> shape, as
-    `make_model.presets.checkpoint_shapes` lists them) would have, without any data: for a
+    `make_model.tensor_specs.checkpoint_shapes` lists them) would have, without any data: for a
     config-only directory served with dummy weights."""
     meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in shapes.items()}
     return quantization_config(

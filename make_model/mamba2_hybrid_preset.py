@@ -12,7 +12,7 @@ The checkpoint layouts are the released ones, which transformers loads as they a
     Bamba,     .pre_ff_layernorm, .feed_forward.{gate,up,down}_proj, model.final_layernorm;
     Falcon-H1  Falcon-H1 layers hold both mixers; its Mamba2 norm only with `mamba_rms_norm`
 
-Initialisation kinds (`make_model.presets._random_tensors`): matrices, embeddings, conv bias ~
+Initialisation kinds (`make_model.tensor_specs.random_tensors`): matrices, embeddings, conv bias ~
 N(0, init_range); norm weights and D ~ 1 + N(0, 0.1); `conv1d.weight` ~ N(0, 0.3); `A_log` =
 log U(1, 16); `dt_bias` = softplus^-1(dt), dt ~ logU(1e-3, 1e-1).
 

@@ -7,7 +7,7 @@ The checkpoint layout is the released one: `backbone.embeddings`, `backbone.laye
 `experts.{e}.{up,down}_proj.weight`), `backbone.norm_f`, `lm_head`. transformers loads it into
 `NemotronHForCausalLM` (renaming `backbone.` and stacking the experts itself).
 
-Initialisation kinds (`make_model.presets._random_tensors`): matrices, embeddings, conv bias,
+Initialisation kinds (`make_model.tensor_specs.random_tensors`): matrices, embeddings, conv bias,
 router and its correction bias ~ N(0, init_range); plain norm weights (block norms, `norm_f`, the
 Mamba2 gated norm) and D ~ 1 + N(0, 0.1); `conv1d.weight` ~ N(0, 0.3); `A_log` = log U(1, 16);
 `dt_bias` = softplus^-1(dt), dt ~ logU(1e-3, 1e-1).

@@ -50,7 +50,7 @@ FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
 
 
 def init_kind(name: str) -> str:
-    """The presets' init kind of parameter `name` (`make_model.presets._tensor_specs`' kinds)."""
+    """The presets' init kind of parameter `name` (`make_model.tensor_specs`' kinds)."""
     if name.endswith(".A_log"):
         return "a_log"
     if name.endswith(".dt_bias"):
@@ -79,7 +79,12 @@ def plain_weights(model: nn.Module) -> set[int]:
     return found
 
 
-def _fill(param: torch.Tensor, kind: str, gen: torch.Generator, init_range: float) -> None:
+def fill(param: torch.Tensor, kind: str, gen: torch.Generator, init_range: float) -> None:
+    """`param` (fp32 or another float dtype) drawn in place from `gen` by init kind: "w" ~
+    N(0, init_range), "norm0" ~ N(0, NORM_STD), "norm1" ~ N(1, NORM_STD), "conv" ~ N(0, CONV_STD),
+    "a_log" = log U(1, 16), "dt_bias" = softplus^-1(dt), dt ~ logU(1e-3, 1e-1) (Mamba-2's: the
+    decay stays moderate). The presets' writer draws its tensors with it too, so dummy weights
+    and written checkpoints share every kind."""
     if kind == "w":
         param.normal_(0.0, init_range, generator=gen)
     elif kind == "norm0":
@@ -88,14 +93,16 @@ def _fill(param: torch.Tensor, kind: str, gen: torch.Generator, init_range: floa
         param.normal_(1.0, NORM_STD, generator=gen)
     elif kind == "conv":
         param.normal_(0.0, CONV_STD, generator=gen)
-    else:  # small per-head vectors: drawn in fp32, then cast
+    elif kind in ("a_log", "dt_bias"):  # small per-head vectors: drawn in fp32, then cast
         x = torch.empty(param.shape, dtype=torch.float32, device=param.device)
         if kind == "a_log":
             x.uniform_(1.0, 16.0, generator=gen).log_()
-        else:  # dt_bias
+        else:
             dt = x.uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp_()
             x = dt + torch.log(-torch.expm1(-dt))
         param.copy_(x)
+    else:
+        raise ValueError(f"unknown init kind {kind!r}")
 
 
 def _fill_fp8(param: torch.Tensor, gen: torch.Generator, init_range: float) -> None:
@@ -123,4 +130,4 @@ def fill_dummy(model: nn.Module, seed: int = 0, init_range: float = 0.1) -> None
         if is_fp8(param):
             _fill_fp8(param, gen, init_range)
         else:
-            _fill(param.data, "norm1" if id(param) in plain else init_kind(name), gen, init_range)
+            fill(param.data, "norm1" if id(param) in plain else init_kind(name), gen, init_range)
