@@ -4,7 +4,7 @@ Ops: `gdn_decode` (one Gated DeltaNet layer after its projections, states in a p
 `mamba2_decode` (one Mamba2 layer after its projection, at Nemotron-3-Nano-30B's Mamba2 shape:
 64 heads x 64 x 128, 8 groups, conv bias and grouped norm), `attn_decode` (one attention
 layer's glue over a `--context-len` cache), `sparse_moe` (one sparse MoE block, at most
-`moe_step_cpp.MAX_TOKENS` tokens) and `fused_add_rmsnorm`. The fused op is
+`cpp_fused.MOE_MAX_TOKENS` tokens) and `fused_add_rmsnorm`. The fused op is
 the C++ kernel set's (`kernels.choose` with the `cpp` backend); the reference is the same set
 without fusions (`HYBRID_SERVE_FUSIONS=off`: the reference compositions over the unfused C++
 kernels, the GEMV and recurrent update included). Reported: medians of interleaved repeats in
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import KernelSettings, choose, cpp_build, moe_step_cpp
+from kernels import KernelSettings, choose, cpp_build, cpp_fused
 
 H, HV, DK, DV, KC = 4, 8, 128, 128, 4  # GDN heads of the small preset
 NH, NKV, HD, ROT = 8, 2, 64, 16  # attention
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                 "attn_decode": attn_args(b, args.context_len),
                 "fused_add_rmsnorm": (x, res, torch.zeros(HIDDEN), 1e-6),
             }
-            if b <= moe_step_cpp.MAX_TOKENS:
+            if b <= cpp_fused.MOE_MAX_TOKENS:
                 cases["sparse_moe"] = moe_args(b)
             for name, call_args in cases.items():
                 fused, reference = getattr(fused_set, name), getattr(unfused_set, name)

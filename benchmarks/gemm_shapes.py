@@ -3,7 +3,7 @@ shapes, CPU.
 
 For each row count M (`--rows`) and each distinct [N, K] weight shape of the model's `Linear`
 layers (the lm_head included), times, interleaved: `torch.ops.hybrid_serve.tiled_linear` (what
-`kernels.linear_cpp.linear` runs beyond `GEMV_ROWS` rows), the weight-streaming GEMV (only at
+`kernels.cpp_ops.linear` runs beyond `GEMV_ROWS` rows), the weight-streaming GEMV (only at
 up to `GEMV_ROWS` rows, through `torch.ops.hybrid_serve.linear`, which runs it there) and the
 reference `kernels.linear.linear` (`F.linear`, bf16 weights widened to fp32 per call), for fp32
 and bf16 weights. Prints GFLOP/s from the median of `--repeats` interleaved runs, each C++
@@ -33,7 +33,7 @@ from kernels import cpp_build, linear
 from models.layers import Linear
 from models.loader import load_model
 
-GEMV_ROWS = 8  # `hybrid_serve::linear` runs the GEMV up to this many rows (kernels.linear_cpp)
+GEMV_ROWS = 8  # `hybrid_serve::linear` runs the GEMV up to this many rows (kernels.cpp_ops)
 
 
 def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:

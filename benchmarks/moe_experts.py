@@ -9,7 +9,7 @@ contract (`kernels.experts`):
 - `cpp_op`: every active expert in one C++ call (`torch.ops.hybrid_serve.routed_experts`, timed
   at every row count).
 Reported: the median of interleaved runs per strategy, in ms, and which one the C++ kernel set
-runs (`kernels.experts_cpp.routed_experts`: the C++ op up to `MAX_ROWS` rows, else the
+runs (`kernels.cpp_ops.routed_experts`: the C++ op up to `ROUTED_MAX_ROWS` rows, else the
 reference). Random top-k routing (uniform), fixed seed. `--dtype bfloat16` stores the expert
 weights in bf16 (fp32 rows).
 
@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build, experts_cpp
+from kernels import cpp_build, cpp_ops
 from kernels.experts import routed_experts
 from make_model.presets import PRESETS
 
@@ -91,7 +91,7 @@ def main() -> None:
                     fn(xs, gate_up, down, counts)
                     times[name].append((time.perf_counter() - start) * 1e3)
             row = "".join(f"{statistics.median(v):>11.3f}" for v in times.values())
-            runs = "cpp_op" if xs.shape[0] <= experts_cpp.MAX_ROWS else "grouped"
+            runs = "cpp_op" if xs.shape[0] <= cpp_ops.ROUTED_MAX_ROWS else "grouped"
             print(f"{tokens:>7}{row}   {runs}", flush=True)
 
 

@@ -10,8 +10,8 @@ first `rot` channels of a head rotate in pairs (j, j + rot/2)). The pool is the 
 [layers, locs, nKV, D] buffers (`k_all`, `v_all`; `layer` picks one); keys of request t are read
 at `req_to_token[req_slots[t], :seq_lens[t]]` after the new tokens are written, so a request
 sees its own new token. This reference composes the unfused ops it is given (by default the
-references of `rms_norm`, `store_kv` and `decode_attention`); `kernels.attn_step_cpp` does it
-all in one C++ call.
+references of `rms_norm`, `store_kv` and `decode_attention`); `kernels.cpp_fused.attn_decode`
+does it all in one C++ call.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Routed SwiGLU experts: the pure-torch references.
 
-`routed_experts` runs rows already sorted by expert (`kernels.experts_cpp` keeps its signature:
-one C++ call for every active expert); `fused_experts` does the routing around it (sort, gather,
-weight, scatter), as SGLang's `fused_experts` does.
+`routed_experts` runs rows already sorted by expert (`kernels.cpp_ops.routed_experts` keeps its
+signature: one C++ call for every active expert); `fused_experts` does the routing around it
+(sort, gather, weight, scatter), as SGLang's `fused_experts` does.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ One token per row; the states live in the Mamba pool (`conv_pool`, `ssm_pool`: t
 negative slot, or one repeating an earlier row's (only the reserved padding slot 0 repeats), is
 padding: zero output, no state read or written. This reference composes the unfused decode
 ops it is given (by default the references of `causal_conv1d_update`,
-`fused_recurrent_gated_delta_rule` and `rms_norm_gated`); `kernels.gdn_step_cpp` does it all
+`fused_recurrent_gated_delta_rule` and `rms_norm_gated`); `kernels.cpp_fused.gdn_decode` does it all
 in one C++ call.
 """
 

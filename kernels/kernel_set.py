@@ -209,40 +209,30 @@ def triton_set(device: torch.device) -> KernelSet:
 
 
 def cpp_set(fusions: bool) -> KernelSet:
-    """The C++ CPU kernels (fp32 activations; fp32 or bf16 matrices); with `fusions`, the fused
-    decode ops' own C++ kernels in place of the compositions (the residual-add norm and the
-    plain norm among them, as `HYBRID_SERVE_FUSIONS` switches them)."""
-    from kernels import (
-        attn_step_cpp,
-        causal_conv1d_cpp,
-        experts_cpp,
-        gated_delta_rule_cpp,
-        gdn_step_cpp,
-        linear_cpp,
-        mamba2_step_cpp,
-        moe_step_cpp,
-        multi_linear_cpp,
-        rmsnorm_cpp,
-    )
+    """The C++ CPU kernels (`kernels.cpp_ops`, `kernels.cpp_fused`; their load-time contract:
+    fp32 activations, C++ weight formats, fp32 states); with `fusions`, the fused decode ops'
+    own C++ kernels in place of the compositions (the residual-add norm and the plain norm
+    among them, as `HYBRID_SERVE_FUSIONS` switches them)."""
+    from kernels import cpp_fused, cpp_ops
 
     unfused = assemble(
-        "cpp", linear_cpp.linear, rmsnorm_cpp.rms_norm if fusions else rmsnorm.rms_norm,
-        rmsnorm_cpp.rms_norm_gated, causal_conv1d_cpp, gated_delta_rule_cpp, attention,
-        partial(experts.fused_experts, routed=experts_cpp.routed_experts),
+        "cpp", cpp_ops.linear, cpp_ops.rms_norm if fusions else rmsnorm.rms_norm,
+        cpp_ops.rms_norm_gated, cpp_ops, cpp_ops, attention,
+        partial(experts.fused_experts, routed=cpp_ops.routed_experts),
     )  # fmt: skip
     if not fusions:
         return unfused
     return replace(
         unfused,
         fused=True,
-        linear_multi=multi_linear_cpp.linear_multi,
-        fused_add_rmsnorm=rmsnorm_cpp.fused_add_rmsnorm,
-        gdn_decode=gdn_step_cpp.gdn_decode,
-        gdn_verify=gdn_step_cpp.gdn_verify,
-        attn_decode=attn_step_cpp.attn_decode,
-        mamba2_decode=mamba2_step_cpp.mamba2_decode,
-        mamba2_verify=mamba2_step_cpp.mamba2_verify,
-        sparse_moe=partial(moe_step_cpp.sparse_moe, unfused=unfused.sparse_moe),
+        linear_multi=cpp_ops.linear_multi,
+        fused_add_rmsnorm=cpp_ops.fused_add_rmsnorm,
+        gdn_decode=cpp_fused.gdn_decode,
+        gdn_verify=cpp_fused.gdn_verify,
+        attn_decode=cpp_fused.attn_decode,
+        mamba2_decode=cpp_fused.mamba2_decode,
+        mamba2_verify=cpp_fused.mamba2_verify,
+        sparse_moe=partial(cpp_fused.sparse_moe, unfused=unfused.sparse_moe),
     )
 
 

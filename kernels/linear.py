@@ -1,6 +1,6 @@
 """Linear layer (y = x W^T + b): the pure-torch reference, `F.linear`.
 
-Faster CPU versions (`kernels.linear_cpp`) keep this signature; the model calls its kernel
+Faster CPU versions (`kernels.cpp_ops.linear`) keep this signature; the model calls its kernel
 set's `linear` for every dense projection.
 """
 

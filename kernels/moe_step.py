@@ -8,8 +8,8 @@ with SwiGLU experts expert_e(x) = down_e(silu(gate_e(x)) * up_e(x)) from the sta
 `experts_gate_up` [E, 2I, H] ([gate | up] rows) and `experts_down` [E, H, I], and the shared
 expert from its own three matrices. The routed outputs are summed, then the gated shared output
 added. The products run on the `linear` and `fused_experts` given (by default the references);
-matrices may be bf16 under fp32 activations (they are widened). `kernels.moe_step_cpp` runs the
-whole block as one C++ op at decode sizes.
+matrices may be bf16 under fp32 activations (they are widened). `kernels.cpp_fused.sparse_moe`
+runs the whole block as one C++ op at decode sizes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Several linear projections of one input (y_i = x W_i^T + b_i): pure-torch reference op.
 
 The layers whose projections read the same activations (the Gated DeltaNet's in_proj_qkvz and
-in_proj_ba, attention's q/k/v) call this once; `kernels.multi_linear_cpp` streams all the
+in_proj_ba, attention's q/k/v) call this once; `kernels.cpp_ops.linear_multi` streams all the
 weights in one C++ call at decode sizes. The weights stay the model's own parameters (no fused
 copy), so loading, tensor-parallel shards and checkpoint names are unchanged.
 """

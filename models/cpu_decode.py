@@ -39,8 +39,7 @@ import logging
 
 import torch
 
-from kernels import moe_step_cpp
-from kernels.gdn_step_cpp import verify_rows
+from kernels.cpp_fused import MOE_MAX_TOKENS, verify_rows
 from kernels.quant import CPP_DTYPES
 from models.forward_batch import ForwardBatch
 from models.layers import MLP, SparseMoE
@@ -52,7 +51,7 @@ from models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = moe_step_cpp.MAX_TOKENS  # the fused MoE's rows: decode batches
+MAX_ROWS = MOE_MAX_TOKENS  # the fused MoE's rows: decode batches
 MATRIX_DTYPES = CPP_DTYPES  # `models.loader.matrices`; all else fp32
 
 

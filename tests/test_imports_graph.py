@@ -127,7 +127,7 @@ def test_the_parse_sees_the_imports():
     assert set(PACKAGES) <= set(g) and len(g) > 100
     assert g["scheduler.graph_runner"]["models.cpu_decode"] is True
     assert g["scheduler.leak_check"]["scheduler.session"] is False  # under TYPE_CHECKING
-    assert g["kernels.kernel_set"]["kernels.gdn_step_cpp"] is False  # inside a function
+    assert g["kernels.kernel_set"]["kernels.cpp_fused"] is False  # inside a function
 
 
 def test_packages_follow_the_dependency_direction():

@@ -1,6 +1,6 @@
 // The short causal conv on the conv-state pool, in place: one decode step per row, and the
 // prefill over packed sequences. Reference: kernels/causal_conv1d.py; wrappers and contracts:
-// kernels/causal_conv1d_cpp.py.
+// kernels/cpp_ops.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <vector>
 
 #include "pool_slots.h"
@@ -18,11 +19,20 @@
 
 namespace {
 
-// x [B,D] fp32; conv_state [S,D,W-1] fp32 (in place); weight [D,W] fp32; indices [B] int64.
-// Returns silu(conv) [B,D] (or the plain conv when silu is false). Padding rows as above.
+// The bias [D] fp32 contiguous, or null.
+const float* bias_of(const std::optional<at::Tensor>& bias, int64_t D, const char* op) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == D,
+              op, ": a contiguous fp32 bias of one value per channel expected");
+  return bias->data_ptr<float>();
+}
+
+// x [B,D] fp32; conv_state [S,D,W-1] fp32 (in place); weight [D,W] fp32; bias [D] fp32 or none;
+// indices [B] int64. Returns silu(conv + bias) [B,D] (or without silu when silu is false).
+// Padding rows as above.
 at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
-                                 const at::Tensor& weight, const at::Tensor& indices,
-                                 bool silu) {
+                              const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              const at::Tensor& indices, bool silu) {
   TORCH_CHECK(x.is_contiguous() && conv_state.is_contiguous() && weight.is_contiguous() &&
                   indices.is_contiguous(),
               "conv1d_update_pool: contiguous inputs expected");
@@ -34,6 +44,7 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
               "conv1d_update_pool: shapes");
   auto out = at::zeros({B, D}, x.options());
   const std::vector<int64_t> slots = hs::live_slots(indices, S);
+  const float* bp = bias_of(bias, D, "conv1d_update_pool");
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *sp = conv_state.data_ptr<float>(), *op = out.data_ptr<float>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
@@ -46,6 +57,7 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
         const float xc = xp[b * D + c];
         float y = w[W - 1] * xc;
         for (int64_t j = 0; j < W - 1; ++j) y += w[j] * h[j];
+        if (bp != nullptr) y += bp[c];
         for (int64_t j = 0; j + 1 < W - 1; ++j) h[j] = h[j + 1];
         h[W - 2] = xc;
         op[b * D + c] = silu ? y / (1.f + std::exp(-y)) : y;
@@ -58,13 +70,15 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
 // Causal conv1d prefill over packed sequences on the conv-state pool, in place. x [T, D] fp32
 // token-major (the channel-first [D, T] input transposed), channels contiguous, rows at any
 // stride (the model's x is the first D columns of its input projection: no copy);
-// conv_states [S, D, W-1] fp32; weight [D, W]; query_start_loc [N+1], cache_indices [N],
+// conv_states [S, D, W-1] fp32; weight [D, W]; bias [D] or none; query_start_loc [N+1],
+// cache_indices [N],
 // has_initial_state [N] int64 (a negative index is padding: zero output, no state touched;
 // otherwise distinct live slots). Sequence i runs over the window [its state (or zeros) | its
-// tokens]: y_t = act(sum_j w_j window_{t+j}), and its state becomes the window's last W-1
-// entries. Returns y [T, D].
+// tokens]: y_t = act(sum_j w_j window_{t+j} + bias), and its state becomes the window's last
+// W-1 entries. Returns y [T, D].
 at::Tensor conv1d_varlen_pool(const at::Tensor& x, at::Tensor conv_states,
-                              const at::Tensor& weight, const at::Tensor& query_start_loc,
+                              const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              const at::Tensor& query_start_loc,
                               const at::Tensor& cache_indices,
                               const at::Tensor& has_initial_state, bool silu) {
   TORCH_CHECK(x.dim() == 2 && (x.stride(1) == 1 || x.size(1) <= 1) &&
@@ -95,6 +109,7 @@ at::Tensor conv1d_varlen_pool(const at::Tensor& x, at::Tensor conv_states,
   }
   auto out = at::empty({T, D}, x.options());  // every row is written below: no zero pass
   const int64_t ldx = x.stride(0);
+  const float* bp = bias_of(bias, D, "conv1d_varlen_pool");
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *sp = conv_states.data_ptr<float>(), *op = out.data_ptr<float>();
   // channels per job, vectorised across: 1 KB of each token's row per visit (the rows sit
@@ -140,6 +155,8 @@ at::Tensor conv1d_varlen_pool(const at::Tensor& x, at::Tensor conv_states,
             for (int64_t c = 0; c < nc; ++c) y[c] += w[c] * e[c];
           }
         }
+        if (bp != nullptr)
+          for (int64_t c = 0; c < nc; ++c) y[c] += bp[c0 + c];
         if (silu) hs::silu_inplace(y, nc);
       }
       for (int64_t j = 0; j + 1 < W; ++j) {  // new state: window entries L .. L+W-2
@@ -154,9 +171,9 @@ at::Tensor conv1d_varlen_pool(const at::Tensor& x, at::Tensor conv_states,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
-  m.def("conv1d_update_pool(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor indices, "
-        "bool silu) -> Tensor");
-  m.def("conv1d_varlen_pool(Tensor x, Tensor(a!) conv_states, Tensor weight, "
+  m.def("conv1d_update_pool(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, "
+        "Tensor indices, bool silu) -> Tensor");
+  m.def("conv1d_varlen_pool(Tensor x, Tensor(a!) conv_states, Tensor weight, Tensor? bias, "
         "Tensor query_start_loc, Tensor cache_indices, Tensor has_initial_state, bool silu) "
         "-> Tensor");
 }

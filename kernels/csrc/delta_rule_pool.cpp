@@ -2,7 +2,7 @@
 // few per row: decode and verify) and the prefill's varlen form over packed sequences, which
 // also writes the states at tracked offsets for the prefix cache. References:
 // kernels/gated_delta_rule.py (`fused_recurrent_gated_delta_rule`, `chunk_gated_delta_rule`);
-// wrappers and contracts: kernels/gated_delta_rule_cpp.py.
+// wrappers and contracts: kernels/cpp_ops.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

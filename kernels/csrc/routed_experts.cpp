@@ -1,7 +1,7 @@
 // The routed experts of a MoE layer in one call: every expert's rows through the tiled GEMM
 // (gemm.h), gate and up, silu(gate) * up straight into the down projection's panels, then down;
 // the weight rows of all experts with tokens split among the threads by cost (weight bytes
-// streamed plus FMAs). Decode batches come here (kernels/experts_cpp.py sends prefill-sized
+// streamed plus FMAs). Decode batches come here (kernels/cpp_ops.py sends prefill-sized
 // inputs to torch); the decode step's MoE block (moe_decode.cpp) calls `routed_experts_into`.
 
 #include <ATen/ATen.h>

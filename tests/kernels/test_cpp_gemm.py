@@ -1,5 +1,5 @@
-"""The C++ GEMM (`tiled_linear`, through `kernels.linear_cpp.linear`) and the routed-experts op
-(`kernels.experts_cpp.routed_experts`) against their torch references, on the same inputs.
+"""The C++ GEMM (`tiled_linear`, through `kernels.cpp_ops.linear`) and the routed-experts op
+(`kernels.cpp_ops.routed_experts`) against their torch references, on the same inputs.
 
 The kernels are built at install or first use (`kernels.cpp_build`); on a machine that cannot
 build them these tests skip (models there get the torch kernel set).
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import linear_cpp
+from kernels import cpp_ops
 from kernels.experts import routed_experts as reference_experts
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
@@ -36,13 +36,13 @@ def test_gemm_matches_f_linear(seed, wdtype) -> None:
     x = torch.randn(M, K, generator=g)
     w, b = torch.randn(N, K, generator=g).to(wdtype), torch.randn(N, generator=g)
     want = F.linear(x, w.float(), b)
-    got = linear_cpp.linear(x, w, b)
+    got = cpp_ops.linear(x, w, b)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(torch.ops.hybrid_serve.tiled_linear(x, w), F.linear(x, w.float()),
                                atol=1e-4, rtol=1e-5)  # fmt: skip
     x3 = x[: M // 3 * 3].view(M // 3, 3, K)
-    torch.testing.assert_close(linear_cpp.linear(x3, w), F.linear(x3, w.float()), atol=1e-4,
+    torch.testing.assert_close(cpp_ops.linear(x3, w), F.linear(x3, w.float()), atol=1e-4,
                                rtol=1e-5)  # fmt: skip
 
 
@@ -77,7 +77,7 @@ def test_linear_picks_the_product_by_rows(monkeypatch, wdtype) -> None:
     for M, op in ((1, "skinny_linear"), (8, "skinny_linear"), (9, "tiled_linear"),
                   (1300, "tiled_linear")):  # fmt: skip
         x = torch.randn(M, 40)
-        y = linear_cpp.linear(x, w)
+        y = cpp_ops.linear(x, w)
         assert torch.equal(y, getattr(torch.ops.hybrid_serve, op)(x, w)), M
         torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-4, rtol=1e-5)
 
@@ -101,7 +101,7 @@ def test_gemm_non_contiguous_inputs() -> None:
     torch.manual_seed(1)
     x = torch.randn(40, 2 * 77)[:, ::2]
     w = torch.randn(77, 33).t()
-    torch.testing.assert_close(linear_cpp.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpp_ops.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
 def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype):
@@ -123,7 +123,7 @@ def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype
     ],
 )
 def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
-    from kernels.experts_cpp import routed_experts
+    from kernels.cpp_ops import routed_experts
 
     torch.manual_seed(len(counts) + H)
     xs, gate_up, down, cnt = expert_inputs(len(counts), H, I, counts, wdtype)
@@ -137,9 +137,9 @@ def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
 
 
 def test_routed_experts_beyond_the_cpp_rows_run_the_reference() -> None:
-    from kernels.experts_cpp import MAX_ROWS, routed_experts
+    from kernels.cpp_ops import ROUTED_MAX_ROWS, routed_experts
 
-    xs, gate_up, down, cnt = expert_inputs(2, 16, 8, [MAX_ROWS, 1], torch.float32)
+    xs, gate_up, down, cnt = expert_inputs(2, 16, 8, [ROUTED_MAX_ROWS, 1], torch.float32)
     assert torch.equal(
         routed_experts(xs, gate_up, down, cnt), reference_experts(xs, gate_up, down, cnt)
     )

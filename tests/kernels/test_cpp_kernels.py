@@ -44,7 +44,7 @@ def gdr_decode_inputs(B: int, T: int, H: int, HV: int, K: int, V: int):
 )
 def test_gdr_pool_matches_reference(B, T, H, HV, K, V, l2norm) -> None:
     """Live rows from random pool slots (never 0), one padded row (-1) and pads on slot 0."""
-    from kernels.gated_delta_rule_cpp import fused_recurrent_gated_delta_rule as cpp_op
+    from kernels.cpp_ops import fused_recurrent_gated_delta_rule as cpp_op
 
     torch.manual_seed(B * 100 + K)
     n_slots = B + 4
@@ -76,31 +76,17 @@ def test_gdr_pool_matches_reference(B, T, H, HV, K, V, l2norm) -> None:
     assert torch.equal(cpp_pool[others], pool[others])
 
 
-def test_gdr_other_forms_fall_back_to_the_reference() -> None:
-    """No pool (plain initial state, final state returned) and bf16 inputs keep the contract."""
-    from kernels.gated_delta_rule_cpp import fused_recurrent_gated_delta_rule as cpp_op
+def test_gdr_outside_the_contract_is_an_error() -> None:
+    """The C++ set takes the delta rule on the fp32 state pool only (its load-time contract,
+    kernels/cpp_ops.py): another form is a one-line error, not a silent reference."""
+    from kernels.cpp_ops import fused_recurrent_gated_delta_rule as cpp_op
 
-    torch.manual_seed(1)
     q, k, v, g, beta = gdr_decode_inputs(2, 2, 1, 2, 16, 16)
-    h0 = torch.randn(2, 2, 16, 16)
-    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    ref, ref_ht = gated_delta_rule.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
-    out, ht = cpp_op(q, k, v, g, beta, **kw)
-    assert torch.equal(out, ref) and torch.equal(ht, ref_ht)
-
-    pool = torch.randn(4, 2, 16, 16)
-    ref_pool, cpp_pool = pool.clone(), pool.clone()
-    args = [x.bfloat16() for x in (q, k, v)] + [g, beta.bfloat16()]
-    idx = torch.tensor([3, 1])
-    ref, _ = gated_delta_rule.fused_recurrent_gated_delta_rule(
-        *args, initial_state=ref_pool, initial_state_indices=idx, use_qk_l2norm_in_kernel=True
-    )
-    out, _ = cpp_op(
-        *args, initial_state=cpp_pool, initial_state_indices=idx, use_qk_l2norm_in_kernel=True
-    )
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(cpp_pool, ref_pool, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="a dense batch on the state pool only"):
+        cpp_op(q, k, v, g, beta, initial_state=torch.randn(2, 2, 16, 16), output_final_state=True)
+    pool = torch.randn(4, 2, 16, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpp_op(q, k, v, g, beta, initial_state=pool, initial_state_indices=torch.tensor([3, 1]))
 
 
 @pytest.mark.parametrize(
@@ -116,7 +102,7 @@ def test_gdr_varlen_prefill_matches_the_chunked_reference(lengths, H, HV, K, V, 
     final states in the sequences' slots, tracked states in the track slots, every other slot
     untouched. (5e-5: the chunked form's own distance from the exact recurrence, as in
     test_reference_ops.)"""
-    from kernels.gated_delta_rule_cpp import chunk_gated_delta_rule as cpp_op
+    from kernels.cpp_ops import chunk_gated_delta_rule as cpp_op
 
     torch.manual_seed(sum(lengths) + K)
     n, T = len(lengths), sum(lengths)
@@ -143,8 +129,8 @@ def test_gdr_varlen_prefill_matches_the_chunked_reference(lengths, H, HV, K, V, 
 
 def test_gdr_prefill_dense_batch_and_refusals() -> None:
     """A dense [B, T] batch runs as B packed sequences; a slot given twice, or a track slot that
-    is also a sequence's slot, is refused (states would race); other forms fall back."""
-    from kernels.gated_delta_rule_cpp import chunk_gated_delta_rule as cpp_op
+    is also a sequence's slot, is refused (states would race), and so are states off the pool."""
+    from kernels.cpp_ops import chunk_gated_delta_rule as cpp_op
 
     torch.manual_seed(3)
     q, k, v, g, beta = gdr_decode_inputs(3, 9, 1, 2, 16, 16)
@@ -166,11 +152,8 @@ def test_gdr_prefill_dense_batch_and_refusals() -> None:
                initial_state_indices=torch.tensor([1, 2, 3]),
                track_offsets=torch.tensor([8, 0, 0]),
                track_indices=torch.tensor([2, 0, 0]), chunk_size=8)  # fmt: skip
-    h0 = torch.randn(3, 2, 16, 16)  # no pool: the reference, final states returned
-    kw = dict(initial_state=h0, output_final_state=True)
-    ref, ref_ht = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-    out, ht = cpp_op(q, k, v, g, beta, **kw)
-    assert torch.equal(out, ref) and torch.equal(ht, ref_ht)
+    with pytest.raises(ValueError, match="states on the pool only"):
+        cpp_op(q, k, v, g, beta, initial_state=torch.randn(3, 2, 16, 16), output_final_state=True)
 
 
 @pytest.mark.parametrize("sliced", [False, True])
@@ -180,7 +163,7 @@ def test_conv1d_prefill_matches_reference(activation, sliced) -> None:
     states, one padding row, channels not a multiple of the kernel's block: outputs and the
     states left behind. `sliced`: the tokens are the first columns of wider rows, as the model's
     split of its input projection gives them (the op reads them in place)."""
-    from kernels.causal_conv1d_cpp import causal_conv1d_fn as cpp_fn
+    from kernels.cpp_ops import causal_conv1d_fn as cpp_fn
 
     torch.manual_seed(5)
     D, W, lengths = 70, 4, [1, 2, 3, 9, 130, 5]
@@ -206,7 +189,7 @@ def test_conv1d_prefill_matches_reference(activation, sliced) -> None:
 
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_conv1d_update_matches_reference(activation) -> None:
-    from kernels.causal_conv1d_cpp import causal_conv1d_update as cpp_op
+    from kernels.cpp_ops import causal_conv1d_update as cpp_op
 
     torch.manual_seed(2)
     D, W, n_slots = 48, 4, 8
@@ -232,7 +215,7 @@ def test_conv1d_update_matches_reference(activation) -> None:
 @pytest.mark.parametrize("K", [64, 77])  # 77: a tail after the vector loop
 def test_linear_matches_f_linear(rows, K) -> None:
     """GEMV rows (<= 8) and F.linear beyond, with bias and leading dimensions."""
-    from kernels.linear_cpp import linear
+    from kernels.cpp_ops import linear
 
     torch.manual_seed(rows + K)
     x = torch.randn(rows, 2, K)
@@ -243,7 +226,7 @@ def test_linear_matches_f_linear(rows, K) -> None:
 
 @pytest.mark.parametrize("rows", [4, 40, 100])  # GEMV, blocked GEMV, widened F.linear
 def test_linear_bf16_weights_accumulate_in_fp32(rows) -> None:
-    from kernels.linear_cpp import linear
+    from kernels.cpp_ops import linear
 
     torch.manual_seed(3)
     x, w = torch.randn(rows, 300), torch.randn(20, 300).bfloat16()
@@ -254,8 +237,8 @@ def test_linear_bf16_weights_accumulate_in_fp32(rows) -> None:
 
 def test_reference_linear_takes_bf16_weights_under_fp32_activations() -> None:
     """The torch path (no compiler, or HYBRID_SERVE_KERNELS=torch) serves bf16 weights too."""
+    from kernels.cpp_ops import linear
     from kernels.linear import linear as reference
-    from kernels.linear_cpp import linear
 
     x, w = torch.randn(3, 40), torch.randn(6, 40).bfloat16()
     y = reference(x, w)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gdn_step, gdn_step_cpp
+from kernels import cpp_fused, gdn_step
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
@@ -47,7 +47,7 @@ def test_gdn_decode_matches_reference(B, H, HV, dk, dv, Kc, scale) -> None:
 
     conv_ref, ssm_ref = conv_pool.clone(), ssm_pool.clone()
     y_ref = gdn_step.gdn_decode(qkvz, ba, conv_ref, ssm_ref, *args)
-    y = gdn_step_cpp.gdn_decode(qkvz, ba, conv_pool, ssm_pool, *args)
+    y = cpp_fused.gdn_decode(qkvz, ba, conv_pool, ssm_pool, *args)
 
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
     pads = [B, B + 2]  # -1 and the repeat of slot 0 (its first row runs, on the reserved slot)
@@ -94,7 +94,7 @@ def test_gdn_verify_is_decode_steps_keeping_each_state(lens, H, HV, dk, dv, Kc) 
             if j < length - 1:
                 kept_e[steps[n][j]] = (conv_e[1, slots[n]].clone(), ssm_e[1, slots[n]].clone())
         start += length
-    for fn in (gdn_step.gdn_verify, gdn_step_cpp.gdn_verify):
+    for fn in (gdn_step.gdn_verify, cpp_fused.gdn_verify):
         conv, ssm = conv_pool.clone(), ssm_pool.clone()
         y = fn(qkvz, ba, conv, ssm, *params, torch.tensor(slots), lens, steps, H, 1e-6)
         torch.testing.assert_close(y, y_e, rtol=1e-4, atol=1e-5)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import mamba2_step, mamba2_step_cpp
+from kernels import cpp_fused, mamba2_step
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -64,7 +64,7 @@ def test_mamba2_decode_matches_reference(H, P, N, G, K, conv_bias, norm, limit) 
 
     conv_ref, ssm_ref = conv_pool.clone(), ssm_pool.clone()
     y_ref = mamba2_step.mamba2_decode(zxbcdt, conv_ref, ssm_ref, *args)
-    y = mamba2_step_cpp.mamba2_decode(zxbcdt, conv_pool, ssm_pool, *args)
+    y = cpp_fused.mamba2_decode(zxbcdt, conv_pool, ssm_pool, *args)
 
     torch.testing.assert_close(y, y_ref, **TOL)
     pads = [B, B + 2]  # -1 and the repeat of slot 0 (its first row runs, on the reserved slot)
@@ -92,7 +92,7 @@ def test_mamba2_verify_is_decode_steps_keeping_each_state(
     steps = [[free.pop() for _ in range(length - 1)] for length in lens]
     zxbcdt = torch.randn(T, lay["width"], generator=gen)
     outs = []
-    for fn in (mamba2_step.mamba2_verify, mamba2_step_cpp.mamba2_verify):
+    for fn in (mamba2_step.mamba2_verify, cpp_fused.mamba2_verify):
         conv, ssm = lay["conv_pool"].clone(), lay["ssm_pool"].clone()
         y = fn(
             zxbcdt, conv, ssm, 1, *lay["params"], torch.tensor(slots), lens, steps, G, 1e-5,

@@ -9,10 +9,10 @@ from functools import partial
 import pytest
 import torch
 
-from kernels import moe_step, moe_step_cpp
+from kernels import cpp_fused, moe_step
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
-fused = partial(moe_step_cpp.sparse_moe, unfused=None)
+fused = partial(cpp_fused.sparse_moe, unfused=None)
 
 
 def moe_weights(E: int, H: int, I: int, Is: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -69,9 +69,9 @@ def test_rows_beyond_the_limit_run_the_unfused_block() -> None:
         a[0], a[1].float().t()))  # fmt: skip
     torch.manual_seed(1)
     weights = moe_weights(4, 32, 16, 16, torch.float32)
-    limit = moe_step_cpp.MAX_TOKENS
+    limit = cpp_fused.MOE_MAX_TOKENS
     for rows in (limit, limit + 1):
         x = torch.randn(rows, 32)
-        y = moe_step_cpp.sparse_moe(x, *weights, 2, True, unfused=unfused)
+        y = cpp_fused.sparse_moe(x, *weights, 2, True, unfused=unfused)
         torch.testing.assert_close(y, moe_step.sparse_moe(x, *weights, 2, True), atol=2e-5, rtol=0)
         assert bool(calls) == (rows > limit)

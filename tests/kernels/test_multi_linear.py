@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import linear_cpp, multi_linear, multi_linear_cpp
+from kernels import cpp_ops, multi_linear
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
@@ -21,7 +21,7 @@ def test_linear_multi_matches_reference(lead, dtype, bias) -> None:
     x = torch.randn(*lead, K)
     weights = [torch.randn(n, K).to(dtype) for n in Ns]
     biases = [torch.randn(n) if bias else None for n in Ns]
-    ys = multi_linear_cpp.linear_multi(x, weights, biases)
+    ys = cpp_ops.linear_multi(x, weights, biases)
     refs = multi_linear.linear_multi(x, weights, biases)
     assert [y.shape for y in ys] == [(*lead, n) for n in Ns]
     for y, ref in zip(ys, refs, strict=True):
@@ -30,13 +30,13 @@ def test_linear_multi_matches_reference(lead, dtype, bias) -> None:
 
 def test_rows_past_the_gemv_limit_run_the_linear_op_per_weight() -> None:
     """Beyond the GEMV's 8 rows each weight takes the C++ linear op's product (the tiled GEMM):
-    the same bits as `kernels.linear_cpp.linear` weight by weight."""
+    the same bits as `kernels.cpp_ops.linear` weight by weight."""
     torch.manual_seed(0)
     x = torch.randn(9, 16)
     weights = [torch.randn(4, 16), torch.randn(3, 16).to(torch.bfloat16)]
-    ys = multi_linear_cpp.linear_multi(x, weights, [None, None])
+    ys = cpp_ops.linear_multi(x, weights, [None, None])
     for y, w in zip(ys, weights, strict=True):
-        assert torch.equal(y, linear_cpp.linear(x, w))
+        assert torch.equal(y, cpp_ops.linear(x, w))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import experts, experts_cpp, linear_cpp, moe_step, moe_step_cpp, multi_linear_cpp
+from kernels import cpp_fused, cpp_ops, experts, moe_step
 from kernels.quant import (
     GROUP,
     SCALE_BYTES,
@@ -94,8 +94,8 @@ def test_linear(rows: int, shape: tuple[int, int], method: str) -> None:
     w, x, b = rand(n, k, seed=rows), rand(rows, k, seed=99), rand(n, seed=5)
     q = quantize(w, method)
     want = F.linear(round_activations(x), dequantize(q), b)
-    close(linear_cpp.linear(x, q, b), want)
-    close(linear_cpp.linear(x.view(1, rows, k), q, b), want.view(1, rows, n))
+    close(cpp_ops.linear(x, q, b), want)
+    close(cpp_ops.linear(x.view(1, rows, k), q, b), want.view(1, rows, n))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 12])
@@ -104,7 +104,7 @@ def test_linear_multi_mixed_forms(rows: int) -> None:
     x = rand(rows, 64, seed=rows)
     ws = [quantize_int8(rand(19, 64, seed=1)), rand(7, 64, seed=2).bfloat16(), rand(30, 64, seed=3),
           quantize_int4(rand(11, 64, seed=4))]  # fmt: skip
-    for y, w in zip(multi_linear_cpp.linear_multi(x, ws, [None] * 4), ws, strict=True):
+    for y, w in zip(cpp_ops.linear_multi(x, ws, [None] * 4), ws, strict=True):
         xr = round_activations(x) if w.dtype in (torch.int8, torch.uint8) else x
         close(y, F.linear(xr, widen(w, torch.float32)))
 
@@ -119,7 +119,7 @@ def test_routed_experts(rows: int, method: str) -> None:
     counts = torch.bincount(torch.randint(0, E, (rows,), generator=gen), minlength=E)
     xs = rand(rows, H, seed=3)
     want = rounded_experts(xs, gate_up, down, counts)
-    close(experts_cpp.routed_experts(xs, gate_up, down, counts), want)
+    close(cpp_ops.routed_experts(xs, gate_up, down, counts), want)
     close(experts.routed_experts(xs, gate_up, down, counts), want)  # the reference widens
     unrounded = experts.routed_experts(xs, dequantize(gate_up), dequantize(down), counts)
     assert not torch.allclose(unrounded, want, rtol=1e-4, atol=1e-4)  # the rounding is seen
@@ -150,7 +150,7 @@ def test_sparse_moe_block(tokens: int, method: str) -> None:
     x = rand(tokens, H, seed=tokens)
     args = lambda m: (router, m[0], m[1], shared_gate, *m[2:], 2, True)  # noqa: E731
     want = moe_step.sparse_moe(x, *args(q))
-    got = moe_step_cpp.sparse_moe(x, *args(q), unfused=moe_step.sparse_moe)
+    got = cpp_fused.sparse_moe(x, *args(q), unfused=moe_step.sparse_moe)
     close(got, want)
     unrounded = moe_step.sparse_moe(x, *args([dequantize(t) for t in q]))
     assert not torch.allclose(unrounded, want, rtol=1e-4, atol=1e-4)
@@ -163,7 +163,7 @@ def test_quantization_error_is_bounded(method: str, bound: float) -> None:
     peak / 8, the peak of 32 Gaussians ~2.1 sigma: step / sqrt(12) / sigma ~ 0.08)."""
     w, x = rand(256, 512, seed=1), rand(4, 512, seed=2)
     want = F.linear(x, w)
-    err = (linear_cpp.linear(x, quantize(w, method)) - want).norm() / want.norm()
+    err = (cpp_ops.linear(x, quantize(w, method)) - want).norm() / want.norm()
     assert bound / 20 < err.item() < bound, err.item()
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import linear_cpp, multi_linear_cpp
+from kernels import cpp_ops
 from kernels.quant import ACT_BLOCK, dequantize, quantize, round_activations
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
 
@@ -48,7 +48,7 @@ def test_half_way_rounds_to_even(k: int) -> None:
         x[0, 32:] = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5])
         want[32:] = torch.tensor([127.0, 0.0, 2.0, 2.0, -2.0])
     assert torch.equal(round_activations(x)[0], want)
-    got = linear_cpp.linear(x, quantize(torch.eye(k), "int8"))[0]
+    got = cpp_ops.linear(x, quantize(torch.eye(k), "int8"))[0]
     assert torch.equal(got.round(), want), got
 
 
@@ -76,7 +76,7 @@ def test_gemv_against_rounded_reference(method: str, seed: int) -> None:
         x[:, : min(k, 32)] *= 100  # blocks of very different scales
         xr, wd = round_activations(x), dequantize(q)
         want = F.linear(xr, wd)
-        got = linear_cpp.linear(x, q)
+        got = cpp_ops.linear(x, q)
         assert ((got - want).abs() <= bound(wd, xr)).all(), (rows, (got - want).abs().max())
 
 
@@ -86,7 +86,7 @@ def test_zero_and_tiny_activations() -> None:
     x = torch.zeros(3, 96)
     x[1, 40] = 1e-30
     x[2] = 1.0
-    got = linear_cpp.linear(x, w)
+    got = cpp_ops.linear(x, w)
     assert torch.equal(got[0], torch.zeros(9)) and torch.isfinite(got).all()
     want = F.linear(round_activations(x), dequantize(w))
     assert ((got - want).abs() <= bound(dequantize(w), round_activations(x))).all()
@@ -99,5 +99,5 @@ def test_one_rounding_shared_by_the_products_of_one_input() -> None:
     x = torch.randn(4, 160, generator=gen)
     ws = [quantize(torch.randn(n, 160, generator=gen), m) for n, m in
           ((21, "int8"), (7, "int4"), (40, "int8"))]  # fmt: skip
-    for y, w in zip(multi_linear_cpp.linear_multi(x, ws, [None] * 3), ws, strict=True):
-        assert torch.equal(y, linear_cpp.linear(x, w))
+    for y, w in zip(cpp_ops.linear_multi(x, ws, [None] * 3), ws, strict=True):
+        assert torch.equal(y, cpp_ops.linear(x, w))
