@@ -9,6 +9,8 @@ streaming `/v1/completions` requests of `--prompt-len` random token ids, exactly
 stops it. Only one server runs at a time, each with `--threads` threads. With `--prefill-len N`
 each server then also prefills one prompt of N random token ids (a new one every round, so no
 prefix cache hits) for one output token: prefill tok/s = N / that request's latency.
+llama-server splits its `-c` context between its `-np` slots (one per request in flight), so each
+slot gets room for the longest request (`--prefill-len` included).
 
 The GGUFs come from llama.cpp's own converter and `llama-quantize` on the same checkpoint
 (`reference/cpu-anchors.md`): `convert_hf_to_gguf.py $M --outtype bf16 --no-mtp`, then
@@ -71,7 +73,7 @@ def commands(args: argparse.Namespace, port: int) -> dict[str, list[str]]:
         name, path = item.split("=", 1)
         cmds[f"llama {name}"] = [
             args.llama_server, "-m", path, "-t", str(args.threads), "-np", str(max_c),
-            "-c", str(max(max_c * (args.prompt_len + args.output_len), args.prefill_len) + 64),
+            "-c", str(max_c * (max(args.prompt_len + args.output_len, args.prefill_len) + 64)),
             "--port", str(port),
         ]  # fmt: skip
     return cmds

@@ -30,6 +30,7 @@ PRESET_NAMES = (
     "qwen3-next-80b-a3b",
     "nemotron-3-nano-30b-a3b",  # make_model.nemotron_h_preset
     "nemotron-nano-9b-v2",
+    "nemotron-h-3b",  # a scaled NemotronH, written in full (bf16)
     "granite-4.0-h-tiny",  # make_model.mamba2_hybrid_preset
     "granite-4.0-h-small",
     "falcon-h1-7b",
@@ -49,6 +50,7 @@ CHAT_TEMPLATE_NAMES = (
 def cmd_make_model(args: argparse.Namespace) -> None:
     import torch
 
+    from make_model.nemotron_h_preset import NEMOTRON_H_SCALED
     from make_model.presets import (
         count_parameters,
         preset_config,
@@ -89,7 +91,8 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         return
     n = count_parameters(config)
     fp8 = {"dtype": torch.bfloat16, "fp8_block": (128, 128)} if args.fp8 else {}
-    if args.preset in REAL_SHAPES and not fp8:  # the releases' dtype; drawn in fp32 first
+    full_size = args.preset in REAL_SHAPES or args.preset in NEMOTRON_H_SCALED
+    if full_size and not fp8:  # the releases' dtype; drawn in fp32 first
         fp8 = {"dtype": torch.bfloat16}
         gb = f"{2 * n / 1e9:.1f} GB of bf16 weights ({4 * n / 1e9:.1f} GB of memory while drawing)"
         logger.info("%s: writing %s", args.preset, gb)

@@ -14,6 +14,13 @@ Mamba2 gated norm) and D ~ 1 + N(0, 0.1); `conv1d.weight` ~ N(0, 0.3); `A_log` =
 
 `nemotron-3-nano-30b-a3b` and `nemotron-nano-9b-v2` are the releases' shapes (config only, for
 `--load-format dummy`).
+`nemotron-h-3b` (`NEMOTRON_H_SCALED`) is a scaled shape written in full (bf16 on disk), the
+checkpoint of the CPU comparison with llama.cpp (issue 47): Nano-9B-v2's dense block pattern
+(27 Mamba2, 4 attention, 25 relu^2 MLP of 56) at hidden 2560 with Nemotron-3-Nano's mixers
+(Mamba2 64 heads x 64 x 128, G = 8, chunk 128; attention 32 x 128 over 2 KV heads), MLP width
+3.5 x hidden as Nano-9B-v2's, the releases' 131,072-token vocabulary: 2.90B parameters. Dense,
+not MoE, because llama.cpp's converter maps a NemotronH checkpoint to `nemotron_h` (relu^2 MLP
+blocks) or `nemotron_h_moe` (MoE blocks) and a model holds one kind or the other.
 `tiny-nemotron-h` covers every block kind (pattern `ME*M-MEM`: 4 Mamba2, 1 attention, 1 MLP,
 2 MoE), G = 8 groups of 2 heads, chunk 128, group-limited routing (2 groups, 1 picked).
 """
@@ -125,6 +132,20 @@ NEMOTRON_H_REAL_SHAPES: dict[str, dict] = {
         "max_position_embeddings": 131_072,
         "tie_word_embeddings": False,
         "mamba_ssm_cache_dtype": "float32",
+    },
+}
+
+
+# Scaled shapes written in full (`make-model --preset nemotron-h-3b` writes bf16 weights).
+NEMOTRON_H_SCALED: dict[str, dict] = {
+    "nemotron-h-3b": {
+        **copy.deepcopy(NEMOTRON_H_REAL_SHAPES["nemotron-nano-9b-v2"]),
+        "hidden_size": 2560,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "mamba_num_heads": 64,
+        "mamba_head_dim": 64,
+        "intermediate_size": 8960,
     },
 }
 

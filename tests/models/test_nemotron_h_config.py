@@ -123,3 +123,24 @@ def test_nano_9b_v2_real_shape_on_meta(tmp_path):
     state = 27 * ((10240 + 2048) * 3 * 2 + 128 * 80 * 128 * 4)
     assert pool_bytes(model).mamba_per_slot == state + c.hidden_size * 2
     assert 136.5 < state / 2**20 < 137.0
+
+
+def test_scaled_3b_shape_on_meta(tmp_path):
+    """`nemotron-h-3b`: Nano-9B-v2's dense pattern at hidden 2560 with Nemotron-3-Nano's mixers
+    (Mamba2 64 x 64 x 128, G = 8; attention 32 x 128 over 2 KV heads): 2.90B parameters, 55 MiB
+    of state a slot; llama.cpp's `nemotron_h` (dense) is the form its converter takes."""
+    config = preset_config("nemotron-h-3b")
+    assert "num_experts_per_tok" not in config  # else the converter writes nemotron_h_moe
+    write_config_only(tmp_path, config)
+    model = load_model(tmp_path, dtype="bfloat16", device="meta", load_format="dummy")
+    c = model.config
+    assert c.layer_types.count("linear_attention") == 27 and model.num_kv_layers == 4
+    assert c.layer_types.count("mlp") == 25 and c.num_hidden_layers == 56
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 2_903_516_736
+    assert model.state_shapes[0].conv == (4096 + 2 * 8 * 128, 3)
+    assert model.state_shapes[0].temporal == (64, 64, 128)
+    state = 27 * ((4096 + 2048) * 3 * 2 + 64 * 64 * 128 * 4)
+    assert pool_bytes(model).mamba_per_slot == state + c.hidden_size * 2
+    assert 54.8 < state / 2**20 < 55.0
+    assert pool_bytes(model).kv_per_token == 4 * 2 * 2 * 128 * 2
