@@ -35,7 +35,7 @@ from models.mamba2_mixer import Mamba2Mixer
 from models.parallel import ParallelContext
 from models.parallel_layers import embedding, lm_head, row_linear
 from models.shard_loader import Shard
-from models.tp_shards import cols, width_share
+from models.tp_shards import mlp_shards
 
 
 def scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
@@ -61,14 +61,7 @@ class BambaMLP(MLP):
         self.tp, self.width = tp, width
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
-        share = width_share(self.tp, self.width)
-        return {
-            "gate_proj.weight": share,
-            "up_proj.weight": share,
-            "down_proj.weight": cols(*share.ranges),
-        }
+        return mlp_shards(self.tp, self.width) if self.tp.enabled else {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = F.silu(scaled(self.gate_proj(x), self.gate_multiplier))

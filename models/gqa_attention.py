@@ -20,9 +20,9 @@ from torch import nn
 from kernels import KernelSet
 from kernels.attn_step import apply_rope
 from models.forward_batch import ForwardBatch
-from models.layers import REFERENCE, Linear, RMSNormPlain
+from models.layers import REFERENCE, Linear
 from models.parallel import ParallelContext
-from models.parallel_layers import row_linear
+from models.parallel_layers import rms_norm_plain, row_linear
 from models.shard_loader import Shard
 from models.tp_shards import attention_shards
 
@@ -32,7 +32,8 @@ class Attention(nn.Module):
     `scale` defaults to head_dim^-0.5; `qk_norm_eps` adds the q/k norms (plain-weight RMSNorm
     over the whole projection). Head counts are the checkpoint's; under tensor parallelism the
     layer holds this rank's heads (`ParallelContext.split`, `.kv_heads`: one replicated KV head
-    when there are fewer than ranks) and o_proj sums the ranks' heads."""
+    when there are fewer than ranks), the q/k norms' rms spans every rank's heads, and o_proj
+    sums the ranks' heads."""
 
     def __init__(
         self,
@@ -51,9 +52,7 @@ class Attention(nn.Module):
         super().__init__()
         self.ops, self.kv_layer, self.key_multiplier = ops, kv_layer, key_multiplier
         self.tp = tp or ParallelContext()
-        self.whole = (num_heads, num_kv_heads, head_dim, bias)
-        if self.tp.enabled and qk_norm_eps is not None:
-            raise ValueError("q/k norms over all heads are not supported under tensor parallelism")
+        self.whole = (num_heads, num_kv_heads, head_dim, bias, qk_norm_eps is not None)
         num_heads = self.tp.split(num_heads, "num_attention_heads")[1]
         num_kv_heads = self.tp.kv_heads(num_kv_heads)[1]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -65,11 +64,12 @@ class Attention(nn.Module):
         self.o_proj = row_linear(q_rows, hidden_size, bias, self.tp, ops)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNormPlain(q_rows, qk_norm_eps, ops)
-            self.k_norm = RMSNormPlain(kv_rows, qk_norm_eps, ops)
+            self.q_norm = rms_norm_plain(q_rows, qk_norm_eps, self.tp, ops)
+            self.k_norm = rms_norm_plain(kv_rows, qk_norm_eps, self.tp, ops)
 
     def tp_shards(self) -> dict[str, Shard]:
-        """This rank's q/k/v rows and o_proj columns (`models.tp_shards`)."""
+        """This rank's q/k/v rows (and q/k norm weights) and o_proj columns
+        (`models.tp_shards`)."""
         return attention_shards(self.tp, *self.whole) if self.tp.enabled else {}
 
     def forward(

@@ -11,6 +11,12 @@ The GDN layer is the Qwen3-Next one with OLMo's two differences as config fields
 its output norm's epsilon); the checkpoint's separate `linear_attn.{q,k,v,g,b,a}_proj`,
 `{q,k,v}_conv1d`, `o_norm` and `o_proj` load into its fused projections, conv, norm and
 out_proj (`models.weight_map`). Every other module name is the release's.
+
+Under tensor parallelism a rank holds the GDN key heads and their value heads that Qwen3-Next's
+GDN does (`models.shard_loader.gdn_shard`, which reads OLMo's separate tensors by their own
+names), its attention heads with their share of the q/k norm weights (the norms' rms summed
+over the ranks, `models.parallel_layers.ParallelRMSNormPlain`), its share of each MLP's width
+and of the vocabulary; the layer norms are whole on every rank.
 """
 
 from __future__ import annotations
@@ -23,30 +29,42 @@ from models.forward_batch import ForwardBatch
 from models.gated_delta_net import GatedDeltaNet
 from models.gqa_attention import Attention
 from models.hybrid_lm import HybridForCausalLM
-from models.layers import MLP, REFERENCE, Linear, RMSNormPlain, RotaryEmbedding
+from models.layers import REFERENCE, RMSNormPlain, RotaryEmbedding
 from models.olmo_hybrid_config import FULL, OlmoHybridConfig
 from models.parallel import ParallelContext
+from models.parallel_layers import embedding, lm_head, mlp
+from models.shard_loader import Shard, gdn_shard
+from models.weight_map import Target
 
 
 class OlmoHybridDecoderLayer(nn.Module):
-    """A GDN layer (pre-norm) or an attention layer (post-norm), by `layer_types`."""
+    """A GDN layer (pre-norm) or an attention layer (post-norm), by `layer_types`. `c` is the
+    checkpoint's config, `local` this rank's (`ParallelContext.local_shapes`)."""
 
-    def __init__(self, c: OlmoHybridConfig, layer_id: int, ops: KernelSet) -> None:
+    def __init__(
+        self,
+        c: OlmoHybridConfig,
+        local: OlmoHybridConfig,
+        layer_id: int,
+        tp: ParallelContext,
+        ops: KernelSet,
+    ) -> None:
         super().__init__()
         self.is_full_attention = c.layer_types[layer_id] == FULL
         if self.is_full_attention:
             self.self_attn = Attention(
                 c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                 c.full_attention_layers.index(layer_id), bias=c.attention_bias,
-                qk_norm_eps=c.rms_norm_eps, ops=ops,
+                qk_norm_eps=c.rms_norm_eps, ops=ops, tp=tp,
             )  # fmt: skip
             self.post_attention_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
             self.post_feedforward_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
         else:
             self.input_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
-            self.linear_attn = GatedDeltaNet(c, c.linear_attention_layers.index(layer_id), ops=ops)
+            gdn_layer = c.linear_attention_layers.index(layer_id)
+            self.linear_attn = GatedDeltaNet(local, gdn_layer, tp, ops)
             self.post_attention_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, ops)
+        self.mlp = mlp(c.hidden_size, local.intermediate_size, tp, ops)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
         if self.is_full_attention:
@@ -57,13 +75,13 @@ class OlmoHybridDecoderLayer(nn.Module):
 
 
 class OlmoHybridModel(nn.Module):
-    def __init__(self, c: OlmoHybridConfig, ops: KernelSet) -> None:
+    def __init__(
+        self, c: OlmoHybridConfig, local: OlmoHybridConfig, tp: ParallelContext, ops: KernelSet
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(
-            c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
-        )
+        self.embed_tokens = embedding(c.vocab_size, c.hidden_size, tp)
         self.layers = nn.ModuleList(
-            OlmoHybridDecoderLayer(c, i, ops) for i in range(c.num_hidden_layers)
+            OlmoHybridDecoderLayer(c, local, i, tp, ops) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta) if c.rotary_dim else None
@@ -80,7 +98,8 @@ class OlmoHybridModel(nn.Module):
 
 
 class OlmoHybridForCausalLM(HybridForCausalLM):
-    """The whole model (`models.hybrid_lm`'s contract). No tensor parallelism yet."""
+    """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract);
+    `local_config` carries this rank's attention and GDN heads and MLP width."""
 
     def __init__(
         self,
@@ -90,16 +109,24 @@ class OlmoHybridForCausalLM(HybridForCausalLM):
         mtp: bool = False,
     ) -> None:
         super().__init__(config, tp, ops, mtp)
-        if self.tp.enabled:
-            raise ValueError("olmo_hybrid: tensor parallelism is not supported yet")
-        self.model = OlmoHybridModel(config, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
+        # the GDN heads too: the weight map slices the fused GDN parameters by them
+        self.local_config = self.tp.local_shapes(config)
+        self.model = OlmoHybridModel(config, self.local_config, self.tp, ops)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> nn.Module:
         return self.model.embed_tokens
+
+    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
+        """GDN tensors by their own names (several fill slices of one fused parameter, so the
+        parameter cannot say which part of each a rank reads: `gdn_shard`); the rest by the
+        parameter they load into (`HybridForCausalLM.checkpoint_shard`)."""
+        if ".linear_attn." in name:
+            return gdn_shard(name, self.config, self.tp)
+        return super().checkpoint_shard(name, target)
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

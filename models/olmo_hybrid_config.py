@@ -33,6 +33,7 @@ class OlmoHybridConfig:
     # attention (q/k norm over all heads; RoPE only with a rope_theta)
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int  # hidden_size / num_attention_heads (a field: a rank's config has fewer heads)
     attention_bias: bool
     rotary_dim: int  # 0: no positional encoding
     rope_theta: float
@@ -70,10 +71,6 @@ class OlmoHybridConfig:
     @property
     def num_hidden_layers(self) -> int:
         return len(self.layer_types)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def linear_key_dim(self) -> int:  # H * dk
@@ -122,6 +119,7 @@ class OlmoHybridConfig:
             max_position_embeddings=int(d["max_position_embeddings"]),
             num_attention_heads=heads,
             num_key_value_heads=int(d["num_key_value_heads"]),
+            head_dim=hidden // heads,
             attention_bias=bool(d["attention_bias"]),
             rotary_dim=0 if theta is None else hidden // heads,
             rope_theta=10000.0 if theta is None else float(theta),

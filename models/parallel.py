@@ -76,7 +76,8 @@ class ParallelContext:
 
     def local_shapes(self, c: ModelConfig) -> ModelConfig:
         """The config with this rank's head counts and widths (vocab unchanged: the vocab-parallel
-        layers split it themselves). The identity at size 1."""
+        layers split it themselves). The identity at size 1. Any config with attention and Gated
+        DeltaNet heads will do (OLMo-Hybrid's too, which has no expert widths)."""
         if not self.enabled:
             return c
         self.split(c.num_attention_heads, "num_attention_heads")
@@ -92,8 +93,9 @@ class ParallelContext:
             "moe_intermediate_size",
             "shared_expert_intermediate_size",
         ):
-            width = getattr(c, name)
-            shapes[name] = self.split(width, name)[1] if width else 0
+            width = getattr(c, name, None)
+            if width is not None:
+                shapes[name] = self.split(width, name)[1] if width else 0
         return replace(c, **shapes)
 
     # ---- collectives ---------------------------------------------------------------------

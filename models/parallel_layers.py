@@ -1,5 +1,6 @@
 """Tensor-parallel layers: the row-parallel linear, MLP and MoE (one all-reduce each), the
-vocab-parallel embedding and LM head.
+vocab-parallel embedding and LM head, and the norms over channels split across the ranks
+(the Mamba2 gated norm at G = 1, OLMo-Hybrid's q/k norms over all heads).
 
 Column-parallel projections need no class of their own: a rank's q/k/v, in_proj_qkvz/ba,
 gate/up projections are plain `Linear`s with its share of the output rows (the shard loader fills
@@ -14,8 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelSet
-from models.layers import MLP, REFERENCE, Linear, SparseMoE
+from models.layers import MLP, REFERENCE, Linear, RMSNormPlain, SparseMoE
 from models.parallel import ParallelContext
+from models.shard_loader import Shard
+from models.tp_shards import mlp_shards
 
 
 class RowParallelLinear(Linear):
@@ -42,13 +45,19 @@ def row_linear(
 
 
 class ParallelMLP(MLP):
-    """SwiGLU over this rank's intermediate columns, summed over the ranks."""
+    """SwiGLU over this rank's intermediate columns (`intermediate_size` is its share), summed
+    over the ranks."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, tp: ParallelContext, ops: KernelSet
     ) -> None:
         super().__init__(hidden_size, intermediate_size, ops)
-        self.tp = tp
+        self.tp, self.width = tp, intermediate_size * tp.size
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """Its gate/up rows and down columns (`models.tp_shards`; Qwen3-Next finds the same by
+        checkpoint name, `models.shard_loader`)."""
+        return mlp_shards(self.tp, self.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
@@ -116,9 +125,27 @@ class ParallelRMSNormGateFirst(nn.Module):
         return self._normalize(g.float(), g.dtype)
 
     def _normalize(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # g fp32
-        squares = self.tp.all_reduce(g.pow(2).sum(-1, keepdim=True))
-        mean = squares / (g.shape[-1] * self.tp.size)
-        return self.weight * (g * torch.rsqrt(mean + self.eps)).to(dtype)
+        return self.weight * rms_over_ranks(g, self.eps, self.tp).to(dtype)
+
+
+class ParallelRMSNormPlain(RMSNormPlain):
+    """`RMSNormPlain` over channels split across the ranks (OLMo-Hybrid's q/k norms over all
+    heads): w * x / rms(x), the rms over every rank's channels, with this rank's share of w."""
+
+    def __init__(self, dim: int, eps: float, tp: ParallelContext, ops: KernelSet) -> None:
+        super().__init__(dim, eps, ops)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight.float() * rms_over_ranks(x.float(), self.eps, self.tp)).to(x.dtype)
+
+
+def rms_over_ranks(x: torch.Tensor, eps: float, tp: ParallelContext) -> torch.Tensor:
+    """x / rms(x) of fp32 x [..., D], each rank holding D channels: the sum of squares summed
+    over the ranks. Replicated channels (one KV head on several ranks) count once per holder;
+    as every KV head has the same number of holders, the mean is unchanged."""
+    squares = tp.all_reduce(x.pow(2).sum(-1, keepdim=True))
+    return x * torch.rsqrt(squares / (x.shape[-1] * tp.size) + eps)
 
 
 def k_split_matrices(model: nn.Module) -> set[int]:
@@ -147,6 +174,15 @@ def lm_head(
     if not tp.enabled:
         return Linear(hidden_size, vocab_size, bias=False, ops=ops)
     return ParallelLMHead(hidden_size, vocab_size, tp, ops)
+
+
+def rms_norm_plain(
+    dim: int, eps: float, tp: ParallelContext, ops: KernelSet = REFERENCE
+) -> RMSNormPlain:
+    """A plain-weight RMSNorm over `dim` channels of this rank (split across the ranks)."""
+    if not tp.enabled:
+        return RMSNormPlain(dim, eps, ops)
+    return ParallelRMSNormPlain(dim, eps, tp, ops)
 
 
 def mlp(

@@ -9,7 +9,7 @@ checkpoint tensor's shard through the parameter it loads into; a tensor that fil
 of a stacked parameter (NemotronH's per-expert tensors) drops the stacked dimensions.
 
     attention   q rows of this rank's heads, k/v rows of its KV heads (one replicated KV head
-                when there are fewer than ranks), o_proj columns
+                when there are fewer than ranks), o_proj columns; q/k norms over all heads as q/k
     Mamba2      in_proj rows [z | x | B | C | dt] and conv channels [x | B | C] of its heads and
                 groups (all groups when G = 1, replicated), dt_bias / A_log / D / norm of its
                 heads, out_proj columns
@@ -36,9 +36,15 @@ def cols(*ranges: tuple[int, int], dim: int = 1) -> Shard:
 
 
 def attention_shards(
-    tp: ParallelContext, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+    tp: ParallelContext,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bias: bool,
+    qk_norm: bool = False,
 ) -> dict[str, Shard]:
-    """The plain GQA attention's q/k/v/o projections (`models.gqa_attention`)."""
+    """The plain GQA attention's q/k/v/o projections (`models.gqa_attention`), and with
+    `qk_norm` its q/k norms over all heads (OLMo-Hybrid's), whose weights split as q and k do."""
     h0, hn = tp.split(num_heads, "num_attention_heads")
     kv0, kvn = tp.kv_heads(num_kv_heads)
     q, kv = rows(span(h0, hn, head_dim)), rows(span(kv0, kvn, head_dim))
@@ -46,7 +52,20 @@ def attention_shards(
     out["o_proj.weight"] = cols(span(h0, hn, head_dim))
     if bias:
         out |= {"q_proj.bias": q, "k_proj.bias": kv, "v_proj.bias": kv}
+    if qk_norm:
+        out |= {"q_norm.weight": q, "k_norm.weight": kv}
     return out
+
+
+def mlp_shards(tp: ParallelContext, width: int) -> dict[str, Shard]:
+    """A SwiGLU MLP's separate gate_proj / up_proj rows and down_proj columns of this rank's
+    share of its `width`."""
+    share = width_share(tp, width)
+    return {
+        "gate_proj.weight": share,
+        "up_proj.weight": share,
+        "down_proj.weight": cols(*share.ranges),
+    }
 
 
 def swiglu_rows(tp: ParallelContext, width: int, dim: int = 0) -> Shard:

@@ -2,17 +2,20 @@
 them, NoPE when rope_theta is null, what is refused), the checkpoint map from its separate GDN
 tensors, and the 7B real shape on meta: its parameter count (7.43B for the "7B" label, within
 7%: a rounded label) and state bytes (24 GDN layers of 30 x 96 x 192 fp32 states: 52.2 MiB a
-slot) and KV bytes per token (8 attention layers with 30 KV heads of 128)."""
+slot) and KV bytes per token (8 attention layers with 30 KV heads of 128); under --tp-size 2,
+each checkpoint tensor's shard shaped as the part of the rank's parameter it fills."""
 
 from __future__ import annotations
 
 import pytest
 
 from make_model.presets import count_parameters, preset_config, write_config_only
+from make_model.tensor_specs import tensor_specs
 from models.gated_delta_net import GatedDeltaNet
 from models.loader import load_model
 from models.olmo_hybrid import OlmoHybridForCausalLM
 from models.olmo_hybrid_config import OlmoHybridConfig
+from models.parallel import ParallelContext
 from models.registry import model_class
 from models.weight_map import checkpoint_map
 from scheduler.pool_sizing import pool_bytes
@@ -79,3 +82,31 @@ def test_7b_real_shape_on_meta(tmp_path):
     assert sizes.mamba_per_slot == state + c.hidden_size * 2
     assert 52.0 < state / 2**20 < 52.5
     assert sizes.kv_per_token == 8 * 2 * 30 * 128 * 2
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_7b_tp2_shards_fill_the_ranks_parameters(tmp_path, rank):
+    """Each rank of two holds 15 of the 30 GDN and attention heads, and every checkpoint tensor's
+    shard (the GDN's separate tensors by their names, the rest by their parameters) has exactly
+    the shape of the part of the rank's parameter it fills."""
+    config = preset_config("olmo-hybrid-7b")
+    write_config_only(tmp_path, config)
+    tp = ParallelContext(rank, 2)
+    model = load_model(tmp_path, dtype="bfloat16", device="meta", load_format="dummy", tp=tp)
+    assert model.state_shapes[0].temporal == (15, 96, 192)
+    assert model.local_config.num_key_value_heads == 15 and model.local_config.head_dim == 128
+    params = dict(model.named_parameters())
+    table = checkpoint_map(model, "per_expert")
+    specs = tensor_specs(config, "per_expert")
+    assert set(table) == {key for key, _, _ in specs}
+    for key, shape, _ in specs:
+        target = table[key]
+        shard = model.checkpoint_shard(key, target)
+        dst = params[target.param][target.index]
+        expected = list(shape)
+        if shard is not None:
+            expected[shard.dim] = sum(b - a for a, b in shard.ranges)
+            dst = dst if shard.rows is None else dst[: shard.rows]
+        assert tuple(dst.shape) == tuple(expected), key
+    held = sum(p.numel() for p in model.parameters())
+    assert 0.5 <= held / count_parameters(config) < 0.501

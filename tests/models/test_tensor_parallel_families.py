@@ -1,11 +1,13 @@
-"""Tensor parallel (2 ranks, gloo on CPU) for the Mamba2 families against one rank and
+"""Tensor parallel (2 ranks, gloo on CPU) for the hybrid families against one rank and
 transformers, model level: NemotronH (G = 8: 4 groups a rank, its MoE and MLP widths split),
 Granite-4.0-H with and without experts (G = 1: the groups replicated and the gated norm's
-variance summed over the ranks), Bamba (partial RoPE) and Falcon-H1 (G = 2, the parallel layer,
-its muP segment multipliers per rank). Prefill logits (one shot and in chunks of 48) and greedy
-decode logits within 1e-4 of tp=1 and of transformers, the same greedy tokens, and each rank
-holding little more than half the bytes (norms, routers, conv and dt parameters of replicated
-groups are whole or duplicated)."""
+variance summed over the ranks), Bamba (partial RoPE), Falcon-H1 (G = 2, the parallel layer,
+its muP segment multipliers per rank) and OLMo-Hybrid (Gated DeltaNet read from its separate
+tensors, q/k norms over all heads with the rms summed over the ranks; once more with one KV head,
+which every rank holds, GDN value/key ratio 2 and a vocabulary two ranks do not divide).
+Prefill logits (one shot and in chunks of 48) and greedy decode logits within 1e-4 of tp=1 and
+of transformers, the same greedy tokens, and each rank holding little more than half the bytes
+(norms, routers, conv and dt parameters of replicated groups are whole or duplicated)."""
 
 from __future__ import annotations
 
@@ -27,25 +29,35 @@ PRESETS = (
     "tiny-granite-4.0-h-dense",
     "tiny-bamba",
     "tiny-falcon-h1",
+    "tiny-olmo-hybrid",
 )
+
+
+def _olmo_one_kv_head() -> dict:
+    cfg = preset_config("tiny-olmo-hybrid")
+    cfg.update(num_key_value_heads=1, linear_num_value_heads=8, vocab_size=2001)
+    return cfg
+
+
+CHECKPOINTS = {p: preset_config(p) for p in PRESETS} | {"olmo-hybrid-one-kv": _olmo_one_kv_head()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Every preset through tp=2 in one launch of the ranks, and through tp=1 here."""
+    """Every checkpoint through tp=2 in one launch of the ranks, and through tp=1 here."""
     jobs = []
-    for preset in PRESETS:
-        path = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=1)
+    for name, config in CHECKPOINTS.items():
+        path = write_checkpoint(tmp_path_factory.mktemp(name), config, seed=1)
         gen = torch.Generator().manual_seed(7)
-        vocab = preset_config(preset)["vocab_size"]
+        vocab = config["vocab_size"]
         prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (1, 150)]
         jobs.append((str(path), prompts))
     two = run_ranks(each_model_outputs, 2, jobs, DECODE_STEPS, 48, timeout_s=400)
     one = [model_outputs(ParallelContext(), *job, DECODE_STEPS, 48) for job in jobs]
-    return {p: (*job, a, b) for p, job, a, b in zip(PRESETS, jobs, one, two, strict=True)}
+    return {p: (*job, a, b) for p, job, a, b in zip(CHECKPOINTS, jobs, one, two, strict=True)}
 
 
-@pytest.fixture(params=PRESETS)
+@pytest.fixture(params=list(CHECKPOINTS))
 def outputs(request, runs):
     return runs[request.param]
 

@@ -1,6 +1,6 @@
 """The lockstep engine: `Engine(tp_size=2)` (this process is rank 0, one spawned follower, gloo)
 gives the tokens of `Engine()` and of transformers, with the radix cache, chunked prefill, a
-session, seeded and unseeded sampling, under no_buffer and extra_buffer (and for each Mamba2
+session, seeded and unseeded sampling, under no_buffer and extra_buffer (and for each hybrid
 family); every rank's pools are clean afterwards; a follower that dies stops the group with a
 message naming it. Every rank's state agrees after every kind of input, a mutating query the
 lockstep layer never heard of included."""
@@ -98,11 +98,14 @@ def test_tp2_engine_equals_tp1(paths, strategy):
         assert two[key] == one[key], key
 
 
-@pytest.mark.parametrize("preset", ["tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-falcon-h1"])
-def test_tp2_engine_equals_tp1_for_the_mamba2_families(preset, tmp_path):
-    """The same workload on each Mamba2 family (groups split for NemotronH, replicated with the
-    norm's variance summed for Granite and Bamba, the parallel layer of Falcon-H1) under
-    extra_buffer: tp=2 gives tp=1's tokens and cache hits, every rank's pools clean."""
+@pytest.mark.parametrize(
+    "preset", ["tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-olmo-hybrid"]
+)
+def test_tp2_engine_equals_tp1_for_the_hybrid_families(preset, tmp_path):
+    """The same workload on each hybrid family (groups split for NemotronH, replicated with the
+    norm's variance summed for Granite and Bamba, the parallel layer of Falcon-H1, OLMo-Hybrid's
+    GDN and q/k norms over all heads) under extra_buffer: tp=2 gives tp=1's tokens and cache
+    hits, every rank's pools clean."""
     path = str(write_checkpoint(tmp_path / preset, preset_config(preset), seed=3))
     options = {"mamba_scheduler_strategy": "extra_buffer", **POOLS}
     tp2 = Engine(path, tp_size=2, **options)
