@@ -2,7 +2,9 @@
 
 The contract is `Qwen3NextForCausalLM`'s: `forward`, `final_hidden`, `logits_from_hidden`,
 `state_shapes`, `num_kv_layers`, `use_kernels`, `embed_tokens`, `config` / `local_config`,
-`tp`, `ops`, `mtp`. A family subclasses `HybridForCausalLM` and supplies its stack:
+`tp`, `ops`, `mtp`. A family subclasses `HybridForCausalLM` and builds its stack, a
+`HybridModel` of its decoder layers under the checkpoint's names (`build_stack`, which adds the
+LM head), or supplies the stack's parts itself:
 
     hidden_states(batch)   the last layer's output [T, hidden] (before the final norm)
     final_norm(x)          the final norm of some of those rows
@@ -18,6 +20,7 @@ this rank's attention heads (what its KV pool holds).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
 
@@ -27,11 +30,61 @@ from torch import nn
 from kernels import KernelSet
 from mem_cache.state_shape import MambaStateShape
 from models.forward_batch import ForwardBatch
-from models.layers import REFERENCE
+from models.layers import REFERENCE, RMSNormPlain, RotaryEmbedding
 from models.parallel import ParallelContext
+from models.parallel_layers import embedding, lm_head
 from models.shard_loader import Shard
 from models.tp_shards import stacked
 from models.weight_map import Target
+
+
+class HybridModel(nn.Module):
+    """A family's stack: the token embedding, `layers` and the final norm, registered under the
+    checkpoint's names (`embed_name`, `norm_name`), and the RoPE angles where the family has
+    positions (`rotary_dim` > 0). `layer(config, layer_id, ops, tp)` builds one decoder layer,
+    which is called as `layer(x, batch, cos_sin)` (`cos_sin` None without positions):
+
+        x_0 = embedding_multiplier * embed(ids);   x_(i+1) = layers[i](x_i, batch, cos_sin)
+    """
+
+    def __init__(
+        self,
+        c,
+        layer: Callable[..., nn.Module],
+        ops: KernelSet,
+        tp: ParallelContext,
+        embed_name: str = "embed_tokens",
+        norm_name: str = "norm",
+        rotary_dim: int = 0,
+        embedding_multiplier: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.embed_name, self.norm_name = embed_name, norm_name
+        self.embedding_multiplier = embedding_multiplier
+        self.add_module(embed_name, embedding(c.vocab_size, c.hidden_size, tp))
+        self.layers = nn.ModuleList(layer(c, i, ops, tp) for i in range(c.num_hidden_layers))
+        self.add_module(norm_name, RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops))
+        self.rotary = RotaryEmbedding(rotary_dim, c.rope_theta) if rotary_dim else None
+
+    @property
+    def embed(self) -> nn.Module:
+        return getattr(self, self.embed_name)
+
+    @property
+    def final_norm(self) -> RMSNormPlain:
+        return getattr(self, self.norm_name)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> the last layer's output [T, hidden] (before the final norm)."""
+        x = self.embed(batch.input_ids)  # [T, hidden]
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        cos_sin = None  # 2 x [T, rotary_dim] with positions
+        if self.rotary is not None:
+            cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin)
+        return x
 
 
 class HybridForCausalLM(nn.Module):
@@ -56,18 +109,30 @@ class HybridForCausalLM(nn.Module):
                 num_key_value_heads=self.tp.kv_heads(config.num_key_value_heads)[1],
             )
         self.mtp = None
+        self.stack_name = "model"
 
-    # ---- what a family supplies ------------------------------------------------------------
+    # ---- the family's stack ------------------------------------------------------------------
+    def build_stack(self, layer: Callable[..., nn.Module], name: str = "model", **stack) -> None:
+        """`self.<name>` (the checkpoint's: `model` or `backbone`) = the `HybridModel` of
+        `layer`s (`stack`: its other arguments), then the LM head, tied to the stack's
+        embedding where the config says so."""
+        c = self.config
+        self.stack_name = name
+        self.add_module(name, HybridModel(c, layer, self.ops, self.tp, **stack))
+        self.lm_head = lm_head(c.hidden_size, c.vocab_size, self.tp, self.ops)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     @property
     def embed_tokens(self) -> nn.Module:
-        raise NotImplementedError
+        return getattr(self, self.stack_name).embed
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         """The last layer's output [T, hidden], before the final norm."""
-        raise NotImplementedError
+        return getattr(self, self.stack_name)(batch)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return getattr(self, self.stack_name).final_norm(x)
 
     # ---- the contract ------------------------------------------------------------------------
     def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
