@@ -22,12 +22,11 @@ NemotronH's port has).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from models.config import checkpoint_ssm_dtype
+from models.config import checkpoint_ssm_dtype, transformers_defaults
 from models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, HYBRID = "linear_attention", "full_attention", "hybrid"
@@ -115,7 +114,7 @@ class Mamba2HybridConfig:
         for key in ("vocab_size", "hidden_size", "num_attention_heads", "mamba_n_heads"):
             if key not in raw:
                 raise ValueError(f"config.json: missing field {key!r}")
-        d = _with_defaults(model_type, raw)
+        d = transformers_defaults(model_type, raw)
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
         rope = d.get("rope_parameters") or {}
@@ -237,15 +236,3 @@ def _falcon_h1(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
         ssm_out_multiplier=float(d["ssm_out_multiplier"]),
         mlp_multipliers=(gate, down),
     )
-
-
-def _with_defaults(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` completed by transformers' config class (its `to_dict()`, legacy layer-type names
-    such as Granite's "mamba" / "attention" remapped); its validators' errors are
-    `ValueError`s."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        return CONFIG_MAPPING[model_type].from_dict(copy.deepcopy(raw)).to_dict()
-    except Exception as e:
-        raise ValueError(" ".join(f"config.json: {e}".split())) from e

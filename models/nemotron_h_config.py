@@ -17,12 +17,11 @@ as NVIDIA's own code, vLLM and SGLang apply it; transformers' torch path clamps 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from models.config import checkpoint_ssm_dtype
+from models.config import checkpoint_ssm_dtype, transformers_defaults
 from models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -103,7 +102,8 @@ class NemotronHConfig:
     ) -> NemotronHConfig:
         """`raw` (a config.json's dict) completed by transformers' `NemotronHConfig`."""
         widths = raw.get("intermediate_size", 0)
-        d = _with_defaults({**raw, "intermediate_size": 0 if isinstance(widths, list) else widths})
+        for_hf = {**raw, "intermediate_size": 0 if isinstance(widths, list) else widths}
+        d = transformers_defaults("nemotron_h", for_hf)
 
         def need(*keys: str) -> Any:
             for key in keys:
@@ -171,14 +171,3 @@ class NemotronHConfig:
             eos_token_ids=eos_ids,
             mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
         )
-
-
-def _with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` completed by transformers' config class (its `to_dict()`); its validators' errors
-    are `ValueError`s."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        return CONFIG_MAPPING["nemotron_h"].from_dict(copy.deepcopy(raw)).to_dict()
-    except Exception as e:
-        raise ValueError(" ".join(f"config.json: {e}".split())) from e
