@@ -1,10 +1,10 @@
 """What every hybrid family's causal LM gives the loader and the scheduler, written once.
 
-The contract is `Qwen3NextForCausalLM`'s: `forward`, `final_hidden`, `logits_from_hidden`,
-`state_shapes`, `num_kv_layers`, `use_kernels`, `embed_tokens`, `config` / `local_config`,
-`tp`, `ops`, `mtp`. A family subclasses `HybridForCausalLM` and builds its stack, a
-`HybridModel` of its decoder layers under the checkpoint's names (`build_stack`, which adds the
-LM head), or supplies the stack's parts itself:
+The contract: `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`,
+`use_kernels`, `embed_tokens`, `config` / `local_config`, `tp`, `ops`, `mtp`; `CausalLM` holds
+the part every family computes alike (Qwen3-Next's too). A family subclasses
+`HybridForCausalLM` and builds its stack, a `HybridModel` of its decoder layers under the
+checkpoint's names (`build_stack`, which adds the LM head), or supplies its parts itself:
 
     hidden_states(batch)   the last layer's output [T, hidden] (before the final norm)
     final_norm(x)          the final norm of some of those rows
@@ -87,11 +87,44 @@ class HybridModel(nn.Module):
         return x
 
 
-class HybridForCausalLM(nn.Module):
-    """Base of the Mamba2 / linear-attention hybrids' causal LMs (module docstring). No MTP
-    head is served for these families (`mtp` is always None)."""
+class CausalLM(nn.Module):
+    """What every family's causal LM (`Qwen3NextForCausalLM`, `HybridForCausalLM`) computes
+    alike from its `final_hidden`, `lm_head` and recurrent mixers."""
 
     logits_multiplier: float = 1.0  # Granite's 1 / logits_scaling, Falcon-H1's lm_head multiplier
+
+    @property
+    def state_shapes(self) -> tuple[MambaStateShape, ...]:
+        """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what
+        the Mamba pool is built from."""
+        return tuple(m.state_shape for m in self.modules() if hasattr(m, "state_shape"))
+
+    def use_kernels(self, ops: KernelSet) -> None:
+        """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on
+        the same weights)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
+        or [K, vocab] at `logit_indices`; fp32."""
+        return self.logits_from_hidden(self.final_hidden(batch))
+
+    @torch.inference_mode()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s): `forward`
+        is `logits_from_hidden(final_hidden(batch))`."""
+        logits = self.lm_head(hidden)
+        if self.logits_multiplier != 1.0:
+            logits = logits * self.logits_multiplier
+        return logits.float()
+
+
+class HybridForCausalLM(CausalLM):
+    """Base of the Mamba2 / linear-attention hybrids' causal LMs (module docstring). No MTP
+    head is served for these families (`mtp` is always None)."""
 
     def __init__(
         self, config, tp: ParallelContext | None, ops: KernelSet = REFERENCE, mtp: bool = False
@@ -160,35 +193,9 @@ class HybridForCausalLM(nn.Module):
         return found
 
     @property
-    def state_shapes(self) -> tuple[MambaStateShape, ...]:
-        """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what
-        the Mamba pool is built from."""
-        return tuple(m.state_shape for m in self.modules() if hasattr(m, "state_shape"))
-
-    @property
     def num_kv_layers(self) -> int:
         """Layers whose keys and values the KV pool holds."""
         return len(self.config.full_attention_layers)
-
-    def use_kernels(self, ops: KernelSet) -> None:
-        """Run every layer on `ops` from now on."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
-        or [K, vocab] at `logit_indices`; fp32."""
-        return self.logits_from_hidden(self.final_hidden(batch))
-
-    @torch.inference_mode()
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s)."""
-        logits = self.lm_head(hidden)
-        if self.logits_multiplier != 1.0:
-            logits = logits * self.logits_multiplier
-        return logits.float()
 
     @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:
