@@ -61,8 +61,6 @@ class BambaMLP(MLP):
         self.tp, self.width = tp, width
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         share = width_share(self.tp, self.width)
         return {
             "gate_proj.weight": share,

@@ -51,8 +51,6 @@ class GraniteMoeHybridMLP(nn.Module):
         self.output_linear = Linear(local, hidden_size, bias=False, ops=ops)
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         return {
             "input_linear.weight": swiglu_rows(self.tp, self.width),
             "output_linear.weight": width_share(self.tp, self.width, dim=1),
@@ -84,8 +82,6 @@ class GraniteMoeHybridMoE(nn.Module):
         self.experts = Experts(c.num_experts, c.hidden_size, local, ops)
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         return {
             "experts.gate_up_proj": swiglu_rows(self.tp, self.width, dim=1),
             "experts.down_proj": width_share(self.tp, self.width, dim=2),

@@ -13,9 +13,9 @@ checkpoint's names (`build_stack`, which adds the LM head), or supplies its part
 
 The recurrent mixers (Mamba2, Gated DeltaNet) are found in module order, which is their layer
 order and so their Mamba-pool order; each describes its own state (`state_shape`). Under tensor
-parallelism every sharded module declares its parameters' shards (`tp_shards`, see
-`models.tp_shards`), the embedding and LM head are vocab-parallel, and `local_config` carries
-this rank's attention heads (what its KV pool holds).
+parallelism (and only then) every sharded module is asked for its parameters' shards
+(`tp_shards`, see `models.tp_shards`), the embedding and LM head are vocab-parallel, and
+`local_config` carries this rank's attention heads (what its KV pool holds).
 """
 
 from __future__ import annotations

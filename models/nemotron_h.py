@@ -52,8 +52,6 @@ class NemotronHMLP(nn.Module):
         self.down_proj = row_linear(local, hidden, bias, self.tp, ops)
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         share = width_share(self.tp, self.width)
         out = {"up_proj.weight": share, "down_proj.weight": cols(*share.ranges)}
         return out | ({"up_proj.bias": share} if self.bias else {})
@@ -84,8 +82,6 @@ class NemotronHExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         share = width_share(self.tp, self.width, dim=1)
         return {"up_proj": share, "down_proj": cols(*share.ranges, dim=2)}
 
