@@ -29,7 +29,7 @@ from kernels import KernelSet
 from models.forward_batch import ForwardBatch
 from models.gqa_attention import Attention
 from models.hybrid_lm import HybridForCausalLM
-from models.layers import MLP, REFERENCE, RMSNormPlain
+from models.layers import MLP, RMSNormPlain
 from models.mamba2_hybrid_config import ATTENTION, MAMBA, Mamba2HybridConfig
 from models.mamba2_mixer import Mamba2Mixer
 from models.parallel import ParallelContext
@@ -113,20 +113,14 @@ class BambaDecoderLayer(nn.Module):
 class BambaForCausalLM(HybridForCausalLM):
     """Bamba or Falcon-H1, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract)."""
 
-    def __init__(
-        self,
-        config: Mamba2HybridConfig,
-        tp: ParallelContext | None = None,
-        ops: KernelSet = REFERENCE,
-        mtp: bool = False,
-    ) -> None:
-        super().__init__(config, tp, ops, mtp)
-        if self.tp.enabled and config.mlp_bias:
-            raise ValueError(f"{config.model_type}: mlp_bias under tensor parallelism")
-        self.logits_multiplier = config.logits_multiplier
+    def build(self) -> None:
+        c: Mamba2HybridConfig = self.config
+        if self.tp.enabled and c.mlp_bias:
+            raise ValueError(f"{c.model_type}: mlp_bias under tensor parallelism")
+        self.logits_multiplier = c.logits_multiplier
         self.build_stack(
             BambaDecoderLayer,
             norm_name="final_layernorm",
-            rotary_dim=config.rotary_dim,
-            embedding_multiplier=config.embedding_multiplier,
+            rotary_dim=c.rotary_dim,
+            embedding_multiplier=c.embedding_multiplier,
         )

@@ -133,17 +133,11 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract)."""
 
-    def __init__(
-        self,
-        config: Mamba2HybridConfig,
-        tp: ParallelContext | None = None,
-        ops: KernelSet = REFERENCE,
-        mtp: bool = False,
-    ) -> None:
-        super().__init__(config, tp, ops, mtp)
-        self.logits_multiplier = config.logits_multiplier
+    def build(self) -> None:
+        c: Mamba2HybridConfig = self.config
+        self.logits_multiplier = c.logits_multiplier
         self.build_stack(
             GraniteMoeHybridDecoderLayer,
-            rotary_dim=config.rotary_dim,
-            embedding_multiplier=config.embedding_multiplier,
+            rotary_dim=c.rotary_dim,
+            embedding_multiplier=c.embedding_multiplier,
         )

@@ -123,11 +123,17 @@ class CausalLM(nn.Module):
 
 
 class HybridForCausalLM(CausalLM):
-    """Base of the Mamba2 / linear-attention hybrids' causal LMs (module docstring). No MTP
-    head is served for these families (`mtp` is always None)."""
+    """Base of the Mamba2 / linear-attention hybrids' causal LMs (module docstring): the whole
+    model, or rank `tp.rank`'s shard of it; `ops` is the kernel set every layer calls
+    (`kernels.choose`; the torch references by default). No MTP head is served for these
+    families (`mtp` is always None)."""
 
     def __init__(
-        self, config, tp: ParallelContext | None, ops: KernelSet = REFERENCE, mtp: bool = False
+        self,
+        config,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
+        mtp: bool = False,
     ) -> None:
         super().__init__()
         if mtp:
@@ -143,8 +149,12 @@ class HybridForCausalLM(CausalLM):
             )
         self.mtp = None
         self.stack_name = "model"
+        self.build()
 
     # ---- the family's stack ------------------------------------------------------------------
+    def build(self) -> None:
+        """Build the family's layers (`build_stack`); the last step of `__init__`."""
+
     def build_stack(self, layer: Callable[..., nn.Module], name: str = "model", **stack) -> None:
         """`self.<name>` (the checkpoint's: `model` or `backbone`) = the `HybridModel` of
         `layer`s (`stack`: its other arguments), then the LM head, tied to the stack's

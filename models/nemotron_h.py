@@ -145,15 +145,7 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHForCausalLM(HybridForCausalLM):
-    """The whole model. `ops` is the kernel set every layer calls (`kernels.choose`; the torch
-    references by default); the loader's and scheduler's contract is `models.hybrid_lm`'s."""
+    """NemotronH (`models.hybrid_lm`'s contract)."""
 
-    def __init__(
-        self,
-        config: NemotronHConfig,
-        tp: ParallelContext | None = None,
-        ops: KernelSet = REFERENCE,
-        mtp: bool = False,
-    ) -> None:
-        super().__init__(config, tp, ops, mtp)
+    def build(self) -> None:
         self.build_stack(NemotronHBlock, "backbone", embed_name="embeddings", norm_name="norm_f")
