@@ -31,7 +31,6 @@ from models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, HYBRID = "linear_attention", "full_attention", "hybrid"
 MODEL_TYPES = ("granitemoehybrid", "bamba", "falcon_h1")
-ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM")
 
 
 @dataclass(frozen=True, kw_only=True)
