@@ -3,8 +3,8 @@
 The contract: `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`,
 `use_kernels`, `embed_tokens`, `config` / `local_config`, `tp`, `ops`, `mtp`; `CausalLM` holds
 the part every family computes alike (Qwen3-Next's too). A family subclasses
-`HybridForCausalLM` and builds its stack, a `HybridModel` of its decoder layers under the
-checkpoint's names (`build_stack`, which adds the LM head), or supplies its parts itself:
+`HybridForCausalLM` and builds in `build()` a `HybridModel` of its decoder layers under the
+checkpoint's names (`build_stack`, which adds the LM head), or supplies these parts itself:
 
     hidden_states(batch)   the last layer's output [T, hidden] (before the final norm)
     final_norm(x)          the final norm of some of those rows
