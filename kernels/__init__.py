@@ -1,9 +1,9 @@
 """Kernels: each op has a pure-torch reference (`kernels/<family>.py`), a Triton version
-(`kernels/<family>_triton.py`) and for some a C++ CPU version (`kernels/<family>_cpp.py`), all
-with the same signature. `choose` picks one implementation per op once, when a model is built
-(`kernels.kernel_set`); nothing here dispatches per call, and kernels/ imports nothing else of
-this project. The names below load on first use, so a torch-free module of the package
-(`kernels.weight_formats`) imports without torch."""
+(`kernels/<family>_triton.py`) and for some a C++ CPU version (`kernels.cpp_ops`,
+`kernels.cpp_fused`), all with the same signature. `choose` picks one implementation per op
+once, when a model is built (`kernels.kernel_set`); nothing here dispatches per call, and
+kernels/ imports nothing else of this project. The names below load on first use, so a
+torch-free module of the package (`kernels.weight_formats`) imports without torch."""
 
 from __future__ import annotations
 

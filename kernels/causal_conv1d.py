@@ -65,6 +65,16 @@ def live_rows(idx: torch.Tensor, pad_slot_id: int = PAD_SLOT_ID) -> torch.Tensor
     return (idx != pad_slot_id) & ~repeats
 
 
+def row_slots(
+    indices: torch.Tensor | None, rows: int, device: torch.device, pad_slot_id: int = PAD_SLOT_ID
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's (slot of each row, `live_rows`, a slot safe to read for each row: its
+    own, or 0 for padding), [B] each; `indices` None means row b uses slot b."""
+    idx = torch.arange(rows, device=device) if indices is None else indices.long()
+    live = live_rows(idx, pad_slot_id)
+    return idx, live, torch.where(live, idx, torch.zeros_like(idx))
+
+
 def causal_conv1d_update(
     x: torch.Tensor,  # [B, dim] one new token per row
     conv_state: torch.Tensor,  # [slots, dim, Kc-1], updated in place
@@ -76,14 +86,7 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     """One decode step; returns y [B, dim] in x's dtype. Padding rows (`live_rows`) get zero
     output and touch no state."""
-    B = x.shape[0]
-    idx = (
-        torch.arange(B, device=x.device)
-        if conv_state_indices is None
-        else conv_state_indices.long()
-    )
-    live = live_rows(idx, pad_slot_id)
-    safe = torch.where(live, idx, torch.zeros_like(idx))
+    idx, live, safe = row_slots(conv_state_indices, x.shape[0], x.device, pad_slot_id)
     history = conv_state.index_select(0, safe).to(weight.dtype)
     window = torch.cat([history, x.unsqueeze(-1).to(weight.dtype)], -1)
     y = (window * weight.unsqueeze(0)).sum(-1)  # [B, dim]

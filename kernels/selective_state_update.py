@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.causal_conv1d import PAD_SLOT_ID, live_rows
+from kernels.causal_conv1d import PAD_SLOT_ID, row_slots
 from kernels.ssd import discretize_dt, heads_of_groups
 
 
@@ -37,13 +37,7 @@ def selective_state_update(
 ) -> torch.Tensor:
     """Returns y [B, H, P] in x's dtype."""
     rows, H, _ = x.shape
-    idx = (
-        torch.arange(rows, device=x.device)
-        if state_batch_indices is None
-        else state_batch_indices.long()
-    )
-    live = live_rows(idx, pad_slot_id)
-    safe = torch.where(live, idx, torch.zeros_like(idx))
+    idx, live, safe = row_slots(state_batch_indices, rows, x.device, pad_slot_id)
     xf = x.float()
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [B, H]
     decay = (dt * A.float()).exp()[:, :, None, None]  # [B, H, 1, 1]

@@ -29,11 +29,11 @@ from kernels import KernelSet
 from models.forward_batch import ForwardBatch
 from models.gqa_attention import Attention
 from models.hybrid_lm import HybridForCausalLM
-from models.layers import MLP, REFERENCE, RMSNormPlain, RotaryEmbedding
+from models.layers import MLP, RMSNormPlain
 from models.mamba2_hybrid_config import ATTENTION, MAMBA, Mamba2HybridConfig
 from models.mamba2_mixer import Mamba2Mixer
 from models.parallel import ParallelContext
-from models.parallel_layers import embedding, lm_head, row_linear
+from models.parallel_layers import row_linear
 from models.shard_loader import Shard
 from models.tp_shards import mlp_shards
 
@@ -61,7 +61,7 @@ class BambaMLP(MLP):
         self.tp, self.width = tp, width
 
     def tp_shards(self) -> dict[str, Shard]:
-        return mlp_shards(self.tp, self.width) if self.tp.enabled else {}
+        return mlp_shards(self.tp, self.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = F.silu(scaled(self.gate_proj(x), self.gate_multiplier))
@@ -105,51 +105,17 @@ class BambaDecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class BambaModel(nn.Module):
-    def __init__(self, c: Mamba2HybridConfig, ops: KernelSet, tp: ParallelContext) -> None:
-        super().__init__()
-        self.embedding_multiplier = c.embedding_multiplier
-        self.embed_tokens = embedding(c.vocab_size, c.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            BambaDecoderLayer(c, i, ops, tp) for i in range(c.num_hidden_layers)
-        )
-        self.final_layernorm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
-        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> the last layer's output [T, hidden] (before `final_layernorm`)."""
-        x = scaled(self.embed_tokens(batch.input_ids), self.embedding_multiplier)  # [T, hidden]
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)  # 2 x [T, rotary_dim]
-        for layer in self.layers:
-            x = layer(x, batch, cos_sin)
-        return x
-
-
 class BambaForCausalLM(HybridForCausalLM):
     """Bamba or Falcon-H1, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract)."""
 
-    def __init__(
-        self,
-        config: Mamba2HybridConfig,
-        tp: ParallelContext | None = None,
-        ops: KernelSet = REFERENCE,
-        mtp: bool = False,
-    ) -> None:
-        super().__init__(config, tp, ops, mtp)
-        if self.tp.enabled and config.mlp_bias:
-            raise ValueError(f"{config.model_type}: mlp_bias under tensor parallelism")
-        self.logits_multiplier = config.logits_multiplier
-        self.model = BambaModel(config, ops, self.tp)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.model.embed_tokens
-
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.final_layernorm(x)
+    def build(self) -> None:
+        c: Mamba2HybridConfig = self.config
+        if self.tp.enabled and c.mlp_bias:
+            raise ValueError(f"{c.model_type}: mlp_bias under tensor parallelism")
+        self.logits_multiplier = c.logits_multiplier
+        self.build_stack(
+            BambaDecoderLayer,
+            norm_name="final_layernorm",
+            rotary_dim=c.rotary_dim,
+            embedding_multiplier=c.embedding_multiplier,
+        )

@@ -1,6 +1,8 @@
-"""What a hybrid checkpoint is: its `config.json`, read into one frozen dataclass.
+"""What a Qwen3-Next or Qwen3.5 checkpoint is: its `config.json`, read into one frozen dataclass
+(`models.registry.read_config` picks the family and reads the file), and what every family's
+config reads the same way (`transformers_defaults`, `checkpoint_ssm_dtype`).
 
-`ModelConfig.from_hf(path)` accepts Qwen3-Next (`qwen3_next`) and the Qwen3.5 text family
+`ModelConfig.from_dict(raw)` accepts Qwen3-Next (`qwen3_next`) and the Qwen3.5 text family
 (`qwen3_5_text`, `qwen3_5_moe_text`, and the multimodal wrappers `qwen3_5` / `qwen3_5_moe`, whose
 `text_config` is read and whose language-model weights sit under `model.language_model.`), with
 both the transformers 4.x RoPE keys (`rope_theta`, `partial_rotary_factor`) and the 5.x
@@ -14,10 +16,8 @@ file. A missing field or an unsupported architecture is a `ValueError` whose one
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 QWEN3_5_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -140,18 +140,6 @@ class ModelConfig:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, path: str | Path) -> ModelConfig:
-        """Read `path/config.json` (or that file); `generation_config.json` adds EOS ids."""
-        path = Path(path)
-        cfg_file = path / "config.json" if path.is_dir() else path
-        if not cfg_file.is_file():
-            raise ValueError(f"no config.json at {cfg_file}")
-        raw = json.loads(cfg_file.read_text())
-        gen_file = cfg_file.parent / "generation_config.json"
-        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-        return cls.from_dict(raw, generation_config=gen)
-
-    @classmethod
     def from_dict(cls, raw: dict[str, Any], generation_config: dict | None = None) -> ModelConfig:
         """`raw` (a config.json's dict) read through transformers' config class for its
         model_type, which supplies every default; fields that size the model must be in `raw`."""
@@ -178,7 +166,8 @@ class ModelConfig:
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
-        d = _with_defaults(model_type, raw)
+        # transformers 4.x lacks Qwen3.5: Qwen3-Next's defaults are its for every field read here
+        d = transformers_defaults(model_type, raw, fallback="qwen3_next")
 
         def need(key: str) -> Any:
             if key not in raw:
@@ -231,14 +220,16 @@ class ModelConfig:
         )
 
 
-def _with_defaults(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` completed by transformers' config class for `model_type` (its `to_dict()`); where the
-    installed transformers lacks that type (Qwen3.5 in 4.x), by Qwen3-Next's class, whose defaults
-    are Qwen3.5's for every field `ModelConfig` reads. Its validators' errors are `ValueError`s."""
+def transformers_defaults(
+    model_type: str, raw: dict[str, Any], fallback: str | None = None
+) -> dict[str, Any]:
+    """`raw` completed by transformers' config class for `model_type` (its `to_dict()`, legacy
+    key and layer-type names remapped as the class does), or by `fallback`'s where the installed
+    transformers lacks that type. Its validators' errors are `ValueError`s."""
     from transformers import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[model_type if model_type in CONFIG_MAPPING else "qwen3_next"]
+    name = model_type if fallback is None or model_type in CONFIG_MAPPING else fallback
     try:  # the class mutates nested dicts (rope_parameters) in place
-        return config_class.from_dict(copy.deepcopy(raw)).to_dict()
+        return CONFIG_MAPPING[name].from_dict(copy.deepcopy(raw)).to_dict()
     except Exception as e:
         raise ValueError(" ".join(f"config.json: {e}".split())) from e

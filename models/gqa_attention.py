@@ -70,7 +70,7 @@ class Attention(nn.Module):
     def tp_shards(self) -> dict[str, Shard]:
         """This rank's q/k/v rows (and q/k norm weights) and o_proj columns
         (`models.tp_shards`)."""
-        return attention_shards(self.tp, *self.whole) if self.tp.enabled else {}
+        return attention_shards(self.tp, *self.whole)
 
     def forward(
         self,

@@ -30,11 +30,10 @@ from kernels import KernelSet
 from models.forward_batch import ForwardBatch
 from models.gqa_attention import Attention
 from models.hybrid_lm import HybridForCausalLM
-from models.layers import REFERENCE, Experts, Linear, RMSNormPlain, RotaryEmbedding
+from models.layers import REFERENCE, Experts, Linear, RMSNormPlain
 from models.mamba2_hybrid_config import MAMBA, Mamba2HybridConfig
 from models.mamba2_mixer import Mamba2Mixer
 from models.parallel import ParallelContext
-from models.parallel_layers import embedding, lm_head
 from models.shard_loader import Shard
 from models.tp_shards import swiglu_rows, width_share
 
@@ -52,8 +51,6 @@ class GraniteMoeHybridMLP(nn.Module):
         self.output_linear = Linear(local, hidden_size, bias=False, ops=ops)
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         return {
             "input_linear.weight": swiglu_rows(self.tp, self.width),
             "output_linear.weight": width_share(self.tp, self.width, dim=1),
@@ -85,8 +82,6 @@ class GraniteMoeHybridMoE(nn.Module):
         self.experts = Experts(c.num_experts, c.hidden_size, local, ops)
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         return {
             "experts.gate_up_proj": swiglu_rows(self.tp, self.width, dim=1),
             "experts.down_proj": width_share(self.tp, self.width, dim=2),
@@ -135,51 +130,14 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         return x + self.tp.all_reduce(h) * self.residual_multiplier
 
 
-class GraniteMoeHybridModel(nn.Module):
-    def __init__(self, c: Mamba2HybridConfig, ops: KernelSet, tp: ParallelContext) -> None:
-        super().__init__()
-        self.embedding_multiplier = c.embedding_multiplier
-        self.embed_tokens = embedding(c.vocab_size, c.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            GraniteMoeHybridDecoderLayer(c, i, ops, tp) for i in range(c.num_hidden_layers)
-        )
-        self.norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
-        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta) if c.rotary_dim else None
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> the last layer's output [T, hidden] (before `norm`)."""
-        x = self.embed_tokens(batch.input_ids) * self.embedding_multiplier  # [T, hidden]
-        cos_sin = None
-        if self.rotary is not None:
-            cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, batch, cos_sin)
-        return x
-
-
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract)."""
 
-    def __init__(
-        self,
-        config: Mamba2HybridConfig,
-        tp: ParallelContext | None = None,
-        ops: KernelSet = REFERENCE,
-        mtp: bool = False,
-    ) -> None:
-        super().__init__(config, tp, ops, mtp)
-        self.logits_multiplier = config.logits_multiplier
-        self.model = GraniteMoeHybridModel(config, ops, self.tp)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.model.embed_tokens
-
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(x)
+    def build(self) -> None:
+        c: Mamba2HybridConfig = self.config
+        self.logits_multiplier = c.logits_multiplier
+        self.build_stack(
+            GraniteMoeHybridDecoderLayer,
+            rotary_dim=c.rotary_dim,
+            embedding_multiplier=c.embedding_multiplier,
+        )

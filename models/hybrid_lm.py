@@ -1,8 +1,10 @@
 """What every hybrid family's causal LM gives the loader and the scheduler, written once.
 
-The contract is `Qwen3NextForCausalLM`'s: `forward`, `final_hidden`, `logits_from_hidden`,
-`state_shapes`, `num_kv_layers`, `use_kernels`, `embed_tokens`, `config` / `local_config`,
-`tp`, `ops`, `mtp`. A family subclasses `HybridForCausalLM` and supplies its stack:
+The contract: `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`,
+`use_kernels`, `embed_tokens`, `config` / `local_config`, `tp`, `ops`, `mtp`; `CausalLM` holds
+the part every family computes alike (Qwen3-Next's too). A family subclasses
+`HybridForCausalLM` and builds in `build()` a `HybridModel` of its decoder layers under the
+checkpoint's names (`build_stack`, which adds the LM head), or supplies these parts itself:
 
     hidden_states(batch)   the last layer's output [T, hidden] (before the final norm)
     final_norm(x)          the final norm of some of those rows
@@ -11,13 +13,14 @@ The contract is `Qwen3NextForCausalLM`'s: `forward`, `final_hidden`, `logits_fro
 
 The recurrent mixers (Mamba2, Gated DeltaNet) are found in module order, which is their layer
 order and so their Mamba-pool order; each describes its own state (`state_shape`). Under tensor
-parallelism every sharded module declares its parameters' shards (`tp_shards`, see
-`models.tp_shards`), the embedding and LM head are vocab-parallel, and `local_config` carries
-this rank's attention heads (what its KV pool holds).
+parallelism (and only then) every sharded module is asked for its parameters' shards
+(`tp_shards`, see `models.tp_shards`), the embedding and LM head are vocab-parallel, and
+`local_config` carries this rank's attention heads (what its KV pool holds).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
 
@@ -27,21 +30,110 @@ from torch import nn
 from kernels import KernelSet
 from mem_cache.state_shape import MambaStateShape
 from models.forward_batch import ForwardBatch
-from models.layers import REFERENCE
+from models.layers import REFERENCE, RMSNormPlain, RotaryEmbedding
 from models.parallel import ParallelContext
+from models.parallel_layers import embedding, lm_head
 from models.shard_loader import Shard
 from models.tp_shards import stacked
 from models.weight_map import Target
 
 
-class HybridForCausalLM(nn.Module):
-    """Base of the Mamba2 / linear-attention hybrids' causal LMs (module docstring). No MTP
-    head is served for these families (`mtp` is always None)."""
+class HybridModel(nn.Module):
+    """A family's stack: the token embedding, `layers` and the final norm, registered under the
+    checkpoint's names (`embed_name`, `norm_name`), and the RoPE angles where the family has
+    positions (`rotary_dim` > 0). `layer(config, layer_id, ops, tp)` builds one decoder layer,
+    which is called as `layer(x, batch, cos_sin)` (`cos_sin` None without positions):
+
+        x_0 = embedding_multiplier * embed(ids);   x_(i+1) = layers[i](x_i, batch, cos_sin)
+    """
+
+    def __init__(
+        self,
+        c,
+        layer: Callable[..., nn.Module],
+        ops: KernelSet,
+        tp: ParallelContext,
+        embed_name: str = "embed_tokens",
+        norm_name: str = "norm",
+        rotary_dim: int = 0,
+        embedding_multiplier: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.embed_name, self.norm_name = embed_name, norm_name
+        self.embedding_multiplier = embedding_multiplier
+        self.add_module(embed_name, embedding(c.vocab_size, c.hidden_size, tp))
+        self.layers = nn.ModuleList(layer(c, i, ops, tp) for i in range(c.num_hidden_layers))
+        self.add_module(norm_name, RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops))
+        self.rotary = RotaryEmbedding(rotary_dim, c.rope_theta) if rotary_dim else None
+
+    @property
+    def embed(self) -> nn.Module:
+        return getattr(self, self.embed_name)
+
+    @property
+    def final_norm(self) -> RMSNormPlain:
+        return getattr(self, self.norm_name)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> the last layer's output [T, hidden] (before the final norm)."""
+        x = self.embed(batch.input_ids)  # [T, hidden]
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        cos_sin = None  # 2 x [T, rotary_dim] with positions
+        if self.rotary is not None:
+            cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin)
+        return x
+
+
+class CausalLM(nn.Module):
+    """What every family's causal LM (`Qwen3NextForCausalLM`, `HybridForCausalLM`) computes
+    alike from its `final_hidden`, `lm_head` and recurrent mixers."""
 
     logits_multiplier: float = 1.0  # Granite's 1 / logits_scaling, Falcon-H1's lm_head multiplier
 
+    @property
+    def state_shapes(self) -> tuple[MambaStateShape, ...]:
+        """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what
+        the Mamba pool is built from."""
+        return tuple(m.state_shape for m in self.modules() if hasattr(m, "state_shape"))
+
+    def use_kernels(self, ops: KernelSet) -> None:
+        """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on
+        the same weights)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
+        or [K, vocab] at `logit_indices`; fp32."""
+        return self.logits_from_hidden(self.final_hidden(batch))
+
+    @torch.inference_mode()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s): `forward`
+        is `logits_from_hidden(final_hidden(batch))`."""
+        logits = self.lm_head(hidden)
+        if self.logits_multiplier != 1.0:
+            logits = logits * self.logits_multiplier
+        return logits.float()
+
+
+class HybridForCausalLM(CausalLM):
+    """Base of the Mamba2 / linear-attention hybrids' causal LMs (module docstring): the whole
+    model, or rank `tp.rank`'s shard of it; `ops` is the kernel set every layer calls
+    (`kernels.choose`; the torch references by default). No MTP head is served for these
+    families (`mtp` is always None)."""
+
     def __init__(
-        self, config, tp: ParallelContext | None, ops: KernelSet = REFERENCE, mtp: bool = False
+        self,
+        config,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
+        mtp: bool = False,
     ) -> None:
         super().__init__()
         if mtp:
@@ -56,18 +148,34 @@ class HybridForCausalLM(nn.Module):
                 num_key_value_heads=self.tp.kv_heads(config.num_key_value_heads)[1],
             )
         self.mtp = None
+        self.stack_name = "model"
+        self.build()
 
-    # ---- what a family supplies ------------------------------------------------------------
+    # ---- the family's stack ------------------------------------------------------------------
+    def build(self) -> None:
+        """Build the family's layers (`build_stack`); the last step of `__init__`."""
+
+    def build_stack(self, layer: Callable[..., nn.Module], name: str = "model", **stack) -> None:
+        """`self.<name>` (the checkpoint's: `model` or `backbone`) = the `HybridModel` of
+        `layer`s (`stack`: its other arguments), then the LM head, tied to the stack's
+        embedding where the config says so."""
+        c = self.config
+        self.stack_name = name
+        self.add_module(name, HybridModel(c, layer, self.ops, self.tp, **stack))
+        self.lm_head = lm_head(c.hidden_size, c.vocab_size, self.tp, self.ops)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     @property
     def embed_tokens(self) -> nn.Module:
-        raise NotImplementedError
+        return getattr(self, self.stack_name).embed
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         """The last layer's output [T, hidden], before the final norm."""
-        raise NotImplementedError
+        return getattr(self, self.stack_name)(batch)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return getattr(self, self.stack_name).final_norm(x)
 
     # ---- the contract ------------------------------------------------------------------------
     def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
@@ -95,35 +203,9 @@ class HybridForCausalLM(nn.Module):
         return found
 
     @property
-    def state_shapes(self) -> tuple[MambaStateShape, ...]:
-        """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what
-        the Mamba pool is built from."""
-        return tuple(m.state_shape for m in self.modules() if hasattr(m, "state_shape"))
-
-    @property
     def num_kv_layers(self) -> int:
         """Layers whose keys and values the KV pool holds."""
         return len(self.config.full_attention_layers)
-
-    def use_kernels(self, ops: KernelSet) -> None:
-        """Run every layer on `ops` from now on."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
-        or [K, vocab] at `logit_indices`; fp32."""
-        return self.logits_from_hidden(self.final_hidden(batch))
-
-    @torch.inference_mode()
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s)."""
-        logits = self.lm_head(hidden)
-        if self.logits_multiplier != 1.0:
-            logits = logits * self.logits_multiplier
-        return logits.float()
 
     @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:

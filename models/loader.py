@@ -177,8 +177,8 @@ def load_model(
     model = model.to(torch.float32 if weights_only else torch_dtype)
     if weights_only:
         cast_matrices(model, torch_dtype)
-    source = None if load_format == "dummy" else index_checkpoint(model, path, config, tp)
-    resident, block = plan_fp8(model, path, source, tp) if fp8_resident else (set(), None)
+    source = None if load_format == "dummy" else index_checkpoint(model, path, config)
+    resident, block = plan_fp8(model, path, source) if fp8_resident else (set(), None)
     make_resident(model, resident)
     # what to_empty() does, with torch.empty: empty_like on meta tensors would import sympy
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -193,7 +193,7 @@ def load_model(
         model.embed_tokens.weight.data[rows:].zero_()
         model.lm_head.weight.data[rows:].zero_()
     if source is not None:
-        read_checkpoint(model, source, config, tp)
+        read_checkpoint(model, source)
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.to(torch_dtype))
     if quantization is not None:
@@ -227,7 +227,7 @@ class CheckpointIndex:
 
 
 def index_checkpoint(
-    model: Qwen3NextForCausalLM, path: Path, config: ModelConfig, tp: ParallelContext
+    model: Qwen3NextForCausalLM, path: Path, config: ModelConfig
 ) -> CheckpointIndex:
     """The strict key set of the checkpoint at `path` against `model` (meta is enough), from the
     headers: a missing or extra tensor, or a bad FP8 layout, is a `ValueError` naming it. The
@@ -267,10 +267,7 @@ def fp8_device(device: str | torch.device, ops: KernelSet) -> bool:
 
 
 def plan_fp8(
-    model: Qwen3NextForCausalLM,
-    path: Path,
-    source: CheckpointIndex | None,
-    tp: ParallelContext,
+    model: Qwen3NextForCausalLM, path: Path, source: CheckpointIndex | None
 ) -> tuple[set[str], tuple[int, int] | None]:
     """(the parameters that stay FP8, the block) for the checkpoint `source`, or for dummy
     weights (`source` None) the config's `quantization_config`; records the checkpoint's
@@ -304,9 +301,7 @@ def plan_fp8(
     return names, fp8.block
 
 
-def read_checkpoint(
-    model: Qwen3NextForCausalLM, source: CheckpointIndex, config: ModelConfig, tp: ParallelContext
-) -> None:
+def read_checkpoint(model: Qwen3NextForCausalLM, source: CheckpointIndex) -> None:
     """Fill `model` from the checkpoint `source` (see `load_model`): FP8 tensors of resident
     parameters copied as they are with their scales, the others converted while copied."""
     table, fp8 = source.table, source.fp8

@@ -22,45 +22,84 @@ NemotronH's port has).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
-from models.config import checkpoint_ssm_dtype
+from models.config import checkpoint_ssm_dtype, transformers_defaults
 from models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, HYBRID = "linear_attention", "full_attention", "hybrid"
 MODEL_TYPES = ("granitemoehybrid", "bamba", "falcon_h1")
-ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM")
 
 
-@dataclass(frozen=True)
-class Mamba2HybridConfig:
-    model_type: str  # MODEL_TYPES
+@dataclass(frozen=True, kw_only=True)
+class Mamba2StackConfig:
+    """What every Mamba2 hybrid's config holds and checks (the three families here, NemotronH's
+    `models.nemotron_h_config`): a layer of a type in `KV_TYPES` holds attention (a KV-pool
+    layer), one in `STATE_TYPES` a Mamba2 mixer (a Mamba-pool layer); `LAYER_TYPES` are all the
+    family reads."""
+
+    LAYER_TYPES: ClassVar[tuple[str, ...]]
+    KV_TYPES: ClassVar[tuple[str, ...]] = (ATTENTION,)
+    STATE_TYPES: ClassVar[tuple[str, ...]] = (MAMBA,)
     vocab_size: int
     hidden_size: int
-    layer_types: tuple[str, ...]  # MAMBA, ATTENTION or HYBRID (both mixers) per layer
+    layer_types: tuple[str, ...]  # one of LAYER_TYPES per layer
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
-    # attention
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    mamba: Mamba2Config
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    mtp_num_hidden_layers: int = 0  # no MTP head is served for these families
+    mamba_ssm_dtype: str = "float32"  # the checkpoint's SSM-state dtype (models.config)
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in self.LAYER_TYPES]
+        if bad:
+            raise ValueError(f"config.json: unsupported layer type {bad[0]!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @cached_property
+    def full_attention_layers(self) -> tuple[int, ...]:  # layers with attention (KV)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in self.KV_TYPES)
+
+    @cached_property
+    def linear_attention_layers(self) -> tuple[int, ...]:  # layers with Mamba2 (state)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in self.STATE_TYPES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba2HybridConfig(Mamba2StackConfig):
+    """Layer types MAMBA, ATTENTION or HYBRID (both mixers on the same input)."""
+
+    LAYER_TYPES: ClassVar[tuple[str, ...]] = (MAMBA, ATTENTION, HYBRID)
+    KV_TYPES: ClassVar[tuple[str, ...]] = (ATTENTION, HYBRID)
+    STATE_TYPES: ClassVar[tuple[str, ...]] = (MAMBA, HYBRID)
+    model_type: str  # MODEL_TYPES
+    # attention
     attention_bias: bool
     rotary_dim: int  # 0: no positional encoding
     rope_theta: float
-    attention_scale: float | None  # None: head_dim^-0.5 (Granite: attention_multiplier)
-    # Mamba2
-    mamba: Mamba2Config
+    attention_scale: float | None = None  # None: head_dim^-0.5 (Granite: attention_multiplier)
     # feed-forward: a SwiGLU MLP of `intermediate_size` (Granite's shared MLP), plus routed
     # SwiGLU experts when num_experts > 0 (softmax over the top-k router logits)
     intermediate_size: int
     mlp_bias: bool
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
     # multipliers (1 where a family has none)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0  # Granite: each sublayer's output before the residual add
@@ -70,38 +109,16 @@ class Mamba2HybridConfig:
     key_multiplier: float = 1.0
     ssm_out_multiplier: float = 1.0
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # Falcon-H1: (gate input, down output)
-    torch_dtype: str = "float32"
-    eos_token_ids: tuple[int, ...] = ()
     weight_prefix: str = "model."
-    mtp_num_hidden_layers: int = 0  # no MTP head is served for these families
-    mamba_ssm_dtype: str = "float32"  # the checkpoint's SSM-state dtype (models.config)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"unsupported model_type {self.model_type!r}")
-        bad = [t for t in self.layer_types if t not in (MAMBA, ATTENTION, HYBRID)]
-        if bad:
-            raise ValueError(f"config.json: unsupported layer type {bad[0]!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
+        super().__post_init__()
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError("config.json: num_experts_per_tok must be in 1..num_local_experts")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"config.json: bad rotary dimension {self.rotary_dim}")
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return len(self.layer_types)
-
-    @cached_property
-    def full_attention_layers(self) -> tuple[int, ...]:  # layers with attention (KV)
-        return tuple(i for i, t in enumerate(self.layer_types) if t in (ATTENTION, HYBRID))
-
-    @cached_property
-    def linear_attention_layers(self) -> tuple[int, ...]:  # layers with Mamba2 (state)
-        return tuple(i for i, t in enumerate(self.layer_types) if t in (MAMBA, HYBRID))
 
     @classmethod
     def from_dict(
@@ -115,7 +132,7 @@ class Mamba2HybridConfig:
         for key in ("vocab_size", "hidden_size", "num_attention_heads", "mamba_n_heads"):
             if key not in raw:
                 raise ValueError(f"config.json: missing field {key!r}")
-        d = _with_defaults(model_type, raw)
+        d = transformers_defaults(model_type, raw)
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
         rope = d.get("rope_parameters") or {}
@@ -195,12 +212,8 @@ def _bamba(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
     return dict(
         layer_types=tuple(ATTENTION if i in attn else MAMBA for i in range(n)),
         rotary_dim=int(head_dim * factor),
-        attention_scale=None,
         mamba=_mamba(d),
         intermediate_size=int(d["intermediate_size"]),
-        num_experts=0,
-        num_experts_per_tok=0,
-        moe_intermediate_size=0,
     )
 
 
@@ -217,7 +230,6 @@ def _falcon_h1(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
     return dict(
         layer_types=(HYBRID,) * int(d["num_hidden_layers"]),
         rotary_dim=head_dim,
-        attention_scale=None,
         mamba=_mamba(
             d,
             int(inner),
@@ -226,9 +238,6 @@ def _falcon_h1(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
             zxbcdt_multipliers=ssm,
         ),
         intermediate_size=int(d["intermediate_size"]),
-        num_experts=0,
-        num_experts_per_tok=0,
-        moe_intermediate_size=0,
         embedding_multiplier=float(d["embedding_multiplier"]),
         logits_multiplier=float(d["lm_head_multiplier"]),
         attention_in_multiplier=float(d["attention_in_multiplier"]),
@@ -237,15 +246,3 @@ def _falcon_h1(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
         ssm_out_multiplier=float(d["ssm_out_multiplier"]),
         mlp_multipliers=(gate, down),
     )
-
-
-def _with_defaults(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` completed by transformers' config class (its `to_dict()`, legacy layer-type names
-    such as Granite's "mamba" / "attention" remapped); its validators' errors are
-    `ValueError`s."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        return CONFIG_MAPPING[model_type].from_dict(copy.deepcopy(raw)).to_dict()
-    except Exception as e:
-        raise ValueError(" ".join(f"config.json: {e}".split())) from e

@@ -169,8 +169,6 @@ class Mamba2Mixer(nn.Module):
     def tp_shards(self) -> dict[str, Shard]:
         """This rank's part of each parameter (`models.tp_shards`): its heads' rows of z, x and
         dt, its groups' (all when G = 1) of B and C."""
-        if not self.tp.enabled:
-            return {}
         w, hn, gn = self.whole, self.config.num_heads, self.config.n_groups
         h0 = self.tp.rank * hn
         g0 = 0 if w.n_groups == 1 else self.tp.rank * gn

@@ -28,7 +28,7 @@ from models.layers import REFERENCE, Linear, RMSNormPlain
 from models.mamba2_mixer import Mamba2Mixer
 from models.nemotron_h_config import ATTENTION, MAMBA, MLP, NemotronHConfig
 from models.parallel import ParallelContext
-from models.parallel_layers import embedding, lm_head, row_linear
+from models.parallel_layers import row_linear
 from models.shard_loader import Shard
 from models.tp_shards import cols, width_share
 
@@ -52,8 +52,6 @@ class NemotronHMLP(nn.Module):
         self.down_proj = row_linear(local, hidden, bias, self.tp, ops)
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         share = width_share(self.tp, self.width)
         out = {"up_proj.weight": share, "down_proj.weight": cols(*share.ranges)}
         return out | ({"up_proj.bias": share} if self.bias else {})
@@ -84,8 +82,6 @@ class NemotronHExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
 
     def tp_shards(self) -> dict[str, Shard]:
-        if not self.tp.enabled:
-            return {}
         share = width_share(self.tp, self.width, dim=1)
         return {"up_proj": share, "down_proj": cols(*share.ranges, dim=2)}
 
@@ -140,53 +136,16 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = NemotronHMoE(c, ops, tp)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin=None) -> torch.Tensor:
+        """`cos_sin` is always None (no positions)."""
         h = self.norm(x)
         if self.kind in (MAMBA, ATTENTION):  # the sequence mixers read the batch
             return x + self.mixer(h, batch)
         return x + self.mixer(h)
 
 
-class NemotronHModel(nn.Module):
-    def __init__(self, c: NemotronHConfig, ops: KernelSet, tp: ParallelContext) -> None:
-        super().__init__()
-        self.embeddings = embedding(c.vocab_size, c.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            NemotronHBlock(c, i, ops, tp) for i in range(c.num_hidden_layers)
-        )
-        self.norm_f = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> the last block's output [T, hidden] (before `norm_f`)."""
-        x = self.embeddings(batch.input_ids)  # [T, hidden]
-        for layer in self.layers:
-            x = layer(x, batch)
-        return x
-
-
 class NemotronHForCausalLM(HybridForCausalLM):
-    """The whole model. `ops` is the kernel set every layer calls (`kernels.choose`; the torch
-    references by default); the loader's and scheduler's contract is `models.hybrid_lm`'s."""
+    """NemotronH (`models.hybrid_lm`'s contract)."""
 
-    def __init__(
-        self,
-        config: NemotronHConfig,
-        tp: ParallelContext | None = None,
-        ops: KernelSet = REFERENCE,
-        mtp: bool = False,
-    ) -> None:
-        super().__init__(config, tp, ops, mtp)
-        self.backbone = NemotronHModel(config, ops, self.tp)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.backbone.embeddings
-
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.backbone(batch)
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backbone.norm_f(x)
+    def build(self) -> None:
+        self.build_stack(NemotronHBlock, "backbone", embed_name="embeddings", norm_name="norm_f")

@@ -17,12 +17,11 @@ as NVIDIA's own code, vLLM and SGLang apply it; transformers' torch path clamps 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
-from models.config import checkpoint_ssm_dtype
+from models.config import checkpoint_ssm_dtype, transformers_defaults
+from models.mamba2_hybrid_config import Mamba2StackConfig
 from models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -30,20 +29,11 @@ LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE)
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 
 
-@dataclass(frozen=True)
-class NemotronHConfig:
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]  # one block per entry, LAYER_TYPES
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    # attention (no positional encoding)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    # Mamba2
-    mamba: Mamba2Config
+@dataclass(frozen=True, kw_only=True)
+class NemotronHConfig(Mamba2StackConfig):
+    """One block per `layer_types` entry (LAYER_TYPES); attention without positions."""
+
+    LAYER_TYPES: ClassVar[tuple[str, ...]] = LAYER_TYPES
     # relu^2 MLP and MoE
     mlp_intermediate_sizes: tuple[int, ...]  # one per MLP block, in order
     mlp_bias: bool
@@ -55,21 +45,11 @@ class NemotronHConfig:
     topk_group: int  # groups a token may pick experts from
     norm_topk_prob: bool
     routed_scaling_factor: float
-    torch_dtype: str = "float32"
-    eos_token_ids: tuple[int, ...] = ()
     model_type: str = "nemotron_h"
-    mtp_num_hidden_layers: int = 0  # no MTP head is served for this family yet
     weight_prefix: str = "backbone."  # where the checkpoint's stack lives (our names too)
-    mamba_ssm_dtype: str = "float32"  # the checkpoint's SSM-state dtype (models.config)
 
     def __post_init__(self) -> None:
-        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-        if bad:
-            raise ValueError(f"config.json: unsupported block type {bad[0]!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
+        super().__post_init__()
         if len(self.mlp_intermediate_sizes) != self.layer_types.count(MLP):
             raise ValueError(
                 f"config.json: intermediate_size has {len(self.mlp_intermediate_sizes)} "
@@ -81,18 +61,6 @@ class NemotronHConfig:
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 raise ValueError("config.json: n_group must divide the experts, topk_group <= it")
 
-    @property
-    def num_hidden_layers(self) -> int:
-        return len(self.layer_types)
-
-    @cached_property
-    def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == ATTENTION)
-
-    @cached_property
-    def linear_attention_layers(self) -> tuple[int, ...]:  # the Mamba2 blocks
-        return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
-
     def mlp_width(self, layer_id: int) -> int:
         """The intermediate size of MLP block `layer_id`."""
         return self.mlp_intermediate_sizes[self.layer_types[:layer_id].count(MLP)]
@@ -103,7 +71,8 @@ class NemotronHConfig:
     ) -> NemotronHConfig:
         """`raw` (a config.json's dict) completed by transformers' `NemotronHConfig`."""
         widths = raw.get("intermediate_size", 0)
-        d = _with_defaults({**raw, "intermediate_size": 0 if isinstance(widths, list) else widths})
+        for_hf = {**raw, "intermediate_size": 0 if isinstance(widths, list) else widths}
+        d = transformers_defaults("nemotron_h", for_hf)
 
         def need(*keys: str) -> Any:
             for key in keys:
@@ -171,14 +140,3 @@ class NemotronHConfig:
             eos_token_ids=eos_ids,
             mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
         )
-
-
-def _with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` completed by transformers' config class (its `to_dict()`); its validators' errors
-    are `ValueError`s."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        return CONFIG_MAPPING["nemotron_h"].from_dict(copy.deepcopy(raw)).to_dict()
-    except Exception as e:
-        raise ValueError(" ".join(f"config.json: {e}".split())) from e

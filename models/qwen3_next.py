@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from kernels import KernelSet
-from mem_cache.state_shape import MambaStateShape
 from models.config import ModelConfig
 from models.decoder_layer import DecoderLayer
 from models.forward_batch import ForwardBatch
+from models.hybrid_lm import CausalLM
 from models.layers import REFERENCE, RMSNorm, RotaryEmbedding
 from models.mtp import MultiTokenPredictor
 from models.parallel import ParallelContext
@@ -49,7 +49,7 @@ class Qwen3NextModel(nn.Module):
         return x, residual
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
     """The whole model, or rank `tp.rank`'s shard of it (`models.parallel`): `config` is the
     checkpoint's, `local_config` this rank's head counts and widths (what its pools hold).
     `ops` is the kernel set every layer calls (`kernels.choose`; the torch references by
@@ -79,16 +79,6 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     @property
-    def state_shapes(self) -> tuple[MambaStateShape, ...]:
-        """Each Gated DeltaNet layer's per-sequence state, in pool order (this rank's share):
-        what the Mamba pool is built from."""
-        return tuple(
-            layer.linear_attn.state_shape
-            for layer in self.model.layers
-            if not layer.is_full_attention
-        )
-
-    @property
     def num_kv_layers(self) -> int:
         """Attention layers whose keys and values the KV pool holds (the MTP head's last)."""
         extra = self.config.mtp_num_hidden_layers if self.mtp is not None else 0
@@ -97,25 +87,6 @@ class Qwen3NextForCausalLM(nn.Module):
     def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
         """The part of checkpoint tensor `name` this rank reads (`source_shard`; None: all)."""
         return source_shard(name, self.config, self.tp)
-
-    def use_kernels(self, ops: KernelSet) -> None:
-        """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on
-        the same weights)."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
-        or [K, vocab] at `logit_indices`."""
-        return self.lm_head(self.final_hidden(batch)).float()
-
-    @torch.inference_mode()
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s): `forward`
-        is `logits_from_hidden(final_hidden(batch))`."""
-        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def draft_logits(self, y: torch.Tensor) -> torch.Tensor:

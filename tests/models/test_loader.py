@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from make_model.presets import preset_config, write_checkpoint
 from models.config import ModelConfig
 from models.loader import load_model
+from models.registry import read_config
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,8 @@ def test_config_errors_name_the_field(raw, message):
 
 
 def test_config_from_dir_reads_generation_eos(tiny_dir):
-    cfg = ModelConfig.from_hf(tiny_dir)
+    cfg = read_config(tiny_dir)
     gen = json.loads((tiny_dir / "generation_config.json").read_text())
     assert list(cfg.eos_token_ids) == gen["eos_token_id"]
     with pytest.raises(ValueError, match="no config.json"):
-        ModelConfig.from_hf(tiny_dir / "nowhere")
+        read_config(tiny_dir / "nowhere")

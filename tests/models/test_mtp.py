@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 
 from kernels.quant import is_quantized
 from make_model.presets import preset_config, write_checkpoint, write_config_only
-from models.config import ModelConfig
 from models.fp8 import E4M3, dequantize
 from models.loader import load_model
 from models.parallel import ParallelContext
+from models.registry import read_config
 from server.cli import main as cli_main
 from tests.tp_harness import run_ranks
 from tests.tp_workers import mtp_outputs
@@ -180,11 +180,11 @@ def _reference(hf, t, eps: float, ids: list[int], hidden: torch.Tensor) -> torch
 def test_mtp_hidden_equals_the_reference_on_extend_then_decode(which, request, tmp_path) -> None:
     path = request.getfixturevalue(which)
     out = mtp_outputs(ParallelContext(), str(path), LENS, 0)
-    assert out["kv_layers"] == len(ModelConfig.from_hf(path).full_attention_layers) + 1
+    assert out["kv_layers"] == len(read_config(path).full_attention_layers) + 1
     assert out["kv_written"] == [False] * (out["kv_layers"] - 1) + [True]
     t = _tensors(path)
     hf = _hf_layer(path, t, tmp_path / "one-layer")
-    eps = ModelConfig.from_hf(path).rms_norm_eps
+    eps = read_config(path).rms_norm_eps
     want = [_reference(hf, t, eps, i, h) for i, h in zip(out["ids"], out["hidden"], strict=True)]
     extend = torch.cat([w[:n] for w, n in zip(want, LENS, strict=True)])
     decode = torch.stack([w[n] for w, n in zip(want, LENS, strict=True)])
@@ -219,7 +219,7 @@ def test_tensor_parallel_rank_reads_its_shard_of_the_head(next_moe) -> None:
 def test_make_model_mtp_writes_the_head_into_the_config(dense) -> None:
     raw = json.loads((dense / "config.json").read_text())
     assert raw["mtp_num_hidden_layers"] == 1
-    assert ModelConfig.from_hf(dense).mtp_num_hidden_layers == 1
+    assert read_config(dense).mtp_num_hidden_layers == 1
     assert "mtp.layers.0.mlp.gate_proj.weight" in _tensors(dense)  # a dense preset's dense MLP
 
 

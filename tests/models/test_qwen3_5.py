@@ -17,6 +17,7 @@ from make_model.cli import PRESET_NAMES
 from make_model.presets import PRESETS, preset_config, write_checkpoint
 from models.config import ModelConfig
 from models.loader import load_model
+from models.registry import read_config
 from scheduler.engine import Engine
 from server.cli import main as cli_main
 from tests.hf_reference import hf_greedy
@@ -46,14 +47,14 @@ def test_preset_names_match_the_cli():
 
 
 def test_config_of_each_layout(dense, moe_pair):
-    d = ModelConfig.from_hf(dense)
+    d = read_config(dense)
     assert (d.gdn_projections, d.weight_prefix, d.num_experts) == ("split", "model.", 0)
     assert not any(d.is_moe_layer(i) for i in range(d.num_hidden_layers))
-    m = ModelConfig.from_hf(moe_pair[1])
+    m = read_config(moe_pair[1])
     assert (m.gdn_projections, m.weight_prefix) == ("split", "model.language_model.")
     assert all(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
     assert m.intermediate_size == 0 and m.norm_topk_prob
-    text = ModelConfig.from_hf(moe_pair[0])
+    text = read_config(moe_pair[0])
     assert dataclasses.replace(text, weight_prefix="model.language_model.") == m
 
 
@@ -107,7 +108,7 @@ def test_make_model_cli_writes_the_multimodal_layout(tmp_path):
     cli_main(["make-model", "--preset", "tiny-qwen3.5", "--out", str(tmp_path), "--multimodal"])
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["model_type"] == "qwen3_5" and raw["text_config"]["model_type"] == "qwen3_5_text"
-    assert ModelConfig.from_hf(tmp_path).weight_prefix == "model.language_model."
+    assert read_config(tmp_path).weight_prefix == "model.language_model."
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
