@@ -41,8 +41,9 @@ from models.weight_map import Target
 class HybridModel(nn.Module):
     """A family's stack: the token embedding, `layers` and the final norm, registered under the
     checkpoint's names (`embed_name`, `norm_name`), and the RoPE angles where the family has
-    positions (`rotary_dim` > 0). `layer(config, layer_id, ops, tp)` builds one decoder layer,
-    which is called as `layer(x, batch, cos_sin)` (`cos_sin` None without positions):
+    positions (`rotary_dim` > 0; in `rotary_dtype`, default the activations'). `layer(config,
+    layer_id, ops, tp)` builds one decoder layer, which is called as `layer(x, batch, cos_sin)`
+    (`cos_sin` None without positions):
 
         x_0 = embedding_multiplier * embed(ids);   x_(i+1) = layers[i](x_i, batch, cos_sin)
     """
@@ -57,6 +58,7 @@ class HybridModel(nn.Module):
         norm_name: str = "norm",
         rotary_dim: int = 0,
         embedding_multiplier: float = 1.0,
+        rotary_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.embed_name, self.norm_name = embed_name, norm_name
@@ -65,6 +67,7 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(layer(c, i, ops, tp) for i in range(c.num_hidden_layers))
         self.add_module(norm_name, RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops))
         self.rotary = RotaryEmbedding(rotary_dim, c.rope_theta) if rotary_dim else None
+        self.rotary_dtype = rotary_dtype
 
     @property
     def embed(self) -> nn.Module:
@@ -81,7 +84,7 @@ class HybridModel(nn.Module):
             x = x * self.embedding_multiplier
         cos_sin = None  # 2 x [T, rotary_dim] with positions
         if self.rotary is not None:
-            cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+            cos_sin = self.rotary.cos_sin(batch.positions, self.rotary_dtype or x.dtype)
         for layer in self.layers:
             x = layer(x, batch, cos_sin)
         return x

@@ -21,6 +21,8 @@ and of the vocabulary; the layer norms are whole on every rank.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -29,10 +31,10 @@ from models.forward_batch import ForwardBatch
 from models.gated_delta_net import GatedDeltaNet
 from models.gqa_attention import Attention
 from models.hybrid_lm import HybridForCausalLM
-from models.layers import REFERENCE, RMSNormPlain, RotaryEmbedding
+from models.layers import RMSNormPlain
 from models.olmo_hybrid_config import FULL, OlmoHybridConfig
 from models.parallel import ParallelContext
-from models.parallel_layers import embedding, lm_head, mlp
+from models.parallel_layers import mlp
 from models.shard_loader import Shard, gdn_shard
 from models.weight_map import Target
 
@@ -44,10 +46,10 @@ class OlmoHybridDecoderLayer(nn.Module):
     def __init__(
         self,
         c: OlmoHybridConfig,
-        local: OlmoHybridConfig,
         layer_id: int,
-        tp: ParallelContext,
         ops: KernelSet,
+        tp: ParallelContext,
+        local: OlmoHybridConfig,
     ) -> None:
         super().__init__()
         self.is_full_attention = c.layer_types[layer_id] == FULL
@@ -74,51 +76,16 @@ class OlmoHybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class OlmoHybridModel(nn.Module):
-    def __init__(
-        self, c: OlmoHybridConfig, local: OlmoHybridConfig, tp: ParallelContext, ops: KernelSet
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = embedding(c.vocab_size, c.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            OlmoHybridDecoderLayer(c, local, i, tp, ops) for i in range(c.num_hidden_layers)
-        )
-        self.norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
-        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta) if c.rotary_dim else None
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> the last layer's output [T, hidden] (before `norm`)."""
-        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        cos_sin = None
-        if self.rotary is not None:  # OLMo keeps the angles in fp32
-            cos_sin = self.rotary.cos_sin(batch.positions, torch.float32)
-        for layer in self.layers:
-            x = layer(x, batch, cos_sin)
-        return x
-
-
 class OlmoHybridForCausalLM(HybridForCausalLM):
     """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract);
     `local_config` carries this rank's attention and GDN heads and MLP width."""
 
-    def __init__(
-        self,
-        config: OlmoHybridConfig,
-        tp: ParallelContext | None = None,
-        ops: KernelSet = REFERENCE,
-        mtp: bool = False,
-    ) -> None:
-        super().__init__(config, tp, ops, mtp)
+    def build(self) -> None:
         # the GDN heads too: the weight map slices the fused GDN parameters by them
-        self.local_config = self.tp.local_shapes(config)
-        self.model = OlmoHybridModel(config, self.local_config, self.tp, ops)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.tp, ops)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.model.embed_tokens
+        self.local_config = self.tp.local_shapes(self.config)
+        layer = partial(OlmoHybridDecoderLayer, local=self.local_config)
+        rotary_dim = self.config.rotary_dim  # OLMo keeps the angles in fp32
+        self.build_stack(layer, rotary_dim=rotary_dim, rotary_dtype=torch.float32)
 
     def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
         """GDN tensors by their own names (several fill slices of one fused parameter, so the
@@ -127,9 +94,3 @@ class OlmoHybridForCausalLM(HybridForCausalLM):
         if ".linear_attn." in name:
             return gdn_shard(name, self.config, self.tp)
         return super().checkpoint_shard(name, target)
-
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(x)

@@ -11,12 +11,11 @@ transformers' `OlmoHybridConfig`'s, which are the 7B release's.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from models.config import checkpoint_ssm_dtype
+from models.config import checkpoint_ssm_dtype, transformers_defaults
 
 LINEAR, FULL = "linear_attention", "full_attention"
 GDN_NORM_EPS = 1e-5  # transformers and vLLM: FLA's FusedRMSNormGated default
@@ -100,7 +99,7 @@ class OlmoHybridConfig:
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if key not in raw:
                 raise ValueError(f"config.json: missing field {key!r}")
-        d = _with_defaults(raw)
+        d = transformers_defaults("olmo_hybrid", raw)
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
         rope = d.get("rope_parameters") or {}
@@ -134,14 +133,3 @@ class OlmoHybridConfig:
             eos_token_ids=eos_ids,
             mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
         )
-
-
-def _with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` completed by transformers' config class; its validators' errors are
-    `ValueError`s."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        return CONFIG_MAPPING["olmo_hybrid"].from_dict(copy.deepcopy(raw)).to_dict()
-    except Exception as e:
-        raise ValueError(" ".join(f"config.json: {e}".split())) from e
