@@ -132,12 +132,12 @@ inline void stage(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_
     const auto* scale = reinterpret_cast<const c10::BFloat16*>(row + K / 2);
     int8_t* out = dst + i * KC;
     for (int64_t g = 0; g < kn / kQ4Group; ++g) {
-      const uint8_t* src = row + (k0 / kQ4Group + g) * (kQ4Group / 2);
-      int8_t* o = out + g * kQ4Group;
-      for (int64_t j = 0; j < kQ4Group / 2; ++j) {
-        o[j] = int8_t(src[j] & 15);
-        o[j + kQ4Group / 2] = int8_t(src[j] >> 4);
-      }
+      // 8 bytes at a time in a 64-bit word (the compiler's byte loop here was scalar)
+      constexpr uint64_t low = 0x0F0F0F0F0F0F0F0Full;
+      uint64_t in[2];
+      std::memcpy(in, row + (k0 / kQ4Group + g) * (kQ4Group / 2), sizeof in);
+      const uint64_t nib[4] = {in[0] & low, in[1] & low, (in[0] >> 4) & low, (in[1] >> 4) & low};
+      std::memcpy(out + g * kQ4Group, nib, sizeof nib);
       sc[i * KB + g] = load1(scale + k0 / kQ4Group + g);
     }
   }
