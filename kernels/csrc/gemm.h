@@ -2,9 +2,10 @@
 // routed experts (routed_experts.cpp); linear_ops.cpp holds its torch op.
 //
 // y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16, int8 or int4 weights (weights.h's
-// formats; quantized blocks are widened to fp32 first, and multiply the activations rounded to
-// int8 as the GEMV's do: qgemv.h's `round_rows`; bf16 blocks too once an m block spans PC
-// panels), fp32 accumulation.
+// formats), fp32 accumulation. `gemm_into` sends int8 and int4 matrices to the integer GEMM
+// (qgemm.h); here, for the routed experts' `gemm_cols`, quantized blocks are widened to fp32
+// first and multiply the activations rounded to int8 as the GEMV's are (qgemv.h's
+// `round_rows`); bf16 blocks are widened too once an m block spans PC panels.
 // The weight keeps its [N, K] row-major layout (no packed copy). x is packed once per call into
 // panels of MR = 2 vectors of rows (8 with NEON, 16 with AVX2, 32 with AVX-512: simd.h), k-major
 // ([panel][k][MR], rows past M zero), so a register tile is an outer product: each k step loads
@@ -29,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "qgemm.h"
 #include "qgemv.h"
 #include "simd.h"
 #include "weights.h"
@@ -248,19 +250,17 @@ inline void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_
   }
 }
 
-// y [M, N] = x [M, K] w [N, K]^T, all contiguous, parallel over weight rows.
+// y [M, N] = x [M, K] w [N, K]^T, all contiguous, parallel over weight rows; int8 and int4
+// weights in integer products (qgemm.h).
 template <typename W>
 inline void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if constexpr (is_quantized<W>) {
+    return hs::qtiled::gemm_into(x, w, y, M, N, K);
+  }
   if (M == 0 || N == 0) return;
   const int64_t ldw = hs::row_stride<W>(K);
   const int64_t tiles = (N + NR - 1) / NR, P = panels(M);
   const auto xp = panel_buffer(P, K);
-  std::vector<float> rounded;
-  if constexpr (is_quantized<W>) {
-    rounded.resize(M * K);
-    hs::round_rows(x, M, K, rounded.data());
-    x = rounded.data();
-  }
   pack_panels(x, K, M, K, xp.get());
   if (tiles < 2 * at::get_num_threads() && P >= 2) {  // a few weight rows (a gate): split x
     at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {

@@ -11,8 +11,10 @@
 // fp32 lanes with one fused multiply-add per block (1, 2 or 4 chains of blocks by row count),
 // the chains and lanes then summed in simd.h's fixed order; an int8 row's sum is then scaled by
 // its row scale. So the product equals the dequantized weights times the rounded activations
-// up to fp32 summation order, and is bit-identical at every ISA level. Larger products (gemm.h)
-// round the activations the same way (`round_rows`) and multiply their fp32 values.
+// up to fp32 summation order, and is bit-identical at every ISA level. The tiled integer GEMM
+// past 8 rows (qgemm.h) rounds the activations the same way and sums the same integers and
+// scales block by block; the routed experts' GEMM (gemm.h) multiplies the rounded values
+// (`round_rows`) in fp32.
 #pragma once
 
 #include <ATen/Parallel.h>

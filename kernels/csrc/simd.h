@@ -18,6 +18,12 @@
 // - `b32` / `i32x8`: a block of 32 int8 values and 8 int32 lanes: load32, q4_unpack (16 bytes of
 //   int4 nibbles), dot (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd,
 //   VNNI vpdpbusd, NEON sdot), to_float, widen; quantize32 (Q8_0's rounding of 32 activations).
+// - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
+//   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
+//   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
+//   with the first operand's bytes unsigned), to_vec (exact below 2^24). `kDotU8` says whether
+//   dotu_acc takes the whole u8 range (one VNNI vpdpbusd; the scalar body); without it (AVX2
+//   maddubs pairs, NEON sdot) the unsigned bytes must lie in [0, 127].
 // - `vd`: the widest fp64 register (kLanesD): zero_d, load_d, store_d, bcast_d, add, mul, fma,
 //   fnma.
 // - deinterleave3 / shift_in3: eight channels' windows of 3 floats ([c][3] interleaved).
@@ -30,7 +36,8 @@
 // the tiled GEMM (gemm.h) are bit-identical across levels, generic included. The fp32/bf16 GEMV
 // (gemv.h) runs its lanes along k, so its last bits depend on kLanes (a different summation
 // order, never a different result within one level). Preconditions: `dot` takes weights in
-// [-127, 127] and activations in [-127, 127] (AVX2's maddubs pairs then never saturate).
+// [-127, 127] and activations in [-127, 127] (AVX2's maddubs pairs then never saturate); so
+// does `dot_acc`; `dotu_acc` takes unsigned bytes as above and signed ones in [-127, 127].
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -184,6 +191,32 @@ inline i32x8 dot(b32 w, b32 a) {
 inline void widen(b32 q, float s, float* out) {  // out[j] = q[j] * s
   for (int j = 0; j < 32; ++j) out[j] = float(q.v[j]) * s;
 }
+template <int N>  // the 4 bytes at p in each of N int32 lanes
+inline lanes<int8_t, 4 * N> bcast4(const int8_t* p) {
+  return map<int8_t, 4 * N>([&](int i) { return p[i % 4]; });
+}
+template <int N>  // lane i += sum_t w[4i + t] a[4i + t], signed bytes
+inline lanes<int32_t, N> dot_acc(lanes<int32_t, N> acc, lanes<int8_t, 4 * N> w,
+                                 lanes<int8_t, 4 * N> a) {
+  return map<int32_t, N>([&](int i) {
+    int32_t s = acc.v[i];
+    for (int j = 4 * i; j < 4 * i + 4; ++j) s += int32_t(w.v[j]) * int32_t(a.v[j]);
+    return s;
+  });
+}
+template <int N>  // lane i += sum_t u[4i + t] s[4i + t], u's bytes read unsigned
+inline lanes<int32_t, N> dotu_acc(lanes<int32_t, N> acc, lanes<int8_t, 4 * N> u,
+                                  lanes<int8_t, 4 * N> s) {
+  return map<int32_t, N>([&](int i) {
+    int32_t t = acc.v[i];
+    for (int j = 4 * i; j < 4 * i + 4; ++j) t += int32_t(uint8_t(u.v[j])) * int32_t(s.v[j]);
+    return t;
+  });
+}
+template <int N>
+inline lanes<float, N> to_vec(lanes<int32_t, N> a) {
+  return map<float, N>([&](int i) { return float(a.v[i]); });
+}
 // Q8_0's rounding of 32 values: q[j] = round_even(x[j] * (127 / max |x|)); returns max |x|.
 inline float quantize32(const float* x, int8_t* q) {
   float amax = 0.f;
@@ -256,6 +289,14 @@ inline vd zero_d() { return ref::splat<double, kLanesD>(0.0); }
 inline vd load_d(const double* p) { return ref::load_n<double, kLanesD>(p); }
 inline void store_d(double* p, vd v) { ref::store_n(p, v); }
 inline vd bcast_d(double x) { return ref::splat<double, kLanesD>(x); }
+using ivec = ref::lanes<int32_t, kLanes>;
+using bvec = ref::lanes<int8_t, 4 * kLanes>;
+constexpr bool kDotU8 = true;
+using ref::dot_acc, ref::dotu_acc, ref::to_vec;
+inline ivec zero_i() { return ref::splat<int32_t, kLanes>(0); }
+inline ivec load_i(const int32_t* p) { return ref::load_n<int32_t, kLanes>(p); }
+inline bvec load_b(const int8_t* p) { return ref::load_n<int8_t, 4 * kLanes>(p); }
+inline bvec bcast4(const int8_t* p) { return ref::bcast4<kLanes>(p); }
 }  // namespace hs::simd
 #endif
 

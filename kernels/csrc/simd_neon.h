@@ -140,4 +140,30 @@ inline vd mul(vd a, vd b) { return vmulq_f64(a, b); }
 inline vd fma(vd a, vd b, vd c) { return vfmaq_f64(c, a, b); }
 inline vd fnma(vd a, vd b, vd c) { return vfmsq_f64(c, a, b); }
 
+// ---- ivec and bvec: one 128-bit register ----
+struct ivec {
+  int32x4_t v;
+};
+struct bvec {
+  int8x16_t v;
+};
+constexpr bool kDotU8 = false;  // sdot: unsigned bytes up to 127 read as the same signed ones
+inline ivec zero_i() { return {vdupq_n_s32(0)}; }
+inline ivec load_i(const int32_t* p) { return {vld1q_s32(p)}; }
+inline bvec load_b(const int8_t* p) { return {vld1q_s8(p)}; }
+inline bvec bcast4(const int8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return {vreinterpretq_s8_s32(vdupq_n_s32(bits))};
+}
+inline vec to_vec(ivec a) { return vcvtq_f32_s32(a.v); }
+inline ivec dot_acc(ivec acc, bvec w, bvec a) {
+#if defined(HS_DOTPROD)
+  return {vdotq_s32(acc.v, w.v, a.v)};
+#else
+  return {vaddq_s32(acc.v, dot16(w.v, a.v))};
+#endif
+}
+inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return dot_acc(acc, u, s); }
+
 }  // namespace hs::simd

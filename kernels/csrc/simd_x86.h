@@ -160,6 +160,36 @@ inline vd add(vd a, vd b) { return _mm512_add_pd(a, b); }
 inline vd mul(vd a, vd b) { return _mm512_mul_pd(a, b); }
 inline vd fma(vd a, vd b, vd c) { return _mm512_fmadd_pd(a, b, c); }
 inline vd fnma(vd a, vd b, vd c) { return _mm512_fnmadd_pd(a, b, c); }
+
+// ---- ivec and bvec: 512-bit ----
+struct ivec {
+  __m512i v;
+};
+struct bvec {
+  __m512i v;
+};
+inline ivec zero_i() { return {_mm512_setzero_si512()}; }
+inline ivec load_i(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
+inline bvec load_b(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline bvec bcast4(const int8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return {_mm512_set1_epi32(bits)};
+}
+inline vec to_vec(ivec a) { return _mm512_cvtepi32_ps(a.v); }
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+#if defined(HS_VNNI_EVEX)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+inline ivec dot_acc(ivec acc, bvec w, bvec a) {  // |w| times a with w's signs
+  const __mmask64 neg = _mm512_movepi8_mask(w.v);
+  const __m512i a_signed = _mm512_mask_sub_epi8(a.v, neg, _mm512_setzero_si512(), a.v);
+  return {dpbusd(acc.v, _mm512_abs_epi8(w.v), a_signed)};
+}
+inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return {dpbusd(acc.v, u.v, s.v)}; }
 #else
 constexpr int kLanes = 8;
 constexpr int kLanesD = 4;
@@ -193,6 +223,40 @@ inline vd add(vd a, vd b) { return _mm256_add_pd(a, b); }
 inline vd mul(vd a, vd b) { return _mm256_mul_pd(a, b); }
 inline vd fma(vd a, vd b, vd c) { return _mm256_fmadd_pd(a, b, c); }
 inline vd fnma(vd a, vd b, vd c) { return _mm256_fnmadd_pd(a, b, c); }
+
+// ---- ivec and bvec: the 256-bit i32x8 and b32 ----
+using ivec = i32x8;
+using bvec = b32;
+inline ivec zero_i() { return {_mm256_setzero_si256()}; }
+inline ivec load_i(const int32_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))};
+}
+inline bvec load_b(const int8_t* p) { return load32(p); }
+inline bvec bcast4(const int8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return {_mm256_set1_epi32(bits)};
+}
+inline vec to_vec(ivec a) { return _mm256_cvtepi32_ps(a.v); }
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(HS_VNNI_EVEX)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(HS_VNNI_VEX)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+inline ivec dot_acc(ivec acc, bvec w, bvec a) {  // |w| times a with w's signs
+  return {dpbusd(acc.v, _mm256_sign_epi8(w.v, w.v), _mm256_sign_epi8(a.v, w.v))};
+}
+inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return {dpbusd(acc.v, u.v, s.v)}; }
+#endif
+
+#if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)
+constexpr bool kDotU8 = true;  // vpdpbusd: u8 times s8 summed straight into int32
+#else
+constexpr bool kDotU8 = false;  // maddubs: a pair of u8 * s8 products saturates past int16
 #endif
 
 }  // namespace hs::simd

@@ -1,0 +1,286 @@
+// The tiled integer GEMM: y [M, N] = x [M, K] w [N, K]^T for int8 and int4 weights (weights.h)
+// past the GEMV's 8 rows (decode_ops.h's `linear`, gemm.h's `gemm_into`), in integer dot
+// products (simd.h's `dot_acc` / `dotu_acc`: AVX2 maddubs/madd, VNNI vpdpbusd, NEON sdot).
+//
+// The activations are rounded per block of kActBlock = 32 along k as the GEMV's are (qgemv.h's
+// `quantize_rows`: the same int8 values q and scales d), and every output is
+//
+//   y[m, n] = r_n * (((I_0 s_0 + 0) + I_1 s_1) + ... + I_{B-1} s_{B-1})   (each step one fma),
+//
+// I_b the exact integer dot product of block b's weight values (int8 q, or int4 nibble - 8) and
+// rounded activations, s_b the block's activation scale d[m, b] (int8; r_n the row's scale) or
+// the fp32 product scale[n, b] * d[m, b] (int4; r_n = 1). These are the GEMV's integers, scales
+// and scaling steps; the GEMV adds partial block sums lane by lane and then across the lanes,
+// this sums whole blocks in k order, so the two agree within the GEMV's contract (fp32
+// summation order). An output depends only on its row of x and its weight row: the same bits
+// whatever M, the row's place in the batch and the ISA level (the integers are exact, and each
+// fp32 step is one rounding at every level).
+//
+// Layout. x is rounded and packed once per call into panels of MR = 2 kLanes rows (16 with
+// AVX2, 32 with AVX-512), per block the bytes [8 quads of k][MR rows][4], so one 4-byte
+// broadcast of a weight row's quad against a panel vector gives kLanes rows' partial dots; rows
+// past M are zero. A block of NC weight rows by KC columns is staged once per pass of up to PC
+// panels (`stage`: int4 nibbles unpacked, int8 bytes copied, a short last block padded), stays
+// in L1/L2 while the panels pass over it, and a register tile of R <= NR weight rows by one
+// panel (J = 2 vectors of rows, 1 for a last panel of at most kLanes rows) keeps R x J int32
+// accumulators for a block, then scales them into the fp32 sums (cbuf).
+//
+// The unsigned operand. int4 nibbles are already unsigned (0..15): dotu_acc(nibbles, q) and
+// the block's sum starts at -8 sum(q). int8 bytes plus 128 are unsigned too, and with VNNI
+// (simd::kDotU8) they take the same path, the sum starting at -128 sum(q): one instruction per
+// 4 x kLanes products. Without it (AVX2's maddubs pairs would saturate) int8 takes the signed
+// dot_acc. The integers are the same either way.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "qgemv.h"
+#include "simd.h"
+#include "weights.h"
+
+namespace hs::qtiled {
+
+namespace v = hs::simd;
+constexpr int L = v::kLanes;       // rows per vector
+constexpr int MR = 2 * L;          // rows per panel
+constexpr int NR = L >= 16 ? 6 : 4;  // weight rows per register tile (AVX2 has 16 registers)
+constexpr int64_t KC = 256;        // k per cache block (a multiple of kActBlock)
+constexpr int64_t KB = KC / kActBlock;
+constexpr int64_t NC = 48;         // weight rows per cache block (a multiple of NR)
+constexpr int64_t PC = 4;          // panels per m block
+constexpr int64_t kPanelBlock = kActBlock * MR;  // bytes per panel per block
+
+// How a format meets the dot: int4 and (with VNNI) int8 as unsigned bytes offset by 8 / 128,
+// else int8 signed.
+enum class Form { q4, q8_offset, q8_signed };
+template <typename W>
+constexpr Form form_of = std::is_same_v<W, uint8_t> ? Form::q4
+                         : v::kDotU8               ? Form::q8_offset
+                                                   : Form::q8_signed;
+constexpr int32_t offset_of(Form f) { return f == Form::q4 ? 8 : f == Form::q8_offset ? 128 : 0; }
+
+inline int64_t panels(int64_t M) { return (M + MR - 1) / MR; }
+
+// x rounded and packed: panel p, block b at q + (p B + b) kPanelBlock (lane l's quad j at
+// (j MR + l) 4), its scales at d + (p B + b) MR, and the sums' starts -offset sum(q) at c.
+struct Panels {
+  int64_t P = 0, B = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> c;
+};
+
+// x [M, K] -> its panels, each row rounded as `quantize_rows` does (`quantize_block`), the
+// panels in parallel.
+inline void pack_acts(const float* x, int64_t M, int64_t K, int32_t offset, Panels& out) {
+  const int64_t B = act_blocks(K);
+  out.P = panels(M);
+  out.B = B;
+  out.q.assign(out.P * B * kPanelBlock, 0);
+  out.d.assign(out.P * B * MR, 0.f);
+  out.c.assign(out.P * B * MR, 0);
+  at::parallel_for(0, out.P, 1, [&](int64_t p0, int64_t p1) {
+    int8_t q[kActBlock];
+    for (int64_t m = p0 * MR; m < std::min(M, p1 * MR); ++m) {
+      const int64_t p = m / MR, l = m % MR;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t k0 = b * kActBlock, n = std::min(kActBlock, K - k0), at = p * B + b;
+        out.d[at * MR + l] = quantize_block(x + m * K + k0, n, q);
+        int8_t* dst = out.q.data() + at * kPanelBlock + l * 4;
+        int32_t sum = 0;
+        for (int64_t t = 0; t < n; ++t) {
+          dst[(t / 4) * MR * 4 + t % 4] = q[t];
+          sum += q[t];
+        }
+        out.c[at * MR + l] = -offset * sum;
+      }
+    }
+  });
+}
+
+// Columns [k0, k0 + kn) of weight rows [0, rows) (K columns, row stride ldw) -> dst [rows][KC]
+// as the dot takes them (int8 bytes, plus 128 in the offset form; int4 nibbles), a short last
+// block padded with zeros (its activations are zero); int4 also its group scales -> sc [rows][KB].
+template <Form F>
+inline void stage(const int8_t* w, int64_t ldw, int64_t rows, int64_t, int64_t k0, int64_t kn,
+                  int8_t* dst, float*) {
+  const int64_t padded = (kn + kActBlock - 1) / kActBlock * kActBlock;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int8_t* src = w + i * ldw + k0;
+    int8_t* out = dst + i * KC;
+    if constexpr (F == Form::q8_offset) {
+      for (int64_t k = 0; k < kn; ++k) out[k] = int8_t(uint8_t(src[k]) ^ 0x80u);
+    } else {
+      std::memcpy(out, src, kn);
+    }
+    std::fill(out + kn, out + padded, int8_t(0));
+  }
+}
+
+template <Form F>
+inline void stage(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0, int64_t kn,
+                  int8_t* dst, float* sc) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* row = w + i * ldw;
+    const auto* scale = reinterpret_cast<const c10::BFloat16*>(row + K / 2);
+    int8_t* out = dst + i * KC;
+    for (int64_t g = 0; g < kn / kQ4Group; ++g) {
+      // 8 bytes at a time in a 64-bit word (the compiler's byte loop here was scalar)
+      constexpr uint64_t low = 0x0F0F0F0F0F0F0F0Full;
+      uint64_t in[2];
+      std::memcpy(in, row + (k0 / kQ4Group + g) * (kQ4Group / 2), sizeof in);
+      const uint64_t nib[4] = {in[0] & low, in[1] & low, (in[0] >> 4) & low, (in[1] >> 4) & low};
+      std::memcpy(out + g * kQ4Group, nib, sizeof nib);
+      sc[i * KB + g] = load1(scale + k0 / kQ4Group + g);
+    }
+  }
+}
+
+// c [R][MR] (+)= the blocks [0, nb) of R staged weight rows (ws, row stride KC; int4 scales wsc,
+// row stride KB) by one panel's (a: its bytes from the first block on, ad its scales, ac its
+// sums' starts); the first J kLanes rows of the panel. `first`: c starts at zero.
+template <Form F, int R, int J>
+inline void tile(const int8_t* ws, const float* wsc, const int8_t* a, const float* ad,
+                 const int32_t* ac, int64_t nb, float* c, bool first) {
+  for (int64_t bb = 0; bb < nb; ++bb) {
+    const int8_t* ab = a + bb * kPanelBlock;
+    v::ivec acc[R][J];
+    for (int j = 0; j < J; ++j) {
+      v::ivec start = v::zero_i();
+      if constexpr (F != Form::q8_signed) start = v::load_i(ac + bb * MR + j * L);
+      for (int r = 0; r < R; ++r) acc[r][j] = start;
+    }
+    for (int q = 0; q < kActBlock / 4; ++q) {
+      v::bvec av[J];
+      for (int j = 0; j < J; ++j) av[j] = v::load_b(ab + (q * MR + j * L) * 4);
+      for (int r = 0; r < R; ++r) {
+        const v::bvec wv = v::bcast4(ws + r * KC + bb * kActBlock + 4 * q);
+        for (int j = 0; j < J; ++j) {
+          if constexpr (F == Form::q8_signed) {
+            acc[r][j] = v::dot_acc(acc[r][j], wv, av[j]);
+          } else {
+            acc[r][j] = v::dotu_acc(acc[r][j], wv, av[j]);
+          }
+        }
+      }
+    }
+    const bool zero = first && bb == 0;
+    for (int j = 0; j < J; ++j) {
+      const v::vec d = v::load(ad + bb * MR + j * L);
+      for (int r = 0; r < R; ++r) {
+        v::vec s = d;
+        if constexpr (F == Form::q4) s = v::mul(v::bcast(wsc[r * KB + bb]), d);
+        float* cp = c + r * MR + j * L;
+        v::store(cp, v::fma(v::to_vec(acc[r][j]), s, zero ? v::zero() : v::load(cp)));
+      }
+    }
+  }
+}
+
+template <Form F, int J>
+inline void tile_rows(int r, const int8_t* ws, const float* wsc, const int8_t* a, const float* ad,
+                      const int32_t* ac, int64_t nb, float* c, bool first) {
+  static_assert(NR == 4 || NR == 6, "tile_rows lists the row counts 1..6");
+  switch (r) {
+    case 6:
+      if constexpr (NR == 6) return tile<F, 6, J>(ws, wsc, a, ad, ac, nb, c, first);
+      break;
+    case 5:
+      if constexpr (NR == 6) return tile<F, 5, J>(ws, wsc, a, ad, ac, nb, c, first);
+      break;
+    case 4: return tile<F, 4, J>(ws, wsc, a, ad, ac, nb, c, first);
+    case 3: return tile<F, 3, J>(ws, wsc, a, ad, ac, nb, c, first);
+    case 2: return tile<F, 2, J>(ws, wsc, a, ad, ac, nb, c, first);
+    default: return tile<F, 1, J>(ws, wsc, a, ad, ac, nb, c, first);
+  }
+}
+
+// Output columns [n0, n1) of y [M, ldy] on the calling thread: x given as panels [p_first,
+// p_first + panels(M)) of `xp` (y at their first row).
+template <typename W>
+inline void gemm_cols(const Panels& xp, int64_t p_first, const W* w, int64_t ldw, float* y,
+                      int64_t ldy, int64_t M, int64_t K, int64_t n0, int64_t n1) {
+  constexpr Form F = form_of<W>;
+  alignas(64) float cbuf[NC / NR * PC * NR * MR];  // [tile][panel][NR][MR]
+  const auto ws = std::unique_ptr<int8_t[]>(new int8_t[NC * KC]);
+  std::vector<float> wsc(F == Form::q4 ? NC * KB : 0);
+  const int64_t P = panels(M), B = xp.B;
+  for (int64_t b0 = n0; b0 < n1; b0 += NC) {
+    const int64_t b1 = std::min(n1, b0 + NC), tiles = (b1 - b0 + NR - 1) / NR;
+    for (int64_t p0 = 0; p0 < P; p0 += PC) {
+      const int64_t p1 = std::min(P, p0 + PC);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kn = std::min(KC, K - k0), nb = (kn + kActBlock - 1) / kActBlock;
+        stage<F>(w + b0 * ldw, ldw, b1 - b0, K, k0, kn, ws.get(), wsc.data());
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t at = (p_first + p) * B + k0 / kActBlock;
+          const int8_t* a = xp.q.data() + at * kPanelBlock;
+          const float* ad = xp.d.data() + at * MR;
+          const int32_t* ac = xp.c.data() + at * MR;
+          const bool half = M - p * MR <= L;
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int r = int(std::min<int64_t>(NR, b1 - b0 - t * NR));
+            float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
+            const int8_t* wt = ws.get() + t * NR * KC;
+            const float* st = wsc.data() + t * NR * KB;
+            if (half) {
+              tile_rows<F, 1>(r, wt, st, a, ad, ac, nb, c, k0 == 0);
+            } else {
+              tile_rows<F, 2>(r, wt, st, a, ad, ac, nb, c, k0 == 0);
+            }
+          }
+        }
+      }
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n = b0 + t * NR, r = std::min<int64_t>(NR, b1 - n);
+        for (int64_t p = p0; p < p1; ++p) {
+          const float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
+          const int64_t rows = std::min<int64_t>(MR, M - p * MR);
+          for (int64_t i = 0; i < r; ++i) {
+            float scale = 1.f;  // int4: the group scales are in the sums
+            if constexpr (F != Form::q4) scale = row_scale(w + (n + i) * ldw, K);
+            for (int64_t l = 0; l < rows; ++l) {
+              float& out = y[(p * MR + l) * ldy + n + i];
+              if constexpr (F == Form::q4) {
+                out = c[i * MR + l];
+              } else {
+                out = c[i * MR + l] * scale;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// y [M, N] = x [M, K] w [N, K]^T, all contiguous, parallel over weight rows (over panels of x
+// when the weight has too few rows to share).
+template <typename W>
+inline void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M == 0 || N == 0) return;
+  Panels xp;
+  pack_acts(x, M, K, offset_of(form_of<W>), xp);
+  const int64_t ldw = row_stride<W>(K), tiles = (N + NR - 1) / NR, P = xp.P;
+  if (tiles < 2 * at::get_num_threads() && P >= 2) {
+    at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {
+      const int64_t m0 = q0 * MR, m1 = std::min(M, q1 * MR);
+      gemm_cols(xp, q0, w, ldw, y + m0 * N, N, m1 - m0, K, 0, N);
+    });
+    return;
+  }
+  // at least ~32 KB of weights per task, in whole tiles
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, ldw * NR));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    gemm_cols(xp, 0, w, ldw, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
+  });
+}
+
+}  // namespace hs::qtiled
