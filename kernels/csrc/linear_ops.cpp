@@ -1,7 +1,7 @@
 // The CPU linear ops: `skinny_linear` (the weight-streaming GEMV, gemv.h, and the integer GEMV,
-// qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h) and `linear`, the product by row count
-// (decode_ops.h). x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (weights.h's formats), both
-// contiguous -> y [M, N] fp32, accumulated in fp32.
+// qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h), `bf16_linear` (torch's bf16 product) and
+// `linear`, the product by row count (decode_ops.h). x [M, K] fp32, w [N, K] fp32, bf16, int8 or
+// int4 (weights.h's formats), both contiguous -> y [M, N] fp32, accumulated in fp32.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -29,16 +29,30 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
                    });
 }
 
+// x rounded to bf16 (nearest even) times a bf16 w in torch's own product, accumulated in fp32
+// inside oneDNN and rounded to bf16 once per output, then widened:
+// F.linear(x.bfloat16(), w).float().
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16,
+              "bf16_linear: fp32 activations and bf16 weights expected");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "bf16_linear: shapes");
+  return at::linear(x.to(at::kBFloat16), w).to(at::kFloat);
+}
+
 }  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
   m.def("tiled_linear(Tensor x, Tensor w) -> Tensor");
-  m.def("linear(Tensor x, Tensor w) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, bool bf16_products=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
   m.impl("skinny_linear", &hs::skinny_linear);
   m.impl("tiled_linear", &hs::tiled_linear);
-  m.impl("linear", [](const at::Tensor& x, const at::Tensor& w) { return hs::linear(x, w); });
+  m.impl("bf16_linear", &hs::bf16_linear);
+  m.impl("linear", [](const at::Tensor& x, const at::Tensor& w, bool bf16_products) {
+    return hs::linear(x, w, bf16_products);
+  });
 }
