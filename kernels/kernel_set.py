@@ -295,7 +295,7 @@ def choose(
 def bf16_products(settings: KernelSettings) -> bool:
     """Whether the C++ set takes the bf16 route at batch: `KernelSettings.bf16_products` `on`,
     or `auto` on a CPU that multiplies bf16 in hardware (`cpu_levels.multiplies_bf16`: there
-    oneDNN's bf16 products run several times the widening fp32 GEMM's rate)."""
+    oneDNN's bf16 products outrun the widening fp32 GEMM from 16 rows: gemm_shapes.py)."""
     if settings.bf16_products == "auto":
         return cpu_levels.multiplies_bf16()
     return settings.bf16_products == "on"
