@@ -11,8 +11,10 @@ bfloat16:auto,int8:auto` (dtype `:` `HYBRID_SERVE_KERNELS` backend: bf16 weights
 int4 the `--quantization` matrices, loaded through bf16; the eager torch references against the C++
 CPU kernels), each optionally `:` `plan` (the default, as the
 server: small decode batches run the CPU decode plan, `models.cpu_decode`, where the kernel set
-allows it) or `eager` (`--disable-cuda-graph`: no decode plan); one engine and one row each
-(the kernel set is chosen once, when the engine loads the model).
+allows it) or `eager` (`--disable-cuda-graph`: no decode plan), then optionally `:`
+`HYBRID_SERVE_BF16_PRODUCTS` (`auto`, `on`, `off`: the bf16 matrices' products in bf16 from 16
+rows, or exact; default the environment's); one engine and one row each (the kernel set is
+chosen once, when the engine loads the model).
 
 Example: python -m benchmarks.engine_throughput --preset small --concurrency 1,8,32,64
 Real shapes with dummy weights (no transformers baseline: it needs weight files):
@@ -37,7 +39,7 @@ import time
 
 import torch
 
-from kernels.settings import KERNELS_ENV
+from kernels.settings import BF16_PRODUCTS_ENV, KERNELS_ENV
 from scheduler.engine import Engine
 
 logger = logging.getLogger("benchmarks.engine_throughput")
@@ -46,6 +48,13 @@ logger = logging.getLogger("benchmarks.engine_throughput")
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def parse_variant(text: str) -> tuple[str, ...]:
+    """dtype:kernels[:plan|eager[:auto|on|off]] -> (dtype, kernels, step, bf16 products or "");
+    a wrong count of parts gives another length."""
+    parts = text.split(":")
+    return tuple(parts + ["plan", ""][len(parts) - 2 :]) if len(parts) >= 2 else tuple(parts)
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
@@ -105,15 +114,21 @@ def main() -> None:
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]
-    variants = [(*v.split(":"), "plan")[:3] for v in args.variants.split(",")]
-    if any(comp not in ("plan", "eager") for *_, comp in variants):
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    if any(len(v) != 4 for v in variants):
+        ap.error("--variants: dtype:kernels[:plan|eager[:auto|on|off]]")
+    if any(comp not in ("plan", "eager") for _, _, comp, _ in variants):
         ap.error("--variants: the decode step after dtype:kernels is plan or eager")
+    if any(bf16 not in ("", "auto", "on", "off") for *_, bf16 in variants):
+        ap.error("--variants: the bf16 products after dtype:kernels:step are auto, on or off")
     engines = {}
-    for d, mode, comp in dict.fromkeys(variants):
-        before = os.environ.get(KERNELS_ENV)
-        os.environ[KERNELS_ENV] = mode  # read once, when the engine loads the model
+    for variant in dict.fromkeys(variants):
+        d, mode, comp, bf16 = variant
+        env = {KERNELS_ENV: mode, **({BF16_PRODUCTS_ENV: bf16} if bf16 else {})}
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # read once, when the engine loads the model
         try:
-            engines[d, mode, comp] = Engine(
+            engines[variant] = Engine(
                 args.model_path,
                 max_running_requests=max(conc),
                 dtype="bfloat16" if d in ("int8", "int4") else d,
@@ -123,10 +138,11 @@ def main() -> None:
                 load_format=args.load_format,
             )
         finally:
-            if before is None:
-                os.environ.pop(KERNELS_ENV)
-            else:
-                os.environ[KERNELS_ENV] = before
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     engine = next(iter(engines.values()))
     vocab = engine.runner.model.config.vocab_size
     hf = None
@@ -142,10 +158,11 @@ def main() -> None:
     results: dict[str, list[float]] = {}
     for rep in range(args.repeats):  # interleave ours and transformers so noise hits both
         for c in conc:
-            for d, mode, comp in variants:
+            for variant in variants:
                 prompts = _prompts(c, args.prompt_len, vocab, rep)
-                tps = run_engine(engines[d, mode, comp], prompts, args.output_len)
-                name = f"ours {d} {mode} {comp} c={c}" if len(variants) > 1 else f"ours c={c}"
+                tps = run_engine(engines[variant], prompts, args.output_len)
+                label = " ".join(part for part in variant if part)
+                name = f"ours {label} c={c}" if len(variants) > 1 else f"ours c={c}"
                 results.setdefault(name, []).append(tps)
                 logger.info("rep %d %s: %.1f tok/s", rep, name, tps)
         for b in hf_batches:

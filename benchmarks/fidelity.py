@@ -1,5 +1,9 @@
-"""Fidelity of the lossy CPU modes against fp32: `--dtype bfloat16` (bf16 matrices, fp32
-everything else) and `--quantization int8|int4` (quantized matrices, loaded through bf16).
+"""Fidelity of the lossy CPU modes against fp32: `--dtype bfloat16` with exact products on the
+bf16 weights (`bfloat16`: bf16 matrices, fp32 everything else, `HYBRID_SERVE_BF16_PRODUCTS=off`),
+the same with bf16 products at batch (`bf16-products`: matrices at 16 rows or more multiply
+activations rounded to bf16, `HYBRID_SERVE_BF16_PRODUCTS=on`, on any CPU) and
+`--quantization int8|int4` (quantized matrices, loaded through bf16; their few bf16 matrices, the
+routers' gates, as the environment's `HYBRID_SERVE_BF16_PRODUCTS` says).
 
 Every mode loads the same checkpoint in one process and serves the same GSM8K completion prompts
 (`--num-shots` worked examples, then a test question) through the offline Engine, greedy, with
@@ -14,7 +18,8 @@ SGLang's bar for its own kernels is a mean KL under 0.002. On random-weight pres
 margins are small and every rounding is amplified through the layers, so these figures
 overstate what a trained model loses.
 
-Example: python -m benchmarks.fidelity --preset small --num-prompts 100 --modes bfloat16,int8,int4
+Example: python -m benchmarks.fidelity --preset small --num-prompts 100 \
+             --modes bfloat16,bf16-products,int8,int4
 """
 
 from __future__ import annotations
@@ -36,17 +41,36 @@ import torch
 
 from benchmarks.gsm8k_data import build_prompts, load_split
 from benchmarks.model_forward import resolve_model_path
+from kernels import cpu_levels
+from kernels.settings import BF16_PRODUCTS_ENV
 from scheduler.engine import Engine
 from scheduler.model_runner import ExtendInput, ModelRunner
 
 logger = logging.getLogger("benchmarks.fidelity")
 
-# mode -> Engine arguments
+# mode -> (Engine arguments, HYBRID_SERVE_BF16_PRODUCTS while it loads; None: the environment's)
 MODES = {
-    "bfloat16": {"dtype": "bfloat16"},
-    "int8": {"dtype": "bfloat16", "quantization": "int8"},
-    "int4": {"dtype": "bfloat16", "quantization": "int4"},
+    "bfloat16": ({"dtype": "bfloat16"}, "off"),
+    "bf16-products": ({"dtype": "bfloat16"}, "on"),
+    "int8": ({"dtype": "bfloat16", "quantization": "int8"}, None),
+    "int4": ({"dtype": "bfloat16", "quantization": "int4"}, None),
 }
+
+
+def load_engine(path: str, mode: str, opts: dict) -> Engine:
+    """The engine of `mode` (any other name: that dtype), its kernels chosen under the mode's
+    bf16 products setting (read once, when the engine loads the model)."""
+    args, products = MODES.get(mode, ({"dtype": mode}, None))
+    before = os.environ.get(BF16_PRODUCTS_ENV)
+    if products is not None:
+        os.environ[BF16_PRODUCTS_ENV] = products
+    try:
+        return Engine(path, **opts, **args)
+    finally:
+        if before is None:
+            os.environ.pop(BF16_PRODUCTS_ENV, None)
+        else:
+            os.environ[BF16_PRODUCTS_ENV] = before
 
 
 def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
@@ -89,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = args.modes.split(",")
     if unknown := set(modes) - MODES.keys():
         p.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose {', '.join(MODES)})")
-    engines = {m: Engine(path, **opts, **MODES.get(m, {"dtype": m})) for m in ["float32", *modes]}
+    engines = {m: load_engine(path, m, opts) for m in ["float32", *modes]}
     prompts = [engines["float32"].tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
     outputs, wall = {}, {}
@@ -109,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         "generate_wall_s": wall,
         "threads": args.threads,
         "load_average": os.getloadavg()[0],
+        "cpu_multiplies_bf16": cpu_levels.multiplies_bf16(),
     }
     with torch.inference_mode():
         refs = [
@@ -129,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 kls += (ref.exp() * (ref - got)).sum(-1).tolist()
                 top1 += (ref.argmax(-1) == got.argmax(-1)).tolist()
             report[mode] = {
+                "bf16_products": engines[mode].runner.model.ops.bf16_products,
                 "greedy_identical": sum(f == n_out for f in first_diff) / len(first_diff),
                 "mean_first_divergence": statistics.mean(first_diff),
                 "tokens_before_divergence": sum(first_diff) / (n_out * len(first_diff)),

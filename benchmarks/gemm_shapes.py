@@ -4,11 +4,13 @@ shapes, CPU.
 For each row count M (`--rows`) and each distinct [N, K] weight shape of the model's `Linear`
 layers (the lm_head included), times, interleaved: `torch.ops.hybrid_serve.tiled_linear` (what
 `kernels.cpp_ops.linear` runs beyond `GEMV_ROWS` rows), the weight-streaming GEMV (only at
-up to `GEMV_ROWS` rows, through `torch.ops.hybrid_serve.linear`, which runs it there) and the
-reference `kernels.linear.linear` (`F.linear`, bf16 weights widened to fp32 per call), for fp32
-and bf16 weights. Prints GFLOP/s from the median of `--repeats` interleaved runs, each C++
-product's ratio to `F.linear`, the sum over the shapes per row count in ms, and the machine's
-load average.
+up to `GEMV_ROWS` rows, through `torch.ops.hybrid_serve.linear`, which runs it there), for bf16
+weights from `BF16_ROWS` rows the bf16 products (`torch.ops.hybrid_serve.bf16_linear`: the
+activations rounded to bf16, torch's bf16 product, what `kernels.cpp_ops.linear_bf16` runs
+there; checked against that product, not fp32's) and the reference `kernels.linear.linear`
+(`F.linear`, bf16 weights widened to fp32 per call), for fp32 and bf16 weights. Prints GFLOP/s
+from the median of `--repeats` interleaved runs, each C++ product's ratio to `F.linear`, the sum
+over the shapes per row count in ms, and the machine's load average.
 
 Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 8,64,256,512,1024
 """
@@ -30,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import cpp_build, linear
+from kernels.cpp_ops import BF16_ROWS
 from models.layers import Linear
 from models.loader import load_model
 
@@ -46,13 +49,23 @@ def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:
     return found
 
 
-def variants(m: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """The products timed at `m` rows, `F.linear` first."""
+def variants(m: int, dtype: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The products timed at `m` rows of `dtype` weights, `F.linear` first."""
     ops = torch.ops.hybrid_serve
     found = {"F.linear": linear.linear, "tiled": ops.tiled_linear}
     if m <= GEMV_ROWS:
         found["gemv"] = ops.linear
+    if dtype == "bfloat16" and m >= BF16_ROWS:
+        found["bf16"] = ops.bf16_linear
     return found
+
+
+def check(name: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    if name == "bf16":  # the product of the rounded activations, rounded to bf16
+        want = (x.bfloat16().float() @ w.float().T).bfloat16().float()
+        torch.testing.assert_close(y, want, atol=1e-2, rtol=2**-7)
+    else:
+        torch.testing.assert_close(y, x @ w.float().T, atol=1e-3, rtol=1e-4)
 
 
 def time_linear(fn: Callable, x: torch.Tensor, w: torch.Tensor, inner: int) -> float:
@@ -82,17 +95,17 @@ def main() -> None:
     shapes = shapes_of(load_model(args.model_path, dtype="float32"))
     print(f"{args.threads} threads, load {os.getloadavg()[0]:.1f}; GFLOP/s, medians")
     print(f"{'dtype':>9}{'M':>6}{'N':>6}{'K':>6}  {'layer':<28}{'F.linear':>9}{'tiled':>8}{'x':>6}"
-          f"{'gemv':>8}{'x':>6}")  # fmt: skip
+          f"{'gemv|bf16':>10}{'x':>6}")  # fmt: skip
     torch.manual_seed(0)
     with torch.inference_mode():
         for dtype in args.dtypes.split(","):
             for m in (int(r) for r in args.rows.split(",")):
-                fns = variants(m)
+                fns = variants(m, dtype)
                 total = dict.fromkeys(fns, 0.0)
                 for (n, k), name in shapes.items():
                     x, w = torch.randn(m, k), (torch.randn(n, k) * 0.05).to(getattr(torch, dtype))
-                    for fn in fns.values():
-                        torch.testing.assert_close(fn(x, w), x @ w.float().T, atol=1e-3, rtol=1e-4)
+                    for v, fn in fns.items():
+                        check(v, fn(x, w), x, w)
                     inner = max(1, int(2e8 / (2 * m * n * k)))  # a few ms or more per sample
                     times: dict[str, list[float]] = {v: [] for v in fns}
                     for _ in range(args.repeats):

@@ -10,6 +10,10 @@ A level's `requires` are feature names as Linux writes them in /proc/cpuinfo (`f
 `Features` on aarch64); `host_features` reads them. The flags name each extension the level may
 use and nothing more (`-march=x86-64-v4` plus extensions rather than `-march=sapphirerapids`, which
 would also let the compiler use ones the requirements do not list).
+
+`multiplies_bf16` says whether the host multiplies bf16 in hardware, whatever level is loaded:
+torch's own bf16 products (oneDNN) dispatch on the CPU's features, not on our levels (Zen 4 has
+avx512_bf16 at the x86-64-v4-vnni level).
 """
 
 from __future__ import annotations
@@ -143,6 +147,17 @@ def host_features(cpuinfo: str | None = None) -> frozenset[str]:
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+BF16_PRODUCTS = frozenset({"avx512_bf16", "amx_bf16"})  # bf16 dot products in hardware
+
+
+def multiplies_bf16(features: Iterable[str] | None = None) -> bool:
+    """Whether the host (`features`, default `host_features()`) has bf16 dot products in
+    hardware: avx512_bf16's `vdpbf16ps` or AMX's `tdpbf16ps`, which oneDNN uses for torch's bf16
+    products."""
+    features = host_features() if features is None else frozenset(features)
+    return not BF16_PRODUCTS.isdisjoint(features)
 
 
 def best(features: Iterable[str] | None = None, arch: str | None = None) -> Level | None:

@@ -9,7 +9,9 @@ per call which implementation runs. `choose` builds one of three sets:
   norms and the routed experts, and the block GEMM for resident block-FP8 matrices
   (`kernels.fp8`); torch for the other dense products;
 - `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
-  that has one, and the fused decode blocks;
+  that has one, and the fused decode blocks; with bf16 products at batch (`bf16_products`: bf16
+  matrices at 16 rows or more multiplied in bf16, `kernels.cpp_ops`) where the CPU multiplies
+  bf16 in hardware, unless `KernelSettings.bf16_products` says otherwise;
 - `torch`: the pure-torch references, which call only references.
 
 A fused op that a set does not have is the reference composition of that set's unfused ops
@@ -36,6 +38,7 @@ from kernels import (
     attn_step,
     causal_conv1d,
     cpp_build,
+    cpu_levels,
     experts,
     gated_delta_rule,
     gdn_step,
@@ -86,16 +89,20 @@ class KernelSet:
     mamba2_verify: Callable
     relu2_moe: Callable
     state_dtype: torch.dtype = torch.float32  # the recurrent states the recurrent ops take
+    bf16_products: bool = False  # the products' bf16 route at batch (C++ set: kernels.cpp_ops)
 
     def table(self) -> str:
         """One line per op: its name and the function that runs it, after a line naming the
-        backend and, for the C++ kernels, their CPU level."""
+        backend and, for the C++ kernels, their CPU level and whether bf16 products run at
+        batch."""
+        bf16 = f", bf16 products {'on' if self.bf16_products else 'off'}"
         rows = [
             f"kernels: {self.backend} backend{self.level_note()}, "
             f"fused decode ops {'on' if self.fused else 'off'}"
+            f"{bf16 if self.backend == 'cpp' else ''}"
         ]
-        for f in fields(self)[2:-1]:
-            rows.append(f"  {f.name:<34}{describe(getattr(self, f.name))}")
+        for name in op_names():
+            rows.append(f"  {name:<34}{describe(getattr(self, name))}")
         return "\n".join(rows)
 
     def level_note(self) -> str:
@@ -110,7 +117,13 @@ class KernelSet:
             "fused_decode_ops": self.fused,
             "cpu_level": None if level is None else level.name,
             "cpu_features": None if level is None else level.features,
+            "bf16_products": self.bf16_products,
         }
+
+
+def op_names() -> list[str]:
+    """The ops of a `KernelSet` (its Callable fields), in order."""
+    return [f.name for f in fields(KernelSet) if f.type == "Callable"]
 
 
 def describe(fn: Callable) -> str:
@@ -208,31 +221,36 @@ def triton_set(device: torch.device) -> KernelSet:
     )  # fmt: skip
 
 
-def cpp_set(fusions: bool) -> KernelSet:
+def cpp_set(fusions: bool, bf16_products: bool = False) -> KernelSet:
     """The C++ CPU kernels (`kernels.cpp_ops`, `kernels.cpp_fused`; their load-time contract:
     fp32 activations, C++ weight formats, fp32 states); with `fusions`, the fused decode ops'
     own C++ kernels in place of the compositions (the residual-add norm and the plain norm
-    among them, as `HYBRID_SERVE_FUSIONS` switches them)."""
+    among them, as `HYBRID_SERVE_FUSIONS` switches them); with `bf16_products`, the products'
+    bf16 route at batch (`cpp_ops.linear_bf16`, `linear_multi_bf16`,
+    `cpp_fused.sparse_moe_bf16`) in place of the exact ones."""
     from kernels import cpp_fused, cpp_ops
 
+    linear_fn = cpp_ops.linear_bf16 if bf16_products else cpp_ops.linear
     unfused = assemble(
-        "cpp", cpp_ops.linear, cpp_ops.rms_norm if fusions else rmsnorm.rms_norm,
+        "cpp", linear_fn, cpp_ops.rms_norm if fusions else rmsnorm.rms_norm,
         cpp_ops.rms_norm_gated, cpp_ops, cpp_ops, attention,
         partial(experts.fused_experts, routed=cpp_ops.routed_experts),
     )  # fmt: skip
+    unfused = replace(unfused, bf16_products=bf16_products)
     if not fusions:
         return unfused
+    moe = cpp_fused.sparse_moe_bf16 if bf16_products else cpp_fused.sparse_moe
     return replace(
         unfused,
         fused=True,
-        linear_multi=cpp_ops.linear_multi,
+        linear_multi=cpp_ops.linear_multi_bf16 if bf16_products else cpp_ops.linear_multi,
         fused_add_rmsnorm=cpp_ops.fused_add_rmsnorm,
         gdn_decode=cpp_fused.gdn_decode,
         gdn_verify=cpp_fused.gdn_verify,
         attn_decode=cpp_fused.attn_decode,
         mamba2_decode=cpp_fused.mamba2_decode,
         mamba2_verify=cpp_fused.mamba2_verify,
-        sparse_moe=partial(cpp_fused.sparse_moe, unfused=unfused.sparse_moe),
+        sparse_moe=partial(moe, unfused=unfused.sparse_moe),
     )
 
 
@@ -266,12 +284,21 @@ def choose(
             raise RuntimeError(f"{KERNELS_ENV}=cpp but the C++ kernels cannot be built") from (
                 cpp_build.load_error()
             )
-        ops = cpp_set(settings.fusions)
+        ops = cpp_set(settings.fusions, bf16_products(settings))
         if state_dtype != torch.float32:
             ref = reference_set()
             ops = replace(ops, **{name: getattr(ref, name) for name in RECURRENT})
         return replace(ops, state_dtype=state_dtype)
     return replace(reference_set(), state_dtype=state_dtype)
+
+
+def bf16_products(settings: KernelSettings) -> bool:
+    """Whether the C++ set takes the bf16 route at batch: `KernelSettings.bf16_products` `on`,
+    or `auto` on a CPU that multiplies bf16 in hardware (`cpu_levels.multiplies_bf16`: there
+    oneDNN's bf16 products outrun the widening fp32 GEMM from 16 rows: gemm_shapes.py)."""
+    if settings.bf16_products == "auto":
+        return cpu_levels.multiplies_bf16()
+    return settings.bf16_products == "on"
 
 
 def vector_level() -> bool:

@@ -7,6 +7,12 @@
 - `HYBRID_SERVE_FUSIONS=off` keeps the fused decode ops (residual add + RMSNorm, the
   multi-weight GEMV, the Gated DeltaNet, Mamba2, attention and MoE decode blocks) on their
   compositions of the unfused kernels, so a benchmark can compare the fusions alone.
+- `HYBRID_SERVE_BF16_PRODUCTS`: bf16 matrices (`--dtype bfloat16`, and those the quantized
+  modes keep in bf16) at 16 rows or more multiply activations rounded to bf16 in torch's bf16
+  product (oneDNN, fp32 accumulation) instead of widening the weights to fp32: `auto` (the
+  default) where the CPU multiplies bf16 in hardware (avx512_bf16 or AMX:
+  `kernels.cpu_levels.multiplies_bf16`), `on` on any CPU (emulated where it has neither), `off`
+  never (every product exact on the bf16 weights, as the fp32 mode's).
 - `HYBRID_SERVE_CPU_LEVEL` forces the ISA level of the C++ kernels (kernels/cpu_levels.py:
   `generic`, `x86-64-v3`, ..., or `auto`, the best this CPU runs).
 - `HYBRID_SERVE_KERNEL_CACHE` is where the compiled libraries live (default
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "triton", "cpp", "torch")
 KERNELS_ENV = "HYBRID_SERVE_KERNELS"
 FUSIONS_ENV = "HYBRID_SERVE_FUSIONS"
+BF16_PRODUCTS_ENV = "HYBRID_SERVE_BF16_PRODUCTS"
+SWITCHES = ("auto", "on", "off")
 CPU_LEVEL_ENV = "HYBRID_SERVE_CPU_LEVEL"
 CACHE_ENV = "HYBRID_SERVE_KERNEL_CACHE"
 DEFAULT_CACHE = "~/.cache/hybrid-serve/kernels"
@@ -31,6 +39,7 @@ DEFAULT_CACHE = "~/.cache/hybrid-serve/kernels"
 class KernelSettings:
     backend: str = "auto"
     fusions: bool = True
+    bf16_products: str = "auto"  # SWITCHES
     cpu_level: str = "auto"
     cache_dir: str = DEFAULT_CACHE
 
@@ -38,6 +47,10 @@ class KernelSettings:
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"{KERNELS_ENV}={self.backend!r}; expected one of {', '.join(BACKENDS)}"
+            )
+        if self.bf16_products not in SWITCHES:
+            raise ValueError(
+                f"{BF16_PRODUCTS_ENV}={self.bf16_products!r}; expected one of {', '.join(SWITCHES)}"
             )
 
     @classmethod
@@ -49,6 +62,7 @@ class KernelSettings:
         return cls(
             backend=backend,
             fusions=fusions in ("on", "1"),
+            bf16_products=env.get(BF16_PRODUCTS_ENV, "auto").strip().lower() or "auto",
             cpu_level=env.get(CPU_LEVEL_ENV, "auto").strip() or "auto",
             cache_dir=env.get(CACHE_ENV, "").strip() or DEFAULT_CACHE,
         )

@@ -19,7 +19,9 @@ logits and pool updates are bit-identical to the eager step's:
 It applies where the model's kernel set is the C++ one with its fused decode ops
 (`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with sparse-MoE or dense
 MLP layers (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE), no biases, fp32 norms, states and KV, fp32,
-bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's).
+bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's). The products take the
+kernel set's bf16 route at batch where it has one (`KernelSet.bf16_products`), as the eager
+step's do.
 
 NemotronH's step has its own class, `NemotronHDecodePlan` over `hybrid_serve::NemotronHStep`
 (kernels/csrc/nemotron_h_step.cpp), under the same conditions (a conv bias allowed): its blocks
@@ -143,7 +145,7 @@ class CpuDecodePlan:
         norm = norm or model.model.norm
         head = lm_head if lm_head is not None else model.lm_head.weight
         self.step = torch.classes.hybrid_serve.DecodeStep(
-            tensors, ints, floats, norm.weight, norm.eps, head
+            tensors, ints, floats, norm.weight, norm.eps, head, model.ops.bf16_products
         )
 
     @classmethod
@@ -249,8 +251,9 @@ class NemotronHDecodePlan:
             floats += f
         norm = model.backbone.norm_f
         self.step = torch.classes.hybrid_serve.NemotronHStep(
-            tensors, ints, floats, norm.weight, norm.eps, model.lm_head.weight
-        )
+            tensors, ints, floats, norm.weight, norm.eps, model.lm_head.weight,
+            model.ops.bf16_products,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def verify(

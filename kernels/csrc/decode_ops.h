@@ -25,16 +25,26 @@ constexpr int64_t kGemvRows = 8;
 // linear_ops.cpp, multi_linear.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);
-std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights);
+std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights,
+                                     bool bf16_products);
 // linear_ops.cpp: tiled_linear; routed_experts.cpp: routed_experts_into writes y [T, H] for xs [T, H]
 // sorted by expert, counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I]
 // alike fp32, bf16, int8 or int4 (weights.h's formats)
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
                          const std::vector<int64_t>& counts, float* y);
+// bf16 products at batch: with `bf16_products` (chosen once, at load, for CPUs that multiply bf16
+// in hardware: kernels/kernel_set.py), a bf16 weight at kBf16Rows rows or more multiplies x
+// rounded to bf16 in torch's bf16 product (oneDNN: AMX or avx512_bf16, fp32 accumulation), its
+// bf16 result widened to fp32 (linear_ops.cpp). Other formats, and fewer rows, are unchanged.
+constexpr int64_t kBf16Rows = 16;
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 // x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous) ->
 // y [M, N] fp32
-inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool bf16_products) {
+  if (bf16_products && x.size(0) >= kBf16Rows && w.scalar_type() == at::kBFloat16) {
+    return bf16_linear(x, w);
+  }
   return x.size(0) <= kGemvRows ? skinny_linear(x, w) : tiled_linear(x, w);
 }
 // gdn_decode.cpp
@@ -73,6 +83,6 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
                       const at::Tensor& experts_gate_up, const at::Tensor& experts_down,
                       const at::Tensor& shared_gate_w, const at::Tensor& shared_gate_proj,
                       const at::Tensor& shared_up_proj, const at::Tensor& shared_down,
-                      int64_t top_k, bool norm_topk_prob);
+                      int64_t top_k, bool norm_topk_prob, bool bf16_products);
 
 }  // namespace hs

@@ -2,8 +2,8 @@
 // layer's weights and op arguments (taken once by models/cpu_decode.py) and `forward` runs the
 // layers by calling the decode ops' C++ functions (decode_ops.h) directly, with the same
 // arguments as the eager step and the same products (hs::linear, the one choice by row count),
-// so its logits and pool updates are bit-identical to it, without the ~75 trips per step
-// through Python and the dispatcher:
+// so its logits and pool updates are bit-identical to it (the constructor's `bf16_products` is
+// the kernel set's), without the ~75 trips per step through Python and the dispatcher:
 //
 //   for each layer:  h, residual = add_rmsnorm(x, residual)
 //                    h = out_proj(gdn_decode(in_projs(h)))   or   o_proj(attn_decode(qkv(h)))
@@ -36,9 +36,9 @@ constexpr int64_t kInts = 5, kFloats = 4, kMoe = 7, kDense = 3;
 
 // models.layers.MLP with the eager step's ops (its two input products are each the product
 // hs::linear picks, so the one call over both gives the same sums): down(silu(gate h) * up h).
-at::Tensor dense_mlp(const at::Tensor& h, const std::vector<at::Tensor>& w) {
-  const std::vector<at::Tensor> gate_up = hs::linear_multi(h, {w[0], w[1]});
-  return hs::linear(at::silu(gate_up[0]).mul_(gate_up[1]), w[2]);
+at::Tensor dense_mlp(const at::Tensor& h, const std::vector<at::Tensor>& w, bool bf16_products) {
+  const std::vector<at::Tensor> gate_up = hs::linear_multi(h, {w[0], w[1]}, bf16_products);
+  return hs::linear(at::silu(gate_up[0]).mul_(gate_up[1]), w[2], bf16_products);
 }
 
 
@@ -57,11 +57,15 @@ struct DecodeStep : torch::CustomClassHolder {
   std::vector<Layer> layers;
   at::Tensor final_norm, lm_head;
   double final_eps;
+  bool bf16_products;  // hs::linear's bf16 products at batch (decode_ops.h)
 
   DecodeStep(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
              std::vector<double> floats, at::Tensor final_norm_, double final_eps_,
-             at::Tensor lm_head_)
-      : final_norm(std::move(final_norm_)), lm_head(std::move(lm_head_)), final_eps(final_eps_) {
+             at::Tensor lm_head_, bool bf16_products_)
+      : final_norm(std::move(final_norm_)),
+        lm_head(std::move(lm_head_)),
+        final_eps(final_eps_),
+        bf16_products(bf16_products_) {
     TORCH_CHECK(ints.size() % kInts == 0 && floats.size() == ints.size() / kInts * kFloats,
                 "DecodeStep: ", kInts, " ints and ", kFloats, " floats per layer expected");
     size_t t = 0;
@@ -97,7 +101,7 @@ struct DecodeStep : torch::CustomClassHolder {
                      at::Tensor req_slots, at::Tensor seq_lens) {
     const at::Tensor h = run(x, cos, sin, k_all, v_all, conv_state, ssm_state, slots, {}, {},
                              out_loc, req_to_token, req_slots, seq_lens);
-    return hs::linear(h, lm_head);
+    return hs::linear(h, lm_head, bf16_products);
   }
 
   // Speculative verify: the B rows are N requests' few tokens each, request n's rows
@@ -113,7 +117,7 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(starts.defined() && steps.defined(), "DecodeStep.verify: starts and steps");
     const at::Tensor h = run(x, cos, sin, k_all, v_all, conv_state, ssm_state, slots, starts,
                              steps, out_loc, req_to_token, req_slots, seq_lens);
-    return {hs::linear(h, lm_head), h};
+    return {hs::linear(h, lm_head, bf16_products), h};
   }
 
  private:
@@ -134,7 +138,7 @@ struct DecodeStep : torch::CustomClassHolder {
       } else {
         std::tie(h, residual) = hs::add_rmsnorm(x, residual, l.input_norm, l.eps);
       }
-      const std::vector<at::Tensor> p = hs::linear_multi(h, l.in_projs);
+      const std::vector<at::Tensor> p = hs::linear_multi(h, l.in_projs, bf16_products);
       at::Tensor o;
       if (l.attention) {
         o = hs::attn_decode(p[0], p[1], p[2], l.mixer[0], l.mixer[1], cos, sin,
@@ -149,11 +153,11 @@ struct DecodeStep : torch::CustomClassHolder {
                            ssm_state.select(0, l.index), l.mixer[1], l.mixer[2], l.mixer[3],
                            slots, l.heads, l.mixer_eps);
       }
-      h = hs::linear(o, l.out_proj);
+      h = hs::linear(o, l.out_proj, bf16_products);
       std::tie(h, residual) = hs::add_rmsnorm(h, residual, l.post_norm, l.post_eps);
-      x = l.top_k == 0 ? dense_mlp(h, l.mlp)
+      x = l.top_k == 0 ? dense_mlp(h, l.mlp, bf16_products)
                        : hs::moe_decode(h, l.mlp[0], l.mlp[1], l.mlp[2], l.mlp[3], l.mlp[4],
-                                        l.mlp[5], l.mlp[6], l.top_k, l.norm_topk);
+                                        l.mlp[5], l.mlp[6], l.top_k, l.norm_topk, bf16_products);
     }
     return residual.defined() ? std::get<0>(hs::add_rmsnorm(x, residual, final_norm, final_eps))
                               : hs::rmsnorm(x, final_norm, final_eps);
@@ -163,7 +167,7 @@ struct DecodeStep : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.class_<DecodeStep>("DecodeStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>,
-                       at::Tensor, double, at::Tensor>())
+                       at::Tensor, double, at::Tensor, bool>())
       .def("forward", &DecodeStep::forward)
       .def("verify", &DecodeStep::verify);
 }

@@ -1,7 +1,7 @@
 // The CPU linear ops: `skinny_linear` (the weight-streaming GEMV, gemv.h, and the integer GEMV,
-// qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h) and `linear`, the product by row count
-// (decode_ops.h). x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (weights.h's formats), both
-// contiguous -> y [M, N] fp32, accumulated in fp32.
+// qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h), `bf16_linear` (torch's bf16 product) and
+// `linear`, the product by row count (decode_ops.h). x [M, K] fp32, w [N, K] fp32, bf16, int8 or
+// int4 (weights.h's formats), both contiguous -> y [M, N] fp32, accumulated in fp32.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -29,16 +29,42 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
                    });
 }
 
+// x rounded to bf16 (nearest even) times a bf16 w in torch's own product, accumulated in fp32
+// inside oneDNN and rounded to bf16 once per output, then widened:
+// F.linear(x.bfloat16(), w).float(). The two conversions are plain loops on this thread: as
+// torch ops each would be a parallel region of its own, whose wake-up (with passive OpenMP
+// threads, hundreds of microseconds) costs more than the conversion.
+at::Tensor bf16_linear(const at::Tensor& x_, const at::Tensor& w) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16,
+              "bf16_linear: fp32 activations and bf16 weights expected");
+  TORCH_CHECK(x_.dim() == 2 && w.dim() == 2 && x_.size(1) == w.size(1), "bf16_linear: shapes");
+  const at::Tensor x = x_.contiguous();
+  at::Tensor xb = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  at::BFloat16* xbp = xb.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < x.numel(); ++i) xbp[i] = at::BFloat16(xp[i]);  // nearest even
+  const at::Tensor yb = at::linear(xb, w).contiguous();
+  at::Tensor y = at::empty(yb.sizes(), x.options());
+  const at::BFloat16* ybp = yb.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < y.numel(); ++i) yp[i] = static_cast<float>(ybp[i]);
+  return y;
+}
+
 }  // namespace hs
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
   m.def("tiled_linear(Tensor x, Tensor w) -> Tensor");
-  m.def("linear(Tensor x, Tensor w) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, bool bf16_products=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
   m.impl("skinny_linear", &hs::skinny_linear);
   m.impl("tiled_linear", &hs::tiled_linear);
-  m.impl("linear", [](const at::Tensor& x, const at::Tensor& w) { return hs::linear(x, w); });
+  m.impl("bf16_linear", &hs::bf16_linear);
+  m.impl("linear", [](const at::Tensor& x, const at::Tensor& w, bool bf16_products) {
+    return hs::linear(x, w, bf16_products);
+  });
 }

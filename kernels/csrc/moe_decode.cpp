@@ -2,8 +2,9 @@
 // the sigmoid-gated shared expert and the combine. Reference and contract: kernels/moe_step.py.
 // Up to hs::kGemvRows tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
 // experts' products in two parallel regions (input projections, then down projections); beyond,
-// the products are hs::linear's (the tiled GEMM at these sizes) and all experts run in one
-// `routed_experts_into` (routed_experts.cpp). fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
+// the products are hs::linear's (the tiled GEMM at these sizes; with `bf16_products`, bf16 router
+// and shared-expert matrices from hs::kBf16Rows tokens in torch's bf16 product: decode_ops.h) and
+// all experts run in one `routed_experts_into` (routed_experts.cpp). fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
 // activations and accumulation.
 //
 // The element-wise functions (softmax, silu, sigmoid) are torch's own kernels on the same
@@ -56,7 +57,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
                       const at::Tensor& experts_gate_up, const at::Tensor& experts_down,
                       const at::Tensor& shared_gate_w, const at::Tensor& shared_gate_proj,
                       const at::Tensor& shared_up_proj, const at::Tensor& shared_down,
-                      int64_t top_k, bool norm_topk_prob) {
+                      int64_t top_k, bool norm_topk_prob, bool bf16_products) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "moe_decode: x [T, H] contiguous fp32 expected");
   check_weight(router_w, "router_w");
@@ -89,7 +90,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
     logits = at::empty({T, E}, x.options());
     linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T);
   } else {
-    logits = hs::linear(x, router_w);
+    logits = hs::linear(x, router_w, bf16_products);
   }
   auto [topk_w, topk_ids] = at::topk(at::_softmax(logits, -1, false), top_k, -1);
   if (norm_topk_prob) topk_w = topk_w / topk_w.sum(-1, true);
@@ -155,10 +156,10 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
     std::vector<int64_t> counts(E);
     for (int64_t e = 0; e < E; ++e) counts[e] = start[e + 1] - start[e];
     hs::routed_experts_into(xs.data(), experts_gate_up, experts_down, counts, ys.data());
-    sg = hs::linear(x, shared_gate_w);
-    const at::Tensor sact = at::silu(hs::linear(x, shared_gate_proj))
-                                .mul_(hs::linear(x, shared_up_proj));
-    sy = hs::linear(sact, shared_down);
+    sg = hs::linear(x, shared_gate_w, bf16_products);
+    const at::Tensor sact = at::silu(hs::linear(x, shared_gate_proj, bf16_products))
+                                .mul_(hs::linear(x, shared_up_proj, bf16_products));
+    sy = hs::linear(sact, shared_down, bf16_products);
   }
   for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
     float* o = op + row_tok[r] * H;
@@ -190,7 +191,8 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("moe_decode(Tensor x, Tensor router_w, Tensor experts_gate_up, Tensor experts_down, "
         "Tensor shared_gate_w, Tensor shared_gate_proj, Tensor shared_up_proj, "
-        "Tensor shared_down, int top_k, bool norm_topk_prob) -> Tensor");
+        "Tensor shared_down, int top_k, bool norm_topk_prob, bool bf16_products=False) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) { m.impl("moe_decode", &hs::moe_decode); }

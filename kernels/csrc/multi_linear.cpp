@@ -1,7 +1,8 @@
 // Several projections of one input in one op: y_i = x w_i^T, fp32 activations, fp32, bf16, int8
 // or int4 weights (gemv.h). Up to hs::kGemvRows rows the weight-streaming GEMV for all weights in
-// one parallel region (hs::skinny_linear_jobs); beyond, hs::linear per weight. Reference and
-// contract: kernels/multi_linear.py.
+// one parallel region (hs::skinny_linear_jobs); beyond, hs::linear per weight (with
+// `bf16_products`, bf16 weights from hs::kBf16Rows rows in torch's bf16 product: decode_ops.h).
+// Reference and contract: kernels/multi_linear.py.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -33,10 +34,11 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
   return out;
 }
 
-std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights) {
+std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights,
+                                     bool bf16_products) {
   if (x.size(0) <= kGemvRows) return skinny_linear_multi(x, weights);
   std::vector<at::Tensor> out;
-  for (const at::Tensor& w : weights) out.push_back(hs::linear(x, w));
+  for (const at::Tensor& w : weights) out.push_back(hs::linear(x, w, bf16_products));
   return out;
 }
 
@@ -44,7 +46,7 @@ std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("skinny_linear_multi(Tensor x, Tensor[] weights) -> Tensor[]");
-  m.def("linear_multi(Tensor x, Tensor[] weights) -> Tensor[]");
+  m.def("linear_multi(Tensor x, Tensor[] weights, bool bf16_products=False) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {

@@ -5,7 +5,8 @@
 // and ATen's ops in the sequence of the torch references where it calls those
 // (kernels/rmsnorm.py rms_norm_plain, kernels/attention.py store_kv and decode_attention,
 // kernels/relu2_moe.py relu2_moe). So its logits and pool updates are bit-identical to the eager
-// step's, without the trips through Python:
+// step's (the constructor's `bf16_products` is the kernel set's), without the trips through
+// Python:
 //
 //   for each block:  x = x + mixer(rms_norm_plain(x))
 //     mixer: out_proj(mamba2_decode(in_proj h))  |  o_proj(decode_attention(store_kv(qkv h)))
@@ -84,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const Block& l) {
 }
 
 // kernels/relu2_moe.py relu2_experts and relu2_moe
-at::Tensor relu2_moe(const at::Tensor& x, const Block& l) {
+at::Tensor relu2_moe(const at::Tensor& x, const Block& l, bool bf16) {
   const auto [topk_w, topk_ids] = route(x, l);
   const at::Tensor &up = l.w[2], &down = l.w[3];
   at::Tensor out = at::zeros({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
@@ -99,11 +100,12 @@ at::Tensor relu2_moe(const at::Tensor& x, const Block& l) {
     const int64_t n = count[e];
     if (n == 0) continue;
     const at::Tensor rows = token_of.slice(0, start, start + n);
-    const at::Tensor y = hs::linear(relu2(hs::linear(x.index({rows}), up[e])), down[e]);
+    const at::Tensor y =
+        hs::linear(relu2(hs::linear(x.index({rows}), up[e], bf16)), down[e], bf16);
     out.index_add_(0, rows, y.to(at::kFloat) * weight_of.slice(0, start, start + n).unsqueeze(1));
     start += n;
   }
-  return out.to(x.scalar_type()) + hs::linear(relu2(hs::linear(x, l.w[4])), l.w[5]);
+  return out.to(x.scalar_type()) + hs::linear(relu2(hs::linear(x, l.w[4], bf16)), l.w[5], bf16);
 }
 
 // kernels/attention.py decode_attention over seq_lens' keys (the first `L` columns of each
@@ -131,9 +133,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
 at::Tensor attention(const at::Tensor& h, const Block& l, const at::Tensor& k_buf,
                      const at::Tensor& v_buf, const at::Tensor& out_loc,
                      const at::Tensor& req_to_token, const at::Tensor& req_slots,
-                     const at::Tensor& seq_lens, int64_t max_seq_len) {
+                     const at::Tensor& seq_lens, int64_t max_seq_len, bool bf16) {
   const int64_t T = h.size(0), heads = l.a, kv_heads = l.b;
-  const std::vector<at::Tensor> qkv = hs::linear_multi(h, {l.w[0], l.w[1], l.w[2]});
+  const std::vector<at::Tensor> qkv = hs::linear_multi(h, {l.w[0], l.w[1], l.w[2]}, bf16);
   const int64_t hd = qkv[0].size(1) / heads;
   const at::Tensor q = qkv[0].view({T, heads, hd});
   const at::Tensor k = qkv[1].view({T, kv_heads, hd}), v = qkv[2].view({T, kv_heads, hd});
@@ -143,18 +145,22 @@ at::Tensor attention(const at::Tensor& h, const Block& l, const at::Tensor& k_bu
   const int64_t L = max_seq_len > 0 ? max_seq_len : seq_lens.max().item<int64_t>();
   const at::Tensor o =
       decode_attention(q, k_buf, v_buf, req_to_token, req_slots, seq_lens, l.f1, L);
-  return hs::linear(o.reshape({T, -1}), l.w[3]);
+  return hs::linear(o.reshape({T, -1}), l.w[3], bf16);
 }
 
 struct NemotronHStep : torch::CustomClassHolder {
   std::vector<Block> blocks;
   at::Tensor final_norm, lm_head;
   double final_eps;
+  bool bf16_products;  // hs::linear's bf16 products at batch (decode_ops.h)
 
   NemotronHStep(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
                 std::vector<double> floats, at::Tensor final_norm_, double final_eps_,
-                at::Tensor lm_head_)
-      : final_norm(std::move(final_norm_)), lm_head(std::move(lm_head_)), final_eps(final_eps_) {
+                at::Tensor lm_head_, bool bf16_products_)
+      : final_norm(std::move(final_norm_)),
+        lm_head(std::move(lm_head_)),
+        final_eps(final_eps_),
+        bf16_products(bf16_products_) {
     TORCH_CHECK(ints.size() % kInts == 0 && floats.size() == ints.size() / kInts * kFloats,
                 "NemotronHStep: ", kInts, " ints and ", kFloats, " floats per block expected");
     size_t t = 0;
@@ -195,23 +201,23 @@ struct NemotronHStep : torch::CustomClassHolder {
       const at::Tensor h = rms_norm_plain(x, l.norm, l.eps);
       at::Tensor o;
       if (l.kind == kMamba) {
-        const at::Tensor zxbcdt = hs::linear(h, l.w[0]);
+        const at::Tensor zxbcdt = hs::linear(h, l.w[0], bf16_products);
         const at::Tensor y = hs::mamba2_decode(
             zxbcdt, conv_state.select(0, l.index), l.w[1], l.conv_bias,
             ssm_state.select(0, l.index), l.w[2], l.w[3], l.w[4], l.mixer_norm, slots, l.a, l.f1,
             l.f2, l.f3);
-        o = hs::linear(y, l.w[5]);
+        o = hs::linear(y, l.w[5], bf16_products);
       } else if (l.kind == kAttention) {
         o = attention(h, l, k_all.select(0, l.index), v_all.select(0, l.index), out_loc,
-                      req_to_token, req_slots, seq_lens, max_seq_len);
+                      req_to_token, req_slots, seq_lens, max_seq_len, bf16_products);
       } else if (l.kind == kMlp) {
-        o = hs::linear(relu2(hs::linear(h, l.w[0])), l.w[1]);
+        o = hs::linear(relu2(hs::linear(h, l.w[0], bf16_products)), l.w[1], bf16_products);
       } else {
-        o = relu2_moe(h, l);
+        o = relu2_moe(h, l, bf16_products);
       }
       x = x + o;
     }
-    return hs::linear(rms_norm_plain(x, final_norm, final_eps), lm_head);
+    return hs::linear(rms_norm_plain(x, final_norm, final_eps), lm_head, bf16_products);
   }
 };
 
@@ -221,6 +227,6 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   using hs::nemotron_h::NemotronHStep;
   m.class_<NemotronHStep>("NemotronHStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>,
-                       at::Tensor, double, at::Tensor>())
+                       at::Tensor, double, at::Tensor, bool>())
       .def("forward", &NemotronHStep::forward);
 }

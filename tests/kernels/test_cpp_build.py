@@ -44,6 +44,21 @@ def test_the_best_level_a_cpu_runs(arch, flags, level):
     assert cpu_levels.best(features, arch).name == level
 
 
+@pytest.mark.parametrize(
+    "arch, flags, bf16",
+    [
+        ("x86_64", AVX2_EPYC, False),
+        ("x86_64", SKYLAKE_SP, False),
+        ("x86_64", ZEN4, True),  # avx512_bf16 at the x86-64-v4-vnni level
+        ("x86_64", SAPPHIRE, True),
+        ("aarch64", GRAVITON3, False),
+    ],
+)
+def test_which_cpus_multiply_bf16_in_hardware(arch, flags, bf16):
+    """The bf16 products at batch go by the CPU's features, not by the level loaded."""
+    assert cpu_levels.multiplies_bf16(cpu_levels.host_features(cpuinfo(arch, flags))) is bf16
+
+
 def test_levels_only_add_features_and_never_use_native():
     for arch in ("x86_64", "aarch64"):
         levels = cpu_levels.levels(arch)

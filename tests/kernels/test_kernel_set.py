@@ -6,17 +6,25 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from dataclasses import fields
 from functools import partial
 
 import pytest
 import torch
 
-from kernels import KernelSet, KernelSettings, choose, kernel_set, reference_set, rmsnorm
+from kernels import (
+    KernelSet,
+    KernelSettings,
+    choose,
+    cpu_levels,
+    kernel_set,
+    multi_linear,
+    reference_set,
+    rmsnorm,
+)
 from make_model.presets import preset_config, write_checkpoint
 from models.loader import load_model
 
-OPS = [f.name for f in fields(KernelSet)][2:-1]
+OPS = kernel_set.op_names()
 
 
 def functions(fn) -> list:
@@ -38,6 +46,10 @@ def test_settings_from_the_environment() -> None:
         KernelSettings.from_env({"HYBRID_SERVE_KERNELS": "cuda"})
     with pytest.raises(ValueError, match="HYBRID_SERVE_FUSIONS"):
         KernelSettings.from_env({"HYBRID_SERVE_FUSIONS": "sideways"})
+    assert KernelSettings.from_env({}).bf16_products == "auto"
+    assert KernelSettings.from_env({"HYBRID_SERVE_BF16_PRODUCTS": "Off "}).bf16_products == "off"
+    with pytest.raises(ValueError, match="HYBRID_SERVE_BF16_PRODUCTS='yes'"):
+        KernelSettings.from_env({"HYBRID_SERVE_BF16_PRODUCTS": "yes"})
 
 
 def test_references_call_only_references() -> None:
@@ -130,3 +142,42 @@ def test_a_level_without_vector_bodies_takes_torchs_matmuls(monkeypatch) -> None
     best = cpu_levels.get("x86-64-v3", "x86_64")
     monkeypatch.setattr(cpp_build, "loaded_level", lambda: best)
     assert choose("cpu", torch.float32, KernelSettings()).backend == "cpp"
+
+
+@pytest.mark.parametrize(
+    ("setting", "features", "route"),
+    [
+        ("auto", {"avx512f", "avx512_bf16"}, True),  # Zen 4, Cooper Lake
+        ("auto", {"avx512f", "amx_tile", "amx_bf16"}, True),
+        ("auto", {"avx2", "fma", "avx512f", "avx512_vnni"}, False),  # no bf16 dot products
+        ("auto", {"asimd", "asimddp"}, False),
+        ("off", {"avx512_bf16", "amx_bf16"}, False),
+        ("on", {"avx2", "fma"}, True),
+    ],
+)
+def test_bf16_products_by_cpu_features_and_setting(monkeypatch, setting, features, route) -> None:
+    """The C++ set takes the bf16 route at batch on a CPU with avx512_bf16 or AMX (the
+    features faked here, never the host's), or where the settings force it; everywhere else
+    every product is the exact one, the same functions as without the route. The torch
+    references never take it."""
+    from kernels import cpp_fused, cpp_ops
+
+    monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
+    monkeypatch.setattr(cpu_levels, "host_features", lambda cpuinfo=None: frozenset(features))
+    for fusions in (True, False):
+        ops = choose("cpu", torch.float32, KernelSettings("cpp", fusions, bf16_products=setting))
+        assert ops.bf16_products is route
+        assert ops.linear is (cpp_ops.linear_bf16 if route else cpp_ops.linear)
+        if fusions:
+            multi = cpp_ops.linear_multi_bf16 if route else cpp_ops.linear_multi
+            moe = cpp_fused.sparse_moe_bf16 if route else cpp_fused.sparse_moe
+            assert ops.linear_multi is multi and ops.sparse_moe.func is moe
+            assert ops.sparse_moe.keywords["unfused"].keywords["linear"] is ops.linear
+        else:
+            assert ops.linear_multi.func is multi_linear.linear_multi
+            assert ops.linear_multi.keywords["linear"] is ops.linear
+            assert ops.sparse_moe.keywords["linear"] is ops.linear
+        assert ops.table().splitlines()[0].endswith(f"bf16 products {'on' if route else 'off'}")
+        assert ops.info()["bf16_products"] is route
+    torch_ops = choose("cpu", settings=KernelSettings("torch", bf16_products=setting))
+    assert not torch_ops.bf16_products and torch_ops.linear.__module__ == "kernels.linear"

@@ -1,10 +1,13 @@
 """`--dtype bfloat16` on CPU: bf16 matrices, everything else fp32, close to the fp32 model
-(benchmarks/fidelity.py measures how close over the GSM8K prompts)."""
+(benchmarks/fidelity.py measures how close over the GSM8K prompts). The products here are the
+exact ones on the bf16 weights (`HYBRID_SERVE_BF16_PRODUCTS=off`); the bf16 products at batch
+are tests/kernels/test_bf16_products.py's and tests/models/test_cpu_decode.py's."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels import KernelSettings, choose
 from make_model.presets import preset_config, write_checkpoint
 from models.loader import cast_matrices, load_model
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
@@ -25,7 +28,8 @@ def _logits(runner: ModelRunner, prompt: list[int], next_id: int) -> torch.Tenso
 
 def test_bf16_weights_fp32_rest(tmp_path) -> None:
     path = write_checkpoint(tmp_path, {**preset_config("tiny"), "tie_word_embeddings": True})
-    fp32, bf16 = load_model(path, dtype="float32"), load_model(path, dtype="bfloat16")
+    exact = choose("cpu", settings=KernelSettings(bf16_products="off"))
+    fp32, bf16 = load_model(path, dtype="float32"), load_model(path, dtype="bfloat16", ops=exact)
 
     def is_matrix(name: str, p: torch.Tensor) -> bool:  # linear weights and stacked experts
         return (p.dim() == 2 and "embed_tokens" not in name) or name.endswith("_proj")

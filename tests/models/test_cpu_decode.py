@@ -35,12 +35,19 @@ def dense_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("dense"), cfg, seed=4)
 
 
-def prefilled(ckpt, dtype: str, quantization: str | None = None):
-    model = load_model(ckpt, dtype=dtype, quantization=quantization)
-    runner = ModelRunner(model, RunnerConfig(max_running_requests=len(PROMPTS) + 1))
-    slots = [(runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])) for _ in PROMPTS]
-    items = [ExtendInput(q, m, 0, p) for (q, m), p in zip(slots, PROMPTS, strict=True)]
-    locs = [runner.alloc_kv(q, 0, len(p)) for (q, _), p in zip(slots, PROMPTS, strict=True)]
+def prefilled(
+    ckpt,
+    dtype: str,
+    quantization: str | None = None,
+    prompts: list[list[int]] = PROMPTS,
+    settings: KernelSettings | None = None,
+):
+    ops = None if settings is None else choose("cpu", settings=settings)
+    model = load_model(ckpt, dtype=dtype, quantization=quantization, ops=ops)
+    runner = ModelRunner(model, RunnerConfig(max_running_requests=len(prompts) + 1))
+    slots = [(runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])) for _ in prompts]
+    items = [ExtendInput(q, m, 0, p) for (q, m), p in zip(slots, prompts, strict=True)]
+    locs = [runner.alloc_kv(q, 0, len(p)) for (q, _), p in zip(slots, prompts, strict=True)]
     first = runner.forward(runner.build_prefill(items, locs)).argmax(-1).tolist()
     return runner, slots, first
 
@@ -143,11 +150,49 @@ def test_decode_step_checks_its_layout(ckpt):
     norm, head = plan.model.model.norm.weight, plan.model.lm_head.weight
     step = torch.classes.hybrid_serve.DecodeStep
     with pytest.raises(RuntimeError, match="5 ints and 4 floats per layer"):
-        step([norm], [1, 0, 2, 2], [1e-6] * 4, norm, 1e-6, head)
+        step([norm], [1, 0, 2, 2], [1e-6] * 4, norm, 1e-6, head, False)
     with pytest.raises(RuntimeError, match="too few tensors"):
-        step([norm] * 3, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head)
+        step([norm] * 3, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head, False)
     with pytest.raises(RuntimeError, match="1 tensors left over"):
-        step([norm] * 16, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head)
+        step([norm] * 16, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head, False)
+
+
+@pytest.mark.parametrize("layout", ["moe", "dense"])
+def test_plan_takes_the_bf16_route_as_the_eager_step(request, layout):
+    """With bf16 products at batch (forced on, so on any CPU), steps of 16 rows and more (the
+    route's) and of fewer are still the eager step's bit for bit; and the route was taken: the
+    prefill's products in bf16 leave other states than the exact products', about as far from
+    them as those are from fp32's (random weights amplify every rounding: ~5-10% there)."""
+    ckpt = request.getfixturevalue("ckpt" if layout == "moe" else "dense_ckpt")
+    many = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]  # 24 requests
+    on = KernelSettings(bf16_products="on")
+    eager, slots, first = prefilled(ckpt, "bfloat16", prompts=many, settings=on)
+    fast, _, first2 = prefilled(ckpt, "bfloat16", prompts=many, settings=on)
+    exact, _, _ = prefilled(ckpt, "bfloat16", prompts=many,
+                            settings=KernelSettings(bf16_products="off"))  # fmt: skip
+    fp32, _, _ = prefilled(ckpt, "float32", prompts=many)
+    assert eager.model.ops.bf16_products and not exact.model.ops.bf16_products
+    assert first == first2
+    for a, b, c in zip(pools(eager), pools(exact), pools(fp32), strict=True):
+        assert not torch.equal(a, b)
+        assert (a - b).norm() < 3 * (b - c).norm()
+    plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 8, 16, 24])
+    assert planned.plan is not None and planned.plan_rows == len(many)
+    planned.plan = spy = Counting(planned.plan)
+    tokens, lens = list(first), [len(p) for p in many]
+    for n in [len(many), 16, 15, 20]:
+        out = []
+        for graphs in (plain, planned):
+            runner = graphs.runner
+            items = [DecodeInput(q, m, lens[i], tokens[i]) for i, (q, m) in enumerate(slots[:n])]
+            loc = torch.cat([runner.alloc_kv(q, lens[i], 1) for i, (q, _) in enumerate(slots[:n])])
+            out.append(graphs.forward(items, loc))
+        assert torch.equal(out[0], out[1]), n
+        for a, b in zip(pools(eager), pools(fast), strict=True):
+            assert torch.equal(a, b), n
+        tokens[:n] = out[0].argmax(-1).tolist()
+        lens[:n] = [k + 1 for k in lens[:n]]
+    assert spy.rows == [len(many), 16, 15, 20]
 
 
 @pytest.mark.parametrize("layout", ["moe", "dense"])

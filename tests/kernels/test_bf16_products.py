@@ -1,0 +1,109 @@
+"""bf16 products at batch (`kernels.cpp_ops.linear_bf16`, `linear_multi_bf16`,
+`kernels.cpp_fused.sparse_moe_bf16`, the C++ `hs::linear`'s route): taken for bf16 matrices at
+`BF16_ROWS` rows or more and nowhere else, equal there to torch's own bf16 product of the
+activations rounded to bf16, and bit-identical to the exact products everywhere else. The ops
+are called directly, so these run on any CPU (torch emulates bf16 products where the CPU has
+none); which CPUs get the route is tests/kernels/test_kernel_set.py's. Skips where the C++
+kernels cannot be built."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpp_fused, cpp_ops, moe_step
+from kernels.experts import fused_experts
+from kernels.quant import quantize
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
+from tests.kernels.test_moe_decode import moe_weights
+
+ROWS = (1, 8, 9, 15, 16, 17, 64, 300)  # the GEMV's, the tiled GEMM's, the route's from 16
+
+
+@pytest.fixture(autouse=True)
+def inference_mode():
+    with torch.inference_mode():
+        yield
+
+
+def bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The route's contract: torch's bf16 product of x rounded to bf16, widened."""
+    return F.linear(x.bfloat16(), w).float()
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal within one bf16 rounding of the output (plus a rounding of the largest output, for
+    sums whose accumulation order differs)."""
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2**-8, atol=2**-8 * scale)
+
+
+def test_the_route_takes_bf16_matrices_from_16_rows() -> None:
+    assert cpp_ops.BF16_ROWS == 16
+    torch.manual_seed(0)
+    w32 = torch.randn(70, 192) * 0.1  # K in int4's groups of 32
+    for M in ROWS:
+        x = torch.randn(M, 192)
+        for w in (w32, w32.bfloat16(), quantize(w32, "int8"), quantize(w32, "int4")):
+            got, exact = cpp_ops.linear_bf16(x, w), cpp_ops.linear(x, w)
+            if w.dtype == torch.bfloat16 and M >= cpp_ops.BF16_ROWS:
+                assert torch.equal(got, torch.ops.hybrid_serve.bf16_linear(x, w)), M
+                assert_bf16_close(got, bf16_product(x, w))
+                assert not torch.equal(got, exact), M  # the activations were rounded
+                torch.testing.assert_close(got, exact, rtol=0.05, atol=0.05)
+            else:  # not taken: the exact product, bit for bit
+                assert torch.equal(got, exact), (M, w.dtype)
+
+
+def test_bias_leading_dims_and_empty_inputs() -> None:
+    torch.manual_seed(1)
+    x, w, b = torch.randn(4, 5, 48), torch.randn(24, 48).bfloat16(), torch.randn(24)
+    got = cpp_ops.linear_bf16(x, w, b)
+    assert got.shape == (4, 5, 24) and got.dtype == torch.float32
+    assert_bf16_close(got, bf16_product(x, w) + b)
+    assert cpp_ops.linear_bf16(torch.randn(0, 48), w).shape == (0, 24)
+
+
+def test_bf16_linear_checks_its_inputs() -> None:
+    x, w = torch.randn(16, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="bf16 weights"):
+        torch.ops.hybrid_serve.bf16_linear(x, w)
+    with pytest.raises(RuntimeError, match="shapes"):
+        torch.ops.hybrid_serve.bf16_linear(x, torch.randn(4, 9).bfloat16())
+
+
+@pytest.mark.parametrize("M", [8, 12, 16, 40])
+def test_linear_multi_routes_each_weight_as_linear(M) -> None:
+    torch.manual_seed(M)
+    x = torch.randn(M, 64)
+    weights = [torch.randn(32, 64).bfloat16(), torch.randn(8, 64), torch.randn(4, 64).bfloat16()]
+    biases = [None, torch.randn(8), torch.randn(4)]
+    ys = cpp_ops.linear_multi_bf16(x, weights, biases)
+    for y, w, b in zip(ys, weights, biases, strict=True):
+        assert torch.equal(y, cpp_ops.linear_bf16(x, w, b))
+    exact = cpp_ops.linear_multi(x, weights, biases)
+    assert all(torch.equal(a, b) for a, b in zip(ys, exact, strict=True)) == (M < 16)
+
+
+@pytest.mark.parametrize("T", [9, 15, 16, 64])
+def test_fused_moe_routes_the_router_and_shared_expert(T) -> None:
+    """The fused MoE block at batch: from 16 tokens the router and the shared expert multiply
+    in bf16 (the reference block on `linear_bf16`'s products), below that it is the exact op's;
+    the routed experts stay exact."""
+    torch.manual_seed(T)
+    E, k = 8, 2
+    x = torch.randn(T, 128)
+    weights = moe_weights(E, 128, 64, 48, torch.bfloat16)
+    got = cpp_fused.sparse_moe_bf16(x, *weights, k, True, unfused=None)
+    exact = cpp_fused.sparse_moe(x, *weights, k, True, unfused=None)
+    if T < 16:
+        assert torch.equal(got, exact)
+        return
+    assert not torch.equal(got, exact)
+    experts = partial(fused_experts, routed=cpp_ops.routed_experts)
+    want = moe_step.sparse_moe(x, *weights, k, True, linear=cpp_ops.linear_bf16,
+                               fused_experts=experts)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
