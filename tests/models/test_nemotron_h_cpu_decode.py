@@ -99,8 +99,8 @@ def test_step_checks_its_layout(ckpt):
     norm, head = model.backbone.norm_f.weight, model.lm_head.weight
     step = torch.classes.hybrid_serve.NemotronHStep
     with pytest.raises(RuntimeError, match="6 ints and 4 floats per block"):
-        step([norm], [2, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head)
+        step([norm], [2, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head, False)
     with pytest.raises(RuntimeError, match="too few tensors"):
-        step([norm] * 2, [2, 0, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head)
+        step([norm] * 2, [2, 0, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head, False)
     with pytest.raises(RuntimeError, match="1 tensors left over"):
-        step([norm] * 4, [2, 0, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head)
+        step([norm] * 4, [2, 0, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head, False)
