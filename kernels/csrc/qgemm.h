@@ -124,6 +124,7 @@ inline void stage(const int8_t* w, int64_t ldw, int64_t rows, int64_t, int64_t k
   }
 }
 
+static_assert(kQ4Group == 32, "an int4 group is one b32 of nibbles (16 bytes)");
 template <Form F>
 inline void stage(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0, int64_t kn,
                   int8_t* dst, float* sc) {
@@ -132,12 +133,7 @@ inline void stage(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_
     const auto* scale = reinterpret_cast<const c10::BFloat16*>(row + K / 2);
     int8_t* out = dst + i * KC;
     for (int64_t g = 0; g < kn / kQ4Group; ++g) {
-      // 8 bytes at a time in a 64-bit word (the compiler's byte loop here was scalar)
-      constexpr uint64_t low = 0x0F0F0F0F0F0F0F0Full;
-      uint64_t in[2];
-      std::memcpy(in, row + (k0 / kQ4Group + g) * (kQ4Group / 2), sizeof in);
-      const uint64_t nib[4] = {in[0] & low, in[1] & low, (in[0] >> 4) & low, (in[1] >> 4) & low};
-      std::memcpy(out + g * kQ4Group, nib, sizeof nib);
+      simd::store32(out + g * kQ4Group, simd::q4_nibbles(row + (k0 / kQ4Group + g) * (kQ4Group / 2)));
       sc[i * KB + g] = load1(scale + k0 / kQ4Group + g);
     }
   }

@@ -15,8 +15,8 @@
 // - `f8`: 8 fp32 lanes at every level (the integer products' accumulators, exp, the conv
 //   window): zero8, load8, store8, bcast8, add, sub, mul, div, fma, fnma, min, max, round_even,
 //   pow2i, hsum, exp (composed below from the others).
-// - `b32` / `i32x8`: a block of 32 int8 values and 8 int32 lanes: load32, q4_unpack (16 bytes of
-//   int4 nibbles), dot (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd,
+// - `b32` / `i32x8`: a block of 32 int8 values and 8 int32 lanes: load32, store32, q4_unpack
+//   (16 bytes of int4 nibbles, each - 8), q4_nibbles (the same nibbles as stored, 0..15), dot (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd,
 //   VNNI vpdpbusd, NEON sdot), to_float, widen; quantize32 (Q8_0's rounding of 32 activations).
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
@@ -176,7 +176,11 @@ inline f8 to_float(i32x8 a) {
   return map<float, 8>([&](int i) { return float(a.v[i]); });
 }
 inline b32 load32(const int8_t* p) { return load_n<int8_t, 32>(p); }
-inline b32 q4_unpack(const uint8_t* p) {  // byte j: element j low nibble, j + 16 high, each + 8
+inline void store32(int8_t* p, b32 a) { store_n(p, a); }
+inline b32 q4_nibbles(const uint8_t* p) {  // byte j: element j low nibble, j + 16 high
+  return map<int8_t, 32>([&](int i) { return int8_t(i < 16 ? p[i] & 15 : p[i - 16] >> 4); });
+}
+inline b32 q4_unpack(const uint8_t* p) {  // q4_nibbles, each - 8
   return map<int8_t, 32>([&](int i) {
     return int8_t(i < 16 ? int(p[i] & 15) - 8 : int(p[i - 16] >> 4) - 8);
   });
@@ -266,7 +270,8 @@ using i32x8 = ref::i32x8;
 using b32 = ref::b32;
 using vd = ref::vd;
 using ref::add, ref::sub, ref::mul, ref::div, ref::fma, ref::fnma, ref::min, ref::max;
-using ref::dot, ref::deinterleave3, ref::hsum, ref::load32, ref::pow2i, ref::q4_unpack;
+using ref::dot, ref::deinterleave3, ref::hsum, ref::load32, ref::pow2i, ref::q4_nibbles;
+using ref::q4_unpack, ref::store32;
 using ref::quantize32, ref::round_even, ref::shift_in3, ref::to_float, ref::widen;
 inline vec zero() { return ref::splat<float, kLanes>(0.f); }
 inline vec load(const float* p) { return ref::load_n<float, kLanes>(p); }

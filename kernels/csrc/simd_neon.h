@@ -51,11 +51,18 @@ inline float hsum(f8 a) { return hsum4(vaddq_f32(a.lo, a.hi)); }
 inline f8 to_float(i32x8 a) { return {vcvtq_f32_s32(a.lo), vcvtq_f32_s32(a.hi)}; }
 
 inline b32 load32(const int8_t* p) { return {vld1q_s8(p), vld1q_s8(p + 16)}; }
-inline b32 q4_unpack(const uint8_t* p) {
+inline void store32(int8_t* p, b32 a) {
+  vst1q_s8(p, a.lo);
+  vst1q_s8(p + 16, a.hi);
+}
+inline b32 q4_nibbles(const uint8_t* p) {
   const uint8x16_t b = vld1q_u8(p);
+  return {vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))};
+}
+inline b32 q4_unpack(const uint8_t* p) {
+  const b32 n = q4_nibbles(p);
   const int8x16_t eight = vdupq_n_s8(8);
-  return {vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), eight),
-          vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), eight)};
+  return {vsubq_s8(n.lo, eight), vsubq_s8(n.hi, eight)};
 }
 inline int32x4_t dot16(int8x16_t w, int8x16_t a) {  // lane i: bytes 4i..4i+3
 #if defined(HS_DOTPROD)

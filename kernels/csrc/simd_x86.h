@@ -50,10 +50,16 @@ inline f8 to_float(i32x8 a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline b32 load32(const int8_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))};
 }
-inline b32 q4_unpack(const uint8_t* p) {
+inline void store32(int8_t* p, b32 a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.v);
+}
+inline b32 q4_nibbles(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
-  return {_mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8))};
+  return {_mm256_and_si256(both, _mm256_set1_epi8(0x0F))};
+}
+inline b32 q4_unpack(const uint8_t* p) {
+  return {_mm256_sub_epi8(q4_nibbles(p).v, _mm256_set1_epi8(8))};
 }
 inline i32x8 dot(b32 w, b32 a) {
   const __m256i w_abs = _mm256_sign_epi8(w.v, w.v), a_signed = _mm256_sign_epi8(a.v, w.v);
