@@ -6,11 +6,11 @@ layers (the lm_head included), times, interleaved: `torch.ops.hybrid_serve.tiled
 `kernels.cpp_ops.linear` runs beyond `GEMV_ROWS` rows), the weight-streaming GEMV (only at
 up to `GEMV_ROWS` rows, through `torch.ops.hybrid_serve.linear`, which runs it there), for bf16
 weights from `BF16_ROWS` rows the bf16 products (`torch.ops.hybrid_serve.bf16_linear`: the
-activations rounded to bf16, torch's bf16 product, what `kernels.cpp_ops.linear_bf16` runs
-there; checked against that product, not fp32's) and the reference `kernels.linear.linear`
-(`F.linear`, bf16 weights widened to fp32 per call), for fp32 and bf16 weights. Prints GFLOP/s
-from the median of `--repeats` interleaved runs, each C++ product's ratio to `F.linear`, the sum
-over the shapes per row count in ms, and the machine's load average.
+activations rounded to bf16, torch's bf16 product, what `kernels.cpp_ops.linear` runs there
+with `bf16_products=True`; checked against that product, not fp32's) and the reference
+`kernels.linear.linear` (`F.linear`, bf16 weights widened to fp32 per call), for fp32 and bf16
+weights. Prints GFLOP/s from the median of `--repeats` interleaved runs, each C++ product's ratio
+to `F.linear`, the sum over the shapes per row count in ms, and the machine's load average.
 
 Example: python -m benchmarks.gemm_shapes --preset small --threads 2 --rows 8,64,256,512,1024
 """

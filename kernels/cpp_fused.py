@@ -11,8 +11,8 @@ reference composes ~30-50 torch ops, each with its reference's signature and con
 - `sparse_moe`: the router, torch's own softmax and top-k (called from C++, so ties pick the same
   experts), the active experts, the shared expert and its gate, and the combine; up to
   `MOE_MAX_TOKENS` rows (decode batches), longer inputs run the set's unfused block.
-  `sparse_moe_bf16`: the same with bf16 products at batch for the router and the shared expert
-  (`kernels.cpp_ops.linear_bf16`'s rule), the set's choice where the CPU has them.
+  With `bf16_products=True` (the set binds it where the CPU has them) the router and the shared
+  expert take bf16 products at batch (`kernels.cpp_ops.linear`'s rule with the same flag).
 - `mamba2_decode` / `mamba2_verify`: the Mamba2 step after its input projection: the conv update
   with its bias, dt's softplus and limit, the state update in place on the pool, the D skip and
   the gate-first grouped RMSNorm.
@@ -137,26 +137,6 @@ def sparse_moe(
         return unfused(x, *weights, top_k, norm_topk_prob)
     return ops.moe_decode(x.contiguous(), *(w.contiguous() for w in weights), top_k,
                           norm_topk_prob, bf16_products)  # fmt: skip
-
-
-def sparse_moe_bf16(
-    x: torch.Tensor,
-    router_w: torch.Tensor,
-    experts_gate_up: torch.Tensor,
-    experts_down: torch.Tensor,
-    shared_gate_w: torch.Tensor,
-    shared_gate_proj: torch.Tensor,
-    shared_up_proj: torch.Tensor,
-    shared_down: torch.Tensor,
-    top_k: int,
-    norm_topk_prob: bool,
-    *,
-    unfused: Callable,
-) -> torch.Tensor:
-    return sparse_moe(
-        x, router_w, experts_gate_up, experts_down, shared_gate_w, shared_gate_proj,
-        shared_up_proj, shared_down, top_k, norm_topk_prob, unfused=unfused, bf16_products=True,
-    )  # fmt: skip
 
 
 def mamba2_decode(

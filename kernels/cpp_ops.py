@@ -1,6 +1,7 @@
 """The C++ CPU kernels' unfused ops (kernels/csrc): each keeps its reference's signature and
 contract (`kernels.linear`, `multi_linear`, `rmsnorm`, `causal_conv1d`, `gated_delta_rule`,
-`experts`) and only reshapes its arguments for the op.
+`experts`; the products add the keyword `bf16_products`) and only reshapes its arguments for
+the op.
 
 Load-time contract. `kernels.kernel_set.cpp_set` is chosen only for fp32 activations on the
 CPU, matrices in a format the C++ products read (`kernels.weight_formats`: fp32, bf16, int8,
@@ -14,13 +15,13 @@ by rows.
   (decode_ops.h); bf16 widened in registers, int8/int4 multiplying the activations rounded to
   int8 per block of 32 (`kernels.quant`). `linear_multi` streams every weight in one parallel
   region.
-- `linear_bf16`, `linear_multi_bf16`: the same with bf16 products at batch, the set's choice
-  where the CPU multiplies bf16 in hardware (`kernels.kernel_set.bf16_products`): a bf16 matrix
-  at `BF16_ROWS` rows or more multiplies the activations rounded to bf16 in torch's bf16 product
-  (oneDNN: AMX or avx512_bf16, fp32 accumulation), whose bf16 result is widened to fp32, i.e.
-  `F.linear(x.bfloat16(), w).float()` (+ bias in fp32). Fewer rows and other formats are
-  `linear`'s. The choice by rows is the C++ `hs::linear`'s, so the decode plan
-  (`models.cpu_decode`) makes the same one.
+- `bf16_products=True` (keyword-only, on both): bf16 products at batch, which the set binds
+  (`functools.partial`) where the CPU multiplies bf16 in hardware
+  (`kernels.kernel_set.bf16_products`): a bf16 matrix at `BF16_ROWS` rows or more multiplies the
+  activations rounded to bf16 in torch's bf16 product (oneDNN: AMX or avx512_bf16, fp32
+  accumulation), whose bf16 result is widened to fp32, i.e. `F.linear(x.bfloat16(), w).float()`
+  (+ bias in fp32). Fewer rows and other formats take the exact products. The choice by rows is
+  the C++ `hs::linear`'s, so the decode plan (`models.cpu_decode`) makes the same one.
 - `rms_norm`, `fused_add_rmsnorm`, `rms_norm_gated`: one pass per row (the gated norm rounds as
   the fused GDN decode's, so a prompt's prefill and its decode steps agree).
 - `causal_conv1d_update`, `causal_conv1d_fn`: on the conv-state pool, in place, with or without
@@ -46,7 +47,7 @@ from kernels import experts, gated_delta_rule
 from kernels.causal_conv1d import PAD_SLOT_ID
 
 ops = torch.ops.hybrid_serve  # loaded before this set is chosen (kernels.cpp_build)
-ROUTED_MAX_ROWS = 256  # beyond, MKL's grouped GEMM (benchmarks/moe_experts.py; BENCHMARKS.md)
+ROUTED_MAX_ROWS = 256  # beyond, MKL's grouped GEMM (benchmarks/moe_experts.py)
 BF16_ROWS = 16  # hs::kBf16Rows (decode_ops.h): bf16 products from here, where the set has them
 
 
@@ -59,18 +60,12 @@ def _shaped(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _linear(x, weight, bias, False)
-
-
-def linear_bf16(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return _linear(x, weight, bias, True)
-
-
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bf16_products: bool
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    bf16_products: bool = False,
 ) -> torch.Tensor:
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], weight.shape[0])
@@ -81,22 +76,11 @@ def _linear(
 
 
 def linear_multi(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
-) -> list[torch.Tensor]:
-    return _linear_multi(x, weights, biases, False)
-
-
-def linear_multi_bf16(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
-) -> list[torch.Tensor]:
-    return _linear_multi(x, weights, biases, True)
-
-
-def _linear_multi(
     x: torch.Tensor,
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
-    bf16_products: bool,
+    *,
+    bf16_products: bool = False,
 ) -> list[torch.Tensor]:
     if x.numel() == 0:
         return [x.new_zeros(*x.shape[:-1], w.shape[0]) for w in weights]

@@ -126,11 +126,19 @@ def op_names() -> list[str]:
     return [f.name for f in fields(KernelSet) if f.type == "Callable"]
 
 
-def describe(fn: Callable) -> str:
+def describe(fn: object) -> str:
+    """How `table` names an op: a function as `module.qualname` (less `kernels.`), a
+    `functools.partial` as its function followed by what it binds (`name=` and its description
+    for a keyword), and any other value, such as a flag, as its repr."""
     if isinstance(fn, partial):
-        subs = ", ".join(f"{k}={describe(v)}" for k, v in fn.keywords.items())
-        return f"{describe(fn.func)}({subs})"
-    return f"{fn.__module__.removeprefix('kernels.')}.{fn.__name__}"
+        bound = [describe(a) for a in fn.args]
+        bound += [f"{k}={describe(v)}" for k, v in fn.keywords.items()]
+        return f"{describe(fn.func)}({', '.join(bound)})"
+    name = getattr(fn, "__qualname__", None)
+    if not callable(fn) or name is None:
+        return repr(fn)
+    module = getattr(fn, "__module__", None)
+    return f"{module.removeprefix('kernels.')}.{name}" if module else name
 
 
 def assemble(
@@ -226,11 +234,16 @@ def cpp_set(fusions: bool, bf16_products: bool = False) -> KernelSet:
     fp32 activations, C++ weight formats, fp32 states); with `fusions`, the fused decode ops'
     own C++ kernels in place of the compositions (the residual-add norm and the plain norm
     among them, as `HYBRID_SERVE_FUSIONS` switches them); with `bf16_products`, the products'
-    bf16 route at batch (`cpp_ops.linear_bf16`, `linear_multi_bf16`,
-    `cpp_fused.sparse_moe_bf16`) in place of the exact ones."""
+    bf16 route at batch: `cpp_ops.linear`, `linear_multi` and `cpp_fused.sparse_moe` with their
+    keyword `bf16_products=True` bound (without it, those functions themselves)."""
     from kernels import cpp_fused, cpp_ops
 
-    linear_fn = cpp_ops.linear_bf16 if bf16_products else cpp_ops.linear
+    def routed(fn: Callable, **bound: object) -> Callable:
+        if bf16_products:
+            bound["bf16_products"] = True
+        return partial(fn, **bound) if bound else fn
+
+    linear_fn = routed(cpp_ops.linear)
     unfused = assemble(
         "cpp", linear_fn, cpp_ops.rms_norm if fusions else rmsnorm.rms_norm,
         cpp_ops.rms_norm_gated, cpp_ops, cpp_ops, attention,
@@ -239,18 +252,17 @@ def cpp_set(fusions: bool, bf16_products: bool = False) -> KernelSet:
     unfused = replace(unfused, bf16_products=bf16_products)
     if not fusions:
         return unfused
-    moe = cpp_fused.sparse_moe_bf16 if bf16_products else cpp_fused.sparse_moe
     return replace(
         unfused,
         fused=True,
-        linear_multi=cpp_ops.linear_multi_bf16 if bf16_products else cpp_ops.linear_multi,
+        linear_multi=routed(cpp_ops.linear_multi),
         fused_add_rmsnorm=cpp_ops.fused_add_rmsnorm,
         gdn_decode=cpp_fused.gdn_decode,
         gdn_verify=cpp_fused.gdn_verify,
         attn_decode=cpp_fused.attn_decode,
         mamba2_decode=cpp_fused.mamba2_decode,
         mamba2_verify=cpp_fused.mamba2_verify,
-        sparse_moe=partial(moe, unfused=unfused.sparse_moe),
+        sparse_moe=routed(cpp_fused.sparse_moe, unfused=unfused.sparse_moe),
     )
 
 

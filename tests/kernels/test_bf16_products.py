@@ -1,5 +1,5 @@
-"""bf16 products at batch (`kernels.cpp_ops.linear_bf16`, `linear_multi_bf16`,
-`kernels.cpp_fused.sparse_moe_bf16`, the C++ `hs::linear`'s route): taken for bf16 matrices at
+"""bf16 products at batch (`bf16_products=True` on `kernels.cpp_ops.linear`, `linear_multi` and
+`kernels.cpp_fused.sparse_moe`, the C++ `hs::linear`'s route): taken for bf16 matrices at
 `BF16_ROWS` rows or more and nowhere else, equal there to torch's own bf16 product of the
 activations rounded to bf16, and bit-identical to the exact products everywhere else. The ops
 are called directly, so these run on any CPU (torch emulates bf16 products where the CPU has
@@ -21,6 +21,7 @@ from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.kernels.test_moe_decode import moe_weights
 
 ROWS = (1, 8, 9, 15, 16, 17, 64, 300)  # the GEMV's, the tiled GEMM's, the route's from 16
+linear_bf16 = partial(cpp_ops.linear, bf16_products=True)  # as the kernel set binds it
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +49,7 @@ def test_the_route_takes_bf16_matrices_from_16_rows() -> None:
     for M in ROWS:
         x = torch.randn(M, 192)
         for w in (w32, w32.bfloat16(), quantize(w32, "int8"), quantize(w32, "int4")):
-            got, exact = cpp_ops.linear_bf16(x, w), cpp_ops.linear(x, w)
+            got, exact = linear_bf16(x, w), cpp_ops.linear(x, w)
             if w.dtype == torch.bfloat16 and M >= cpp_ops.BF16_ROWS:
                 assert torch.equal(got, torch.ops.hybrid_serve.bf16_linear(x, w)), M
                 assert_bf16_close(got, bf16_product(x, w))
@@ -61,10 +62,10 @@ def test_the_route_takes_bf16_matrices_from_16_rows() -> None:
 def test_bias_leading_dims_and_empty_inputs() -> None:
     torch.manual_seed(1)
     x, w, b = torch.randn(4, 5, 48), torch.randn(24, 48).bfloat16(), torch.randn(24)
-    got = cpp_ops.linear_bf16(x, w, b)
+    got = linear_bf16(x, w, b)
     assert got.shape == (4, 5, 24) and got.dtype == torch.float32
     assert_bf16_close(got, bf16_product(x, w) + b)
-    assert cpp_ops.linear_bf16(torch.randn(0, 48), w).shape == (0, 24)
+    assert linear_bf16(torch.randn(0, 48), w).shape == (0, 24)
 
 
 def test_bf16_linear_checks_its_inputs() -> None:
@@ -81,9 +82,9 @@ def test_linear_multi_routes_each_weight_as_linear(M) -> None:
     x = torch.randn(M, 64)
     weights = [torch.randn(32, 64).bfloat16(), torch.randn(8, 64), torch.randn(4, 64).bfloat16()]
     biases = [None, torch.randn(8), torch.randn(4)]
-    ys = cpp_ops.linear_multi_bf16(x, weights, biases)
+    ys = cpp_ops.linear_multi(x, weights, biases, bf16_products=True)
     for y, w, b in zip(ys, weights, biases, strict=True):
-        assert torch.equal(y, cpp_ops.linear_bf16(x, w, b))
+        assert torch.equal(y, linear_bf16(x, w, b))
     exact = cpp_ops.linear_multi(x, weights, biases)
     assert all(torch.equal(a, b) for a, b in zip(ys, exact, strict=True)) == (M < 16)
 
@@ -97,13 +98,12 @@ def test_fused_moe_routes_the_router_and_shared_expert(T) -> None:
     E, k = 8, 2
     x = torch.randn(T, 128)
     weights = moe_weights(E, 128, 64, 48, torch.bfloat16)
-    got = cpp_fused.sparse_moe_bf16(x, *weights, k, True, unfused=None)
+    got = cpp_fused.sparse_moe(x, *weights, k, True, unfused=None, bf16_products=True)
     exact = cpp_fused.sparse_moe(x, *weights, k, True, unfused=None)
     if T < 16:
         assert torch.equal(got, exact)
         return
     assert not torch.equal(got, exact)
     experts = partial(fused_experts, routed=cpp_ops.routed_experts)
-    want = moe_step.sparse_moe(x, *weights, k, True, linear=cpp_ops.linear_bf16,
-                               fused_experts=experts)  # fmt: skip
+    want = moe_step.sparse_moe(x, *weights, k, True, linear=linear_bf16, fused_experts=experts)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

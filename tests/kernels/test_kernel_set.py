@@ -28,10 +28,21 @@ OPS = kernel_set.op_names()
 
 
 def functions(fn) -> list:
-    """`fn` and, for a composition, every sub-op it was given (recursively)."""
+    """`fn` and, for a composition, every sub-op it was given (recursively; a bound flag such
+    as `bf16_products=True` is no sub-op)."""
     if isinstance(fn, partial):
-        return [fn.func, *(g for sub in fn.keywords.values() for g in functions(sub))]
+        subs = [sub for sub in fn.keywords.values() if callable(sub)]
+        return [fn.func, *(g for sub in subs for g in functions(sub))]
     return [fn]
+
+
+def is_op(fn, op, route: bool, **more) -> bool:
+    """Whether a set's `fn` is `op`: `op` itself when it binds nothing, else a partial of `op`
+    binding exactly `more` and, with the bf16 route, `bf16_products=True`."""
+    keywords = {**more, "bf16_products": True} if route else more
+    if not keywords:
+        return fn is op
+    return isinstance(fn, partial) and fn.func is op and not fn.args and fn.keywords == keywords
 
 
 def modules(ops: KernelSet) -> set[str]:
@@ -66,7 +77,7 @@ def test_cpu_fp32_takes_the_cpp_kernels(monkeypatch, backend) -> None:
     monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
     ops = choose("cpu", torch.float32, KernelSettings(backend))
     assert ops.backend == "cpp" and ops.fused
-    assert ops.linear.__module__ == "kernels.cpp_ops"
+    assert functions(ops.linear)[0].__module__ == "kernels.cpp_ops"
     assert ops.gdn_decode.__module__ == "kernels.cpp_fused"
     assert ops.mamba2_decode.__module__ == ops.mamba2_verify.__module__ == "kernels.cpp_fused"
     assert not any(m.endswith("_triton") for m in modules(ops))
@@ -82,7 +93,7 @@ def test_fusions_off_composes_the_unfused_cpp_kernels(monkeypatch) -> None:
     assert ops.gdn_decode.keywords["recurrent"].__module__ == "kernels.cpp_ops"
     assert ops.fused_add_rmsnorm.func is rmsnorm.fused_add_rmsnorm
     assert ops.mamba2_decode.func.__module__ == "kernels.mamba2_step"
-    assert ops.linear.__module__ == "kernels.cpp_ops"
+    assert functions(ops.linear)[0].__module__ == "kernels.cpp_ops"
 
 
 def test_where_the_cpp_kernels_do_not_apply() -> None:
@@ -167,17 +178,34 @@ def test_bf16_products_by_cpu_features_and_setting(monkeypatch, setting, feature
     for fusions in (True, False):
         ops = choose("cpu", torch.float32, KernelSettings("cpp", fusions, bf16_products=setting))
         assert ops.bf16_products is route
-        assert ops.linear is (cpp_ops.linear_bf16 if route else cpp_ops.linear)
+        assert is_op(ops.linear, cpp_ops.linear, route)
         if fusions:
-            multi = cpp_ops.linear_multi_bf16 if route else cpp_ops.linear_multi
-            moe = cpp_fused.sparse_moe_bf16 if route else cpp_fused.sparse_moe
-            assert ops.linear_multi is multi and ops.sparse_moe.func is moe
-            assert ops.sparse_moe.keywords["unfused"].keywords["linear"] is ops.linear
+            unfused = ops.sparse_moe.keywords["unfused"]
+            assert is_op(ops.linear_multi, cpp_ops.linear_multi, route)
+            assert is_op(ops.sparse_moe, cpp_fused.sparse_moe, route, unfused=unfused)
+            assert unfused.keywords["linear"] is ops.linear
         else:
             assert ops.linear_multi.func is multi_linear.linear_multi
             assert ops.linear_multi.keywords["linear"] is ops.linear
             assert ops.sparse_moe.keywords["linear"] is ops.linear
-        assert ops.table().splitlines()[0].endswith(f"bf16 products {'on' if route else 'off'}")
+        table = ops.table()
+        assert table.splitlines()[0].endswith(f"bf16 products {'on' if route else 'off'}")
+        assert ("cpp_ops.linear(bf16_products=True)" in table) is route
         assert ops.info()["bf16_products"] is route
     torch_ops = choose("cpu", settings=KernelSettings("torch", bf16_products=setting))
     assert not torch_ops.bf16_products and torch_ops.linear.__module__ == "kernels.linear"
+
+
+def test_the_table_names_functions_and_the_values_partials_bind() -> None:
+    """`describe`, the table's column: a function as module.qualname, a partial as its function
+    and what it binds (nested partials likewise), a bound flag, size or name as name=value."""
+    from kernels import cpp_ops
+
+    describe = kernel_set.describe
+    assert describe(rmsnorm.rms_norm) == "rmsnorm.rms_norm"
+    assert describe(KernelSet.table) == "kernel_set.KernelSet.table"
+    routed = partial(multi_linear.linear_multi, linear=partial(cpp_ops.linear, bf16_products=True))
+    want = "multi_linear.linear_multi(linear=cpp_ops.linear(bf16_products=True))"
+    assert describe(routed) == want
+    bound = partial(rmsnorm.rms_norm, 8, eps=1e-6, mode="rows")
+    assert describe(bound) == "rmsnorm.rms_norm(8, eps=1e-06, mode='rows')"
