@@ -17,9 +17,8 @@ from models.loader import load_model
 from scheduler.graph_runner import DecodeGraphRunner
 from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
-PROMPTS = [[5, 17, 2, 30, 9], [44, 3], list(range(3, 40)), [7] * 11, [1], [9, 9, 4], [60] * 20,
-           [2, 8], [31, 5, 7], [12] * 6, [3, 1, 4, 1, 5], [26, 27]]  # fmt: skip
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
 
 
@@ -35,23 +34,6 @@ def dense_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("dense"), cfg, seed=4)
 
 
-def prefilled(
-    ckpt,
-    dtype: str,
-    quantization: str | None = None,
-    prompts: list[list[int]] = PROMPTS,
-    settings: KernelSettings | None = None,
-):
-    ops = None if settings is None else choose("cpu", settings=settings)
-    model = load_model(ckpt, dtype=dtype, quantization=quantization, ops=ops)
-    runner = ModelRunner(model, RunnerConfig(max_running_requests=len(prompts) + 1))
-    slots = [(runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])) for _ in prompts]
-    items = [ExtendInput(q, m, 0, p) for (q, m), p in zip(slots, prompts, strict=True)]
-    locs = [runner.alloc_kv(q, 0, len(p)) for (q, _), p in zip(slots, prompts, strict=True)]
-    first = runner.forward(runner.build_prefill(items, locs)).argmax(-1).tolist()
-    return runner, slots, first
-
-
 class Counting:
     """Stands in for a runner's plan: runs it, and records the rows of every batch it ran."""
 
@@ -64,11 +46,6 @@ class Counting:
     def __call__(self, batch) -> torch.Tensor:
         self.rows.append(batch.num_reqs)
         return self.plan(batch)
-
-
-def pools(runner: ModelRunner) -> list[torch.Tensor]:
-    m, kv = runner.mamba_pool, runner.kv_pool
-    return [m.conv_state, m.ssm_state, kv.k_all, kv.v_all]
 
 
 @pytest.mark.parametrize(
@@ -90,19 +67,8 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
     assert plain.plan is None and planned.plan is not None and planned.plan_rows == PLAN_ROWS
     assert 8 < PLAN_ROWS <= MAX_ROWS  # the GEMV's rows and the tiled GEMM's
     planned.plan = spy = Counting(planned.plan)
-    tokens, lens = list(first), [len(p) for p in PROMPTS]
-    for n in [1, 3, PLAN_ROWS, 2, len(PROMPTS), 9, 1, 5]:
-        out = []
-        for graphs in (plain, planned):
-            runner = graphs.runner
-            items = [DecodeInput(q, m, lens[i], tokens[i]) for i, (q, m) in enumerate(slots[:n])]
-            loc = torch.cat([runner.alloc_kv(q, lens[i], 1) for i, (q, _) in enumerate(slots[:n])])
-            out.append(graphs.forward(items, loc))
-        assert torch.equal(out[0], out[1]), n
-        for a, b in zip(pools(eager), pools(fast), strict=True):
-            assert torch.equal(a, b), n
-        tokens[:n] = out[0].argmax(-1).tolist()
-        lens[:n] = [k + 1 for k in lens[:n]]
+    sizes = [1, 3, PLAN_ROWS, 2, len(PROMPTS), 9, 1, 5]
+    assert_steps_alike(plain, planned, slots, first, PROMPTS, sizes)
     assert spy.rows == [1, 3, PLAN_ROWS, 2, 9, 1, 5]  # the 12-row step ran eagerly
 
 
@@ -179,19 +145,7 @@ def test_plan_takes_the_bf16_route_as_the_eager_step(request, layout):
     plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 8, 16, 24])
     assert planned.plan is not None and planned.plan_rows == len(many)
     planned.plan = spy = Counting(planned.plan)
-    tokens, lens = list(first), [len(p) for p in many]
-    for n in [len(many), 16, 15, 20]:
-        out = []
-        for graphs in (plain, planned):
-            runner = graphs.runner
-            items = [DecodeInput(q, m, lens[i], tokens[i]) for i, (q, m) in enumerate(slots[:n])]
-            loc = torch.cat([runner.alloc_kv(q, lens[i], 1) for i, (q, _) in enumerate(slots[:n])])
-            out.append(graphs.forward(items, loc))
-        assert torch.equal(out[0], out[1]), n
-        for a, b in zip(pools(eager), pools(fast), strict=True):
-            assert torch.equal(a, b), n
-        tokens[:n] = out[0].argmax(-1).tolist()
-        lens[:n] = [k + 1 for k in lens[:n]]
+    assert_steps_alike(plain, planned, slots, first, many, [len(many), 16, 15, 20])
     assert spy.rows == [len(many), 16, 15, 20]
 
 

@@ -12,11 +12,11 @@ from models import cpu_decode
 from models.cpu_decode import CpuDecodePlan, NemotronHDecodePlan
 from models.loader import load_model
 from scheduler.graph_runner import DecodeGraphRunner
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.models import plan_harness
+from tests.models.plan_harness import assert_steps_alike
 
-PROMPTS = [[5, 17, 2, 30, 9], [44, 3], list(range(3, 40)), [7] * 11, [1], [9, 9, 4], [60] * 20,
-           [2, 8], [31, 5, 7], [12] * 6]  # fmt: skip
+PROMPTS = plan_harness.PROMPTS[:10]
 PLAN_ROWS = 10  # beyond the GEMV's 8 rows
 
 
@@ -36,18 +36,7 @@ def variant_ckpt(tmp_path_factory):
 
 
 def prefilled(ckpt):
-    model = load_model(ckpt, dtype="float32")
-    runner = ModelRunner(model, RunnerConfig(max_running_requests=len(PROMPTS) + 1))
-    slots = [(runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])) for _ in PROMPTS]
-    items = [ExtendInput(q, m, 0, p) for (q, m), p in zip(slots, PROMPTS, strict=True)]
-    locs = [runner.alloc_kv(q, 0, len(p)) for (q, _), p in zip(slots, PROMPTS, strict=True)]
-    first = runner.forward(runner.build_prefill(items, locs)).argmax(-1).tolist()
-    return runner, slots, first
-
-
-def pools(runner: ModelRunner) -> list[torch.Tensor]:
-    m, kv = runner.mamba_pool, runner.kv_pool
-    return [m.conv_state, m.ssm_state, kv.k_all, kv.v_all]
+    return plan_harness.prefilled(ckpt, prompts=PROMPTS)
 
 
 @pytest.mark.parametrize("which", ["ckpt", "variant_ckpt"])
@@ -64,19 +53,7 @@ def test_plan_equals_eager_bit_for_bit(request, which):
     plain = DecodeGraphRunner(eager, [])  # no sizes: no plan, every batch eager
     planned = DecodeGraphRunner(fast, [1, 2, 4, 8, PLAN_ROWS])
     assert plain.plan is None and isinstance(planned.plan, NemotronHDecodePlan)
-    tokens, lens = list(first), [len(p) for p in PROMPTS]
-    for n in [1, 3, PLAN_ROWS, 2, 9, 1]:
-        out = []
-        for graphs in (plain, planned):
-            runner = graphs.runner
-            items = [DecodeInput(q, m, lens[i], tokens[i]) for i, (q, m) in enumerate(slots[:n])]
-            loc = torch.cat([runner.alloc_kv(q, lens[i], 1) for i, (q, _) in enumerate(slots[:n])])
-            out.append(graphs.forward(items, loc))
-        assert torch.equal(out[0], out[1]), n
-        for a, b in zip(pools(eager), pools(fast), strict=True):
-            assert torch.equal(a, b), n
-        tokens[:n] = out[0].argmax(-1).tolist()
-        lens[:n] = [k + 1 for k in lens[:n]]
+    assert_steps_alike(plain, planned, slots, first, PROMPTS, [1, 3, PLAN_ROWS, 2, 9, 1])
 
 
 def test_where_the_plan_does_not_apply(ckpt, kernels_mode):
