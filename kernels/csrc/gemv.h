@@ -20,38 +20,68 @@
 
 namespace hs {
 
-// y[m, n] = sum_k x[m, k] w[n, k] for M <= 8 rows of x, fp32 or bf16 weights: each weight row is
-// read once from memory and used for all M rows while it is in registers / L1. One FMA chain per
-// row of x, simd::kLanes wide (16 with AVX-512: half the uops, which bf16 rows need to reach the
-// memory's speed), except a lone row: it sums even and odd chunks in two chains, so its last bits
-// may differ from the same row's in a batch of 2-8 (as rows already differ between the GEMV and
-// the tiled GEMM), and between levels of another width.
+// Whether the vector GEMV reads x staged (`stage_pairs`) against weights of type W: bf16
+// weights are widened as pairs (simd.h's `load_w2`), so x is read in the same order.
+template <typename W>
+constexpr bool kStaged = simd::kVector && std::is_same_v<W, c10::BFloat16>;
+
+// x [M, K] -> out [M, K] in `load_w2`'s bf16 order: every whole chunk of 2 kLanes values of a
+// row as its even elements, then its odd ones; the values past the last whole chunk as they are.
+inline void stage_pairs(const float* x, int64_t M, int64_t K, float* out) {
+  constexpr int64_t L = simd::kLanes;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float* o = out + m * K;
+    int64_t k = 0;
+    for (; k + 2 * L <= K; k += 2 * L) {
+      for (int64_t i = 0; i < L; ++i) {
+        o[k + i] = xr[k + 2 * i];
+        o[k + L + i] = xr[k + 2 * i + 1];
+      }
+    }
+    std::copy(xr + k, xr + K, o + k);
+  }
+}
+
+// y[m, n] = sum_k x[m, k] w[n, k] for M <= kPassRows rows of x (staged where kStaged<W>), fp32
+// or bf16 weights: each weight row is loaded and widened once for all M rows, and the weights
+// kFetchAhead bytes on are fetched a line per step of the loop (a burst per row start,
+// `fetch_ahead`, left 4 rows' FMAs and the stream taking turns). Every row of x is summed by
+// the same operations whatever M: per chunk of 2 kLanes weights (`load_w2`), a `lo`
+// and a `hi` FMA chain; then one chain over a last chunk of kLanes; the two chains added lane by
+// lane and the lanes by `hsum`; then the rest of k in order. So a row's result does not depend
+// on how many rows share the pass (a verify row equals the same row decoded alone); its last
+// bits follow kLanes (levels of one width agree). At generic x86 the plain loop alone runs.
 template <typename W, int M>
 void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t n0,
                int64_t n1) {
+  static_assert(M >= 1 && M <= kPassRows);
   for (int64_t n = n0; n < n1; ++n) {
     const W* wr = w + n * row_stride<W>(K);
-    fetch_ahead(wr, K * int64_t(sizeof(W)));
     int64_t k = 0;
     float tail[M] = {};
     if constexpr (simd::kVector) {  // at generic x86 the plain loop below is the faster
       namespace v = simd;
-      constexpr int64_t L = v::kLanes;
-      v::vec acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = v::zero();
-      if constexpr (M == 1) {  // two chains: one FMA chain (4 cycles per vector) caps bf16 rows
-        v::vec odd = v::zero();
-        for (; k + 2 * L <= K; k += 2 * L) {
-          acc[0] = v::fma(v::load_w(wr + k), v::load(x + k), acc[0]);
-          odd = v::fma(v::load_w(wr + k + L), v::load(x + k + L), odd);
+      constexpr int64_t L = v::kLanes, step_bytes = 2 * L * int64_t(sizeof(W));
+      v::vec lo[M], hi[M];
+      for (int m = 0; m < M; ++m) lo[m] = hi[m] = v::zero();
+      for (; k + 2 * L <= K; k += 2 * L) {
+        const char* ahead = reinterpret_cast<const char*>(wr + k) + kFetchAhead;
+        for (int64_t b = 0; b < step_bytes; b += 64) simd::prefetch(ahead + b);
+        v::vec wl, wh;
+        v::load_w2(wr + k, wl, wh);
+        for (int m = 0; m < M; ++m) {
+          lo[m] = v::fma(wl, v::load(x + m * K + k), lo[m]);
+          hi[m] = v::fma(wh, v::load(x + m * K + k + L), hi[m]);
         }
-        acc[0] = v::add(acc[0], odd);
       }
       for (; k + L <= K; k += L) {
         const v::vec wv = v::load_w(wr + k);
-        for (int m = 0; m < M; ++m) acc[m] = v::fma(wv, v::load(x + m * K + k), acc[m]);
+        for (int m = 0; m < M; ++m) lo[m] = v::fma(wv, v::load(x + m * K + k), lo[m]);
       }
-      for (int m = 0; m < M; ++m) tail[m] = v::hsum(acc[m]);
+      for (int m = 0; m < M; ++m) tail[m] = v::hsum(v::add(lo[m], hi[m]));
+    } else {
+      fetch_ahead(wr, K * int64_t(sizeof(W)));
     }
     for (; k < K; ++k) {
       const float wk = load1(wr + k);
@@ -68,22 +98,20 @@ void gemv_dispatch(int64_t M, const float* x, const W* w, float* y, int64_t N, i
     case 1: return gemv_rows<W, 1>(x, w, y, N, K, n0, n1);
     case 2: return gemv_rows<W, 2>(x, w, y, N, K, n0, n1);
     case 3: return gemv_rows<W, 3>(x, w, y, N, K, n0, n1);
-    case 4: return gemv_rows<W, 4>(x, w, y, N, K, n0, n1);
-    case 5: return gemv_rows<W, 5>(x, w, y, N, K, n0, n1);
-    case 6: return gemv_rows<W, 6>(x, w, y, N, K, n0, n1);
-    case 7: return gemv_rows<W, 7>(x, w, y, N, K, n0, n1);
-    default: return gemv_rows<W, 8>(x, w, y, N, K, n0, n1);
+    default: return gemv_rows<W, 4>(x, w, y, N, K, n0, n1);
   }
 }
 
+// Weight rows [n0, n1) in blocks, each block against the rows of x kPassRows at a time; x staged
+// where kStaged<W>.
 template <typename W>
 void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, int64_t K,
                   int64_t n0, int64_t n1) {
   const int64_t nb = block_rows(K, sizeof(W));
   for (int64_t b0 = n0; b0 < n1; b0 += nb) {
     const int64_t b1 = std::min(n1, b0 + nb);
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      gemv_dispatch(std::min<int64_t>(8, M - m0), x + m0 * K, w, y + m0 * N, N, K, b0, b1);
+    for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
+      gemv_dispatch(std::min(kPassRows, M - m0), x + m0 * K, w, y + m0 * N, N, K, b0, b1);
     }
   }
 }
@@ -103,22 +131,30 @@ inline int64_t weight_bytes(c10::ScalarType dtype) { return c10::elementSize(dty
 // Every job's weight rows in blocks of about 16 KB (`skinny_range`'s), all blocks split between
 // the threads in one parallel region: a layer's several small matrices cost one fork/join, and
 // each thread streams one long run of memory. Each output element is computed exactly as by a
-// job alone (the same `gemv_rows`), whatever the batch of jobs. The activations of the jobs with
-// quantized weights are rounded to int8 first (`quantize_rows`), once per distinct x. Nested
-// inside another at::parallel_for it runs on the calling thread.
+// job alone (the same `gemv_rows`), whatever the batch of jobs. The activations are prepared
+// first, once per distinct x: rounded to int8 for the jobs with quantized weights
+// (`quantize_rows`), staged for those with bf16 weights (`stage_pairs`). Nested inside another
+// at::parallel_for it runs on the calling thread.
 inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
   std::vector<int64_t> first(n_jobs + 1, 0);  // job j holds blocks [first[j], first[j + 1])
   std::vector<QuantActs> acts;                 // the distinct rounded activations
-  std::vector<int64_t> act_of(n_jobs, -1);     // job j's entry in acts
+  std::vector<std::vector<float>> staged;      // the distinct staged activations
+  std::vector<int64_t> act_of(n_jobs, -1);     // job j's entry in acts or in staged
+  auto same_x = [&](int64_t i, int64_t j) {
+    return jobs[i].x == jobs[j].x && jobs[i].M == jobs[j].M && jobs[i].K == jobs[j].K;
+  };
   for (int64_t j = 0; j < n_jobs; ++j) {
     const GemvJob& g = jobs[j];
-    if (quantized(g.dtype) && g.M > 0) {
+    const bool q = quantized(g.dtype), s = kStaged<c10::BFloat16> && g.dtype == c10::kBFloat16;
+    if ((q || s) && g.M > 0) {
       for (int64_t i = 0; i < j && act_of[j] < 0; ++i)
-        if (act_of[i] >= 0 && jobs[i].x == g.x && jobs[i].M == g.M && jobs[i].K == g.K)
-          act_of[j] = act_of[i];
-      if (act_of[j] < 0) {
+        if (act_of[i] >= 0 && quantized(jobs[i].dtype) == q && same_x(i, j)) act_of[j] = act_of[i];
+      if (act_of[j] < 0 && q) {
         act_of[j] = static_cast<int64_t>(acts.size());
         quantize_rows(g.x, g.M, g.K, acts.emplace_back());
+      } else if (act_of[j] < 0) {
+        act_of[j] = static_cast<int64_t>(staged.size());
+        stage_pairs(g.x, g.M, g.K, staged.emplace_back(g.M * g.K).data());
       }
     }
     const int64_t nb = block_rows(g.K, weight_bytes(g.dtype));
@@ -136,6 +172,8 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
         using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
         if constexpr (std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>) {
           qskinny_range(g.M, acts[act_of[j]], w, g.y, g.N, n0, n1);
+        } else if constexpr (kStaged<W>) {
+          skinny_range(g.M, staged[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);
         } else {
           skinny_range(g.M, g.x, w, g.y, g.N, g.K, n0, n1);
         }

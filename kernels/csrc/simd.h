@@ -10,8 +10,11 @@
 // The vocabulary:
 // - `vec`: the widest fp32 register (kLanes = 16 with AVX-512, 8 with AVX2, 4 with NEON, 8
 //   scalar lanes at generic x86): zero, load, store, add, mul, fma, bcast, bcast_pair (two bf16
-//   widened exactly), load_w (kLanes fp32 or bf16 weights), hsum. `kVector` says whether it is a
-//   hardware register (a kernel may then prefer a plain loop, which the compiler vectorizes).
+//   widened exactly), load_w (kLanes fp32 or bf16 weights), load_w2 (2 kLanes weights in two
+//   registers: fp32 as they lie, the first kLanes then the next; bf16 as pairs, lo lane i =
+//   p[2i] and hi lane i = p[2i + 1], one load and two integer ops per 2 kLanes), hsum.
+//   `kVector` says whether it is a hardware register (a kernel may then prefer a plain loop,
+//   which the compiler vectorizes).
 // - `f8`: 8 fp32 lanes at every level (the integer products' accumulators, exp, the conv
 //   window): zero8, load8, store8, bcast8, add, sub, mul, div, fma, fnma, min, max, round_even,
 //   pow2i, hsum, exp (composed below from the others).
@@ -280,6 +283,14 @@ inline vec bcast(float x) { return ref::splat<float, kLanes>(x); }
 inline vec load_w(const float* p) { return load(p); }
 inline vec load_w(const c10::BFloat16* p) {
   return ref::map<float, kLanes>([&](int i) { return float(p[i]); });
+}
+inline void load_w2(const float* p, vec& lo, vec& hi) {
+  lo = load(p);
+  hi = load(p + kLanes);
+}
+inline void load_w2(const c10::BFloat16* p, vec& lo, vec& hi) {
+  lo = ref::map<float, kLanes>([&](int i) { return float(p[2 * i]); });
+  hi = ref::map<float, kLanes>([&](int i) { return float(p[2 * i + 1]); });
 }
 inline void bcast_pair(const void* p, vec& lo, vec& hi) {
   const auto* b = static_cast<const c10::BFloat16*>(p);

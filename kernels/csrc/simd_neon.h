@@ -137,6 +137,15 @@ inline vec load_w(const float* p) { return vld1q_f32(p); }
 inline vec load_w(const c10::BFloat16* p) {
   return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
 }
+inline void load_w2(const float* p, vec& lo, vec& hi) {
+  lo = vld1q_f32(p);
+  hi = vld1q_f32(p + 4);
+}
+inline void load_w2(const c10::BFloat16* p, vec& lo, vec& hi) {  // 4 pairs: p[2i] low half
+  const uint32x4_t pairs = vreinterpretq_u32_u16(vld1q_u16(reinterpret_cast<const uint16_t*>(p)));
+  lo = vreinterpretq_f32_u32(vshlq_n_u32(pairs, 16));
+  hi = vreinterpretq_f32_u32(vandq_u32(pairs, vdupq_n_u32(0xFFFF0000u)));
+}
 inline float hsum(vec v) { return hsum4(v); }
 inline vd zero_d() { return vdupq_n_f64(0.0); }
 inline vd load_d(const double* p) { return vld1q_f64(p); }

@@ -155,6 +155,15 @@ inline vec load_w(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline void load_w2(const float* p, vec& lo, vec& hi) {
+  lo = _mm512_loadu_ps(p);
+  hi = _mm512_loadu_ps(p + 16);
+}
+inline void load_w2(const c10::BFloat16* p, vec& lo, vec& hi) {  // 16 pairs: p[2i] low half
+  const __m512i pairs = _mm512_loadu_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
 inline float hsum(vec v) {  // halves first, then simd.h's 8-lane tree
   return hsum(f8{_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))});
 }
@@ -219,6 +228,15 @@ inline vec load_w(const float* p) { return _mm256_loadu_ps(p); }
 inline vec load_w(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void load_w2(const float* p, vec& lo, vec& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void load_w2(const c10::BFloat16* p, vec& lo, vec& hi) {  // 8 pairs: p[2i] low half
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
 }
 inline float hsum(vec v) { return hsum(f8{v}); }
 inline vd zero_d() { return _mm256_setzero_pd(); }

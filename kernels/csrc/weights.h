@@ -54,11 +54,12 @@ inline float load1<c10::BFloat16>(const c10::BFloat16* p) {
   return f;
 }
 
-// How far ahead of the weight row being summed the GEMV fetches (bytes). A thread streams its
-// rows back to back, but the hardware prefetchers keep too few lines in flight for one core to
-// reach the memory's speed; asking for the row 4 KB ahead as each row starts does (the best of
-// the distances tried, 1-8 KB). A prefetch never faults, so past the end of the matrix it only
-// costs a wasted line.
+// How far ahead of the weights being summed the GEMVs fetch (bytes). A thread streams its rows
+// back to back, but the hardware prefetchers keep too few lines in flight for one core to
+// reach the memory's speed; asking for the weights 4 KB ahead does (the best of the distances
+// tried, 1-8 KB): the integer GEMV asks for a row's worth as each row starts (`fetch_ahead`),
+// the fp32/bf16 one a line per step of its loop. A prefetch never faults, so past the end of
+// the matrix it only costs a wasted line.
 constexpr int64_t kFetchAhead = 4096;
 
 inline void fetch_ahead(const void* row, int64_t bytes) {
@@ -66,11 +67,16 @@ inline void fetch_ahead(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) simd::prefetch(p + b);
 }
 
-// Rows of x in blocks of 8 against a block of weight rows small enough to stay in L1/L2 (about
-// 16 KB), so each weight row comes from memory once for any M.
+// Rows of x, kPassRows at a time, against a block of weight rows small enough to stay in L1/L2
+// (about 16 KB), so each weight row comes from memory once for any M.
 inline int64_t block_rows(int64_t K, int64_t weight_bytes) {
   return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * weight_bytes));
 }
+
+// Rows of x per pass over a block of weight rows in the GEMV (gemv.h): each row takes two FMA
+// chains, so four rows keep eight independent chains in flight (enough to hide the FMA's latency)
+// within AVX2's 16 registers. More rows take further passes over the block, by then in L1/L2.
+constexpr int64_t kPassRows = 4;
 
 // fn(typed pointer) for the weight pointer `w` of dtype `dtype` (fp32, bf16, int8 or int4).
 template <typename F>

@@ -224,6 +224,31 @@ def test_linear_matches_f_linear(rows, K) -> None:
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
+def test_gemv_row_does_not_depend_on_its_batch(wdtype) -> None:
+    """The GEMV sums every row of x alike whatever the row count (gemv.h): a row's
+    result is bit-identical alone and among 2-8 rows at any position, so a speculative verify
+    row equals the same row decoded alone. K: whole chunks and block pairs only; an odd block
+    or group out; that and a short block and a scalar tail; a tail alone. Weight rows over
+    several blocks."""
+    from kernels.quant import quantize, round_activations, widen
+
+    torch.manual_seed(9)
+    for K in (2048, 96, 115, 5):
+        if wdtype == "int4" and K % 32:
+            continue
+        x, w = torch.randn(8, K), torch.randn(300, K)
+        w = quantize(w, wdtype) if wdtype.startswith("int") else w.to(getattr(torch, wdtype))
+        alone = torch.cat([torch.ops.hybrid_serve.skinny_linear(x[i : i + 1], w) for i in range(8)])
+        for M in range(2, 9):
+            for lo in range(0, 9 - M, 3):
+                part = torch.ops.hybrid_serve.skinny_linear(x[lo : lo + M].contiguous(), w)
+                assert torch.equal(part, alone[lo : lo + M]), (K, M, lo)
+        xr = round_activations(x) if wdtype.startswith("int") else x
+        want = F.linear(xr, widen(w, torch.float32))
+        torch.testing.assert_close(alone, want, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [4, 40, 100])  # GEMV, blocked GEMV, widened F.linear
 def test_linear_bf16_weights_accumulate_in_fp32(rows) -> None:
     from kernels.cpp_ops import linear

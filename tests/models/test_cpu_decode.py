@@ -178,6 +178,35 @@ def test_plan_verify_equals_the_eager_extend(request, layout):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_rows_equal_plain_decode_steps_bit_for_bit(dense_ckpt, dtype):
+    """A verify pass of 4 rows of one request through the plan gives each row the logits of the
+    plain decode step of the same token at the same position, bit for bit, with fp32 and bf16
+    matrices (no product's row depends on how many rows share the pass: gemv.h), so greedy
+    speculative decoding lands plain decoding's tokens even at near-ties."""
+    load = ("bfloat16", dtype) if dtype.startswith("int") else (dtype, None)
+    logits = []
+    for verify in (False, True):
+        runner, slots, first = prefilled(dense_ckpt, *load, prompts=PROMPTS[:1])
+        graphs = DecodeGraphRunner(runner, [1, 2, 4, 8])
+        (q, m), n = slots[0], len(PROMPTS[0])
+        tokens = [first[0], 10, 11, 12]
+        if verify:
+            steps = [int(s) for s in runner.mamba_pool.alloc(len(tokens) - 1)]
+            item = ExtendInput(q, m, n, tokens, step_slots=steps)
+            locs = [runner.alloc_kv(q, n, len(tokens))]
+            batch = runner.build_prefill([item], locs, return_all_logits=True, verify=True)
+            logits.append(graphs.verify(batch)[0])
+        else:
+            rows = []
+            for j, t in enumerate(tokens):
+                loc = runner.alloc_kv(q, n + j, 1)
+                rows.append(graphs.forward([DecodeInput(q, m, n + j, t)], loc))
+            logits.append(torch.cat(rows))
+    assert logits[0].shape[0] == 4
+    assert torch.equal(logits[1], logits[0])
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5"])
 def test_mtp_plan_equals_the_eager_head(tmp_path, preset):
     """The MTP head's plan (`CpuDecodePlan.for_mtp`): an extend pass of several rows per
