@@ -8,10 +8,13 @@
 // and int8 activations summed exactly in int32 lanes (simd.h's `dot`: AVX2 maddubs/madd, VNNI
 // vpdpbusd, NEON sdot, or the scalar body: the same integers), converted to fp32 and
 // multiplied by the block's activation scale (int4: times the group's weight scale) into 8
-// fp32 lanes with one fused multiply-add per block (1, 2 or 4 chains of blocks by row count),
-// the chains and lanes then summed in simd.h's fixed order; an int8 row's sum is then scaled by
-// its row scale. So the product equals the dequantized weights times the rounded activations
-// up to fp32 summation order, and is bit-identical at every ISA level. The tiled integer GEMM
+// fp32 lanes with one fused multiply-add per block, in two chains: even blocks and odd blocks,
+// a pair per step (`f8x2`: one 512-bit register at the AVX-512 levels); then the two chains
+// added, a last odd block, the lanes in simd.h's fixed order; an int8 row's sum is then scaled
+// by its row scale. Every row of activations is summed so whatever the row count (a verify
+// row equals the same row decoded alone). So the product equals the dequantized weights times
+// the rounded activations up to fp32 summation order, and is bit-identical at every ISA level
+// (`test_cpu_levels.py`). The tiled integer GEMM
 // past 8 rows (qgemm.h) rounds the activations the same way and sums the same integers and
 // scales block by block; the routed experts' GEMM (gemm.h) multiplies the rounded values
 // (`round_rows`) in fp32.
@@ -84,38 +87,34 @@ inline int32_t dot_tail(const A* w, const int8_t* a, int64_t n) {
   return s;
 }
 
-// Independent sums per row of x: one FMA chain per row would stall a lone row on the FMA's
-// latency (one block per 4-5 cycles), so 1 and 2 rows take 4 and 2 chains over alternate blocks.
+// acc[m] += the integer dots of the block pair `wv` (blocks b and b + 1) with row m's blocks,
+// times their scales s[m * ld + b] and s[m * ld + b + 1] (even blocks in the first f8, odd in
+// the second).
 template <int M>
-constexpr int kChains = M == 1 ? 4 : M == 2 ? 2 : 1;
-
-// acc[m][c] += (the integer dot of block b's weights `wv` with row m's block) * s[m * ld + b].
-template <int M>
-inline void block_step(simd::f8 (&acc)[M][kChains<M>], int c, simd::b32 wv, const int8_t* q,
-                       int64_t K, const float* s, int64_t ld, int64_t b) {
+inline void pair_step(simd::f8x2 (&acc)[M], simd::b32x2 wv, const int8_t* q, int64_t K,
+                      const float* s, int64_t ld, int64_t b) {
   for (int m = 0; m < M; ++m) {
-    const simd::i32x8 d = simd::dot(wv, simd::load32(q + m * K + b * kActBlock));
-    acc[m][c] = simd::fma(simd::to_float(d), simd::bcast8(s[m * ld + b]), acc[m][c]);
+    const simd::i32x8x2 d = simd::dot(wv, simd::load64(q + m * K + b * kActBlock));
+    acc[m] = simd::fma(simd::to_float(d), simd::bcast8x2(s + m * ld + b), acc[m]);
   }
 }
 
-// sum[m] = the sum of row m's chains, lane by lane, then across the lanes.
+// sum[m] = row m's two chains added, then (with `last`: the weights of whole block b, an odd
+// one out) that block's scaled dot, then the lanes.
 template <int M>
-inline void sum_chains(simd::f8 (&acc)[M][kChains<M>], float* sum) {
+inline void fold_rows(const simd::f8x2 (&acc)[M], const simd::b32* last, const int8_t* q,
+                      int64_t K, const float* s, int64_t ld, int64_t b, float* sum) {
   for (int m = 0; m < M; ++m) {
-    simd::f8 t = acc[m][0];
-    for (int c = 1; c < kChains<M>; ++c) t = simd::add(t, acc[m][c]);
+    simd::f8 t = simd::fold(acc[m]);
+    if (last != nullptr) {
+      const simd::i32x8 d = simd::dot(*last, simd::load32(q + m * K + b * kActBlock));
+      t = simd::fma(simd::to_float(d), simd::bcast8(s[m * ld + b]), t);
+    }
     sum[m] = simd::hsum(t);
   }
 }
 
-template <int M>
-inline void zero_chains(simd::f8 (&acc)[M][kChains<M>]) {
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < kChains<M>; ++c) acc[m][c] = simd::zero8();
-}
-
-// y[m, n] for rows [n0, n1) of int8 weights and M <= 8 rounded activation rows.
+// y[m, n] for rows [n0, n1) of int8 weights and M <= kPassRows rounded activation rows.
 template <int M>
 void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
@@ -125,16 +124,19 @@ void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, i
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wr = w + n * stride;
     fetch_ahead(wr, K);
-    float sum[M] = {};
+    simd::f8x2 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = simd::zero8x2();
     int64_t b = 0;
-    constexpr int C = kChains<M>;
-    simd::f8 acc[M][C];
-    zero_chains<M>(acc);
-    auto wblock = [&](int64_t i) { return simd::load32(wr + i * kActBlock); };
-    for (; b + C <= full; b += C)
-      for (int c = 0; c < C; ++c) block_step<M>(acc, c, wblock(b + c), q, K, d, B, b + c);
-    for (; b < full; ++b) block_step<M>(acc, 0, wblock(b), q, K, d, B, b);
-    sum_chains<M>(acc, sum);
+    for (; b + 2 <= full; b += 2)
+      pair_step<M>(acc, simd::load64(wr + b * kActBlock), q, K, d, B, b);
+    float sum[M];
+    if (b < full) {
+      const simd::b32 last = simd::load32(wr + b * kActBlock);
+      fold_rows<M>(acc, &last, q, K, d, B, b, sum);
+      ++b;
+    } else {
+      fold_rows<M>(acc, nullptr, q, K, d, B, b, sum);
+    }
     if (b < B) {  // a last block shorter than 32
       const int64_t k0 = b * kActBlock, len = K - k0;
       for (int m = 0; m < M; ++m)
@@ -145,7 +147,8 @@ void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, i
   }
 }
 
-// y[m, n] for rows [n0, n1) of int4 weights (groups of kQ4Group = kActBlock) and M <= 8 rows.
+// y[m, n] for rows [n0, n1) of int4 weights (groups of kQ4Group = kActBlock) and
+// M <= kPassRows rows.
 template <int M>
 void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
@@ -161,16 +164,19 @@ void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, 
     for (int64_t g = 0; g < G; ++g) scale[g] = load1(sc + g);  // vectorised by the compiler
     for (int m = 0; m < M; ++m)
       for (int64_t g = 0; g < G; ++g) sd[m * G + g] = scale[g] * d[m * G + g];
-    float sum[M] = {};
-    constexpr int C = kChains<M>;
-    simd::f8 acc[M][C];
-    zero_chains<M>(acc);
-    auto wblock = [&](int64_t g) { return simd::q4_unpack(wr + g * kQ4Group / 2); };
+    simd::f8x2 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = simd::zero8x2();
+    auto group = [&](int64_t g) { return simd::q4_unpack(wr + g * kQ4Group / 2); };
     int64_t g = 0;
-    for (; g + C <= G; g += C)
-      for (int c = 0; c < C; ++c) block_step<M>(acc, c, wblock(g + c), q, K, sd.data(), G, g + c);
-    for (; g < G; ++g) block_step<M>(acc, 0, wblock(g), q, K, sd.data(), G, g);
-    sum_chains<M>(acc, sum);
+    for (; g + 2 <= G; g += 2)
+      pair_step<M>(acc, simd::join(group(g), group(g + 1)), q, K, sd.data(), G, g);
+    float sum[M];
+    if (g < G) {
+      const simd::b32 last = group(g);
+      fold_rows<M>(acc, &last, q, K, sd.data(), G, g, sum);
+    } else {
+      fold_rows<M>(acc, nullptr, q, K, sd.data(), G, g, sum);
+    }
     for (int m = 0; m < M; ++m) y[m * N + n] = sum[m];
   }
 }
@@ -185,24 +191,21 @@ inline void qgemv_any(const QuantActs& xa, int64_t m0, const W* w, float* y, int
   }
 }
 
-// skinny_range (gemv.h) for quantized weights: rows [n0, n1) in blocks, rows of x in eights.
+// skinny_range (gemv.h) for quantized weights: rows [n0, n1) in blocks, rows of x kPassRows at
+// a time.
 template <typename W>
 void qskinny_range(int64_t M, const QuantActs& xa, const W* w, float* y, int64_t N, int64_t n0,
                    int64_t n1) {
   const int64_t nb = block_rows(xa.K, 1);
   for (int64_t b0 = n0; b0 < n1; b0 += nb) {
     const int64_t b1 = std::min(n1, b0 + nb);
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
       float* ym = y + m0 * N;
-      switch (std::min<int64_t>(8, M - m0)) {
+      switch (std::min(kPassRows, M - m0)) {
         case 1: qgemv_any<W, 1>(xa, m0, w, ym, N, b0, b1); break;
         case 2: qgemv_any<W, 2>(xa, m0, w, ym, N, b0, b1); break;
         case 3: qgemv_any<W, 3>(xa, m0, w, ym, N, b0, b1); break;
-        case 4: qgemv_any<W, 4>(xa, m0, w, ym, N, b0, b1); break;
-        case 5: qgemv_any<W, 5>(xa, m0, w, ym, N, b0, b1); break;
-        case 6: qgemv_any<W, 6>(xa, m0, w, ym, N, b0, b1); break;
-        case 7: qgemv_any<W, 7>(xa, m0, w, ym, N, b0, b1); break;
-        default: qgemv_any<W, 8>(xa, m0, w, ym, N, b0, b1);
+        default: qgemv_any<W, 4>(xa, m0, w, ym, N, b0, b1);
       }
     }
   }

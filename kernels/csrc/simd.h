@@ -21,6 +21,10 @@
 // - `b32` / `i32x8`: a block of 32 int8 values and 8 int32 lanes: load32, store32, q4_unpack
 //   (16 bytes of int4 nibbles, each - 8), q4_nibbles (the same nibbles as stored, 0..15), dot (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd,
 //   VNNI vpdpbusd, NEON sdot), to_float, widen; quantize32 (Q8_0's rounding of 32 activations).
+// - `f8x2` / `i32x8x2` / `b32x2`: two of f8 / i32x8 / b32 (two blocks of 32 int8 values side by
+//   side): one 512-bit register at the AVX-512 levels, else a pair composed from the entries
+//   above (which are their reference): zero8x2, load64, join (two b32), dot, to_float, fma,
+//   bcast8x2 (s[0] into the first 8 lanes, s[1] into the next), fold (the two f8 added).
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
 //   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
@@ -317,6 +321,26 @@ inline bvec bcast4(const int8_t* p) { return ref::bcast4<kLanes>(p); }
 #endif
 
 namespace hs::simd {
+
+#if !defined(HS_AVX512)  // (simd_x86.h has them in one register)
+struct f8x2 {
+  f8 lo, hi;
+};
+struct i32x8x2 {
+  i32x8 lo, hi;
+};
+struct b32x2 {
+  b32 lo, hi;
+};
+inline f8x2 zero8x2() { return {zero8(), zero8()}; }
+inline b32x2 load64(const int8_t* p) { return {load32(p), load32(p + 32)}; }
+inline b32x2 join(b32 lo, b32 hi) { return {lo, hi}; }
+inline i32x8x2 dot(b32x2 w, b32x2 a) { return {dot(w.lo, a.lo), dot(w.hi, a.hi)}; }
+inline f8x2 to_float(i32x8x2 a) { return {to_float(a.lo), to_float(a.hi)}; }
+inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {fma(a.lo, b.lo, c.lo), fma(a.hi, b.hi, c.hi)}; }
+inline f8x2 bcast8x2(const float* s) { return {bcast8(s[0]), bcast8(s[1])}; }
+inline f8 fold(f8x2 a) { return add(a.lo, a.hi); }
+#endif
 
 // a * b + c in one rounding where the level has an FMA instruction (every vector level), two at
 // generic x86: what GCC makes of `y += a * b` at each level, for a plain loop that must round as

@@ -205,6 +205,35 @@ inline ivec dot_acc(ivec acc, bvec w, bvec a) {  // |w| times a with w's signs
   return {dpbusd(acc.v, _mm512_abs_epi8(w.v), a_signed)};
 }
 inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return {dpbusd(acc.v, u.v, s.v)}; }
+
+// ---- f8x2, i32x8x2, b32x2: two blocks in one 512-bit register ----
+struct f8x2 {
+  __m512 v;
+};
+struct i32x8x2 {
+  __m512i v;
+};
+struct b32x2 {
+  __m512i v;
+};
+inline f8x2 zero8x2() { return {_mm512_setzero_ps()}; }
+inline b32x2 load64(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline b32x2 join(b32 lo, b32 hi) {
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(lo.v), hi.v, 1)};
+}
+inline i32x8x2 dot(b32x2 w, b32x2 a) {  // |w| times a with w's signs
+  const __mmask64 neg = _mm512_movepi8_mask(w.v);
+  const __m512i a_signed = _mm512_mask_sub_epi8(a.v, neg, _mm512_setzero_si512(), a.v);
+  return {dpbusd(_mm512_setzero_si512(), _mm512_abs_epi8(w.v), a_signed)};
+}
+inline f8x2 to_float(i32x8x2 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline f8x2 bcast8x2(const float* s) {
+  return {_mm512_insertf32x8(_mm512_set1_ps(s[0]), _mm256_set1_ps(s[1]), 1)};
+}
+inline f8 fold(f8x2 a) {
+  return {_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1))};
+}
 #else
 constexpr int kLanes = 8;
 constexpr int kLanesD = 4;

@@ -73,8 +73,8 @@ inline int64_t block_rows(int64_t K, int64_t weight_bytes) {
   return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * weight_bytes));
 }
 
-// Rows of x per pass over a block of weight rows in the GEMV (gemv.h): each row takes two FMA
-// chains, so four rows keep eight independent chains in flight (enough to hide the FMA's latency)
+// Rows of x per pass over a block of weight rows, in both GEMVs: each row takes two FMA chains,
+// so four rows keep eight independent chains in flight (enough to hide the FMA's latency)
 // within AVX2's 16 registers. More rows take further passes over the block, by then in L1/L2.
 constexpr int64_t kPassRows = 4;
 

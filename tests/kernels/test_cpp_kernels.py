@@ -224,9 +224,9 @@ def test_linear_matches_f_linear(rows, K) -> None:
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8", "int4"])
 def test_gemv_row_does_not_depend_on_its_batch(wdtype) -> None:
-    """The GEMV sums every row of x alike whatever the row count (gemv.h): a row's
+    """The GEMVs sum every row of x alike whatever the row count (gemv.h, qgemv.h): a row's
     result is bit-identical alone and among 2-8 rows at any position, so a speculative verify
     row equals the same row decoded alone. K: whole chunks and block pairs only; an odd block
     or group out; that and a short block and a scalar tail; a tail alone. Weight rows over

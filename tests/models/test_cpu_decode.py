@@ -178,12 +178,12 @@ def test_plan_verify_equals_the_eager_extend(request, layout):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_verify_rows_equal_plain_decode_steps_bit_for_bit(dense_ckpt, dtype):
     """A verify pass of 4 rows of one request through the plan gives each row the logits of the
-    plain decode step of the same token at the same position, bit for bit, with fp32 and bf16
-    matrices (no product's row depends on how many rows share the pass: gemv.h), so greedy
-    speculative decoding lands plain decoding's tokens even at near-ties."""
+    plain decode step of the same token at the same position, bit for bit, with fp32, bf16,
+    int8 and int4 matrices (no product's row depends on how many rows share the pass: gemv.h,
+    qgemv.h), so greedy speculative decoding lands plain decoding's tokens even at near-ties."""
     load = ("bfloat16", dtype) if dtype.startswith("int") else (dtype, None)
     logits = []
     for verify in (False, True):
