@@ -1,0 +1,169 @@
+"""What a speculative verify pass costs beside a plain decode step on the CPU decode plan, and
+where the difference goes.
+
+One request with a context of `--context-len` random tokens, prefilled once; every timed pass
+starts from exactly that state. Timed alternately, medians of `--repeats`:
+
+- `step`: a plain decode step, 1 row (`CpuDecodePlan.__call__`);
+- `verify`: a verify pass of `--rows` rows (`CpuDecodePlan.verify`, the GDN layers keeping the
+  state after each row but the last, as `scheduler.spec.worker` runs it);
+- the products alone at 1 row and at `--rows` rows: the plan's product calls on the model's own
+  weights with random activations, grouped as the plan groups them (each layer's input
+  projections in one call, its output projection, a dense MLP's gate and up in one call, its
+  down projection; the LM head). A sparse-MoE layer's products count in the rest.
+
+The rest (GDN and conv updates, attention, norms, the embedding) is each pass less its
+products. Batches are built off the clock. Same-run ratios are the figures: the speed of a
+shared VM drifts between runs.
+
+Example:
+  python -m benchmarks.verify_cost --model-path /work/q2b/qwen3.5-2b --dtype bfloat16 --threads 1
+"""
+
+from __future__ import annotations
+
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import logging
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from kernels.quant import in_features
+from models.cpu_decode import CpuDecodePlan, layer_args
+from scheduler.build import load_runner_model
+from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+
+logger = logging.getLogger("benchmarks.verify_cost")
+
+
+def product_calls(model) -> list[tuple[str, list[torch.Tensor]]]:
+    """(group, weights) of every product call of a decode pass, in the plan's grouping."""
+    calls = []
+    for layer in model.model.layers:
+        t, ints, _ = layer_args(layer)
+        attention, top_k = bool(ints[0]), ints[3]
+        mlp = 7 if top_k else 3
+        in_projs = t[3 + mlp : 3 + mlp + (3 if attention else 2)]
+        calls += [("attention in" if attention else "GDN in", in_projs), ("out proj", [t[2]])]
+        if not top_k:
+            calls += [("MLP gate+up", t[3:5]), ("MLP down", [t[5]])]
+    return [*calls, ("LM head", [model.lm_head.weight])]
+
+
+def time_products(calls, rows: int, bf16_products: bool) -> dict[str, float]:
+    """Seconds per group of one pass of `calls` at `rows` rows."""
+    out: dict[str, float] = defaultdict(float)
+    for name, weights in calls:
+        x = torch.randn(rows, in_features(weights[0]))
+        start = time.perf_counter()
+        torch.ops.hybrid_serve.linear_multi(x, weights, bf16_products)
+        out[name] += time.perf_counter() - start
+    return out
+
+
+def passes(runner: ModelRunner, plan: CpuDecodePlan, ctx: int, rows: int, seed: int):
+    """(step, verify): callables that each restore the prefilled state off the clock and return
+    the seconds of one pass."""
+    vocab = runner.model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    req = runner.req_pool.alloc(1)[0]
+    live, snap, *steps = (int(s) for s in runner.mamba_pool.alloc(rows + 1))
+    prompt = torch.randint(vocab, (ctx,), generator=gen).tolist()
+    runner.forward(runner.build_prefill([ExtendInput(req, live, 0, prompt)],
+                                        [runner.alloc_kv(req, 0, ctx)]))  # fmt: skip
+    runner.mamba_pool.copy([live], [snap])
+    locs = runner.alloc_kv(req, ctx, rows)
+    ids = torch.randint(vocab, (rows,), generator=gen).tolist()
+    plain = runner.build_decode([DecodeInput(req, live, ctx, ids[0])], locs[:1])
+    item = ExtendInput(req, live, ctx, ids, step_slots=steps)
+    verify = runner.build_prefill([item], [locs], return_all_logits=True, verify=True)
+
+    def timed(fn: Callable[[], object]) -> Callable[[], float]:
+        def run() -> float:
+            runner.mamba_pool.copy([snap], [live])
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+
+        return run
+
+    return timed(lambda: plan(plain)), timed(lambda: plan.verify(verify))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    p.add_argument("--rows", type=int, default=4, help="verify rows (1 + drafts)")
+    p.add_argument("--context-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    ctx, rows = args.context_len, args.rows
+    cfg = RunnerConfig(
+        max_running_requests=2,
+        max_total_tokens=ctx + rows + 64,
+        max_context_len=ctx + rows + 1,
+        mamba_cache_size=rows + 3,
+        dtype=args.dtype,
+        quantization=args.quantization,
+    )
+    runner = ModelRunner(load_runner_model(args.model_path, cfg), cfg)
+    model = runner.model
+    plan = CpuDecodePlan.build(model, runner.kv_pool, runner.mamba_pool,
+                               runner.req_pool.req_to_token)  # fmt: skip
+    if not isinstance(plan, CpuDecodePlan):
+        p.error("no Qwen3-Next/Qwen3.5 CPU decode plan for this model")
+    calls = product_calls(model)
+    load = [os.getloadavg()[0]]
+    t: dict[str, list[float]] = defaultdict(list)
+    with torch.inference_mode():
+        step, verify = passes(runner, plan, ctx, rows, seed=0)
+        for rep in range(args.repeats + 1):  # the first round warms up
+            got = {"step": step(), "verify": verify()}
+            for r in (1, rows):
+                parts = time_products(calls, r, model.ops.bf16_products)
+                got |= {f"{name} @{r}": s for name, s in parts.items()}
+                got[f"products @{r}"] = sum(parts.values())
+            if rep:
+                for k, v in got.items():
+                    t[k].append(v)
+            logger.info("round %d: step %.1f ms, verify %.1f ms", rep, 1e3 * got["step"],
+                        1e3 * got["verify"])  # fmt: skip
+    load.append(os.getloadavg()[0])
+    med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+    weight_gb = sum(w.nbytes for _, ws in calls for w in ws) / 1e9
+    quant = f", {args.quantization} matrices" if args.quantization else ""
+    print(f"\n{Path(args.model_path).name}: {args.dtype}{quant}, {args.threads} threads, context "
+          f"{ctx}, {rows}-row verify, {args.repeats} repeats, load average {load[0]:.1f} -> "
+          f"{load[1]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
+    print(f"product weights {weight_gb:.2f} GB: {weight_gb / med['products @1'] * 1e3:.1f} GB/s "
+          f"at 1 row")  # fmt: skip
+    print(f"\n| ms (median) | 1 row | {rows} rows | ratio |\n|---|---|---|---|")
+    row = lambda name, a, b: print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")  # noqa: E731
+    row("pass (step / verify)", med["step"], med["verify"])
+    row("products", med["products @1"], med[f"products @{rows}"])
+    for name in dict.fromkeys(n for n, _ in calls):
+        row(f"- {name}", med[f"{name} @1"], med[f"{name} @{rows}"])
+    row("the rest", med["step"] - med["products @1"],
+        med["verify"] - med[f"products @{rows}"])  # fmt: skip
+    extra = med["verify"] - med["step"]
+    products = med[f"products @{rows}"] - med["products @1"]
+    print(f"\nverify - step: {extra:.1f} ms, of which products {products:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
