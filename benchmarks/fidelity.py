@@ -14,6 +14,12 @@ exactly `--max-new-tokens` output tokens. Reported per mode (`--modes`):
 - per-token KL(p_fp32 || p_mode) and top-1 agreement, teacher-forced on fp32's own output: one
   prefill of prompt + fp32 output through each model's runner, logits at every output position.
 
+Beside them, `float32_margins`: the margins those figures were measured at, fp32's top-1
+probability and top-1 minus top-2 gaps at the same positions (`benchmarks.margins.margin_stats`;
+`benchmarks.margins` measures them on held-out text instead of the model's own output), and per
+mode the top-1 agreement split by fp32's logit gap there (near-ties under 0.1, 0.1-1, 1 and
+over: `benchmarks.margins.agreement_by_gap`).
+
 SGLang's bar for its own kernels is a mean KL under 0.002. On random-weight presets logit
 margins are small and every rounding is amplified through the layers, so these figures
 overstate what a trained model loses.
@@ -40,6 +46,7 @@ import time
 import torch
 
 from benchmarks.gsm8k_data import build_prompts, load_split
+from benchmarks.margins import agreement_by_gap, logit_gaps, margin_stats
 from benchmarks.model_forward import resolve_model_path
 from kernels import cpu_levels
 from kernels.settings import BF16_PRODUCTS_ENV
@@ -142,17 +149,19 @@ def main(argv: list[str] | None = None) -> None:
             )
             for prompt, out in zip(prompts, outputs["float32"], strict=True)
         ]  # the logits that predict each of fp32's output tokens
+        report["float32_margins"] = margin_stats(torch.cat(refs))
         for mode in modes:
             first_diff = [
                 next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n_out)
                 for a, b in zip(outputs["float32"], outputs[mode], strict=True)
             ]
-            kls, top1 = [], []
+            kls, top1, gaps = [], [], []
             for prompt, out, ref in zip(prompts, outputs["float32"], refs, strict=True):
                 ids = prompt + out[:-1]
                 got = all_logits(engines[mode].runner, ids)[len(prompt) - 1 :].log_softmax(-1)
                 kls += (ref.exp() * (ref - got)).sum(-1).tolist()
                 top1 += (ref.argmax(-1) == got.argmax(-1)).tolist()
+                gaps.append(logit_gaps(ref))
             report[mode] = {
                 "bf16_products": engines[mode].runner.model.ops.bf16_products,
                 "greedy_identical": sum(f == n_out for f in first_diff) / len(first_diff),
@@ -162,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
                 "kl_median": statistics.median(kls),
                 "kl_p99": sorted(kls)[int(0.99 * (len(kls) - 1))],
                 "top1_agreement": sum(top1) / len(top1),
+                "top1_agreement_by_fp32_logit_gap": agreement_by_gap(
+                    torch.cat(gaps), torch.tensor(top1)
+                ),
             }
     print(json.dumps(report, indent=2))
     if args.json_out:

@@ -1,8 +1,10 @@
 """Speculative decoding (NEXTN, the MTP head) against plain decoding, on one engine pair.
 
 Workload: waves of C requests submitted at once, each a prompt of `--prompt-len` random token ids
-and exactly `--output-len` greedy new tokens; output throughput = C * output_len / wall time of
-the wave (prefill included). Rows, interleaved in every repeat (medians of `--repeats`):
+(`--dataset gsm8k`: a GSM8K test question as "Question: ...\nAnswer:", a different one for every
+request of every wave, for a checkpoint trained on such text) and exactly `--output-len` greedy
+new tokens; output throughput = C * output_len / wall time of the wave (prefill included). Rows,
+interleaved in every repeat (medians of `--repeats`):
 
 - `plain`: no speculation;
 - `head`: NEXTN with the checkpoint's own head (its accept length is whatever the head earns: a
@@ -51,6 +53,18 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def _gsm8k_prompts(model_path: str, data_path: str, n: int) -> list[list[int]]:
+    """The first `n` GSM8K test questions as "Question: ...\nAnswer:" token ids."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.gsm8k_data import load_split
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rows = load_split(data_path, "test")[:n]
+    texts = [f"Question: {r['question']}\nAnswer:" for r in rows]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
 
 
 def override_drafts(worker: SpecWorker, fn: Callable[[Req, list[int]], list[int]] | None) -> None:
@@ -117,7 +131,9 @@ def main() -> None:
         help="--speculative-disable-by-batch-size (0 here: speculate at every size)",
     )  # fmt: skip
     ap.add_argument("--accept", default="head,0,0.3,0.6", help="rows: head and/or p values")
-    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--dataset", choices=("random", "gsm8k"), default="random")
+    ap.add_argument("--data-path", default="/work/shared/data/gsm8k", help="--dataset gsm8k")
+    ap.add_argument("--prompt-len", type=int, default=32, help="--dataset random")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -132,6 +148,11 @@ def main() -> None:
         config = {**preset_config(args.preset), "mtp_num_hidden_layers": 1}
         args.model_path = str(write_checkpoint(out, config, seed=0))
     conc = [int(c) for c in args.concurrency.split(",")]
+    waves: dict[tuple[int, int], list[list[int]]] = {}  # (repeat, C) -> its prompts
+    if args.dataset == "gsm8k":
+        texts = iter(_gsm8k_prompts(args.model_path, args.data_path, args.repeats * sum(conc)))
+        waves = {(r, c): [next(texts) for _ in range(c)] for r in range(args.repeats) for c in conc}
+        args.prompt_len = max(len(p) for w in waves.values() for p in w)
     common = dict(
         max_running_requests=max(conc),
         max_total_tokens=max(conc) * (args.prompt_len + args.output_len + args.steps + 8),
@@ -156,7 +177,7 @@ def main() -> None:
     shared: dict[str, list[float]] = {}  # the draft policy's estimate for fresh requests
     for rep in range(args.repeats):  # interleaved so that noise hits every row alike
         for c in conc:
-            prompts = _prompts(c, args.prompt_len, vocab, rep)
+            prompts = waves.get((rep, c)) or _prompts(c, args.prompt_len, vocab, rep)
             tps, expected, _ = wave(plain, prompts, args.output_len)
             results.setdefault(f"plain c={c}", []).append(tps)
             known = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}

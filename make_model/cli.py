@@ -73,6 +73,10 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         raise ValueError("--fit-steps / --fit-prompts / --fit-time-limit need --fit-mtp")
     if args.fit_mtp and args.config_only:
         raise ValueError("--fit-mtp fits the head's weights: --config-only writes none")
+    if not args.train_text and (args.train_minutes is not None or args.train_steps is not None):
+        raise ValueError("--train-minutes / --train-steps need --train-text")
+    if args.train_minutes is None and args.train_steps is None:
+        args.train_minutes = 5.0
     if args.train_text and (args.config_only or args.fp8 or args.multimodal):
         raise ValueError("--train-text trains a plain float checkpoint: drop "
                          "--config-only / --fp8 / --multimodal")  # fmt: skip
@@ -104,14 +108,30 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     if args.train_text:
         from make_model.train_text import train_checkpoint
 
-        r = train_checkpoint(out, args.train_text, args.train_minutes, seed=args.seed)
+        r = train_checkpoint(
+            out,
+            args.train_text,
+            args.train_minutes,
+            seq_len=args.train_seq_len,
+            batch_size=args.train_batch,
+            lr=args.train_lr,
+            seed=args.seed,
+            steps=args.train_steps,
+            precision=args.train_precision,
+        )
+        phases = ", ".join(f"{k} {v:.0f}s" for k, v in r.phases.items())
         logger.info(
-            "trained %s on %s: %d steps, %d tokens, loss %.3f -> %.3f, %.0fs",
+            "trained %s on %s: %d steps, %d tokens, loss %.3f -> %.3f, %.0fs (%s; %s forward)",
             out, args.train_text, r.steps, r.tokens, r.loss_first, r.loss_last, r.seconds,
+            phases, r.precision,
         )  # fmt: skip
     if args.fit_mtp:
         from make_model.mtp_fitting import fit_checkpoint
 
+        if args.train_text:  # prompts from the text the model learnt
+            from make_model.train_text import tokenize_text
+
+            fit_options["text"] = tokenize_text(out, args.train_text)
         result = fit_checkpoint(out, seed=args.seed, **fit_options)
         logger.info(
             "fitted the MTP head of %s: accept rate %.3f -> %.3f on held-out prompts "
@@ -164,11 +184,34 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
         "--train-text",
         default=None,
         help="train the written model on this text before anything else (GSM8K .jsonl or plain "
-        "text; transformers' model class, AdamW, fp32) so its predictions have real margins "
-        "(make_model/train_text.py); with --fit-mtp the head is fitted to the trained model",
+        "text; transformers' model class, AdamW on fp32 weights) so its predictions have real "
+        "margins (make_model/train_text.py); with --fit-mtp the head is fitted to the trained "
+        "model on prompts cut from the same text",
     )
     mk.add_argument(
-        "--train-minutes", type=float, default=5.0, help="--train-text: wall-clock budget"
+        "--train-minutes",
+        type=float,
+        default=None,
+        help="--train-text: wall-clock budget (default 5, or none with --train-steps)",
+    )
+    mk.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        help="--train-text: stop after this many steps (with --train-minutes: whichever first)",
+    )
+    mk.add_argument("--train-batch", type=int, default=4, help="--train-text: windows per step")
+    mk.add_argument(
+        "--train-seq-len", type=int, default=256, help="--train-text: tokens per window"
+    )
+    mk.add_argument("--train-lr", type=float, default=2e-3, help="--train-text: peak learning rate")
+    mk.add_argument(
+        "--train-precision",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="--train-text: the forward's arithmetic; bfloat16 runs it under CPU autocast "
+        "(fp32 master weights and optimizer); auto: bfloat16 where the CPU has avx512_bf16 or "
+        "AMX, else float32",
     )
     mk.add_argument(
         "--fit-prompts",

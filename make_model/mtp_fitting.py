@@ -1,9 +1,10 @@
 """`make-model --fit-mtp`: fit a written checkpoint's MTP head to its own main model.
 
 1. Load the checkpoint with its head (fp32) and a `ModelRunner` around it.
-2. Random prompts (ids past the special tokens), greedy continuations by the main model: one
-   extend batch for the prompts, then decode batches, a chunk of sequences at a time; every
-   position's final normed hidden state and argmax are kept (`make_model.mtp_fit.FitData`).
+2. Prompts (random ids past the special tokens, or windows of a text's token ids for a model
+   trained on text), greedy continuations by the main model: one extend batch for the
+   prompts, then decode batches, a chunk of sequences at a time; every position's final
+   normed hidden state and argmax are kept (`make_model.mtp_fit.FitData`).
 3. Fit the head on the first `prompts` sequences, measure the accept rate on the held-out rest
    before and after (`make_model.mtp_fit.fit`), and rewrite the checkpoint's `mtp.*` tensors
    (`make_model.mtp_fit.write_head`).
@@ -78,6 +79,15 @@ def _greedy_chunk(runner: ModelRunner, prompts: torch.Tensor, new_tokens: int) -
     return FitData(tokens, hidden, greedy, P)
 
 
+def text_prompts(ids: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
+    """[n, length] windows of the 1-D token ids `ids` at seeded uniform random starts."""
+    if ids.numel() < length:
+        raise ValueError(f"{ids.numel()} tokens of text, fewer than a prompt of {length}")
+    gen = torch.Generator().manual_seed(seed)
+    at = torch.randint(0, ids.numel() - length + 1, (n,), generator=gen)
+    return torch.stack([ids[a : a + length] for a in at.tolist()])
+
+
 def greedy_data(
     model: Qwen3NextForCausalLM,
     sequences: int,
@@ -85,9 +95,11 @@ def greedy_data(
     new_tokens: int,
     seed: int = 0,
     chunk: int = 16,
+    text: torch.Tensor | None = None,
 ) -> FitData:
-    """`sequences` random prompts of `prompt_len` tokens, each continued greedily by `new_tokens`
-    tokens, `chunk` sequences per batch."""
+    """`sequences` prompts of `prompt_len` tokens (random ids, or windows of the token ids
+    `text`: `text_prompts`), each continued greedily by `new_tokens` tokens, `chunk` sequences
+    per batch."""
     L = prompt_len + new_tokens
     runner = ModelRunner(
         model,
@@ -98,7 +110,10 @@ def greedy_data(
             dtype="float32",
         ),
     )
-    prompts = random_prompts(model.config.vocab_size, sequences, prompt_len, seed)
+    if text is None:
+        prompts = random_prompts(model.config.vocab_size, sequences, prompt_len, seed)
+    else:
+        prompts = text_prompts(text, sequences, prompt_len, seed)
     parts = [
         _greedy_chunk(runner, prompts[i : i + chunk], new_tokens)
         for i in tqdm(
@@ -120,9 +135,12 @@ def fit_checkpoint(
     new_tokens: int = 64,
     seed: int = 0,
     time_limit: float | None = None,
+    text: torch.Tensor | None = None,
 ) -> FitResult:
     """Fit the MTP head of the checkpoint at `path` (which must have one) on `prompts` greedy
-    sequences, measure it on `held_out` more, and write it back (module docstring)."""
+    sequences, measure it on `held_out` more, and write it back (module docstring). `text`:
+    1-D token ids to cut the prompts from (a model trained on text is asked about text), else
+    random ids."""
     if steps < 0 or prompts < 1 or held_out < 1 or prompt_len < 1 or new_tokens < 2:
         raise ValueError(
             "fitting the MTP head needs --fit-steps >= 0, --fit-prompts >= 1 (and held-out "
@@ -130,7 +148,7 @@ def fit_checkpoint(
         )
     start = time.perf_counter()
     model = load_model(path, "float32", mtp=True)
-    data = greedy_data(model, prompts + held_out, prompt_len, new_tokens, seed)
+    data = greedy_data(model, prompts + held_out, prompt_len, new_tokens, seed, text=text)
     logger.info(
         "MTP fit: %d greedy sequences of %d + %d tokens in %.1fs",
         prompts + held_out, prompt_len, new_tokens, time.perf_counter() - start,
