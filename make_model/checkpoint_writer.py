@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from make_model import fp8_writer, mamba2_hybrid_preset, nemotron_h_preset, olmo_hybrid_preset
 from make_model.chat_templates import TEMPLATES, template_name, tokens_for
@@ -27,6 +26,7 @@ from make_model.tensor_specs import (
     validate,
 )
 from make_model.tokenizer_builder import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer_files
+from make_model.weights_file import save_weights
 
 logger = logging.getLogger(__name__)
 
@@ -168,13 +168,13 @@ def write_checkpoint(
     _clear_weights(out)
     meta = {"format": "pt"}
     if max_shard_bytes is None:
-        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+        save_weights(tensors, out / "model.safetensors", meta)
     else:
         groups = _shards(tensors, max_shard_bytes)
         weight_map: dict[str, str] = {}
         for k, keys in enumerate(groups, start=1):
             name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-            save_file({key: tensors[key] for key in keys}, str(out / name), metadata=meta)
+            save_weights({key: tensors[key] for key in keys}, out / name, meta)
             weight_map.update(dict.fromkeys(keys, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from make_model.weights_file import save_weights
 from models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config, dequantize, module_of, scale_name
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
@@ -142,7 +142,7 @@ def write_dequantized(
                         t = dequantize(t, g.get_tensor(scale), block).to(dtype)
                 out[name] = t
                 kept[name] = file.name
-        save_file(out, str(dst / file.name), metadata={"format": "pt"})
+        save_weights(out, dst / file.name, {"format": "pt"})
 
     for item in src.iterdir():
         if item.is_file() and item.suffix != ".safetensors" and item.name != "config.json":

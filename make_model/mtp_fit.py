@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
 from kernels.attn_step import apply_rope
 from make_model.fp8_writer import quantize
+from make_model.weights_file import save_weights
 from models.attention import GatedAttention
 from models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config
 from models.layers import REFERENCE
@@ -257,6 +257,6 @@ def write_head(path: str | Path, model: Qwen3NextForCausalLM) -> list[str]:
             tensors[name] = new.to(old.dtype).contiguous()
             done.append(name)
         tmp = file.with_name(file.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
+        save_weights(tensors, tmp, meta)
         os.replace(tmp, file)
     return done

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kernels import cpu_levels
+from make_model.weights_file import save_weights
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def write_back(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.dt
                     )
                 tensors[name] = new.to(old.dtype).contiguous()
                 stored[source] = old.dtype
-        save_file(tensors, str(file), metadata=meta)
+        save_weights(tensors, file, meta)
     return stored
 
 

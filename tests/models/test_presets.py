@@ -92,6 +92,24 @@ def test_same_seed_gives_identical_files_other_seed_differs(tmp_path: Path, tiny
     assert other["tokenizer.json"] == first["tokenizer.json"]
 
 
+def test_weight_files_get_the_umask_mode_like_the_other_files(tmp_path: Path) -> None:
+    """safetensors creates its files 0600; a checkpoint's weights must be as readable as its
+    config (a model directory written by one user and served by another)."""
+    old = os.umask(0o022)
+    try:
+        out = write_preset("tiny", tmp_path / "one")
+        sharded = write_checkpoint(
+            tmp_path / "shards", preset_config("tiny"), max_shard_bytes=1 << 20
+        )
+    finally:
+        os.umask(old)
+    for directory in (out, Path(sharded)):
+        weights = sorted(directory.glob("*.safetensors"))
+        assert len(weights) >= (1 if directory == out else 2)
+        for f in [*weights, directory / "config.json"]:
+            assert f.stat().st_mode & 0o777 == 0o644, f
+
+
 def test_tokenizer_is_identical_across_processes() -> None:
     code = (
         "import hashlib; from make_model.tokenizer_builder import build_tokenizer; "
