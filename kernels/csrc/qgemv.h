@@ -147,16 +147,39 @@ void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, i
   }
 }
 
+// pair_step for int4: the pair's stored nibbles u (0..15) against the activations in one
+// unsigned dot seeded with c = -8 x each lane's 4 activations (`nibble_offsets`): lane by lane
+// the same integers as the signed dot of the nibbles - 8, without the sign trick.
+template <int M>
+inline void q4_pair_step(simd::f8x2 (&acc)[M], simd::b32x2 u, const int8_t* q,
+                         const int32_t* c, int64_t K, const float* s, int64_t ld, int64_t g) {
+  for (int m = 0; m < M; ++m) {
+    const simd::i32x8x2 seed = simd::load_i32x8x2(c + m * (K / 4) + g * (kQ4Group / 4));
+    const simd::i32x8x2 d = simd::dotu_add(seed, u, simd::load64(q + m * K + g * kActBlock));
+    acc[m] = simd::fma(simd::to_float(d), simd::bcast8x2(s + m * ld + g), acc[m]);
+  }
+}
+
+// c[m * K / 4 + j] = -8 x (the sum of row m's activations 4j..4j+3): the int4 offset's share of
+// each dot lane.
+inline std::vector<int32_t> nibble_offsets(const int8_t* q, int64_t M, int64_t K) {
+  std::vector<int32_t> c(M * K / 4);
+  for (int64_t i = 0; i < M * K / 4; ++i)
+    c[i] = -8 * (int32_t(q[4 * i]) + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+  return c;
+}
+
 // y[m, n] for rows [n0, n1) of int4 weights (groups of kQ4Group = kActBlock) and
 // M <= kPassRows rows.
 template <int M>
-void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, int64_t N,
-                   int64_t n0, int64_t n1) {
+void qgemv_rows_q4(const QuantActs& xa, const int32_t* offsets, int64_t m0, const uint8_t* w,
+                   float* y, int64_t N, int64_t n0, int64_t n1) {
   static_assert(kQ4Group == kActBlock, "an int4 group is one activation block");
   const int64_t K = xa.K, G = xa.blocks, stride = row_stride<uint8_t>(K);
   const int8_t* q = xa.q.data() + m0 * K;
   const float* d = xa.d.data() + m0 * G;
   std::vector<float> scale(G), sd(M * G);  // a row's scales; each block's scale by row of x
+  const int32_t* c = offsets + m0 * (K / 4);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * stride;
     const auto* sc = reinterpret_cast<const c10::BFloat16*>(wr + K / 2);
@@ -166,13 +189,13 @@ void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, 
       for (int64_t g = 0; g < G; ++g) sd[m * G + g] = scale[g] * d[m * G + g];
     simd::f8x2 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = simd::zero8x2();
-    auto group = [&](int64_t g) { return simd::q4_unpack(wr + g * kQ4Group / 2); };
+    auto nibbles = [&](int64_t g) { return simd::q4_nibbles(wr + g * kQ4Group / 2); };
     int64_t g = 0;
     for (; g + 2 <= G; g += 2)
-      pair_step<M>(acc, simd::join(group(g), group(g + 1)), q, K, sd.data(), G, g);
+      q4_pair_step<M>(acc, simd::join(nibbles(g), nibbles(g + 1)), q, c, K, sd.data(), G, g);
     float sum[M];
     if (g < G) {
-      const simd::b32 last = group(g);
+      const simd::b32 last = simd::q4_unpack(wr + g * kQ4Group / 2);
       fold_rows<M>(acc, &last, q, K, sd.data(), G, g, sum);
     } else {
       fold_rows<M>(acc, nullptr, q, K, sd.data(), G, g, sum);
@@ -182,10 +205,10 @@ void qgemv_rows_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, 
 }
 
 template <typename W, int M>
-inline void qgemv_any(const QuantActs& xa, int64_t m0, const W* w, float* y, int64_t N,
-                      int64_t n0, int64_t n1) {
+inline void qgemv_any(const QuantActs& xa, const int32_t* offsets, int64_t m0, const W* w,
+                      float* y, int64_t N, int64_t n0, int64_t n1) {
   if constexpr (std::is_same_v<W, uint8_t>) {
-    qgemv_rows_q4<M>(xa, m0, w, y, N, n0, n1);
+    qgemv_rows_q4<M>(xa, offsets, m0, w, y, N, n0, n1);
   } else {
     qgemv_rows_i8<M>(xa, m0, w, y, N, n0, n1);
   }
@@ -197,15 +220,18 @@ template <typename W>
 void qskinny_range(int64_t M, const QuantActs& xa, const W* w, float* y, int64_t N, int64_t n0,
                    int64_t n1) {
   const int64_t nb = block_rows(xa.K, 1);
+  std::vector<int32_t> offsets;  // int4: the nibbles' -8, once per call
+  if constexpr (std::is_same_v<W, uint8_t>) offsets = nibble_offsets(xa.q.data(), M, xa.K);
+  const int32_t* c = offsets.data();
   for (int64_t b0 = n0; b0 < n1; b0 += nb) {
     const int64_t b1 = std::min(n1, b0 + nb);
     for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
       float* ym = y + m0 * N;
       switch (std::min(kPassRows, M - m0)) {
-        case 1: qgemv_any<W, 1>(xa, m0, w, ym, N, b0, b1); break;
-        case 2: qgemv_any<W, 2>(xa, m0, w, ym, N, b0, b1); break;
-        case 3: qgemv_any<W, 3>(xa, m0, w, ym, N, b0, b1); break;
-        default: qgemv_any<W, 4>(xa, m0, w, ym, N, b0, b1);
+        case 1: qgemv_any<W, 1>(xa, c, m0, w, ym, N, b0, b1); break;
+        case 2: qgemv_any<W, 2>(xa, c, m0, w, ym, N, b0, b1); break;
+        case 3: qgemv_any<W, 3>(xa, c, m0, w, ym, N, b0, b1); break;
+        default: qgemv_any<W, 4>(xa, c, m0, w, ym, N, b0, b1);
       }
     }
   }
