@@ -41,13 +41,17 @@ def faulty(tiny_path, tmp_path_factory):
 
 
 def stream_ids(client: httpx.Client, ids: list[int], n: int, rid: str | None = None) -> dict:
-    """Stream /generate; the last event (cumulative output_ids), or the error event."""
+    """Stream /generate; the last event (cumulative output_ids), or the error: an error event,
+    or the error status's body when the request failed before its first event (the stream
+    starts only once every job has its first piece, `openai_api.stream_jobs`)."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}, "stream": True}
     if rid:
         body["rid"] = rid
     last: dict = {}
     with client.stream("POST", "/generate", json=body) as r:
-        assert r.status_code == 200
+        if r.status_code != 200:
+            r.read()
+            return r.json()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 last = json.loads(line[6:])
