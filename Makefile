@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	# this CPU's level of the C++ kernels, now rather than at the first server start: a failed
 	# build stops here with the compiler's first error (no compiler: a warning, the references)
-	$(PY) -m kernels.prebuild
+	$(PY) -m hybrid_serve.kernels.prebuild
 	touch $(STAMP)
 
 test: $(STAMP) cross-tools

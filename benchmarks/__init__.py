@@ -5,6 +5,6 @@ server's defaults before any benchmark imports torch (`scheduler.cpu_env`), for 
 transformers baseline alike.
 """
 
-from scheduler.cpu_env import apply_cpu_defaults
+from hybrid_serve.scheduler.cpu_env import apply_cpu_defaults
 
 apply_cpu_defaults()

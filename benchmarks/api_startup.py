@@ -2,8 +2,8 @@
 
 For each checkout (a repository root; `--roots A B` interleaves them `--repeats` times): the time
 to import `server.http_server, server.launch, server.cli` in a fresh interpreter, the time from
-starting `python -m server` (tiny preset, 4 running requests, 4,096 KV tokens) to a 200 from
-/health, then after one short request both processes' RSS and whether the API process has
+starting `python -m hybrid_serve.server` (tiny preset, 4 running requests, 4,096 KV tokens) to a
+200 from /health, then after one short request both processes' RSS and whether the API process has
 libtorch mapped. One JSON line per run.
 
     python -m benchmarks.api_startup --roots /work/main . --repeats 2
@@ -29,7 +29,8 @@ import httpx
 from benchmarks.soak import free_port, rss_mb
 
 IMPORT = (
-    "import time; t = time.perf_counter(); import server.http_server, server.launch, server.cli; "
+    "import time; t = time.perf_counter(); "
+    "import hybrid_serve.server.http_server, hybrid_serve.server.launch, hybrid_serve.server.cli; "
     "print(time.perf_counter() - t)"
 )
 
@@ -41,7 +42,15 @@ def measure(root: str) -> dict:
     )
     import_s = float(out.stdout.strip())
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_serve.server",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     cmd += ["--max-running-requests", "4", "--max-total-tokens", "4096"]
     start = time.perf_counter()
     proc = subprocess.Popen(

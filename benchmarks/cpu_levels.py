@@ -9,7 +9,7 @@ process holds one level) that loads the model once per dtype and runs:
 - products: the C++ linear op alone on a [`--rows`, K] x [N, K] product per weight format
   (`--gemv-shape N,K`), the median of 20 calls, as GFLOP/s.
 The table gives tok/s and GFLOP/s per level and each level's ratio to `generic`. Build every
-level first (`python -m kernels.prebuild --all`), or the first round pays the compiles.
+level first (`python -m hybrid_serve.kernels.prebuild --all`), or the first round pays the compiles.
 
 Example: python -m benchmarks.cpu_levels --rounds 3 --markdown-out levels.md
 """
@@ -40,8 +40,8 @@ logger = logging.getLogger("benchmarks.cpu_levels")
 def worker(args: argparse.Namespace) -> dict[str, float]:
     """One level's measurements in this process (the environment names the level)."""
     from benchmarks.engine_throughput import _prompts, run_engine
-    from kernels import cpp_build, quant
-    from scheduler.engine import Engine
+    from hybrid_serve.kernels import cpp_build, quant
+    from hybrid_serve.scheduler.engine import Engine
 
     torch.set_num_threads(args.threads)
     out: dict[str, float] = {}
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--level", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path("small"))
     if args.worker:
@@ -142,7 +142,7 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from kernels import cpu_levels
+    from hybrid_serve.kernels import cpu_levels
 
     features = cpu_levels.host_features()
     names = args.levels.split(",") if args.levels else [

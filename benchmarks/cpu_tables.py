@@ -7,8 +7,8 @@ concurrency C (prompt `--prompt-len` random ids, exactly `--output-len` new toke
 (prefill tok/s = prompt length / wall time); then transformers `generate` at `--hf-batch`
 batch sizes and one transformers forward of the long prompt; then, for each dtype, the same
 waves over HTTP (`benchmarks.serving`, streaming `/v1/completions`, token-id prompts, one wave
-of C requests at concurrency C) against a `python -m server` started once per dtype for the
-whole run (idle servers sleep). Everything uses `--threads` torch threads.
+of C requests at concurrency C) against a `python -m hybrid_serve.server` started once per dtype for
+the whole run (idle servers sleep). Everything uses `--threads` torch threads.
 
 Duration: a calibration wave after the warm-up gives an estimate that is printed before the
 timed run, and again after the first repeat; a repeat is not started when the elapsed time plus
@@ -45,7 +45,7 @@ import torch
 
 from benchmarks import serving
 from benchmarks.engine_throughput import _prompts, run_engine, run_hf
-from scheduler.engine import Engine
+from hybrid_serve.scheduler.engine import Engine
 
 logger = logging.getLogger("benchmarks.cpu_tables")
 REPO = Path(__file__).resolve().parents[1]
@@ -92,9 +92,17 @@ def _free_port() -> int:
 
 @contextmanager
 def server(model_path: str, dtype: str, threads: int, max_running: int, log: Path) -> Iterator[str]:
-    """A `python -m server` on 127.0.0.1 for the whole run; yields its URL (`launched`)."""
+    """A `python -m hybrid_serve.server` on 127.0.0.1 for the whole run; yields its URL."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "server", "--model-path", model_path, "--dtype", dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_serve.server",
+        "--model-path",
+        model_path,
+        "--dtype",
+        dtype,
+    ]
     cmd += ["--num-threads", str(threads), "--max-running-requests", str(max_running)]
     cmd += ["--port", str(port), "--log-level", "warning"]
     with launched(cmd, port, log) as url:
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> str:
     torch.set_num_threads(args.threads)
     t0 = time.monotonic()
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]

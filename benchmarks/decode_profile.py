@@ -29,8 +29,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.model_forward import ours_decode, resolve_model_path
-from scheduler.build import load_runner_model
-from scheduler.model_runner import ModelRunner, RunnerConfig
+from hybrid_serve.scheduler.build import load_runner_model
+from hybrid_serve.scheduler.model_runner import ModelRunner, RunnerConfig
 
 # op-name fragments -> part of the step (first match wins; the rest is "other")
 PARTS = (

@@ -77,7 +77,15 @@ def start_server(
     args: argparse.Namespace, flags: list[str], log: Path
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "--model-path", args.model_path, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_serve.server",
+        "--model-path",
+        args.model_path,
+        "--port",
+        str(port),
+    ]
     cmd += ["--num-threads", str(args.num_threads), "--log-level", "warning"]
     cmd += [*args.server_args.split(), *flags]
     repo = str(Path(__file__).resolve().parents[1])

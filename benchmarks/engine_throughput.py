@@ -39,8 +39,8 @@ import time
 
 import torch
 
-from kernels.settings import BF16_PRODUCTS_ENV, KERNELS_ENV
-from scheduler.engine import Engine
+from hybrid_serve.kernels.settings import BF16_PRODUCTS_ENV, KERNELS_ENV
+from hybrid_serve.scheduler.engine import Engine
 
 logger = logging.getLogger("benchmarks.engine_throughput")
 
@@ -110,7 +110,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]

@@ -48,10 +48,10 @@ import torch
 from benchmarks.gsm8k_data import build_prompts, load_split
 from benchmarks.margins import agreement_by_gap, logit_gaps, margin_stats
 from benchmarks.model_forward import resolve_model_path
-from kernels import cpu_levels
-from kernels.settings import BF16_PRODUCTS_ENV
-from scheduler.engine import Engine
-from scheduler.model_runner import ExtendInput, ModelRunner
+from hybrid_serve.kernels import cpu_levels
+from hybrid_serve.kernels.settings import BF16_PRODUCTS_ENV
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.model_runner import ExtendInput, ModelRunner
 
 logger = logging.getLogger("benchmarks.fidelity")
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import KernelSettings, choose, cpp_build, cpp_fused
+from hybrid_serve.kernels import KernelSettings, choose, cpp_build, cpp_fused
 
 H, HV, DK, DV, KC = 4, 8, 128, 128, 4  # GDN heads of the small preset
 NH, NKV, HD, ROT = 8, 2, 64, 16  # attention

@@ -31,12 +31,14 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpp_build, linear
-from kernels.cpp_ops import BF16_ROWS
-from models.layers import Linear
-from models.loader import load_model
+from hybrid_serve.kernels import cpp_build, linear
+from hybrid_serve.kernels.cpp_ops import BF16_ROWS
+from hybrid_serve.models.layers import Linear
+from hybrid_serve.models.loader import load_model
 
-GEMV_ROWS = 8  # `hybrid_serve::linear` runs the GEMV up to this many rows (kernels.cpp_ops)
+GEMV_ROWS = (
+    8  # `hybrid_serve::linear` runs the GEMV up to this many rows (hybrid_serve.kernels.cpp_ops)
+)
 
 
 def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:
@@ -89,7 +91,7 @@ def main() -> None:
     if cpp_build.load() is None:
         sys.exit(f"the C++ kernels do not build here: {cpp_build.load_error()}")
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     shapes = shapes_of(load_model(args.model_path, dtype="float32"))

@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_scale [--out DIR]     on a CUDA machine (JSON + markdown to DIR)
     python -m benchmarks.gpu_scale --dry-run       anywhere: the roofline bytes only
 
-Cases (make_model/real_shapes.py, `--load-format dummy`, bf16, CUDA graphs captured):
+Cases (hybrid_serve/make_model/real_shapes.py, `--load-format dummy`, bf16, CUDA graphs captured):
   qwen3.5-35b-a3b          the whole model (69 GB of bf16 weights)
   qwen3-next-80b-a3b       16 of its 48 layers (12 GDN + 4 attention, the 3:1 pattern kept):
                            the whole model holds 159 GB of bf16 weights, more than one H100 or
@@ -49,12 +49,12 @@ import time
 
 import torch
 
-from make_model.fp8_writer import config_quantization
-from make_model.presets import checkpoint_shapes, complete_config, write_config_only
-from make_model.real_shapes import REAL_SHAPES, real_shape_config
-from models.config import ModelConfig
-from models.fp8 import Fp8Config
-from models.step_bytes import (
+from hybrid_serve.make_model.fp8_writer import config_quantization
+from hybrid_serve.make_model.presets import checkpoint_shapes, complete_config, write_config_only
+from hybrid_serve.make_model.real_shapes import REAL_SHAPES, real_shape_config
+from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.fp8 import Fp8Config
+from hybrid_serve.models.step_bytes import (
     decode_step_bytes,
     kv_bytes_per_token,
     param_groups,
@@ -146,9 +146,9 @@ def memory_plan(name: str, layers: int | None, fp8: bool, device_bytes: float) -
     loader builds (meta device, dummy weights, FP8 matrices kept FP8 when `fp8`) and the pools
     the server's sizing gives the rest of FRACTION of the device, for this benchmark's largest
     batch that fits (`max_batch`; the pools of one request where none does)."""
-    from models.loader import load_model
-    from scheduler.config import RunnerConfig
-    from scheduler.pool_sizing import GB, pool_bytes, size_pools
+    from hybrid_serve.models.loader import load_model
+    from hybrid_serve.scheduler.config import RunnerConfig
+    from hybrid_serve.scheduler.pool_sizing import GB, pool_bytes, size_pools
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(case_config(name, layers, fp8)))
@@ -202,9 +202,9 @@ def _timed(engine, prompts, new_tokens: int) -> float:
 
 
 def run_case(name: str, layers: int | None, fp8: bool, workdir: Path, bandwidth: float) -> dict:
-    import scheduler.build as build_module
-    from kernels.fp8 import is_fp8, weight_bytes
-    from scheduler.engine import Engine
+    import hybrid_serve.scheduler.build as build_module
+    from hybrid_serve.kernels.fp8 import is_fp8, weight_bytes
+    from hybrid_serve.scheduler.engine import Engine
 
     loads: list[float] = []
 

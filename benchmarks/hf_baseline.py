@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     from transformers import AutoModelForCausalLM

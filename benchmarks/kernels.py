@@ -35,8 +35,8 @@ from functools import partial
 
 import torch
 
-import kernels
-from kernels import KernelSet
+from hybrid_serve import kernels
+from hybrid_serve.kernels import KernelSet
 
 DECODE_BATCHES = (1, 8, 64)
 
@@ -262,10 +262,15 @@ def fla_parity(dev: torch.device, small: bool, ops: KernelSet | None = None) -> 
 def bench_decode_graphs(preset: str = "small", device: str = "cuda", steps: int = 20) -> list[dict]:
     """Decode step of `preset` through `DecodeGraphRunner`: eager padded batches against CUDA-graph
     replay (graphs are captured on CUDA only; elsewhere the replay column reports why not)."""
-    from make_model.presets import write_preset
-    from scheduler.build import load_runner_model
-    from scheduler.graph_runner import DecodeGraphRunner
-    from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+    from hybrid_serve.make_model.presets import write_preset
+    from hybrid_serve.scheduler.build import load_runner_model
+    from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
+    from hybrid_serve.scheduler.model_runner import (
+        DecodeInput,
+        ExtendInput,
+        ModelRunner,
+        RunnerConfig,
+    )
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

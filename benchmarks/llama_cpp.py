@@ -64,7 +64,7 @@ def commands(args: argparse.Namespace, port: int) -> dict[str, list[str]]:
     max_c = max(int(c) for c in args.concurrency.split(","))
     cmds = {}
     for mode in args.ours.split(","):
-        cmd = [sys.executable, "-m", "server", "--model-path", args.model_path]
+        cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", args.model_path]
         cmd += ["--dtype", "bfloat16", "--quantization", mode] if mode in QUANTIZED else [
             "--dtype", mode]  # fmt: skip
         cmd += ["--num-threads", str(args.threads), "--max-running-requests", str(max_c)]

@@ -95,7 +95,7 @@ def text_margins(path: str, texts: list[str], max_running_requests: int = 4) -> 
     """`margin_stats` of the checkpoint at `path` (fp32 `Engine`) over every next-token
     position of `texts`, each prefilled alone from an empty state."""
     from benchmarks.fidelity import all_logits
-    from scheduler.engine import Engine
+    from hybrid_serve.scheduler.engine import Engine
 
     engine = Engine(
         path, dtype="float32", max_running_requests=max_running_requests, max_context_len=4096

@@ -57,10 +57,10 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from kernels import KernelSet, KernelSettings, choose
-from scheduler.build import load_runner_model
-from scheduler.graph_runner import DecodeGraphRunner
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.kernels import KernelSet, KernelSettings, choose
+from hybrid_serve.scheduler.build import load_runner_model
+from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 logger = logging.getLogger("benchmarks.model_forward")
 
@@ -214,7 +214,7 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
 def resolve_model_path(args: argparse.Namespace) -> Path:
     if args.model_path:
         return Path(args.model_path)
-    from make_model.presets import write_preset
+    from hybrid_serve.make_model.presets import write_preset
 
     out = Path.home() / ".cache" / "hybrid-serve" / args.preset
     complete = (out / "config.json").is_file() and any(out.glob("*.safetensors"))

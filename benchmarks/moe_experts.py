@@ -2,7 +2,7 @@
 
 Each strategy computes the same expert outputs for rows already sorted by expert (the part that
 differs; the sort, the routing weights and the scatter back are shared), `routed_experts`'
-contract (`kernels.experts`):
+contract (`hybrid_serve.kernels.experts`):
 - `loop`: one `F.linear` per active expert and matrix (bf16 weights widened per call);
 - `grouped`: the reference `kernels.experts.routed_experts`, one `torch._grouped_mm` per matrix
   over all experts (MKL; with bf16 weights it falls back to a loop like `loop`);
@@ -31,9 +31,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build, cpp_ops
-from kernels.experts import routed_experts
-from make_model.presets import PRESETS
+from hybrid_serve.kernels import cpp_build, cpp_ops
+from hybrid_serve.kernels.experts import routed_experts
+from hybrid_serve.make_model.presets import PRESETS
 
 
 def loop(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor):

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from scheduler.engine import Engine
+from hybrid_serve.scheduler.engine import Engine
 
 
 def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
@@ -65,7 +65,7 @@ def main() -> None:
         }
     torch.set_num_threads(args.threads)
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     engine = Engine(

@@ -6,7 +6,7 @@ layers (the LM head included), the median time of, interleaved:
 
 - `bf16`: our product on bf16 weights (`hybrid_serve::linear`: the GEMV up to 8 rows, the tiled
   GEMM beyond), the mode int8 must beat;
-- `int8`: the same op on the int8 format (`kernels.quant`);
+- `int8`: the same op on the int8 format (`hybrid_serve.kernels.quant`);
 - `int8pack`: `torch._weight_int8pack_mm` on the same integers and scales (bf16 activations, its
   fastest form on CPU; the fp32 form is several times slower);
 - `int4`: our op on the int4 format (groups of 32);
@@ -36,9 +36,16 @@ from functools import partial
 import torch
 
 from benchmarks.gemm_shapes import shapes_of, time_linear
-from kernels import cpp_build, linear
-from kernels.quant import GROUP, SCALE_BYTES, dequantize, quantize_int4, quantize_int8, scales
-from models.loader import load_model
+from hybrid_serve.kernels import cpp_build, linear
+from hybrid_serve.kernels.quant import (
+    GROUP,
+    SCALE_BYTES,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+    scales,
+)
+from hybrid_serve.models.loader import load_model
 
 
 def main() -> None:
@@ -53,7 +60,7 @@ def main() -> None:
     if cpp_build.load() is None:
         sys.exit(f"the C++ kernels do not build here: {cpp_build.load_error()}")
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     shapes = shapes_of(load_model(args.model_path, dtype="float32"))

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from scheduler.engine import Engine
+from hybrid_serve.scheduler.engine import Engine
 
 SAMPLED = {
     "temperature": 0.8,
@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path("tiny"))
     sizes = [int(b) for b in args.batch_sizes.split(",")]

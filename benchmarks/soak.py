@@ -106,7 +106,7 @@ def start_server(
     model_path: str, args: argparse.Namespace, log: Path
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "--model-path", model_path, *POOL_FLAGS]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", model_path, *POOL_FLAGS]
     cmd += [*args.extra_flags.split(), "--port", str(port), "--log-level", "warning"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model_path = args.model_path
     if model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         model_path = str(default_model_path(args.preset))
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"

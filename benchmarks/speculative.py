@@ -42,9 +42,9 @@ from collections.abc import Callable
 
 import torch
 
-from scheduler.engine import Engine
-from scheduler.request import Req
-from scheduler.spec.worker import SpecWorker
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.request import Req
+from hybrid_serve.scheduler.spec.worker import SpecWorker
 
 logger = logging.getLogger("benchmarks.speculative")
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -142,7 +142,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     if args.model_path is None:
-        from make_model.presets import preset_config, write_checkpoint
+        from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 
         out = Path(tempfile.mkdtemp(prefix="spec-bench-"))
         config = {**preset_config(args.preset), "mtp_num_hidden_layers": 1}

@@ -30,12 +30,12 @@ import tempfile
 
 import torch
 
-from kernels import choose
-from make_model.presets import preset_config, write_checkpoint, write_config_only
-from models.loader import load_model
-from scheduler.config import RunnerConfig
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
-from scheduler.pool_sizing import pool_bytes
+from hybrid_serve.kernels import choose
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint, write_config_only
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.config import RunnerConfig
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
+from hybrid_serve.scheduler.pool_sizing import pool_bytes
 
 PRESETS = (
     "tiny-nemotron-h",

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 MEASURE = """
 import json, sys, threading, time
-from models.loader import load_model
-from models.parallel import ParallelContext
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.parallel import ParallelContext
 
 def anon_kb():
     for line in open("/proc/self/status"):
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--tp-size", type=int, default=2)
     args = ap.parse_args()
-    from server.model_path import default_model_path
+    from hybrid_serve.server.model_path import default_model_path
 
     path = args.model_path or str(default_model_path(args.preset))
     warm = str(default_model_path("tiny"))

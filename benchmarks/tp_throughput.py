@@ -25,7 +25,7 @@ import statistics
 import torch
 
 from benchmarks.engine_throughput import _prompts, run_engine
-from scheduler.engine import Engine
+from hybrid_serve.scheduler.engine import Engine
 
 logger = logging.getLogger("benchmarks.tp_throughput")
 
@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.model_path is None:
-        from server.model_path import default_model_path
+        from hybrid_serve.server.model_path import default_model_path
 
         args.model_path = str(default_model_path(args.preset))
     conc = [int(c) for c in args.concurrency.split(",")]

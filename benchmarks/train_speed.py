@@ -34,7 +34,12 @@ import time
 import torch
 
 from benchmarks.model_forward import resolve_model_path
-from make_model.train_text import Trainer, resolve_precision, sample_windows, tokenize_text
+from hybrid_serve.make_model.train_text import (
+    Trainer,
+    resolve_precision,
+    sample_windows,
+    tokenize_text,
+)
 
 logger = logging.getLogger("benchmarks.train_speed")
 

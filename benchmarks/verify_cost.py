@@ -6,7 +6,7 @@ starts from exactly that state. Timed alternately, medians of `--repeats`:
 
 - `step`: a plain decode step, 1 row (`CpuDecodePlan.__call__`);
 - `verify`: a verify pass of `--rows` rows (`CpuDecodePlan.verify`, the GDN layers keeping the
-  state after each row but the last, as `scheduler.spec.worker` runs it);
+  state after each row but the last, as `hybrid_serve.scheduler.spec.worker` runs it);
 - the products alone at 1 row and at `--rows` rows: the plan's product calls on the model's own
   weights with random activations, grouped as the plan groups them (each layer's input
   projections in one call, its output projection, a dense MLP's gate and up in one call, its
@@ -38,10 +38,10 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.quant import in_features
-from models.cpu_decode import CpuDecodePlan, layer_args
-from scheduler.build import load_runner_model
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.kernels.quant import in_features
+from hybrid_serve.models.cpu_decode import CpuDecodePlan, layer_args
+from hybrid_serve.scheduler.build import load_runner_model
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 logger = logging.getLogger("benchmarks.verify_cost")
 

@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def triton_device() -> torch.device:
     """Where Triton kernels under test run: CUDA when present, else CPU tensors in triton's
     interpreter (enabled above). Skips when triton does not import."""
-    from kernels.kernel_set import interpreter_ready, triton_available
+    from hybrid_serve.kernels.kernel_set import interpreter_ready, triton_available
 
     if not triton_available():
         pytest.skip("triton is not importable, so the Triton kernels cannot be tested")
@@ -46,8 +46,8 @@ def kernels_mode(monkeypatch):
     """`kernels_mode("torch")` sets HYBRID_SERVE_KERNELS for this test (models loaded after it
     choose their kernels by it); `kernels_mode("torch", model)` also gives that loaded model
     the chosen kernel set (`Qwen3NextForCausalLM.use_kernels`)."""
-    from kernels import choose
-    from kernels.settings import KERNELS_ENV
+    from hybrid_serve.kernels import choose
+    from hybrid_serve.kernels.settings import KERNELS_ENV
 
     def set_mode(mode: str, model=None) -> None:
         monkeypatch.setenv(KERNELS_ENV, mode)

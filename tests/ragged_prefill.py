@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.model_runner import ExtendInput, ModelRunner
+from hybrid_serve.scheduler.model_runner import ExtendInput, ModelRunner
 
 
 def admit(runner: ModelRunner, n: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # hybrid_serve/ below it holds the packages
 PACKAGES = ("server", "scheduler", "models", "kernels", "mem_cache", "make_model")
 # package -> the packages of ours it may import
 ALLOWED = {
@@ -31,7 +31,7 @@ def modules() -> dict[str, Path]:
     """Dotted name -> file of every runtime module (a package is its `__init__.py`)."""
     found = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for path in sorted((ROOT / "hybrid_serve" / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
@@ -67,6 +67,11 @@ def imports(path: Path, known: dict[str, Path]) -> dict[str, bool]:
 
     visit(ast.parse(path.read_text(), str(path)), True)
     return found
+
+
+def package(module: str) -> str:
+    """`hybrid_serve.models.loader` -> `models`."""
+    return module.split(".")[1]
 
 
 def graph() -> dict[str, dict[str, bool]]:
@@ -124,10 +129,14 @@ def test_cycles_finds_components():
 
 def test_the_parse_sees_the_imports():
     g = graph()
-    assert set(PACKAGES) <= set(g) and len(g) > 100
-    assert g["scheduler.graph_runner"]["models.cpu_decode"] is True
-    assert g["scheduler.leak_check"]["scheduler.session"] is False  # under TYPE_CHECKING
-    assert g["kernels.kernel_set"]["kernels.cpp_fused"] is False  # inside a function
+    assert {f"hybrid_serve.{p}" for p in PACKAGES} <= set(g) and len(g) > 100
+    assert g["hybrid_serve.scheduler.graph_runner"]["hybrid_serve.models.cpu_decode"] is True
+    assert (
+        g["hybrid_serve.scheduler.leak_check"]["hybrid_serve.scheduler.session"] is False
+    )  # under TYPE_CHECKING
+    assert (
+        g["hybrid_serve.kernels.kernel_set"]["hybrid_serve.kernels.cpp_fused"] is False
+    )  # inside a function
 
 
 def test_packages_follow_the_dependency_direction():
@@ -135,7 +144,7 @@ def test_packages_follow_the_dependency_direction():
         f"{m} imports {d}"
         for m, deps in graph().items()
         for d in deps
-        if (a := m.split(".")[0]) != (b := d.split(".")[0]) and b not in ALLOWED[a]
+        if (a := package(m)) != (b := package(d)) and b not in ALLOWED[a]
     )
     assert bad == [], "\n".join(bad)
 
@@ -143,7 +152,7 @@ def test_packages_follow_the_dependency_direction():
 def test_no_cycle_between_packages():
     edges = {p: set() for p in PACKAGES}
     for m, deps in graph().items():
-        edges[m.split(".")[0]] |= {d.split(".")[0] for d in deps} - {m.split(".")[0]}
+        edges[package(m)] |= {package(d) for d in deps} - {package(m)}
     found = [sorted(c) for c in cycles(edges)]
     assert found == [], f"packages importing each other: {found}"
 

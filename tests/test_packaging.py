@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpp_build
+from hybrid_serve.kernels import cpp_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,11 +40,23 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_carries_every_kernel_source(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = {
-        f"kernels/csrc/{p.name}" for p in cpp_build.CSRC.iterdir() if p.suffix in (".cpp", ".h")
+        f"hybrid_serve/kernels/csrc/{p.name}"
+        for p in cpp_build.CSRC.iterdir()
+        if p.suffix in (".cpp", ".h")
     }
     assert sources and sources <= names, sorted(sources - names)
     for package in ("server", "scheduler", "models", "kernels", "mem_cache", "make_model"):
-        assert f"{package}/__init__.py" in names
+        assert f"hybrid_serve/{package}/__init__.py" in names
+
+
+def test_the_wheel_installs_one_top_level_name(wheel):
+    """RECORD lists every installed file: the package `hybrid_serve` and its dist-info, nothing
+    else, so no generic name (`kernels`, `server`, `models`) can shadow another distribution's."""
+    archive = zipfile.ZipFile(wheel)
+    (record,) = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD")]
+    rows = archive.read(record).decode().splitlines()
+    tops = {row.split(",")[0].split("/")[0] for row in rows if row}
+    assert tops == {"hybrid_serve", record.split("/")[0]}, sorted(tops)
 
 
 def test_a_non_editable_install_loads_the_kernels_from_its_own_sources(wheel, tmp_path):
@@ -66,7 +78,7 @@ def test_a_non_editable_install_loads_the_kernels_from_its_own_sources(wheel, tm
     # install's finder is one of them)
     (site / "venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     script = (
-        "import sys, torch; from kernels import cpp_build, cpu_levels;"
+        "import sys, torch; from hybrid_serve.kernels import cpp_build, cpu_levels;"
         "ops = cpp_build.load(); assert ops is not None, cpp_build.load_error();"
         "x = torch.randn(3, 64); w = torch.randn(5, 64);"
         "torch.testing.assert_close(ops.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5);"
@@ -101,7 +113,9 @@ def test_the_cpu_image_installs_as_the_makefile_and_prebuilds_every_level():
     makefile = (ROOT / "Makefile").read_text()
     docker = (ROOT / "docker" / "Dockerfile.cpu").read_text()
     install = recipe(makefile, "$(STAMP)")
-    assert any("-m kernels.prebuild" in ln for ln in install)  # make install builds the kernels
+    assert any(
+        "-m hybrid_serve.kernels.prebuild" in ln for ln in install
+    )  # make install builds the kernels
     assert any("pip install" in ln and "$(TORCH_SPEC)" in ln for ln in install)
     joined = docker.replace("\\\n", " ")  # continuation lines
     runs = [ln for ln in joined.splitlines() if ln.startswith("RUN ")]
@@ -109,7 +123,7 @@ def test_the_cpu_image_installs_as_the_makefile_and_prebuilds_every_level():
     assert re.search(r"\sg\+\+\s", apt) and re.search(r"\smake\s", apt)  # a compiler, and make
     make = [ln for ln in runs if "make install" in ln]
     assert len(make) == 1 and "TORCH_SPEC" not in make[0]  # the Makefile's torch pin
-    prebuild = [i for i, ln in enumerate(runs) if "-m kernels.prebuild --all" in ln]
+    prebuild = [i for i, ln in enumerate(runs) if "-m hybrid_serve.kernels.prebuild --all" in ln]
     assert prebuild and prebuild[0] > runs.index(make[0])
     cache = re.search(r"HYBRID_SERVE_KERNEL_CACHE=(\S+)", docker)
     volumes = re.findall(r"-v \S+:(\S+)", docker)

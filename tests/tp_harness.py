@@ -12,7 +12,7 @@ import torch
 
 
 def _rank_main(fn, rank: int, size: int, addr: str, results, args: tuple) -> None:
-    from models.parallel import init_process_group
+    from hybrid_serve.models.parallel import init_process_group
 
     torch.set_num_threads(1)
     try:
@@ -31,7 +31,7 @@ def _rank_main(fn, rank: int, size: int, addr: str, results, args: tuple) -> Non
 
 def run_ranks(fn, size: int, *args, timeout_s: float = 240.0):
     """fn(tp, *args) on every rank; rank 0's return value (picklable)."""
-    from models.parallel import free_port
+    from hybrid_serve.models.parallel import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

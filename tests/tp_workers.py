@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from models.loader import load_model
-from models.parallel import ParallelContext
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.ragged_prefill import admit, ragged_prefill
 
 
@@ -69,8 +69,8 @@ def _gather_bytes(tp: ParallelContext, n: int) -> list[int]:
 
 def config_mismatch(tp: ParallelContext) -> str:
     """Rank 1 starts with another KV pool size: the message rank 0 gets."""
-    from scheduler.config import SchedulerConfig
-    from scheduler.lockstep import check_same_config
+    from hybrid_serve.scheduler.config import SchedulerConfig
+    from hybrid_serve.scheduler.lockstep import check_same_config
 
     cfg = RunnerConfig(max_total_tokens=1024 * (1 + tp.rank), num_threads=1 + tp.rank)
     try:
@@ -86,14 +86,14 @@ def lockstep_workload(tp: ParallelContext, path: str) -> dict | None:
     slot a query unknown to the lockstep layer frees, and which expires on rank 0's clock with a
     turn in flight, then a flush. Rank 0 gets every rank's state after each phase and the last
     deltas it sent."""
-    from scheduler.build import build_scheduler
-    from scheduler.config import SchedulerConfig
-    from scheduler.leak_check import leak_report
-    from scheduler.lockstep import Leader, NullIO, follow
-    from scheduler.loop import SchedulerLoop
-    from scheduler.loop_io import InProcessIO
-    from scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, ShutdownMsg
-    from scheduler.sampling_params import SamplingParams
+    from hybrid_serve.scheduler.build import build_scheduler
+    from hybrid_serve.scheduler.config import SchedulerConfig
+    from hybrid_serve.scheduler.leak_check import leak_report
+    from hybrid_serve.scheduler.lockstep import Leader, NullIO, follow
+    from hybrid_serve.scheduler.loop import SchedulerLoop
+    from hybrid_serve.scheduler.loop_io import InProcessIO
+    from hybrid_serve.scheduler.messages import AbortMsg, GenerateMsg, QueryMsg, ShutdownMsg
+    from hybrid_serve.scheduler.sampling_params import SamplingParams
 
     def state(loop: SchedulerLoop) -> dict:
         s, r = loop.scheduler, loop.scheduler.runner

@@ -10,7 +10,7 @@ from tests.benchmarks.sample_data import TEST, TRAIN
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from make_model.presets import write_preset
+    from hybrid_serve.make_model.presets import write_preset
 
     return write_preset("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
 

@@ -1,11 +1,8 @@
-"""gsm8k.py and serving.py end to end against our own server (`python -m server`) on loopback.
-
-Skipped until the HTTP server lands (server/http_server.py or server/launch.py importable).
-"""
+"""gsm8k.py and serving.py end to end against our own server (`python -m hybrid_serve.server`) on
+loopback."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -22,24 +19,20 @@ from tests.benchmarks.fake_openai_server import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _server_available() -> bool:
-    return any(
-        importlib.util.find_spec(m) is not None for m in ("server.http_server", "server.launch")
-    )
-
-
-pytestmark = pytest.mark.skipif(
-    not _server_available(),
-    reason="the HTTP server (server/http_server.py or server/launch.py) is not on this branch yet",
-)
-
-
 @pytest.fixture(scope="module")
 def server_url(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = os.environ | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_ckpt), "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_serve.server",
+        "--model-path",
+        str(tiny_ckpt),
+        "--port",
+        str(port),
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

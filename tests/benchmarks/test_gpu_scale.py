@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from benchmarks import gpu_scale
-from make_model.real_shapes import REAL_SHAPES
-from models.step_bytes import decode_step_bytes, param_groups
+from hybrid_serve.make_model.real_shapes import REAL_SHAPES
+from hybrid_serve.models.step_bytes import decode_step_bytes, param_groups
 
 
 def test_dry_run_prints_bytes_per_step_for_every_shape_and_batch(tmp_path, monkeypatch, capsys):

@@ -25,10 +25,10 @@ def launches(dtype_name: str) -> list[tuple]:
     import torch
     from triton.runtime.jit import JITFunction
 
-    from kernels import attention_triton as attn
-    from kernels import causal_conv1d_triton as conv
-    from kernels import gated_delta_rule_triton as gdr
-    from kernels import rmsnorm_triton as norm
+    from hybrid_serve.kernels import attention_triton as attn
+    from hybrid_serve.kernels import causal_conv1d_triton as conv
+    from hybrid_serve.kernels import gated_delta_rule_triton as gdr
+    from hybrid_serve.kernels import rmsnorm_triton as norm
 
     calls = []
     JITFunction.run = lambda self, *args, grid, warmup, **kw: calls.append((self, args, kw))

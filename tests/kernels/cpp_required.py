@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from kernels import cpp_build
+from hybrid_serve.kernels import cpp_build
 
 
 @pytest.fixture(scope="module", autouse=True)

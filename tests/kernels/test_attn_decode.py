@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attn_step, cpp_fused
+from hybrid_serve.kernels import attn_step, cpp_fused
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_fused, cpp_ops, moe_step
-from kernels.experts import fused_experts
-from kernels.quant import quantize
+from hybrid_serve.kernels import cpp_fused, cpp_ops, moe_step
+from hybrid_serve.kernels.experts import fused_experts
+from hybrid_serve.kernels.quant import quantize
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.kernels.test_moe_decode import moe_weights
 

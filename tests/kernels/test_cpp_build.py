@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from kernels import KernelSettings, choose, cpp_build, cpu_levels, prebuild
+from hybrid_serve.kernels import KernelSettings, choose, cpp_build, cpu_levels, prebuild
 
 AVX2_EPYC = "fpu sse sse2 pni ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt xsave avx f16c lahf_lm abm bmi1 avx2 bmi2"  # noqa: E501
 ZEN4 = AVX2_EPYC + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni"
@@ -112,7 +112,7 @@ def broken_sources(monkeypatch, tmp_path):
 
 
 def test_a_failed_build_names_the_first_compiler_error(broken_sources, caplog, capsys):
-    with caplog.at_level(logging.ERROR, logger="kernels.cpp_build"):
+    with caplog.at_level(logging.ERROR, logger="hybrid_serve.kernels.cpp_build"):
         assert cpp_build.load("generic") is None
     err = cpp_build.load_error()
     assert isinstance(err, cpp_build.BuildError)
@@ -135,7 +135,7 @@ def test_the_server_does_not_start_on_a_failed_build(broken_sources):
 def test_no_compiler_warns_once_and_serves_the_references(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpp_build, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="kernels.cpp_build"):
+    with caplog.at_level(logging.WARNING, logger="hybrid_serve.kernels.cpp_build"):
         assert choose("cpu", settings=KernelSettings()).backend == "torch"
         assert cpp_build.load() is None
     assert caplog.text.count("using the torch references") == 1

@@ -1,5 +1,5 @@
 """The C++ GEMM (`tiled_linear`, through `kernels.cpp_ops.linear`) and the routed-experts op
-(`kernels.cpp_ops.routed_experts`) against their torch references, on the same inputs.
+(`hybrid_serve.kernels.cpp_ops.routed_experts`) against their torch references, on the same inputs.
 
 The kernels are built at install or first use (`kernels.cpp_build`); on a machine that cannot
 build them these tests skip (models there get the torch kernel set).
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_ops
-from kernels.experts import routed_experts as reference_experts
+from hybrid_serve.kernels import cpp_ops
+from hybrid_serve.kernels.experts import routed_experts as reference_experts
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
@@ -123,21 +123,21 @@ def expert_inputs(E: int, H: int, I: int, counts: list[int], wdtype: torch.dtype
     ],
 )
 def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
-    from kernels.cpp_ops import routed_experts
+    from hybrid_serve.kernels.cpp_ops import routed_experts
 
     torch.manual_seed(len(counts) + H)
     xs, gate_up, down, cnt = expert_inputs(len(counts), H, I, counts, wdtype)
     got = routed_experts(xs, gate_up, down, cnt)
     assert got.shape == xs.shape and got.dtype == torch.float32
     # against float64 sums, within a few fp32 ulps of the largest output: MKL's own fp32 result
-    # (kernels.experts) differs from those by ~3x our distance on an AVX-512 CPU
+    # (hybrid_serve.kernels.experts) differs from those by ~3x our distance on an AVX-512 CPU
     want = reference_experts(xs.double(), gate_up.double(), down.double(), cnt)
     scale = max(1.0, want.abs().max().item() if want.numel() else 0.0)
     torch.testing.assert_close(got.double(), want, atol=2e-6 * scale, rtol=0)
 
 
 def test_routed_experts_beyond_the_cpp_rows_run_the_reference() -> None:
-    from kernels.cpp_ops import ROUTED_MAX_ROWS, routed_experts
+    from hybrid_serve.kernels.cpp_ops import ROUTED_MAX_ROWS, routed_experts
 
     xs, gate_up, down, cnt = expert_inputs(2, 16, 8, [ROUTED_MAX_ROWS, 1], torch.float32)
     assert torch.equal(

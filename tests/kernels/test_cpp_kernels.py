@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import causal_conv1d, gated_delta_rule
-from kernels.causal_conv1d import PAD_SLOT_ID
+from hybrid_serve.kernels import causal_conv1d, gated_delta_rule
+from hybrid_serve.kernels.causal_conv1d import PAD_SLOT_ID
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
@@ -44,7 +44,7 @@ def gdr_decode_inputs(B: int, T: int, H: int, HV: int, K: int, V: int):
 )
 def test_gdr_pool_matches_reference(B, T, H, HV, K, V, l2norm) -> None:
     """Live rows from random pool slots (never 0), one padded row (-1) and pads on slot 0."""
-    from kernels.cpp_ops import fused_recurrent_gated_delta_rule as cpp_op
+    from hybrid_serve.kernels.cpp_ops import fused_recurrent_gated_delta_rule as cpp_op
 
     torch.manual_seed(B * 100 + K)
     n_slots = B + 4
@@ -78,8 +78,8 @@ def test_gdr_pool_matches_reference(B, T, H, HV, K, V, l2norm) -> None:
 
 def test_gdr_outside_the_contract_is_an_error() -> None:
     """The C++ set takes the delta rule on the fp32 state pool only (its load-time contract,
-    kernels/cpp_ops.py): another form is a one-line error, not a silent reference."""
-    from kernels.cpp_ops import fused_recurrent_gated_delta_rule as cpp_op
+    hybrid_serve/kernels/cpp_ops.py): another form is a one-line error, not a silent reference."""
+    from hybrid_serve.kernels.cpp_ops import fused_recurrent_gated_delta_rule as cpp_op
 
     q, k, v, g, beta = gdr_decode_inputs(2, 2, 1, 2, 16, 16)
     with pytest.raises(ValueError, match="a dense batch on the state pool only"):
@@ -102,7 +102,7 @@ def test_gdr_varlen_prefill_matches_the_chunked_reference(lengths, H, HV, K, V, 
     final states in the sequences' slots, tracked states in the track slots, every other slot
     untouched. (5e-5: the chunked form's own distance from the exact recurrence, as in
     test_reference_ops.)"""
-    from kernels.cpp_ops import chunk_gated_delta_rule as cpp_op
+    from hybrid_serve.kernels.cpp_ops import chunk_gated_delta_rule as cpp_op
 
     torch.manual_seed(sum(lengths) + K)
     n, T = len(lengths), sum(lengths)
@@ -130,7 +130,7 @@ def test_gdr_varlen_prefill_matches_the_chunked_reference(lengths, H, HV, K, V, 
 def test_gdr_prefill_dense_batch_and_refusals() -> None:
     """A dense [B, T] batch runs as B packed sequences; a slot given twice, or a track slot that
     is also a sequence's slot, is refused (states would race), and so are states off the pool."""
-    from kernels.cpp_ops import chunk_gated_delta_rule as cpp_op
+    from hybrid_serve.kernels.cpp_ops import chunk_gated_delta_rule as cpp_op
 
     torch.manual_seed(3)
     q, k, v, g, beta = gdr_decode_inputs(3, 9, 1, 2, 16, 16)
@@ -163,7 +163,7 @@ def test_conv1d_prefill_matches_reference(activation, sliced) -> None:
     states, one padding row, channels not a multiple of the kernel's block: outputs and the
     states left behind. `sliced`: the tokens are the first columns of wider rows, as the model's
     split of its input projection gives them (the op reads them in place)."""
-    from kernels.cpp_ops import causal_conv1d_fn as cpp_fn
+    from hybrid_serve.kernels.cpp_ops import causal_conv1d_fn as cpp_fn
 
     torch.manual_seed(5)
     D, W, lengths = 70, 4, [1, 2, 3, 9, 130, 5]
@@ -189,7 +189,7 @@ def test_conv1d_prefill_matches_reference(activation, sliced) -> None:
 
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_conv1d_update_matches_reference(activation) -> None:
-    from kernels.cpp_ops import causal_conv1d_update as cpp_op
+    from hybrid_serve.kernels.cpp_ops import causal_conv1d_update as cpp_op
 
     torch.manual_seed(2)
     D, W, n_slots = 48, 4, 8
@@ -215,7 +215,7 @@ def test_conv1d_update_matches_reference(activation) -> None:
 @pytest.mark.parametrize("K", [64, 77])  # 77: a tail after the vector loop
 def test_linear_matches_f_linear(rows, K) -> None:
     """GEMV rows (<= 8) and F.linear beyond, with bias and leading dimensions."""
-    from kernels.cpp_ops import linear
+    from hybrid_serve.kernels.cpp_ops import linear
 
     torch.manual_seed(rows + K)
     x = torch.randn(rows, 2, K)
@@ -231,7 +231,7 @@ def test_gemv_row_does_not_depend_on_its_batch(wdtype) -> None:
     row equals the same row decoded alone. K: whole chunks and block pairs only; an odd block
     or group out; that and a short block and a scalar tail; a tail alone. Weight rows over
     several blocks."""
-    from kernels.quant import quantize, round_activations, widen
+    from hybrid_serve.kernels.quant import quantize, round_activations, widen
 
     torch.manual_seed(9)
     for K in (2048, 96, 115, 5):
@@ -251,7 +251,7 @@ def test_gemv_row_does_not_depend_on_its_batch(wdtype) -> None:
 
 @pytest.mark.parametrize("rows", [4, 40, 100])  # GEMV, blocked GEMV, widened F.linear
 def test_linear_bf16_weights_accumulate_in_fp32(rows) -> None:
-    from kernels.cpp_ops import linear
+    from hybrid_serve.kernels.cpp_ops import linear
 
     torch.manual_seed(3)
     x, w = torch.randn(rows, 300), torch.randn(20, 300).bfloat16()
@@ -262,8 +262,8 @@ def test_linear_bf16_weights_accumulate_in_fp32(rows) -> None:
 
 def test_reference_linear_takes_bf16_weights_under_fp32_activations() -> None:
     """The torch path (no compiler, or HYBRID_SERVE_KERNELS=torch) serves bf16 weights too."""
-    from kernels.cpp_ops import linear
-    from kernels.linear import linear as reference
+    from hybrid_serve.kernels.cpp_ops import linear
+    from hybrid_serve.kernels.linear import linear as reference
 
     x, w = torch.randn(3, 40), torch.randn(6, 40).bfloat16()
     y = reference(x, w)

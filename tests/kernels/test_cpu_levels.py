@@ -1,4 +1,4 @@
-"""Every ISA level of the C++ kernels, whatever the host (kernels/cpu_levels.py).
+"""Every ISA level of the C++ kernels, whatever the host (hybrid_serve/kernels/cpu_levels.py).
 
 - Every source compiles at every level of both architectures: x86-64 through the host compiler
   (or x86_64-linux-gnu-g++ on an aarch64 host), aarch64 through aarch64-linux-gnu-g++, which
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpp_build, cpu_levels, quant
+from hybrid_serve.kernels import cpp_build, cpu_levels, quant
 
 HERE = Path(__file__).parent
 ARCHES = ("x86_64", "aarch64")

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8_gemm
-from kernels.fp8 import E4M3, Fp8Weight, dequantize, grid_shape, is_fp8, weight_bytes
-from kernels.kernel_set import triton_module
-from kernels.linear import linear as reference_linear
-from make_model.fp8_writer import quantize
+from hybrid_serve.kernels import fp8_gemm
+from hybrid_serve.kernels.fp8 import E4M3, Fp8Weight, dequantize, grid_shape, is_fp8, weight_bytes
+from hybrid_serve.kernels.kernel_set import triton_module
+from hybrid_serve.kernels.linear import linear as reference_linear
+from hybrid_serve.make_model.fp8_writer import quantize
 
 GEMM = "fp8_gemm_triton"
 UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -170,7 +170,7 @@ def test_fused_moe_fp8_experts(
 ) -> None:
     """Per-expert block scales on both grouped GEMMs: hidden and I not multiples of the block
     (tail blocks), gate and up halves sharing a block row where I is not a multiple of bn."""
-    from kernels import experts
+    from hybrid_serve.kernels import experts
 
     dev = triton_device
     moe = triton_module("fused_moe_triton", dev)
@@ -198,7 +198,7 @@ def test_fused_moe_fp8_bf16_on_cuda(tokens) -> None:
     """bf16 activations on the tensor cores, the 80B-A3B expert shape (hidden 2048, I 512, 64
     of its 512 experts, top-10), within bf16 rounding of the reference; then replayed from a
     CUDA graph (no host sync)."""
-    from kernels import experts
+    from hybrid_serve.kernels import experts
 
     moe = triton_module("fused_moe_triton", torch.device("cuda"))
     gen = torch.Generator().manual_seed(tokens)

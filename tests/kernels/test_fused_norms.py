@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpp_ops, rmsnorm
+from hybrid_serve.kernels import cpp_ops, rmsnorm
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 

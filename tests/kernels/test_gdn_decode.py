@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpp_fused, gdn_step
+from hybrid_serve.kernels import cpp_fused, gdn_step
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 
-from kernels import (
+from hybrid_serve.kernels import (
     KernelSet,
     KernelSettings,
     choose,
@@ -21,8 +21,8 @@ from kernels import (
     reference_set,
     rmsnorm,
 )
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import load_model
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import load_model
 
 OPS = kernel_set.op_names()
 
@@ -77,9 +77,13 @@ def test_cpu_fp32_takes_the_cpp_kernels(monkeypatch, backend) -> None:
     monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
     ops = choose("cpu", torch.float32, KernelSettings(backend))
     assert ops.backend == "cpp" and ops.fused
-    assert functions(ops.linear)[0].__module__ == "kernels.cpp_ops"
-    assert ops.gdn_decode.__module__ == "kernels.cpp_fused"
-    assert ops.mamba2_decode.__module__ == ops.mamba2_verify.__module__ == "kernels.cpp_fused"
+    assert functions(ops.linear)[0].__module__ == "hybrid_serve.kernels.cpp_ops"
+    assert ops.gdn_decode.__module__ == "hybrid_serve.kernels.cpp_fused"
+    assert (
+        ops.mamba2_decode.__module__
+        == ops.mamba2_verify.__module__
+        == "hybrid_serve.kernels.cpp_fused"
+    )
     assert not any(m.endswith("_triton") for m in modules(ops))
 
 
@@ -89,11 +93,11 @@ def test_fusions_off_composes_the_unfused_cpp_kernels(monkeypatch) -> None:
     monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
     ops = choose("cpu", settings=KernelSettings("cpp", fusions=False))
     assert ops.backend == "cpp" and not ops.fused
-    assert ops.gdn_decode.func.__module__ == "kernels.gdn_step"
-    assert ops.gdn_decode.keywords["recurrent"].__module__ == "kernels.cpp_ops"
+    assert ops.gdn_decode.func.__module__ == "hybrid_serve.kernels.gdn_step"
+    assert ops.gdn_decode.keywords["recurrent"].__module__ == "hybrid_serve.kernels.cpp_ops"
     assert ops.fused_add_rmsnorm.func is rmsnorm.fused_add_rmsnorm
-    assert ops.mamba2_decode.func.__module__ == "kernels.mamba2_step"
-    assert functions(ops.linear)[0].__module__ == "kernels.cpp_ops"
+    assert ops.mamba2_decode.func.__module__ == "hybrid_serve.kernels.mamba2_step"
+    assert functions(ops.linear)[0].__module__ == "hybrid_serve.kernels.cpp_ops"
 
 
 def test_where_the_cpp_kernels_do_not_apply() -> None:
@@ -109,9 +113,15 @@ def test_cuda_without_triton_takes_torch(monkeypatch) -> None:
 
 def test_forced_triton_on_cpu_runs_the_interpreter(triton_device) -> None:
     ops = choose(triton_device, settings=KernelSettings("triton"))
-    assert ops.backend == "triton" and ops.rms_norm_gated.__module__ == "kernels.rmsnorm_triton"
-    assert ops.mamba_chunk_scan_combined.__module__ == "kernels.ssd_triton"
-    assert ops.selective_state_update.__module__ == "kernels.selective_state_update_triton"
+    assert (
+        ops.backend == "triton"
+        and ops.rms_norm_gated.__module__ == "hybrid_serve.kernels.rmsnorm_triton"
+    )
+    assert ops.mamba_chunk_scan_combined.__module__ == "hybrid_serve.kernels.ssd_triton"
+    assert (
+        ops.selective_state_update.__module__
+        == "hybrid_serve.kernels.selective_state_update_triton"
+    )
     args = (torch.randn(3, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
     args = [a.to(triton_device) if isinstance(a, torch.Tensor) else a for a in args]
     torch.testing.assert_close(
@@ -121,7 +131,7 @@ def test_forced_triton_on_cpu_runs_the_interpreter(triton_device) -> None:
 
 def test_the_loader_logs_the_table_and_the_layers_hold_the_set(tmp_path, caplog) -> None:
     ckpt = write_checkpoint(tmp_path, preset_config("tiny"), seed=1)
-    with caplog.at_level(logging.INFO, logger="models.loader"):
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.models.loader"):
         model = load_model(ckpt, dtype="float32")
     table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
     assert all(f"  {name} " in table for name in OPS)
@@ -134,7 +144,7 @@ def test_the_loader_logs_the_table_and_the_layers_hold_the_set(tmp_path, caplog)
 
 def test_importing_the_model_does_not_import_triton() -> None:
     code = (
-        "import sys, kernels, models.qwen3_next, mem_cache.kv_pool\n"
+        "import sys, kernels, hybrid_serve.models.qwen3_next, hybrid_serve.mem_cache.kv_pool\n"
         "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -143,7 +153,7 @@ def test_importing_the_model_does_not_import_triton() -> None:
 def test_a_level_without_vector_bodies_takes_torchs_matmuls(monkeypatch) -> None:
     """x86's generic level runs simd.h's scalar bodies: `auto` takes the torch set there, `cpp`
     still forces the C++ one."""
-    from kernels import cpp_build, cpu_levels
+    from hybrid_serve.kernels import cpp_build, cpu_levels
 
     generic = cpu_levels.get("generic", "x86_64")
     monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
@@ -171,7 +181,7 @@ def test_bf16_products_by_cpu_features_and_setting(monkeypatch, setting, feature
     features faked here, never the host's), or where the settings force it; everywhere else
     every product is the exact one, the same functions as without the route. The torch
     references never take it."""
-    from kernels import cpp_fused, cpp_ops
+    from hybrid_serve.kernels import cpp_fused, cpp_ops
 
     monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
     monkeypatch.setattr(cpu_levels, "host_features", lambda cpuinfo=None: frozenset(features))
@@ -193,13 +203,15 @@ def test_bf16_products_by_cpu_features_and_setting(monkeypatch, setting, feature
         assert ("cpp_ops.linear(bf16_products=True)" in table) is route
         assert ops.info()["bf16_products"] is route
     torch_ops = choose("cpu", settings=KernelSettings("torch", bf16_products=setting))
-    assert not torch_ops.bf16_products and torch_ops.linear.__module__ == "kernels.linear"
+    assert (
+        not torch_ops.bf16_products and torch_ops.linear.__module__ == "hybrid_serve.kernels.linear"
+    )
 
 
 def test_the_table_names_functions_and_the_values_partials_bind() -> None:
     """`describe`, the table's column: a function as module.qualname, a partial as its function
     and what it binds (nested partials likewise), a bound flag, size or name as name=value."""
-    from kernels import cpp_ops
+    from hybrid_serve.kernels import cpp_ops
 
     describe = kernel_set.describe
     assert describe(rmsnorm.rms_norm) == "rmsnorm.rms_norm"

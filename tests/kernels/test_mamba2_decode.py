@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpp_fused, mamba2_step
+from hybrid_serve.kernels import cpp_fused, mamba2_step
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.mamba2_step import mamba2_decode, mamba2_verify
-from kernels.rmsnorm import rms_norm_gate_first
-from kernels.selective_state_update import selective_state_update
-from kernels.ssd import mamba_chunk_scan_combined
+from hybrid_serve.kernels.mamba2_step import mamba2_decode, mamba2_verify
+from hybrid_serve.kernels.rmsnorm import rms_norm_gate_first
+from hybrid_serve.kernels.selective_state_update import selective_state_update
+from hybrid_serve.kernels.ssd import mamba_chunk_scan_combined
 
 H, P, N, G = 4, 3, 5, 2
 

@@ -1,4 +1,4 @@
-"""The Mamba2 Triton kernels against their torch references (kernels.ssd,
+"""The Mamba2 Triton kernels against their torch references (hybrid_serve.kernels.ssd,
 kernels.selective_state_update, kernels.rmsnorm's gate-first norm), on the same inputs, fp32
 (and the norm in bf16).
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import selective_state_update as ssu_ref
-from kernels import ssd
-from kernels.causal_conv1d import PAD_SLOT_ID
-from kernels.kernel_set import triton_module
+from hybrid_serve.kernels import selective_state_update as ssu_ref
+from hybrid_serve.kernels import ssd
+from hybrid_serve.kernels.causal_conv1d import PAD_SLOT_ID
+from hybrid_serve.kernels.kernel_set import triton_module
 
 SSD, SSU = "ssd_triton", "selective_state_update_triton"
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -118,7 +118,7 @@ def test_state_update_matches_reference_and_skips_padding(triton_device, H, P, G
 def test_verify_on_the_triton_set_matches_reference(triton_device) -> None:
     """The Triton set's Mamba2 verify (the reference composition over the Triton conv update and
     state update) against the torch set's: two requests of 3 and 2 rows, step slots kept."""
-    from kernels.kernel_set import reference_set, triton_set
+    from hybrid_serve.kernels.kernel_set import reference_set, triton_set
 
     dev = triton_device
     gen = torch.Generator().manual_seed(7)
@@ -149,7 +149,7 @@ def test_verify_on_the_triton_set_matches_reference(triton_device) -> None:
 )
 def test_rms_norm_gate_first(triton_device, dtype, groups) -> None:
     """Mamba2's output norm: gate first, RMS per group (a group width off the power of two)."""
-    from kernels import rmsnorm
+    from hybrid_serve.kernels import rmsnorm
 
     dev = triton_device
     gen = torch.Generator().manual_seed(groups)

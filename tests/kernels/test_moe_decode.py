@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import torch
 
-from kernels import cpp_fused, moe_step
+from hybrid_serve.kernels import cpp_fused, moe_step
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 fused = partial(cpp_fused.sparse_moe, unfused=None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpp_ops, multi_linear
+from hybrid_serve.kernels import cpp_ops, multi_linear
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 
@@ -30,7 +30,7 @@ def test_linear_multi_matches_reference(lead, dtype, bias) -> None:
 
 def test_rows_past_the_gemv_limit_run_the_linear_op_per_weight() -> None:
     """Beyond the GEMV's 8 rows each weight takes the C++ linear op's product (the tiled GEMM):
-    the same bits as `kernels.cpp_ops.linear` weight by weight."""
+    the same bits as `hybrid_serve.kernels.cpp_ops.linear` weight by weight."""
     torch.manual_seed(0)
     x = torch.randn(9, 16)
     weights = [torch.randn(4, 16), torch.randn(3, 16).to(torch.bfloat16)]
@@ -45,7 +45,7 @@ def test_one_region_equals_each_weight_alone(rows) -> None:
     the threads (`hs::skinny_linear_jobs`); every output is still bit for bit what the GEMV gives
     each weight alone, for mixed fp32 / bf16 weights, sizes that do not fill a block and one big
     enough to be split."""
-    from kernels import cpp_build
+    from hybrid_serve.kernels import cpp_build
 
     ops = cpp_build.load()
     torch.manual_seed(rows)

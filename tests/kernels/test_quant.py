@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_fused, cpp_ops, experts, moe_step
-from kernels.quant import (
+from hybrid_serve.kernels import cpp_fused, cpp_ops, experts, moe_step
+from hybrid_serve.kernels.quant import (
     GROUP,
     SCALE_BYTES,
     dequantize,
@@ -173,7 +173,7 @@ def test_the_format_table_is_what_weights_h_reads():
     activations have the K the table gives for its stored width."""
     import re
 
-    from kernels import cpp_build, weight_formats
+    from hybrid_serve.kernels import cpp_build, weight_formats
 
     header = (cpp_build.CSRC / "weights.h").read_text()
     const = dict(re.findall(r"constexpr int64_t (k\w+) = (\d+);", header))

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_ops
-from kernels.quant import ACT_BLOCK, dequantize, quantize, round_activations
+from hybrid_serve.kernels import cpp_ops
+from hybrid_serve.kernels.quant import ACT_BLOCK, dequantize, quantize, round_activations
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
 
 U = 2.0**-24  # fp32's unit round-off

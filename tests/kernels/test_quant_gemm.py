@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_ops
-from kernels.quant import ACT_BLOCK, GROUP, dequantize, quantize, round_activations
+from hybrid_serve.kernels import cpp_ops
+from hybrid_serve.kernels.quant import ACT_BLOCK, GROUP, dequantize, quantize, round_activations
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
 from tests.kernels.test_quant_dot import bound
 

@@ -13,9 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import decode_attention, extend_attention
-from kernels.causal_conv1d import PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_update
-from kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from hybrid_serve.kernels.attention import decode_attention, extend_attention
+from hybrid_serve.kernels.causal_conv1d import PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_update
+from hybrid_serve.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+)
 
 GDR_OPS = {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}
 K_DIM, V_DIM = 16, 24  # different on purpose: a transposed state cannot pass

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention, causal_conv1d, experts, gated_delta_rule, rmsnorm
-from kernels.causal_conv1d import PAD_SLOT_ID
-from kernels.kernel_set import triton_module
+from hybrid_serve.kernels import attention, causal_conv1d, experts, gated_delta_rule, rmsnorm
+from hybrid_serve.kernels.causal_conv1d import PAD_SLOT_ID
+from hybrid_serve.kernels.kernel_set import triton_module
 
 CONV, GDR, ATTN, NORM, MOE = (
     "causal_conv1d_triton",

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from mem_cache.kv_pool import KVPool
-from mem_cache.mamba_pool import MambaPool
-from mem_cache.req_pool import ReqToTokenPool, SlotAllocator
-from mem_cache.state_shape import MambaStateShape
+from hybrid_serve.mem_cache.kv_pool import KVPool
+from hybrid_serve.mem_cache.mamba_pool import MambaPool
+from hybrid_serve.mem_cache.req_pool import ReqToTokenPool, SlotAllocator
+from hybrid_serve.mem_cache.state_shape import MambaStateShape
 
 
 def make_req_pool(size: int = 6) -> ReqToTokenPool:

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from mem_cache.kv_pool import KVPool
-from mem_cache.mamba_pool import MambaPool
-from mem_cache.radix_cache import MambaRadixCache
-from mem_cache.radix_node import TreeNode
-from mem_cache.state_shape import MambaStateShape
+from hybrid_serve.mem_cache.kv_pool import KVPool
+from hybrid_serve.mem_cache.mamba_pool import MambaPool
+from hybrid_serve.mem_cache.radix_cache import MambaRadixCache
+from hybrid_serve.mem_cache.radix_node import TreeNode
+from hybrid_serve.mem_cache.state_shape import MambaStateShape
 
 
 def make_cache(

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from mem_cache.kv_pool import KVPool
-from mem_cache.mamba_pool import MambaPool
-from mem_cache.radix_cache import MambaRadixCache
-from mem_cache.state_shape import MambaStateShape
+from hybrid_serve.mem_cache.kv_pool import KVPool
+from hybrid_serve.mem_cache.mamba_pool import MambaPool
+from hybrid_serve.mem_cache.radix_cache import MambaRadixCache
+from hybrid_serve.mem_cache.state_shape import MambaStateShape
 
 H = 3
 

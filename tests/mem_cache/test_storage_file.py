@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mem_cache.storage_file import FileStorage, model_identity
+from hybrid_serve.mem_cache.storage_file import FileStorage, model_identity
 
 
 def tensors() -> dict[str, torch.Tensor]:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from kernels import KernelSettings, choose
-from models.loader import load_model
-from scheduler.graph_runner import DecodeGraphRunner
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.kernels import KernelSettings, choose
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 PROMPTS = [[5, 17, 2, 30, 9], [44, 3], list(range(3, 40)), [7] * 11, [1], [9, 9, 4], [60] * 20,
            [2, 8], [31, 5, 7], [12] * 6, [3, 1, 4, 1, 5], [26, 27]]  # fmt: skip

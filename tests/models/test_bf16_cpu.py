@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import KernelSettings, choose
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import cast_matrices, load_model
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.kernels import KernelSettings, choose
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import cast_matrices, load_model
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 
 def _logits(runner: ModelRunner, prompt: list[int], next_id: int) -> torch.Tensor:

@@ -8,9 +8,14 @@ from __future__ import annotations
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from make_model.chat_templates import TEMPLATES, template_for, template_name, tokens_for
-from make_model.cli import CHAT_TEMPLATE_NAMES
-from make_model.tokenizer_builder import build_tokenizer, special_token_ids
+from hybrid_serve.make_model.chat_templates import (
+    TEMPLATES,
+    template_for,
+    template_name,
+    tokens_for,
+)
+from hybrid_serve.make_model.cli import CHAT_TEMPLATE_NAMES
+from hybrid_serve.make_model.tokenizer_builder import build_tokenizer, special_token_ids
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"n": 2, "s": "x"}}}

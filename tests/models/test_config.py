@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from make_model.presets import PRESETS, complete_config, preset_config
-from models.config import ModelConfig
+from hybrid_serve.make_model.presets import PRESETS, complete_config, preset_config
+from hybrid_serve.models.config import ModelConfig
 
 QWEN3_5 = sorted(n for n in PRESETS if PRESETS[n].get("model_type", "").startswith("qwen3_5"))
 

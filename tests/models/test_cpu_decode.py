@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import KernelSettings, choose
-from make_model.presets import preset_config, write_checkpoint
-from models import cpu_decode
-from models.cpu_decode import MAX_ROWS, CpuDecodePlan
-from models.loader import load_model
-from scheduler.graph_runner import DecodeGraphRunner
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.kernels import KernelSettings, choose
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models import cpu_decode
+from hybrid_serve.models.cpu_decode import MAX_ROWS, CpuDecodePlan
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 

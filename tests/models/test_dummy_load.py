@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_config_only
-from make_model.real_shapes import REAL_SHAPES
-from models.loader import load_model
-from models.step_bytes import param_groups
-from scheduler.engine import Engine
-from server.cli import main as cli_main
+from hybrid_serve.make_model.presets import preset_config, write_config_only
+from hybrid_serve.make_model.real_shapes import REAL_SHAPES
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.step_bytes import param_groups
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.server.cli import main as cli_main
 from tests.models.test_load_memory import measure_load_peak
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def _no_weight_files(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a weight file was opened")
 
-    monkeypatch.setattr("models.loader.safe_open", refuse)
+    monkeypatch.setattr("hybrid_serve.models.loader.safe_open", refuse)
 
 
 def test_config_only_directory_has_no_weights(tiny_config_only):
@@ -98,7 +98,7 @@ def test_dummy_weights_follow_the_presets_init(tiny_config_only, monkeypatch):
 
 
 def test_serve_flag():
-    from server.args import parse_serve_args
+    from hybrid_serve.server.args import parse_serve_args
 
     _, runner, _ = parse_serve_args(["--model-path", "/x", "--load-format", "dummy"])
     assert runner.load_format == "dummy"
@@ -127,7 +127,7 @@ def test_dummy_bf16_load_peak_is_one_copy_of_the_weights(tmp_path, tiny_config_o
 
 
 def test_tensor_parallel_shard_keeps_vocab_padding_rows_zero(tmp_path, monkeypatch):
-    from models.parallel import ParallelContext
+    from hybrid_serve.models.parallel import ParallelContext
 
     _no_weight_files(monkeypatch)
     cfg = preset_config("tiny")

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelSettings, choose, cpp_build
-from kernels.experts import grouped_mm_fits, static_experts
-from models.layers import Experts
+from hybrid_serve.kernels import KernelSettings, choose, cpp_build
+from hybrid_serve.kernels.experts import grouped_mm_fits, static_experts
+from hybrid_serve.models.layers import Experts
 
 BACKENDS = ["torch", "cpp"] if cpp_build.available() else ["torch"]
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from make_model.fp8_writer import quantize, write_dequantized
-from make_model.presets import preset_config, write_checkpoint
-from models.fp8 import E4M3, Fp8Config, dequantize, scale_shape
-from models.loader import load_model
-from models.parallel import ParallelContext
-from scheduler.engine import Engine
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.make_model.fp8_writer import quantize, write_dequantized
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.fp8 import E4M3, Fp8Config, dequantize, scale_shape
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 BLOCK = (128, 128)
 
@@ -233,7 +233,7 @@ def test_fp8_on_cuda_stays_fp8_and_serves_its_bf16_twins_tokens(fp8_pair) -> Non
     """By default CUDA keeps the FP8 matrices resident (the Triton block GEMM and FP8 experts):
     each holds the twin's numbers before their rounding to bf16; the logits are the twin's
     within bf16 rounding, and so are the greedy tokens (no near ties in these prompts)."""
-    from kernels.fp8 import dequantize, is_fp8
+    from hybrid_serve.kernels.fp8 import dequantize, is_fp8
 
     fp8, twin = fp8_pair
     a, b = load_model(fp8, "bfloat16", "cuda"), load_model(twin, "bfloat16", "cuda")
@@ -242,7 +242,7 @@ def test_fp8_on_cuda_stays_fp8_and_serves_its_bf16_twins_tokens(fp8_pair) -> Non
         kept += is_fp8(x)
         got = dequantize(x, torch.bfloat16) if is_fp8(x) else x
         assert x.is_cuda and torch.equal(got, y), name
-    assert kept > 0 and a.ops.linear.__module__ == "kernels.fp8_gemm_triton"
+    assert kept > 0 and a.ops.linear.__module__ == "hybrid_serve.kernels.fp8_gemm_triton"
     del a, b
     got, want = _logits(fp8, list(range(3, 40)), "cuda"), _logits(twin, list(range(3, 40)), "cuda")
     assert (got - want).abs().max().item() < 0.05 * want.std().item()

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from make_model.presets import preset_config, write_checkpoint
-from models.fp8 import E4M3
-from models.loader import load_model
-from server.cli import main as cli_main
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.fp8 import E4M3
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.server.cli import main as cli_main
 
 LAYER0 = "model.layers.0"
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.fp8 import Fp8Weight, dequantize, is_fp8, weight_bytes
-from make_model.presets import preset_config, write_checkpoint, write_config_only
-from models.fp8_resident import block_target
-from models.loader import fp8_device, load_model
-from models.parallel import ParallelContext
-from models.weight_map import Target
-from scheduler.pool_sizing import pool_bytes
+from hybrid_serve.kernels.fp8 import Fp8Weight, dequantize, is_fp8, weight_bytes
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint, write_config_only
+from hybrid_serve.models.fp8_resident import block_target
+from hybrid_serve.models.loader import fp8_device, load_model
+from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.weight_map import Target
+from hybrid_serve.scheduler.pool_sizing import pool_bytes
 from tests.models.test_triton_model import greedy
 
 BLOCK = (32, 32)
@@ -63,7 +63,7 @@ def test_placements_land_on_whole_blocks_or_not_at_all() -> None:
     assert expert is None  # starts inside a block
     tail = block_target((50, 96), Target("w", (3, slice(0, 50))), None, BLOCK, (8, 50, 96))
     assert tail.index == (3, slice(0, 2))  # a short last block is whole
-    from models.shard_loader import Shard
+    from hybrid_serve.models.shard_loader import Shard
 
     cols = block_target(shape, Target("w"), Shard(1, ((32, 96),)), BLOCK, (256, 64))
     assert cols.shard == Shard(1, ((1, 3),))
@@ -81,7 +81,7 @@ def test_placements_land_on_whole_blocks_or_not_at_all() -> None:
 
 def test_resident_matrices_hold_the_dequantized_numbers(fp8_tiny, caplog) -> None:
     resident = load_model(fp8_tiny, "float32", fp8_resident=False)
-    with caplog.at_level("INFO", logger="models.loader"):
+    with caplog.at_level("INFO", logger="hybrid_serve.models.loader"):
         kept = load_model(fp8_tiny, "float32", fp8_resident=True)
     names = resident_names(kept)
     leaves = {n.split(".", 3)[-1] for n in names}
@@ -153,7 +153,7 @@ def test_triton_kernels_serve_resident_fp8(fp8_tiny, triton_device, kernels_mode
     prompts = [list(range(3, 24)), [7, 8, 9]]
     ref_tokens, ref_logits = greedy(kept, prompts, dev)
     kernels_mode("triton", kept)
-    assert kept.ops.linear.__module__ == "kernels.fp8_gemm_triton"
+    assert kept.ops.linear.__module__ == "hybrid_serve.kernels.fp8_gemm_triton"
     tokens, logits = greedy(kept, prompts, dev)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() < 1e-3
@@ -181,7 +181,7 @@ def test_dummy_load_keeps_the_configs_fp8_matrices(tmp_path, fp8_tiny) -> None:
 
 
 def test_fp8_stays_off_without_cuda_and_triton() -> None:
-    from kernels import reference_set
+    from hybrid_serve.kernels import reference_set
 
     assert not fp8_device("cpu", reference_set())
     assert isinstance(Fp8Weight, type)
@@ -193,6 +193,9 @@ def test_dummy_fp8_config_stays_fp8_on_cuda_by_default(tmp_path) -> None:
     without asking, the Triton products, finite logits."""
     write_config_only(tmp_path, preset_config("tiny"), fp8_block=BLOCK)
     model = load_model(tmp_path, "bfloat16", "cuda", load_format="dummy")
-    assert resident_names(model) and model.ops.linear.__module__ == "kernels.fp8_gemm_triton"
+    assert (
+        resident_names(model)
+        and model.ops.linear.__module__ == "hybrid_serve.kernels.fp8_gemm_triton"
+    )
     tokens, logits = greedy(model, [list(range(3, 24)), [7, 8, 9]], "cuda")
     assert torch.isfinite(logits).all() and all(len(t) == 3 for t in tokens)

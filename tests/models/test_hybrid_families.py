@@ -16,10 +16,10 @@ import math
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import load_model
-from models.nemotron_h import NemotronHForCausalLM
-from scheduler.model_runner import DecodeInput, ModelRunner, RunnerConfig
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.nemotron_h import NemotronHForCausalLM
+from hybrid_serve.scheduler.model_runner import DecodeInput, ModelRunner, RunnerConfig
 from tests.families import FAMILY_PRESETS, hf_reference
 from tests.hf_reference import hf_greedy
 from tests.ragged_prefill import admit, ragged_prefill

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
 MEASURE = """
 import json, sys, threading, time
 import torch
-from models.loader import load_model
+from hybrid_serve.models.loader import load_model
 
 def anon_kb():
     for line in open("/proc/self/status"):

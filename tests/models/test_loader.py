@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from make_model.presets import preset_config, write_checkpoint
-from models.config import ModelConfig
-from models.loader import load_model
-from models.registry import read_config
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.registry import read_config
 
 
 @pytest.fixture(scope="module")

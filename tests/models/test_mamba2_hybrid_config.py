@@ -14,14 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from make_model.mamba2_hybrid_preset import MAMBA2_HYBRID_REAL_SHAPES, PUBLISHED
-from make_model.presets import count_parameters, preset_config, write_config_only
-from models.bamba import BambaForCausalLM
-from models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
-from models.loader import load_model
-from models.mamba2_hybrid_config import ATTENTION, HYBRID, MAMBA, Mamba2HybridConfig
-from models.registry import family_of, model_class
-from scheduler.pool_sizing import pool_bytes
+from hybrid_serve.make_model.mamba2_hybrid_preset import MAMBA2_HYBRID_REAL_SHAPES, PUBLISHED
+from hybrid_serve.make_model.presets import count_parameters, preset_config, write_config_only
+from hybrid_serve.models.bamba import BambaForCausalLM
+from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.mamba2_hybrid_config import ATTENTION, HYBRID, MAMBA, Mamba2HybridConfig
+from hybrid_serve.models.registry import family_of, model_class
+from hybrid_serve.scheduler.pool_sizing import pool_bytes
 
 GRANITE = {
     "model_type": "granitemoehybrid",

@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from kernels.quant import is_quantized
-from make_model.presets import preset_config, write_checkpoint, write_config_only
-from models.fp8 import E4M3, dequantize
-from models.loader import load_model
-from models.parallel import ParallelContext
-from models.registry import read_config
-from server.cli import main as cli_main
+from hybrid_serve.kernels.quant import is_quantized
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint, write_config_only
+from hybrid_serve.models.fp8 import E4M3, dequantize
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.registry import read_config
+from hybrid_serve.server.cli import main as cli_main
 from tests.tp_harness import run_ranks
 from tests.tp_workers import mtp_outputs
 
@@ -126,7 +126,7 @@ def test_missing_head_tensor_is_named_only_when_the_head_is_loaded(tmp_path, nex
 
 
 def test_without_mtp_the_head_is_skipped_in_one_line(next_moe, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="models.loader"):
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.models.loader"):
         model = load_model(next_moe)
     assert model.mtp is None and model.num_kv_layers == 2
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]

@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from make_model.mtp_fit import TrainableHead, accept_rate, write_head
-from make_model.mtp_fitting import fit_checkpoint, greedy_data
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import checkpoint_files, load_model
-from scheduler.config import RunnerConfig
-from scheduler.model_runner import ExtendInput, ModelRunner
-from server.cli import main as cli_main
+from hybrid_serve.make_model.mtp_fit import TrainableHead, accept_rate, write_head
+from hybrid_serve.make_model.mtp_fitting import fit_checkpoint, greedy_data
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import checkpoint_files, load_model
+from hybrid_serve.scheduler.config import RunnerConfig
+from hybrid_serve.scheduler.model_runner import ExtendInput, ModelRunner
+from hybrid_serve.server.cli import main as cli_main
 
 
 def _with_mtp(name: str) -> dict:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_config_only
-from models.loader import load_model
-from models.nemotron_h import NemotronHForCausalLM
-from models.nemotron_h_config import NemotronHConfig
-from models.registry import family_of, model_class
-from scheduler.pool_sizing import pool_bytes
+from hybrid_serve.make_model.presets import preset_config, write_config_only
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.nemotron_h import NemotronHForCausalLM
+from hybrid_serve.models.nemotron_h_config import NemotronHConfig
+from hybrid_serve.models.registry import family_of, model_class
+from hybrid_serve.scheduler.pool_sizing import pool_bytes
 
 BASE = {
     "model_type": "nemotron_h",

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from models import cpu_decode
-from models.cpu_decode import CpuDecodePlan, NemotronHDecodePlan
-from models.loader import load_model
-from scheduler.graph_runner import DecodeGraphRunner
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models import cpu_decode
+from hybrid_serve.models.cpu_decode import CpuDecodePlan, NemotronHDecodePlan
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
 from tests.models import plan_harness
 from tests.models.plan_harness import assert_steps_alike

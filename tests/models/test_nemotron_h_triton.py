@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from make_model.presets import write_preset
+from hybrid_serve.make_model.presets import write_preset
 from tests.models.test_triton_model import greedy
 
 
 def test_tiny_nemotron_h_triton_matches_torch(tmp_path, triton_device, kernels_mode) -> None:
-    from models.loader import load_model
+    from hybrid_serve.models.loader import load_model
 
     dev = str(triton_device)
     path = write_preset("tiny-nemotron-h", tmp_path, seed=3)
@@ -28,9 +28,12 @@ def test_tiny_nemotron_h_triton_matches_torch(tmp_path, triton_device, kernels_m
 
     ops = model.ops
     assert ops.backend == "triton"
-    assert ops.mamba_chunk_scan_combined.__module__ == "kernels.ssd_triton"
-    assert ops.selective_state_update.__module__ == "kernels.selective_state_update_triton"
+    assert ops.mamba_chunk_scan_combined.__module__ == "hybrid_serve.kernels.ssd_triton"
+    assert (
+        ops.selective_state_update.__module__
+        == "hybrid_serve.kernels.selective_state_update_triton"
+    )
     assert ops.mamba2_decode.keywords["state_update"] is ops.selective_state_update
-    assert ops.rms_norm_gate_first.__module__ == "kernels.rmsnorm_triton"
+    assert ops.rms_norm_gate_first.__module__ == "hybrid_serve.kernels.rmsnorm_triton"
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() < 1e-4

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from make_model.presets import count_parameters, preset_config, write_config_only
-from make_model.tensor_specs import tensor_specs
-from models.gated_delta_net import GatedDeltaNet
-from models.loader import load_model
-from models.olmo_hybrid import OlmoHybridForCausalLM
-from models.olmo_hybrid_config import OlmoHybridConfig
-from models.parallel import ParallelContext
-from models.registry import model_class
-from models.weight_map import checkpoint_map
-from scheduler.pool_sizing import pool_bytes
+from hybrid_serve.make_model.presets import count_parameters, preset_config, write_config_only
+from hybrid_serve.make_model.tensor_specs import tensor_specs
+from hybrid_serve.models.gated_delta_net import GatedDeltaNet
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.olmo_hybrid import OlmoHybridForCausalLM
+from hybrid_serve.models.olmo_hybrid_config import OlmoHybridConfig
+from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.registry import model_class
+from hybrid_serve.models.weight_map import checkpoint_map
+from hybrid_serve.scheduler.pool_sizing import pool_bytes
 
 BASE = {
     "model_type": "olmo_hybrid",

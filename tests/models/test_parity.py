@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import load_model
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.hf_reference import hf_greedy
 from tests.ragged_prefill import admit, ragged_prefill
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from make_model.presets import (
+from hybrid_serve.make_model.presets import (
     PRESETS,
     checkpoint_shapes,
     count_parameters,
@@ -21,7 +21,7 @@ from make_model.presets import (
     write_checkpoint,
     write_preset,
 )
-from make_model.tokenizer_builder import ENDOFTEXT, IM_END, IM_START, build_tokenizer
+from hybrid_serve.make_model.tokenizer_builder import ENDOFTEXT, IM_END, IM_START, build_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -112,7 +112,7 @@ def test_weight_files_get_the_umask_mode_like_the_other_files(tmp_path: Path) ->
 
 def test_tokenizer_is_identical_across_processes() -> None:
     code = (
-        "import hashlib; from make_model.tokenizer_builder import build_tokenizer; "
+        "import hashlib; from hybrid_serve.make_model.tokenizer_builder import build_tokenizer; "
         "print(hashlib.sha256(build_tokenizer(2048).to_str().encode()).hexdigest())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -155,8 +155,8 @@ def test_config_and_tokenizer_are_consistent(tiny_dir: Path) -> None:
     ],
 )
 def test_family_presets_carry_their_template_and_its_end_of_turn(tmp_path, preset, template, eos):
-    from make_model.chat_templates import TEMPLATES
-    from make_model.presets import write_config_only
+    from hybrid_serve.make_model.chat_templates import TEMPLATES
+    from hybrid_serve.make_model.presets import write_config_only
 
     d = write_config_only(tmp_path, preset_config(preset))
     tok = transformers.AutoTokenizer.from_pretrained(str(d))

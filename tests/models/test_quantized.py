@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from kernels.kernel_set import reference_set
-from kernels.quant import GROUP, dequantize, in_features, quantize, round_activations
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import load_model
-from scheduler.engine import Engine
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.kernels.kernel_set import reference_set
+from hybrid_serve.kernels.quant import GROUP, dequantize, in_features, quantize, round_activations
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
 
 NEW = 10
@@ -59,7 +59,7 @@ def rounded_inputs(model: torch.nn.Module) -> Iterator[None]:
 
     with (
         mock.patch("torch.nn.functional.linear", linear),
-        mock.patch("kernels.experts.grouped_mm_fits", return_value=False),
+        mock.patch("hybrid_serve.kernels.experts.grouped_mm_fits", return_value=False),
     ):
         yield
 
@@ -216,7 +216,7 @@ def assert_near_greedy(hf, prompt: list[int], served: list[int]) -> None:
 
 
 def test_serve_flag() -> None:
-    from server.args import parse_serve_args
+    from hybrid_serve.server.args import parse_serve_args
 
     _, runner, _ = parse_serve_args(["--model-path", "/x", "--quantization", "int8"])
     assert runner.quantization == "int8"

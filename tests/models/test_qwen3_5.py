@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from make_model.cli import PRESET_NAMES
-from make_model.presets import PRESETS, preset_config, write_checkpoint
-from models.config import ModelConfig
-from models.loader import load_model
-from models.registry import read_config
-from scheduler.engine import Engine
-from server.cli import main as cli_main
+from hybrid_serve.make_model.cli import PRESET_NAMES
+from hybrid_serve.make_model.presets import PRESETS, preset_config, write_checkpoint
+from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.registry import read_config
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.server.cli import main as cli_main
 from tests.hf_reference import hf_greedy
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
@@ -98,7 +98,7 @@ def test_loader_names_missing_and_extra_tensors(tmp_path):
 
 
 def test_vision_and_mtp_tensors_are_skipped_in_one_line(moe_pair, caplog):
-    with caplog.at_level(logging.INFO, logger="models.loader"):
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.models.loader"):
         load_model(moe_pair[1])
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(lines) == 1 and "model.visual" in lines[0] and "mtp" in lines[0]

@@ -18,18 +18,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from make_model.presets import complete_config, count_parameters, preset_config
-from make_model.real_shapes import PUBLISHED, REAL_SHAPES, real_shape_config
-from models.config import ModelConfig
-from models.qwen3_next import Qwen3NextForCausalLM
-from models.step_bytes import (
+from hybrid_serve.make_model.presets import complete_config, count_parameters, preset_config
+from hybrid_serve.make_model.real_shapes import PUBLISHED, REAL_SHAPES, real_shape_config
+from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.step_bytes import (
     decode_step_bytes,
     expected_experts,
     kv_bytes_per_token,
     param_groups,
     state_bytes_per_request,
 )
-from scheduler.pool_sizing import pool_bytes
+from hybrid_serve.scheduler.pool_sizing import pool_bytes
 
 
 def _config(name: str) -> ModelConfig:
@@ -114,7 +114,7 @@ def test_make_model_gives_each_release_its_thinking_default(tmp_path, name, thin
     think block; larger releases leave <think> open."""
     from transformers import AutoTokenizer
 
-    from server.cli import main as cli_main
+    from hybrid_serve.server.cli import main as cli_main
 
     out = tmp_path / name
     cli_main(["make-model", "--preset", name, "--config-only", "--out", str(out)])

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from models.parallel import ParallelContext
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.parallel import ParallelContext
 from tests.families import hf_reference
 from tests.hf_reference import hf_greedy
 from tests.tp_harness import run_ranks

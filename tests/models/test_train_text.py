@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import make_model.mtp_fitting as mtp_fitting
-from make_model.mtp_fitting import text_prompts
-from make_model.presets import preset_config, write_checkpoint
-from make_model.train_text import (
+import hybrid_serve.make_model.mtp_fitting as mtp_fitting
+from hybrid_serve.make_model.mtp_fitting import text_prompts
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.make_model.train_text import (
     lr_scale,
     read_text,
     resolve_precision,
@@ -24,10 +24,10 @@ from make_model.train_text import (
     tokenize_text,
     train_checkpoint,
 )
-from models.loader import load_model
-from scheduler.config import RunnerConfig
-from scheduler.model_runner import ModelRunner
-from server.cli import main as cli_main
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.config import RunnerConfig
+from hybrid_serve.scheduler.model_runner import ModelRunner
+from hybrid_serve.server.cli import main as cli_main
 from tests.ragged_prefill import admit, ragged_prefill
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from make_model.presets import write_preset
-from models.loader import load_model
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.make_model.presets import write_preset
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 PROMPT_LENS = [3, 21]
 FIRST_ROUND = 12  # tokens per request in the first prefill round
@@ -74,10 +74,10 @@ def test_tiny_model_triton_matches_torch(tmp_path, triton_device, kernels_mode) 
         )
     }
     assert ops.backend == "triton" and used == {
-        "kernels.causal_conv1d_triton",
-        "kernels.gated_delta_rule_triton",
-        "kernels.attention_triton",
-        "kernels.rmsnorm_triton",
+        "hybrid_serve.kernels.causal_conv1d_triton",
+        "hybrid_serve.kernels.gated_delta_rule_triton",
+        "hybrid_serve.kernels.attention_triton",
+        "hybrid_serve.kernels.rmsnorm_triton",
     }
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() < 1e-3

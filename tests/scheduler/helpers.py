@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.engine import Engine, Prompt
-from scheduler.graph_runner import DecodeGraphRunner
-from scheduler.model_runner import ModelRunner
-from scheduler.request import Req, SessionParams
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler
+from hybrid_serve.scheduler.engine import Engine, Prompt
+from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
+from hybrid_serve.scheduler.model_runner import ModelRunner
+from hybrid_serve.scheduler.request import Req, SessionParams
+from hybrid_serve.scheduler.sampling_params import SamplingParams
+from hybrid_serve.scheduler.scheduler import Scheduler
 
 
 @dataclass

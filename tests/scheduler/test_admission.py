@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
-from scheduler.request import FinishReason, Req
-from scheduler.sampling_params import SamplingParams
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.request import FinishReason, Req
+from hybrid_serve.scheduler.sampling_params import SamplingParams
 
 MAX_STEPS = 600
 TIME_LIMIT_S = 120.0
@@ -170,7 +170,7 @@ def test_decode_short_of_kv_retracts_the_chunked_request_first(model_path, monke
 
 
 def test_new_token_ratio_follows_sglang():
-    from scheduler.schedule_policy import NewTokenRatio
+    from hybrid_serve.scheduler.schedule_policy import NewTokenRatio
 
     ratio = NewTokenRatio(1.0)
     assert (ratio.init, ratio.value) == (0.7, 0.7)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
 
 pytestmark = pytest.mark.gpu
 

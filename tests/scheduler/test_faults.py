@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.debug import FAULT_ENV, DebugSwitches
-from scheduler.engine import Engine
-from scheduler.faults import PoolsCorrupt
-from scheduler.loop import SchedulerLoop
-from scheduler.loop_io import InProcessIO
-from scheduler.messages import GenerateMsg
-from scheduler.request import FinishReason, Req
-from scheduler.sampling_params import SamplingParams
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.debug import FAULT_ENV, DebugSwitches
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.faults import PoolsCorrupt
+from hybrid_serve.scheduler.loop import SchedulerLoop
+from hybrid_serve.scheduler.loop_io import InProcessIO
+from hybrid_serve.scheduler.messages import GenerateMsg
+from hybrid_serve.scheduler.request import FinishReason, Req
+from hybrid_serve.scheduler.sampling_params import SamplingParams
 
 OPTIONS = {
     "max_running_requests": 8,

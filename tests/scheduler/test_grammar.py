@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.grammar import GrammarBackend
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.grammar import GrammarBackend
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.experts import static_experts
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import load_model
-from scheduler.config import SchedulerConfig
-from scheduler.graph_runner import DecodeGraphRunner
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.kernels.experts import static_experts
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.config import SchedulerConfig
+from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.scheduler.helpers import StaticBuffers
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.config import SchedulerConfig
+from hybrid_serve.scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
 
 NEW = 12

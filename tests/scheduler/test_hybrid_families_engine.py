@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
 from tests.families import FAMILY_PRESETS, hf_reference
 from tests.hf_reference import hf_greedy
 

@@ -11,11 +11,11 @@ from multiprocessing import Pipe
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
-from scheduler.loop import SchedulerLoop
-from scheduler.loop_io import PipeIO
-from scheduler.messages import (
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.loop import SchedulerLoop
+from hybrid_serve.scheduler.loop_io import PipeIO
+from hybrid_serve.scheduler.messages import (
     AbortMsg,
     GenerateMsg,
     Heartbeat,
@@ -24,8 +24,8 @@ from scheduler.messages import (
     RequestOutput,
     ShutdownMsg,
 )
-from scheduler.sampling_params import SamplingParams
-from server.cli import main as cli_main
+from hybrid_serve.scheduler.sampling_params import SamplingParams
+from hybrid_serve.server.cli import main as cli_main
 
 OPTIONS = {"max_running_requests": 4, "max_total_tokens": 1024, "chunked_prefill_size": 16}
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from benchmarks.ssm_state_dtype import fidelity
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import load_model
-from scheduler.config import RunnerConfig
-from scheduler.engine import Engine
-from scheduler.model_runner import ModelRunner
-from scheduler.pool_sizing import describe, pool_bytes
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.config import RunnerConfig
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.model_runner import ModelRunner
+from hybrid_serve.scheduler.pool_sizing import describe, pool_bytes
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
@@ -91,8 +91,8 @@ def test_bf16_states_take_the_reference_recurrent_ops_on_the_cpp_set(tmp_path):
     """The C++ recurrent ops read and write fp32 states in place: a bf16-state model on the C++
     set runs the references' recurrent ops (the rest stays C++), and a runner refuses a bf16
     pool under a set chosen for fp32 states."""
-    from kernels import KernelSettings, choose, reference_set
-    from kernels.kernel_set import RECURRENT, describe
+    from hybrid_serve.kernels import KernelSettings, choose, reference_set
+    from hybrid_serve.kernels.kernel_set import RECURRENT, describe
 
     try:
         ops = choose("cpu", settings=KernelSettings("cpp"), state_dtype=torch.bfloat16)

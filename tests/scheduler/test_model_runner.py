@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from models.loader import load_model
-from scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
-from scheduler.model_runner import RunnerConfig
-from scheduler.pool_sizing import GB, PoolBytes, pool_bytes, size_pools
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.model_runner import RunnerConfig
+from hybrid_serve.scheduler.pool_sizing import GB, PoolBytes, pool_bytes, size_pools
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
@@ -35,7 +35,7 @@ def test_unit_sizes_equal_the_pools(path):
 
 def test_budget_sizes_the_kv_pool(path, caplog):
     budget_gb = 0.02
-    with caplog.at_level(logging.INFO, logger="scheduler.build"):
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.scheduler.build"):
         engine = Engine(path, max_running_requests=4, pool_memory_gb=budget_gb, page_size=1)
     runner = engine.runner
     sizes = pool_bytes(runner.model)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
-from scheduler.session import SessionError
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.session import SessionError
 
 TOL = 1e-4
 POOLS = {"max_running_requests": 4, "max_total_tokens": 2048}

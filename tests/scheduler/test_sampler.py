@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from scheduler.sampler import Sampler, apply_penalties, make_generator
-from scheduler.sampling_params import SamplingParams
+from hybrid_serve.scheduler.sampler import Sampler, apply_penalties, make_generator
+from hybrid_serve.scheduler.sampling_params import SamplingParams
 
 LOGITS_8 = torch.tensor([1.5, -0.3, 0.8, 2.1, 0.0, -1.2, 1.1, 0.4])
 

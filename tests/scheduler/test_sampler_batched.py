@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from scheduler import sampling_ops
-from scheduler.penalties import TokenCounts, apply_penalties
-from scheduler.sampler import make_generator
-from scheduler.sampling_ops import _full_vocab, row_argmax, sample_rows, seeded_uniforms
-from scheduler.sampling_params import SamplingParams
+from hybrid_serve.scheduler import sampling_ops
+from hybrid_serve.scheduler.penalties import TokenCounts, apply_penalties
+from hybrid_serve.scheduler.sampler import make_generator
+from hybrid_serve.scheduler.sampling_ops import (
+    _full_vocab,
+    row_argmax,
+    sample_rows,
+    seeded_uniforms,
+)
+from hybrid_serve.scheduler.sampling_params import SamplingParams
 
 
 def test_token_counts_follow_the_live_lists() -> None:
@@ -86,8 +91,8 @@ def test_row_argmax_is_argmax() -> None:
 def test_engine_penalties_from_kept_counts_equal_fresh_histories(tmp_path) -> None:
     """Through the real scheduler, every step's tokens from the per-request counts (kept across
     steps) equal those from each request's whole history rebuilt from copies of its lists."""
-    from make_model.presets import preset_config, write_checkpoint
-    from scheduler.engine import Engine
+    from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+    from hybrid_serve.scheduler.engine import Engine
 
     path = write_checkpoint(tmp_path / "tiny", preset_config("tiny"), seed=3)
     engine = Engine(str(path), max_running_requests=4, max_total_tokens=300)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
-from scheduler.request import Req
-from scheduler.sampling_params import SamplingParams
-from scheduler.spec.policy import DraftPolicy, MeasuredCosts
-from scheduler.spec.state import DraftState
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.request import Req
+from hybrid_serve.scheduler.sampling_params import SamplingParams
+from hybrid_serve.scheduler.spec.policy import DraftPolicy, MeasuredCosts
+from hybrid_serve.scheduler.spec.state import DraftState
 from tests.scheduler.helpers import FixedCosts
 from tests.scheduler.test_speculative import GREEDY, POOLS, SPEC, controlled, spec_engine
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from benchmarks.speculative import override_drafts
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.config import RunnerConfig
-from scheduler.debug import FAULT_ENV
-from scheduler.engine import Engine
-from scheduler.request import Req
-from scheduler.sampling_params import SamplingParams
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.config import RunnerConfig
+from hybrid_serve.scheduler.debug import FAULT_ENV
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.request import Req
+from hybrid_serve.scheduler.sampling_params import SamplingParams
 from tests.scheduler.helpers import FixedCosts
 
 NEW = 14

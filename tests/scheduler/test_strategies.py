@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.debug import LAZY_ALLOC_FAIL_ENV
-from scheduler.engine import Engine
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.debug import LAZY_ALLOC_FAIL_ENV
+from hybrid_serve.scheduler.engine import Engine
 from tests.hf_reference import hf_greedy
 from tests.scheduler.helpers import make_req
 

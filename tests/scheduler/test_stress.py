@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
-from scheduler.request import FinishReason, Req
-from scheduler.scheduler import Scheduler
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.request import FinishReason, Req
+from hybrid_serve.scheduler.scheduler import Scheduler
 from tests.scheduler.helpers import make_req
 
 VOCAB = preset_config("tiny")["vocab_size"]

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.engine import Engine
-from scheduler.lockstep import RankLost
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.engine import Engine
+from hybrid_serve.scheduler.lockstep import RankLost
 from tests.hf_reference import hf_greedy
 from tests.scheduler.helpers import FixedCosts
 from tests.tp_harness import run_ranks

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from make_model.presets import preset_config, write_checkpoint
-from scheduler.debug import FAULT_ENV
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.scheduler.debug import FAULT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 512
@@ -100,8 +100,8 @@ class Server:
 
 
 def serve_command(model_path: Path | str, *flags: str) -> list[str]:
-    """`python -m server --model-path PATH FLAGS...` (start() adds the port and log level)."""
-    return [sys.executable, "-m", "server", "--model-path", str(model_path), *flags]
+    """`python -m hybrid_serve.server --model-path PATH FLAGS...` (start() adds port, log level)."""
+    return [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(model_path), *flags]
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Server:

@@ -6,9 +6,9 @@ from dataclasses import fields
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.model_runner import RunnerConfig
-from server.args import ServerConfig, build_serve_parser, parse_serve_args
+from hybrid_serve.scheduler.config import SchedulerConfig
+from hybrid_serve.scheduler.model_runner import RunnerConfig
+from hybrid_serve.server.args import ServerConfig, build_serve_parser, parse_serve_args
 
 
 def test_every_field_has_a_flag():
@@ -62,7 +62,7 @@ def test_bad_values_raise(argv):
 
 
 def test_bad_config_is_one_error_line_before_anything_starts(capsys):
-    from server.cli import main
+    from hybrid_serve.server.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["--model-path", "/nowhere", "--max-running-requests", "0", "--device", "tpu"])
@@ -72,7 +72,7 @@ def test_bad_config_is_one_error_line_before_anything_starts(capsys):
 
 
 def test_offline_subcommands_still_work(tmp_path):
-    from server.cli import main
+    from hybrid_serve.server.cli import main
 
     main(["make-model", "--preset", "tiny", "--out", str(tmp_path / "m")])
     assert (tmp_path / "m" / "config.json").is_file()
@@ -84,8 +84,8 @@ def test_offline_subcommands_still_work(tmp_path):
 def test_generate_takes_the_runner_configs_flags():
     """`generate`'s engine flags are RunnerConfig's fields (every dtype and load format it
     knows), but for the three sizes the command sets for its one request."""
-    from server.args import config_values
-    from server.cli import GENERATE_SIZES, build_parser
+    from hybrid_serve.server.args import config_values
+    from hybrid_serve.server.cli import GENERATE_SIZES, build_parser
 
     args = build_parser().parse_args(
         ["generate", "--dtype", "float16", "--load-format", "safetensors"]

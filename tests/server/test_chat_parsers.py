@@ -10,13 +10,13 @@ import random
 
 import pytest
 
-from make_model.chat_templates import TEMPLATES
-from server.args import ServerConfig
-from server.chat_output import ChatFormat, ChoiceOutput, chat_format
-from server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
-from server.formats.qwen3_coder import Qwen3Coder, convert_value
-from server.formats.qwen25 import Qwen25
-from server.formats.reasoning import Qwen3Reasoning, Qwen3ThinkingReasoning
+from hybrid_serve.make_model.chat_templates import TEMPLATES
+from hybrid_serve.server.args import ServerConfig
+from hybrid_serve.server.chat_output import ChatFormat, ChoiceOutput, chat_format
+from hybrid_serve.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
+from hybrid_serve.server.formats.qwen3_coder import Qwen3Coder, convert_value
+from hybrid_serve.server.formats.qwen25 import Qwen25
+from hybrid_serve.server.formats.reasoning import Qwen3Reasoning, Qwen3ThinkingReasoning
 
 TOOLS = [
     {
@@ -327,7 +327,7 @@ def test_forced_call_grammars():
     import xgrammar as xgr
     from xgrammar.testing import _is_grammar_accept_string
 
-    from server.tools import call_grammar, think_then_json
+    from hybrid_serve.server.tools import call_grammar, think_then_json
 
     xml_format = Qwen3Coder
 

@@ -30,7 +30,7 @@ MAX_CONNECTIONS = 3
 @pytest.fixture(scope="module")
 def guarded(tiny_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("connections") / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path)]
     cmd += ["--served-model-name", MODEL_NAME, "--context-length", "512"]
     cmd += ["--timeout-header", str(TIMEOUT_HEADER), "--max-header-bytes", str(MAX_HEAD)]
     cmd += ["--max-connections", str(MAX_CONNECTIONS), "--health-timeout", "2"]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from scheduler import cpu_env
+from hybrid_serve.scheduler import cpu_env
 
 
 def test_the_default_spin_count_is_set_unless_the_user_chose(monkeypatch):
@@ -41,7 +41,7 @@ def _clean_env() -> dict[str, str]:
 def test_the_cli_sets_both_before_torch_loads():
     code = (
         "import os, sys\n"
-        "from server import cli\n"
+        "from hybrid_serve.server import cli\n"
         "assert 'torch' not in sys.modules\n"
         "try:\n"
         "    cli.main(['--help'])\n"

@@ -8,7 +8,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from server.detokenizer import REPLACEMENT, IncrementalDetokenizer, TextStream
+from hybrid_serve.server.detokenizer import REPLACEMENT, IncrementalDetokenizer, TextStream
 
 
 @pytest.fixture(scope="module")

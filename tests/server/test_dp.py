@@ -33,7 +33,7 @@ FLAGS += ["--max-running-requests", "16", "--chunked-prefill-size", "64", "--dev
 @pytest.fixture(scope="module")
 def dp_server(tiny_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path), *FLAGS]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path), *FLAGS]
     srv = start([*cmd, "--served-model-name", "tiny-test", "--dp-size", "2"], log, HOLD_ENV)
     try:
         srv.wait_healthy()

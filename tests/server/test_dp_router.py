@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.config import RunnerConfig
-from server.args import ServerConfig
-from server.dp_client import merge_stats, replica_runner_config
-from server.dp_router import PrefixTree, Router, routing_key
+from hybrid_serve.scheduler.config import RunnerConfig
+from hybrid_serve.server.args import ServerConfig
+from hybrid_serve.server.dp_client import merge_stats, replica_runner_config
+from hybrid_serve.server.dp_router import PrefixTree, Router, routing_key
 
 
 def test_tree_matches_longest_prefix_and_splits_edges():
@@ -101,8 +101,8 @@ def test_replica_configs_and_flags(monkeypatch):
 
 
 def test_replica_devices_threads_and_multi_host_refusal(monkeypatch):
-    from scheduler.tp_group import rank_device
-    from server.args import parse_serve_args
+    from hybrid_serve.scheduler.tp_group import rank_device
+    from hybrid_serve.server.args import parse_serve_args
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)))

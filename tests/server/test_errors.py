@@ -242,7 +242,7 @@ def test_a_scheduler_query_timeout_is_a_503_with_retry_after():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from server.errors import install_error_handlers
+    from hybrid_serve.server.errors import install_error_handlers
 
     app = FastAPI()
     install_error_handlers(app)

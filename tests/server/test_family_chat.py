@@ -16,7 +16,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from tests.server.conftest import running, serve_command, wait_idle_and_clean
 from tests.server.test_reasoning_server import (
     OFF,

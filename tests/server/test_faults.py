@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from scheduler.debug import FAULT_ENV
+from hybrid_serve.scheduler.debug import FAULT_ENV
 from tests.server.conftest import CONTEXT, alive, children_of, start, wait_idle_and_clean
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -26,7 +26,7 @@ N = 24
 @pytest.fixture(scope="module")
 def faulty(tiny_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path)]
     cmd += ["--context-length", str(CONTEXT), "--max-total-tokens", "8192"]
     cmd += ["--chunked-prefill-size", "64", "--max-running-requests", "8"]
     # boom-abort is also paused after two outputs, so it is still running when its abort comes

@@ -21,7 +21,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 8}
 
 def test_host_tier_serves_a_demoted_prefix_and_reports_it(tiny_path, tmp_path):
     cmd = [
-        sys.executable, "-m", "server", "--model-path", str(tiny_path),
+        sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path),
         "--context-length", "512", "--max-total-tokens", "320", "--max-running-requests", "2",
         "--disable-cuda-graph", "--enable-hierarchical-cache", "--hicache-ratio", "2",
     ]  # fmt: skip
@@ -70,7 +70,7 @@ def test_a_restarted_server_serves_the_prefix_from_storage(tiny_path, tmp_path):
     """640 prefix tokens (ten 64-token blocks; extra_buffer snapshots the state at 640) are
     written to storage by one server; a second server on the same folder prefetches them."""
     cmd = [
-        sys.executable, "-m", "server", "--model-path", str(tiny_path),
+        sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path),
         "--context-length", "1024", "--max-total-tokens", "1200", "--max-running-requests", "2",
         "--disable-cuda-graph", "--mamba-scheduler-strategy", "extra_buffer",
         "--enable-hierarchical-cache", "--hicache-storage-backend", "file",

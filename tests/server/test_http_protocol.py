@@ -1,4 +1,4 @@
-"""uvicorn's internals that server/http_protocol.py (an `H11Protocol` subclass) and
+"""uvicorn's internals that hybrid_serve/server/http_protocol.py (an `H11Protocol` subclass) and
 server/launch.py (a `uvicorn.Server` subclass) rely on, checked in the installed uvicorn without a
 network: its version lies inside pyproject.toml's bound, and each internal behaves as the
 subclasses assume (`connections` counts this connection once `connection_made` ran, `app` is
@@ -24,7 +24,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from uvicorn.server import ServerState
 
-from server.http_protocol import guarded_protocol
+from hybrid_serve.server.http_protocol import guarded_protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUEST = b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n"
@@ -126,7 +126,7 @@ def test_the_header_deadline_runs_on_the_protocols_loop():
 
 
 def test_launch_uses_what_the_installed_uvicorn_offers():
-    """server/launch.py's Config keywords and Server hooks."""
+    """hybrid_serve/server/launch.py's Config keywords and Server hooks."""
     params = inspect.signature(uvicorn.Config).parameters
     for name in ("http", "timeout_keep_alive", "timeout_graceful_shutdown"):
         assert name in params, name

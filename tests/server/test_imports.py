@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2] / "hybrid_serve"
 PACKAGE = "server"
 
 
 def server_imports(path: Path) -> set[str]:
-    """The server.* modules `path` imports anywhere in its body (`from server import x` counts
-    as server.x when x is a module)."""
+    """The server modules `path` imports anywhere in its body (`from hybrid_serve.server import x`
+    counts as server.x when x is a module)."""
     modules = {p.stem for p in (ROOT / PACKAGE).glob("*.py")}
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -27,8 +27,8 @@ def server_imports(path: Path) -> set[str]:
             continue
         for name in names:
             parts = name.split(".")
-            if len(parts) == 2 and parts[0] == PACKAGE and parts[1] in modules:
-                found.add(parts[1])
+            if len(parts) == 3 and parts[:2] == ["hybrid_serve", PACKAGE] and parts[2] in modules:
+                found.add(parts[2])
     return found - {path.stem}
 
 
@@ -64,40 +64,40 @@ def test_server_has_no_import_cycle():
     graph = {p.stem: server_imports(p) for p in sorted((ROOT / PACKAGE).glob("*.py"))}
     assert len(graph) > 10 and graph["cli"]  # the parse sees the package's imports
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle in server/: " + " -> ".join(cycle)
+    assert cycle is None, "import cycle in hybrid_serve/server/: " + " -> ".join(cycle)
 
 
 API_MODULES = [
-    "server.cli",
-    "server.args",
-    "server.launch",
-    "server.http_server",
-    "server.openai_api",
-    "server.native_api",
-    "server.client",
-    "server.generation",
+    "hybrid_serve.server.cli",
+    "hybrid_serve.server.args",
+    "hybrid_serve.server.launch",
+    "hybrid_serve.server.http_server",
+    "hybrid_serve.server.openai_api",
+    "hybrid_serve.server.native_api",
+    "hybrid_serve.server.client",
+    "hybrid_serve.server.generation",
 ]
 
 
 def test_api_process_imports_no_torch():
     """Everything the API process imports up to building the app, and the configs it parses,
     leave torch unloaded; the scheduler process's entry point is named without importing it. Of
-    kernels/, only the torch-free weight-format table loads (the config validates
+    hybrid_serve/kernels/, only the torch-free weight-format table loads (the config validates
     --quantization with it)."""
     code = (
         "import sys\n"
         + "".join(f"import {m}\n" for m in API_MODULES)
-        + "from server.args import parse_serve_args\n"
+        + "from hybrid_serve.server.args import parse_serve_args\n"
         + "configs = parse_serve_args(['--max-running-requests', '4', '--dtype', 'float32'])\n"
-        + "from scheduler.process import run_scheduler\n"
-        + "heavy = sorted(m for m in ('torch', 'transformers', 'models', 'mem_cache')\n"
-        + "               if m in sys.modules)\n"
-        + "heavy += sorted(m for m in sys.modules if m.startswith('kernels.')\n"
-        + "                and m != 'kernels.weight_formats')\n"
+        + "from hybrid_serve.scheduler.process import run_scheduler\n"
+        + "heavy = sorted(m for m in ('torch', 'transformers', 'hybrid_serve.models',\n"
+        + "                           'hybrid_serve.mem_cache') if m in sys.modules)\n"
+        + "heavy += sorted(m for m in sys.modules if m.startswith('hybrid_serve.kernels.')\n"
+        + "                and m != 'hybrid_serve.kernels.weight_formats')\n"
         + "print(heavy)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
@@ -105,7 +105,7 @@ def test_api_process_imports_no_torch():
 
 def test_config_dtype_names_match_the_loader():
     """RunnerConfig validates --dtype against a torch-free copy of the loader's names."""
-    from models.loader import DTYPES
-    from scheduler.config import DTYPE_NAMES
+    from hybrid_serve.models.loader import DTYPES
+    from hybrid_serve.scheduler.config import DTYPE_NAMES
 
     assert DTYPE_NAMES == tuple(DTYPES)

@@ -55,7 +55,15 @@ def test_make_serve_starts_the_default_model(tmp_path):
 
 
 def test_api_key_and_sigterm(tiny_path, tmp_path):
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path), "--api-key", "s3cret"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_serve.server",
+        "--model-path",
+        str(tiny_path),
+        "--api-key",
+        "s3cret",
+    ]
     srv = start(cmd, tmp_path / "key.log")
     try:
         srv.wait_healthy()  # /health is open
@@ -80,7 +88,7 @@ def test_api_key_and_sigterm(tiny_path, tmp_path):
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "server", "--model-path", str(tmp_path / "nope")],
+        [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tmp_path / "nope")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -30,7 +30,7 @@ MAX_BODY = 200_000
 @pytest.fixture(scope="module")
 def limited(tiny_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("limits") / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path)]
     cmd += ["--served-model-name", MODEL_NAME, "--context-length", "512"]
     cmd += ["--max-running-requests", "2", "--max-queued-requests", "2"]
     cmd += ["--max-request-bytes", str(MAX_BODY), "--max-fan-out", "8", "--health-timeout", "1"]

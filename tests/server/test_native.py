@@ -149,7 +149,9 @@ def test_admin_routes(http):
     assert server["scheduler_config"]["chunked_prefill_size"] == 64
     assert server["pools"]["kv_pages_total"] > 0
     assert server["leak_check"] == {"idle": True, "problems": []}
-    from kernels import cpp_build  # the server loads this machine's level of the C++ kernels
+    from hybrid_serve.kernels import (
+        cpp_build,  # the server loads this machine's level of the C++ kernels
+    )
 
     kernels = server["kernels"]
     if cpp_build.load() is not None:

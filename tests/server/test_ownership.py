@@ -35,7 +35,7 @@ def _auth(key: str) -> dict[str, str]:
 def two_keys(tiny_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ownership")
     (tmp / "keys").write_text("alice-key\nbob-key\n")
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path), *TRACKED]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path), *TRACKED]
     cmd += ["--api-key-file", str(tmp / "keys"), "--max-sessions", "3"]
     srv = start([*cmd, "--cache-isolation", "per-key"], tmp / "log", HOLD_ENV)
     try:
@@ -170,7 +170,7 @@ def test_a_second_key_cannot_stop_or_flush_the_first(two_keys):
 @pytest.fixture(scope="module")
 def secret_server(tiny_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("secret")
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path), *TRACKED]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path), *TRACKED]
     srv = start(cmd, tmp / "log", {"HYBRID_SERVE_SESSION_SECRET": "s3cret"})
     try:
         srv.wait_healthy()

@@ -8,7 +8,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
-from make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from tests.hf_reference import hf_greedy
 from tests.server.conftest import serve_command, start, wait_idle_and_clean
 

@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from tests.server.conftest import running, serve_command, wait_idle_and_clean
 
 WEATHER = {

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.errors import APIError
-from server.security import Keys
+from hybrid_serve.server.errors import APIError
+from hybrid_serve.server.security import Keys
 from tests.server.conftest import HELD, HOLD_ENV, serve_command, start, wait_idle_and_clean
 
 BODY = {"model": "default", "prompt": "x", "max_tokens": 2}

@@ -43,7 +43,7 @@ def wait_exit(srv, kids: list[int], timeout: float = 60) -> int:
 
 def test_sigterm_under_load_drains_and_every_request_gets_an_end(tiny_path, tmp_path):
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path)]
     cmd += ["--served-model-name", MODEL_NAME, "--context-length", "16384"]
     cmd += ["--max-running-requests", "4", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     srv = start(cmd, log, HOLD_ENV)
@@ -117,7 +117,7 @@ def test_sigterm_under_load_drains_and_every_request_gets_an_end(tiny_path, tmp_
 
 def test_sigterm_while_the_model_loads_exits_cleanly(tiny_path, tmp_path):
     log = tmp_path / "server.log"
-    srv = start([sys.executable, "-m", "server", "--model-path", str(tiny_path)], log)
+    srv = start([sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path)], log)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # the first answer: usually 503 (still loading)
         assert srv.proc.poll() is None, log.read_text()[-4000:]
@@ -136,7 +136,7 @@ def test_a_killed_api_process_takes_the_loading_scheduler_with_it(tiny_path, tmp
     API process once the scheduler has started and the scheduler is killed too, not left to
     finish loading. This process becomes the orphans' subreaper to read how it ended."""
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path)]
     cmd += ["--port", str(free_port()), "--log-level", "info"]
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     assert libc.prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
@@ -144,7 +144,9 @@ def test_a_killed_api_process_takes_the_loading_scheduler_with_it(tiny_path, tmp
         with log.open("w") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
-        while "scheduler scheduler.cpu_env" not in log.read_text():  # past die_with_parent
+        while (
+            "scheduler hybrid_serve.scheduler.cpu_env" not in log.read_text()
+        ):  # past die_with_parent
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.05)
         kids = children_of(proc.pid)
@@ -166,7 +168,15 @@ def test_a_busy_port_fails_before_loading_the_model(tiny_path):
         taken.listen()
         t0 = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "server", "--model-path", str(tiny_path), "--port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "hybrid_serve.server",
+                "--model-path",
+                str(tiny_path),
+                "--port",
+                str(port),
+            ],
             capture_output=True,
             text=True,
             timeout=120,

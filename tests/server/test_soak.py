@@ -34,7 +34,7 @@ MAX_GAP_S = 15.0  # the livelock of issue 13 froze every stream for 20 s and mor
 @pytest.fixture(scope="module")
 def small_pools(tiny_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("soak") / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model-path", str(tiny_path)]
+    cmd = [sys.executable, "-m", "hybrid_serve.server", "--model-path", str(tiny_path)]
     cmd += ["--context-length", "512", "--max-running-requests", "4"]
     cmd += ["--max-total-tokens", "512", "--chunked-prefill-size", "64"]
     cmd += ["--max-mamba-cache-size", "6", "--schedule-conservativeness", "0.01"]

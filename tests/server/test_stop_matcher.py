@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from server.stop_matcher import StopMatcher
+from hybrid_serve.server.stop_matcher import StopMatcher
 
 
 class CountingList(list):

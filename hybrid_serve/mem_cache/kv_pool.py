@@ -1,0 +1,141 @@
+"""Paged K/V cache for the full-attention layers of a hybrid model.
+
+Only the full-attention layers have a KV cache; the model addresses them by their dense index among
+attention layers (``0..num_layers-1``), not by their global layer id. Memory is handed out in pages
+of ``page_size`` tokens. Page ``p`` covers the token locations ``p * page_size .. p * page_size +
+page_size - 1``; page 0 (locations ``0..page_size-1``) is reserved as the write target of padded
+batch rows and is never handed out (invariant I1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_serve.kernels.attention import store_kv
+from hybrid_serve.mem_cache.req_pool import SlotAllocator, SlotPool
+
+
+class KVPool(SlotPool):
+    """K and V buffers of every attention layer, each ``[rows, num_kv_heads, head_dim]``.
+
+    ``rows = (num_pages + 1) * page_size``: page 0 is the reserved padding page.
+
+    ``k_buffer[i]`` / ``v_buffer[i]`` are views into one contiguous allocation per kind, so the list
+    entries are stable: kernels may keep references to them. Buffers start zeroed.
+
+    Allocation is by page: `alloc` returns CPU int64 page ids (host bookkeeping, whatever the buffer
+    device), `free` takes them back. The caller owns the pages it received until it frees them,
+    exactly once; the pool never frees on its own. Freed pages are not cleared, so a reader must
+    only read locations it has written. Freeing is whole-page: the caller tracks which tokens of a
+    page are in use.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_layers < 0 or num_kv_heads < 1 or head_dim < 1:
+            raise ValueError(
+                f"bad KV shape: num_layers={num_layers}, num_kv_heads={num_kv_heads}, "
+                f"head_dim={head_dim}"
+            )
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.allocator = SlotAllocator(num_pages, name="KVPool")
+        rows = (num_pages + 1) * page_size
+        shape = (num_layers, rows, num_kv_heads, head_dim)
+        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_buffer: list[torch.Tensor] = list(self._k.unbind(0))
+        self.v_buffer: list[torch.Tensor] = list(self._v.unbind(0))
+
+    @property
+    def size(self) -> int:
+        """Usable capacity in pages (page 0 excluded)."""
+        return self.num_pages
+
+    @staticmethod
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of K plus V one token occupies across all attention layers (for sizing)."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    # ----------------------------------------------------------------------------- allocation
+
+    def alloc(self, n_pages: int) -> torch.Tensor | None:
+        """Hand out ``n_pages`` distinct pages (int64 CPU tensor), or ``None`` (pool unchanged) if
+        short. Never returns page 0."""
+        pages = self.allocator.alloc(n_pages)
+        if pages is None:
+            return None
+        return torch.tensor(pages, dtype=torch.int64)
+
+    def alloc_locs(self, n_tokens: int) -> torch.Tensor | None:
+        """Whole pages for ``n_tokens`` (a multiple of ``page_size``) as token locations (see
+        `page_locs`), or ``None`` if short; all or nothing, as `alloc`."""
+        pages = self.alloc(n_tokens // self.page_size)
+        return None if pages is None else self.page_locs(pages)
+
+    def free_locs(self, locs: torch.Tensor) -> None:
+        """Free the pages of token locations ``locs`` (whole pages, as `alloc_locs` gave them)."""
+        if len(locs):
+            self.free((locs[:: self.page_size] // self.page_size).tolist())
+
+    def available_tokens(self) -> int:
+        return self.allocator.available() * self.page_size
+
+    def page_locs(self, pages: torch.Tensor) -> torch.Tensor:
+        """Token locations of ``pages``, page by page: int64 ``[len(pages) * page_size]`` on the
+        device of ``pages``."""
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
+        return (pages.to(torch.int64).unsqueeze(-1) * self.page_size + offsets).reshape(-1)
+
+    # ------------------------------------------------------------------------------- K/V access
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` ``[N, num_kv_heads, head_dim]`` at token locations ``loc`` ``[N]``.
+
+        ``layer`` is the dense attention-layer index. Values are cast to the buffer dtype and
+        device; ``loc`` is moved to the buffer device if needed. Locations are not range-checked
+        (that would synchronise with the device): they must lie in
+        ``0..(num_pages+1)*page_size-1``, and only padding rows may target page 0. Repeated
+        locations within one call are undefined.
+        """
+        n = loc.shape[0] if loc.dim() == 1 else -1
+        want = (n, self.num_kv_heads, self.head_dim)
+        if n < 0 or tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(
+                f"set_kv: expected loc [N] and k, v {list(want)}, got loc {list(loc.shape)}, "
+                f"k {list(k.shape)}, v {list(v.shape)}"
+            )
+        loc = loc.to(device=self.device, dtype=torch.int64)
+        k, v = k.to(self.device), v.to(self.device)
+        store_kv(self.k_buffer[layer], self.v_buffer[layer], loc, k, v)
+
+    @property
+    def k_all(self) -> torch.Tensor:
+        """Every layer's K buffer in one ``[num_layers, rows, num_kv_heads, head_dim]`` tensor
+        (``k_buffer[i]`` is ``k_all[i]``)."""
+        return self._k
+
+    @property
+    def v_all(self) -> torch.Tensor:
+        return self._v
+
+    def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_buffer[layer], v_buffer[layer])``: the live buffers, not copies."""
+        return self.k_buffer[layer], self.v_buffer[layer]

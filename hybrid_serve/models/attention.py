@@ -1,0 +1,95 @@
+"""Gated full attention of Qwen3-Next: GQA softmax attention with q/k RMSNorm, partial RoPE and
+a sigmoid output gate.
+
+    [q | gate] = q_proj(x) (interleaved per head)
+    q = rope(q_norm(q)),  k = rope(k_norm(k_proj(x)))
+    y = o_proj(softmax(q k^T / sqrt(d)) v * sigmoid(gate))
+
+New K/V are written into the KV pool at `ForwardBatch.out_loc`; keys are read back through
+`req_to_token`, so cached prefixes and new tokens are handled alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid_serve.kernels import KernelSet
+from hybrid_serve.kernels.attn_step import apply_rope
+from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.forward_batch import ForwardBatch
+from hybrid_serve.models.layers import REFERENCE, Linear, RMSNorm
+from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.parallel_layers import row_linear
+
+
+class GatedAttention(nn.Module):
+    """`config` carries this rank's head counts (`ParallelContext.local_shapes`); o_proj sums
+    the ranks' heads."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_layer_id: int,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
+    ) -> None:
+        super().__init__()
+        c, self.ops = config, ops
+        self.attn_layer_id = attn_layer_id  # index among the full-attention layers
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        bias = c.attention_bias
+        q_rows, kv_rows = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(c.hidden_size, q_rows, bias=bias, ops=ops)
+        self.k_proj = Linear(c.hidden_size, kv_rows, bias=bias, ops=ops)
+        self.v_proj = Linear(c.hidden_size, kv_rows, bias=bias, ops=ops)
+        self.o_proj = row_linear(
+            self.num_heads * self.head_dim, c.hidden_size, bias, tp or ParallelContext(), ops
+        )
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
+    ) -> torch.Tensor:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        qg, k, v = self.ops.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
+        if batch.is_decode:
+            return self.o_proj(self._decode(qg, k, v, cos_sin, batch))
+        return self.o_proj(self._extend(qg, k, v, cos_sin, batch))
+
+    def _extend(self, qg, k, v, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+        T = qg.shape[0]
+        q, gate = qg.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q), *cos_sin)  # [T, nH, hd]
+        k = apply_rope(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *cos_sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        pool = batch.kv_pool
+        k_buf, v_buf = pool.get_kv(self.attn_layer_id)
+        self.ops.store_kv(k_buf, v_buf, batch.out_loc, k, v)
+        o = self.ops.extend_attention(
+            q,
+            k_buf,
+            v_buf,
+            batch.req_to_token,
+            batch.req_slots,
+            batch.prefix_lens_cpu,
+            batch.extend_lens_cpu,
+            self.scale,
+        )  # fmt: skip  [T, nH, hd]
+        return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
+    def _decode(self, qg, k, v, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+        """One token per request: norms, RoPE, the KV write, attention and the gate in one op
+        (`attn_decode`, reference `hybrid_serve.kernels.attn_step`)."""
+        pool = batch.kv_pool
+        return self.ops.attn_decode(
+            qg, k, v, self.q_norm.weight, self.k_norm.weight, *cos_sin, pool.k_all, pool.v_all,
+            self.attn_layer_id, batch.out_loc, batch.req_to_token, batch.req_slots,
+            batch.seq_lens, self.num_heads, self.scale, self.q_norm.eps, batch.max_seq_len or None,
+        )  # fmt: skip

@@ -1,0 +1,235 @@
+"""What a Qwen3-Next or Qwen3.5 checkpoint is: its `config.json`, read into one frozen dataclass
+(`models.registry.read_config` picks the family and reads the file), and what every family's
+config reads the same way (`transformers_defaults`, `checkpoint_ssm_dtype`).
+
+`ModelConfig.from_dict(raw)` accepts Qwen3-Next (`qwen3_next`) and the Qwen3.5 text family
+(`qwen3_5_text`, `qwen3_5_moe_text`, and the multimodal wrappers `qwen3_5` / `qwen3_5_moe`, whose
+`text_config` is read and whose language-model weights sit under `model.language_model.`), with
+both the transformers 4.x RoPE keys (`rope_theta`, `partial_rotary_factor`) and the 5.x
+`rope_parameters` dict (M-RoPE keys are ignored: with text-only positions it equals 1-D RoPE).
+Qwen3.5 differs only in its checkpoint layout (split GDN projections) and its MLP choice (dense on
+every layer, or MoE on every layer). Defaults are transformers' own: the text config is completed
+by transformers' config class for its model_type; the fields that size the model must be in the
+file. A missing field or an unsupported architecture is a `ValueError` whose one line names it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+QWEN3_5_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
+# multimodal wrapper -> the model_type its text_config must carry
+WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+SUPPORTED_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TEXT, *WRAPPERS)
+LINEAR, FULL = "linear_attention", "full_attention"
+SSM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_ssm_dtype(raw: dict[str, Any]) -> str:
+    """The dtype a config.json asks the recurrent (SSM) state to be kept in: its
+    `mamba_ssm_dtype` (Qwen3.5), `mamba_ssm_cache_dtype` (NemotronH), else float32. What
+    `--mamba-ssm-dtype` falls back to (hybrid_serve/scheduler/pool_sizing.py)."""
+    name = raw.get("mamba_ssm_dtype") or raw.get("mamba_ssm_cache_dtype") or "float32"
+    if name not in SSM_DTYPES:
+        raise ValueError(f"config.json: unsupported mamba_ssm_dtype {name!r}")
+    return str(name)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    partial_rotary_factor: float
+    rope_theta: float
+    attention_bias: bool
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MLP / MoE
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    norm_topk_prob: bool
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    # checkpoint layout: "grouped" in_proj_qkvz/in_proj_ba (Qwen3-Next) or "split"
+    # in_proj_qkv/z/b/a (Qwen3.5); where the language model's tensors live in the file
+    gdn_projections: str = "grouped"
+    weight_prefix: str = "model."
+    mtp_num_hidden_layers: int = 0  # decoder layers of the multi-token-prediction head (mtp.*)
+    mamba_ssm_dtype: str = "float32"  # the checkpoint's recurrent-state dtype (SSM_DTYPES)
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
+        if bad:
+            raise ValueError(f"config.json: unsupported layer type {bad[0]!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"config.json: layer_types has {len(self.layer_types)} entries, "
+                f"num_hidden_layers is {self.num_hidden_layers}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError("config.json: num_experts_per_tok must be in 1..num_experts")
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:  # H * dk
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:  # HV * dv
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def linear_norm_eps(self) -> float:  # the GDN output norm's (OLMo-Hybrid's differs)
+        return self.rms_norm_eps
+
+    @property
+    def linear_beta_scale(self) -> float:  # beta = scale * sigmoid(b) (OLMo-Hybrid: 2)
+        return 1.0
+
+    @cached_property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @cached_property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            layer_id not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation_config: dict | None = None) -> ModelConfig:
+        """`raw` (a config.json's dict) read through transformers' config class for its
+        model_type, which supplies every default; fields that size the model must be in `raw`."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture: model_type {model_type!r} "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        prefix = "model."
+        if model_type in WRAPPERS:
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"config.json: missing field 'text_config' ({model_type})")
+            outer = {k: raw[k] for k in ("eos_token_id", "tie_word_embeddings") if k in raw}
+            raw = {**outer, **text, "model_type": text.get("model_type", WRAPPERS[model_type])}
+            if raw["model_type"] != WRAPPERS[model_type]:
+                raise ValueError(
+                    f"config.json: text_config.model_type {raw['model_type']!r} in a "
+                    f"{model_type} config (expected {WRAPPERS[model_type]!r})"
+                )
+            model_type, prefix = raw["model_type"], "model.language_model."
+        qwen3_5 = model_type in QWEN3_5_TEXT
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
+        # transformers 4.x lacks Qwen3.5: Qwen3-Next's defaults are its for every field read here
+        d = transformers_defaults(model_type, raw, fallback="qwen3_next")
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ValueError(f"config.json: missing field {key!r}")
+            return d[key]
+
+        n_layers = int(need("num_hidden_layers"))
+        rope = {**d, **(d.get("rope_parameters") or {})}  # 5.x dict, or 4.x top-level keys
+        if d["hidden_act"] != "silu":
+            raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
+        eos = (generation_config or {}).get("eos_token_id", d.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        # Qwen3.5: dense MLP on every layer, or MoE on every layer, always renormalised
+        all_moe = model_type == "qwen3_5_moe_text"
+        num_experts = 0 if model_type == "qwen3_5_text" else int(need("num_experts"))
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            num_hidden_layers=n_layers,
+            layer_types=tuple(d["layer_types"]),
+            rms_norm_eps=float(d["rms_norm_eps"]),
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            max_position_embeddings=int(d["max_position_embeddings"]),
+            num_attention_heads=int(need("num_attention_heads")),
+            num_key_value_heads=int(need("num_key_value_heads")),
+            head_dim=int(d["head_dim"]),
+            partial_rotary_factor=float(rope["partial_rotary_factor"]),
+            rope_theta=float(rope["rope_theta"]),
+            attention_bias=bool(d["attention_bias"]),
+            linear_num_key_heads=int(need("linear_num_key_heads")),
+            linear_num_value_heads=int(need("linear_num_value_heads")),
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
+            intermediate_size=0 if all_moe else int(need("intermediate_size")),
+            num_experts=num_experts,
+            num_experts_per_tok=int(need("num_experts_per_tok")) if num_experts else 0,
+            moe_intermediate_size=int(need("moe_intermediate_size")) if num_experts else 0,
+            shared_expert_intermediate_size=num_experts
+            and int(d["shared_expert_intermediate_size"]),
+            decoder_sparse_step=1 if qwen3_5 else int(d["decoder_sparse_step"]),
+            mlp_only_layers=() if qwen3_5 else tuple(int(i) for i in d["mlp_only_layers"]),
+            norm_topk_prob=True if qwen3_5 else bool(d["norm_topk_prob"]),
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            eos_token_ids=eos_ids,
+            gdn_projections="split" if qwen3_5 else "grouped",
+            weight_prefix=prefix,
+            mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers", 0)),
+            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
+        )
+
+
+def transformers_defaults(
+    model_type: str, raw: dict[str, Any], fallback: str | None = None
+) -> dict[str, Any]:
+    """`raw` completed by transformers' config class for `model_type` (its `to_dict()`, legacy
+    key and layer-type names remapped as the class does), or by `fallback`'s where the installed
+    transformers lacks that type. Its validators' errors are `ValueError`s."""
+    from transformers import CONFIG_MAPPING
+
+    name = model_type if fallback is None or model_type in CONFIG_MAPPING else fallback
+    try:  # the class mutates nested dicts (rope_parameters) in place
+        return CONFIG_MAPPING[name].from_dict(copy.deepcopy(raw)).to_dict()
+    except Exception as e:
+        raise ValueError(" ".join(f"config.json: {e}".split())) from e

@@ -1,0 +1,223 @@
+"""What every hybrid family's causal LM gives the loader and the scheduler, written once.
+
+The contract: `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`,
+`use_kernels`, `embed_tokens`, `config` / `local_config`, `tp`, `ops`, `mtp`; `CausalLM` holds
+the part every family computes alike (Qwen3-Next's too). A family subclasses
+`HybridForCausalLM` and builds in `build()` a `HybridModel` of its decoder layers under the
+checkpoint's names (`build_stack`, which adds the LM head), or supplies these parts itself:
+
+    hidden_states(batch)   the last layer's output [T, hidden] (before the final norm)
+    final_norm(x)          the final norm of some of those rows
+    embed_tokens           the token embedding (tied to `lm_head` where the config says so)
+    lm_head                the output projection; logits = lm_head(h) * logits_multiplier
+
+The recurrent mixers (Mamba2, Gated DeltaNet) are found in module order, which is their layer
+order and so their Mamba-pool order; each describes its own state (`state_shape`). Under tensor
+parallelism (and only then) every sharded module is asked for its parameters' shards
+(`tp_shards`, see `models.tp_shards`), the embedding and LM head are vocab-parallel, and
+`local_config` carries this rank's attention heads (what its KV pool holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from hybrid_serve.kernels import KernelSet
+from hybrid_serve.mem_cache.state_shape import MambaStateShape
+from hybrid_serve.models.forward_batch import ForwardBatch
+from hybrid_serve.models.layers import REFERENCE, RMSNormPlain, RotaryEmbedding
+from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.parallel_layers import embedding, lm_head
+from hybrid_serve.models.shard_loader import Shard
+from hybrid_serve.models.tp_shards import stacked
+from hybrid_serve.models.weight_map import Target
+
+
+class HybridModel(nn.Module):
+    """A family's stack: the token embedding, `layers` and the final norm, registered under the
+    checkpoint's names (`embed_name`, `norm_name`), and the RoPE angles where the family has
+    positions (`rotary_dim` > 0; in `rotary_dtype`, default the activations'). `layer(config,
+    layer_id, ops, tp)` builds one decoder layer, which is called as `layer(x, batch, cos_sin)`
+    (`cos_sin` None without positions):
+
+        x_0 = embedding_multiplier * embed(ids);   x_(i+1) = layers[i](x_i, batch, cos_sin)
+    """
+
+    def __init__(
+        self,
+        c,
+        layer: Callable[..., nn.Module],
+        ops: KernelSet,
+        tp: ParallelContext,
+        embed_name: str = "embed_tokens",
+        norm_name: str = "norm",
+        rotary_dim: int = 0,
+        embedding_multiplier: float = 1.0,
+        rotary_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_name, self.norm_name = embed_name, norm_name
+        self.embedding_multiplier = embedding_multiplier
+        self.add_module(embed_name, embedding(c.vocab_size, c.hidden_size, tp))
+        self.layers = nn.ModuleList(layer(c, i, ops, tp) for i in range(c.num_hidden_layers))
+        self.add_module(norm_name, RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops))
+        self.rotary = RotaryEmbedding(rotary_dim, c.rope_theta) if rotary_dim else None
+        self.rotary_dtype = rotary_dtype
+
+    @property
+    def embed(self) -> nn.Module:
+        return getattr(self, self.embed_name)
+
+    @property
+    def final_norm(self) -> RMSNormPlain:
+        return getattr(self, self.norm_name)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> the last layer's output [T, hidden] (before the final norm)."""
+        x = self.embed(batch.input_ids)  # [T, hidden]
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        cos_sin = None  # 2 x [T, rotary_dim] with positions
+        if self.rotary is not None:
+            cos_sin = self.rotary.cos_sin(batch.positions, self.rotary_dtype or x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin)
+        return x
+
+
+class CausalLM(nn.Module):
+    """What every family's causal LM (`Qwen3NextForCausalLM`, `HybridForCausalLM`) computes
+    alike from its `final_hidden`, `lm_head` and recurrent mixers."""
+
+    logits_multiplier: float = 1.0  # Granite's 1 / logits_scaling, Falcon-H1's lm_head multiplier
+
+    @property
+    def state_shapes(self) -> tuple[MambaStateShape, ...]:
+        """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what
+        the Mamba pool is built from."""
+        return tuple(m.state_shape for m in self.modules() if hasattr(m, "state_shape"))
+
+    def use_kernels(self, ops: KernelSet) -> None:
+        """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on
+        the same weights)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
+        or [K, vocab] at `logit_indices`; fp32."""
+        return self.logits_from_hidden(self.final_hidden(batch))
+
+    @torch.inference_mode()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s): `forward`
+        is `logits_from_hidden(final_hidden(batch))`."""
+        logits = self.lm_head(hidden)
+        if self.logits_multiplier != 1.0:
+            logits = logits * self.logits_multiplier
+        return logits.float()
+
+
+class HybridForCausalLM(CausalLM):
+    """Base of the Mamba2 / linear-attention hybrids' causal LMs (module docstring): the whole
+    model, or rank `tp.rank`'s shard of it; `ops` is the kernel set every layer calls
+    (`kernels.choose`; the torch references by default). No MTP head is served for these
+    families (`mtp` is always None)."""
+
+    def __init__(
+        self,
+        config,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
+        mtp: bool = False,
+    ) -> None:
+        super().__init__()
+        if mtp:
+            raise ValueError(f"{config.model_type}: no MTP head is served for this family")
+        self.tp, self.ops = tp or ParallelContext(), ops
+        self.config = config
+        self.local_config = config
+        if self.tp.enabled:  # this rank's attention heads: what its KV pool holds
+            self.local_config = replace(
+                config,
+                num_attention_heads=self.tp.split(config.num_attention_heads, "heads")[1],
+                num_key_value_heads=self.tp.kv_heads(config.num_key_value_heads)[1],
+            )
+        self.mtp = None
+        self.stack_name = "model"
+        self.build()
+
+    # ---- the family's stack ------------------------------------------------------------------
+    def build(self) -> None:
+        """Build the family's layers (`build_stack`); the last step of `__init__`."""
+
+    def build_stack(self, layer: Callable[..., nn.Module], name: str = "model", **stack) -> None:
+        """`self.<name>` (the checkpoint's: `model` or `backbone`) = the `HybridModel` of
+        `layer`s (`stack`: its other arguments), then the LM head, tied to the stack's
+        embedding where the config says so."""
+        c = self.config
+        self.stack_name = name
+        self.add_module(name, HybridModel(c, layer, self.ops, self.tp, **stack))
+        self.lm_head = lm_head(c.hidden_size, c.vocab_size, self.tp, self.ops)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return getattr(self, self.stack_name).embed
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """The last layer's output [T, hidden], before the final norm."""
+        return getattr(self, self.stack_name)(batch)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.stack_name).final_norm(x)
+
+    # ---- the contract ------------------------------------------------------------------------
+    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
+        """The part of checkpoint tensor `name` (loading into `target`) this rank reads; None:
+        all of it."""
+        shard = self._param_shards.get(target.param)
+        if shard is None:
+            return None
+        return stacked(shard, len(target.index)) if target.index else shard
+
+    @cached_property
+    def _param_shards(self) -> dict[str, Shard]:
+        """Parameter name -> this rank's shard, from every sharded module and the vocab."""
+        if not self.tp.enabled:
+            return {}
+        found = {}
+        for prefix, module in self.named_modules():
+            if hasattr(module, "tp_shards"):
+                found |= {f"{prefix}.{k}": s for k, s in module.tp_shards().items()}
+        start, count, _ = self.tp.vocab_range(self.config.vocab_size)
+        vocab = Shard(0, ((start, start + count),), rows=count)
+        names = {id(p): n for n, p in self.named_parameters()}
+        for weight in (self.embed_tokens.weight, self.lm_head.weight):
+            found[names[id(weight)]] = vocab
+        return found
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose keys and values the KV pool holds."""
+        return len(self.config.full_attention_layers)
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:
+        """The final normed hidden states of the rows `forward` returns logits for (with
+        `every_row`, of every new token)."""
+        x = self.hidden_states(batch)
+        if not (every_row or batch.is_decode):
+            if batch.logit_indices is not None:
+                x = x[batch.logit_indices]
+            elif not batch.return_all_logits:
+                x = x[batch.last_token_indices()]
+        return self.final_norm(x)

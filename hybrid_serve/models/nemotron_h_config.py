@@ -1,0 +1,142 @@
+"""What a NemotronH checkpoint is (`model_type: nemotron_h`: Nemotron-H, Nemotron-Nano-9B/12B-v2,
+Nemotron-3-Nano): its `config.json`, read into one frozen dataclass.
+
+The stack is a string of blocks, `hybrid_override_pattern` (or transformers 5.x's
+`layers_block_type` list), one mixer per block:
+
+    M  Mamba2 ("linear_attention")       -  relu^2 MLP ("mlp")
+    *  attention, no positions ("full_attention")   E  MoE with a shared expert ("moe")
+
+Defaults are transformers' own (its `NemotronHConfig`, with NVIDIA's legacy key names such as
+`mamba_n_groups` or `mamba_dt_limit`); the fields that size the model must be in the file.
+`intermediate_size` may be a list: one width for every MLP block, or one per MLP block in order
+(as vLLM, SGLang and TensorRT-LLM read it). `time_step_limit` is the file's (default (0, inf)),
+as NVIDIA's own code, vLLM and SGLang apply it; transformers' torch path clamps dt at
+`time_step_min` instead (HF PR #48989), which this server does not follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from hybrid_serve.models.config import checkpoint_ssm_dtype, transformers_defaults
+from hybrid_serve.models.mamba2_hybrid_config import Mamba2StackConfig
+from hybrid_serve.models.mamba2_mixer import Mamba2Config
+
+MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+LAYER_TYPES = (MAMBA, ATTENTION, MLP, MOE)
+PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+
+
+@dataclass(frozen=True, kw_only=True)
+class NemotronHConfig(Mamba2StackConfig):
+    """One block per `layer_types` entry (LAYER_TYPES); attention without positions."""
+
+    LAYER_TYPES: ClassVar[tuple[str, ...]] = LAYER_TYPES
+    # relu^2 MLP and MoE
+    mlp_intermediate_sizes: tuple[int, ...]  # one per MLP block, in order
+    mlp_bias: bool
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    n_group: int  # expert groups of the router's group-limited top-k
+    topk_group: int  # groups a token may pick experts from
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    model_type: str = "nemotron_h"
+    weight_prefix: str = "backbone."  # where the checkpoint's stack lives (our names too)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.mlp_intermediate_sizes) != self.layer_types.count(MLP):
+            raise ValueError(
+                f"config.json: intermediate_size has {len(self.mlp_intermediate_sizes)} "
+                f"entries for {self.layer_types.count(MLP)} MLP blocks"
+            )
+        if MOE in self.layer_types:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError("config.json: num_experts_per_tok must be in 1..n_routed_experts")
+            if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+                raise ValueError("config.json: n_group must divide the experts, topk_group <= it")
+
+    def mlp_width(self, layer_id: int) -> int:
+        """The intermediate size of MLP block `layer_id`."""
+        return self.mlp_intermediate_sizes[self.layer_types[:layer_id].count(MLP)]
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], generation_config: dict | None = None
+    ) -> NemotronHConfig:
+        """`raw` (a config.json's dict) completed by transformers' `NemotronHConfig`."""
+        widths = raw.get("intermediate_size", 0)
+        for_hf = {**raw, "intermediate_size": 0 if isinstance(widths, list) else widths}
+        d = transformers_defaults("nemotron_h", for_hf)
+
+        def need(*keys: str) -> Any:
+            for key in keys:
+                if key in raw:
+                    return d.get(key, raw[key])
+            raise ValueError(f"config.json: missing field {keys[0]!r}")
+
+        need("hybrid_override_pattern", "layers_block_type")
+        types = tuple(d["layers_block_type"])
+        for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+            if d[key] != want:
+                raise ValueError(f"config.json: unsupported {key} {d[key]!r}")
+        if d.get("moe_latent_size") is not None:
+            raise ValueError("config.json: latent MoE projections (moe_latent_size) unsupported")
+        if d.get("attention_bias"):
+            raise ValueError("config.json: attention_bias is unsupported (NemotronH has none)")
+        n_mlp = types.count(MLP)
+        if MLP not in types:
+            mlp_widths: tuple[int, ...] = ()
+        elif isinstance(widths, list):
+            mlp_widths = tuple(int(w) for w in (widths * n_mlp if len(widths) == 1 else widths))
+        else:
+            mlp_widths = (int(need("intermediate_size")),) * n_mlp
+        limit = tuple(float(v) for v in d["time_step_limit"])
+        mamba = Mamba2Config(
+            hidden_size=int(need("hidden_size")),
+            num_heads=int(need("mamba_num_heads")),
+            head_dim=int(need("mamba_head_dim")),
+            n_groups=int(d["n_groups"]),
+            state_size=int(need("ssm_state_size")),
+            conv_kernel=int(d["conv_kernel"]),
+            chunk_size=int(d["chunk_size"]),
+            time_step_limit=(limit[0], limit[1]),
+            conv_bias=bool(d["use_conv_bias"]),
+            proj_bias=bool(d["use_bias"]),
+            norm_eps=float(d["layer_norm_epsilon"]),
+        )
+        eos = (generation_config or {}).get("eos_token_id", d.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        moe = MOE in types
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            layer_types=types,
+            rms_norm_eps=float(d["layer_norm_epsilon"]),
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            max_position_embeddings=int(d["max_position_embeddings"]),
+            num_attention_heads=int(need("num_attention_heads")),
+            num_key_value_heads=int(d["num_key_value_heads"]),
+            head_dim=int(d["head_dim"]),
+            mamba=mamba,
+            mlp_intermediate_sizes=mlp_widths,
+            mlp_bias=bool(d["mlp_bias"]),
+            num_experts=int(need("n_routed_experts")) if moe else 0,
+            num_experts_per_tok=int(need("num_experts_per_tok")) if moe else 0,
+            moe_intermediate_size=int(need("moe_intermediate_size")) if moe else 0,
+            shared_expert_intermediate_size=int(d["moe_shared_expert_intermediate_size"])
+            if moe
+            else 0,
+            n_group=int(d["n_group"]),
+            topk_group=int(d["topk_group"]),
+            norm_topk_prob=bool(d["norm_topk_prob"]),
+            routed_scaling_factor=float(d["routed_scaling_factor"]),
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            eos_token_ids=eos_ids,
+            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
+        )

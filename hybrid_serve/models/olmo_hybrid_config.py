@@ -1,0 +1,137 @@
+"""What an OLMo-Hybrid checkpoint is (`model_type: olmo_hybrid`, AllenAI 2026): its `config.json`,
+read into one frozen dataclass.
+
+Layers are Gated DeltaNet (Qwen3-Next's, `models.gated_delta_net`: the same field names, so the
+same layer reads this config) or attention, 3 to 1 by `layer_types`. OLMo's differences are
+fields: beta = 2 sigmoid(b) when `linear_allow_neg_eigval` (`linear_beta_scale`), the GDN output
+norm's epsilon fixed at 1e-5 as in FLA (`linear_norm_eps`), q/k RMSNorm over all heads, and no
+positional encoding when `rope_theta` is null (the releases), else full RoPE. Defaults are
+transformers' `OlmoHybridConfig`'s, which are the 7B release's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from hybrid_serve.models.config import checkpoint_ssm_dtype, transformers_defaults
+
+LINEAR, FULL = "linear_attention", "full_attention"
+GDN_NORM_EPS = 1e-5  # transformers and vLLM: FLA's FusedRMSNormGated default
+
+
+@dataclass(frozen=True)
+class OlmoHybridConfig:
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # attention (q/k norm over all heads; RoPE only with a rope_theta)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int  # hidden_size / num_attention_heads (a field: a rank's config has fewer heads)
+    attention_bias: bool
+    rotary_dim: int  # 0: no positional encoding
+    rope_theta: float
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    linear_beta_scale: float  # 2 with linear_allow_neg_eigval, else 1
+    # SwiGLU MLP in every layer
+    intermediate_size: int
+    linear_norm_eps: float = GDN_NORM_EPS
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "olmo_hybrid"
+    gdn_projections: str = "olmo"  # separate q/k/v/g/a/b projections and q/k/v convs
+    weight_prefix: str = "model."
+    mtp_num_hidden_layers: int = 0
+    mamba_ssm_dtype: str = (
+        "float32"  # the checkpoint's recurrent-state dtype (hybrid_serve.models.config)
+    )
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
+        if bad:
+            raise ValueError(f"config.json: unsupported layer type {bad[0]!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
+            )
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def linear_key_dim(self) -> int:  # H * dk
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:  # HV * dv
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @cached_property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @cached_property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], generation_config: dict | None = None
+    ) -> OlmoHybridConfig:
+        """`raw` (a config.json's dict) completed by transformers' `OlmoHybridConfig`."""
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in raw:
+                raise ValueError(f"config.json: missing field {key!r}")
+        d = transformers_defaults("olmo_hybrid", raw)
+        if d["hidden_act"] != "silu":
+            raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
+        rope = d.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
+        theta = rope.get("rope_theta")
+        eos = (generation_config or {}).get("eos_token_id", d.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            layer_types=tuple(d["layer_types"]),
+            rms_norm_eps=float(d["rms_norm_eps"]),
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            max_position_embeddings=int(d["max_position_embeddings"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d["num_key_value_heads"]),
+            head_dim=hidden // heads,
+            attention_bias=bool(d["attention_bias"]),
+            rotary_dim=0 if theta is None else hidden // heads,
+            rope_theta=10000.0 if theta is None else float(theta),
+            linear_num_key_heads=int(d["linear_num_key_heads"]),
+            linear_num_value_heads=int(d["linear_num_value_heads"]),
+            linear_key_head_dim=int(d["linear_key_head_dim"]),
+            linear_value_head_dim=int(d["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(d["linear_conv_kernel_dim"]),
+            linear_beta_scale=2.0 if d["linear_allow_neg_eigval"] else 1.0,
+            intermediate_size=int(d["intermediate_size"]),
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            eos_token_ids=eos_ids,
+            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
+        )

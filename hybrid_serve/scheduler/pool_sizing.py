@@ -1,0 +1,105 @@
+"""How many KV tokens fit in the memory the user gives, and the start-up line that says so.
+
+Two ways to give memory (both off by default, when `--max-total-tokens` decides):
+  --mem-fraction-static F   CUDA: F of the device's memory holds the weights and the pools
+                            (SGLang's meaning: the rest is left to activations and graphs)
+  --pool-memory-gb G        any device: G GB (1e9 bytes) for the KV and Mamba pools
+
+The Mamba pool is sized first (its slot count follows the strategy and
+`--max-running-requests`, or `--max-mamba-cache-size`), the request table next, and the KV pool
+takes the rest, rounded down to whole pages. Sizes per unit:
+
+    KV token    = full-attention layers x 2 (K, V) x kv_heads x head_dim x dtype bytes
+    Mamba slot  = sum over recurrent layers of (conv_dim x (K - 1) x dtype bytes
+                  + the temporal state's elements x its dtype's bytes), as each layer
+                  describes its state (`model.state_shapes`), + hidden_size x dtype bytes (the
+                  slot's final-hidden row, exact repeats)
+
+The temporal (SSM) state's dtype is `--mamba-ssm-dtype` (SGLang's flag), else the checkpoint's
+`mamba_ssm_dtype` (`models.config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from hybrid_serve.kernels.fp8 import weight_bytes
+from hybrid_serve.mem_cache.state_shape import state_bytes_per_slot
+from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.loader import DTYPES
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class PoolBytes:
+    kv_per_token: int
+    mamba_per_slot: int
+    weights: int
+    ssm_dtype: torch.dtype = torch.float32
+
+
+def ssm_state_dtype(cfg, model: nn.Module) -> torch.dtype:
+    """The Mamba pool's temporal-state dtype: `cfg.mamba_ssm_dtype` (a RunnerConfig's), else
+    the checkpoint's."""
+    return DTYPES[cfg.mamba_ssm_dtype or model.config.mamba_ssm_dtype]
+
+
+def pool_bytes(model: nn.Module, ssm_dtype: torch.dtype = torch.float32) -> PoolBytes:
+    c: ModelConfig = getattr(model, "local_config", model.config)  # per tensor-parallel rank
+    dtype_bytes = next(model.parameters()).element_size()
+    layers = getattr(model, "num_kv_layers", len(c.full_attention_layers))  # + the MTP head's
+    kv = layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
+    dtype = next(model.parameters()).dtype
+    states = state_bytes_per_slot(model.state_shapes, dtype, ssm_dtype)
+    weights = sum(weight_bytes(p) for p in model.parameters())  # FP8 matrices: 1 B + scales
+    hidden = c.hidden_size * dtype_bytes
+    return PoolBytes(kv, states + hidden, weights, ssm_dtype)
+
+
+def _budget(cfg, sizes: PoolBytes) -> float | None:
+    """Bytes for the pools, or None when the user gave no memory figure."""
+    if cfg.mem_fraction_static and cfg.pool_memory_gb:
+        raise ValueError("give --mem-fraction-static or --pool-memory-gb, not both")
+    if cfg.pool_memory_gb:
+        return cfg.pool_memory_gb * GB
+    if not cfg.mem_fraction_static:
+        return None
+    if not cfg.device.startswith("cuda"):
+        raise ValueError("--mem-fraction-static sizes GPU memory; on CPU use --pool-memory-gb")
+    total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
+    return cfg.mem_fraction_static * total - sizes.weights
+
+
+def size_pools(cfg, sizes: PoolBytes):
+    """`cfg` (a RunnerConfig with its Mamba pool size resolved) with `max_total_tokens` set from
+    the memory budget, when one was given; a budget too small for one full context is a
+    ValueError saying what fits."""
+    budget = _budget(cfg, sizes)
+    if budget is None:
+        return cfg
+    fixed = cfg.mamba_slots * sizes.mamba_per_slot
+    fixed += cfg.max_running_requests * cfg.max_context_len * 4  # req_to_token (int32)
+    pages = int((budget - fixed) // (sizes.kv_per_token * cfg.page_size))
+    tokens = max(pages, 0) * cfg.page_size
+    if tokens < cfg.max_context_len:
+        raise ValueError(
+            f"pool memory {budget / GB:.3f} GB leaves {tokens} KV tokens after "
+            f"{cfg.mamba_slots} Mamba slots ({fixed / GB:.3f} GB with the request table); "
+            f"need at least the context length {cfg.max_context_len}"
+        )
+    return replace(cfg, max_total_tokens=tokens)
+
+
+def describe(cfg, sizes: PoolBytes) -> str:
+    kv = cfg.max_total_tokens * sizes.kv_per_token
+    mamba = cfg.mamba_slots * sizes.mamba_per_slot
+    return (
+        f"memory: weights {sizes.weights / GB:.3f} GB; KV pool {cfg.max_total_tokens} tokens x "
+        f"{sizes.kv_per_token} B = {kv / GB:.3f} GB; Mamba pool {cfg.mamba_slots} slots x "
+        f"{sizes.mamba_per_slot / 1e6:.2f} MB ({sizes.mamba_per_slot / 2**20:.1f} MiB, "
+        f"{str(sizes.ssm_dtype).removeprefix('torch.')} SSM states) = {mamba / GB:.3f} GB"
+    )

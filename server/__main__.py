@@ -1,5 +1,0 @@
-"""`python -m server` is the `hybrid-serve` command."""
-
-from server.cli import main
-
-main()
