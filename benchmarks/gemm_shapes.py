@@ -36,9 +36,7 @@ from hybrid_serve.kernels.cpp_ops import BF16_ROWS
 from hybrid_serve.models.layers import Linear
 from hybrid_serve.models.loader import load_model
 
-GEMV_ROWS = (
-    8  # `hybrid_serve::linear` runs the GEMV up to this many rows (hybrid_serve.kernels.cpp_ops)
-)
+GEMV_ROWS = 8  # `hybrid_serve::linear` runs the GEMV up to this many rows (kernels.cpp_ops)
 
 
 def shapes_of(model: torch.nn.Module) -> dict[tuple[int, int], str]:

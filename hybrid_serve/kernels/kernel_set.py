@@ -89,9 +89,7 @@ class KernelSet:
     mamba2_verify: Callable
     relu2_moe: Callable
     state_dtype: torch.dtype = torch.float32  # the recurrent states the recurrent ops take
-    bf16_products: bool = (
-        False  # the products' bf16 route at batch (C++ set: hybrid_serve.kernels.cpp_ops)
-    )
+    bf16_products: bool = False  # the products' bf16 route at batch (C++ set: kernels.cpp_ops)
 
     def table(self) -> str:
         """One line per op: its name and the function that runs it, after a line naming the

@@ -56,9 +56,7 @@ class Mamba2StackConfig:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     mtp_num_hidden_layers: int = 0  # no MTP head is served for these families
-    mamba_ssm_dtype: str = (
-        "float32"  # the checkpoint's SSM-state dtype (hybrid_serve.models.config)
-    )
+    mamba_ssm_dtype: str = "float32"  # the checkpoint's SSM-state dtype (models.config)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in self.LAYER_TYPES]

@@ -52,9 +52,7 @@ class OlmoHybridConfig:
     gdn_projections: str = "olmo"  # separate q/k/v/g/a/b projections and q/k/v convs
     weight_prefix: str = "model."
     mtp_num_hidden_layers: int = 0
-    mamba_ssm_dtype: str = (
-        "float32"  # the checkpoint's recurrent-state dtype (hybrid_serve.models.config)
-    )
+    mamba_ssm_dtype: str = "float32"  # the checkpoint's recurrent-state dtype (models.config)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]

@@ -83,9 +83,7 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: Any = None  # the output constraint (hybrid_serve/scheduler/grammar.py Constraint)
-    token_counts: Any = (
-        None  # penalties' TokenCounts (hybrid_serve/scheduler/penalties.py), made on first use
-    )
+    token_counts: Any = None  # penalties' TokenCounts (scheduler/penalties.py), made on first use
     queued_at: float = 0.0  # time.monotonic() at add_request
     queue_time: float | None = None  # seconds from add_request to its first prefill batch
     session: SessionParams | None = None
