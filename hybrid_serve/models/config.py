@@ -16,8 +16,11 @@ file. A missing field or an unsupported architecture is a `ValueError` whose one
 from __future__ import annotations
 
 import copy
+import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 QWEN3_5_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -26,6 +29,30 @@ WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 SUPPORTED_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TEXT, *WRAPPERS)
 LINEAR, FULL = "linear_attention", "full_attention"
 SSM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+# transformers >= 5 writes a non-finite float as {"__float__": "Infinity"} (its
+# PreTrainedConfig._encode_special_floats); these are the tags it reads back
+FLOAT_TAG = "__float__"
+FLOAT_TAGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def decode_special_floats(obj: Any) -> Any:
+    """`obj` with every `{"__float__": tag}` replaced by its float, as transformers decodes a
+    config it reads; an unknown tag stays as it is (transformers keeps it too)."""
+    if isinstance(obj, dict):
+        if set(obj) == {FLOAT_TAG} and obj[FLOAT_TAG] in FLOAT_TAGS:
+            return FLOAT_TAGS[obj[FLOAT_TAG]]
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_special_floats(v) for v in obj]
+    return obj
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, generation_config.json) as transformers reads it:
+    Python's JSON with bare `NaN`/`Infinity`, and transformers' special-float tags decoded."""
+    return decode_special_floats(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 def checkpoint_ssm_dtype(raw: dict[str, Any]) -> str:

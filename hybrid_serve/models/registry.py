@@ -9,7 +9,6 @@ the contract the loader and the scheduler rely on (`Qwen3NextForCausalLM`'s: `fo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from hybrid_serve.models.bamba import BambaForCausalLM
-from hybrid_serve.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from hybrid_serve.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, read_json
 from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from hybrid_serve.models.mamba2_hybrid_config import Mamba2HybridConfig
 from hybrid_serve.models.nemotron_h import NemotronHForCausalLM
@@ -88,10 +87,10 @@ def read_config(path: str | Path) -> Config:
     cfg_file = path / "config.json" if path.is_dir() else path
     if not cfg_file.is_file():
         raise ValueError(f"no config.json at {cfg_file}")
-    raw = json.loads(cfg_file.read_text())
+    raw = read_json(cfg_file)
     family = family_of(raw)
     gen_file = cfg_file.parent / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    gen = read_json(gen_file) if gen_file.is_file() else {}
     return family.config_class.from_dict(raw, generation_config=gen)
 
 
