@@ -9,9 +9,9 @@ difference from the trained model patched where its port has one.
                               G = 2, chunk 128
     tiny-olmo-hybrid          OLMo-Hybrid: Gated DeltaNet and attention layers
 
-Patched: NemotronH's torch path clamps dt >= time_step_min (HF PR #48989), where NVIDIA's code,
-vLLM and SGLang (and we) apply the config's time_step_limit (0, inf). Granite, Bamba and
-Falcon-H1 apply the limit as trained (no difference to patch).
+The judge is transformers as it stands: since 5.25 its NemotronH mixer applies the config's
+time_step_limit (0, inf) as NVIDIA's code, vLLM, SGLang and we do (earlier ports clamped
+dt >= time_step_min; tests/models/test_hybrid_families.py checks the reference no longer does).
 """
 
 from __future__ import annotations
@@ -29,24 +29,11 @@ FAMILY_PRESETS = (
 )
 
 
-def patch_time_step_limit(hf) -> None:
-    """transformers' NemotronH mixer clamps dt >= time_step_min in its torch path; the model as
-    trained (and every serving peer) uses the config's limit, (0, inf). A no-op for the other
-    families."""
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
-
-    for module in hf.modules():
-        if isinstance(module, NemotronHMamba2Mixer):
-            module.time_step_limit = tuple(hf.config.time_step_limit)
-
-
-def hf_reference(path, patched: bool = True):
+def hf_reference(path):
     """transformers' model for the checkpoint at `path`, fp32, loaded without a missing or
-    unexpected tensor; with `patched`, as trained (module docstring)."""
+    unexpected tensor."""
     hf, info = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, output_loading_info=True
     )
     assert not any(info.values()), f"transformers did not load the checkpoint cleanly: {info}"
-    if patched:
-        patch_time_step_limit(hf)
     return hf.eval()

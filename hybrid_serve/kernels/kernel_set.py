@@ -138,7 +138,7 @@ def describe(fn: object) -> str:
     if not callable(fn) or name is None:
         return repr(fn)
     module = getattr(fn, "__module__", None)
-    return f"{module.removeprefix('kernels.')}.{name}" if module else name
+    return f"{module.removeprefix('hybrid_serve.kernels.')}.{name}" if module else name
 
 
 def assemble(
@@ -371,7 +371,7 @@ def triton_module(name: str, device: torch.device) -> ModuleType:
     imported for the GPU). Every Triton module records in `INTERPRETED` whether its kernels were
     defined for the interpreter."""
     interpret = device.type != "cuda"
-    full_name = f"kernels.{name}"
+    full_name = f"hybrid_serve.kernels.{name}"
     if interpret and full_name not in sys.modules:
         if "triton" in sys.modules and not interpreter_ready():
             raise RuntimeError(_NO_INTERPRETER.format(device=device))

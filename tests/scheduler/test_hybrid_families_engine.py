@@ -1,6 +1,6 @@
 """Each hybrid family (`tests.families`: NemotronH, Granite-4.0-H with and without experts,
 Bamba, Falcon-H1, OLMo-Hybrid) through the whole scheduler: greedy tokens identical to
-transformers (NemotronH's dt clamp patched) with the radix cache off and on in each Mamba
+transformers with the radix cache off and on in each Mamba
 strategy, prefill chunked at a size neither SSD chunk (128, 256) divides, a repeated prompt and
 a shared prefix served from the cache; the leak checker clean after each."""
 

@@ -4,7 +4,7 @@ shared 512-token prefix reuses at least 448 tokens (prefill one shot, or in chun
 the snapshot at 448 sits inside an SSD chunk) and an exact repeat all but at most one; a prefix
 evicted from the device comes back from the host tier; one written to the storage tier by an
 engine is prefetched by a restarted one; session turns prefill only their new tokens. Greedy
-tokens equal transformers' (NemotronH's dt clamp patched) throughout."""
+tokens equal transformers' throughout."""
 
 from __future__ import annotations
 
