@@ -127,7 +127,7 @@ def op_names() -> list[str]:
 
 
 def describe(fn: object) -> str:
-    """How `table` names an op: a function as `module.qualname` (less `kernels.`), a
+    """How `table` names an op: a function as `module.qualname` (less `hybrid_serve.kernels.`), a
     `functools.partial` as its function followed by what it binds (`name=` and its description
     for a keyword), and any other value, such as a flag, as its repr."""
     if isinstance(fn, partial):
@@ -138,7 +138,7 @@ def describe(fn: object) -> str:
     if not callable(fn) or name is None:
         return repr(fn)
     module = getattr(fn, "__module__", None)
-    return f"{module.removeprefix('kernels.')}.{name}" if module else name
+    return f"{module.removeprefix('hybrid_serve.kernels.')}.{name}" if module else name
 
 
 def assemble(
@@ -365,13 +365,13 @@ def interpreter_ready() -> bool:
 
 
 def triton_module(name: str, device: torch.device) -> ModuleType:
-    """Import `kernels.<name>` (a Triton module) for use on `device`: on a device other than
-    CUDA in triton's interpreter, which must be chosen before triton is first imported (this
-    sets TRITON_INTERPRET=1 if nothing imported triton yet, and raises RuntimeError if it was
-    imported for the GPU). Every Triton module records in `INTERPRETED` whether its kernels were
-    defined for the interpreter."""
+    """Import `hybrid_serve.kernels.<name>` (a Triton module) for use on `device`: on a device
+    other than CUDA in triton's interpreter, which must be chosen before triton is first
+    imported (this sets TRITON_INTERPRET=1 if nothing imported triton yet, and raises
+    RuntimeError if it was imported for the GPU). Every Triton module records in `INTERPRETED`
+    whether its kernels were defined for the interpreter."""
     interpret = device.type != "cuda"
-    full_name = f"kernels.{name}"
+    full_name = f"hybrid_serve.kernels.{name}"
     if interpret and full_name not in sys.modules:
         if "triton" in sys.modules and not interpreter_ready():
             raise RuntimeError(_NO_INTERPRETER.format(device=device))
