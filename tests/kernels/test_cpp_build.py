@@ -139,6 +139,7 @@ def test_no_compiler_warns_once_and_serves_the_references(monkeypatch, tmp_path,
         assert choose("cpu", settings=KernelSettings()).backend == "torch"
         assert cpp_build.load() is None
     assert caplog.text.count("using the torch references") == 1
+    assert "install a C++ compiler (g++, or name one in CXX)" in caplog.text
     assert isinstance(cpp_build.load_error(), cpp_build.NoCompiler)
     assert prebuild.main([]) == 0  # make install goes on: the references serve
     with pytest.raises(RuntimeError, match="cannot be built"):
