@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from hybrid_serve.kernels import KernelSettings, choose, cpp_build, cpu_levels, prebuild
+from tests.kernels.cpp_required import require_cpp
 
 AVX2_EPYC = "fpu sse sse2 pni ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt xsave avx f16c lahf_lm abm bmi1 avx2 bmi2"  # noqa: E501
 ZEN4 = AVX2_EPYC + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni"
@@ -100,9 +101,12 @@ def test_the_library_is_named_by_its_sources_flags_and_level(monkeypatch, tmp_pa
 
 @pytest.fixture
 def broken_sources(monkeypatch, tmp_path):
-    """A source tree whose one file does not compile, and a fresh process state and cache."""
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler")
+    """A source tree whose one file does not compile, and a fresh process state and cache (a
+    failure where there is no compiler to fail on it)."""
+    try:
+        cpp_build.compiler()
+    except cpp_build.NoCompiler as e:
+        pytest.fail(f"a failed build needs a C++ compiler to fail: {e}")
     (tmp_path / "csrc").mkdir()
     (tmp_path / "csrc" / "broken.cpp").write_text("int f() { return undeclared_name; }\n")
     monkeypatch.setattr(cpp_build, "CSRC", tmp_path / "csrc")
@@ -147,8 +151,7 @@ def test_no_compiler_warns_once_and_serves_the_references(monkeypatch, tmp_path,
 
 
 def test_one_level_per_process():
-    if cpp_build.load() is None:
-        pytest.skip(f"C++ kernels unavailable: {cpp_build.load_error()}")
+    require_cpp()
     loaded = cpp_build.loaded_level()
     assert loaded.name == cpu_levels.best().name  # the suite runs at the host's best level
     other = next(lv for lv in cpu_levels.levels() if lv.name != loaded.name)

@@ -16,7 +16,7 @@ from hybrid_serve.models.cpu_decode import MAX_ROWS, CpuDecodePlan
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
-from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
