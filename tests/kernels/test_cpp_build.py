@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,6 +69,25 @@ def test_levels_only_add_features_and_never_use_native():
             if higher.name != "x86-64-v4":  # v4 need not have AVX-VNNI (v3-vnni's)
                 assert lower.requires <= higher.requires, (lower.name, higher.name)
         assert not any("native" in f for lv in levels for f in lv.flags)
+
+
+def test_sapphirerapids_says_it_is_the_vnni_code_and_no_amx_path(monkeypatch, caplog):
+    """The sapphirerapids level compiles x86-64-v4-vnni's vocabulary with other flags, and its
+    description, which the start-up line prints, says so (a library that loads is faked here:
+    no build, whatever the host)."""
+    spr = cpu_levels.get("sapphirerapids", "x86_64")
+    assert spr.features == cpu_levels.get("x86-64-v4-vnni", "x86_64").features
+    assert "x86-64-v4-vnni's AVX-512 + VNNI code" in spr.summary
+    assert "no AMX tiles" in spr.summary and "+ AMX" not in spr.summary
+    library = SimpleNamespace(features=lambda: spr.features)
+    ops = SimpleNamespace(load_library=lambda path: None, hybrid_serve=library)
+    monkeypatch.setattr(cpp_build, "_state", {})
+    monkeypatch.setattr(cpp_build, "torch", SimpleNamespace(ops=ops))
+    monkeypatch.setattr(cpu_levels, "choose", lambda want: spr)
+    monkeypatch.setattr(cpp_build, "build", lambda level, cache: "/a/sapphirerapids.so")
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.kernels.cpp_build"):
+        assert cpp_build.load("sapphirerapids") is library
+    assert f"level sapphirerapids ({spr.summary}; avx512 avx512-vnni)" in caplog.text
 
 
 def test_a_forced_level_must_exist_and_run_here():
