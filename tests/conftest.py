@@ -57,3 +57,21 @@ def kernels_mode(monkeypatch):
             model.use_kernels(choose(weight.device, act))
 
     yield set_mode
+
+
+@pytest.fixture
+def slow_path_warnings(monkeypatch, caplog):
+    """A process that has warned about no slow path yet (`kernels.slow_paths`: the set of keys
+    warned about is emptied for this test), and `count(text)`: how many WARNING records logged
+    since contain `text`."""
+    import logging
+
+    from hybrid_serve.kernels import slow_paths
+
+    monkeypatch.setattr(slow_paths, "_seen", set())
+    caplog.set_level(logging.WARNING)
+
+    def count(text: str) -> int:
+        return sum(r.levelno == logging.WARNING and text in r.getMessage() for r in caplog.records)
+
+    return count

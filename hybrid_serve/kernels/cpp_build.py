@@ -10,12 +10,12 @@ later processes load the cached library in well under a second. Builders take an
 atomic rename, so a half-written library is never loaded. The ops are registered as
 `torch.ops.hybrid_serve.*`.
 
-Failures: where there is no C++ compiler, `load()` logs one WARNING and returns None (callers
-use the torch references). Where the compiler runs and fails, that is a bug or a broken
-toolchain, never a silent fallback: `load()` returns None, logs the compiler's first error, and
-`load_error()` is a `BuildError` that the kernel set refuses to start on unless the torch
-references were asked for (kernels/kernel_set.py). `python -m hybrid_serve.kernels.prebuild` is the
-command line (`make install`, the CPU image).
+Failures: where there is no C++ compiler, `load()` logs one WARNING, which names what to
+install, and returns None (callers use the torch references). Where the compiler runs and
+fails, that is a bug or a broken toolchain, never a silent fallback: `load()` returns None,
+logs the compiler's first error, and `load_error()` is a `BuildError` that the kernel set
+refuses to start on unless the torch references were asked for (kernels/kernel_set.py).
+`python -m hybrid_serve.kernels.prebuild` is the command line (`make install`, the CPU image).
 """
 
 from __future__ import annotations
@@ -166,6 +166,15 @@ def _run(cmd: list[str], level: Level) -> None:
         raise BuildError(level.name, first_error(text), text)
 
 
+# The one WARNING of a process whose C++ kernels cannot be built (`_state` keeps it to one).
+UNAVAILABLE = (
+    "C++ CPU kernels unavailable, using the torch references: %s; every op of a CPU model runs "
+    "the references, which are slower, and there is no CPU decode plan; %s"
+)
+INSTALL = (
+    "install a C++ compiler (g++, or name one in CXX), then python -m hybrid_serve.kernels.prebuild"
+)
+
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ops", "level", "path" once loaded; "error" when it failed
 
@@ -191,8 +200,9 @@ def _load(want: str, settings: KernelSettings) -> None:
     level = cpu_levels.choose(want)  # ValueError: not this CPU's
     if level is None:
         _state["error"] = NoCompiler(f"no C++ kernel level for {platform.machine()}")
-        logger.warning("C++ CPU kernels unavailable, using the torch references: %s",
-                       _state["error"])  # fmt: skip
+        logger.warning(
+            UNAVAILABLE, _state["error"], "no install avoids it: the levels are x86_64 and aarch64"
+        )
         return
     _state["level"] = level
     try:
@@ -203,7 +213,7 @@ def _load(want: str, settings: KernelSettings) -> None:
             raise BuildError(level.name, f"compiled to {compiled!r}, not {level.features!r}", "")
     except NoCompiler as e:
         _state["error"] = e
-        logger.warning("C++ CPU kernels unavailable, using the torch references: %s", e)
+        logger.warning(UNAVAILABLE, e, INSTALL)
         return
     except BuildError as e:
         _state["error"] = e

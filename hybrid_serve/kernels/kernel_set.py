@@ -51,7 +51,8 @@ from hybrid_serve.kernels import (
     selective_state_update,
     ssd,
 )
-from hybrid_serve.kernels.settings import KERNELS_ENV, KernelSettings
+from hybrid_serve.kernels.settings import CPU_LEVEL_ENV, KERNELS_ENV, KernelSettings
+from hybrid_serve.kernels.slow_paths import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def op_names() -> list[str]:
 
 
 def describe(fn: object) -> str:
-    """How `table` names an op: a function as `module.qualname` (less `kernels.`), a
+    """How `table` names an op: a function as `module.qualname` (less `hybrid_serve.kernels.`), a
     `functools.partial` as its function followed by what it binds (`name=` and its description
     for a keyword), and any other value, such as a flag, as its repr."""
     if isinstance(fn, partial):
@@ -279,7 +280,13 @@ def choose(
     """The kernel set for a model whose activations are `dtype` on `device` and whose recurrent
     states are `state_dtype` (see the module docstring). The C++ kernels read and write fp32
     states in place: with other states the C++ set takes the references' recurrent ops
-    (`RECURRENT`). `settings` default to the environment's."""
+    (`RECURRENT`). `settings` default to the environment's.
+
+    Every choice that leaves kernels this code has for the torch references logs one WARNING
+    per process (`slow_paths.warn_once`) naming the ops, the reason and the setting that avoids
+    it: CUDA without triton, CPU activations other than fp32, `cpp` asked for where it does not
+    apply, a scalar CPU level (`vector_level`), states other than fp32 on the C++ set. A build
+    that failed raises (`cpp_ready`); no compiler is `cpp_build`'s one WARNING."""
     settings = settings or KernelSettings.from_env()
     device = torch.device(device)
     backend = settings.backend
@@ -287,10 +294,20 @@ def choose(
     if backend == "auto":
         if device.type == "cuda":
             backend = "triton" if triton_available() else "torch"
+            if backend == "torch":
+                why = _import_error[0] if _import_error else "unavailable"
+                warn_once(logger, "no-triton", NO_TRITON, why)
+        elif device.type == "cpu" and not cpu_fp32:
+            warn_once(logger, f"cpu-activations-{dtype}", CPU_ACTIVATIONS, _name(dtype))
+            backend = "torch"
         else:
-            backend = "cpp" if cpu_fp32 and cpp_ready(settings) and vector_level() else "torch"
+            ready = cpu_fp32 and cpp_ready(settings) and vector_level(settings)
+            backend = "cpp" if ready else "torch"
     if backend == "triton":
         return replace(triton_set(device), state_dtype=state_dtype)
+    if backend == "cpp" and not cpu_fp32:
+        warn_once(logger, f"cpp-off-cpu-{device.type}-{dtype}", CPP_ELSEWHERE, KERNELS_ENV,
+                  _name(dtype), device.type)  # fmt: skip
     if backend == "cpp" and cpu_fp32:
         if not cpp_ready(settings):
             raise RuntimeError(f"{KERNELS_ENV}=cpp but the C++ kernels cannot be built") from (
@@ -298,10 +315,45 @@ def choose(
             )
         ops = cpp_set(settings.fusions, bf16_products(settings))
         if state_dtype != torch.float32:
+            warn_once(logger, f"recurrent-states-{state_dtype}", REFERENCE_RECURRENT,
+                      _name(state_dtype), ", ".join(RECURRENT))  # fmt: skip
             ref = reference_set()
             ops = replace(ops, **{name: getattr(ref, name) for name in RECURRENT})
         return replace(ops, state_dtype=state_dtype)
     return replace(reference_set(), state_dtype=state_dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# The WARNINGs of `choose` (one per process each: `slow_paths.warn_once`).
+NO_TRITON = (
+    "triton cannot be imported (%s): every op of a CUDA model runs the torch references, which "
+    "are slower and capture no CUDA graphs; install triton (pip install -e '.[gpu]') to run the "
+    "Triton kernels"
+)
+CPU_ACTIVATIONS = (
+    "%s activations on the CPU: the C++ kernels take fp32 activations, so every op runs the "
+    "torch references, which are slower, and there is no CPU decode plan; --dtype float32, or "
+    "--dtype bfloat16 (bf16 weights, fp32 activations), runs the C++ kernels"
+)
+CPP_ELSEWHERE = (
+    "%s=cpp, but the C++ kernels take fp32 activations on the CPU, not %s on %s: every op runs "
+    "the torch references, which are slower; on CUDA, auto takes the Triton kernels, and on the "
+    "CPU --dtype float32 or bfloat16 (fp32 activations) runs the C++ kernels"
+)
+REFERENCE_RECURRENT = (
+    "%s recurrent states (--mamba-ssm-dtype, else the checkpoint's config): the C++ recurrent "
+    "kernels read and write fp32 states in place, so %s run the torch references, which are "
+    "slower, and there is no CPU decode plan; --mamba-ssm-dtype float32 keeps them on the C++ "
+    "kernels"
+)
+SCALAR_LEVEL = (
+    "CPU level %s has no vector bodies (%s): the C++ kernels' scalar products are slower than "
+    "torch's own matmuls, so every op runs the torch references and there is no CPU decode "
+    "plan; %s"
+)
 
 
 def bf16_products(settings: KernelSettings) -> bool:
@@ -313,16 +365,21 @@ def bf16_products(settings: KernelSettings) -> bool:
     return settings.bf16_products == "on"
 
 
-def vector_level() -> bool:
+def vector_level(settings: KernelSettings) -> bool:
     """Whether the loaded C++ level has vector bodies. At x86's generic level (no AVX2) torch's
     own matmuls, which dispatch to the SSE the CPU has, outrun our scalar products many times
-    over at 8 rows and more (BENCHMARKS.md, "CPU levels"), so `auto` takes the torch set there;
-    `HYBRID_SERVE_KERNELS=cpp` still forces the C++ one."""
+    over at 8 rows and more (BENCHMARKS.md, "CPU levels"), so `auto` takes the torch set there,
+    with one WARNING per process (`SCALAR_LEVEL`); `HYBRID_SERVE_KERNELS=cpp` still forces the
+    C++ one."""
     level = cpp_build.loaded_level()
-    if level is not None and not level.vector:
-        logger.info("CPU level %s has no vector unit: the torch kernels serve", level.name)
-        return False
-    return True
+    if level is None or level.vector:
+        return True
+    if settings.cpu_level == level.name:
+        why, avoid = f"{CPU_LEVEL_ENV}={level.name}", f"{CPU_LEVEL_ENV}=auto takes the best level"
+    else:
+        why, avoid = "this CPU has no AVX2 + FMA", f"{KERNELS_ENV}=cpp forces the scalar kernels"
+    warn_once(logger, "scalar-level", SCALAR_LEVEL, level.name, why, avoid)
+    return False
 
 
 def cpp_ready(settings: KernelSettings) -> bool:
@@ -350,8 +407,7 @@ def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except Exception as e:  # a broken install can raise more than ImportError
-        _import_error.append(e)
-        logger.info("triton unavailable, using torch kernels: %s", e)
+        _import_error.append(e)  # `choose` warns where CUDA loses the Triton kernels
         return False
     return True
 
@@ -365,11 +421,11 @@ def interpreter_ready() -> bool:
 
 
 def triton_module(name: str, device: torch.device) -> ModuleType:
-    """Import `kernels.<name>` (a Triton module) for use on `device`: on a device other than
-    CUDA in triton's interpreter, which must be chosen before triton is first imported (this
-    sets TRITON_INTERPRET=1 if nothing imported triton yet, and raises RuntimeError if it was
-    imported for the GPU). Every Triton module records in `INTERPRETED` whether its kernels were
-    defined for the interpreter."""
+    """Import `hybrid_serve.kernels.<name>` (a Triton module) for use on `device`: on a device
+    other than CUDA in triton's interpreter, which must be chosen before triton is first
+    imported (this sets TRITON_INTERPRET=1 if nothing imported triton yet, and raises
+    RuntimeError if it was imported for the GPU). Every Triton module records in `INTERPRETED`
+    whether its kernels were defined for the interpreter."""
     interpret = device.type != "cuda"
     full_name = f"hybrid_serve.kernels.{name}"
     if interpret and full_name not in sys.modules:

@@ -32,7 +32,9 @@ RMSNorm, the KV store and decode attention, the relu^2 MoE), so it too is bit-id
     for each block:   x = x + mixer(rms_norm_plain(x))
     logits = lm_head(rms_norm_plain(x))
 
-`CpuDecodePlan.build` returns the plan of the model's family, or None for any other model.
+`CpuDecodePlan.build` returns the plan of the model's family, or None for any other model or
+setting, with one WARNING per process that names why and the setting that would let a plan
+apply (`refusal`, `pools_refusal`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import torch
 
 from hybrid_serve.kernels.cpp_fused import MOE_MAX_TOKENS, verify_rows
 from hybrid_serve.kernels.quant import CPP_DTYPES
+from hybrid_serve.kernels.settings import FUSIONS_ENV, KERNELS_ENV
+from hybrid_serve.kernels.slow_paths import warn_once
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import MLP, SparseMoE
 from hybrid_serve.models.loader import matrices
@@ -57,41 +61,72 @@ MAX_ROWS = MOE_MAX_TOKENS  # the fused MoE's rows: decode batches
 MATRIX_DTYPES = CPP_DTYPES  # `hybrid_serve.models.loader.matrices`; all else fp32
 
 
-def unsupported(model: Qwen3NextForCausalLM | NemotronHForCausalLM) -> str | None:
-    """Why no plan can replay `model`'s decode step, or None when one can."""
+# The last clause of the WARNING a refused plan logs: what would let the plan apply.
+NO_SETTING = "no setting avoids it: the plan does not cover this"
+C_KERNELS = (
+    f"{KERNELS_ENV}=auto or cpp with fp32 activations on the CPU (--dtype float32 or bfloat16) "
+    "and the C++ kernels built"
+)
+DTYPES = "--dtype float32 or bfloat16, or --quantization int8 or int4"
+PLAN_LOST = (
+    "no CPU decode plan: %s; decode batches run the eager step, each op called from Python, "
+    "which is slower than the plan's one C++ call; %s"
+)
+
+
+def refusal(model: Qwen3NextForCausalLM | NemotronHForCausalLM) -> tuple[str, str] | None:
+    """(why no plan can replay `model`'s decode step, what setting would let one), or None when
+    one can."""
     nemotron_h = isinstance(model, NemotronHForCausalLM)
     if not (nemotron_h or isinstance(model, Qwen3NextForCausalLM)):
-        return f"a {type(model).__name__} (the plans replay Qwen3-Next's and NemotronH's layers)"
+        why = f"a {type(model).__name__} (the plans replay Qwen3-Next's and NemotronH's layers)"
+        return why, NO_SETTING
     if model.ops.backend != "cpp" or not model.ops.fused:
-        return f"the {model.ops.backend} kernels{'' if model.ops.fused else ' without fusions'}"
+        why = f"the {model.ops.backend} kernels{'' if model.ops.fused else ' without fusions'}"
+        return why, f"{FUSIONS_ENV}=on" if model.ops.backend == "cpp" else C_KERNELS
     if model.tp.enabled:
-        return "tensor parallelism (the output projections all-reduce)"
+        return "tensor parallelism (the output projections all-reduce)", "--tp-size 1"
     if next(model.parameters()).device.type != "cpu":
-        return "not on the CPU"
+        return "not on the CPU", NO_SETTING
     matrix = {id(p) for p in matrices(model)} - {id(model.embed_tokens.weight)}
     for name, p in model.named_parameters():
         if not p.is_contiguous():
-            return f"{name} is not contiguous"
+            return f"{name} is not contiguous", NO_SETTING
         if name.endswith(".bias") and not (nemotron_h and name.endswith("conv1d.bias")):
-            return f"a bias ({name})"
+            return f"a bias ({name})", NO_SETTING
         if p.dtype not in (MATRIX_DTYPES if id(p) in matrix else (torch.float32,)):
-            return f"{name} is {p.dtype}"
+            return f"{name} is {p.dtype}", DTYPES
     for layer in () if nemotron_h else model.model.layers:
         if type(layer.mlp) not in (SparseMoE, MLP):
-            return f"a {type(layer.mlp).__name__} layer"
+            return f"a {type(layer.mlp).__name__} layer", NO_SETTING
+    return None
+
+
+def unsupported(model: Qwen3NextForCausalLM | NemotronHForCausalLM) -> str | None:
+    """Why no plan can replay `model`'s decode step, or None when one can (`refusal`'s why)."""
+    found = refusal(model)
+    return None if found is None else found[0]
+
+
+def pools_refusal(kv_pool, mamba_pool, req_to_token: torch.Tensor) -> tuple[str, str] | None:
+    """(why the plan cannot run over these pools, what setting would let it), or None: the
+    fused ops read fp32 states and KV in place."""
+    for name, t in (("K", kv_pool.k_all), ("V", kv_pool.v_all), ("conv", mamba_pool.conv_state),
+                    ("SSM", mamba_pool.ssm_state)):  # fmt: skip
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            why = f"the {name} pool is {t.dtype}{'' if t.is_contiguous() else ', strided'}"
+            if not t.is_contiguous():
+                return why, NO_SETTING
+            return why, "--mamba-ssm-dtype float32" if name == "SSM" else DTYPES
+    if req_to_token.dtype not in (torch.int32, torch.int64):
+        return f"req_to_token is {req_to_token.dtype}", NO_SETTING
     return None
 
 
 def pools_unsupported(kv_pool, mamba_pool, req_to_token: torch.Tensor) -> str | None:
-    """Why the plan cannot run over these pools (the fused ops read fp32 states and KV in
-    place), or None."""
-    for name, t in (("K", kv_pool.k_all), ("V", kv_pool.v_all), ("conv", mamba_pool.conv_state),
-                    ("SSM", mamba_pool.ssm_state)):  # fmt: skip
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            return f"the {name} pool is {t.dtype}{'' if t.is_contiguous() else ', strided'}"
-    if req_to_token.dtype not in (torch.int32, torch.int64):
-        return f"req_to_token is {req_to_token.dtype}"
-    return None
+    """Why the plan cannot run over these pools, or None (`pools_refusal`'s why)."""
+    found = pools_refusal(kv_pool, mamba_pool, req_to_token)
+    return None if found is None else found[0]
 
 
 def layer_args(layer) -> tuple[list[torch.Tensor], list[int], list[float]]:
@@ -162,10 +197,11 @@ class CpuDecodePlan:
         req_to_token: torch.Tensor,
     ) -> CpuDecodePlan | NemotronHDecodePlan | None:  # fmt: skip
         """The plan of `model`'s family over these pools (those of every batch it will run), or
-        None where none applies (the reason logged at debug level)."""
-        reason = unsupported(model) or pools_unsupported(kv_pool, mamba_pool, req_to_token)
-        if reason is not None:
-            logger.debug("no CPU decode plan: %s", reason)
+        None where none applies: then the reason and the setting that would let a plan apply
+        are one WARNING per process and reason (`PLAN_LOST`, `slow_paths.warn_once`)."""
+        found = refusal(model) or pools_refusal(kv_pool, mamba_pool, req_to_token)
+        if found is not None:
+            warn_once(logger, f"cpu-decode-plan: {found[0]}", PLAN_LOST, *found)
             return None
         return NemotronHDecodePlan(model) if isinstance(model, NemotronHForCausalLM) else cls(model)
 

@@ -13,8 +13,9 @@ slots on the device; the MoE takes its static-shape path while a stream captures
 
 On CPU, batches of up to `models.cpu_decode.MAX_ROWS` rows (and `--cuda-graph-max-bs`) run as one
 C++ call over the model's C++ ops (`CpuDecodePlan`, bit-identical to the eager step), unpadded,
-where the model and kernel choice allow; other batches run eagerly, and `--disable-cuda-graph`
-turns the plan off too.
+where the model and kernel choice allow (where they do not, `CpuDecodePlan.build` logs one
+WARNING saying why); other batches run eagerly, and `--disable-cuda-graph` turns the plan off
+too.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
 from hybrid_serve.kernels import KernelSettings, choose, cpp_build, cpu_levels, prebuild
+from tests.kernels.cpp_required import require_cpp
 
 AVX2_EPYC = "fpu sse sse2 pni ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt xsave avx f16c lahf_lm abm bmi1 avx2 bmi2"  # noqa: E501
 ZEN4 = AVX2_EPYC + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni"
@@ -69,6 +71,25 @@ def test_levels_only_add_features_and_never_use_native():
         assert not any("native" in f for lv in levels for f in lv.flags)
 
 
+def test_sapphirerapids_says_it_is_the_vnni_code_and_no_amx_path(monkeypatch, caplog):
+    """The sapphirerapids level compiles x86-64-v4-vnni's vocabulary with other flags, and its
+    description, which the start-up line prints, says so (a library that loads is faked here:
+    no build, whatever the host)."""
+    spr = cpu_levels.get("sapphirerapids", "x86_64")
+    assert spr.features == cpu_levels.get("x86-64-v4-vnni", "x86_64").features
+    assert "x86-64-v4-vnni's AVX-512 + VNNI code" in spr.summary
+    assert "no AMX tiles" in spr.summary and "+ AMX" not in spr.summary
+    library = SimpleNamespace(features=lambda: spr.features)
+    ops = SimpleNamespace(load_library=lambda path: None, hybrid_serve=library)
+    monkeypatch.setattr(cpp_build, "_state", {})
+    monkeypatch.setattr(cpp_build, "torch", SimpleNamespace(ops=ops))
+    monkeypatch.setattr(cpu_levels, "choose", lambda want: spr)
+    monkeypatch.setattr(cpp_build, "build", lambda level, cache: "/a/sapphirerapids.so")
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.kernels.cpp_build"):
+        assert cpp_build.load("sapphirerapids") is library
+    assert f"level sapphirerapids ({spr.summary}; avx512 avx512-vnni)" in caplog.text
+
+
 def test_a_forced_level_must_exist_and_run_here():
     features = cpu_levels.host_features(cpuinfo("x86_64", AVX2_EPYC))
     with pytest.raises(ValueError, match="needs avx512bw, avx512cd, avx512dq, avx512f, avx512vl"):
@@ -100,9 +121,12 @@ def test_the_library_is_named_by_its_sources_flags_and_level(monkeypatch, tmp_pa
 
 @pytest.fixture
 def broken_sources(monkeypatch, tmp_path):
-    """A source tree whose one file does not compile, and a fresh process state and cache."""
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler")
+    """A source tree whose one file does not compile, and a fresh process state and cache (a
+    failure where there is no compiler to fail on it)."""
+    try:
+        cpp_build.compiler()
+    except cpp_build.NoCompiler as e:
+        pytest.fail(f"a failed build needs a C++ compiler to fail: {e}")
     (tmp_path / "csrc").mkdir()
     (tmp_path / "csrc" / "broken.cpp").write_text("int f() { return undeclared_name; }\n")
     monkeypatch.setattr(cpp_build, "CSRC", tmp_path / "csrc")
@@ -139,6 +163,7 @@ def test_no_compiler_warns_once_and_serves_the_references(monkeypatch, tmp_path,
         assert choose("cpu", settings=KernelSettings()).backend == "torch"
         assert cpp_build.load() is None
     assert caplog.text.count("using the torch references") == 1
+    assert "install a C++ compiler (g++, or name one in CXX)" in caplog.text
     assert isinstance(cpp_build.load_error(), cpp_build.NoCompiler)
     assert prebuild.main([]) == 0  # make install goes on: the references serve
     with pytest.raises(RuntimeError, match="cannot be built"):
@@ -146,8 +171,7 @@ def test_no_compiler_warns_once_and_serves_the_references(monkeypatch, tmp_path,
 
 
 def test_one_level_per_process():
-    if cpp_build.load() is None:
-        pytest.skip(f"C++ kernels unavailable: {cpp_build.load_error()}")
+    require_cpp()
     loaded = cpp_build.loaded_level()
     assert loaded.name == cpu_levels.best().name  # the suite runs at the host's best level
     other = next(lv for lv in cpu_levels.levels() if lv.name != loaded.name)

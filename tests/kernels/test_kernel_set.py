@@ -102,15 +102,73 @@ def test_fusions_off_composes_the_unfused_cpp_kernels(monkeypatch) -> None:
     assert functions(ops.linear)[0].__module__ == "hybrid_serve.kernels.cpp_ops"
 
 
-def test_where_the_cpp_kernels_do_not_apply() -> None:
-    """bf16 activations take the references (a failed build or no compiler:
-    tests/kernels/test_cpp_build.py)."""
-    assert choose("cpu", torch.bfloat16, KernelSettings()).backend == "torch"
+def messages(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
-def test_cuda_without_triton_takes_torch(monkeypatch) -> None:
+def test_where_the_cpp_kernels_do_not_apply(monkeypatch, slow_path_warnings, caplog) -> None:
+    """bf16 or fp16 activations on the CPU take the references, with one WARNING per process
+    and dtype naming the --dtype that keeps the C++ kernels; fp32 activations, which take them,
+    log none (a failed build or no compiler: tests/kernels/test_cpp_build.py)."""
+    from hybrid_serve.kernels import cpp_build
+
+    monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
+    monkeypatch.setattr(cpp_build, "loaded_level", lambda: cpu_levels.get("x86-64-v3", "x86_64"))
+    assert choose("cpu", torch.float32, KernelSettings()).backend == "cpp"
+    assert slow_path_warnings("") == 0
+    for _ in range(2):
+        assert choose("cpu", torch.bfloat16, KernelSettings()).backend == "torch"
+        assert choose("cpu", torch.float16, KernelSettings()).backend == "torch"
+    assert slow_path_warnings("activations on the CPU") == 2
+    texts = messages(caplog, "activations on the CPU")
+    assert sorted(t.split()[0] for t in texts) == ["bfloat16", "float16"]
+    assert all("torch references" in t and "--dtype float32" in t for t in texts)
+
+
+def test_cpp_asked_for_where_it_does_not_apply_warns_once(slow_path_warnings, caplog) -> None:
+    """HYBRID_SERVE_KERNELS=cpp on a CUDA device or with bf16 CPU activations: the references
+    serve, and one WARNING says so and what runs the fast kernels there."""
+    for _ in range(2):
+        assert choose("cuda", torch.bfloat16, KernelSettings("cpp")).backend == "torch"
+    assert slow_path_warnings("HYBRID_SERVE_KERNELS=cpp") == 1
+    (text,) = messages(caplog, "HYBRID_SERVE_KERNELS=cpp")
+    assert "not bfloat16 on cuda" in text and "auto takes the Triton kernels" in text
+
+
+def test_cuda_without_triton_takes_torch(monkeypatch, slow_path_warnings, caplog) -> None:
+    """One WARNING per process names the import error and what to install; CUDA with triton
+    logs none."""
+    monkeypatch.setattr(kernel_set, "triton_available", lambda: True)
+    monkeypatch.setattr(kernel_set, "triton_set", lambda device: reference_set())
+    choose("cuda", torch.bfloat16, KernelSettings())
+    assert slow_path_warnings("") == 0
     monkeypatch.setattr(kernel_set, "triton_available", lambda: False)
-    assert choose("cuda", torch.bfloat16, KernelSettings()).backend == "torch"
+    monkeypatch.setattr(kernel_set, "_import_error", [ImportError("No module named 'triton'")])
+    for _ in range(2):
+        assert choose("cuda", torch.bfloat16, KernelSettings()).backend == "torch"
+    assert slow_path_warnings("triton cannot be imported") == 1
+    (text,) = messages(caplog, "triton cannot be imported")
+    assert "No module named 'triton'" in text and "install triton" in text
+
+
+def test_states_other_than_fp32_take_the_reference_recurrent_ops_and_say_so(
+    monkeypatch, slow_path_warnings, caplog
+) -> None:
+    """bf16 recurrent states on the C++ set (`--mamba-ssm-dtype bfloat16`): the recurrent ops
+    are the references', and one WARNING per process names them and the flag that keeps them
+    on the C++ kernels; fp32 states, and the torch set whatever its states, log none."""
+    monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
+    fast = choose("cpu", settings=KernelSettings("cpp"))
+    choose("cpu", settings=KernelSettings("torch"), state_dtype=torch.bfloat16)
+    assert slow_path_warnings("") == 0
+    for _ in range(2):
+        ops = choose("cpu", settings=KernelSettings("cpp"), state_dtype=torch.bfloat16)
+    for name in kernel_set.RECURRENT:
+        assert getattr(ops, name) is not getattr(fast, name)
+    assert slow_path_warnings("recurrent states") == 1
+    (text,) = messages(caplog, "recurrent states")
+    assert text.startswith("bfloat16 recurrent states") and "--mamba-ssm-dtype float32" in text
+    assert all(name in text for name in kernel_set.RECURRENT)
 
 
 def test_forced_triton_on_cpu_runs_the_interpreter(triton_device) -> None:
@@ -146,25 +204,38 @@ def test_the_loader_logs_the_table_and_the_layers_hold_the_set(tmp_path, caplog)
 
 def test_importing_the_model_does_not_import_triton() -> None:
     code = (
-        "import sys, kernels, hybrid_serve.models.qwen3_next, hybrid_serve.mem_cache.kv_pool\n"
+        "import sys, hybrid_serve.kernels, hybrid_serve.models.qwen3_next\n"
+        "import hybrid_serve.mem_cache.kv_pool\n"
         "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_a_level_without_vector_bodies_takes_torchs_matmuls(monkeypatch) -> None:
-    """x86's generic level runs simd.h's scalar bodies: `auto` takes the torch set there, `cpp`
-    still forces the C++ one."""
-    from hybrid_serve.kernels import cpp_build, cpu_levels
+def test_a_level_without_vector_bodies_takes_torchs_matmuls(
+    monkeypatch, slow_path_warnings, caplog
+) -> None:
+    """x86's generic level runs simd.h's scalar bodies: `auto` takes the torch set there, with
+    one WARNING per process that says what to set (the level loaded, never the host's), `cpp`
+    still forces the C++ one; a vector level logs none."""
+    from hybrid_serve.kernels import cpp_build, slow_paths
 
-    generic = cpu_levels.get("generic", "x86_64")
-    monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
-    monkeypatch.setattr(cpp_build, "loaded_level", lambda: generic)
-    assert choose("cpu", torch.float32, KernelSettings()).backend == "torch"
-    assert choose("cpu", torch.float32, KernelSettings("cpp")).backend == "cpp"
     best = cpu_levels.get("x86-64-v3", "x86_64")
+    monkeypatch.setattr(kernel_set, "cpp_ready", lambda settings: True)
     monkeypatch.setattr(cpp_build, "loaded_level", lambda: best)
     assert choose("cpu", torch.float32, KernelSettings()).backend == "cpp"
+    assert slow_path_warnings("") == 0
+    generic = cpu_levels.get("generic", "x86_64")
+    monkeypatch.setattr(cpp_build, "loaded_level", lambda: generic)
+    for _ in range(2):
+        assert choose("cpu", torch.float32, KernelSettings()).backend == "torch"
+    assert choose("cpu", torch.float32, KernelSettings("cpp")).backend == "cpp"
+    assert slow_path_warnings("no vector bodies") == 1
+    (text,) = messages(caplog, "no vector bodies")
+    assert "this CPU has no AVX2 + FMA" in text and "HYBRID_SERVE_KERNELS=cpp" in text
+    slow_paths._seen.clear()  # a new process, which asked for the generic level by name
+    choose("cpu", torch.float32, KernelSettings(cpu_level="generic"))
+    assert slow_path_warnings("no vector bodies") == 2
+    assert "HYBRID_SERVE_CPU_LEVEL=auto" in messages(caplog, "no vector bodies")[-1]
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from hybrid_serve.kernels.quant import (
     scales,
     widen,
 )
-from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 ROWS = [1, 2, 5, 8, 9, 17, 40]  # the GEMV's row counts (<= 8) and the tiled GEMM's
 METHODS = ["int8", "int4"]

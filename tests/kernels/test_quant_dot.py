@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from hybrid_serve.kernels import cpp_ops
 from hybrid_serve.kernels.quant import ACT_BLOCK, dequantize, quantize, round_activations
-from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 U = 2.0**-24  # fp32's unit round-off
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from hybrid_serve.kernels import cpp_ops
 from hybrid_serve.kernels.quant import ACT_BLOCK, GROUP, dequantize, quantize, round_activations
-from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.kernels.test_quant_dot import bound
 
 ops = torch.ops.hybrid_serve

@@ -16,7 +16,7 @@ from hybrid_serve.models.cpu_decode import MAX_ROWS, CpuDecodePlan
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
-from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
@@ -107,6 +107,43 @@ def test_where_the_plan_does_not_apply(ckpt):
     assert cpu_decode.pools_unsupported(*bf16_args) == "the K pool is torch.bfloat16"
     assert CpuDecodePlan.build(model, *bf16_args) is None
     assert CpuDecodePlan.build(model, *pools_args) is not None
+
+
+def test_a_refused_plan_warns_once_with_what_would_let_it_apply(
+    ckpt, kernels_mode, slow_path_warnings, caplog
+):
+    """Where the plan does not apply, start-up logs one WARNING per process and reason that
+    names why and the setting that would let it apply (or that none would); a model and pools
+    it applies to log none."""
+    runner, _, _ = prefilled(ckpt, "float32")
+    model = runner.model
+    kv, mamba, req_to_token = runner.kv_pool, runner.mamba_pool, runner.req_pool.req_to_token
+    assert DecodeGraphRunner(runner, [1, 2]).plan is not None
+    assert slow_path_warnings("no CPU decode plan") == 0
+    model.use_kernels(choose("cpu", settings=KernelSettings(fusions=False)))
+    for _ in range(2):
+        assert DecodeGraphRunner(runner, [1, 2]).plan is None
+    kernels_mode("torch", model)
+    assert DecodeGraphRunner(runner, [1, 2]).plan is None
+    model.use_kernels(choose("cpu", settings=KernelSettings()))
+    bf16_states = SimpleNamespace(conv_state=mamba.conv_state,
+                                  ssm_state=mamba.ssm_state.to(torch.bfloat16))  # fmt: skip
+    head = model.lm_head
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    for _ in range(2):
+        assert CpuDecodePlan.build(model, kv, bf16_states, req_to_token) is None
+    head.bias = None
+    for _ in range(2):
+        assert CpuDecodePlan.build(model, kv, bf16_states, req_to_token) is None
+    assert CpuDecodePlan.build(model, kv, mamba, req_to_token) is not None
+    texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
+    assert len(texts) == slow_path_warnings("no CPU decode plan") == 4
+    fusions, torch_set, bias, states = texts
+    assert "the cpp kernels without fusions" in fusions and "HYBRID_SERVE_FUSIONS=on" in fusions
+    assert "the torch kernels" in torch_set and "HYBRID_SERVE_KERNELS=auto or cpp" in torch_set
+    assert "a bias (lm_head.bias)" in bias and "no setting avoids it" in bias
+    assert "the SSM pool is torch.bfloat16" in states and "--mamba-ssm-dtype float32" in states
+    assert all("decode batches run the eager step" in t for t in texts)
 
 
 def test_decode_step_checks_its_layout(ckpt):

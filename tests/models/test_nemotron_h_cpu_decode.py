@@ -12,7 +12,7 @@ from hybrid_serve.models import cpu_decode
 from hybrid_serve.models.cpu_decode import CpuDecodePlan, NemotronHDecodePlan
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
-from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models import plan_harness
 from tests.models.plan_harness import assert_steps_alike
 

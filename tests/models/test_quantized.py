@@ -23,7 +23,7 @@ from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
-from tests.kernels.cpp_required import built  # noqa: F401  (skips without a compiler)
+from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
 NEW = 10
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}

@@ -17,6 +17,7 @@ from hybrid_serve.scheduler.config import RunnerConfig
 from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.scheduler.model_runner import ModelRunner
 from hybrid_serve.scheduler.pool_sizing import describe, pool_bytes
+from tests.kernels.cpp_required import require_cpp
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
@@ -87,17 +88,20 @@ def test_bf16_states_serve_through_the_cache_and_host_tier(granite):
     assert engine.leak_report() == []
 
 
-def test_bf16_states_take_the_reference_recurrent_ops_on_the_cpp_set(tmp_path):
+def test_bf16_states_take_the_reference_recurrent_ops_on_the_cpp_set(tmp_path, slow_path_warnings):
     """The C++ recurrent ops read and write fp32 states in place: a bf16-state model on the C++
-    set runs the references' recurrent ops (the rest stays C++), and a runner refuses a bf16
-    pool under a set chosen for fp32 states."""
+    set runs the references' recurrent ops (the rest stays C++), which start-up says in one
+    WARNING per process, and a runner refuses a bf16 pool under a set chosen for fp32 states.
+    Where the C++ kernels do not build, the test fails with the build's error."""
     from hybrid_serve.kernels import KernelSettings, choose, reference_set
     from hybrid_serve.kernels.kernel_set import RECURRENT, describe
 
-    try:
-        ops = choose("cpu", settings=KernelSettings("cpp"), state_dtype=torch.bfloat16)
-    except RuntimeError:
-        pytest.skip("no C++ kernels here")
+    require_cpp()
+    choose("cpu", settings=KernelSettings("cpp"))
+    assert slow_path_warnings("recurrent states") == 0
+    ops = choose("cpu", settings=KernelSettings("cpp"), state_dtype=torch.bfloat16)
+    choose("cpu", settings=KernelSettings("cpp"), state_dtype=torch.bfloat16)
+    assert slow_path_warnings("--mamba-ssm-dtype float32 keeps them on the C++ kernels") == 1
     ref = reference_set()
     assert ops.backend == "cpp" and ops.state_dtype == torch.bfloat16
     for name in RECURRENT:

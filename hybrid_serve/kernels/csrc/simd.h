@@ -2,7 +2,8 @@
 //
 // The library is compiled once per named ISA level (kernels/cpu_levels.py): generic, x86-64-v3
 // (AVX2 + FMA), x86-64-v3-vnni (+ AVX-VNNI), x86-64-v4 (AVX-512), x86-64-v4-vnni (+ AVX512-VNNI),
-// sapphirerapids (+ BF16, FP16, AMX) and, on aarch64, generic (NEON) and armv8.2-a+dotprod. This
+// sapphirerapids (x86-64-v4-vnni's bodies tuned for Sapphire Rapids: nothing here reads its BF16,
+// FP16 or AMX macros, no AMX tiles) and, on aarch64, generic (NEON) and armv8.2-a+dotprod. This
 // header reads the compiler's target macros (the only place in kernels/csrc that does) and
 // includes the body of each entry for that target: simd_x86.h, simd_neon.h, or the scalar bodies
 // below, which are also every entry's reference (namespace hs::simd::ref, always compiled).
