@@ -21,4 +21,4 @@ def __getattr__(name: str) -> Any:
         from hybrid_serve.kernels.settings import KernelSettings
 
         return KernelSettings
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
