@@ -39,19 +39,36 @@ FLOAT_TAGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 def decode_special_floats(obj: Any) -> Any:
     """`obj` with every `{"__float__": tag}` replaced by its float, as transformers decodes a
-    config it reads; an unknown tag stays as it is (transformers keeps it too)."""
+    config it reads; an unknown tag, or a tag that is not a string, stays as it is (transformers
+    keeps it too)."""
     if isinstance(obj, dict):
-        if set(obj) == {FLOAT_TAG} and obj[FLOAT_TAG] in FLOAT_TAGS:
-            return FLOAT_TAGS[obj[FLOAT_TAG]]
+        tag = obj.get(FLOAT_TAG)
+        if set(obj) == {FLOAT_TAG} and isinstance(tag, str) and tag in FLOAT_TAGS:
+            return FLOAT_TAGS[tag]
         return {k: decode_special_floats(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [decode_special_floats(v) for v in obj]
     return obj
 
 
+def encode_special_floats(obj: Any) -> Any:
+    """`obj` with every NaN and infinity replaced by its `{"__float__": tag}` (tuples as lists), as
+    transformers writes a config (`PreTrainedConfig._encode_special_floats`): the inverse of
+    `decode_special_floats`, so a file read with `read_json` is written back in the same form."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {FLOAT_TAG: "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")}
+    if isinstance(obj, dict):
+        return {k: encode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [encode_special_floats(v) for v in obj]
+    return obj
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
     """A checkpoint's JSON file (config.json, generation_config.json) as transformers reads it:
-    Python's JSON with bare `NaN`/`Infinity`, and transformers' special-float tags decoded."""
+    Python's JSON with bare `NaN`/`Infinity`, and transformers' special-float tags decoded. The
+    one reader of these files (it imports neither torch nor transformers, so the API process can
+    use it)."""
     return decode_special_floats(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
