@@ -248,6 +248,7 @@ class ModelConfig:
             raw = {**text, "model_type": text_type}
             model_type, prefix = text_type, "model.language_model."
         qwen3_5 = model_type in QWEN3_5_TEXT
+        _check_rope_kind(raw)  # first: the class refuses an incomplete scaled kind less plainly
         # transformers 4.x lacks Qwen3.5: Qwen3-Next's defaults are its for every field read here
         d = transformers_defaults(model_type, raw, fallback="qwen3_next")
 
@@ -256,12 +257,8 @@ class ModelConfig:
                 raise ValueError(f"config.json: missing field {key!r}")
             return d[key]
 
-        # 5.x: one rope_parameters dict, legacy keys (rope_scaling, its "type") folded in by the
-        # class; 4.x: rope_theta and partial_rotary_factor at the top, the kind in rope_scaling
-        scaling = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"config.json: unsupported rope_type {kind!r}")
+        _check_rope_kind(d)  # and as the class reads it
+        # 5.x: one rope_parameters dict; 4.x: rope_theta and partial_rotary_factor at the top
         rope = {**d, **(d.get("rope_parameters") or {})}
         n_layers = int(need("num_hidden_layers"))
         if d["hidden_act"] != "silu":
@@ -307,6 +304,15 @@ class ModelConfig:
             mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers") or 0),
             mamba_ssm_dtype=checkpoint_ssm_dtype(d),
         )
+
+
+def _check_rope_kind(config: dict[str, Any]) -> None:
+    """Refuse a RoPE kind other than plain RoPE: `rope_parameters` (5.x) or `rope_scaling` (4.x),
+    by `rope_type` or the legacy `type` (which transformers still reads)."""
+    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"config.json: unsupported rope_type {kind!r}")
 
 
 def transformers_defaults(
