@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid_serve.make_model.weights_file import save_weights
+from hybrid_serve.models.config import encode_special_floats, read_json
 from hybrid_serve.models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config, dequantize, module_of, scale_name
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
@@ -118,7 +119,7 @@ def write_dequantized(
     if src.resolve() == dst.resolve():
         raise ValueError("write_dequantized needs a destination other than its source")
     dst.mkdir(parents=True, exist_ok=True)
-    config = json.loads((src / "config.json").read_text())
+    config = read_json(src / "config.json")
     block = Fp8Config.from_dict(config.get("quantization_config") or {}).block
     files = _weight_files(src)
     where: dict[str, Path] = {}
@@ -148,7 +149,9 @@ def write_dequantized(
         if item.is_file() and item.suffix != ".safetensors" and item.name != "config.json":
             shutil.copyfile(item, dst / item.name)
     config.pop("quantization_config")
-    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # NaN and infinities written back tagged, as transformers writes them (and as they came)
+    text = json.dumps(encode_special_floats(config), indent=2, sort_keys=True)
+    (dst / "config.json").write_text(text + "\n")
     index = dst / "model.safetensors.index.json"
     if index.is_file():
         body = json.loads(index.read_text())

@@ -19,7 +19,6 @@ there the head learns its training sequences and little that carries over.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from hybrid_serve.kernels.attn_step import apply_rope
 from hybrid_serve.make_model.fp8_writer import quantize
 from hybrid_serve.make_model.weights_file import save_weights
 from hybrid_serve.models.attention import GatedAttention
+from hybrid_serve.models.config import read_json
 from hybrid_serve.models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config
 from hybrid_serve.models.layers import REFERENCE
 from hybrid_serve.models.loader import checkpoint_files, checkpoint_names
@@ -239,7 +239,7 @@ def write_head(path: str | Path, model: Qwen3NextForCausalLM) -> list[str]:
     head = {n for n in where if n.startswith(MTP_PREFIX) and not n.endswith(SCALE_SUFFIX)}
     table = checkpoint_map(model, expert_layout_of(set(where) - head), expert_layout_of(head))
     params = dict(model.named_parameters())
-    quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+    quant = read_json(path / "config.json").get("quantization_config")
     block = Fp8Config.from_dict(quant).block if quant else None
     done = []
     for file in sorted({where[n] for n in where if n.startswith(MTP_PREFIX)}):

@@ -1,6 +1,9 @@
 """What a Qwen3-Next or Qwen3.5 checkpoint is: its `config.json`, read into one frozen dataclass
 (`models.registry.read_config` picks the family and reads the file), and what every family's
-config reads the same way (`transformers_defaults`, `checkpoint_ssm_dtype`).
+config reads the same way: `read_json`, the one reader of a checkpoint's config.json and
+generation_config.json (transformers' special-float tags decoded), `transformers_defaults`, the
+file completed by transformers' class for its model_type (every absent field's default, never a
+copy here), and `checkpoint_dtype`, `checkpoint_ssm_dtype`, `eos_token_ids`.
 
 `ModelConfig.from_dict(raw)` accepts Qwen3-Next (`qwen3_next`) and the Qwen3.5 text family
 (`qwen3_5_text`, `qwen3_5_moe_text`, and the multimodal wrappers `qwen3_5` / `qwen3_5_moe`, whose
@@ -39,30 +42,74 @@ FLOAT_TAGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 def decode_special_floats(obj: Any) -> Any:
     """`obj` with every `{"__float__": tag}` replaced by its float, as transformers decodes a
-    config it reads; an unknown tag stays as it is (transformers keeps it too)."""
+    config it reads; an unknown tag, or a tag that is not a string, stays as it is (transformers
+    keeps it too)."""
     if isinstance(obj, dict):
-        if set(obj) == {FLOAT_TAG} and obj[FLOAT_TAG] in FLOAT_TAGS:
-            return FLOAT_TAGS[obj[FLOAT_TAG]]
+        tag = obj.get(FLOAT_TAG)
+        if set(obj) == {FLOAT_TAG} and isinstance(tag, str) and tag in FLOAT_TAGS:
+            return FLOAT_TAGS[tag]
         return {k: decode_special_floats(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [decode_special_floats(v) for v in obj]
     return obj
 
 
+def encode_special_floats(obj: Any) -> Any:
+    """`obj` with every NaN and infinity replaced by its `{"__float__": tag}` (tuples as lists), as
+    transformers writes a config (`PreTrainedConfig._encode_special_floats`): the inverse of
+    `decode_special_floats`, so a file read with `read_json` is written back in the same form."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {FLOAT_TAG: "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")}
+    if isinstance(obj, dict):
+        return {k: encode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [encode_special_floats(v) for v in obj]
+    return obj
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
     """A checkpoint's JSON file (config.json, generation_config.json) as transformers reads it:
-    Python's JSON with bare `NaN`/`Infinity`, and transformers' special-float tags decoded."""
+    Python's JSON with bare `NaN`/`Infinity`, and transformers' special-float tags decoded. The
+    one reader of these files (it imports neither torch nor transformers, so the API process can
+    use it)."""
     return decode_special_floats(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-def checkpoint_ssm_dtype(raw: dict[str, Any]) -> str:
-    """The dtype a config.json asks the recurrent (SSM) state to be kept in: its
-    `mamba_ssm_dtype` (Qwen3.5), `mamba_ssm_cache_dtype` (NemotronH), else float32. What
+def checkpoint_ssm_dtype(d: dict[str, Any]) -> str:
+    """The dtype a config asks the recurrent (SSM) state to be kept in, from `d`, its config.json
+    completed by `transformers_defaults`: `mamba_ssm_dtype` (Qwen3.5's files), else
+    `mamba_ssm_cache_dtype` (NemotronH: transformers' field, with its default), else float32 (our
+    choice where neither the file nor transformers' class for its model_type names one). What
     `--mamba-ssm-dtype` falls back to (hybrid_serve/scheduler/pool_sizing.py)."""
-    name = raw.get("mamba_ssm_dtype") or raw.get("mamba_ssm_cache_dtype") or "float32"
+    name = d.get("mamba_ssm_dtype") or d.get("mamba_ssm_cache_dtype") or "float32"
     if name not in SSM_DTYPES:
         raise ValueError(f"config.json: unsupported mamba_ssm_dtype {name!r}")
     return str(name)
+
+
+def checkpoint_dtype(*configs: dict[str, Any]) -> str:
+    """The weights' dtype the first of `configs` (configs completed by `transformers_defaults`, a
+    wrapper's own before its text config) that states one gives: its `dtype` (transformers 5;
+    `torch_dtype` in 4.x). None states one: float32, ours. transformers' classes hold None then
+    and its `from_pretrained(dtype="auto")` takes the weights' dtype, which a config-only
+    (`--load-format dummy`) checkpoint does not have."""
+    for d in configs:
+        if d.get("dtype") or d.get("torch_dtype"):
+            return str(d.get("dtype") or d.get("torch_dtype"))
+    return "float32"
+
+
+def eos_token_ids(generation_config: dict | None, *configs: dict[str, Any]) -> tuple[int, ...]:
+    """The EOS ids: `generation_config`'s `eos_token_id` where it has that key, else the first
+    non-null one of `configs` (a wrapper's own config before its text config, as transformers'
+    `GenerationConfig.from_model_config` takes them); an int or a list, as the files write it."""
+    if generation_config and "eos_token_id" in generation_config:
+        eos = generation_config["eos_token_id"]
+    else:
+        eos = next((c["eos_token_id"] for c in configs if c.get("eos_token_id") is not None), None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
 @dataclass(frozen=True)
@@ -169,7 +216,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation_config: dict | None = None) -> ModelConfig:
         """`raw` (a config.json's dict) read through transformers' config class for its
-        model_type, which supplies every default; fields that size the model must be in `raw`."""
+        model_type, which supplies every absent field's default. A wrapper's (`qwen3_5`,
+        `qwen3_5_moe`) `text_config` is read by its text class and the wrapper's own fields
+        (`tie_word_embeddings`, `eos_token_id`) by the wrapper's class, as transformers'
+        `...ForConditionalGeneration` reads them. The fields that size the model (those read with
+        `need`: vocabulary, widths, layer and head counts, the GDN's shapes, experts) must be in
+        `raw`: transformers' defaults for them are a full-size release's, so a file without one
+        would silently build another model.
+        EOS ids: `generation_config`'s, else the config's (`eos_token_ids`)."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -177,22 +231,24 @@ class ModelConfig:
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         prefix = "model."
+        outer: dict[str, Any] = {}
         if model_type in WRAPPERS:
             text = raw.get("text_config")
             if not isinstance(text, dict):
                 raise ValueError(f"config.json: missing field 'text_config' ({model_type})")
-            outer = {k: raw[k] for k in ("eos_token_id", "tie_word_embeddings") if k in raw}
-            raw = {**outer, **text, "model_type": text.get("model_type", WRAPPERS[model_type])}
-            if raw["model_type"] != WRAPPERS[model_type]:
+            text_type = text.get("model_type", WRAPPERS[model_type])
+            if text_type != WRAPPERS[model_type]:
                 raise ValueError(
-                    f"config.json: text_config.model_type {raw['model_type']!r} in a "
+                    f"config.json: text_config.model_type {text_type!r} in a "
                     f"{model_type} config (expected {WRAPPERS[model_type]!r})"
                 )
-            model_type, prefix = raw["model_type"], "model.language_model."
+            # the wrapper's own fields; its sub-configs are read apart (the vision one never)
+            own = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+            outer = transformers_defaults(model_type, own, fallback="qwen3_next")
+            raw = {**text, "model_type": text_type}
+            model_type, prefix = text_type, "model.language_model."
         qwen3_5 = model_type in QWEN3_5_TEXT
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
+        _check_rope_kind(raw)  # first: the class refuses an incomplete scaled kind less plainly
         # transformers 4.x lacks Qwen3.5: Qwen3-Next's defaults are its for every field read here
         d = transformers_defaults(model_type, raw, fallback="qwen3_next")
 
@@ -201,13 +257,14 @@ class ModelConfig:
                 raise ValueError(f"config.json: missing field {key!r}")
             return d[key]
 
+        _check_rope_kind(d)  # and as the class reads it
+        # 5.x: one rope_parameters dict; 4.x: rope_theta and partial_rotary_factor at the top
+        rope = {**d, **(d.get("rope_parameters") or {})}
         n_layers = int(need("num_hidden_layers"))
-        rope = {**d, **(d.get("rope_parameters") or {})}  # 5.x dict, or 4.x top-level keys
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
-        eos = (generation_config or {}).get("eos_token_id", d.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        # Qwen3.5: dense MLP on every layer, or MoE on every layer, always renormalised
+        # Qwen3.5: dense MLP on every layer, or MoE on every layer, always renormalised (its
+        # classes have no decoder_sparse_step, mlp_only_layers or norm_topk_prob to read)
         all_moe = model_type == "qwen3_5_moe_text"
         num_experts = 0 if model_type == "qwen3_5_text" else int(need("num_experts"))
         return cls(
@@ -216,7 +273,7 @@ class ModelConfig:
             num_hidden_layers=n_layers,
             layer_types=tuple(d["layer_types"]),
             rms_norm_eps=float(d["rms_norm_eps"]),
-            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            tie_word_embeddings=bool((outer or d)["tie_word_embeddings"]),
             max_position_embeddings=int(d["max_position_embeddings"]),
             num_attention_heads=int(need("num_attention_heads")),
             num_key_value_heads=int(need("num_key_value_heads")),
@@ -238,13 +295,24 @@ class ModelConfig:
             decoder_sparse_step=1 if qwen3_5 else int(d["decoder_sparse_step"]),
             mlp_only_layers=() if qwen3_5 else tuple(int(i) for i in d["mlp_only_layers"]),
             norm_topk_prob=True if qwen3_5 else bool(d["norm_topk_prob"]),
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-            eos_token_ids=eos_ids,
+            torch_dtype=checkpoint_dtype(outer, d),
+            eos_token_ids=eos_token_ids(generation_config, outer, d),
             gdn_projections="split" if qwen3_5 else "grouped",
             weight_prefix=prefix,
-            mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers", 0)),
-            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
+            # not a field of transformers' classes (their ports have no MTP head): the file's
+            # count of the head's decoder layers, none when it states none
+            mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers") or 0),
+            mamba_ssm_dtype=checkpoint_ssm_dtype(d),
         )
+
+
+def _check_rope_kind(config: dict[str, Any]) -> None:
+    """Refuse a RoPE kind other than plain RoPE: `rope_parameters` (5.x) or `rope_scaling` (4.x),
+    by `rope_type` or the legacy `type` (which transformers still reads)."""
+    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"config.json: unsupported rope_type {kind!r}")
 
 
 def transformers_defaults(

@@ -31,7 +31,6 @@ serves, and every CPU kernel is unchanged. Writing FP8 checkpoints (quantizing, 
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -41,6 +40,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid_serve.kernels.fp8 import E4M3, dequantize_blocks  # noqa: F401 (E4M3: re-exported)
+from hybrid_serve.models.config import read_json
 from hybrid_serve.models.shard_loader import Shard, read_shard
 from hybrid_serve.models.weight_map import is_skipped
 
@@ -162,7 +162,7 @@ class Fp8Checkpoint:
         headers, the MTP head's tensors included when `mtp` (else they are skipped, as the
         loader skips them); None for a checkpoint without `quantization_config` and without FP8
         tensors."""
-        raw = json.loads((path / "config.json").read_text())
+        raw = read_json(path / "config.json")
         qc = raw.get("quantization_config")
         names = [n for n in where if not is_skipped(n, mtp)]
         meta: dict[str, tuple[str, tuple[int, ...]]] = {}

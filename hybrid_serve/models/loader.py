@@ -50,7 +50,7 @@ from hybrid_serve.kernels import KernelSet
 from hybrid_serve.kernels import choose as choose_kernels
 from hybrid_serve.kernels.quant import quantize, row_peaks
 from hybrid_serve.kernels.weight_formats import check_quantization
-from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.config import ModelConfig, read_json
 from hybrid_serve.models.dummy_weights import fill_dummy
 from hybrid_serve.models.fp8 import Fp8Checkpoint, Fp8Config
 from hybrid_serve.models.fp8_resident import (
@@ -277,7 +277,7 @@ def plan_fp8(
     ids = {id(p) for p in matrices(model) if p is not embedding}
     mats = {n for n, p in params.items() if id(p) in ids}
     if source is None:
-        qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+        qc = read_json(path / "config.json").get("quantization_config")
         if qc is None:
             return set(), None
         fp8 = Fp8Config.from_dict(qc)

@@ -14,7 +14,7 @@ The three are one shape of model, pre-norm layers of a token mixer and a SwiGLU 
                        outputs, the keys, the Mamba2 projection's segments, the MLP and the logits
 
 A family's difference is a field here, never a new layer. Defaults are transformers' own (its
-config class for the model_type completes the file); the fields that size the model must be in
+config class for the model_type completes the file); the fields named in `REQUIRED` must be in
 the file. The Mamba2 `time_step_limit` is the file's (default (0, inf)): transformers applies it
 the way the trained models, vLLM and SGLang do for all three (no clamp at `time_step_min`, as
 NemotronH's port has).
@@ -26,11 +26,18 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
-from hybrid_serve.models.config import checkpoint_ssm_dtype, transformers_defaults
+from hybrid_serve.models.config import (
+    checkpoint_dtype,
+    checkpoint_ssm_dtype,
+    eos_token_ids,
+    transformers_defaults,
+)
 from hybrid_serve.models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, HYBRID = "linear_attention", "full_attention", "hybrid"
 MODEL_TYPES = ("granitemoehybrid", "bamba", "falcon_h1")
+# fields a file must state: transformers' defaults for them are a full-size release's
+REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "mamba_n_heads")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,21 +132,23 @@ class Mamba2HybridConfig(Mamba2StackConfig):
         cls, raw: dict[str, Any], generation_config: dict | None = None
     ) -> Mamba2HybridConfig:
         """`raw` (a config.json's dict) completed by transformers' config class for its
-        model_type."""
+        model_type, which supplies every absent field's default; the `REQUIRED` fields must be in
+        `raw` (their defaults would silently build another model). EOS ids:
+        `generation_config`'s, else the config's."""
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"unsupported architecture: model_type {model_type!r}")
-        for key in ("vocab_size", "hidden_size", "num_attention_heads", "mamba_n_heads"):
+        for key in REQUIRED:
             if key not in raw:
                 raise ValueError(f"config.json: missing field {key!r}")
         d = transformers_defaults(model_type, raw)
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
-        rope = d.get("rope_parameters") or {}
+        rope = _rope(d)
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
-        eos = (generation_config or {}).get("eos_token_id", d.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        # none of the three classes has a head_dim field: a file's own is kept, else transformers'
+        # attention takes hidden_size / num_attention_heads
         head_dim = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
         common = dict(
             model_type=model_type,
@@ -151,15 +160,23 @@ class Mamba2HybridConfig(Mamba2StackConfig):
             num_attention_heads=int(d["num_attention_heads"]),
             num_key_value_heads=int(d["num_key_value_heads"]),
             head_dim=head_dim,
-            attention_bias=bool(d.get("attention_bias", False)),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-            eos_token_ids=eos_ids,
-            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
+            attention_bias=bool(d["attention_bias"]),
+            rope_theta=float(rope["rope_theta"]),
+            # Granite's class has no mlp_bias: its MLPs have no bias in transformers
+            mlp_bias=model_type != "granitemoehybrid" and bool(d["mlp_bias"]),
+            torch_dtype=checkpoint_dtype(d),
+            eos_token_ids=eos_token_ids(generation_config, d),
+            mamba_ssm_dtype=checkpoint_ssm_dtype(d),
         )
         read = {"granitemoehybrid": _granite, "bamba": _bamba, "falcon_h1": _falcon_h1}
         return cls(**common, **read[model_type](d, head_dim))
+
+
+def _rope(d: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE settings of `d` (completed by transformers' class), one dict: in 5.x the class
+    fills `rope_parameters` (rope_type, rope_theta, Bamba's partial factor of 0.5); in 4.x
+    rope_theta and Bamba's partial_rotary_factor are top-level fields."""
+    return {**d, **(d.get("rope_parameters") or {})}
 
 
 def _mamba(d: dict[str, Any], inner: int | None = None, **extra: Any) -> Mamba2Config:
@@ -189,7 +206,7 @@ def _mamba(d: dict[str, Any], inner: int | None = None, **extra: Any) -> Mamba2C
 
 def _granite(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
     experts = int(d["num_local_experts"] or 0)
-    rope = d.get("position_embedding_type") == "rope"
+    rope = d["position_embedding_type"] == "rope"
     return dict(
         layer_types=tuple(d["layer_types"]),
         rotary_dim=head_dim if rope else 0,
@@ -207,11 +224,10 @@ def _granite(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
 
 def _bamba(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
     n = int(d["num_hidden_layers"])
-    attn = set(d.get("attn_layer_indices") or ())
-    factor = float((d.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5))
+    attn = set(d["attn_layer_indices"] or ())
     return dict(
         layer_types=tuple(ATTENTION if i in attn else MAMBA for i in range(n)),
-        rotary_dim=int(head_dim * factor),
+        rotary_dim=int(head_dim * _rope(d)["partial_rotary_factor"]),
         mamba=_mamba(d),
         intermediate_size=int(d["intermediate_size"]),
     )

@@ -20,7 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from hybrid_serve.models.config import checkpoint_ssm_dtype, transformers_defaults
+from hybrid_serve.models.config import (
+    checkpoint_dtype,
+    checkpoint_ssm_dtype,
+    eos_token_ids,
+    transformers_defaults,
+)
 from hybrid_serve.models.mamba2_hybrid_config import Mamba2StackConfig
 from hybrid_serve.models.mamba2_mixer import Mamba2Config
 
@@ -69,25 +74,32 @@ class NemotronHConfig(Mamba2StackConfig):
     def from_dict(
         cls, raw: dict[str, Any], generation_config: dict | None = None
     ) -> NemotronHConfig:
-        """`raw` (a config.json's dict) completed by transformers' `NemotronHConfig`."""
-        widths = raw.get("intermediate_size", 0)
-        for_hf = {**raw, "intermediate_size": 0 if isinstance(widths, list) else widths}
+        """`raw` (a config.json's dict) completed by transformers' `NemotronHConfig`, which
+        supplies every absent field's default. The fields that size the model (those read with
+        `need`: vocabulary, hidden size, the block pattern, attention and Mamba heads, the state
+        size, MLP and expert widths and counts) must be in `raw`: transformers' defaults for them
+        are a full-size release's, so a file without one would silently build another model. EOS
+        ids: `generation_config`'s, else the config's."""
+        widths = raw.get("intermediate_size")
+        # transformers' class takes one int: a per-block list is read here, not by the class
+        for_hf = {**raw, "intermediate_size": 0} if isinstance(widths, list) else raw
         d = transformers_defaults("nemotron_h", for_hf)
 
         def need(*keys: str) -> Any:
             for key in keys:
                 if key in raw:
                     return d.get(key, raw[key])
-            raise ValueError(f"config.json: missing field {keys[0]!r}")
+            either = "".join(f" (or {key!r})" for key in keys[1:])
+            raise ValueError(f"config.json: missing field {keys[0]!r}{either}")
 
         need("hybrid_override_pattern", "layers_block_type")
         types = tuple(d["layers_block_type"])
         for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
             if d[key] != want:
                 raise ValueError(f"config.json: unsupported {key} {d[key]!r}")
-        if d.get("moe_latent_size") is not None:
+        if d["moe_latent_size"] is not None:
             raise ValueError("config.json: latent MoE projections (moe_latent_size) unsupported")
-        if d.get("attention_bias"):
+        if d["attention_bias"]:
             raise ValueError("config.json: attention_bias is unsupported (NemotronH has none)")
         n_mlp = types.count(MLP)
         if MLP not in types:
@@ -110,8 +122,6 @@ class NemotronHConfig(Mamba2StackConfig):
             proj_bias=bool(d["use_bias"]),
             norm_eps=float(d["layer_norm_epsilon"]),
         )
-        eos = (generation_config or {}).get("eos_token_id", d.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         moe = MOE in types
         return cls(
             vocab_size=int(need("vocab_size")),
@@ -136,7 +146,7 @@ class NemotronHConfig(Mamba2StackConfig):
             topk_group=int(d["topk_group"]),
             norm_topk_prob=bool(d["norm_topk_prob"]),
             routed_scaling_factor=float(d["routed_scaling_factor"]),
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-            eos_token_ids=eos_ids,
-            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
+            torch_dtype=checkpoint_dtype(d),
+            eos_token_ids=eos_token_ids(generation_config, d),
+            mamba_ssm_dtype=checkpoint_ssm_dtype(d),
         )

@@ -6,7 +6,8 @@ same layer reads this config) or attention, 3 to 1 by `layer_types`. OLMo's diff
 fields: beta = 2 sigmoid(b) when `linear_allow_neg_eigval` (`linear_beta_scale`), the GDN output
 norm's epsilon fixed at 1e-5 as in FLA (`linear_norm_eps`), q/k RMSNorm over all heads, and no
 positional encoding when `rope_theta` is null (the releases), else full RoPE. Defaults are
-transformers' `OlmoHybridConfig`'s, which are the 7B release's.
+transformers' `OlmoHybridConfig`'s, which are the 7B release's; the fields named in `REQUIRED`
+must be in the file.
 """
 
 from __future__ import annotations
@@ -15,10 +16,20 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from hybrid_serve.models.config import checkpoint_ssm_dtype, transformers_defaults
+from hybrid_serve.models.config import (
+    checkpoint_dtype,
+    checkpoint_ssm_dtype,
+    eos_token_ids,
+    transformers_defaults,
+)
 
 LINEAR, FULL = "linear_attention", "full_attention"
-GDN_NORM_EPS = 1e-5  # transformers and vLLM: FLA's FusedRMSNormGated default
+# not a config field in transformers: its OLMo-Hybrid port, like vLLM's, fixes the GDN output
+# norm's epsilon at FLA's FusedRMSNormGated default
+GDN_NORM_EPS = 1e-5
+# fields a file must state: transformers' defaults for them are the 7B release's, so a file
+# without one would silently build another model
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -95,19 +106,19 @@ class OlmoHybridConfig:
     def from_dict(
         cls, raw: dict[str, Any], generation_config: dict | None = None
     ) -> OlmoHybridConfig:
-        """`raw` (a config.json's dict) completed by transformers' `OlmoHybridConfig`."""
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        """`raw` (a config.json's dict) completed by transformers' `OlmoHybridConfig`, which
+        supplies every absent field's default; the `REQUIRED` fields must be in `raw`. EOS ids:
+        `generation_config`'s, else the config's."""
+        for key in REQUIRED:
             if key not in raw:
                 raise ValueError(f"config.json: missing field {key!r}")
         d = transformers_defaults("olmo_hybrid", raw)
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
-        rope = d.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
+        rope = d["rope_parameters"]  # the class fills rope_type and rope_theta (null: kept)
+        if rope["rope_type"] != "default":
             raise ValueError(f"config.json: unsupported rope_type {rope['rope_type']!r}")
-        theta = rope.get("rope_theta")
-        eos = (generation_config or {}).get("eos_token_id", d.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        theta = rope["rope_theta"]  # transformers' model builds no rotary embedding when null
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
         return cls(
             vocab_size=int(d["vocab_size"]),
@@ -121,7 +132,7 @@ class OlmoHybridConfig:
             head_dim=hidden // heads,
             attention_bias=bool(d["attention_bias"]),
             rotary_dim=0 if theta is None else hidden // heads,
-            rope_theta=10000.0 if theta is None else float(theta),
+            rope_theta=0.0 if theta is None else float(theta),  # unread when rotary_dim is 0
             linear_num_key_heads=int(d["linear_num_key_heads"]),
             linear_num_value_heads=int(d["linear_num_value_heads"]),
             linear_key_head_dim=int(d["linear_key_head_dim"]),
@@ -129,7 +140,7 @@ class OlmoHybridConfig:
             linear_conv_kernel_dim=int(d["linear_conv_kernel_dim"]),
             linear_beta_scale=2.0 if d["linear_allow_neg_eigval"] else 1.0,
             intermediate_size=int(d["intermediate_size"]),
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-            eos_token_ids=eos_ids,
-            mamba_ssm_dtype=checkpoint_ssm_dtype(raw),
+            torch_dtype=checkpoint_dtype(d),
+            eos_token_ids=eos_token_ids(generation_config, d),
+            mamba_ssm_dtype=checkpoint_ssm_dtype(d),
         )
