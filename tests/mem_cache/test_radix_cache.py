@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from hybrid_serve.kernels.attention import store_kv
 from hybrid_serve.mem_cache.kv_pool import KVPool
 from hybrid_serve.mem_cache.mamba_pool import MambaPool
 from hybrid_serve.mem_cache.radix_cache import MambaRadixCache
@@ -342,7 +343,7 @@ def test_random_ops_conserve_pools(seed: int, page_size: int) -> None:
             mp.copy([r.mamba_slot], [s])  # copy-on-write
         own = kvp.page_locs(pages)
         k = torch.tensor(key[pre:], dtype=torch.float32).view(-1, 1, 1)
-        kvp.set_kv(0, own, k, k)
+        store_kv(*kvp.get_kv(0), own, k, k)
         mp.ssm_state[0, s] = fingerprint(key)  # "forward": the state after all of key
         live.append(dict(key=key, pre=pre, prefix=r.kv_indices, own=own, slot=s, node=r.last_node))
 
