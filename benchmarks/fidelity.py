@@ -12,7 +12,8 @@ exactly `--max-new-tokens` output tokens. Reported per mode (`--modes`):
 - greedy agreement: the share of requests whose output equals fp32's token for token, the
   mean position of the first differing token, and the share of output tokens before it;
 - per-token KL(p_fp32 || p_mode) and top-1 agreement, teacher-forced on fp32's own output: one
-  prefill of prompt + fp32 output through each model's runner, logits at every output position.
+  prefill of prompt + fp32 output through each model's runner, logits at every output position
+  (`benchmarks.margins.all_logits`).
 
 Beside them, `float32_margins`: the margins those figures were measured at, fp32's top-1
 probability and top-1 minus top-2 gaps at the same positions (`benchmarks.margins.margin_stats`;
@@ -46,12 +47,11 @@ import time
 import torch
 
 from benchmarks.gsm8k_data import build_prompts, load_split
-from benchmarks.margins import agreement_by_gap, logit_gaps, margin_stats
+from benchmarks.margins import agreement_by_gap, all_logits, logit_gaps, margin_stats
 from benchmarks.model_forward import resolve_model_path
 from hybrid_serve.kernels import cpu_levels
 from hybrid_serve.kernels.settings import BF16_PRODUCTS_ENV
 from hybrid_serve.scheduler.engine import Engine
-from hybrid_serve.scheduler.model_runner import ExtendInput, ModelRunner
 
 logger = logging.getLogger("benchmarks.fidelity")
 
@@ -78,22 +78,6 @@ def load_engine(path: str, mode: str, opts: dict) -> Engine:
             os.environ.pop(BF16_PRODUCTS_ENV, None)
         else:
             os.environ[BF16_PRODUCTS_ENV] = before
-
-
-def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """Logits [len(ids), vocab] of one prefill of `ids` from an empty state (slots freed)."""
-    req = runner.req_pool.alloc(1)[0]
-    slot = int(runner.mamba_pool.alloc(1)[0])
-    loc = runner.alloc_kv(req, 0, len(ids))
-    try:
-        batch = runner.build_prefill(
-            [ExtendInput(req, slot, 0, ids)], [loc], return_all_logits=True
-        )
-        return runner.forward(batch)
-    finally:
-        runner.free_kv(req, len(ids))
-        runner.mamba_pool.free([slot])
-        runner.req_pool.free(req)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,8 +29,12 @@ import argparse
 import json
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hybrid_serve.scheduler.model_runner import ModelRunner
 
 logger = logging.getLogger("benchmarks.margins")
 
@@ -91,10 +95,27 @@ def agreement_by_gap(
     return out
 
 
+def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), vocab] of one prefill of `ids` from an empty state (slots freed)."""
+    from hybrid_serve.scheduler.model_runner import ExtendInput
+
+    req = runner.req_pool.alloc(1)[0]
+    slot = int(runner.mamba_pool.alloc(1)[0])
+    loc = runner.alloc_kv(req, 0, len(ids))
+    try:
+        batch = runner.build_prefill(
+            [ExtendInput(req, slot, 0, ids)], [loc], return_all_logits=True
+        )
+        return runner.forward(batch)
+    finally:
+        runner.free_kv(req, len(ids))
+        runner.mamba_pool.free([slot])
+        runner.req_pool.free(req)
+
+
 def text_margins(path: str, texts: list[str], max_running_requests: int = 4) -> dict:
     """`margin_stats` of the checkpoint at `path` (fp32 `Engine`) over every next-token
     position of `texts`, each prefilled alone from an empty state."""
-    from benchmarks.fidelity import all_logits
     from hybrid_serve.scheduler.engine import Engine
 
     engine = Engine(

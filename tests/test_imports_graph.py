@@ -7,6 +7,9 @@ ARCHITECTURE.md between the five packages, and no import cycle between modules.
 Every import counts, also one inside a function or under `if TYPE_CHECKING:`: for the package
 rules, and between modules, which form no cycle at all (neither through the imports that run
 when a module loads nor through a deferred or typing-only one).
+
+The benchmark scripts (benchmarks/) sit on top: no runtime module imports one, and they form no
+import cycle among themselves either.
 """
 
 from __future__ import annotations
@@ -27,14 +30,25 @@ ALLOWED = {
 }
 
 
+def dotted(path: Path) -> str:
+    """`ROOT/hybrid_serve/models/loader.py` -> `hybrid_serve.models.loader` (a package is its
+    `__init__.py`)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def modules() -> dict[str, Path]:
-    """Dotted name -> file of every runtime module (a package is its `__init__.py`)."""
+    """Dotted name -> file of every runtime module."""
     found = {}
     for package in PACKAGES:
         for path in sorted((ROOT / "hybrid_serve" / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            found[dotted(path)] = path
     return found
+
+
+def benchmark_modules() -> dict[str, Path]:
+    """Dotted name -> file of every module under benchmarks/ (`benchmarks` itself included)."""
+    return {dotted(path): path for path in sorted((ROOT / "benchmarks").rglob("*.py"))}
 
 
 def imports(path: Path, known: dict[str, Path]) -> dict[str, bool]:
@@ -74,8 +88,9 @@ def package(module: str) -> str:
     return module.split(".")[1]
 
 
-def graph() -> dict[str, dict[str, bool]]:
-    known = modules()
+def graph(known: dict[str, Path] | None = None) -> dict[str, dict[str, bool]]:
+    """Module -> the modules of `known` (default: the runtime's) it imports -> eagerly or not."""
+    known = modules() if known is None else known
     return {m: {d: e for d, e in imports(p, known).items() if d != m} for m, p in known.items()}
 
 
@@ -166,3 +181,30 @@ def test_no_cycle_between_modules_at_load_time():
 def test_no_cycle_between_modules():
     found = [sorted(c) for c in cycles({m: set(deps) for m, deps in graph().items()})]
     assert found == [], f"modules importing each other (deferred or for typing): {found}"
+
+
+def test_the_parse_sees_the_benchmarks_imports(tmp_path):
+    g = graph(benchmark_modules())
+    assert "benchmarks" in g and len(g) > 20
+    assert g["benchmarks.fidelity"]["benchmarks.margins"] is True
+    assert g["benchmarks.serving"]["benchmarks.gsm8k_data"] is True  # from benchmarks import x
+    runtime_like = tmp_path / "runtime_like.py"
+    runtime_like.write_text("import benchmarks\n\ndef f():\n    from benchmarks.margins import x\n")
+    found = imports(runtime_like, {**modules(), **benchmark_modules()})
+    assert found == {"benchmarks": True, "benchmarks.margins": False}
+
+
+def test_no_cycle_between_benchmark_modules():
+    found = [sorted(c) for c in cycles({m: set(d) for m, d in graph(benchmark_modules()).items()})]
+    assert found == [], f"benchmark modules importing each other: {found}"
+
+
+def test_the_runtime_imports_no_benchmark():
+    known = {**modules(), **benchmark_modules()}
+    bad = sorted(
+        f"{m} imports {d}"
+        for m, path in modules().items()
+        for d in imports(path, known)
+        if d.split(".")[0] == "benchmarks"
+    )
+    assert bad == [], "\n".join(bad)

@@ -2,7 +2,7 @@
 
 A matrix [..., N, K] is ONE tensor whatever its format, so every op that takes a weight takes
 any format in its place; the tensor's dtype names the format (`format_of`), and nothing else
-infers it. Each entry says how a row of K values is stored (`stored_columns` / `in_features`),
+infers it. Each entry says how a row of K values is stored (`in_features` reads K back from it),
 where its scales live, whether `--quantization` makes it from float weights, whether the C++
 kernels read it (kernels/csrc/weights.h holds the same layout: tests/kernels/test_quant.py
 checks the two agree) and which devices serve it.
@@ -38,14 +38,6 @@ class WeightFormat:
     method: bool  # made from float weights by `--quantization <name>`
     cpp: bool  # the C++ kernels read it (weights.h)
     devices: tuple[str, ...]  # where a model may keep matrices in this format
-
-    def stored_columns(self, k: int) -> int:
-        """Columns of a stored row of `k` values."""
-        if self.name == "int4":
-            if k % GROUP:
-                raise ValueError(f"int4 needs K a multiple of {GROUP}, got {k}")
-            return k // 2 + k // GROUP * self.row_tail
-        return k + self.row_tail
 
     def in_features(self, stored: int) -> int:
         """K of a row stored in `stored` columns."""

@@ -260,11 +260,6 @@ def template_name(model_type: str, name: str | None = None) -> str:
     return name
 
 
-def template_for(model_type: str, name: str | None = None) -> str:
-    """The text of the chat template `template_name` picks."""
-    return TEMPLATES[template_name(model_type, name)]
-
-
 def tokens_for(name: str) -> TemplateTokens:
     """The tokens template `name` needs whole (none beyond ChatML's for the Qwen templates)."""
     return TEMPLATE_TOKENS.get(name, TemplateTokens())

@@ -1,5 +1,4 @@
-"""Writing block-FP8 checkpoints (`hybrid_serve.models.fp8`'s layout): the presets' FP8 form and the
-dequantized twin of any FP8 checkpoint.
+"""Writing block-FP8 checkpoints (`hybrid_serve.models.fp8`'s layout): the presets' FP8 form.
 
 `quantize_tensors` quantizes what the official Qwen3-Next / Qwen3.5 FP8 releases quantize: every
 linear layer's and expert's matrix except the embedding, the LM head, the GDN `in_proj_ba` (or
@@ -7,23 +6,14 @@ linear layer's and expert's matrix except the embedding, the LM head, the GDN `i
 `mtp.fc` (SGLang reads that one as a plain bf16 `nn.Linear` from the Qwen3-Next FP8 release; the
 head's decoder layer is quantized like a main layer); vectors and the conv weight stay as they
 are. `quantization_config` lists every module left unquantized in `modules_to_not_convert`, as
-those releases do. `write_dequantized` writes the checkpoint that holds exactly the numbers an
-FP8 checkpoint stands for, in bf16: the parity judge, and a way to serve an FP8 release anywhere
-without FP8 support.
+those releases do.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 
-from hybrid_serve.make_model.weights_file import save_weights
-from hybrid_serve.models.config import encode_special_floats, read_json
-from hybrid_serve.models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config, dequantize, module_of, scale_name
+from hybrid_serve.models.fp8 import E4M3, SCALE_SUFFIX, module_of, scale_name
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 KEPT_UNQUANTIZED = (
@@ -99,63 +89,3 @@ def config_quantization(shapes: dict[str, tuple[int, ...]], block: tuple[int, in
     return quantization_config(
         {n: t.to(E4M3) if is_quantized(n, t) else t for n, t in meta.items()}, block
     )
-
-
-def _weight_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {path}")
-    return files
-
-
-def write_dequantized(
-    src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16
-) -> Path:
-    """Write FP8 checkpoint `src` to `dst` with every FP8 tensor dequantized (`models.fp8`'s
-    rule, in fp32) and cast to `dtype`, the scales dropped and `quantization_config` removed;
-    every other tensor and file is copied unchanged (shard names and index kept). An FP8 tensor
-    without its scale is a `ValueError` naming the scale."""
-    src, dst = Path(src), Path(dst)
-    if src.resolve() == dst.resolve():
-        raise ValueError("write_dequantized needs a destination other than its source")
-    dst.mkdir(parents=True, exist_ok=True)
-    config = read_json(src / "config.json")
-    block = Fp8Config.from_dict(config.get("quantization_config") or {}).block
-    files = _weight_files(src)
-    where: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
-
-    kept: dict[str, str] = {}  # tensor -> file name, for the index
-    for file in files:
-        out: dict[str, torch.Tensor] = {}
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in where:
-                    continue
-                t = f.get_tensor(name)
-                if t.dtype == E4M3:
-                    scale = scale_name(name)
-                    if scale not in where:
-                        raise ValueError(f"checkpoint is missing tensor {scale} (scales of {name})")
-                    with safe_open(str(where[scale]), framework="pt", device="cpu") as g:
-                        t = dequantize(t, g.get_tensor(scale), block).to(dtype)
-                out[name] = t
-                kept[name] = file.name
-        save_weights(out, dst / file.name, {"format": "pt"})
-
-    for item in src.iterdir():
-        if item.is_file() and item.suffix != ".safetensors" and item.name != "config.json":
-            shutil.copyfile(item, dst / item.name)
-    config.pop("quantization_config")
-    # NaN and infinities written back tagged, as transformers writes them (and as they came)
-    text = json.dumps(encode_special_floats(config), indent=2, sort_keys=True)
-    (dst / "config.json").write_text(text + "\n")
-    index = dst / "model.safetensors.index.json"
-    if index.is_file():
-        body = json.loads(index.read_text())
-        body["weight_map"] = {n: f for n, f in body["weight_map"].items() if n in kept}
-        body.pop("metadata", None)
-        index.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
-    return dst

@@ -4,10 +4,10 @@
 2. Prompts (random ids past the special tokens, or windows of a text's token ids for a model
    trained on text), greedy continuations by the main model: one extend batch for the
    prompts, then decode batches, a chunk of sequences at a time; every position's final
-   normed hidden state and argmax are kept (`hybrid_serve.make_model.mtp_fit.FitData`).
+   normed hidden state and argmax are kept (`hybrid_serve.make_model.mtp_training.FitData`).
 3. Fit the head on the first `prompts` sequences, measure the accept rate on the held-out rest
-   before and after (`make_model.mtp_fit.fit`), and rewrite the checkpoint's `mtp.*` tensors
-   (`hybrid_serve.make_model.mtp_fit.write_head`).
+   before and after (`make_model.mtp_training.fit`), and rewrite the checkpoint's `mtp.*` tensors
+   (`hybrid_serve.make_model.mtp_training.write_head`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybrid_serve.make_model.mtp_fit import FitData, FitResult, fit, write_head
+from hybrid_serve.make_model.mtp_training import FitData, FitResult, fit, write_head
 from hybrid_serve.make_model.tokenizer_builder import special_token_ids
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM

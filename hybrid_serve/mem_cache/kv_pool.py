@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_serve.kernels.attention import store_kv
 from hybrid_serve.mem_cache.req_pool import SlotAllocator, SlotPool
 
 
@@ -105,26 +104,6 @@ class KVPool(SlotPool):
         return (pages.to(torch.int64).unsqueeze(-1) * self.page_size + offsets).reshape(-1)
 
     # ------------------------------------------------------------------------------- K/V access
-
-    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``/``v`` ``[N, num_kv_heads, head_dim]`` at token locations ``loc`` ``[N]``.
-
-        ``layer`` is the dense attention-layer index. Values are cast to the buffer dtype and
-        device; ``loc`` is moved to the buffer device if needed. Locations are not range-checked
-        (that would synchronise with the device): they must lie in
-        ``0..(num_pages+1)*page_size-1``, and only padding rows may target page 0. Repeated
-        locations within one call are undefined.
-        """
-        n = loc.shape[0] if loc.dim() == 1 else -1
-        want = (n, self.num_kv_heads, self.head_dim)
-        if n < 0 or tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(
-                f"set_kv: expected loc [N] and k, v {list(want)}, got loc {list(loc.shape)}, "
-                f"k {list(k.shape)}, v {list(v.shape)}"
-            )
-        loc = loc.to(device=self.device, dtype=torch.int64)
-        k, v = k.to(self.device), v.to(self.device)
-        store_kv(self.k_buffer[layer], self.v_buffer[layer], loc, k, v)
 
     @property
     def k_all(self) -> torch.Tensor:

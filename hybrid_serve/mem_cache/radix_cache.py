@@ -64,8 +64,8 @@ class MambaRadixCache:
       whole path to the root); ``mamba_lock_ref`` counts direct locks. Only nodes with a device
       state (or the root, a no-op) may be locked, so ``full_lock_ref == mamba_lock_ref +
       sum(children's full_lock_ref)``. Locked KV is never evicted; a locked state never is.
-    - Counters: ``evictable_size() + protected_size()`` is the device KV the tree holds, split by
-      ``full_lock_ref == 0``; the Mamba counters likewise count device states by direct lock.
+    - Counters: ``total_size()`` is the device KV the tree holds, ``evictable_size()`` the part
+      with ``full_lock_ref == 0``; the Mamba counters likewise count device states by direct lock.
     - LRU: two ordered dicts, least recent first: every node with device KV by id (``full``) and
       every node with a device state by slot (``mamba``). Touching a path refreshes it deepest
       node first, so an ancestor is never older than its descendants and one eviction pass in
@@ -424,9 +424,6 @@ class MambaRadixCache:
 
     def evictable_size(self) -> int:
         return self._full_evictable
-
-    def protected_size(self) -> int:
-        return self._full_protected
 
     def mamba_evictable_size(self) -> int:
         return self._mamba_evictable

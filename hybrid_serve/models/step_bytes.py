@@ -67,12 +67,6 @@ class ParamGroups:
         fp8 = self.dense_fp8 + experts * self.experts_fp8
         return (self.total - fp8) * weight_bytes + fp8 * self.fp8_bytes
 
-    @property
-    def active(self) -> int:
-        """Parameters one token touches: dense, its top-k experts per MoE layer, one embedding
-        row (the embedding table itself is not counted)."""
-        return self.dense + self.hidden + self.per_expert * self.moe_layers * self.experts_per_tok
-
 
 @dataclass(frozen=True)
 class StepBytes:

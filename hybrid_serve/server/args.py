@@ -243,9 +243,3 @@ def build_serve_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(parser)
     return parser
-
-
-def parse_serve_args(
-    argv: list[str] | None = None,
-) -> tuple[ServerConfig, RunnerConfig, SchedulerConfig]:
-    return configs_from_args(build_serve_parser().parse_args(argv))

@@ -23,8 +23,6 @@ from tokenizers.decoders import DecodeStream
 
 from hybrid_serve.server.stop_matcher import StopMatcher
 
-REPLACEMENT = "\ufffd"
-
 
 class IncrementalDetokenizer:
     """`tokenizer` is a fast (Rust-backed) transformers tokenizer."""

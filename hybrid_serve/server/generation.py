@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_serve.scheduler.messages import GenerateMsg
+from hybrid_serve.scheduler.messages import GenerateMsg, TokenDelta
 from hybrid_serve.scheduler.sampling_params import SamplingParams
 from hybrid_serve.server.client import SchedulerClient
 from hybrid_serve.server.detokenizer import TextStream
@@ -134,26 +134,7 @@ class Generator:
         caller (`hybrid_serve/server/ownership.py`), so one key's ids never meet another's."""
         public = rid or uuid.uuid4().hex
         rid = scoped(caller, public)
-        if self.closed:
-            self.metrics.request_done("error", 0, 0, 0, None)
-            raise APIError("the server is shutting down", 503)
-        if self.outstanding >= self.max_outstanding:
-            self.metrics.request_done("error", 0, 0, 0, None)
-            raise APIError(
-                f"the server has {self.outstanding} requests in flight (--max-running-requests "
-                "+ --max-queued-requests); retry later",
-                503,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        try:
-            msg = GenerateMsg(rid, list(prompt_ids), params, session, cache_salt)
-            queue = self.client.submit(msg)
-        except Exception as e:
-            status = getattr(e, "status", 503)
-            self.metrics.request_done("error", 0, 0, 0, None)
-            raise APIError(str(e), status) from e
-        self.in_flight.add(rid)
-        self.idle.clear()
+        queue = self._submit(rid, prompt_ids, params, session, cache_salt)
         text = TextStream(self.tokenizer, params.stop, skip_special_tokens, no_stop_trim)
         start = last = time.perf_counter()
         n_out, finished, outcome, prompt, cached = 0, False, "abort", 0, 0
@@ -174,29 +155,7 @@ class Generator:
                     last = now
                 n_out += len(d.output_ids)
                 prompt, cached = d.prompt_tokens, d.cached_tokens
-                piece = Piece(
-                    rid=public,
-                    text=text.push(d.output_ids),
-                    token_ids=d.output_ids,
-                    logprobs=d.logprobs,
-                    top_logprobs=d.top_logprobs,
-                    prompt_tokens=prompt,
-                    cached_tokens=cached,
-                    spec_verify_ct=d.spec_verify_ct,
-                    input_logprobs=d.input_logprobs,
-                    input_token_ids=d.input_token_ids,
-                    input_top_logprobs=d.input_top_logprobs,
-                )
-                if text.matched is not None:  # a stop string: done here, free it there
-                    self.client.abort(rid, forget=True, keep_output_tokens=n_out)
-                    piece.finish_reason, piece.matched_stop = "stop", text.matched
-                elif d.finish_reason:
-                    piece.text += text.finish()
-                    piece.finish_reason, piece.finish_detail = d.finish_reason, d.finish_detail
-                    if text.matched is not None:  # found in the text flushed at the end
-                        piece.finish_reason, piece.matched_stop = "stop", text.matched
-                    elif d.finish_reason == "stop" and n_out:
-                        piece.matched_stop = self._matched_token(d.finish_detail)
+                piece = self._piece(d, public, rid, text, n_out)
                 finished = piece.finish_reason is not None
                 if finished:
                     outcome = piece.finish_reason or "abort"
@@ -208,6 +167,70 @@ class Generator:
             if not finished:
                 self.client.abort(rid, forget=True)
             self.metrics.request_done(outcome, prompt, n_out, cached, time.perf_counter() - start)
+
+    def _submit(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session: dict[str, Any] | None,
+        cache_salt: str | None,
+    ) -> asyncio.Queue[TokenDelta]:
+        """Submit request `rid` (scoped) and count it in flight: its deltas' queue. While the
+        server drains, with `max_outstanding` requests in flight (then with `Retry-After`) or
+        when the client refuses it, an `APIError` (503 unless the refusal carries a status),
+        counted as an error in the metrics."""
+        if self.closed:
+            self.metrics.request_done("error", 0, 0, 0, None)
+            raise APIError("the server is shutting down", 503)
+        if self.outstanding >= self.max_outstanding:
+            self.metrics.request_done("error", 0, 0, 0, None)
+            raise APIError(
+                f"the server has {self.outstanding} requests in flight (--max-running-requests "
+                "+ --max-queued-requests); retry later",
+                503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        try:
+            msg = GenerateMsg(rid, list(prompt_ids), params, session, cache_salt)
+            queue = self.client.submit(msg)
+        except Exception as e:
+            status = getattr(e, "status", 503)
+            self.metrics.request_done("error", 0, 0, 0, None)
+            raise APIError(str(e), status) from e
+        self.in_flight.add(rid)
+        self.idle.clear()
+        return queue
+
+    def _piece(self, d: TokenDelta, public: str, rid: str, text: TextStream, n_out: int) -> Piece:
+        """The piece of delta `d` of request `rid` (`public` to the caller; `n_out` output tokens
+        so far, `d`'s included): its new text through `text` and, on the last one, why it ended.
+        A stop string matched in the text ends it here and aborts it in the scheduler (which
+        keeps the `n_out` tokens as its output)."""
+        piece = Piece(
+            rid=public,
+            text=text.push(d.output_ids),
+            token_ids=d.output_ids,
+            logprobs=d.logprobs,
+            top_logprobs=d.top_logprobs,
+            prompt_tokens=d.prompt_tokens,
+            cached_tokens=d.cached_tokens,
+            spec_verify_ct=d.spec_verify_ct,
+            input_logprobs=d.input_logprobs,
+            input_token_ids=d.input_token_ids,
+            input_top_logprobs=d.input_top_logprobs,
+        )
+        if text.matched is not None:  # a stop string: done here, free it there
+            self.client.abort(rid, forget=True, keep_output_tokens=n_out)
+            piece.finish_reason, piece.matched_stop = "stop", text.matched
+        elif d.finish_reason:
+            piece.text += text.finish()
+            piece.finish_reason, piece.finish_detail = d.finish_reason, d.finish_detail
+            if text.matched is not None:  # found in the text flushed at the end
+                piece.finish_reason, piece.matched_stop = "stop", text.matched
+            elif d.finish_reason == "stop" and n_out:
+                piece.matched_stop = self._matched_token(d.finish_detail)
+        return piece
 
     @staticmethod
     def _matched_token(detail: str | None) -> int | None:

@@ -18,7 +18,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
@@ -50,6 +50,39 @@ def create_app(
     """Build the app. The scheduler process is spawned first, so that it loads the model while
     this process imports and loads the tokenizer; the app's lifespan attaches it to the event
     loop and stops it."""
+    state = build_state(config, runner_config, scheduler_config, model_path)
+    client = state.client
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            client.shutdown()
+            if state.tokenize_pool is not None:
+                state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="hybrid-serve", version=VERSION, lifespan=lifespan)
+    app.state.hs = state
+    install_error_handlers(app)
+    add_middleware(app, config, state.keys)
+    app.include_router(router)
+    app.include_router(openai_router)
+    app.include_router(chat_router)
+    app.include_router(native_router)
+    return app
+
+
+def build_state(
+    config: ServerConfig,
+    runner_config: RunnerConfig,
+    scheduler_config: SchedulerConfig,
+    model_path: str,
+) -> AppState:
+    """The app's state, its scheduler process spawned (not yet attached) and the tokenizer
+    loaded; a failure to load the tokenizer shuts the scheduler process down again. `ValueError`
+    for `--cache-isolation per-key` without API keys, before anything is spawned."""
     keys = Keys.load(config.api_key, config.api_key_file, config.admin_api_key)
     if config.cache_isolation == "per-key" and not keys.enabled:
         raise ValueError("--cache-isolation per-key needs API keys")
@@ -66,7 +99,7 @@ def create_app(
     metrics = Metrics(name)
     if isinstance(client, DPClient):
         client.attach_metrics(metrics)
-    state = AppState(
+    return AppState(
         config=config,
         runner_config=runner_config,
         scheduler_config=scheduler_config,
@@ -89,22 +122,11 @@ def create_app(
         ),
     )
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        client.start(asyncio.get_running_loop())
-        try:
-            yield
-        finally:
-            client.shutdown()
-            if state.tokenize_pool is not None:
-                state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="hybrid-serve", version=VERSION, lifespan=lifespan)
-    app.state.hs = state
-    install_error_handlers(app)
-
+def add_middleware(app: FastAPI, config: ServerConfig, keys: Keys) -> None:
+    """API keys innermost, then CORS (with `--allowed-origins`), then the request guard (hosts,
+    origins, body size) outermost: the guard answers before CORS, which answers before auth."""
     app.add_middleware(KeyCheck, keys=keys, open_paths=OPEN_PATHS)
-    # Added last = outermost: the guard answers before CORS, which answers before auth.
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -120,46 +142,49 @@ def create_app(
         max_body_bytes=config.max_request_bytes,
     )
 
-    @app.get("/health")
-    async def health(request: Request) -> Response:
-        s = get_state(request)
-        if s.draining:
-            return error_response("the server is shutting down", 503)
-        if s.client.ready is None or not s.client.alive:
-            return error_response("the model is not loaded", 503)
-        age = s.client.heartbeat_age()
-        if age > s.config.health_timeout:
-            return error_response(f"the scheduler has not been heard from for {age:.1f} s", 503)
-        if isinstance(s.client, DPClient):  # which replicas serve, which failed and why
-            return JSONResponse({"dp_size": s.config.dp_size, "replicas": s.client.describe()})
-        return Response(status_code=200)
 
-    @app.get("/metrics")
-    async def metrics_route(request: Request) -> Response:
-        s = get_state(request)
-        if s.client.ready is not None and s.client.alive:
-            try:
-                s.metrics.update_gauges(await s.client.query("stats", timeout=10.0))
-            except (SchedulerError, TimeoutError):
-                logger.warning("metrics: scheduler stats unavailable")
-        return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+# health, metrics and the model list; the API routes are in the routers of the *_api modules
+router = APIRouter()
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        s = get_state(request)
-        return JSONResponse({"object": "list", "data": [model_card(s)]})
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> JSONResponse:
-        s = get_state(request)
-        if model_id != s.model_name:
-            raise APIError(f"The model '{model_id}' does not exist", 404, "model")
-        return JSONResponse(model_card(s))
+@router.get("/health")
+async def health(request: Request) -> Response:
+    s = get_state(request)
+    if s.draining:
+        return error_response("the server is shutting down", 503)
+    if s.client.ready is None or not s.client.alive:
+        return error_response("the model is not loaded", 503)
+    age = s.client.heartbeat_age()
+    if age > s.config.health_timeout:
+        return error_response(f"the scheduler has not been heard from for {age:.1f} s", 503)
+    if isinstance(s.client, DPClient):  # which replicas serve, which failed and why
+        return JSONResponse({"dp_size": s.config.dp_size, "replicas": s.client.describe()})
+    return Response(status_code=200)
 
-    app.include_router(openai_router)
-    app.include_router(chat_router)
-    app.include_router(native_router)
-    return app
+
+@router.get("/metrics")
+async def metrics_route(request: Request) -> Response:
+    s = get_state(request)
+    if s.client.ready is not None and s.client.alive:
+        try:
+            s.metrics.update_gauges(await s.client.query("stats", timeout=10.0))
+        except (SchedulerError, TimeoutError):
+            logger.warning("metrics: scheduler stats unavailable")
+    return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    s = get_state(request)
+    return JSONResponse({"object": "list", "data": [model_card(s)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> JSONResponse:
+    s = get_state(request)
+    if model_id != s.model_name:
+        raise APIError(f"The model '{model_id}' does not exist", 404, "model")
+    return JSONResponse(model_card(s))
 
 
 def model_card(s: AppState) -> dict:

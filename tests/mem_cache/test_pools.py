@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from hybrid_serve.kernels.attention import store_kv
 from hybrid_serve.mem_cache.kv_pool import KVPool
 from hybrid_serve.mem_cache.mamba_pool import MambaPool
 from hybrid_serve.mem_cache.req_pool import ReqToTokenPool, SlotAllocator
@@ -188,15 +189,17 @@ def test_kv_pool_page_location_arithmetic() -> None:
     assert min(pool.page_locs(all_pages).tolist()) >= 4
 
 
-def test_kv_pool_set_kv_writes_only_where_asked() -> None:
+def test_kv_pool_store_kv_writes_only_where_asked() -> None:
+    """The model's write path (`store_kv` on a layer's buffers) lands in that layer's slice of
+    the pool's storage at the given token locations, cast to the pool's dtype, and nowhere else."""
     pool = make_kv_pool(num_pages=5, page_size=4)
     pages = pool.alloc(2)  # pages 1, 2: locations 4..11
     p = int(pages[1])
     loc = torch.tensor([p * 4 + 1, p * 4 + 3])
     k = torch.randn(2, 2, 3, dtype=torch.float64)
     v = torch.randn(2, 2, 3, dtype=torch.float64)
-    pool.set_kv(1, loc, k, v)
-    kb, vb = pool.get_kv(1)
+    store_kv(*pool.get_kv(1), loc, k, v)
+    kb, vb = pool.k_all[1], pool.v_all[1]
     assert kb.dtype == torch.float32
     torch.testing.assert_close(kb[loc], k.float())
     torch.testing.assert_close(vb[loc], v.float())
@@ -205,8 +208,6 @@ def test_kv_pool_set_kv_writes_only_where_asked() -> None:
     assert torch.count_nonzero(kb[mask]) == 0 and torch.count_nonzero(vb[mask]) == 0
     # Other layers are untouched.
     assert torch.count_nonzero(pool.k_buffer[0]) == 0 and torch.count_nonzero(pool.v_buffer[0]) == 0
-    with pytest.raises(ValueError, match="set_kv"):
-        pool.set_kv(0, loc, k[:, :1], v)
 
 
 def test_kv_pool_page_size_one() -> None:

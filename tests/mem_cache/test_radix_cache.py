@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from hybrid_serve.kernels.attention import store_kv
 from hybrid_serve.mem_cache.kv_pool import KVPool
 from hybrid_serve.mem_cache.mamba_pool import MambaPool
 from hybrid_serve.mem_cache.radix_cache import MambaRadixCache
@@ -179,7 +180,7 @@ def test_locks_protect_kv_and_state() -> None:
     r = c.match_prefix([1, 2, 3, 4, 5, 6, 7])
     node = r.last_node
     c.inc_lock_ref(node)
-    assert c.protected_size() == 6 and c.mamba_protected_size() == 1
+    assert c.total_size() - c.evictable_size() == 6 and c.mamba_protected_size() == 1
     assert c.mamba_evictable_size() == 1  # the state at [1..4] is not locked
     assert c.evict(100, 100) == (0, 1)  # only the ancestor's state can go; KV stays
     assert c.root.children[1].mamba_slot is None and c.total_size() == 6
@@ -342,7 +343,7 @@ def test_random_ops_conserve_pools(seed: int, page_size: int) -> None:
             mp.copy([r.mamba_slot], [s])  # copy-on-write
         own = kvp.page_locs(pages)
         k = torch.tensor(key[pre:], dtype=torch.float32).view(-1, 1, 1)
-        kvp.set_kv(0, own, k, k)
+        store_kv(*kvp.get_kv(0), own, k, k)
         mp.ssm_state[0, s] = fingerprint(key)  # "forward": the state after all of key
         live.append(dict(key=key, pre=pre, prefix=r.kv_indices, own=own, slot=s, node=r.last_node))
 
@@ -377,7 +378,7 @@ def test_random_ops_conserve_pools(seed: int, page_size: int) -> None:
     while live:
         finish()
     check()
-    assert c.protected_size() == 0 and c.mamba_protected_size() == 0
+    assert c.total_size() == c.evictable_size() and c.mamba_protected_size() == 0
     c.reset()
     assert kvp.available() == kvp.size and mp.available() == mp.size
     assert isinstance(c.root, TreeNode)

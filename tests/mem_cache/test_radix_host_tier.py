@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from hybrid_serve.kernels.attention import store_kv
 from hybrid_serve.mem_cache.hiradix_cache import HiMambaRadixCache
 from hybrid_serve.mem_cache.host_pool import HostTier, host_pool_sizes
 from hybrid_serve.mem_cache.kv_pool import KVPool
@@ -47,7 +48,7 @@ def put(c: MambaRadixCache, key: list[int], prefix=None, pre: int = 0) -> None:
     assert pages is not None
     own = c.kv_pool.page_locs(pages)
     k = torch.tensor(key[pre:], dtype=torch.float32).view(-1, 1, 1)
-    c.kv_pool.set_kv(0, own, k, k)
+    store_kv(*c.kv_pool.get_kv(0), own, k, k)
     s = int(c.mamba_pool.alloc(1)[0])
     c.mamba_pool.ssm_state[0, s] = fingerprint(key)
     kv = own if prefix is None else torch.cat([prefix, own])
@@ -198,7 +199,7 @@ def test_random_ops_keep_contents_and_ownership(seed: int, policy: str) -> None:
             return
         own = kvp.page_locs(pages)
         k = torch.tensor(key[pre:], dtype=torch.float32).view(-1, 1, 1)
-        kvp.set_kv(0, own, k, k)
+        store_kv(*kvp.get_kv(0), own, k, k)
         mp.ssm_state[0, s] = fingerprint(key)
         live.append(dict(key=key, pre=pre, prefix=r.kv_indices, own=own, slot=s, node=r.last_node))
 

@@ -10,7 +10,6 @@ from transformers import PreTrainedTokenizerFast
 
 from hybrid_serve.make_model.chat_templates import (
     TEMPLATES,
-    template_for,
     template_name,
     tokens_for,
 )
@@ -194,15 +193,15 @@ def test_template_tokens_are_whole_and_tags_stay_in_the_text(name):
     assert kept == "".join(tokens.tags)  # role tokens dropped, the parsers' tags kept
 
 
-def test_template_for_defaults_and_unknown():
+def test_template_name_defaults_and_unknown():
     assert set(CHAT_TEMPLATE_NAMES) == set(TEMPLATES)  # make-model --chat-template's choices
-    assert template_for("qwen3_next") == TEMPLATES["qwen3-next-instruct"]
-    assert template_for("qwen3_5_moe_text") == TEMPLATES["qwen3.5"]
+    assert template_name("qwen3_next") == "qwen3-next-instruct"
+    assert template_name("qwen3_5_moe_text") == "qwen3.5"
     assert template_name("nemotron_h") == "nemotron-3-nano"
     assert template_name("granitemoehybrid") == "granite-4.0"
     assert template_name("bamba") == template_name("falcon_h1") == "qwen3-next-instruct"
     assert tokens_for("granite-4.0").eos == "<|end_of_text|>"
     assert tokens_for("qwen3.5") == tokens_for("qwen3-next-instruct")  # ChatML's alone
-    assert template_for("qwen3_next", "qwen3-next-thinking") == TEMPLATES["qwen3-next-thinking"]
+    assert template_name("qwen3_next", "qwen3-next-thinking") == "qwen3-next-thinking"
     with pytest.raises(ValueError, match="unknown chat template"):
-        template_for("qwen3_next", "nope")
+        template_name("qwen3_next", "nope")

@@ -33,12 +33,12 @@ import torch
 import transformers
 from transformers import AutoConfig, GenerationConfig
 
-from hybrid_serve.make_model.fp8_writer import write_dequantized
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.config import ModelConfig, decode_special_floats, read_json
 from hybrid_serve.models.fp8 import Fp8Checkpoint
 from hybrid_serve.models.loader import checkpoint_files, checkpoint_names
 from hybrid_serve.models.registry import read_config
+from tests.models.fp8_twin import write_dequantized
 
 Where = tuple[str | int, ...]  # a field's place in the file: keys (and list indices)
 TAGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}

@@ -98,7 +98,7 @@ def test_dummy_weights_follow_the_presets_init(tiny_config_only, monkeypatch):
 
 
 def test_serve_flag():
-    from hybrid_serve.server.args import parse_serve_args
+    from tests.serve_args import parse_serve_args
 
     _, runner, _ = parse_serve_args(["--model-path", "/x", "--load-format", "dummy"])
     assert runner.load_format == "dummy"

@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid_serve.make_model.fp8_writer import quantize, write_dequantized
+from hybrid_serve.make_model.fp8_writer import quantize
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.fp8 import E4M3, Fp8Config, dequantize, scale_shape
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from tests.models.fp8_twin import write_dequantized
 
 BLOCK = (128, 128)
 

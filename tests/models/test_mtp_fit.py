@@ -1,4 +1,5 @@
-"""Fitting the MTP head (`make_model.mtp_fit`, `make_model.mtp_fitting`, `make-model --fit-mtp`).
+"""Fitting the MTP head (`make-model --fit-mtp`: `make_model.mtp_fitting` runs the pass,
+`make_model.mtp_training` trains the head).
 
 The trainable twin equals the served head before training (MoE and dense heads); fitting raises
 the held-out accept rate far above the random head's on a main model whose next token a head
@@ -19,8 +20,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hybrid_serve.make_model.mtp_fit import TrainableHead, accept_rate, write_head
 from hybrid_serve.make_model.mtp_fitting import fit_checkpoint, greedy_data
+from hybrid_serve.make_model.mtp_training import TrainableHead, accept_rate, write_head
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.loader import checkpoint_files, load_model
 from hybrid_serve.scheduler.config import RunnerConfig

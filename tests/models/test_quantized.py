@@ -216,7 +216,7 @@ def assert_near_greedy(hf, prompt: list[int], served: list[int]) -> None:
 
 
 def test_serve_flag() -> None:
-    from hybrid_serve.server.args import parse_serve_args
+    from tests.serve_args import parse_serve_args
 
     _, runner, _ = parse_serve_args(["--model-path", "/x", "--quantization", "int8"])
     assert runner.quantization == "int8"

@@ -9,7 +9,7 @@ import torch
 
 from hybrid_serve.scheduler.cpu_env import configure_threads, default_num_threads
 from hybrid_serve.scheduler.model_runner import RunnerConfig
-from hybrid_serve.server.args import parse_serve_args
+from tests.serve_args import parse_serve_args
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import pytest
 
 from hybrid_serve.scheduler.config import SchedulerConfig
 from hybrid_serve.scheduler.model_runner import RunnerConfig
-from hybrid_serve.server.args import ServerConfig, build_serve_parser, parse_serve_args
+from hybrid_serve.server.args import ServerConfig, build_serve_parser
+from tests.serve_args import parse_serve_args
 
 
 def test_every_field_has_a_flag():

@@ -8,7 +8,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from hybrid_serve.server.detokenizer import REPLACEMENT, IncrementalDetokenizer, TextStream
+from hybrid_serve.server.detokenizer import IncrementalDetokenizer, TextStream
+
+REPLACEMENT = "\ufffd"  # what decoding part of a character's bytes gives
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ def test_replica_configs_and_flags(monkeypatch):
 
 def test_replica_devices_threads_and_multi_host_refusal(monkeypatch):
     from hybrid_serve.scheduler.tp_group import rank_device
-    from hybrid_serve.server.args import parse_serve_args
+    from tests.serve_args import parse_serve_args
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)))

@@ -87,8 +87,9 @@ def test_api_process_imports_no_torch():
     code = (
         "import sys\n"
         + "".join(f"import {m}\n" for m in API_MODULES)
-        + "from hybrid_serve.server.args import parse_serve_args\n"
-        + "configs = parse_serve_args(['--max-running-requests', '4', '--dtype', 'float32'])\n"
+        + "from hybrid_serve.server.args import build_serve_parser, configs_from_args\n"
+        + "flags = ['--max-running-requests', '4', '--dtype', 'float32']\n"
+        + "configs = configs_from_args(build_serve_parser().parse_args(flags))\n"
         + "from hybrid_serve.scheduler.process import run_scheduler\n"
         + "heavy = sorted(m for m in ('torch', 'transformers', 'hybrid_serve.models',\n"
         + "                           'hybrid_serve.mem_cache') if m in sys.modules)\n"

@@ -1,4 +1,4 @@
-"""Fitting a checkpoint's MTP head to its own main model (`make-model --fit-mtp`).
+"""Training a checkpoint's MTP head on its own main model's output (`make-model --fit-mtp`).
 
 A preset's head is random, so it drafts almost nothing right. Fitting trains it on what it will
 be asked during speculative decoding: rows (h_p, t_{p+1}) of the main model's greedy sequences,
@@ -6,8 +6,9 @@ whose target is the main model's greedy token at p+1 (so t_{p+2} inside a greedy
 
     loss = CE(lm_head(head(h_p, t_{p+1})), argmax main(t_0 .. t_{p+1}))    over every row p
 
-The sequences (`FitData`) come from the scheduler's runner (`make_model.mtp_fitting`); here are
-the trainable twin of the served head, the training loop, the accept rate and the write-back.
+The sequences (`FitData`) come from the scheduler's runner (`make_model.mtp_fitting`, which runs
+the whole `--fit-mtp` pass); here are the trainable twin of the served head, the training loop,
+the accept rate and the write-back.
 The twin (`TrainableHead`) is a `MultiTokenPredictor` on the torch reference kernels (every op
 of its MLP or MoE and its norms runs under autograd) whose attention is plain causal attention
 over each sequence instead of the KV pool; embedding and LM head are the main model's, frozen.
