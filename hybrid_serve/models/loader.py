@@ -65,13 +65,7 @@ from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
 from hybrid_serve.models.registry import model_class, read_config
 from hybrid_serve.models.shard_loader import read_shard
-from hybrid_serve.models.weight_map import (
-    MTP_PREFIX,
-    Target,
-    checkpoint_map,
-    expert_layout_of,
-    is_skipped,
-)
+from hybrid_serve.models.weight_map import Target, checkpoint_map, is_skipped
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +233,7 @@ def index_checkpoint(
     if config.tie_word_embeddings and "lm_head.weight" in where:
         skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy
     names = set(where) - set(skipped) - (fp8.scale_names if fp8 else set())
-    head = {n for n in names if n.startswith(MTP_PREFIX)}
-    table = checkpoint_map(model, expert_layout_of(names - head), expert_layout_of(head))
+    table = checkpoint_map(model, names)
     extra = sorted(names - table.keys())
     if extra:
         raise ValueError(f"unexpected checkpoint tensor {extra[0]} ({len(extra)} unexpected)")
@@ -281,7 +274,7 @@ def plan_fp8(
         if qc is None:
             return set(), None
         fp8 = Fp8Config.from_dict(qc)
-        table = checkpoint_map(model, "per_expert")
+        table = checkpoint_map(model)
         names = dummy_plan(params, mats, table, fp8)
     else:
         if source.fp8 is None:
