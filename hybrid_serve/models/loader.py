@@ -1,10 +1,11 @@
 """Strict safetensors loading of a checkpoint directory of any family `models.registry` knows
-(Qwen3-Next, Qwen3.5, NemotronH, Granite-4.0-H, Bamba, Falcon-H1).
+(Qwen3-Next, Qwen3.5, NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid).
 
 Reads `model.safetensors` or the shards named by `model.safetensors.index.json`. Every tensor
 the model needs must be present exactly once and every tensor present must be used (the MTP head
 and a multimodal wrapper's vision tower excepted, named in one info line); otherwise a
-`ValueError` names the first offender. Names map to parameters through `models.weight_map`.
+`ValueError` names the first offender. Names map to parameters through `models.weight_map`,
+in the release's spelling or in transformers' own, tensor by tensor (its `NAME_RULES`).
 A block-FP8 checkpoint (`quantization_config`) is checked by `models.fp8`. On CUDA with the
 Triton kernels (`fp8_resident=None`: a device of compute capability 8.9 or more, whose Triton
 has e4m3) its matrices stay FP8, one byte per weight plus the block scales, wherever the
