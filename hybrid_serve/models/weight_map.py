@@ -45,13 +45,14 @@ release spells it or as transformers' model names it (what its state_dict holds;
                               when the widths differ: such a file is refused by its shapes)
     bamba, falcon_h1          none (transformers has no rule for them)
 
-A spelling is one choice per rule for all of a parameter's names (the released choice first:
-with no names given, each parameter's first spelling is its released one). Checkpoint names
-carry the config's `weight_prefix` in place of our `model.` (`model.language_model.` in the
-multimodal Qwen3.5 wrappers) before the rules apply; `lm_head.weight` and the multi-token
-prediction head (`mtp.*`, top level in Qwen3-Next and in the Qwen3.5 wrappers alike) never move.
-The head's names are ours only when the model holds it (`load_model(mtp=True)`); otherwise they,
-and the wrappers' vision tower, are skipped (`is_skipped`).
+A spelling is one choice per rule for all of a parameter's names. Checkpoint names carry the
+config's `weight_prefix` in place of our `model.` (`model.language_model.` in the multimodal
+Qwen3.5 wrappers) before the rules apply. With no names given (dummy weights, FP8 planning),
+each parameter takes its first spelling: the released choice of every rule but the prefixes,
+under the config's own `weight_prefix`. `lm_head.weight` and the multi-token prediction head
+(`mtp.*`, top level in Qwen3-Next and in the Qwen3.5 wrappers alike) never move. The head's
+names are ours only when the model holds it (`load_model(mtp=True)`); otherwise they, and the
+wrappers' vision tower, are skipped (`is_skipped`).
 """
 
 from __future__ import annotations
@@ -296,7 +297,8 @@ def _respell(names: Names, rule: Rule, prefix: bool) -> tuple[Names, bool] | Non
 
 def spellings(pname: str, shape: torch.Size, c, rules: NameRules) -> list[Spelling]:
     """Every way a checkpoint may spell parameter `pname` (of `shape`) under config `c` and
-    the family's `rules` (module docstring), the released spelling first."""
+    the family's `rules` (module docstring): first the released choice of every rule but the
+    prefixes, which keep the config's `weight_prefix` first."""
     steps = [(rule, True) for rule in rules.prefixes] + [(rule, False) for rule in rules.renames]
     out: list[Spelling] = []
     for form in _forms(pname, shape, c, rules):
@@ -311,7 +313,7 @@ def spellings(pname: str, shape: torch.Size, c, rules: NameRules) -> list[Spelli
                 names, to_released = other
                 mine = Spelling(v.names, v.sides | {(rule[0], not to_released)})
                 alt = Spelling(names, v.sides | {(rule[0], to_released)})
-                grown += [alt, mine] if to_released else [mine, alt]
+                grown += [alt, mine] if to_released and not prefix else [mine, alt]
             variants = grown
         out += variants
     return out
@@ -345,7 +347,7 @@ def _choose(options: dict[str, list[Spelling]], present: set[str]) -> dict[str, 
 def checkpoint_map(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, Target]:
     """Checkpoint name -> Target for every tensor a complete checkpoint of `model` holds (its
     MTP head's too when it has one: `mtp.*`, never renamed), each parameter in the spelling the
-    checkpoint's `names` use (module docstring; None: the released spelling). Row slices and
+    checkpoint's `names` use (module docstring; None: the first spelling). Row slices and
     regrouping follow the model's own shapes: a tensor-parallel rank's (its `local_config`),
     whose part of each tensor `models.shard_loader` reads."""
     c = getattr(model, "local_config", model.config)
