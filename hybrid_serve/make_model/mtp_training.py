@@ -43,7 +43,7 @@ from hybrid_serve.models.loader import checkpoint_files, checkpoint_names
 from hybrid_serve.models.mtp import MultiTokenPredictor
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
-from hybrid_serve.models.weight_map import MTP_PREFIX, checkpoint_map, expert_layout_of
+from hybrid_serve.models.weight_map import MTP_PREFIX, checkpoint_map
 
 logger = logging.getLogger(__name__)
 
@@ -237,8 +237,7 @@ def write_head(path: str | Path, model: Qwen3NextForCausalLM) -> list[str]:
     names rewritten."""
     path = Path(path)
     where = checkpoint_names(checkpoint_files(path))
-    head = {n for n in where if n.startswith(MTP_PREFIX) and not n.endswith(SCALE_SUFFIX)}
-    table = checkpoint_map(model, expert_layout_of(set(where) - head), expert_layout_of(head))
+    table = checkpoint_map(model, (n for n in where if not n.endswith(SCALE_SUFFIX)))
     params = dict(model.named_parameters())
     quant = read_json(path / "config.json").get("quantization_config")
     block = Fp8Config.from_dict(quant).block if quant else None

@@ -13,7 +13,9 @@ each followed by a mixture of SwiGLU experts beside an always-on shared SwiGLU M
 Module names are the released checkpoints' (`model.layers.{i}.mamba.*`, `.self_attn.*`,
 `.block_sparse_moe.router.layer`, `.shared_mlp.input_linear` / `.output_linear`, ...); the
 routed experts' fused `block_sparse_moe.input_linear` [E, 2I, H] ([gate | up] rows) and
-`output_linear` [E, H, I] load into `block_sparse_moe.experts` (`hybrid_serve.models.weight_map`).
+`output_linear` [E, H, I] load into `block_sparse_moe.experts` (`hybrid_serve.models.weight_map`,
+which also reads transformers' names: `experts.gate_up_proj`, `experts.down_proj`,
+`router.weight`).
 
 Under tensor parallelism each rank holds its share of the Mamba2 and attention heads, of the
 experts' and the shared MLP's widths (the router whole) and of the vocabulary; a layer's MoE and

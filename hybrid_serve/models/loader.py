@@ -1,10 +1,11 @@
 """Strict safetensors loading of a checkpoint directory of any family `models.registry` knows
-(Qwen3-Next, Qwen3.5, NemotronH, Granite-4.0-H, Bamba, Falcon-H1).
+(Qwen3-Next, Qwen3.5, NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid).
 
 Reads `model.safetensors` or the shards named by `model.safetensors.index.json`. Every tensor
 the model needs must be present exactly once and every tensor present must be used (the MTP head
 and a multimodal wrapper's vision tower excepted, named in one info line); otherwise a
-`ValueError` names the first offender. Names map to parameters through `models.weight_map`.
+`ValueError` names the first offender. Names map to parameters through `models.weight_map`,
+in the release's spelling or in transformers' own, tensor by tensor (its `NAME_RULES`).
 A block-FP8 checkpoint (`quantization_config`) is checked by `models.fp8`. On CUDA with the
 Triton kernels (`fp8_resident=None`: a device of compute capability 8.9 or more, whose Triton
 has e4m3) its matrices stay FP8, one byte per weight plus the block scales, wherever the
@@ -65,13 +66,7 @@ from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
 from hybrid_serve.models.registry import model_class, read_config
 from hybrid_serve.models.shard_loader import read_shard
-from hybrid_serve.models.weight_map import (
-    MTP_PREFIX,
-    Target,
-    checkpoint_map,
-    expert_layout_of,
-    is_skipped,
-)
+from hybrid_serve.models.weight_map import Target, checkpoint_map, is_skipped
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +234,7 @@ def index_checkpoint(
     if config.tie_word_embeddings and "lm_head.weight" in where:
         skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy
     names = set(where) - set(skipped) - (fp8.scale_names if fp8 else set())
-    head = {n for n in names if n.startswith(MTP_PREFIX)}
-    table = checkpoint_map(model, expert_layout_of(names - head), expert_layout_of(head))
+    table = checkpoint_map(model, names)
     extra = sorted(names - table.keys())
     if extra:
         raise ValueError(f"unexpected checkpoint tensor {extra[0]} ({len(extra)} unexpected)")
@@ -281,7 +275,7 @@ def plan_fp8(
         if qc is None:
             return set(), None
         fp8 = Fp8Config.from_dict(qc)
-        table = checkpoint_map(model, "per_expert")
+        table = checkpoint_map(model)
         names = dummy_plan(params, mats, table, fp8)
     else:
         if source.fp8 is None:

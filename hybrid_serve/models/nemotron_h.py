@@ -8,7 +8,8 @@ blocks with one mixer each, picked by the config's pattern:
 Module names equal the checkpoints' (`backbone.embeddings`, `backbone.layers.{i}.norm`,
 `backbone.layers.{i}.mixer.*`, `backbone.norm_f`, `lm_head`), routed experts stacked as
 transformers 5.x stores them (`mixer.experts.up_proj` [E, I, H], `mixer.experts.down_proj`
-[E, H, I]; `models.weight_map` also reads the per-expert tensors the releases ship). The model
+[E, H, I]; `models.weight_map` also reads the per-expert tensors the releases ship, and
+transformers' `model.` for `backbone.`). The model
 reads one `ForwardBatch` and returns logits for the last new token of each request (or every
 token). Under tensor parallelism each rank holds its share of the Mamba2 and attention heads,
 of every MLP's and expert's intermediate width (the router whole), and of the vocabulary.

@@ -9,8 +9,10 @@
 
 The GDN layer is the Qwen3-Next one with OLMo's two differences as config fields (beta doubled,
 its output norm's epsilon); the checkpoint's separate `linear_attn.{q,k,v,g,b,a}_proj`,
-`{q,k,v}_conv1d`, `o_norm` and `o_proj` load into its fused projections, conv, norm and
-out_proj (`hybrid_serve.models.weight_map`). Every other module name is the release's.
+`{q,k,v}_conv1d` (or transformers' joined `conv1d`), `o_norm` and `o_proj` load into its fused
+projections, conv, norm and out_proj (`hybrid_serve.models.weight_map`). Every other module name
+is transformers' (the release's `attention_layer_norm` and `feedforward_layer_norm` are read as
+`input_layernorm` and `post_attention_layernorm`: `weight_map.NAME_RULES`).
 
 Under tensor parallelism a rank holds the GDN key heads and their value heads that Qwen3-Next's
 GDN does (`models.shard_loader.gdn_shard`, which reads OLMo's separate tensors by their own

@@ -120,7 +120,7 @@ def _fp8_params(model: Qwen3NextForCausalLM, fp8: Fp8Config) -> dict[str, torch.
     params = dict(model.named_parameters())
     ids = {id(p) for p in matrices(model)} - {id(model.model.embed_tokens.weight)}
     mats = {n for n, p in params.items() if id(p) in ids}
-    names = dummy_plan(params, mats, checkpoint_map(model, "per_expert"), fp8)
+    names = dummy_plan(params, mats, checkpoint_map(model), fp8)
     return {n: params[n] for n in names}
 
 

@@ -1,38 +1,64 @@
 """One table from checkpoint tensor names to the model's parameters (and row slices of them).
 
-`checkpoint_map(model, expert_layout)` is the whole loading contract: the strict key set a
-checkpoint must provide is exactly the table's keys, so the loader can name a missing or extra
-tensor before reading any data. The table covers every layout we read:
+`checkpoint_map(model, names)` is the whole loading contract: the strict key set a checkpoint
+must provide is exactly the keys of the table it returns for the checkpoint's `names`, so the
+loader can name a missing or extra tensor before reading any data.
+
+Each parameter has one or more spellings: sets of checkpoint names that fill it together. The
+table holds, per parameter, the spelling the checkpoint uses: all its names present, else the
+one with most of them present, so that a missing tensor is named as the checkpoint spells its
+neighbours; for a parameter none of whose names is present, the spelling whose rule choices the
+checkpoint's other parameters make most often. A name no parameter's chosen spelling holds (a
+second spelling of a parameter included) is unexpected. Every spelling is built from two parts:
+
+Our layout conversions, the same in every spelling of a family:
 
     Qwen3-Next   linear_attn.in_proj_qkvz   grouped per key head -> regrouped to [Q|K|V|Z]
                  linear_attn.in_proj_ba     grouped per key head -> regrouped to [B|A]
     Qwen3.5      linear_attn.in_proj_qkv    rows [0, conv_dim) of in_proj_qkvz ([Q|K|V] already)
                  linear_attn.in_proj_z      rows [conv_dim, conv_dim + HV*dv) of in_proj_qkvz
                  linear_attn.in_proj_b / _a rows [0, HV) / [HV, 2HV) of in_proj_ba
-    experts      per-expert experts.{e}.{gate,up,down}_proj.weight -> rows of the fused
-                 experts.gate_up_proj [E, 2I, hidden] / experts.down_proj [E, hidden, I];
-                 or those fused tensors themselves (no `.weight` suffix)
-    NemotronH    per-expert mixer.experts.{e}.{up,down}_proj.weight -> entry e of the stacked
-                 mixer.experts.up_proj [E, I, hidden] / down_proj [E, hidden, I] (the
-                 releases' layout), or the stacked tensors themselves (transformers 5.x's)
     OLMo-Hybrid  linear_attn.{q,k,v,g}_proj -> rows of in_proj_qkvz ([Q|K|V|Z]); {b,a}_proj ->
-                 rows of in_proj_ba; {q,k,v}_conv1d -> rows of conv1d; o_norm -> norm;
-                 o_proj -> out_proj
-    Granite-4.0-H  block_sparse_moe.input_linear.weight [E, 2I, hidden] ([gate | up] rows) /
-                 output_linear.weight [E, hidden, I] -> block_sparse_moe.experts.gate_up_proj /
-                 down_proj (the releases' fused layout, as stored)
+                 rows of in_proj_ba; o_norm -> norm; o_proj -> out_proj
 
-Checkpoint names carry the config's `weight_prefix` in place of `model.` (`model.language_model.`
-in the multimodal Qwen3.5 wrappers); `lm_head.weight` and the multi-token-prediction head
+and the family's name rules (`NAME_RULES`, by model_type): transformers' conversion_mapping.py
+for that model_type as data, each rule read both ways, so that a tensor may be spelled as the
+release spells it or as transformers' model names it (what its state_dict holds; its
+`save_pretrained` writes the released spelling back wherever a rule exists):
+
+    qwen3_next, qwen3_5_moe   (qwen2_moe) per-expert mlp.experts.{e}.{gate,up,down}_proj.weight
+                              or stacked experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I]
+    qwen3_5_text              (PrefixChange) model.language_model.* or model.*
+    qwen3_5_moe_text          both of the above
+    qwen3_5                   none: the text model's prefix rule is scoped inside the wrapper,
+                              whose language model always sits under model.language_model.
+    nemotron_h                backbone.* or model.*; per-expert mixer.experts.{e}.{up,down}_proj
+                              .weight or stacked mixer.experts.up_proj [E, I, H] / down_proj
+    granitemoehybrid          (granitemoe) block_sparse_moe.input_linear.weight / output_linear
+                              .weight / router.layer.weight or block_sparse_moe.experts
+                              .gate_up_proj / experts.down_proj / router.weight
+    olmo_hybrid               attention_layer_norm or input_layernorm, feedforward_layer_norm or
+                              post_attention_layernorm (in any layer, as transformers renames);
+                              linear_attn.{q,k,v}_conv1d (rows [Q|K|V] at the key and value
+                              widths) or the joined linear_attn.conv1d (transformers 5.25's
+                              save_pretrained cuts it into equal thirds, misnaming its rows
+                              when the widths differ: such a file is refused by its shapes)
+    bamba, falcon_h1          none (transformers has no rule for them)
+
+A spelling is one choice per rule for all of a parameter's names. Checkpoint names carry the
+config's `weight_prefix` in place of our `model.` (`model.language_model.` in the multimodal
+Qwen3.5 wrappers) before the rules apply. With no names given (dummy weights, FP8 planning),
+each parameter takes its first spelling: the released choice of every rule but the prefixes,
+under the config's own `weight_prefix`. `lm_head.weight` and the multi-token prediction head
 (`mtp.*`, top level in Qwen3-Next and in the Qwen3.5 wrappers alike) never move. The head's
 names are ours only when the model holds it (`load_model(mtp=True)`); otherwise they, and the
-wrappers' vision tower, are skipped (`is_skipped`). The head's expert layout is read from its own
-names (`checkpoint_map`'s `mtp_expert_layout`), so it need not match the main model's.
+wrappers' vision tower, are skipped (`is_skipped`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +68,75 @@ from hybrid_serve.models.config import ModelConfig
 
 MTP_PREFIX = "mtp."
 SKIPPED_PREFIXES = (MTP_PREFIX, "model.visual.", "visual.", "model.mtp.")
-GRANITE_EXPERTS = {
-    "experts.gate_up_proj": "input_linear.weight",
-    "experts.down_proj": "output_linear.weight",
+
+Rule = tuple[str, str]  # (the released spelling, transformers' own)
+Names = dict[str, "Target"]
+
+
+@dataclass(frozen=True)
+class NameRules:
+    """One model_type's entries of transformers' conversion_mapping.py, as data. Every rule is
+    a (released, transformers') pair and reads both ways:
+
+    prefixes  a leading name part (PrefixChange, or a WeightRenaming of the stack's prefix)
+    renames   a name part anywhere in the name (WeightRenaming)
+    stacked   (end of a stacked expert tensor's name, its per-expert parts): transformers'
+              [E, k*I, ...] tensor, or the release's `experts.{e}.{part}.weight`, the k parts
+              filling entry e's rows in order (MergeModulelist, Concatenate(dim=1) for k > 1)
+    joined    (end of a joined tensor's name, ((end of a part's name, the config property
+              giving its rows), ...)): transformers' one tensor, or the release's parts
+              filling its rows in order (Concatenate(dim=0))
+    """
+
+    prefixes: tuple[Rule, ...] = ()
+    renames: tuple[Rule, ...] = ()
+    stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    joined: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+
+QWEN2_MOE = (
+    ("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
+    ("mlp.experts.down_proj", ("down_proj",)),
+)
+QWEN3_5_TEXT_PREFIX = (("model.language_model.", "model."),)
+NAME_RULES: dict[str, NameRules] = {
+    "qwen3_next": NameRules(stacked=QWEN2_MOE),
+    "qwen3_5_text": NameRules(prefixes=QWEN3_5_TEXT_PREFIX),
+    "qwen3_5_moe_text": NameRules(prefixes=QWEN3_5_TEXT_PREFIX, stacked=QWEN2_MOE),
+    "qwen3_5": NameRules(),
+    "qwen3_5_moe": NameRules(stacked=QWEN2_MOE),
+    "nemotron_h": NameRules(
+        prefixes=(("backbone.", "model."),),
+        stacked=(
+            ("mixer.experts.up_proj", ("up_proj",)),
+            ("mixer.experts.down_proj", ("down_proj",)),
+        ),
+    ),
+    "granitemoehybrid": NameRules(
+        renames=(
+            ("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"),
+            ("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"),
+            ("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),
+        )
+    ),
+    "bamba": NameRules(),
+    "falcon_h1": NameRules(),
+    "olmo_hybrid": NameRules(
+        renames=(
+            ("attention_layer_norm", "input_layernorm"),
+            ("feedforward_layer_norm", "post_attention_layernorm"),
+        ),
+        joined=(
+            (
+                "linear_attn.conv1d.weight",
+                (
+                    ("linear_attn.q_conv1d.weight", "linear_key_dim"),
+                    ("linear_attn.k_conv1d.weight", "linear_key_dim"),
+                    ("linear_attn.v_conv1d.weight", "linear_value_dim"),
+                ),
+            ),
+        ),
+    ),
 }
 
 
@@ -65,10 +157,17 @@ def is_skipped(name: str, mtp: bool = False) -> bool:
     return name.startswith(SKIPPED_PREFIXES)
 
 
-def expert_layout_of(names: list[str] | set[str]) -> str:
-    """`fused` when the checkpoint stores stacked expert tensors, else `per_expert`."""
-    fused = ("mlp.experts.gate_up_proj", "mixer.experts.up_proj")
-    return "fused" if any(n.endswith(fused) for n in names) else "per_expert"
+def model_type_of(c) -> str:
+    """The model_type whose `NAME_RULES` apply to config `c`: its `model_type`; a Qwen config
+    (`ModelConfig`, which keeps none) by its layout: grouped GDN projections are Qwen3-Next's,
+    split ones Qwen3.5's, a wrapper's (`qwen3_5`, `qwen3_5_moe`) under `model.language_model.`."""
+    model_type = getattr(c, "model_type", None)
+    if model_type is not None:
+        return model_type
+    if c.gdn_projections == "grouped":
+        return "qwen3_next"
+    moe = "_moe" if c.num_experts else ""
+    return f"qwen3_5{moe}" if c.weight_prefix == "model.language_model." else f"qwen3_5{moe}_text"
 
 
 def _regroup_qkvz(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -96,90 +195,174 @@ def _regroup_ba(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     return f
 
 
-def _olmo_gdn_entries(pname: str, c) -> dict[str, Target]:
-    """OLMo-Hybrid's separate GDN tensors that fill GDN parameter `pname`."""
-    base, leaf = pname.split(".linear_attn.")
-    a = f"{base}.linear_attn."
+def _rows(pname: str, parts: Iterable[tuple[str, int]]) -> Names:
+    """Consecutive row slices of `pname`, one per (checkpoint name, rows) in order."""
+    out, start = {}, 0
+    for name, width in parts:
+        out[name] = Target(pname, (slice(start, start + width),))
+        start += width
+    return out
+
+
+def _olmo_gdn_entries(pname: str, c) -> Names:
+    """OLMo-Hybrid's separate GDN tensors that fill GDN parameter `pname` (its conv is a name
+    rule: `NAME_RULES["olmo_hybrid"].joined`)."""
+    a = pname.split(".linear_attn.")[0] + ".linear_attn."
+    leaf = pname.removeprefix(a)
     kd, vd, hv = c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
-
-    def rows(*spans: tuple[str, int]) -> dict[str, Target]:
-        out, start = {}, 0
-        for name, width in spans:
-            out[a + name] = Target(pname, (slice(start, start + width),))
-            start += width
-        return out
-
     if leaf == "in_proj_qkvz.weight":
-        return rows(("q_proj.weight", kd), ("k_proj.weight", kd), ("v_proj.weight", vd),
-                    ("g_proj.weight", vd))  # fmt: skip
+        spans = (("q_proj", kd), ("k_proj", kd), ("v_proj", vd), ("g_proj", vd))
+        return _rows(pname, ((f"{a}{n}.weight", w) for n, w in spans))
     if leaf == "in_proj_ba.weight":
-        return rows(("b_proj.weight", hv), ("a_proj.weight", hv))
-    if leaf == "conv1d.weight":
-        return rows(("q_conv1d.weight", kd), ("k_conv1d.weight", kd), ("v_conv1d.weight", vd))
+        return _rows(pname, ((f"{a}b_proj.weight", hv), (f"{a}a_proj.weight", hv)))
     renamed = {"norm.weight": "o_norm.weight", "out_proj.weight": "o_proj.weight"}
     return {a + renamed.get(leaf, leaf): Target(pname)}
 
 
-def _param_entries(pname: str, c: ModelConfig, expert_layout: str) -> dict[str, Target]:
-    """Checkpoint names (without the prefix change) that fill parameter `pname`."""
-    if ".linear_attn." in pname and c.gdn_projections == "olmo":
+def _param_entries(pname: str, c) -> Names:
+    """Our layout's checkpoint names (before the name rules) that fill parameter `pname`."""
+    if ".linear_attn." in pname and getattr(c, "gdn_projections", None) == "olmo":
         return _olmo_gdn_entries(pname, c)
     if pname.endswith("linear_attn.in_proj_qkvz.weight"):
-        base = pname.removesuffix("in_proj_qkvz.weight")
         if c.gdn_projections == "grouped":
             return {pname: Target(pname, transform=_regroup_qkvz(c))}
-        rows = (slice(0, c.conv_dim), slice(c.conv_dim, c.conv_dim + c.linear_value_dim))
-        return {
-            f"{base}in_proj_qkv.weight": Target(pname, (rows[0],)),
-            f"{base}in_proj_z.weight": Target(pname, (rows[1],)),
-        }
+        base = pname.removesuffix("in_proj_qkvz.weight")
+        rows = ((f"{base}in_proj_qkv.weight", c.conv_dim), (f"{base}in_proj_z.weight",
+                c.linear_value_dim))  # fmt: skip
+        return _rows(pname, rows)
     if pname.endswith("linear_attn.in_proj_ba.weight"):
-        base = pname.removesuffix("in_proj_ba.weight")
         if c.gdn_projections == "grouped":
             return {pname: Target(pname, transform=_regroup_ba(c))}
-        hv = c.linear_num_value_heads
-        return {
-            f"{base}in_proj_b.weight": Target(pname, (slice(0, hv),)),
-            f"{base}in_proj_a.weight": Target(pname, (slice(hv, 2 * hv),)),
-        }
-    if ".block_sparse_moe.experts." in pname:  # Granite-4.0-H's fused experts, as stored
-        for ours, stored in GRANITE_EXPERTS.items():
-            if pname.endswith(ours):
-                return {pname.removesuffix(ours) + stored: Target(pname)}
-    if expert_layout == "per_expert" and pname.endswith("mlp.experts.gate_up_proj"):
-        base, inter = pname.removesuffix("gate_up_proj"), c.moe_intermediate_size
-        out = {}
-        for e in range(c.num_experts):
-            out[f"{base}{e}.gate_proj.weight"] = Target(pname, (e, slice(0, inter)))
-            out[f"{base}{e}.up_proj.weight"] = Target(pname, (e, slice(inter, 2 * inter)))
-        return out
-    if expert_layout == "per_expert" and pname.endswith(
-        ("mixer.experts.up_proj", "mixer.experts.down_proj")
-    ):  # NemotronH's stacked relu^2 experts
-        base, name = pname.rsplit(".", 1)
-        return {f"{base}.{e}.{name}.weight": Target(pname, (e,)) for e in range(c.num_experts)}
-    if expert_layout == "per_expert" and pname.endswith("mlp.experts.down_proj"):
-        base = pname.removesuffix("down_proj")
-        return {f"{base}{e}.down_proj.weight": Target(pname, (e,)) for e in range(c.num_experts)}
+        base, hv = pname.removesuffix("in_proj_ba.weight"), c.linear_num_value_heads
+        return _rows(pname, ((f"{base}in_proj_b.weight", hv), (f"{base}in_proj_a.weight", hv)))
     return {pname: Target(pname)}
 
 
-def checkpoint_map(
-    model: nn.Module, expert_layout: str, mtp_expert_layout: str | None = None
-) -> dict[str, Target]:
+@dataclass(frozen=True)
+class Spelling:
+    """One way a checkpoint may spell a parameter: the names that fill it, and the side each
+    name rule it went through took: (the rule, whether the released side), the rule named by
+    its released side, or `stacked` / `joined` for all the family's rules of that kind (one
+    layout choice)."""
+
+    names: Names
+    sides: frozenset[tuple[str, bool]] = frozenset()
+
+
+def _forms(pname: str, shape: torch.Size, c, rules: NameRules) -> list[Spelling]:
+    """Parameter `pname`'s spellings before the renames and prefixes: where a `stacked` or
+    `joined` rule covers it, the release's per-expert or split tensors, then our layout's;
+    otherwise our layout's alone."""
+    ours, released, rule = _param_entries(pname, c), None, ""
+    for end, parts in rules.stacked:
+        if pname.endswith(end):
+            base, width = pname.removesuffix(end.rsplit(".", 1)[1]), shape[1] // len(parts)
+            released, rule = {}, "stacked"
+            for e in range(shape[0]):  # [E, k*I, ...]: entry e, one slice of its rows per part
+                for k, part in enumerate(parts):
+                    rows = (slice(k * width, (k + 1) * width),) if len(parts) > 1 else ()
+                    released[f"{base}{e}.{part}.weight"] = Target(pname, (e, *rows))
+    for end, parts in rules.joined:
+        if pname.endswith(end):
+            base = pname.removesuffix(end)
+            released = _rows(pname, ((base + part, getattr(c, width)) for part, width in parts))
+            rule = "joined"
+    if released is None:
+        return [Spelling(ours)]
+    return [
+        Spelling(released, frozenset({(rule, True)})),
+        Spelling(ours, frozenset({(rule, False)})),
+    ]
+
+
+def _respell(names: Names, rule: Rule, prefix: bool) -> tuple[Names, bool] | None:
+    """`names` with `rule`'s other side in every name that has one side (at the start of the
+    name where `prefix`), and whether the new side is the released one; None when no name has
+    either side."""
+    released, theirs = rule
+    out, to_released = {}, None
+    for name, target in names.items():
+        for old, new, is_released in ((released, theirs, False), (theirs, released, True)):
+            if prefix and name.startswith(old):
+                name = new + name.removeprefix(old)
+            elif not prefix and old in name:
+                name = name.replace(old, new)
+            else:
+                continue
+            to_released = is_released
+            break
+        out[name] = target
+    return None if to_released is None else (out, to_released)
+
+
+def spellings(pname: str, shape: torch.Size, c, rules: NameRules) -> list[Spelling]:
+    """Every way a checkpoint may spell parameter `pname` (of `shape`) under config `c` and
+    the family's `rules` (module docstring): first the released choice of every rule but the
+    prefixes, which keep the config's `weight_prefix` first."""
+    steps = [(rule, True) for rule in rules.prefixes] + [(rule, False) for rule in rules.renames]
+    out: list[Spelling] = []
+    for form in _forms(pname, shape, c, rules):
+        variants = [Spelling({_stack_name(n, c): t for n, t in form.names.items()}, form.sides)]
+        for rule, prefix in steps:
+            grown = []
+            for v in variants:
+                other = _respell(v.names, rule, prefix)
+                if other is None:
+                    grown.append(v)
+                    continue
+                names, to_released = other
+                mine = Spelling(v.names, v.sides | {(rule[0], not to_released)})
+                alt = Spelling(names, v.sides | {(rule[0], to_released)})
+                grown += [alt, mine] if to_released and not prefix else [mine, alt]
+            variants = grown
+        out += variants
+    return out
+
+
+def _stack_name(name: str, c) -> str:
+    """Our name `name` as the checkpoint's: the config's `weight_prefix` for our `model.`."""
+    if name.startswith("model."):
+        return c.weight_prefix + name.removeprefix("model.")
+    return name
+
+
+def _choose(options: dict[str, list[Spelling]], present: set[str]) -> dict[str, Spelling]:
+    """Each parameter's spelling in a checkpoint of names `present`: complete, else the one with
+    most names present (the first of equals); for a parameter none of whose names is present,
+    the one whose rule sides the other parameters' chosen spellings take most often."""
+    chosen, votes, undecided = {}, Counter(), []
+    for pname, spelled in options.items():
+        scores = [(s.names.keys() <= present, len(s.names.keys() & present)) for s in spelled]
+        if len(spelled) > 1 and max(scores)[1] == 0:
+            undecided.append(pname)
+            continue
+        chosen[pname] = spelled[scores.index(max(scores))]
+        votes.update(chosen[pname].sides)
+    for pname in undecided:
+        scores = [sum(votes[side] for side in s.sides) for s in options[pname]]
+        chosen[pname] = options[pname][scores.index(max(scores))]
+    return chosen
+
+
+def checkpoint_map(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, Target]:
     """Checkpoint name -> Target for every tensor a complete checkpoint of `model` holds (its
-    MTP head's too when it has one: `mtp.*`, never renamed). Row slices and regrouping follow
-    the model's own shapes: a tensor-parallel rank's (its `local_config`), whose part of each
-    tensor `models.shard_loader` reads. `mtp_expert_layout`: the head's expert layout (default
-    `expert_layout`)."""
-    c: ModelConfig = getattr(model, "local_config", model.config)
+    MTP head's too when it has one: `mtp.*`, never renamed), each parameter in the spelling the
+    checkpoint's `names` use (module docstring; None: the first spelling). Row slices and
+    regrouping follow the model's own shapes: a tensor-parallel rank's (its `local_config`),
+    whose part of each tensor `models.shard_loader` reads."""
+    c = getattr(model, "local_config", model.config)
+    rules = NAME_RULES[model_type_of(c)]
+    options = {  # a tied lm_head is listed once, as the embedding
+        pname: spellings(pname, param.shape, c, rules) for pname, param in model.named_parameters()
+    }
+    if names is None:
+        chosen = {pname: spelled[0] for pname, spelled in options.items()}
+    else:
+        chosen = _choose(options, set(names))
     table: dict[str, Target] = {}
-    for pname, _ in model.named_parameters():  # tied lm_head is listed once, as the embedding
-        layout = expert_layout
-        if mtp_expert_layout is not None and pname.startswith(MTP_PREFIX):
-            layout = mtp_expert_layout
-        for name, target in _param_entries(pname, c, layout).items():
-            if name.startswith("model."):
-                name = c.weight_prefix + name.removeprefix("model.")
+    for spelling in chosen.values():
+        for name, target in spelling.names.items():
+            if name in table:
+                raise ValueError(f"checkpoint tensor {name} would fill two parameters")
             table[name] = target
     return table
