@@ -169,9 +169,9 @@ def cuda_packages(report: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory) -> Scratch:
+def scratch(tmp_path_factory) -> Iterator[Scratch]:
     """The scratch environment, built step by step; the first failing step stops it and is
-    recorded in `Scratch.error` (each test fails with it)."""
+    recorded in `Scratch.error` (each test fails with it). Removed after the module."""
     root = tmp_path_factory.mktemp("fresh_install")
     work = root / "work"
     work.mkdir()
@@ -207,7 +207,10 @@ def scratch(tmp_path_factory) -> Scratch:
         # our packages must not collide with, so install it beside them
         s.kernels_installed_separately = True
         s.step("install kernels", *pip, "install", *opts, "kernels", timeout=PIP_TIMEOUT_S)
-    return s
+    yield s
+    # ~1.5 GB that pytest would keep among its last three temporary trees; the logs stay
+    shutil.rmtree(s.venv, ignore_errors=True)
+    shutil.rmtree(src, ignore_errors=True)
 
 
 def test_the_newest_releases_install(scratch):
