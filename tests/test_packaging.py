@@ -1,10 +1,14 @@
 """What a user gets without `make`: the wheel carries the C++ kernels' sources and builds them at
-first use from site-packages, and the CPU image installs as the Makefile does and prebuilds
-every x86 level (no Docker daemon here: its steps are read and checked against the Makefile's).
+first use from site-packages, and the CPU image installs as the Makefile does (the tested set of
+constraints.txt included) and prebuilds every x86 level (no Docker daemon here: its steps are
+read and checked against the Makefile's). Every version bound in pyproject.toml and every pin
+of a direct dependency in constraints.txt says why.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import importlib.util
 import os
 import re
 import shutil
@@ -17,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_serve.kernels import cpp_build
+from tests import constraints
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,8 +71,8 @@ def test_a_non_editable_install_loads_the_kernels_from_its_own_sources(wheel, tm
     named by the hash of every source and header (kernels/cpp_build.py), so that library is the
     one it loads only when the wheel carries them all, byte for byte; one file short, it would
     build from its own incomplete tree and fail."""
-    if cpp_build.load() is None:
-        pytest.skip(f"no C++ kernels on this machine: {cpp_build.load_error()}")
+    # `make install` builds them (kernels/prebuild.py): no library here is an error, not a skip
+    assert cpp_build.load() is not None, f"the C++ kernels did not load: {cpp_build.load_error()}"
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
@@ -109,6 +114,26 @@ def recipe(makefile: str, target: str) -> list[str]:
     return out
 
 
+def docker_runs(dockerfile: str) -> list[str]:
+    """The Dockerfile's RUN instructions, continuation lines joined."""
+    joined = dockerfile.replace("\\\n", " ")
+    return [ln for ln in joined.splitlines() if ln.startswith("RUN ")]
+
+
+def test_make_install_installs_the_tested_set():
+    """The project's install line applies constraints.txt, and the stamp is redone when the file
+    changes."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^CONSTRAINTS\s*:=\s*constraints\.txt\s*$", makefile, re.M)
+    assert (ROOT / "constraints.txt").is_file()
+    stamp = re.search(r"^\$\(STAMP\)\s*:(.*)$", makefile, re.M)
+    assert stamp and "$(CONSTRAINTS)" in stamp.group(1).split()
+    (project,) = [
+        ln for ln in recipe(makefile, "$(STAMP)") if "pip install" in ln and ".[dev]" in ln
+    ]
+    assert "-c $(CONSTRAINTS)" in project
+
+
 def test_the_cpu_image_installs_as_the_makefile_and_prebuilds_every_level():
     makefile = (ROOT / "Makefile").read_text()
     docker = (ROOT / "docker" / "Dockerfile.cpu").read_text()
@@ -117,8 +142,7 @@ def test_the_cpu_image_installs_as_the_makefile_and_prebuilds_every_level():
         "-m hybrid_serve.kernels.prebuild" in ln for ln in install
     )  # make install builds the kernels
     assert any("pip install" in ln and "$(TORCH_SPEC)" in ln for ln in install)
-    joined = docker.replace("\\\n", " ")  # continuation lines
-    runs = [ln for ln in joined.splitlines() if ln.startswith("RUN ")]
+    runs = docker_runs(docker)
     apt = next(ln for ln in runs if "apt-get install" in ln)
     assert re.search(r"\sg\+\+\s", apt) and re.search(r"\smake\s", apt)  # a compiler, and make
     make = [ln for ln in runs if "make install" in ln]
@@ -129,3 +153,108 @@ def test_the_cpu_image_installs_as_the_makefile_and_prebuilds_every_level():
     volumes = re.findall(r"-v \S+:(\S+)", docker)
     assert cache and volumes and not any(cache.group(1).startswith(v) for v in volumes)
     assert docker.index("ENV HYBRID_SERVE_KERNEL_CACHE") < docker.index("RUN make install")
+
+
+@pytest.mark.parametrize("image", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_each_image_installs_the_tested_set(image):
+    """`make install` in the image, with constraints.txt copied in before it (.dockerignore
+    keeps it) and not overridden: the image's packages are the tested set."""
+    docker = (ROOT / "docker" / image).read_text()
+    runs = docker_runs(docker)
+    (make,) = [ln for ln in runs if "make install" in ln]
+    assert "CONSTRAINTS" not in make
+    copy = re.search(r"^COPY \. (\S+)$", docker, re.M)
+    workdir = re.search(r"^WORKDIR (\S+)$", docker, re.M)
+    assert copy and workdir and copy.group(1) == workdir.group(1)
+    assert docker.index(copy.group(0)) < docker.index(make)
+    ignored = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()]
+    assert not any(
+        fnmatch.fnmatch("constraints.txt", p) for p in ignored if p and not p.startswith("#")
+    )
+
+
+def test_every_python_m_in_the_images_names_one_of_our_modules():
+    """Each `python -m MODULE` an image runs is a module of this checkout's hybrid_serve with a
+    command line (its --help exits 0)."""
+    commands = [
+        m.groups()
+        for image in ("Dockerfile.cpu", "Dockerfile.cuda")
+        for ln in docker_runs((ROOT / "docker" / image).read_text())
+        for m in re.finditer(r"python3? -m ([\w.]+)((?: --?[\w-]+)*)", ln)
+    ]
+    assert commands  # the CPU image prebuilds the kernels
+    for module, _ in commands:
+        spec = importlib.util.find_spec(module)
+        assert spec and spec.origin, module
+        assert Path(spec.origin).resolve().is_relative_to(ROOT / "hybrid_serve"), spec.origin
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--help"],
+            capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        for flag in re.findall(r"--?[\w-]+", _):
+            assert flag in out.stdout, f"python -m {module}: no {flag} in its --help"
+
+
+def requirements(pyproject: str) -> list[tuple[int, str, str]]:
+    """(line index, array, requirement) for every requirement string of build-system.requires
+    ("requires"), project.dependencies ("dependencies") and each optional-dependencies array
+    (the extra's name); the file writes one quoted string a line there."""
+    lines = pyproject.splitlines()
+    out, table, array = [], "", None
+    for i, ln in enumerate(lines):
+        stripped = ln.strip()
+        if re.fullmatch(r"\[[^\]]+\]", stripped):
+            table, array = stripped, None
+        elif table not in ("[build-system]", "[project]", "[project.optional-dependencies]"):
+            continue
+        elif opens := re.fullmatch(r"([\w-]+)\s*=\s*\[(.*)", stripped):
+            if table != "[project]" or opens.group(1) == "dependencies":
+                assert '"' not in opens.group(2), f"pyproject.toml:{i + 1}: one string a line"
+                array = opens.group(1)
+        elif array and stripped.startswith("]"):
+            array = None
+        elif array and (m := re.fullmatch(r'"([^"]+)",?\s*(#.*)?', stripped)):
+            out.append((i, array, m.group(1)))
+    return out
+
+
+def requirement_name(requirement: str) -> str:
+    return constraints.canonical(re.match(r"[\w.-]+", requirement).group(0))
+
+
+def test_every_version_bound_in_pyproject_says_why():
+    """A bounded requirement has a comment on its line or directly above it, and that comment
+    names each version its bounds name (so a changed bound needs a new reason)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    lines = text.splitlines()
+    reqs = requirements(text)
+    arrays = {array for _, array, _ in reqs}
+    assert {"requires", "dependencies", "dev", "gpu"} <= arrays, arrays
+    for i, _, req in reqs:
+        versions = re.findall(r"(?:[<>=!~]=?|===)\s*([\w.*+!]+)", req.split(";")[0])
+        comment = lines[i].partition("#")[2]
+        j = i - 1
+        while j >= 0 and lines[j].strip().startswith("#"):
+            comment = lines[j] + "\n" + comment
+            j -= 1
+        for version in versions:
+            assert version in comment, f"pyproject.toml:{i + 1}: no reason names {version}"
+
+
+def test_constraints_pin_every_direct_dependency_exactly_with_a_reason():
+    """constraints.txt: exact pins only (tests/constraints.py reads it), a header that says
+    what it is and how to regenerate it, torch / triton / ourselves left out, and each
+    dependency `make install` installs by name (the project's and the dev extra's) pinned,
+    with a reason on its line."""
+    text = (ROOT / "constraints.txt").read_text()
+    pins = constraints.read_pins(ROOT / "constraints.txt")
+    assert "last passed with" in text and "make constraints" in text
+    assert not set(constraints.UNPINNED) & set(pins)
+    reqs = requirements((ROOT / "pyproject.toml").read_text())
+    direct = {requirement_name(r) for _, array, r in reqs if array in ("dependencies", "dev")}
+    direct -= set(constraints.UNPINNED)
+    assert {"transformers", "pytest"} <= direct
+    for name in sorted(direct):
+        assert name in pins, f"constraints.txt does not pin {name}"
+        assert pins[name].reason, f"constraints.txt: {name}'s pin has no reason"
