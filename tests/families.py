@@ -19,13 +19,16 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-FAMILY_PRESETS = (
-    "tiny-nemotron-h",
-    "tiny-granite-4.0-h",
-    "tiny-granite-4.0-h-dense",
-    "tiny-bamba",
-    "tiny-falcon-h1",
-    "tiny-olmo-hybrid",
+from hybrid_serve.make_model.catalog import tiny_presets
+from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.families import FAMILIES
+
+# the tiny presets of the family table's rows beyond Qwen's (those not read by ModelConfig)
+FAMILY_PRESETS = tuple(
+    name
+    for family in FAMILIES
+    if family.config_class != f"{ModelConfig.__module__}.ModelConfig"
+    for name in tiny_presets(family)
 )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid_serve.make_model.mamba2_chat_templates import granite_4, nemotron_3
+from hybrid_serve.models.families import family_of_type
 
 _JSON_TOOLS_INTRO = (
     "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
@@ -245,16 +246,13 @@ TEMPLATES: dict[str, str] = {
     "granite-4.0": granite_4(),
 }
 # The families' own templates (the others: Qwen3-Next Instruct, ChatML; Bamba ships none)
-_FAMILY_TEMPLATES = {"nemotron_h": "nemotron-3-nano", "granitemoehybrid": "granite-4.0"}
 
 
 def template_name(model_type: str, name: str | None = None) -> str:
-    """`name` (one of TEMPLATES), or the family's default for `model_type`: Qwen3.5 (thinking
-    on) for the Qwen3.5 types, Nemotron-3-Nano for ``nemotron_h``, Granite 4.0 for
-    ``granitemoehybrid``, Qwen3-Next Instruct (ChatML) for the rest."""
+    """`name` (one of TEMPLATES), or the default of `model_type`'s family (its row's
+    `chat_template` in `models.families`)."""
     if name is None:
-        qwen = "qwen3.5" if model_type.startswith("qwen3_5") else "qwen3-next-instruct"
-        name = _FAMILY_TEMPLATES.get(model_type, qwen)
+        name = family_of_type(model_type).chat_template
     if name not in TEMPLATES:
         raise ValueError(f"unknown chat template {name!r}; known: {sorted(TEMPLATES)}")
     return name

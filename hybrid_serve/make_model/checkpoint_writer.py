@@ -5,7 +5,6 @@ tokenizer and side files. See `hybrid_serve.make_model.presets` for the contract
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -13,23 +12,15 @@ from pathlib import Path
 
 import torch
 
-from hybrid_serve.make_model import (
-    fp8_writer,
-    mamba2_hybrid_preset,
-    nemotron_h_preset,
-    olmo_hybrid_preset,
-)
+from hybrid_serve.make_model import fp8_writer
 from hybrid_serve.make_model.chat_templates import TEMPLATES, template_name, tokens_for
 from hybrid_serve.make_model.tensor_specs import (
     EXPERT_LAYOUTS,
-    MODEL_TYPES,
-    OPTIONAL_DEFAULTS,
     WRAPPERS,
     checkpoint_shapes,
-    layer_types,
     random_tensors,
-    validate,
 )
+from hybrid_serve.make_model.tensor_specs import complete_config as complete_family_config
 from hybrid_serve.make_model.tokenizer_builder import (
     ENDOFTEXT,
     IM_END,
@@ -48,12 +39,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def complete_config(
     config: dict, *, dtype: torch.dtype = torch.float32, init_range: float = 0.1
 ) -> dict:
-    """``config`` plus everything transformers (4.57 and 5.x) needs; the input is not modified.
+    """``config`` plus everything transformers (4.57 and 5.x) needs, completed by its family's
+    preset module (the family table's row); the input is not modified.
 
     ``vocab_size`` is kept as given (the tokenizer is trained to fill it). Special ids:
     bos = pad = ``<|endoftext|>``, eos = ``<|im_end|>``.
     """
-    validate(config)
     ids = special_token_ids()
     common = dict(
         dtype=_dtype_name(dtype),
@@ -63,32 +54,7 @@ def complete_config(
         eos_token_id=ids[IM_END],
         pad_token_id=ids[ENDOFTEXT],
     )
-    if config.get("model_type") == "nemotron_h":
-        return nemotron_h_preset.complete_config(config, [MODEL_TYPES["nemotron_h"]], common)
-    if config.get("model_type") in mamba2_hybrid_preset.MODEL_TYPES:
-        return mamba2_hybrid_preset.complete_config(config, common)
-    if config.get("model_type") == "olmo_hybrid":
-        return olmo_hybrid_preset.complete_config(config, common)
-    cfg = copy.deepcopy(config)
-    for key, value in OPTIONAL_DEFAULTS.items():
-        cfg.setdefault(key, copy.deepcopy(value))
-    rope = dict(cfg.get("rope_parameters") or {})
-    theta = rope.get("rope_theta", cfg["rope_theta"])
-    factor = rope.get("partial_rotary_factor", cfg["partial_rotary_factor"])
-    rope.update(
-        rope_type=rope.get("rope_type", "default"), rope_theta=theta, partial_rotary_factor=factor
-    )
-    model_type = cfg.get("model_type", "qwen3_next")
-    cfg.update(
-        model_type=model_type,
-        architectures=[MODEL_TYPES[model_type]],
-        layer_types=layer_types(cfg),
-        rope_theta=theta,
-        partial_rotary_factor=factor,
-        rope_parameters=rope,
-        **common,
-    )
-    return cfg
+    return complete_family_config(config, common)
 
 
 def _clear_weights(out: Path) -> None:

@@ -1,6 +1,8 @@
 """`hybrid-serve make-model`: write a deterministic random-weight checkpoint of a preset (or only
 its config and tokenizer, for `--load-format dummy`), optionally with an MTP head fitted to it.
-The parser imports no torch; the command loads the writers when it runs."""
+The parser imports no torch: it reads the preset names from the family table's rows
+(`make_model.catalog`, plain data) and the chat templates' names from their torch-free module;
+the command loads the writers when it runs."""
 
 from __future__ import annotations
 
@@ -9,42 +11,6 @@ import logging
 import time
 
 logger = logging.getLogger("hybrid-serve")
-
-# make_model.presets' names, spelled out so that the CLI imports no torch to build its parser
-PRESET_NAMES = (
-    "tiny",
-    "small",
-    "tiny-qwen3.5",
-    "tiny-qwen3.5-moe",
-    "tiny-nemotron-h",  # hybrid_serve.make_model.nemotron_h_preset (Mamba2 hybrid)
-    "tiny-granite-4.0-h",  # hybrid_serve.make_model.mamba2_hybrid_preset (Mamba2 hybrids)
-    "tiny-granite-4.0-h-dense",
-    "tiny-bamba",
-    "tiny-falcon-h1",
-    "tiny-olmo-hybrid",  # hybrid_serve.make_model.olmo_hybrid_preset
-    # make_model.real_shapes: the released models' shapes (--config-only for --load-format dummy)
-    "qwen3.5-2b",
-    "qwen3.5-9b",
-    "qwen3.5-27b",
-    "qwen3.5-35b-a3b",
-    "qwen3-next-80b-a3b",
-    "nemotron-3-nano-30b-a3b",  # hybrid_serve.make_model.nemotron_h_preset
-    "nemotron-nano-9b-v2",
-    "nemotron-h-3b",  # a scaled NemotronH, written in full (bf16)
-    "granite-4.0-h-tiny",  # hybrid_serve.make_model.mamba2_hybrid_preset
-    "granite-4.0-h-small",
-    "falcon-h1-7b",
-    "olmo-hybrid-7b",  # hybrid_serve.make_model.olmo_hybrid_preset
-)
-# hybrid_serve.make_model.chat_templates' names, likewise
-CHAT_TEMPLATE_NAMES = (
-    "qwen3-next-instruct",
-    "qwen3-next-thinking",
-    "qwen3.5",
-    "qwen3.5-small",
-    "nemotron-3-nano",
-    "granite-4.0",
-)
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:
@@ -146,8 +112,11 @@ def cmd_make_model(args: argparse.Namespace) -> None:
 
 
 def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
+    from hybrid_serve.make_model.catalog import preset_configs
+    from hybrid_serve.make_model.chat_templates import TEMPLATES
+
     mk = sub.add_parser("make-model", help="write a deterministic random-weight checkpoint")
-    mk.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+    mk.add_argument("--preset", choices=tuple(preset_configs()), default="tiny")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument(
@@ -227,7 +196,7 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
     )
     mk.add_argument(
         "--chat-template",
-        choices=CHAT_TEMPLATE_NAMES,
+        choices=tuple(TEMPLATES),
         default=None,
         help="the chat template written (default: the preset family's: qwen3-next-instruct, "
         "qwen3.5, nemotron-3-nano or granite-4.0; hybrid_serve/make_model/chat_templates.py)",

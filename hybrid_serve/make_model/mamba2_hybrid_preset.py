@@ -1,8 +1,11 @@
 """Granite-4.0-H, Bamba and Falcon-H1 presets: config dicts in the releases' `config.json` form
-and the tensors of their checkpoints, for `make_model.presets` to draw and write (same writer,
-tokenizer and determinism contract as the other presets).
+and their completion for transformers, for `make_model.presets` to draw and write (same writer,
+tokenizer and determinism contract as the other presets). Plain data: `make-model`'s parser
+reads the names without torch.
 
-The checkpoint layouts are the released ones, which transformers loads as they are:
+The tensors are transformers' model's for the config (`make_model.tensor_specs.model_specs`),
+written in the released layouts (Granite's experts by its row's renames), which transformers
+loads as they are:
 
     all        model.embed_tokens, model.layers.{i}.input_layernorm, .mamba.{in_proj, conv1d,
                dt_bias, A_log, D, norm, out_proj}, .self_attn.{q,k,v,o}_proj, lm_head (untied)
@@ -12,7 +15,7 @@ The checkpoint layouts are the released ones, which transformers loads as they a
     Bamba,     .pre_ff_layernorm, .feed_forward.{gate,up,down}_proj, model.final_layernorm;
     Falcon-H1  Falcon-H1 layers hold both mixers; its Mamba2 norm only with `mamba_rms_norm`
 
-Initialisation kinds (`make_model.tensor_specs.random_tensors`): matrices, embeddings, conv bias ~
+Initialisation kinds (the rows' `init_rules`): matrices, embeddings, conv bias ~
 N(0, init_range); norm weights and D ~ 1 + N(0, 0.1); `conv1d.weight` ~ N(0, 0.3); `A_log` =
 log U(1, 16); `dt_bias` = softplus^-1(dt), dt ~ logU(1e-3, 1e-1).
 
@@ -28,13 +31,6 @@ partial RoPE, the parallel layer):
 from __future__ import annotations
 
 import copy
-
-Spec = tuple[str, tuple[int, ...], str]  # (checkpoint key, shape, init kind)
-MODEL_TYPES = {
-    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
-    "bamba": "BambaForCausalLM",
-    "falcon_h1": "FalconH1ForCausalLM",
-}
 
 _MAMBA_TINY = {
     "mamba_n_heads": 16,
@@ -230,105 +226,11 @@ PUBLISHED: dict[str, tuple[float, float]] = {
 }
 
 
-def layer_kinds(c: dict) -> list[tuple[bool, bool]]:
-    """(has Mamba2, has attention) of each layer of config dict `c`."""
-    if c["model_type"] == "falcon_h1":
-        return [(True, True)] * c["num_hidden_layers"]
-    if c["model_type"] == "bamba":
-        attn = set(c.get("attn_layer_indices") or ())
-        return [(i not in attn, i in attn) for i in range(c["num_hidden_layers"])]
-    legacy = {"mamba": "linear_attention", "attention": "full_attention"}
-    kinds = [legacy.get(t, t) for t in c["layer_types"]]
-    return [(k == "linear_attention", k == "full_attention") for k in kinds]
-
-
 def complete_config(config: dict, extra: dict) -> dict:
-    """`config` plus what transformers needs (`extra`: dtype and special-token ids)."""
+    """`config` plus what transformers needs (`extra`: architectures, dtype, special-token
+    ids)."""
     cfg = copy.deepcopy(config)
-    cfg.update(architectures=[MODEL_TYPES[cfg["model_type"]]], **extra)
+    cfg.update(**extra)
     if cfg["model_type"] == "granitemoehybrid":
         cfg["num_hidden_layers"] = len(cfg["layer_types"])
     return cfg
-
-
-def tensor_specs(c: dict, layout: str) -> list[Spec]:
-    """(key, shape, init kind) of every checkpoint tensor, in generation order."""
-    if layout != "per_expert":
-        raise ValueError(f"{c['model_type']} presets are written in their released layout")
-    hid, vocab = c["hidden_size"], c["vocab_size"]
-    granite = c["model_type"] == "granitemoehybrid"
-    specs: list[Spec] = [("model.embed_tokens.weight", (vocab, hid), "w")]
-    for i, (mamba, attn) in enumerate(layer_kinds(c)):
-        p = f"model.layers.{i}"
-        specs.append((f"{p}.input_layernorm.weight", (hid,), "norm1"))
-        if mamba:
-            specs += _mamba_specs(c, f"{p}.mamba")
-        if attn:
-            specs += _attention_specs(c, f"{p}.self_attn")
-        if granite:
-            specs.append((f"{p}.post_attention_layernorm.weight", (hid,), "norm1"))
-            specs += _granite_mlp_specs(c, p)
-        else:
-            width, f = c["intermediate_size"], f"{p}.feed_forward"
-            specs += [
-                (f"{p}.pre_ff_layernorm.weight", (hid,), "norm1"),
-                (f"{f}.gate_proj.weight", (width, hid), "w"),
-                (f"{f}.up_proj.weight", (width, hid), "w"),
-                (f"{f}.down_proj.weight", (hid, width), "w"),
-            ]
-    specs.append((f"model.{'norm' if granite else 'final_layernorm'}.weight", (hid,), "norm1"))
-    if not c.get("tie_word_embeddings", False):
-        specs.append(("lm_head.weight", (vocab, hid), "w"))
-    return specs
-
-
-def _mamba_specs(c: dict, p: str) -> list[Spec]:
-    H, G, N = c["mamba_n_heads"], c.get("mamba_n_groups", 1), c["mamba_d_state"]
-    hid = c["hidden_size"]
-    inner = c.get("mamba_d_ssm") or c.get("mamba_expand", 2) * hid
-    conv_dim = inner + 2 * G * N
-    specs: list[Spec] = [(f"{p}.in_proj.weight", (inner + conv_dim + H, hid), "w")]
-    if c.get("mamba_proj_bias", False):
-        specs.append((f"{p}.in_proj.bias", (inner + conv_dim + H,), "w"))
-    specs.append((f"{p}.conv1d.weight", (conv_dim, 1, c.get("mamba_d_conv", 4)), "conv"))
-    if c.get("mamba_conv_bias", True):
-        specs.append((f"{p}.conv1d.bias", (conv_dim,), "w"))
-    specs += [(f"{p}.dt_bias", (H,), "dt_bias"), (f"{p}.A_log", (H,), "a_log")]
-    specs.append((f"{p}.D", (H,), "norm1"))
-    if c["model_type"] != "falcon_h1" or c.get("mamba_rms_norm", False):
-        specs.append((f"{p}.norm.weight", (inner,), "norm1"))
-    specs.append((f"{p}.out_proj.weight", (hid, inner), "w"))
-    if c.get("mamba_proj_bias", False):
-        specs.append((f"{p}.out_proj.bias", (hid,), "w"))
-    return specs
-
-
-def _attention_specs(c: dict, p: str) -> list[Spec]:
-    hid, nh, nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    hd = c.get("head_dim") or hid // nh
-    specs: list[Spec] = []
-    for name, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-        specs.append((f"{p}.{name}.weight", (rows, hid), "w"))
-        if c.get("attention_bias", False):
-            specs.append((f"{p}.{name}.bias", (rows,), "w"))
-    specs.append((f"{p}.o_proj.weight", (hid, nh * hd), "w"))
-    if c.get("attention_bias", False):
-        specs.append((f"{p}.o_proj.bias", (hid,), "w"))
-    return specs
-
-
-def _granite_mlp_specs(c: dict, p: str) -> list[Spec]:
-    hid, experts = c["hidden_size"], c.get("num_local_experts", 0)
-    specs: list[Spec] = []
-    if experts:
-        width, m = c["intermediate_size"], f"{p}.block_sparse_moe"
-        specs += [
-            (f"{m}.input_linear.weight", (experts, 2 * width, hid), "w"),
-            (f"{m}.output_linear.weight", (experts, hid, width), "w"),
-            (f"{m}.router.layer.weight", (experts, hid), "w"),
-        ]
-    shared = c["shared_intermediate_size"]
-    return specs + [
-        (f"{p}.shared_mlp.input_linear.weight", (2 * shared, hid), "w"),
-        (f"{p}.shared_mlp.output_linear.weight", (hid, shared), "w"),
-    ]

@@ -1,16 +1,14 @@
-"""NemotronH presets: config dicts in the releases' `config.json` form and the tensors of their
-checkpoints, for `make_model.presets` to draw and write (same writer, tokenizer and determinism
-contract as the Qwen presets).
+"""NemotronH presets: config dicts in the releases' `config.json` form and their completion for
+transformers, for `make_model.presets` to draw and write (same writer, tokenizer and determinism
+contract as the Qwen presets). Plain data: `make-model`'s parser reads the names without torch.
 
-The checkpoint layout is the released one: `backbone.embeddings`, `backbone.layers.{i}.norm`,
-`backbone.layers.{i}.mixer.*` (Mamba2, attention, relu^2 MLP or MoE with per-expert
-`experts.{e}.{up,down}_proj.weight`), `backbone.norm_f`, `lm_head`. transformers loads it into
-`NemotronHForCausalLM` (renaming `backbone.` and stacking the experts itself).
-
-Initialisation kinds (`make_model.tensor_specs.random_tensors`): matrices, embeddings, conv bias,
-router and its correction bias ~ N(0, init_range); plain norm weights (block norms, `norm_f`, the
-Mamba2 gated norm) and D ~ 1 + N(0, 0.1); `conv1d.weight` ~ N(0, 0.3); `A_log` = log U(1, 16);
-`dt_bias` = softplus^-1(dt), dt ~ logU(1e-3, 1e-1).
+The tensors are transformers' `NemotronHForCausalLM`'s for the config (`make_model.tensor_specs.
+model_specs`), written in the released layout by the family row's name rules: `backbone.*` for
+`model.*`, per-expert `experts.{e}.{up,down}_proj.weight` for the stacked experts. Initialisation
+by the row's `init_rules`: matrices, embeddings, conv bias, router and its correction bias ~
+N(0, init_range); plain norm weights (block norms, `norm_f`, the Mamba2 gated norm) and D ~
+1 + N(0, 0.1); `conv1d.weight` ~ N(0, 0.3); `A_log` = log U(1, 16); `dt_bias` = softplus^-1(dt),
+dt ~ logU(1e-3, 1e-1).
 
 `nemotron-3-nano-30b-a3b` and `nemotron-nano-9b-v2` are the releases' shapes (config only, for
 `--load-format dummy`).
@@ -28,10 +26,6 @@ blocks) or `nemotron_h_moe` (MoE blocks) and a model holds one kind or the other
 from __future__ import annotations
 
 import copy
-
-from hybrid_serve.models.nemotron_h_config import ATTENTION, MAMBA, MLP, PATTERN
-
-Spec = tuple[str, tuple[int, ...], str]  # (checkpoint key, shape, init kind)
 
 NEMOTRON_H_PRESETS: dict[str, dict] = {
     "tiny-nemotron-h": {
@@ -150,82 +144,10 @@ NEMOTRON_H_SCALED: dict[str, dict] = {
 }
 
 
-def layer_types(config: dict) -> list[str]:
-    """The block types of `config` (its `layers_block_type`, else its pattern string)."""
-    if config.get("layers_block_type"):
-        return list(config["layers_block_type"])
-    return [PATTERN[ch] for ch in config["hybrid_override_pattern"]]
-
-
-def complete_config(config: dict, architectures: list[str], extra: dict) -> dict:
-    """`config` plus what transformers needs (`extra`: dtype and special-token ids)."""
+def complete_config(config: dict, extra: dict) -> dict:
+    """`config` plus what transformers needs (`extra`: architectures, dtype, special-token ids)
+    and its layer count (of `layers_block_type`, else of the pattern string)."""
     cfg = copy.deepcopy(config)
-    cfg.update(architectures=architectures, num_hidden_layers=len(layer_types(cfg)), **extra)
+    blocks = cfg.get("layers_block_type") or cfg["hybrid_override_pattern"]
+    cfg.update(num_hidden_layers=len(blocks), **extra)
     return cfg
-
-
-def tensor_specs(c: dict, layout: str) -> list[Spec]:
-    """(key, shape, init kind) of every checkpoint tensor, in generation order."""
-    if layout != "per_expert":
-        raise ValueError("NemotronH presets are written in the released per-expert layout")
-    hid, vocab = c["hidden_size"], c["vocab_size"]
-    specs: list[Spec] = [("backbone.embeddings.weight", (vocab, hid), "w")]
-    mlp_widths = c["intermediate_size"]
-    n_mlp = 0
-    for i, kind in enumerate(layer_types(c)):
-        p = f"backbone.layers.{i}"
-        specs.append((f"{p}.norm.weight", (hid,), "norm1"))
-        if kind == MAMBA:
-            specs += _mamba_specs(c, f"{p}.mixer")
-        elif kind == ATTENTION:
-            nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-            specs += [
-                (f"{p}.mixer.q_proj.weight", (nh * hd, hid), "w"),
-                (f"{p}.mixer.k_proj.weight", (nkv * hd, hid), "w"),
-                (f"{p}.mixer.v_proj.weight", (nkv * hd, hid), "w"),
-                (f"{p}.mixer.o_proj.weight", (hid, nh * hd), "w"),
-            ]
-        elif kind == MLP:
-            width = mlp_widths if isinstance(mlp_widths, int) else mlp_widths[n_mlp]
-            n_mlp += 1
-            specs += _mlp_specs(f"{p}.mixer", hid, width)
-        else:
-            n_exp, width = c["n_routed_experts"], c["moe_intermediate_size"]
-            specs += [
-                (f"{p}.mixer.gate.weight", (n_exp, hid), "w"),
-                (f"{p}.mixer.gate.e_score_correction_bias", (n_exp,), "w"),
-            ]
-            for e in range(n_exp):
-                specs += _mlp_specs(f"{p}.mixer.experts.{e}", hid, width)
-            shared = c["moe_shared_expert_intermediate_size"]
-            specs += _mlp_specs(f"{p}.mixer.shared_experts", hid, shared)
-    specs.append(("backbone.norm_f.weight", (hid,), "norm1"))
-    if not c.get("tie_word_embeddings", False):
-        specs.append(("lm_head.weight", (vocab, hid), "w"))
-    return specs
-
-
-def _mamba_specs(c: dict, p: str) -> list[Spec]:
-    H, P, G, N = c["mamba_num_heads"], c["mamba_head_dim"], c["n_groups"], c["ssm_state_size"]
-    hid, inner = c["hidden_size"], H * P
-    conv_dim = inner + 2 * G * N
-    specs: list[Spec] = [
-        (f"{p}.in_proj.weight", (inner + conv_dim + H, hid), "w"),
-        (f"{p}.conv1d.weight", (conv_dim, 1, c["conv_kernel"]), "conv"),
-    ]
-    if c.get("use_conv_bias", True):
-        specs.append((f"{p}.conv1d.bias", (conv_dim,), "w"))
-    return specs + [
-        (f"{p}.dt_bias", (H,), "dt_bias"),
-        (f"{p}.A_log", (H,), "a_log"),
-        (f"{p}.D", (H,), "norm1"),
-        (f"{p}.norm.weight", (inner,), "norm1"),
-        (f"{p}.out_proj.weight", (hid, inner), "w"),
-    ]
-
-
-def _mlp_specs(p: str, hid: int, width: int) -> list[Spec]:
-    return [
-        (f"{p}.up_proj.weight", (width, hid), "w"),
-        (f"{p}.down_proj.weight", (hid, width), "w"),
-    ]

@@ -1,8 +1,11 @@
-"""OLMo-Hybrid presets: config dicts in the release's `config.json` form and the tensors of its
-checkpoint, for `make_model.presets` to draw and write (same writer, tokenizer and determinism
-contract as the other presets).
+"""OLMo-Hybrid presets: config dicts in the release's `config.json` form and their completion for
+transformers, for `make_model.presets` to draw and write (same writer, tokenizer and determinism
+contract as the other presets). Plain data: `make-model`'s parser reads the names without torch.
 
-The layout is the release's (as vLLM's loader reads it; transformers loads it too):
+The tensors are transformers' `OlmoHybridForCausalLM`'s for the config
+(`make_model.tensor_specs.model_specs`), its joined `linear_attn.conv1d` cut into the release's
+q/k/v convs (the row's `preset_rules`); the layout is the release's as vLLM's loader reads it
+(transformers loads it too):
 
     GDN layers        model.layers.{i}.input_layernorm, .linear_attn.{q,k,v,g,a,b}_proj,
                       .linear_attn.{q,k,v}_conv1d, .linear_attn.{A_log, dt_bias, o_norm, o_proj},
@@ -21,9 +24,6 @@ and no RoPE (`rope_theta` null, as the release: transformers builds no rotary th
 from __future__ import annotations
 
 import copy
-
-Spec = tuple[str, tuple[int, ...], str]  # (checkpoint key, shape, init kind)
-ARCHITECTURE = "OlmoHybridForCausalLM"
 
 OLMO_HYBRID_PRESETS: dict[str, dict] = {
     "tiny-olmo-hybrid": {
@@ -81,67 +81,8 @@ def layer_types(c: dict) -> list[str]:
 
 
 def complete_config(config: dict, extra: dict) -> dict:
-    """`config` plus what transformers needs (`extra`: dtype and special-token ids)."""
+    """`config` plus what transformers needs (`extra`: architectures, dtype, special-token
+    ids) and explicit `layer_types`."""
     cfg = copy.deepcopy(config)
-    cfg.update(architectures=[ARCHITECTURE], layer_types=layer_types(cfg), **extra)
+    cfg.update(layer_types=layer_types(cfg), **extra)
     return cfg
-
-
-def tensor_specs(c: dict, layout: str) -> list[Spec]:
-    """(key, shape, init kind) of every checkpoint tensor, in generation order."""
-    if layout != "per_expert":
-        raise ValueError("OLMo-Hybrid presets are written in the released layout")
-    hid, vocab = c["hidden_size"], c["vocab_size"]
-    nh, nkv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
-    hd, width = hid // nh, c["intermediate_size"]
-    specs: list[Spec] = [("model.embed_tokens.weight", (vocab, hid), "w")]
-    for i, kind in enumerate(layer_types(c)):
-        p = f"model.layers.{i}"
-        if kind == "full_attention":
-            a = f"{p}.self_attn"
-            specs += [
-                (f"{a}.q_proj.weight", (nh * hd, hid), "w"),
-                (f"{a}.k_proj.weight", (nkv * hd, hid), "w"),
-                (f"{a}.v_proj.weight", (nkv * hd, hid), "w"),
-                (f"{a}.o_proj.weight", (hid, nh * hd), "w"),
-                (f"{a}.q_norm.weight", (nh * hd,), "norm1"),
-                (f"{a}.k_norm.weight", (nkv * hd,), "norm1"),
-                (f"{p}.post_attention_layernorm.weight", (hid,), "norm1"),
-            ]
-        else:
-            specs.append((f"{p}.input_layernorm.weight", (hid,), "norm1"))
-            specs += _gdn_specs(c, f"{p}.linear_attn")
-            specs.append((f"{p}.post_attention_layernorm.weight", (hid,), "norm1"))
-        specs += [
-            (f"{p}.mlp.gate_proj.weight", (width, hid), "w"),
-            (f"{p}.mlp.up_proj.weight", (width, hid), "w"),
-            (f"{p}.mlp.down_proj.weight", (hid, width), "w"),
-        ]
-        if kind == "full_attention":
-            specs.append((f"{p}.post_feedforward_layernorm.weight", (hid,), "norm1"))
-    specs.append(("model.norm.weight", (hid,), "norm1"))
-    if not c.get("tie_word_embeddings", False):
-        specs.append(("lm_head.weight", (vocab, hid), "w"))
-    return specs
-
-
-def _gdn_specs(c: dict, a: str) -> list[Spec]:
-    hid, k = c["hidden_size"], c.get("linear_conv_kernel_dim", 4)
-    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
-    hv = c["linear_num_value_heads"]
-    vd = hv * c["linear_value_head_dim"]
-    return [
-        (f"{a}.q_proj.weight", (kd, hid), "w"),
-        (f"{a}.k_proj.weight", (kd, hid), "w"),
-        (f"{a}.v_proj.weight", (vd, hid), "w"),
-        (f"{a}.a_proj.weight", (hv, hid), "w"),
-        (f"{a}.b_proj.weight", (hv, hid), "w"),
-        (f"{a}.g_proj.weight", (vd, hid), "w"),
-        (f"{a}.o_proj.weight", (hid, vd), "w"),
-        (f"{a}.q_conv1d.weight", (kd, 1, k), "conv"),
-        (f"{a}.k_conv1d.weight", (kd, 1, k), "conv"),
-        (f"{a}.v_conv1d.weight", (vd, 1, k), "conv"),
-        (f"{a}.A_log", (hv,), "a_log"),
-        (f"{a}.dt_bias", (hv,), "dt_bias"),
-        (f"{a}.o_norm.weight", (c["linear_value_head_dim"],), "norm1"),
-    ]

@@ -1,4 +1,5 @@
-"""Deterministic random-weight Qwen3-Next checkpoints ("presets"), written fully offline.
+"""Deterministic random-weight checkpoints ("presets"), written fully offline: every family's,
+by the family table's rows (`hybrid_serve.models.families`); below, the Qwen3-Next contract.
 
 A checkpoint directory produced here loads with ``transformers`` (``AutoModelForCausalLM`` /
 ``AutoTokenizer`` with ``HF_HUB_OFFLINE=1``) without missing or unexpected keys and contains:
@@ -18,7 +19,9 @@ they are drawn in fp32 from one ``torch.Generator`` in the fixed key order of
 :func:`checkpoint_shapes` (per-expert order, also for the fused layout, so both layouts hold the
 same numbers; an MTP head is drawn last, so the main model's numbers do not depend on it), then
 quantized (``fp8_block``) or cast to ``dtype``; ``A_log`` and ``dt_bias`` always stay fp32, as in
-real checkpoints. Equal arguments give byte-identical files.
+real checkpoints. Equal arguments give byte-identical files. That order is the Qwen families';
+the other families' presets are drawn in the order of transformers' own model for the config
+and written in their released layout (:mod:`hybrid_serve.make_model.tensor_specs`).
 
 Initialisation (chosen so greedy decoding of random weights is varied and rarely near-tied, see
 the "near-ties" note in the CPU anchors): linear and embedding weights ~ N(0, init_range);
@@ -36,14 +39,13 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from hybrid_serve.make_model import mamba2_hybrid_preset, nemotron_h_preset, olmo_hybrid_preset
+from hybrid_serve.make_model.catalog import preset_configs
 from hybrid_serve.make_model.checkpoint_writer import (
     complete_config,
     write_checkpoint,
     write_config_only,
 )
-from hybrid_serve.make_model.real_shapes import REAL_SHAPES
-from hybrid_serve.make_model.tensor_specs import COMMON, checkpoint_shapes, count_parameters
+from hybrid_serve.make_model.tensor_specs import checkpoint_shapes, count_parameters
 
 __all__ = [
     "PRESETS",
@@ -56,80 +58,9 @@ __all__ = [
     "write_preset",
 ]
 
-PRESETS: dict[str, dict] = {
-    "tiny": {
-        **copy.deepcopy(COMMON),
-        "vocab_size": 2048,
-        "hidden_size": 128,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "rope_theta": 10000.0,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64,
-        "shared_expert_intermediate_size": 64,
-        "intermediate_size": 256,
-        "max_position_embeddings": 4096,
-    },
-    "small": {
-        **copy.deepcopy(COMMON),
-        "vocab_size": 8192,
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "rope_theta": 1000000.0,
-        "linear_num_key_heads": 4,
-        "linear_num_value_heads": 8,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 256,
-        "shared_expert_intermediate_size": 256,
-        "intermediate_size": 2048,
-        "max_position_embeddings": 32768,
-    },
-}
-
-# Qwen3.5 text family: split GDN projections; dense MLP on every layer (qwen3_5_text) or MoE on
-# every layer (qwen3_5_moe_text, which has no intermediate_size / sparse-step fields).
-_QWEN3_5_TINY = {
-    key: value
-    for key, value in PRESETS["tiny"].items()
-    if key not in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
-}
-PRESETS["tiny-qwen3.5"] = {
-    **copy.deepcopy(_QWEN3_5_TINY),
-    "model_type": "qwen3_5_text",
-    "num_experts": 0,
-}
-for _key in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
-    PRESETS["tiny-qwen3.5"].pop(_key)
-PRESETS["tiny-qwen3.5-moe"] = {**copy.deepcopy(_QWEN3_5_TINY), "model_type": "qwen3_5_moe_text"}
-PRESETS["tiny-qwen3.5-moe"].pop("intermediate_size")
-
-# NemotronH (Mamba2 hybrids) in their releases' config.json form (make_model/nemotron_h_preset.py)
-PRESETS.update(copy.deepcopy(nemotron_h_preset.NEMOTRON_H_PRESETS))
-PRESETS.update(copy.deepcopy(nemotron_h_preset.NEMOTRON_H_REAL_SHAPES))
-PRESETS.update(copy.deepcopy(nemotron_h_preset.NEMOTRON_H_SCALED))
-# Granite-4.0-H, Bamba, Falcon-H1 likewise (hybrid_serve/make_model/mamba2_hybrid_preset.py)
-PRESETS.update(copy.deepcopy(mamba2_hybrid_preset.MAMBA2_HYBRID_PRESETS))
-PRESETS.update(copy.deepcopy(mamba2_hybrid_preset.MAMBA2_HYBRID_REAL_SHAPES))
-# OLMo-Hybrid (Gated DeltaNet in its own layout; hybrid_serve/make_model/olmo_hybrid_preset.py)
-PRESETS.update(copy.deepcopy(olmo_hybrid_preset.OLMO_HYBRID_PRESETS))
-PRESETS.update(copy.deepcopy(olmo_hybrid_preset.OLMO_HYBRID_REAL_SHAPES))
-
-# Real shapes of released models (make_model/real_shapes.py): config-only use with --load-format
-# dummy; full checkpoints only where they fit (4 bytes per parameter while drawing).
-PRESETS.update(copy.deepcopy(REAL_SHAPES))
+# every family's presets, by the family table's rows (make_model.catalog): Qwen3-Next / Qwen3.5 in
+# make_model.qwen3_next_preset and real_shapes, the others in their families' preset modules
+PRESETS: dict[str, dict] = copy.deepcopy(preset_configs())
 
 
 def preset_config(name: str) -> dict:

@@ -1,9 +1,18 @@
 """Which tensors a checkpoint of each family holds: names, shapes and init kinds in a fixed
-order, and their random draw (`random_tensors`). Qwen3-Next / Qwen3.5 are laid out here; the
-other families' modules (`nemotron_h_preset`, `mamba2_hybrid_preset`, `olmo_hybrid_preset`) give
-their own specs. Every tensor is drawn in fp32 from one generator in the per-expert order with
-the init kinds the dummy weights share (`models.dummy_weights.fill`), so the weights are a pure
-function of the config and the seed.
+order, and their random draw (`random_tensors`).
+
+A family whose row in the family table (`models.families`) has `init_rules` is described by
+transformers' own model class for the config, built on the meta device (`model_specs`): its
+state_dict's tensors in its order (a tied tensor once), each with the init kind of the first
+rule whose name suffix it ends with ("w" where none does). They are drawn under transformers'
+names and shapes, then written in the family's released layout (`released_layout`: the row's
+name rules of the kinds in `preset_rules`, applied in the released direction: prefixes and
+renames respelled, a stacked expert tensor cut into its per-expert parts, a joined tensor into
+its row blocks). Qwen3-Next / Qwen3.5 (rows without `init_rules`) are laid out here by hand
+(`tensor_specs`), with their MTP head, which transformers does not build, and both expert
+layouts. Every tensor is drawn in fp32 from one generator with the init kinds the dummy weights
+share (`models.dummy_weights.fill`), so the weights are a pure function of the config and the
+seed.
 """
 
 from __future__ import annotations
@@ -12,111 +21,41 @@ import math
 
 import torch
 
-from hybrid_serve.make_model import mamba2_hybrid_preset, nemotron_h_preset, olmo_hybrid_preset
+from hybrid_serve.make_model.catalog import family_of_config
+from hybrid_serve.make_model.qwen3_next_preset import is_moe_layer, layer_types, validate
+from hybrid_serve.models.config import WRAPPERS as QWEN_WRAPPERS
 from hybrid_serve.models.dummy_weights import fill
+from hybrid_serve.models.families import Family, NameRules, resolve
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
 
-COMMON: dict = {
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "rms_norm_eps": 1e-6,
-    "linear_conv_kernel_dim": 4,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-    "tie_word_embeddings": False,
-    "full_attention_interval": 4,
-    "partial_rotary_factor": 0.25,
-}
+# Qwen3.5 text model_type -> its multimodal wrapper's
+WRAPPERS = {text: wrapper for wrapper, text in QWEN_WRAPPERS.items()}
 
-MODEL_TYPES = {  # model_type -> transformers class (text-only)
-    "qwen3_next": "Qwen3NextForCausalLM",
-    "qwen3_5_text": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-    "nemotron_h": "NemotronHForCausalLM",
-    **mamba2_hybrid_preset.MODEL_TYPES,
-    "olmo_hybrid": olmo_hybrid_preset.ARCHITECTURE,
-}
-WRAPPERS = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
-FAMILY_TYPES = ("nemotron_h", *mamba2_hybrid_preset.MODEL_TYPES, "olmo_hybrid")  # own modules
-
-_REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "num_experts",
-)
-OPTIONAL_DEFAULTS: dict = {
-    **COMMON,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 4096,
-    "use_cache": True,
-}
+Spec = tuple[str, tuple[int, ...], str]  # (checkpoint key, shape, init kind)
+# a config built only for its shapes: no special-token ids (transformers' defaults for a family
+# may lie outside a preset's vocabulary)
+NO_TOKEN_IDS = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))
 
 
-def layer_types(config: dict) -> list[str]:
-    """Per-layer mixer type: ``config["layer_types"]`` if given, else layer i is
-    ``"full_attention"`` iff ``(i + 1) % full_attention_interval == 0`` (default interval 4)."""
-    n = config["num_hidden_layers"]
-    if config.get("layer_types") is not None:
-        types = list(config["layer_types"])
-        if len(types) != n or not set(types) <= {"linear_attention", "full_attention"}:
-            raise ValueError(f"layer_types must be {n} of linear_attention/full_attention")
-        return types
-    interval = config.get("full_attention_interval", 4)
-    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+def complete_config(config: dict, extra: dict) -> dict:
+    """`config` completed for transformers by its family's preset module (`extra`: fields to
+    add, as dtype and special-token ids), with the row's architecture for its model_type."""
+    family = family_of_config(config)
+    model_type = config.get("model_type", family.model_types[0])
+    architecture = family.model_type(model_type).architecture
+    complete = resolve(f"{family.preset_module}.complete_config")
+    return complete(config, {"architectures": [architecture], **extra})
 
 
-def is_moe_layer(config: dict, layer: int) -> bool:
-    """Sparse-MoE iff not in ``mlp_only_layers``, ``num_experts > 0`` and ``(layer + 1)`` is a
-    multiple of ``decoder_sparse_step`` (the transformers rule)."""
-    return (
-        layer not in (config.get("mlp_only_layers") or [])
-        and config.get("num_experts", 0) > 0
-        and (layer + 1) % config.get("decoder_sparse_step", 1) == 0
-    )
-
-
-def validate(config: dict) -> None:
-    if config.get("model_type", "qwen3_next") not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {sorted(MODEL_TYPES)}")
-    if config.get("model_type") in FAMILY_TYPES:  # their config classes validate them on load
-        return
-    missing = [k for k in _REQUIRED if k not in config]
-    n = config.get("num_hidden_layers", 0)
-    moe = [is_moe_layer(config, i) for i in range(n)]
-    if any(moe):
-        missing += [
-            k
-            for k in (
-                "num_experts_per_tok",
-                "moe_intermediate_size",
-                "shared_expert_intermediate_size",
-            )
-            if k not in config
-        ]
-    if not all(moe) and "intermediate_size" not in config:
-        missing.append("intermediate_size")
-    if missing:
-        raise ValueError(f"config lacks required keys: {missing}")
-    if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
-        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    if config["num_attention_heads"] % config["num_key_value_heads"]:
-        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-    if any(moe) and not 0 < config["num_experts_per_tok"] <= config["num_experts"]:
-        raise ValueError("need 0 < num_experts_per_tok <= num_experts")
-    mtp = config.get("mtp_num_hidden_layers", 0)
-    if type(mtp) is not int or mtp < 0:
-        raise ValueError("mtp_num_hidden_layers must be a non-negative integer")
-    layer_types(config)
+def _drawn_from_model(config: dict, layout: str) -> Family | None:
+    """The family of `config` where transformers' model describes its presets, else None."""
+    family = family_of_config(config)
+    if family.init_rules is None:
+        return None
+    if layout != "per_expert":
+        raise ValueError(f"{family.name} presets are written in their released layout")
+    return family
 
 
 def checkpoint_shapes(
@@ -124,12 +63,16 @@ def checkpoint_shapes(
 ) -> dict[str, tuple[int, ...]]:
     """Key -> shape of every tensor of the on-disk checkpoint for ``config``, in generation order.
 
-    ``"per_expert"`` lists ``mlp.experts.{e}.{gate,up,down}_proj.weight``; ``"fused"`` replaces
-    them by ``mlp.experts.gate_up_proj`` [E, 2I, hidden] and ``mlp.experts.down_proj``
-    [E, hidden, I]. ``lm_head.weight`` is absent when ``tie_word_embeddings`` is true.
+    Qwen: ``"per_expert"`` lists ``mlp.experts.{e}.{gate,up,down}_proj.weight``; ``"fused"``
+    replaces them by ``mlp.experts.gate_up_proj`` [E, 2I, hidden] and ``mlp.experts.down_proj``
+    [E, hidden, I]. ``lm_head.weight`` is absent when ``tie_word_embeddings`` is true. The other
+    families: their released layout of transformers' model (module docstring).
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    if _drawn_from_model(config, expert_layout) is not None:
+        meta = {k: torch.empty(s, device="meta") for k, s, _ in model_specs(config)}
+        return {k: tuple(t.shape) for k, t in released_layout(meta, config).items()}
     validate(config)
     return {k: shape for k, shape, _ in tensor_specs(config, expert_layout)}
 
@@ -139,21 +82,82 @@ def count_parameters(config: dict) -> int:
     return sum(math.prod(s) for s in checkpoint_shapes(config).values())
 
 
-Spec = tuple[str, tuple[int, ...], str]  # (checkpoint key, shape, init kind)
+def init_kind(name: str, rules: tuple[tuple[str, str], ...]) -> str:
+    """The kind of the first (suffix, kind) rule `name` ends with; "w" where none matches."""
+    return next((kind for suffix, kind in rules if name.endswith(suffix)), "w")
+
+
+def model_specs(config: dict) -> list[Spec]:
+    """(name, shape, init kind) of every tensor of transformers' model for `config` (built on the
+    meta device, nothing allocated), in its state_dict's order, under its names; a tensor tied
+    to an earlier one (the LM head to the embedding) is left out, as transformers saves it."""
+    import transformers
+
+    family = family_of_config(config)
+    assert family.init_rules is not None, family.name
+    cfg = complete_config(config, NO_TOKEN_IDS)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg)
+        )
+    specs: list[Spec] = []
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            specs.append((name, tuple(tensor.shape), init_kind(name, family.init_rules)))
+    return specs
+
+
+def released_layout(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """`tensors` under transformers' names respelled as `config`'s family releases them (the
+    rule kinds in its row's `preset_rules`), in their order, a cut tensor's parts in place."""
+    family = family_of_config(config)
+    rules = family.model_type(config["model_type"]).rules
+    kept = NameRules(**{k: getattr(rules, k) for k in family.preset_rules})
+    widths: dict[str, int] = {}
+    if kept.joined:  # the parts' rows: properties of our config class
+        cfg = complete_config(config, NO_TOKEN_IDS)
+        ours = resolve(family.config_class).from_dict(cfg, generation_config={})
+        widths = {prop: getattr(ours, prop) for _, parts in kept.joined for _, prop in parts}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        out.update(_released(name, tensor, kept, widths))
+    return out
+
+
+def _released(
+    name: str, t: torch.Tensor, rules: NameRules, widths: dict[str, int]
+) -> list[tuple[str, torch.Tensor]]:
+    """One transformers tensor as the release stores it: one or more (name, tensor)."""
+    for released, theirs in rules.prefixes:
+        if name.startswith(theirs):
+            name = released + name.removeprefix(theirs)
+            break
+    for released, theirs in rules.renames:
+        name = name.replace(theirs, released)
+    for end, parts in rules.stacked:  # [E, k*I, ...] -> experts.{e}.{part}.weight
+        if name.endswith(end):
+            stem = name.removesuffix(end) + end.rpartition(".")[0]
+            return [
+                (f"{stem}.{e}.{part}.weight", rows.clone())
+                for e in range(t.shape[0])
+                for part, rows in zip(parts, t[e].chunk(len(parts)), strict=True)
+            ]
+    for end, parts in rules.joined:  # rows [part 0 | part 1 | ...]
+        if name.endswith(end):
+            blocks = t.split([widths[prop] for _, prop in parts])
+            base = name.removesuffix(end)
+            return [(base + p, b.clone()) for (p, _), b in zip(parts, blocks, strict=True)]
+    return [(name, t)]
 
 
 def tensor_specs(config: dict, layout: str) -> list[Spec]:
-    """(key, shape, init kind) triples in the fixed generation order: the main model, then the
-    MTP head when ``config`` has one. With ``layout="fused"`` the per-expert entries are
-    replaced by kind ``"fused"`` entries, which are not drawn but assembled from the per-expert
-    tensors (see :func:`_random_tensors`)."""
+    """Qwen3-Next / Qwen3.5: (key, shape, init kind) triples in the fixed generation order: the
+    main model, then the MTP head when ``config`` has one. With ``layout="fused"`` the
+    per-expert entries are replaced by kind ``"fused"`` entries, which are not drawn but
+    assembled from the per-expert tensors (see :func:`random_tensors`)."""
     c = config
-    if c.get("model_type") == "nemotron_h":
-        return nemotron_h_preset.tensor_specs(c, layout)
-    if c.get("model_type") in mamba2_hybrid_preset.MODEL_TYPES:
-        return mamba2_hybrid_preset.tensor_specs(c, layout)
-    if c.get("model_type") == "olmo_hybrid":
-        return olmo_hybrid_preset.tensor_specs(c, layout)
     hid, vocab = c["hidden_size"], c["vocab_size"]
     specs: list[Spec] = [("model.embed_tokens.weight", (vocab, hid), "w")]
     for i, kind in enumerate(layer_types(c)):
@@ -250,8 +254,15 @@ def _layer_specs(c: dict, p: str, kind: str, moe: bool, layout: str) -> list[Spe
 def random_tensors(
     config: dict, seed: int, init_range: float, layout: str
 ) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors in fp32, drawn in the per-expert key order from one generator."""
+    """All checkpoint tensors in fp32 drawn from one generator: transformers' model's in its
+    order, in the released layout; Qwen's in the per-expert key order."""
     gen = torch.Generator().manual_seed(seed)
+    if _drawn_from_model(config, layout) is not None:
+        drawn: dict[str, torch.Tensor] = {}
+        for key, shape, kind in model_specs(config):
+            drawn[key] = torch.empty(shape, dtype=torch.float32)
+            fill(drawn[key], kind, gen, init_range)
+        return released_layout(drawn, config)
 
     out: dict[str, torch.Tensor] = {}
     for key, shape, kind in tensor_specs(config, "per_expert"):

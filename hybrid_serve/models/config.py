@@ -26,10 +26,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from hybrid_serve.models.families import types_read_by
+
 QWEN3_5_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
 # multimodal wrapper -> the model_type its text_config must carry
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-SUPPORTED_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TEXT, *WRAPPERS)
+# the model_types of the family table's rows this class reads
+SUPPORTED_MODEL_TYPES = types_read_by(f"{__name__}.ModelConfig")
 LINEAR, FULL = "linear_attention", "full_attention"
 SSM_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -32,10 +32,12 @@ from hybrid_serve.models.config import (
     eos_token_ids,
     transformers_defaults,
 )
+from hybrid_serve.models.families import types_read_by
 from hybrid_serve.models.mamba2_mixer import Mamba2Config
 
 MAMBA, ATTENTION, HYBRID = "linear_attention", "full_attention", "hybrid"
-MODEL_TYPES = ("granitemoehybrid", "bamba", "falcon_h1")
+# the model_types of the family table's rows this class reads
+MODEL_TYPES = types_read_by(f"{__name__}.Mamba2HybridConfig")
 # fields a file must state: transformers' defaults for them are a full-size release's
 REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "mamba_n_heads")
 

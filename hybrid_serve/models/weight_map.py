@@ -21,9 +21,10 @@ Our layout conversions, the same in every spelling of a family:
     OLMo-Hybrid  linear_attn.{q,k,v,g}_proj -> rows of in_proj_qkvz ([Q|K|V|Z]); {b,a}_proj ->
                  rows of in_proj_ba; o_norm -> norm; o_proj -> out_proj
 
-and the family's name rules (`NAME_RULES`, by model_type): transformers' conversion_mapping.py
-for that model_type as data, each rule read both ways, so that a tensor may be spelled as the
-release spells it or as transformers' model names it (what its state_dict holds; its
+and the family's name rules (`NAME_RULES`, by model_type, kept in the family table's rows,
+`models.families`): transformers' conversion_mapping.py for that model_type as data, each rule
+read both ways, so that a tensor may be spelled as the release spells it or as transformers'
+model names it (what its state_dict holds; its
 `save_pretrained` writes the released spelling back wherever a rule exists):
 
     qwen3_next, qwen3_5_moe   (qwen2_moe) per-expert mlp.experts.{e}.{gate,up,down}_proj.weight
@@ -65,79 +66,12 @@ import torch
 from torch import nn
 
 from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.families import NAME_RULES, NameRules, Rule
 
 MTP_PREFIX = "mtp."
 SKIPPED_PREFIXES = (MTP_PREFIX, "model.visual.", "visual.", "model.mtp.")
 
-Rule = tuple[str, str]  # (the released spelling, transformers' own)
 Names = dict[str, "Target"]
-
-
-@dataclass(frozen=True)
-class NameRules:
-    """One model_type's entries of transformers' conversion_mapping.py, as data. Every rule is
-    a (released, transformers') pair and reads both ways:
-
-    prefixes  a leading name part (PrefixChange, or a WeightRenaming of the stack's prefix)
-    renames   a name part anywhere in the name (WeightRenaming)
-    stacked   (end of a stacked expert tensor's name, its per-expert parts): transformers'
-              [E, k*I, ...] tensor, or the release's `experts.{e}.{part}.weight`, the k parts
-              filling entry e's rows in order (MergeModulelist, Concatenate(dim=1) for k > 1)
-    joined    (end of a joined tensor's name, ((end of a part's name, the config property
-              giving its rows), ...)): transformers' one tensor, or the release's parts
-              filling its rows in order (Concatenate(dim=0))
-    """
-
-    prefixes: tuple[Rule, ...] = ()
-    renames: tuple[Rule, ...] = ()
-    stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    joined: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
-
-
-QWEN2_MOE = (
-    ("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
-    ("mlp.experts.down_proj", ("down_proj",)),
-)
-QWEN3_5_TEXT_PREFIX = (("model.language_model.", "model."),)
-NAME_RULES: dict[str, NameRules] = {
-    "qwen3_next": NameRules(stacked=QWEN2_MOE),
-    "qwen3_5_text": NameRules(prefixes=QWEN3_5_TEXT_PREFIX),
-    "qwen3_5_moe_text": NameRules(prefixes=QWEN3_5_TEXT_PREFIX, stacked=QWEN2_MOE),
-    "qwen3_5": NameRules(),
-    "qwen3_5_moe": NameRules(stacked=QWEN2_MOE),
-    "nemotron_h": NameRules(
-        prefixes=(("backbone.", "model."),),
-        stacked=(
-            ("mixer.experts.up_proj", ("up_proj",)),
-            ("mixer.experts.down_proj", ("down_proj",)),
-        ),
-    ),
-    "granitemoehybrid": NameRules(
-        renames=(
-            ("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"),
-            ("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"),
-            ("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),
-        )
-    ),
-    "bamba": NameRules(),
-    "falcon_h1": NameRules(),
-    "olmo_hybrid": NameRules(
-        renames=(
-            ("attention_layer_norm", "input_layernorm"),
-            ("feedforward_layer_norm", "post_attention_layernorm"),
-        ),
-        joined=(
-            (
-                "linear_attn.conv1d.weight",
-                (
-                    ("linear_attn.q_conv1d.weight", "linear_key_dim"),
-                    ("linear_attn.k_conv1d.weight", "linear_key_dim"),
-                    ("linear_attn.v_conv1d.weight", "linear_value_dim"),
-                ),
-            ),
-        ),
-    ),
-}
 
 
 @dataclass(frozen=True)

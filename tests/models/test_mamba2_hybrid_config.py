@@ -17,6 +17,7 @@ import torch
 from hybrid_serve.make_model.mamba2_hybrid_preset import MAMBA2_HYBRID_REAL_SHAPES, PUBLISHED
 from hybrid_serve.make_model.presets import count_parameters, preset_config, write_config_only
 from hybrid_serve.models.bamba import BambaForCausalLM
+from hybrid_serve.models.families import resolve
 from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.mamba2_hybrid_config import ATTENTION, HYBRID, MAMBA, Mamba2HybridConfig
@@ -135,7 +136,9 @@ def test_refused(raw, message):
 def test_registry_by_model_type_or_architecture():
     for raw, cls in ((GRANITE, GraniteMoeHybridForCausalLM), (BAMBA, BambaForCausalLM)):
         assert model_class(Mamba2HybridConfig.from_dict(raw)) is cls
-    assert family_of({"architectures": ["BambaForCausalLM"]}).model_class is BambaForCausalLM
+    assert (
+        resolve(family_of({"architectures": ["BambaForCausalLM"]}).model_class) is BambaForCausalLM
+    )
 
 
 def _real(name, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybrid_serve.make_model.presets import preset_config, write_config_only
+from hybrid_serve.models.families import resolve
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.nemotron_h import NemotronHForCausalLM
 from hybrid_serve.models.nemotron_h_config import NemotronHConfig
@@ -81,7 +82,7 @@ def test_missing_sizing_field_is_named():
 def test_registry_by_model_type_or_architecture():
     assert model_class(NemotronHConfig.from_dict(BASE)) is NemotronHForCausalLM
     by_arch = {"architectures": ["NemotronHForCausalLM"]}
-    assert family_of(by_arch).config_class is NemotronHConfig
+    assert resolve(family_of(by_arch).config_class) is NemotronHConfig
     with pytest.raises(ValueError, match="unsupported architecture"):
         family_of({"model_type": "mamba2"})
 

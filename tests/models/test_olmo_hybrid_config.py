@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_serve.make_model.presets import count_parameters, preset_config, write_config_only
-from hybrid_serve.make_model.tensor_specs import tensor_specs
+from hybrid_serve.make_model.presets import (
+    checkpoint_shapes,
+    count_parameters,
+    preset_config,
+    write_config_only,
+)
 from hybrid_serve.models.gated_delta_net import GatedDeltaNet
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.olmo_hybrid import OlmoHybridForCausalLM
@@ -96,10 +100,10 @@ def test_7b_tp2_shards_fill_the_ranks_parameters(tmp_path, rank):
     assert model.state_shapes[0].temporal == (15, 96, 192)
     assert model.local_config.num_key_value_heads == 15 and model.local_config.head_dim == 128
     params = dict(model.named_parameters())
-    specs = tensor_specs(config, "per_expert")
-    table = checkpoint_map(model, {key for key, _, _ in specs})
-    assert set(table) == {key for key, _, _ in specs}
-    for key, shape, _ in specs:
+    shapes = checkpoint_shapes(config)
+    table = checkpoint_map(model, set(shapes))
+    assert set(table) == set(shapes)
+    for key, shape in shapes.items():
         target = table[key]
         shard = model.checkpoint_shard(key, target)
         dst = params[target.param][target.index]

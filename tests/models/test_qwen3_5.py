@@ -13,8 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hybrid_serve.make_model.cli import PRESET_NAMES
-from hybrid_serve.make_model.presets import PRESETS, preset_config, write_checkpoint
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.registry import read_config
@@ -40,10 +39,6 @@ def moe_pair(tmp_path_factory):
         tmp_path_factory.mktemp("q35moe-mm"), cfg, seed=4, expert_layout="fused", multimodal=True
     )
     return text, wrapped
-
-
-def test_preset_names_match_the_cli():
-    assert set(PRESET_NAMES) == set(PRESETS)
 
 
 def test_config_of_each_layout(dense, moe_pair):

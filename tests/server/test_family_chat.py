@@ -16,6 +16,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from hybrid_serve.make_model.catalog import family_of_config
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from tests.server.conftest import running, serve_command, wait_idle_and_clean
 from tests.server.test_reasoning_server import (
@@ -28,7 +29,11 @@ from tests.server.test_reasoning_server import (
     joined,
 )
 
-THINKS = {"tiny-nemotron-h": True, "tiny-granite-4.0-h": False}  # the template's reasoning
+# whether the template has a reasoning format: the family table's row for the preset says
+THINKS = {
+    preset: family_of_config(preset_config(preset)).reasoning_format is not None
+    for preset in ("tiny-nemotron-h", "tiny-granite-4.0-h")
+}
 
 
 @pytest.fixture(scope="module", params=list(THINKS))
