@@ -146,18 +146,26 @@ def test_a_refused_plan_warns_once_with_what_would_let_it_apply(
     assert all("decode batches run the eager step" in t for t in texts)
 
 
-def test_decode_step_checks_its_layout(ckpt):
-    """`DecodeStep` takes the flat lists `CpuDecodePlan` writes; a list of the wrong length is
-    refused when it is built, not read past when it runs."""
-    plan = CpuDecodePlan(load_model(ckpt, dtype="float32"))
-    norm, head = plan.model.model.norm.weight, plan.model.lm_head.weight
-    step = torch.classes.hybrid_serve.DecodeStep
-    with pytest.raises(RuntimeError, match="5 ints and 4 floats per layer"):
-        step([norm], [1, 0, 2, 2], [1e-6] * 4, norm, 1e-6, head, False)
+def test_block_step_checks_its_layout(ckpt):
+    """`BlockStep` takes the flat lists `CpuDecodePlan` writes; lists of the wrong length, kinds
+    it has no layout for (the reserved KDA mixer) and deferred-residual blocks mixed with others
+    are refused when it is built, not read past when it runs."""
+    model = load_model(ckpt, dtype="float32")
+    norm, head = model.model.norm.weight, model.lm_head.weight
+    step = torch.classes.hybrid_serve.BlockStep
+    relu2 = [cpu_decode.PRE, cpu_decode.NO_MIXER, cpu_decode.RELU2]
+    step([norm] * 3, relu2, [1e-6], norm, 1e-6, head, False)  # norm, up, down: the layout
+    with pytest.raises(RuntimeError, match="too few ints"):
+        step([norm] * 3, relu2[:2], [1e-6], norm, 1e-6, head, False)
     with pytest.raises(RuntimeError, match="too few tensors"):
-        step([norm] * 3, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head, False)
-    with pytest.raises(RuntimeError, match="1 tensors left over"):
-        step([norm] * 16, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head, False)
+        step([norm] * 2, relu2, [1e-6], norm, 1e-6, head, False)
+    with pytest.raises(RuntimeError, match="1 tensors, 0 ints and 1 floats left over"):
+        step([norm] * 4, relu2, [1e-6] * 2, norm, 1e-6, head, False)
+    with pytest.raises(RuntimeError, match="mixer kind 6 has no layout yet"):
+        step([norm] * 3, [cpu_decode.PRE, cpu_decode.KDA, 0], [], norm, 1e-6, head, False)
+    deferred = [cpu_decode.DEFERRED, *relu2[1:]]
+    with pytest.raises(RuntimeError, match="deferred-residual blocks mixed with others"):
+        step([norm] * 6, relu2 + deferred, [1e-6] * 2, norm, 1e-6, head, False)
 
 
 @pytest.mark.parametrize("layout", ["moe", "dense"])
