@@ -9,23 +9,24 @@ weights and op arguments, which `hybrid_serve::BlockStep` holds; its `forward` r
 by calling the same C++ functions and the same ATen ops with the same arguments, in the same
 order, as the eager step does, so its logits and pool updates are bit-identical to it:
 
-    x = embed(ids);  cos, sin = rope(positions)                            (here, in Python)
+    x = embed(ids) * embedding multiplier;  cos, sin = rope(positions)    (here, in Python)
     for each block:   Qwen3-Next   h, r = add_rmsnorm(pending, r);  pending = sublayer(h)
                       pre-norm     x = x + sublayer(rms_norm_plain(x))
                       sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
                       q/k norms, Qwen's gated attention), then the MLP (SwiGLU,
-                      relu^2, sparse MoE, NemotronH's relu^2 MoE)
-    logits = lm_head(final norm)
+                      relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's top-k MoE with
+                      its shared MLP), with the families' multipliers
+    logits = lm_head(final norm) * logits multiplier
 
-The families (`BLOCKS`): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`) and
-NemotronH; Granite-4.0-H, Bamba, Falcon-H1 and OLMo-Hybrid come next (the C++ step has their
-block kinds already). The plan applies where the model's kernel set is the C++ one with its
-fused decode ops (`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with no
-biases but the Mamba2 convs', fp32 norms, states and KV, fp32, bf16 or quantized matrices, and
-at most `MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at
-batch where it has one (`KernelSet.bf16_products`), as the eager step's do. A speculative
-verify batch runs through the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the
-eager model for the others.
+The families (`BLOCKS`): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
+NemotronH, Granite-4.0-H and Bamba; Falcon-H1 and OLMo-Hybrid come next. The plan applies
+where the model's kernel set is the C++ one with its fused decode ops
+(`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with no biases but the
+Mamba2 convs', fp32 norms, states and KV, fp32, bf16 or quantized matrices, and at most
+`MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at batch where
+it has one (`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs
+through the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the eager model for
+the others.
 
 `CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
 per process that names why and the setting that would let a plan apply (`refusal`,
@@ -41,12 +42,15 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels.cpp_fused import MOE_MAX_TOKENS, verify_rows
+from hybrid_serve.kernels.cpp_ops import ROUTED_MAX_ROWS
 from hybrid_serve.kernels.quant import CPP_DTYPES
 from hybrid_serve.kernels.settings import FUSIONS_ENV, KERNELS_ENV
 from hybrid_serve.kernels.slow_paths import warn_once
+from hybrid_serve.models.bamba import BambaForCausalLM
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.gated_delta_net import GatedDeltaNet
 from hybrid_serve.models.gqa_attention import Attention
+from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM, GraniteMoeHybridMoE
 from hybrid_serve.models.hybrid_lm import CausalLM
 from hybrid_serve.models.layers import MLP, SparseMoE
 from hybrid_serve.models.loader import matrices
@@ -196,12 +200,60 @@ def nemotron_h_blocks(model: NemotronHForCausalLM, layers) -> Blocks:
     return out
 
 
+def granite_blocks(model: GraniteMoeHybridForCausalLM, layers) -> Blocks:
+    """Granite-4.0-H's layers (`models.granite_moe_hybrid`): pre-norm Mamba2 or NoPE attention
+    (RoPE where the config asks), then the top-k MoE with the shared SwiGLU, or the shared
+    SwiGLU alone; each sublayer's output times the residual multiplier."""
+    out, rope = Blocks(), model.model.rotary is not None
+    for layer in layers:
+        moe, shared = layer.block_sparse_moe, layer.shared_mlp
+        rm = layer.residual_multiplier
+        out.block(PRE, GQA if layer.mamba is None else MAMBA2, SWIGLU if moe is None else TOPK_MOE)
+        out.sublayer_norm(layer.input_layernorm)
+        if layer.mamba is None:
+            out.attention(layer.self_attn, rope, out_mult=rm)
+        else:
+            out.mamba2(layer.mamba, rm)
+        out.sublayer_norm(layer.post_attention_layernorm)
+        shared_weights = [shared.input_linear.weight, shared.output_linear.weight]
+        if moe is None:
+            out.add(shared_weights, [1], [1.0, rm])
+        else:
+            out.add(
+                [moe.router.layer.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
+                 *shared_weights], [moe.top_k], [rm],
+            )  # fmt: skip
+    return out
+
+
+def bamba_blocks(model: BambaForCausalLM, layers) -> Blocks:
+    """Bamba's layers (`models.bamba`): pre-norm Mamba2 or RoPE attention, then the SwiGLU MLP
+    (Falcon-H1's multipliers, 1 for Bamba, passed as the layer applies them)."""
+    c, out = model.config, Blocks()
+    rope = model.model.rotary is not None
+    for layer in layers:
+        mamba, attn = layer.mamba, layer.self_attn
+        mixer = GQA if mamba is None else MAMBA2
+        out.block(PRE, mixer, SWIGLU)
+        out.sublayer_norm(layer.input_layernorm)
+        if mamba is not None:
+            out.mamba2(mamba, c.ssm_out_multiplier)
+        if attn is not None:
+            out.attention(attn, rope, c.attention_in_multiplier, c.attention_out_multiplier)
+        out.sublayer_norm(layer.pre_ff_layernorm)
+        ff = layer.feed_forward
+        out.swiglu(ff, ff.gate_multiplier, ff.down_multiplier)
+    return out
+
+
 # Each family's block builder (its layers -> `Blocks`), by model class.
 BLOCKS = {
     Qwen3NextForCausalLM: qwen3_next_blocks,
     NemotronHForCausalLM: nemotron_h_blocks,
+    GraniteMoeHybridForCausalLM: granite_blocks,
+    BambaForCausalLM: bamba_blocks,
 }
-FAMILIES = "Qwen3-Next's and NemotronH's"
+FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's and Bamba's"
 
 
 def refusal(model: CausalLM) -> tuple[str, str] | None:
@@ -224,6 +276,8 @@ def refusal(model: CausalLM) -> tuple[str, str] | None:
             return f"a bias ({name})", NO_SETTING
         if p.dtype not in (MATRIX_DTYPES if id(p) in matrix else (torch.float32,)):
             return f"{name} is {p.dtype}", DTYPES
+    if isinstance(model, BambaForCausalLM) and "hybrid" in model.config.layer_types:
+        return "Falcon-H1's parallel Mamba2 + attention layers (next)", NO_SETTING
     for layer in model.model.layers if isinstance(model, Qwen3NextForCausalLM) else ():
         if type(layer.mlp) not in (SparseMoE, MLP):
             return f"a {type(layer.mlp).__name__} layer", NO_SETTING
@@ -262,7 +316,8 @@ class CpuDecodePlan:
     (bit for bit, pools updated alike), for a model `refusal` accepts. It holds the model's
     parameter tensors themselves: weights changed in place are seen, replaced parameters are
     not. `for_mtp` builds the same over a Qwen3-Next MTP head's layer (`rows`, its drafts'
-    passes)."""
+    passes). Batches of more rows than `rows` (Granite's routed experts beyond their C++ op's
+    rows) run the eager model."""
 
     def __init__(self, model: CausalLM, layers=None, norm=None, lm_head=None) -> None:
         self.model = model
@@ -281,6 +336,9 @@ class CpuDecodePlan:
         blocks = BLOCKS[type(model)](model, stack.layers if layers is None else layers)
         self.verifies = isinstance(model, Qwen3NextForCausalLM)
         self.rows = MAX_ROWS
+        for module in model.modules():
+            if isinstance(module, GraniteMoeHybridMoE):  # the routed experts' C++ op's rows
+                self.rows = min(self.rows, ROUTED_MAX_ROWS // module.top_k)
         head = lm_head if lm_head is not None else model.lm_head.weight
         self.step = torch.classes.hybrid_serve.BlockStep(
             blocks.tensors, blocks.ints, blocks.floats, norm.weight, norm.eps, head,
@@ -356,6 +414,8 @@ class CpuDecodePlan:
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.num_reqs > self.rows:
+            return self.model(batch)
         kv, mamba = batch.kv_pool, batch.mamba_pool
         x, cos, sin = self._inputs(batch)
         return self._logits(self.step.forward(

@@ -19,6 +19,12 @@ from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelR
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
+PRESETS = (
+    "tiny-nemotron-h",
+    "tiny-granite-4.0-h",
+    "tiny-granite-4.0-h-dense",
+    "tiny-bamba",
+)  # tests/families.py FAMILY_PRESETS so far
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
 
 
@@ -70,6 +76,24 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
     sizes = [1, 3, PLAN_ROWS, 2, len(PROMPTS), 9, 1, 5]
     assert_steps_alike(plain, planned, slots, first, PROMPTS, sizes)
     assert spy.rows == [1, 3, PLAN_ROWS, 2, 9, 1, 5]  # the 12-row step ran eagerly
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset):
+    """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
+    without experts, Bamba) through the plan: greedy steps of 1, 4 and 16 rows (the GEMV's rows
+    and the tiled GEMM's) give the eager step's logits and pools bit for bit, and the plan ran
+    every one of them."""
+    ckpt = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=5)
+    many = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]  # 24 requests
+    eager, slots, first = prefilled(ckpt, "float32", prompts=many)
+    fast, slots2, first2 = prefilled(ckpt, "float32", prompts=many)
+    assert slots == slots2 and first == first2
+    plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 4, 16])
+    assert plain.plan is None and planned.plan is not None and planned.plan.rows >= 16
+    planned.plan = spy = Counting(planned.plan)
+    assert_steps_alike(plain, planned, slots, first, many, [1, 4, 16, 4])
+    assert spy.rows == [1, 4, 16, 4]
 
 
 def test_plan_follows_the_kernel_choice(ckpt, kernels_mode):
