@@ -13,20 +13,20 @@ order, as the eager step does, so its logits and pool updates are bit-identical 
     for each block:   Qwen3-Next   h, r = add_rmsnorm(pending, r);  pending = sublayer(h)
                       pre-norm     x = x + sublayer(rms_norm_plain(x))
                       sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
-                      q/k norms, Qwen's gated attention), then the MLP (SwiGLU,
-                      relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's top-k MoE with
-                      its shared MLP), with the families' multipliers
+                      q/k norms, Qwen's gated attention, Falcon-H1's Mamba2 + attention), then
+                      the MLP (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's
+                      top-k MoE with its shared MLP), with the families' multipliers
     logits = lm_head(final norm) * logits multiplier
 
 The families (`BLOCKS`): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
-NemotronH, Granite-4.0-H and Bamba; Falcon-H1 and OLMo-Hybrid come next. The plan applies
-where the model's kernel set is the C++ one with its fused decode ops
-(`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with no biases but the
-Mamba2 convs', fp32 norms, states and KV, fp32, bf16 or quantized matrices, and at most
-`MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at batch where
-it has one (`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs
-through the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the eager model for
-the others.
+NemotronH, Granite-4.0-H, Bamba and Falcon-H1; OLMo-Hybrid comes next. The plan applies where
+the model's kernel set is the C++ one with its fused decode ops (`kernels.kernel_set.cpp_set`),
+on one rank (no tensor parallelism), with no biases but the Mamba2 convs', fp32 norms, states
+and KV, fp32, bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's). The
+products take the kernel set's bf16 route at batch where it has one
+(`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs through
+the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the eager model for the
+others.
 
 `CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
 per process that names why and the setting that would let a plan apply (`refusal`,
@@ -227,13 +227,13 @@ def granite_blocks(model: GraniteMoeHybridForCausalLM, layers) -> Blocks:
 
 
 def bamba_blocks(model: BambaForCausalLM, layers) -> Blocks:
-    """Bamba's layers (`models.bamba`): pre-norm Mamba2 or RoPE attention, then the SwiGLU MLP
-    (Falcon-H1's multipliers, 1 for Bamba, passed as the layer applies them)."""
+    """Bamba's and Falcon-H1's layers (`models.bamba`): pre-norm Mamba2, RoPE attention, or both
+    side by side (Falcon-H1), then the SwiGLU MLP, with Falcon-H1's multipliers."""
     c, out = model.config, Blocks()
     rope = model.model.rotary is not None
     for layer in layers:
         mamba, attn = layer.mamba, layer.self_attn
-        mixer = GQA if mamba is None else MAMBA2
+        mixer = GQA if mamba is None else MAMBA2 if attn is None else PARALLEL
         out.block(PRE, mixer, SWIGLU)
         out.sublayer_norm(layer.input_layernorm)
         if mamba is not None:
@@ -253,7 +253,7 @@ BLOCKS = {
     GraniteMoeHybridForCausalLM: granite_blocks,
     BambaForCausalLM: bamba_blocks,
 }
-FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's and Bamba's"
+FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's and Falcon-H1's"
 
 
 def refusal(model: CausalLM) -> tuple[str, str] | None:
@@ -276,8 +276,6 @@ def refusal(model: CausalLM) -> tuple[str, str] | None:
             return f"a bias ({name})", NO_SETTING
         if p.dtype not in (MATRIX_DTYPES if id(p) in matrix else (torch.float32,)):
             return f"{name} is {p.dtype}", DTYPES
-    if isinstance(model, BambaForCausalLM) and "hybrid" in model.config.layer_types:
-        return "Falcon-H1's parallel Mamba2 + attention layers (next)", NO_SETTING
     for layer in model.model.layers if isinstance(model, Qwen3NextForCausalLM) else ():
         if type(layer.mlp) not in (SparseMoE, MLP):
             return f"a {type(layer.mlp).__name__} layer", NO_SETTING

@@ -24,6 +24,7 @@ PRESETS = (
     "tiny-granite-4.0-h",
     "tiny-granite-4.0-h-dense",
     "tiny-bamba",
+    "tiny-falcon-h1",
 )  # tests/families.py FAMILY_PRESETS so far
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
 
@@ -81,9 +82,9 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
-    without experts, Bamba) through the plan: greedy steps of 1, 4 and 16 rows (the GEMV's rows
-    and the tiled GEMM's) give the eager step's logits and pools bit for bit, and the plan ran
-    every one of them."""
+    without experts, Bamba, Falcon-H1 and its multipliers) through the plan: greedy
+    steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's) give the eager step's
+    logits and pools bit for bit, and the plan ran every one of them."""
     ckpt = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=5)
     many = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]  # 24 requests
     eager, slots, first = prefilled(ckpt, "float32", prompts=many)
