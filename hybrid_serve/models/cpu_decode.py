@@ -12,6 +12,7 @@ order, as the eager step does, so its logits and pool updates are bit-identical 
     x = embed(ids) * embedding multiplier;  cos, sin = rope(positions)    (here, in Python)
     for each block:   Qwen3-Next   h, r = add_rmsnorm(pending, r);  pending = sublayer(h)
                       pre-norm     x = x + sublayer(rms_norm_plain(x))
+                      post-norm    x = x + rms_norm_plain(sublayer(x))     (OLMo attention)
                       sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
                       q/k norms, Qwen's gated attention, Falcon-H1's Mamba2 + attention), then
                       the MLP (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's
@@ -19,14 +20,13 @@ order, as the eager step does, so its logits and pool updates are bit-identical 
     logits = lm_head(final norm) * logits multiplier
 
 The families (`BLOCKS`): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
-NemotronH, Granite-4.0-H, Bamba and Falcon-H1; OLMo-Hybrid comes next. The plan applies where
-the model's kernel set is the C++ one with its fused decode ops (`kernels.kernel_set.cpp_set`),
-on one rank (no tensor parallelism), with no biases but the Mamba2 convs', fp32 norms, states
-and KV, fp32, bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's). The
-products take the kernel set's bf16 route at batch where it has one
-(`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs through
-the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the eager model for the
-others.
+NemotronH, Granite-4.0-H, Bamba, Falcon-H1 and OLMo-Hybrid. The plan applies where the model's
+kernel set is the C++ one with its fused decode ops (`kernels.kernel_set.cpp_set`), on one rank
+(no tensor parallelism), with no biases but the Mamba2 convs', fp32 norms, states and KV, fp32,
+bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's). The products take the
+kernel set's bf16 route at batch where it has one (`KernelSet.bf16_products`), as the eager
+step's do. A speculative verify batch runs through the plan for Qwen3-Next's layers
+(`BlockStep.verify`) and through the eager model for the others.
 
 `CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
 per process that names why and the setting that would let a plan apply (`refusal`,
@@ -58,6 +58,7 @@ from hybrid_serve.models.mamba2_mixer import Mamba2Mixer
 from hybrid_serve.models.nemotron_h import NemotronHForCausalLM
 from hybrid_serve.models.nemotron_h_config import ATTENTION, MAMBA
 from hybrid_serve.models.nemotron_h_config import MLP as MLP_BLOCK
+from hybrid_serve.models.olmo_hybrid import OlmoHybridForCausalLM
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ MATRIX_DTYPES = CPP_DTYPES  # `hybrid_serve.models.loader.matrices`; all else fp
 
 # The block kinds of kernels/csrc/block_step.cpp (its enums). KDA, short conv and MLA mixers are
 # reserved there and have no layout yet.
-DEFERRED, PRE, POST = 0, 1, 2  # norm placement (POST: OLMo-Hybrid's, next)
+DEFERRED, PRE, POST = 0, 1, 2  # norm placement
 NO_MIXER, GDN, MAMBA2, GQA, GATED_ATTENTION, PARALLEL, KDA, SHORT_CONV, MLA = range(9)
 NO_MLP, SWIGLU, RELU2, SPARSE_MOE, RELU2_MOE, TOPK_MOE = range(6)
 
@@ -246,14 +247,35 @@ def bamba_blocks(model: BambaForCausalLM, layers) -> Blocks:
     return out
 
 
+def olmo_hybrid_blocks(model: OlmoHybridForCausalLM, layers) -> Blocks:
+    """OLMo-Hybrid's layers (`models.olmo_hybrid`): pre-norm GDN (beta scaled) then SwiGLU, or
+    post-norm attention with q/k norms then SwiGLU."""
+    out = Blocks()
+    rope = model.model.rotary is not None
+    for layer in layers:
+        if layer.is_full_attention:
+            out.block(POST, GQA, SWIGLU)
+            out.sublayer_norm(layer.post_attention_layernorm)
+            out.attention(layer.self_attn, rope)
+            out.sublayer_norm(layer.post_feedforward_layernorm)
+        else:
+            out.block(PRE, GDN, SWIGLU)
+            out.sublayer_norm(layer.input_layernorm)
+            out.gdn(layer.linear_attn)
+            out.sublayer_norm(layer.post_attention_layernorm)
+        out.swiglu(layer.mlp)
+    return out
+
+
 # Each family's block builder (its layers -> `Blocks`), by model class.
 BLOCKS = {
     Qwen3NextForCausalLM: qwen3_next_blocks,
     NemotronHForCausalLM: nemotron_h_blocks,
     GraniteMoeHybridForCausalLM: granite_blocks,
     BambaForCausalLM: bamba_blocks,
+    OlmoHybridForCausalLM: olmo_hybrid_blocks,
 }
-FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's and Falcon-H1's"
+FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's and OLMo-Hybrid's"
 
 
 def refusal(model: CausalLM) -> tuple[str, str] | None:

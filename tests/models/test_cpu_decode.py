@@ -16,16 +16,10 @@ from hybrid_serve.models.cpu_decode import MAX_ROWS, CpuDecodePlan
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from tests.families import FAMILY_PRESETS
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
-PRESETS = (
-    "tiny-nemotron-h",
-    "tiny-granite-4.0-h",
-    "tiny-granite-4.0-h-dense",
-    "tiny-bamba",
-    "tiny-falcon-h1",
-)  # tests/families.py FAMILY_PRESETS so far
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
 
 
@@ -79,12 +73,12 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
     assert spy.rows == [1, 3, PLAN_ROWS, 2, 9, 1, 5]  # the 12-row step ran eagerly
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
 def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
-    without experts, Bamba, Falcon-H1 and its multipliers) through the plan: greedy
-    steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's) give the eager step's
-    logits and pools bit for bit, and the plan ran every one of them."""
+    without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid) through the plan: greedy
+    steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's) give the eager step's logits
+    and pools bit for bit, and the plan ran every one of them."""
     ckpt = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=5)
     many = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]  # 24 requests
     eager, slots, first = prefilled(ckpt, "float32", prompts=many)
