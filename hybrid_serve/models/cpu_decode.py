@@ -36,6 +36,7 @@ per process that names why and the setting that would let a plan apply (`refusal
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,7 +95,12 @@ class Blocks:
     ints: list[int] = field(default_factory=list)
     floats: list[float] = field(default_factory=list)
 
-    def add(self, tensors=(), ints=(), floats=()) -> None:
+    def add(
+        self,
+        tensors: Sequence[torch.Tensor] = (),
+        ints: Sequence[int | bool] = (),
+        floats: Sequence[float] = (),
+    ) -> None:
         self.tensors += tensors
         self.ints += [int(i) for i in ints]
         self.floats += [float(f) for f in floats]
@@ -124,7 +130,9 @@ class Blocks:
             [c.norm_eps, *c.time_step_limit, c.in_multiplier, out_multiplier],
         )  # fmt: skip
 
-    def attention(self, a: Attention, rope: bool, in_mult: float = 1.0, out_mult: float = 1.0):
+    def attention(
+        self, a: Attention, rope: bool, in_mult: float = 1.0, out_mult: float = 1.0
+    ) -> None:
         norms = [] if a.q_norm is None else [a.q_norm.weight, a.k_norm.weight]
         eps = 0.0 if a.q_norm is None else a.q_norm.eps
         self.add(
