@@ -91,6 +91,20 @@ def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset):
     assert spy.rows == [1, 4, 16, 4]
 
 
+def test_granite_batches_beyond_the_routed_experts_op_run_eagerly(tmp_path):
+    """With top-k 8, batches of more than 32 rows route more rows than the routed experts' C++
+    op takes (256), where the eager step switches to the reference: the plan's `rows` stop at
+    32, and a 33-row step (which the C++ step would refuse) still equals the eager step."""
+    cfg = {**preset_config("tiny-granite-4.0-h"), "num_experts_per_tok": 8}
+    ckpt = write_checkpoint(tmp_path / "granite", cfg, seed=6)
+    many = PROMPTS * 3  # 36 requests
+    eager, slots, first = prefilled(ckpt, "float32", prompts=many)
+    fast, _, _ = prefilled(ckpt, "float32", prompts=many)
+    plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 8, 64])
+    assert planned.plan.rows == 32 and planned.plan_rows == 64
+    assert_steps_alike(plain, planned, slots, first, many, [33, 32])
+
+
 def test_plan_follows_the_kernel_choice(ckpt, kernels_mode):
     """A model on the torch references (or the C++ kernels without their fusions) does not run
     the fused C++ decode ops, so it gets no plan."""
