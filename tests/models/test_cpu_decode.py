@@ -73,16 +73,19 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
     assert spy.rows == [1, 3, PLAN_ROWS, 2, 9, 1, 5]  # the 12-row step ran eagerly
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)
-def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset):
+def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dtype):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
     without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid) through the plan: greedy
-    steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's) give the eager step's logits
-    and pools bit for bit, and the plan ran every one of them."""
+    steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's; with bf16 matrices, bf16
+    products forced on, the bf16 route's from 16) give the eager step's logits and pools bit for
+    bit, and the plan ran every one of them."""
     ckpt = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=5)
     many = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]  # 24 requests
-    eager, slots, first = prefilled(ckpt, "float32", prompts=many)
-    fast, slots2, first2 = prefilled(ckpt, "float32", prompts=many)
+    on = KernelSettings(bf16_products="on")
+    eager, slots, first = prefilled(ckpt, dtype, prompts=many, settings=on)
+    fast, slots2, first2 = prefilled(ckpt, dtype, prompts=many, settings=on)
     assert slots == slots2 and first == first2
     plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 4, 16])
     assert plain.plan is None and planned.plan is not None and planned.plan.rows >= 16
