@@ -39,7 +39,8 @@ from collections.abc import Callable
 import torch
 
 from hybrid_serve.kernels.quant import in_features
-from hybrid_serve.models.cpu_decode import CpuDecodePlan, layer_args
+from hybrid_serve.models.cpu_decode import CpuDecodePlan
+from hybrid_serve.models.layers import MLP
 from hybrid_serve.scheduler.build import load_runner_model
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
@@ -50,13 +51,18 @@ def product_calls(model) -> list[tuple[str, list[torch.Tensor]]]:
     """(group, weights) of every product call of a decode pass, in the plan's grouping."""
     calls = []
     for layer in model.model.layers:
-        t, ints, _ = layer_args(layer)
-        attention, top_k = bool(ints[0]), ints[3]
-        mlp = 7 if top_k else 3
-        in_projs = t[3 + mlp : 3 + mlp + (3 if attention else 2)]
-        calls += [("attention in" if attention else "GDN in", in_projs), ("out proj", [t[2]])]
-        if not top_k:
-            calls += [("MLP gate+up", t[3:5]), ("MLP down", [t[5]])]
+        if layer.is_full_attention:
+            a = layer.self_attn
+            calls += [("attention in", [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                      ("out proj", [a.o_proj.weight])]  # fmt: skip
+        else:
+            g = layer.linear_attn
+            calls += [("GDN in", [g.in_proj_qkvz.weight, g.in_proj_ba.weight]),
+                      ("out proj", [g.out_proj.weight])]  # fmt: skip
+        if isinstance(layer.mlp, MLP):
+            mlp = layer.mlp
+            calls += [("MLP gate+up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
+                      ("MLP down", [mlp.down_proj.weight])]  # fmt: skip
     return [*calls, ("LM head", [model.lm_head.weight])]
 
 

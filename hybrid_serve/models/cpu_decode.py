@@ -1,58 +1,65 @@
 """The CPU decode step as one C++ call: on CPU what a CUDA graph is on the GPU, the step's
 kernel calls recorded once and replayed.
 
-The eager decode step runs ~75 C++ ops (per layer: residual add + RMSNorm, the input
-projections, the fused mixer, the output projection, add + RMSNorm, the fused MoE block or the
-dense MLP), and at batch 1 on the small preset a good share of its time is the Python around
-them: module calls and each wrapper's checks. `CpuDecodePlan` takes every layer's weights and op
-arguments once from the model into `hybrid_serve::DecodeStep` (`kernels/csrc/decode_step.cpp`),
-whose `forward` calls the same ops' C++ functions with the same arguments in one loop, so its
-logits and pool updates are bit-identical to the eager step's:
+The eager decode step runs tens of ops per layer (norms, projections, the fused mixers, MLPs),
+and at small batches a good share of its time is the Python around them: module calls and each
+wrapper's checks. `CpuDecodePlan` walks the model's layers once and describes each as a block
+(kernels/csrc/block_step.cpp): a norm placement, a mixer kind and an MLP kind, with the layer's
+weights and op arguments, which `hybrid_serve::BlockStep` holds; its `forward` runs the blocks
+by calling the same C++ functions and the same ATen ops with the same arguments, in the same
+order, as the eager step does, so its logits and pool updates are bit-identical to it:
 
-    x = embed(ids);  cos, sin = rope(positions);  residual = None          (here, in Python)
-    for each layer:   h, residual = add_rmsnorm(x, residual)               (DecodeStep.forward)
-                      h = out_proj(gdn_decode(in_projs(h)))   or   o_proj(attn_decode(qkv(h)))
-                      h, residual = add_rmsnorm(h, residual)
-                      x = moe_decode(h)   or   down(silu(gate(h)) * up(h))   (dense MLP)
-    logits = lm_head(add_rmsnorm(x, residual))
+    x = embed(ids) * embedding multiplier;  cos, sin = rope(positions)    (here, in Python)
+    for each block:   Qwen3-Next   h, r = add_rmsnorm(pending, r);  pending = sublayer(h)
+                      pre-norm     x = x + sublayer(rms_norm_plain(x))
+                      post-norm    x = x + rms_norm_plain(sublayer(x))     (OLMo attention)
+                      sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
+                      q/k norms, Qwen's gated attention, Falcon-H1's Mamba2 + attention), then
+                      the MLP (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's
+                      top-k MoE with its shared MLP), with the families' multipliers
+    logits = lm_head(final norm) * logits multiplier
 
-It applies where the model's kernel set is the C++ one with its fused decode ops
-(`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with sparse-MoE or dense
-MLP layers (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE), no biases, fp32 norms, states and KV, fp32,
+The families (`BLOCKS`): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
+NemotronH, Granite-4.0-H, Bamba, Falcon-H1 and OLMo-Hybrid. The plan applies where the model's
+kernel set is the C++ one with its fused decode ops (`kernels.kernel_set.cpp_set`), on one rank
+(no tensor parallelism), with no biases but the Mamba2 convs', fp32 norms, states and KV, fp32,
 bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's). The products take the
 kernel set's bf16 route at batch where it has one (`KernelSet.bf16_products`), as the eager
-step's do.
+step's do. A speculative verify batch runs through the plan for Qwen3-Next's layers
+(`BlockStep.verify`) and through the eager model for the others.
 
-NemotronH's step has its own class, `NemotronHDecodePlan` over `hybrid_serve::NemotronHStep`
-(kernels/csrc/nemotron_h_step.cpp), under the same conditions (a conv bias allowed): its blocks
-call the C++ kernels where the eager step does (the projections, the fused Mamba2 decode) and
-ATen's ops in the sequence of the torch references where the eager step runs those (the plain
-RMSNorm, the KV store and decode attention, the relu^2 MoE), so it too is bit-identical:
-
-    for each block:   x = x + mixer(rms_norm_plain(x))
-    logits = lm_head(rms_norm_plain(x))
-
-`CpuDecodePlan.build` returns the plan of the model's family, or None for any other model or
-setting, with one WARNING per process that names why and the setting that would let a plan
-apply (`refusal`, `pools_refusal`).
+`CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
+per process that names why and the setting that would let a plan apply (`refusal`,
+`pools_refusal`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from hybrid_serve.kernels.cpp_fused import MOE_MAX_TOKENS, verify_rows
+from hybrid_serve.kernels.cpp_ops import ROUTED_MAX_ROWS
 from hybrid_serve.kernels.quant import CPP_DTYPES
 from hybrid_serve.kernels.settings import FUSIONS_ENV, KERNELS_ENV
 from hybrid_serve.kernels.slow_paths import warn_once
+from hybrid_serve.models.bamba import BambaForCausalLM
 from hybrid_serve.models.forward_batch import ForwardBatch
+from hybrid_serve.models.gated_delta_net import GatedDeltaNet
+from hybrid_serve.models.gqa_attention import Attention
+from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM, GraniteMoeHybridMoE
+from hybrid_serve.models.hybrid_lm import CausalLM
 from hybrid_serve.models.layers import MLP, SparseMoE
 from hybrid_serve.models.loader import matrices
+from hybrid_serve.models.mamba2_mixer import Mamba2Mixer
 from hybrid_serve.models.nemotron_h import NemotronHForCausalLM
 from hybrid_serve.models.nemotron_h_config import ATTENTION, MAMBA
 from hybrid_serve.models.nemotron_h_config import MLP as MLP_BLOCK
+from hybrid_serve.models.olmo_hybrid import OlmoHybridForCausalLM
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -60,6 +67,11 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = MOE_MAX_TOKENS  # the fused MoE's rows: decode batches
 MATRIX_DTYPES = CPP_DTYPES  # `hybrid_serve.models.loader.matrices`; all else fp32
 
+# The block kinds of kernels/csrc/block_step.cpp (its enums). KDA, short conv and MLA mixers are
+# reserved there and have no layout yet.
+DEFERRED, PRE, POST = 0, 1, 2  # norm placement
+NO_MIXER, GDN, MAMBA2, GQA, GATED_ATTENTION, PARALLEL, KDA, SHORT_CONV, MLA = range(9)
+NO_MLP, SWIGLU, RELU2, SPARSE_MOE, RELU2_MOE, TOPK_MOE = range(6)
 
 # The last clause of the WARNING a refused plan logs: what would let the plan apply.
 NO_SETTING = "no setting avoids it: the plan does not cover this"
@@ -74,13 +86,211 @@ PLAN_LOST = (
 )
 
 
-def refusal(model: Qwen3NextForCausalLM | NemotronHForCausalLM) -> tuple[str, str] | None:
+@dataclass
+class Blocks:
+    """The flat lists `BlockStep`'s constructor reads (its layout: kernels/csrc/block_step.cpp),
+    appended to block by block."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    ints: list[int] = field(default_factory=list)
+    floats: list[float] = field(default_factory=list)
+
+    def add(
+        self,
+        tensors: Sequence[torch.Tensor] = (),
+        ints: Sequence[int | bool] = (),
+        floats: Sequence[float] = (),
+    ) -> None:
+        self.tensors += tensors
+        self.ints += [int(i) for i in ints]
+        self.floats += [float(f) for f in floats]
+
+    def block(self, norm: int, mixer: int, mlp: int) -> None:
+        self.ints += [norm, mixer, mlp]
+
+    def sublayer_norm(self, norm: nn.Module) -> None:
+        self.add([norm.weight], floats=[norm.eps])
+
+    def gdn(self, g: GatedDeltaNet) -> None:
+        conv = g.conv1d.weight.squeeze(1).contiguous()  # [D, W]
+        self.add(
+            [g.in_proj_qkvz.weight, g.in_proj_ba.weight, conv, g.A_log, g.dt_bias, g.norm.weight,
+             g.out_proj.weight],
+            [g.linear_layer_id, g.num_k_heads], [g.norm.eps, g.beta_scale],
+        )  # fmt: skip
+
+    def mamba2(self, m: Mamba2Mixer, out_multiplier: float = 1.0) -> None:
+        c, bias, scale = m.config, m.conv1d.bias, m.zxbcdt_scale
+        norm = m.norm.weight if m.norm is not None else None
+        self.add(
+            [m.in_proj.weight, m.conv1d.weight.squeeze(1), *([] if bias is None else [bias]),
+             m.A_log, m.dt_bias, m.D, *([] if norm is None else [norm]), m.out_proj.weight,
+             *([] if scale is None else [scale.float().contiguous()])],
+            [m.mamba_layer_id, c.n_groups, bias is not None, norm is not None, scale is not None],
+            [c.norm_eps, *c.time_step_limit, c.in_multiplier, out_multiplier],
+        )  # fmt: skip
+
+    def attention(
+        self, a: Attention, rope: bool, in_mult: float = 1.0, out_mult: float = 1.0
+    ) -> None:
+        norms = [] if a.q_norm is None else [a.q_norm.weight, a.k_norm.weight]
+        eps = 0.0 if a.q_norm is None else a.q_norm.eps
+        self.add(
+            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, *norms],
+            [a.kv_layer, a.num_heads, a.num_kv_heads, a.q_norm is not None, rope],
+            [a.scale, eps, a.key_multiplier, in_mult, out_mult],
+        )  # fmt: skip
+
+    def swiglu(self, mlp: MLP, gate_mult: float = 1.0, out_mult: float = 1.0) -> None:
+        weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        self.add(weights, [0], [gate_mult, out_mult])
+
+
+def qwen3_next_blocks(model: Qwen3NextForCausalLM, layers) -> Blocks:
+    """Qwen3-Next's decoder layers (`models.decoder_layer`): the deferred residual's norms, GDN
+    or gated attention, then the sparse MoE or the dense SwiGLU."""
+    out = Blocks()
+    for layer in layers:
+        moe = isinstance(layer.mlp, SparseMoE)
+        mixer = GATED_ATTENTION if layer.is_full_attention else GDN
+        out.block(DEFERRED, mixer, SPARSE_MOE if moe else SWIGLU)
+        out.sublayer_norm(layer.input_layernorm)
+        if layer.is_full_attention:
+            a = layer.self_attn
+            out.add(
+                [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight,
+                 a.k_norm.weight, a.o_proj.weight],
+                [a.attn_layer_id, a.num_heads], [a.q_norm.eps, a.scale],
+            )  # fmt: skip
+        else:
+            out.gdn(layer.linear_attn)
+        out.sublayer_norm(layer.post_attention_layernorm)
+        mlp = layer.mlp
+        if moe:
+            shared = mlp.shared_expert
+            out.add(
+                [mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj,
+                 mlp.shared_expert_gate.weight, shared.gate_proj.weight, shared.up_proj.weight,
+                 shared.down_proj.weight],
+                [mlp.top_k, mlp.norm_topk_prob],
+            )  # fmt: skip
+        else:
+            out.swiglu(mlp)
+    return out
+
+
+def nemotron_h_blocks(model: NemotronHForCausalLM, layers) -> Blocks:
+    """NemotronH's blocks (`models.nemotron_h`): one pre-norm sublayer each, a mixer (Mamba2,
+    NoPE attention) or an MLP (relu^2, relu^2 MoE)."""
+    out = Blocks()
+    for block in layers:
+        m = block.mixer
+        if block.kind in (MAMBA, ATTENTION):
+            out.block(PRE, MAMBA2 if block.kind == MAMBA else GQA, NO_MLP)
+            out.sublayer_norm(block.norm)
+            if block.kind == MAMBA:
+                out.mamba2(m)
+            else:
+                out.attention(m, rope=False)
+        elif block.kind == MLP_BLOCK:
+            out.block(PRE, NO_MIXER, RELU2)
+            out.sublayer_norm(block.norm)
+            out.add([m.up_proj.weight, m.down_proj.weight])
+        else:
+            c, shared = m.config, m.shared_experts
+            out.block(PRE, NO_MIXER, RELU2_MOE)
+            out.sublayer_norm(block.norm)
+            out.add(
+                [m.gate.weight, m.gate.e_score_correction_bias, m.experts.up_proj,
+                 m.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight],
+                [c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob],
+                [c.routed_scaling_factor],
+            )  # fmt: skip
+    return out
+
+
+def granite_blocks(model: GraniteMoeHybridForCausalLM, layers) -> Blocks:
+    """Granite-4.0-H's layers (`models.granite_moe_hybrid`): pre-norm Mamba2 or NoPE attention
+    (RoPE where the config asks), then the top-k MoE with the shared SwiGLU, or the shared
+    SwiGLU alone; each sublayer's output times the residual multiplier."""
+    out, rope = Blocks(), model.model.rotary is not None
+    for layer in layers:
+        moe, shared = layer.block_sparse_moe, layer.shared_mlp
+        rm = layer.residual_multiplier
+        out.block(PRE, GQA if layer.mamba is None else MAMBA2, SWIGLU if moe is None else TOPK_MOE)
+        out.sublayer_norm(layer.input_layernorm)
+        if layer.mamba is None:
+            out.attention(layer.self_attn, rope, out_mult=rm)
+        else:
+            out.mamba2(layer.mamba, rm)
+        out.sublayer_norm(layer.post_attention_layernorm)
+        shared_weights = [shared.input_linear.weight, shared.output_linear.weight]
+        if moe is None:
+            out.add(shared_weights, [1], [1.0, rm])
+        else:
+            out.add(
+                [moe.router.layer.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
+                 *shared_weights], [moe.top_k], [rm],
+            )  # fmt: skip
+    return out
+
+
+def bamba_blocks(model: BambaForCausalLM, layers) -> Blocks:
+    """Bamba's and Falcon-H1's layers (`models.bamba`): pre-norm Mamba2, RoPE attention, or both
+    side by side (Falcon-H1), then the SwiGLU MLP, with Falcon-H1's multipliers."""
+    c, out = model.config, Blocks()
+    rope = model.model.rotary is not None
+    for layer in layers:
+        mamba, attn = layer.mamba, layer.self_attn
+        mixer = GQA if mamba is None else MAMBA2 if attn is None else PARALLEL
+        out.block(PRE, mixer, SWIGLU)
+        out.sublayer_norm(layer.input_layernorm)
+        if mamba is not None:
+            out.mamba2(mamba, c.ssm_out_multiplier)
+        if attn is not None:
+            out.attention(attn, rope, c.attention_in_multiplier, c.attention_out_multiplier)
+        out.sublayer_norm(layer.pre_ff_layernorm)
+        ff = layer.feed_forward
+        out.swiglu(ff, ff.gate_multiplier, ff.down_multiplier)
+    return out
+
+
+def olmo_hybrid_blocks(model: OlmoHybridForCausalLM, layers) -> Blocks:
+    """OLMo-Hybrid's layers (`models.olmo_hybrid`): pre-norm GDN (beta scaled) then SwiGLU, or
+    post-norm attention with q/k norms then SwiGLU."""
+    out = Blocks()
+    rope = model.model.rotary is not None
+    for layer in layers:
+        if layer.is_full_attention:
+            out.block(POST, GQA, SWIGLU)
+            out.sublayer_norm(layer.post_attention_layernorm)
+            out.attention(layer.self_attn, rope)
+            out.sublayer_norm(layer.post_feedforward_layernorm)
+        else:
+            out.block(PRE, GDN, SWIGLU)
+            out.sublayer_norm(layer.input_layernorm)
+            out.gdn(layer.linear_attn)
+            out.sublayer_norm(layer.post_attention_layernorm)
+        out.swiglu(layer.mlp)
+    return out
+
+
+# Each family's block builder (its layers -> `Blocks`), by model class.
+BLOCKS = {
+    Qwen3NextForCausalLM: qwen3_next_blocks,
+    NemotronHForCausalLM: nemotron_h_blocks,
+    GraniteMoeHybridForCausalLM: granite_blocks,
+    BambaForCausalLM: bamba_blocks,
+    OlmoHybridForCausalLM: olmo_hybrid_blocks,
+}
+FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's and OLMo-Hybrid's"
+
+
+def refusal(model: CausalLM) -> tuple[str, str] | None:
     """(why no plan can replay `model`'s decode step, what setting would let one), or None when
     one can."""
-    nemotron_h = isinstance(model, NemotronHForCausalLM)
-    if not (nemotron_h or isinstance(model, Qwen3NextForCausalLM)):
-        why = f"a {type(model).__name__} (the plans replay Qwen3-Next's and NemotronH's layers)"
-        return why, NO_SETTING
+    if type(model) not in BLOCKS:
+        return f"a {type(model).__name__} (the plan replays {FAMILIES} layers)", NO_SETTING
     if model.ops.backend != "cpp" or not model.ops.fused:
         why = f"the {model.ops.backend} kernels{'' if model.ops.fused else ' without fusions'}"
         return why, f"{FUSIONS_ENV}=on" if model.ops.backend == "cpp" else C_KERNELS
@@ -92,17 +302,17 @@ def refusal(model: Qwen3NextForCausalLM | NemotronHForCausalLM) -> tuple[str, st
     for name, p in model.named_parameters():
         if not p.is_contiguous():
             return f"{name} is not contiguous", NO_SETTING
-        if name.endswith(".bias") and not (nemotron_h and name.endswith("conv1d.bias")):
+        if name.endswith(".bias") and not name.endswith("conv1d.bias"):
             return f"a bias ({name})", NO_SETTING
         if p.dtype not in (MATRIX_DTYPES if id(p) in matrix else (torch.float32,)):
             return f"{name} is {p.dtype}", DTYPES
-    for layer in () if nemotron_h else model.model.layers:
+    for layer in model.model.layers if isinstance(model, Qwen3NextForCausalLM) else ():
         if type(layer.mlp) not in (SparseMoE, MLP):
             return f"a {type(layer.mlp).__name__} layer", NO_SETTING
     return None
 
 
-def unsupported(model: Qwen3NextForCausalLM | NemotronHForCausalLM) -> str | None:
+def unsupported(model: CausalLM) -> str | None:
     """Why no plan can replay `model`'s decode step, or None when one can (`refusal`'s why)."""
     found = refusal(model)
     return None if found is None else found[0]
@@ -129,59 +339,39 @@ def pools_unsupported(kv_pool, mamba_pool, req_to_token: torch.Tensor) -> str | 
     return None if found is None else found[0]
 
 
-def layer_args(layer) -> tuple[list[torch.Tensor], list[int], list[float]]:
-    """One decoder layer's op arguments as (tensors, ints, floats), in the per-layer layout
-    that `DecodeStep`'s constructor reads (described in kernels/csrc/decode_step.cpp)."""
-    norm, post, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
-    tensors = [norm.weight, post.weight]
-    if isinstance(mlp, SparseMoE):
-        mlp_weights = [
-            mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj,
-            mlp.shared_expert_gate.weight, mlp.shared_expert.gate_proj.weight,
-            mlp.shared_expert.up_proj.weight, mlp.shared_expert.down_proj.weight,
-        ]  # fmt: skip
-        routing = [mlp.top_k, int(mlp.norm_topk_prob)]
-    else:  # dense: top_k 0
-        mlp_weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
-        routing = [0, 0]
-    if layer.is_full_attention:
-        a = layer.self_attn
-        tensors += [a.o_proj.weight, *mlp_weights, a.q_proj.weight, a.k_proj.weight,
-                    a.v_proj.weight, a.q_norm.weight, a.k_norm.weight]  # fmt: skip
-        ints = [1, a.attn_layer_id, a.num_heads]
-        mixer_floats = [float(a.q_norm.eps), float(a.scale)]
-    else:
-        g = layer.linear_attn
-        conv = g.conv1d.weight.squeeze(1).contiguous()  # [D, W]
-        tensors += [g.out_proj.weight, *mlp_weights, g.in_proj_qkvz.weight, g.in_proj_ba.weight,
-                    conv, g.A_log, g.dt_bias, g.norm.weight]  # fmt: skip
-        ints = [0, g.linear_layer_id, g.num_k_heads]
-        mixer_floats = [float(g.norm.eps), 0.0]
-    ints += routing
-    return tensors, ints, [norm.eps, post.eps, *mixer_floats]
-
-
 class CpuDecodePlan:
     """`plan(batch)` == `model.forward(batch)` for a decode batch of at most MAX_ROWS rows
-    (bit for bit, pools updated alike). It holds the model's parameter tensors
-    themselves: weights changed in place are seen, replaced parameters are not. `for_mtp`
-    builds the same over the MTP head's layer (`rows`, its drafts' passes)."""
+    (bit for bit, pools updated alike), for a model `refusal` accepts. It holds the model's
+    parameter tensors themselves: weights changed in place are seen, replaced parameters are
+    not. `for_mtp` builds the same over a Qwen3-Next MTP head's layer (`rows`, its drafts'
+    passes). Batches of more rows than `rows` (Granite's routed experts beyond their C++ op's
+    rows) run the eager model."""
 
-    def __init__(self, model: Qwen3NextForCausalLM, layers=None, norm=None, lm_head=None) -> None:
+    def __init__(self, model: CausalLM, layers=None, norm=None, lm_head=None) -> None:
         self.model = model
-        self.embed = model.model.embed_tokens
-        self.rotary = model.model.rotary
-        tensors, ints, floats = [], [], []
-        for layer in model.model.layers if layers is None else layers:
-            t, i, f = layer_args(layer)
-            tensors += t
-            ints += i
-            floats += f
-        norm = norm or model.model.norm
+        stack = model.model if isinstance(model, Qwen3NextForCausalLM) else None
+        if stack is None:
+            stack = getattr(model, model.stack_name)
+            self.embed, norm = stack.embed, norm or stack.final_norm
+            self.embedding_multiplier, self.rotary_dtype = (
+                stack.embedding_multiplier,
+                stack.rotary_dtype,
+            )
+        else:
+            self.embed, norm = stack.embed_tokens, norm or stack.norm
+            self.embedding_multiplier, self.rotary_dtype = 1.0, None
+        self.rotary = stack.rotary
+        blocks = BLOCKS[type(model)](model, stack.layers if layers is None else layers)
+        self.verifies = isinstance(model, Qwen3NextForCausalLM)
+        self.rows = MAX_ROWS
+        for module in model.modules():
+            if isinstance(module, GraniteMoeHybridMoE):  # the routed experts' C++ op's rows
+                self.rows = min(self.rows, ROUTED_MAX_ROWS // module.top_k)
         head = lm_head if lm_head is not None else model.lm_head.weight
-        self.step = torch.classes.hybrid_serve.DecodeStep(
-            tensors, ints, floats, norm.weight, norm.eps, head, model.ops.bf16_products
-        )
+        self.step = torch.classes.hybrid_serve.BlockStep(
+            blocks.tensors, blocks.ints, blocks.floats, norm.weight, norm.eps, head,
+            model.ops.bf16_products,
+        )  # fmt: skip
 
     @classmethod
     def for_mtp(cls, model: Qwen3NextForCausalLM) -> CpuDecodePlan:
@@ -193,17 +383,33 @@ class CpuDecodePlan:
 
     @classmethod
     def build(
-        cls, model: Qwen3NextForCausalLM | NemotronHForCausalLM, kv_pool, mamba_pool,
-        req_to_token: torch.Tensor,
-    ) -> CpuDecodePlan | NemotronHDecodePlan | None:  # fmt: skip
-        """The plan of `model`'s family over these pools (those of every batch it will run), or
-        None where none applies: then the reason and the setting that would let a plan apply
-        are one WARNING per process and reason (`PLAN_LOST`, `slow_paths.warn_once`)."""
+        cls, model: CausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
+    ) -> CpuDecodePlan | None:
+        """The plan of `model` over these pools (those of every batch it will run), or None where
+        none applies: then the reason and the setting that would let a plan apply are one
+        WARNING per process and reason (`PLAN_LOST`, `slow_paths.warn_once`)."""
         found = refusal(model) or pools_refusal(kv_pool, mamba_pool, req_to_token)
         if found is not None:
             warn_once(logger, f"cpu-decode-plan: {found[0]}", PLAN_LOST, *found)
             return None
-        return NemotronHDecodePlan(model) if isinstance(model, NemotronHForCausalLM) else cls(model)
+        return cls(model)
+
+    def _inputs(self, batch: ForwardBatch, x: torch.Tensor | None = None) -> tuple:
+        """The embedded tokens (with the family's multiplier) and the RoPE angles (empty
+        without positions), as the eager stack forms them."""
+        if x is None:
+            x = self.embed(batch.input_ids)  # [B, hidden]
+            if self.embedding_multiplier != 1.0:
+                x = x * self.embedding_multiplier
+        if self.rotary is None:
+            none = x.new_empty(0)
+            return x, none, none
+        cos, sin = self.rotary.cos_sin(batch.positions, self.rotary_dtype or x.dtype)
+        return x, cos.contiguous(), sin.contiguous()
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        multiplier = self.model.logits_multiplier
+        return (logits * multiplier if multiplier != 1.0 else logits).float()
 
     @torch.inference_mode()
     def verify(
@@ -212,11 +418,16 @@ class CpuDecodePlan:
         """(logits, final hidden) of every row of a speculative verify batch
         (`ForwardBatch.mamba_step_slots_cpu`), as `model.final_hidden(batch, every_row=True)`
         and its logits: each row a decode row at its position, the recurrent layers through
-        `gdn_verify`. With `x` (the MTP plan: the head's layer input, `layer_input`), any batch
-        whose rows sit at consecutive positions per request, decode or extend."""
+        `gdn_verify` (Qwen3-Next's layers; the eager model's for the other families). With `x`
+        (the MTP plan: the head's layer input, `layer_input`), any batch whose rows sit at
+        consecutive positions per request, decode or extend."""
+        if not self.verifies:
+            if x is not None:
+                raise ValueError(f"{type(self.model).__name__} has no MTP head to plan")
+            hidden = self.model.final_hidden(batch, every_row=True)
+            return self.model.logits_from_hidden(hidden), hidden
         kv, mamba = batch.kv_pool, batch.mamba_pool
-        x = self.embed(batch.input_ids) if x is None else x
-        cos, sin = (t.contiguous() for t in self.rotary.cos_sin(batch.positions, x.dtype))
+        x, cos, sin = self._inputs(batch, x)
         lens = batch.extend_lens_cpu
         steps = batch.mamba_step_slots_cpu or [[] for _ in lens]
         starts, steps = verify_rows(lens, steps)
@@ -231,81 +442,13 @@ class CpuDecodePlan:
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.num_reqs > self.rows:
+            return self.model(batch)
         kv, mamba = batch.kv_pool, batch.mamba_pool
-        x = self.embed(batch.input_ids)  # [B, hidden]
-        cos, sin = (t.contiguous() for t in self.rotary.cos_sin(batch.positions, x.dtype))
-        return self.step.forward(
+        x, cos, sin = self._inputs(batch)
+        return self._logits(self.step.forward(
             x, cos, sin, kv.k_all, kv.v_all, mamba.conv_state, mamba.ssm_state,
             batch.mamba_slots.long().contiguous(), batch.out_loc.long().contiguous(),
             batch.req_to_token.contiguous(), batch.req_slots.long().contiguous(),
-            batch.seq_lens.long().contiguous(),
-        )  # fmt: skip
-
-
-def block_args(block) -> tuple[list[torch.Tensor], list[int], list[float]]:
-    """One NemotronH block's op arguments as (tensors, ints, floats), in the per-block layout
-    that `NemotronHStep`'s constructor reads (described in kernels/csrc/nemotron_h_step.cpp)."""
-    m = block.mixer
-    tensors, floats = [block.norm.weight], [float(block.norm.eps)]
-    if block.kind == MAMBA:
-        c, bias, norm = m.config, m.conv1d.bias, m.norm
-        tensors += [m.in_proj.weight, m.conv1d.weight.squeeze(1), *([] if bias is None else [bias]),
-                    m.A_log, m.dt_bias, m.D, *([] if norm is None else [norm.weight]),
-                    m.out_proj.weight]  # fmt: skip
-        ints = [0, m.mamba_layer_id, c.n_groups, int(bias is not None), int(norm is not None), 0]
-        floats += [float(c.norm_eps), *(float(t) for t in c.time_step_limit)]
-    elif block.kind == ATTENTION:
-        tensors += [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight, m.o_proj.weight]
-        ints = [1, m.kv_layer, m.num_heads, m.num_kv_heads, 0, 0]
-        floats += [float(m.scale), 0.0, 0.0]
-    elif block.kind == MLP_BLOCK:
-        tensors += [m.up_proj.weight, m.down_proj.weight]
-        ints, floats = [2, 0, 0, 0, 0, 0], floats + [0.0, 0.0, 0.0]
-    else:  # MoE
-        c, shared = m.config, m.shared_experts
-        tensors += [m.gate.weight, m.gate.e_score_correction_bias, m.experts.up_proj,
-                    m.experts.down_proj, shared.up_proj.weight,
-                    shared.down_proj.weight]  # fmt: skip
-        ints = [3, 0, c.num_experts_per_tok, c.n_group, c.topk_group, int(c.norm_topk_prob)]
-        floats += [float(c.routed_scaling_factor), 0.0, 0.0]
-    return tensors, ints, floats
-
-
-class NemotronHDecodePlan:
-    """`plan(batch)` == `model.forward(batch)` for a NemotronH decode batch (bit for bit, pools
-    updated alike), through `hybrid_serve::NemotronHStep`. It holds the model's parameter
-    tensors themselves. A speculative verify batch runs the eager model (`verify`)."""
-
-    def __init__(self, model: NemotronHForCausalLM) -> None:
-        self.model = model
-        self.embed = model.backbone.embeddings
-        tensors, ints, floats = [], [], []
-        for block in model.backbone.layers:
-            t, i, f = block_args(block)
-            tensors += t
-            ints += i
-            floats += f
-        norm = model.backbone.norm_f
-        self.step = torch.classes.hybrid_serve.NemotronHStep(
-            tensors, ints, floats, norm.weight, norm.eps, model.lm_head.weight,
-            model.ops.bf16_products,
-        )  # fmt: skip
-
-    @torch.inference_mode()
-    def verify(
-        self, batch: ForwardBatch, x: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, final hidden) of every row of a verify batch: the eager model's."""
-        if x is not None:
-            raise ValueError("nemotron_h has no MTP head to run a plan over")
-        hidden = self.model.final_hidden(batch, every_row=True)
-        return self.model.logits_from_hidden(hidden), hidden
-
-    @torch.inference_mode()
-    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        kv, mamba = batch.kv_pool, batch.mamba_pool
-        return self.step.forward(
-            self.embed(batch.input_ids), kv.k_all, kv.v_all, mamba.conv_state, mamba.ssm_state,
-            batch.mamba_slots.long().contiguous(), batch.out_loc, batch.req_to_token,
-            batch.req_slots, batch.seq_lens, batch.max_seq_len,
-        )  # fmt: skip
+            batch.seq_lens.long().contiguous(), batch.max_seq_len or 0,
+        ))  # fmt: skip

@@ -16,6 +16,7 @@ from hybrid_serve.models.cpu_decode import MAX_ROWS, CpuDecodePlan
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from tests.families import FAMILY_PRESETS
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
@@ -70,6 +71,41 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
     sizes = [1, 3, PLAN_ROWS, 2, len(PROMPTS), 9, 1, 5]
     assert_steps_alike(plain, planned, slots, first, PROMPTS, sizes)
     assert spy.rows == [1, 3, PLAN_ROWS, 2, 9, 1, 5]  # the 12-row step ran eagerly
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dtype):
+    """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
+    without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid) through the plan: greedy
+    steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's; with bf16 matrices, bf16
+    products forced on, the bf16 route's from 16) give the eager step's logits and pools bit for
+    bit, and the plan ran every one of them."""
+    ckpt = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=5)
+    many = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]  # 24 requests
+    on = KernelSettings(bf16_products="on")
+    eager, slots, first = prefilled(ckpt, dtype, prompts=many, settings=on)
+    fast, slots2, first2 = prefilled(ckpt, dtype, prompts=many, settings=on)
+    assert slots == slots2 and first == first2
+    plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 4, 16])
+    assert plain.plan is None and planned.plan is not None and planned.plan.rows >= 16
+    planned.plan = spy = Counting(planned.plan)
+    assert_steps_alike(plain, planned, slots, first, many, [1, 4, 16, 4])
+    assert spy.rows == [1, 4, 16, 4]
+
+
+def test_granite_batches_beyond_the_routed_experts_op_run_eagerly(tmp_path):
+    """With top-k 8, batches of more than 32 rows route more rows than the routed experts' C++
+    op takes (256), where the eager step switches to the reference: the plan's `rows` stop at
+    32, and a 33-row step (which the C++ step would refuse) still equals the eager step."""
+    cfg = {**preset_config("tiny-granite-4.0-h"), "num_experts_per_tok": 8}
+    ckpt = write_checkpoint(tmp_path / "granite", cfg, seed=6)
+    many = PROMPTS * 3  # 36 requests
+    eager, slots, first = prefilled(ckpt, "float32", prompts=many)
+    fast, _, _ = prefilled(ckpt, "float32", prompts=many)
+    plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 8, 64])
+    assert planned.plan.rows == 32 and planned.plan_rows == 64
+    assert_steps_alike(plain, planned, slots, first, many, [33, 32])
 
 
 def test_plan_follows_the_kernel_choice(ckpt, kernels_mode):
@@ -146,18 +182,26 @@ def test_a_refused_plan_warns_once_with_what_would_let_it_apply(
     assert all("decode batches run the eager step" in t for t in texts)
 
 
-def test_decode_step_checks_its_layout(ckpt):
-    """`DecodeStep` takes the flat lists `CpuDecodePlan` writes; a list of the wrong length is
-    refused when it is built, not read past when it runs."""
-    plan = CpuDecodePlan(load_model(ckpt, dtype="float32"))
-    norm, head = plan.model.model.norm.weight, plan.model.lm_head.weight
-    step = torch.classes.hybrid_serve.DecodeStep
-    with pytest.raises(RuntimeError, match="5 ints and 4 floats per layer"):
-        step([norm], [1, 0, 2, 2], [1e-6] * 4, norm, 1e-6, head, False)
+def test_block_step_checks_its_layout(ckpt):
+    """`BlockStep` takes the flat lists `CpuDecodePlan` writes; lists of the wrong length, kinds
+    it has no layout for (the reserved KDA mixer) and deferred-residual blocks mixed with others
+    are refused when it is built, not read past when it runs."""
+    model = load_model(ckpt, dtype="float32")
+    norm, head = model.model.norm.weight, model.lm_head.weight
+    step = torch.classes.hybrid_serve.BlockStep
+    relu2 = [cpu_decode.PRE, cpu_decode.NO_MIXER, cpu_decode.RELU2]
+    step([norm] * 3, relu2, [1e-6], norm, 1e-6, head, False)  # norm, up, down: the layout
+    with pytest.raises(RuntimeError, match="too few ints"):
+        step([norm] * 3, relu2[:2], [1e-6], norm, 1e-6, head, False)
     with pytest.raises(RuntimeError, match="too few tensors"):
-        step([norm] * 3, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head, False)
-    with pytest.raises(RuntimeError, match="1 tensors left over"):
-        step([norm] * 16, [1, 0, 2, 2, 1], [1e-6] * 4, norm, 1e-6, head, False)
+        step([norm] * 2, relu2, [1e-6], norm, 1e-6, head, False)
+    with pytest.raises(RuntimeError, match="1 tensors, 0 ints and 1 floats left over"):
+        step([norm] * 4, relu2, [1e-6] * 2, norm, 1e-6, head, False)
+    with pytest.raises(RuntimeError, match="mixer kind 6 has no layout yet"):
+        step([norm] * 3, [cpu_decode.PRE, cpu_decode.KDA, 0], [], norm, 1e-6, head, False)
+    deferred = [cpu_decode.DEFERRED, *relu2[1:]]
+    with pytest.raises(RuntimeError, match="deferred-residual blocks mixed with others"):
+        step([norm] * 6, relu2 + deferred, [1e-6] * 2, norm, 1e-6, head, False)
 
 
 @pytest.mark.parametrize("layout", ["moe", "dense"])

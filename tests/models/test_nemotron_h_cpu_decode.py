@@ -1,4 +1,4 @@
-"""NemotronH's CPU decode plan (`models.cpu_decode.NemotronHDecodePlan`): bit for bit the eager
+"""NemotronH's CPU decode plan (`models.cpu_decode.CpuDecodePlan`): bit for bit the eager
 decode step, logits and pools (conv and SSM states, KV), on the tiny preset (every block kind)
 and a variant without the conv bias and with a clamping dt limit; and where it does not apply."""
 
@@ -9,8 +9,7 @@ import torch
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models import cpu_decode
-from hybrid_serve.models.cpu_decode import CpuDecodePlan, NemotronHDecodePlan
-from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.cpu_decode import CpuDecodePlan
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models import plan_harness
@@ -52,7 +51,7 @@ def test_plan_equals_eager_bit_for_bit(request, which):
         assert mixer.conv1d.bias is None and mixer.config.time_step_limit == (0.01, 0.05)
     plain = DecodeGraphRunner(eager, [])  # no sizes: no plan, every batch eager
     planned = DecodeGraphRunner(fast, [1, 2, 4, 8, PLAN_ROWS])
-    assert plain.plan is None and isinstance(planned.plan, NemotronHDecodePlan)
+    assert plain.plan is None and isinstance(planned.plan, CpuDecodePlan)
     assert_steps_alike(plain, planned, slots, first, PROMPTS, [1, 3, PLAN_ROWS, 2, 9, 1])
 
 
@@ -65,19 +64,6 @@ def test_where_the_plan_does_not_apply(ckpt, kernels_mode):
     proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))
     assert cpu_decode.unsupported(model) == "a bias (backbone.layers.0.mixer.out_proj.bias)"
     proj.bias = None
-    assert isinstance(CpuDecodePlan.build(model, *args), NemotronHDecodePlan)
+    assert isinstance(CpuDecodePlan.build(model, *args), CpuDecodePlan)
     kernels_mode("torch", model)
     assert CpuDecodePlan.build(model, *args) is None
-
-
-def test_step_checks_its_layout(ckpt):
-    """`NemotronHStep` refuses flat lists of the wrong length when it is built."""
-    model = load_model(ckpt, dtype="float32")
-    norm, head = model.backbone.norm_f.weight, model.lm_head.weight
-    step = torch.classes.hybrid_serve.NemotronHStep
-    with pytest.raises(RuntimeError, match="6 ints and 4 floats per block"):
-        step([norm], [2, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head, False)
-    with pytest.raises(RuntimeError, match="too few tensors"):
-        step([norm] * 2, [2, 0, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head, False)
-    with pytest.raises(RuntimeError, match="1 tensors left over"):
-        step([norm] * 4, [2, 0, 0, 0, 0, 0], [1e-5] * 4, norm, 1e-5, head, False)

@@ -13,6 +13,7 @@
 #include <optional>
 #include <vector>
 
+#include "decode_ops.h"
 #include "pool_slots.h"
 #include "silu.h"
 #include "simd.h"
@@ -26,6 +27,10 @@ const float* bias_of(const std::optional<at::Tensor>& bias, int64_t D, const cha
               op, ": a contiguous fp32 bias of one value per channel expected");
   return bias->data_ptr<float>();
 }
+
+}  // namespace
+
+namespace hs {
 
 // x [B,D] fp32; conv_state [S,D,W-1] fp32 (in place); weight [D,W] fp32; bias [D] fp32 or none;
 // indices [B] int64. Returns silu(conv + bias) [B,D] (or without silu when silu is false).
@@ -66,6 +71,10 @@ at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
   });
   return out;
 }
+
+}  // namespace hs
+
+namespace {
 
 // Causal conv1d prefill over packed sequences on the conv-state pool, in place. x [T, D] fp32
 // token-major (the channel-first [D, T] input transposed), channels contiguous, rows at any
@@ -179,6 +188,6 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
-  m.impl("conv1d_update_pool", &conv1d_update_pool);
+  m.impl("conv1d_update_pool", &hs::conv1d_update_pool);
   m.impl("conv1d_varlen_pool", &conv1d_varlen_pool);
 }

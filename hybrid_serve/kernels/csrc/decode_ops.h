@@ -1,4 +1,4 @@
-// The decode step's ops as C++ functions, for the step runner (decode_step.cpp) to call without
+// The decode step's ops as C++ functions, for the step runner (block_step.cpp) to call without
 // the dispatcher. Each is also a torch op `hybrid_serve::<name>` with the same arguments; its
 // contract is in the file that defines it and in the Python reference named there.
 #pragma once
@@ -16,6 +16,8 @@ namespace hs {
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Tensor& residual,
                                                const at::Tensor& weight, double eps);
+at::Tensor rmsnorm_gated(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight,
+                         double eps);
 // The CPU linear layer's product by row count, the one place that choice is made (the torch op
 // hybrid_serve::linear, the fused decode ops and the decode step all call `linear`): the
 // weight-streaming GEMV up to kGemvRows rows, the tiled GEMM beyond, prefill included, so a row's
@@ -47,6 +49,13 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool bf16_pro
   }
   return x.size(0) <= kGemvRows ? skinny_linear(x, w) : tiled_linear(x, w);
 }
+// conv_pool.cpp, delta_rule_pool.cpp: the unfused GDN decode's conv update and recurrence
+at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,
+                              const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              const at::Tensor& indices, bool silu);
+at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& g, const at::Tensor& beta, at::Tensor pool,
+                              const at::Tensor& indices, double scale, bool l2norm);
 // gdn_decode.cpp
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
                       const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "delta_rule.h"
+#include "decode_ops.h"
 #include "pool_slots.h"
 #include "simd.h"
 
@@ -30,6 +31,10 @@ inline void load_qk(const float* src, float* dst, int64_t K, bool l2norm, float 
   }
   for (int64_t i = 0; i < K; ++i) dst[i] = src[i] * mult;
 }
+
+}  // namespace
+
+namespace hs {
 
 // q, k [B,T,H,K]; v [B,T,HV,V]; g, beta [B,T,HV] (all fp32); pool [S,HV,K,V] fp32 (in place);
 // indices [B] int64. Returns o [B,T,HV,V] fp32. Per (row, value head), token by token:
@@ -77,6 +82,10 @@ at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k,
   });
   return out;
 }
+
+}  // namespace hs
+
+namespace {
 
 // The same update over a packed batch of whole sequences (prefill): each sequence's tokens in
 // order on its pool state, in place, computed in double precision. q, k [1,T,H,K]; v [1,T,HV,V];
@@ -246,6 +255,6 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
-  m.impl("gdr_recurrent_pool", &gdr_recurrent_pool);
+  m.impl("gdr_recurrent_pool", &hs::gdr_recurrent_pool);
   m.impl("gdr_varlen_pool", &gdr_varlen_pool);
 }

@@ -1,0 +1,645 @@
+// A whole CPU decode step in one call, built from the model's layer list: the class
+// `hybrid_serve::BlockStep` holds a sequence of blocks, each a (norm, mixer kind, MLP kind) with
+// its weights and op arguments (taken once by models/cpu_decode.py), and `forward` runs them with
+// the eager step's own ops, in its order, called from C++: the C++ kernels where the eager step
+// (the C++ kernel set with its fusions) calls them (decode_ops.h: hs::linear, hs::linear_multi,
+// the norms, the fused GDN, Mamba2, gated-attention and MoE decode ops, the unfused conv update
+// and delta rule) and ATen's ops in the sequence of the torch references where it calls those
+// (kernels/rmsnorm.py rms_norm_plain, kernels/attn_step.py apply_rope, kernels/attention.py
+// store_kv and decode_attention, kernels/gdn_step.py gates, kernels/relu2_moe.py relu2_moe,
+// kernels/experts.py fused_experts). So its logits and pool updates are bit-identical to the
+// eager step's (the constructor's `bf16_products` is the kernel set's), without the trips
+// through Python and the dispatcher. A change to one of those references or to a family's layer
+// must be mirrored here: tests/models/test_cpu_decode.py compares the two bit for bit.
+//
+// A block has one or two sublayers, the mixer's and the MLP's (either may be absent: NemotronH's
+// blocks have one), each with its own norm weight, placed by the block's norm kind:
+//
+//   kDeferred (Qwen3-Next):  h, r = add_rmsnorm(pending, r);  pending = sublayer(h)
+//                            (the first block's first norm: rmsnorm(x), r = x)
+//   kPre:                    x = x + sublayer(rms_norm_plain(x))
+//   kPost (OLMo attention):  x = x + rms_norm_plain(sublayer(x))
+//
+//   logits = lm_head(final norm)   (add_rmsnorm(pending, r) after kDeferred blocks, else plain)
+
+#include <ATen/ATen.h>
+#include <ATen/TensorIndexing.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "decode_ops.h"
+
+namespace hs::blocks {
+
+enum Norm : int64_t { kDeferred = 0, kPre = 1, kPost = 2 };
+// kKda, kShortConv and kMla are reserved for the mixers that come later (no layout yet).
+enum MixerKind : int64_t {
+  kNoMixer = 0, kGdn = 1, kMamba2 = 2, kAttention = 3, kGatedAttention = 4, kParallel = 5,
+  kKda = 6, kShortConv = 7, kMla = 8,
+};
+enum MlpKind : int64_t {
+  kNoMlp = 0, kSwiglu = 1, kRelu2 = 2, kSparseMoe = 3, kRelu2Moe = 4, kTopkMoe = 5,
+};
+// The routed experts' C++ op runs up to this many (token, expert) rows (kernels/cpp_ops.py
+// ROUTED_MAX_ROWS; beyond, the eager step runs the reference, so the plan does not).
+constexpr int64_t kRoutedMaxRows = 256;
+
+// The constructor's flat lists, read in order. Per block: ints [norm kind, mixer kind, MLP
+// kind]; then for each sublayer present, mixer first: its norm's weight (tensors) and eps
+// (floats), then its own arguments:
+//
+//   GDN             ints [pool layer, key heads]; floats [norm eps, beta scale];
+//                   tensors [qkvz, ba, conv weight [D, W], A_log, dt_bias, norm, out_proj]
+//                   (beta scale 1: the fused gdn_decode; else kernels/gdn_step.py's composition)
+//   Mamba2          ints [pool layer, groups, has conv bias, has norm, has zxbcdt scale];
+//                   floats [norm eps, dt_min, dt_max, input multiplier, output multiplier];
+//                   tensors [in_proj, conv weight [D, K], conv bias?, A_log, dt_bias, D, norm?,
+//                   out_proj, zxbcdt scale?]
+//   attention       ints [KV layer, heads, KV heads, has q/k norms, rope]; floats [scale, q/k
+//                   norm eps, key multiplier, input multiplier, output multiplier];
+//                   tensors [q, k, v, o, q_norm?, k_norm?]   (GQA; rope: the step's cos/sin)
+//   gated attention ints [KV layer, heads]; floats [q/k norm eps, scale];
+//                   tensors [q with its gate, k, v, q_norm, k_norm, o]   (Qwen3-Next)
+//   parallel        Mamba2's, then attention's (Falcon-H1: their outputs summed)
+//   SwiGLU          ints [fused gate|up]; floats [gate multiplier, output multiplier];
+//                   tensors [gate, up, down] or [gate_up, down]
+//   relu^2 MLP      tensors [up, down]
+//   sparse MoE      ints [top_k, norm_topk_prob]; tensors [router, experts' gate_up and down,
+//                   shared gate, shared gate, up and down]   (Qwen3-Next: moe_decode)
+//   relu^2 MoE      ints [top_k, n_group, topk_group, norm_topk_prob]; floats [routed scaling];
+//                   tensors [router, its correction bias, experts' up [E, I, H] and down
+//                   [E, H, I], shared up and down]   (NemotronH)
+//   top-k MoE       ints [top_k]; floats [output multiplier]; tensors [router, experts'
+//                   gate_up and down, shared gate_up and down]   (Granite-4.0-H: the softmax of
+//                   the top-k logits, plus the shared SwiGLU)
+struct Reader {
+  const std::vector<at::Tensor>& tensors;
+  const std::vector<int64_t>& ints;
+  const std::vector<double>& floats;
+  size_t t = 0, i = 0, f = 0;
+
+  at::Tensor tensor() {
+    TORCH_CHECK(t < tensors.size(), "BlockStep: too few tensors");
+    return tensors[t++];
+  }
+  std::optional<at::Tensor> maybe(bool present) {
+    return present ? std::optional<at::Tensor>(tensor()) : std::nullopt;
+  }
+  std::vector<at::Tensor> take(int n) {
+    std::vector<at::Tensor> out;
+    for (int j = 0; j < n; ++j) out.push_back(tensor());
+    return out;
+  }
+  int64_t integer() {
+    TORCH_CHECK(i < ints.size(), "BlockStep: too few ints");
+    return ints[i++];
+  }
+  double real() {
+    TORCH_CHECK(f < floats.size(), "BlockStep: too few floats");
+    return floats[f++];
+  }
+  void done() const {
+    TORCH_CHECK(t == tensors.size() && i == ints.size() && f == floats.size(), "BlockStep: ",
+                tensors.size() - t, " tensors, ", ints.size() - i, " ints and ",
+                floats.size() - f, " floats left over");
+  }
+};
+
+struct Gdn {
+  int64_t layer, key_heads;
+  double eps, beta_scale;
+  std::vector<at::Tensor> w;  // qkvz, ba, conv weight, A_log, dt_bias, norm, out_proj
+};
+
+struct Mamba2 {
+  int64_t layer, groups;
+  double eps, dt_min, dt_max, in_mult, out_mult;
+  at::Tensor in_proj, conv_weight, A_log, dt_bias, D, out_proj;
+  std::optional<at::Tensor> conv_bias, norm, scale;
+};
+
+struct Attention {
+  int64_t layer, heads, kv_heads;
+  bool rope;
+  double scale, qk_eps, key_mult, in_mult, out_mult;
+  std::vector<at::Tensor> w;  // q, k, v, o
+  at::Tensor q_norm, k_norm;  // undefined: no q/k norms
+};
+
+struct GatedAttention {
+  int64_t layer, heads;
+  double eps, scale;
+  std::vector<at::Tensor> w;  // q with its gate, k, v, q_norm, k_norm, o
+};
+
+struct Mlp {
+  int64_t kind = kNoMlp, top_k = 0, n_group = 0, topk_group = 0;
+  bool flag = false;  // SwiGLU: fused gate|up; the MoEs: norm_topk_prob
+  double gate_mult = 1.0, out_mult = 1.0;  // relu^2 MoE: out_mult is the routed scaling
+  std::vector<at::Tensor> w;
+};
+
+struct Block {
+  int64_t norm_kind, mixer_kind;
+  at::Tensor mixer_norm, mlp_norm;
+  double mixer_eps = 0.0, mlp_eps = 0.0;
+  std::optional<Gdn> gdn;
+  std::optional<Mamba2> mamba;
+  std::optional<Attention> attn;
+  std::optional<GatedAttention> gated;
+  Mlp mlp;
+};
+
+Gdn read_gdn(Reader& r) {
+  Gdn g;
+  g.layer = r.integer();
+  g.key_heads = r.integer();
+  g.eps = r.real();
+  g.beta_scale = r.real();
+  g.w = r.take(7);
+  return g;
+}
+
+Mamba2 read_mamba(Reader& r) {
+  Mamba2 m;
+  m.layer = r.integer();
+  m.groups = r.integer();
+  const bool bias = r.integer() != 0, norm = r.integer() != 0, scale = r.integer() != 0;
+  m.eps = r.real();
+  m.dt_min = r.real();
+  m.dt_max = r.real();
+  m.in_mult = r.real();
+  m.out_mult = r.real();
+  m.in_proj = r.tensor();
+  m.conv_weight = r.tensor();
+  m.conv_bias = r.maybe(bias);
+  m.A_log = r.tensor();
+  m.dt_bias = r.tensor();
+  m.D = r.tensor();
+  m.norm = r.maybe(norm);
+  m.out_proj = r.tensor();
+  m.scale = r.maybe(scale);
+  return m;
+}
+
+Attention read_attention(Reader& r) {
+  Attention a;
+  a.layer = r.integer();
+  a.heads = r.integer();
+  a.kv_heads = r.integer();
+  const bool qk_norm = r.integer() != 0;
+  a.rope = r.integer() != 0;
+  a.scale = r.real();
+  a.qk_eps = r.real();
+  a.key_mult = r.real();
+  a.in_mult = r.real();
+  a.out_mult = r.real();
+  a.w = r.take(4);
+  if (qk_norm) {
+    a.q_norm = r.tensor();
+    a.k_norm = r.tensor();
+  }
+  return a;
+}
+
+Mlp read_mlp(Reader& r, int64_t kind) {
+  Mlp m;
+  m.kind = kind;
+  if (kind == kSwiglu) {
+    m.flag = r.integer() != 0;
+    m.gate_mult = r.real();
+    m.out_mult = r.real();
+    m.w = r.take(m.flag ? 2 : 3);
+  } else if (kind == kRelu2) {
+    m.w = r.take(2);
+  } else if (kind == kSparseMoe) {
+    m.top_k = r.integer();
+    m.flag = r.integer() != 0;
+    m.w = r.take(7);
+  } else if (kind == kRelu2Moe) {
+    m.top_k = r.integer();
+    m.n_group = r.integer();
+    m.topk_group = r.integer();
+    m.flag = r.integer() != 0;
+    m.out_mult = r.real();
+    m.w = r.take(6);
+  } else {
+    TORCH_CHECK(kind == kTopkMoe, "BlockStep: MLP kind ", kind);
+    m.top_k = r.integer();
+    m.out_mult = r.real();
+    m.w = r.take(5);
+  }
+  return m;
+}
+
+// x * multiplier, as the families' `scaled` (no op at 1)
+at::Tensor scaled(const at::Tensor& x, double multiplier) {
+  return multiplier == 1.0 ? x : x * multiplier;
+}
+
+// kernels/rmsnorm.py rms_norm_plain
+at::Tensor rms_norm_plain(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(at::IntArrayRef{-1}, /*keepdim=*/true) + eps);
+  return (weight.to(at::kFloat) * xf).to(x.scalar_type());
+}
+
+// kernels/attn_step.py apply_rope: x [T, heads, D], cos/sin [T, rot]
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rot = cos.size(-1), D = x.size(-1);
+  const at::Tensor x_rot = x.narrow(-1, 0, rot), x_pass = x.narrow(-1, rot, D - rot);
+  const at::Tensor x1 = x_rot.narrow(-1, 0, rot / 2), x2 = x_rot.narrow(-1, rot / 2, rot - rot / 2);
+  const at::Tensor rotated = at::cat({-x2, x1}, -1);
+  return at::cat({x_rot * cos.unsqueeze(1) + rotated * sin.unsqueeze(1), x_pass}, -1);
+}
+
+// kernels/relu2_moe.py relu2
+at::Tensor relu2(const at::Tensor& x) { return at::relu(x).square(); }
+
+// kernels/relu2_moe.py route: (weights [T, k] fp32, ids [T, k])
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const Mlp& m) {
+  const at::Tensor &router = m.w[0], &bias = m.w[1];
+  const int64_t T = x.size(0), E = router.size(0), n_group = m.n_group;
+  const at::Tensor scores = at::matmul(x.to(at::kFloat), router.to(at::kFloat).t()).sigmoid();
+  const at::Tensor choice = scores + bias.to(at::kFloat);
+  const at::Tensor per_group = choice.view({T, n_group, E / n_group});
+  const at::Tensor group_rank =
+      std::get<0>(per_group.topk(std::min<int64_t>(2, E / n_group), -1)).sum(at::IntArrayRef{-1});
+  const at::Tensor best = std::get<1>(group_rank.topk(m.topk_group, -1, true, /*sorted=*/false));
+  at::Tensor allowed = at::zeros_like(group_rank, group_rank.options().dtype(at::kBool));
+  allowed = allowed.scatter_(1, best, true);
+  allowed = allowed.unsqueeze(-1).expand({T, n_group, E / n_group}).reshape({T, E});
+  const double inf = std::numeric_limits<double>::infinity();
+  const at::Tensor ids = std::get<1>(choice.masked_fill(allowed.bitwise_not(), -inf)
+                                         .topk(m.top_k, -1, true, /*sorted=*/false));
+  at::Tensor weights = scores.gather(1, ids);
+  if (m.flag) weights = weights / (weights.sum(at::IntArrayRef{-1}, /*keepdim=*/true) + 1e-20);
+  return {weights * m.out_mult, ids};
+}
+
+// kernels/relu2_moe.py relu2_experts and relu2_moe
+at::Tensor relu2_moe(const at::Tensor& x, const Mlp& m, bool bf16) {
+  const auto [topk_w, topk_ids] = route(x, m);
+  const at::Tensor &up = m.w[2], &down = m.w[3];
+  at::Tensor out = at::zeros({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
+  const at::Tensor flat = topk_ids.flatten();
+  const at::Tensor order = at::argsort(flat, /*stable=*/true, -1, false);
+  const at::Tensor counts = at::bincount(flat, {}, up.size(0)).contiguous();
+  const at::Tensor token_of = at::floor_divide(order, topk_ids.size(1));
+  const at::Tensor weight_of = topk_w.flatten().index({order});
+  const int64_t* count = counts.data_ptr<int64_t>();
+  int64_t start = 0;
+  for (int64_t e = 0; e < up.size(0); ++e) {
+    const int64_t n = count[e];
+    if (n == 0) continue;
+    const at::Tensor rows = token_of.slice(0, start, start + n);
+    const at::Tensor y =
+        hs::linear(relu2(hs::linear(x.index({rows}), up[e], bf16)), down[e], bf16);
+    out.index_add_(0, rows, y.to(at::kFloat) * weight_of.slice(0, start, start + n).unsqueeze(1));
+    start += n;
+  }
+  return out.to(x.scalar_type()) + hs::linear(relu2(hs::linear(x, m.w[4], bf16)), m.w[5], bf16);
+}
+
+// models/layers.py MLP, models/bamba.py BambaMLP and models/granite_moe_hybrid.py's shared MLP:
+// down(silu(gate(x) * gate_mult) * up(x)) * out_mult. Separate gate and up matrices take one
+// linear_multi (each of its products is the one hs::linear picks, so the sums are the eager
+// step's two calls'); a fused [gate | up] matrix one product, chunked.
+at::Tensor swiglu(const at::Tensor& h, const Mlp& m, bool bf16) {
+  at::Tensor gate, up;
+  if (m.flag) {
+    const std::vector<at::Tensor> parts = hs::linear(h, m.w[0], bf16).chunk(2, -1);
+    gate = parts[0];
+    up = parts[1];
+  } else {
+    const std::vector<at::Tensor> gate_up = hs::linear_multi(h, {m.w[0], m.w[1]}, bf16);
+    gate = gate_up[0];
+    up = gate_up[1];
+  }
+  const at::Tensor act = at::silu(scaled(gate, m.gate_mult)).mul_(up);
+  return scaled(hs::linear(act, m.w.back(), bf16), m.out_mult);
+}
+
+// models/granite_moe_hybrid.py GraniteMoeHybridMoE (the router's top-k logits' softmax over
+// kernels/experts.py fused_experts, its rows through the routed experts' C++ op) plus the shared
+// SwiGLU, times the residual multiplier
+at::Tensor topk_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
+  const at::Tensor logits = hs::linear(h, m.w[0], bf16);
+  const auto [top_logits, top_ids] = logits.topk(m.top_k, -1);
+  const at::Tensor weights = at::softmax(top_logits, -1);
+  const at::Tensor flat = top_ids.flatten();
+  const at::Tensor order = at::argsort(flat, /*stable=*/true, -1, false);
+  const at::Tensor counts = at::bincount(flat, {}, m.w[1].size(0)).contiguous();
+  const at::Tensor token_of = at::floor_divide(order, top_ids.size(1));
+  const at::Tensor xs = h.index({token_of}).contiguous();
+  TORCH_CHECK(xs.size(0) <= kRoutedMaxRows, "BlockStep: ", xs.size(0),
+              " routed rows, beyond the routed experts' op");
+  at::Tensor ys = at::empty({xs.size(0), xs.size(1)}, xs.options());
+  const int64_t* count = counts.data_ptr<int64_t>();
+  hs::routed_experts_into(xs.data_ptr<float>(), m.w[1], m.w[2],
+                          std::vector<int64_t>(count, count + counts.numel()),
+                          ys.data_ptr<float>());
+  ys = ys * weights.flatten().index({order}).unsqueeze(1);
+  const at::Tensor moe = at::zeros_like(h).index_add_(0, token_of, ys);
+  Mlp shared;
+  shared.flag = true;
+  shared.w = {m.w[3], m.w[4]};
+  return scaled(moe + swiglu(h, shared, bf16), m.out_mult);
+}
+
+at::Tensor mlp(const at::Tensor& h, const Mlp& m, bool bf16) {
+  switch (m.kind) {
+    case kSwiglu: return swiglu(h, m, bf16);
+    case kRelu2: return hs::linear(relu2(hs::linear(h, m.w[0], bf16)), m.w[1], bf16);
+    case kSparseMoe:
+      return hs::moe_decode(h, m.w[0], m.w[1], m.w[2], m.w[3], m.w[4], m.w[5], m.w[6], m.top_k,
+                            m.flag, bf16);
+    case kRelu2Moe: return relu2_moe(h, m, bf16);
+    default: return topk_moe(h, m, bf16);
+  }
+}
+
+// kernels/attention.py decode_attention over seq_lens' keys (the first `L` columns of each
+// request's row of req_to_token)
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                            const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                            const at::Tensor& req_slots, const at::Tensor& seq_lens, double scale,
+                            int64_t L) {
+  using at::indexing::None, at::indexing::Slice;
+  const int64_t B = q.size(0), nH = q.size(1), D = q.size(2), nKV = k_buffer.size(1);
+  const at::Tensor locs = req_to_token.index({req_slots, Slice(None, L)}).to(at::kLong);
+  const at::Tensor valid =
+      at::arange(L, seq_lens.options().dtype(at::kLong)).unsqueeze(0) < seq_lens.unsqueeze(1);
+  const at::Tensor k = k_buffer.index({locs}).to(q.scalar_type()).permute({0, 2, 1, 3});
+  const at::Tensor v = v_buffer.index({locs}).to(q.scalar_type()).permute({0, 2, 1, 3});
+  const at::Tensor qg = q.reshape({B, nKV, nH / nKV, D});
+  at::Tensor scores = at::matmul(qg, k.transpose(-1, -2)).to(at::kFloat) * scale;
+  scores = scores.masked_fill(valid.index({Slice(), None, None, Slice()}).bitwise_not(),
+                              -std::numeric_limits<double>::infinity());
+  const at::Tensor probs = scores.softmax(-1).to(q.scalar_type());
+  return at::matmul(probs, v).reshape({B, nH, D});
+}
+
+// What the mixers read besides their own weights: the batch and the pools.
+struct Batch {
+  at::Tensor cos, sin, k_all, v_all, conv_state, ssm_state, slots, starts, steps, out_loc,
+      req_to_token, req_slots, seq_lens;
+  int64_t max_seq_len;  // 0: the largest seq_len
+  bool bf16;
+};
+
+// models/gqa_attention.py Attention: projections, q/k norms, key multiplier, rope, store_kv at
+// out_loc, decode_attention, o_proj; with the families' input and output multipliers
+at::Tensor attention(const at::Tensor& x, const Attention& a, const Batch& b) {
+  const at::Tensor h = scaled(x, a.in_mult);
+  const int64_t T = h.size(0);
+  const std::vector<at::Tensor> qkv = hs::linear_multi(h, {a.w[0], a.w[1], a.w[2]}, b.bf16);
+  at::Tensor q = qkv[0], k = qkv[1];
+  if (a.q_norm.defined()) {
+    q = rms_norm_plain(q, a.q_norm, a.qk_eps);
+    k = rms_norm_plain(k, a.k_norm, a.qk_eps);
+  }
+  const int64_t hd = q.size(1) / a.heads;
+  q = q.view({T, a.heads, hd});
+  k = k.view({T, a.kv_heads, hd});
+  const at::Tensor v = qkv[2].view({T, a.kv_heads, hd});
+  k = scaled(k, a.key_mult);
+  if (a.rope) {
+    q = apply_rope(q, b.cos, b.sin);
+    k = apply_rope(k, b.cos, b.sin);
+  }
+  const at::Tensor k_buf = b.k_all.select(0, a.layer), v_buf = b.v_all.select(0, a.layer);
+  const at::Tensor loc = b.out_loc.to(at::kLong);
+  k_buf.index_copy_(0, loc, k.to(k_buf.scalar_type()));
+  v_buf.index_copy_(0, loc, v.to(v_buf.scalar_type()));
+  const int64_t L = b.max_seq_len > 0 ? b.max_seq_len : b.seq_lens.max().item<int64_t>();
+  const at::Tensor o =
+      decode_attention(q, k_buf, v_buf, b.req_to_token, b.req_slots, b.seq_lens, a.scale, L);
+  return scaled(hs::linear(o.reshape({T, -1}), a.w[3], b.bf16), a.out_mult);
+}
+
+// models/mamba2_mixer.py Mamba2Mixer's decode: the input multiplier, in_proj, the segments'
+// multipliers, mamba2_decode, out_proj; then the family's output multiplier
+at::Tensor mamba2(const at::Tensor& x, const Mamba2& m, const Batch& b) {
+  at::Tensor zxbcdt = hs::linear(scaled(x, m.in_mult), m.in_proj, b.bf16);
+  if (m.scale.has_value()) zxbcdt = zxbcdt * *m.scale;
+  const at::Tensor y = hs::mamba2_decode(
+      zxbcdt, b.conv_state.select(0, m.layer), m.conv_weight, m.conv_bias,
+      b.ssm_state.select(0, m.layer), m.A_log, m.dt_bias, m.D, m.norm, b.slots, m.groups, m.eps,
+      m.dt_min, m.dt_max);
+  return scaled(hs::linear(y, m.out_proj, b.bf16), m.out_mult);
+}
+
+// kernels/gdn_step.py gdn_decode with a beta scale (OLMo-Hybrid): the C++ conv update, the gates
+// in ATen, the C++ delta rule and gated norm, as the eager step composes them
+at::Tensor gdn_composed(const at::Tensor& qkvz, const at::Tensor& ba, const Gdn& g,
+                        const Batch& b) {
+  const at::Tensor conv = b.conv_state.select(0, g.layer), ssm = b.ssm_state.select(0, g.layer);
+  const int64_t T = qkvz.size(0), HV = ssm.size(1), dk = ssm.size(2), dv = ssm.size(3);
+  const int64_t key_dim = g.key_heads * dk, value_dim = HV * dv;
+  const std::vector<at::Tensor> qkv_z = qkvz.split({2 * key_dim + value_dim, value_dim}, -1);
+  const std::vector<at::Tensor> b_a = ba.split({HV, HV}, -1);
+  const at::Tensor slots = b.slots.to(at::kLong).contiguous();
+  const at::Tensor mixed = hs::conv1d_update_pool(qkv_z[0].contiguous(), conv,
+                                                  g.w[2].contiguous(), std::nullopt, slots, true);
+  const std::vector<at::Tensor> qkv = mixed.split({key_dim, key_dim, value_dim}, -1);
+  const at::Tensor q = qkv[0].reshape({T, 1, g.key_heads, dk});
+  const at::Tensor k = qkv[1].reshape({T, 1, g.key_heads, dk});
+  const at::Tensor v = qkv[2].reshape({T, 1, HV, dv});
+  at::Tensor beta = b_a[0].sigmoid();
+  if (g.beta_scale != 1.0) beta = beta * g.beta_scale;
+  const at::Tensor gate =
+      -g.w[3].to(at::kFloat).exp() * at::softplus(b_a[1].to(at::kFloat) + g.w[4]);
+  const at::Tensor core = hs::gdr_recurrent_pool(
+      q.contiguous(), k.contiguous(), v.contiguous(), gate.unsqueeze(1).contiguous(),
+      beta.unsqueeze(1).contiguous(), ssm, slots, std::pow(static_cast<double>(dk), -0.5), true);
+  const at::Tensor normed = hs::rmsnorm_gated(core.reshape({T * HV, dv}).contiguous(),
+                                              qkv_z[1].reshape({T * HV, dv}).contiguous(),
+                                              g.w[5], g.eps);
+  return normed.reshape({T, value_dim});
+}
+
+at::Tensor gdn(const at::Tensor& h, const Gdn& g, const Batch& b) {
+  const std::vector<at::Tensor> p = hs::linear_multi(h, {g.w[0], g.w[1]}, b.bf16);
+  const at::Tensor conv = b.conv_state.select(0, g.layer), ssm = b.ssm_state.select(0, g.layer);
+  at::Tensor y;
+  if (b.starts.defined()) {
+    TORCH_CHECK(g.beta_scale == 1.0, "BlockStep.verify: a GDN with a beta scale");
+    y = hs::gdn_verify(p[0], p[1], conv, g.w[2], ssm, g.w[3], g.w[4], g.w[5], b.slots, b.starts,
+                       b.steps, g.key_heads, g.eps);
+  } else if (g.beta_scale == 1.0) {
+    y = hs::gdn_decode(p[0], p[1], conv, g.w[2], ssm, g.w[3], g.w[4], g.w[5], b.slots,
+                       g.key_heads, g.eps);
+  } else {
+    y = gdn_composed(p[0], p[1], g, b);
+  }
+  return hs::linear(y, g.w[6], b.bf16);
+}
+
+// models/attention.py GatedAttention's decode (attn_decode)
+at::Tensor gated_attention(const at::Tensor& h, const GatedAttention& a, const Batch& b) {
+  const std::vector<at::Tensor> p = hs::linear_multi(h, {a.w[0], a.w[1], a.w[2]}, b.bf16);
+  const at::Tensor o = hs::attn_decode(
+      p[0], p[1], p[2], a.w[3], a.w[4], b.cos, b.sin, b.k_all.select(0, a.layer),
+      b.v_all.select(0, a.layer), b.out_loc, b.req_to_token, b.req_slots, b.seq_lens, a.heads,
+      a.scale, a.eps);
+  return hs::linear(o, a.w[5], b.bf16);
+}
+
+at::Tensor mixer(const at::Tensor& h, const Block& l, const Batch& b) {
+  switch (l.mixer_kind) {
+    case kGdn: return gdn(h, *l.gdn, b);
+    case kMamba2: return mamba2(h, *l.mamba, b);
+    case kAttention: return attention(h, *l.attn, b);
+    case kGatedAttention: return gated_attention(h, *l.gated, b);
+    default: {  // kParallel: Mamba2 first, as the eager layer
+      const at::Tensor ssm = mamba2(h, *l.mamba, b);
+      return ssm + attention(h, *l.attn, b);
+    }
+  }
+}
+
+struct BlockStep : torch::CustomClassHolder {
+  std::vector<Block> blocks;
+  at::Tensor final_norm, lm_head;
+  double final_eps;
+  bool deferred = false;  // the blocks' norm kind is kDeferred
+  bool bf16_products;     // hs::linear's bf16 products at batch (decode_ops.h)
+
+  BlockStep(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
+            std::vector<double> floats, at::Tensor final_norm_, double final_eps_,
+            at::Tensor lm_head_, bool bf16_products_)
+      : final_norm(std::move(final_norm_)),
+        lm_head(std::move(lm_head_)),
+        final_eps(final_eps_),
+        bf16_products(bf16_products_) {
+    Reader r{tensors, ints, floats};
+    while (r.i < ints.size()) {
+      Block l;
+      l.norm_kind = r.integer();
+      l.mixer_kind = r.integer();
+      const int64_t mlp_kind = r.integer();
+      TORCH_CHECK(l.norm_kind >= kDeferred && l.norm_kind <= kPost, "BlockStep: norm kind ",
+                  l.norm_kind);
+      TORCH_CHECK(l.mixer_kind >= kNoMixer && l.mixer_kind <= kParallel,
+                  "BlockStep: mixer kind ", l.mixer_kind, " has no layout yet");
+      TORCH_CHECK(mlp_kind >= kNoMlp && mlp_kind <= kTopkMoe, "BlockStep: MLP kind ", mlp_kind);
+      TORCH_CHECK(l.mixer_kind != kNoMixer || mlp_kind != kNoMlp, "BlockStep: an empty block");
+      TORCH_CHECK(blocks.empty() || deferred == (l.norm_kind == kDeferred),
+                  "BlockStep: deferred-residual blocks mixed with others");
+      deferred = l.norm_kind == kDeferred;
+      if (l.mixer_kind != kNoMixer) {
+        l.mixer_norm = r.tensor();
+        l.mixer_eps = r.real();
+        if (l.mixer_kind == kGdn) l.gdn = read_gdn(r);
+        if (l.mixer_kind == kMamba2 || l.mixer_kind == kParallel) l.mamba = read_mamba(r);
+        if (l.mixer_kind == kAttention || l.mixer_kind == kParallel) l.attn = read_attention(r);
+        if (l.mixer_kind == kGatedAttention) {
+          GatedAttention a;
+          a.layer = r.integer();
+          a.heads = r.integer();
+          a.eps = r.real();
+          a.scale = r.real();
+          a.w = r.take(6);
+          l.gated = std::move(a);
+        }
+      }
+      if (mlp_kind != kNoMlp) {
+        l.mlp_norm = r.tensor();
+        l.mlp_eps = r.real();
+        l.mlp = read_mlp(r, mlp_kind);
+      }
+      blocks.push_back(std::move(l));
+    }
+    r.done();
+  }
+
+  // x [B, hidden] the embedded tokens; cos, sin [B, rot] (empty without positions); the pools
+  // as the model's (k_all, v_all [attention layers, locs, kv heads, head dim]; conv_state,
+  // ssm_state [recurrent layers, slots, ...]), updated in place; slots, out_loc, req_slots,
+  // seq_lens [B] int64; req_to_token [rows, context]; max_seq_len the batch's (0: the largest
+  // seq_len). Returns the logits [B, vocab].
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_all,
+                     at::Tensor v_all, at::Tensor conv_state, at::Tensor ssm_state,
+                     at::Tensor slots, at::Tensor out_loc, at::Tensor req_to_token,
+                     at::Tensor req_slots, at::Tensor seq_lens, int64_t max_seq_len) {
+    const Batch b{cos, sin, k_all, v_all, conv_state, ssm_state, slots, {}, {}, out_loc,
+                  req_to_token, req_slots, seq_lens, max_seq_len, bf16_products};
+    return hs::linear(run(x, b), lm_head, bf16_products);
+  }
+
+  // Speculative verify (blocks of GDN without a beta scale and gated attention only): the B
+  // rows are N requests' few tokens each, request n's rows [starts[n], starts[n+1]) at
+  // consecutive positions (their seq_lens), its state in slots[n] [N] stepped through them in
+  // order, the state after each row but its last kept in steps[n] (gdn_verify); attention sees
+  // each row's earlier rows (attn_decode writes every row's K/V first). Returns (logits
+  // [B, vocab], final normed hidden [B, hidden]).
+  std::tuple<at::Tensor, at::Tensor> verify(
+      at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_all, at::Tensor v_all,
+      at::Tensor conv_state, at::Tensor ssm_state, at::Tensor slots, at::Tensor starts,
+      at::Tensor steps, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor req_slots,
+      at::Tensor seq_lens) {
+    TORCH_CHECK(starts.defined() && steps.defined(), "BlockStep.verify: starts and steps");
+    for (const Block& l : blocks) {
+      TORCH_CHECK(l.mixer_kind == kGdn || l.mixer_kind == kGatedAttention,
+                  "BlockStep.verify: GDN and gated attention blocks only");
+    }
+    const Batch b{cos, sin, k_all, v_all, conv_state, ssm_state, slots, starts, steps, out_loc,
+                  req_to_token, req_slots, seq_lens, 0, bf16_products};
+    const at::Tensor h = run(x, b);
+    return {hs::linear(h, lm_head, bf16_products), h};
+  }
+
+ private:
+  // The blocks and the final norm: the normed hidden states [B, hidden].
+  at::Tensor run(at::Tensor x, const Batch& b) const {
+    at::Tensor residual;  // kDeferred: the stream before the pending output x
+    for (const Block& l : blocks) {
+      const bool has_mixer = l.mixer_kind != kNoMixer, has_mlp = l.mlp.kind != kNoMlp;
+      if (l.norm_kind == kDeferred) {
+        for (int part = 0; part < 2; ++part) {
+          if (part == 0 ? !has_mixer : !has_mlp) continue;
+          const at::Tensor& w = part == 0 ? l.mixer_norm : l.mlp_norm;
+          const double eps = part == 0 ? l.mixer_eps : l.mlp_eps;
+          at::Tensor h;
+          if (!residual.defined()) {
+            h = hs::rmsnorm(x, w, eps);
+            residual = x;
+          } else {
+            std::tie(h, residual) = hs::add_rmsnorm(x, residual, w, eps);
+          }
+          x = part == 0 ? mixer(h, l, b) : mlp(h, l.mlp, bf16_products);
+        }
+      } else if (l.norm_kind == kPre) {
+        if (has_mixer) x = x + mixer(rms_norm_plain(x, l.mixer_norm, l.mixer_eps), l, b);
+        if (has_mlp) x = x + mlp(rms_norm_plain(x, l.mlp_norm, l.mlp_eps), l.mlp, bf16_products);
+      } else {
+        if (has_mixer) x = x + rms_norm_plain(mixer(x, l, b), l.mixer_norm, l.mixer_eps);
+        if (has_mlp) x = x + rms_norm_plain(mlp(x, l.mlp, bf16_products), l.mlp_norm, l.mlp_eps);
+      }
+    }
+    if (!deferred) return rms_norm_plain(x, final_norm, final_eps);
+    return residual.defined() ? std::get<0>(hs::add_rmsnorm(x, residual, final_norm, final_eps))
+                              : hs::rmsnorm(x, final_norm, final_eps);
+  }
+};
+
+}  // namespace hs::blocks
+
+TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
+  using hs::blocks::BlockStep;
+  m.class_<BlockStep>("BlockStep")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>,
+                       at::Tensor, double, at::Tensor, bool>())
+      .def("forward", &BlockStep::forward)
+      .def("verify", &BlockStep::verify);
+}
