@@ -68,4 +68,11 @@ void probe_delta_pass(double* s, const double* k, const double* q, const double*
   hs::delta_rule_pass(s, k, q, k_next, v, decay, beta, dk, a, o);
 }
 
+// The same pass with a per-channel gate: decay, next_decay [dk] (see delta_rule.h).
+void probe_delta_pass_channels(double* s, const double* k, const double* q, const double* k_next,
+                               const double* v, const double* decay, const double* next_decay,
+                               double beta, int64_t dk, double* a, double* o) {
+  hs::delta_rule_pass_channels(s, k, q, k_next, v, decay, next_decay, beta, dk, a, o);
+}
+
 }  // extern "C"
