@@ -107,6 +107,9 @@ def probes(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         lib.probe_delta_pass_channels.argtypes = [ctypes.c_void_p] * 7 + [
             ctypes.c_double, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip
+        lib.probe_delta_token_channels.argtypes = [ctypes.c_void_p] * 5 + [
+            ctypes.c_float, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 3,
+        ]  # fmt: skip
         out[name] = lib
     return out
 
@@ -254,6 +257,37 @@ def test_the_per_channel_delta_rule_pass_is_the_same_at_every_vector_level(probe
     for t, want in zip(got, delta_channels_want(*inputs), strict=True):
         torch.testing.assert_close(t, want, rtol=1e-12, atol=1e-12)
     for other in OTHERS:  # elementwise along the columns: no width in the sums
+        assert all(torch.equal(a, b) for a, b in zip(run(probes[other]), got, strict=True)), (
+            level,
+            other,
+        )
+
+
+@pytest.mark.parametrize("level", OTHERS)
+def test_the_per_channel_fp32_token_step_keeps_the_contract_at_every_vector_level(probes, level):
+    """The decode step with one decay per state row (KDA): within fp32 round-off of the float64
+    formula and of the generic level (its loops run along the value columns: no width in the
+    sums), and the same bits at every vector level."""
+    g = torch.Generator().manual_seed(6)
+    dk, dv = 40, 24
+    s0 = torch.randn(dk, dv, generator=g)
+    k, q = (torch.nn.functional.normalize(torch.randn(dk, generator=g), dim=0) for _ in range(2))
+    v, d = torch.randn(dv, generator=g), torch.rand(dk, generator=g)
+
+    def run(lib: ctypes.CDLL) -> tuple[torch.Tensor, torch.Tensor]:
+        s, o, acc, delta = s0.clone(), torch.empty(dv), torch.empty(dv), torch.empty(dv)
+        lib.probe_delta_token_channels(ptr(s), ptr(k), ptr(q), ptr(v), ptr(d), 0.5, dk, dv,
+                                       ptr(acc), ptr(delta), ptr(o))  # fmt: skip
+        return s, o
+
+    got = run(probes[level])
+    s_dec = d.double()[:, None] * s0.double()
+    s_ref = s_dec + k.double()[:, None] * ((v.double() - s_dec.T @ k.double()) * 0.5)
+    for t, want, generic in zip(got, (s_ref, s_ref.T @ q.double()), run(probes["generic"]),
+                                strict=True):  # fmt: skip
+        torch.testing.assert_close(t.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(t, generic, rtol=1e-5, atol=1e-5)
+    for other in OTHERS:
         assert all(torch.equal(a, b) for a, b in zip(run(probes[other]), got, strict=True)), (
             level,
             other,
