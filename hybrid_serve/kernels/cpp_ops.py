@@ -34,7 +34,8 @@ by rows.
   computes the same function token by token on dense blocks of 16 state columns in double
   precision (fp32 round-off grows along a prompt: on the tiny preset's random weights an fp32
   recurrence landed 1.6e-4 from transformers' logits on a 17-token prompt, double 7e-5), with
-  the reference's state tracking.
+  the reference's state tracking. Both take the gate g as the reference does: [B, T, HV] or
+  per key channel [B, T, HV, K] (KDA).
 - `routed_experts`: every active expert's gate/up GEMM, silu(gate) * up and down GEMM in two
   parallel passes split among the threads by cost.
 """

@@ -1,9 +1,14 @@
-"""Gated delta rule (Gated DeltaNet's token mixer): pure-torch reference ops.
+"""Gated delta rule (Gated DeltaNet's and Kimi Delta Attention's token mixer): pure-torch
+reference ops.
 
 Per value head, with state S in R^{K x V} (row = key channel) and log-decay g_t <= 0:
 
-    S_t = exp(g_t) * S_{t-1} + k_t (beta_t * (v_t - (exp(g_t) * S_{t-1})^T k_t))^T,
+    S_t = D_t S_{t-1} + k_t (beta_t * (v_t - (D_t S_{t-1})^T k_t))^T,
     o_t = S_t^T (q_t * scale)
+
+where the decay D_t = diag(exp(g_t)) scales the state's rows. The gate g is either one scalar per
+token and value head (Gated DeltaNet: g [..., HV], D_t = exp(g_t) I) or one value per key channel
+(KDA: g [..., HV, K], row i of S decays by exp(g_t[i])); everything else is the same contract.
 
 Signatures follow flash-linear-attention (`chunk_gated_delta_rule`,
 `fused_recurrent_gated_delta_rule`) plus SGLang's pool extension: with `initial_state_indices`,
@@ -32,8 +37,20 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def per_channel_gate(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether g [B,T,HV,K] is a per-channel (KDA) gate rather than a scalar one [B,T,HV] (the
+    leading dims those of v); ValueError for any other shape."""
+    if g.shape == v.shape[:-1]:
+        return False
+    if g.shape == (*v.shape[:-1], k.shape[-1]):
+        return True
+    raise ValueError(f"gate g {tuple(g.shape)}: expected {tuple(v.shape[:-1])} or that + (K,)")
+
+
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
-    """[B,T,H*,D] inputs -> fp32 head-first [B,HV,T,D] with GVA expanded, q scaled."""
+    """[B,T,H*,D] inputs -> fp32 head-first [B,HV,T,D] with GVA expanded, q scaled; g becomes
+    [B,HV,T] or, per channel, [B,HV,T,K]."""
+    per_channel_gate(g, k, v)
     num_v_heads, num_k_heads = v.shape[2], k.shape[2]
     if num_v_heads != num_k_heads:
         q = q.repeat_interleave(num_v_heads // num_k_heads, dim=2)
@@ -79,6 +96,45 @@ def _chunk_dense(q, k, v, g, beta, state, chunk_size):
         v_new = u[:, :, c] - w[:, :, c] @ state  # [B,HV,C,V] what the state does not predict
         out[:, :, c] = q_decayed[:, :, c] @ state + intra[:, :, c] @ v_new
         state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+    return out.reshape(B, HV, Tp, -1)[:, :, :T], state
+
+
+def _chunk_dense_channels(q, k, v, g, beta, state, chunk_size):
+    """`_chunk_dense` with a per-channel gate g [B,HV,T,K]. The in-chunk decays exp(G_t - G_s)
+    differ per key channel, so they enter the products as a [C, C, K] factor, formed one chunk at
+    a time (bounded memory); the chunk's state update decays rows by its end-of-chunk G."""
+    T = q.shape[2]
+    pad = (-T) % chunk_size
+    if pad:  # zero g and beta: padded steps neither decay nor write the state
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    B, HV, Tp, K = k.shape
+    n, C = Tp // chunk_size, chunk_size
+    q, k, v, g = (x.reshape(B, HV, n, C, x.shape[-1]) for x in (q, k, v, g))
+    beta = beta.reshape(B, HV, n, C, 1)
+    G = g.cumsum(-2)  # [B,HV,n,C,K] per-channel log decay from chunk start to t (inclusive)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.tril(-1)
+    eye = torch.eye(C, device=q.device)
+    out = torch.empty_like(v)
+    for c in range(n):
+        qc, kc, vc, Gc, bc = q[:, :, c], k[:, :, c], v[:, :, c], G[:, :, c], beta[:, :, c]
+        # decay[t, s, i] = exp(G_t[i] - G_s[i]) for s <= t, else 0
+        diff = Gc.unsqueeze(-2) - Gc.unsqueeze(-3)
+        decay = diff.masked_fill(~causal.unsqueeze(-1), float("-inf")).exp()
+        k_beta = kc * bc
+        # WY form: (I + strict_lower(beta (k_t * decay_ts) . k_s)) [u | w] = [beta v | beta k e^G]
+        system = (k_beta.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1)
+        system = system.masked_fill(~strict, 0.0) + eye
+        u = torch.linalg.solve_triangular(system, vc * bc, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(
+            system, k_beta * Gc.exp(), upper=False, unitriangular=True
+        )
+        intra = (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1)  # diagonal included
+        v_new = u - w @ state
+        out[:, :, c] = (qc * Gc.exp()) @ state + intra @ v_new
+        k_to_end = kc * (Gc[..., -1:, :] - Gc).exp()
+        state = state * Gc[..., -1, :].exp().unsqueeze(-1) + k_to_end.transpose(-1, -2) @ v_new
     return out.reshape(B, HV, Tp, -1)[:, :, :T], state
 
 
@@ -188,7 +244,7 @@ def chunk_gated_delta_rule(
     q: torch.Tensor,  # [B,T,H,K]
     k: torch.Tensor,  # [B,T,H,K]
     v: torch.Tensor,  # [B,T,HV,V]
-    g: torch.Tensor,  # [B,T,HV] log-space decay
+    g: torch.Tensor,  # [B,T,HV] log-space decay, or [B,T,HV,K] per key channel
     beta: torch.Tensor,  # [B,T,HV]
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,  # [N,HV,K,V], or the pool with indices
@@ -206,8 +262,10 @@ def chunk_gated_delta_rule(
     """
     check_tracking(chunk_size, cu_seqlens, initial_state_indices, track_offsets, track_indices)
 
+    dense = _chunk_dense_channels if per_channel_gate(g, k, v) else _chunk_dense
+
     def step(q, k, v, g, beta, state):
-        return _chunk_dense(q, k, v, g, beta, state, chunk_size)
+        return dense(q, k, v, g, beta, state, chunk_size)
 
     return _run(
         step,
@@ -235,9 +293,10 @@ def _recurrent_dense(q, k, v, g, beta, state):
     state = state.reshape(B * HV, K, V)  # a fresh tensor from _split_states
     out = torch.empty_like(v)
     decay = g.exp()
+    rows = K if decay.dim() == 4 else 1  # per-channel gate: one decay per state row
     for t in range(T):
         k_t = k[:, :, t].reshape(B * HV, 1, K)
-        state.mul_(decay[:, :, t].reshape(B * HV, 1, 1))
+        state.mul_(decay[:, :, t].reshape(B * HV, rows, 1))
         predicted = torch.bmm(k_t, state)  # S^T k  [B*HV, 1, V]
         delta = (v[:, :, t].reshape(B * HV, 1, V) - predicted) * beta[:, :, t].reshape(-1, 1, 1)
         state.baddbmm_(k_t.transpose(1, 2), delta)  # S += k delta^T
@@ -258,7 +317,8 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     initial_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token form (decode, and the test oracle). Same contract as the chunked form."""
+    """Token-by-token form (decode, and the test oracle). Same contract as the chunked form, g
+    [B,T,HV] or per channel [B,T,HV,K] included."""
     return _run(
         _recurrent_dense,
         q,

@@ -18,6 +18,11 @@ Chunked form (chunks of C tokens, counted from each sequence's own start), two k
    e^{G_last - G})^T v'. The state stays in registers, so state tracking (`track_offsets`)
    stores S into the pool at the start of the requested chunk.
 No kernel here is autotuned: the state kernels update the pool in place.
+
+Per-channel gate (KDA): g [B, T, HV, K] decays row i of the state by e^{g_t[i]} (`GK`). The
+in-chunk decays e^{G_i - G_j} then differ per key channel and do not factor out of the q k^T and
+k k^T products: those [C, C] matrices are formed column by column from elementwise products
+(`_channel_gram`, exponents never positive), the rest is the scalar form with e^G per channel.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hybrid_serve.kernels.gated_delta_rule import per_channel_gate
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
 
@@ -46,11 +53,31 @@ def _load_qk(
 
 
 @triton.jit
+def _channel_gram(a, b, G, rt, m_t, BT: tl.constexpr, DIAG: tl.constexpr):
+    """[BT, BT]: M[i, j] = sum_c a[i, c] b[j, c] e^{G[i, c] - G[j, c]} for j < i (j <= i with
+    DIAG) among the rows m_t, else 0. a, b, G [BT, BK]."""
+    M = tl.zeros([BT, BT], tl.float32)
+    for j in range(BT):
+        sel = rt[:, None] == j
+        b_j = tl.sum(tl.where(sel, b, 0.0), 0)
+        G_j = tl.sum(tl.where(sel, G, 0.0), 0)
+        if DIAG:
+            keep = (rt >= j) & m_t
+        else:
+            keep = (rt > j) & m_t
+        e = tl.exp(tl.where(keep[:, None], G - G_j[None, :], 0.0))
+        col = tl.where(keep, tl.sum(a * b_j[None, :] * e, 1), 0.0)
+        M = tl.where(rt[None, :] == j, col[:, None], M)
+    return M
+
+
+@triton.jit
 def _chunk_prep_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, w_ptr, u_ptr, cu_ptr, chunk_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    GK: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_n, c = tl.load(chunk_ptr + 2 * i_c), tl.load(chunk_ptr + 2 * i_c + 1)
@@ -59,15 +86,24 @@ def _chunk_prep_kernel(
     rt = tl.arange(0, BT)
     rows, m_t = t0 + rt, t0 + rt < eos
     kb = _load_qk(k_ptr, rows, m_t, i_hv // (HV // H), stride_kt, stride_kh, K, BK, L2)
-    g = tl.load(g_ptr + rows * stride_gt + i_hv * stride_gh, mask=m_t, other=0.0)
-    G = tl.cumsum(g.to(tl.float32), 0)
-    tl.store(G_ptr + rows * HV + i_hv, G, mask=m_t)
     beta = tl.load(beta_ptr + rows * stride_bt + i_hv * stride_bh, mask=m_t, other=0.0)
     beta = beta.to(tl.float32)
-
     strict = rt[:, None] > rt[None, :]
-    decay = tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0))
-    A = tl.dot(kb, tl.trans(kb), input_precision=PREC) * (beta[:, None] * decay)
+    rk = tl.arange(0, BK)
+    if GK:  # G [BT, BK]: per-channel cumsums
+        m_g = m_t[:, None] & (rk < K)[None, :]
+        g_ptrs = g_ptr + rows[:, None] * stride_gt + i_hv * stride_gh + rk[None, :]
+        G = tl.cumsum(tl.load(g_ptrs, mask=m_g, other=0.0).to(tl.float32), 0)
+        tl.store(G_ptr + (rows[:, None] * HV + i_hv) * K + rk[None, :], G, mask=m_g)
+        A = _channel_gram(kb, kb, G, rt, m_t, BT, False) * beta[:, None]
+        kb_decayed = kb * tl.exp(G)
+    else:
+        g = tl.load(g_ptr + rows * stride_gt + i_hv * stride_gh, mask=m_t, other=0.0)
+        G = tl.cumsum(g.to(tl.float32), 0)
+        tl.store(G_ptr + rows * HV + i_hv, G, mask=m_t)
+        decay = tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0))
+        A = tl.dot(kb, tl.trans(kb), input_precision=PREC) * (beta[:, None] * decay)
+        kb_decayed = kb * tl.exp(G)[:, None]
     A = tl.where(strict, A, 0.0)
     # X = (I + A)^-1, row by row: X_i = e_i - sum_{j<i} A_ij X_j
     X = tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
@@ -75,8 +111,7 @@ def _chunk_prep_kernel(
         a_i = tl.sum(tl.where(rt[:, None] == i, A, 0.0), 0)  # row i of A
         X = tl.where(rt[:, None] == i, X - tl.sum(a_i[:, None] * X, 0)[None, :], X)
 
-    rk = tl.arange(0, BK)
-    w = tl.dot(X, kb * (beta * tl.exp(G))[:, None], input_precision=PREC)
+    w = tl.dot(X, kb_decayed * beta[:, None], input_precision=PREC)
     w_ptrs = w_ptr + (rows[:, None] * HV + i_hv) * K + rk[None, :]
     tl.store(w_ptrs, w, mask=m_t[:, None] & (rk < K)[None, :])
     for v0 in range(0, V, BV):
@@ -99,6 +134,7 @@ def _chunk_state_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, USE_INDEX: tl.constexpr, STORE_FINAL: tl.constexpr, TRACK: tl.constexpr,
+    GK: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -128,22 +164,34 @@ def _chunk_state_kernel(
         rows, m_t = t0 + rt, t0 + rt < eos
         qb = _load_qk(q_ptr, rows, m_t, i_h, stride_qt, stride_qh, K, BK, L2) * scale
         kb = _load_qk(k_ptr, rows, m_t, i_h, stride_kt, stride_kh, K, BK, L2)
-        G = tl.load(G_ptr + rows * HV + i_hv, mask=m_t, other=0.0)
-        G_last = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), 0)
         m_w = m_t[:, None] & (rk < K)[None, :]
+        last = rt == tl.minimum(eos - t0, BT) - 1
+        if GK:
+            G = tl.load(G_ptr + (rows[:, None] * HV + i_hv) * K + rk[None, :], mask=m_w, other=0.0)
+            G_last = tl.sum(tl.where(last[:, None], G, 0.0), 0)  # [BK]
+        else:
+            G = tl.load(G_ptr + rows * HV + i_hv, mask=m_t, other=0.0)
+            G_last = tl.sum(tl.where(last, G, 0.0), 0)
         w = tl.load(w_ptr + (rows[:, None] * HV + i_hv) * K + rk[None, :], mask=m_w, other=0.0)
         m_u = m_t[:, None] & (rv < V)[None, :]
         u_ptrs = (rows[:, None] * HV + i_hv) * V + rv[None, :]
         u = tl.load(u_ptr + u_ptrs, mask=m_u, other=0.0)
         v_new = u - tl.dot(w, S, input_precision=PREC)
-        causal = (rt[:, None] >= rt[None, :]) & m_t[:, None]  # padded rows would overflow
-        P = tl.dot(qb, tl.trans(kb), input_precision=PREC)
-        P = tl.where(causal, P * tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
-        o = tl.dot(qb * tl.exp(G)[:, None], S, input_precision=PREC)
+        if GK:
+            P = _channel_gram(qb, kb, G, rt, m_t, BT, True)
+            o = tl.dot(qb * tl.exp(G), S, input_precision=PREC)
+            k_end = kb * tl.where(m_w, tl.exp(G_last[None, :] - G), 0.0)
+            S = S * tl.exp(G_last)[:, None]
+        else:
+            causal = (rt[:, None] >= rt[None, :]) & m_t[:, None]  # padded rows would overflow
+            P = tl.dot(qb, tl.trans(kb), input_precision=PREC)
+            P = tl.where(causal, P * tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
+            o = tl.dot(qb * tl.exp(G)[:, None], S, input_precision=PREC)
+            k_end = kb * tl.exp(G_last - G)[:, None]
+            S = S * tl.exp(G_last)
         o += tl.dot(P, v_new, input_precision=PREC)
         tl.store(o_ptr + u_ptrs, o.to(o_ptr.dtype.element_ty), mask=m_u)
-        k_end = kb * tl.exp(G_last - G)[:, None]
-        S = S * tl.exp(G_last) + tl.dot(tl.trans(k_end), v_new, input_precision=PREC)
+        S += tl.dot(tl.trans(k_end), v_new, input_precision=PREC)
     if TRACK:
         if track_chunk == n_chunks:  # tracked offset == sequence length: the final state
             tl.store(track_ptrs, S.to(h0_ptr.dtype.element_ty), mask=m_kv)
@@ -159,7 +207,7 @@ def _recurrent_kernel(
     stride_bt, stride_bh, s0, s1, s2, s3, t0_, t1_, t2_, t3_, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-    HAS_H0: tl.constexpr, USE_INDEX: tl.constexpr, STORE_FINAL: tl.constexpr,
+    HAS_H0: tl.constexpr, USE_INDEX: tl.constexpr, STORE_FINAL: tl.constexpr, GK: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -187,9 +235,13 @@ def _recurrent_kernel(
             q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
         v = tl.load(v_ptr + t * stride_vt + i_hv * stride_vh + rv, mask=m_v, other=0.0)
-        g = tl.load(g_ptr + t * stride_gt + i_hv * stride_gh).to(tl.float32)
         beta = tl.load(beta_ptr + t * stride_bt + i_hv * stride_bh).to(tl.float32)
-        S = S * tl.exp(g)
+        if GK:  # one decay per key row
+            g = tl.load(g_ptr + t * stride_gt + i_hv * stride_gh + rk, mask=m_k, other=0.0)
+            S = S * tl.exp(g.to(tl.float32))[:, None]
+        else:
+            g = tl.load(g_ptr + t * stride_gt + i_hv * stride_gh).to(tl.float32)
+            S = S * tl.exp(g)
         delta = (v.to(tl.float32) - tl.sum(S * k[:, None], 0)) * beta
         S += k[:, None] * delta[None, :]
         o = tl.sum(S * (q * scale)[:, None], 0)
@@ -242,7 +294,7 @@ def chunk_gated_delta_rule(
     q: torch.Tensor,  # [B,T,H,K]
     k: torch.Tensor,  # [B,T,H,K]
     v: torch.Tensor,  # [B,T,HV,V]
-    g: torch.Tensor,  # [B,T,HV] log-space decay
+    g: torch.Tensor,  # [B,T,HV] log-space decay, or [B,T,HV,K] per key channel
     beta: torch.Tensor,  # [B,T,HV]
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,  # [N,HV,K,V], or the pool with indices
@@ -272,6 +324,7 @@ def chunk_gated_delta_rule(
             raise ValueError("state tracking needs the pool form with cu_seqlens")
         if bool((track_offsets % chunk_size).any()):
             raise ValueError(f"track_offsets must be multiples of the chunk size {chunk_size}")
+    gk = per_channel_gate(g, k, v)
     qf, kf, vf, gf, bf = _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta)
     total = qf.shape[0]
     o = torch.empty(total, HV, V, dtype=q.dtype, device=q.device)
@@ -282,7 +335,7 @@ def chunk_gated_delta_rule(
     chunk_idx = torch.tensor(chunks, dtype=torch.int32).to(q.device, non_blocking=True)
     BK = max(16, triton.next_power_of_2(K))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models get exact fp32 dots
-    G = torch.empty(total, HV, dtype=torch.float32, device=q.device)
+    G = torch.empty(total, HV, *((K,) if gk else ()), dtype=torch.float32, device=q.device)
     w = torch.empty(total, HV, K, dtype=torch.float32, device=q.device)
     u = torch.empty(total, HV, V, dtype=torch.float32, device=q.device)
     common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, L2=use_qk_l2norm_in_kernel, PREC=prec)
@@ -290,7 +343,7 @@ def chunk_gated_delta_rule(
         kf, vf, gf, bf, G, w, u, cu, chunk_idx,
         kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), gf.stride(0), gf.stride(1),
         bf.stride(0), bf.stride(1),
-        BV=min(64, max(16, triton.next_power_of_2(V))), **common, num_warps=4,
+        BV=min(64, max(16, triton.next_power_of_2(V))), GK=gk, **common, num_warps=4,
     )  # fmt: skip
     BV = min(32 if BK > 64 else 64, max(16, triton.next_power_of_2(V)))
     scale = K**-0.5 if scale is None else scale
@@ -300,7 +353,7 @@ def chunk_gated_delta_rule(
         qf, kf, G, w, u, o, h0, ht_arg, idx,
         track_offsets if track else cu, track_indices if track else cu, cu,
         qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), *strides, scale,
-        BV=BV, TRACK=track, **common, **flags, num_warps=4, num_stages=1,
+        BV=BV, TRACK=track, GK=gk, **common, **flags, num_warps=4, num_stages=1,
     )  # fmt: skip
     return o.view(B, T, HV, V), ht
 
@@ -318,13 +371,15 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     initial_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token form (decode). Same contract as the chunked form; rows whose pool index
-    is negative output zeros. No host sync (graph-capturable)."""
+    """Token-by-token form (decode). Same contract as the chunked form (g [B,T,HV] or per key
+    channel [B,T,HV,K]); rows whose pool index is negative output zeros. No host sync
+    (graph-capturable)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     n, cu, h0, ht_arg, idx, strides, flags, ht = _setup(
         q, k, v, initial_state, output_final_state, cu_seqlens, initial_state_indices
     )
+    gk = per_channel_gate(g, k, v)
     qf, kf, vf, gf, bf = _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta)
     o = torch.empty(qf.shape[0], HV, V, dtype=q.dtype, device=q.device)
     if o.numel() == 0 or n == 0:
@@ -336,6 +391,7 @@ def fused_recurrent_gated_delta_rule(
         qf, kf, vf, gf, bf, o, h0, ht_arg, idx, cu,
         qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
         gf.stride(0), gf.stride(1), bf.stride(0), bf.stride(1), *strides, scale,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=use_qk_l2norm_in_kernel, **flags, num_warps=1,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=use_qk_l2norm_in_kernel, GK=gk, **flags,
+        num_warps=1,
     )  # fmt: skip
     return o.view(B, T, HV, V), ht

@@ -56,6 +56,17 @@ def launches(dtype_name: str) -> list[tuple]:
         step[0], step[0], step[1], step[2], step[3], initial_state=pool,
         initial_state_indices=torch.tensor([1, -1, 2, 3]), use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
+    gk = -torch.rand(1, T, HV, K)  # the per-channel (KDA) gate: the same kernels' GK variants
+    gdr.chunk_gated_delta_rule(
+        q, q, v, gk, beta, initial_state=pool, initial_state_indices=torch.tensor([1, 2]),
+        cu_seqlens=torch.tensor([0, 64, T]), use_qk_l2norm_in_kernel=True,
+        track_offsets=torch.tensor([64, 0]), track_indices=torch.tensor([3, 0]),
+    )  # fmt: skip
+    step_k = gk[:, :4].transpose(0, 1)
+    gdr.fused_recurrent_gated_delta_rule(
+        step[0], step[0], step[1], step_k, step[3], initial_state=pool,
+        initial_state_indices=torch.tensor([1, -1, 2, 3]), use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
     kv, r2t, qa = rnd(500, 2, 64), torch.zeros(4, 100, dtype=torch.int32), rnd(20, 8, 64)
     attn.extend_attention(qa, kv, kv, r2t, torch.tensor([1, 2]), [0, 30], [10, 10], 0.125)
     attn.decode_attention(qa[:4], kv, kv, r2t, torch.arange(4), torch.tensor([5, 6, 7, 8]), 0.1)

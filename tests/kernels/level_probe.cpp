@@ -68,4 +68,20 @@ void probe_delta_pass(double* s, const double* k, const double* q, const double*
   hs::delta_rule_pass(s, k, q, k_next, v, decay, beta, dk, a, o);
 }
 
+// The same pass with a per-channel gate: decay, next_decay [dk] (see delta_rule.h).
+void probe_delta_pass_channels(double* s, const double* k, const double* q, const double* k_next,
+                               const double* v, const double* decay, const double* next_decay,
+                               double beta, int64_t dk, double* a, double* o) {
+  hs::delta_rule_pass_channels(s, k, q, k_next, v, decay, next_decay, beta, dk, a, o);
+}
+
+// delta_rule.h's fp32 token step with one decay per row: state [dk, dv] in place, o [dv]
+// written (acc, delta: scratch).
+void probe_delta_token_channels(float* state, const float* k, const float* q, const float* v,
+                                const float* decays, float beta, int64_t dk, int64_t dv,
+                                float* acc, float* delta, float* o) {
+  std::fill(o, o + dv, 0.f);
+  hs::delta_rule_token(state, k, q, v, decays, beta, dk, dv, acc, delta, o);
+}
+
 }  // extern "C"

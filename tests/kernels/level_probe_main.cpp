@@ -7,6 +7,7 @@
 //   silu N y                       (in place)
 //   window p x h                   (p in place, h written)
 //   delta DK s k q kn v a o        (s, a in place, o written; decay 0.9, beta 0.5)
+//   deltac DK s k q kn v d dn a o  (the per-channel pass: decays d, dn [DK]; beta 0.5)
 
 #include <cstdio>
 #include <cstdlib>
@@ -78,6 +79,17 @@ int main(int argc, char** argv) {
     spill(argv[3], s.data(), s.size());
     spill(argv[8], a.data(), a.size());
     spill(argv[9], o, sizeof o);
+  } else if (op == "deltac" && argc == 12) {
+    const int64_t dk = std::atoll(argv[2]);
+    auto s = slurp(argv[3]), k = slurp(argv[4]), q = slurp(argv[5]), kn = slurp(argv[6]);
+    auto v = slurp(argv[7]), d = slurp(argv[8]), dn = slurp(argv[9]), a = slurp(argv[10]);
+    double o[16];
+    probe_delta_pass_channels(as<double>(s), as<double>(k), as<double>(q), as<double>(kn),
+                              as<double>(v), as<double>(d), as<double>(dn), 0.5, dk,
+                              as<double>(a), o);
+    spill(argv[3], s.data(), s.size());
+    spill(argv[10], a.data(), a.size());
+    spill(argv[11], o, sizeof o);
   } else {
     std::fprintf(stderr, "usage: see level_probe_main.cpp\n");
     return 1;

@@ -104,6 +104,12 @@ def probes(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         lib.probe_delta_pass.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_double] * 2 + [
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip
+        lib.probe_delta_pass_channels.argtypes = [ctypes.c_void_p] * 7 + [
+            ctypes.c_double, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ]  # fmt: skip
+        lib.probe_delta_token_channels.argtypes = [ctypes.c_void_p] * 5 + [
+            ctypes.c_float, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 3,
+        ]  # fmt: skip
         out[name] = lib
     return out
 
@@ -220,6 +226,74 @@ def test_the_delta_rule_pass_is_the_same_at_every_vector_level(probes, level):
         )
 
 
+def delta_channels_inputs() -> tuple[torch.Tensor, ...]:
+    """s0 [24, 16], k, q, kn, d, dn [24], v, a0 [16] (double) for the per-channel pass."""
+    g = torch.Generator().manual_seed(5)
+    dk = 24
+    s0 = torch.randn(dk, 16, dtype=torch.float64, generator=g)
+    k, q, kn = (torch.randn(dk, dtype=torch.float64, generator=g) for _ in range(3))
+    d, dn = (torch.rand(dk, dtype=torch.float64, generator=g) for _ in range(2))
+    v, a0 = (torch.randn(16, dtype=torch.float64, generator=g) for _ in range(2))
+    return s0, k, q, kn, d, dn, v, a0
+
+
+def delta_channels_want(s0, k, q, kn, d, dn, v, a0) -> tuple[torch.Tensor, ...]:
+    """(s, a, o) of the per-channel pass: rows decay by d, a' = S^T (dn * kn)."""
+    s_ref = d[:, None] * s0 + k[:, None] * ((v - a0) * 0.5)
+    return s_ref, s_ref.T @ (dn * kn), s_ref.T @ q
+
+
+@pytest.mark.parametrize("level", OTHERS)
+def test_the_per_channel_delta_rule_pass_is_the_same_at_every_vector_level(probes, level):
+    s0, k, q, kn, d, dn, v, a0 = inputs = delta_channels_inputs()
+
+    def run(lib: ctypes.CDLL) -> tuple[torch.Tensor, ...]:
+        s, a, o = s0.clone(), a0.clone(), torch.empty(16, dtype=torch.float64)
+        lib.probe_delta_pass_channels(ptr(s), ptr(k), ptr(q), ptr(kn), ptr(v), ptr(d), ptr(dn),
+                                      0.5, len(k), ptr(a), ptr(o))  # fmt: skip
+        return s, a, o
+
+    got = run(probes[level])
+    for t, want in zip(got, delta_channels_want(*inputs), strict=True):
+        torch.testing.assert_close(t, want, rtol=1e-12, atol=1e-12)
+    for other in OTHERS:  # elementwise along the columns: no width in the sums
+        assert all(torch.equal(a, b) for a, b in zip(run(probes[other]), got, strict=True)), (
+            level,
+            other,
+        )
+
+
+@pytest.mark.parametrize("level", OTHERS)
+def test_the_per_channel_fp32_token_step_keeps_the_contract_at_every_vector_level(probes, level):
+    """The decode step with one decay per state row (KDA): within fp32 round-off of the float64
+    formula and of the generic level (its loops run along the value columns: no width in the
+    sums), and the same bits at every vector level."""
+    g = torch.Generator().manual_seed(6)
+    dk, dv = 40, 24
+    s0 = torch.randn(dk, dv, generator=g)
+    k, q = (torch.nn.functional.normalize(torch.randn(dk, generator=g), dim=0) for _ in range(2))
+    v, d = torch.randn(dv, generator=g), torch.rand(dk, generator=g)
+
+    def run(lib: ctypes.CDLL) -> tuple[torch.Tensor, torch.Tensor]:
+        s, o, acc, delta = s0.clone(), torch.empty(dv), torch.empty(dv), torch.empty(dv)
+        lib.probe_delta_token_channels(ptr(s), ptr(k), ptr(q), ptr(v), ptr(d), 0.5, dk, dv,
+                                       ptr(acc), ptr(delta), ptr(o))  # fmt: skip
+        return s, o
+
+    got = run(probes[level])
+    s_dec = d.double()[:, None] * s0.double()
+    s_ref = s_dec + k.double()[:, None] * ((v.double() - s_dec.T @ k.double()) * 0.5)
+    for t, want, generic in zip(got, (s_ref, s_ref.T @ q.double()), run(probes["generic"]),
+                                strict=True):  # fmt: skip
+        torch.testing.assert_close(t.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(t, generic, rtol=1e-5, atol=1e-5)
+    for other in OTHERS:
+        assert all(torch.equal(a, b) for a, b in zip(run(probes[other]), got, strict=True)), (
+            level,
+            other,
+        )
+
+
 # ---- the other architecture's levels, under emulation ------------------------------------------
 
 OTHER = "aarch64" if platform.machine() == "x86_64" else "x86_64"
@@ -319,3 +393,10 @@ def test_the_other_architecture_keeps_the_contract(probes, emulated, level):
     host.probe_window(ptr(hw), ptr(xs), ptr(hh))
     assert torch.equal(emu.read("h", torch.float32, (24,)), hh)
     assert torch.equal(emu.read("p", torch.float32, (25,))[:24], hw[:24])
+    s0, k, q, kn, d, dn, v, a0 = inputs = delta_channels_inputs()  # the per-channel pass
+    args = [emu.file(f"d{i}", t) for i, t in enumerate((s0, k, q, kn, v, d, dn, a0))]
+    emu.run("deltac", len(k), *args, emu.file("do"))
+    got = (emu.read("d0", torch.float64, tuple(s0.shape)), emu.read("d7", torch.float64, (16,)),
+           emu.read("do", torch.float64, (16,)))  # fmt: skip
+    for t, want in zip(got, delta_channels_want(*inputs), strict=True):
+        torch.testing.assert_close(t, want, rtol=1e-12, atol=1e-12)

@@ -32,13 +32,22 @@ inline void load_qk(const float* src, float* dst, int64_t K, bool l2norm, float 
   for (int64_t i = 0; i < K; ++i) dst[i] = src[i] * mult;
 }
 
+// Whether g is a per-channel gate ([..., HV, K]: one decay per key row of the state) rather than
+// a scalar one ([..., HV]), given tokens x value heads and the key dim; an error for any other.
+bool per_channel_gate(const at::Tensor& g, int64_t tokens_heads, int64_t K, const char* op) {
+  TORCH_CHECK(g.numel() == tokens_heads || g.numel() == tokens_heads * K, op,
+              ": g must hold one decay per token and value head, or one per key channel too");
+  return g.numel() != tokens_heads;
+}
+
 }  // namespace
 
 namespace hs {
 
-// q, k [B,T,H,K]; v [B,T,HV,V]; g, beta [B,T,HV] (all fp32); pool [S,HV,K,V] fp32 (in place);
-// indices [B] int64. Returns o [B,T,HV,V] fp32. Per (row, value head), token by token:
-//   S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q
+// q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV] or [B,T,HV,K] (per key channel); beta [B,T,HV]
+// (all fp32); pool [S,HV,K,V] fp32 (in place); indices [B] int64. Returns o [B,T,HV,V] fp32.
+// Per (row, value head), token by token, with D = diag(exp(g)) (a scalar gate: exp(g) I):
+//   S = D S;  S += k (beta (v - S^T k))^T;  o = S^T q
 at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& g,
                                  const at::Tensor& beta, at::Tensor pool,
@@ -55,6 +64,8 @@ at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(pool.size(1) == HV && pool.size(2) == K && pool.size(3) == V, "pool shape");
   TORCH_CHECK(HV % H == 0 && indices.size(0) == B, "head ratio / indices");
   const int64_t ratio = HV / H;
+  TORCH_CHECK(beta.numel() == B * T * HV, "gdr_recurrent_pool: beta [B, T, HV]");
+  const bool channels = per_channel_gate(g, B * T * HV, K, "gdr_recurrent_pool");
   auto out = at::zeros({B, T, HV, V}, q.options());
   const std::vector<int64_t> slots = hs::live_slots(indices, S);
 
@@ -63,7 +74,7 @@ at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k,
   float *pp = pool.data_ptr<float>(), *op = out.data_ptr<float>();
 
   at::parallel_for(0, B * HV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(K), ks(K), delta(V), acc(V);
+    std::vector<float> qs(K), ks(K), delta(V), acc(V), decays(channels ? K : 0);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / HV, hv = job % HV, hk = hv / ratio;
       if (slots[b] < 0) continue;
@@ -73,10 +84,16 @@ at::Tensor gdr_recurrent_pool(const at::Tensor& q, const at::Tensor& k,
         const int64_t vh = (b * T + t) * HV + hv;
         load_qk(qp + qk_off, qs.data(), K, l2norm, static_cast<float>(scale));
         load_qk(kp + qk_off, ks.data(), K, l2norm, 1.f);
-        const float decay = std::exp(gp[vh]), bt = bp[vh];
+        const float bt = bp[vh];
         const float* vt = vp + vh * V;
-        hs::delta_rule_token(state, ks.data(), qs.data(), vt, decay, bt, K, V, acc.data(),
-                             delta.data(), op + vh * V);
+        if (channels) {
+          for (int64_t i = 0; i < K; ++i) decays[i] = std::exp(gp[vh * K + i]);
+          hs::delta_rule_token(state, ks.data(), qs.data(), vt, decays.data(), bt, K, V,
+                               acc.data(), delta.data(), op + vh * V);
+        } else {
+          hs::delta_rule_token(state, ks.data(), qs.data(), vt, std::exp(gp[vh]), bt, K, V,
+                               acc.data(), delta.data(), op + vh * V);
+        }
       }
     }
   });
@@ -89,8 +106,8 @@ namespace {
 
 // The same update over a packed batch of whole sequences (prefill): each sequence's tokens in
 // order on its pool state, in place, computed in double precision. q, k [1,T,H,K]; v [1,T,HV,V];
-// g, beta [1,T,HV] (fp32); pool [S,HV,K,V] fp32; cu_seqlens [N+1], indices [N] int64 (distinct
-// live slots); track_offsets, track_indices [N] int64 or empty: where track_offsets[i] > 0 the
+// g [1,T,HV] or per key channel [1,T,HV,K], beta [1,T,HV] (fp32); pool [S,HV,K,V] fp32;
+// cu_seqlens [N+1], indices [N] int64 (distinct live slots); track_offsets, track_indices [N] int64 or empty: where track_offsets[i] > 0 the
 // state after that many tokens of sequence i is also copied to pool[track_indices[i]].
 // Returns o [1,T,HV,V] fp32.
 at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -110,9 +127,9 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1, "gdr_varlen_pool: packed [1, T, H, K] inputs");
   const int64_t T = q.size(1), H = q.size(2), K = q.size(3), HV = v.size(2), V = v.size(3);
   const int64_t S = pool.size(0), N = indices.numel();
-  TORCH_CHECK(k.sizes() == q.sizes() && v.size(1) == T && g.numel() == T * HV &&
-                  beta.numel() == T * HV && HV % H == 0,
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(1) == T && beta.numel() == T * HV && HV % H == 0,
               "gdr_varlen_pool: shapes");
+  const bool channels = per_channel_gate(g, T * HV, K, "gdr_varlen_pool");
   TORCH_CHECK(pool.size(1) == HV && pool.size(2) == K && pool.size(3) == V, "pool shape");
   TORCH_CHECK(cu_seqlens.numel() == N + 1, "gdr_varlen_pool: one index per sequence");
   const bool tracking = track_offsets.numel() > 0;
@@ -168,6 +185,17 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
       normalise(kp + r * K, kn.get() + dst, 1.0);
     }
   });
+  // A per-channel gate's decays exp(g), in double, value head major ([HV, T, K]) likewise
+  // (computed once here, not in every block's pass)
+  const std::unique_ptr<double[]> dn(channels ? new double[T * HV * K] : nullptr);
+  if (channels) {
+    at::parallel_for(0, T * HV, 64, [&](int64_t b0, int64_t b1) {
+      for (int64_t r = b0; r < b1; ++r) {  // r = t * HV + hv
+        double* dst = dn.get() + (r % HV * T + r / HV) * K;
+        for (int64_t c = 0; c < K; ++c) dst[c] = std::exp(static_cast<double>(gp[r * K + c]));
+      }
+    });
+  }
   // The state of a (sequence, value head) is split into blocks of kBlock columns, each copied
   // out of the pool into a dense [K, kBlock] double buffer (16 KB at K = 128, zero-padded past
   // V) that stays in L1 through all of the sequence's tokens, one pass over it per token
@@ -218,7 +246,13 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
         double* block = blocks.data() + b * K * kBlock;
         const int64_t j0 = (b0 + b) * kBlock, n = std::min<int64_t>(kBlock, V - j0);
         std::fill(vt, vt + kBlock, 0.0);
-        hs::block_dot(block, kn.get() + (hk * T + cu[i]) * K, K, a);
+        const double* d0 = channels ? dn.get() + (hv * T + cu[i]) * K : nullptr;
+        if (channels) {
+          hs::block_dot_rows(block, kn.get() + (hk * T + cu[i]) * K, K,
+                             [d0](int64_t c) { return d0[c]; }, a);
+        } else {
+          hs::block_dot(block, kn.get() + (hk * T + cu[i]) * K, K, a);
+        }
         for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
           const int64_t vh = t * HV + hv, qk = (hk * T + t) * K;
           const int64_t qk_next = t + 1 < cu[i + 1] ? qk + K : qk;
@@ -229,9 +263,17 @@ at::Tensor gdr_varlen_pool(const at::Tensor& q, const at::Tensor& k, const at::T
             hs::simd::prefetch_w(op + (vh + 2 * HV) * V + j0);
           }
           for (int64_t j = 0; j < n; ++j) vt[j] = vp[vh * V + j0 + j];
-          hs::delta_rule_pass(block, kn.get() + qk, qn.get() + qk, kn.get() + qk_next, vt,
-                              std::exp(static_cast<double>(gp[vh])),
-                              static_cast<double>(bp[vh]), K, a, ot);
+          if (channels) {
+            const double* dt = dn.get() + (hv * T + t) * K;
+            hs::delta_rule_pass_channels(block, kn.get() + qk, qn.get() + qk,
+                                         kn.get() + qk_next, vt, dt,
+                                         t + 1 < cu[i + 1] ? dt + K : dt,
+                                         static_cast<double>(bp[vh]), K, a, ot);
+          } else {
+            hs::delta_rule_pass(block, kn.get() + qk, qn.get() + qk, kn.get() + qk_next, vt,
+                                std::exp(static_cast<double>(gp[vh])),
+                                static_cast<double>(bp[vh]), K, a, ot);
+          }
           for (int64_t j = 0; j < n; ++j) op[vh * V + j0 + j] = static_cast<float>(ot[j]);
           if (tracked != nullptr && t + 1 == cu[i] + toff[i]) store_block(tracked, b, j0);
           for (const int64_t e = std::min(pf_done + pf_step, pf_len); pf_done < e; pf_done += 64)
