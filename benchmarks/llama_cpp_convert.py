@@ -18,12 +18,16 @@ Example:
 
 from __future__ import annotations
 
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import logging
 import runpy
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 logger = logging.getLogger("benchmarks.llama_cpp_convert")
 
