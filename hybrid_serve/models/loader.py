@@ -51,7 +51,8 @@ from hybrid_serve.kernels import KernelSet
 from hybrid_serve.kernels import choose as choose_kernels
 from hybrid_serve.kernels.quant import quantize, row_peaks
 from hybrid_serve.kernels.weight_formats import check_quantization
-from hybrid_serve.models.config import ModelConfig, read_json
+from hybrid_serve.models.base_config import read_json
+from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.dummy_weights import fill_dummy
 from hybrid_serve.models.fp8 import Fp8Checkpoint, Fp8Config
 from hybrid_serve.models.fp8_resident import (

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from hybrid_serve.models.config import read_json
+from hybrid_serve.models.base_config import read_json
 from hybrid_serve.models.families import FAMILIES, Family, family_of_type, resolve
 
 __all__ = ["FAMILIES", "Config", "family_of", "model_class", "read_config"]

@@ -16,7 +16,7 @@ takes the rest, rounded down to whole pages. Sizes per unit:
                   slot's final-hidden row, exact repeats)
 
 The temporal (SSM) state's dtype is `--mamba-ssm-dtype` (SGLang's flag), else the checkpoint's
-`mamba_ssm_dtype` (`models.config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
+`mamba_ssm_dtype` (`models.base_config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
 """
 
 from __future__ import annotations
