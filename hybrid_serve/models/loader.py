@@ -126,7 +126,7 @@ def load_model(
 ) -> Qwen3NextForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
-    sharded tensor (the model's `checkpoint_shard`: `models.shard_loader`, `models.tp_shards`).
+    sharded tensor (the model's `checkpoint_shard`: `models.tp_shards`, `models.shard_loader`).
     `load_format="dummy"`: random weights, no file read.
 
     The key set is checked against `checkpoint_map` before any data is read (a missing or extra
