@@ -36,7 +36,7 @@ from hybrid_serve.kernels.attn_step import apply_rope
 from hybrid_serve.make_model.fp8_writer import quantize
 from hybrid_serve.make_model.weights_file import save_weights
 from hybrid_serve.models.attention import GatedAttention
-from hybrid_serve.models.config import read_json
+from hybrid_serve.models.base_config import read_json
 from hybrid_serve.models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config
 from hybrid_serve.models.layers import REFERENCE
 from hybrid_serve.models.loader import checkpoint_files, checkpoint_names

@@ -21,6 +21,8 @@ from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import REFERENCE, Linear, RMSNorm
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import row_linear
+from hybrid_serve.models.shard_loader import Shard
+from hybrid_serve.models.tp_shards import cols, rows, span
 
 
 class GatedAttention(nn.Module):
@@ -35,7 +37,7 @@ class GatedAttention(nn.Module):
         ops: KernelSet = REFERENCE,
     ) -> None:
         super().__init__()
-        c, self.ops = config, ops
+        c, self.ops, self.tp = config, ops, tp or ParallelContext()
         self.attn_layer_id = attn_layer_id  # index among the full-attention layers
         self.num_heads, self.num_kv_heads, self.head_dim = (
             c.num_attention_heads,
@@ -53,6 +55,18 @@ class GatedAttention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
+
+    def tp_shards(self, config: ModelConfig) -> dict[str, Shard | None]:
+        """This rank's heads' [q | gate] rows of q_proj (2 head_dim per head), its KV heads'
+        k/v rows (biases alike), o_proj columns; o_proj's bias (added after the sum over the
+        ranks) and the per-head q/k norms whole. `config`: the whole model's (its KV heads)."""
+        hd = self.head_dim
+        h0, hn = self.tp.split(config.num_attention_heads, "num_attention_heads")
+        kv0, kvn = self.tp.kv_heads(config.num_key_value_heads)
+        q, kv = rows(span(h0, hn, 2 * hd)), rows(span(kv0, kvn, hd))
+        out = {"q_proj.weight": q, "k_proj.weight": kv, "v_proj.weight": kv}
+        out |= {"q_proj.bias": q, "k_proj.bias": kv, "v_proj.bias": kv, "o_proj.bias": None}
+        return out | {"o_proj.weight": cols(span(h0, hn, hd))}
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch

@@ -60,7 +60,7 @@ class BambaMLP(MLP):
         self.gate_multiplier, self.down_multiplier = multipliers
         self.tp, self.width = tp, width
 
-    def tp_shards(self) -> dict[str, Shard]:
+    def tp_shards(self, config) -> dict[str, Shard | None]:
         return mlp_shards(self.tp, self.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,6 @@
 """What a Qwen3-Next or Qwen3.5 checkpoint is: its `config.json`, read into one frozen dataclass
-(`models.registry.read_config` picks the family and reads the file), and what every family's
-config reads the same way: `read_json`, the one reader of a checkpoint's config.json and
-generation_config.json (transformers' special-float tags decoded), `transformers_defaults`, the
-file completed by transformers' class for its model_type (every absent field's default, never a
-copy here), and `checkpoint_dtype`, `checkpoint_ssm_dtype`, `eos_token_ids`.
+(`models.registry.read_config` picks the family and reads the file), a `HybridConfig`
+(`models.base_config`: the fields and readers every family's config shares).
 
 `ModelConfig.from_dict(raw)` accepts Qwen3-Next (`qwen3_next`) and the Qwen3.5 text family
 (`qwen3_5_text`, `qwen3_5_moe_text`, and the multimodal wrappers `qwen3_5` / `qwen3_5_moe`, whose
@@ -18,116 +15,26 @@ file. A missing field or an unsupported architecture is a `ValueError` whose one
 
 from __future__ import annotations
 
-import copy
-import json
-import math
 from dataclasses import dataclass
-from functools import cached_property
-from pathlib import Path
 from typing import Any
 
+from hybrid_serve.models.base_config import FULL, LINEAR, HybridConfig
 from hybrid_serve.models.families import types_read_by
+
+__all__ = ["FULL", "LINEAR", "QWEN3_5_TEXT", "SUPPORTED_MODEL_TYPES", "WRAPPERS", "ModelConfig"]
 
 QWEN3_5_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
 # multimodal wrapper -> the model_type its text_config must carry
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # the model_types of the family table's rows this class reads
 SUPPORTED_MODEL_TYPES = types_read_by(f"{__name__}.ModelConfig")
-LINEAR, FULL = "linear_attention", "full_attention"
-SSM_DTYPES = ("float32", "bfloat16", "float16")
 
 
-# transformers >= 5 writes a non-finite float as {"__float__": "Infinity"} (its
-# PreTrainedConfig._encode_special_floats); these are the tags it reads back
-FLOAT_TAG = "__float__"
-FLOAT_TAGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(HybridConfig):
+    """Layers of Gated DeltaNet (LINEAR) or gated full attention (FULL), by `layer_types`."""
 
-
-def decode_special_floats(obj: Any) -> Any:
-    """`obj` with every `{"__float__": tag}` replaced by its float, as transformers decodes a
-    config it reads; an unknown tag, or a tag that is not a string, stays as it is (transformers
-    keeps it too)."""
-    if isinstance(obj, dict):
-        tag = obj.get(FLOAT_TAG)
-        if set(obj) == {FLOAT_TAG} and isinstance(tag, str) and tag in FLOAT_TAGS:
-            return FLOAT_TAGS[tag]
-        return {k: decode_special_floats(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [decode_special_floats(v) for v in obj]
-    return obj
-
-
-def encode_special_floats(obj: Any) -> Any:
-    """`obj` with every NaN and infinity replaced by its `{"__float__": tag}` (tuples as lists), as
-    transformers writes a config (`PreTrainedConfig._encode_special_floats`): the inverse of
-    `decode_special_floats`, so a file read with `read_json` is written back in the same form."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return {FLOAT_TAG: "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")}
-    if isinstance(obj, dict):
-        return {k: encode_special_floats(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [encode_special_floats(v) for v in obj]
-    return obj
-
-
-def read_json(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's JSON file (config.json, generation_config.json) as transformers reads it:
-    Python's JSON with bare `NaN`/`Infinity`, and transformers' special-float tags decoded. The
-    one reader of these files (it imports neither torch nor transformers, so the API process can
-    use it)."""
-    return decode_special_floats(json.loads(Path(path).read_text(encoding="utf-8")))
-
-
-def checkpoint_ssm_dtype(d: dict[str, Any]) -> str:
-    """The dtype a config asks the recurrent (SSM) state to be kept in, from `d`, its config.json
-    completed by `transformers_defaults`: `mamba_ssm_dtype` (Qwen3.5's files), else
-    `mamba_ssm_cache_dtype` (NemotronH: transformers' field, with its default), else float32 (our
-    choice where neither the file nor transformers' class for its model_type names one). What
-    `--mamba-ssm-dtype` falls back to (hybrid_serve/scheduler/pool_sizing.py)."""
-    name = d.get("mamba_ssm_dtype") or d.get("mamba_ssm_cache_dtype") or "float32"
-    if name not in SSM_DTYPES:
-        raise ValueError(f"config.json: unsupported mamba_ssm_dtype {name!r}")
-    return str(name)
-
-
-def checkpoint_dtype(*configs: dict[str, Any]) -> str:
-    """The weights' dtype the first of `configs` (configs completed by `transformers_defaults`, a
-    wrapper's own before its text config) that states one gives: its `dtype` (transformers 5;
-    `torch_dtype` in 4.x). None states one: float32, ours. transformers' classes hold None then
-    and its `from_pretrained(dtype="auto")` takes the weights' dtype, which a config-only
-    (`--load-format dummy`) checkpoint does not have."""
-    for d in configs:
-        if d.get("dtype") or d.get("torch_dtype"):
-            return str(d.get("dtype") or d.get("torch_dtype"))
-    return "float32"
-
-
-def eos_token_ids(generation_config: dict | None, *configs: dict[str, Any]) -> tuple[int, ...]:
-    """The EOS ids: `generation_config`'s `eos_token_id` where it has that key, else the first
-    non-null one of `configs` (a wrapper's own config before its text config, as transformers'
-    `GenerationConfig.from_model_config` takes them); an int or a list, as the files write it."""
-    if generation_config and "eos_token_id" in generation_config:
-        eos = generation_config["eos_token_id"]
-    else:
-        eos = next((c["eos_token_id"] for c in configs if c.get("eos_token_id") is not None), None)
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    layer_types: tuple[str, ...]
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
     # gated full attention
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     partial_rotary_factor: float
     rope_theta: float
     attention_bias: bool
@@ -146,28 +53,13 @@ class ModelConfig:
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
     norm_topk_prob: bool
-    torch_dtype: str = "float32"
-    eos_token_ids: tuple[int, ...] = ()
     # checkpoint layout: "grouped" in_proj_qkvz/in_proj_ba (Qwen3-Next) or "split"
     # in_proj_qkv/z/b/a (Qwen3.5); where the language model's tensors live in the file
     gdn_projections: str = "grouped"
     weight_prefix: str = "model."
-    mtp_num_hidden_layers: int = 0  # decoder layers of the multi-token-prediction head (mtp.*)
-    mamba_ssm_dtype: str = "float32"  # the checkpoint's recurrent-state dtype (SSM_DTYPES)
 
     def __post_init__(self) -> None:
-        bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
-        if bad:
-            raise ValueError(f"config.json: unsupported layer type {bad[0]!r}")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"config.json: layer_types has {len(self.layer_types)} entries, "
-                f"num_hidden_layers is {self.num_hidden_layers}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
+        super().__post_init__()
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(
                 "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
@@ -199,14 +91,6 @@ class ModelConfig:
     @property
     def linear_beta_scale(self) -> float:  # beta = scale * sigmoid(b) (OLMo-Hybrid: 2)
         return 1.0
-
-    @cached_property
-    def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
-
-    @cached_property
-    def linear_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (
@@ -247,13 +131,13 @@ class ModelConfig:
                 )
             # the wrapper's own fields; its sub-configs are read apart (the vision one never)
             own = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
-            outer = transformers_defaults(model_type, own, fallback="qwen3_next")
+            outer = cls.complete(model_type, own, fallback="qwen3_next")
             raw = {**text, "model_type": text_type}
             model_type, prefix = text_type, "model.language_model."
         qwen3_5 = model_type in QWEN3_5_TEXT
         _check_rope_kind(raw)  # first: the class refuses an incomplete scaled kind less plainly
         # transformers 4.x lacks Qwen3.5: Qwen3-Next's defaults are its for every field read here
-        d = transformers_defaults(model_type, raw, fallback="qwen3_next")
+        d = cls.complete(model_type, raw, fallback="qwen3_next")
 
         def need(key: str) -> Any:
             if key not in raw:
@@ -270,11 +154,11 @@ class ModelConfig:
         # classes have no decoder_sparse_step, mlp_only_layers or norm_topk_prob to read)
         all_moe = model_type == "qwen3_5_moe_text"
         num_experts = 0 if model_type == "qwen3_5_text" else int(need("num_experts"))
-        return cls(
+        layer_types = tuple(d["layer_types"])
+        fields: dict[str, Any] = dict(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),
-            num_hidden_layers=n_layers,
-            layer_types=tuple(d["layer_types"]),
+            layer_types=layer_types,
             rms_norm_eps=float(d["rms_norm_eps"]),
             tie_word_embeddings=bool((outer or d)["tie_word_embeddings"]),
             max_position_embeddings=int(d["max_position_embeddings"]),
@@ -298,15 +182,20 @@ class ModelConfig:
             decoder_sparse_step=1 if qwen3_5 else int(d["decoder_sparse_step"]),
             mlp_only_layers=() if qwen3_5 else tuple(int(i) for i in d["mlp_only_layers"]),
             norm_topk_prob=True if qwen3_5 else bool(d["norm_topk_prob"]),
-            torch_dtype=checkpoint_dtype(outer, d),
-            eos_token_ids=eos_token_ids(generation_config, outer, d),
             gdn_projections="split" if qwen3_5 else "grouped",
             weight_prefix=prefix,
             # not a field of transformers' classes (their ports have no MTP head): the file's
             # count of the head's decoder layers, none when it states none
             mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers") or 0),
-            mamba_ssm_dtype=checkpoint_ssm_dtype(d),
+            **cls.checkpoint_fields(d, generation_config, outer),
         )
+        cls.check_layer_types(layer_types)  # a bad type is named before a wrong count
+        if len(layer_types) != n_layers:
+            raise ValueError(
+                f"config.json: layer_types has {len(layer_types)} entries, "
+                f"num_hidden_layers is {n_layers}"
+            )
+        return cls(**fields)
 
 
 def _check_rope_kind(config: dict[str, Any]) -> None:
@@ -316,18 +205,3 @@ def _check_rope_kind(config: dict[str, Any]) -> None:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind != "default":
         raise ValueError(f"config.json: unsupported rope_type {kind!r}")
-
-
-def transformers_defaults(
-    model_type: str, raw: dict[str, Any], fallback: str | None = None
-) -> dict[str, Any]:
-    """`raw` completed by transformers' config class for `model_type` (its `to_dict()`, legacy
-    key and layer-type names remapped as the class does), or by `fallback`'s where the installed
-    transformers lacks that type. Its validators' errors are `ValueError`s."""
-    from transformers import CONFIG_MAPPING
-
-    name = model_type if fallback is None or model_type in CONFIG_MAPPING else fallback
-    try:  # the class mutates nested dicts (rope_parameters) in place
-        return CONFIG_MAPPING[name].from_dict(copy.deepcopy(raw)).to_dict()
-    except Exception as e:
-        raise ValueError(" ".join(f"config.json: {e}".split())) from e

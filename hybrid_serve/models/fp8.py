@@ -40,7 +40,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid_serve.kernels.fp8 import E4M3, dequantize_blocks  # noqa: F401 (E4M3: re-exported)
-from hybrid_serve.models.config import read_json
+from hybrid_serve.models.base_config import read_json
 from hybrid_serve.models.shard_loader import Shard, read_shard
 from hybrid_serve.models.weight_map import is_skipped
 

@@ -31,6 +31,8 @@ from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import REFERENCE, Linear, RMSNormGated
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import row_linear
+from hybrid_serve.models.shard_loader import Shard
+from hybrid_serve.models.tp_shards import cols, rows, span
 
 
 class GatedDeltaNet(nn.Module):
@@ -47,7 +49,8 @@ class GatedDeltaNet(nn.Module):
         ops: KernelSet = REFERENCE,
     ) -> None:
         super().__init__()
-        c, self.ops = config, ops
+        c, self.ops, self.tp = config, ops, tp or ParallelContext()
+        self.grouped = getattr(c, "gdn_projections", None) == "grouped"  # Qwen3-Next's tensors
         self.linear_layer_id = linear_layer_id  # index among the linear-attention layers
         self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
@@ -77,6 +80,28 @@ class GatedDeltaNet(nn.Module):
             c.linear_conv_kernel_dim - 1,
             (self.num_v_heads, self.head_k_dim, self.head_v_dim),
         )
+
+    def tp_shards(self, config) -> dict[str, Shard | None]:
+        """This rank's key heads and their value heads (its heads are an equal share): their
+        rows of the [Q|K|V|Z] and [B|A] projections (Qwen3-Next's checkpoint groups these rows
+        per key head: one block of groups) and of the [Q|K|V] conv channels, dt_bias / A_log of
+        its value heads, out_proj columns; the per-head output norm whole."""
+        H, HV = self.num_k_heads * self.tp.size, self.num_v_heads * self.tp.size
+        dk, dv, kn, vn = self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads
+        k0, v0, kd, vd = self.tp.rank * kn, self.tp.rank * vn, H * dk, HV * dv
+        keys, values, heads = span(k0, kn, dk), span(v0, vn, dv), span(v0, vn)
+        qkv = (keys, span(k0, kn, dk, kd), span(v0, vn, dv, 2 * kd))
+        out: dict[str, Shard | None] = {"conv1d.weight": rows(*qkv, segments=(kd, kd, vd))}
+        if self.grouped:
+            ratio = HV // H
+            out["in_proj_qkvz.weight"] = rows(span(k0, kn, 2 * dk + 2 * ratio * dv))
+            out["in_proj_ba.weight"] = rows(span(k0, kn, 2 * ratio))
+        else:
+            z = span(v0, vn, dv, 2 * kd + vd)
+            out["in_proj_qkvz.weight"] = rows(*qkv, z, segments=(kd, kd, vd, vd))
+            out["in_proj_ba.weight"] = rows(heads, span(v0, vn, offset=HV), segments=(HV, HV))
+        out |= {"dt_bias": rows(heads), "A_log": rows(heads), "norm.weight": None}
+        return out | {"out_proj.weight": cols(values)}
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:

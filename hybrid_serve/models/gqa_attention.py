@@ -67,7 +67,7 @@ class Attention(nn.Module):
             self.q_norm = rms_norm_plain(q_rows, qk_norm_eps, self.tp, ops)
             self.k_norm = rms_norm_plain(kv_rows, qk_norm_eps, self.tp, ops)
 
-    def tp_shards(self) -> dict[str, Shard]:
+    def tp_shards(self, config) -> dict[str, Shard | None]:
         """This rank's q/k/v rows (and q/k norm weights) and o_proj columns
         (`hybrid_serve.models.tp_shards`)."""
         return attention_shards(self.tp, *self.whole)

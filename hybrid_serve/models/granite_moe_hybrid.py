@@ -52,7 +52,7 @@ class GraniteMoeHybridMLP(nn.Module):
         self.input_linear = Linear(hidden_size, 2 * local, bias=False, ops=ops)
         self.output_linear = Linear(local, hidden_size, bias=False, ops=ops)
 
-    def tp_shards(self) -> dict[str, Shard]:
+    def tp_shards(self, config) -> dict[str, Shard | None]:
         return {
             "input_linear.weight": swiglu_rows(self.tp, self.width),
             "output_linear.weight": width_share(self.tp, self.width, dim=1),
@@ -83,10 +83,11 @@ class GraniteMoeHybridMoE(nn.Module):
         self.router = GraniteMoeHybridRouter(c.num_experts, c.hidden_size, ops)
         self.experts = Experts(c.num_experts, c.hidden_size, local, ops)
 
-    def tp_shards(self) -> dict[str, Shard]:
+    def tp_shards(self, config) -> dict[str, Shard | None]:
         return {
             "experts.gate_up_proj": swiglu_rows(self.tp, self.width, dim=1),
             "experts.down_proj": width_share(self.tp, self.width, dim=2),
+            "router.layer.weight": None,
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]

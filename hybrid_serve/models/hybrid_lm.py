@@ -13,9 +13,9 @@ checkpoint's names (`build_stack`, which adds the LM head), or supplies these pa
 
 The recurrent mixers (Mamba2, Gated DeltaNet) are found in module order, which is their layer
 order and so their Mamba-pool order; each describes its own state (`state_shape`). Under tensor
-parallelism (and only then) every sharded module is asked for its parameters' shards
-(`tp_shards`, see `models.tp_shards`), the embedding and LM head are vocab-parallel, and
-`local_config` carries this rank's attention heads (what its KV pool holds).
+parallelism (and only then) the modules are asked for their parameters' shards (`tp_shards`, see
+`models.tp_shards`: every parameter is declared, the vocab-parallel embedding and LM head too),
+and `local_config` carries this rank's attention heads (what its KV pool holds).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from hybrid_serve.models.layers import REFERENCE, RMSNormPlain, RotaryEmbedding
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import embedding, lm_head
 from hybrid_serve.models.shard_loader import Shard
-from hybrid_serve.models.tp_shards import stacked
+from hybrid_serve.models.tp_shards import param_shards, target_shard
 from hybrid_serve.models.weight_map import Target
 
 
@@ -109,6 +109,18 @@ class CausalLM(nn.Module):
             if hasattr(module, "ops"):
                 module.ops = ops
 
+    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
+        """The part of checkpoint tensor `name` (loading into `target`) this rank reads, from
+        the shard its parameter's module declares (`models.tp_shards`); None: all of it."""
+        shard = self._param_shards.get(target.param)
+        return None if shard is None else target_shard(shard, target)
+
+    @cached_property
+    def _param_shards(self) -> dict[str, Shard | None]:
+        """Parameter name -> this rank's shard (`models.tp_shards.param_shards`; refuses an
+        undeclared parameter at TP > 1)."""
+        return param_shards(self, self.config) if self.tp.enabled else {}
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
@@ -181,30 +193,6 @@ class HybridForCausalLM(CausalLM):
         return getattr(self, self.stack_name).final_norm(x)
 
     # ---- the contract ------------------------------------------------------------------------
-    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
-        """The part of checkpoint tensor `name` (loading into `target`) this rank reads; None:
-        all of it."""
-        shard = self._param_shards.get(target.param)
-        if shard is None:
-            return None
-        return stacked(shard, len(target.index)) if target.index else shard
-
-    @cached_property
-    def _param_shards(self) -> dict[str, Shard]:
-        """Parameter name -> this rank's shard, from every sharded module and the vocab."""
-        if not self.tp.enabled:
-            return {}
-        found = {}
-        for prefix, module in self.named_modules():
-            if hasattr(module, "tp_shards"):
-                found |= {f"{prefix}.{k}": s for k, s in module.tp_shards().items()}
-        start, count, _ = self.tp.vocab_range(self.config.vocab_size)
-        vocab = Shard(0, ((start, start + count),), rows=count)
-        names = {id(p): n for n, p in self.named_parameters()}
-        for weight in (self.embed_tokens.weight, self.lm_head.weight):
-            found[names[id(weight)]] = vocab
-        return found
-
     @property
     def num_kv_layers(self) -> int:
         """Layers whose keys and values the KV pool holds."""

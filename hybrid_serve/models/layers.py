@@ -46,6 +46,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps, self.ops = eps, ops
 
+    def tp_shards(self, config) -> dict[str, None]:
+        """Whole on every rank (`models.tp_shards`) unless the module holding it says otherwise."""
+        return {"weight": None}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
@@ -64,6 +68,10 @@ class RMSNormPlain(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.ops = eps, ops
 
+    def tp_shards(self, config) -> dict[str, None]:
+        """Whole on every rank (`models.tp_shards`) unless the module holding it says otherwise."""
+        return {"weight": None}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm_plain(x, self.weight, self.eps)
 
@@ -75,6 +83,10 @@ class RMSNormGated(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.ops = eps, ops
+
+    def tp_shards(self, config) -> dict[str, None]:
+        """Whole on every rank (`models.tp_shards`) unless the module holding it says otherwise."""
+        return {"weight": None}
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm_gated(x, z, self.weight, self.eps)

@@ -23,19 +23,13 @@ NemotronH's port has).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, ClassVar
 
-from hybrid_serve.models.config import (
-    checkpoint_dtype,
-    checkpoint_ssm_dtype,
-    eos_token_ids,
-    transformers_defaults,
-)
+from hybrid_serve.models.base_config import FULL, LINEAR, HybridConfig
 from hybrid_serve.models.families import types_read_by
 from hybrid_serve.models.mamba2_mixer import Mamba2Config
 
-MAMBA, ATTENTION, HYBRID = "linear_attention", "full_attention", "hybrid"
+MAMBA, ATTENTION, HYBRID = LINEAR, FULL, "hybrid"
 # the model_types of the family table's rows this class reads
 MODEL_TYPES = types_read_by(f"{__name__}.Mamba2HybridConfig")
 # fields a file must state: transformers' defaults for them are a full-size release's
@@ -43,50 +37,12 @@ REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "mamba_n_heads")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mamba2StackConfig:
-    """What every Mamba2 hybrid's config holds and checks (the three families here, NemotronH's
-    `models.nemotron_h_config`): a layer of a type in `KV_TYPES` holds attention (a KV-pool
-    layer), one in `STATE_TYPES` a Mamba2 mixer (a Mamba-pool layer); `LAYER_TYPES` are all the
-    family reads."""
+class Mamba2StackConfig(HybridConfig):
+    """What every Mamba2 hybrid's config holds (the three families here, NemotronH's
+    `models.nemotron_h_config`): its layers of a type in `STATE_TYPES` hold a Mamba2 mixer of
+    `mamba`'s shape (no MTP head is served for these families)."""
 
-    LAYER_TYPES: ClassVar[tuple[str, ...]]
-    KV_TYPES: ClassVar[tuple[str, ...]] = (ATTENTION,)
-    STATE_TYPES: ClassVar[tuple[str, ...]] = (MAMBA,)
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]  # one of LAYER_TYPES per layer
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     mamba: Mamba2Config
-    torch_dtype: str = "float32"
-    eos_token_ids: tuple[int, ...] = ()
-    mtp_num_hidden_layers: int = 0  # no MTP head is served for these families
-    mamba_ssm_dtype: str = "float32"  # the checkpoint's SSM-state dtype (models.config)
-
-    def __post_init__(self) -> None:
-        bad = [t for t in self.layer_types if t not in self.LAYER_TYPES]
-        if bad:
-            raise ValueError(f"config.json: unsupported layer type {bad[0]!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return len(self.layer_types)
-
-    @cached_property
-    def full_attention_layers(self) -> tuple[int, ...]:  # layers with attention (KV)
-        return tuple(i for i, t in enumerate(self.layer_types) if t in self.KV_TYPES)
-
-    @cached_property
-    def linear_attention_layers(self) -> tuple[int, ...]:  # layers with Mamba2 (state)
-        return tuple(i for i, t in enumerate(self.layer_types) if t in self.STATE_TYPES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,10 +96,7 @@ class Mamba2HybridConfig(Mamba2StackConfig):
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"unsupported architecture: model_type {model_type!r}")
-        for key in REQUIRED:
-            if key not in raw:
-                raise ValueError(f"config.json: missing field {key!r}")
-        d = transformers_defaults(model_type, raw)
+        d = cls.complete(model_type, raw, REQUIRED)
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
         rope = _rope(d)
@@ -166,9 +119,7 @@ class Mamba2HybridConfig(Mamba2StackConfig):
             rope_theta=float(rope["rope_theta"]),
             # Granite's class has no mlp_bias: its MLPs have no bias in transformers
             mlp_bias=model_type != "granitemoehybrid" and bool(d["mlp_bias"]),
-            torch_dtype=checkpoint_dtype(d),
-            eos_token_ids=eos_token_ids(generation_config, d),
-            mamba_ssm_dtype=checkpoint_ssm_dtype(d),
+            **cls.checkpoint_fields(d, generation_config),
         )
         read = {"granitemoehybrid": _granite, "bamba": _bamba, "falcon_h1": _falcon_h1}
         return cls(**common, **read[model_type](d, head_dim))

@@ -166,7 +166,7 @@ class Mamba2Mixer(nn.Module):
             return self.out_proj(y)
         return self.out_proj(self._extend(zxbcdt, batch))
 
-    def tp_shards(self) -> dict[str, Shard]:
+    def tp_shards(self, config) -> dict[str, Shard | None]:
         """This rank's part of each parameter (`models.tp_shards`): its heads' rows of z, x and
         dt, its groups' (all when G = 1) of B and C."""
         w, hn, gn = self.whole, self.config.num_heads, self.config.n_groups
@@ -182,8 +182,8 @@ class Mamba2Mixer(nn.Module):
         out |= {"dt_bias": heads, "A_log": heads, "D": heads}
         if self.norm is not None:
             out["norm.weight"] = rows(x)
-        if w.proj_bias:
-            out["in_proj.bias"] = proj
+        if w.proj_bias:  # out_proj's is added after the sum over the ranks: whole
+            out |= {"in_proj.bias": proj, "out_proj.bias": None}
         if w.conv_bias:
             out["conv1d.bias"] = conv
         return out

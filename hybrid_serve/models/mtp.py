@@ -46,6 +46,10 @@ class MultiTokenPredictor(nn.Module):
         self.norm = RMSNorm(hid, eps, ops)
         self.lm_head: nn.Module | None = None  # its own LM head (quantized drafts), else shared
 
+    def tp_shards(self, config: ModelConfig) -> dict[str, None]:
+        """`fc` whole on every rank (its layer's modules and the norms declare their own)."""
+        return {"fc.weight": None}
+
     def layer_input(
         self, ids: torch.Tensor, hidden: torch.Tensor, embed: nn.Module
     ) -> torch.Tensor:

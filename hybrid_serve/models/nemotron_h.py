@@ -52,10 +52,10 @@ class NemotronHMLP(nn.Module):
         self.up_proj = Linear(hidden, local, bias=bias, ops=ops)
         self.down_proj = row_linear(local, hidden, bias, self.tp, ops)
 
-    def tp_shards(self) -> dict[str, Shard]:
+    def tp_shards(self, config) -> dict[str, Shard | None]:
         share = width_share(self.tp, self.width)
         out = {"up_proj.weight": share, "down_proj.weight": cols(*share.ranges)}
-        return out | ({"up_proj.bias": share} if self.bias else {})
+        return out | ({"up_proj.bias": share, "down_proj.bias": None} if self.bias else {})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
@@ -82,7 +82,7 @@ class NemotronHExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
 
-    def tp_shards(self) -> dict[str, Shard]:
+    def tp_shards(self, config) -> dict[str, Shard | None]:
         share = width_share(self.tp, self.width, dim=1)
         return {"up_proj": share, "down_proj": cols(*share.ranges, dim=2)}
 
@@ -103,6 +103,10 @@ class NemotronHMoE(nn.Module):
         )
         if c.mlp_bias:
             raise ValueError("config.json: MoE blocks with mlp_bias are unsupported")
+
+    def tp_shards(self, config) -> dict[str, Shard | None]:
+        """The router whole (the experts and the shared expert declare their own)."""
+        return {"gate.weight": None, "gate.e_score_correction_bias": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
         c, shared = self.config, self.shared_experts

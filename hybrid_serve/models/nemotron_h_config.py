@@ -20,12 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from hybrid_serve.models.config import (
-    checkpoint_dtype,
-    checkpoint_ssm_dtype,
-    eos_token_ids,
-    transformers_defaults,
-)
 from hybrid_serve.models.mamba2_hybrid_config import Mamba2StackConfig
 from hybrid_serve.models.mamba2_mixer import Mamba2Config
 
@@ -83,7 +77,7 @@ class NemotronHConfig(Mamba2StackConfig):
         widths = raw.get("intermediate_size")
         # transformers' class takes one int: a per-block list is read here, not by the class
         for_hf = {**raw, "intermediate_size": 0} if isinstance(widths, list) else raw
-        d = transformers_defaults("nemotron_h", for_hf)
+        d = cls.complete("nemotron_h", for_hf)
 
         def need(*keys: str) -> Any:
             for key in keys:
@@ -146,7 +140,5 @@ class NemotronHConfig(Mamba2StackConfig):
             topk_group=int(d["topk_group"]),
             norm_topk_prob=bool(d["norm_topk_prob"]),
             routed_scaling_factor=float(d["routed_scaling_factor"]),
-            torch_dtype=checkpoint_dtype(d),
-            eos_token_ids=eos_token_ids(generation_config, d),
-            mamba_ssm_dtype=checkpoint_ssm_dtype(d),
+            **cls.checkpoint_fields(d, generation_config),
         )

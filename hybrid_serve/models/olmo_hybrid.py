@@ -15,8 +15,8 @@ is transformers' (the release's `attention_layer_norm` and `feedforward_layer_no
 `input_layernorm` and `post_attention_layernorm`: `weight_map.NAME_RULES`).
 
 Under tensor parallelism a rank holds the GDN key heads and their value heads that Qwen3-Next's
-GDN does (`models.shard_loader.gdn_shard`, which reads OLMo's separate tensors by their own
-names), its attention heads with their share of the q/k norm weights (the norms' rms summed
+GDN does (its `tp_shards`: the parts of the fused projections and conv that OLMo's separate
+tensors fill), its attention heads with their share of the q/k norm weights (the norms' rms summed
 over the ranks, `models.parallel_layers.ParallelRMSNormPlain`), its share of each MLP's width
 and of the vocabulary; the layer norms are whole on every rank.
 """
@@ -37,8 +37,6 @@ from hybrid_serve.models.layers import RMSNormPlain
 from hybrid_serve.models.olmo_hybrid_config import FULL, OlmoHybridConfig
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import mlp
-from hybrid_serve.models.shard_loader import Shard, gdn_shard
-from hybrid_serve.models.weight_map import Target
 
 
 class OlmoHybridDecoderLayer(nn.Module):
@@ -88,11 +86,3 @@ class OlmoHybridForCausalLM(HybridForCausalLM):
         layer = partial(OlmoHybridDecoderLayer, local=self.local_config)
         rotary_dim = self.config.rotary_dim  # OLMo keeps the angles in fp32
         self.build_stack(layer, rotary_dim=rotary_dim, rotary_dtype=torch.float32)
-
-    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
-        """GDN tensors by their own names (several fill slices of one fused parameter, so the
-        parameter cannot say which part of each a rank reads: `gdn_shard`); the rest by the
-        parameter they load into (`HybridForCausalLM.checkpoint_shard`)."""
-        if ".linear_attn." in name:
-            return gdn_shard(name, self.config, self.tp)
-        return super().checkpoint_shard(name, target)

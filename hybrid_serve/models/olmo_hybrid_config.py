@@ -13,17 +13,12 @@ must be in the file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
-from hybrid_serve.models.config import (
-    checkpoint_dtype,
-    checkpoint_ssm_dtype,
-    eos_token_ids,
-    transformers_defaults,
-)
+from hybrid_serve.models.base_config import FULL, LINEAR, HybridConfig
 
-LINEAR, FULL = "linear_attention", "full_attention"
+__all__ = ["FULL", "GDN_NORM_EPS", "LINEAR", "REQUIRED", "OlmoHybridConfig"]
+
 # not a config field in transformers: its OLMo-Hybrid port, like vLLM's, fixes the GDN output
 # norm's epsilon at FLA's FusedRMSNormGated default
 GDN_NORM_EPS = 1e-5
@@ -32,18 +27,11 @@ GDN_NORM_EPS = 1e-5
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-@dataclass(frozen=True)
-class OlmoHybridConfig:
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    # attention (q/k norm over all heads; RoPE only with a rope_theta)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int  # hidden_size / num_attention_heads (a field: a rank's config has fewer heads)
+@dataclass(frozen=True, kw_only=True)
+class OlmoHybridConfig(HybridConfig):
+    """Layers of Gated DeltaNet or attention (q/k norm over all heads; RoPE only with a
+    rope_theta), by `layer_types`; `head_dim` is hidden_size / num_attention_heads."""
+
     attention_bias: bool
     rotary_dim: int  # 0: no positional encoding
     rope_theta: float
@@ -57,30 +45,16 @@ class OlmoHybridConfig:
     # SwiGLU MLP in every layer
     intermediate_size: int
     linear_norm_eps: float = GDN_NORM_EPS
-    torch_dtype: str = "float32"
-    eos_token_ids: tuple[int, ...] = ()
     model_type: str = "olmo_hybrid"
     gdn_projections: str = "olmo"  # separate q/k/v/g/a/b projections and q/k/v convs
     weight_prefix: str = "model."
-    mtp_num_hidden_layers: int = 0
-    mamba_ssm_dtype: str = "float32"  # the checkpoint's recurrent-state dtype (models.config)
 
     def __post_init__(self) -> None:
-        bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
-        if bad:
-            raise ValueError(f"config.json: unsupported layer type {bad[0]!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
+        super().__post_init__()
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(
                 "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
             )
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return len(self.layer_types)
 
     @property
     def linear_key_dim(self) -> int:  # H * dk
@@ -94,14 +68,6 @@ class OlmoHybridConfig:
     def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
         return 2 * self.linear_key_dim + self.linear_value_dim
 
-    @cached_property
-    def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
-
-    @cached_property
-    def linear_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
-
     @classmethod
     def from_dict(
         cls, raw: dict[str, Any], generation_config: dict | None = None
@@ -109,10 +75,7 @@ class OlmoHybridConfig:
         """`raw` (a config.json's dict) completed by transformers' `OlmoHybridConfig`, which
         supplies every absent field's default; the `REQUIRED` fields must be in `raw`. EOS ids:
         `generation_config`'s, else the config's."""
-        for key in REQUIRED:
-            if key not in raw:
-                raise ValueError(f"config.json: missing field {key!r}")
-        d = transformers_defaults("olmo_hybrid", raw)
+        d = cls.complete("olmo_hybrid", raw, REQUIRED)
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
         rope = d["rope_parameters"]  # the class fills rope_type and rope_theta (null: kept)
@@ -140,7 +103,5 @@ class OlmoHybridConfig:
             linear_conv_kernel_dim=int(d["linear_conv_kernel_dim"]),
             linear_beta_scale=2.0 if d["linear_allow_neg_eigval"] else 1.0,
             intermediate_size=int(d["intermediate_size"]),
-            torch_dtype=checkpoint_dtype(d),
-            eos_token_ids=eos_token_ids(generation_config, d),
-            mamba_ssm_dtype=checkpoint_ssm_dtype(d),
+            **cls.checkpoint_fields(d, generation_config),
         )

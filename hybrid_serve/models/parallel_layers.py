@@ -3,9 +3,9 @@ vocab-parallel embedding and LM head, and the norms over channels split across t
 (the Mamba2 gated norm at G = 1, OLMo-Hybrid's q/k norms over all heads).
 
 Column-parallel projections need no class of their own: a rank's q/k/v, in_proj_qkvz/ba,
-gate/up projections are plain `Linear`s with its share of the output rows (the shard loader fills
-them, `models.shard_loader`). Each factory here returns today's plain module when the context
-has one rank, so tp_size=1 runs exactly the unsharded model.
+gate/up projections are plain `Linear`s with its share of the output rows (the module holding
+them declares which, `models.tp_shards`). Each factory here returns today's plain module when
+the context has one rank, so tp_size=1 runs exactly the unsharded model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hybrid_serve.kernels import KernelSet
 from hybrid_serve.models.layers import MLP, REFERENCE, Linear, RMSNormPlain, SparseMoE
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.shard_loader import Shard
-from hybrid_serve.models.tp_shards import mlp_shards
+from hybrid_serve.models.tp_shards import mlp_shards, swiglu_rows, vocab_rows, width_share
 
 
 class RowParallelLinear(Linear):
@@ -54,9 +54,8 @@ class ParallelMLP(MLP):
         super().__init__(hidden_size, intermediate_size, ops)
         self.tp, self.width = tp, intermediate_size * tp.size
 
-    def tp_shards(self) -> dict[str, Shard]:
-        """Its gate/up rows and down columns (`models.tp_shards`; Qwen3-Next finds the same by
-        checkpoint name, `hybrid_serve.models.shard_loader`)."""
+    def tp_shards(self, config) -> dict[str, Shard | None]:
+        """Its gate/up rows and down columns (`models.tp_shards`)."""
         return mlp_shards(self.tp, self.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +71,18 @@ class ParallelSparseMoE(SparseMoE):
         super().__init__(*args, **kwargs)
         self.tp = tp
 
+    def tp_shards(self, config) -> dict[str, Shard | None]:
+        """The experts' [gate | up] rows and down columns of this rank's share of their width,
+        the shared expert's likewise; the router and the shared-expert gate whole."""
+        width = self.experts.down_proj.shape[2] * self.tp.size
+        shared = self.shared_expert.gate_proj.weight.shape[0] * self.tp.size
+        return {
+            "gate.weight": None,
+            "shared_expert_gate.weight": None,
+            "experts.gate_up_proj": swiglu_rows(self.tp, width, dim=1),
+            "experts.down_proj": width_share(self.tp, width, dim=2),
+        } | {f"shared_expert.{k}": s for k, s in mlp_shards(self.tp, shared).items()}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
 
@@ -85,6 +96,10 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.start, self.count, rows = tp.vocab_range(vocab_size)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def tp_shards(self, config) -> dict[str, Shard | None]:
+        """Its vocabulary rows (the padding rows after them are left at zero)."""
+        return {"weight": vocab_rows(self.start, self.count)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -101,6 +116,11 @@ class ParallelLMHead(Linear):
     ) -> None:
         super().__init__(hidden_size, tp.vocab_range(vocab_size)[2], bias=False, ops=ops)
         self.tp, self.vocab_size = tp, vocab_size
+
+    def tp_shards(self, config) -> dict[str, Shard | None]:
+        """Its vocabulary rows, as the embedding's."""
+        start, count, _ = self.tp.vocab_range(self.vocab_size)
+        return {"weight": vocab_rows(start, count)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(super().forward(x))[..., : self.vocab_size]
@@ -135,6 +155,10 @@ class ParallelRMSNormPlain(RMSNormPlain):
     def __init__(self, dim: int, eps: float, tp: ParallelContext, ops: KernelSet) -> None:
         super().__init__(dim, eps, ops)
         self.tp = tp
+
+    def tp_shards(self, config) -> dict[str, Shard | None]:
+        """None of its own: which channels a rank holds is the module holding it to declare."""
+        return {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.weight.float() * rms_over_ranks(x.float(), self.eps, self.tp)).to(x.dtype)

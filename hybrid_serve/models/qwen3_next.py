@@ -23,8 +23,6 @@ from hybrid_serve.models.layers import REFERENCE, RMSNorm, RotaryEmbedding
 from hybrid_serve.models.mtp import MultiTokenPredictor
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import embedding, lm_head
-from hybrid_serve.models.shard_loader import Shard, source_shard
-from hybrid_serve.models.weight_map import Target
 
 
 class Qwen3NextModel(nn.Module):
@@ -83,10 +81,6 @@ class Qwen3NextForCausalLM(CausalLM):
         """Attention layers whose keys and values the KV pool holds (the MTP head's last)."""
         extra = self.config.mtp_num_hidden_layers if self.mtp is not None else 0
         return len(self.config.full_attention_layers) + extra
-
-    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
-        """The part of checkpoint tensor `name` this rank reads (`source_shard`; None: all)."""
-        return source_shard(name, self.config, self.tp)
 
     @torch.inference_mode()
     def draft_logits(self, y: torch.Tensor) -> torch.Tensor:

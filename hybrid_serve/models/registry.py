@@ -4,8 +4,8 @@
 `read_config(path)` picks the family by the file's `model_type` (or, where that is unknown, its
 `architectures`), reads the config with that family's frozen config class and returns it;
 `model_class(config)` is the model class for a config read that way. Every family's model keeps
-the contract the loader and the scheduler rely on (`Qwen3NextForCausalLM`'s: `forward`,
-`final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`, `use_kernels`).
+the contract the scheduler relies on, `models.protocol.ServedModel`
+(tests/scheduler/test_model_protocol.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from hybrid_serve.models.config import read_json
+from hybrid_serve.models.base_config import read_json
 from hybrid_serve.models.families import FAMILIES, Family, family_of_type, resolve
 
 __all__ = ["FAMILIES", "Config", "family_of", "model_class", "read_config"]

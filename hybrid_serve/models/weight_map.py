@@ -283,7 +283,7 @@ def checkpoint_map(model: nn.Module, names: Iterable[str] | None = None) -> dict
     MTP head's too when it has one: `mtp.*`, never renamed), each parameter in the spelling the
     checkpoint's `names` use (module docstring; None: the first spelling). Row slices and
     regrouping follow the model's own shapes: a tensor-parallel rank's (its `local_config`),
-    whose part of each tensor `models.shard_loader` reads."""
+    whose part of each tensor follows from its parameter's declared shard (`models.tp_shards`)."""
     c = getattr(model, "local_config", model.config)
     rules = NAME_RULES[model_type_of(c)]
     options = {  # a tied lm_head is listed once, as the embedding

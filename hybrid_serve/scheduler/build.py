@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.parallel import ParallelContext
-from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.protocol import ServedModel
 from hybrid_serve.scheduler.config import RunnerConfig, SchedulerConfig
 from hybrid_serve.scheduler.debug import DebugSwitches, install
 from hybrid_serve.scheduler.grammar import GrammarBackend
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def load_runner_model(
     model_path: str, runner_cfg: RunnerConfig, tp: ParallelContext | None = None
-) -> Qwen3NextForCausalLM:
+) -> ServedModel:
     """The checkpoint's model as `runner_cfg` asks for it: dtype, device, load format, weight
     quantization, and the MTP head (its own quantization) when it speculates."""
     return load_model(

@@ -25,7 +25,7 @@ from hybrid_serve.mem_cache.kv_pool import KVPool
 from hybrid_serve.mem_cache.mamba_pool import MambaPool
 from hybrid_serve.mem_cache.req_pool import ReqToTokenPool
 from hybrid_serve.models.forward_batch import ForwardBatch
-from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.protocol import ServedModel
 from hybrid_serve.scheduler.config import RunnerConfig
 from hybrid_serve.scheduler.penalties import TokenCounts
 from hybrid_serve.scheduler.pool_sizing import ssm_state_dtype
@@ -57,7 +57,7 @@ class DecodeInput:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3NextForCausalLM, config: RunnerConfig) -> None:
+    def __init__(self, model: ServedModel, config: RunnerConfig) -> None:
         self.model, self.config = model, config
         mc = model.local_config  # this rank's heads: its pools hold only their states
         device = torch.device(config.device)

@@ -16,7 +16,7 @@ takes the rest, rounded down to whole pages. Sizes per unit:
                   slot's final-hidden row, exact repeats)
 
 The temporal (SSM) state's dtype is `--mamba-ssm-dtype` (SGLang's flag), else the checkpoint's
-`mamba_ssm_dtype` (`models.config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
+`mamba_ssm_dtype` (`models.base_config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
 
 from hybrid_serve.kernels.fp8 import weight_bytes
 from hybrid_serve.mem_cache.state_shape import state_bytes_per_slot
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.loader import DTYPES
+from hybrid_serve.models.protocol import ServedConfig, ServedModel
 
 GB = 1e9
 
@@ -42,14 +41,14 @@ class PoolBytes:
     ssm_dtype: torch.dtype = torch.float32
 
 
-def ssm_state_dtype(cfg, model: nn.Module) -> torch.dtype:
+def ssm_state_dtype(cfg, model: ServedModel) -> torch.dtype:
     """The Mamba pool's temporal-state dtype: `cfg.mamba_ssm_dtype` (a RunnerConfig's), else
     the checkpoint's."""
     return DTYPES[cfg.mamba_ssm_dtype or model.config.mamba_ssm_dtype]
 
 
-def pool_bytes(model: nn.Module, ssm_dtype: torch.dtype = torch.float32) -> PoolBytes:
-    c: ModelConfig = getattr(model, "local_config", model.config)  # per tensor-parallel rank
+def pool_bytes(model: ServedModel, ssm_dtype: torch.dtype = torch.float32) -> PoolBytes:
+    c: ServedConfig = getattr(model, "local_config", model.config)  # per tensor-parallel rank
     dtype_bytes = next(model.parameters()).element_size()
     layers = getattr(model, "num_kv_layers", len(c.full_attention_layers))  # + the MTP head's
     kv = layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid_serve.make_model.weights_file import save_weights
-from hybrid_serve.models.config import encode_special_floats, read_json
+from hybrid_serve.models.base_config import encode_special_floats, read_json
 from hybrid_serve.models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config, dequantize, scale_name
 
 

@@ -398,9 +398,9 @@ def test_two_spellings_of_a_tensor_are_refused(files, tmp_path):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_layout_shards_for_two_ranks(files, layout):
-    """Under tensor parallelism (2 ranks) every tensor of each layout, read by its own name
-    (`models.shard_loader`), has exactly the shape of the part of the rank's parameter it
-    fills."""
+    """Under tensor parallelism (2 ranks) every tensor of each layout, cut as its parameter's
+    module declares (`models.tp_shards`), has exactly the shape of the part of the rank's
+    parameter it fills."""
     path = files.paths[layout]
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if not is_skipped(n)}  # noqa: SIM118

@@ -19,6 +19,7 @@ import torch
 from hybrid_serve.models.cpu_decode import MAX_ROWS as MAX_PLAN_ROWS
 from hybrid_serve.models.cpu_decode import CpuDecodePlan
 from hybrid_serve.models.forward_batch import ForwardBatch
+from hybrid_serve.models.protocol import DraftingModel
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner
 from hybrid_serve.scheduler.request import Req
 from hybrid_serve.scheduler.spec.policy import DraftPolicy
@@ -54,11 +55,12 @@ class MtpHead:
     def run(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits, y) of every row of a head pass: through the head's decode plan on CPU
         (where the model has one, up to its rows), else the head's eager forward."""
-        model, plan, rows = self.runner.model, self.plan, batch.input_ids.numel()
+        model: DraftingModel = self.runner.model  # speculation runs only with an MTP head
+        plan, rows = self.plan, batch.input_ids.numel()
         start = clock(self.runner.device)
         if plan is not None and rows <= MAX_PLAN_ROWS:
             with torch.inference_mode():
-                x = model.mtp.layer_input(batch.input_ids, hidden, model.model.embed_tokens)
+                x = model.mtp.layer_input(batch.input_ids, hidden, model.embed_tokens)
             out = plan.verify(batch, x)
         else:
             y = model.mtp_hidden(batch, hidden)

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hybrid_serve.scheduler.request import Req
 from hybrid_serve.scheduler.spec.state import FIRST_WAIT, DraftState
+
+if TYPE_CHECKING:
+    from hybrid_serve.models.protocol import DraftingModel
 
 KEEP_WEIGHT = 0.2  # a request's estimate: weight of its newest outcome
 SHARED_WEIGHT = 0.1  # the estimate fresh requests start from
@@ -228,7 +231,7 @@ class DraftPolicy:
         return ks
 
 
-def measured_costs(model) -> MeasuredCosts:
+def measured_costs(model: DraftingModel) -> MeasuredCosts:
     """`MeasuredCosts` for a loaded model with an MTP head: bytes per pass from its config
     (`hybrid_serve.models.step_bytes`), the head's share from its parameters."""
     from hybrid_serve.models.step_bytes import decode_step_bytes
