@@ -233,7 +233,7 @@ def test_plan_takes_the_bf16_route_as_the_eager_step(request, layout):
 @pytest.mark.parametrize("layout", ["moe", "dense"])
 def test_plan_verify_equals_the_eager_extend(request, layout):
     """A speculative verify batch (requests with 1 to 4 rows at consecutive positions, step
-    slots kept): through the plan (`DecodeStep.verify`) as through the model's extend forward,
+    slots kept): through the plan (`BlockStep.verify`) as through the model's extend forward,
     logits and hidden within fp32 rounding, the pools (states kept in the step slots too) alike."""
     ckpt = request.getfixturevalue("ckpt" if layout == "moe" else "dense_ckpt")
     eager, slots, first = prefilled(ckpt, "float32")
