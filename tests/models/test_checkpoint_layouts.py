@@ -11,6 +11,7 @@ file (fp32 logits at every prompt position within 1e-4, and the same greedy toke
               conversion_mapping's rules for the model_type (`released_layout`; transformers
               itself must load it without a missing or unexpected tensor)
 
+(LFM2 has no rule: both are transformers' names, with the conv layers' biases or without),
 and the model's own state_dict names (transformers' internal layout) as a third file where they
 differ from both. An extra tensor in each layout is refused with its name.
 
@@ -234,6 +235,24 @@ FAMILIES = {
             initializer_range=0.1, pad_token_id=0, eos_token_id=1,
         ),
         _olmo_hybrid,
+    ),
+    "lfm2": Family(
+        "Lfm2Config", "Lfm2ForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=4, full_attn_idxs=[1, 3],
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+            block_multiple_of=48, initializer_range=0.1,
+        ),
+    ),
+    # the conv layers' biases, explicit layer_types, the MLP width as given, no tied head
+    "lfm2_conv_bias": Family(
+        "Lfm2Config", "Lfm2ForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=3, conv_bias=True, conv_L_cache=4,
+            layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
+            num_key_value_heads=1, intermediate_size=80, block_auto_adjust_ff_dim=False,
+            tie_word_embeddings=False, initializer_range=0.1,
+        ),
     ),
 }  # fmt: skip
 FAMILIES["olmo_hybrid_equal_widths"] = Family(
