@@ -298,7 +298,19 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         name="LFM2",
-        types=(ModelType("lfm2", "Lfm2ForCausalLM"),),  # transformers has no rule for it
+        types=(
+            ModelType("lfm2", "Lfm2ForCausalLM"),  # transformers has no rule for it
+            ModelType(
+                "lfm2_moe",
+                "Lfm2MoeForCausalLM",
+                NameRules(
+                    stacked=(
+                        ("feed_forward.experts.gate_up_proj", ("w1", "w3")),
+                        ("feed_forward.experts.down_proj", ("w2",)),
+                    )
+                ),
+            ),
+        ),
         model_class=f"{_MM}.lfm2.Lfm2ForCausalLM",
         config_class=f"{_MM}.lfm2_config.Lfm2Config",
         preset_module=f"{_MK}.lfm2_preset",

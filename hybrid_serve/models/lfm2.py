@@ -1,5 +1,6 @@
-"""LFM2 (Liquid AI; `lfm2`): gated short-convolution layers and GQA attention layers, by
-`layer_types`, each pre-norm with a SwiGLU MLP:
+"""LFM2 (Liquid AI; `lfm2`, and `lfm2_moe`): gated short-convolution layers and GQA attention
+layers, by `layer_types`, each pre-norm with a SwiGLU MLP (LFM2-MoE: past its first
+`num_dense_layers`, a sparse MoE block, `Lfm2SparseMoe`):
 
     h = x + mixer(operator_norm(x));            y = h + feed_forward(ffn_norm(h))
     short conv   B | C | x = in_proj(x)   (three widths of hidden_size)
@@ -34,12 +35,19 @@ from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.gated_delta_net import track_conv_states
 from hybrid_serve.models.gqa_attention import Attention
 from hybrid_serve.models.hybrid_lm import HybridForCausalLM
-from hybrid_serve.models.layers import Linear, RMSNormPlain
+from hybrid_serve.models.layers import Experts, Linear, RMSNormPlain
 from hybrid_serve.models.lfm2_config import CONV, Lfm2Config
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import row_linear
 from hybrid_serve.models.shard_loader import Shard
-from hybrid_serve.models.tp_shards import cols, mlp_shards, rows, span
+from hybrid_serve.models.tp_shards import (
+    cols,
+    mlp_shards,
+    rows,
+    span,
+    swiglu_rows,
+    width_share,
+)
 
 
 class Lfm2ShortConv(nn.Module):
@@ -140,8 +148,55 @@ class Lfm2MLP(nn.Module):
         return self.tp.all_reduce(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
+class Lfm2SparseMoe(nn.Module):
+    """LFM2-MoE's block, under transformers' names (`gate`, `expert_bias`, `experts`):
+
+        s = sigmoid(gate(x));  ids = topk(s + expert_bias, k)  (s itself without use_expert_bias)
+        w = s[ids] / (sum s[ids] + 1e-6)  (norm_topk_prob) * routed_scaling_factor
+        y = sum_k w_k expert_{ids_k}(x)                      (the kernel set's `fused_experts`)
+
+    The router runs in fp32 (its picks must not move). Under tensor parallelism the router is
+    whole, each expert's width split and the sum all-reduced."""
+
+    def __init__(self, c: Lfm2Config, tp: ParallelContext, ops: KernelSet) -> None:
+        super().__init__()
+        self.config, self.tp = c, tp
+        self.width = c.moe_intermediate_size
+        local = tp.split(self.width, "moe_intermediate_size")[1] if tp.enabled else self.width
+        self.gate = Linear(c.hidden_size, c.num_experts, bias=False, ops=ops, keep_float=True)
+        self.experts = Experts(c.num_experts, c.hidden_size, local, ops)
+        self.expert_bias = None
+        if c.use_expert_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(c.num_experts), requires_grad=False)
+
+    def tp_shards(self, config) -> dict[str, Shard | None]:
+        """The router whole; the experts' [w1 | w3] rows and w2 columns of this rank's share."""
+        out: dict[str, Shard | None] = {
+            "gate.weight": None,
+            "experts.gate_up_proj": swiglu_rows(self.tp, self.width, dim=1),
+            "experts.down_proj": width_share(self.tp, self.width, dim=2),
+        }
+        if self.expert_bias is not None:
+            out["expert_bias"] = None
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        c = self.config
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [T, E]
+        if self.expert_bias is not None:
+            ids = (scores + self.expert_bias.float()).topk(c.num_experts_per_tok, dim=-1).indices
+            w = scores.gather(1, ids)
+        else:
+            w, ids = scores.topk(c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-6)
+        w = w * c.routed_scaling_factor
+        return self.tp.all_reduce(self.experts(x, ids, w))
+
+
 class Lfm2DecoderLayer(nn.Module):
-    """A short-conv or an attention layer, by `layer_types`, pre-norm, with its MLP."""
+    """A short-conv or an attention layer, by `layer_types`, pre-norm, with its MLP (LFM2-MoE
+    past its dense layers: its sparse MoE block)."""
 
     def __init__(self, c: Lfm2Config, layer_id: int, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
@@ -151,7 +206,10 @@ class Lfm2DecoderLayer(nn.Module):
         else:
             kv_layer = c.full_attention_layers.index(layer_id)
             self.self_attn = Lfm2Attention(c, kv_layer, tp, ops)
-        self.feed_forward = Lfm2MLP(c.hidden_size, c.intermediate_size, tp, ops)
+        if c.is_moe_layer(layer_id):
+            self.feed_forward = Lfm2SparseMoe(c, tp, ops)
+        else:
+            self.feed_forward = Lfm2MLP(c.hidden_size, c.intermediate_size, tp, ops)
         self.operator_norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
         self.ffn_norm = RMSNormPlain(c.hidden_size, c.rms_norm_eps, ops)
 

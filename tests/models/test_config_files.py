@@ -247,6 +247,29 @@ def _lfm2(hf: Any) -> dict[str, Any]:
     }
 
 
+def _lfm2_moe(hf: Any) -> dict[str, Any]:
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeDecoderLayer
+
+    with torch.device("meta"):  # the width transformers' dense layer builds for this config
+        width = Lfm2MoeDecoderLayer(hf, 0).feed_forward.w1.out_features
+    return {
+        **_common(hf, hf.norm_eps),
+        "layer_types": tuple(hf.layer_types),
+        "head_dim": _head_dim(hf),
+        "rope_theta": hf.rope_parameters["rope_theta"],
+        "conv_L_cache": hf.conv_L_cache,
+        "conv_bias": hf.conv_bias,
+        "intermediate_size": width,
+        "num_dense_layers": hf.num_dense_layers,
+        "num_experts": hf.num_experts,
+        "num_experts_per_tok": hf.num_experts_per_tok,
+        "moe_intermediate_size": hf.moe_intermediate_size,
+        "use_expert_bias": hf.use_expert_bias,
+        "norm_topk_prob": hf.norm_topk_prob,
+        "routed_scaling_factor": hf.routed_scaling_factor,
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     config_class: str  # transformers' class that writes the file
@@ -657,6 +680,60 @@ FAMILIES = {
             ("block_auto_adjust_ff_dim",),
         ),
         (("vocab_size",), ("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",)),
+        ("norm_eps",),
+    ),
+    "lfm2_moe": Family(
+        "Lfm2MoeConfig",
+        {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "conv_L_cache": 4,
+            "conv_bias": True,
+            "intermediate_size": 100,
+            "num_dense_layers": 1,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 24,
+            "use_expert_bias": False,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 2.5,
+            "rope_parameters": ROPE,
+            "norm_eps": 1e-6,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": False,
+            "eos_token_id": 3,
+        },
+        _lfm2_moe,
+        (
+            ("norm_eps",),
+            ("tie_word_embeddings",),
+            ("max_position_embeddings",),
+            ("rope_parameters",),
+            ("rope_parameters", "rope_theta"),
+            ("eos_token_id",),
+            ("num_key_value_heads",),
+            ("conv_L_cache",),
+            ("conv_bias",),
+            ("intermediate_size",),
+            ("num_dense_layers",),
+            ("num_experts",),
+            ("num_experts_per_tok",),
+            ("moe_intermediate_size",),
+            ("use_expert_bias",),
+            ("norm_topk_prob",),
+            ("routed_scaling_factor",),
+        ),
+        (
+            ("vocab_size",),
+            ("hidden_size",),
+            ("num_hidden_layers",),
+            ("num_attention_heads",),
+            ("layer_types",),
+        ),
         ("norm_eps",),
     ),
 }
