@@ -8,6 +8,10 @@ difference from the trained model patched where its port has one.
     tiny-falcon-h1            Falcon-H1: attention and Mamba2 in every layer, muP multipliers,
                               G = 2, chunk 128
     tiny-olmo-hybrid          OLMo-Hybrid: Gated DeltaNet and attention layers
+    tiny-lfm2                 LFM2: gated short-conv and RoPE attention layers (per-head q/k
+                              norms), the MLP width by transformers' rounding rule
+    tiny-lfm2-moe             LFM2-MoE: the same layers, dense MLPs then sigmoid-routed experts
+                              with an expert bias (per-expert tensors, as released)
 
 The judge is transformers as it stands: since 5.25 its NemotronH mixer applies the config's
 time_step_limit (0, inf) as NVIDIA's code, vLLM, SGLang and we do (earlier ports clamped

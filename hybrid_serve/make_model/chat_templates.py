@@ -14,6 +14,7 @@ checkpoints are sent and answer.
   empty ``<think>\\n\\n</think>\\n\\n`` in the generation prompt (default on, resp. off).
 * ``nemotron-3-nano``, ``granite-4.0`` (Nemotron-3-Nano, Granite 4.0): in
   ``hybrid_serve/make_model/mamba2_chat_templates.py``.
+* ``lfm2`` (LFM2): in ``hybrid_serve/make_model/lfm2_chat_template.py``.
 
 `TEMPLATE_TOKENS` names, per template, the tokens its tokenizer keeps whole and its end-of-turn
 token (the Qwen templates: ChatML's, which every preset tokenizer has; their think and tool tags
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid_serve.make_model.lfm2_chat_template import lfm2
 from hybrid_serve.make_model.mamba2_chat_templates import granite_4, nemotron_3
 from hybrid_serve.models.families import family_of_type
 
@@ -234,6 +236,15 @@ TEMPLATE_TOKENS: dict[str, TemplateTokens] = {
         tags=_TOOL_TAGS,
         eos="<|end_of_text|>",
     ),
+    "lfm2": TemplateTokens(
+        special=(
+            "<|tool_list_start|>",
+            "<|tool_list_end|>",
+            "<|tool_response_start|>",
+            "<|tool_response_end|>",
+        ),
+        tags=_TOOL_TAGS[:2],
+    ),
 }
 
 
@@ -244,6 +255,7 @@ TEMPLATES: dict[str, str] = {
     "qwen3.5-small": _qwen3_5(thinking_default=False),
     "nemotron-3-nano": nemotron_3(),
     "granite-4.0": granite_4(),
+    "lfm2": lfm2(),
 }
 # The families' own templates (the others: Qwen3-Next Instruct, ChatML; Bamba ships none)
 

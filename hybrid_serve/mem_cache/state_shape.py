@@ -4,7 +4,9 @@ Every recurrent mixer (Gated DeltaNet, Mamba2, ...) describes its per-layer stat
 `MambaStateShape` (SGLang keeps one `Mamba2StateShape` for GDN and Mamba2 alike):
 
     conv      [conv_dim, conv_width]   the last K-1 pre-convolution inputs, channel-first
-    temporal  [*temporal]              the recurrent state: GDN (HV, dk, dv), Mamba2 (H, P, N)
+    temporal  [*temporal]              the recurrent state: GDN (HV, dk, dv), Mamba2 (H, P, N);
+                                       (0,) for a mixer whose state is its conv window alone
+                                       (a short-conv mixer): the pool holds no element of it
 
 The pools, their sizing and the host and storage tiers read only this description; they never
 ask which family a layer belongs to. The model lists one shape per recurrent layer, in the dense
@@ -26,14 +28,14 @@ class MambaStateShape:
 
     conv_dim: int  # channels of the short causal conv
     conv_width: int  # columns of conv state kept: conv kernel size - 1
-    temporal: tuple[int, ...]  # the recurrent state of one sequence
+    temporal: tuple[int, ...]  # the recurrent state of one sequence; (0,): none
 
     def __post_init__(self) -> None:
         if self.conv_dim < 1 or self.conv_width < 0:
             raise ValueError(
                 f"bad conv state shape: conv_dim={self.conv_dim}, conv_width={self.conv_width}"
             )
-        if not self.temporal or any(d < 1 for d in self.temporal):
+        if not self.temporal or any(d < 0 for d in self.temporal):
             raise ValueError(f"bad temporal state shape {self.temporal}")
 
     @property

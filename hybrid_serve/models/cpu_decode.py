@@ -290,6 +290,10 @@ def refusal(model: CausalLM) -> tuple[str, str] | None:
     """(why no plan can replay `model`'s decode step, what setting would let one), or None when
     one can."""
     if type(model) not in BLOCKS:
+        reserved = getattr(model, "reserved_block", None)  # a mixer whose kind has no layout yet
+        if reserved is not None:
+            why = f"a {type(model).__name__}: its {reserved} mixer's block kind is reserved in "
+            return why + "kernels/csrc/block_step.cpp but not implemented", NO_SETTING
         return f"a {type(model).__name__} (the plan replays {FAMILIES} layers)", NO_SETTING
     if model.ops.backend != "cpp" or not model.ops.fused:
         why = f"the {model.ops.backend} kernels{'' if model.ops.fused else ' without fusions'}"

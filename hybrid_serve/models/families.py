@@ -296,6 +296,30 @@ FAMILIES: tuple[Family, ...] = (
         # transformers' names
         preset_rules=("joined",),
     ),
+    Family(
+        name="LFM2",
+        types=(
+            ModelType("lfm2", "Lfm2ForCausalLM"),  # transformers has no rule for it
+            ModelType(
+                "lfm2_moe",
+                "Lfm2MoeForCausalLM",
+                NameRules(
+                    stacked=(
+                        ("feed_forward.experts.gate_up_proj", ("w1", "w3")),
+                        ("feed_forward.experts.down_proj", ("w2",)),
+                    )
+                ),
+            ),
+        ),
+        model_class=f"{_MM}.lfm2.Lfm2ForCausalLM",
+        config_class=f"{_MM}.lfm2_config.Lfm2Config",
+        preset_module=f"{_MK}.lfm2_preset",
+        presets=(f"{_MK}.lfm2_preset.LFM2_PRESETS",),
+        chat_template="lfm2",
+        tool_call_format="qwen25",  # LFM2's own pythonic calls: no such format yet
+        reasoning_format=None,
+        init_rules=((".conv.conv.weight", "conv"), ("norm.weight", "norm1")),
+    ),
 )
 
 NAME_RULES: dict[str, NameRules] = {t.name: t.rules for f in FAMILIES for t in f.types}

@@ -82,8 +82,7 @@ class Attention(nn.Module):
         positions)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = self.ops.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.norm_qk(q, k)
         T = x.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)  # [T, nH, hd]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, nKV, hd]
@@ -104,4 +103,15 @@ class Attention(nn.Module):
                 q, k_buf, v_buf, batch.req_to_token, batch.req_slots, batch.prefix_lens_cpu,
                 batch.extend_lens_cpu, self.scale,
             )  # fmt: skip
-        return self.o_proj(o.reshape(T, -1))
+        return self.project_out(o.reshape(T, -1))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k norms of the projections q [T, nH * hd], k [T, nKV * hd] (same shapes back);
+        a subclass with norms of its own (per head: LFM2's) overrides this."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads' outputs [T, nH * hd] (summed over the ranks)."""
+        return self.o_proj(o)

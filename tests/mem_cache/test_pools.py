@@ -257,6 +257,21 @@ def test_mamba_pool_takes_any_temporal_rank_but_one_shape() -> None:
         MambaStateShape(0, 3, (1,))
     with pytest.raises(ValueError, match="bad temporal"):
         MambaStateShape(1, 3, ())
+    with pytest.raises(ValueError, match="bad temporal"):
+        MambaStateShape(1, 3, (2, -1))
+
+
+def test_a_conv_window_alone_takes_no_temporal_bytes() -> None:
+    """A mixer whose state is its conv window alone (LFM2's short conv: temporal (0,)): the
+    pool holds and counts the window only, and copies it between slots as any state."""
+    window = MambaStateShape(6, 2, (0,))
+    assert window.nbytes(torch.float32, torch.float32) == 6 * 2 * 4
+    pool = MambaPool(3, [window] * 2, conv_dtype=torch.float32)
+    assert pool.ssm_state.shape == (2, 4, 0) and pool.bytes_per_slot == 2 * 6 * 2 * 4
+    src, dst = pool.alloc(2).tolist()
+    pool.conv_state[:, src] = 5.0
+    pool.copy([src], [dst])
+    assert (pool.conv_state[:, dst] == 5.0).all()
 
 
 def dirty(pool: MambaPool, slots: list[int], value: float = 7.0) -> None:

@@ -1,7 +1,8 @@
 """The preset chat templates render what the real Qwen3-Next Instruct / Thinking, Qwen3.5,
-Nemotron-3-Nano and Granite 4.0 templates render: tool lists, JSON and XML calls in history, tool
-results grouped into one user turn, reasoning kept only where the release keeps it, and the
-thinking switch; the presets' tokenizers hold each template's own tokens whole."""
+Nemotron-3-Nano, Granite 4.0 and LFM2 templates render (LFM2's with JSON calls in place of its
+pythonic ones): tool lists, JSON and XML calls in history, tool results grouped into one user
+turn or in tool turns, reasoning kept only where the release keeps it, and the thinking switch;
+the presets' tokenizers hold each template's own tokens whole."""
 
 from __future__ import annotations
 
@@ -180,7 +181,37 @@ def test_granite_4_tools_json_calls_and_no_thinking(tok):
     assert with_tools.startswith("<|start_of_role|>system<|end_of_role|>Be brief.\n\nYou are")
 
 
-@pytest.mark.parametrize("name", ["nemotron-3-nano", "granite-4.0"])
+def test_lfm2_chatml_tool_list_json_calls_and_tool_turns(tok):
+    out = render(tok, "lfm2", HISTORY, tools=TOOLS)
+    assert out.startswith(
+        '<|im_start|>system\nList of tools: <|tool_list_start|>[{"type": "function", '
+        '"function": {"name": "f", "parameters": {"type": "object"}}}]<|tool_list_end|>\n'
+        "To call a tool"
+    )
+    assert out.endswith(
+        "</tool_call><|im_end|>\n<|im_start|>user\nGo<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n"
+        '{"name": "f", "arguments": {"n": 2, "s": "x"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n<|tool_response_start|>a<|tool_response_end|><|im_end|>\n"
+        "<|im_start|>tool\n<|tool_response_start|>b<|tool_response_end|><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert "plan" not in out and "think" not in TEMPLATES["lfm2"]  # no reasoning
+    two_tools = render(tok, "lfm2", HISTORY[:1], tools=TOOLS * 2)
+    assert '"type": "object"}}}, {"type": "function"' in two_tools  # ", "-joined, one list
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render(tok, "lfm2", system) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert render(tok, "lfm2", system[1:]) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )  # no system turn without a system message or tools
+    with_tools = render(tok, "lfm2", system, tools=TOOLS)
+    assert with_tools.startswith("<|im_start|>system\nBe brief.\nList of tools: ")
+
+
+@pytest.mark.parametrize("name", ["nemotron-3-nano", "granite-4.0", "lfm2"])
 def test_template_tokens_are_whole_and_tags_stay_in_the_text(name):
     tokens = tokens_for(name)
     hf = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(2048, tokens))
@@ -197,6 +228,7 @@ def test_template_name_defaults_and_unknown():
     assert template_name("qwen3_5_moe_text") == "qwen3.5"
     assert template_name("nemotron_h") == "nemotron-3-nano"
     assert template_name("granitemoehybrid") == "granite-4.0"
+    assert template_name("lfm2") == "lfm2" and tokens_for("lfm2").eos == "<|im_end|>"
     assert template_name("bamba") == template_name("falcon_h1") == "qwen3-next-instruct"
     assert tokens_for("granite-4.0").eos == "<|end_of_text|>"
     assert tokens_for("qwen3.5") == tokens_for("qwen3-next-instruct")  # ChatML's alone

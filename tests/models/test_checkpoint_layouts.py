@@ -6,11 +6,13 @@ file (fp32 logits at every prompt position within 1e-4, and the same greedy toke
 
     saved     what transformers' `save_pretrained` writes: its conversion_mapping.py run
               backwards (the released layout for NemotronH, Granite-4.0-H, the experts of
-              Qwen3-Next and Qwen3.5-MoE, OLMo-Hybrid's norms; its own names elsewhere)
+              Qwen3-Next, Qwen3.5-MoE and LFM2-MoE, OLMo-Hybrid's norms; its own names
+              elsewhere)
     released  the release's layout, written here from the model's state_dict by the inverse of
               conversion_mapping's rules for the model_type (`released_layout`; transformers
               itself must load it without a missing or unexpected tensor)
 
+(LFM2 has no rule: both are transformers' names, with the conv layers' biases or without),
 and the model's own state_dict names (transformers' internal layout) as a third file where they
 differ from both. An extra tensor in each layout is refused with its name.
 
@@ -129,6 +131,11 @@ def _granitemoe(sd: Tensors) -> Tensors:
     return _rename(sd, r"block_sparse_moe\.router\.weight$", "block_sparse_moe.router.layer.weight")
 
 
+def _lfm2_moe(sd: Tensors) -> Tensors:
+    sd = _split_experts(sd, "experts.gate_up_proj", ("w1", "w3"))
+    return _split_experts(sd, "experts.down_proj", ("w2",))
+
+
 def _olmo_hybrid(config) -> Callable[[Tensors], Tensors]:
     key = config.linear_num_key_heads * config.linear_key_head_dim
     value = config.linear_num_value_heads * config.linear_value_head_dim
@@ -234,6 +241,35 @@ FAMILIES = {
             initializer_range=0.1, pad_token_id=0, eos_token_id=1,
         ),
         _olmo_hybrid,
+    ),
+    "lfm2": Family(
+        "Lfm2Config", "Lfm2ForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=4, full_attn_idxs=[1, 3],
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+            block_multiple_of=48, initializer_range=0.1,
+        ),
+    ),
+    # the conv layers' biases, explicit layer_types, the MLP width as given, no tied head
+    "lfm2_conv_bias": Family(
+        "Lfm2Config", "Lfm2ForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=3, conv_bias=True, conv_L_cache=4,
+            layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
+            num_key_value_heads=1, intermediate_size=80, block_auto_adjust_ff_dim=False,
+            tie_word_embeddings=False, initializer_range=0.1,
+        ),
+    ),
+    "lfm2_moe": Family(
+        "Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=4,
+            layer_types=["conv", "full_attention", "conv", "conv"], num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=96, num_dense_layers=1, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=2.0,
+            initializer_range=0.1,
+        ),
+        lambda c: _lfm2_moe,
     ),
 }  # fmt: skip
 FAMILIES["olmo_hybrid_equal_widths"] = Family(
@@ -381,7 +417,8 @@ def test_each_missing_tensor_is_named_as_the_checkpoint_spells_it(files, layout)
 
 
 @pytest.mark.parametrize(
-    "files", ["qwen3_next", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid", "olmo_hybrid"],
+    "files",
+    ["qwen3_next", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "lfm2_moe"],
     indirect=True,
 )  # fmt: skip
 def test_two_spellings_of_a_tensor_are_refused(files, tmp_path):

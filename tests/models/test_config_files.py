@@ -230,6 +230,46 @@ def _olmo_hybrid(hf: Any) -> dict[str, Any]:
     return view
 
 
+def _lfm2(hf: Any) -> dict[str, Any]:
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    with torch.device("meta"):  # the width transformers' MLP builds for this config
+        width = Lfm2MLP(hf).w1.out_features
+    return {
+        **_common(hf, hf.norm_eps),
+        "layer_types": tuple(hf.layer_types),
+        "head_dim": _head_dim(hf),
+        "rotary_dim": _head_dim(hf),
+        "rope_theta": hf.rope_parameters["rope_theta"],
+        "conv_L_cache": hf.conv_L_cache,
+        "conv_bias": hf.conv_bias,
+        "intermediate_size": width,
+    }
+
+
+def _lfm2_moe(hf: Any) -> dict[str, Any]:
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeDecoderLayer
+
+    with torch.device("meta"):  # the width transformers' dense layer builds for this config
+        width = Lfm2MoeDecoderLayer(hf, 0).feed_forward.w1.out_features
+    return {
+        **_common(hf, hf.norm_eps),
+        "layer_types": tuple(hf.layer_types),
+        "head_dim": _head_dim(hf),
+        "rope_theta": hf.rope_parameters["rope_theta"],
+        "conv_L_cache": hf.conv_L_cache,
+        "conv_bias": hf.conv_bias,
+        "intermediate_size": width,
+        "num_dense_layers": hf.num_dense_layers,
+        "num_experts": hf.num_experts,
+        "num_experts_per_tok": hf.num_experts_per_tok,
+        "moe_intermediate_size": hf.moe_intermediate_size,
+        "use_expert_bias": hf.use_expert_bias,
+        "norm_topk_prob": hf.norm_topk_prob,
+        "routed_scaling_factor": hf.routed_scaling_factor,
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     config_class: str  # transformers' class that writes the file
@@ -600,6 +640,102 @@ FAMILIES = {
         (("vocab_size",), ("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",)),
         ("rms_norm_eps",),
     ),
+    "lfm2": Family(
+        "Lfm2Config",
+        {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 4,
+            "full_attn_idxs": [1, 3],
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "conv_L_cache": 4,
+            "conv_bias": True,
+            "intermediate_size": 100,
+            "block_multiple_of": 24,
+            "block_ffn_dim_multiplier": 1.5,
+            "block_auto_adjust_ff_dim": True,
+            "rope_parameters": ROPE,
+            "norm_eps": 1e-6,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": False,
+            "eos_token_id": 3,
+        },
+        _lfm2,
+        (
+            ("norm_eps",),
+            ("tie_word_embeddings",),
+            ("max_position_embeddings",),
+            ("rope_parameters",),
+            ("rope_parameters", "rope_theta"),
+            ("eos_token_id",),
+            ("layer_types",),
+            ("full_attn_idxs",),
+            ("num_key_value_heads",),
+            ("conv_L_cache",),
+            ("conv_bias",),
+            ("intermediate_size",),
+            ("block_multiple_of",),
+            ("block_ffn_dim_multiplier",),
+            ("block_auto_adjust_ff_dim",),
+        ),
+        (("vocab_size",), ("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",)),
+        ("norm_eps",),
+    ),
+    "lfm2_moe": Family(
+        "Lfm2MoeConfig",
+        {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "conv_L_cache": 4,
+            "conv_bias": True,
+            "intermediate_size": 100,
+            "num_dense_layers": 1,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 24,
+            "use_expert_bias": False,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 2.5,
+            "rope_parameters": ROPE,
+            "norm_eps": 1e-6,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": False,
+            "eos_token_id": 3,
+        },
+        _lfm2_moe,
+        (
+            ("norm_eps",),
+            ("tie_word_embeddings",),
+            ("max_position_embeddings",),
+            ("rope_parameters",),
+            ("rope_parameters", "rope_theta"),
+            ("eos_token_id",),
+            ("num_key_value_heads",),
+            ("conv_L_cache",),
+            ("conv_bias",),
+            ("intermediate_size",),
+            ("num_dense_layers",),
+            ("num_experts",),
+            ("num_experts_per_tok",),
+            ("moe_intermediate_size",),
+            ("use_expert_bias",),
+            ("norm_topk_prob",),
+            ("routed_scaling_factor",),
+        ),
+        (
+            ("vocab_size",),
+            ("hidden_size",),
+            ("num_hidden_layers",),
+            ("num_attention_heads",),
+            ("layer_types",),
+        ),
+        ("norm_eps",),
+    ),
 }
 MAMBA_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
 
@@ -786,3 +922,17 @@ def test_a_wrapper_reads_the_same_with_only_qwen3_next_in_transformers(written, 
     monkeypatch.setattr(transformers, "CONFIG_MAPPING", only_next)
     assert ModelConfig.from_dict(raw) == expected
     assert not expected.tie_word_embeddings and expected.eos_token_ids == (5,)
+
+
+def test_lfm2_release_keys_read_as_transformers_reads_them(written, tmp_path):
+    """LFM2's released files spell the MLP width `block_ff_dim`, the tied head `tie_embedding`
+    and the RoPE base `rope_theta` at the top: read as transformers' class renames them."""
+    raw = decode_special_floats(written["lfm2"])
+    for key in ("intermediate_size", "tie_word_embeddings", "rope_parameters", "layer_types"):
+        del raw[key]
+    raw |= {"block_ff_dim": 160, "tie_embedding": True, "rope_theta": 250000.0}
+    path = _write(tmp_path, raw)
+    _assert_read_as_transformers_reads("lfm2", path)
+    ours = read_config(path)
+    assert ours.tie_word_embeddings and ours.rope_theta == 250000.0
+    assert ours.intermediate_size == 168  # int(1.5 * int(2/3 * 160)) = 159, up to 7 * 24

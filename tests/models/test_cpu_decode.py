@@ -21,6 +21,9 @@ from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
+# the family presets whose mixer's block kind the plan reserves but does not implement
+UNPLANNED = {"tiny-lfm2": "short-conv", "tiny-lfm2-moe": "short-conv"}
+PLANNED = tuple(p for p in FAMILY_PRESETS if p not in UNPLANNED)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+@pytest.mark.parametrize("preset", PLANNED)
 def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dtype):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
     without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid) through the plan: greedy
@@ -92,6 +95,21 @@ def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dt
     planned.plan = spy = Counting(planned.plan)
     assert_steps_alike(plain, planned, slots, first, many, [1, 4, 16, 4])
     assert spy.rows == [1, 4, 16, 4]
+
+
+@pytest.mark.parametrize("preset", list(UNPLANNED))
+def test_a_reserved_mixer_refuses_the_plan_naming_it(tmp_path, preset, slow_path_warnings, caplog):
+    """A family whose mixer's block kind the C++ step reserves without a layout (LFM2's short
+    conv) gets no plan: one WARNING names the mixer, and decode runs the eager step."""
+    ckpt = write_checkpoint(tmp_path / preset, preset_config(preset), seed=5)
+    runner, _, _ = prefilled(ckpt, "float32")
+    assert set(FAMILY_PRESETS) >= set(UNPLANNED)
+    for _ in range(2):
+        assert DecodeGraphRunner(runner, [1, 4]).plan is None
+    texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
+    assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
+    assert f"its {UNPLANNED[preset]} mixer's block kind is reserved" in texts[0]
+    assert "not implemented" in texts[0] and "no setting avoids it" in texts[0]
 
 
 def test_granite_batches_beyond_the_routed_experts_op_run_eagerly(tmp_path):

@@ -4,7 +4,9 @@ Granite-4.0-H with and without experts (G = 1: the groups replicated and the gat
 variance summed over the ranks), Bamba (partial RoPE), Falcon-H1 (G = 2, the parallel layer,
 its muP segment multipliers per rank) and OLMo-Hybrid (Gated DeltaNet read from its separate
 tensors, q/k norms over all heads with the rms summed over the ranks; once more with one KV head,
-which every rank holds, GDN value/key ratio 2 and a vocabulary two ranks do not divide).
+which every rank holds, GDN value/key ratio 2 and a vocabulary two ranks do not divide) and LFM2
+(its short conv's channels split, per-head q/k norms whole on every rank; LFM2-MoE's router
+whole, its experts' widths split).
 Prefill logits (one shot and in chunks of 48) and greedy decode logits within 1e-4 of tp=1 and
 of transformers, the same greedy tokens, and each rank holding little more than half the bytes
 (norms, routers, conv and dt parameters of replicated groups are whole or duplicated)."""
@@ -30,6 +32,8 @@ PRESETS = (
     "tiny-bamba",
     "tiny-falcon-h1",
     "tiny-olmo-hybrid",
+    "tiny-lfm2",
+    "tiny-lfm2-moe",
 )
 
 

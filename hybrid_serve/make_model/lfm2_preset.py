@@ -1,0 +1,78 @@
+"""LFM2 presets: config dicts in the release's `config.json` form and their completion for
+transformers, for `make_model.presets` to draw and write (same writer, tokenizer and determinism
+contract as the other presets). Plain data: `make-model`'s parser reads the names without torch.
+
+The tensors are transformers' `Lfm2ForCausalLM`'s for the config
+(`make_model.tensor_specs.model_specs`), under its names, which are the release's:
+
+    conv layers       model.layers.{i}.operator_norm, .conv.{in_proj, conv, out_proj},
+                      .ffn_norm, .feed_forward.{w1, w3, w2}
+    attention layers  .self_attn.{q,k,v}_proj, .self_attn.out_proj,
+                      .self_attn.{q,k}_layernorm, and the same norms and MLP
+    model.embed_tokens, model.embedding_norm (the final norm), lm_head (tied, as released)
+
+Initialisation kinds as the other presets' (norm weights ~ 1 + N(0, 0.1): LFM2's norms are
+plain-weight; the short conv's kernel as a conv's). `tiny-lfm2`: 8 layers, attention at
+`full_attn_idxs` 2, 5, 7 (GQA 4:2, RoPE), the rest short conv with kernel 3, and an
+`intermediate_size` whose MLP width takes transformers' whole rule (2/3 of 400, rounded up to
+a multiple of 64: 320). `tiny-lfm2-moe`: LFM2-MoE, 6 layers (attention at 2 and 5), two dense
+layers, then MoE blocks of 8 experts (top 2, expert bias, renormalised, scaled by 1.5), written
+with the release's per-expert `feed_forward.experts.{e}.{w1,w3,w2}.weight` (the row's rule).
+"""
+
+from __future__ import annotations
+
+import copy
+
+LFM2_PRESETS: dict[str, dict] = {
+    "tiny-lfm2": {
+        "model_type": "lfm2",
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "full_attn_idxs": [2, 5, 7],
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "intermediate_size": 400,
+        "block_auto_adjust_ff_dim": True,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 64,
+        "norm_eps": 1e-5,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
+    "tiny-lfm2-moe": {
+        "model_type": "lfm2_moe",
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "num_hidden_layers": 6,
+        "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "intermediate_size": 256,
+        "num_dense_layers": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "use_expert_bias": True,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "norm_eps": 1e-5,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def complete_config(config: dict, extra: dict) -> dict:
+    """`config` plus what transformers needs (`extra`: architectures, dtype, special-token
+    ids)."""
+    cfg = copy.deepcopy(config)
+    cfg.update(**extra)
+    return cfg
