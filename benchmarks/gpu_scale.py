@@ -52,8 +52,8 @@ import torch
 from hybrid_serve.make_model.fp8_writer import config_quantization
 from hybrid_serve.make_model.presets import checkpoint_shapes, complete_config, write_config_only
 from hybrid_serve.make_model.real_shapes import REAL_SHAPES, real_shape_config
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.fp8 import Fp8Config
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.step_bytes import (
     decode_step_bytes,
     kv_bytes_per_token,

@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybrid_serve.make_model.catalog import tiny_presets
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.families import FAMILIES
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 
 # the tiny presets of the family table's rows beyond Qwen's (those not read by ModelConfig)
 FAMILY_PRESETS = tuple(

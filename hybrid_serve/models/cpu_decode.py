@@ -147,7 +147,7 @@ class Blocks:
 
 
 def qwen3_next_blocks(model: Qwen3NextForCausalLM, layers) -> Blocks:
-    """Qwen3-Next's decoder layers (`models.decoder_layer`): the deferred residual's norms, GDN
+    """Qwen3-Next's decoder layers (`models.qwen3_next_layers`): the deferred residual's norms, GDN
     or gated attention, then the sparse MoE or the dense SwiGLU."""
     out = Blocks()
     for layer in layers:

@@ -26,11 +26,11 @@ from torch import nn
 from hybrid_serve.kernels import KernelSet, gdn_step
 from hybrid_serve.kernels.gdn_step import gates
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import REFERENCE, Linear, RMSNormGated
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import row_linear
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.shard_loader import Shard
 from hybrid_serve.models.tp_shards import cols, rows, span
 

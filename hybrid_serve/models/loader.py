@@ -12,10 +12,11 @@ has e4m3) its matrices stay FP8, one byte per weight plus the block scales, wher
 checkpoint's blocks land whole on the parameter (`models.fp8_resident`); elsewhere, and on the
 CPU always, the weights are dequantized at load (`hybrid_serve.models.fp8`).
 
-`mtp=True` builds the model with its multi-token-prediction head (`models.mtp`; the checkpoint's
-config must have `mtp_num_hidden_layers`) and makes the head's `mtp.*` tensors part of the strict
-key set: from then on they load like any other tensor (FP8, tensor-parallel shards, dtype and
-quantization rules, dummy weights), and a missing one is an error. Without it they are skipped.
+`mtp=True` builds the model with its multi-token-prediction head (`models.qwen3_next_mtp`; the
+checkpoint's config must have `mtp_num_hidden_layers`) and makes the head's `mtp.*` tensors part
+of the strict key set: from then on they load like any other tensor (FP8, tensor-parallel shards,
+dtype and quantization rules, dummy weights), and a missing one is an error. Without it they are
+skipped.
 
 `load_format="dummy"` (SGLang's and vLLM's `--load-format dummy`) reads config.json alone: the
 model is allocated exactly as for a checkpoint and filled with random weights in place
@@ -52,7 +53,6 @@ from hybrid_serve.kernels import choose as choose_kernels
 from hybrid_serve.kernels.quant import quantize, row_peaks
 from hybrid_serve.kernels.weight_formats import check_quantization
 from hybrid_serve.models.base_config import read_json
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.dummy_weights import fill_dummy
 from hybrid_serve.models.fp8 import Fp8Checkpoint, Fp8Config
 from hybrid_serve.models.fp8_resident import (
@@ -65,6 +65,7 @@ from hybrid_serve.models.fp8_resident import (
 from hybrid_serve.models.fp8_resident import plan as resident_plan
 from hybrid_serve.models.hybrid_lm import CausalLM
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.registry import model_class, read_config
 from hybrid_serve.models.shard_loader import read_shard
 from hybrid_serve.models.weight_map import Target, checkpoint_map, is_skipped

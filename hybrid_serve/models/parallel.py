@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 
 
 @dataclass(frozen=True)

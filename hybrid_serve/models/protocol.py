@@ -20,8 +20,8 @@ from torch import nn
 from hybrid_serve.kernels import KernelSet
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
 from hybrid_serve.models.forward_batch import ForwardBatch
-from hybrid_serve.models.mtp import MultiTokenPredictor
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.qwen3_next_mtp import MultiTokenPredictor
 
 
 class ServedConfig(Protocol):

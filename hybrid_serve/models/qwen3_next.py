@@ -4,8 +4,8 @@
     y = h + mlp(norm(h))            mlp   = sparse MoE with shared expert, or a dense SwiGLU
 
 Module names equal Qwen3-Next's checkpoint names; `models.weight_map` maps every layout onto
-them. The decoder layer lives in `models.decoder_layer` (the MTP head builds one too). The model
-reads one `ForwardBatch` and returns logits for the last new token of each request (or every
+them. The decoder layer lives in `models.qwen3_next_layers` (the MTP head builds one too). The
+model reads one `ForwardBatch` and returns logits for the last new token of each request (or every
 token).
 """
 
@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels import KernelSet
-from hybrid_serve.models.config import ModelConfig
-from hybrid_serve.models.decoder_layer import DecoderLayer
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.hybrid_lm import CausalLM
 from hybrid_serve.models.layers import REFERENCE, RMSNorm, RotaryEmbedding
-from hybrid_serve.models.mtp import MultiTokenPredictor
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import embedding, lm_head
+from hybrid_serve.models.qwen3_next_config import ModelConfig
+from hybrid_serve.models.qwen3_next_layers import Qwen3NextDecoderLayer
+from hybrid_serve.models.qwen3_next_mtp import MultiTokenPredictor
 
 
 class Qwen3NextModel(nn.Module):
@@ -31,7 +31,7 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
         local = tp.local_shapes(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(local, i, tp, ops) for i in range(config.num_hidden_layers)
+            Qwen3NextDecoderLayer(local, i, tp, ops) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
@@ -52,7 +52,7 @@ class Qwen3NextForCausalLM(CausalLM):
     checkpoint's, `local_config` this rank's head counts and widths (what its pools hold).
     `ops` is the kernel set every layer calls (`kernels.choose`; the torch references by
     default). With `mtp` (the checkpoint has one: `config.mtp_num_hidden_layers`) the model also
-    holds its multi-token-prediction head, `self.mtp` (`hybrid_serve.models.mtp`; else None)."""
+    holds its multi-token-prediction head, `self.mtp` (`models.qwen3_next_mtp`; else None)."""
 
     def __init__(
         self,
@@ -91,7 +91,7 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def mtp_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP head's output y [T, hidden] for every row of `batch` (`hybrid_serve.models.mtp`):
+        """The MTP head's output y [T, hidden] for every row of `batch` (`models.qwen3_next_mtp`):
         `batch.input_ids` are the tokens after the positions whose final hidden is `hidden`;
         `logits_from_hidden(y)` are its predictions of the tokens after those."""
         return self.mtp(batch, hidden, self.model.embed_tokens, self.model.rotary)

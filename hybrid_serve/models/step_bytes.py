@@ -30,12 +30,12 @@ from functools import cache
 
 import torch
 
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.fp8 import Fp8Config
 from hybrid_serve.models.fp8_resident import dummy_plan
 from hybrid_serve.models.layers import Experts
 from hybrid_serve.models.loader import matrices
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.weight_map import checkpoint_map
 
 SSM_STATE_BYTES = 4  # the recurrent state is fp32 (mamba_ssm_dtype float32)

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.families import NAME_RULES, NameRules, Rule
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 
 MTP_PREFIX = "mtp."
 SKIPPED_PREFIXES = (MTP_PREFIX, "model.visual.", "visual.", "model.mtp.")

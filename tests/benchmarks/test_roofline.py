@@ -19,7 +19,7 @@ import pytest
 from benchmarks import roofline, roofline_peaks
 from benchmarks.roofline_peaks import Ceiling
 from hybrid_serve.make_model.presets import PRESETS
-from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.step_bytes import decode_step_bytes
 from tests.benchmarks.fake_openai_server import FakeOpenAIServer
 

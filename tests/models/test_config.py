@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from hybrid_serve.make_model.presets import PRESETS, complete_config, preset_config
-from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 
 QWEN3_5 = sorted(n for n in PRESETS if PRESETS[n].get("model_type", "").startswith("qwen3_5"))
 

@@ -35,9 +35,9 @@ from transformers import AutoConfig, GenerationConfig
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.base_config import decode_special_floats, read_json
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.fp8 import Fp8Checkpoint
 from hybrid_serve.models.loader import checkpoint_files, checkpoint_names
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.registry import read_config
 from tests.models.fp8_twin import write_dequantized
 

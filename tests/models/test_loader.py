@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.registry import read_config
 
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.registry import read_config
 from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.server.cli import main as cli_main

@@ -20,8 +20,8 @@ import torch
 
 from hybrid_serve.make_model.presets import complete_config, count_parameters, preset_config
 from hybrid_serve.make_model.real_shapes import PUBLISHED, REAL_SHAPES, real_shape_config
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.step_bytes import (
     decode_step_bytes,
     expected_experts,

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.qwen3_next_config import ModelConfig
 from tests.hf_reference import hf_greedy
 from tests.tp_harness import run_ranks
 from tests.tp_workers import each_model_outputs, model_outputs

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels import KernelSet
-from hybrid_serve.models.config import ModelConfig
-from hybrid_serve.models.decoder_layer import DecoderLayer
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import Linear, RMSNorm, RotaryEmbedding
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.qwen3_next_config import ModelConfig
+from hybrid_serve.models.qwen3_next_layers import Qwen3NextDecoderLayer
 
 
 class MultiTokenPredictor(nn.Module):
@@ -40,7 +40,7 @@ class MultiTokenPredictor(nn.Module):
         kv_layer = len(config.full_attention_layers)
         local = tp.local_shapes(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(local, i, tp, ops, kv_layer=kv_layer + i)
+            Qwen3NextDecoderLayer(local, i, tp, ops, kv_layer=kv_layer + i)
             for i in range(config.mtp_num_hidden_layers)
         )
         self.norm = RMSNorm(hid, eps, ops)
