@@ -31,6 +31,9 @@ from hybrid_serve.models.qwen3_next_config import FULL, ModelConfig
 from hybrid_serve.models.shard_loader import Shard
 from hybrid_serve.models.tp_shards import cols, rows, span
 
+# a layer's input: the embeddings, or the previous layer's (MLP output, residual stream)
+Pending = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
 
 class GatedAttention(nn.Module):
     """`config` carries this rank's head counts (`ParallelContext.local_shapes`); o_proj sums
@@ -156,11 +159,13 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, batch: ForwardBatch
+        self, x: Pending, batch: ForwardBatch, cos_sin
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's MLP output (the embeddings, with residual None, for the first
-        layer); returns this layer's MLP output and the residual stream before it: their sum is
-        the layer's hidden state (each norm adds the pending output in: `RMSNorm.add_forward`)."""
+        """x: the previous layer's (MLP output, residual stream) (the embeddings alone for the
+        first layer); returns this layer's MLP output and the residual stream before it: their
+        sum is the layer's hidden state (each norm adds the pending output in:
+        `RMSNorm.add_forward`)."""
+        x, residual = x if isinstance(x, tuple) else (x, None)
         h, residual = self.input_layernorm.add_forward(x, residual)
         if self.is_full_attention:
             h = self.self_attn(h, cos_sin, batch)

@@ -68,8 +68,7 @@ class MultiTokenPredictor(nn.Module):
         """The head's normed output y [T, hidden] for every row of `batch`."""
         x = self.layer_input(batch.input_ids, hidden, embed)
         cos_sin = rotary.cos_sin(batch.positions, x.dtype)
-        residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, batch)
-        y, _ = self.norm.add_forward(x, residual)
+            x = layer(x, batch, cos_sin)
+        y, _ = self.norm.add_forward(*x)
         return y
