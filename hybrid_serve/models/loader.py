@@ -52,7 +52,7 @@ from hybrid_serve.kernels import KernelSet
 from hybrid_serve.kernels import choose as choose_kernels
 from hybrid_serve.kernels.quant import quantize, row_peaks
 from hybrid_serve.kernels.weight_formats import check_quantization
-from hybrid_serve.models.base_config import read_json
+from hybrid_serve.models.base_config import HybridConfig, read_json
 from hybrid_serve.models.dummy_weights import fill_dummy
 from hybrid_serve.models.fp8 import Fp8Checkpoint, Fp8Config
 from hybrid_serve.models.fp8_resident import (
@@ -65,7 +65,6 @@ from hybrid_serve.models.fp8_resident import (
 from hybrid_serve.models.fp8_resident import plan as resident_plan
 from hybrid_serve.models.hybrid_lm import CausalLM
 from hybrid_serve.models.parallel import ParallelContext
-from hybrid_serve.models.qwen3_next_config import ModelConfig
 from hybrid_serve.models.registry import model_class, read_config
 from hybrid_serve.models.shard_loader import read_shard
 from hybrid_serve.models.weight_map import Target, checkpoint_map, is_skipped
@@ -76,7 +75,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # auto: the checkpoint's safetensors
 
 
-def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
+def resolve_dtype(dtype: str, config: HybridConfig) -> torch.dtype:
     """`auto` keeps the checkpoint's dtype; otherwise one of DTYPES."""
     name = config.torch_dtype if dtype == "auto" else dtype
     if name not in DTYPES:
@@ -223,7 +222,7 @@ class CheckpointIndex:
     resident: dict[str, BlockTarget] = field(default_factory=dict)
 
 
-def index_checkpoint(model: CausalLM, path: Path, config: ModelConfig) -> CheckpointIndex:
+def index_checkpoint(model: CausalLM, path: Path, config: HybridConfig) -> CheckpointIndex:
     """The strict key set of the checkpoint at `path` against `model` (meta is enough), from the
     headers: a missing or extra tensor, or a bad FP8 layout, is a `ValueError` naming it. The
     `mtp.*` tensors are the model's when it holds its MTP head, else skipped."""

@@ -22,7 +22,7 @@ from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.layers import RMSNorm
 from hybrid_serve.models.parallel import ParallelContext
-from hybrid_serve.models.qwen3_next_config import ModelConfig
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.qwen3_next_layers import Qwen3NextDecoderLayer
 from hybrid_serve.models.qwen3_next_mtp import MultiTokenPredictor
 
@@ -38,7 +38,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         self.build_stack(self._layer, rotary_dim=self.config.rotary_dim, norm=RMSNorm)
 
     def _layer(
-        self, c: ModelConfig, layer_id: int, ops: KernelSet, tp: ParallelContext
+        self, c: Qwen3NextConfig, layer_id: int, ops: KernelSet, tp: ParallelContext
     ) -> Qwen3NextDecoderLayer:
         """Layer `layer_id` on this rank's shapes."""
         return Qwen3NextDecoderLayer(self.local_config, layer_id, tp, ops)

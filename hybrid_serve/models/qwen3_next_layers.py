@@ -27,7 +27,7 @@ from hybrid_serve.models.gated_delta_net import GatedDeltaNet
 from hybrid_serve.models.layers import REFERENCE, Linear, RMSNorm
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import mlp, row_linear, sparse_moe
-from hybrid_serve.models.qwen3_next_config import FULL, ModelConfig
+from hybrid_serve.models.qwen3_next_config import FULL, Qwen3NextConfig
 from hybrid_serve.models.shard_loader import Shard
 from hybrid_serve.models.tp_shards import cols, rows, span
 
@@ -41,7 +41,7 @@ class GatedAttention(nn.Module):
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: Qwen3NextConfig,
         attn_layer_id: int,
         tp: ParallelContext | None = None,
         ops: KernelSet = REFERENCE,
@@ -66,7 +66,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
 
-    def tp_shards(self, config: ModelConfig) -> dict[str, Shard | None]:
+    def tp_shards(self, config: Qwen3NextConfig) -> dict[str, Shard | None]:
         """This rank's heads' [q | gate] rows of q_proj (2 head_dim per head), its KV heads'
         k/v rows (biases alike), o_proj columns; o_proj's bias (added after the sum over the
         ranks) and the per-head q/k norms whole. `config`: the whole model's (its KV heads)."""
@@ -124,7 +124,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: Qwen3NextConfig,
         layer_id: int,
         tp: ParallelContext,
         ops: KernelSet,

@@ -23,7 +23,7 @@ from hybrid_serve.kernels import KernelSet
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import Linear, RMSNorm, RotaryEmbedding
 from hybrid_serve.models.parallel import ParallelContext
-from hybrid_serve.models.qwen3_next_config import ModelConfig
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.qwen3_next_layers import Qwen3NextDecoderLayer
 
 
@@ -31,7 +31,7 @@ class MultiTokenPredictor(nn.Module):
     """`mtp.*`: `config` is the checkpoint's; the layer takes this rank's shapes like the main
     model's (its attention is KV-pool layer `len(config.full_attention_layers)`)."""
 
-    def __init__(self, config: ModelConfig, tp: ParallelContext, ops: KernelSet) -> None:
+    def __init__(self, config: Qwen3NextConfig, tp: ParallelContext, ops: KernelSet) -> None:
         super().__init__()
         hid, eps = config.hidden_size, config.rms_norm_eps
         self.fc = Linear(2 * hid, hid, bias=False, ops=ops)
@@ -46,7 +46,7 @@ class MultiTokenPredictor(nn.Module):
         self.norm = RMSNorm(hid, eps, ops)
         self.lm_head: nn.Module | None = None  # its own LM head (quantized drafts), else shared
 
-    def tp_shards(self, config: ModelConfig) -> dict[str, None]:
+    def tp_shards(self, config: Qwen3NextConfig) -> dict[str, None]:
         """`fc` whole on every rank (its layer's modules and the norms declare their own)."""
         return {"fc.weight": None}
 
