@@ -53,7 +53,7 @@ from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.gated_delta_net import GatedDeltaNet
 from hybrid_serve.models.gqa_attention import Attention
 from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridDecoderLayer, GraniteMoeHybridMoE
-from hybrid_serve.models.hybrid_lm import CausalLM, HybridForCausalLM
+from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.layers import MLP, SparseMoE
 from hybrid_serve.models.loader import matrices
 from hybrid_serve.models.mamba2_mixer import Mamba2Mixer
@@ -287,13 +287,13 @@ BLOCKS = {
 FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's and OLMo-Hybrid's"
 
 
-def stack_layers(model: CausalLM) -> nn.ModuleList | None:
+def stack_layers(model: HybridForCausalLM) -> nn.ModuleList | None:
     """The decoder layers of `model`'s stack (`HybridForCausalLM.build_stack`), or None."""
     stack = getattr(model, getattr(model, "stack_name", ""), None)
     return getattr(stack, "layers", None)
 
 
-def block_builder(model: CausalLM) -> Callable[..., Blocks] | None:
+def block_builder(model: HybridForCausalLM) -> Callable[..., Blocks] | None:
     """The builder of `model`'s blocks (`BLOCKS`, by its layers' one class), or None where its
     layers are of no kind the plan replays."""
     layers = stack_layers(model)
@@ -301,7 +301,7 @@ def block_builder(model: CausalLM) -> Callable[..., Blocks] | None:
     return BLOCKS.get(kinds.pop()) if len(kinds) == 1 else None
 
 
-def refusal(model: CausalLM) -> tuple[str, str] | None:
+def refusal(model: HybridForCausalLM) -> tuple[str, str] | None:
     """(why no plan can replay `model`'s decode step, what setting would let one), or None when
     one can."""
     if block_builder(model) is None:
@@ -327,7 +327,7 @@ def refusal(model: CausalLM) -> tuple[str, str] | None:
     return None
 
 
-def unsupported(model: CausalLM) -> str | None:
+def unsupported(model: HybridForCausalLM) -> str | None:
     """Why no plan can replay `model`'s decode step, or None when one can (`refusal`'s why)."""
     found = refusal(model)
     return None if found is None else found[0]
@@ -391,7 +391,7 @@ class CpuDecodePlan:
 
     @classmethod
     def build(
-        cls, model: CausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
+        cls, model: HybridForCausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
     ) -> CpuDecodePlan | None:
         """The plan of `model` over these pools (those of every batch it will run), or None where
         none applies: then the reason and the setting that would let a plan apply are one

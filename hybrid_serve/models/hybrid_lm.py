@@ -1,11 +1,10 @@
 """What every hybrid family's causal LM gives the loader and the scheduler, written once.
 
 The contract: `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`,
-`use_kernels`, `embed_tokens`, `config` / `local_config`, `tp`, `ops`, `mtp`; `CausalLM` holds
-the part every family computes alike. A family subclasses `HybridForCausalLM` and builds in
-`build()` a `HybridModel` of its decoder layers under the checkpoint's names (`build_stack`, which
-adds the LM head), and where it serves one its MTP head in `build_mtp()`; or it supplies these
-parts itself:
+`use_kernels`, `embed_tokens`, `config` / `local_config`, `tp`, `ops`, `mtp`, all held by
+`HybridForCausalLM`, every family's causal LM. A family subclasses it and builds in `build()` a
+`HybridModel` of its decoder layers under the checkpoint's names (`build_stack`, which adds the LM
+head), and where it serves one its MTP head in `build_mtp()`; or it supplies these parts itself:
 
     hidden_states(batch)   the last layer's output [T, hidden] (before the final norm), or the
                            pair (that output, the residual stream) whose sum is the hidden state
@@ -102,58 +101,13 @@ class HybridModel(nn.Module):
         return x
 
 
-class CausalLM(nn.Module):
-    """What every family's causal LM computes alike from its `final_hidden`, `lm_head` and
-    recurrent mixers (`HybridForCausalLM` holds the rest)."""
-
-    logits_multiplier: float = 1.0  # Granite's 1 / logits_scaling, Falcon-H1's lm_head multiplier
-
-    @property
-    def state_shapes(self) -> tuple[MambaStateShape, ...]:
-        """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what
-        the Mamba pool is built from."""
-        return tuple(m.state_shape for m in self.modules() if hasattr(m, "state_shape"))
-
-    def use_kernels(self, ops: KernelSet) -> None:
-        """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on
-        the same weights)."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
-    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
-        """The part of checkpoint tensor `name` (loading into `target`) this rank reads, from
-        the shard its parameter's module declares (`models.tp_shards`); None: all of it."""
-        shard = self._param_shards.get(target.param)
-        return None if shard is None else target_shard(shard, target)
-
-    @cached_property
-    def _param_shards(self) -> dict[str, Shard | None]:
-        """Parameter name -> this rank's shard (`models.tp_shards.param_shards`; refuses an
-        undeclared parameter at TP > 1)."""
-        return param_shards(self, self.config) if self.tp.enabled else {}
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
-        or [K, vocab] at `logit_indices`; fp32."""
-        return self.logits_from_hidden(self.final_hidden(batch))
-
-    @torch.inference_mode()
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s): `forward`
-        is `logits_from_hidden(final_hidden(batch))`."""
-        logits = self.lm_head(hidden)
-        if self.logits_multiplier != 1.0:
-            logits = logits * self.logits_multiplier
-        return logits.float()
-
-
-class HybridForCausalLM(CausalLM):
+class HybridForCausalLM(nn.Module):
     """Base of every hybrid family's causal LM (module docstring): the whole model, or rank
     `tp.rank`'s shard of it; `ops` is the kernel set every layer calls (`kernels.choose`; the
     torch references by default). With `mtp` the model also holds its multi-token-prediction
     head, `self.mtp` (`build_mtp`: a ValueError for a family that serves none; else None)."""
+
+    logits_multiplier: float = 1.0  # Granite's 1 / logits_scaling, Falcon-H1's lm_head multiplier
 
     def __init__(
         self,
@@ -230,3 +184,44 @@ class HybridForCausalLM(CausalLM):
         if rows is not None:
             x = tuple(t[rows] for t in x) if isinstance(x, tuple) else x[rows]
         return self.final_norm(x)
+
+    # ---- what every family computes alike ------------------------------------------------
+    @property
+    def state_shapes(self) -> tuple[MambaStateShape, ...]:
+        """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what
+        the Mamba pool is built from."""
+        return tuple(m.state_shape for m in self.modules() if hasattr(m, "state_shape"))
+
+    def use_kernels(self, ops: KernelSet) -> None:
+        """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on
+        the same weights)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    def checkpoint_shard(self, name: str, target: Target) -> Shard | None:
+        """The part of checkpoint tensor `name` (loading into `target`) this rank reads, from
+        the shard its parameter's module declares (`models.tp_shards`); None: all of it."""
+        shard = self._param_shards.get(target.param)
+        return None if shard is None else target_shard(shard, target)
+
+    @cached_property
+    def _param_shards(self) -> dict[str, Shard | None]:
+        """Parameter name -> this rank's shard (`models.tp_shards.param_shards`; refuses an
+        undeclared parameter at TP > 1)."""
+        return param_shards(self, self.config) if self.tp.enabled else {}
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [N, vocab] (last new token per request), [T, vocab] with return_all_logits,
+        or [K, vocab] at `logit_indices`; fp32."""
+        return self.logits_from_hidden(self.final_hidden(batch))
+
+    @torch.inference_mode()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] fp32 of final hidden states [K, hidden] (`final_hidden`'s): `forward`
+        is `logits_from_hidden(final_hidden(batch))`."""
+        logits = self.lm_head(hidden)
+        if self.logits_multiplier != 1.0:
+            logits = logits * self.logits_multiplier
+        return logits.float()

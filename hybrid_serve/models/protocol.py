@@ -1,8 +1,8 @@
 """`ServedModel`: what the scheduler may ask of a loaded causal LM, whatever its family.
 
 The scheduler (its runner, pool sizing, graph runner and speculative decoding) types the model
-by these protocols and by nothing family-specific: every family's causal LM (`CausalLM`'s
-subclasses, built through `models.registry`) satisfies them structurally. A member the
+by these protocols and by nothing family-specific: every family's causal LM (a
+`HybridForCausalLM`, built through `models.registry`) satisfies them structurally. A member the
 scheduler starts to use is added here first.
 
 `ServedConfig` is the part of a model config it reads: the checkpoint's (`config`) or this
