@@ -24,15 +24,13 @@ from hybrid_serve.kernels import KernelSet
 from hybrid_serve.kernels.attn_step import apply_rope
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.gated_delta_net import GatedDeltaNet
+from hybrid_serve.models.hybrid_lm import Hidden
 from hybrid_serve.models.layers import REFERENCE, Linear, RMSNorm
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import mlp, row_linear, sparse_moe
 from hybrid_serve.models.qwen3_next_config import FULL, Qwen3NextConfig
 from hybrid_serve.models.shard_loader import Shard
 from hybrid_serve.models.tp_shards import cols, rows, span
-
-# a layer's input: the embeddings, or the previous layer's (MLP output, residual stream)
-Pending = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class GatedAttention(nn.Module):
@@ -158,9 +156,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(
-        self, x: Pending, batch: ForwardBatch, cos_sin
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: Hidden, batch: ForwardBatch, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's (MLP output, residual stream) (the embeddings alone for the
         first layer); returns this layer's MLP output and the residual stream before it: their
         sum is the layer's hidden state (each norm adds the pending output in:
