@@ -52,8 +52,8 @@ import torch
 from hybrid_serve.make_model.fp8_writer import config_quantization
 from hybrid_serve.make_model.presets import checkpoint_shapes, complete_config, write_config_only
 from hybrid_serve.make_model.real_shapes import REAL_SHAPES, real_shape_config
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.fp8 import Fp8Config
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.step_bytes import (
     decode_step_bytes,
     kv_bytes_per_token,
@@ -88,8 +88,8 @@ def case_config(name: str, layers: int | None, fp8: bool = False) -> dict:
     return cfg
 
 
-def model_config(name: str, layers: int | None) -> ModelConfig:
-    return ModelConfig.from_dict(case_config(name, layers))
+def model_config(name: str, layers: int | None) -> Qwen3NextConfig:
+    return Qwen3NextConfig.from_dict(case_config(name, layers))
 
 
 def fp8_config(name: str, layers: int | None) -> Fp8Config:
@@ -101,7 +101,7 @@ def label(name: str, layers: int | None, fp8: bool = False) -> str:
 
 
 def max_batch(
-    c: ModelConfig, device_bytes: float, slack: int = 8, fp8: Fp8Config | None = None
+    c: Qwen3NextConfig, device_bytes: float, slack: int = 8, fp8: Fp8Config | None = None
 ) -> int:
     """Largest batch (<= 256) whose Mamba slots, KV and request rows fit in FRACTION of the
     device beside the weights (bf16, or with `fp8` its block-FP8 matrices at one byte), with

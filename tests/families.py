@@ -24,14 +24,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybrid_serve.make_model.catalog import tiny_presets
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.families import FAMILIES
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 
-# the tiny presets of the family table's rows beyond Qwen's (those not read by ModelConfig)
+# the tiny presets of the family table's rows beyond Qwen's (those not read by Qwen3NextConfig)
 FAMILY_PRESETS = tuple(
     name
     for family in FAMILIES
-    if family.config_class != f"{ModelConfig.__module__}.ModelConfig"
+    if family.config_class != f"{Qwen3NextConfig.__module__}.Qwen3NextConfig"
     for name in tiny_presets(family)
 )
 

@@ -35,14 +35,14 @@ from tqdm import tqdm
 from hybrid_serve.kernels.attn_step import apply_rope
 from hybrid_serve.make_model.fp8_writer import quantize
 from hybrid_serve.make_model.weights_file import save_weights
-from hybrid_serve.models.attention import GatedAttention
 from hybrid_serve.models.base_config import read_json
 from hybrid_serve.models.fp8 import E4M3, SCALE_SUFFIX, Fp8Config
 from hybrid_serve.models.layers import REFERENCE
 from hybrid_serve.models.loader import checkpoint_files, checkpoint_names
-from hybrid_serve.models.mtp import MultiTokenPredictor
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.qwen3_next_layers import GatedAttention
+from hybrid_serve.models.qwen3_next_mtp import MultiTokenPredictor
 from hybrid_serve.models.weight_map import MTP_PREFIX, checkpoint_map
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ class TrainableHead(nn.Module):
         positions = torch.arange(T).repeat(B)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer in m.layers:  # DecoderLayer.forward with causal attention over each sequence
+        # Qwen3NextDecoderLayer.forward with causal attention over each sequence
+        for layer in m.layers:
             h, residual = layer.input_layernorm.add_forward(x, residual)
             h = causal_attention(layer.self_attn, h, cos_sin, B)
             h, residual = layer.post_attention_layernorm.add_forward(h, residual)

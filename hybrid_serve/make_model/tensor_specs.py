@@ -23,9 +23,9 @@ import torch
 
 from hybrid_serve.make_model.catalog import family_of_config
 from hybrid_serve.make_model.qwen3_next_preset import is_moe_layer, layer_types, validate
-from hybrid_serve.models.config import WRAPPERS as QWEN_WRAPPERS
 from hybrid_serve.models.dummy_weights import fill
 from hybrid_serve.models.families import Family, NameRules, resolve
+from hybrid_serve.models.qwen3_next_config import WRAPPERS as QWEN_WRAPPERS
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
 

@@ -19,7 +19,8 @@ order, as the eager step does, so its logits and pool updates are bit-identical 
                       top-k MoE with its shared MLP), with the families' multipliers
     logits = lm_head(final norm) * logits multiplier
 
-The families (`BLOCKS`): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
+The families (`BLOCKS`, by the class of the stack's layers, so a model is typed by its blocks,
+not by its family's class): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
 NemotronH, Granite-4.0-H, Bamba, Falcon-H1 and OLMo-Hybrid. The plan applies where the model's
 kernel set is the C++ one with its fused decode ops (`kernels.kernel_set.cpp_set`), on one rank
 (no tensor parallelism), with no biases but the Mamba2 convs', fp32 norms, states and KV, fp32,
@@ -36,7 +37,7 @@ per process that names why and the setting that would let a plan apply (`refusal
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,20 +48,20 @@ from hybrid_serve.kernels.cpp_ops import ROUTED_MAX_ROWS
 from hybrid_serve.kernels.quant import CPP_DTYPES
 from hybrid_serve.kernels.settings import FUSIONS_ENV, KERNELS_ENV
 from hybrid_serve.kernels.slow_paths import warn_once
-from hybrid_serve.models.bamba import BambaForCausalLM
+from hybrid_serve.models.bamba import BambaDecoderLayer
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.gated_delta_net import GatedDeltaNet
 from hybrid_serve.models.gqa_attention import Attention
-from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM, GraniteMoeHybridMoE
-from hybrid_serve.models.hybrid_lm import CausalLM
+from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridDecoderLayer, GraniteMoeHybridMoE
+from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.layers import MLP, SparseMoE
 from hybrid_serve.models.loader import matrices
 from hybrid_serve.models.mamba2_mixer import Mamba2Mixer
-from hybrid_serve.models.nemotron_h import NemotronHForCausalLM
+from hybrid_serve.models.nemotron_h import NemotronHBlock
 from hybrid_serve.models.nemotron_h_config import ATTENTION, MAMBA
 from hybrid_serve.models.nemotron_h_config import MLP as MLP_BLOCK
-from hybrid_serve.models.olmo_hybrid import OlmoHybridForCausalLM
-from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.olmo_hybrid import OlmoHybridDecoderLayer
+from hybrid_serve.models.qwen3_next_layers import Qwen3NextDecoderLayer
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,8 @@ class Blocks:
         self.add(weights, [0], [gate_mult, out_mult])
 
 
-def qwen3_next_blocks(model: Qwen3NextForCausalLM, layers) -> Blocks:
-    """Qwen3-Next's decoder layers (`models.decoder_layer`): the deferred residual's norms, GDN
+def qwen3_next_blocks(model: HybridForCausalLM, layers) -> Blocks:
+    """Qwen3-Next's decoder layers (`models.qwen3_next_layers`): the deferred residual's norms, GDN
     or gated attention, then the sparse MoE or the dense SwiGLU."""
     out = Blocks()
     for layer in layers:
@@ -179,7 +180,7 @@ def qwen3_next_blocks(model: Qwen3NextForCausalLM, layers) -> Blocks:
     return out
 
 
-def nemotron_h_blocks(model: NemotronHForCausalLM, layers) -> Blocks:
+def nemotron_h_blocks(model: HybridForCausalLM, layers) -> Blocks:
     """NemotronH's blocks (`models.nemotron_h`): one pre-norm sublayer each, a mixer (Mamba2,
     NoPE attention) or an MLP (relu^2, relu^2 MoE)."""
     out = Blocks()
@@ -209,7 +210,7 @@ def nemotron_h_blocks(model: NemotronHForCausalLM, layers) -> Blocks:
     return out
 
 
-def granite_blocks(model: GraniteMoeHybridForCausalLM, layers) -> Blocks:
+def granite_blocks(model: HybridForCausalLM, layers) -> Blocks:
     """Granite-4.0-H's layers (`models.granite_moe_hybrid`): pre-norm Mamba2 or NoPE attention
     (RoPE where the config asks), then the top-k MoE with the shared SwiGLU, or the shared
     SwiGLU alone; each sublayer's output times the residual multiplier."""
@@ -235,7 +236,7 @@ def granite_blocks(model: GraniteMoeHybridForCausalLM, layers) -> Blocks:
     return out
 
 
-def bamba_blocks(model: BambaForCausalLM, layers) -> Blocks:
+def bamba_blocks(model: HybridForCausalLM, layers) -> Blocks:
     """Bamba's and Falcon-H1's layers (`models.bamba`): pre-norm Mamba2, RoPE attention, or both
     side by side (Falcon-H1), then the SwiGLU MLP, with Falcon-H1's multipliers."""
     c, out = model.config, Blocks()
@@ -255,7 +256,7 @@ def bamba_blocks(model: BambaForCausalLM, layers) -> Blocks:
     return out
 
 
-def olmo_hybrid_blocks(model: OlmoHybridForCausalLM, layers) -> Blocks:
+def olmo_hybrid_blocks(model: HybridForCausalLM, layers) -> Blocks:
     """OLMo-Hybrid's layers (`models.olmo_hybrid`): pre-norm GDN (beta scaled) then SwiGLU, or
     post-norm attention with q/k norms then SwiGLU."""
     out = Blocks()
@@ -275,21 +276,35 @@ def olmo_hybrid_blocks(model: OlmoHybridForCausalLM, layers) -> Blocks:
     return out
 
 
-# Each family's block builder (its layers -> `Blocks`), by model class.
+# Each family's block builder (its layers -> `Blocks`), by the class of its decoder layers.
 BLOCKS = {
-    Qwen3NextForCausalLM: qwen3_next_blocks,
-    NemotronHForCausalLM: nemotron_h_blocks,
-    GraniteMoeHybridForCausalLM: granite_blocks,
-    BambaForCausalLM: bamba_blocks,
-    OlmoHybridForCausalLM: olmo_hybrid_blocks,
+    Qwen3NextDecoderLayer: qwen3_next_blocks,
+    NemotronHBlock: nemotron_h_blocks,
+    GraniteMoeHybridDecoderLayer: granite_blocks,
+    BambaDecoderLayer: bamba_blocks,
+    OlmoHybridDecoderLayer: olmo_hybrid_blocks,
 }
 FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's and OLMo-Hybrid's"
 
 
-def refusal(model: CausalLM) -> tuple[str, str] | None:
+def stack_layers(model: HybridForCausalLM) -> nn.ModuleList | None:
+    """The decoder layers of `model`'s stack (`HybridForCausalLM.build_stack`), or None."""
+    stack = getattr(model, getattr(model, "stack_name", ""), None)
+    return getattr(stack, "layers", None)
+
+
+def block_builder(model: HybridForCausalLM) -> Callable[..., Blocks] | None:
+    """The builder of `model`'s blocks (`BLOCKS`, by its layers' one class), or None where its
+    layers are of no kind the plan replays."""
+    layers = stack_layers(model)
+    kinds = {type(layer) for layer in layers} if layers is not None else set()
+    return BLOCKS.get(kinds.pop()) if len(kinds) == 1 else None
+
+
+def refusal(model: HybridForCausalLM) -> tuple[str, str] | None:
     """(why no plan can replay `model`'s decode step, what setting would let one), or None when
     one can."""
-    if type(model) not in BLOCKS:
+    if block_builder(model) is None:
         reserved = getattr(model, "reserved_block", None)  # a mixer whose kind has no layout yet
         if reserved is not None:
             why = f"a {type(model).__name__}: its {reserved} mixer's block kind is reserved in "
@@ -310,13 +325,13 @@ def refusal(model: CausalLM) -> tuple[str, str] | None:
             return f"a bias ({name})", NO_SETTING
         if p.dtype not in (MATRIX_DTYPES if id(p) in matrix else (torch.float32,)):
             return f"{name} is {p.dtype}", DTYPES
-    for layer in model.model.layers if isinstance(model, Qwen3NextForCausalLM) else ():
-        if type(layer.mlp) not in (SparseMoE, MLP):
+    for layer in stack_layers(model):
+        if isinstance(layer, Qwen3NextDecoderLayer) and type(layer.mlp) not in (SparseMoE, MLP):
             return f"a {type(layer.mlp).__name__} layer", NO_SETTING
     return None
 
 
-def unsupported(model: CausalLM) -> str | None:
+def unsupported(model: HybridForCausalLM) -> str | None:
     """Why no plan can replay `model`'s decode step, or None when one can (`refusal`'s why)."""
     found = refusal(model)
     return None if found is None else found[0]
@@ -351,22 +366,15 @@ class CpuDecodePlan:
     passes). Batches of more rows than `rows` (Granite's routed experts beyond their C++ op's
     rows) run the eager model."""
 
-    def __init__(self, model: CausalLM, layers=None, norm=None, lm_head=None) -> None:
+    def __init__(self, model: HybridForCausalLM, layers=None, norm=None, lm_head=None) -> None:
         self.model = model
-        stack = model.model if isinstance(model, Qwen3NextForCausalLM) else None
-        if stack is None:
-            stack = getattr(model, model.stack_name)
-            self.embed, norm = stack.embed, norm or stack.final_norm
-            self.embedding_multiplier, self.rotary_dtype = (
-                stack.embedding_multiplier,
-                stack.rotary_dtype,
-            )
-        else:
-            self.embed, norm = stack.embed_tokens, norm or stack.norm
-            self.embedding_multiplier, self.rotary_dtype = 1.0, None
-        self.rotary = stack.rotary
-        blocks = BLOCKS[type(model)](model, stack.layers if layers is None else layers)
-        self.verifies = isinstance(model, Qwen3NextForCausalLM)
+        stack = getattr(model, model.stack_name)
+        self.embed, norm = stack.embed, norm or stack.final_norm
+        self.embedding_multiplier = stack.embedding_multiplier
+        self.rotary, self.rotary_dtype = stack.rotary, stack.rotary_dtype
+        builder = block_builder(model)
+        blocks = builder(model, stack.layers if layers is None else layers)
+        self.verifies = builder is qwen3_next_blocks  # the deferred-residual GDN layers
         self.rows = MAX_ROWS
         for module in model.modules():
             if isinstance(module, GraniteMoeHybridMoE):  # the routed experts' C++ op's rows
@@ -378,7 +386,7 @@ class CpuDecodePlan:
         )  # fmt: skip
 
     @classmethod
-    def for_mtp(cls, model: Qwen3NextForCausalLM) -> CpuDecodePlan:
+    def for_mtp(cls, model: HybridForCausalLM) -> CpuDecodePlan:
         """The plan over the MTP head's layer, its norm and its LM head (for `rows`); call
         where the model's own plan applies."""
         mtp = model.mtp
@@ -387,7 +395,7 @@ class CpuDecodePlan:
 
     @classmethod
     def build(
-        cls, model: CausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
+        cls, model: HybridForCausalLM, kv_pool, mamba_pool, req_to_token: torch.Tensor
     ) -> CpuDecodePlan | None:
         """The plan of `model` over these pools (those of every batch it will run), or None where
         none applies: then the reason and the setting that would let a plan apply are one

@@ -129,7 +129,7 @@ _MM = "hybrid_serve.models"
 _MK = "hybrid_serve.make_model"
 _QWEN = dict(
     model_class=f"{_MM}.qwen3_next.Qwen3NextForCausalLM",
-    config_class=f"{_MM}.config.ModelConfig",
+    config_class=f"{_MM}.qwen3_next_config.Qwen3NextConfig",
     preset_module=f"{_MK}.qwen3_next_preset",
     presets=(f"{_MK}.qwen3_next_preset.PRESETS", f"{_MK}.real_shapes.REAL_SHAPES"),
 )

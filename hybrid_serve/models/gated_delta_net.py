@@ -26,7 +26,7 @@ from torch import nn
 from hybrid_serve.kernels import KernelSet, gdn_step
 from hybrid_serve.kernels.gdn_step import gates
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
-from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.base_config import HybridConfig
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import REFERENCE, Linear, RMSNormGated
 from hybrid_serve.models.parallel import ParallelContext
@@ -36,14 +36,14 @@ from hybrid_serve.models.tp_shards import cols, rows, span
 
 
 class GatedDeltaNet(nn.Module):
-    """`config` carries this rank's key/value heads (`ParallelContext.local_shapes`), and so do
-    the conv channels and the pool's states; out_proj sums the ranks' heads. The config's
-    `linear_norm_eps` is the output norm's epsilon and `linear_beta_scale` beta's factor (Qwen's
-    1, OLMo-Hybrid's 2)."""
+    """`config` (Qwen3-Next's or OLMo-Hybrid's: one with the `linear_*` fields) carries this
+    rank's key/value heads (`ParallelContext.local_shapes`), and so do the conv channels and the
+    pool's states; out_proj sums the ranks' heads. The config's `linear_norm_eps` is the output
+    norm's epsilon and `linear_beta_scale` beta's factor (Qwen's 1, OLMo-Hybrid's 2)."""
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: HybridConfig,
         linear_layer_id: int,
         tp: ParallelContext | None = None,
         ops: KernelSet = REFERENCE,

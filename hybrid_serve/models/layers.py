@@ -1,7 +1,9 @@
-"""Building blocks shared by the Qwen3-Next layers: norms, rotary embedding, MLP and sparse MoE.
+"""Building blocks every family's layers share: the kernel-set linear, the norms (zero-centred
+for Qwen3-Next / Qwen3.5, plain for the others, gated for Gated DeltaNet's output), the rotary
+embedding, the SwiGLU MLP, the stacked experts and the shared-expert sparse MoE.
 
-Numerics follow transformers' Qwen3-Next exactly (fp32 inside the norms, fp32 router softmax),
-because the reference model is the judge of this one. Each layer takes its kernels at
+Numerics follow transformers exactly (fp32 inside the norms, fp32 router softmax), because the
+reference model is the judge of this one. Each layer takes its kernels at
 construction (`ops`, a `kernels.KernelSet`: the torch references unless the loader chose
 others) and calls them; no layer decides per call which implementation runs.
 """

@@ -12,10 +12,11 @@ has e4m3) its matrices stay FP8, one byte per weight plus the block scales, wher
 checkpoint's blocks land whole on the parameter (`models.fp8_resident`); elsewhere, and on the
 CPU always, the weights are dequantized at load (`hybrid_serve.models.fp8`).
 
-`mtp=True` builds the model with its multi-token-prediction head (`models.mtp`; the checkpoint's
-config must have `mtp_num_hidden_layers`) and makes the head's `mtp.*` tensors part of the strict
-key set: from then on they load like any other tensor (FP8, tensor-parallel shards, dtype and
-quantization rules, dummy weights), and a missing one is an error. Without it they are skipped.
+`mtp=True` builds the model with its multi-token-prediction head (`models.qwen3_next_mtp`; the
+checkpoint's config must have `mtp_num_hidden_layers`) and makes the head's `mtp.*` tensors part
+of the strict key set: from then on they load like any other tensor (FP8, tensor-parallel shards,
+dtype and quantization rules, dummy weights), and a missing one is an error. Without it they are
+skipped.
 
 `load_format="dummy"` (SGLang's and vLLM's `--load-format dummy`) reads config.json alone: the
 model is allocated exactly as for a checkpoint and filled with random weights in place
@@ -51,8 +52,7 @@ from hybrid_serve.kernels import KernelSet
 from hybrid_serve.kernels import choose as choose_kernels
 from hybrid_serve.kernels.quant import quantize, row_peaks
 from hybrid_serve.kernels.weight_formats import check_quantization
-from hybrid_serve.models.base_config import read_json
-from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.base_config import HybridConfig, read_json
 from hybrid_serve.models.dummy_weights import fill_dummy
 from hybrid_serve.models.fp8 import Fp8Checkpoint, Fp8Config
 from hybrid_serve.models.fp8_resident import (
@@ -63,7 +63,7 @@ from hybrid_serve.models.fp8_resident import (
     read_resident,
 )
 from hybrid_serve.models.fp8_resident import plan as resident_plan
-from hybrid_serve.models.hybrid_lm import CausalLM
+from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.registry import model_class, read_config
 from hybrid_serve.models.shard_loader import read_shard
@@ -75,7 +75,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # auto: the checkpoint's safetensors
 
 
-def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
+def resolve_dtype(dtype: str, config: HybridConfig) -> torch.dtype:
     """`auto` keeps the checkpoint's dtype; otherwise one of DTYPES."""
     name = config.torch_dtype if dtype == "auto" else dtype
     if name not in DTYPES:
@@ -123,7 +123,7 @@ def load_model(
     draft_quantization: str | None = None,
     fp8_resident: bool | None = None,
     mamba_ssm_dtype: str | None = None,
-) -> CausalLM:
+) -> HybridForCausalLM:
     """Build the model in `dtype` on `device` and fill it tensor by tensor from the checkpoint.
     With a tensor-parallel context, build rank `tp.rank`'s shard and read only its part of each
     sharded tensor (the model's `checkpoint_shard`: `models.tp_shards`, `models.shard_loader`).
@@ -222,7 +222,7 @@ class CheckpointIndex:
     resident: dict[str, BlockTarget] = field(default_factory=dict)
 
 
-def index_checkpoint(model: CausalLM, path: Path, config: ModelConfig) -> CheckpointIndex:
+def index_checkpoint(model: HybridForCausalLM, path: Path, config: HybridConfig) -> CheckpointIndex:
     """The strict key set of the checkpoint at `path` against `model` (meta is enough), from the
     headers: a missing or extra tensor, or a bad FP8 layout, is a `ValueError` naming it. The
     `mtp.*` tensors are the model's when it holds its MTP head, else skipped."""
@@ -260,7 +260,7 @@ def fp8_device(device: str | torch.device, ops: KernelSet) -> bool:
 
 
 def plan_fp8(
-    model: CausalLM, path: Path, source: CheckpointIndex | None
+    model: HybridForCausalLM, path: Path, source: CheckpointIndex | None
 ) -> tuple[set[str], tuple[int, int] | None]:
     """(the parameters that stay FP8, the block) for the checkpoint `source`, or for dummy
     weights (`source` None) the config's `quantization_config`; records the checkpoint's
@@ -294,7 +294,7 @@ def plan_fp8(
     return names, fp8.block
 
 
-def read_checkpoint(model: CausalLM, source: CheckpointIndex) -> None:
+def read_checkpoint(model: HybridForCausalLM, source: CheckpointIndex) -> None:
     """Fill `model` from the checkpoint `source` (see `load_model`): FP8 tensors of resident
     parameters copied as they are with their scales, the others converted while copied."""
     table, fp8 = source.table, source.fp8
@@ -331,7 +331,7 @@ def _copy(name: str, dst: torch.Tensor, w: torch.Tensor) -> None:
     dst.copy_(w)
 
 
-def matrices(model: CausalLM) -> list[torch.nn.Parameter]:
+def matrices(model: HybridForCausalLM) -> list[torch.nn.Parameter]:
     """Every linear layer's and expert's weight matrix: what `--dtype bfloat16` stores in bf16
     on CPU (a tied LM head is the embedding itself)."""
     from hybrid_serve.models.layers import Experts, Linear
@@ -345,7 +345,7 @@ def matrices(model: CausalLM) -> list[torch.nn.Parameter]:
     return out
 
 
-def quantize_matrices(model: CausalLM, method: str, tp: ParallelContext) -> None:
+def quantize_matrices(model: HybridForCausalLM, method: str, tp: ParallelContext) -> None:
     """Replace every linear layer's and expert stack's matrix, except those the model keeps in
     float (`Linear.keep_float`: the MoE routers' gates, whose top-k picks must not move), by
     its `method` format (`kernels.quant.quantize`), one matrix at a time. A shard whose columns
@@ -370,7 +370,7 @@ def quantize_matrices(model: CausalLM, method: str, tp: ParallelContext) -> None
             setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
 
 
-def cast_matrices(model: CausalLM, dtype: torch.dtype) -> None:
+def cast_matrices(model: HybridForCausalLM, dtype: torch.dtype) -> None:
     """Store every matrix (`matrices`) in `dtype`, nothing else (on the meta model: free). A
     tied LM head is left tied here (the embedding stays fp32); the loader gives it its own copy
     once the embedding is loaded."""

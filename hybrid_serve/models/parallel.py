@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.base_config import HybridConfig
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class ParallelContext:
         start = min(self.rank * per, vocab_size)
         return start, min(per, vocab_size - start), per
 
-    def local_shapes(self, c: ModelConfig) -> ModelConfig:
+    def local_shapes(self, c: HybridConfig) -> HybridConfig:
         """The config with this rank's head counts and widths (vocab unchanged: the vocab-parallel
         layers split it themselves). The identity at size 1. Any config with attention and Gated
         DeltaNet heads will do (OLMo-Hybrid's too, which has no expert widths)."""

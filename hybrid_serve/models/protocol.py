@@ -1,8 +1,8 @@
 """`ServedModel`: what the scheduler may ask of a loaded causal LM, whatever its family.
 
 The scheduler (its runner, pool sizing, graph runner and speculative decoding) types the model
-by these protocols and by nothing family-specific: every family's causal LM (`CausalLM`'s
-subclasses, built through `models.registry`) satisfies them structurally. A member the
+by these protocols and by nothing family-specific: every family's causal LM (a
+`HybridForCausalLM`, built through `models.registry`) satisfies them structurally. A member the
 scheduler starts to use is added here first.
 
 `ServedConfig` is the part of a model config it reads: the checkpoint's (`config`) or this
@@ -20,8 +20,8 @@ from torch import nn
 from hybrid_serve.kernels import KernelSet
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
 from hybrid_serve.models.forward_batch import ForwardBatch
-from hybrid_serve.models.mtp import MultiTokenPredictor
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.qwen3_next_mtp import MultiTokenPredictor
 
 
 class ServedConfig(Protocol):

@@ -1,6 +1,6 @@
 """What one decode step must read from memory: the bytes behind the HBM roofline.
 
-Pure arithmetic over a `ModelConfig` (the model is built on the `meta` device to take its own
+Pure arithmetic over a `Qwen3NextConfig` (the model is built on the `meta` device to take its own
 parameter shapes; nothing is allocated). For a decode step of `batch` requests whose caches hold
 `context` tokens each:
 
@@ -30,12 +30,12 @@ from functools import cache
 
 import torch
 
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.fp8 import Fp8Config
 from hybrid_serve.models.fp8_resident import dummy_plan
 from hybrid_serve.models.layers import Experts
 from hybrid_serve.models.loader import matrices
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.weight_map import checkpoint_map
 
 SSM_STATE_BYTES = 4  # the recurrent state is fp32 (mamba_ssm_dtype float32)
@@ -84,7 +84,7 @@ class StepBytes:
 
 
 @cache
-def param_groups(config: ModelConfig, fp8: Fp8Config | None = None) -> ParamGroups:
+def param_groups(config: Qwen3NextConfig, fp8: Fp8Config | None = None) -> ParamGroups:
     """`config`'s parameters grouped by how a decode step reads them (meta-device model); with
     `fp8`, which of them a load keeps block-FP8 (module docstring)."""
     with torch.device("meta"):
@@ -124,13 +124,13 @@ def _fp8_params(model: Qwen3NextForCausalLM, fp8: Fp8Config) -> dict[str, torch.
     return {n: params[n] for n in names}
 
 
-def kv_bytes_per_token(config: ModelConfig, cache_bytes: int = 2) -> int:
+def kv_bytes_per_token(config: Qwen3NextConfig, cache_bytes: int = 2) -> int:
     """K and V of every full-attention layer for one token."""
     per_layer = 2 * config.num_key_value_heads * config.head_dim * cache_bytes
     return len(config.full_attention_layers) * per_layer
 
 
-def state_bytes_per_request(config: ModelConfig, conv_bytes: int = 2) -> int:
+def state_bytes_per_request(config: Qwen3NextConfig, conv_bytes: int = 2) -> int:
     """One request's Mamba state: per linear layer the conv window (conv_dim x (Kc - 1) in the
     cache dtype) and the fp32 recurrent state (HV x dk x dv)."""
     conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * conv_bytes
@@ -151,7 +151,7 @@ def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
 
 
 def decode_step_bytes(
-    config: ModelConfig,
+    config: Qwen3NextConfig,
     batch: int,
     context: int,
     weight_bytes: int = 2,

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.families import NAME_RULES, NameRules, Rule
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 
 MTP_PREFIX = "mtp."
 SKIPPED_PREFIXES = (MTP_PREFIX, "model.visual.", "visual.", "model.mtp.")
@@ -93,7 +93,7 @@ def is_skipped(name: str, mtp: bool = False) -> bool:
 
 def model_type_of(c) -> str:
     """The model_type whose `NAME_RULES` apply to config `c`: its `model_type`; a Qwen config
-    (`ModelConfig`, which keeps none) by its layout: grouped GDN projections are Qwen3-Next's,
+    (`Qwen3NextConfig`, which keeps none) by its layout: grouped GDN projections are Qwen3-Next's,
     split ones Qwen3.5's, a wrapper's (`qwen3_5`, `qwen3_5_moe`) under `model.language_model.`."""
     model_type = getattr(c, "model_type", None)
     if model_type is not None:
@@ -104,7 +104,7 @@ def model_type_of(c) -> str:
     return f"qwen3_5{moe}" if c.weight_prefix == "model.language_model." else f"qwen3_5{moe}_text"
 
 
-def _regroup_qkvz(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+def _regroup_qkvz(c: Qwen3NextConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """Rows grouped per key head [q_g|k_g|v_g|z_g]... -> contiguous [Q|K|V|Z]."""
     r = c.linear_num_value_heads // c.linear_num_key_heads
     dk, rdv = c.linear_key_head_dim, r * c.linear_value_head_dim
@@ -117,7 +117,7 @@ def _regroup_qkvz(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     return f
 
 
-def _regroup_ba(c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+def _regroup_ba(c: Qwen3NextConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """Rows grouped per key head [b_g|a_g]... -> contiguous [B|A]."""
     r = c.linear_num_value_heads // c.linear_num_key_heads
 

@@ -24,7 +24,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # hybrid_serve.models.loader.LOAD_FORMATS, likewise (dummy: random weights from config.json alone)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-SPECULATIVE_ALGORITHMS = ("NEXTN",)  # drafts from the checkpoint's own MTP head (models/mtp.py)
+SPECULATIVE_ALGORITHMS = ("NEXTN",)  # drafts from the checkpoint's own MTP head (`mtp_hidden`)
 
 
 DEFAULT_SPEC_STEPS = 3

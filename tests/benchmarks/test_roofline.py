@@ -19,7 +19,7 @@ import pytest
 from benchmarks import roofline, roofline_peaks
 from benchmarks.roofline_peaks import Ceiling
 from hybrid_serve.make_model.presets import PRESETS
-from hybrid_serve.models.config import ModelConfig
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.step_bytes import decode_step_bytes
 from tests.benchmarks.fake_openai_server import FakeOpenAIServer
 
@@ -193,7 +193,7 @@ def test_tiny_costs_by_hand(runners, tiny_ckpt: Path, fmt: str):
     )
     assert flops.total / batch == per_token
     if fmt == "float32":  # one weight dtype and fp32 caches: step_bytes' own count agrees
-        config = ModelConfig.from_dict(json.loads((tiny_ckpt / "config.json").read_text()))
+        config = Qwen3NextConfig.from_dict(json.loads((tiny_ckpt / "config.json").read_text()))
         assert step.total == pytest.approx(decode_step_bytes(config, batch, context, 4, 4).total)
 
 

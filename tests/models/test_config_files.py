@@ -35,9 +35,9 @@ from transformers import AutoConfig, GenerationConfig
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.base_config import decode_special_floats, read_json
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.fp8 import Fp8Checkpoint
 from hybrid_serve.models.loader import checkpoint_files, checkpoint_names
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.registry import read_config
 from tests.models.fp8_twin import write_dequantized
 
@@ -917,10 +917,10 @@ def test_a_wrapper_reads_the_same_with_only_qwen3_next_in_transformers(written, 
     """transformers 4.x lacks Qwen3.5: Qwen3-Next's class completes the wrapper's own fields and
     its text config (its defaults are Qwen3.5's for every field read)."""
     raw = decode_special_floats(written["qwen3_5"])
-    expected = ModelConfig.from_dict(raw)
+    expected = Qwen3NextConfig.from_dict(raw)
     only_next = {"qwen3_next": transformers.CONFIG_MAPPING["qwen3_next"]}
     monkeypatch.setattr(transformers, "CONFIG_MAPPING", only_next)
-    assert ModelConfig.from_dict(raw) == expected
+    assert Qwen3NextConfig.from_dict(raw) == expected
     assert not expected.tie_word_embeddings and expected.eos_token_ids == (5,)
 
 

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.registry import read_config
 
 
@@ -88,14 +88,14 @@ def _raw(**overrides) -> dict:
 
 
 def test_config_layer_types_and_rope():
-    cfg = ModelConfig.from_dict(_raw(full_attention_interval=4, num_hidden_layers=8))
+    cfg = Qwen3NextConfig.from_dict(_raw(full_attention_interval=4, num_hidden_layers=8))
     assert cfg.full_attention_layers == (3, 7)
     assert cfg.linear_attention_layers == (0, 1, 2, 4, 5, 6)
     explicit = ["full_attention"] + ["linear_attention"] * 7
-    assert ModelConfig.from_dict(_raw(layer_types=explicit)).full_attention_layers == (0,)
-    legacy = ModelConfig.from_dict(_raw(rope_theta=5e5, partial_rotary_factor=0.5))
+    assert Qwen3NextConfig.from_dict(_raw(layer_types=explicit)).full_attention_layers == (0,)
+    legacy = Qwen3NextConfig.from_dict(_raw(rope_theta=5e5, partial_rotary_factor=0.5))
     assert (legacy.rope_theta, legacy.rotary_dim) == (5e5, 16)
-    v5 = ModelConfig.from_dict(
+    v5 = Qwen3NextConfig.from_dict(
         _raw(
             rope_theta=None,
             partial_rotary_factor=None,
@@ -110,9 +110,9 @@ def test_config_layer_types_and_rope():
 
 
 def test_config_moe_layers():
-    cfg = ModelConfig.from_dict(_raw(decoder_sparse_step=2, mlp_only_layers=[3]))
+    cfg = Qwen3NextConfig.from_dict(_raw(decoder_sparse_step=2, mlp_only_layers=[3]))
     assert [cfg.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
-    dense = ModelConfig.from_dict(_raw(num_experts=0))
+    dense = Qwen3NextConfig.from_dict(_raw(num_experts=0))
     assert not any(dense.is_moe_layer(i) for i in range(dense.num_hidden_layers))
 
 
@@ -128,7 +128,7 @@ def test_config_moe_layers():
 )
 def test_config_errors_name_the_field(raw, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_dict(raw)
+        Qwen3NextConfig.from_dict(raw)
 
 
 def test_config_from_dir_reads_generation_eos(tiny_dir):

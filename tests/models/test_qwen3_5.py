@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.registry import read_config
 from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.server.cli import main as cli_main
@@ -57,13 +57,13 @@ def test_config_errors_name_the_field(moe_pair):
     raw = json.loads((moe_pair[1] / "config.json").read_text())
     del raw["text_config"]["num_experts"]
     with pytest.raises(ValueError, match="missing field 'num_experts'"):
-        ModelConfig.from_dict(raw)
+        Qwen3NextConfig.from_dict(raw)
     with pytest.raises(ValueError, match="missing field 'text_config'"):
-        ModelConfig.from_dict({"model_type": "qwen3_5"})
+        Qwen3NextConfig.from_dict({"model_type": "qwen3_5"})
     raw = json.loads((moe_pair[1] / "config.json").read_text())
     raw["text_config"]["model_type"] = "qwen3_5_text"
     with pytest.raises(ValueError, match="text_config.model_type"):
-        ModelConfig.from_dict(raw)
+        Qwen3NextConfig.from_dict(raw)
 
 
 def _edit_weights(path, edit) -> None:

@@ -20,8 +20,8 @@ import torch
 
 from hybrid_serve.make_model.presets import complete_config, count_parameters, preset_config
 from hybrid_serve.make_model.real_shapes import PUBLISHED, REAL_SHAPES, real_shape_config
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.qwen3_next import Qwen3NextForCausalLM
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.step_bytes import (
     decode_step_bytes,
     expected_experts,
@@ -32,8 +32,8 @@ from hybrid_serve.models.step_bytes import (
 from hybrid_serve.scheduler.pool_sizing import pool_bytes
 
 
-def _config(name: str) -> ModelConfig:
-    return ModelConfig.from_dict(complete_config(preset_config(name), dtype=torch.bfloat16))
+def _config(name: str) -> Qwen3NextConfig:
+    return Qwen3NextConfig.from_dict(complete_config(preset_config(name), dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("name", sorted(REAL_SHAPES))
@@ -104,7 +104,7 @@ def test_decode_step_bytes_at_batch_one():
 
 def test_reduced_layer_variant():
     cfg = real_shape_config("qwen3-next-80b-a3b", num_hidden_layers=8)
-    c = ModelConfig.from_dict(complete_config(cfg))
+    c = Qwen3NextConfig.from_dict(complete_config(cfg))
     assert c.num_hidden_layers == 8 and c.full_attention_layers == (3, 7)
     with pytest.raises(ValueError, match="cannot keep 49"):
         real_shape_config("qwen3-next-80b-a3b", num_hidden_layers=49)

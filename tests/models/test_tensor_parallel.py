@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from tests.hf_reference import hf_greedy
 from tests.tp_harness import run_ranks
 from tests.tp_workers import each_model_outputs, model_outputs
@@ -139,7 +139,7 @@ def test_tp2_quantized_equals_tp1(runs, method):
 
 def test_splits_replicate_kv_heads_pad_the_vocab_and_refuse_uneven_heads():
     # tiny: 4 query heads, 2 KV heads, GDN 2 key / 4 value heads
-    config = ModelConfig.from_dict({**preset_config("tiny"), "model_type": "qwen3_next"})
+    config = Qwen3NextConfig.from_dict({**preset_config("tiny"), "model_type": "qwen3_next"})
     four = [ParallelContext(r, 4) for r in range(4)]
     assert [tp.kv_heads(2) for tp in four] == [(0, 1), (0, 1), (1, 1), (1, 1)]
     ranges = [tp.vocab_range(2001)[:2] for tp in four]

@@ -1,7 +1,7 @@
 """`MtpHead`: the passes of the checkpoint's MTP head that speculative decoding runs.
 
 A row of the head pairs the main model's final hidden h_p with the token t_{p+1} after it and
-predicts t_{p+2} (`models.mtp`); its keys and values sit at position p's KV location. `over_rows`
+predicts t_{p+2} (`mtp_hidden`); its keys and values sit at position p's KV location. `over_rows`
 runs it over verified rows (after a prefill round or a verify pass) and `predict` keeps each
 request's output there and its next first draft; `draft` chains the head from there to a round's
 drafts. A greedy request's draft is the argmax, a sampled one's a draw from its sampling

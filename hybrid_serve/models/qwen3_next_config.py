@@ -2,7 +2,7 @@
 (`models.registry.read_config` picks the family and reads the file), a `HybridConfig`
 (`models.base_config`: the fields and readers every family's config shares).
 
-`ModelConfig.from_dict(raw)` accepts Qwen3-Next (`qwen3_next`) and the Qwen3.5 text family
+`Qwen3NextConfig.from_dict(raw)` accepts Qwen3-Next (`qwen3_next`) and the Qwen3.5 text family
 (`qwen3_5_text`, `qwen3_5_moe_text`, and the multimodal wrappers `qwen3_5` / `qwen3_5_moe`, whose
 `text_config` is read and whose language-model weights sit under `model.language_model.`), with
 both the transformers 4.x RoPE keys (`rope_theta`, `partial_rotary_factor`) and the 5.x
@@ -21,17 +21,17 @@ from typing import Any
 from hybrid_serve.models.base_config import FULL, LINEAR, HybridConfig
 from hybrid_serve.models.families import types_read_by
 
-__all__ = ["FULL", "LINEAR", "QWEN3_5_TEXT", "SUPPORTED_MODEL_TYPES", "WRAPPERS", "ModelConfig"]
+__all__ = ["FULL", "LINEAR", "QWEN3_5_TEXT", "SUPPORTED_MODEL_TYPES", "WRAPPERS", "Qwen3NextConfig"]
 
 QWEN3_5_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
 # multimodal wrapper -> the model_type its text_config must carry
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # the model_types of the family table's rows this class reads
-SUPPORTED_MODEL_TYPES = types_read_by(f"{__name__}.ModelConfig")
+SUPPORTED_MODEL_TYPES = types_read_by(f"{__name__}.Qwen3NextConfig")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig(HybridConfig):
+class Qwen3NextConfig(HybridConfig):
     """Layers of Gated DeltaNet (LINEAR) or gated full attention (FULL), by `layer_types`."""
 
     # gated full attention
@@ -101,7 +101,9 @@ class ModelConfig(HybridConfig):
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], generation_config: dict | None = None) -> ModelConfig:
+    def from_dict(
+        cls, raw: dict[str, Any], generation_config: dict | None = None
+    ) -> Qwen3NextConfig:
         """`raw` (a config.json's dict) read through transformers' config class for its
         model_type, which supplies every absent field's default. A wrapper's (`qwen3_5`,
         `qwen3_5_moe`) `text_config` is read by its text class and the wrapper's own fields

@@ -1,5 +1,11 @@
-"""Gated full attention of Qwen3-Next: GQA softmax attention with q/k RMSNorm, partial RoPE and
-a sigmoid output gate.
+"""The Qwen3-Next / Qwen3.5 decoder layer and its gated full attention:
+
+    h = x + mixer(norm(x))          mixer = GatedDeltaNet or GatedAttention, by `layer_types`
+    y = h + mlp(norm(h))            mlp   = sparse MoE with shared expert, or a dense SwiGLU
+
+The model's stack (`models.qwen3_next`) and the MTP head (`models.qwen3_next_mtp`) build these
+layers. GatedAttention is GQA softmax attention with q/k RMSNorm, partial RoPE and a sigmoid
+output gate:
 
     [q | gate] = q_proj(x) (interleaved per head)
     q = rope(q_norm(q)),  k = rope(k_norm(k_proj(x)))
@@ -16,11 +22,13 @@ from torch import nn
 
 from hybrid_serve.kernels import KernelSet
 from hybrid_serve.kernels.attn_step import apply_rope
-from hybrid_serve.models.config import ModelConfig
 from hybrid_serve.models.forward_batch import ForwardBatch
+from hybrid_serve.models.gated_delta_net import GatedDeltaNet
+from hybrid_serve.models.hybrid_lm import Hidden
 from hybrid_serve.models.layers import REFERENCE, Linear, RMSNorm
 from hybrid_serve.models.parallel import ParallelContext
-from hybrid_serve.models.parallel_layers import row_linear
+from hybrid_serve.models.parallel_layers import mlp, row_linear, sparse_moe
+from hybrid_serve.models.qwen3_next_config import FULL, Qwen3NextConfig
 from hybrid_serve.models.shard_loader import Shard
 from hybrid_serve.models.tp_shards import cols, rows, span
 
@@ -31,7 +39,7 @@ class GatedAttention(nn.Module):
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: Qwen3NextConfig,
         attn_layer_id: int,
         tp: ParallelContext | None = None,
         ops: KernelSet = REFERENCE,
@@ -56,7 +64,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ops)
 
-    def tp_shards(self, config: ModelConfig) -> dict[str, Shard | None]:
+    def tp_shards(self, config: Qwen3NextConfig) -> dict[str, Shard | None]:
         """This rank's heads' [q | gate] rows of q_proj (2 head_dim per head), its KV heads'
         k/v rows (biases alike), o_proj columns; o_proj's bias (added after the sum over the
         ranks) and the per-head q/k norms whole. `config`: the whole model's (its KV heads)."""
@@ -107,3 +115,57 @@ class GatedAttention(nn.Module):
             self.attn_layer_id, batch.out_loc, batch.req_to_token, batch.req_slots,
             batch.seq_lens, self.num_heads, self.scale, self.q_norm.eps, batch.max_seq_len or None,
         )  # fmt: skip
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    """`config` carries this rank's shapes (`ParallelContext.local_shapes`)."""
+
+    def __init__(
+        self,
+        config: Qwen3NextConfig,
+        layer_id: int,
+        tp: ParallelContext,
+        ops: KernelSet,
+        kv_layer: int | None = None,
+    ) -> None:
+        """`kv_layer`: a full-attention layer outside `layer_types` (the MTP head's), on that
+        KV-pool layer."""
+        super().__init__()
+        self.is_full_attention = kv_layer is not None or config.layer_types[layer_id] == FULL
+        if self.is_full_attention:
+            if kv_layer is None:
+                kv_layer = config.full_attention_layers.index(layer_id)
+            self.self_attn = GatedAttention(config, kv_layer, tp, ops)
+        else:
+            self.linear_attn = GatedDeltaNet(
+                config, config.linear_attention_layers.index(layer_id), tp, ops
+            )
+        if config.is_moe_layer(layer_id):
+            self.mlp: nn.Module = sparse_moe(
+                config.hidden_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.moe_intermediate_size,
+                config.shared_expert_intermediate_size,
+                config.norm_topk_prob,
+                tp=tp,
+                ops=ops,
+            )
+        else:
+            self.mlp = mlp(config.hidden_size, config.intermediate_size, tp, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, x: Hidden, batch: ForwardBatch, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's (MLP output, residual stream) (the embeddings alone for the
+        first layer); returns this layer's MLP output and the residual stream before it: their
+        sum is the layer's hidden state (each norm adds the pending output in:
+        `RMSNorm.add_forward`)."""
+        x, residual = x if isinstance(x, tuple) else (x, None)
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        if self.is_full_attention:
+            h = self.self_attn(h, cos_sin, batch)
+        else:
+            h = self.linear_attn(h, batch)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual

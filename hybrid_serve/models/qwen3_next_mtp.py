@@ -20,18 +20,18 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels import KernelSet
-from hybrid_serve.models.config import ModelConfig
-from hybrid_serve.models.decoder_layer import DecoderLayer
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import Linear, RMSNorm, RotaryEmbedding
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
+from hybrid_serve.models.qwen3_next_layers import Qwen3NextDecoderLayer
 
 
 class MultiTokenPredictor(nn.Module):
     """`mtp.*`: `config` is the checkpoint's; the layer takes this rank's shapes like the main
     model's (its attention is KV-pool layer `len(config.full_attention_layers)`)."""
 
-    def __init__(self, config: ModelConfig, tp: ParallelContext, ops: KernelSet) -> None:
+    def __init__(self, config: Qwen3NextConfig, tp: ParallelContext, ops: KernelSet) -> None:
         super().__init__()
         hid, eps = config.hidden_size, config.rms_norm_eps
         self.fc = Linear(2 * hid, hid, bias=False, ops=ops)
@@ -40,13 +40,13 @@ class MultiTokenPredictor(nn.Module):
         kv_layer = len(config.full_attention_layers)
         local = tp.local_shapes(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(local, i, tp, ops, kv_layer=kv_layer + i)
+            Qwen3NextDecoderLayer(local, i, tp, ops, kv_layer=kv_layer + i)
             for i in range(config.mtp_num_hidden_layers)
         )
         self.norm = RMSNorm(hid, eps, ops)
         self.lm_head: nn.Module | None = None  # its own LM head (quantized drafts), else shared
 
-    def tp_shards(self, config: ModelConfig) -> dict[str, None]:
+    def tp_shards(self, config: Qwen3NextConfig) -> dict[str, None]:
         """`fc` whole on every rank (its layer's modules and the norms declare their own)."""
         return {"fc.weight": None}
 
@@ -68,8 +68,7 @@ class MultiTokenPredictor(nn.Module):
         """The head's normed output y [T, hidden] for every row of `batch`."""
         x = self.layer_input(batch.input_ids, hidden, embed)
         cos_sin = rotary.cos_sin(batch.positions, x.dtype)
-        residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, batch)
-        y, _ = self.norm.add_forward(x, residual)
+            x = layer(x, batch, cos_sin)
+        y, _ = self.norm.add_forward(*x)
         return y
