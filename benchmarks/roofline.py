@@ -74,6 +74,7 @@ if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not
 
 import argparse
 import gc
+import io
 import json
 import logging
 import math
@@ -82,7 +83,7 @@ import platform
 import statistics
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, redirect_stdout
 from dataclasses import asdict, dataclass
 
 import torch
@@ -363,7 +364,8 @@ def llama_points(
         for r in range(args.llama_rounds):
             with cpu_tables.launched(cmds[f"llama {name}"], port, logs / f"{name}.log") as url:
                 for c in conc:
-                    runs[c].append(llama_cpp.wave(url, ns, c, seed=r))
+                    with redirect_stdout(io.StringIO()):  # the wave's own serving report
+                        runs[c].append(llama_cpp.wave(url, ns, c, seed=r))
                     logger.info("llama.cpp %s C=%d: %.1f tok/s", name, c, runs[c][-1])
         for c in conc:
             tok_s = statistics.median(runs[c])
