@@ -146,13 +146,8 @@ def load_model(
     the kernels (module docstring), True forces it on any device (the references widen the
     matrices per product: tests).
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
+    _check_load_args(load_format, device, quantization, draft_quantization)
     on_cpu = torch.device(device).type == "cpu"
-    check_quantization(quantization, str(device), "quantization")
-    check_quantization(draft_quantization, str(device), "draft_quantization")
-    if draft_quantization is not None and quantization not in (None, draft_quantization):
-        raise ValueError("the draft head's quantization must be the model's (--quantization)")
     path = Path(model_path)
     config = read_config(path)
     torch_dtype = resolve_dtype(dtype, config)
@@ -176,10 +171,7 @@ def load_model(
     source = None if load_format == "dummy" else index_checkpoint(model, path, config)
     resident, block = plan_fp8(model, path, source) if fp8_resident else (set(), None)
     make_resident(model, resident)
-    # what to_empty() does, with torch.empty: empty_like on meta tensors would import sympy
-    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    if config.tie_word_embeddings:  # to_empty() unties: tie again
-        model.lm_head.weight = model.embed_tokens.weight
+    model = _allocate(model, device, config)
     if resident:
         attach_scales(model, resident, block)
     if load_format == "dummy":
@@ -192,11 +184,7 @@ def load_model(
         read_checkpoint(model, source)
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.to(torch_dtype))
-    if quantization is not None:
-        quantize_matrices(model, quantization, tp)
-    elif draft_quantization is not None and model.mtp is not None:
-        model.mtp.lm_head = copy.deepcopy(model.lm_head)  # the head's own, for its drafts
-        quantize_matrices(model.mtp, draft_quantization, tp)
+    _quantize(model, tp, quantization, draft_quantization)
     logger.info(
         "loaded %s (%s%s%s, %s%s%s)",
         path,
@@ -209,6 +197,44 @@ def load_model(
         + f" ({draft_quantization} draft matrices)" * (draft_quantization is not None),
     )
     return model.eval()
+
+
+def _check_load_args(
+    load_format: str, device, quantization: str | None, draft_quantization: str | None
+) -> None:
+    """`load_model`'s argument checks, before anything is read: `ValueError`s naming the bad
+    value."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
+    check_quantization(quantization, str(device), "quantization")
+    check_quantization(draft_quantization, str(device), "draft_quantization")
+    if draft_quantization is not None and quantization not in (None, draft_quantization):
+        raise ValueError("the draft head's quantization must be the model's (--quantization)")
+
+
+def _allocate(model: HybridForCausalLM, device, config) -> HybridForCausalLM:
+    """The meta `model`'s tensors allocated (uninitialised) on `device` in their dtypes, and
+    the tied LM head tied again."""
+    # what to_empty() does, with torch.empty: empty_like on meta tensors would import sympy
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    if config.tie_word_embeddings:  # to_empty() unties: tie again
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _quantize(
+    model: HybridForCausalLM,
+    tp: ParallelContext,
+    quantization: str | None,
+    draft_quantization: str | None,
+) -> None:
+    """The loaded model's matrices in `quantization`, or only its MTP head's (with its own copy
+    of the LM head) in `draft_quantization`."""
+    if quantization is not None:
+        quantize_matrices(model, quantization, tp)
+    elif draft_quantization is not None and model.mtp is not None:
+        model.mtp.lm_head = copy.deepcopy(model.lm_head)  # the head's own, for its drafts
+        quantize_matrices(model.mtp, draft_quantization, tp)
 
 
 @dataclass
