@@ -26,26 +26,7 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     from hybrid_serve.make_model.real_shapes import CHAT_TEMPLATES, REAL_SHAPES
 
     start = time.perf_counter()
-    fit_options = {
-        key: value
-        for key, value in (
-            ("steps", args.fit_steps),
-            ("prompts", args.fit_prompts),
-            ("time_limit", args.fit_time_limit),
-        )
-        if value is not None
-    }
-    if fit_options and not args.fit_mtp:
-        raise ValueError("--fit-steps / --fit-prompts / --fit-time-limit need --fit-mtp")
-    if args.fit_mtp and args.config_only:
-        raise ValueError("--fit-mtp fits the head's weights: --config-only writes none")
-    if not args.train_text and (args.train_minutes is not None or args.train_steps is not None):
-        raise ValueError("--train-minutes / --train-steps need --train-text")
-    if args.train_minutes is None and args.train_steps is None:
-        args.train_minutes = 5.0
-    if args.train_text and (args.config_only or args.fp8 or args.multimodal):
-        raise ValueError("--train-text trains a plain float checkpoint: drop "
-                         "--config-only / --fp8 / --multimodal")  # fmt: skip
+    fit_options = _checked_options(args)
     config = preset_config(args.preset)
     if args.mtp or args.fit_mtp:  # the multi-token-prediction head, one layer as released
         config["mtp_num_hidden_layers"] = 1
@@ -72,43 +53,81 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     took = time.perf_counter() - start
     logger.info("wrote %s (%s preset, %.1fM parameters) in %.1fs", out, args.preset, n / 1e6, took)
     if args.train_text:
-        from hybrid_serve.make_model.train_text import train_checkpoint
-
-        r = train_checkpoint(
-            out,
-            args.train_text,
-            args.train_minutes,
-            seq_len=args.train_seq_len,
-            batch_size=args.train_batch,
-            lr=args.train_lr,
-            seed=args.seed,
-            steps=args.train_steps,
-            precision=args.train_precision,
-        )
-        phases = ", ".join(f"{k} {v:.0f}s" for k, v in r.phases.items())
-        logger.info(
-            "trained %s on %s: %d steps, %d tokens, loss %.3f -> %.3f, %.0fs (%s; %s forward)",
-            out, args.train_text, r.steps, r.tokens, r.loss_first, r.loss_last, r.seconds,
-            phases, r.precision,
-        )  # fmt: skip
+        _train(out, args)
     if args.fit_mtp:
-        from hybrid_serve.make_model.mtp_fitting import fit_checkpoint
+        _fit_mtp(out, args, fit_options, start)
 
-        if args.train_text:  # prompts from the text the model learnt
-            from hybrid_serve.make_model.train_text import tokenize_text
 
-            fit_options["text"] = tokenize_text(out, args.train_text)
-        result = fit_checkpoint(out, seed=args.seed, **fit_options)
-        logger.info(
-            "fitted the MTP head of %s: accept rate %.3f -> %.3f on held-out prompts "
-            "(%.3f -> %.3f on its training prompts), %.1fs in all",
-            out,
-            result.before,
-            result.after,
-            result.train_before,
-            result.train_after,
-            time.perf_counter() - start,
+def _checked_options(args: argparse.Namespace) -> dict:
+    """The MTP fitting options given on the command line, after the checks that flags which
+    need one another are given together (a `ValueError` naming them); `--train-minutes`
+    defaults to 5 when neither training limit is given."""
+    fit_options = {
+        key: value
+        for key, value in (
+            ("steps", args.fit_steps),
+            ("prompts", args.fit_prompts),
+            ("time_limit", args.fit_time_limit),
         )
+        if value is not None
+    }
+    if fit_options and not args.fit_mtp:
+        raise ValueError("--fit-steps / --fit-prompts / --fit-time-limit need --fit-mtp")
+    if args.fit_mtp and args.config_only:
+        raise ValueError("--fit-mtp fits the head's weights: --config-only writes none")
+    if not args.train_text and (args.train_minutes is not None or args.train_steps is not None):
+        raise ValueError("--train-minutes / --train-steps need --train-text")
+    if args.train_minutes is None and args.train_steps is None:
+        args.train_minutes = 5.0
+    if args.train_text and (args.config_only or args.fp8 or args.multimodal):
+        raise ValueError("--train-text trains a plain float checkpoint: drop "
+                         "--config-only / --fp8 / --multimodal")  # fmt: skip
+    return fit_options
+
+
+def _train(out, args: argparse.Namespace) -> None:
+    """`make-model --train-text`: train the written checkpoint in place on the text."""
+    from hybrid_serve.make_model.train_text import train_checkpoint
+
+    r = train_checkpoint(
+        out,
+        args.train_text,
+        args.train_minutes,
+        seq_len=args.train_seq_len,
+        batch_size=args.train_batch,
+        lr=args.train_lr,
+        seed=args.seed,
+        steps=args.train_steps,
+        precision=args.train_precision,
+    )
+    phases = ", ".join(f"{k} {v:.0f}s" for k, v in r.phases.items())
+    logger.info(
+        "trained %s on %s: %d steps, %d tokens, loss %.3f -> %.3f, %.0fs (%s; %s forward)",
+        out, args.train_text, r.steps, r.tokens, r.loss_first, r.loss_last, r.seconds,
+        phases, r.precision,
+    )  # fmt: skip
+
+
+def _fit_mtp(out, args: argparse.Namespace, fit_options: dict, start: float) -> None:
+    """`make-model --fit-mtp`: fit the written checkpoint's MTP head in place (on prompts cut
+    from the training text when there is one)."""
+    from hybrid_serve.make_model.mtp_fitting import fit_checkpoint
+
+    if args.train_text:  # prompts from the text the model learnt
+        from hybrid_serve.make_model.train_text import tokenize_text
+
+        fit_options["text"] = tokenize_text(out, args.train_text)
+    result = fit_checkpoint(out, seed=args.seed, **fit_options)
+    logger.info(
+        "fitted the MTP head of %s: accept rate %.3f -> %.3f on held-out prompts "
+        "(%.3f -> %.3f on its training prompts), %.1fs in all",
+        out,
+        result.before,
+        result.after,
+        result.train_before,
+        result.train_after,
+        time.perf_counter() - start,
+    )
 
 
 def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +135,15 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
     from hybrid_serve.make_model.chat_templates import TEMPLATES
 
     mk = sub.add_parser("make-model", help="write a deterministic random-weight checkpoint")
-    mk.add_argument("--preset", choices=tuple(preset_configs()), default="tiny")
+    _add_layout_args(mk, tuple(preset_configs()), tuple(TEMPLATES))
+    _add_mtp_args(mk)
+    _add_training_args(mk)
+    mk.set_defaults(func=cmd_make_model)
+
+
+def _add_layout_args(mk: argparse.ArgumentParser, presets: tuple, templates: tuple) -> None:
+    """What is written: the preset, where, its seed, its layout and chat template."""
+    mk.add_argument("--preset", choices=presets, default="tiny")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument(
@@ -134,6 +161,24 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
         "for --load-format dummy)",
     )
     mk.add_argument(
+        "--chat-template",
+        choices=templates,
+        default=None,
+        help="the chat template written (default: the preset family's: qwen3-next-instruct, "
+        "qwen3.5, nemotron-3-nano or granite-4.0; hybrid_serve/make_model/chat_templates.py)",
+    )
+    mk.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config.json, generation_config.json and the tokenizer but no weights (bf16 "
+        "config), for --load-format dummy; the way to get a real-shape model (qwen3.5-*, "
+        "qwen3-next-80b-a3b)",
+    )
+
+
+def _add_mtp_args(mk: argparse.ArgumentParser) -> None:
+    """The multi-token-prediction head and its fitting."""
+    mk.add_argument(
         "--mtp",
         action="store_true",
         help="add the multi-token-prediction head (mtp.*, one layer; config "
@@ -149,6 +194,22 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
     mk.add_argument(
         "--fit-steps", type=int, default=None, help="--fit-mtp: optimizer steps (default 200)"
     )
+    mk.add_argument(
+        "--fit-prompts",
+        type=int,
+        default=None,
+        help="--fit-mtp: training sequences (default 96; 16 more are held out)",
+    )
+    mk.add_argument(
+        "--fit-time-limit",
+        type=float,
+        default=None,
+        help="--fit-mtp: stop training after this many seconds (default: no limit)",
+    )
+
+
+def _add_training_args(mk: argparse.ArgumentParser) -> None:
+    """Training the written model on text (`--train-text`)."""
     mk.add_argument(
         "--train-text",
         default=None,
@@ -182,30 +243,3 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
         "(fp32 master weights and optimizer); auto: bfloat16 where the CPU has avx512_bf16 or "
         "AMX, else float32",
     )
-    mk.add_argument(
-        "--fit-prompts",
-        type=int,
-        default=None,
-        help="--fit-mtp: training sequences (default 96; 16 more are held out)",
-    )
-    mk.add_argument(
-        "--fit-time-limit",
-        type=float,
-        default=None,
-        help="--fit-mtp: stop training after this many seconds (default: no limit)",
-    )
-    mk.add_argument(
-        "--chat-template",
-        choices=tuple(TEMPLATES),
-        default=None,
-        help="the chat template written (default: the preset family's: qwen3-next-instruct, "
-        "qwen3.5, nemotron-3-nano or granite-4.0; hybrid_serve/make_model/chat_templates.py)",
-    )
-    mk.add_argument(
-        "--config-only",
-        action="store_true",
-        help="write config.json, generation_config.json and the tokenizer but no weights (bf16 "
-        "config), for --load-format dummy; the way to get a real-shape model (qwen3.5-*, "
-        "qwen3-next-80b-a3b)",
-    )
-    mk.set_defaults(func=cmd_make_model)
