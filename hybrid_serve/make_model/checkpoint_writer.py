@@ -141,21 +141,7 @@ def write_checkpoint(
     if fp8_block is not None:
         file_cfg["quantization_config"] = fp8_writer.quantization_config(tensors, fp8_block)
 
-    _clear_weights(out)
-    meta = {"format": "pt"}
-    if max_shard_bytes is None:
-        save_weights(tensors, out / "model.safetensors", meta)
-    else:
-        groups = _shards(tensors, max_shard_bytes)
-        weight_map: dict[str, str] = {}
-        for k, keys in enumerate(groups, start=1):
-            name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-            save_weights({key: tensors[key] for key in keys}, out / name, meta)
-            weight_map.update(dict.fromkeys(keys, name))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_json(out / "model.safetensors.index.json", index)
-
+    _write_weights(out, tensors, max_shard_bytes)
     n_tok = _write_side_files(out, cfg, file_cfg, chat_template)
     n_params = sum(t.numel() for t in tensors.values())
     logger.info(
@@ -169,6 +155,27 @@ def write_checkpoint(
         time.perf_counter() - start,
     )
     return out
+
+
+def _write_weights(
+    out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None
+) -> None:
+    """`tensors` written into `out` (its old weight files removed first): one
+    model.safetensors, or with `max_shard_bytes` the numbered shards and their index."""
+    _clear_weights(out)
+    meta = {"format": "pt"}
+    if max_shard_bytes is None:
+        save_weights(tensors, out / "model.safetensors", meta)
+        return
+    groups = _shards(tensors, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for k, keys in enumerate(groups, start=1):
+        name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        save_weights({key: tensors[key] for key in keys}, out / name, meta)
+        weight_map.update(dict.fromkeys(keys, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    _write_json(out / "model.safetensors.index.json", index)
 
 
 def _write_side_files(out: Path, cfg: dict, file_cfg: dict, chat_template: str | None) -> int:
