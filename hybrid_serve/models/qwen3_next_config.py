@@ -122,20 +122,8 @@ class Qwen3NextConfig(HybridConfig):
         prefix = "model."
         outer: dict[str, Any] = {}
         if model_type in WRAPPERS:
-            text = raw.get("text_config")
-            if not isinstance(text, dict):
-                raise ValueError(f"config.json: missing field 'text_config' ({model_type})")
-            text_type = text.get("model_type", WRAPPERS[model_type])
-            if text_type != WRAPPERS[model_type]:
-                raise ValueError(
-                    f"config.json: text_config.model_type {text_type!r} in a "
-                    f"{model_type} config (expected {WRAPPERS[model_type]!r})"
-                )
-            # the wrapper's own fields; its sub-configs are read apart (the vision one never)
-            own = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
-            outer = cls.complete(model_type, own, fallback="qwen3_next")
-            raw = {**text, "model_type": text_type}
-            model_type, prefix = text_type, "model.language_model."
+            raw, outer = cls._unwrap(raw)
+            model_type, prefix = raw["model_type"], "model.language_model."
         qwen3_5 = model_type in QWEN3_5_TEXT
         _check_rope_kind(raw)  # first: the class refuses an incomplete scaled kind less plainly
         # transformers 4.x lacks Qwen3.5: Qwen3-Next's defaults are its for every field read here
@@ -198,6 +186,25 @@ class Qwen3NextConfig(HybridConfig):
                 f"num_hidden_layers is {n_layers}"
             )
         return cls(**fields)
+
+    @classmethod
+    def _unwrap(cls, raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A multimodal wrapper's config (`qwen3_5`, `qwen3_5_moe`) -> (its `text_config` with
+        its model_type, the wrapper's own fields completed by the wrapper's class); the vision
+        config is never read. A missing or mistyped `text_config` is a `ValueError`."""
+        model_type = raw["model_type"]
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"config.json: missing field 'text_config' ({model_type})")
+        text_type = text.get("model_type", WRAPPERS[model_type])
+        if text_type != WRAPPERS[model_type]:
+            raise ValueError(
+                f"config.json: text_config.model_type {text_type!r} in a "
+                f"{model_type} config (expected {WRAPPERS[model_type]!r})"
+            )
+        own = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+        outer = cls.complete(model_type, own, fallback="qwen3_next")
+        return {**text, "model_type": text_type}, outer
 
 
 def _check_rope_kind(config: dict[str, Any]) -> None:
