@@ -16,7 +16,13 @@ from hybrid_serve.scheduler.debug import DebugSwitches, install
 from hybrid_serve.scheduler.grammar import GrammarBackend
 from hybrid_serve.scheduler.lockstep import check_same_config
 from hybrid_serve.scheduler.model_runner import ModelRunner
-from hybrid_serve.scheduler.pool_sizing import describe, pool_bytes, size_pools, ssm_state_dtype
+from hybrid_serve.scheduler.pool_sizing import (
+    capacity_warning,
+    describe,
+    pool_bytes,
+    size_pools,
+    ssm_state_dtype,
+)
 from hybrid_serve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -43,7 +49,8 @@ def build_scheduler(
 ) -> Scheduler:
     """Load the model and pools and make the scheduler; a Mamba pool size of 0 takes the
     strategy's default (`SchedulerConfig.mamba_slots_for`), and a memory budget sizes the KV
-    pool (`scheduler.pool_sizing`). The sizes are logged. With a tensor-parallel context: this
+    pool (`scheduler.pool_sizing`). The sizes are logged, and a WARNING when a pool caps
+    `--max-running-requests` (`pool_sizing.capacity_warning`). With a tensor-parallel context: this
     rank's shard and pools (every rank's loop runs on rank 0's inputs: `scheduler.lockstep`).
     The test switches set in the environment are installed here (`scheduler/debug.py`)."""
     if runner_cfg.mamba_cache_size == 0:
@@ -54,6 +61,8 @@ def build_scheduler(
     sizes = pool_bytes(model, ssm_state_dtype(runner_cfg, model))
     runner_cfg = size_pools(runner_cfg, sizes)
     logger.info(describe(runner_cfg, sizes))
+    if (warning := capacity_warning(runner_cfg, sched_cfg, sizes)) is not None:
+        logger.warning(warning)
     if tp is not None and tp.enabled:
         check_same_config(tp, runner_cfg, sched_cfg)
     grammar = GrammarBackend(model_path, model.config.vocab_size)

@@ -153,6 +153,14 @@ class SchedulerConfig:
             return max_running_requests
         return MAMBA_SLOTS_PER_REQUEST[self.mamba_scheduler_strategy] * max_running_requests
 
+    def mamba_slots_held(self) -> int:
+        """Mamba slots an admitted request holds until it finishes: its running slot and its
+        track slots (two for extra_buffer, one for extra_buffer_lazy, none for no_buffer or
+        without the radix cache); admission waits until all of them are free."""
+        if self.disable_radix_cache or self.mamba_scheduler_strategy == "no_buffer":
+            return 1
+        return 2 if self.mamba_scheduler_strategy == "extra_buffer_lazy" else 3
+
     def decode_graph_sizes(self, max_running_requests: int) -> list[int]:
         """Padded decode sizes: cuda_graph_bs up to min(cuda_graph_max_bs, max running), plus
         that bound itself; none with --disable-cuda-graph."""

@@ -40,6 +40,7 @@ from hybrid_serve.scheduler.messages import (
     ShutdownMsg,
     TokenDelta,
 )
+from hybrid_serve.scheduler.pool_sizing import capacity
 from hybrid_serve.scheduler.request import Req, SessionParams
 from hybrid_serve.scheduler.sampler import make_generator
 from hybrid_serve.scheduler.scheduler import Scheduler
@@ -280,6 +281,7 @@ class SchedulerLoop:
             "token_usage": 1.0 - kv.available() / kv.size,
             "mamba_usage": 1.0 - mamba.available() / mamba.size,
             "cache_tiers": s.tree.tier_stats(),
+            "capacity": asdict(capacity(r.config, s.config)),  # requests the pools let run
         }
 
     def _q_info(self) -> dict[str, Any]:

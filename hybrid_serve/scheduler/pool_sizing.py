@@ -17,6 +17,13 @@ takes the rest, rounded down to whole pages. Sizes per unit:
 
 The temporal (SSM) state's dtype is `--mamba-ssm-dtype` (SGLang's flag), else the checkpoint's
 `mamba_ssm_dtype` (`models.base_config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
+
+Capacity (`capacity`): how many requests the pools let run at once, next to
+`--max-running-requests`. The Mamba pool: its slots over the slots an admitted request holds
+(`SchedulerConfig.mamba_slots_held`). The KV pool: its tokens over one whole context
+(`--context-length`, in whole pages), the most a request's prompt and output may hold; admission
+waits until a request's prompt and expected output fit. When either is below
+`--max-running-requests`, start-up logs one WARNING naming the cap and the flags that change it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from hybrid_serve.models.loader import DTYPES
 from hybrid_serve.models.protocol import ServedConfig, ServedModel
 
 GB = 1e9
+MAMBA_POOL, KV_POOL = "mamba_pool", "kv_pool"
 
 
 @dataclass(frozen=True)
@@ -101,4 +109,57 @@ def describe(cfg, sizes: PoolBytes) -> str:
         f"{sizes.kv_per_token} B = {kv / GB:.3f} GB; Mamba pool {cfg.mamba_slots} slots x "
         f"{sizes.mamba_per_slot / 1e6:.2f} MB ({sizes.mamba_per_slot / 2**20:.1f} MiB, "
         f"{str(sizes.ssm_dtype).removeprefix('torch.')} SSM states) = {mamba / GB:.3f} GB"
+    )
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Requests that may run at once: as configured, as each pool allows, and the smaller."""
+
+    max_running_requests: int  # --max-running-requests
+    mamba_pool_requests: int  # Mamba slots // slots held per request
+    kv_pool_requests: int  # KV tokens // one whole context (in pages)
+    effective_max_running_requests: int
+    limited_by: str | None  # MAMBA_POOL, KV_POOL, or None when nothing caps the configured value
+
+
+def capacity(cfg, sched_cfg) -> Capacity:
+    """The capacity of a RunnerConfig's pools (sizes resolved) under a SchedulerConfig's
+    strategy; the Mamba pool is named when both pools cap it equally."""
+    mamba = cfg.mamba_slots // sched_cfg.mamba_slots_held()
+    pages = -(-cfg.max_total_tokens // cfg.page_size)
+    kv = pages // -(-cfg.max_context_len // cfg.page_size)
+    effective = min(cfg.max_running_requests, mamba, kv)
+    limited_by = None
+    if effective < cfg.max_running_requests:
+        limited_by = MAMBA_POOL if mamba == effective else KV_POOL
+    return Capacity(cfg.max_running_requests, mamba, kv, effective, limited_by)
+
+
+def capacity_warning(cfg, sched_cfg, sizes: PoolBytes) -> str | None:
+    """The start-up WARNING when a pool holds fewer requests than --max-running-requests, naming
+    each capping pool, its bytes per unit and the flags that change it; None when none caps."""
+    cap = capacity(cfg, sched_cfg)
+    if cap.limited_by is None:
+        return None
+    parts = []
+    if cap.mamba_pool_requests < cap.max_running_requests:
+        held = sched_cfg.mamba_slots_held()
+        parts.append(
+            f"the Mamba pool's {cfg.mamba_slots} slots x {sizes.mamba_per_slot} B hold "
+            f"{cap.mamba_pool_requests} requests ({held} slots each, "
+            f"--mamba-scheduler-strategy {sched_cfg.mamba_scheduler_strategy}; raise "
+            "--max-mamba-cache-size)"
+        )
+    if cap.kv_pool_requests < cap.max_running_requests:
+        parts.append(
+            f"the KV pool's {cfg.max_total_tokens} tokens x {sizes.kv_per_token} B hold "
+            f"{cap.kv_pool_requests} requests of the whole context {cfg.max_context_len} "
+            "(raise --max-total-tokens, --pool-memory-gb or --mem-fraction-static)"
+        )
+    return (
+        f"at most {cap.effective_max_running_requests} requests run at once, not "
+        f"--max-running-requests {cap.max_running_requests}: {'; '.join(parts)}; the others "
+        f"wait in the queue (or lower --max-running-requests to "
+        f"{cap.effective_max_running_requests})"
     )

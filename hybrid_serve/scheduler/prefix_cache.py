@@ -48,7 +48,7 @@ class PrefixCache:
         self.tracking = self.enabled and config.mamba_scheduler_strategy != "no_buffer"  # owns
         # track slots from admission to release (no_buffer borrows one for a prefill round)
         self.lazy = config.mamba_scheduler_strategy == "extra_buffer_lazy"
-        self.num_tracks = (1 if self.lazy else 2) if self.tracking else 0
+        self.num_tracks = config.mamba_slots_held() - 1
         self.chunk = tree.chunk_size
         self.interval = config.mamba_track_interval
         self.evict_idle: Callable[[], bool] = lambda: False  # frees one idle session's slot

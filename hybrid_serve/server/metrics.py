@@ -68,6 +68,11 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end")
         self.running = gauge("num_running_reqs", "Requests being prefilled or decoded")
         self.waiting = gauge("num_queue_reqs", "Requests waiting for admission")
+        self.effective_max_running = gauge(
+            "effective_max_running_requests",
+            "Requests that can run at once: --max-running-requests, or less when the Mamba or "
+            "KV pool holds fewer",
+        )
         self.token_usage = gauge("token_usage", "Fraction of KV pages in use (tree included)")
         self.mamba_usage = gauge("mamba_usage", "Fraction of Mamba state slots in use")
         self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens")
@@ -130,6 +135,7 @@ class Metrics:
         self.waiting.set(stats["num_waiting_reqs"])
         self.token_usage.set(stats["token_usage"])
         self.mamba_usage.set(stats["mamba_usage"])
+        self.effective_max_running.set(stats["capacity"]["effective_max_running_requests"])
         rate = self._cached_total / self._prompt_total if self._prompt_total else 0.0
         self.cache_hit_rate.set(rate)
         tiers = stats.get("cache_tiers", {})

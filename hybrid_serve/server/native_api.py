@@ -218,9 +218,14 @@ async def get_model_info(request: Request) -> JSONResponse:
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> JSONResponse:
     """Configuration, pool usage and the leak checker's verdict (run by the scheduler when idle:
-    `leak_check.problems` is [] when clean and null while requests run)."""
+    `leak_check.problems` is [] when clean and null while requests run). Concurrency:
+    `max_running_requests` as configured, `effective_max_running_requests` the most that can run
+    at once (the smaller of it and what the Mamba and KV pools hold: `pool_sizing.capacity`) and
+    `capacity_limited_by` the pool that caps it (`mamba_pool`, `kv_pool`) or null; summed over
+    data-parallel replicas."""
     s = get_state(request)
     info = await s.query("info")
+    cap = info["pools"]["capacity"]
     server = asdict(s.config)
     for key in ("api_key", "admin_api_key", "session_secret"):  # never shown
         server[key] = "<set>" if server[key] else None
@@ -230,6 +235,9 @@ async def get_server_info(request: Request) -> JSONResponse:
             "model_path": s.model_path,
             "served_model_name": s.model_name,
             "server_config": server,
+            "max_running_requests": cap["max_running_requests"],
+            "effective_max_running_requests": cap["effective_max_running_requests"],
+            "capacity_limited_by": cap["limited_by"],
             **info,
         }
     )

@@ -11,7 +11,15 @@ import torch
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.scheduler.model_runner import RunnerConfig
-from hybrid_serve.scheduler.pool_sizing import GB, PoolBytes, pool_bytes, size_pools
+from hybrid_serve.scheduler.pool_sizing import (
+    GB,
+    KV_POOL,
+    MAMBA_POOL,
+    PoolBytes,
+    capacity,
+    pool_bytes,
+    size_pools,
+)
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
@@ -73,3 +81,53 @@ def test_mem_fraction_static_on_cuda(path):
     kv = engine.runner.config.max_total_tokens * sizes.kv_per_token
     assert kv <= 0.05 * total - sizes.weights
     assert engine.generate([[5, 6, 7]], GREEDY)[0]["output_ids"]
+
+
+def _warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "hybrid_serve.scheduler.build" and r.levelno == logging.WARNING
+    ]
+
+
+def test_a_small_mamba_pool_is_one_warning(path, caplog):
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.scheduler.build"):
+        engine = Engine(
+            path, max_running_requests=4, mamba_cache_size=5, max_total_tokens=4 * 4096,
+            mamba_scheduler_strategy="extra_buffer",
+        )  # fmt: skip
+    per_slot = pool_bytes(engine.runner.model).mamba_per_slot
+    assert _warnings(caplog) == [
+        "at most 1 requests run at once, not --max-running-requests 4: the Mamba pool's 5 "
+        f"slots x {per_slot} B hold 1 requests (3 slots each, --mamba-scheduler-strategy "
+        "extra_buffer; raise --max-mamba-cache-size); the others wait in the queue (or lower "
+        "--max-running-requests to 1)"
+    ]
+    cap = capacity(engine.runner.config, engine.scheduler.config)
+    assert (cap.effective_max_running_requests, cap.limited_by) == (1, MAMBA_POOL)
+
+
+def test_a_small_kv_pool_is_one_warning(path, caplog):
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.scheduler.build"):
+        engine = Engine(path, max_running_requests=4, max_total_tokens=3 * 4096 + 4095)
+    per_token = pool_bytes(engine.runner.model).kv_per_token
+    assert _warnings(caplog) == [
+        "at most 3 requests run at once, not --max-running-requests 4: the KV pool's 16383 "
+        f"tokens x {per_token} B hold 3 requests of the whole context 4096 (raise "
+        "--max-total-tokens, --pool-memory-gb or --mem-fraction-static); the others wait in "
+        "the queue (or lower --max-running-requests to 3)"
+    ]
+    cap = capacity(engine.runner.config, engine.scheduler.config)
+    assert (cap.mamba_pool_requests, cap.kv_pool_requests, cap.limited_by) == (12, 3, KV_POOL)
+
+
+def test_no_cap_no_warning(path, caplog):
+    with caplog.at_level(logging.INFO, logger="hybrid_serve.scheduler.build"):
+        engine = Engine(
+            path, max_running_requests=4, max_total_tokens=4 * 4096,
+            mamba_scheduler_strategy="extra_buffer_lazy", mamba_cache_size=8,
+        )  # fmt: skip
+    assert _warnings(caplog) == []
+    cap = capacity(engine.runner.config, engine.scheduler.config)
+    assert (cap.effective_max_running_requests, cap.limited_by) == (4, None)
