@@ -19,6 +19,7 @@ from hybrid_serve.scheduler.model_runner import ModelRunner
 from hybrid_serve.scheduler.pool_sizing import (
     capacity_warning,
     describe,
+    kv_capacity_note,
     pool_bytes,
     size_pools,
     ssm_state_dtype,
@@ -49,10 +50,11 @@ def build_scheduler(
 ) -> Scheduler:
     """Load the model and pools and make the scheduler; a Mamba pool size of 0 takes the
     strategy's default (`SchedulerConfig.mamba_slots_for`), and a memory budget sizes the KV
-    pool (`scheduler.pool_sizing`). The sizes are logged, and a WARNING when a pool caps
-    `--max-running-requests` (`pool_sizing.capacity_warning`). With a tensor-parallel context: this
-    rank's shard and pools (every rank's loop runs on rank 0's inputs: `scheduler.lockstep`).
-    The test switches set in the environment are installed here (`scheduler/debug.py`)."""
+    pool (`scheduler.pool_sizing`). The sizes are logged, and a WARNING when the Mamba pool
+    caps `--max-running-requests` (`pool_sizing.capacity_warning`). With a tensor-parallel
+    context: this rank's shard and pools (every rank's loop runs on rank 0's inputs:
+    `scheduler.lockstep`). The test switches set in the environment are installed here
+    (`scheduler/debug.py`)."""
     if runner_cfg.mamba_cache_size == 0:
         slots = sched_cfg.mamba_slots_for(runner_cfg.max_running_requests)
         slots += runner_cfg.spec_steps * runner_cfg.max_running_requests  # verify's step slots
@@ -63,6 +65,8 @@ def build_scheduler(
     logger.info(describe(runner_cfg, sizes))
     if (warning := capacity_warning(runner_cfg, sched_cfg, sizes)) is not None:
         logger.warning(warning)
+    if (note := kv_capacity_note(runner_cfg, sched_cfg, sizes)) is not None:
+        logger.info(note)
     if tp is not None and tp.enabled:
         check_same_config(tp, runner_cfg, sched_cfg)
     grammar = GrammarBackend(model_path, model.config.vocab_size)

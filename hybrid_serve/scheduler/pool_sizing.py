@@ -19,11 +19,13 @@ The temporal (SSM) state's dtype is `--mamba-ssm-dtype` (SGLang's flag), else th
 `mamba_ssm_dtype` (`models.base_config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
 
 Capacity (`capacity`): how many requests the pools let run at once, next to
-`--max-running-requests`. The Mamba pool: its slots over the slots an admitted request holds
-(`SchedulerConfig.mamba_slots_held`). The KV pool: its tokens over one whole context
-(`--context-length`, in whole pages), the most a request's prompt and output may hold; admission
-waits until a request's prompt and expected output fit. When either is below
-`--max-running-requests`, start-up logs one WARNING naming the cap and the flags that change it.
+`--max-running-requests`. The Mamba pool is a hard cap: its slots over the slots an admitted
+request holds until it finishes (`SchedulerConfig.mamba_slots_held`); when it is below
+`--max-running-requests`, start-up logs one WARNING naming the cap, the bytes per slot and the
+flags that change it. The KV pool's bound depends on the requests: admission waits until a
+request's prompt and expected output fit, so its tokens over one whole context
+(`--context-length`, in whole pages) is how many requests that each fill the context run at once;
+shorter ones fit more. That count is logged (INFO) and shown beside the cap, not taken as one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from hybrid_serve.models.loader import DTYPES
 from hybrid_serve.models.protocol import ServedConfig, ServedModel
 
 GB = 1e9
-MAMBA_POOL, KV_POOL = "mamba_pool", "kv_pool"
+MAMBA_POOL = "mamba_pool"
 
 
 @dataclass(frozen=True)
@@ -114,52 +116,53 @@ def describe(cfg, sizes: PoolBytes) -> str:
 
 @dataclass(frozen=True)
 class Capacity:
-    """Requests that may run at once: as configured, as each pool allows, and the smaller."""
+    """Requests that may run at once: as configured, as the Mamba pool allows, and the smaller;
+    and how many requests that each fill the whole context the KV pool holds."""
 
     max_running_requests: int  # --max-running-requests
     mamba_pool_requests: int  # Mamba slots // slots held per request
-    kv_pool_requests: int  # KV tokens // one whole context (in pages)
+    kv_pool_full_context_requests: int  # KV tokens // one whole context (in pages)
     effective_max_running_requests: int
-    limited_by: str | None  # MAMBA_POOL, KV_POOL, or None when nothing caps the configured value
+    limited_by: str | None  # MAMBA_POOL, or None when nothing caps the configured value
 
 
 def capacity(cfg, sched_cfg) -> Capacity:
     """The capacity of a RunnerConfig's pools (sizes resolved) under a SchedulerConfig's
-    strategy; the Mamba pool is named when both pools cap it equally."""
+    strategy."""
     mamba = cfg.mamba_slots // sched_cfg.mamba_slots_held()
     pages = -(-cfg.max_total_tokens // cfg.page_size)
     kv = pages // -(-cfg.max_context_len // cfg.page_size)
-    effective = min(cfg.max_running_requests, mamba, kv)
-    limited_by = None
-    if effective < cfg.max_running_requests:
-        limited_by = MAMBA_POOL if mamba == effective else KV_POOL
+    effective = min(cfg.max_running_requests, mamba)
+    limited_by = MAMBA_POOL if effective < cfg.max_running_requests else None
     return Capacity(cfg.max_running_requests, mamba, kv, effective, limited_by)
 
 
 def capacity_warning(cfg, sched_cfg, sizes: PoolBytes) -> str | None:
-    """The start-up WARNING when a pool holds fewer requests than --max-running-requests, naming
-    each capping pool, its bytes per unit and the flags that change it; None when none caps."""
+    """The start-up WARNING when the Mamba pool holds fewer requests than
+    --max-running-requests, naming the cap, the bytes per slot and the flags that change it;
+    None when it does not cap."""
     cap = capacity(cfg, sched_cfg)
     if cap.limited_by is None:
         return None
-    parts = []
-    if cap.mamba_pool_requests < cap.max_running_requests:
-        held = sched_cfg.mamba_slots_held()
-        parts.append(
-            f"the Mamba pool's {cfg.mamba_slots} slots x {sizes.mamba_per_slot} B hold "
-            f"{cap.mamba_pool_requests} requests ({held} slots each, "
-            f"--mamba-scheduler-strategy {sched_cfg.mamba_scheduler_strategy}; raise "
-            "--max-mamba-cache-size)"
-        )
-    if cap.kv_pool_requests < cap.max_running_requests:
-        parts.append(
-            f"the KV pool's {cfg.max_total_tokens} tokens x {sizes.kv_per_token} B hold "
-            f"{cap.kv_pool_requests} requests of the whole context {cfg.max_context_len} "
-            "(raise --max-total-tokens, --pool-memory-gb or --mem-fraction-static)"
-        )
     return (
         f"at most {cap.effective_max_running_requests} requests run at once, not "
-        f"--max-running-requests {cap.max_running_requests}: {'; '.join(parts)}; the others "
-        f"wait in the queue (or lower --max-running-requests to "
-        f"{cap.effective_max_running_requests})"
+        f"--max-running-requests {cap.max_running_requests}: the Mamba pool's "
+        f"{cfg.mamba_slots} slots x {sizes.mamba_per_slot} B hold {cap.mamba_pool_requests} "
+        f"requests ({sched_cfg.mamba_slots_held()} slots each, --mamba-scheduler-strategy "
+        f"{sched_cfg.mamba_scheduler_strategy}; raise --max-mamba-cache-size); the others wait "
+        f"in the queue (or lower --max-running-requests to {cap.effective_max_running_requests})"
+    )
+
+
+def kv_capacity_note(cfg, sched_cfg, sizes: PoolBytes) -> str | None:
+    """The start-up INFO line when fewer than --max-running-requests requests that each fill
+    the whole context fit in the KV pool (shorter requests fit more); None otherwise."""
+    cap = capacity(cfg, sched_cfg)
+    if cap.kv_pool_full_context_requests >= cap.max_running_requests:
+        return None
+    return (
+        f"the KV pool's {cfg.max_total_tokens} tokens x {sizes.kv_per_token} B hold "
+        f"{cap.kv_pool_full_context_requests} requests that each fill the whole context "
+        f"{cfg.max_context_len} (shorter requests fit more; --max-total-tokens, --pool-memory-gb "
+        "or --mem-fraction-static give it more)"
     )

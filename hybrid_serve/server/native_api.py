@@ -220,8 +220,9 @@ async def get_server_info(request: Request) -> JSONResponse:
     """Configuration, pool usage and the leak checker's verdict (run by the scheduler when idle:
     `leak_check.problems` is [] when clean and null while requests run). Concurrency:
     `max_running_requests` as configured, `effective_max_running_requests` the most that can run
-    at once (the smaller of it and what the Mamba and KV pools hold: `pool_sizing.capacity`) and
-    `capacity_limited_by` the pool that caps it (`mamba_pool`, `kv_pool`) or null; summed over
+    at once (the smaller of it and what the Mamba pool holds: `pool_sizing.capacity`) and
+    `capacity_limited_by` the pool that caps it (`mamba_pool`) or null; `pools.capacity` also
+    has how many requests that each fill the whole context the KV pool holds. Summed over
     data-parallel replicas."""
     s = get_state(request)
     info = await s.query("info")

@@ -13,7 +13,6 @@ from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.scheduler.model_runner import RunnerConfig
 from hybrid_serve.scheduler.pool_sizing import (
     GB,
-    KV_POOL,
     MAMBA_POOL,
     PoolBytes,
     capacity,
@@ -108,18 +107,21 @@ def test_a_small_mamba_pool_is_one_warning(path, caplog):
     assert (cap.effective_max_running_requests, cap.limited_by) == (1, MAMBA_POOL)
 
 
-def test_a_small_kv_pool_is_one_warning(path, caplog):
+def test_a_small_kv_pool_is_an_info_line_not_a_cap(path, caplog):
+    """Requests that each fill the whole context: 3 fit in this KV pool; shorter ones fit more,
+    so it is said at INFO and the effective concurrency stays the configured one."""
     with caplog.at_level(logging.INFO, logger="hybrid_serve.scheduler.build"):
         engine = Engine(path, max_running_requests=4, max_total_tokens=3 * 4096 + 4095)
     per_token = pool_bytes(engine.runner.model).kv_per_token
-    assert _warnings(caplog) == [
-        "at most 3 requests run at once, not --max-running-requests 4: the KV pool's 16383 "
-        f"tokens x {per_token} B hold 3 requests of the whole context 4096 (raise "
-        "--max-total-tokens, --pool-memory-gb or --mem-fraction-static); the others wait in "
-        "the queue (or lower --max-running-requests to 3)"
-    ]
+    assert _warnings(caplog) == []
+    assert (
+        f"the KV pool's 16383 tokens x {per_token} B hold 3 requests that each fill the whole "
+        "context 4096 (shorter requests fit more; --max-total-tokens, --pool-memory-gb or "
+        "--mem-fraction-static give it more)"
+    ) in [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     cap = capacity(engine.runner.config, engine.scheduler.config)
-    assert (cap.mamba_pool_requests, cap.kv_pool_requests, cap.limited_by) == (12, 3, KV_POOL)
+    assert (cap.mamba_pool_requests, cap.kv_pool_full_context_requests) == (12, 3)
+    assert (cap.effective_max_running_requests, cap.limited_by) == (4, None)
 
 
 def test_no_cap_no_warning(path, caplog):

@@ -26,7 +26,7 @@ def test_uncapped_server_reports_its_configured_concurrency(http):
     assert info["max_running_requests"] == 16
     assert info["effective_max_running_requests"] == 16
     assert info["capacity_limited_by"] is None
-    assert info["pools"]["capacity"]["kv_pool_requests"] == 16384 // 512
+    assert info["pools"]["capacity"]["kv_pool_full_context_requests"] == 16384 // 512
     assert gauges(http)["hybrid_serve_effective_max_running_requests"] == 16
 
 
