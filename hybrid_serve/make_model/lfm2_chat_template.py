@@ -14,6 +14,8 @@ row names.
 
 from __future__ import annotations
 
+from hybrid_serve.make_model.mamba2_chat_templates import JSON_TOOL_CALLS
+
 _JSON_CALL_RULES = (
     "\\nTo call a tool, reply with a JSON object of its name and arguments inside "
     "<tool_call></tool_call> tags:\\n<tool_call>\\n"
@@ -37,20 +39,16 @@ def lfm2() -> str:
         "{%- endif %}"
         "{%- if ns.sys %}{{- '<|im_start|>system\\n' + ns.sys + '<|im_end|>\\n' }}{%- endif %}"
     )
-    body = """
+    body = (
+        """
 {%- for m in messages %}
     {%- set text = m.content if m.content is string else '' %}
     {%- if m.role == 'system' and loop.first %}
     {%- elif m.role == 'assistant' %}
         {{- '<|im_start|>assistant\\n' + text }}
-        {%- for call in m.tool_calls or [] %}
-            {%- if text or not loop.first %}{{- '\\n' }}{%- endif %}
-            {%- set fn = call.function if call.function is defined else call %}
-            {{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
-            {{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
+"""
+        + JSON_TOOL_CALLS
+        + """        {{- '<|im_end|>\\n' }}
     {%- elif m.role == 'tool' %}
         {{- '<|im_start|>tool\\n<|tool_response_start|>' + text }}
         {{- '<|tool_response_end|><|im_end|>\\n' }}
@@ -59,4 +57,5 @@ def lfm2() -> str:
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+    )
     return head + body

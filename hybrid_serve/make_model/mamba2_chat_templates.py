@@ -81,6 +81,18 @@ _NEMOTRON_ASSISTANT = """
         {{- '<|im_end|>\\n' }}"""
 
 
+# An assistant turn's tool calls as JSON objects in <tool_call> tags (Granite 4.0's format, which
+# the LFM2 presets' template asks for too); `text` is the turn's content
+JSON_TOOL_CALLS = """        {%- for call in m.tool_calls or [] %}
+            {%- if text or not loop.first %}{{- '\\n' }}{%- endif %}
+            {%- set fn = call.function if call.function is defined else call %}
+            {{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+            {{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+"""
+
+
 def nemotron_3() -> str:
     head = (
         """
@@ -157,21 +169,17 @@ def granite_4() -> str:
         "{%- endif %}"
         "{{- '<|start_of_role|>system<|end_of_role|>' + ns.sys + '<|end_of_text|>\\n' }}"
     )
-    body = """
+    body = (
+        """
 {%- for m in messages %}
     {%- set text = m.content if m.content is string else '' %}
     {%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}
         {{- '<|start_of_role|>' + m.role + '<|end_of_role|>' + text + '<|end_of_text|>\\n' }}
     {%- elif m.role == 'assistant' %}
         {{- '<|start_of_role|>assistant<|end_of_role|>' + text }}
-        {%- for call in m.tool_calls or [] %}
-            {%- if text or not loop.first %}{{- '\\n' }}{%- endif %}
-            {%- set fn = call.function if call.function is defined else call %}
-            {{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
-            {{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|end_of_text|>\\n' }}
+"""
+        + JSON_TOOL_CALLS
+        + """        {{- '<|end_of_text|>\\n' }}
     {%- elif m.role == 'tool' %}
         {%- if loop.first or loop.previtem.role != 'tool' %}
             {{- '<|start_of_role|>user<|end_of_role|>' }}
@@ -181,4 +189,5 @@ def granite_4() -> str:
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"""
+    )
     return head + body
