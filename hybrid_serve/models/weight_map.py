@@ -22,29 +22,13 @@ Our layout conversions, the same in every spelling of a family:
                  rows of in_proj_ba; o_norm -> norm; o_proj -> out_proj
 
 and the family's name rules (`NAME_RULES`, by model_type, kept in the family table's rows,
-`models.families`): transformers' conversion_mapping.py for that model_type as data, each rule
-read both ways, so that a tensor may be spelled as the release spells it or as transformers'
-model names it (what its state_dict holds; its
-`save_pretrained` writes the released spelling back wherever a rule exists):
-
-    qwen3_next, qwen3_5_moe   (qwen2_moe) per-expert mlp.experts.{e}.{gate,up,down}_proj.weight
-                              or stacked experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I]
-    qwen3_5_text              (PrefixChange) model.language_model.* or model.*
-    qwen3_5_moe_text          both of the above
-    qwen3_5                   none: the text model's prefix rule is scoped inside the wrapper,
-                              whose language model always sits under model.language_model.
-    nemotron_h                backbone.* or model.*; per-expert mixer.experts.{e}.{up,down}_proj
-                              .weight or stacked mixer.experts.up_proj [E, I, H] / down_proj
-    granitemoehybrid          (granitemoe) block_sparse_moe.input_linear.weight / output_linear
-                              .weight / router.layer.weight or block_sparse_moe.experts
-                              .gate_up_proj / experts.down_proj / router.weight
-    olmo_hybrid               attention_layer_norm or input_layernorm, feedforward_layer_norm or
-                              post_attention_layernorm (in any layer, as transformers renames);
-                              linear_attn.{q,k,v}_conv1d (rows [Q|K|V] at the key and value
-                              widths) or the joined linear_attn.conv1d (transformers 5.25's
-                              save_pretrained cuts it into equal thirds, misnaming its rows
-                              when the widths differ: such a file is refused by its shapes)
-    bamba, falcon_h1          none (transformers has no rule for them)
+`models.families`, where each rule is listed): transformers' conversion_mapping.py for that
+model_type as data (renames, prefix changes, per-expert and stacked expert tensors, joined and
+split tensors), each rule read both ways, so that a tensor may be spelled as the release spells
+it or as transformers' model names it (its state_dict; its `save_pretrained` writes the released
+spelling back wherever a rule exists). A joined tensor's parts are cut at the model's own widths:
+OLMo-Hybrid's q/k/v convs as transformers 5.25's `save_pretrained` cuts them (equal thirds when
+the key and value widths differ) are refused by their shapes.
 
 A spelling is one choice per rule for all of a parameter's names. Checkpoint names carry the
 config's `weight_prefix` in place of our `model.` (`model.language_model.` in the multimodal
