@@ -485,7 +485,7 @@ at::Tensor gdn(const at::Tensor& h, const Gdn& g, const Batch& b) {
   return hs::linear(y, g.w[6], b.bf16);
 }
 
-// models/attention.py GatedAttention's decode (attn_decode)
+// models/qwen3_next_layers.py GatedAttention's decode (attn_decode)
 at::Tensor gated_attention(const at::Tensor& h, const GatedAttention& a, const Batch& b) {
   const std::vector<at::Tensor> p = hs::linear_multi(h, {a.w[0], a.w[1], a.w[2]}, b.bf16);
   const at::Tensor o = hs::attn_decode(
