@@ -29,6 +29,8 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 from hybrid_serve.models.layers import RotaryEmbedding
 from hybrid_serve.models.mla_attention import MLAAttention
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.scheduler.config import RunnerConfig
+from hybrid_serve.scheduler.pool_sizing import describe, pool_bytes
 from tests.models.paged_batches import PagedRequests
 
 THETA = 10000.0
@@ -230,3 +232,28 @@ def test_tensor_parallel_heads_split_latent_whole():
         torch.testing.assert_close(outs[1] + outs[2], outs[0], atol=1e-5, rtol=1e-4)
         for paged in pools[1:]:
             assert torch.equal(paged.kv_pool.k_all, pools[0].kv_pool.k_all)
+
+
+class LatentStub(torch.nn.Module):
+    """The part of a served model pool sizing reads, with two MLA layers (no recurrent ones)."""
+
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(build(case, kv_layer=i) for i in range(2))
+        self.config = self.local_config = case.config
+        self.state_shapes = ()
+
+    @property
+    def kv_shapes(self):
+        return tuple(m.kv_shape for m in self.layers)
+
+
+def test_start_up_line_gives_latent_bytes_per_token():
+    """The pool sizing's per-token bytes are the latent rows' (r + rope per layer), and the
+    start-up line names the layout beside what the expanded K and V would take."""
+    case = make_case("kimi_nope")
+    sizes = pool_bytes(LatentStub(case))
+    assert sizes.kv_per_token == 2 * (16 + 4) * 4
+    line = describe(RunnerConfig(max_total_tokens=1000), sizes)
+    assert f"1000 tokens x {2 * 20 * 4} B (2 layers, MLA: one latent row of 20 values" in line
+    assert "expanded K and V would hold 72 (3.6x)" in line  # 4 heads x (12 K + 6 V)
