@@ -27,11 +27,12 @@ class PagedRequests:
         num_pages: int = 48,
         max_context: int = 64,
         dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
     ) -> None:
-        self.page_size = page_size
-        self.req_pool = ReqToTokenPool(8, max_context)
-        self.kv_pool = KVPool(num_pages, page_size, shapes, dtype)
-        self.mamba_pool = MambaPool(1, [], dtype)
+        self.page_size, self.device = page_size, torch.device(device)
+        self.req_pool = ReqToTokenPool(8, max_context, device)
+        self.kv_pool = KVPool(num_pages, page_size, shapes, dtype, device)
+        self.mamba_pool = MambaPool(1, [], dtype, device=device)
         self.kv_pool.alloc(3)  # pages a request never gets: its pages are not the first ones
         self.seq_len: dict[int, int] = {}  # req_slot -> tokens in the cache
         self.pages: dict[int, list[int]] = {}
@@ -47,7 +48,7 @@ class PagedRequests:
             self.pages[slot] += self.kv_pool.alloc(1).tolist()
         pos = torch.arange(start, start + n)
         locs = torch.tensor(self.pages[slot])[pos // ps] * ps + pos % ps
-        self.req_pool.req_to_token[slot, start : start + n] = locs.to(torch.int32)
+        self.req_pool.req_to_token[slot, start : start + n] = locs.to(self.req_pool.req_to_token)
         return locs
 
     def batch(self, new: Sequence[tuple[int, int]], decode: bool = False) -> ForwardBatch:
@@ -65,14 +66,15 @@ class PagedRequests:
             self.seq_len[slot] = start + n
         slots = [s for s, _ in new]
         seq_lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+        dev = self.device
         return ForwardBatch(
             phase="decode" if decode else "prefill",
-            input_ids=torch.zeros(sum(extend), dtype=torch.int64),
-            positions=torch.cat(positions),
-            out_loc=torch.cat(out_loc),
-            req_slots=torch.tensor(slots),
-            mamba_slots=torch.zeros(len(slots), dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens),
+            input_ids=torch.zeros(sum(extend), dtype=torch.int64, device=dev),
+            positions=torch.cat(positions).to(dev),
+            out_loc=torch.cat(out_loc).to(dev),
+            req_slots=torch.tensor(slots, device=dev),
+            mamba_slots=torch.zeros(len(slots), dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, device=dev),
             prefix_lens_cpu=prefix,
             extend_lens_cpu=extend,
             req_to_token=self.req_pool.req_to_token,

@@ -26,6 +26,9 @@ from transformers.models.bailing_hybrid.modeling_bailing_hybrid import (
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
+from hybrid_serve.kernels import KernelSet
+from hybrid_serve.kernels.kernel_set import choose, cpp_ready, triton_set
+from hybrid_serve.kernels.settings import KernelSettings
 from hybrid_serve.models.layers import RotaryEmbedding
 from hybrid_serve.models.mla_attention import MLAAttention
 from hybrid_serve.models.parallel import ParallelContext
@@ -98,8 +101,8 @@ def reference_outputs(case: Case, x: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-def pool_for(module: MLAAttention, page_size: int = 4) -> PagedRequests:
-    return PagedRequests([module.kv_shape] * 3, page_size=page_size)
+def pool_for(module: MLAAttention, page_size: int = 4, device: str = "cpu") -> PagedRequests:
+    return PagedRequests([module.kv_shape] * 3, page_size=page_size, device=device)
 
 
 @torch.no_grad()
@@ -257,3 +260,33 @@ def test_start_up_line_gives_latent_bytes_per_token():
     line = describe(RunnerConfig(max_total_tokens=1000), sizes)
     assert f"1000 tokens x {2 * 20 * 4} B (2 layers, MLA: one latent row of 20 values" in line
     assert "expanded K and V would hold 72 (3.6x)" in line  # 4 heads x (12 K + 6 V)
+
+
+def kernel_set(name: str, request) -> KernelSet:
+    if name == "triton":
+        return triton_set(request.getfixturevalue("triton_device"))
+    settings = KernelSettings(backend="cpp")
+    if not cpp_ready(settings):  # no compiler (a failed build raises)
+        pytest.skip("the C++ kernels cannot be built here")
+    return choose("cpu", torch.float32, settings)
+
+
+@pytest.mark.parametrize("ops_name", ["cpp", "triton"])
+@pytest.mark.parametrize("name", CASES)
+def test_kernel_sets_match_transformers(name, ops_name, request):
+    """The C++ set (its linears; attention on the references) and the Triton set (in the
+    interpreter on CPU): chunked prefill at chunk 5 over pages of 4, then three decode rows."""
+    ops = kernel_set(ops_name, request)
+    case = make_case(name)
+    module = module_for(case)
+    for m in module.modules():
+        if hasattr(m, "ops"):
+            m.ops = ops
+    device = request.getfixturevalue("triton_device") if ops_name == "triton" else "cpu"
+    module.to(device)
+    lengths, steps = SCHEDULES["chunked_then_decode"]
+    xs = [torch.randn(n, case.config.hidden_size) for n in lengths]
+    got = run_schedule(case, module, pool_for(module, device=device), [x.to(device) for x in xs],
+                       steps)  # fmt: skip
+    for x, y in zip(xs, got, strict=True):
+        torch.testing.assert_close(y.cpu(), reference_outputs(case, x), atol=1e-5, rtol=1e-4)
