@@ -95,7 +95,7 @@ class MLAAttention(nn.Module):
         self.ops, self.kv_layer, self.tp = ops, kv_layer, tp or ParallelContext()
         self.whole_heads = num_heads
         self.num_heads = self.tp.split(num_heads, "num_attention_heads")[1]
-        self.rank, self.nope, self.rope = kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim
+        self.kv_lora_rank, self.nope, self.rope = kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim
         self.qk_head_dim, self.v_head_dim = qk_nope_head_dim + qk_rope_head_dim, v_head_dim
         self.scale = self.qk_head_dim**-0.5 if scale is None else scale
         H = self.num_heads
@@ -136,7 +136,7 @@ class MLAAttention(nn.Module):
     def kv_shape(self) -> KVShape:
         """One latent row per token, whole on every rank."""
         return KVShape.latent_row(
-            self.rank, self.rope, self.num_heads, self.qk_head_dim, self.v_head_dim
+            self.kv_lora_rank, self.rope, self.num_heads, self.qk_head_dim, self.v_head_dim
         )
 
     def tp_shards(self, config) -> dict[str, Shard | None]:
@@ -188,7 +188,7 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(T, self.num_heads, self.qk_head_dim)  # [T, H, nope + rope]
-        c, k_r = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         c = self.kv_a_layernorm(c)  # [T, r]
         k_r = k_r.unsqueeze(1)  # [T, 1, rope]: one key part shared by every head
         if cos_sin is not None:
@@ -202,7 +202,8 @@ class MLAAttention(nn.Module):
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as per-head blocks: W_UK [H, nope, r] and W_UV [H, v, r]."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, self.rank)
+        H, r = self.num_heads, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_head_dim, r)
         return w[:, : self.nope], w[:, self.nope :]
 
     def attend_absorbed(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -222,7 +223,7 @@ class MLAAttention(nn.Module):
                 q_abs, latent, latent, batch.req_to_token, batch.req_slots,
                 batch.prefix_lens_cpu, batch.extend_lens_cpu, self.scale,
             )  # fmt: skip
-        o_lat = o[..., : self.rank].transpose(0, 1)  # [H, T, r]
+        o_lat = o[..., : self.kv_lora_rank].transpose(0, 1)  # [H, T, r]
         return torch.bmm(o_lat, w_uv.to(o.dtype).transpose(1, 2)).transpose(0, 1)  # [T, H, v]
 
     def attend_expanded(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -234,7 +235,7 @@ class MLAAttention(nn.Module):
         slots = batch.req_slots.tolist()
         locs = torch.cat([batch.req_to_token[s, :n] for s, n in zip(slots, seq_lens, strict=True)])
         rows_ = batch.kv_pool.k_buffer[self.kv_layer][locs.long(), 0]  # [S, r + rope]
-        c, k_r = rows_.to(q.dtype).split([self.rank, self.rope], dim=-1)
+        c, k_r = rows_.to(q.dtype).split([self.kv_lora_rank, self.rope], dim=-1)
         S, H = rows_.shape[0], self.num_heads
         kv = self.kv_b_proj(c).view(S, H, self.nope + self.v_head_dim)
         k = torch.cat([kv[..., : self.nope], k_r.unsqueeze(1).expand(S, H, self.rope)], dim=-1)
