@@ -245,4 +245,5 @@ def test_forced_call_grammars():
     args = '{"unit": "c", "days": 2}'
     assert accepts(kimi, SEC + kimi_call("functions.weather:12", args) + END)
     assert not accepts(kimi, SEC + kimi_call("functions.weather:", args) + END)
+    assert not accepts(kimi, SEC + kimi_call("functions.weather:12345", args) + END)
     assert not accepts(kimi, SEC + kimi_call("functions.opt:0", "{}") + END)

@@ -53,13 +53,14 @@ class KimiK2(ToolCallFormat):
 
     @classmethod
     def call_grammar(cls, fn: dict) -> xgr.Grammar:
-        """One section of one call of `fn` (any index), its arguments satisfying the
-        function's `parameters`."""
+        """One section of one call of `fn` (an index of 1 to 4 digits: unbounded, random
+        weights may write digits forever), its arguments satisfying the function's
+        `parameters`."""
         g = grammar_class()
         params = fn.get("parameters") or {"type": "object"}
         return g.concat(
             literal(f"{SECTION_BEGIN}{CALL_BEGIN}functions.{fn['name']}:"),
-            g.from_ebnf("root ::= [0-9]+"),
+            g.from_ebnf("root ::= [0-9]{1,4}"),
             literal(ARG_BEGIN),
             schema_grammar(params),
             literal(f"{CALL_END}{SECTION_END}"),
