@@ -7,9 +7,8 @@ first, then tool calls parsed out of the content, each by its format's class
 returns the deltas of one streamed piece, one field each (`reasoning_content` first, then
 `content` and `tool_calls` in the order the text has them), `finish` those of the end; a tool
 call streams as OpenAI's do: an entry with its `id` (the format's `call_id`), `type` and
-`function.name` (arguments ""),
-then entries with `function.arguments` fragments, all under the call's `index`. `message(text)`
-is the same parse of a whole text, as a non-streamed `message`.
+`function.name` (arguments ""), then entries with `function.arguments` fragments, all under the
+call's `index`. `message(text)` is the same parse of a whole text, as a non-streamed `message`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ function `fn`, as an xgrammar grammar, for a forced `tool_choice`), `call_id(nam
 name is known), `("args", index, fragment)`. The arguments of call i are the concatenation of
 its fragments; `finish()` closes what the output left open. Any cut of the text into pieces
 gives the same events' content, names and arguments, so a non-streamed reply is the same parser
-run once. A block that does not parse stays in the content.
+run once. A block that does not parse stays in the content (`kimi_k2` drops a malformed call
+inside its section instead, as SGLang does).
 """
 
 from __future__ import annotations
