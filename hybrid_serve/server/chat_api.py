@@ -114,6 +114,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         max_new = s.generator.max_context_len - len(ids)
     s.generator.check_lengths(len(ids), max_new, field)
     kw = generate_kwargs(s, body, request)
+    if body.tools and body.tool_choice != "none":  # the formats' tags may be special tokens
+        kw["skip_special_tokens"] = False
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]
