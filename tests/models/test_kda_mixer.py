@@ -62,20 +62,21 @@ def reference(ref: KimiLinearDeltaAttention, x: torch.Tensor) -> torch.Tensor:
 
 def batch(pool: MambaPool, phase: str, slots: list[int], lens: list[int], prefix: list[int],
           **extra) -> ForwardBatch:  # fmt: skip
-    T = sum(lens)
+    T, dev = sum(lens), pool.device
     return ForwardBatch(
-        phase=phase, input_ids=torch.zeros(T, dtype=torch.int64),
-        positions=torch.zeros(T, dtype=torch.int64), out_loc=torch.zeros(T, dtype=torch.int64),
-        req_slots=torch.arange(len(slots)), mamba_slots=torch.tensor(slots),
-        seq_lens=torch.tensor([p + n for p, n in zip(prefix, lens, strict=True)]),
+        phase=phase, input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+        positions=torch.zeros(T, dtype=torch.int64, device=dev),
+        out_loc=torch.zeros(T, dtype=torch.int64, device=dev),
+        req_slots=torch.arange(len(slots), device=dev), mamba_slots=torch.tensor(slots, device=dev),
+        seq_lens=torch.tensor([p + n for p, n in zip(prefix, lens, strict=True)], device=dev),
         prefix_lens_cpu=list(prefix), extend_lens_cpu=list(lens),
-        req_to_token=torch.zeros(1, 1, dtype=torch.int32), kv_pool=None, mamba_pool=pool,
-        **extra,
+        req_to_token=torch.zeros(1, 1, dtype=torch.int32, device=dev), kv_pool=None,
+        mamba_pool=pool, **extra,
     )  # fmt: skip
 
 
-def new_pool(mixer: KimiDeltaAttention, size: int = 12) -> MambaPool:
-    return MambaPool(size, [mixer.state_shape], torch.float32)
+def new_pool(mixer: KimiDeltaAttention, size: int = 12, device="cpu") -> MambaPool:
+    return MambaPool(size, [mixer.state_shape], torch.float32, device=device)
 
 
 def run_prefill(mixer, pool, xs: list[torch.Tensor], slots, starts, ends, **extra):
@@ -223,3 +224,40 @@ def test_state_shape_and_tensor_parallel_shards() -> None:
     assert shards["A_log"].dim == 2 and shards["A_log"].ranges == ((1, 2),)
     conv = shards["conv1d.weight"].ranges
     assert conv == ((d, 2 * d), (3 * d, 4 * d), (5 * d, 6 * d))  # q, k, v of head 1
+
+
+def scenario(mixer: KimiDeltaAttention, xs: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Every output of a short serving life on `device`: ragged prefill with a tracked state,
+    its continuation, a decode step and a 3-row verify; then the pool's tensors."""
+    pool = new_pool(mixer, size=12, device=device)
+    slots, track = pool.alloc(2).tolist(), pool.alloc(2).tolist()
+    outs = list(run_prefill(
+        mixer, pool, xs, slots, [0, 0], [66, 4],
+        mamba_track_slots=torch.tensor(track, device=device), mamba_track_offsets_cpu=[64, 0],
+    ))  # fmt: skip
+    outs += run_prefill(mixer, pool, xs, slots, [66, 4], [69, 9])
+    with torch.no_grad():
+        x = torch.stack([xs[0][69], xs[1][9]])
+        outs.append(mixer(x, batch(pool, "decode", slots, [1, 1], [69, 9])))
+    steps = [pool.alloc(2).tolist() for _ in slots]
+    outs += run_prefill(mixer, pool, xs, slots, [70, 10], [73, 13], mamba_step_slots_cpu=steps)
+    return outs + [pool.conv_state, pool.ssm_state]
+
+
+def test_the_triton_set_runs_the_mixer_as_the_torch_set(triton_device) -> None:
+    """Every Triton op the mixer takes (conv, chunked and recurrent delta rule with the
+    per-channel gate) on CUDA, or in the interpreter without it, against the torch references
+    on the same device."""
+    from hybrid_serve.kernels.kernel_set import triton_set
+
+    ref = random_reference(5)
+    xs = [
+        torch.randn(73, HIDDEN, device=triton_device),
+        torch.randn(13, HIDDEN, device=triton_device),
+    ]
+    torch_run = scenario(ours_from(ref, reference_set()).to(triton_device), xs, triton_device)
+    ops = triton_set(triton_device)
+    assert ops.chunk_gated_delta_rule.__module__ == "hybrid_serve.kernels.gated_delta_rule_triton"
+    triton_run = scenario(ours_from(ref, ops).to(triton_device), xs, triton_device)
+    for got, want in zip(triton_run, torch_run, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
