@@ -316,7 +316,7 @@ FAMILIES: tuple[Family, ...] = (
         preset_module=f"{_MK}.lfm2_preset",
         presets=(f"{_MK}.lfm2_preset.LFM2_PRESETS",),
         chat_template="lfm2",
-        tool_call_format="qwen25",  # LFM2's own pythonic calls: no such format yet
+        tool_call_format="pythonic",
         reasoning_format=None,
         init_rules=((".conv.conv.weight", "conv"), ("norm.weight", "norm1")),
     ),
