@@ -103,6 +103,11 @@ class KimiLinearConfig(HybridConfig):
         return 1, 1
 
     @property
+    def linear_qkv_dim(self) -> int:
+        """Rows of each of the KDA q, k and v projections (and of each third of the conv)."""
+        return self.linear_num_heads * self.linear_head_dim
+
+    @property
     def first_k_dense_replace(self) -> int:
         """The leading layers with a dense MLP."""
         return next(
