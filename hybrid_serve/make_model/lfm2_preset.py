@@ -20,12 +20,13 @@ layers, then MoE blocks of 8 experts (top 2, expert bias, renormalised, scaled b
 with the release's per-expert `feed_forward.experts.{e}.{w1,w3,w2}.weight` (the row's rule).
 
 `lfm2-2.6b` (`LFM2_REAL_SHAPES`) is LiquidAI/LFM2-2.6B's shape, written in full (bf16 on disk):
-the dense checkpoint of the CPU comparison with llama.cpp (issue 57), its config.json as transcribed in public code (one
-transcription verbatim with its `layer_types`; a vLLM test fixture agrees on hidden 2048, 30
-layers, 32 heads over 8 KV heads and width 10752; an MLX port's test on the 22 conv : 8
-attention split): hidden 2048, 30 layers with attention at 2, 5, 9, 13, 17, 21, 24 and 27, the
-short conv's kernel 3, the MLP at 10752 as given (`block_auto_adjust_ff_dim` false), a
-65,536-token vocabulary, tied embeddings: 2.57B parameters.
+the dense checkpoint of the CPU comparison with llama.cpp (issue 57). Its config.json as
+transcribed in public code (one transcription verbatim with its `layer_types`; a vLLM test
+fixture agrees on hidden 2048, 30 layers, 32 heads over 8 KV heads and width 10752; an MLX
+port's test on the 22 conv : 8 attention split): hidden 2048, 30 layers with attention at 2,
+5, 9, 13, 17, 21, 24 and 27, the short conv's kernel 3, the MLP at 10752 as given
+(`block_auto_adjust_ff_dim` false), a 65,536-token vocabulary, tied embeddings: 2.57B
+parameters.
 """
 
 from __future__ import annotations
