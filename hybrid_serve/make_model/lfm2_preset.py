@@ -18,6 +18,15 @@ plain-weight; the short conv's kernel as a conv's). `tiny-lfm2`: 8 layers, atten
 a multiple of 64: 320). `tiny-lfm2-moe`: LFM2-MoE, 6 layers (attention at 2 and 5), two dense
 layers, then MoE blocks of 8 experts (top 2, expert bias, renormalised, scaled by 1.5), written
 with the release's per-expert `feed_forward.experts.{e}.{w1,w3,w2}.weight` (the row's rule).
+
+`lfm2-2.6b` (`LFM2_REAL_SHAPES`) is LiquidAI/LFM2-2.6B's shape, written in full (bf16 on disk):
+the dense checkpoint of the CPU comparison with llama.cpp (issue 57). Its config.json as
+transcribed in public code (one transcription verbatim with its `layer_types`; a vLLM test
+fixture agrees on hidden 2048, 30 layers, 32 heads over 8 KV heads and width 10752; an MLX
+port's test on the 22 conv : 8 attention split): hidden 2048, 30 layers with attention at 2,
+5, 9, 13, 17, 21, 24 and 27, the short conv's kernel 3, the MLP at 10752 as given
+(`block_auto_adjust_ff_dim` false), a 65,536-token vocabulary, tied embeddings: 2.57B
+parameters.
 """
 
 from __future__ import annotations
@@ -65,6 +74,31 @@ LFM2_PRESETS: dict[str, dict] = {
         "norm_eps": 1e-5,
         "rope_theta": 1_000_000.0,
         "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
+}
+_LFM2_2_6B_ATTENTION = (2, 5, 9, 13, 17, 21, 24, 27)
+LFM2_REAL_SHAPES: dict[str, dict] = {
+    "lfm2-2.6b": {
+        "model_type": "lfm2",
+        "vocab_size": 65_536,
+        "hidden_size": 2048,
+        "num_hidden_layers": 30,
+        "layer_types": [
+            "full_attention" if i in _LFM2_2_6B_ATTENTION else "conv" for i in range(30)
+        ],
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "intermediate_size": 10_752,
+        "block_ff_dim": 10_752,
+        "block_auto_adjust_ff_dim": False,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256,
+        "norm_eps": 1e-5,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 128_000,
         "tie_word_embeddings": True,
     },
 }
