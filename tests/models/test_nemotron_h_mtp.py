@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.models.step_bytes import weight_bytes_per_step
 from tests.tp_harness import run_ranks
 from tests.tp_workers import mtp_outputs
 
@@ -143,3 +144,18 @@ def test_tensor_parallel_head_equals_one_rank(ckpt) -> None:
     for key in ("extend", "decode"):
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=0)
     assert two["head_bytes"] < one["head_bytes"]
+
+
+def test_step_weight_bytes_count_the_experts_a_step_touches(ckpt) -> None:
+    """What the draft-length policy scales its timings by (`weight_bytes_per_step`): the main
+    model's parameters once at 2 bytes, its 3 MoE blocks' experts as many as `rows` tokens are
+    expected to touch (3 of 8 for one token), one embedding row per request; the head left out."""
+    model = load_model(ckpt, dtype="float32", mtp=True)
+    head = {id(p) for p in model.mtp.parameters()}
+    main = [p for p in model.parameters() if id(p) not in head]
+    per_expert, embed = 2 * 64 * 48, model.embed_tokens.weight
+    stacks = 3 * 8 * per_expert
+    dense = sum(p.numel() for p in main) - stacks - embed.numel()
+    weights = weight_bytes_per_step(model)
+    assert weights(1) == 2.0 * (dense + 3 * 3 * per_expert + 128)
+    assert weights(1) < weights(4) < weights(64) < 2.0 * (dense + stacks + 64 * 128)

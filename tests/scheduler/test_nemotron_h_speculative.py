@@ -64,3 +64,14 @@ def test_greedy_speculation_equals_plain_decoding(ckpt, mode):
         assert cached[2] >= 64, cached
         assert engine.scheduler.tree.sanity_check() is None
     assert engine.leak_report() == []
+
+
+def test_the_measured_draft_policy_runs_and_lands_plain_tokens(ckpt):
+    """The draft-length policy with its own costs (timings scaled by the bytes a step reads,
+    `models.step_bytes.weight_bytes_per_step`), not the tests' free drafting."""
+    path, prompts, expected, vocab = ckpt
+    engine = Engine(path, **POOLS, **SPEC)
+    spec = controlled(engine, prompts, expected, vocab, 0.0)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o["output_ids"] for o in outs] == [e[:NEW] for e in expected]
+    assert spec.rounds > 0 and engine.leak_report() == []
