@@ -159,3 +159,18 @@ def test_step_weight_bytes_count_the_experts_a_step_touches(ckpt) -> None:
     weights = weight_bytes_per_step(model)
     assert weights(1) == 2.0 * (dense + 3 * 3 * per_expert + 128)
     assert weights(1) < weights(4) < weights(64) < 2.0 * (dense + stacks + 64 * 128)
+
+
+def test_make_model_mtp_adds_one_step_to_a_nemotron_h_preset(tmp_path, capsys) -> None:
+    """`make-model --mtp` on Nemotron-3-Nano's tiny preset (MoE without a latent width): the
+    config's `num_nextn_predict_layers` 1 and the release's `mtp.layers.*`, which load."""
+    from hybrid_serve.server.cli import main as cli_main
+
+    out = tmp_path / "m"
+    cli_main(["make-model", "--preset", "tiny-nemotron-h", "--mtp", "--out", str(out)])
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    model = load_model(out, dtype="float32", mtp=True)
+    assert model.mtp.layers[1].mixer.fc1_latent_proj is None and model.num_kv_layers == 2
+    with pytest.raises(SystemExit):
+        cli_main(["make-model", "--preset", "tiny-nemotron-h", "--fit-mtp", "--out", str(out)])
+    assert "--fit-mtp fits Qwen3-Next and Qwen3.5 heads only" in capsys.readouterr().err
