@@ -75,3 +75,19 @@ def test_the_measured_draft_policy_runs_and_lands_plain_tokens(ckpt):
     outs = engine.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in outs] == [e[:NEW] for e in expected]
     assert spec.rounds > 0 and engine.leak_report() == []
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_draft_head_changes_drafts_not_outputs(ckpt, method):
+    """--speculative-draft-model-quantization: the head's matrices (its fusion, attention and
+    latent projections) and its own LM head copy are quantized; the main model is untouched."""
+    path, prompts, expected, vocab = ckpt
+    engine = Engine(path, **POOLS, **SPEC, speculative_draft_model_quantization=method)
+    engine.scheduler.forward.policy.costs = FREE
+    head, dtype = engine.runner.model.mtp, {"int8": torch.int8, "int4": torch.uint8}[method]
+    assert head.lm_head.weight.dtype == head.layers[0].eh_proj.weight.dtype == dtype
+    assert head.layers[1].mixer.fc1_latent_proj.weight.dtype == dtype
+    assert engine.runner.model.lm_head.weight.dtype == torch.float32
+    outs = engine.generate(prompts, GREEDY)
+    assert [o["output_ids"] for o in outs] == [e[:NEW] for e in expected]
+    assert engine.leak_report() == []
