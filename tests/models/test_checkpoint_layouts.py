@@ -224,6 +224,20 @@ FAMILIES = {
         ),
         lambda c: _nemotron_h,
     ),
+    # Nemotron 3 Super's latent MoE: the experts in 24 of the 64 channels
+    "nemotron_h_latent": Family(
+        "NemotronHConfig", "NemotronHForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64,
+            layers_block_type=["mamba", "moe", "attention", "moe"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+            mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=64,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_latent_size=24, moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1,
+            routed_scaling_factor=5.0, initializer_range=0.1,
+        ),
+        lambda c: _nemotron_h,
+    ),
     "granitemoehybrid": Family(
         "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
         dict(
@@ -456,8 +470,8 @@ def test_each_missing_tensor_is_named_as_the_checkpoint_spells_it(files, layout)
 
 @pytest.mark.parametrize(
     "files",
-    ["qwen3_next", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "lfm2_moe",
-     "kimi_linear"],
+    ["qwen3_next", "qwen3_5_moe_text", "nemotron_h", "nemotron_h_latent", "granitemoehybrid",
+     "olmo_hybrid", "lfm2_moe", "kimi_linear"],
     indirect=True,
 )  # fmt: skip
 def test_two_spellings_of_a_tensor_are_refused(files, tmp_path):

@@ -28,6 +28,7 @@ ATOL = 1e-4
 DECODE_STEPS = 6
 PRESETS = (
     "tiny-nemotron-h",
+    "tiny-nemotron-3-super",
     "tiny-granite-4.0-h",
     "tiny-granite-4.0-h-dense",
     "tiny-bamba",
