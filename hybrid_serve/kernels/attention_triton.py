@@ -45,9 +45,8 @@ def _extend_kernel(
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     end = prefix + tl.minimum((i_m + 1) * BM, extend)  # keys up to the last query's position
-    lo = 0
-    if window > 0:  # from the first query's first visible key
-        lo = tl.maximum(prefix + i_m * BM - window + 1, 0)
+    # with a window, from the block's first query's first visible key
+    lo = tl.where(window > 0, tl.maximum(prefix + i_m * BM - window + 1, 0), 0)
     for start in range(lo, end, BN):
         rn = start + tl.arange(0, BN)
         m_n = rn < end
@@ -57,8 +56,7 @@ def _extend_kernel(
         v = tl.load(v_ptr + loc[:, None] * stride_vl + kvh * stride_vh + rd[None, :], mask=m_kv)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
         visible = (rn[None, :] <= prefix + rm[:, None]) & m_n[None, :]  # causal, keys exist
-        if window > 0:
-            visible &= rn[None, :] > prefix + rm[:, None] - window
+        visible &= (window <= 0) | (rn[None, :] > prefix + rm[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         # finite: the first block holds every row's first visible key (key 0, or with a window
         # the keys lo .. lo + BM - 1, as BN >= BM)
@@ -125,9 +123,8 @@ def _decode_kernel(
     m_i = tl.max(tl.zeros([BN], tl.float32), 0) - float("inf")
     l_i = tl.sum(tl.zeros([BN], tl.float32), 0)
     acc = tl.zeros([BD], tl.float32)
-    lo = 0
-    if window > 0:  # the first block holds key seq_len - window, so m_i turns finite at once
-        lo = tl.maximum(seq_len - window, 0)
+    # with a window, from key seq_len - window: the first block holds it, so m_i turns finite
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     for start in range(lo, seq_len, BN):
         rn = start + tl.arange(0, BN)
         m_n = rn < seq_len
