@@ -199,11 +199,9 @@ def model_costs(model: torch.nn.Module, kv_pool, mamba_pool) -> ModelCosts:
         moe_layers=len(expert_mods),
         num_experts=num_experts,
         top_k=getattr(config, "num_experts_per_tok", 0) if expert_mods else 0,
-        kv_bytes_per_token=kv_pool.bytes_per_token(
-            kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
-        ),
+        kv_bytes_per_token=kv_pool.bytes_per_token,
         attention_layers=kv_pool.num_layers,
-        attention_width=config.num_attention_heads * kv_pool.head_dim,
+        attention_width=config.num_attention_heads * kv_pool.shape.k_dim,
         state_bytes=mamba_pool.bytes_per_slot if mamba_pool.num_layers else 0,
         state_flops=state_flops,
     )

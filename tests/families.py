@@ -14,6 +14,8 @@ difference from the trained model patched where its port has one.
                               with an expert bias (per-expert tensors, as released)
     tiny-lfm3                 LFM3: short-conv, full and sliding-window attention layers (per-kind
                               RoPE, a per-head output gate), sandwich norms
+    tiny-kimi-linear          Kimi-Linear: KDA and NoPE MLA layers, a dense MLP then grouped
+                              sigmoid-routed experts with a shared one (the release's names)
 
 The judge is transformers as it stands: since 5.25 its NemotronH mixer applies the config's
 time_step_limit (0, inf) as NVIDIA's code, vLLM, SGLang and we do (earlier ports clamped

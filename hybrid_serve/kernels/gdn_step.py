@@ -3,9 +3,11 @@
     mixed_qkv, z = qkvz;  b, a = ba
     q, k, v = split(silu(causal conv1d update of mixed_qkv on the layer's conv window))
     g = -exp(A_log) * softplus(a + dt_bias);  beta = beta_scale * sigmoid(b)
-                      (beta_scale 2 for OLMo-Hybrid's negative eigenvalues, else 1)
+                      (beta_scale 2 for OLMo-Hybrid's negative eigenvalues, else 1; a and
+                      dt_bias one value per key channel for Kimi Delta Attention, so g too)
     o = gated delta rule recurrent update of the layer's state (q, k l2-normalised in it)
-    y = rms_norm_gated(o, z, norm_weight, eps)                      -> [T, value_dim]
+    y = norm_gated(o, z, norm_weight, eps)  (`rms_norm_gated`, silu; KDA: the sigmoid-gated
+                                              `rms_norm_gated_sigmoid`)  -> [T, value_dim]
 
 One token per row; the states live in the Mamba pool (`conv_pool`, `ssm_pool`: the pool's whole
 [layers, slots, ...] tensors, `layer` picks the layer) and are updated in place at `slots`. A
@@ -13,7 +15,7 @@ negative slot, or one repeating an earlier row's (only the reserved padding slot
 padding: zero output, no state read or written. This reference composes the unfused decode
 ops it is given (by default the references of `causal_conv1d_update`,
 `fused_recurrent_gated_delta_rule` and `rms_norm_gated`); `kernels.cpp_fused.gdn_decode` does it all
-in one C++ call.
+in one C++ call for the per-head gate and the silu-gated norm.
 """
 
 from __future__ import annotations
@@ -36,17 +38,24 @@ def gates(
     beta_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """b, a [T, HV] -> (g, beta) [T, HV]: g = -exp(A_log) softplus(a + dt_bias) in fp32,
-    beta = sigmoid(b) (times `beta_scale` when not 1). The one definition for prefill (the
-    model) and this decode reference."""
+    beta = sigmoid(b) (times `beta_scale` when not 1). With a [T, HV * K] and dt_bias [HV * K]
+    (Kimi Delta Attention's per-channel forget gate) g is [T, HV, K], head h's channels scaled
+    by its exp(A_log[h]). A_log holds HV values in any shape (Kimi's is [1, 1, HV, 1]). The one
+    definition for prefill (the models) and this decode reference."""
     beta = b.sigmoid()
     if beta_scale != 1.0:
         beta = beta * beta_scale
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), beta
+    heads = b.shape[-1]
+    decay = -A_log.float().reshape(heads).exp()
+    softplus = F.softplus(a.float() + dt_bias)
+    if softplus.shape[-1] != heads:  # per key channel
+        return decay.unsqueeze(-1) * softplus.unflatten(-1, (heads, -1)), beta
+    return decay * softplus, beta
 
 
 def gdn_decode(
     qkvz: torch.Tensor,  # [T, 2 key_dim + 2 value_dim]: [q | k | v | z]
-    ba: torch.Tensor,  # [T, 2 HV]: [b | a]
+    ba: torch.Tensor,  # [T, 2 HV]: [b | a]; or [T, HV + HV dk]: a per key channel (KDA)
     conv_pool: torch.Tensor,  # [layers, slots, conv_dim, Kc-1]
     ssm_pool: torch.Tensor,  # [layers, slots, HV, dk, dv]
     layer: int,
@@ -68,13 +77,14 @@ def gdn_decode(
     HV, dk, dv = ssm_pool.shape[2:]
     key_dim, value_dim = num_k_heads * dk, HV * dv
     mixed_qkv, z = qkvz.split([2 * key_dim + value_dim, value_dim], dim=-1)
-    b, a = ba.split([HV, HV], dim=-1)
+    b, a = ba[:, :HV], ba[:, HV:]  # a [T, HV], or [T, HV * dk]: a per-channel gate
     mixed_qkv = conv_update(mixed_qkv, conv_pool[layer], conv_weight, None, "silu", slots)
     q, k, v = mixed_qkv.split([key_dim, key_dim, value_dim], dim=-1)
     q = q.reshape(T, 1, num_k_heads, dk)
     k = k.reshape(T, 1, num_k_heads, dk)
     v = v.reshape(T, 1, HV, dv)
     g, beta = (t.unsqueeze(1) for t in gates(b, a, A_log, dt_bias, beta_scale))  # [T, 1, HV]
+    # g [T, 1, HV] per head, or [T, 1, HV, dk] per key channel
     core, _ = recurrent(
         q, k, v, g, beta, initial_state=ssm_pool[layer], initial_state_indices=slots,
         use_qk_l2norm_in_kernel=True,

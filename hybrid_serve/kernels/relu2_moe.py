@@ -34,10 +34,17 @@ def route(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    scoring: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (weights [T, k] fp32, expert ids [T, k])."""
+    """-> (weights [T, k] fp32, expert ids [T, k]). `scoring` "softmax" takes softmax scores
+    over the experts in place of the sigmoid (Kimi's `moe_router_activation_func`); the rest is
+    the same (the bias picks, the scores weigh). This DeepSeek-V3 router is every family's with
+    a score-correction bias (NemotronH here, Kimi-Linear in `models.kimi_moe`)."""
     T, E = x.shape[0], router_w.shape[0]
-    scores = (x.float() @ router_w.float().t()).sigmoid()  # [T, E]
+    logits = x.float() @ router_w.float().t()  # [T, E]
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"router scores {scoring!r}: sigmoid or softmax")
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
     choice = scores + correction_bias.float()
     per_group = choice.view(T, n_group, E // n_group)
     group_rank = per_group.topk(min(2, E // n_group), dim=-1).values.sum(-1)  # [T, n_group]

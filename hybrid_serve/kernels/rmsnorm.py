@@ -3,6 +3,7 @@
     rms_norm:           y = x / rms(x) * (1 + w)                    (zero-centred weight)
     fused_add_rmsnorm:  r = x + residual;  y = rms_norm(r)          -> (y, r)
     rms_norm_gated:     y = w * (x / rms(x)) * silu(z)              (the Gated DeltaNet output)
+    rms_norm_gated_sigmoid: y = w * (x / rms(x)) * sigmoid(z)       (Kimi Delta Attention's)
     rms_norm_plain:     y = w * x / rms(x)                          (NemotronH, Granite, ...)
     rms_norm_gate_first: g = x * silu(z);  y = w * g / rms_group(g) (the Mamba2 output: gate
                         before the norm, RMS over groups of `group_size` channels)
@@ -54,6 +55,19 @@ def rms_norm_gated(
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = weight * xf.to(dtype)
     return (y * F.silu(z.float())).to(dtype)
+
+
+def rms_norm_gated_sigmoid(
+    x: torch.Tensor,  # [M, D]
+    z: torch.Tensor,  # [M, D] gate
+    weight: torch.Tensor,  # [D]
+    eps: float,
+) -> torch.Tensor:
+    """Returns y [M, D] in x's dtype, computed in fp32 throughout (the weight and the gate
+    too) and cast once at the end, as transformers' `KimiLinearRMSNormGated`."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf * torch.sigmoid(z.float())).to(x.dtype)
 
 
 def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

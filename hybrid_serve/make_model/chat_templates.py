@@ -15,16 +15,20 @@ checkpoints are sent and answer.
 * ``nemotron-3-nano``, ``granite-4.0`` (Nemotron-3-Nano, Granite 4.0): in
   ``hybrid_serve/make_model/mamba2_chat_templates.py``.
 * ``lfm2`` (LFM2): in ``hybrid_serve/make_model/lfm2_chat_template.py``.
+* ``kimi-linear`` (Kimi-Linear, Kimi K2 Instruct): in
+  ``hybrid_serve/make_model/kimi_chat_template.py``.
 
 `TEMPLATE_TOKENS` names, per template, the tokens its tokenizer keeps whole and its end-of-turn
 token (the Qwen templates: ChatML's, which every preset tokenizer has; their think and tool tags
-stay plain text, as the presets always had them).
+stay plain text, as the presets always had them; the LFM2 and Kimi tool tags are single tokens
+but not special, so they stay in the output text the parsers read).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid_serve.make_model.kimi_chat_template import KIMI_LINEAR, kimi_linear
 from hybrid_serve.make_model.lfm2_chat_template import lfm2
 from hybrid_serve.make_model.mamba2_chat_templates import granite_4, nemotron_3
 from hybrid_serve.models.families import family_of_type
@@ -243,7 +247,17 @@ TEMPLATE_TOKENS: dict[str, TemplateTokens] = {
             "<|tool_response_start|>",
             "<|tool_response_end|>",
         ),
-        tags=_TOOL_TAGS[:2],
+        tags=("<|tool_call_start|>", "<|tool_call_end|>"),
+    ),
+    KIMI_LINEAR: TemplateTokens(
+        special=("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"),
+        tags=(
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ),
     ),
 }
 
@@ -256,6 +270,7 @@ TEMPLATES: dict[str, str] = {
     "nemotron-3-nano": nemotron_3(),
     "granite-4.0": granite_4(),
     "lfm2": lfm2(),
+    KIMI_LINEAR: kimi_linear(),
 }
 # The families' own templates (the others: Qwen3-Next Instruct, ChatML; Bamba ships none)
 

@@ -1,26 +1,44 @@
-"""The LFM2 presets' chat template, written here in the shape of Liquid AI's LFM2 template (same
-roles, tags and tool list; the instruction sentence is our own words), for
-`hybrid_serve.make_model.chat_templates` to register as `lfm2`:
+"""The LFM2 presets' chat template, for `hybrid_serve.make_model.chat_templates` to register as
+`lfm2`: the strings of Liquid AI's LFM2 template (`LiquidAI/LFM2-*`), plus the history calls as
+Liquid's LFM2.5 template writes them (LFM2's own ignores `tool_calls`):
 
-ChatML turns (`<|im_start|>ROLE\\n..<|im_end|>\\n`); a system turn only when there is a system
-message or tools: the system message, then (on a new line) the tools as
-`List of tools: <|tool_list_start|>[TOOL, TOOL]<|tool_list_end|>`; tool results each in their
-own `tool` turn as `<|tool_response_start|>..<|tool_response_end|>`; no thinking. The release's
-calls are pythonic (`<|tool_call_start|>[f(n=2)]<|tool_call_end|>`), a format `server.formats`
-does not parse yet: this template asks for, and writes history calls as, the JSON calls of the
-`qwen25` format (`<tool_call>\\n{"name": .., "arguments": ..}\\n</tool_call>`), which the family
-row names.
+* ChatML turns (`<|im_start|>ROLE\\n..<|im_end|>\\n`); a system turn only when there is a
+  system message or tools: the system message, then (on a new line) the tools as
+  `List of tools: <|tool_list_start|>[TOOL, TOOL]<|tool_list_end|>`, each tool as JSON; no
+  instruction sentence (the model calls in its own format unasked).
+* an assistant turn: its content, then its `tool_calls` as one pythonic block,
+  `<|tool_call_start|>[NAME(KEY=VALUE, ...), ...]<|tool_call_end|>`, a string value in single
+  quotes as written, a mapping as JSON, any other value as Python prints it (`True`, `None`,
+  `[1, 'a']`): LFM2.5's `render_tool_calls`.
+* a tool result in its own `tool` turn as `<|tool_response_start|>..<|tool_response_end|>`; no
+  thinking; no `bos_token` (the presets' tokenizers have none).
+
+The calls are the `pythonic` format of `server.formats`, which the family row names.
 """
 
 from __future__ import annotations
 
-from hybrid_serve.make_model.mamba2_chat_templates import JSON_TOOL_CALLS
+# One argument value as LFM2.5's template writes it.
+_ARG_VALUE = """
+{%- macro arg_value(v) -%}
+    {%- if v is string -%}{{- "'" + v + "'" -}}
+    {%- elif v is mapping -%}{{- v | tojson -}}
+    {%- else -%}{{- v | string -}}{%- endif -%}
+{%- endmacro -%}"""
 
-_JSON_CALL_RULES = (
-    "\\nTo call a tool, reply with a JSON object of its name and arguments inside "
-    "<tool_call></tool_call> tags:\\n<tool_call>\\n"
-    '{\\"name\\": <tool-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
-)
+_PYTHONIC_CALLS = """
+        {%- if m.tool_calls %}
+            {%- set calls = namespace(text=[]) %}
+            {%- for call in m.tool_calls %}
+                {%- set fn = call.function if call.function is defined else call %}
+                {%- set args = namespace(text=[]) %}
+                {%- for key, value in (fn.arguments if fn.arguments is mapping else {})|items %}
+                    {%- set args.text = args.text + [key + '=' + arg_value(value)] %}
+                {%- endfor %}
+                {%- set calls.text = calls.text + [fn.name + '(' + args.text|join(', ') + ')'] %}
+            {%- endfor %}
+            {{- '<|tool_call_start|>[' + calls.text|join(', ') + ']<|tool_call_end|>' }}
+        {%- endif %}"""
 
 
 def lfm2() -> str:
@@ -35,7 +53,7 @@ def lfm2() -> str:
         "{%- set ns.sys = ns.sys + (t if t is string else t | tojson) %}"
         "{%- if not loop.last %}{%- set ns.sys = ns.sys + ', ' %}{%- endif %}"
         "{%- endfor %}"
-        "{%- set ns.sys = ns.sys + ']<|tool_list_end|>" + _JSON_CALL_RULES + "' %}"
+        "{%- set ns.sys = ns.sys + ']<|tool_list_end|>' %}"
         "{%- endif %}"
         "{%- if ns.sys %}{{- '<|im_start|>system\\n' + ns.sys + '<|im_end|>\\n' }}{%- endif %}"
     )
@@ -45,10 +63,10 @@ def lfm2() -> str:
     {%- set text = m.content if m.content is string else '' %}
     {%- if m.role == 'system' and loop.first %}
     {%- elif m.role == 'assistant' %}
-        {{- '<|im_start|>assistant\\n' + text }}
-"""
-        + JSON_TOOL_CALLS
-        + """        {{- '<|im_end|>\\n' }}
+        {{- '<|im_start|>assistant\\n' + text }}"""
+        + _PYTHONIC_CALLS
+        + """
+        {{- '<|im_end|>\\n' }}
     {%- elif m.role == 'tool' %}
         {{- '<|im_start|>tool\\n<|tool_response_start|>' + text }}
         {{- '<|tool_response_end|><|im_end|>\\n' }}
@@ -58,4 +76,4 @@ def lfm2() -> str:
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
     )
-    return head + body
+    return _ARG_VALUE + head + body

@@ -81,8 +81,8 @@ _NEMOTRON_ASSISTANT = """
         {{- '<|im_end|>\\n' }}"""
 
 
-# An assistant turn's tool calls as JSON objects in <tool_call> tags (Granite 4.0's format, which
-# the LFM2 presets' template asks for too); `text` is the turn's content
+# An assistant turn's tool calls as JSON objects in <tool_call> tags (Granite 4.0's format);
+# `text` is the turn's content
 JSON_TOOL_CALLS = """        {%- for call in m.tool_calls or [] %}
             {%- if text or not loop.first %}{{- '\\n' }}{%- endif %}
             {%- set fn = call.function if call.function is defined else call %}

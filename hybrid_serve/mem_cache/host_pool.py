@@ -1,7 +1,7 @@
 """Host-memory tier: pools in CPU memory and the host copies of radix nodes (HiCache).
 
-`HostKVPool` and `HostMambaPool` have the shapes of the device pools they mirror (same layers,
-heads, dims, state shapes and dtypes) and the same allocators (page 0 / slot 0 reserved,
+`HostKVPool` and `HostMambaPool` have the shapes of the device pools they mirror (the same
+`KVShape`s and state shapes, the same dtypes) and the same allocators (page 0 / slot 0 reserved,
 all-or-nothing `alloc`, exact-once `free`). Their tensors live in CPU memory, pinned when the
 device pool is on CUDA; on a CPU-only machine the tier is plain memory that still widens what the
 cache holds beyond the pools the model runs on.
@@ -48,9 +48,7 @@ class HostKVPool(KVPool):
 
     def __init__(self, device_pool: KVPool, num_pages: int, pin_memory: bool = False) -> None:
         p = device_pool
-        super().__init__(
-            num_pages, p.page_size, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype, "cpu"
-        )
+        super().__init__(num_pages, p.page_size, p.shapes, p.dtype, "cpu")
         if pin_memory:
             self._k, self._v = self._k.pin_memory(), self._v.pin_memory()
             self.k_buffer, self.v_buffer = list(self._k.unbind(0)), list(self._v.unbind(0))
@@ -66,7 +64,8 @@ class HostKVPool(KVPool):
         _copy_rows(device_pool._v, device_locs, self._v, host_locs)
 
     def read(self, host_locs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """K/V of host token locations, ``[layers, n, heads, dim]`` each (copies)."""
+        """K/V of host token locations, ``[layers, n, heads, k_dim | v_dim]`` (copies; V has no
+        columns for a latent row)."""
         return {"k": self._k[:, host_locs], "v": self._v[:, host_locs]}
 
     def write(self, host_locs: torch.Tensor, kv: dict[str, torch.Tensor]) -> None:
@@ -113,9 +112,7 @@ def host_pool_sizes(
     ``size_gb > 0``, that many GB split between KV and states in the device pools' proportion."""
     if size_gb <= 0:
         return max(1, int(kv_pool.num_pages * ratio)), max(1, int(mamba_pool.size * ratio))
-    page_bytes = kv_pool.page_size * KVPool.bytes_per_token(
-        kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
-    )
+    page_bytes = kv_pool.page_size * kv_pool.bytes_per_token
     device_bytes = kv_pool.num_pages * page_bytes + mamba_pool.size * mamba_pool.bytes_per_slot
     scale = size_gb * GB / device_bytes
     return max(1, int(kv_pool.num_pages * scale)), max(1, int(mamba_pool.size * scale))

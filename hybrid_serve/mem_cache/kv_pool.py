@@ -9,18 +9,29 @@ batch rows and is never handed out (invariant I1).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from hybrid_serve.mem_cache.kv_shape import KVShape, common_kv_shape, kv_bytes_per_token
 from hybrid_serve.mem_cache.req_pool import SlotAllocator, SlotPool
+
+_NO_LAYERS = KVShape.mha(1, 1)  # the trailing dims of a pool without attention layers
 
 
 class KVPool(SlotPool):
-    """K and V buffers of every attention layer, each ``[rows, num_kv_heads, head_dim]``.
+    """The KV rows of every attention layer, as the layers describe them (``shapes``, one
+    `KVShape` per layer, all of one shape: `hybrid_serve/mem_cache/kv_shape.py`):
+
+    - ``k_buffer[i]``: ``[rows, heads, k_dim]``, K per head, or MLA's latent row as one head;
+    - ``v_buffer[i]``: ``[rows, heads, v_dim]``, V per head; no columns (no memory) for a latent
+      row, whose values are read from ``k_buffer``.
 
     ``rows = (num_pages + 1) * page_size``: page 0 is the reserved padding page.
 
     ``k_buffer[i]`` / ``v_buffer[i]`` are views into one contiguous allocation per kind, so the list
-    entries are stable: kernels may keep references to them. Buffers start zeroed.
+    entries are stable: kernels may keep references to them. Buffers start zeroed. Copies between
+    pools (host tier) and to files (storage tier) move K and V rows alike, whatever their width.
 
     Allocation is by page: `alloc` returns CPU int64 page ids (host bookkeeping, whatever the buffer
     device), `free` takes them back. The caller owns the pages it received until it frees them,
@@ -33,31 +44,24 @@ class KVPool(SlotPool):
         self,
         num_pages: int,
         page_size: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        shapes: Sequence[KVShape],
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if num_layers < 0 or num_kv_heads < 1 or head_dim < 1:
-            raise ValueError(
-                f"bad KV shape: num_layers={num_layers}, num_kv_heads={num_kv_heads}, "
-                f"head_dim={head_dim}"
-            )
+        self.shapes = tuple(shapes)
+        self.shape = common_kv_shape(self.shapes) or _NO_LAYERS
         self.num_pages = num_pages
         self.page_size = page_size
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.num_layers = len(self.shapes)
         self.dtype = dtype
         self.device = torch.device(device)
         self.allocator = SlotAllocator(num_pages, name="KVPool")
         rows = (num_pages + 1) * page_size
-        shape = (num_layers, rows, num_kv_heads, head_dim)
-        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        s = self.shape
+        self._k = torch.zeros((self.num_layers, rows, s.heads, s.k_dim), dtype=dtype, device=device)
+        self._v = torch.zeros((self.num_layers, rows, s.heads, s.v_dim), dtype=dtype, device=device)
         self.k_buffer: list[torch.Tensor] = list(self._k.unbind(0))
         self.v_buffer: list[torch.Tensor] = list(self._v.unbind(0))
 
@@ -66,12 +70,10 @@ class KVPool(SlotPool):
         """Usable capacity in pages (page 0 excluded)."""
         return self.num_pages
 
-    @staticmethod
-    def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        """Bytes of K plus V one token occupies across all attention layers (for sizing)."""
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all attention layers (for sizing)."""
+        return kv_bytes_per_token(self.shapes, self.dtype)
 
     # ----------------------------------------------------------------------------- allocation
 
@@ -107,7 +109,7 @@ class KVPool(SlotPool):
 
     @property
     def k_all(self) -> torch.Tensor:
-        """Every layer's K buffer in one ``[num_layers, rows, num_kv_heads, head_dim]`` tensor
+        """Every layer's K buffer in one ``[num_layers, rows, heads, k_dim]`` tensor
         (``k_buffer[i]`` is ``k_all[i]``)."""
         return self._k
 

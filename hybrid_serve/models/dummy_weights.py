@@ -66,13 +66,15 @@ def init_kind(name: str) -> str:
 
 def plain_weights(model: nn.Module) -> set[int]:
     """ids of the parameters drawn around 1: plain-weight norms and the Mamba2 D skip."""
+    from hybrid_serve.models.kda_mixer import RMSNormSigmoidGated
     from hybrid_serve.models.layers import RMSNormPlain
     from hybrid_serve.models.mamba2_mixer import Mamba2Mixer, RMSNormGateFirst
     from hybrid_serve.models.parallel_layers import ParallelRMSNormGateFirst
 
+    plain = (RMSNormPlain, RMSNormGateFirst, ParallelRMSNormGateFirst, RMSNormSigmoidGated)
     found = set()
     for m in model.modules():
-        if isinstance(m, (RMSNormPlain, RMSNormGateFirst, ParallelRMSNormGateFirst)):
+        if isinstance(m, plain):
             found.add(id(m.weight))
         elif isinstance(m, Mamba2Mixer):
             found.add(id(m.D))

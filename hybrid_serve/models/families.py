@@ -317,7 +317,7 @@ FAMILIES: tuple[Family, ...] = (
         preset_module=f"{_MK}.lfm2_preset",
         presets=(f"{_MK}.lfm2_preset.LFM2_PRESETS", f"{_MK}.lfm2_preset.LFM2_REAL_SHAPES"),
         chat_template="lfm2",
-        tool_call_format="qwen25",  # LFM2's own pythonic calls: no such format yet
+        tool_call_format="pythonic",
         reasoning_format=None,
         init_rules=LFM_INIT,
     ),
@@ -338,6 +338,49 @@ FAMILIES: tuple[Family, ...] = (
         tool_call_format="qwen25",  # as LFM2's row
         reasoning_format=None,
         init_rules=LFM_INIT,
+    ),
+    Family(
+        name="Kimi-Linear",
+        types=(
+            ModelType(
+                "kimi_linear",
+                "KimiLinearForCausalLM",
+                NameRules(
+                    renames=(
+                        ("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
+                        ("self_attn.f_b_proj.", "self_attn.forget_gate.f_b_proj."),
+                        ("self_attn.dt_bias", "self_attn.forget_gate.dt_bias"),
+                        ("self_attn.A_log", "self_attn.forget_gate.A_log"),
+                        (".block_sparse_moe.", ".mlp."),
+                    ),
+                    stacked=(
+                        ("mlp.experts.gate_up_proj", ("w1", "w3")),
+                        ("mlp.experts.down_proj", ("w2",)),
+                    ),
+                    joined=(
+                        (
+                            "self_attn.conv1d.weight",
+                            tuple(
+                                (f"self_attn.{x}_conv1d.weight", "linear_qkv_dim") for x in "qkv"
+                            ),
+                        ),
+                    ),
+                ),
+            ),
+        ),
+        model_class=f"{_MM}.kimi_linear.KimiLinearForCausalLM",
+        config_class=f"{_MM}.kimi_linear_config.KimiLinearConfig",
+        preset_module=f"{_MK}.kimi_linear_preset",
+        presets=(f"{_MK}.kimi_linear_preset.KIMI_LINEAR_PRESETS",),
+        chat_template="kimi-linear",
+        tool_call_format="kimi_k2",
+        reasoning_format=None,
+        init_rules=(
+            (".A_log", "a_log"),
+            (".dt_bias", "dt_bias"),
+            ("conv1d.weight", "conv"),
+            ("norm.weight", "norm1"),
+        ),
     ),
 )
 

@@ -13,6 +13,11 @@ continues from whatever the slot holds (zeros for a fresh request), decode steps
 A prefill batch may also ask for snapshots at chunk-aligned offsets (`mamba_track_slots`): the
 conv window there is the Kc-1 raw inputs before the offset, the recurrent state a chunk-boundary
 state of the chunked kernel.
+
+`DeltaRuleMixer` is what every delta-rule mixer shares (this one, and Kimi Delta Attention in
+`models.kda_mixer`, whose forget gate is one value per key channel): reading the batch and the
+pool in prefill, decode and verify. A mixer supplies its projections, its gates' parameters, its
+gated output norm and its output projection.
 """
 
 from __future__ import annotations
@@ -35,7 +40,121 @@ from hybrid_serve.models.shard_loader import Shard
 from hybrid_serve.models.tp_shards import cols, rows, span
 
 
-class GatedDeltaNet(nn.Module):
+class DeltaRuleMixer(nn.Module):
+    """The conv + gated delta rule + gated norm of one layer on the Mamba pool, whatever the
+    layout of its projections. A subclass holds `conv1d` (depthwise over the [q | k | v]
+    channels), `A_log` and `dt_bias` (`gdn_step.gates`' contract: per value head, or per key
+    channel), sets the sizes annotated below and `state_shape`, and supplies:
+
+        in_projections(x)      (qkvz [T, conv_dim + value_dim], ba [T, HV + a's width]), the
+                               [q | k | v | z] and [b | a] rows `gdn_step.gdn_decode` reads
+        extend_projections(x)  (mixed_qkv, z, b, a): the same four parts, for prefill
+        out_norm               the gated output norm (called (o, z); has weight and eps)
+        out_projection         the output projection (summing the ranks' heads)
+        decode_op()            the decode op (`gdn_step.gdn_decode`'s contract)
+        verify_op()            the verify op (`gdn_step.gdn_verify`'s contract)
+    """
+
+    ops: KernelSet
+    linear_layer_id: int  # index among the recurrent layers: the Mamba-pool layer
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    key_dim: int
+    value_dim: int
+    conv_dim: int
+    beta_scale: float
+    state_shape: MambaStateShape
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if batch.is_decode:
+            return self.out_projection(self._decode(x, batch))
+        if batch.is_verify:
+            return self.out_projection(self._verify(x, batch))
+        return self.out_projection(self._extend(x, batch))
+
+    def _decode(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """One token per request: the projections, then everything up to the output projection
+        one op (`decode_op`, reference `kernels.gdn_step`) on the pool's states, in place."""
+        pool, norm = batch.mamba_pool, self.out_norm
+        qkvz, ba = self.in_projections(x)
+        return self.decode_op()(
+            qkvz, ba, pool.conv_state, pool.ssm_state,
+            self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
+            norm.weight, batch.mamba_slots, self.num_k_heads, norm.eps,
+        )  # fmt: skip
+
+    def _verify(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Speculative verify: each request's few new tokens as consecutive decode steps on
+        its running state, the state after each but the last kept in its step slots
+        (`gdn_verify`), so the state after any accepted prefix is the one decoding those tokens
+        leaves."""
+        pool, norm = batch.mamba_pool, self.out_norm
+        qkvz, ba = self.in_projections(x)
+        return self.verify_op()(
+            qkvz, ba, pool.conv_state, pool.ssm_state,
+            self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
+            norm.weight, batch.mamba_slots, batch.extend_lens_cpu,
+            batch.mamba_step_slots_cpu, self.num_k_heads, norm.eps,
+        )  # fmt: skip
+
+    def _extend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        pool = batch.mamba_pool
+        conv_state = pool.conv_state[self.linear_layer_id]  # [slots, conv_dim, Kc-1]
+        ssm_state = pool.ssm_state[self.linear_layer_id]  # [slots, HV, dk, dv]
+        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, Kc]
+
+        mixed_qkv, z, b, a = self.extend_projections(x)  # b [T, HV]
+
+        if batch.tracks_states:
+            track_conv_states(mixed_qkv, conv_state, batch)
+        mixed_qkv = self.ops.causal_conv1d_fn(
+            mixed_qkv.t(),
+            weight,
+            None,
+            conv_state,
+            batch.query_start_loc,
+            batch.mamba_slots,
+            batch.has_initial_state,
+            "silu",
+        ).t()  # [T, conv_dim]
+
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(1, T, self.num_k_heads, self.head_k_dim)  # [1, T, H, dk]
+        k = k.reshape(1, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(1, T, self.num_v_heads, self.head_v_dim)  # [1, T, HV, dv]
+        g, beta = gates(b, a, self.A_log, self.dt_bias, self.beta_scale)  # g [T, HV (, dk)]
+        g, beta = g.unsqueeze(0), beta.unsqueeze(0)  # [1, T, HV (, dk)]
+
+        track = {}
+        if batch.tracks_states:
+            track = dict(
+                track_offsets=torch.tensor(batch.mamba_track_offsets_cpu, device=x.device),
+                track_indices=batch.mamba_track_slots,
+            )
+        core, _ = self.ops.chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=ssm_state,
+            initial_state_indices=batch.mamba_slots,
+            cu_seqlens=batch.query_start_loc,
+            use_qk_l2norm_in_kernel=True,
+            **track,
+        )  # [1, T, HV, dv]
+
+        core = self.out_norm(
+            core.reshape(T * self.num_v_heads, self.head_v_dim),
+            z.reshape(T * self.num_v_heads, self.head_v_dim),
+        )
+        return core.reshape(T, self.value_dim)
+
+
+class GatedDeltaNet(DeltaRuleMixer):
     """`config` (Qwen3-Next's or OLMo-Hybrid's: one with the `linear_*` fields) carries this
     rank's key/value heads (`ParallelContext.local_shapes`), and so do the conv channels and the
     pool's states; out_proj sums the ranks' heads. The config's `linear_norm_eps` is the output
@@ -103,48 +222,25 @@ class GatedDeltaNet(nn.Module):
         out |= {"dt_bias": rows(heads), "A_log": rows(heads), "norm.weight": None}
         return out | {"out_proj.weight": cols(values)}
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if batch.is_decode:
-            return self.out_proj(self._decode(x, batch))
-        if batch.is_verify:
-            return self.out_proj(self._verify(x, batch))
-        return self.out_proj(self._extend(x, batch))
+    @property
+    def out_norm(self) -> nn.Module:
+        return self.norm
 
-    def _in_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def out_projection(self) -> nn.Module:
+        return self.out_proj
+
+    def in_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[qkvz | ba] of a few rows in one call (`linear_multi`)."""
         qkvz, ba = (self.in_proj_qkvz, self.in_proj_ba)
         return self.ops.linear_multi(x, [qkvz.weight, ba.weight], [qkvz.bias, ba.bias])
 
-    def _decode(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """One token per request: both projections in one call (`linear_multi`), then
-        everything up to out_proj one op (`gdn_decode`, reference `kernels.gdn_step`) on the
-        pool's states, in place."""
-        pool = batch.mamba_pool
-        qkvz, ba = self._in_projections(x)
-        return self._decode_op()(
-            qkvz, ba, pool.conv_state, pool.ssm_state,
-            self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
-            self.norm.weight, batch.mamba_slots, self.num_k_heads, self.norm.eps,
-        )  # fmt: skip
+    def extend_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mixed_qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)
+        return mixed_qkv, z, b, a
 
-    def _verify(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Speculative verify: each request's few new tokens as consecutive decode steps on
-        its running state, the state after each but the last kept in its step slots
-        (`gdn_verify`), so the state after any accepted prefix is the one decoding those tokens
-        leaves."""
-        pool = batch.mamba_pool
-        qkvz, ba = self._in_projections(x)
-        verify = self.ops.gdn_verify
-        if self.beta_scale != 1.0:
-            verify = partial(gdn_step.gdn_verify, decode=self._decode_op())
-        return verify(
-            qkvz, ba, pool.conv_state, pool.ssm_state,
-            self.linear_layer_id, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
-            self.norm.weight, batch.mamba_slots, batch.extend_lens_cpu,
-            batch.mamba_step_slots_cpu, self.num_k_heads, self.norm.eps,
-        )  # fmt: skip
-
-    def _decode_op(self) -> Callable:
+    def decode_op(self) -> Callable:
         """The kernel set's fused decode op; with a beta scale, which the fused ops do not take,
         the reference composition of the set's unfused ops."""
         if self.beta_scale == 1.0:
@@ -157,60 +253,11 @@ class GatedDeltaNet(nn.Module):
             beta_scale=self.beta_scale,
         )
 
-    def _extend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        T = x.shape[0]
-        pool = batch.mamba_pool
-        conv_state = pool.conv_state[self.linear_layer_id]  # [slots, conv_dim, Kc-1]
-        ssm_state = pool.ssm_state[self.linear_layer_id]  # [slots, HV, dk, dv]
-        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, Kc]
-
-        mixed_qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)  # [T, HV]
-
-        if batch.tracks_states:
-            track_conv_states(mixed_qkv, conv_state, batch)
-        mixed_qkv = self.ops.causal_conv1d_fn(
-            mixed_qkv.t(),
-            weight,
-            None,
-            conv_state,
-            batch.query_start_loc,
-            batch.mamba_slots,
-            batch.has_initial_state,
-            "silu",
-        ).t()  # [T, conv_dim]
-
-        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(1, T, self.num_k_heads, self.head_k_dim)  # [1, T, H, dk]
-        k = k.reshape(1, T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(1, T, self.num_v_heads, self.head_v_dim)  # [1, T, HV, dv]
-        g, beta = gates(b, a, self.A_log, self.dt_bias, self.beta_scale)  # [T, HV]
-        g, beta = g.unsqueeze(0), beta.unsqueeze(0)  # [1, T, HV]
-
-        track = {}
-        if batch.tracks_states:
-            track = dict(
-                track_offsets=torch.tensor(batch.mamba_track_offsets_cpu, device=x.device),
-                track_indices=batch.mamba_track_slots,
-            )
-        core, _ = self.ops.chunk_gated_delta_rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state=ssm_state,
-            initial_state_indices=batch.mamba_slots,
-            cu_seqlens=batch.query_start_loc,
-            use_qk_l2norm_in_kernel=True,
-            **track,
-        )  # [1, T, HV, dv]
-
-        core = self.norm(
-            core.reshape(T * self.num_v_heads, self.head_v_dim),
-            z.reshape(T * self.num_v_heads, self.head_v_dim),
-        )
-        return core.reshape(T, self.value_dim)
+    def verify_op(self) -> Callable:
+        """The kernel set's fused verify op, or (beta scale) the reference over `decode_op`."""
+        if self.beta_scale == 1.0:
+            return self.ops.gdn_verify
+        return partial(gdn_step.gdn_verify, decode=self.decode_op())
 
 
 def track_conv_states(raw: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from hybrid_serve.kernels import KernelSet
 from hybrid_serve.kernels.attn_step import apply_rope
+from hybrid_serve.mem_cache.kv_shape import KVShape
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import REFERENCE, Linear
 from hybrid_serve.models.parallel import ParallelContext
@@ -69,6 +70,11 @@ class Attention(nn.Module):
         if qk_norm_eps is not None:
             self.q_norm = rms_norm_plain(q_rows, qk_norm_eps, self.tp, ops)
             self.k_norm = rms_norm_plain(kv_rows, qk_norm_eps, self.tp, ops)
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """The KV row this layer writes per token: K and V of this rank's KV heads."""
+        return KVShape.mha(self.num_kv_heads, self.head_dim)
 
     def tp_shards(self, config) -> dict[str, Shard | None]:
         """This rank's q/k/v rows (and q/k norm weights) and o_proj columns

@@ -1,10 +1,11 @@
 """What every hybrid family's causal LM gives the loader and the scheduler, written once.
 
 The contract: `forward`, `final_hidden`, `logits_from_hidden`, `state_shapes`, `num_kv_layers`,
-`use_kernels`, `embed_tokens`, `config` / `local_config`, `tp`, `ops`, `mtp`, all held by
-`HybridForCausalLM`, every family's causal LM. A family subclasses it and builds in `build()` a
-`HybridModel` of its decoder layers under the checkpoint's names (`build_stack`, which adds the LM
-head), and where it serves one its MTP head in `build_mtp()`; or it supplies these parts itself:
+`kv_shapes`, `use_kernels`, `embed_tokens`, `config` / `local_config`, `tp`, `ops`, `mtp`, all
+held by `HybridForCausalLM`, every family's causal LM. A family subclasses it and builds in
+`build()` a `HybridModel` of its decoder layers under the checkpoint's names (`build_stack`, which
+adds the LM head), and where it serves one its MTP head in `build_mtp()`; or it supplies these
+parts itself:
 
     hidden_states(batch)   the last layer's output [T, hidden] (before the final norm), or the
                            pair (that output, the residual stream) whose sum is the hidden state
@@ -15,7 +16,9 @@ head), and where it serves one its MTP head in `build_mtp()`; or it supplies the
     lm_head                the output projection; logits = lm_head(h) * logits_multiplier
 
 The recurrent mixers (Mamba2, Gated DeltaNet) are found in module order, which is their layer
-order and so their Mamba-pool order; each describes its own state (`state_shape`). Under tensor
+order and so their Mamba-pool order; each describes its own state (`state_shape`). An attention
+layer may describe its KV row (`kv_shape`, with its pool layer `kv_layer`: MLA's latent row);
+the others keep K and V of the config's KV heads. Under tensor
 parallelism (and only then) the modules are asked for their parameters' shards (`tp_shards`, see
 `models.tp_shards`: every parameter is declared, the vocab-parallel embedding and LM head too),
 and `local_config` carries this rank's attention heads (what its KV pool holds).
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels import KernelSet
+from hybrid_serve.mem_cache.kv_shape import KVShape
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.layers import REFERENCE, RMSNormPlain, RotaryEmbedding
@@ -191,6 +195,16 @@ class HybridForCausalLM(nn.Module):
         """Each recurrent mixer's per-sequence state (this rank's share), in pool order: what
         the Mamba pool is built from."""
         return tuple(m.state_shape for m in self.modules() if hasattr(m, "state_shape"))
+
+    @property
+    def kv_shapes(self) -> tuple[KVShape, ...]:
+        """Each KV-pool layer's per-token row (this rank's share), in pool order: what the KV
+        pool is built from. A layer that declares its `kv_shape` (at its `kv_layer`) gets that;
+        the rest hold K and V of `local_config`'s KV heads."""
+        c = self.local_config
+        declared = {m.kv_layer: m.kv_shape for m in self.modules() if hasattr(m, "kv_shape")}
+        default = KVShape.mha(c.num_key_value_heads, c.head_dim)
+        return tuple(declared.get(i, default) for i in range(self.num_kv_layers))
 
     def use_kernels(self, ops: KernelSet) -> None:
         """Run every layer on `ops` from now on (tests and benchmarks compare kernel sets on

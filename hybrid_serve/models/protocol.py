@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels import KernelSet
+from hybrid_serve.mem_cache.kv_shape import KVShape
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.parallel import ParallelContext
@@ -59,7 +60,8 @@ class ServedModel(Protocol):
     `model(batch)` / `forward(batch)` returns fp32 logits [N, vocab] and equals
     `logits_from_hidden(final_hidden(batch))`; `state_shapes` lists each recurrent layer's
     per-sequence state in Mamba-pool order; `num_kv_layers` counts the KV pool's layers (an MTP
-    head's included). `mtp` is the multi-token-prediction head or None (`DraftingModel`)."""
+    head's included) and `kv_shapes` describes each one's per-token row in KV-pool order.
+    `mtp` is the multi-token-prediction head or None (`DraftingModel`)."""
 
     config: ServedConfig
     local_config: ServedConfig
@@ -87,6 +89,9 @@ class ServedModel(Protocol):
 
     @property
     def num_kv_layers(self) -> int: ...
+
+    @property
+    def kv_shapes(self) -> tuple[KVShape, ...]: ...
 
 
 class DraftingModel(ServedModel, Protocol):

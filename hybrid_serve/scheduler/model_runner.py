@@ -65,15 +65,7 @@ class ModelRunner:
         self.device = device
         self.req_pool = ReqToTokenPool(config.max_running_requests, config.max_context_len, device)
         num_pages = -(-config.max_total_tokens // config.page_size)
-        self.kv_pool = KVPool(
-            num_pages,
-            config.page_size,
-            model.num_kv_layers,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            dtype,
-            device,
-        )
+        self.kv_pool = KVPool(num_pages, config.page_size, model.kv_shapes, dtype, device)
         ssm_dtype = ssm_state_dtype(config, model)
         cpp_fp32 = model.ops.backend == "cpp" and model.ops.state_dtype == torch.float32
         if cpp_fp32 and ssm_dtype != torch.float32:  # the C++ recurrent ops read fp32 only

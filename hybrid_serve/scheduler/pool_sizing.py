@@ -9,11 +9,16 @@ The Mamba pool is sized first (its slot count follows the strategy and
 `--max-running-requests`, or `--max-mamba-cache-size`), the request table next, and the KV pool
 takes the rest, rounded down to whole pages. Sizes per unit:
 
-    KV token    = full-attention layers x 2 (K, V) x kv_heads x head_dim x dtype bytes
+    KV token    = sum over attention layers of the row each describes (`model.kv_shapes`,
+                  `mem_cache/kv_shape.py`) x dtype bytes: MHA/GQA 2 (K, V) x kv_heads x
+                  head_dim, MLA one latent row of kv_lora_rank + qk_rope_head_dim
     Mamba slot  = sum over recurrent layers of (conv_dim x (K - 1) x dtype bytes
                   + the temporal state's elements x its dtype's bytes), as each layer
                   describes its state (`model.state_shapes`), + hidden_size x dtype bytes (the
                   slot's final-hidden row, exact repeats)
+
+The start-up line gives the KV bytes per token with the layout they come from; for MLA also
+what the expanded K and V of its heads would take (the latent row is about a tenth of it).
 
 The temporal (SSM) state's dtype is `--mamba-ssm-dtype` (SGLang's flag), else the checkpoint's
 `mamba_ssm_dtype` (`models.base_config.checkpoint_ssm_dtype`: float32 unless it says otherwise).
@@ -35,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hybrid_serve.kernels.fp8 import weight_bytes
+from hybrid_serve.mem_cache.kv_shape import common_kv_shape, kv_bytes_per_token
 from hybrid_serve.mem_cache.state_shape import state_bytes_per_slot
 from hybrid_serve.models.loader import DTYPES
 from hybrid_serve.models.protocol import ServedConfig, ServedModel
@@ -49,6 +55,7 @@ class PoolBytes:
     mamba_per_slot: int
     weights: int
     ssm_dtype: torch.dtype = torch.float32
+    kv_layout: str = ""  # the KV rows in words (`KVShape.describe`)
 
 
 def ssm_state_dtype(cfg, model: ServedModel) -> torch.dtype:
@@ -59,14 +66,15 @@ def ssm_state_dtype(cfg, model: ServedModel) -> torch.dtype:
 
 def pool_bytes(model: ServedModel, ssm_dtype: torch.dtype = torch.float32) -> PoolBytes:
     c: ServedConfig = getattr(model, "local_config", model.config)  # per tensor-parallel rank
-    dtype_bytes = next(model.parameters()).element_size()
-    layers = getattr(model, "num_kv_layers", len(c.full_attention_layers))  # + the MTP head's
-    kv = layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
     dtype = next(model.parameters()).dtype
+    kv_shapes = model.kv_shapes  # one per KV-pool layer, the MTP head's included
+    kv = kv_bytes_per_token(kv_shapes, dtype)
+    shape = common_kv_shape(kv_shapes)
+    layout = f"{len(kv_shapes)} layers, {shape.describe()}" if shape is not None else "no layers"
     states = state_bytes_per_slot(model.state_shapes, dtype, ssm_dtype)
     weights = sum(weight_bytes(p) for p in model.parameters())  # FP8 matrices: 1 B + scales
-    hidden = c.hidden_size * dtype_bytes
-    return PoolBytes(kv, states + hidden, weights, ssm_dtype)
+    hidden = c.hidden_size * dtype.itemsize
+    return PoolBytes(kv, states + hidden, weights, ssm_dtype, layout)
 
 
 def _budget(cfg, sizes: PoolBytes) -> float | None:
@@ -108,7 +116,8 @@ def describe(cfg, sizes: PoolBytes) -> str:
     mamba = cfg.mamba_slots * sizes.mamba_per_slot
     return (
         f"memory: weights {sizes.weights / GB:.3f} GB; KV pool {cfg.max_total_tokens} tokens x "
-        f"{sizes.kv_per_token} B = {kv / GB:.3f} GB; Mamba pool {cfg.mamba_slots} slots x "
+        f"{sizes.kv_per_token} B ({sizes.kv_layout}) = {kv / GB:.3f} GB; "
+        f"Mamba pool {cfg.mamba_slots} slots x "
         f"{sizes.mamba_per_slot / 1e6:.2f} MB ({sizes.mamba_per_slot / 2**20:.1f} MiB, "
         f"{str(sizes.ssm_dtype).removeprefix('torch.')} SSM states) = {mamba / GB:.3f} GB"
     )

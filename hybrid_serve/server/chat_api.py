@@ -84,14 +84,16 @@ async def constrain(
 
 def choice_outputs(body: ChatCompletionRequest, fmt: ChatFormat, prompt: str) -> list[ChoiceOutput]:
     """One output parser per choice: reasoning split off as the prompt and the request say,
-    tool calls parsed when there are tools and `tool_choice` is not `none`."""
+    tool calls parsed when there are tools and `tool_choice` is not `none`, numbered after the
+    calls in the request's messages."""
     reasoning = fmt.reasoning
     mode = "off"
     if reasoning is not None:
         mode = reasoning.mode(prompt, body.separate_reasoning, body.chat_template_kwargs)
     tool_format = fmt.tool_call if body.tools and body.tool_choice != "none" else None
+    history = sum(len(m.tool_calls or []) for m in body.messages)
     return [
-        ChoiceOutput(mode, reasoning, tool_format, body.tools, body.stream_reasoning)
+        ChoiceOutput(mode, reasoning, tool_format, body.tools, body.stream_reasoning, history)
         for _ in range(body.n)
     ]
 
@@ -112,6 +114,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         max_new = s.generator.max_context_len - len(ids)
     s.generator.check_lengths(len(ids), max_new, field)
     kw = generate_kwargs(s, body, request)
+    if body.tools and body.tool_choice != "none":  # the formats' tags may be special tokens
+        kw["skip_special_tokens"] = False
     n = body.n
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(body, max_new, top, j) for j in range(n)]

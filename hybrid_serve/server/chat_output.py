@@ -6,15 +6,14 @@ first, then tool calls parsed out of the content, each by its format's class
 (`--reasoning-parser`, `--tool-call-parser`, each `auto` by default). `ChoiceOutput.push`
 returns the deltas of one streamed piece, one field each (`reasoning_content` first, then
 `content` and `tool_calls` in the order the text has them), `finish` those of the end; a tool
-call streams as OpenAI's do: an entry with its `id`, `type` and `function.name` (arguments ""),
-then entries with `function.arguments` fragments, all under the call's `index`. `message(text)`
-is the same parse of a whole text, as a non-streamed `message`.
+call streams as OpenAI's do: an entry with its `id` (the format's `call_id`), `type` and
+`function.name` (arguments ""), then entries with `function.arguments` fragments, all under the
+call's `index`. `message(text)` is the same parse of a whole text, as a non-streamed `message`.
 """
 
 from __future__ import annotations
 
 import functools
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +55,8 @@ def chat_format(reasoning_flag: str, tool_flag: str, template: str | None) -> Ch
 class ChoiceOutput:
     """Parses one choice: `mode` from `reasoning.mode` ("off": `reasoning` unused, may be
     None), `tool_format` None when tool calls are not parsed (no tools, or `tool_choice:
-    none`)."""
+    none`); `history_calls` is how many tool calls the request's messages hold (the first
+    call's number, for the format's ids)."""
 
     def __init__(
         self,
@@ -65,6 +65,7 @@ class ChoiceOutput:
         tool_format: type[ToolCallFormat] | None,
         tools: list[dict] | None = None,
         stream_reasoning: bool = True,
+        history_calls: int = 0,
     ) -> None:
         self.reasoning: ReasoningFormat | None = None
         if mode != "off":
@@ -72,6 +73,7 @@ class ChoiceOutput:
             self.reasoning = reasoning(mode, tool_format, stream_reasoning)
         self.tools = None if tool_format is None else tool_format(tools)
         self.ids: list[str] = []  # one per call started
+        self.history_calls = history_calls
 
     @property
     def has_calls(self) -> bool:
@@ -101,7 +103,8 @@ class ChoiceOutput:
                     out.append({"content": rest[0]})
             elif kind == "call":
                 index, name = rest
-                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                assert self.tools is not None
+                self.ids.append(self.tools.call_id(name, self.history_calls + index))
                 start = {"index": index, "id": self.ids[index], "type": "function"}
                 out.append({"tool_calls": [{**start, "function": {"name": name, "arguments": ""}}]})
             else:

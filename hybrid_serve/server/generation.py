@@ -207,9 +207,12 @@ class Generator:
         so far, `d`'s included): its new text through `text` and, on the last one, why it ended.
         A stop string matched in the text ends it here and aborts it in the scheduler (which
         keeps the `n_out` tokens as its output)."""
+        ids = d.output_ids
+        if self._trims_stop_token(d, text):  # the matched stop token's text is not output
+            ids = ids[:-1]
         piece = Piece(
             rid=public,
-            text=text.push(d.output_ids),
+            text=text.push(ids),
             token_ids=d.output_ids,
             logprobs=d.logprobs,
             top_logprobs=d.top_logprobs,
@@ -231,6 +234,15 @@ class Generator:
             elif d.finish_reason == "stop" and n_out:
                 piece.matched_stop = self._matched_token(d.finish_detail)
         return piece
+
+    @classmethod
+    def _trims_stop_token(cls, d: TokenDelta, text: TextStream) -> bool:
+        """Whether delta `d` ends on the stop token or EOS that finished it and that token is
+        left out of the text (always, unless `no_stop_trim`), as SGLang's detokenizer trims it
+        whether or not special tokens are skipped."""
+        if d.finish_reason != "stop" or text.no_stop_trim or not d.output_ids:
+            return False
+        return cls._matched_token(d.finish_detail) == d.output_ids[-1]
 
     @staticmethod
     def _matched_token(detail: str | None) -> int | None:

@@ -9,6 +9,7 @@ import torch
 
 from hybrid_serve.kernels.attention import store_kv
 from hybrid_serve.mem_cache.kv_pool import KVPool
+from hybrid_serve.mem_cache.kv_shape import KVShape
 from hybrid_serve.mem_cache.mamba_pool import MambaPool
 from hybrid_serve.mem_cache.req_pool import ReqToTokenPool, SlotAllocator
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
@@ -19,9 +20,7 @@ def make_req_pool(size: int = 6) -> ReqToTokenPool:
 
 
 def make_kv_pool(num_pages: int = 6, page_size: int = 4) -> KVPool:
-    return KVPool(
-        num_pages, page_size, num_layers=2, num_kv_heads=2, head_dim=3, dtype=torch.float32
-    )
+    return KVPool(num_pages, page_size, [KVShape.mha(2, 3)] * 2, torch.float32)
 
 
 SHAPE = MambaStateShape(5, 3, (2, 3, 2))  # conv 5 x 3, temporal 2 x 3 x 2
@@ -138,7 +137,7 @@ def test_constructor_rejects_empty_pool() -> None:
     with pytest.raises(ValueError):
         ReqToTokenPool(0, 4)
     with pytest.raises(ValueError):
-        KVPool(4, 0, 1, 1, 1, torch.float32)
+        KVPool(4, 0, [KVShape.mha(1, 1)], torch.float32)
 
 
 # ------------------------------------------------------------------------------ ReqToTokenPool
@@ -211,7 +210,7 @@ def test_kv_pool_store_kv_writes_only_where_asked() -> None:
 
 
 def test_kv_pool_page_size_one() -> None:
-    pool = KVPool(3, 1, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float16)
+    pool = KVPool(3, 1, [KVShape.mha(1, 2)], torch.float16)
     assert pool.k_buffer[0].shape == (4, 1, 2)
     pages = pool.alloc(3)
     assert sorted(pages.tolist()) == [1, 2, 3]
@@ -220,7 +219,8 @@ def test_kv_pool_page_size_one() -> None:
 
 
 def test_kv_bytes_per_token() -> None:
-    assert KVPool.bytes_per_token(4, 2, 128, torch.bfloat16) == 2 * 4 * 2 * 128 * 2
+    pool = KVPool(1, 1, [KVShape.mha(2, 128)] * 4, torch.bfloat16)
+    assert pool.bytes_per_token == 2 * 4 * 2 * 128 * 2
 
 
 # ----------------------------------------------------------------------------------- MambaPool

@@ -9,6 +9,7 @@ import torch
 
 from hybrid_serve.kernels.attention import store_kv
 from hybrid_serve.mem_cache.kv_pool import KVPool
+from hybrid_serve.mem_cache.kv_shape import KVShape
 from hybrid_serve.mem_cache.mamba_pool import MambaPool
 from hybrid_serve.mem_cache.radix_cache import MambaRadixCache
 from hybrid_serve.mem_cache.radix_node import TreeNode
@@ -18,7 +19,7 @@ from hybrid_serve.mem_cache.state_shape import MambaStateShape
 def make_cache(
     kv_pages: int = 64, slots: int = 16, page_size: int = 1, chunk_size: int = 4, **kw
 ) -> MambaRadixCache:
-    kv = KVPool(kv_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    kv = KVPool(kv_pages, page_size, [KVShape.mha(1, 1)], torch.float32)
     mamba = MambaPool(
         slots, [MambaStateShape(1, 1, (1, 1, 1))], conv_dtype=torch.float32,
     )  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_serve.mem_cache.kv_pool import KVPool
+from hybrid_serve.mem_cache.kv_shape import KVShape
 from hybrid_serve.mem_cache.mamba_pool import MambaPool
 from hybrid_serve.mem_cache.radix_cache import MambaRadixCache
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
@@ -16,7 +17,7 @@ H = 3
 
 
 def make_cache(slots: int = 8) -> MambaRadixCache:
-    kv = KVPool(64, 1, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    kv = KVPool(64, 1, [KVShape.mha(1, 1)], torch.float32)
     mamba = MambaPool(
         slots, [MambaStateShape(1, 1, (1, 1, 1))], conv_dtype=torch.float32, hidden_size=H,
     )  # fmt: skip

@@ -13,6 +13,7 @@ from hybrid_serve.kernels.attention import store_kv
 from hybrid_serve.mem_cache.hiradix_cache import HiMambaRadixCache
 from hybrid_serve.mem_cache.host_pool import HostTier, host_pool_sizes
 from hybrid_serve.mem_cache.kv_pool import KVPool
+from hybrid_serve.mem_cache.kv_shape import KVShape
 from hybrid_serve.mem_cache.mamba_pool import MambaPool
 from hybrid_serve.mem_cache.radix_cache import MambaRadixCache
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
@@ -26,7 +27,7 @@ def make_hi(
     page_size: int = 1,
     policy: str = "write_through",
 ) -> HiMambaRadixCache:
-    kv = KVPool(kv_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    kv = KVPool(kv_pages, page_size, [KVShape.mha(1, 1)], torch.float32)
     mamba = MambaPool(
         slots, [MambaStateShape(1, 1, (1, 1, 1))], conv_dtype=torch.float32,
     )  # fmt: skip

@@ -1,10 +1,13 @@
 """The preset chat templates render what the real Qwen3-Next Instruct / Thinking, Qwen3.5,
-Nemotron-3-Nano, Granite 4.0 and LFM2 templates render (LFM2's with JSON calls in place of its
-pythonic ones): tool lists, JSON and XML calls in history, tool results grouped into one user
-turn or in tool turns, reasoning kept only where the release keeps it, and the thinking switch;
-the presets' tokenizers hold each template's own tokens whole."""
+Nemotron-3-Nano, Granite 4.0, LFM2 (history calls as LFM2.5 writes them) and Kimi K2 Instruct
+templates render: tool lists, JSON, XML, pythonic and Kimi-section calls in history, tool
+results grouped into one user turn, in tool turns or as `## Return of ID`, reasoning kept only
+where the release keeps it, and the thinking switch; the presets' tokenizers hold each
+template's own tokens whole; the calls a template writes parse back with its format."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from transformers import PreTrainedTokenizerFast
@@ -14,7 +17,10 @@ from hybrid_serve.make_model.chat_templates import (
     template_name,
     tokens_for,
 )
+from hybrid_serve.make_model.kimi_chat_template import KIMI_DEFAULT_SYSTEM, KIMI_LINEAR
 from hybrid_serve.make_model.tokenizer_builder import build_tokenizer, special_token_ids
+from hybrid_serve.server.formats.kimi_k2 import KimiK2
+from hybrid_serve.server.formats.pythonic import parse_calls
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"n": 2, "s": "x"}}}
@@ -181,22 +187,35 @@ def test_granite_4_tools_json_calls_and_no_thinking(tok):
     assert with_tools.startswith("<|start_of_role|>system<|end_of_role|>Be brief.\n\nYou are")
 
 
-def test_lfm2_chatml_tool_list_json_calls_and_tool_turns(tok):
+def test_lfm2_chatml_tool_list_pythonic_calls_and_tool_turns(tok):
     out = render(tok, "lfm2", HISTORY, tools=TOOLS)
-    assert out.startswith(
+    assert out == (
         '<|im_start|>system\nList of tools: <|tool_list_start|>[{"type": "function", '
-        '"function": {"name": "f", "parameters": {"type": "object"}}}]<|tool_list_end|>\n'
-        "To call a tool"
-    )
-    assert out.endswith(
-        "</tool_call><|im_end|>\n<|im_start|>user\nGo<|im_end|>\n"
-        "<|im_start|>assistant\n<tool_call>\n"
-        '{"name": "f", "arguments": {"n": 2, "s": "x"}}\n</tool_call><|im_end|>\n'
+        '"function": {"name": "f", "parameters": {"type": "object"}}}]<|tool_list_end|>'
+        "<|im_end|>\n<|im_start|>user\nGo<|im_end|>\n"
+        "<|im_start|>assistant\n<|tool_call_start|>[f(n=2, s='x')]<|tool_call_end|><|im_end|>\n"
         "<|im_start|>tool\n<|tool_response_start|>a<|tool_response_end|><|im_end|>\n"
         "<|im_start|>tool\n<|tool_response_start|>b<|tool_response_end|><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     assert "plan" not in out and "think" not in TEMPLATES["lfm2"]  # no reasoning
+    # LFM2.5's value spellings: strings quoted as written, mappings as JSON, the rest as Python
+    # prints them; content first; several calls in one list; all of it parses back
+    args = {"s": "a b", "n": -1.5, "t": True, "z": None, "l": [1, "a", False], "d": {"k": True}}
+    two = {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [
+            {"function": {"name": "f", "arguments": args}},
+            {"function": {"name": "g", "arguments": {}}},
+        ],
+    }
+    block = "[f(s='a b', n=-1.5, t=True, z=None, l=[1, 'a', False], d={\"k\": true}), g()]"
+    rendered = render(tok, "lfm2", [{"role": "user", "content": "Go"}, two])
+    assert f"<|im_start|>assistant\nChecking.<|tool_call_start|>{block}<|tool_call_end|>" in (
+        rendered
+    )
+    assert parse_calls(block) == [("f", json.dumps(args)), ("g", "{}")]
     two_tools = render(tok, "lfm2", HISTORY[:1], tools=TOOLS * 2)
     assert '"type": "object"}}}, {"type": "function"' in two_tools  # ", "-joined, one list
     system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -211,7 +230,61 @@ def test_lfm2_chatml_tool_list_json_calls_and_tool_turns(tok):
     assert with_tools.startswith("<|im_start|>system\nBe brief.\nList of tools: ")
 
 
-@pytest.mark.parametrize("name", ["nemotron-3-nano", "granite-4.0", "lfm2"])
+KIMI_HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Go"},
+    {
+        "role": "assistant",
+        "content": "On it.",
+        "tool_calls": [
+            {"id": "functions.f:0", "type": "function", "function": CALL["function"]},
+            {"id": "functions.f:1", "function": {"name": "f", "arguments": '{"n": 3}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "functions.f:0", "content": "a"},
+    {"role": "tool", "tool_call_id": "functions.f:1", "content": "b"},
+]
+
+
+def test_kimi_tool_declare_call_section_and_returns(tok):
+    out = render(tok, KIMI_LINEAR, KIMI_HISTORY, tools=TOOLS)
+    calls = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        '{"n": 2, "s": "x"}<|tool_call_end|><|tool_call_begin|>functions.f:1'
+        '<|tool_call_argument_begin|>{"n": 3}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    assert out == (
+        "<|im_system|>tool_declare<|im_middle|>\n  # Tools\n  "
+        '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]'
+        "<|im_end|><|im_system|>system<|im_middle|>Be brief.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Go<|im_end|>"
+        f"<|im_assistant|>assistant<|im_middle|>On it.{calls}<|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of functions.f:0\n    a<|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of functions.f:1\n    b<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+    parser = KimiK2()
+    events = parser.push(calls) + parser.finish()
+    assert events == [
+        ("call", 0, "f"),
+        ("args", 0, '{"n": 2, "s": "x"}'),
+        ("call", 1, "f"),
+        ("args", 1, '{"n": 3}'),
+    ]
+    # no system message: Moonshot's default one; a message's name replaces its role; the last
+    # turn stays open without a generation prompt
+    user = [{"role": "user", "content": "Hi", "name": "ann"}]
+    assert render(tok, KIMI_LINEAR, user) == (
+        f"<|im_system|>system<|im_middle|>{KIMI_DEFAULT_SYSTEM}<|im_end|>"
+        "<|im_user|>ann<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
+    open_turn = tok.apply_chat_template(
+        user, tokenize=False, add_generation_prompt=False, chat_template=TEMPLATES[KIMI_LINEAR]
+    )
+    assert open_turn.endswith("<|im_user|>ann<|im_middle|>Hi")
+
+
+@pytest.mark.parametrize("name", ["nemotron-3-nano", "granite-4.0", "lfm2", KIMI_LINEAR])
 def test_template_tokens_are_whole_and_tags_stay_in_the_text(name):
     tokens = tokens_for(name)
     hf = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(2048, tokens))
@@ -229,6 +302,7 @@ def test_template_name_defaults_and_unknown():
     assert template_name("nemotron_h") == "nemotron-3-nano"
     assert template_name("granitemoehybrid") == "granite-4.0"
     assert template_name("lfm2") == "lfm2" and tokens_for("lfm2").eos == "<|im_end|>"
+    assert tokens_for(KIMI_LINEAR).eos == "<|im_end|>"
     assert template_name("bamba") == template_name("falcon_h1") == "qwen3-next-instruct"
     assert tokens_for("granite-4.0").eos == "<|end_of_text|>"
     assert tokens_for("qwen3.5") == tokens_for("qwen3-next-instruct")  # ChatML's alone

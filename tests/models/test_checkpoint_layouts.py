@@ -162,6 +162,27 @@ def _olmo_hybrid(config) -> Callable[[Tensors], Tensors]:
     return released
 
 
+def _kimi_linear(config) -> Callable[[Tensors], Tensors]:
+    width = config.linear_num_heads * config.linear_head_dim
+
+    def released(sd: Tensors) -> Tensors:
+        sd = _rename(sd, r"\.self_attn\.forget_gate\.", ".self_attn.")
+        sd = _rename(sd, r"\.mlp\.", ".block_sparse_moe.")
+        sd = _split_experts(sd, "experts.gate_up_proj", ("w1", "w3"))
+        sd = _split_experts(sd, "experts.down_proj", ("w2",))
+        out = {}
+        for name, w in sd.items():
+            if not name.endswith("self_attn.conv1d.weight"):
+                out[name] = w
+                continue
+            base = name.removesuffix("conv1d.weight")
+            for part, rows in zip("qkv", w.split(width), strict=True):
+                out[f"{base}{part}_conv1d.weight"] = rows.clone()
+        return out
+
+    return released
+
+
 @dataclass
 class Family:
     """A model_type: transformers' config and model classes, the tiny config's arguments, and
@@ -298,6 +319,23 @@ FAMILIES = {
             attention_bias=True, use_attention_gate=False, use_sandwich_norm=False,
             intermediate_size=80, tie_word_embeddings=False, initializer_range=0.1, **_LFM3_IDS,
         ),
+    ),
+    # KDA and MLA layers (q LoRA, attention biases), a dense MLP then grouped sigmoid-routed
+    # experts with a shared one
+    "kimi_linear": Family(
+        "KimiLinearConfig", "KimiLinearForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=4,
+            linear_attn_config={"kda_layers": [1, 2, 4], "full_attn_layers": [3], "num_heads": 2,
+                                "head_dim": 16, "short_conv_kernel_size": 4},
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, attention_bias=True,
+            intermediate_size=96, first_k_dense_replace=1, num_experts=4,
+            num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
+            num_expert_group=2, topk_group=1, routed_scaling_factor=2.0, initializer_range=0.1,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        ),
+        _kimi_linear,
     ),
 }  # fmt: skip
 FAMILIES["olmo_hybrid_equal_widths"] = Family(
@@ -448,7 +486,7 @@ def test_each_missing_tensor_is_named_as_the_checkpoint_spells_it(files, layout)
     "files",
     [
         "qwen3_next", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid", "olmo_hybrid",
-        "lfm2_moe", "lfm3",
+        "lfm2_moe", "lfm3", "kimi_linear",
     ],
     indirect=True,
 )  # fmt: skip

@@ -298,6 +298,37 @@ def _lfm3(hf: Any) -> dict[str, Any]:
     }
 
 
+def _kimi_linear(hf: Any) -> dict[str, Any]:
+    """transformers' KimiLinearConfig under its aliases (the names its modules read); the router
+    fields it keeps as extras as the file states them, else what its router does."""
+    return {
+        **_common(hf, hf.rms_norm_eps),
+        "layer_types": tuple(hf.layer_types),
+        "head_dim": hf.qk_head_dim,
+        "linear_num_heads": hf.linear_num_heads,
+        "linear_head_dim": hf.linear_head_dim,
+        "linear_conv_kernel_dim": hf.linear_conv_kernel_dim,
+        "kv_lora_rank": hf.kv_lora_rank,
+        "q_lora_rank": hf.q_lora_rank,
+        "qk_nope_head_dim": hf.qk_nope_head_dim,
+        "qk_rope_head_dim": hf.qk_rope_head_dim,
+        "v_head_dim": hf.v_head_dim,
+        "attention_bias": hf.attention_bias,
+        "intermediate_size": hf.intermediate_size,
+        "mlp_layer_types": tuple(hf.mlp_layer_types),
+        "num_experts": hf.num_local_experts,
+        "num_experts_per_token": hf.num_experts_per_tok,
+        "moe_intermediate_size": hf.moe_intermediate_size,
+        "num_shared_experts": hf.n_shared_experts,
+        "moe_renormalize": hf.norm_topk_prob,
+        "routed_scaling_factor": hf.routed_scaling_factor,
+        "num_expert_group": hf.n_group,
+        "topk_group": hf.topk_group,
+        "moe_router_activation_func": getattr(hf, "moe_router_activation_func", "sigmoid"),
+        "use_grouped_topk": getattr(hf, "use_grouped_topk", True),
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     config_class: str  # transformers' class that writes the file
@@ -815,6 +846,66 @@ FAMILIES = {
         ),
         (("vocab_size",), ("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",)),
         ("norm_eps",),
+    ),
+    "kimi_linear": Family(
+        "KimiLinearConfig",
+        {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 4,
+            "linear_attn_config": {
+                "kda_layers": [1, 2, 4],
+                "full_attn_layers": [3],
+                "num_heads": 2,
+                "head_dim": 8,
+                "short_conv_kernel_size": 3,
+            },
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 12,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 8,
+            "attention_bias": True,
+            "intermediate_size": 48,
+            "first_k_dense_replace": 2,
+            "num_experts": 6,
+            "num_experts_per_token": 2,
+            "moe_intermediate_size": 16,
+            "num_shared_experts": 2,
+            "moe_router_activation_func": "softmax",
+            "use_grouped_topk": True,
+            "moe_renormalize": False,
+            "routed_scaling_factor": 1.5,
+            "num_expert_group": 2,
+            "topk_group": 1,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": True,
+            "eos_token_id": 3,
+        },
+        _kimi_linear,
+        (
+            ("rms_norm_eps",),
+            ("tie_word_embeddings",),
+            ("model_max_length",),
+            ("eos_token_id",),
+            ("q_lora_rank",),
+            ("attention_bias",),
+            ("layer_types",),
+            ("mlp_layer_types",),
+            ("linear_conv_kernel_dim",),
+            ("num_shared_experts",),
+            ("moe_router_activation_func",),
+            ("use_grouped_topk",),
+            ("moe_renormalize",),
+            ("routed_scaling_factor",),
+            ("num_expert_group",),
+            ("topk_group",),
+        ),
+        (("vocab_size",), ("hidden_size",), ("kv_lora_rank",), ("num_experts",)),
+        ("rms_norm_eps",),
     ),
 }
 MAMBA_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")

@@ -192,6 +192,24 @@ def test_no_stop_trim_keeps_the_stop_string(http):
     assert not trimmed["text"].endswith(stop) and untrimmed["text"] == trimmed["text"] + stop
 
 
+def test_a_matched_stop_token_is_left_out_of_the_text(http):
+    """SGLang trims the stop token (or EOS) that ended a request from its text, special tokens
+    skipped or not, and keeps it under no_stop_trim."""
+    ids = rand_ids(12, 11)
+    tokens = generate(http, ids, 8)["output_ids"]
+    stop_id = tokens[3]
+    first = tokens.index(stop_id)
+    sp = {"max_new_tokens": 8, "stop_token_ids": [stop_id], "skip_special_tokens": False}
+    trimmed = http.post("/generate", json={"input_ids": ids, "sampling_params": {**sp, **GREEDY}})
+    kept = {**sp, **GREEDY, "no_stop_trim": True}
+    untrimmed = http.post("/generate", json={"input_ids": ids, "sampling_params": kept}).json()
+    trimmed = trimmed.json()
+    assert trimmed["meta_info"]["finish_reason"]["matched"] == stop_id
+    assert trimmed["output_ids"] == tokens[: first + 1] == untrimmed["output_ids"]
+    assert untrimmed["text"].startswith(trimmed["text"])
+    assert len(untrimmed["text"]) > len(trimmed["text"])
+
+
 def test_abort_request(http):
     rid = HELD + "abort-me"  # paused after two outputs: still running when the abort comes
     result: dict = {}

@@ -268,7 +268,9 @@ def test_logit_bias_min_tokens_and_skip_special_tokens(http, tokenizer):
     out = http.post("/v1/completions", json=body).json()["choices"][0]
     assert out["finish_reason"] == "stop" and out["text"] == ""  # EOS at once, skipped
     shown = http.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()
-    assert shown["choices"][0]["text"] == "<|im_end|>"
+    assert shown["choices"][0]["text"] == ""  # the matched EOS is trimmed, as SGLang does
+    kept = {**body, "skip_special_tokens": False, "no_stop_trim": True}
+    assert http.post("/v1/completions", json=kept).json()["choices"][0]["text"] == "<|im_end|>"
     held = http.post("/v1/completions", json={**body, "min_tokens": 3, "logprobs": 0}).json()
     tokens = held["choices"][0]["logprobs"]["tokens"]
     assert len(tokens) == 4 and held["usage"]["completion_tokens"] == 4
@@ -280,4 +282,25 @@ def test_logit_bias_min_tokens_and_skip_special_tokens(http, tokenizer):
     assert bad.status_code == 400 and bad.json()["param"] == "logit_bias"
     beyond = http.post("/v1/completions", json={**body, "logit_bias": {"99999": 1}})
     assert beyond.status_code == 400 and "logit_bias" in beyond.json()["message"]
+    assert wait_idle_and_clean(http)["problems"] == []
+
+
+def test_chat_with_tools_keeps_special_tokens(http, tokenizer):
+    """A chat request with tools (tool_choice not none) decodes special tokens, as SGLang does,
+    so a format whose tags are special tokens reaches its parser; without tools they are
+    skipped."""
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert im_start in tokenizer.all_special_ids
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}]}
+    body.update(max_tokens=2, temperature=0, logit_bias={str(im_start): 100})
+    plain = http.post("/v1/chat/completions", json=body).json()
+    assert plain["choices"][0]["message"]["content"] == ""
+    tools = http.post("/v1/chat/completions", json={**body, "tools": [tool]}).json()
+    assert tools["choices"][0]["message"]["content"] == "<|im_start|>" * 2
+    none = {**body, "tools": [tool], "tool_choice": "none"}
+    assert (
+        http.post("/v1/chat/completions", json=none).json()["choices"][0]["message"]["content"]
+        == ""
+    )
     assert wait_idle_and_clean(http)["problems"] == []

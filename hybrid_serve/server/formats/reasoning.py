@@ -1,7 +1,7 @@
 """Reasoning formats: the text up to `close` is `reasoning_content`, the rest `content` (SGLang's
-and vLLM's `--reasoning-parser qwen3` / `qwen3-thinking`). A format's class holds its tags,
-`matches(template)` (`--reasoning-parser auto`), `mode(...)` (how one request's output is split)
-and, as an instance, the incremental parser of one output.
+and vLLM's `--reasoning-parser qwen3` / `qwen3-thinking`, SGLang's `kimi_k2`). A format's class
+holds its tags, `matches(template)` (`--reasoning-parser auto`), `mode(...)` (how one request's
+output is split) and, as an instance, the incremental parser of one output.
 
 Which requests are parsed (`mode`): none with `separate_reasoning: false`. Otherwise the rendered
 prompt decides, so `chat_template_kwargs` (`enable_thinking`) and the template's own default both
@@ -155,6 +155,19 @@ class Qwen3Reasoning(ReasoningFormat):
     @classmethod
     def matches(cls, template: str | None) -> bool:
         return cls.in_template(template) and "enable_thinking" in template
+
+
+class KimiK2Reasoning(ReasoningFormat):
+    """`kimi_k2` (SGLang's name; its `kimi` is Kimi-VL's other tags): `<think>` in a Kimi
+    template (turns open with `<|im_assistant|>`), parsed when the output opens it or the prompt
+    does; a tool-call section (`kimi_k2`'s calls) also ends the reasoning."""
+
+    name = "kimi_k2"
+    turn_start = "<|im_assistant|>"
+
+    @classmethod
+    def matches(cls, template: str | None) -> bool:
+        return cls.in_template(template) and cls.turn_start in template
 
 
 class Qwen3ThinkingReasoning(ReasoningFormat):

@@ -4,19 +4,21 @@ A format's class holds everything about it (SGLang's detectors, `function_call/*
 the tags around a call (`open`, `close`), `call_starts` (what follows `open` when a call really
 starts: the reasoning parser ends the thinking there), `matches(template)` (whether a chat
 template writes this format: `--tool-call-parser auto`), `call_grammar(fn)` (exactly one call of
-function `fn`, as an xgrammar grammar, for a forced `tool_choice`) and, as an instance, the
-incremental parser of one output.
+function `fn`, as an xgrammar grammar, for a forced `tool_choice`), `call_id(name, number)`
+(the OpenAI `id` of a call) and, as an instance, the incremental parser of one output.
 
 `push(piece)` returns events: `("content", text)`, `("call", index, name)` (a call starts: its
 name is known), `("args", index, fragment)`. The arguments of call i are the concatenation of
 its fragments; `finish()` closes what the output left open. Any cut of the text into pieces
 gives the same events' content, names and arguments, so a non-streamed reply is the same parser
-run once. A block that does not parse stays in the content.
+run once. A block that does not parse stays in the content (`kimi_k2` drops a malformed call
+inside its section instead, as SGLang does).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hybrid_serve.server.errors import APIError
@@ -76,6 +78,12 @@ class ToolCallFormat:
     def call_grammar(cls, fn: dict) -> xgr.Grammar:
         """Exactly one call of the OpenAI function `fn`, tags included."""
         raise NotImplementedError
+
+    @classmethod
+    def call_id(cls, name: str, number: int) -> str:
+        """The OpenAI `id` of call `name`, the conversation's `number`-th (0-based: the calls
+        in the request's history come first): `call_` and 24 random hex digits."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools = tools or []

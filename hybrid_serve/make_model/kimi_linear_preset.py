@@ -1,0 +1,70 @@
+"""Kimi-Linear presets: config dicts in the release's `config.json` form (its
+`linear_attn_config` with 1-indexed layer lists, `first_k_dense_replace`, the router fields) and
+their completion for transformers, for `make_model.presets` to draw and write (same writer,
+tokenizer and determinism contract as the other presets). Plain data: `make-model`'s parser
+reads the names without torch.
+
+The tensors are transformers' `KimiLinearForCausalLM`'s for the config
+(`make_model.tensor_specs.model_specs`), written under the release's names (the family row's
+rules): `self_attn.{q,k,v}_conv1d` cut from the joined conv, the forget gate's `f_a_proj`,
+`f_b_proj`, `A_log`, `dt_bias` directly under `self_attn.`, `block_sparse_moe.` for `mlp.` with
+per-expert `experts.{e}.{w1,w3,w2}.weight`.
+
+`tiny-kimi-linear`: 6 layers, MLA at layer 4 (1-indexed, as the release counts), KDA elsewhere
+(4 heads of 32, conv kernel 4); MLA of 4 heads, no q LoRA (as released), latent 32 + 16; the
+first layer's MLP dense, then MoE blocks of 8 experts in 2 groups (top 2 from the best group,
+sigmoid scores with a correction bias, renormalised, scaled by 2.446) with one shared expert.
+"""
+
+from __future__ import annotations
+
+import copy
+
+KIMI_LINEAR_PRESETS: dict[str, dict] = {
+    "tiny-kimi-linear": {
+        "model_type": "kimi_linear",
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "num_hidden_layers": 6,
+        "linear_attn_config": {
+            "kda_layers": [1, 2, 3, 5, 6],
+            "full_attn_layers": [4],
+            "num_heads": 4,
+            "head_dim": 32,
+            "short_conv_kernel_size": 4,
+        },
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "mla_use_nope": True,
+        "intermediate_size": 256,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_experts": 8,
+        "num_experts_per_token": 2,
+        "moe_intermediate_size": 64,
+        "num_shared_experts": 1,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.446,
+        "use_grouped_topk": True,
+        "num_expert_group": 2,
+        "topk_group": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,  # transformers: model_max_length
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def complete_config(config: dict, extra: dict) -> dict:
+    """`config` plus what transformers needs (`extra`: architectures, dtype, special-token
+    ids)."""
+    cfg = copy.deepcopy(config)
+    cfg.update(**extra)
+    return cfg
