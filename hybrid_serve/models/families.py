@@ -335,7 +335,7 @@ FAMILIES: tuple[Family, ...] = (
         preset_module=f"{_MK}.lfm3_preset",
         presets=(f"{_MK}.lfm3_preset.LFM3_PRESETS", f"{_MK}.lfm3_preset.LFM3_REAL_SHAPES"),
         chat_template="lfm2",
-        tool_call_format="qwen25",  # as LFM2's row
+        tool_call_format="pythonic",  # as LFM2's row: the lfm2 template's calls
         reasoning_format=None,
         init_rules=LFM_INIT,
     ),
