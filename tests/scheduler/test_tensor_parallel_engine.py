@@ -99,13 +99,18 @@ def test_tp2_engine_equals_tp1(paths, strategy):
 
 
 @pytest.mark.parametrize(
-    "preset", ["tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-olmo-hybrid"]
-)
+    "preset",
+    [
+        "tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-olmo-hybrid",
+        "tiny-lfm2", "tiny-lfm2-moe", "tiny-lfm3",
+    ],
+)  # fmt: skip
 def test_tp2_engine_equals_tp1_for_the_hybrid_families(preset, tmp_path):
     """The same workload on each hybrid family (groups split for NemotronH, replicated with the
     norm's variance summed for Granite and Bamba, the parallel layer of Falcon-H1, OLMo-Hybrid's
-    GDN and q/k norms over all heads) under extra_buffer: tp=2 gives tp=1's tokens and cache
-    hits, every rank's pools clean."""
+    GDN and q/k norms over all heads, the short convs' channels split for LFM2, LFM2-MoE and
+    LFM3, LFM3's sliding window and gate per rank's heads) under extra_buffer: tp=2 gives tp=1's
+    tokens and cache hits, every rank's pools clean."""
     path = str(write_checkpoint(tmp_path / preset, preset_config(preset), seed=3))
     options = {"mamba_scheduler_strategy": "extra_buffer", **POOLS}
     tp2 = Engine(path, tp_size=2, **options)
