@@ -23,13 +23,61 @@ blocks) or `nemotron_h_moe` (MoE blocks) and a model holds one kind or the other
 2 MoE), G = 8 groups of 2 heads, chunk 128, group-limited routing (2 groups, 1 picked).
 `tiny-nemotron-3-super` is Nemotron 3 Super's layout: latent MoE (the experts in 48 of the 128
 hidden channels) and the MTP head (one step of attention then MoE, `mtp.layers.{0,1}.*` as
-released: `make_model.tensor_specs` draws them after the main model's).
+released: `mtp_head`, the row's `preset_extra`, declares them; they are drawn after the main
+model's).
 `nemotron-3-super-120b-a12b` is that release's shape (config only, for `--load-format dummy`).
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
+
+LEGACY_BLOCKS = {"attention": "full_attention", "mamba": "linear_attention"}
+
+
+def mtp_head(model: Any, config: dict) -> dict[str, Any]:
+    """NemotronH's multi-token-prediction head as Nemotron 3 Super releases it, for completed
+    config `config` (call it on the meta device; transformers builds no head: see
+    `models.nemotron_h_mtp`): {} without `num_nextn_predict_layers`, else {"mtp": head} with
+    `num_nextn_predict_layers` steps of the `mtp_layers_block_type` blocks. Block i is
+    transformers' own block of its kind (from a model of those blocks), as `layers.{i}`; a step's
+    first block has `enorm`, `hnorm` and `eh_proj` [hidden, 2 * hidden] before its own modules,
+    its last `final_layernorm` after them."""
+    import transformers
+    from torch import nn
+
+    from hybrid_serve.models.nemotron_h_config import PATTERN
+
+    steps = int(config.get("num_nextn_predict_layers") or 0)
+    if not steps:
+        return {}
+    pattern = config.get("mtp_hybrid_override_pattern")  # the releases' legacy spelling
+    listed = [PATTERN[c] for c in pattern] if pattern else config.get("mtp_layers_block_type")
+    step = [LEGACY_BLOCKS.get(k, k) for k in listed or ("attention", "moe")]
+    kinds = step * steps
+    legacy = ("hybrid_override_pattern", "mtp_hybrid_override_pattern")
+    blocks = {k: v for k, v in config.items() if k not in legacy}
+    blocks.update(layers_block_type=kinds, num_hidden_layers=len(kinds), num_nextn_predict_layers=0)
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**blocks)
+    )
+    hidden, norm = config["hidden_size"], type(theirs.model.layers[0].norm)
+    head = nn.Module()
+    head.layers = nn.ModuleList()
+    for i, block in enumerate(theirs.model.layers):
+        layer = nn.Module()
+        if i % len(step) == 0:
+            layer.enorm = norm(hidden)
+            layer.hnorm = norm(hidden)
+            layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        for name, child in block.named_children():
+            setattr(layer, name, child)
+        if i % len(step) == len(step) - 1:
+            layer.final_layernorm = norm(hidden)
+        head.layers.append(layer)
+    return {"mtp": head}
+
 
 NEMOTRON_H_PRESETS: dict[str, dict] = {
     "tiny-nemotron-h": {
