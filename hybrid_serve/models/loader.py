@@ -251,11 +251,13 @@ class CheckpointIndex:
 def index_checkpoint(model: HybridForCausalLM, path: Path, config: HybridConfig) -> CheckpointIndex:
     """The strict key set of the checkpoint at `path` against `model` (meta is enough), from the
     headers: a missing or extra tensor, or a bad FP8 layout, is a `ValueError` naming it. The
-    `mtp.*` tensors are the model's when it holds its MTP head, else skipped."""
+    `mtp.*` tensors are the model's when it holds its MTP head, else skipped, as are those
+    under the config's `skipped_prefixes` where it has them."""
     mtp = model.mtp is not None
     where = checkpoint_names(checkpoint_files(path))
     fp8 = Fp8Checkpoint.open(path, where, mtp)  # None unless block-FP8; a bad layout raises
-    skipped = sorted(n for n in where if is_skipped(n, mtp))
+    unused = getattr(config, "skipped_prefixes", ())  # e.g. MTP layers stored after the stack
+    skipped = sorted(n for n in where if is_skipped(n, mtp) or n.startswith(unused))
     if config.tie_word_embeddings and "lm_head.weight" in where:
         skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy
     names = set(where) - set(skipped) - (fp8.scale_names if fp8 else set())
