@@ -45,7 +45,9 @@ _RELEASE_FIELDS = {  # as the release writes them (checked by the config reader)
     "hidden_act": "silu",
     "norm_topk_prob": True,
     "tie_word_embeddings": False,
-    "num_nextn_predict_layers": 1,
+    # the release stores 1 MTP layer (model.layers.{L}.*), which is not served: the presets
+    # write none, and say so (transformers' default is 1)
+    "num_nextn_predict_layers": 0,
 }
 
 BAILING_HYBRID_PRESETS: dict[str, dict] = {

@@ -16,6 +16,7 @@ logger = logging.getLogger("hybrid-serve")
 def cmd_make_model(args: argparse.Namespace) -> None:
     import torch
 
+    from hybrid_serve.make_model.lfm2_preset import LFM2_REAL_SHAPES
     from hybrid_serve.make_model.nemotron_h_preset import NEMOTRON_H_SCALED
     from hybrid_serve.make_model.presets import (
         count_parameters,
@@ -28,7 +29,11 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     fit_options = _checked_options(args)
     config = preset_config(args.preset)
-    if args.mtp or args.fit_mtp:  # the multi-token-prediction head, one layer as released
+    if config.get("model_type") == "nemotron_h" and (args.mtp or args.fit_mtp):
+        if args.fit_mtp:
+            raise ValueError("--fit-mtp fits Qwen3-Next and Qwen3.5 heads only")
+        config.setdefault("num_nextn_predict_layers", 1)  # one step, as Nemotron 3 Super's
+    elif args.mtp or args.fit_mtp:  # the multi-token-prediction head, one layer as released
         config["mtp_num_hidden_layers"] = 1
     template = args.chat_template or CHAT_TEMPLATES.get(args.preset)
     if args.config_only:
@@ -42,7 +47,7 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         return
     n = count_parameters(config)
     fp8 = {"dtype": torch.bfloat16, "fp8_block": (128, 128)} if args.fp8 else {}
-    full_size = args.preset in REAL_SHAPES or args.preset in NEMOTRON_H_SCALED
+    full_size = any(args.preset in d for d in (REAL_SHAPES, NEMOTRON_H_SCALED, LFM2_REAL_SHAPES))
     if full_size and not fp8:  # the releases' dtype; drawn in fp32 first
         fp8 = {"dtype": torch.bfloat16}
         gb = f"{2 * n / 1e9:.1f} GB of bf16 weights ({4 * n / 1e9:.1f} GB of memory while drawing)"

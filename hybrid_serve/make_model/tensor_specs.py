@@ -25,6 +25,7 @@ from hybrid_serve.make_model.catalog import family_of_config
 from hybrid_serve.make_model.qwen3_next_preset import is_moe_layer, layer_types, validate
 from hybrid_serve.models.dummy_weights import fill
 from hybrid_serve.models.families import Family, NameRules, resolve
+from hybrid_serve.models.nemotron_h_config import PATTERN
 from hybrid_serve.models.qwen3_next_config import WRAPPERS as QWEN_WRAPPERS
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
@@ -106,7 +107,49 @@ def model_specs(config: dict) -> list[Spec]:
         if id(tensor) not in seen:
             seen.add(id(tensor))
             specs.append((name, tuple(tensor.shape), init_kind(name, family.init_rules)))
+    if cfg.get("num_nextn_predict_layers"):
+        specs += _nextn_specs(cfg, family)
     return specs
+
+
+LEGACY_BLOCKS = {"attention": "full_attention", "mamba": "linear_attention"}
+
+
+def _nextn_specs(cfg: dict, family: Family) -> list[Spec]:
+    """NemotronH's multi-token-prediction head as Nemotron 3 Super releases it (transformers
+    builds none: `models.nemotron_h_mtp`): `num_nextn_predict_layers` steps of the
+    `mtp_layers_block_type` blocks, each block's tensors as transformers' model of those blocks
+    has them (meta device), renamed `mtp.layers.{i}.*`; a step's first block has `enorm`,
+    `hnorm` and `eh_proj` before its own, its last `final_layernorm` after. Drawn after the
+    main model's tensors, which so stay as without the head."""
+    import transformers
+
+    pattern = cfg.get("mtp_hybrid_override_pattern")  # the releases' legacy spelling
+    listed = [PATTERN[c] for c in pattern] if pattern else cfg.get("mtp_layers_block_type")
+    step = [LEGACY_BLOCKS.get(k, k) for k in listed or ("attention", "moe")]
+    kinds = step * int(cfg["num_nextn_predict_layers"])
+    legacy = ("hybrid_override_pattern", "mtp_hybrid_override_pattern")
+    blocks = {k: v for k, v in cfg.items() if k not in legacy}
+    blocks.update(layers_block_type=kinds, num_hidden_layers=len(kinds), num_nextn_predict_layers=0)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**blocks)
+        )
+    state = model.state_dict(keep_vars=True)
+    hid, specs = cfg["hidden_size"], []
+    for i in range(len(kinds)):
+        p, theirs = f"mtp.layers.{i}", f"model.layers.{i}."
+        if i % len(step) == 0:
+            specs += [(f"{p}.enorm.weight", (hid,)), (f"{p}.hnorm.weight", (hid,)),
+                      (f"{p}.eh_proj.weight", (hid, 2 * hid))]  # fmt: skip
+        specs += [
+            (f"{p}.{name.removeprefix(theirs)}", tuple(t.shape))
+            for name, t in state.items()
+            if name.startswith(theirs)
+        ]
+        if i % len(step) == len(step) - 1:
+            specs.append((f"{p}.final_layernorm.weight", (hid,)))
+    return [(name, shape, init_kind(name, family.init_rules)) for name, shape in specs]
 
 
 def released_layout(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:

@@ -14,20 +14,22 @@ order, as the eager step does, so its logits and pool updates are bit-identical 
                       pre-norm     x = x + sublayer(rms_norm_plain(x))
                       post-norm    x = x + rms_norm_plain(sublayer(x))     (OLMo attention)
                       sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
-                      q/k norms, Qwen's gated attention, Falcon-H1's Mamba2 + attention), then
-                      the MLP (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's
-                      top-k MoE with its shared MLP), with the families' multipliers
+                      q/k norms, Qwen's gated attention, Falcon-H1's Mamba2 + attention, LFM2's
+                      gated short conv), then the MLP (SwiGLU, relu^2, sparse MoE, NemotronH's
+                      relu^2 MoE, Granite's top-k MoE with its shared MLP, LFM2-MoE's
+                      sigmoid-routed MoE), with the families' multipliers
     logits = lm_head(final norm) * logits multiplier
 
 The families (`BLOCKS`, by the class of the stack's layers, so a model is typed by its blocks,
 not by its family's class): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
-NemotronH, Granite-4.0-H, Bamba, Falcon-H1 and OLMo-Hybrid. The plan applies where the model's
-kernel set is the C++ one with its fused decode ops (`kernels.kernel_set.cpp_set`), on one rank
-(no tensor parallelism), with no biases but the Mamba2 convs', fp32 norms, states and KV, fp32,
-bf16 or quantized matrices, and at most `MAX_ROWS` rows (the fused MoE's). The products take the
-kernel set's bf16 route at batch where it has one (`KernelSet.bf16_products`), as the eager
-step's do. A speculative verify batch runs through the plan for Qwen3-Next's layers
-(`BlockStep.verify`) and through the eager model for the others.
+NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid, LFM2 and LFM2-MoE. The plan applies
+where the model's kernel set is the C++ one with its fused decode ops
+(`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with no biases but the
+Mamba2 convs', fp32 norms, states and KV, fp32, bf16 or quantized matrices, and at most
+`MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at batch where
+it has one (`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs
+through the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the eager model for
+the others; so do their MTP heads' passes (`for_mtp`: Qwen3-Next's head only).
 
 `CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
 per process that names why and the setting that would let a plan apply (`refusal`,
@@ -55,6 +57,7 @@ from hybrid_serve.models.gqa_attention import Attention
 from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridDecoderLayer, GraniteMoeHybridMoE
 from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.layers import MLP, SparseMoE
+from hybrid_serve.models.lfm2 import Lfm2Attention, Lfm2DecoderLayer, Lfm2ShortConv, Lfm2SparseMoe
 from hybrid_serve.models.loader import matrices
 from hybrid_serve.models.mamba2_mixer import Mamba2Mixer
 from hybrid_serve.models.nemotron_h import NemotronHBlock
@@ -68,11 +71,12 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = MOE_MAX_TOKENS  # the fused MoE's rows: decode batches
 MATRIX_DTYPES = CPP_DTYPES  # `hybrid_serve.models.loader.matrices`; all else fp32
 
-# The block kinds of kernels/csrc/block_step.cpp (its enums). KDA, short conv and MLA mixers are
-# reserved there and have no layout yet.
+# The block kinds of kernels/csrc/block_step.cpp (its enums). KDA and MLA mixers are reserved
+# there and have no layout yet.
 DEFERRED, PRE, POST = 0, 1, 2  # norm placement
 NO_MIXER, GDN, MAMBA2, GQA, GATED_ATTENTION, PARALLEL, KDA, SHORT_CONV, MLA = range(9)
-NO_MLP, SWIGLU, RELU2, SPARSE_MOE, RELU2_MOE, TOPK_MOE = range(6)
+NO_MLP, SWIGLU, RELU2, SPARSE_MOE, RELU2_MOE, TOPK_MOE, SIGMOID_MOE = range(7)
+NO_QK_NORM, WHOLE_QK_NORM, PER_HEAD_QK_NORM = range(3)  # the attention's q/k norms
 
 # The last clause of the WARNING a refused plan logs: what would let the plan apply.
 NO_SETTING = "no setting avoids it: the plan does not cover this"
@@ -134,13 +138,23 @@ class Blocks:
     def attention(
         self, a: Attention, rope: bool, in_mult: float = 1.0, out_mult: float = 1.0
     ) -> None:
-        norms = [] if a.q_norm is None else [a.q_norm.weight, a.k_norm.weight]
-        eps = 0.0 if a.q_norm is None else a.q_norm.eps
+        if isinstance(a, Lfm2Attention):  # per-head q/k norms, transformers' names
+            q_norm, k_norm, o_proj = a.q_layernorm, a.k_layernorm, a.out_proj
+            kind = PER_HEAD_QK_NORM
+        else:
+            q_norm, k_norm, o_proj = a.q_norm, a.k_norm, a.o_proj
+            kind = NO_QK_NORM if q_norm is None else WHOLE_QK_NORM
+        norms = [] if q_norm is None else [q_norm.weight, k_norm.weight]
+        eps = 0.0 if q_norm is None else q_norm.eps
         self.add(
-            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, *norms],
-            [a.kv_layer, a.num_heads, a.num_kv_heads, a.q_norm is not None, rope],
+            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, o_proj.weight, *norms],
+            [a.kv_layer, a.num_heads, a.num_kv_heads, kind, rope],
             [a.scale, eps, a.key_multiplier, in_mult, out_mult],
         )  # fmt: skip
+
+    def short_conv(self, s: Lfm2ShortConv) -> None:
+        conv = s.conv.weight.squeeze(1)  # [n, K]
+        self.add([s.in_proj.weight, conv, s.out_proj.weight], [s.layer])
 
     def swiglu(self, mlp: MLP, gate_mult: float = 1.0, out_mult: float = 1.0) -> None:
         weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
@@ -182,7 +196,8 @@ def qwen3_next_blocks(model: HybridForCausalLM, layers) -> Blocks:
 
 def nemotron_h_blocks(model: HybridForCausalLM, layers) -> Blocks:
     """NemotronH's blocks (`models.nemotron_h`): one pre-norm sublayer each, a mixer (Mamba2,
-    NoPE attention) or an MLP (relu^2, relu^2 MoE)."""
+    NoPE attention) or an MLP (relu^2, relu^2 MoE, its experts in a latent width where the
+    block has the latent projections)."""
     out = Blocks()
     for block in layers:
         m = block.mixer
@@ -199,12 +214,17 @@ def nemotron_h_blocks(model: HybridForCausalLM, layers) -> Blocks:
             out.add([m.up_proj.weight, m.down_proj.weight])
         else:
             c, shared = m.config, m.shared_experts
+            latent = (
+                []
+                if m.fc1_latent_proj is None
+                else [m.fc1_latent_proj.weight, m.fc2_latent_proj.weight]
+            )
             out.block(PRE, NO_MIXER, RELU2_MOE)
             out.sublayer_norm(block.norm)
             out.add(
                 [m.gate.weight, m.gate.e_score_correction_bias, m.experts.up_proj,
-                 m.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight],
-                [c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob],
+                 m.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight, *latent],
+                [c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, bool(latent)],
                 [c.routed_scaling_factor],
             )  # fmt: skip
     return out
@@ -276,6 +296,34 @@ def olmo_hybrid_blocks(model: HybridForCausalLM, layers) -> Blocks:
     return out
 
 
+def lfm2_blocks(model: HybridForCausalLM, layers) -> Blocks:
+    """LFM2's and LFM2-MoE's layers (`models.lfm2`): pre-norm gated short conv or RoPE
+    attention with per-head q/k norms, then the SwiGLU MLP or LFM2-MoE's sigmoid-routed
+    experts."""
+    out = Blocks()
+    for layer in layers:
+        ff = layer.feed_forward
+        moe = isinstance(ff, Lfm2SparseMoe)
+        out.block(PRE, SHORT_CONV if layer.is_conv else GQA, SIGMOID_MOE if moe else SWIGLU)
+        out.sublayer_norm(layer.operator_norm)
+        if layer.is_conv:
+            out.short_conv(layer.conv)
+        else:
+            out.attention(layer.self_attn, rope=True)
+        out.sublayer_norm(layer.ffn_norm)
+        if moe:
+            c, bias = ff.config, ff.expert_bias
+            out.add(
+                [ff.gate.weight, *([] if bias is None else [bias]), ff.experts.gate_up_proj,
+                 ff.experts.down_proj],
+                [c.num_experts_per_tok, bias is not None, c.norm_topk_prob],
+                [c.routed_scaling_factor],
+            )  # fmt: skip
+        else:
+            out.add([ff.w1.weight, ff.w3.weight, ff.w2.weight], [0], [1.0, 1.0])
+    return out
+
+
 # Each family's block builder (its layers -> `Blocks`), by the class of its decoder layers.
 BLOCKS = {
     Qwen3NextDecoderLayer: qwen3_next_blocks,
@@ -283,8 +331,11 @@ BLOCKS = {
     GraniteMoeHybridDecoderLayer: granite_blocks,
     BambaDecoderLayer: bamba_blocks,
     OlmoHybridDecoderLayer: olmo_hybrid_blocks,
+    Lfm2DecoderLayer: lfm2_blocks,
 }
-FAMILIES = "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's and OLMo-Hybrid's"
+FAMILIES = (
+    "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's, OLMo-Hybrid's and LFM2's"
+)
 
 
 def stack_layers(model: HybridForCausalLM) -> nn.ModuleList | None:
@@ -363,8 +414,8 @@ class CpuDecodePlan:
     (bit for bit, pools updated alike), for a model `refusal` accepts. It holds the model's
     parameter tensors themselves: weights changed in place are seen, replaced parameters are
     not. `for_mtp` builds the same over a Qwen3-Next MTP head's layer (`rows`, its drafts'
-    passes). Batches of more rows than `rows` (Granite's routed experts beyond their C++ op's
-    rows) run the eager model."""
+    passes). Batches of more rows than `rows` (Granite's and LFM2-MoE's routed experts beyond
+    their C++ op's rows) run the eager model."""
 
     def __init__(self, model: HybridForCausalLM, layers=None, norm=None, lm_head=None) -> None:
         self.model = model
@@ -379,6 +430,9 @@ class CpuDecodePlan:
         for module in model.modules():
             if isinstance(module, GraniteMoeHybridMoE):  # the routed experts' C++ op's rows
                 self.rows = min(self.rows, ROUTED_MAX_ROWS // module.top_k)
+            if isinstance(module, Lfm2SparseMoe):
+                top_k = module.config.num_experts_per_tok
+                self.rows = min(self.rows, ROUTED_MAX_ROWS // top_k)
         head = lm_head if lm_head is not None else model.lm_head.weight
         self.step = torch.classes.hybrid_serve.BlockStep(
             blocks.tensors, blocks.ints, blocks.floats, norm.weight, norm.eps, head,
@@ -386,9 +440,12 @@ class CpuDecodePlan:
         )  # fmt: skip
 
     @classmethod
-    def for_mtp(cls, model: HybridForCausalLM) -> CpuDecodePlan:
+    def for_mtp(cls, model: HybridForCausalLM) -> CpuDecodePlan | None:
         """The plan over the MTP head's layer, its norm and its LM head (for `rows`); call
-        where the model's own plan applies."""
+        where the model's own plan applies. None for a head whose layers are not Qwen3-Next's
+        (NemotronH's head: its eager forward drafts)."""
+        if block_builder(model) is not qwen3_next_blocks:
+            return None
         mtp = model.mtp
         head = (mtp.lm_head if mtp.lm_head is not None else model.lm_head).weight
         return cls(model, mtp.layers, mtp.norm, head)

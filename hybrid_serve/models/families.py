@@ -125,6 +125,7 @@ MAMBA2_INIT = (  # plain-weight norms and D around 1 (the Mamba2 hybrids' and OL
     ("norm.weight", "norm1"),
     ("norm_f.weight", "norm1"),
 )
+LFM_INIT = ((".conv.conv.weight", "conv"), ("norm.weight", "norm1"))  # LFM2's and LFM3's
 _MM = "hybrid_serve.models"
 _MK = "hybrid_serve.make_model"
 _QWEN = dict(
@@ -314,11 +315,29 @@ FAMILIES: tuple[Family, ...] = (
         model_class=f"{_MM}.lfm2.Lfm2ForCausalLM",
         config_class=f"{_MM}.lfm2_config.Lfm2Config",
         preset_module=f"{_MK}.lfm2_preset",
-        presets=(f"{_MK}.lfm2_preset.LFM2_PRESETS",),
+        presets=(f"{_MK}.lfm2_preset.LFM2_PRESETS", f"{_MK}.lfm2_preset.LFM2_REAL_SHAPES"),
         chat_template="lfm2",
         tool_call_format="pythonic",
         reasoning_format=None,
-        init_rules=((".conv.conv.weight", "conv"), ("norm.weight", "norm1")),
+        init_rules=LFM_INIT,
+    ),
+    Family(
+        name="LFM3",
+        types=(
+            ModelType(
+                "lfm3",
+                "Lfm3ForCausalLM",
+                NameRules(renames=(("self_attn.gate_proj", "self_attn.g_proj"),)),
+            ),
+        ),
+        model_class=f"{_MM}.lfm3.Lfm3ForCausalLM",
+        config_class=f"{_MM}.lfm3_config.Lfm3Config",
+        preset_module=f"{_MK}.lfm3_preset",
+        presets=(f"{_MK}.lfm3_preset.LFM3_PRESETS", f"{_MK}.lfm3_preset.LFM3_REAL_SHAPES"),
+        chat_template="lfm2",
+        tool_call_format="pythonic",  # as LFM2's row: the lfm2 template's calls
+        reasoning_format=None,
+        init_rules=LFM_INIT,
     ),
     Family(
         name="Kimi-Linear",

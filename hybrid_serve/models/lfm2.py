@@ -220,11 +220,7 @@ class Lfm2DecoderLayer(nn.Module):
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):
-    """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract). The
-    CPU decode plan refuses it, naming `reserved_block`: the C++ block step reserves the short
-    conv's block kind (`cpu_decode.SHORT_CONV`) but has no layout for it yet."""
-
-    reserved_block = "short-conv"
+    """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract)."""
 
     def build(self) -> None:
         self.build_stack(

@@ -12,8 +12,9 @@ has e4m3) its matrices stay FP8, one byte per weight plus the block scales, wher
 checkpoint's blocks land whole on the parameter (`models.fp8_resident`); elsewhere, and on the
 CPU always, the weights are dequantized at load (`hybrid_serve.models.fp8`).
 
-`mtp=True` builds the model with its multi-token-prediction head (`models.qwen3_next_mtp`; the
-checkpoint's config must have `mtp_num_hidden_layers`) and makes the head's `mtp.*` tensors part
+`mtp=True` builds the model with its multi-token-prediction head (`models.qwen3_next_mtp`,
+`models.nemotron_h_mtp`; the checkpoint's config must describe one: `mtp_num_hidden_layers`,
+NemotronH's `num_nextn_predict_layers`) and makes the head's `mtp.*` tensors part
 of the strict key set: from then on they load like any other tensor (FP8, tensor-parallel shards,
 dtype and quantization rules, dummy weights), and a missing one is an error. Without it they are
 skipped.

@@ -55,6 +55,8 @@ def test_the_stored_mtp_layer_is_skipped_and_nothing_else(tmp_path):
     """The release stores `num_nextn_predict_layers` more layers after the main ones; they load
     as skipped (as transformers ignores them), a tensor of a layer past them is refused."""
     path = write_checkpoint(tmp_path / "ckpt", preset_config(TINY), seed=1)
+    raw = json.loads((path / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (path / "config.json").write_text(json.dumps(raw))  # as released: one MTP layer stored
     tensors = load_file(path / "model.safetensors")
     n = preset_config(TINY)["num_hidden_layers"]
     mtp = {

@@ -22,8 +22,11 @@ from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefil
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
 # the family presets whose mixer's block kind the plan reserves but does not implement
-UNPLANNED = {"tiny-lfm2": "short-conv", "tiny-lfm2-moe": "short-conv", "tiny-kimi-linear": "KDA"}
-PLANNED = tuple(p for p in FAMILY_PRESETS if p not in UNPLANNED)
+UNPLANNED = {"tiny-kimi-linear": "KDA"}
+# the family presets whose layers are of no block kind the plan knows (LFM3: the sandwich norms,
+# the attention gate, the sliding window)
+OUTSIDE = {"tiny-lfm3": "Lfm3ForCausalLM"}
+PLANNED = tuple(p for p in FAMILY_PRESETS if p not in UNPLANNED and p not in OUTSIDE)
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +79,21 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
     assert spy.rows == [1, 3, PLAN_ROWS, 2, 9, 1, 5]  # the 12-row step ran eagerly
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("preset", PLANNED)
 def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dtype):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
-    without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid) through the plan: greedy
+    without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid, LFM2's short conv and
+    per-head-normed attention, LFM2-MoE's sigmoid-routed experts) through the plan: greedy
     steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's; with bf16 matrices, bf16
-    products forced on, the bf16 route's from 16) give the eager step's logits and pools bit for
-    bit, and the plan ran every one of them."""
+    products forced on, the bf16 route's from 16; int8 and int4 matrices quantized from bf16)
+    give the eager step's logits and pools bit for bit, and the plan ran every one of them."""
     ckpt = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=5)
     many = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]  # 24 requests
     on = KernelSettings(bf16_products="on")
-    eager, slots, first = prefilled(ckpt, dtype, prompts=many, settings=on)
-    fast, slots2, first2 = prefilled(ckpt, dtype, prompts=many, settings=on)
+    load = ("bfloat16", dtype) if dtype.startswith("int") else (dtype, None)
+    eager, slots, first = prefilled(ckpt, *load, prompts=many, settings=on)
+    fast, slots2, first2 = prefilled(ckpt, *load, prompts=many, settings=on)
     assert slots == slots2 and first == first2
     plain, planned = DecodeGraphRunner(eager, []), DecodeGraphRunner(fast, [1, 4, 16])
     assert plain.plan is None and planned.plan is not None and planned.plan.rows >= 16
@@ -97,27 +102,51 @@ def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dt
     assert spy.rows == [1, 4, 16, 4]
 
 
-@pytest.mark.parametrize("preset", list(UNPLANNED))
-def test_a_reserved_mixer_refuses_the_plan_naming_it(tmp_path, preset, slow_path_warnings, caplog):
-    """A family whose mixer's block kind the C++ step reserves without a layout (LFM2's short
-    conv) gets no plan: one WARNING names the mixer, and decode runs the eager step."""
-    ckpt = write_checkpoint(tmp_path / preset, preset_config(preset), seed=5)
+def test_a_reserved_mixer_refuses_the_plan_naming_it(
+    tmp_path, monkeypatch, slow_path_warnings, caplog
+):
+    """A family whose layers the plan has no builder for, and whose model names a mixer whose
+    block kind the C++ step reserves without a layout (`reserved_block`: stood in for here by
+    LFM2 with its builder taken out and a KDA mixer named), gets no plan: one WARNING names the
+    mixer, and decode runs the eager step."""
+    ckpt = write_checkpoint(tmp_path / "lfm2", preset_config("tiny-lfm2"), seed=5)
     runner, _, _ = prefilled(ckpt, "float32")
-    assert set(FAMILY_PRESETS) >= set(UNPLANNED)
+    assert DecodeGraphRunner(runner, [1, 4]).plan is not None
+    blocks = {k: v for k, v in cpu_decode.BLOCKS.items() if v is not cpu_decode.lfm2_blocks}
+    monkeypatch.setattr(cpu_decode, "BLOCKS", blocks)
+    monkeypatch.setattr(runner.model, "reserved_block", "KDA", raising=False)
     for _ in range(2):
         assert DecodeGraphRunner(runner, [1, 4]).plan is None
     texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
     assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
-    assert f"its {UNPLANNED[preset]} mixer's block kind is reserved" in texts[0]
+    assert "its KDA mixer's block kind is reserved" in texts[0]
     assert "not implemented" in texts[0] and "no setting avoids it" in texts[0]
 
 
-def test_granite_batches_beyond_the_routed_experts_op_run_eagerly(tmp_path):
+@pytest.mark.parametrize("preset", list(OUTSIDE))
+def test_a_family_of_no_block_kind_refuses_the_plan_naming_it(
+    tmp_path, preset, slow_path_warnings, caplog
+):
+    """A family whose layers the plan has no block kind for gets no plan: one WARNING names the
+    model class, and decode runs the eager step."""
+    ckpt = write_checkpoint(tmp_path / preset, preset_config(preset), seed=5)
+    runner, _, _ = prefilled(ckpt, "float32")
+    assert set(FAMILY_PRESETS) >= set(OUTSIDE)
+    for _ in range(2):
+        assert DecodeGraphRunner(runner, [1, 4]).plan is None
+    texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
+    assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
+    assert f"a {OUTSIDE[preset]} (the plan replays" in texts[0]
+
+
+@pytest.mark.parametrize("preset", ["tiny-granite-4.0-h", "tiny-lfm2-moe"])
+def test_batches_beyond_the_routed_experts_op_run_eagerly(tmp_path, preset):
     """With top-k 8, batches of more than 32 rows route more rows than the routed experts' C++
     op takes (256), where the eager step switches to the reference: the plan's `rows` stop at
-    32, and a 33-row step (which the C++ step would refuse) still equals the eager step."""
-    cfg = {**preset_config("tiny-granite-4.0-h"), "num_experts_per_tok": 8}
-    ckpt = write_checkpoint(tmp_path / "granite", cfg, seed=6)
+    32, and a 33-row step (which the C++ step would refuse) still equals the eager step
+    (Granite-4.0-H's softmax router, LFM2-MoE's sigmoid one)."""
+    cfg = {**preset_config(preset), "num_experts_per_tok": 8}
+    ckpt = write_checkpoint(tmp_path / preset, cfg, seed=6)
     many = PROMPTS * 3  # 36 requests
     eager, slots, first = prefilled(ckpt, "float32", prompts=many)
     fast, _, _ = prefilled(ckpt, "float32", prompts=many)

@@ -4,10 +4,10 @@
 // the eager step's own ops, in its order, called from C++: the C++ kernels where the eager step
 // (the C++ kernel set with its fusions) calls them (decode_ops.h: hs::linear, hs::linear_multi,
 // the norms, the fused GDN, Mamba2, gated-attention and MoE decode ops, the unfused conv update
-// and delta rule) and ATen's ops in the sequence of the torch references where it calls those
+// (the short conv's too) and delta rule) and ATen's ops in the sequence of the torch references where it calls those
 // (kernels/rmsnorm.py rms_norm_plain, kernels/attn_step.py apply_rope, kernels/attention.py
 // store_kv and decode_attention, kernels/gdn_step.py gates, kernels/relu2_moe.py relu2_moe,
-// kernels/experts.py fused_experts). So its logits and pool updates are bit-identical to the
+// kernels/experts.py fused_experts, the LFM2 modules' elementwise gates and router). So its logits and pool updates are bit-identical to the
 // eager step's (the constructor's `bf16_products` is the kernel set's), without the trips
 // through Python and the dispatcher. A change to one of those references or to a family's layer
 // must be mirrored here: tests/models/test_cpu_decode.py compares the two bit for bit.
@@ -41,14 +41,18 @@
 namespace hs::blocks {
 
 enum Norm : int64_t { kDeferred = 0, kPre = 1, kPost = 2 };
-// kKda, kShortConv and kMla are reserved for the mixers that come later (no layout yet).
+// kKda and kMla are reserved for the mixers that come later (no layout yet).
 enum MixerKind : int64_t {
   kNoMixer = 0, kGdn = 1, kMamba2 = 2, kAttention = 3, kGatedAttention = 4, kParallel = 5,
   kKda = 6, kShortConv = 7, kMla = 8,
 };
 enum MlpKind : int64_t {
   kNoMlp = 0, kSwiglu = 1, kRelu2 = 2, kSparseMoe = 3, kRelu2Moe = 4, kTopkMoe = 5,
+  kSigmoidMoe = 6,
 };
+// q/k norms of the attention: none, one RMSNorm over all heads' channels (OLMo-Hybrid), or one
+// per head over head_dim (LFM2)
+enum QkNorm : int64_t { kNoQkNorm = 0, kWholeQkNorm = 1, kPerHeadQkNorm = 2 };
 // The routed experts' C++ op runs up to this many (token, expert) rows (kernels/cpp_ops.py
 // ROUTED_MAX_ROWS; beyond, the eager step runs the reference, so the plan does not).
 constexpr int64_t kRoutedMaxRows = 256;
@@ -64,23 +68,30 @@ constexpr int64_t kRoutedMaxRows = 256;
 //                   floats [norm eps, dt_min, dt_max, input multiplier, output multiplier];
 //                   tensors [in_proj, conv weight [D, K], conv bias?, A_log, dt_bias, D, norm?,
 //                   out_proj, zxbcdt scale?]
-//   attention       ints [KV layer, heads, KV heads, has q/k norms, rope]; floats [scale, q/k
-//                   norm eps, key multiplier, input multiplier, output multiplier];
+//   attention       ints [KV layer, heads, KV heads, q/k norm kind (QkNorm), rope]; floats
+//                   [scale, q/k norm eps, key multiplier, input multiplier, output multiplier];
 //                   tensors [q, k, v, o, q_norm?, k_norm?]   (GQA; rope: the step's cos/sin)
 //   gated attention ints [KV layer, heads]; floats [q/k norm eps, scale];
 //                   tensors [q with its gate, k, v, q_norm, k_norm, o]   (Qwen3-Next)
 //   parallel        Mamba2's, then attention's (Falcon-H1: their outputs summed)
+//   short conv      ints [pool layer]; tensors [in_proj [3n, H], conv weight [n, K], out_proj]
+//                   (LFM2: B | C | x = in_proj(h), out_proj(C * conv(B * x)), the conv window
+//                   the pool's K - 1 columns, no activation)
 //   SwiGLU          ints [fused gate|up]; floats [gate multiplier, output multiplier];
 //                   tensors [gate, up, down] or [gate_up, down]
 //   relu^2 MLP      tensors [up, down]
 //   sparse MoE      ints [top_k, norm_topk_prob]; tensors [router, experts' gate_up and down,
 //                   shared gate, shared gate, up and down]   (Qwen3-Next: moe_decode)
-//   relu^2 MoE      ints [top_k, n_group, topk_group, norm_topk_prob]; floats [routed scaling];
-//                   tensors [router, its correction bias, experts' up [E, I, H] and down
-//                   [E, H, I], shared up and down]   (NemotronH)
+//   relu^2 MoE      ints [top_k, n_group, topk_group, norm_topk_prob, latent]; floats [routed
+//                   scaling]; tensors [router, its correction bias, experts' up [E, I, L] and
+//                   down [E, L, I], shared up and down, with latent: fc1 [L, H], fc2 [H, L]]
+//                   (NemotronH; L = H without latent)
 //   top-k MoE       ints [top_k]; floats [output multiplier]; tensors [router, experts'
 //                   gate_up and down, shared gate_up and down]   (Granite-4.0-H: the softmax of
 //                   the top-k logits, plus the shared SwiGLU)
+//   sigmoid MoE     ints [top_k, has expert bias, norm_topk_prob]; floats [routed scaling];
+//                   tensors [router (fp32), expert bias?, experts' gate_up and down]
+//                   (LFM2-MoE: sigmoid scores, top-k of scores + bias, no shared expert)
 struct Reader {
   const std::vector<at::Tensor>& tensors;
   const std::vector<int64_t>& ints;
@@ -128,11 +139,16 @@ struct Mamba2 {
 };
 
 struct Attention {
-  int64_t layer, heads, kv_heads;
+  int64_t layer, heads, kv_heads, qk_norm;
   bool rope;
   double scale, qk_eps, key_mult, in_mult, out_mult;
   std::vector<at::Tensor> w;  // q, k, v, o
   at::Tensor q_norm, k_norm;  // undefined: no q/k norms
+};
+
+struct ShortConv {
+  int64_t layer;
+  at::Tensor in_proj, conv_weight, out_proj;
 };
 
 struct GatedAttention {
@@ -156,6 +172,7 @@ struct Block {
   std::optional<Mamba2> mamba;
   std::optional<Attention> attn;
   std::optional<GatedAttention> gated;
+  std::optional<ShortConv> conv;
   Mlp mlp;
 };
 
@@ -196,7 +213,9 @@ Attention read_attention(Reader& r) {
   a.layer = r.integer();
   a.heads = r.integer();
   a.kv_heads = r.integer();
-  const bool qk_norm = r.integer() != 0;
+  a.qk_norm = r.integer();
+  TORCH_CHECK(a.qk_norm >= kNoQkNorm && a.qk_norm <= kPerHeadQkNorm, "BlockStep: q/k norm kind ",
+              a.qk_norm);
   a.rope = r.integer() != 0;
   a.scale = r.real();
   a.qk_eps = r.real();
@@ -204,7 +223,7 @@ Attention read_attention(Reader& r) {
   a.in_mult = r.real();
   a.out_mult = r.real();
   a.w = r.take(4);
-  if (qk_norm) {
+  if (a.qk_norm != kNoQkNorm) {
     a.q_norm = r.tensor();
     a.k_norm = r.tensor();
   }
@@ -230,13 +249,20 @@ Mlp read_mlp(Reader& r, int64_t kind) {
     m.n_group = r.integer();
     m.topk_group = r.integer();
     m.flag = r.integer() != 0;
+    const bool latent = r.integer() != 0;
     m.out_mult = r.real();
-    m.w = r.take(6);
-  } else {
-    TORCH_CHECK(kind == kTopkMoe, "BlockStep: MLP kind ", kind);
+    m.w = r.take(latent ? 8 : 6);
+  } else if (kind == kTopkMoe) {
     m.top_k = r.integer();
     m.out_mult = r.real();
     m.w = r.take(5);
+  } else {
+    TORCH_CHECK(kind == kSigmoidMoe, "BlockStep: MLP kind ", kind);
+    m.top_k = r.integer();
+    const bool bias = r.integer() != 0;
+    m.flag = r.integer() != 0;
+    m.out_mult = r.real();
+    m.w = r.take(bias ? 4 : 3);
   }
   return m;
 }
@@ -286,9 +312,12 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const Mlp& m) {
   return {weights * m.out_mult, ids};
 }
 
-// kernels/relu2_moe.py relu2_experts and relu2_moe
-at::Tensor relu2_moe(const at::Tensor& x, const Mlp& m, bool bf16) {
-  const auto [topk_w, topk_ids] = route(x, m);
+// kernels/relu2_moe.py relu2_experts and relu2_moe (the experts in the latent width where the
+// block has fc1 and fc2: w[6], w[7])
+at::Tensor relu2_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
+  const auto [topk_w, topk_ids] = route(h, m);
+  const bool latent = m.w.size() == 8;
+  const at::Tensor x = latent ? hs::linear(h, m.w[6], bf16) : h;
   const at::Tensor &up = m.w[2], &down = m.w[3];
   at::Tensor out = at::zeros({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
   const at::Tensor flat = topk_ids.flatten();
@@ -307,7 +336,9 @@ at::Tensor relu2_moe(const at::Tensor& x, const Mlp& m, bool bf16) {
     out.index_add_(0, rows, y.to(at::kFloat) * weight_of.slice(0, start, start + n).unsqueeze(1));
     start += n;
   }
-  return out.to(x.scalar_type()) + hs::linear(relu2(hs::linear(x, m.w[4], bf16)), m.w[5], bf16);
+  out = out.to(h.scalar_type());
+  if (latent) out = hs::linear(out, m.w[7], bf16);
+  return out + hs::linear(relu2(hs::linear(h, m.w[4], bf16)), m.w[5], bf16);
 }
 
 // models/layers.py MLP, models/bamba.py BambaMLP and models/granite_moe_hybrid.py's shared MLP:
@@ -329,31 +360,55 @@ at::Tensor swiglu(const at::Tensor& h, const Mlp& m, bool bf16) {
   return scaled(hs::linear(act, m.w.back(), bf16), m.out_mult);
 }
 
-// models/granite_moe_hybrid.py GraniteMoeHybridMoE (the router's top-k logits' softmax over
-// kernels/experts.py fused_experts, its rows through the routed experts' C++ op) plus the shared
-// SwiGLU, times the residual multiplier
-at::Tensor topk_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
-  const at::Tensor logits = hs::linear(h, m.w[0], bf16);
-  const auto [top_logits, top_ids] = logits.topk(m.top_k, -1);
-  const at::Tensor weights = at::softmax(top_logits, -1);
-  const at::Tensor flat = top_ids.flatten();
+// kernels/experts.py fused_experts with the kernel set's routed experts (the C++ op): the
+// (token, expert) pairs sorted by expert, their rows through the experts, weighted and summed
+// back per token. ids, weights [T, k]; gate_up [E, 2I, H], down [E, H, I].
+at::Tensor fused_experts(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
+                         const at::Tensor& gate_up, const at::Tensor& down) {
+  const at::Tensor flat = ids.flatten();
   const at::Tensor order = at::argsort(flat, /*stable=*/true, -1, false);
-  const at::Tensor counts = at::bincount(flat, {}, m.w[1].size(0)).contiguous();
-  const at::Tensor token_of = at::floor_divide(order, top_ids.size(1));
+  const at::Tensor counts = at::bincount(flat, {}, gate_up.size(0)).contiguous();
+  const at::Tensor token_of = at::floor_divide(order, ids.size(1));
   const at::Tensor xs = h.index({token_of}).contiguous();
   TORCH_CHECK(xs.size(0) <= kRoutedMaxRows, "BlockStep: ", xs.size(0),
               " routed rows, beyond the routed experts' op");
   at::Tensor ys = at::empty({xs.size(0), xs.size(1)}, xs.options());
   const int64_t* count = counts.data_ptr<int64_t>();
-  hs::routed_experts_into(xs.data_ptr<float>(), m.w[1], m.w[2],
+  hs::routed_experts_into(xs.data_ptr<float>(), gate_up, down,
                           std::vector<int64_t>(count, count + counts.numel()),
                           ys.data_ptr<float>());
   ys = ys * weights.flatten().index({order}).unsqueeze(1);
-  const at::Tensor moe = at::zeros_like(h).index_add_(0, token_of, ys);
+  return at::zeros_like(h).index_add_(0, token_of, ys);
+}
+
+// models/granite_moe_hybrid.py GraniteMoeHybridMoE (the router's top-k logits' softmax over
+// fused_experts) plus the shared SwiGLU, times the residual multiplier
+at::Tensor topk_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
+  const at::Tensor logits = hs::linear(h, m.w[0], bf16);
+  const auto [top_logits, top_ids] = logits.topk(m.top_k, -1);
+  const at::Tensor moe = fused_experts(h, top_ids, at::softmax(top_logits, -1), m.w[1], m.w[2]);
   Mlp shared;
   shared.flag = true;
   shared.w = {m.w[3], m.w[4]};
   return scaled(moe + swiglu(h, shared, bf16), m.out_mult);
+}
+
+// models/lfm2.py Lfm2SparseMoe: the fp32 router's sigmoid scores, the top-k of the scores plus
+// the expert bias (of the scores alone without one), the picked scores renormalised
+// (norm_topk_prob) and times the routed scaling, over fused_experts
+at::Tensor sigmoid_moe(const at::Tensor& h, const Mlp& m) {
+  const bool bias = m.w.size() == 4;
+  const at::Tensor scores = at::linear(h.to(at::kFloat), m.w[0].to(at::kFloat)).sigmoid();
+  at::Tensor weights, ids;
+  if (bias) {
+    ids = std::get<1>((scores + m.w[1].to(at::kFloat)).topk(m.top_k, -1));
+    weights = scores.gather(1, ids);
+  } else {
+    std::tie(weights, ids) = scores.topk(m.top_k, -1);
+  }
+  if (m.flag) weights = weights / (weights.sum(at::IntArrayRef{-1}, /*keepdim=*/true) + 1e-6);
+  weights = weights * m.out_mult;
+  return fused_experts(h, ids, weights, m.w[bias ? 2 : 1], m.w[bias ? 3 : 2]);
 }
 
 at::Tensor mlp(const at::Tensor& h, const Mlp& m, bool bf16) {
@@ -364,7 +419,8 @@ at::Tensor mlp(const at::Tensor& h, const Mlp& m, bool bf16) {
       return hs::moe_decode(h, m.w[0], m.w[1], m.w[2], m.w[3], m.w[4], m.w[5], m.w[6], m.top_k,
                             m.flag, bf16);
     case kRelu2Moe: return relu2_moe(h, m, bf16);
-    default: return topk_moe(h, m, bf16);
+    case kTopkMoe: return topk_moe(h, m, bf16);
+    default: return sigmoid_moe(h, m);
   }
 }
 
@@ -404,11 +460,14 @@ at::Tensor attention(const at::Tensor& x, const Attention& a, const Batch& b) {
   const int64_t T = h.size(0);
   const std::vector<at::Tensor> qkv = hs::linear_multi(h, {a.w[0], a.w[1], a.w[2]}, b.bf16);
   at::Tensor q = qkv[0], k = qkv[1];
-  if (a.q_norm.defined()) {
+  const int64_t hd = q.size(1) / a.heads;
+  if (a.qk_norm == kWholeQkNorm) {
     q = rms_norm_plain(q, a.q_norm, a.qk_eps);
     k = rms_norm_plain(k, a.k_norm, a.qk_eps);
+  } else if (a.qk_norm == kPerHeadQkNorm) {  // models/lfm2.py Lfm2Attention.norm_qk
+    q = rms_norm_plain(q.view({T, -1, hd}), a.q_norm, a.qk_eps).view({T, -1});
+    k = rms_norm_plain(k.view({T, -1, hd}), a.k_norm, a.qk_eps).view({T, -1});
   }
-  const int64_t hd = q.size(1) / a.heads;
   q = q.view({T, a.heads, hd});
   k = k.view({T, a.kv_heads, hd});
   const at::Tensor v = qkv[2].view({T, a.kv_heads, hd});
@@ -495,12 +554,25 @@ at::Tensor gated_attention(const at::Tensor& h, const GatedAttention& a, const B
   return hs::linear(o, a.w[5], b.bf16);
 }
 
+// models/lfm2.py Lfm2ShortConv's decode: B | C | x = in_proj(h), the conv update of B * x over
+// the pool's window (no bias, no activation: the eager step's causal_conv1d_update), then
+// out_proj(C * y)
+at::Tensor short_conv(const at::Tensor& h, const ShortConv& s, const Batch& b) {
+  const int64_t n = s.conv_weight.size(0);
+  const std::vector<at::Tensor> bcx = hs::linear(h, s.in_proj, b.bf16).split(n, -1);
+  const at::Tensor bx = (bcx[0] * bcx[2]).contiguous();
+  const at::Tensor y = hs::conv1d_update_pool(bx, b.conv_state.select(0, s.layer), s.conv_weight,
+                                              std::nullopt, b.slots, /*silu=*/false);
+  return hs::linear(bcx[1] * y, s.out_proj, b.bf16);
+}
+
 at::Tensor mixer(const at::Tensor& h, const Block& l, const Batch& b) {
   switch (l.mixer_kind) {
     case kGdn: return gdn(h, *l.gdn, b);
     case kMamba2: return mamba2(h, *l.mamba, b);
     case kAttention: return attention(h, *l.attn, b);
     case kGatedAttention: return gated_attention(h, *l.gated, b);
+    case kShortConv: return short_conv(h, *l.conv, b);
     default: {  // kParallel: Mamba2 first, as the eager layer
       const at::Tensor ssm = mamba2(h, *l.mamba, b);
       return ssm + attention(h, *l.attn, b);
@@ -530,9 +602,11 @@ struct BlockStep : torch::CustomClassHolder {
       const int64_t mlp_kind = r.integer();
       TORCH_CHECK(l.norm_kind >= kDeferred && l.norm_kind <= kPost, "BlockStep: norm kind ",
                   l.norm_kind);
-      TORCH_CHECK(l.mixer_kind >= kNoMixer && l.mixer_kind <= kParallel,
+      TORCH_CHECK(l.mixer_kind >= kNoMixer &&
+                      (l.mixer_kind <= kParallel || l.mixer_kind == kShortConv),
                   "BlockStep: mixer kind ", l.mixer_kind, " has no layout yet");
-      TORCH_CHECK(mlp_kind >= kNoMlp && mlp_kind <= kTopkMoe, "BlockStep: MLP kind ", mlp_kind);
+      TORCH_CHECK(mlp_kind >= kNoMlp && mlp_kind <= kSigmoidMoe, "BlockStep: MLP kind ",
+                  mlp_kind);
       TORCH_CHECK(l.mixer_kind != kNoMixer || mlp_kind != kNoMlp, "BlockStep: an empty block");
       TORCH_CHECK(blocks.empty() || deferred == (l.norm_kind == kDeferred),
                   "BlockStep: deferred-residual blocks mixed with others");
@@ -551,6 +625,14 @@ struct BlockStep : torch::CustomClassHolder {
           a.scale = r.real();
           a.w = r.take(6);
           l.gated = std::move(a);
+        }
+        if (l.mixer_kind == kShortConv) {
+          ShortConv s;
+          s.layer = r.integer();
+          s.in_proj = r.tensor();
+          s.conv_weight = r.tensor();
+          s.out_proj = r.tensor();
+          l.conv = std::move(s);
         }
       }
       if (mlp_kind != kNoMlp) {
