@@ -382,9 +382,9 @@ def quantize_matrices(model: HybridForCausalLM, method: str, tp: ParallelContext
     peaks reduced over the ranks), and int4's groups are whole where the split falls on a group
     boundary (else int8): every rank count serves the same numbers."""
     from hybrid_serve.models.layers import Experts, Linear
-    from hybrid_serve.models.parallel_layers import k_split_matrices
+    from hybrid_serve.models.tp_shards import k_split_params
 
-    split = k_split_matrices(model) if tp.enabled else set()
+    split = k_split_params(model, model.config) if tp.enabled else set()
     for module in list(model.modules()):
         if isinstance(module, Linear) and not module.keep_float:
             names = ["weight"]
