@@ -20,15 +20,16 @@ decode step is `kernels.gdn_step`'s reference over the kernel set's unfused ops 
 GDN decode takes neither the per-channel gate nor the sigmoid-gated norm).
 
 Parameter names are the released checkpoints' (`f_a_proj`, `A_log` [1, 1, H, 1], `dt_bias`
-[H d], `o_norm`, `o_proj`), except the conv: one `conv1d` over [q | k | v] channels, as
-transformers stacks the releases' `q_conv1d` / `k_conv1d` / `v_conv1d` (transformers itself keeps
-the forget gate's four under `forget_gate.`).
+[H d], `o_norm`, `o_proj`; Ling's `f_proj`, `g_proj`, `A_log` [H]), except the conv: one
+`conv1d` over [q | k | v] channels, as transformers stacks the releases' `q_conv1d` /
+`k_conv1d` / `v_conv1d` (transformers itself keeps the forget gate's parameters under
+`forget_gate.`).
 
 State per sequence (`state_shape`): the conv window [3 H d, Kc - 1] of the joined channels and the
 recurrent state [H, d, d] (K-major, as Gated DeltaNet's). Under tensor parallelism a rank holds
-a share of the heads: their q/k/v/f_b/g_b rows, conv channels, b_proj rows, dt_bias, A_log, and
-o_proj columns (summed over the ranks); the low-rank f_a_proj / g_a_proj and the per-head output
-norm are whole.
+a share of the heads: their q/k/v/f_b/g_b (or f/g) rows, conv channels, b_proj rows, dt_bias,
+A_log, and o_proj columns (summed over the ranks); the low-rank f_a_proj / g_a_proj and the
+per-head output norm are whole.
 """
 
 from __future__ import annotations
