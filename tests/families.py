@@ -16,6 +16,9 @@ difference from the trained model patched where its port has one.
                               RoPE, a per-head output gate), sandwich norms
     tiny-kimi-linear          Kimi-Linear: KDA and NoPE MLA layers, a dense MLP then grouped
                               sigmoid-routed experts with a shared one (the release's names)
+    tiny-bailing-hybrid       Ling-3: KDA with full-rank bounded gates and MLA with partial RoPE
+                              and a head gate, a dense MLP then grouped sigmoid-routed experts
+                              with a shared one, SwiGLU clamps in the late layers
 
 The judge is transformers as it stands: since 5.25 its NemotronH mixer applies the config's
 time_step_limit (0, inf) as NVIDIA's code, vLLM, SGLang and we do (earlier ports clamped

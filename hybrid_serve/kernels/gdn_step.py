@@ -4,7 +4,9 @@
     q, k, v = split(silu(causal conv1d update of mixed_qkv on the layer's conv window))
     g = -exp(A_log) * softplus(a + dt_bias);  beta = beta_scale * sigmoid(b)
                       (beta_scale 2 for OLMo-Hybrid's negative eigenvalues, else 1; a and
-                      dt_bias one value per key channel for Kimi Delta Attention, so g too)
+                      dt_bias one value per key channel for Kimi Delta Attention, so g too;
+                      with a lower bound lb, KDA's "safe gate":
+                      g = lb * sigmoid(exp(A_log) * (a + dt_bias)))
     o = gated delta rule recurrent update of the layer's state (q, k l2-normalised in it)
     y = norm_gated(o, z, norm_weight, eps)  (`rms_norm_gated`, silu; KDA: the sigmoid-gated
                                               `rms_norm_gated_sigmoid`)  -> [T, value_dim]
@@ -36,21 +38,26 @@ def gates(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     beta_scale: float = 1.0,
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """b, a [T, HV] -> (g, beta) [T, HV]: g = -exp(A_log) softplus(a + dt_bias) in fp32,
     beta = sigmoid(b) (times `beta_scale` when not 1). With a [T, HV * K] and dt_bias [HV * K]
     (Kimi Delta Attention's per-channel forget gate) g is [T, HV, K], head h's channels scaled
-    by its exp(A_log[h]). A_log holds HV values in any shape (Kimi's is [1, 1, HV, 1]). The one
+    by its exp(A_log[h]). A_log holds HV values in any shape (Kimi's is [1, 1, HV, 1]). With
+    `lower_bound` (Ling's "safe gate", transformers' `kda_lower_bound`) g = lower_bound *
+    sigmoid(exp(A_log) (a + dt_bias)) instead, so g stays in (lower_bound, 0). The one
     definition for prefill (the models) and this decode reference."""
     beta = b.sigmoid()
     if beta_scale != 1.0:
         beta = beta * beta_scale
     heads = b.shape[-1]
-    decay = -A_log.float().reshape(heads).exp()
-    softplus = F.softplus(a.float() + dt_bias)
-    if softplus.shape[-1] != heads:  # per key channel
-        return decay.unsqueeze(-1) * softplus.unflatten(-1, (heads, -1)), beta
-    return decay * softplus, beta
+    rate = A_log.float().reshape(heads).exp()
+    x = a.float() + dt_bias
+    if x.shape[-1] != heads:  # per key channel
+        x, rate = x.unflatten(-1, (heads, -1)), rate.unsqueeze(-1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * x), beta
+    return -rate * F.softplus(x), beta
 
 
 def gdn_decode(
@@ -71,8 +78,10 @@ def gdn_decode(
     recurrent: Callable = fused_recurrent_gated_delta_rule,
     norm_gated: Callable = rms_norm_gated,
     beta_scale: float = 1.0,
+    gate_lower_bound: float | None = None,
 ) -> torch.Tensor:
-    """Returns y [T, value_dim] in qkvz's dtype (ready for out_proj)."""
+    """Returns y [T, value_dim] in qkvz's dtype (ready for out_proj). `gate_lower_bound`:
+    `gates`' `lower_bound`."""
     T = qkvz.shape[0]
     HV, dk, dv = ssm_pool.shape[2:]
     key_dim, value_dim = num_k_heads * dk, HV * dv
@@ -83,7 +92,9 @@ def gdn_decode(
     q = q.reshape(T, 1, num_k_heads, dk)
     k = k.reshape(T, 1, num_k_heads, dk)
     v = v.reshape(T, 1, HV, dv)
-    g, beta = (t.unsqueeze(1) for t in gates(b, a, A_log, dt_bias, beta_scale))  # [T, 1, HV]
+    g, beta = (
+        t.unsqueeze(1) for t in gates(b, a, A_log, dt_bias, beta_scale, gate_lower_bound)
+    )  # [T, 1, HV]
     # g [T, 1, HV] per head, or [T, 1, HV, dk] per key channel
     core, _ = recurrent(
         q, k, v, g, beta, initial_state=ssm_pool[layer], initial_state_indices=slots,

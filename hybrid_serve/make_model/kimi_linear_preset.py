@@ -14,6 +14,16 @@ per-expert `experts.{e}.{w1,w3,w2}.weight`.
 (4 heads of 32, conv kernel 4); MLA of 4 heads, no q LoRA (as released), latent 32 + 16; the
 first layer's MLP dense, then MoE blocks of 8 experts in 2 groups (top 2 from the best group,
 sigmoid scores with a correction bias, renormalised, scaled by 2.446) with one shared expert.
+
+`kimi-linear-48b-a3b` (config only: 48B): moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json as
+transcribed in public repositories (a Rust port's test of the "released 48B config", and
+mlx-lm's `kimi_linear` ModelArgs defaults for the widths): hidden 2304, 27 layers with MLA at
+4, 8, 12, 16, 20, 24, 27 (1-indexed) and KDA elsewhere (32 heads of 128, conv 4), MLA of 32
+heads, latent 512 + 64, nope 128, v 128, no q LoRA, NoPE; the first layer dense (9216), then 256
+experts of 1024, top 8, one shared, sigmoid, renormalised, scaled by 2.446, one group; vocab
+163840, rms_norm_eps 1e-5, EOS 163586, untied. `max_position_embeddings` was not found in
+those transcriptions: 1048576, the 1M context the release's README gives (no byte count depends
+on it).
 """
 
 from __future__ import annotations
@@ -60,6 +70,52 @@ KIMI_LINEAR_PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
     },
 }
+
+
+KIMI_LINEAR_REAL_SHAPES: dict[str, dict] = {
+    "kimi-linear-48b-a3b": {
+        "model_type": "kimi_linear",
+        "vocab_size": 163840,
+        "hidden_size": 2304,
+        "num_hidden_layers": 27,
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, 28) if i % 4 and i != 27],
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "num_heads": 32,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+        },
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "intermediate_size": 9216,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_experts": 256,
+        "num_experts_per_token": 8,
+        "moe_intermediate_size": 1024,
+        "num_shared_experts": 1,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.446,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1_048_576,
+        "tie_word_embeddings": False,
+        "eos_token_id": 163586,
+    },
+}
+
+# released name's figures: (total parameters, active parameters per token)
+PUBLISHED: dict[str, tuple[float, float]] = {"kimi-linear-48b-a3b": (48e9, 3e9)}
 
 
 def complete_config(config: dict, extra: dict) -> dict:

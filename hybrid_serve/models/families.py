@@ -387,10 +387,57 @@ FAMILIES: tuple[Family, ...] = (
         model_class=f"{_MM}.kimi_linear.KimiLinearForCausalLM",
         config_class=f"{_MM}.kimi_linear_config.KimiLinearConfig",
         preset_module=f"{_MK}.kimi_linear_preset",
-        presets=(f"{_MK}.kimi_linear_preset.KIMI_LINEAR_PRESETS",),
+        presets=(
+            f"{_MK}.kimi_linear_preset.KIMI_LINEAR_PRESETS",
+            f"{_MK}.kimi_linear_preset.KIMI_LINEAR_REAL_SHAPES",
+        ),
         chat_template="kimi-linear",
         tool_call_format="kimi_k2",
         reasoning_format=None,
+        init_rules=(
+            (".A_log", "a_log"),
+            (".dt_bias", "dt_bias"),
+            ("conv1d.weight", "conv"),
+            ("norm.weight", "norm1"),
+        ),
+    ),
+    Family(
+        name="Ling-3",
+        types=(
+            ModelType(
+                "bailing_hybrid",
+                "BailingHybridForCausalLM",
+                NameRules(
+                    prefixes=(("model.word_embeddings.", "model.embed_tokens."),),
+                    # the renames inside self_attn first: `.attention.` is the last step
+                    renames=(
+                        ("self_attn.f_proj.", "self_attn.forget_gate.f_proj."),
+                        ("self_attn.dt_bias", "self_attn.forget_gate.dt_bias"),
+                        ("self_attn.A_log", "self_attn.forget_gate.A_log"),
+                        (".self_attn.dense.", ".self_attn.o_proj."),
+                        (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"),
+                        (".attention.", ".self_attn."),
+                    ),
+                    stacked=QWEN2_MOE,
+                    joined=(
+                        (
+                            "conv1d.weight",
+                            tuple((f"{x}_conv1d.weight", "linear_qkv_dim") for x in "qkv"),
+                        ),
+                    ),
+                ),
+            ),
+        ),
+        model_class=f"{_MM}.bailing_hybrid.BailingHybridForCausalLM",
+        config_class=f"{_MM}.bailing_hybrid_config.BailingHybridConfig",
+        preset_module=f"{_MK}.bailing_hybrid_preset",
+        presets=(
+            f"{_MK}.bailing_hybrid_preset.BAILING_HYBRID_PRESETS",
+            f"{_MK}.bailing_hybrid_preset.BAILING_HYBRID_REAL_SHAPES",
+        ),
+        chat_template="qwen3.5",  # Ling's own template and GLM-4.7 XML tool calls: not yet here
+        tool_call_format="qwen3_coder",
+        reasoning_format="qwen3",
         init_rules=(
             (".A_log", "a_log"),
             (".dt_bias", "dt_bias"),

@@ -66,6 +66,7 @@ class DeltaRuleMixer(nn.Module):
     conv_dim: int
     beta_scale: float
     state_shape: MambaStateShape
+    gate_lower_bound: float | None = None  # KDA's bounded forget gate (`gdn_step.gates`)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode:
@@ -125,7 +126,9 @@ class DeltaRuleMixer(nn.Module):
         q = q.reshape(1, T, self.num_k_heads, self.head_k_dim)  # [1, T, H, dk]
         k = k.reshape(1, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(1, T, self.num_v_heads, self.head_v_dim)  # [1, T, HV, dv]
-        g, beta = gates(b, a, self.A_log, self.dt_bias, self.beta_scale)  # g [T, HV (, dk)]
+        g, beta = gates(
+            b, a, self.A_log, self.dt_bias, self.beta_scale, self.gate_lower_bound
+        )  # g [T, HV (, dk)]
         g, beta = g.unsqueeze(0), beta.unsqueeze(0)  # [1, T, HV (, dk)]
 
         track = {}

@@ -9,7 +9,10 @@ computes it. Per head h (H heads of width d; queries, keys and values all have H
     o_t = S_t^T q_t                   (q, k l2-normalised, q scaled by d^-0.5: `gated_delta_rule`)
     y = o_proj(w * rms_norm(o) * sigmoid(g_b_proj(g_a_proj(x))))       (the gated output norm)
 
-f_a_proj and g_a_proj are low-rank (hidden -> d), shared by all heads. The per-channel gate
+f_a_proj and g_a_proj are low-rank (hidden -> d), shared by all heads. Ling-3
+(`bailing_hybrid`, `full_rank_gates`) projects both gates at full rank (`f_proj`, `g_proj`:
+hidden -> H d, A_log [H]) and bounds the forget gate (`gate_lower_bound` lb, its "safe gate"):
+g = lb * sigmoid(exp(A_log[h]) * (f_proj(x) + dt_bias)), in (lb, 0). The per-channel gate
 runs on the delta-rule kernels Gated DeltaNet uses (`kernels.gated_delta_rule` and its Triton and
 C++ twins take g [.., H, d]); the pool plumbing (prefill from pool states with states at tracked
 offsets, decode, multi-row verify) is `DeltaRuleMixer`'s, the one Gated DeltaNet runs on, and the
@@ -17,15 +20,16 @@ decode step is `kernels.gdn_step`'s reference over the kernel set's unfused ops 
 GDN decode takes neither the per-channel gate nor the sigmoid-gated norm).
 
 Parameter names are the released checkpoints' (`f_a_proj`, `A_log` [1, 1, H, 1], `dt_bias`
-[H d], `o_norm`, `o_proj`), except the conv: one `conv1d` over [q | k | v] channels, as
-transformers stacks the releases' `q_conv1d` / `k_conv1d` / `v_conv1d` (transformers itself keeps
-the forget gate's four under `forget_gate.`).
+[H d], `o_norm`, `o_proj`; Ling's `f_proj`, `g_proj`, `A_log` [H]), except the conv: one
+`conv1d` over [q | k | v] channels, as transformers stacks the releases' `q_conv1d` /
+`k_conv1d` / `v_conv1d` (transformers itself keeps the forget gate's parameters under
+`forget_gate.`).
 
 State per sequence (`state_shape`): the conv window [3 H d, Kc - 1] of the joined channels and the
 recurrent state [H, d, d] (K-major, as Gated DeltaNet's). Under tensor parallelism a rank holds
-a share of the heads: their q/k/v/f_b/g_b rows, conv channels, b_proj rows, dt_bias, A_log, and
-o_proj columns (summed over the ranks); the low-rank f_a_proj / g_a_proj and the per-head output
-norm are whole.
+a share of the heads: their q/k/v/f_b/g_b (or f/g) rows, conv channels, b_proj rows, dt_bias,
+A_log, and o_proj columns (summed over the ranks); the low-rank f_a_proj / g_a_proj and the
+per-head output norm are whole.
 """
 
 from __future__ import annotations
@@ -75,9 +79,13 @@ class KimiDeltaAttention(DeltaRuleMixer):
         linear_layer_id: int,
         tp: ParallelContext | None = None,
         ops: KernelSet = REFERENCE,
+        *,
+        full_rank_gates: bool = False,
+        gate_lower_bound: float | None = None,
     ) -> None:
         super().__init__()
         c, self.ops, self.tp = config, ops, tp or ParallelContext()
+        self.full_rank_gates, self.gate_lower_bound = full_rank_gates, gate_lower_bound
         self.linear_layer_id = linear_layer_id
         self.total_heads = c.linear_num_heads
         heads = self.tp.split(c.linear_num_heads, "linear_attn_config.num_heads")[1]
@@ -93,13 +101,20 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False
         )
-        self.f_a_proj = Linear(hidden, d, bias=False, ops=ops)
-        self.f_b_proj = Linear(d, heads * d, bias=False, ops=ops)
+        if full_rank_gates:  # Ling: hidden -> H d directly, A_log [H]
+            self.f_proj = Linear(hidden, heads * d, bias=False, ops=ops)
+            self.A_log = nn.Parameter(torch.zeros(heads))
+        else:
+            self.f_a_proj = Linear(hidden, d, bias=False, ops=ops)
+            self.f_b_proj = Linear(d, heads * d, bias=False, ops=ops)
+            self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))
         self.dt_bias = nn.Parameter(torch.zeros(heads * d))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))
         self.b_proj = Linear(hidden, heads, bias=False, ops=ops)
-        self.g_a_proj = Linear(hidden, d, bias=False, ops=ops)
-        self.g_b_proj = Linear(d, heads * d, bias=False, ops=ops)
+        if full_rank_gates:
+            self.g_proj = Linear(hidden, heads * d, bias=False, ops=ops)
+        else:
+            self.g_a_proj = Linear(hidden, d, bias=False, ops=ops)
+            self.g_b_proj = Linear(d, heads * d, bias=False, ops=ops)
         self.o_norm = RMSNormSigmoidGated(d, c.rms_norm_eps)
         self.o_proj = row_linear(heads * d, hidden, False, self.tp, ops)
         # conv window [3 H d, Kc-1] of the joined [q | k | v] channels; delta-rule state [H, d, d]
@@ -115,9 +130,16 @@ class KimiDeltaAttention(DeltaRuleMixer):
         conv = rows(*(span(h0, n, d, i * width) for i in range(3)), segments=(width,) * 3)
         out: dict[str, Shard | None] = {name: heads for name in ("q_proj", "k_proj", "v_proj")}
         out = {f"{name}.weight": s for name, s in out.items()}
-        out |= {"conv1d.weight": conv, "f_b_proj.weight": heads, "g_b_proj.weight": heads}
-        out |= {"dt_bias": heads, "A_log": Shard(2, (span(h0, n),))}
+        out |= {"conv1d.weight": conv, "dt_bias": heads}
         out |= {"b_proj.weight": rows(span(h0, n)), "o_proj.weight": cols(span(h0, n, d))}
+        if self.full_rank_gates:
+            return out | {
+                "f_proj.weight": heads,
+                "g_proj.weight": heads,
+                "A_log": rows(span(h0, n)),
+            }
+        out |= {"f_b_proj.weight": heads, "g_b_proj.weight": heads}
+        out |= {"A_log": Shard(2, (span(h0, n),))}
         return out | {"f_a_proj.weight": None, "g_a_proj.weight": None}
 
     @property
@@ -131,6 +153,9 @@ class KimiDeltaAttention(DeltaRuleMixer):
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v, beta's logits, the forget gate's and the output gate's pre-activations:
         the six products of x in one call (`linear_multi`), then the two low-rank ups."""
+        if self.full_rank_gates:
+            first = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_proj, self.g_proj)
+            return tuple(self.ops.linear_multi(x, [p.weight for p in first], [None] * 6))
         first = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.g_a_proj)
         q, k, v, b, fa, ga = self.ops.linear_multi(x, [p.weight for p in first], [None] * 6)
         return q, k, v, b, self.f_b_proj(fa), self.g_b_proj(ga)
@@ -151,6 +176,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
             conv_update=self.ops.causal_conv1d_update,
             recurrent=self.ops.fused_recurrent_gated_delta_rule,
             norm_gated=rms_norm_gated_sigmoid,
+            gate_lower_bound=self.gate_lower_bound,
         )
 
     def verify_op(self) -> Callable:

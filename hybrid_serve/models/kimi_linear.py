@@ -74,7 +74,12 @@ class KimiLinearForCausalLM(HybridForCausalLM):
     reserved_block = "KDA"
 
     def build(self) -> None:
-        if self.tp.enabled:  # this rank's KDA heads too
-            heads = self.tp.split(self.config.linear_num_heads, "linear_attn_config.num_heads")
-            self.local_config = replace(self.local_config, linear_num_heads=heads[1])
+        self.local_config = self.rank_config()
         self.build_stack(KimiLinearDecoderLayer)
+
+    def rank_config(self):
+        """`local_config` with this rank's KDA heads too (under tensor parallelism)."""
+        if not self.tp.enabled:
+            return self.local_config
+        heads = self.tp.split(self.config.linear_num_heads, "linear_attn_config.num_heads")
+        return replace(self.local_config, linear_num_heads=heads[1])

@@ -9,6 +9,11 @@ MoE family shares:
                                                            one shared SwiGLU of
                                                            num_shared_experts * moe_intermediate
 
+Ling-3 (`bailing_hybrid`) runs the same block, with a clamped SwiGLU in some layers (its
+`swiglu_limits`: silu(gate) capped at the limit, up clamped to +-limit, in the routed experts and,
+by a limit of its own, in the shared expert; `kernels.experts.swiglu`); a clamped layer's experts
+run the reference `fused_experts`, which takes the limit.
+
 Names are transformers' (`gate.weight`, `gate.e_score_correction_bias`, `experts.gate_up_proj`
 [E, 2I, H], `experts.down_proj` [E, H, I], `shared_experts.{gate,up,down}_proj`); the releases'
 `block_sparse_moe.` with per-expert `w1`/`w2`/`w3` are the weight map's to rename. Under tensor
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels import KernelSet
+from hybrid_serve.kernels.experts import fused_experts, swiglu
 from hybrid_serve.kernels.relu2_moe import route
 from hybrid_serve.models.kimi_linear_config import KimiLinearConfig
 from hybrid_serve.models.layers import MLP, REFERENCE, Experts
@@ -32,13 +38,19 @@ from hybrid_serve.models.tp_shards import mlp_shards, swiglu_rows, width_share
 
 
 class KimiMoE(nn.Module):
-    """The block over this rank's share of every expert's width (the whole model's `config`)."""
+    """The block over this rank's share of every expert's width (the whole model's `config`);
+    `limits`: the (routed, shared) SwiGLU limits of its layer, 0 for none."""
 
     def __init__(
-        self, c: KimiLinearConfig, tp: ParallelContext | None = None, ops: KernelSet = REFERENCE
+        self,
+        c: KimiLinearConfig,
+        tp: ParallelContext | None = None,
+        ops: KernelSet = REFERENCE,
+        limits: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         super().__init__()
         self.config, self.tp = c, tp or ParallelContext()
+        self.limit, self.shared_limit = limits
         self.width = c.moe_intermediate_size
         self.shared_width = c.moe_intermediate_size * c.num_shared_experts
         local = self.tp.split(self.width, "moe_intermediate_size")[1]
@@ -67,4 +79,16 @@ class KimiMoE(nn.Module):
             groups, topk_groups, c.moe_renormalize, c.routed_scaling_factor,
             scoring=c.moe_router_activation_func,
         )  # fmt: skip
-        return self.tp.all_reduce(self.experts(x, ids, w) + self.shared_experts(x))
+        return self.tp.all_reduce(self._routed(x, ids, w) + self._shared(x))
+
+    def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not self.limit:
+            return self.experts(x, ids, w)
+        e = self.experts
+        return fused_experts(x, ids, w, e.gate_up_proj, e.down_proj, limit=self.limit)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.shared_experts
+        if not self.shared_limit:
+            return m(x)
+        return m.down_proj(swiglu(m.gate_proj(x), m.up_proj(x), self.shared_limit))

@@ -267,11 +267,13 @@ class CheckpointIndex:
 def index_checkpoint(model: HybridForCausalLM, path: Path, config: HybridConfig) -> CheckpointIndex:
     """The strict key set of the checkpoint at `path` against `model` (meta is enough), from the
     headers: a missing or extra tensor, or a bad FP8 layout, is a `ValueError` naming it. The
-    `mtp.*` tensors are the model's when it holds its MTP head, else skipped."""
+    `mtp.*` tensors are the model's when it holds its MTP head, else skipped, as are those
+    under the config's `skipped_prefixes` where it has them."""
     mtp = model.mtp is not None
     where = checkpoint_names(checkpoint_files(path))
     fp8 = Fp8Checkpoint.open(path, where, mtp)  # None unless block-FP8; a bad layout raises
-    skipped = sorted(n for n in where if is_skipped(n, mtp))
+    unused = getattr(config, "skipped_prefixes", ())  # e.g. MTP layers stored after the stack
+    skipped = sorted(n for n in where if is_skipped(n, mtp) or n.startswith(unused))
     if config.tie_word_embeddings and "lm_head.weight" in where:
         skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy
     names = set(where) - set(skipped) - (fp8.scale_names if fp8 else set())
@@ -395,9 +397,9 @@ def quantize_matrices(model: HybridForCausalLM, method: str, tp: ParallelContext
     peaks reduced over the ranks), and int4's groups are whole where the split falls on a group
     boundary (else int8): every rank count serves the same numbers."""
     from hybrid_serve.models.layers import Experts, Linear
-    from hybrid_serve.models.parallel_layers import k_split_matrices
+    from hybrid_serve.models.tp_shards import k_split_params
 
-    split = k_split_matrices(model) if tp.enabled else set()
+    split = k_split_params(model, model.config) if tp.enabled else set()
     for module in list(model.modules()):
         if isinstance(module, Linear) and not module.keep_float:
             names = ["weight"]

@@ -172,20 +172,6 @@ def rms_over_ranks(x: torch.Tensor, eps: float, tp: ParallelContext) -> torch.Te
     return x * torch.rsqrt(squares / (x.shape[-1] * tp.size) + eps)
 
 
-def k_split_matrices(model: nn.Module) -> set[int]:
-    """ids of the matrices whose input columns (K) are split over the ranks: the row-parallel
-    linears', the parallel MLPs' and MoE blocks' down projections (experts and shared)."""
-    found = set()
-    for m in model.modules():
-        if isinstance(m, RowParallelLinear):
-            found.add(id(m.weight))
-        elif isinstance(m, ParallelMLP):
-            found.add(id(m.down_proj.weight))
-        elif isinstance(m, ParallelSparseMoE):
-            found |= {id(m.experts.down_proj), id(m.shared_expert.down_proj.weight)}
-    return found
-
-
 def embedding(vocab_size: int, hidden_size: int, tp: ParallelContext) -> nn.Module:
     if not tp.enabled:
         return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))

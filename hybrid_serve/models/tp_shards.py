@@ -127,6 +127,20 @@ def param_shards(model: nn.Module, config) -> Declared:
     return {name: found[name] for name in params}
 
 
+def k_split_params(model: nn.Module, config) -> set[int]:
+    """ids of the parameters whose input columns (K, the last dimension: a linear's [out, in],
+    an expert stack's [E, out, in]) are split over the ranks, as their modules declare
+    (`param_shards`): the row-parallel projections, every MLP's, expert stack's and shared
+    expert's down projection, whatever the family. What weight-only quantization reduces the
+    row peaks of over the ranks."""
+    shards = param_shards(model, config)
+    return {
+        id(p)
+        for name, p in model.named_parameters()
+        if p.dim() >= 2 and (s := shards[name]) is not None and s.dim == p.dim() - 1
+    }
+
+
 def target_shard(shard: Shard, target: Target) -> Shard:
     """The part of a checkpoint tensor loading into `target` that a rank reads, from its
     parameter's `shard`: the integer indices of `target.index` (one entry of a stacked

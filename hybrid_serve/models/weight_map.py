@@ -43,6 +43,7 @@ wrappers' vision tower, are skipped (`is_skipped`).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -245,11 +246,33 @@ def _stack_name(name: str, c) -> str:
     return name
 
 
+def _kind(pname: str, siblings: dict[str, frozenset[str]]) -> tuple:
+    """What kind of module holds parameter `pname`: its layer's sub-module (`model.layers.3.
+    self_attn`, any layer index) with the set of parameter names under it, so that a KDA and an
+    MLA layer's `self_attn` are two kinds."""
+    return (re.sub(r"\.\d+\.", ".#.", _group(pname) + "."), siblings[_group(pname)])
+
+
+def _group(pname: str) -> str:
+    """The module a parameter's kind is read from: the part after a layer index, else the
+    parameter's own module."""
+    parts = pname.split(".")
+    i = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+    return ".".join(parts[: i + 2] if i is not None else parts[:-1])
+
+
 def _choose(options: dict[str, list[Spelling]], present: set[str]) -> dict[str, Spelling]:
     """Each parameter's spelling in a checkpoint of names `present`: complete, else the one with
     most names present (the first of equals); for a parameter none of whose names is present,
-    the one whose rule sides the other parameters' chosen spellings take most often."""
+    the one whose rule sides the chosen spellings of the parameters of modules of its kind
+    (`_kind`) take most often, then those of all parameters, then (a rule no other parameter
+    goes through) the side, released or not, that they take most often over every rule."""
+    children: dict[str, set[str]] = {}
+    for pname in options:
+        children.setdefault(_group(pname), set()).add(pname.removeprefix(_group(pname)))
+    siblings = {g: frozenset(names) for g, names in children.items()}
     chosen, votes, undecided = {}, Counter(), []
+    local: dict[tuple, Counter] = {}
     for pname, spelled in options.items():
         scores = [(s.names.keys() <= present, len(s.names.keys() & present)) for s in spelled]
         if len(spelled) > 1 and max(scores)[1] == 0:
@@ -257,8 +280,17 @@ def _choose(options: dict[str, list[Spelling]], present: set[str]) -> dict[str, 
             continue
         chosen[pname] = spelled[scores.index(max(scores))]
         votes.update(chosen[pname].sides)
+        local.setdefault(_kind(pname, siblings), Counter()).update(chosen[pname].sides)
+    overall = Counter()  # released side or not -> votes over every rule
+    for (_, released), n in votes.items():
+        overall[released] += n
     for pname in undecided:
-        scores = [sum(votes[side] for side in s.sides) for s in options[pname]]
+        near = local.get(_kind(pname, siblings), Counter())
+        scores = [
+            tuple(sum(count[side] for side in s.sides) for count in (near, votes))
+            + (sum(overall[side[1]] for side in s.sides),)
+            for s in options[pname]
+        ]
         chosen[pname] = options[pname][scores.index(max(scores))]
     return chosen
 

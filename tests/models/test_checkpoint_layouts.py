@@ -183,6 +183,34 @@ def _kimi_linear(config) -> Callable[[Tensors], Tensors]:
     return released
 
 
+def _bailing_hybrid(config) -> Callable[[Tensors], Tensors]:
+    """The release's names: `model.word_embeddings`, `attention.` (MLA's o_proj as `dense`, KDA's
+    kept), the forget gate's parameters under `attention.`, `gate.expert_bias`, per-expert
+    gate/up/down, the q/k/v convs split."""
+    mla = {str(i) for i, t in enumerate(config.layer_types) if t == "full_attention"}
+    width = config.linear_num_heads * config.linear_head_dim
+
+    def dense(match: re.Match) -> str:
+        return f"layers.{match[1]}.self_attn.{'dense' if match[1] in mla else 'o_proj'}."
+
+    def released(sd: Tensors) -> Tensors:
+        sd = _rename(sd, r"^model\.embed_tokens\.", "model.word_embeddings.")
+        sd = _rename(sd, r"\.self_attn\.forget_gate\.", ".self_attn.")
+        sd = _rename(sd, r"layers\.(\d+)\.self_attn\.o_proj\.", dense)
+        sd = _rename(sd, r"\.gate\.e_score_correction_bias", ".gate.expert_bias")
+        out = {}
+        for name, w in _qwen2_moe(sd).items():
+            if not name.endswith("self_attn.conv1d.weight"):
+                out[name] = w
+                continue
+            base = name.removesuffix("conv1d.weight")
+            for part, rows in zip("qkv", w.split(width), strict=True):
+                out[f"{base}{part}_conv1d.weight"] = rows.clone()
+        return _rename(out, r"\.self_attn\.", ".attention.")
+
+    return released
+
+
 @dataclass
 class Family:
     """A model_type: transformers' config and model classes, the tiny config's arguments, and
@@ -351,6 +379,23 @@ FAMILIES = {
         ),
         _kimi_linear,
     ),
+    # KDA (full-rank bounded gates) and MLA (partial RoPE, head gate, q LoRA, biases) layers, a
+    # dense MLP then grouped sigmoid-routed experts with a shared one, SwiGLU clamps
+    "bailing_hybrid": Family(
+        "BailingHybridConfig", "BailingHybridForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=4, layer_group_size=2,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=16, short_conv_kernel_size=4,
+            kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=16, attention_bias=True, rope_theta=10000.0, intermediate_size=96,
+            first_k_dense_replace=1, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, num_shared_experts=1, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, expert_swiglu_limit_list=[0, 0, 0.5, 0.5],
+            share_expert_swiglu_limit_list=[0, 0.5, 0.5, 0.5], initializer_range=0.1,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        ),
+        _bailing_hybrid,
+    ),
 }  # fmt: skip
 FAMILIES["olmo_hybrid_equal_widths"] = Family(
     "OlmoHybridConfig",
@@ -500,7 +545,7 @@ def test_each_missing_tensor_is_named_as_the_checkpoint_spells_it(files, layout)
     "files",
     [
         "qwen3_next", "qwen3_5_moe_text", "nemotron_h", "nemotron_h_latent", "granitemoehybrid",
-        "olmo_hybrid", "lfm2_moe", "lfm3", "kimi_linear",
+        "olmo_hybrid", "lfm2_moe", "lfm3", "kimi_linear", "bailing_hybrid",
     ],
     indirect=True,
 )  # fmt: skip

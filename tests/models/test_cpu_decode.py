@@ -22,7 +22,7 @@ from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefil
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
 # the family presets whose mixer's block kind the plan reserves but does not implement
-UNPLANNED = {"tiny-kimi-linear": "KDA"}
+UNPLANNED = {"tiny-kimi-linear": "KDA", "tiny-bailing-hybrid": "KDA"}
 # the family presets whose layers are of no block kind the plan knows (LFM3: the sandwich norms,
 # the attention gate, the sliding window)
 OUTSIDE = {"tiny-lfm3": "Lfm3ForCausalLM"}

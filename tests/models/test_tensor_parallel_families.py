@@ -8,7 +8,8 @@ which every rank holds, GDN value/key ratio 2 and a vocabulary two ranks do not 
 (its short conv's channels split, per-head q/k norms whole on every rank; LFM2-MoE's router
 whole, its experts' widths split; LFM3's gate rows of each rank's heads, its sliding window)
 and Kimi-Linear (KDA heads split with the low-rank gate projections whole, MLA heads split with
-the latent row whole, the MoE router whole).
+the latent row whole, the MoE router whole) and Ling-3 (`bailing_hybrid`: the full-rank KDA
+gates split by head, RoPE MLA with its head gate split, the clamped SwiGLUs per rank).
 Prefill logits (one shot and in chunks of 48) and greedy decode logits within 1e-4 of tp=1 and
 of transformers, the same greedy tokens, and each rank holding little more than half the bytes
 (norms, routers, conv and dt parameters of replicated groups are whole or duplicated)."""
@@ -39,6 +40,7 @@ PRESETS = (
     "tiny-lfm2-moe",
     "tiny-lfm3",
     "tiny-kimi-linear",
+    "tiny-bailing-hybrid",
 )
 
 

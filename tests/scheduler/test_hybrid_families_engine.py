@@ -1,6 +1,7 @@
 """Each hybrid family (`tests.families`: NemotronH, Granite-4.0-H with and without experts,
-Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE, LFM3) through the whole scheduler: greedy tokens
-identical to transformers with the radix cache off and on in each Mamba strategy, prefill
+Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE, LFM3, Kimi-Linear, Ling-3) through the whole
+scheduler: greedy tokens identical to transformers with the radix cache off and on in each
+Mamba strategy, prefill
 chunked at a size neither SSD chunk (128, 256) divides, a repeated prompt and a shared prefix
 served from the cache; the leak checker clean after each. The short-conv families (LFM2, LFM2-MoE,
 LFM3) once more with prefill chunks of 37 and 100 tokens."""
