@@ -17,6 +17,7 @@ checkpoints are sent and answer.
 * ``lfm2`` (LFM2): in ``hybrid_serve/make_model/lfm2_chat_template.py``.
 * ``kimi-linear`` (Kimi-Linear, Kimi K2 Instruct): in
   ``hybrid_serve/make_model/kimi_chat_template.py``.
+* ``ling-3`` (Ling-3): in ``hybrid_serve/make_model/ling3_chat_template.py``.
 
 `TEMPLATE_TOKENS` names, per template, the tokens its tokenizer keeps whole and its end-of-turn
 token (the Qwen templates: ChatML's, which every preset tokenizer has; their think and tool tags
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from hybrid_serve.make_model.kimi_chat_template import KIMI_LINEAR, kimi_linear
 from hybrid_serve.make_model.lfm2_chat_template import lfm2
+from hybrid_serve.make_model.ling3_chat_template import LING_3, ling_3
 from hybrid_serve.make_model.mamba2_chat_templates import granite_4, nemotron_3
 from hybrid_serve.models.families import family_of_type
 
@@ -259,6 +261,12 @@ TEMPLATE_TOKENS: dict[str, TemplateTokens] = {
             "<|tool_call_end|>",
         ),
     ),
+    LING_3: TemplateTokens(
+        special=("<role>", "</role>", "<|role_end|>"),
+        tags=("<think>", "</think>", *_TOOL_TAGS, "<arg_key>", "</arg_key>")
+        + ("<arg_value>", "</arg_value>"),
+        eos="<|role_end|>",
+    ),
 }
 
 
@@ -271,6 +279,7 @@ TEMPLATES: dict[str, str] = {
     "granite-4.0": granite_4(),
     "lfm2": lfm2(),
     KIMI_LINEAR: kimi_linear(),
+    LING_3: ling_3(),
 }
 # The families' own templates (the others: Qwen3-Next Instruct, ChatML; Bamba ships none)
 

@@ -435,9 +435,9 @@ FAMILIES: tuple[Family, ...] = (
             f"{_MK}.bailing_hybrid_preset.BAILING_HYBRID_PRESETS",
             f"{_MK}.bailing_hybrid_preset.BAILING_HYBRID_REAL_SHAPES",
         ),
-        chat_template="qwen3.5",  # Ling's own template and GLM-4.7 XML tool calls: not yet here
-        tool_call_format="qwen3_coder",
-        reasoning_format="qwen3",
+        chat_template="ling-3",
+        tool_call_format="ling3",
+        reasoning_format="ling3",
         init_rules=(
             (".A_log", "a_log"),
             (".dt_bias", "dt_bias"),

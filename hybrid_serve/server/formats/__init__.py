@@ -13,11 +13,13 @@ LFM2's tags, JSON calls in the list included); `auto` gives the format's own nam
 from __future__ import annotations
 
 from hybrid_serve.server.formats.kimi_k2 import KimiK2
+from hybrid_serve.server.formats.ling3 import Ling3
 from hybrid_serve.server.formats.pythonic import Pythonic
 from hybrid_serve.server.formats.qwen3_coder import Qwen3Coder
 from hybrid_serve.server.formats.qwen25 import Qwen25
 from hybrid_serve.server.formats.reasoning import (
     KimiK2Reasoning,
+    Ling3Reasoning,
     Qwen3Reasoning,
     Qwen3ThinkingReasoning,
     ReasoningFormat,
@@ -25,10 +27,10 @@ from hybrid_serve.server.formats.reasoning import (
 from hybrid_serve.server.formats.tool_call import ToolCallFormat
 
 TOOL_CALL_FORMATS: dict[str, type[ToolCallFormat]] = {
-    f.name: f for f in (Qwen3Coder, KimiK2, Pythonic, Qwen25)
+    f.name: f for f in (Qwen3Coder, KimiK2, Ling3, Pythonic, Qwen25)
 }
 REASONING_FORMATS: dict[str, type[ReasoningFormat]] = {
-    f.name: f for f in (Qwen3Reasoning, KimiK2Reasoning, Qwen3ThinkingReasoning)
+    f.name: f for f in (Ling3Reasoning, Qwen3Reasoning, KimiK2Reasoning, Qwen3ThinkingReasoning)
 }
 TOOL_CALL_ALIASES: dict[str, str] = {"qwen": Qwen25.name, "lfm2": Pythonic.name}
 REASONING_ALIASES: dict[str, str] = {"nemotron_3": Qwen3Reasoning.name}

@@ -179,3 +179,20 @@ class Qwen3ThinkingReasoning(ReasoningFormat):
     @classmethod
     def matches(cls, template: str | None) -> bool:
         return cls.in_template(template)
+
+
+class Ling3Reasoning(ReasoningFormat):
+    """`ling3` (SGLang's Ling-3 parser, GLM-4.5's `glm45` forced): `<think>` in Ling-3's
+    template (turns open with `<role>`), whose generation prompt opens the think block when
+    thinking is on and writes an empty one when it is off; a `<tool_call>` ends the reasoning
+    too (with the `ling3` call format: whatever follows the tag, as SGLang's tool start token).
+    SGLang's non-streamed `ling3` also returns a reasoning cut by the length limit as content
+    when no call was written; here it stays reasoning, as streamed (one split for any cut)."""
+
+    name = "ling3"
+    turn_start = "<role>"
+    always = True
+
+    @classmethod
+    def matches(cls, template: str | None) -> bool:
+        return cls.in_template(template) and "<role>ASSISTANT</role>" in template
