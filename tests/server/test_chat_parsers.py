@@ -146,9 +146,10 @@ def test_defaults_follow_the_template():
     # LFM2: pythonic calls in its tags; Kimi K2 / Kimi-Linear Instruct: the call section
     assert auto(TEMPLATES["lfm2"]) == (None, "pythonic")
     assert auto(TEMPLATES["kimi-linear"]) == (None, "kimi_k2")
+    assert auto(TEMPLATES["ling-3"]) == ("ling3", "ling3")  # also has enable_thinking: first
     assert chat_format("none", "qwen25", TEMPLATES["qwen3.5"]) == ChatFormat(None, Qwen25)
-    assert list(REASONING_FORMATS) == ["qwen3", "kimi_k2", "qwen3-thinking"]
-    assert list(TOOL_CALL_FORMATS) == ["qwen3_coder", "kimi_k2", "pythonic", "qwen25"]
+    assert list(REASONING_FORMATS) == ["ling3", "qwen3", "kimi_k2", "qwen3-thinking"]
+    assert list(TOOL_CALL_FORMATS) == ["qwen3_coder", "kimi_k2", "ling3", "pythonic", "qwen25"]
     # SGLang's other names for these parsers
     aliased = ChatFormat(Qwen3Reasoning, Qwen25)
     assert chat_format("nemotron_3", "qwen", TEMPLATES["granite-4.0"]) == aliased
