@@ -16,7 +16,7 @@ logger = logging.getLogger("hybrid-serve")
 def cmd_make_model(args: argparse.Namespace) -> None:
     import torch
 
-    from hybrid_serve.make_model.lfm2_preset import LFM2_REAL_SHAPES
+    from hybrid_serve.make_model.lfm2_preset import LFM2_FULL_SIZE
     from hybrid_serve.make_model.nemotron_h_preset import NEMOTRON_H_SCALED
     from hybrid_serve.make_model.presets import (
         count_parameters,
@@ -47,7 +47,7 @@ def cmd_make_model(args: argparse.Namespace) -> None:
         return
     n = count_parameters(config)
     fp8 = {"dtype": torch.bfloat16, "fp8_block": (128, 128)} if args.fp8 else {}
-    full_size = any(args.preset in d for d in (REAL_SHAPES, NEMOTRON_H_SCALED, LFM2_REAL_SHAPES))
+    full_size = any(args.preset in d for d in (REAL_SHAPES, NEMOTRON_H_SCALED, LFM2_FULL_SIZE))
     if full_size and not fp8:  # the releases' dtype; drawn in fp32 first
         fp8 = {"dtype": torch.bfloat16}
         gb = f"{2 * n / 1e9:.1f} GB of bf16 weights ({4 * n / 1e9:.1f} GB of memory while drawing)"

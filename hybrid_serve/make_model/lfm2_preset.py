@@ -19,7 +19,7 @@ a multiple of 64: 320). `tiny-lfm2-moe`: LFM2-MoE, 6 layers (attention at 2 and 
 layers, then MoE blocks of 8 experts (top 2, expert bias, renormalised, scaled by 1.5), written
 with the release's per-expert `feed_forward.experts.{e}.{w1,w3,w2}.weight` (the row's rule).
 
-`lfm2-2.6b` (`LFM2_REAL_SHAPES`) is LiquidAI/LFM2-2.6B's shape, written in full (bf16 on disk):
+`lfm2-2.6b` (`LFM2_FULL_SIZE`) is LiquidAI/LFM2-2.6B's shape, written in full (bf16 on disk):
 the dense checkpoint of the CPU comparison with llama.cpp (issue 57). Its config.json as
 transcribed in public code (one transcription verbatim with its `layer_types`; a vLLM test
 fixture agrees on hidden 2048, 30 layers, 32 heads over 8 KV heads and width 10752; an MLX
@@ -78,7 +78,7 @@ LFM2_PRESETS: dict[str, dict] = {
     },
 }
 _LFM2_2_6B_ATTENTION = (2, 5, 9, 13, 17, 21, 24, 27)
-LFM2_REAL_SHAPES: dict[str, dict] = {
+LFM2_FULL_SIZE: dict[str, dict] = {
     "lfm2-2.6b": {
         "model_type": "lfm2",
         "vocab_size": 65_536,

@@ -331,7 +331,11 @@ FAMILIES: tuple[Family, ...] = (
         model_class=f"{_MM}.lfm2.Lfm2ForCausalLM",
         config_class=f"{_MM}.lfm2_config.Lfm2Config",
         preset_module=f"{_MK}.lfm2_preset",
-        presets=(f"{_MK}.lfm2_preset.LFM2_PRESETS", f"{_MK}.lfm2_preset.LFM2_REAL_SHAPES"),
+        presets=(
+            f"{_MK}.lfm2_preset.LFM2_PRESETS",
+            f"{_MK}.lfm2_preset.LFM2_REAL_SHAPES",
+            f"{_MK}.lfm2_preset.LFM2_FULL_SIZE",
+        ),
         chat_template="lfm2",
         tool_call_format="pythonic",
         reasoning_format=None,

@@ -1,4 +1,4 @@
-"""The `lfm2-2.6b` preset (make_model/lfm2_preset.py `LFM2_REAL_SHAPES`): LiquidAI/LFM2-2.6B's
+"""The `lfm2-2.6b` preset (make_model/lfm2_preset.py `LFM2_FULL_SIZE`): LiquidAI/LFM2-2.6B's
 shape, the dense checkpoint of the CPU comparison with llama.cpp, read by our config and built
 by our model as the release's 2.6B parameters."""
 
