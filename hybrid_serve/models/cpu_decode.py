@@ -15,16 +15,16 @@ order, as the eager step does, so its logits and pool updates are bit-identical 
                       post-norm    x = x + rms_norm_plain(sublayer(x))     (OLMo attention)
                       sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
                       q/k norms, Qwen's gated attention, Falcon-H1's Mamba2 + attention, LFM2's
-                      gated short conv, Kimi's KDA and MLA over the latent rows), then the MLP (SwiGLU,
-                      relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's top-k MoE with
-                      its shared MLP, LFM2-MoE's sigmoid-routed MoE, Kimi's grouped MoE),
+                      gated short conv, Kimi's KDA and MLA over the latent rows), then the MLP
+                      (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's top-k MoE
+                      with its shared MLP, LFM2-MoE's sigmoid-routed MoE, Kimi's grouped MoE),
                       with the families' multipliers
     logits = lm_head(final norm) * logits multiplier
 
 The families (`BLOCKS`, by the class of the stack's layers, so a model is typed by its blocks,
 not by its family's class): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
-NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE and Kimi-Linear. The plan applies
-where the model's kernel set is the C++ one with its fused decode ops
+NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE and Kimi-Linear. The
+plan applies where the model's kernel set is the C++ one with its fused decode ops
 (`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with no biases but the
 Mamba2 convs', fp32 norms, states and KV, fp32, bf16 or quantized matrices, and at most
 `MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at batch where
@@ -472,8 +472,8 @@ class CpuDecodePlan:
     (bit for bit, pools updated alike), for a model `refusal` accepts. It holds the model's
     parameter tensors themselves: weights changed in place are seen, replaced parameters are
     not. `for_mtp` builds the same over a Qwen3-Next MTP head's layer (`rows`, its drafts'
-    passes). Batches of more rows than `rows` (Granite's, LFM2-MoE's and Kimi's routed experts beyond
-    their C++ op's rows) run the eager model."""
+    passes). Batches of more rows than `rows` (Granite's, LFM2-MoE's and Kimi's routed experts
+    beyond their C++ op's rows) run the eager model."""
 
     def __init__(self, model: HybridForCausalLM, layers=None, norm=None, lm_head=None) -> None:
         self.model = model

@@ -208,8 +208,8 @@ def test_a_refused_plan_warns_once_with_what_would_let_it_apply(
 
 def test_block_step_checks_its_layout(ckpt):
     """`BlockStep` takes the flat lists `CpuDecodePlan` writes; lists of the wrong length, kinds
-    it has no layout for (past the last mixer and MLP kinds) and deferred-residual blocks mixed with others
-    are refused when it is built, not read past when it runs."""
+    it has no layout for (past the last mixer and MLP kinds) and deferred-residual blocks mixed
+    with others are refused when it is built, not read past when it runs."""
     model = load_model(ckpt, dtype="float32")
     norm, head = model.model.norm.weight, model.lm_head.weight
     step = torch.classes.hybrid_serve.BlockStep

@@ -7,7 +7,9 @@
 // (the short conv's too) and delta rule) and ATen's ops in the sequence of the torch references where it calls those
 // (kernels/rmsnorm.py rms_norm_plain, kernels/attn_step.py apply_rope, kernels/attention.py
 // store_kv and decode_attention, kernels/gdn_step.py gates, kernels/relu2_moe.py relu2_moe,
-// kernels/experts.py fused_experts, the LFM2 modules' elementwise gates and router). So its logits and pool updates are bit-identical to the
+// kernels/experts.py fused_experts, the LFM2 modules' elementwise gates and router, Kimi's KDA
+// gates and sigmoid-gated norm (kernels/gdn_step.py, kernels/rmsnorm.py) and MLA's absorbed
+// decode (models/mla_attention.py)). So its logits and pool updates are bit-identical to the
 // eager step's (the constructor's `bf16_products` is the kernel set's), without the trips
 // through Python and the dispatcher. A change to one of those references or to a family's layer
 // must be mirrored here: tests/models/test_cpu_decode.py compares the two bit for bit.
@@ -675,9 +677,8 @@ at::Tensor kda(const at::Tensor& h, const Kda& k, const Batch& b) {
   const at::Tensor xf = core.reshape({T * H, d}).to(at::kFloat);
   const at::Tensor normed =
       xf * at::rsqrt(xf.pow(2).mean(at::IntArrayRef{-1}, /*keepdim=*/true) + k.eps);
-  const at::Tensor y = (w[11].to(at::kFloat) * normed * z.reshape({T * H, d}).to(at::kFloat)
-                                                           .sigmoid())
-                           .to(core.scalar_type());
+  const at::Tensor zf = z.reshape({T * H, d}).to(at::kFloat);
+  const at::Tensor y = (w[11].to(at::kFloat) * normed * zf.sigmoid()).to(core.scalar_type());
   return hs::linear(y.reshape({T, H * d}), w[12], b.bf16);
 }
 
