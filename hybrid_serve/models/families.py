@@ -352,7 +352,10 @@ FAMILIES: tuple[Family, ...] = (
         model_class=f"{_MM}.kimi_linear.KimiLinearForCausalLM",
         config_class=f"{_MM}.kimi_linear_config.KimiLinearConfig",
         preset_module=f"{_MK}.kimi_linear_preset",
-        presets=(f"{_MK}.kimi_linear_preset.KIMI_LINEAR_PRESETS",),
+        presets=(
+            f"{_MK}.kimi_linear_preset.KIMI_LINEAR_PRESETS",
+            f"{_MK}.kimi_linear_preset.KIMI_LINEAR_BENCH_PRESETS",
+        ),
         chat_template="kimi-linear",
         tool_call_format="kimi_k2",
         reasoning_format=None,
