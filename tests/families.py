@@ -12,6 +12,8 @@ difference from the trained model patched where its port has one.
                               norms), the MLP width by transformers' rounding rule
     tiny-lfm2-moe             LFM2-MoE: the same layers, dense MLPs then sigmoid-routed experts
                               with an expert bias (per-expert tensors, as released)
+    tiny-lfm3                 LFM3: short-conv, full and sliding-window attention layers (per-kind
+                              RoPE, a per-head output gate), sandwich norms
     tiny-kimi-linear          Kimi-Linear: KDA and NoPE MLA layers, a dense MLP then grouped
                               sigmoid-routed experts with a shared one (the release's names)
 

@@ -9,7 +9,12 @@ rules, and between modules, which form no cycle at all (neither through the impo
 when a module loads nor through a deferred or typing-only one).
 
 The benchmark scripts (benchmarks/) sit on top: no runtime module imports one, and they form no
-import cycle among themselves either.
+import cycle among themselves either, nor with the runtime.
+
+The family table (`models.families`) names classes and preset modules by dotted path, imported
+by `resolve` where they are used: those string imports keep the direction too (the model and
+config classes under models/, which the registry resolves; the preset modules, their dicts and
+extras under make_model/, which make_model resolves).
 """
 
 from __future__ import annotations
@@ -207,4 +212,32 @@ def test_the_runtime_imports_no_benchmark():
         for d in imports(path, known)
         if d.split(".")[0] == "benchmarks"
     )
+    assert bad == [], "\n".join(bad)
+
+
+def test_no_cycle_between_runtime_and_benchmark_modules():
+    known = {**modules(), **benchmark_modules()}
+    found = [sorted(c) for c in cycles({m: set(d) for m, d in graph(known).items()})]
+    assert found == [], f"modules importing each other: {found}"
+
+
+def test_the_family_tables_dotted_paths_follow_the_direction():
+    from hybrid_serve.models.families import FAMILIES, resolve
+
+    known = modules()
+    bad = []
+    for family in FAMILIES:
+        resolved_by = {  # dotted path -> the package whose code resolves it
+            family.model_class: "models",
+            family.config_class: "models",
+            f"{family.preset_module}.complete_config": "make_model",
+            **dict.fromkeys(family.presets, "make_model"),
+            **({family.preset_extra: "make_model"} if family.preset_extra else {}),
+        }
+        for path, user in resolved_by.items():
+            module = path.rpartition(".")[0]
+            assert module in known, f"{family.name}: {path} names no runtime module"
+            if package(module) != user:
+                bad.append(f"{family.name}: {path} (resolved from {user})")
+            resolve(path)  # the attribute exists
     assert bad == [], "\n".join(bad)

@@ -4,7 +4,9 @@ Same contracts and signatures as the torch references in `kernels.attention`: ke
 of request r at positions 0..seq_len-1 live at `k_buffer[req_to_token[req_slot_r, :seq_len]]`,
 query head h reads KV head h // (nH // nKV), and callers store the new tokens' K/V (`store_kv`)
 before attending. Both attention kernels keep an online softmax in fp32 (flash-attention
-style) and gather K/V rows through `req_to_token` one block of positions at a time.
+style) and gather K/V rows through `req_to_token` one block of positions at a time. A sliding
+`window` W > 0 limits the query at position p to the keys at p - W + 1 .. p, and the kernels
+start at the first block that holds one of them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import triton
 import triton.language as tl
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
-BLOCK_M, BLOCK_N = 32, 32  # extend: queries x keys per step
+BLOCK_M, BLOCK_N = 32, 32  # extend: queries x keys per step (BLOCK_N >= BLOCK_M: windows)
 BLOCK_N_DECODE = 64
 
 
@@ -22,7 +24,7 @@ BLOCK_N_DECODE = 64
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, slot_ptr, qsl_ptr, prefix_ptr,
     stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ot, stride_oh,
-    stride_r2t, scale,
+    stride_r2t, scale, window,
     GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
@@ -43,7 +45,9 @@ def _extend_kernel(
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     end = prefix + tl.minimum((i_m + 1) * BM, extend)  # keys up to the last query's position
-    for start in range(0, end, BN):
+    # with a window, from the block's first query's first visible key
+    lo = tl.where(window > 0, tl.maximum(prefix + i_m * BM - window + 1, 0), 0)
+    for start in range(lo, end, BN):
         rn = start + tl.arange(0, BN)
         m_n = rn < end
         loc = tl.load(r2t + rn, mask=m_n, other=0).to(tl.int64)
@@ -52,8 +56,11 @@ def _extend_kernel(
         v = tl.load(v_ptr + loc[:, None] * stride_vl + kvh * stride_vh + rd[None, :], mask=m_kv)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
         visible = (rn[None, :] <= prefix + rm[:, None]) & m_n[None, :]  # causal, keys exist
+        visible &= (window <= 0) | (rn[None, :] > prefix + rm[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
+        # finite: the first block holds every row's first visible key (key 0, or with a window
+        # the keys lo .. lo + BM - 1, as BN >= BM)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -73,8 +80,10 @@ def extend_attention(
     prefix_lens: list[int],  # cached tokens per request
     extend_lens: list[int],  # new tokens per request (sum == T)
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Prefill: new token i of request r sees positions 0..prefix_len_r + i."""
+    """Prefill: new token i of request r sees positions 0..prefix_len_r + i (the last `window`
+    of them with a window)."""
     T, nH, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -89,7 +98,7 @@ def extend_attention(
         q, k_buffer, v_buffer, out, req_to_token, req_slots, qsl, prefix,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), scale,
+        req_to_token.stride(0), scale, window,
         GROUP=nH // k_buffer.shape[1], D=D, BD=max(16, triton.next_power_of_2(D)),
         BM=BLOCK_M, BN=BLOCK_N, PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
@@ -100,7 +109,7 @@ def extend_attention(
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, slot_ptr, seq_len_ptr,
     stride_qb, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ob, stride_oh,
-    stride_r2t, scale,
+    stride_r2t, scale, window,
     GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     i_b, i_h = tl.program_id(0), tl.program_id(1)
@@ -114,7 +123,9 @@ def _decode_kernel(
     m_i = tl.max(tl.zeros([BN], tl.float32), 0) - float("inf")
     l_i = tl.sum(tl.zeros([BN], tl.float32), 0)
     acc = tl.zeros([BD], tl.float32)
-    for start in range(0, seq_len, BN):
+    # with a window, from key seq_len - window: the first block holds it, so m_i turns finite
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    for start in range(lo, seq_len, BN):
         rn = start + tl.arange(0, BN)
         m_n = rn < seq_len
         loc = tl.load(r2t + rn, mask=m_n, other=0).to(tl.int64)
@@ -141,9 +152,10 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [B] including the new token
     scale: float,
     max_seq_len: int | None = None,  # unused: the kernel reads seq_lens on the device
+    window: int = 0,
 ) -> torch.Tensor:
-    """Decode: every request's single query attends to all of its seq_len keys. No host sync
-    (graph-capturable)."""
+    """Decode: every request's single query attends to all of its seq_len keys (the last
+    `window` of them with a window). No host sync (graph-capturable)."""
     B, nH, D = q.shape
     out = torch.empty_like(q)
     if B == 0:
@@ -152,7 +164,7 @@ def decode_attention(
         q, k_buffer, v_buffer, out, req_to_token, req_slots, seq_lens,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), scale,
+        req_to_token.stride(0), scale, window,
         GROUP=nH // k_buffer.shape[1], D=D, BD=triton.next_power_of_2(D), BN=BLOCK_N_DECODE,
     )  # fmt: skip
     return out

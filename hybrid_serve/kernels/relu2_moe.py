@@ -10,6 +10,14 @@ non-gated relu^2 experts and a shared expert): pure-torch reference op.
 The bias only picks the experts; the weights are the un-biased scores (DeepSeek-V3's router).
 Experts are stacked: `experts_up` [E, I, H], `experts_down` [E, H, I]. The routed sum is taken
 in fp32 and cast to x's dtype before the shared expert's output is added.
+
+Latent MoE (Nemotron 3 Super, `moe_latent_size` L): the router and the shared expert read x,
+the experts its projection into the latent width, and their sum comes back through a second
+projection (transformers' `NemotronHMoE` with `fc1_latent_proj` / `fc2_latent_proj`):
+
+    z = latent_in x  [T, L];   y = latent_out (sum_k w_k expert_{id_k}(z)) + shared(x)
+
+with the experts stacked as `experts_up` [E, I, L], `experts_down` [E, L, I].
 """
 
 from __future__ import annotations
@@ -98,6 +106,8 @@ def relu2_moe(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    latent_in: torch.Tensor | None = None,  # [L, H]: the latent MoE's down projection, or None
+    latent_out: torch.Tensor | None = None,  # [H, L]: its up projection (with latent_in)
     *,
     linear: Callable = reference_linear,
 ) -> torch.Tensor:
@@ -105,5 +115,8 @@ def relu2_moe(
     weights, ids = route(
         x, router_w, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling
     )
-    routed = relu2_experts(x, ids, weights, experts_up, experts_down, linear=linear).to(x.dtype)
+    z = x if latent_in is None else linear(x, latent_in)
+    routed = relu2_experts(z, ids, weights, experts_up, experts_down, linear=linear).to(x.dtype)
+    if latent_out is not None:
+        routed = linear(routed, latent_out)
     return routed + linear(relu2(linear(x, shared_up)), shared_down)

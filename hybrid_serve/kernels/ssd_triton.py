@@ -229,6 +229,28 @@ def _chunk_scan_kernel(
     tl.store(y_ptr + (rows[:, None] * H + i_h) * P + rp[None, :], acc, mask=m_out)
 
 
+def _track_offsets(track_offsets: torch.Tensor | list[int] | None, lens: list[int]) -> list[int]:
+    """The track offsets as a list, one per sequence of length `lens[i]` (none: zeros); a
+    `ValueError` for one outside its sequence."""
+    offsets = [0] * len(lens) if track_offsets is None else track_offsets
+    offsets = offsets.tolist() if torch.is_tensor(offsets) else list(offsets)
+    for off, length in zip(offsets, lens, strict=True):
+        if not 0 <= off <= length:
+            raise ValueError(f"track offset {off} outside a sequence of {length}")
+    return offsets
+
+
+def _chunk_list(lens: list[int], chunk_size: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """(every chunk as (its sequence, its index there), sequence by sequence; each sequence's
+    first chunk's position in that list) for sequences of lengths `lens` (non-empty)."""
+    per_seq = [triton.cdiv(length, chunk_size) for length in lens]
+    chunks = [(i, c) for i, count in enumerate(per_seq) for c in range(count)]
+    first = [0]
+    for count in per_seq[:-1]:
+        first.append(first[-1] + count)
+    return chunks, first
+
+
 def mamba_chunk_scan_combined(
     x: torch.Tensor,  # [T, H, P]
     dt: torch.Tensor,  # [T, H] before bias and softplus
@@ -258,18 +280,10 @@ def mamba_chunk_scan_combined(
     y = torch.empty(T, H, P, dtype=torch.float32, device=dev)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     n = len(lens)
-    offsets = [0] * n if track_offsets is None else track_offsets
-    offsets = offsets.tolist() if torch.is_tensor(offsets) else list(offsets)
-    for off, length in zip(offsets, lens, strict=True):
-        if not 0 <= off <= length:
-            raise ValueError(f"track offset {off} outside a sequence of {length}")
+    offsets = _track_offsets(track_offsets, lens)
     if n == 0:
         return y
-    per_seq = [triton.cdiv(length, chunk_size) for length in lens]
-    chunks = [(i, c) for i, count in enumerate(per_seq) for c in range(count)]
-    first = [0]
-    for count in per_seq[:-1]:
-        first.append(first[-1] + count)
+    chunks, first = _chunk_list(lens, chunk_size)
     idx32 = dict(dtype=torch.int32, device=dev)
     chunk_idx = torch.tensor(chunks or [(0, 0)], **idx32)
     first_chunk = torch.tensor(first, **idx32)

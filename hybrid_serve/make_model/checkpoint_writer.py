@@ -102,8 +102,8 @@ def write_checkpoint(
     same seed.
 
     ``config["mtp_num_hidden_layers"]`` > 0 adds the complete multi-token-prediction head
-    (:func:`_mtp_specs`), drawn after every other tensor: the rest of the checkpoint holds the
-    same numbers as without it.
+    (``make_model.qwen3_next_preset.mtp_head``), drawn after every other tensor: the rest of
+    the checkpoint holds the same numbers as without it.
 
     ``chat_template`` names one of :data:`make_model.chat_templates.TEMPLATES` (default: the model
     family's: Qwen3-Next Instruct, Qwen3.5, Nemotron-3-Nano or Granite 4.0); the tokenizer holds

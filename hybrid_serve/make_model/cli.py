@@ -29,7 +29,11 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     fit_options = _checked_options(args)
     config = preset_config(args.preset)
-    if args.mtp or args.fit_mtp:  # the multi-token-prediction head, one layer as released
+    if config.get("model_type") == "nemotron_h" and (args.mtp or args.fit_mtp):
+        if args.fit_mtp:
+            raise ValueError("--fit-mtp fits Qwen3-Next and Qwen3.5 heads only")
+        config.setdefault("num_nextn_predict_layers", 1)  # one step, as Nemotron 3 Super's
+    elif args.mtp or args.fit_mtp:  # the multi-token-prediction head, one layer as released
         config["mtp_num_hidden_layers"] = 1
     template = args.chat_template or CHAT_TEMPLATES.get(args.preset)
     if args.config_only:

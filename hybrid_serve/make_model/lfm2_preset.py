@@ -103,6 +103,67 @@ LFM2_REAL_SHAPES: dict[str, dict] = {
     },
 }
 
+# Real shapes for `--load-format dummy` (`make-model --config-only`), in the releases' config.json
+# form. Sources:
+#   LiquidAI/LFM2.5-8B-A1B  its config.json as transcribed in two public repositories (an
+#       architecture note quoting the file, and a GGUF loader that checks the same figures against
+#       the release's GGUF metadata): every value below, attention at layers 2, 6, 10, 14, 18, 21.
+#   LiquidAI/LFM2-24B-A2B  Liquid's release post (liquid.ai/blog/lfm2-24b-a2b: the hidden size and
+#       attention configuration of LFM2-8B-A1B, i.e. 32 heads, 8 KV heads of 64; 40 layers, 10 of
+#       them attention; 64 experts, top-4, of width 1536; the first two layers dense), its model
+#       card (huggingface.co/LiquidAI/LFM2-24B-A2B: vocabulary 65,536, context 32,768) and
+#       Together's model page (the same figures, a tied head in Cactus's diagram). Not transcribed
+#       from a config.json, so assumed as LFM2-8B-A1B has them: the dense width 7168, conv kernel
+#       3, rope_theta 1e6, the router's fields, and which 10 layers are attention (every fourth
+#       from layer 2); none changes a byte count, and the dense width is checked by the total the
+#       releases state (23.8B) in tests/models/test_lfm_real_shapes.py.
+_LFM2_MOE_REAL = {
+    "model_type": "lfm2_moe",
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 7168,
+    "num_dense_layers": 2,
+    "num_experts_per_tok": 4,
+    "use_expert_bias": True,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0,
+    "conv_L_cache": 3,
+    "conv_bias": False,
+    "norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+LFM2_REAL_SHAPES: dict[str, dict] = {
+    "lfm2-24b-a2b": {
+        **_LFM2_MOE_REAL,
+        "vocab_size": 65_536,
+        "num_hidden_layers": 40,
+        "layer_types": ["full_attention" if i % 4 == 2 else "conv" for i in range(40)],
+        "num_experts": 64,
+        "moe_intermediate_size": 1536,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 32_768,
+    },
+    "lfm2.5-8b-a1b": {
+        **_LFM2_MOE_REAL,
+        "vocab_size": 128_000,
+        "num_hidden_layers": 24,
+        "layer_types": [
+            "full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)
+        ],
+        "num_experts": 32,
+        "moe_intermediate_size": 1792,
+        "rope_theta": 5_000_000.0,
+        "max_position_embeddings": 128_000,
+    },
+}
+
+# released names' figures: (total parameters, active parameters per token)
+PUBLISHED: dict[str, tuple[float, float]] = {
+    "lfm2-24b-a2b": (23.8e9, 2.3e9),
+    "lfm2.5-8b-a1b": (8.3e9, 1.5e9),
+}
+
 
 def complete_config(config: dict, extra: dict) -> dict:
     """`config` plus what transformers needs (`extra`: architectures, dtype, special-token

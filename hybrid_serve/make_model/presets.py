@@ -15,13 +15,13 @@ A checkpoint directory produced here loads with ``transformers`` (``AutoModelFor
   :mod:`hybrid_serve.make_model.tokenizer_builder`) and ``generation_config.json``.
 
 Weights are a pure function of ``(config, seed, dtype, expert_layout, init_range, fp8_block)``:
-they are drawn in fp32 from one ``torch.Generator`` in the fixed key order of
-:func:`checkpoint_shapes` (per-expert order, also for the fused layout, so both layouts hold the
-same numbers; an MTP head is drawn last, so the main model's numbers do not depend on it), then
-quantized (``fp8_block``) or cast to ``dtype``; ``A_log`` and ``dt_bias`` always stay fp32, as in
-real checkpoints. Equal arguments give byte-identical files. That order is the Qwen families';
-the other families' presets are drawn in the order of transformers' own model for the config
-and written in their released layout (:mod:`hybrid_serve.make_model.tensor_specs`).
+every family's are drawn in fp32 from one ``torch.Generator`` in the order of transformers' own
+model for the config (its stacked experts whole, so both expert layouts hold the same numbers;
+an MTP head, which transformers does not build, is drawn last, so the main model's numbers do
+not depend on it) and written in their released layout
+(:mod:`hybrid_serve.make_model.tensor_specs`), then quantized (``fp8_block``) or cast to
+``dtype``; ``A_log`` and ``dt_bias`` always stay fp32, as in real checkpoints. Equal arguments
+give byte-identical files.
 
 Initialisation (chosen so greedy decoding of random weights is varied and rarely near-tied, see
 the "near-ties" note in the CPU anchors): linear and embedding weights ~ N(0, init_range);

@@ -1,12 +1,17 @@
 """Qwen3-Next and Qwen3.5 presets: config dicts in the presets' flat form (`PRESETS`; the released
 models' shapes are in `make_model.real_shapes`), their validation and their completion for
 transformers. Plain data and Python: `make-model`'s parser reads the names without torch. Their
-tensors are laid out by hand in `make_model.tensor_specs` (transformers builds no MTP head).
+tensors are transformers' model's for the config (`make_model.tensor_specs.model_specs`), with
+the MTP head transformers does not build declared here (`mtp_head`, the row's `preset_extra`).
 """
 
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
 
 COMMON: dict = {
     "hidden_act": "silu",
@@ -120,6 +125,32 @@ def complete_config(config: dict, extra: dict) -> dict:
         **extra,
     )
     return cfg
+
+
+def mtp_head(model: Any, config: dict) -> dict[str, nn.Module]:
+    """The multi-token-prediction head Qwen releases beside the model, for transformers' model
+    `model` of completed config `config` (call it on the meta device): {} without
+    `mtp_num_hidden_layers`, else {"mtp": head}. The head holds, in this order, `fc` [hidden,
+    2 * hidden] over the two pre-fc norms `pre_fc_norm_embedding` and `pre_fc_norm_hidden`,
+    `mtp_num_hidden_layers` full-attention decoder layers of the model's own class (layer i's
+    MLP by the model's rule for layer index i: MoE or dense) and the final `norm`, the norms of
+    the model's own final norm's class."""
+    from torch import nn
+
+    n = config.get("mtp_num_hidden_layers", 0)
+    if not n:
+        return {}
+    hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+    layer, norm = type(model.model.layers[0]), type(model.model.norm)
+    layers_config = copy.copy(model.config)
+    layers_config.layer_types = ["full_attention"] * n
+    head = nn.Module()
+    head.fc = nn.Linear(2 * hidden, hidden, bias=False)
+    head.pre_fc_norm_embedding = norm(hidden, eps=eps)
+    head.pre_fc_norm_hidden = norm(hidden, eps=eps)
+    head.layers = nn.ModuleList(layer(layers_config, i) for i in range(n))
+    head.norm = norm(hidden, eps=eps)
+    return {"mtp": head}
 
 
 PRESETS: dict[str, dict] = {

@@ -30,7 +30,7 @@ Mamba2 convs', fp32 norms, states and KV, fp32, bf16 or quantized matrices, and 
 `MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at batch where
 it has one (`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs
 through the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the eager model for
-the others (which serve no MTP head today).
+the others; so do their MTP heads' passes (`for_mtp`: Qwen3-Next's head only).
 
 `CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
 per process that names why and the setting that would let a plan apply (`refusal`,
@@ -236,7 +236,8 @@ def qwen3_next_blocks(model: HybridForCausalLM, layers) -> Blocks:
 
 def nemotron_h_blocks(model: HybridForCausalLM, layers) -> Blocks:
     """NemotronH's blocks (`models.nemotron_h`): one pre-norm sublayer each, a mixer (Mamba2,
-    NoPE attention) or an MLP (relu^2, relu^2 MoE)."""
+    NoPE attention) or an MLP (relu^2, relu^2 MoE, its experts in a latent width where the
+    block has the latent projections)."""
     out = Blocks()
     for block in layers:
         m = block.mixer
@@ -253,12 +254,17 @@ def nemotron_h_blocks(model: HybridForCausalLM, layers) -> Blocks:
             out.add([m.up_proj.weight, m.down_proj.weight])
         else:
             c, shared = m.config, m.shared_experts
+            latent = (
+                []
+                if m.fc1_latent_proj is None
+                else [m.fc1_latent_proj.weight, m.fc2_latent_proj.weight]
+            )
             out.block(PRE, NO_MIXER, RELU2_MOE)
             out.sublayer_norm(block.norm)
             out.add(
                 [m.gate.weight, m.gate.e_score_correction_bias, m.experts.up_proj,
-                 m.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight],
-                [c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob],
+                 m.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight, *latent],
+                [c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, bool(latent)],
                 [c.routed_scaling_factor],
             )  # fmt: skip
     return out
@@ -501,9 +507,12 @@ class CpuDecodePlan:
         )  # fmt: skip
 
     @classmethod
-    def for_mtp(cls, model: HybridForCausalLM) -> CpuDecodePlan:
+    def for_mtp(cls, model: HybridForCausalLM) -> CpuDecodePlan | None:
         """The plan over the MTP head's layer, its norm and its LM head (for `rows`); call
-        where the model's own plan applies."""
+        where the model's own plan applies. None for a head whose layers are not Qwen3-Next's
+        (NemotronH's head: its eager forward drafts)."""
+        if block_builder(model) is not qwen3_next_blocks:
+            return None
         mtp = model.mtp
         head = (mtp.lm_head if mtp.lm_head is not None else model.lm_head).weight
         return cls(model, mtp.layers, mtp.norm, head)

@@ -50,7 +50,8 @@ FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
 
 
 def init_kind(name: str) -> str:
-    """The presets' init kind of parameter `name` (`make_model.tensor_specs`' kinds)."""
+    """The presets' init kind of parameter `name` (the kinds of `make_model.tensor_specs`
+    and the Qwen rows' `init_rules`)."""
     if name.endswith(".A_log"):
         return "a_log"
     if name.endswith(".dt_bias"):

@@ -26,11 +26,13 @@ A row reads:
                    pick from that template (`server.formats`; reasoning None: none), as the
                    server serves the family's presets by default
     init_rules     the presets' init kind by name suffix (first match, else "w") of the tensors of
-                   transformers' own model for the config, built on the meta device; None: the
-                   presets' tensors are laid out by hand (`make_model.tensor_specs`: the Qwen
-                   families, whose MTP head transformers does not build)
+                   transformers' own model for the config, built on the meta device
     preset_rules   which kinds of `NameRules` the presets write in the released spelling (the
                    others stay as transformers names them)
+    preset_extra   None, or the make_model function (dotted path) that declares the modules a
+                   release holds beside transformers' model (Qwen's and NemotronH's MTP heads,
+                   `mtp.*`), built from transformers' own classes and drawn after the model's
+                   tensors
 
 `python -m hybrid_serve.models.families --markdown` prints the family and `model_type` columns of
 the README's table.
@@ -93,8 +95,9 @@ class Family:
     chat_template: str
     tool_call_format: str
     reasoning_format: str | None
-    init_rules: tuple[tuple[str, str], ...] | None = None
+    init_rules: tuple[tuple[str, str], ...]
     preset_rules: tuple[str, ...] = RULE_KINDS
+    preset_extra: str | None = None
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -125,6 +128,16 @@ MAMBA2_INIT = (  # plain-weight norms and D around 1 (the Mamba2 hybrids' and OL
     ("norm.weight", "norm1"),
     ("norm_f.weight", "norm1"),
 )
+LFM_INIT = ((".conv.conv.weight", "conv"), ("norm.weight", "norm1"))  # LFM2's and LFM3's
+QWEN_INIT = (  # zero-centred norms, the GDN gated norm around 1
+    (".A_log", "a_log"),
+    (".dt_bias", "dt_bias"),
+    ("conv1d.weight", "conv"),
+    ("linear_attn.norm.weight", "norm1"),
+    ("norm.weight", "norm0"),
+    ("norm_embedding.weight", "norm0"),
+    ("norm_hidden.weight", "norm0"),
+)
 _MM = "hybrid_serve.models"
 _MK = "hybrid_serve.make_model"
 _QWEN = dict(
@@ -132,6 +145,9 @@ _QWEN = dict(
     config_class=f"{_MM}.qwen3_next_config.Qwen3NextConfig",
     preset_module=f"{_MK}.qwen3_next_preset",
     presets=(f"{_MK}.qwen3_next_preset.PRESETS", f"{_MK}.real_shapes.REAL_SHAPES"),
+    init_rules=QWEN_INIT,
+    preset_rules=("stacked",),  # the text model's prefix stays (a wrapper adds its own)
+    preset_extra=f"{_MK}.qwen3_next_preset.mtp_head",
 )
 _MAMBA2 = dict(
     config_class=f"{_MM}.mamba2_hybrid_config.Mamba2HybridConfig",
@@ -211,6 +227,7 @@ FAMILIES: tuple[Family, ...] = (
         tool_call_format="qwen3_coder",
         reasoning_format="qwen3",
         init_rules=MAMBA2_INIT,
+        preset_extra=f"{_MK}.nemotron_h_preset.mtp_head",
     ),
     Family(
         name="Granite-4.0-H",
@@ -318,7 +335,25 @@ FAMILIES: tuple[Family, ...] = (
         chat_template="lfm2",
         tool_call_format="pythonic",
         reasoning_format=None,
-        init_rules=((".conv.conv.weight", "conv"), ("norm.weight", "norm1")),
+        init_rules=LFM_INIT,
+    ),
+    Family(
+        name="LFM3",
+        types=(
+            ModelType(
+                "lfm3",
+                "Lfm3ForCausalLM",
+                NameRules(renames=(("self_attn.gate_proj", "self_attn.g_proj"),)),
+            ),
+        ),
+        model_class=f"{_MM}.lfm3.Lfm3ForCausalLM",
+        config_class=f"{_MM}.lfm3_config.Lfm3Config",
+        preset_module=f"{_MK}.lfm3_preset",
+        presets=(f"{_MK}.lfm3_preset.LFM3_PRESETS", f"{_MK}.lfm3_preset.LFM3_REAL_SHAPES"),
+        chat_template="lfm2",
+        tool_call_format="pythonic",  # as LFM2's row: the lfm2 template's calls
+        reasoning_format=None,
+        init_rules=LFM_INIT,
     ),
     Family(
         name="Kimi-Linear",

@@ -5,7 +5,8 @@
     q, k = rope(q), rope(k)                     (when the model passes angles: Bamba's partial
                                                  RoPE, Falcon-H1's; none for NemotronH and
                                                  Granite-4.0-H, which use no positions)
-    y = o_proj(softmax(q k^T * scale) v)
+    y = o_proj(softmax(q k^T * scale) v)       (a sliding `window` > 0: each query sees its
+                                                 last `window` keys, itself included)
 
 New K/V are written into the KV pool at `ForwardBatch.out_loc`; keys are read back through
 `req_to_token`, so cached prefixes and new tokens are handled alike. A speculative verify batch
@@ -49,9 +50,11 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
         ops: KernelSet = REFERENCE,
         tp: ParallelContext | None = None,
+        window: int = 0,
     ) -> None:
         super().__init__()
         self.ops, self.kv_layer, self.key_multiplier = ops, kv_layer, key_multiplier
+        self.window = window
         self.tp = tp or ParallelContext()
         self.whole = (num_heads, num_kv_heads, head_dim, bias, qk_norm_eps is not None)
         num_heads = self.tp.split(num_heads, "num_attention_heads")[1]
@@ -86,6 +89,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`cos_sin`: the RoPE angles of the batch's positions [T, rotary_dim] (None: no
         positions)."""
+        return self.project_out(self.attend(x, batch, cos_sin))
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The heads' outputs [T, nH * hd], before the output projection (`forward`'s)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = self.ops.linear_multi(x, [p.weight for p in projs], [p.bias for p in projs])
         q, k = self.norm_qk(q, k)
@@ -102,14 +114,14 @@ class Attention(nn.Module):
         if batch.is_decode:
             o = self.ops.decode_attention(
                 q, k_buf, v_buf, batch.req_to_token, batch.req_slots, batch.seq_lens,
-                self.scale, batch.max_seq_len or None,
+                self.scale, batch.max_seq_len or None, window=self.window,
             )  # fmt: skip
         else:
             o = self.ops.extend_attention(
                 q, k_buf, v_buf, batch.req_to_token, batch.req_slots, batch.prefix_lens_cpu,
-                batch.extend_lens_cpu, self.scale,
+                batch.extend_lens_cpu, self.scale, window=self.window,
             )  # fmt: skip
-        return self.project_out(o.reshape(T, -1))
+        return o.reshape(T, -1)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The q/k norms of the projections q [T, nH * hd], k [T, nKV * hd] (same shapes back);

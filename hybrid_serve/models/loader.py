@@ -12,8 +12,9 @@ has e4m3) its matrices stay FP8, one byte per weight plus the block scales, wher
 checkpoint's blocks land whole on the parameter (`models.fp8_resident`); elsewhere, and on the
 CPU always, the weights are dequantized at load (`hybrid_serve.models.fp8`).
 
-`mtp=True` builds the model with its multi-token-prediction head (`models.qwen3_next_mtp`; the
-checkpoint's config must have `mtp_num_hidden_layers`) and makes the head's `mtp.*` tensors part
+`mtp=True` builds the model with its multi-token-prediction head (`models.qwen3_next_mtp`,
+`models.nemotron_h_mtp`; the checkpoint's config must describe one: `mtp_num_hidden_layers`,
+NemotronH's `num_nextn_predict_layers`) and makes the head's `mtp.*` tensors part
 of the strict key set: from then on they load like any other tensor (FP8, tensor-parallel shards,
 dtype and quantization rules, dummy weights), and a missing one is an error. Without it they are
 skipped.
@@ -154,10 +155,8 @@ def load_model(
     weights_only = on_cpu and (torch_dtype == torch.bfloat16 or quantization is not None)
     tp = tp or ParallelContext()
     if ops is None:
-        states = getattr(torch, mamba_ssm_dtype or config.mamba_ssm_dtype)
-        ops = choose_kernels(device, torch.float32 if weights_only else torch_dtype,
-                             state_dtype=states)  # fmt: skip
-        logger.info("%s", ops.table())
+        activations = torch.float32 if weights_only else torch_dtype
+        ops = _default_kernels(device, activations, mamba_ssm_dtype or config.mamba_ssm_dtype)
     if fp8_resident is None:
         fp8_resident = fp8_device(device, ops)
     elif fp8_resident and quantization is not None:
@@ -174,14 +173,7 @@ def load_model(
     model = _allocate(model, device, config)
     if resident:
         attach_scales(model, resident, block)
-    if load_format == "dummy":
-        fill_dummy(model)
-    if tp.enabled:  # the vocab shards' padding rows
-        _, rows, _ = tp.vocab_range(config.vocab_size)
-        model.embed_tokens.weight.data[rows:].zero_()
-        model.lm_head.weight.data[rows:].zero_()
-    if source is not None:
-        read_checkpoint(model, source)
+    _fill(model, source, tp, config)
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.to(torch_dtype))
     _quantize(model, tp, quantization, draft_quantization)
@@ -192,11 +184,35 @@ def load_model(
         " weights, fp32 activations" * weights_only,
         f", {quantization} matrices" * (quantization is not None),
         device,
-        ", dummy weights" * (load_format == "dummy"),
+        ", dummy weights" * (source is None),
         ", with its MTP head" * mtp
         + f" ({draft_quantization} draft matrices)" * (draft_quantization is not None),
     )
     return model.eval()
+
+
+def _default_kernels(device, activations: torch.dtype, state_dtype: str) -> KernelSet:
+    """The kernel set `kernels.choose` picks for `device`, the activations' dtype and the
+    recurrent states' (a name of a torch dtype), logged as a table."""
+    ops = choose_kernels(device, activations, state_dtype=getattr(torch, state_dtype))
+    logger.info("%s", ops.table())
+    return ops
+
+
+def _fill(
+    model: HybridForCausalLM, source: CheckpointIndex | None, tp: ParallelContext, config
+) -> None:
+    """The allocated `model`'s weights: read from the checkpoint `source`, or drawn at random
+    where it is None (`--load-format dummy`); with tensor parallelism the vocabulary shards'
+    padding rows zeroed (after the draw, before the read)."""
+    if source is None:
+        fill_dummy(model)
+    if tp.enabled:  # the vocab shards' padding rows
+        _, rows, _ = tp.vocab_range(config.vocab_size)
+        model.embed_tokens.weight.data[rows:].zero_()
+        model.lm_head.weight.data[rows:].zero_()
+    if source is not None:
+        read_checkpoint(model, source)
 
 
 def _check_load_args(

@@ -40,7 +40,7 @@ REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "mamba_n_heads")
 class Mamba2StackConfig(HybridConfig):
     """What every Mamba2 hybrid's config holds (the three families here, NemotronH's
     `models.nemotron_h_config`): its layers of a type in `STATE_TYPES` hold a Mamba2 mixer of
-    `mamba`'s shape (no MTP head is served for these families)."""
+    `mamba`'s shape (of these families, only NemotronH has an MTP head served)."""
 
     mamba: Mamba2Config
 

@@ -1,18 +1,24 @@
-"""NemotronH (NVIDIA, 2025): Nemotron-H, Nemotron-Nano-v2 and Nemotron-3-Nano, a stack of
-blocks with one mixer each, picked by the config's pattern:
+"""NemotronH (NVIDIA, 2025): Nemotron-H, Nemotron-Nano-v2, Nemotron-3-Nano and Nemotron-3-Super,
+a stack of blocks with one mixer each, picked by the config's pattern:
 
     h = x + mixer(norm(x))      mixer = Mamba2 (M), attention without positions (*),
                                         relu^2 MLP (-) or relu^2 MoE with a shared expert (E)
     logits = lm_head(norm_f(h))
 
+Nemotron-3-Super's MoE blocks run their routed experts in a latent width (`moe_latent_size`):
+`fc1_latent_proj` [L, H] into it, `fc2_latent_proj` [H, L] out of it, the router and the shared
+expert on the block's input (`kernels.relu2_moe`). Its multi-token-prediction head
+(`models.nemotron_h_mtp`, `mtp.*`) makes the model a `models.protocol.DraftingModel`.
+
 Module names equal the checkpoints' (`backbone.embeddings`, `backbone.layers.{i}.norm`,
 `backbone.layers.{i}.mixer.*`, `backbone.norm_f`, `lm_head`), routed experts stacked as
 transformers 5.x stores them (`mixer.experts.up_proj` [E, I, H], `mixer.experts.down_proj`
 [E, H, I]; `models.weight_map` also reads the per-expert tensors the releases ship, and
-transformers' `model.` for `backbone.`). The model
+transformers' `model.` for `backbone.`; the latent projections are named alike in both). The model
 reads one `ForwardBatch` and returns logits for the last new token of each request (or every
 token). Under tensor parallelism each rank holds its share of the Mamba2 and attention heads,
-of every MLP's and expert's intermediate width (the router whole), and of the vocabulary.
+of every MLP's and expert's intermediate width (the router and the latent projections whole),
+and of the vocabulary.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.layers import REFERENCE, Linear, RMSNormPlain
 from hybrid_serve.models.mamba2_mixer import Mamba2Mixer
 from hybrid_serve.models.nemotron_h_config import ATTENTION, MAMBA, MLP, NemotronHConfig
+from hybrid_serve.models.nemotron_h_mtp import NemotronHMultiTokenPredictor
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.models.parallel_layers import row_linear
 from hybrid_serve.models.shard_loader import Shard
@@ -72,8 +79,8 @@ class NemotronHRouter(nn.Module):
 
 
 class NemotronHExperts(nn.Module):
-    """E routed relu^2 experts, stacked: up_proj [E, I, H], down_proj [E, H, I] (this rank's
-    share of I under tensor parallelism)."""
+    """E routed relu^2 experts, stacked: up_proj [E, I, H], down_proj [E, H, I] (H the latent
+    width of a latent MoE; this rank's share of I under tensor parallelism)."""
 
     def __init__(self, num_experts: int, hidden: int, width: int, tp: ParallelContext) -> None:
         super().__init__()
@@ -89,32 +96,49 @@ class NemotronHExperts(nn.Module):
 
 class NemotronHMoE(nn.Module):
     """Sigmoid router with group-limited top-k over relu^2 experts, plus a shared expert; the
-    whole block is one op of the kernel set (`relu2_moe`, reference `kernels.relu2_moe`). Under
-    tensor parallelism the router is whole, the experts' and shared expert's widths split, and
-    their summed output all-reduced once."""
+    whole block is one op of the kernel set (`relu2_moe`, reference `kernels.relu2_moe`), the
+    experts in the latent width between `fc1_latent_proj` and `fc2_latent_proj` where the config
+    has `moe_latent_size` (else those are None). Under tensor parallelism the router and the
+    latent projections are whole, the experts' and shared expert's widths split, and their
+    summed output all-reduced once (fc2 is linear: the sum of each rank's projected share is
+    the projection of the whole)."""
 
     def __init__(self, c: NemotronHConfig, ops: KernelSet, tp: ParallelContext) -> None:
         super().__init__()
         self.config, self.ops, self.tp = c, ops, tp
         self.gate = NemotronHRouter(c.num_experts, c.hidden_size)
-        self.experts = NemotronHExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, tp)
+        self.experts = NemotronHExperts(c.num_experts, c.expert_width, c.moe_intermediate_size, tp)
         self.shared_experts = NemotronHMLP(
             c.hidden_size, c.shared_expert_intermediate_size, c.mlp_bias, ops, tp
         )
+        self.fc1_latent_proj: Linear | None = None
+        self.fc2_latent_proj: Linear | None = None
+        if c.moe_latent_size is not None:
+            self.fc1_latent_proj = Linear(c.hidden_size, c.moe_latent_size, bias=False, ops=ops)
+            self.fc2_latent_proj = Linear(c.moe_latent_size, c.hidden_size, bias=False, ops=ops)
         if c.mlp_bias:
             raise ValueError("config.json: MoE blocks with mlp_bias are unsupported")
 
     def tp_shards(self, config) -> dict[str, Shard | None]:
-        """The router whole (the experts and the shared expert declare their own)."""
-        return {"gate.weight": None, "gate.e_score_correction_bias": None}
+        """The router and the latent projections whole (the experts and the shared expert
+        declare their own)."""
+        whole = {"gate.weight": None, "gate.e_score_correction_bias": None}
+        if self.fc1_latent_proj is not None:
+            whole |= {"fc1_latent_proj.weight": None, "fc2_latent_proj.weight": None}
+        return whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
         c, shared = self.config, self.shared_experts
+        latent = (
+            ()
+            if self.fc1_latent_proj is None
+            else (self.fc1_latent_proj.weight, self.fc2_latent_proj.weight)
+        )
         return self.tp.all_reduce(self.ops.relu2_moe(
             x, self.gate.weight, self.gate.e_score_correction_bias, self.experts.up_proj,
             self.experts.down_proj, shared.up_proj.weight, shared.down_proj.weight,
             c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
-            c.routed_scaling_factor,
+            c.routed_scaling_factor, *latent,
         ))  # fmt: skip
 
 
@@ -150,7 +174,35 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHForCausalLM(HybridForCausalLM):
-    """NemotronH (`hybrid_serve.models.hybrid_lm`'s contract)."""
+    """NemotronH (`hybrid_serve.models.hybrid_lm`'s contract). With `mtp` (the checkpoint has a
+    head: `num_nextn_predict_layers`) the model also holds it, `self.mtp` (else None)."""
 
     def build(self) -> None:
         self.build_stack(NemotronHBlock, "backbone", embed_name="embeddings", norm_name="norm_f")
+
+    def build_mtp(self) -> NemotronHMultiTokenPredictor:
+        c = self.config
+        if not c.mtp_num_hidden_layers:
+            raise ValueError("this checkpoint has no MTP head (config: num_nextn_predict_layers)")
+        return NemotronHMultiTokenPredictor(c, self.tp, self.ops, lambda: NemotronHMoE(
+            c, self.ops, self.tp))  # fmt: skip
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Attention layers whose keys and values the KV pool holds (the MTP head's last)."""
+        extra = self.mtp.num_kv_layers if self.mtp is not None else 0
+        return len(self.config.full_attention_layers) + extra
+
+    @torch.inference_mode()
+    def draft_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """The MTP head's predictions [K, vocab] fp32 from its outputs y (`mtp_hidden`): through
+        its own LM head where the loader gave it one (`draft_quantization`), else the model's."""
+        head: nn.Module = self.mtp.lm_head if self.mtp.lm_head is not None else self.lm_head
+        return head(y).float()
+
+    @torch.inference_mode()
+    def mtp_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head's output y [T, hidden] for every row of `batch`
+        (`models.nemotron_h_mtp`): `batch.input_ids` are the tokens after the positions whose
+        final hidden is `hidden`."""
+        return self.mtp(batch, hidden, self.embed_tokens)

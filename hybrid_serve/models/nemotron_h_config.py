@@ -1,5 +1,5 @@
 """What a NemotronH checkpoint is (`model_type: nemotron_h`: Nemotron-H, Nemotron-Nano-9B/12B-v2,
-Nemotron-3-Nano): its `config.json`, read into one frozen dataclass.
+Nemotron-3-Nano, Nemotron-3-Super): its `config.json`, read into one frozen dataclass.
 
 The stack is a string of blocks, `hybrid_override_pattern` (or transformers 5.x's
 `layers_block_type` list), one mixer per block:
@@ -13,6 +13,13 @@ Defaults are transformers' own (its `NemotronHConfig`, with NVIDIA's legacy key 
 (as vLLM, SGLang and TensorRT-LLM read it). `time_step_limit` is the file's (default (0, inf)),
 as NVIDIA's own code, vLLM and SGLang apply it; transformers' torch path clamps dt at
 `time_step_min` instead (HF PR #48989), which this server does not follow.
+
+Nemotron 3 Super adds two fields. `moe_latent_size` runs the routed experts in a smaller
+width (`kernels.relu2_moe`). `num_nextn_predict_layers` with `mtp_layers_block_type` (default
+attention then MoE; legacy `mtp_hybrid_override_pattern`) describes the multi-token-prediction
+head: that many steps of those blocks, `mtp.layers.*` in the release (transformers builds no
+head and ignores those tensors; `models.nemotron_h_mtp`). `mtp_layer_types` lists the head's
+blocks, every step's, and `mtp_num_hidden_layers` counts them.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ class NemotronHConfig(Mamba2StackConfig):
     topk_group: int  # groups a token may pick experts from
     norm_topk_prob: bool
     routed_scaling_factor: float
+    moe_latent_size: int | None = None  # the routed experts' width, where not hidden_size
+    num_nextn_predict_layers: int = 0  # MTP steps
+    mtp_layer_types: tuple[str, ...] = ()  # the MTP head's blocks (ATTENTION, MLP or MOE)
     model_type: str = "nemotron_h"
     weight_prefix: str = "backbone."  # where the checkpoint's stack lives (our names too)
 
@@ -59,6 +69,18 @@ class NemotronHConfig(Mamba2StackConfig):
                 raise ValueError("config.json: num_experts_per_tok must be in 1..n_routed_experts")
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 raise ValueError("config.json: n_group must divide the experts, topk_group <= it")
+        if self.moe_latent_size is not None and self.moe_latent_size <= 0:
+            raise ValueError("config.json: moe_latent_size must be positive")
+        bad = [t for t in self.mtp_layer_types if t not in (ATTENTION, MLP, MOE)]
+        if bad:
+            raise ValueError(f"config.json: unsupported mtp_layers_block_type entry {bad[0]!r}")
+        if MOE in self.mtp_layer_types and MOE not in self.layer_types:
+            raise ValueError("config.json: MTP MoE blocks need the model's MoE fields")
+
+    @property
+    def expert_width(self) -> int:
+        """The width the routed experts read and write: `moe_latent_size`, else hidden."""
+        return self.moe_latent_size or self.hidden_size
 
     def mlp_width(self, layer_id: int) -> int:
         """The intermediate size of MLP block `layer_id`."""
@@ -91,8 +113,6 @@ class NemotronHConfig(Mamba2StackConfig):
         for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
             if d[key] != want:
                 raise ValueError(f"config.json: unsupported {key} {d[key]!r}")
-        if d["moe_latent_size"] is not None:
-            raise ValueError("config.json: latent MoE projections (moe_latent_size) unsupported")
         if d["attention_bias"]:
             raise ValueError("config.json: attention_bias is unsupported (NemotronH has none)")
         n_mlp = types.count(MLP)
@@ -117,6 +137,8 @@ class NemotronHConfig(Mamba2StackConfig):
             norm_eps=float(d["layer_norm_epsilon"]),
         )
         moe = MOE in types
+        steps = int(d["num_nextn_predict_layers"] or 0)
+        mtp_types = tuple(d["mtp_layers_block_type"] or ()) * steps
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),
@@ -140,5 +162,9 @@ class NemotronHConfig(Mamba2StackConfig):
             topk_group=int(d["topk_group"]),
             norm_topk_prob=bool(d["norm_topk_prob"]),
             routed_scaling_factor=float(d["routed_scaling_factor"]),
+            moe_latent_size=int(d["moe_latent_size"]) if moe and d["moe_latent_size"] else None,
+            num_nextn_predict_layers=steps,
+            mtp_layer_types=mtp_types,
+            mtp_num_hidden_layers=len(mtp_types),
             **cls.checkpoint_fields(d, generation_config),
         )

@@ -22,7 +22,6 @@ from hybrid_serve.mem_cache.kv_shape import KVShape
 from hybrid_serve.mem_cache.state_shape import MambaStateShape
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.parallel import ParallelContext
-from hybrid_serve.models.qwen3_next_mtp import MultiTokenPredictor
 
 
 class ServedConfig(Protocol):
@@ -54,6 +53,20 @@ class ServedConfig(Protocol):
         ...
 
 
+class DraftHead(Protocol):
+    """A multi-token-prediction head (`models.qwen3_next_mtp`, `models.nemotron_h_mtp`):
+    `layer_input(ids, hidden, embed)` is what its first layer reads; `lm_head` its own LM head
+    (the loader's quantized copy for `draft_quantization`) or None (the model's)."""
+
+    lm_head: nn.Module | None
+
+    def layer_input(
+        self, ids: torch.Tensor, hidden: torch.Tensor, embed: nn.Module
+    ) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
 class ServedModel(Protocol):
     """A loaded causal LM (the whole model or one rank's shard) as the scheduler drives it.
 
@@ -67,7 +80,7 @@ class ServedModel(Protocol):
     local_config: ServedConfig
     tp: ParallelContext
     ops: KernelSet
-    mtp: MultiTokenPredictor | None
+    mtp: DraftHead | None
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor: ...
 
@@ -99,7 +112,7 @@ class DraftingModel(ServedModel, Protocol):
     (`scheduler.spec`) runs. `mtp_hidden(batch, hidden)` is the head's output y [T, hidden] for
     rows whose previous final hidden is `hidden`; `draft_logits(y)` its fp32 predictions."""
 
-    mtp: MultiTokenPredictor
+    mtp: DraftHead
 
     def mtp_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor: ...
 

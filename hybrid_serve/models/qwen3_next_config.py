@@ -15,6 +15,7 @@ file. A missing field or an unsupported architecture is a `ValueError` whose one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +125,6 @@ class Qwen3NextConfig(HybridConfig):
         if model_type in WRAPPERS:
             raw, outer = cls._unwrap(raw)
             model_type, prefix = raw["model_type"], "model.language_model."
-        qwen3_5 = model_type in QWEN3_5_TEXT
         _check_rope_kind(raw)  # first: the class refuses an incomplete scaled kind less plainly
         # transformers 4.x lacks Qwen3.5: Qwen3-Next's defaults are its for every field read here
         d = cls.complete(model_type, raw, fallback="qwen3_next")
@@ -140,9 +140,6 @@ class Qwen3NextConfig(HybridConfig):
         n_layers = int(need("num_hidden_layers"))
         if d["hidden_act"] != "silu":
             raise ValueError(f"config.json: unsupported hidden_act {d['hidden_act']!r}")
-        # Qwen3.5: dense MLP on every layer, or MoE on every layer, always renormalised (its
-        # classes have no decoder_sparse_step, mlp_only_layers or norm_topk_prob to read)
-        all_moe = model_type == "qwen3_5_moe_text"
         num_experts = 0 if model_type == "qwen3_5_text" else int(need("num_experts"))
         layer_types = tuple(d["layer_types"])
         fields: dict[str, Any] = dict(
@@ -163,16 +160,8 @@ class Qwen3NextConfig(HybridConfig):
             linear_key_head_dim=int(need("linear_key_head_dim")),
             linear_value_head_dim=int(need("linear_value_head_dim")),
             linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
-            intermediate_size=0 if all_moe else int(need("intermediate_size")),
-            num_experts=num_experts,
-            num_experts_per_tok=int(need("num_experts_per_tok")) if num_experts else 0,
-            moe_intermediate_size=int(need("moe_intermediate_size")) if num_experts else 0,
-            shared_expert_intermediate_size=num_experts
-            and int(d["shared_expert_intermediate_size"]),
-            decoder_sparse_step=1 if qwen3_5 else int(d["decoder_sparse_step"]),
-            mlp_only_layers=() if qwen3_5 else tuple(int(i) for i in d["mlp_only_layers"]),
-            norm_topk_prob=True if qwen3_5 else bool(d["norm_topk_prob"]),
-            gdn_projections="split" if qwen3_5 else "grouped",
+            **_mlp_fields(model_type, num_experts, d, need),
+            gdn_projections="split" if model_type in QWEN3_5_TEXT else "grouped",
             weight_prefix=prefix,
             # not a field of transformers' classes (their ports have no MTP head): the file's
             # count of the head's decoder layers, none when it states none
@@ -205,6 +194,28 @@ class Qwen3NextConfig(HybridConfig):
         own = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
         outer = cls.complete(model_type, own, fallback="qwen3_next")
         return {**text, "model_type": text_type}, outer
+
+
+def _mlp_fields(
+    model_type: str, num_experts: int, d: dict[str, Any], need: Callable[[str], Any]
+) -> dict[str, Any]:
+    """The MLP and MoE fields of completed config `d` (`need`: a sizing field that `raw` must
+    hold). Qwen3-Next: MoE on the layers its sparse step and MLP-only layers say; Qwen3.5: a
+    dense MLP on every layer (`qwen3_5_text`) or MoE on every layer (`qwen3_5_moe_text`), always
+    renormalised (its classes have no decoder_sparse_step, mlp_only_layers or norm_topk_prob to
+    read)."""
+    qwen3_5 = model_type in QWEN3_5_TEXT
+    all_moe = model_type == "qwen3_5_moe_text"
+    return dict(
+        intermediate_size=0 if all_moe else int(need("intermediate_size")),
+        num_experts=num_experts,
+        num_experts_per_tok=int(need("num_experts_per_tok")) if num_experts else 0,
+        moe_intermediate_size=int(need("moe_intermediate_size")) if num_experts else 0,
+        shared_expert_intermediate_size=num_experts and int(d["shared_expert_intermediate_size"]),
+        decoder_sparse_step=1 if qwen3_5 else int(d["decoder_sparse_step"]),
+        mlp_only_layers=() if qwen3_5 else tuple(int(i) for i in d["mlp_only_layers"]),
+        norm_topk_prob=True if qwen3_5 else bool(d["norm_topk_prob"]),
+    )
 
 
 def _check_rope_kind(config: dict[str, Any]) -> None:

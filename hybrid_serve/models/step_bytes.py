@@ -25,10 +25,12 @@ dtype's bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
 import torch
+from torch import nn
 
 from hybrid_serve.models.fp8 import Fp8Config
 from hybrid_serve.models.fp8_resident import dummy_plan
@@ -170,3 +172,30 @@ def decode_step_bytes(
     kv = batch * context * kv_bytes_per_token(config, cache_bytes)
     state = 2 * batch * state_bytes_per_request(config, cache_bytes)
     return StepBytes(float(weights), float(kv), float(state))
+
+
+def weight_bytes_per_step(model: nn.Module) -> Callable[[int], float]:
+    """rows -> the bytes of weights a decode step of `rows` requests reads (`StepBytes.weights`)
+    for a loaded model of any family, at 2 bytes a weight: a Qwen3-Next / Qwen3.5 config through
+    `decode_step_bytes`; any other from the model's own parameters, its MTP head's left out:
+    every parameter once, but each routed-expert stack (a parameter [num_experts, ., .]) for the
+    expected number of distinct experts `rows` tokens touch (`expected_experts`, the config's
+    `num_experts_per_tok`), and an untied input embedding one row per request."""
+    config = model.config
+    if isinstance(config, Qwen3NextConfig):
+        return lambda rows: decode_step_bytes(config, rows, 0).weights
+    head = {id(p) for p in model.mtp.parameters()} if model.mtp is not None else set()
+    params = [p for p in model.parameters() if id(p) not in head]
+    embed = model.embed_tokens.weight
+    tied = any(p is embed for p in model.lm_head.parameters())
+    n, top_k = getattr(config, "num_experts", 0), getattr(config, "num_experts_per_tok", 0)
+    stacks = [p for p in params if n and p.dim() == 3 and p.shape[0] == n]
+    stack_ids = {id(p) for p in stacks}
+    dense = sum(p.numel() for p in params if id(p) not in stack_ids and (tied or p is not embed))
+
+    def weights(rows: int) -> float:
+        experts = sum(expected_experts(p.shape[0], top_k, rows) * p[0].numel() for p in stacks)
+        row = 0 if tied else min(rows, embed.shape[0]) * embed.shape[1]
+        return 2.0 * (dense + experts + row)
+
+    return weights

@@ -35,7 +35,8 @@ config's `weight_prefix` in place of our `model.` (`model.language_model.` in th
 Qwen3.5 wrappers) before the rules apply. With no names given (dummy weights, FP8 planning),
 each parameter takes its first spelling: the released choice of every rule but the prefixes,
 under the config's own `weight_prefix`. `lm_head.weight` and the multi-token prediction head
-(`mtp.*`, top level in Qwen3-Next and in the Qwen3.5 wrappers alike) never move. The head's
+(`mtp.*`, top level in Qwen3-Next, in the Qwen3.5 wrappers and in NemotronH alike) never move
+(a NemotronH head's stacked experts are read per expert, as the main model's). The head's
 names are ours only when the model holds it (`load_model(mtp=True)`); otherwise they, and the
 wrappers' vision tower, are skipped (`is_skipped`).
 """

@@ -608,11 +608,15 @@ def dense_causal_attention(
     k: torch.Tensor,  # [S, nKV, D]
     v: torch.Tensor,  # [S, nKV, D]
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     S, nH, D = q.shape
     n_rep = nH // k.shape[1]
     out = torch.zeros(S, nH, D, dtype=torch.float64)
-    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    pos = torch.arange(S)
+    causal = pos[None, :] <= pos[:, None]  # [query, key]
+    if window:
+        causal &= pos[None, :] > pos[:, None] - window
     for h in range(nH):
         kv = h // n_rep
         scores = (q[:, h].double() @ k[:, kv].double().T) * scale
@@ -641,8 +645,9 @@ def scatter_into_buffer(
     return k_buffer, v_buffer, req_to_token, dense_k, dense_v
 
 
+@pytest.mark.parametrize("window", [0, 1, 6])
 @pytest.mark.parametrize("n_rep", [1, 2])
-def test_extend_attention_with_cached_prefix(n_rep: int) -> None:
+def test_extend_attention_with_cached_prefix(n_rep: int, window: int) -> None:
     torch.manual_seed(20)
     nKV, D = 2, 16
     nH = nKV * n_rep
@@ -655,20 +660,24 @@ def test_extend_attention_with_cached_prefix(n_rep: int) -> None:
     scale = D**-0.5
 
     out = extend_attention(
-        q, k_buf, v_buf, req_to_token, torch.tensor(slots), prefix_lens, extend_lens, scale
-    )
+        q, k_buf, v_buf, req_to_token, torch.tensor(slots), prefix_lens, extend_lens, scale,
+        window=window,
+    )  # fmt: skip
 
     assert out.shape == q.shape
     start = 0
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
-        ref = dense_causal_attention(dense_q[i], dense_k[i], dense_v[i], scale)[p:]
+        ref = dense_causal_attention(dense_q[i], dense_k[i], dense_v[i], scale, window)[p:]
         torch.testing.assert_close(out[start : start + e].double(), ref, atol=1e-5, rtol=0)
         start += e
 
 
 @pytest.mark.parametrize("n_rep", [1, 2])
 @pytest.mark.parametrize("max_seq_len", [None, 48])
-def test_decode_attention_matches_last_dense_row(n_rep: int, max_seq_len: int | None) -> None:
+@pytest.mark.parametrize("window", [0, 7])
+def test_decode_attention_matches_last_dense_row(
+    n_rep: int, max_seq_len: int | None, window: int
+) -> None:
     torch.manual_seed(21)
     nKV, D = 2, 8
     nH = nKV * n_rep
@@ -688,9 +697,10 @@ def test_decode_attention_matches_last_dense_row(n_rep: int, max_seq_len: int | 
         torch.tensor(seq_lens),
         scale,
         max_seq_len=max_seq_len,
+        window=window,
     )
 
     assert out.shape == (len(seq_lens), nH, D)
     for i in range(len(seq_lens)):
-        ref = dense_causal_attention(dense_q[i], dense_k[i], dense_v[i], scale)[-1]
+        ref = dense_causal_attention(dense_q[i], dense_k[i], dense_v[i], scale, window)[-1]
         torch.testing.assert_close(out[i].double(), ref, atol=1e-5, rtol=0)

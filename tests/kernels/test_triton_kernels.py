@@ -222,8 +222,11 @@ def paged_kv(seq_lens: list[int], slots: list[int], nKV: int, D: int, dtype, dev
     return k_buf.to(dev, dtype), v_buf.to(dev, dtype), req_to_token.to(dev, torch.int32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_extend_attention(triton_device, dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "window"), [(torch.float32, 0), (torch.float16, 0), (torch.float32, 20)]
+)
+def test_extend_attention(triton_device, dtype, window) -> None:
+    """With a window of 20 the 40-token prefill's second query block starts at key 13."""
     dev = triton_device
     torch.manual_seed(6)
     nKV, n_rep, D = 2, 2, 24  # D not a power of two: masked head dim
@@ -233,14 +236,17 @@ def test_extend_attention(triton_device, dtype) -> None:
     q = torch.randn(sum(extend_lens), nKV * n_rep, D, device=dev).to(dtype)
     args = (q, k_buf, v_buf, r2t, torch.tensor(slots, device=dev), prefix_lens, extend_lens)
 
-    ref = attention.extend_attention(*(a.float() if a is q else a for a in args), D**-0.5)
-    out = triton_module(ATTN, dev).extend_attention(*args, D**-0.5)
+    ref = attention.extend_attention(
+        *(a.float() if a is q else a for a in args), D**-0.5, window=window
+    )
+    out = triton_module(ATTN, dev).extend_attention(*args, D**-0.5, window=window)
 
     atol = 1e-3 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=1e-3)
 
 
-def test_decode_attention(triton_device) -> None:
+@pytest.mark.parametrize("window", [0, 50])
+def test_decode_attention(triton_device, window) -> None:
     dev = triton_device
     torch.manual_seed(7)
     nKV, n_rep, D = 2, 3, 16
@@ -250,8 +256,8 @@ def test_decode_attention(triton_device) -> None:
     slots_t, seq_lens_t = torch.tensor(slots, device=dev), torch.tensor(seq_lens, device=dev)
     args = (q, k_buf, v_buf, r2t, slots_t, seq_lens_t)
 
-    ref = attention.decode_attention(*args, 0.25)
-    out = triton_module(ATTN, dev).decode_attention(*args, 0.25, max(seq_lens))
+    ref = attention.decode_attention(*args, 0.25, window=window)
+    out = triton_module(ATTN, dev).decode_attention(*args, 0.25, max(seq_lens), window=window)
 
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
 

@@ -12,7 +12,8 @@ file (fp32 logits at every prompt position within 1e-4, and the same greedy toke
               conversion_mapping's rules for the model_type (`released_layout`; transformers
               itself must load it without a missing or unexpected tensor)
 
-(LFM2 has no rule: both are transformers' names, with the conv layers' biases or without),
+(LFM2 has no rule: both are transformers' names, with the conv layers' biases or without; LFM3
+renames its attention gate, released as `self_attn.gate_proj`),
 and the model's own state_dict names (transformers' internal layout) as a third file where they
 differ from both. An extra tensor in each layout is refused with its name.
 
@@ -76,6 +77,7 @@ _VISION = dict(
     depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
     num_position_embeddings=16,
 )  # fmt: skip
+_LFM3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # its defaults: a full vocab's
 _MAMBA = dict(
     mamba_n_heads=8,
     mamba_d_head=16,
@@ -134,6 +136,10 @@ def _granitemoe(sd: Tensors) -> Tensors:
 def _lfm2_moe(sd: Tensors) -> Tensors:
     sd = _split_experts(sd, "experts.gate_up_proj", ("w1", "w3"))
     return _split_experts(sd, "experts.down_proj", ("w2",))
+
+
+def _lfm3(sd: Tensors) -> Tensors:
+    return _rename(sd, r"\.self_attn\.g_proj\.", ".self_attn.gate_proj.")
 
 
 def _olmo_hybrid(config) -> Callable[[Tensors], Tensors]:
@@ -224,6 +230,20 @@ FAMILIES = {
         ),
         lambda c: _nemotron_h,
     ),
+    # Nemotron 3 Super's latent MoE: the experts in 24 of the 64 channels
+    "nemotron_h_latent": Family(
+        "NemotronHConfig", "NemotronHForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64,
+            layers_block_type=["mamba", "moe", "attention", "moe"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+            mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=64,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_latent_size=24, moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1,
+            routed_scaling_factor=5.0, initializer_range=0.1,
+        ),
+        lambda c: _nemotron_h,
+    ),
     "granitemoehybrid": Family(
         "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
         dict(
@@ -291,6 +311,28 @@ FAMILIES = {
             initializer_range=0.1,
         ),
         lambda c: _lfm2_moe,
+    ),
+    # both attention kinds (a window of 4 keys, shorter than PROMPT), the gate and sandwich norms
+    "lfm3": Family(
+        "Lfm3Config", "Lfm3ForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=4,
+            layer_types=["conv", "sliding_attention", "conv", "full_attention"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+            conv_L_cache=3, intermediate_size=96, initializer_range=0.1, **_LFM3_IDS,
+        ),
+        lambda c: _lfm3,
+    ),
+    # without the gate and the sandwich norms, with every bias, no tied head
+    "lfm3_plain": Family(
+        "Lfm3Config", "Lfm3ForCausalLM",
+        dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=3,
+            layer_types=["sliding_attention", "conv", "full_attention"], num_attention_heads=4,
+            num_key_value_heads=1, head_dim=16, sliding_window=5, conv_bias=True,
+            attention_bias=True, use_attention_gate=False, use_sandwich_norm=False,
+            intermediate_size=80, tie_word_embeddings=False, initializer_range=0.1, **_LFM3_IDS,
+        ),
     ),
     # KDA and MLA layers (q LoRA, attention biases), a dense MLP then grouped sigmoid-routed
     # experts with a shared one
@@ -456,8 +498,10 @@ def test_each_missing_tensor_is_named_as_the_checkpoint_spells_it(files, layout)
 
 @pytest.mark.parametrize(
     "files",
-    ["qwen3_next", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "lfm2_moe",
-     "kimi_linear"],
+    [
+        "qwen3_next", "qwen3_5_moe_text", "nemotron_h", "nemotron_h_latent", "granitemoehybrid",
+        "olmo_hybrid", "lfm2_moe", "lfm3", "kimi_linear",
+    ],
     indirect=True,
 )  # fmt: skip
 def test_two_spellings_of_a_tensor_are_refused(files, tmp_path):

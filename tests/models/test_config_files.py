@@ -36,6 +36,7 @@ from transformers import AutoConfig, GenerationConfig
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.base_config import decode_special_floats, read_json
 from hybrid_serve.models.fp8 import Fp8Checkpoint
+from hybrid_serve.models.lfm3_config import FULL, SLIDING, RopeSpec
 from hybrid_serve.models.loader import checkpoint_files, checkpoint_names
 from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
 from hybrid_serve.models.registry import read_config
@@ -267,6 +268,33 @@ def _lfm2_moe(hf: Any) -> dict[str, Any]:
         "use_expert_bias": hf.use_expert_bias,
         "norm_topk_prob": hf.norm_topk_prob,
         "routed_scaling_factor": hf.routed_scaling_factor,
+    }
+
+
+def _lfm3(hf: Any) -> dict[str, Any]:
+    from transformers.models.lfm3.modeling_lfm3 import Lfm3DecoderLayer, Lfm3RotaryEmbedding
+
+    with torch.device("meta"):  # what transformers' layers build for this config
+        layers = [Lfm3DecoderLayer(hf, i) for i in range(hf.num_hidden_layers)]
+    rotary = Lfm3RotaryEmbedding(hf)  # its angles: the turning pairs are the nonzero ones
+    rope = tuple(
+        (kind, RopeSpec(hf.rope_parameters[kind]["rope_theta"], int(inv.count_nonzero())))
+        for kind in (FULL, SLIDING)
+        if (inv := getattr(rotary, f"{kind}_inv_freq", None)) is not None
+    )
+    attn = [layer.self_attn for layer in layers if layer.is_attention_layer]
+    return {
+        **_common(hf, hf.norm_eps),
+        "layer_types": tuple(hf.layer_types),
+        "head_dim": attn[0].head_dim,
+        "conv_L_cache": hf.conv_L_cache,
+        "conv_bias": hf.conv_bias,
+        "intermediate_size": layers[0].feed_forward.w1.out_features,
+        "sliding_window": hf.sliding_window,
+        "rope": rope,
+        "attention_bias": attn[0].q_proj.bias is not None,
+        "use_attention_gate": attn[0].g_proj is not None,
+        "use_sandwich_norm": not isinstance(layers[0].post_ffn_norm, torch.nn.Identity),
     }
 
 
@@ -767,6 +795,58 @@ FAMILIES = {
         ),
         ("norm_eps",),
     ),
+    "lfm3": Family(
+        "Lfm3Config",
+        {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 5,
+            "layer_types": ["conv", "sliding_attention", "conv", "full_attention", "conv"],
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 7,
+            "conv_L_cache": 5,
+            "conv_bias": True,
+            "intermediate_size": 100,
+            "attention_bias": True,
+            "use_attention_gate": False,
+            "use_sandwich_norm": False,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "rope_theta": 500_000.0,
+                    "partial_rotary_factor": 0.25,
+                },
+            },
+            "norm_eps": 1e-6,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": False,
+            "eos_token_id": 3,
+        },
+        _lfm3,
+        (
+            ("norm_eps",),
+            ("tie_word_embeddings",),
+            ("max_position_embeddings",),
+            ("rope_parameters",),
+            ("rope_parameters", "full_attention", "partial_rotary_factor"),
+            ("eos_token_id",),
+            ("layer_types",),
+            ("num_key_value_heads",),
+            ("head_dim",),
+            ("sliding_window",),
+            ("conv_L_cache",),
+            ("conv_bias",),
+            ("intermediate_size",),
+            ("attention_bias",),
+            ("use_attention_gate",),
+            ("use_sandwich_norm",),
+        ),
+        (("vocab_size",), ("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",)),
+        ("norm_eps",),
+    ),
     "kimi_linear": Family(
         "KimiLinearConfig",
         {
@@ -1027,3 +1107,19 @@ def test_lfm2_release_keys_read_as_transformers_reads_them(written, tmp_path):
     ours = read_config(path)
     assert ours.tie_word_embeddings and ours.rope_theta == 250000.0
     assert ours.intermediate_size == 168  # int(1.5 * int(2/3 * 160)) = 159, up to 7 * 24
+
+
+def test_lfm3_rope_frequencies_are_transformers(written, tmp_path):
+    """Each attention kind's inverse frequencies (the full layers' proportional RoPE with a
+    quarter of the pairs turning, the sliding layers' default) equal transformers' own."""
+    from transformers.models.lfm3.modeling_lfm3 import Lfm3RotaryEmbedding
+
+    from hybrid_serve.models.lfm3 import Lfm3Rotary
+
+    path = _write(tmp_path, written["lfm3"])
+    ours = Lfm3Rotary(read_config(path)).inv_freq
+    theirs = Lfm3RotaryEmbedding(AutoConfig.from_pretrained(path))
+    assert set(ours) == {FULL, SLIDING}
+    for kind, inv_freq in ours.items():
+        torch.testing.assert_close(inv_freq, getattr(theirs, f"{kind}_inv_freq"), rtol=0, atol=0)
+    assert int(ours[FULL].count_nonzero()) == 2 == 16 // 2 // 4

@@ -21,6 +21,10 @@ from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
+# the family presets whose layers are of no block kind the plan knows (LFM3: the sandwich norms,
+# the attention gate, the sliding window): their model class and their layers' class
+OUTSIDE = {"tiny-lfm3": ("Lfm3ForCausalLM", "Lfm3DecoderLayer")}
+PLANNED = tuple(p for p in FAMILY_PRESETS if p not in OUTSIDE)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +118,23 @@ def test_layers_without_a_block_builder_refuse_the_plan_naming_them(
     assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
     assert "of Lfm2DecoderLayer layers, which no block builder describes" in texts[0]
     assert "no setting avoids it" in texts[0]
+
+
+@pytest.mark.parametrize("preset", list(OUTSIDE))
+def test_a_family_of_no_block_kind_refuses_the_plan_naming_it(
+    tmp_path, preset, slow_path_warnings, caplog
+):
+    """A family whose layers the plan has no block kind for gets no plan: one WARNING names the
+    model class and its layers' class, and decode runs the eager step."""
+    ckpt = write_checkpoint(tmp_path / preset, preset_config(preset), seed=5)
+    runner, _, _ = prefilled(ckpt, "float32")
+    assert set(FAMILY_PRESETS) >= set(OUTSIDE)
+    for _ in range(2):
+        assert DecodeGraphRunner(runner, [1, 4]).plan is None
+    texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
+    assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
+    model, layer = OUTSIDE[preset]
+    assert f"a {model} of {layer} layers, which no block builder describes (the plan" in texts[0]
 
 
 @pytest.mark.parametrize("preset", ["tiny-granite-4.0-h", "tiny-lfm2-moe"])

@@ -1,6 +1,6 @@
 """Each hybrid family's tiny preset on real pools against transformers' own model class
 (`tests.families`: NemotronH, Granite-4.0-H with and without experts,
-Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE, Kimi-Linear).
+Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE, LFM3, Kimi-Linear).
 
 Per family: ragged prefill logits within 1e-4 of the reference run in float64 (and 2e-4 of its
 fp32 run), chunked prefill at sizes the SSD chunk (128 or 256) does not divide equal to one shot

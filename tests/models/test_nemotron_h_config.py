@@ -47,6 +47,23 @@ def test_pattern_widths_and_defaults():
     assert (c.n_group, c.topk_group, c.routed_scaling_factor) == (1, 1, 1.0)
 
 
+def test_nemotron_3_super_fields():
+    """The latent MoE width and the MTP head's blocks (the legacy pattern key too); the MoE
+    blocks' experts then read and write the latent width."""
+    c = NemotronHConfig.from_dict(BASE)
+    assert c.moe_latent_size is None and c.expert_width == 32 and c.mtp_layer_types == ()
+    raw = {**BASE, "moe_latent_size": 8, "num_nextn_predict_layers": 1}
+    c = NemotronHConfig.from_dict(raw)
+    assert c.expert_width == 8 and c.mtp_num_hidden_layers == 2
+    assert c.mtp_layer_types == ("full_attention", "moe")  # transformers' default step
+    legacy = NemotronHConfig.from_dict({**raw, "mtp_hybrid_override_pattern": "*E*"})
+    assert legacy.mtp_layer_types == ("full_attention", "moe", "full_attention")
+    moe = NemotronHForCausalLM(c).backbone.layers[3].mixer
+    assert moe.experts.up_proj.shape == (4, 16, 8) and moe.fc1_latent_proj.weight.shape == (8, 32)
+    two = NemotronHConfig.from_dict({**BASE, "num_nextn_predict_layers": 2})
+    assert two.mtp_num_hidden_layers == 4
+
+
 def test_per_mlp_width_list_block_list_and_legacy_keys():
     raw = {**BASE, "intermediate_size": [40, 56], "mamba_chunk_size": 64, "mamba_n_groups": 4}
     c = NemotronHConfig.from_dict(raw)
@@ -62,7 +79,10 @@ def test_per_mlp_width_list_block_list_and_legacy_keys():
     ("change", "message"),
     [
         ({"intermediate_size": [1, 2, 3]}, "3 entries for 2 MLP blocks"),
-        ({"moe_latent_size": 8}, "latent MoE"),
+        (
+            {"mtp_layers_block_type": ["mamba"], "num_nextn_predict_layers": 1},
+            "unsupported mtp_layers_block_type entry 'linear_attention'",
+        ),
         ({"mamba_num_heads": 3}, "do not divide"),
         ({"mlp_hidden_act": "silu"}, "unsupported mlp_hidden_act"),
         ({"n_group": 3}, "n_group"),
@@ -145,3 +165,27 @@ def test_scaled_3b_shape_on_meta(tmp_path):
     assert pool_bytes(model).mamba_per_slot == state + c.hidden_size * 2
     assert 54.8 < state / 2**20 < 55.0
     assert pool_bytes(model).kv_per_token == 4 * 2 * 2 * 128 * 2
+
+
+def test_super_120b_real_shape_on_meta(tmp_path):
+    """Nemotron-3-Super-120B-A12B (`--load-format dummy`): 40 Mamba2, 40 latent-MoE and 8
+    attention blocks of 88, about 120B parameters and 12B active; its MTP head (attention then
+    MoE) is one more KV layer. 40 x (conv 10240 x 3 bf16 + SSM 128 x 64 x 128 fp32) is about
+    162 MiB of state a slot: 100 slots fit in 16 GiB."""
+    write_config_only(tmp_path, preset_config("nemotron-3-super-120b-a12b"))
+    model = load_model(tmp_path, dtype="bfloat16", device="meta", load_format="dummy", mtp=True)
+    c = model.config
+    counts = [c.layer_types.count(t) for t in ("linear_attention", "moe", "full_attention")]
+    assert counts == [40, 40, 8]
+    assert c.expert_width == 1024 and model.num_kv_layers == 9
+    head = sum(p.numel() for p in model.mtp.parameters())
+    total = sum(p.numel() for p in model.parameters()) - head
+    idle = 40 * (c.num_experts - c.num_experts_per_tok) * 2 * c.moe_intermediate_size * 1024
+    assert 119e9 < total < 122e9, total
+    assert 11.5e9 < total - idle < 13.5e9, total - idle
+    sizes = pool_bytes(model)
+    state = 40 * (10240 * 3 * 2 + 128 * 64 * 128 * 4)
+    assert model.state_shapes[0].conv == (10240, 3)
+    assert sizes.mamba_per_slot == state + c.hidden_size * 2
+    assert 16 * 2**30 // sizes.mamba_per_slot == 100
+    assert sizes.kv_per_token == 9 * 2 * 2 * 128 * 2

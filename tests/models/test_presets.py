@@ -317,6 +317,8 @@ def test_key_set_with_mlp_only_layers_and_tied_embeddings(tmp_path: Path) -> Non
 def test_rejects_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expert_layout"):
         write_checkpoint(tmp_path, preset_config("tiny"), expert_layout="stacked")
+    with pytest.raises(ValueError, match="NemotronH presets are written in their released layout"):
+        write_checkpoint(tmp_path, preset_config("tiny-nemotron-h"), expert_layout="fused")
     cfg = preset_config("tiny")
     del cfg["head_dim"]
     with pytest.raises(ValueError, match="head_dim"):
@@ -326,32 +328,46 @@ def test_rejects_bad_arguments(tmp_path: Path) -> None:
 
 
 # sha256 of model.safetensors of every tiny preset (seed 0, every other argument its default;
-# "+mtp": with the MTP head, as `make-model --mtp`). The Qwen rows' presets are laid out by hand
-# and write main's bytes as they did before the family table (recorded with main's code). The
-# other families' presets are drawn, since issue 56, from transformers' own model for the config
-# in its state_dict order, so their numbers changed deliberately (main's hashes in the comments);
-# LAYOUTS records, from main's files, that their names, dtypes and shapes did not.
+# "+mtp": with the MTP head, as `make-model --mtp`). Since issue 56 every family's presets are
+# drawn from transformers' own model for the config, in its state_dict order (Qwen's MTP head,
+# which transformers does not build, after it, from transformers' decoder-layer and norm
+# classes), so the numbers changed deliberately from the earlier hand layouts (their hashes in
+# the comments). The Qwen presets changed by draw order alone: transformers' layer lists its
+# mixer and MLP before its two norms, its GDN dt_bias and A_log first, and its MoE experts as
+# one stacked tensor each for gate/up and down (drawn whole, then cut per expert, where the hand
+# layout drew gate, up, down expert by expert); every tensor's init kind is the hand layout's.
+# LAYOUTS records, from the earlier files, that their names, dtypes and shapes did not change.
 HASHES = {
-    "tiny": "7e303332c89f54429af511fd9d5357e87731cfbadef5add2cb09087b4ef80c8f",
-    "tiny+mtp": "5f32ff192470485a5d07e65f74a76d88eeb6d1de6fada3defadea9021d94d2e4",
-    "tiny-qwen3.5": "de2724f369d489650364432a00ecbd12e6f1b75b23fae70020631158be092ac6",
-    "tiny-qwen3.5-moe": "a6dea9ebcfe4f00a10f9576a826a80a8a665b870d04209c3ac30323b87e1bdf8",
-    "tiny-qwen3.5-moe+mtp": "47f278d471196d1b14dd6d48c50819813808912298f532d00313302f14f0c55e",
-    # main: a89559fc0a5d862cdb39f3afae1a5c41cd673eca24165271ae05dda782b16575
+    # before: 7e303332c89f54429af511fd9d5357e87731cfbadef5add2cb09087b4ef80c8f
+    "tiny": "04f92056e1e3d9804253cca5d64dc870c733520de7c0d584fdafbff116151600",
+    # before: 5f32ff192470485a5d07e65f74a76d88eeb6d1de6fada3defadea9021d94d2e4
+    "tiny+mtp": "7bc3aefbf26024093b6b03b96911381e972392ee9b25089d25dcba67bd1d2137",
+    # before: de2724f369d489650364432a00ecbd12e6f1b75b23fae70020631158be092ac6
+    "tiny-qwen3.5": "be43e04ab2396e3c6248fcf4323f5fa8887d0f70231c85fa729b556561ca0227",
+    # before: a6dea9ebcfe4f00a10f9576a826a80a8a665b870d04209c3ac30323b87e1bdf8
+    "tiny-qwen3.5-moe": "575707394055a8a6f35d05f6b385eb224f325ae1b44977eb0a57c674b5deafbb",
+    # before: 47f278d471196d1b14dd6d48c50819813808912298f532d00313302f14f0c55e
+    "tiny-qwen3.5-moe+mtp": "c3f2a59b7edb8dad9843fec53a5254c3f67b1c42b9bc6fae1060eece769a8e65",
+    # before: a89559fc0a5d862cdb39f3afae1a5c41cd673eca24165271ae05dda782b16575
     "tiny-nemotron-h": "e5fe4940562d099023d559f65c93cc344bf07f2e43b7fd0236485136f25793fe",
-    # main: 3d107faa78b8cdb74c34f8625986ed175bd41fd9a79f6cb2cfe8c12a760637d4
+    # before: 3d107faa78b8cdb74c34f8625986ed175bd41fd9a79f6cb2cfe8c12a760637d4
     "tiny-granite-4.0-h": "5da14cafadb7a65f5033ef2cc6286835d75cbea4947997c138fa86a796b8dc0e",
-    # main: 0f59cfbbb0a9b5590c6179f3e20789f946ca152f073f74675fdf652791521c7e
+    # before: 0f59cfbbb0a9b5590c6179f3e20789f946ca152f073f74675fdf652791521c7e
     "tiny-granite-4.0-h-dense": "ea9dd055b48e6a78dc7e2320b59b3647b2667aff6446a11cc4071c4234e11022",
-    # main: 8aa7c621184c17df6abad3089c4d3824c6058cd96799afa0a2b65db0f6f4e9b5
+    # before: 8aa7c621184c17df6abad3089c4d3824c6058cd96799afa0a2b65db0f6f4e9b5
     "tiny-bamba": "f4b077bab0a4de06fe61e9b4969e534d01bd1e95ccb78e7edebc938a43fdddfe",
-    # main: ababca7ecc4e37f1522bedd1cda1bfda3d1cd586f8d99bc6a078a7723111807a
+    # before: ababca7ecc4e37f1522bedd1cda1bfda3d1cd586f8d99bc6a078a7723111807a
     "tiny-falcon-h1": "5ed84e6841363c3d8b3c1b1b5a67ebaa798d604c45909eaa6b9fff996ebaa3ae",
-    # main: 18a8cd1c72fe08318c5ded36d0c910d2a527e3e0fe403c95620eeefeac212a89
+    # before: 18a8cd1c72fe08318c5ded36d0c910d2a527e3e0fe403c95620eeefeac212a89
     "tiny-olmo-hybrid": "5c3ee07e54929af8f3cd18f7651693523277520b8f5ed2785fdf155181c607da",
 }
-# sha256 of the sorted (name, dtype, shape) rows of main's model.safetensors header, per preset
+# sha256 of the sorted (name, dtype, shape) rows of the earlier model.safetensors header, per case
 LAYOUTS = {
+    "tiny": "6acf41f816a3165241c4136375b19498524f7cb69cc92192f2827217d4ca9412",
+    "tiny+mtp": "0b80c6cf65146335fd2b160a1e858a46bbb3cad10ac6221234fff877fd69d6ce",
+    "tiny-qwen3.5": "e6a0efd3eea69eab416a34d1b3a1b4337d54f4c425b53bc2f0e995c839fd7b7d",
+    "tiny-qwen3.5-moe": "278f53eb583295aa2ac9a3ac8a394efd1bee8822639a74b9ee805b21ab5155d4",
+    "tiny-qwen3.5-moe+mtp": "e3dffa0b3cac69c7195d54a848a5fcd6af8096299210ca6adbd4d9f4cf2a8d63",
     "tiny-nemotron-h": "caa0b7ab19478674974098f80cb9ca7673031df7a8e9914ee2dd335019bcbe1d",
     "tiny-granite-4.0-h": "0acd80ee8891d8573aeab220208da6a38954bab43f9c34feb9b22915177ded00",
     "tiny-granite-4.0-h-dense": "b4cc25762964b6f04c0586c42b8f5186dfa9098bef91ddc8e12fd7c096ccf13f",
@@ -376,5 +392,4 @@ def test_tiny_presets_write_their_recorded_bytes(tmp_path: Path, case: str) -> N
     config = preset_config(name) | ({"mtp_num_hidden_layers": 1} if mtp else {})
     path = write_checkpoint(tmp_path, config) / "model.safetensors"
     assert hashlib.sha256(path.read_bytes()).hexdigest() == HASHES[case]
-    if name in LAYOUTS:
-        assert _layout_hash(path) == LAYOUTS[name]
+    assert _layout_hash(path) == LAYOUTS[case]

@@ -113,8 +113,11 @@ def test_each_rank_holds_half_the_sharded_bytes(outputs):
 # How far tp=2's logits may be from tp=1's on the quantized tiny checkpoint, relative: the
 # all-reduce sums the partial products in another order, and where an activation's last bit
 # differs its rounding to int8 can flip by a step, which the random weights amplify
-# (tests/models/test_quantized.py: FLIP_BOUND); the quantization itself moves them ~35%.
-FLIP_BOUND = 0.1
+# (tests/models/test_quantized.py: FLIP_BOUND, the same bound). On the tiny preset drawn from
+# transformers' model (issue 56) int8's decode steps differ by 0.115 (prefill 0.037, chunked
+# 0.013), past the 0.1 this bound had on the earlier draw; the quantization itself moves the
+# logits by 0.54 (int8).
+FLIP_BOUND = 0.2
 
 
 @pytest.mark.parametrize("method", QUANTIZED)

@@ -6,8 +6,9 @@ its muP segment multipliers per rank) and OLMo-Hybrid (Gated DeltaNet read from 
 tensors, q/k norms over all heads with the rms summed over the ranks; once more with one KV head,
 which every rank holds, GDN value/key ratio 2 and a vocabulary two ranks do not divide) and LFM2
 (its short conv's channels split, per-head q/k norms whole on every rank; LFM2-MoE's router
-whole, its experts' widths split) and Kimi-Linear (KDA heads split with the low-rank gate
-projections whole, MLA heads split with the latent row whole, the MoE router whole).
+whole, its experts' widths split; LFM3's gate rows of each rank's heads, its sliding window)
+and Kimi-Linear (KDA heads split with the low-rank gate projections whole, MLA heads split with
+the latent row whole, the MoE router whole).
 Prefill logits (one shot and in chunks of 48) and greedy decode logits within 1e-4 of tp=1 and
 of transformers, the same greedy tokens, and each rank holding little more than half the bytes
 (norms, routers, conv and dt parameters of replicated groups are whole or duplicated)."""
@@ -28,6 +29,7 @@ ATOL = 1e-4
 DECODE_STEPS = 6
 PRESETS = (
     "tiny-nemotron-h",
+    "tiny-nemotron-3-super",
     "tiny-granite-4.0-h",
     "tiny-granite-4.0-h-dense",
     "tiny-bamba",
@@ -35,6 +37,7 @@ PRESETS = (
     "tiny-olmo-hybrid",
     "tiny-lfm2",
     "tiny-lfm2-moe",
+    "tiny-lfm3",
     "tiny-kimi-linear",
 )
 

@@ -1,8 +1,9 @@
 """Each hybrid family (`tests.families`: NemotronH, Granite-4.0-H with and without experts,
-Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE) through the whole scheduler: greedy tokens
+Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE, LFM3) through the whole scheduler: greedy tokens
 identical to transformers with the radix cache off and on in each Mamba strategy, prefill
 chunked at a size neither SSD chunk (128, 256) divides, a repeated prompt and a shared prefix
-served from the cache; the leak checker clean after each."""
+served from the cache; the leak checker clean after each. The short-conv families (LFM2, LFM2-MoE,
+LFM3) once more with prefill chunks of 37 and 100 tokens."""
 
 from __future__ import annotations
 
@@ -59,4 +60,31 @@ def test_greedy_equals_transformers_and_cache_hits_are_exact(ckpt, options):
         assert cached == (0, 0)
     else:  # as for the GDN models: the shared prefix up to 3 tokens, the whole repeat
         assert cached[0] >= 192 and cached[1] >= len(prompts[1]) - 1
+    assert engine.leak_report() == []
+
+
+# the short-conv families (conv windows of 2 and 3 columns, LFM3's attention window of 40 keys)
+SHORT_CONV = tuple(p for p in FAMILY_PRESETS if preset_config(p)["model_type"].startswith("lfm"))
+
+
+@pytest.mark.parametrize("ckpt", SHORT_CONV, indirect=True)
+@pytest.mark.parametrize("chunk", [37, 100])
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+def test_short_conv_prefill_in_odd_chunks_is_exact(ckpt, strategy, chunk):
+    """Prefill in chunks of 37 and of 100 tokens (rounds ending off the conv windows, LFM3's
+    attention window, the 64-token cache grid and the kernels' blocks): transformers' tokens,
+    the repeat served whole from the cache and the shared prefix from it too. (extra_buffer
+    snapshots a prefill round only at a multiple of 64 tokens into the round: rounds of 37
+    tokens leave none, so there its shared prefix is recomputed, exactly.)"""
+    path, prompts, expected = ckpt
+    options = {**POOLS, "chunked_prefill_size": chunk, "mamba_scheduler_strategy": strategy}
+    engine = Engine(path, **options)
+    assert [o["output_ids"] for o in engine.generate(prompts[:3], GREEDY)] == expected[:3]
+    shared_prefix = engine.generate(prompts[3], GREEDY)
+    assert shared_prefix["output_ids"] == expected[3]
+    if (strategy, chunk) != ("extra_buffer", 37):
+        assert shared_prefix["meta_info"]["cached_tokens"] >= 100, shared_prefix["meta_info"]
+    repeat = engine.generate(prompts[1], GREEDY)
+    assert repeat["output_ids"] == expected[1]
+    assert repeat["meta_info"]["cached_tokens"] >= len(prompts[1]) - 1
     assert engine.leak_report() == []

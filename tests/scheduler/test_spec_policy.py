@@ -8,13 +8,19 @@ from __future__ import annotations
 import pytest
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.scheduler.request import Req
 from hybrid_serve.scheduler.sampling_params import SamplingParams
 from hybrid_serve.scheduler.spec.policy import DraftPolicy, MeasuredCosts
 from hybrid_serve.scheduler.spec.state import DraftState
 from tests.scheduler.helpers import FixedCosts
-from tests.scheduler.test_speculative import GREEDY, POOLS, SPEC, controlled, spec_engine
+from tests.scheduler.test_speculative import (
+    GREEDY,
+    POOLS,
+    SPEC,
+    controlled,
+    plain_greedy,
+    spec_engine,
+)
 
 
 def req(name: str, keep: list[float], **params) -> Req:
@@ -90,13 +96,11 @@ def ckpt(tmp_path_factory):
     import torch
 
     config = {**preset_config("tiny"), "mtp_num_hidden_layers": 1}
-    path = str(write_checkpoint(tmp_path_factory.mktemp("tiny_mtp_policy"), config, seed=5))
+    path = str(write_checkpoint(tmp_path_factory.mktemp("tiny_mtp_policy"), config, seed=6))
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, config["vocab_size"], (n,), generator=gen).tolist() for n in
                (6, 19, 11)]  # fmt: skip
-    plain = Engine(path, **POOLS)
-    expected = [o["output_ids"] for o in plain.generate(prompts, {**GREEDY, "max_new_tokens": 40})]
-    return path, prompts, expected, config["vocab_size"]
+    return path, prompts, plain_greedy(path, prompts, 40), config["vocab_size"]
 
 
 def test_where_drafting_does_not_pay_steps_decode_plainly(ckpt):

@@ -99,13 +99,18 @@ def test_tp2_engine_equals_tp1(paths, strategy):
 
 
 @pytest.mark.parametrize(
-    "preset", ["tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-olmo-hybrid"]
-)
+    "preset",
+    [
+        "tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-olmo-hybrid",
+        "tiny-lfm2", "tiny-lfm2-moe", "tiny-lfm3",
+    ],
+)  # fmt: skip
 def test_tp2_engine_equals_tp1_for_the_hybrid_families(preset, tmp_path):
     """The same workload on each hybrid family (groups split for NemotronH, replicated with the
     norm's variance summed for Granite and Bamba, the parallel layer of Falcon-H1, OLMo-Hybrid's
-    GDN and q/k norms over all heads) under extra_buffer: tp=2 gives tp=1's tokens and cache
-    hits, every rank's pools clean."""
+    GDN and q/k norms over all heads, the short convs' channels split for LFM2, LFM2-MoE and
+    LFM3, LFM3's sliding window and gate per rank's heads) under extra_buffer: tp=2 gives tp=1's
+    tokens and cache hits, every rank's pools clean."""
     path = str(write_checkpoint(tmp_path / preset, preset_config(preset), seed=3))
     options = {"mamba_scheduler_strategy": "extra_buffer", **POOLS}
     tp2 = Engine(path, tp_size=2, **options)
@@ -155,13 +160,15 @@ def test_ranks_agree_after_every_kind_of_input(paths):
     assert last["t3"] == ("abort", f"session {out['sid']!r} timed out")
 
 
-def test_tp2_speculative_equals_tp1_speculative(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-nemotron-3-super"])
+def test_tp2_speculative_equals_tp1_speculative(tmp_path, preset):
     """NEXTN under tensor parallelism: every rank drafts the same tokens from the gathered
     logits (as many as rank 0's draft-length policy chose) and lands the same ones; sampled
     requests draft too, rank 0 drawing their drafts and running the rejection test for all
     ranks. The tokens are tp=1 NEXTN's: greedy ones plain decoding's (tests/scheduler/
-    test_speculative.py), seeded sampled ones drawn the same way."""
-    cfg = {**preset_config("tiny"), "mtp_num_hidden_layers": 1}
+    test_speculative.py, test_nemotron_h_speculative.py), seeded sampled ones drawn the same
+    way. Qwen3-Next's head and Nemotron 3 Super's (latent MoE, its preset has the head)."""
+    cfg = preset_config(preset) | ({"mtp_num_hidden_layers": 1} if preset == "tiny" else {})
     path = str(write_checkpoint(tmp_path / "tp-mtp", cfg, seed=3))
     spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
     seeded = {"max_new_tokens": 8, "temperature": 0.9, "seed": 5}

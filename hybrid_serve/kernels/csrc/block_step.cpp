@@ -91,9 +91,10 @@ constexpr int64_t kRoutedMaxRows = 256;
 //   relu^2 MLP      tensors [up, down]
 //   sparse MoE      ints [top_k, norm_topk_prob]; tensors [router, experts' gate_up and down,
 //                   shared gate, shared gate, up and down]   (Qwen3-Next: moe_decode)
-//   relu^2 MoE      ints [top_k, n_group, topk_group, norm_topk_prob]; floats [routed scaling];
-//                   tensors [router, its correction bias, experts' up [E, I, H] and down
-//                   [E, H, I], shared up and down]   (NemotronH)
+//   relu^2 MoE      ints [top_k, n_group, topk_group, norm_topk_prob, latent]; floats [routed
+//                   scaling]; tensors [router, its correction bias, experts' up [E, I, L] and
+//                   down [E, L, I], shared up and down, with latent: fc1 [L, H], fc2 [H, L]]
+//                   (NemotronH; L = H without latent)
 //   top-k MoE       ints [top_k]; floats [output multiplier]; tensors [router, experts'
 //                   gate_up and down, shared gate_up and down]   (Granite-4.0-H: the softmax of
 //                   the top-k logits, plus the shared SwiGLU)
@@ -314,8 +315,9 @@ Mlp read_mlp(Reader& r, int64_t kind) {
     m.n_group = r.integer();
     m.topk_group = r.integer();
     m.flag = r.integer() != 0;
+    const bool latent = r.integer() != 0;
     m.out_mult = r.real();
-    m.w = r.take(6);
+    m.w = r.take(latent ? 8 : 6);
   } else if (kind == kTopkMoe) {
     m.top_k = r.integer();
     m.out_mult = r.real();
@@ -386,9 +388,12 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const Mlp& m) {
   return {weights * m.out_mult, ids};
 }
 
-// kernels/relu2_moe.py relu2_experts and relu2_moe
-at::Tensor relu2_moe(const at::Tensor& x, const Mlp& m, bool bf16) {
-  const auto [topk_w, topk_ids] = route(x, m);
+// kernels/relu2_moe.py relu2_experts and relu2_moe (the experts in the latent width where the
+// block has fc1 and fc2: w[6], w[7])
+at::Tensor relu2_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
+  const auto [topk_w, topk_ids] = route(h, m);
+  const bool latent = m.w.size() == 8;
+  const at::Tensor x = latent ? hs::linear(h, m.w[6], bf16) : h;
   const at::Tensor &up = m.w[2], &down = m.w[3];
   at::Tensor out = at::zeros({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
   const at::Tensor flat = topk_ids.flatten();
@@ -407,7 +412,9 @@ at::Tensor relu2_moe(const at::Tensor& x, const Mlp& m, bool bf16) {
     out.index_add_(0, rows, y.to(at::kFloat) * weight_of.slice(0, start, start + n).unsqueeze(1));
     start += n;
   }
-  return out.to(x.scalar_type()) + hs::linear(relu2(hs::linear(x, m.w[4], bf16)), m.w[5], bf16);
+  out = out.to(h.scalar_type());
+  if (latent) out = hs::linear(out, m.w[7], bf16);
+  return out + hs::linear(relu2(hs::linear(h, m.w[4], bf16)), m.w[5], bf16);
 }
 
 // models/layers.py MLP, models/bamba.py BambaMLP and models/granite_moe_hybrid.py's shared MLP:

@@ -232,18 +232,14 @@ class DraftPolicy:
 
 
 def measured_costs(model: DraftingModel) -> MeasuredCosts:
-    """`MeasuredCosts` for a loaded model with an MTP head: bytes per pass from its config
-    (`hybrid_serve.models.step_bytes`), the head's share from its parameters."""
-    from hybrid_serve.models.step_bytes import decode_step_bytes
+    """`MeasuredCosts` for a loaded model with an MTP head: bytes per pass from its config or
+    its parameters (`hybrid_serve.models.step_bytes.weight_bytes_per_step`), the head's share
+    from its parameters."""
+    from hybrid_serve.models.step_bytes import weight_bytes_per_step
 
     def nbytes(params) -> int:
         return sum(p.numel() * p.element_size() for p in params)
 
     head = nbytes(model.mtp.parameters())
     main = max(nbytes(model.parameters()) - head, 1)
-    config = model.config
-
-    def weight_bytes(rows: int) -> float:
-        return decode_step_bytes(config, rows, 0).weights
-
-    return MeasuredCosts(weight_bytes, head / main)
+    return MeasuredCosts(weight_bytes_per_step(model), head / main)
