@@ -78,7 +78,7 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
-@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+@pytest.mark.parametrize("preset", PLANNED)
 def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dtype):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
     without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid, LFM2's short conv and
