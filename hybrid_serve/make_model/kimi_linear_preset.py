@@ -24,6 +24,13 @@ experts of 1024, top 8, one shared, sigmoid, renormalised, scaled by 2.446, one 
 163840, rms_norm_eps 1e-5, EOS 163586, untied. `max_position_embeddings` was not found in
 those transcriptions: 1048576, the 1M context the release's README gives (no byte count depends
 on it).
+
+`small-kimi-linear` (`KIMI_LINEAR_BENCH_PRESETS`, not among the tests' tiny presets): a small
+Kimi-Linear shape for the CPU speed figures against transformers (issue 57 item 6), about 360M
+parameters: 12 layers of width 1024, MLA at layers 4, 8 and 12 (Kimi-Linear-48B-A3B's 3 KDA : 1
+MLA), KDA of 8 heads of 128, MLA of 8 heads (latent 256 + 32, NoPE, no q LoRA), a dense first
+MLP, then MoE blocks of 32 experts of width 256 (top 4, one group, sigmoid scores) with one
+shared expert, as the release's router.
 """
 
 from __future__ import annotations
@@ -124,3 +131,33 @@ def complete_config(config: dict, extra: dict) -> dict:
     cfg = copy.deepcopy(config)
     cfg.update(**extra)
     return cfg
+
+
+KIMI_LINEAR_BENCH_PRESETS: dict[str, dict] = {
+    "small-kimi-linear": {
+        **copy.deepcopy(KIMI_LINEAR_PRESETS["tiny-kimi-linear"]),
+        "vocab_size": 8192,
+        "hidden_size": 1024,
+        "num_hidden_layers": 12,
+        "linear_attn_config": {
+            "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11],
+            "full_attn_layers": [4, 8, 12],
+            "num_heads": 8,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+        },
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "intermediate_size": 2816,
+        "num_experts": 32,
+        "num_experts_per_token": 4,
+        "moe_intermediate_size": 256,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "max_position_embeddings": 32768,
+    },
+}

@@ -15,15 +15,16 @@ order, as the eager step does, so its logits and pool updates are bit-identical 
                       post-norm    x = x + rms_norm_plain(sublayer(x))     (OLMo attention)
                       sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
                       q/k norms, Qwen's gated attention, Falcon-H1's Mamba2 + attention, LFM2's
-                      gated short conv), then the MLP (SwiGLU, relu^2, sparse MoE, NemotronH's
-                      relu^2 MoE, Granite's top-k MoE with its shared MLP, LFM2-MoE's
-                      sigmoid-routed MoE), with the families' multipliers
+                      gated short conv, Kimi's KDA and MLA over the latent rows), then the MLP
+                      (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's top-k MoE
+                      with its shared MLP, LFM2-MoE's sigmoid-routed MoE, Kimi's grouped MoE),
+                      with the families' multipliers
     logits = lm_head(final norm) * logits multiplier
 
 The families (`BLOCKS`, by the class of the stack's layers, so a model is typed by its blocks,
 not by its family's class): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
-NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid, LFM2 and LFM2-MoE. The plan applies
-where the model's kernel set is the C++ one with its fused decode ops
+NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE and Kimi-Linear. The
+plan applies where the model's kernel set is the C++ one with its fused decode ops
 (`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with no biases but the
 Mamba2 convs', fp32 norms, states and KV, fp32, bf16 or quantized matrices, and at most
 `MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at batch where
@@ -56,10 +57,14 @@ from hybrid_serve.models.gated_delta_net import GatedDeltaNet
 from hybrid_serve.models.gqa_attention import Attention
 from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridDecoderLayer, GraniteMoeHybridMoE
 from hybrid_serve.models.hybrid_lm import HybridForCausalLM
+from hybrid_serve.models.kda_mixer import KimiDeltaAttention
+from hybrid_serve.models.kimi_linear import KimiLinearDecoderLayer
+from hybrid_serve.models.kimi_moe import KimiMoE
 from hybrid_serve.models.layers import MLP, SparseMoE
 from hybrid_serve.models.lfm2 import Lfm2Attention, Lfm2DecoderLayer, Lfm2ShortConv, Lfm2SparseMoe
 from hybrid_serve.models.loader import matrices
 from hybrid_serve.models.mamba2_mixer import Mamba2Mixer
+from hybrid_serve.models.mla_attention import MLAAttention
 from hybrid_serve.models.nemotron_h import NemotronHBlock
 from hybrid_serve.models.nemotron_h_config import ATTENTION, MAMBA
 from hybrid_serve.models.nemotron_h_config import MLP as MLP_BLOCK
@@ -71,11 +76,10 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = MOE_MAX_TOKENS  # the fused MoE's rows: decode batches
 MATRIX_DTYPES = CPP_DTYPES  # `hybrid_serve.models.loader.matrices`; all else fp32
 
-# The block kinds of kernels/csrc/block_step.cpp (its enums). KDA and MLA mixers are reserved
-# there and have no layout yet.
+# The block kinds of kernels/csrc/block_step.cpp (its enums).
 DEFERRED, PRE, POST = 0, 1, 2  # norm placement
 NO_MIXER, GDN, MAMBA2, GQA, GATED_ATTENTION, PARALLEL, KDA, SHORT_CONV, MLA = range(9)
-NO_MLP, SWIGLU, RELU2, SPARSE_MOE, RELU2_MOE, TOPK_MOE, SIGMOID_MOE = range(7)
+NO_MLP, SWIGLU, RELU2, SPARSE_MOE, RELU2_MOE, TOPK_MOE, SIGMOID_MOE, GROUPED_MOE = range(8)
 NO_QK_NORM, WHOLE_QK_NORM, PER_HEAD_QK_NORM = range(3)  # the attention's q/k norms
 
 # The last clause of the WARNING a refused plan logs: what would let the plan apply.
@@ -155,6 +159,42 @@ class Blocks:
     def short_conv(self, s: Lfm2ShortConv) -> None:
         conv = s.conv.weight.squeeze(1)  # [n, K]
         self.add([s.in_proj.weight, conv, s.out_proj.weight], [s.layer])
+
+    def kda(self, k: KimiDeltaAttention) -> None:
+        conv = k.conv1d.weight.squeeze(1)  # [3 H d, W]
+        self.add(
+            [k.q_proj.weight, k.k_proj.weight, k.v_proj.weight, k.b_proj.weight,
+             k.f_a_proj.weight, k.g_a_proj.weight, k.f_b_proj.weight, k.g_b_proj.weight, conv,
+             k.A_log, k.dt_bias, k.o_norm.weight, k.o_proj.weight],
+            [k.linear_layer_id], [k.o_norm.eps],
+        )  # fmt: skip
+
+    def mla(self, a: MLAAttention, rope: bool) -> None:
+        lora, gate = a.q_lora_rank is not None, a.g_proj is not None
+        q = [a.q_a_proj.weight, a.q_a_layernorm.weight, a.q_b_proj.weight] if lora else [
+            a.q_proj.weight]  # fmt: skip
+        self.add(
+            [*q, a.kv_a_proj_with_mqa.weight, a.kv_a_layernorm.weight, a.kv_b_proj.weight,
+             a.o_proj.weight, *([a.g_proj.weight] if gate else [])],
+            [a.kv_layer, a.num_heads, a.kv_lora_rank, a.nope, a.rope, a.v_head_dim, lora, gate,
+             rope],
+            [a.scale, a.q_a_layernorm.eps if lora else 0.0, a.kv_a_layernorm.eps],
+        )  # fmt: skip
+
+    def grouped_moe(self, m: KimiMoE) -> None:
+        c, shared = m.config, m.shared_experts
+        groups, topk_groups = c.expert_groups
+        scoring = c.moe_router_activation_func
+        if scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"router scores {scoring!r}: sigmoid or softmax")
+        self.add(
+            [m.gate.weight, m.gate.e_score_correction_bias, m.experts.gate_up_proj,
+             m.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
+             shared.down_proj.weight],
+            [c.num_experts_per_token, groups, topk_groups, c.moe_renormalize,
+             scoring == "softmax"],
+            [c.routed_scaling_factor],
+        )  # fmt: skip
 
     def swiglu(self, mlp: MLP, gate_mult: float = 1.0, out_mult: float = 1.0) -> None:
         weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
@@ -324,6 +364,28 @@ def lfm2_blocks(model: HybridForCausalLM, layers) -> Blocks:
     return out
 
 
+def kimi_linear_blocks(model: HybridForCausalLM, layers) -> Blocks:
+    """Kimi-Linear's layers (`models.kimi_linear`): pre-norm KDA or MLA (absorbed decode over
+    the latent rows; RoPE where the stack has angles), then the SwiGLU MLP or the Kimi MoE
+    block (grouped router, SwiGLU experts, shared SwiGLU)."""
+    out, rope = Blocks(), model.model.rotary is not None
+    for layer in layers:
+        attn, ff = layer.self_attn, layer.mlp
+        moe = isinstance(ff, KimiMoE)
+        out.block(PRE, KDA if layer.is_kda else MLA, GROUPED_MOE if moe else SWIGLU)
+        out.sublayer_norm(layer.input_layernorm)
+        if layer.is_kda:
+            out.kda(attn)
+        else:
+            out.mla(attn, rope)
+        out.sublayer_norm(layer.post_attention_layernorm)
+        if moe:
+            out.grouped_moe(ff)
+        else:
+            out.swiglu(ff)
+    return out
+
+
 # Each family's block builder (its layers -> `Blocks`), by the class of its decoder layers.
 BLOCKS = {
     Qwen3NextDecoderLayer: qwen3_next_blocks,
@@ -332,9 +394,11 @@ BLOCKS = {
     BambaDecoderLayer: bamba_blocks,
     OlmoHybridDecoderLayer: olmo_hybrid_blocks,
     Lfm2DecoderLayer: lfm2_blocks,
+    KimiLinearDecoderLayer: kimi_linear_blocks,
 }
 FAMILIES = (
-    "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's, OLMo-Hybrid's and LFM2's"
+    "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's, OLMo-Hybrid's, LFM2's "
+    "and Kimi-Linear's"
 )
 
 
@@ -356,11 +420,11 @@ def refusal(model: HybridForCausalLM) -> tuple[str, str] | None:
     """(why no plan can replay `model`'s decode step, what setting would let one), or None when
     one can."""
     if block_builder(model) is None:
-        reserved = getattr(model, "reserved_block", None)  # a mixer whose kind has no layout yet
-        if reserved is not None:
-            why = f"a {type(model).__name__}: its {reserved} mixer's block kind is reserved in "
-            return why + "kernels/csrc/block_step.cpp but not implemented", NO_SETTING
-        return f"a {type(model).__name__} (the plan replays {FAMILIES} layers)", NO_SETTING
+        layers = stack_layers(model)
+        kinds = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []
+        named = f" of {', '.join(kinds)} layers" if kinds else ""
+        why = f"a {type(model).__name__}{named}, which no block builder describes"
+        return f"{why} (the plan replays {FAMILIES} layers)", NO_SETTING
     if model.ops.backend != "cpp" or not model.ops.fused:
         why = f"the {model.ops.backend} kernels{'' if model.ops.fused else ' without fusions'}"
         return why, f"{FUSIONS_ENV}=on" if model.ops.backend == "cpp" else C_KERNELS
@@ -414,8 +478,8 @@ class CpuDecodePlan:
     (bit for bit, pools updated alike), for a model `refusal` accepts. It holds the model's
     parameter tensors themselves: weights changed in place are seen, replaced parameters are
     not. `for_mtp` builds the same over a Qwen3-Next MTP head's layer (`rows`, its drafts'
-    passes). Batches of more rows than `rows` (Granite's and LFM2-MoE's routed experts beyond
-    their C++ op's rows) run the eager model."""
+    passes). Batches of more rows than `rows` (Granite's, LFM2-MoE's and Kimi's routed experts
+    beyond their C++ op's rows) run the eager model."""
 
     def __init__(self, model: HybridForCausalLM, layers=None, norm=None, lm_head=None) -> None:
         self.model = model
@@ -432,6 +496,9 @@ class CpuDecodePlan:
                 self.rows = min(self.rows, ROUTED_MAX_ROWS // module.top_k)
             if isinstance(module, Lfm2SparseMoe):
                 top_k = module.config.num_experts_per_tok
+                self.rows = min(self.rows, ROUTED_MAX_ROWS // top_k)
+            if isinstance(module, KimiMoE):
+                top_k = module.config.num_experts_per_token
                 self.rows = min(self.rows, ROUTED_MAX_ROWS // top_k)
         head = lm_head if lm_head is not None else model.lm_head.weight
         self.step = torch.classes.hybrid_serve.BlockStep(

@@ -394,6 +394,7 @@ FAMILIES: tuple[Family, ...] = (
         presets=(
             f"{_MK}.kimi_linear_preset.KIMI_LINEAR_PRESETS",
             f"{_MK}.kimi_linear_preset.KIMI_LINEAR_REAL_SHAPES",
+            f"{_MK}.kimi_linear_preset.KIMI_LINEAR_BENCH_PRESETS",
         ),
         chat_template="kimi-linear",
         tool_call_format="kimi_k2",

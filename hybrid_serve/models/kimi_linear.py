@@ -67,11 +67,8 @@ class KimiLinearDecoderLayer(nn.Module):
 
 
 class KimiLinearForCausalLM(HybridForCausalLM):
-    """Kimi-Linear (`hybrid_serve.models.hybrid_lm`'s contract). The CPU decode plan refuses it,
-    naming `reserved_block`: the C++ block step reserves the KDA block kind but has no layout
-    for it yet."""
-
-    reserved_block = "KDA"
+    """Kimi-Linear (`hybrid_serve.models.hybrid_lm`'s contract); its CPU decode plan is
+    `models.cpu_decode.kimi_linear_blocks`."""
 
     def build(self) -> None:
         self.local_config = self.rank_config()

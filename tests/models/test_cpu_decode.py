@@ -21,12 +21,14 @@ from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
-# the family presets whose mixer's block kind the plan reserves but does not implement
-UNPLANNED = {"tiny-kimi-linear": "KDA", "tiny-bailing-hybrid": "KDA"}
 # the family presets whose layers are of no block kind the plan knows (LFM3: the sandwich norms,
-# the attention gate, the sliding window)
-OUTSIDE = {"tiny-lfm3": "Lfm3ForCausalLM"}
-PLANNED = tuple(p for p in FAMILY_PRESETS if p not in UNPLANNED and p not in OUTSIDE)
+# the attention gate, the sliding window; Ling-3: KDA's full-rank bounded gates, the clamped
+# SwiGLU): their model class and their layers' class
+OUTSIDE = {
+    "tiny-lfm3": ("Lfm3ForCausalLM", "Lfm3DecoderLayer"),
+    "tiny-bailing-hybrid": ("BailingHybridForCausalLM", "BailingHybridDecoderLayer"),
+}
+PLANNED = tuple(p for p in FAMILY_PRESETS if p not in OUTSIDE)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,8 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
 def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dtype):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
     without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid, LFM2's short conv and
-    per-head-normed attention, LFM2-MoE's sigmoid-routed experts) through the plan: greedy
+    per-head-normed attention, LFM2-MoE's sigmoid-routed experts, Kimi-Linear's KDA, NoPE MLA
+    over the latent rows and grouped-router MoE) through the plan: greedy
     steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's; with bf16 matrices, bf16
     products forced on, the bf16 route's from 16; int8 and int4 matrices quantized from bf16)
     give the eager step's logits and pools bit for bit, and the plan ran every one of them."""
@@ -102,25 +105,23 @@ def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dt
     assert spy.rows == [1, 4, 16, 4]
 
 
-def test_a_reserved_mixer_refuses_the_plan_naming_it(
+def test_layers_without_a_block_builder_refuse_the_plan_naming_them(
     tmp_path, monkeypatch, slow_path_warnings, caplog
 ):
-    """A family whose layers the plan has no builder for, and whose model names a mixer whose
-    block kind the C++ step reserves without a layout (`reserved_block`: stood in for here by
-    LFM2 with its builder taken out and a KDA mixer named), gets no plan: one WARNING names the
-    mixer, and decode runs the eager step."""
+    """A model whose layers no block builder describes (stood in for here by LFM2 with its
+    builder taken out) gets no plan: one WARNING names its layers' class and that no setting
+    avoids it, and decode runs the eager step."""
     ckpt = write_checkpoint(tmp_path / "lfm2", preset_config("tiny-lfm2"), seed=5)
     runner, _, _ = prefilled(ckpt, "float32")
     assert DecodeGraphRunner(runner, [1, 4]).plan is not None
     blocks = {k: v for k, v in cpu_decode.BLOCKS.items() if v is not cpu_decode.lfm2_blocks}
     monkeypatch.setattr(cpu_decode, "BLOCKS", blocks)
-    monkeypatch.setattr(runner.model, "reserved_block", "KDA", raising=False)
     for _ in range(2):
         assert DecodeGraphRunner(runner, [1, 4]).plan is None
     texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
     assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
-    assert "its KDA mixer's block kind is reserved" in texts[0]
-    assert "not implemented" in texts[0] and "no setting avoids it" in texts[0]
+    assert "of Lfm2DecoderLayer layers, which no block builder describes" in texts[0]
+    assert "no setting avoids it" in texts[0]
 
 
 @pytest.mark.parametrize("preset", list(OUTSIDE))
@@ -128,7 +129,7 @@ def test_a_family_of_no_block_kind_refuses_the_plan_naming_it(
     tmp_path, preset, slow_path_warnings, caplog
 ):
     """A family whose layers the plan has no block kind for gets no plan: one WARNING names the
-    model class, and decode runs the eager step."""
+    model class and its layers' class, and decode runs the eager step."""
     ckpt = write_checkpoint(tmp_path / preset, preset_config(preset), seed=5)
     runner, _, _ = prefilled(ckpt, "float32")
     assert set(FAMILY_PRESETS) >= set(OUTSIDE)
@@ -136,7 +137,8 @@ def test_a_family_of_no_block_kind_refuses_the_plan_naming_it(
         assert DecodeGraphRunner(runner, [1, 4]).plan is None
     texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
     assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
-    assert f"a {OUTSIDE[preset]} (the plan replays" in texts[0]
+    model, layer = OUTSIDE[preset]
+    assert f"a {model} of {layer} layers, which no block builder describes (the plan" in texts[0]
 
 
 @pytest.mark.parametrize("preset", ["tiny-granite-4.0-h", "tiny-lfm2-moe"])
@@ -231,8 +233,8 @@ def test_a_refused_plan_warns_once_with_what_would_let_it_apply(
 
 def test_block_step_checks_its_layout(ckpt):
     """`BlockStep` takes the flat lists `CpuDecodePlan` writes; lists of the wrong length, kinds
-    it has no layout for (the reserved KDA mixer) and deferred-residual blocks mixed with others
-    are refused when it is built, not read past when it runs."""
+    it has no layout for (past the last mixer and MLP kinds) and deferred-residual blocks mixed
+    with others are refused when it is built, not read past when it runs."""
     model = load_model(ckpt, dtype="float32")
     norm, head = model.model.norm.weight, model.lm_head.weight
     step = torch.classes.hybrid_serve.BlockStep
@@ -244,8 +246,11 @@ def test_block_step_checks_its_layout(ckpt):
         step([norm] * 2, relu2, [1e-6], norm, 1e-6, head, False)
     with pytest.raises(RuntimeError, match="1 tensors, 0 ints and 1 floats left over"):
         step([norm] * 4, relu2, [1e-6] * 2, norm, 1e-6, head, False)
-    with pytest.raises(RuntimeError, match="mixer kind 6 has no layout yet"):
-        step([norm] * 3, [cpu_decode.PRE, cpu_decode.KDA, 0], [], norm, 1e-6, head, False)
+    with pytest.raises(RuntimeError, match="mixer kind 9"):
+        step([norm] * 3, [cpu_decode.PRE, cpu_decode.MLA + 1, 0], [], norm, 1e-6, head, False)
+    with pytest.raises(RuntimeError, match="MLP kind 8"):
+        step([norm] * 3, [cpu_decode.PRE, 0, cpu_decode.GROUPED_MOE + 1], [], norm, 1e-6, head,
+             False)  # fmt: skip
     deferred = [cpu_decode.DEFERRED, *relu2[1:]]
     with pytest.raises(RuntimeError, match="deferred-residual blocks mixed with others"):
         step([norm] * 6, relu2 + deferred, [1e-6] * 2, norm, 1e-6, head, False)

@@ -7,7 +7,9 @@
 // (the short conv's too) and delta rule) and ATen's ops in the sequence of the torch references where it calls those
 // (kernels/rmsnorm.py rms_norm_plain, kernels/attn_step.py apply_rope, kernels/attention.py
 // store_kv and decode_attention, kernels/gdn_step.py gates, kernels/relu2_moe.py relu2_moe,
-// kernels/experts.py fused_experts, the LFM2 modules' elementwise gates and router). So its logits and pool updates are bit-identical to the
+// kernels/experts.py fused_experts, the LFM2 modules' elementwise gates and router, Kimi's KDA
+// gates and sigmoid-gated norm (kernels/gdn_step.py, kernels/rmsnorm.py) and MLA's absorbed
+// decode (models/mla_attention.py)). So its logits and pool updates are bit-identical to the
 // eager step's (the constructor's `bf16_products` is the kernel set's), without the trips
 // through Python and the dispatcher. A change to one of those references or to a family's layer
 // must be mirrored here: tests/models/test_cpu_decode.py compares the two bit for bit.
@@ -41,14 +43,13 @@
 namespace hs::blocks {
 
 enum Norm : int64_t { kDeferred = 0, kPre = 1, kPost = 2 };
-// kKda and kMla are reserved for the mixers that come later (no layout yet).
 enum MixerKind : int64_t {
   kNoMixer = 0, kGdn = 1, kMamba2 = 2, kAttention = 3, kGatedAttention = 4, kParallel = 5,
   kKda = 6, kShortConv = 7, kMla = 8,
 };
 enum MlpKind : int64_t {
   kNoMlp = 0, kSwiglu = 1, kRelu2 = 2, kSparseMoe = 3, kRelu2Moe = 4, kTopkMoe = 5,
-  kSigmoidMoe = 6,
+  kSigmoidMoe = 6, kGroupedMoe = 7,
 };
 // q/k norms of the attention: none, one RMSNorm over all heads' channels (OLMo-Hybrid), or one
 // per head over head_dim (LFM2)
@@ -74,6 +75,14 @@ constexpr int64_t kRoutedMaxRows = 256;
 //   gated attention ints [KV layer, heads]; floats [q/k norm eps, scale];
 //                   tensors [q with its gate, k, v, q_norm, k_norm, o]   (Qwen3-Next)
 //   parallel        Mamba2's, then attention's (Falcon-H1: their outputs summed)
+//   KDA             ints [pool layer]; floats [norm eps]; tensors [q, k, v, b, f_a, g_a, f_b,
+//                   g_b, conv weight [3 H d, W], A_log, dt_bias [H d], norm, o_proj]
+//                   (Kimi Delta Attention: the delta rule with a per-channel forget gate)
+//   MLA             ints [KV layer, heads, kv_lora_rank, nope, rope, v head dim, has q LoRA,
+//                   has head gate, rope]; floats [scale, q LoRA norm eps, latent norm eps];
+//                   tensors [q] or [q_a, q_a norm, q_b], then [kv_a, kv_a norm, kv_b, o, g?]
+//                   (absorbed decode over the pool's latent rows [c | k_r]; rope: the step's
+//                   cos/sin over the rope dims)
 //   short conv      ints [pool layer]; tensors [in_proj [3n, H], conv weight [n, K], out_proj]
 //                   (LFM2: B | C | x = in_proj(h), out_proj(C * conv(B * x)), the conv window
 //                   the pool's K - 1 columns, no activation)
@@ -92,6 +101,10 @@ constexpr int64_t kRoutedMaxRows = 256;
 //   sigmoid MoE     ints [top_k, has expert bias, norm_topk_prob]; floats [routed scaling];
 //                   tensors [router (fp32), expert bias?, experts' gate_up and down]
 //                   (LFM2-MoE: sigmoid scores, top-k of scores + bias, no shared expert)
+//   grouped MoE     ints [top_k, n_group, topk_group, norm_topk_prob, softmax scores];
+//                   floats [routed scaling]; tensors [router, its correction bias, experts'
+//                   gate_up and down, shared gate, up and down]   (Kimi-Linear: relu^2 MoE's
+//                   router, sigmoid or softmax scores, SwiGLU experts plus the shared SwiGLU)
 struct Reader {
   const std::vector<at::Tensor>& tensors;
   const std::vector<int64_t>& ints;
@@ -157,9 +170,24 @@ struct GatedAttention {
   std::vector<at::Tensor> w;  // q with its gate, k, v, q_norm, k_norm, o
 };
 
+struct Kda {
+  int64_t layer;
+  double eps;
+  std::vector<at::Tensor> w;  // q, k, v, b, f_a, g_a, f_b, g_b, conv, A_log, dt_bias, norm, o
+};
+
+struct Mla {
+  int64_t layer, heads, rank, nope, rope_dim, v_dim;
+  bool rope;
+  double scale, q_eps, kv_eps;
+  std::optional<at::Tensor> q_proj, q_a, q_a_norm, q_b, g_proj;  // q, or q_a, its norm and q_b
+  at::Tensor kv_a, kv_a_norm, kv_b, o_proj;
+};
+
 struct Mlp {
   int64_t kind = kNoMlp, top_k = 0, n_group = 0, topk_group = 0;
-  bool flag = false;  // SwiGLU: fused gate|up; the MoEs: norm_topk_prob
+  bool flag = false;     // SwiGLU: fused gate|up; the MoEs: norm_topk_prob
+  bool softmax = false;  // grouped MoE: softmax scores over the experts (else sigmoid)
   double gate_mult = 1.0, out_mult = 1.0;  // relu^2 MoE: out_mult is the routed scaling
   std::vector<at::Tensor> w;
 };
@@ -173,6 +201,8 @@ struct Block {
   std::optional<Attention> attn;
   std::optional<GatedAttention> gated;
   std::optional<ShortConv> conv;
+  std::optional<Kda> kda;
+  std::optional<Mla> mla;
   Mlp mlp;
 };
 
@@ -230,6 +260,42 @@ Attention read_attention(Reader& r) {
   return a;
 }
 
+Kda read_kda(Reader& r) {
+  Kda k;
+  k.layer = r.integer();
+  k.eps = r.real();
+  k.w = r.take(13);
+  return k;
+}
+
+Mla read_mla(Reader& r) {
+  Mla a;
+  a.layer = r.integer();
+  a.heads = r.integer();
+  a.rank = r.integer();
+  a.nope = r.integer();
+  a.rope_dim = r.integer();
+  a.v_dim = r.integer();
+  const bool q_lora = r.integer() != 0, gate = r.integer() != 0;
+  a.rope = r.integer() != 0;
+  a.scale = r.real();
+  a.q_eps = r.real();
+  a.kv_eps = r.real();
+  if (q_lora) {
+    a.q_a = r.tensor();
+    a.q_a_norm = r.tensor();
+    a.q_b = r.tensor();
+  } else {
+    a.q_proj = r.tensor();
+  }
+  a.kv_a = r.tensor();
+  a.kv_a_norm = r.tensor();
+  a.kv_b = r.tensor();
+  a.o_proj = r.tensor();
+  a.g_proj = r.maybe(gate);
+  return a;
+}
+
 Mlp read_mlp(Reader& r, int64_t kind) {
   Mlp m;
   m.kind = kind;
@@ -256,6 +322,14 @@ Mlp read_mlp(Reader& r, int64_t kind) {
     m.top_k = r.integer();
     m.out_mult = r.real();
     m.w = r.take(5);
+  } else if (kind == kGroupedMoe) {
+    m.top_k = r.integer();
+    m.n_group = r.integer();
+    m.topk_group = r.integer();
+    m.flag = r.integer() != 0;
+    m.softmax = r.integer() != 0;
+    m.out_mult = r.real();
+    m.w = r.take(7);
   } else {
     TORCH_CHECK(kind == kSigmoidMoe, "BlockStep: MLP kind ", kind);
     m.top_k = r.integer();
@@ -291,11 +365,13 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // kernels/relu2_moe.py relu2
 at::Tensor relu2(const at::Tensor& x) { return at::relu(x).square(); }
 
-// kernels/relu2_moe.py route: (weights [T, k] fp32, ids [T, k])
+// kernels/relu2_moe.py route (sigmoid scores, or softmax ones: m.softmax): (weights [T, k]
+// fp32, ids [T, k])
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const Mlp& m) {
   const at::Tensor &router = m.w[0], &bias = m.w[1];
   const int64_t T = x.size(0), E = router.size(0), n_group = m.n_group;
-  const at::Tensor scores = at::matmul(x.to(at::kFloat), router.to(at::kFloat).t()).sigmoid();
+  const at::Tensor logits = at::matmul(x.to(at::kFloat), router.to(at::kFloat).t());
+  const at::Tensor scores = m.softmax ? logits.softmax(-1) : logits.sigmoid();
   const at::Tensor choice = scores + bias.to(at::kFloat);
   const at::Tensor per_group = choice.view({T, n_group, E / n_group});
   const at::Tensor group_rank =
@@ -411,6 +487,16 @@ at::Tensor sigmoid_moe(const at::Tensor& h, const Mlp& m) {
   return fused_experts(h, ids, weights, m.w[bias ? 2 : 1], m.w[bias ? 3 : 2]);
 }
 
+// models/kimi_moe.py KimiMoE: the grouped router (`route`) over fused_experts, plus the shared
+// SwiGLU (models/layers.py MLP)
+at::Tensor grouped_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
+  const auto [weights, ids] = route(h, m);
+  const at::Tensor moe = fused_experts(h, ids, weights, m.w[2], m.w[3]);
+  Mlp shared;
+  shared.w = {m.w[4], m.w[5], m.w[6]};
+  return moe + swiglu(h, shared, bf16);
+}
+
 at::Tensor mlp(const at::Tensor& h, const Mlp& m, bool bf16) {
   switch (m.kind) {
     case kSwiglu: return swiglu(h, m, bf16);
@@ -420,6 +506,7 @@ at::Tensor mlp(const at::Tensor& h, const Mlp& m, bool bf16) {
                             m.flag, bf16);
     case kRelu2Moe: return relu2_moe(h, m, bf16);
     case kTopkMoe: return topk_moe(h, m, bf16);
+    case kGroupedMoe: return grouped_moe(h, m, bf16);
     default: return sigmoid_moe(h, m);
   }
 }
@@ -566,6 +653,90 @@ at::Tensor short_conv(const at::Tensor& h, const ShortConv& s, const Batch& b) {
   return hs::linear(bcx[1] * y, s.out_proj, b.bf16);
 }
 
+// models/kda_mixer.py KimiDeltaAttention's decode (DeltaRuleMixer._decode over
+// kernels/gdn_step.py gdn_decode with the C++ conv update and delta rule and
+// kernels/rmsnorm.py rms_norm_gated_sigmoid): the six products of h in one linear_multi, the
+// low-rank ups of the forget gate and the output gate, the conv update of [q | k | v], the
+// per-channel gate -exp(A_log[h]) softplus(f + dt_bias), the delta rule, the sigmoid-gated norm,
+// o_proj
+at::Tensor kda(const at::Tensor& h, const Kda& k, const Batch& b) {
+  const std::vector<at::Tensor>& w = k.w;
+  const std::vector<at::Tensor> p =
+      hs::linear_multi(h, {w[0], w[1], w[2], w[3], w[4], w[5]}, b.bf16);
+  const at::Tensor f = hs::linear(p[4], w[6], b.bf16), z = hs::linear(p[5], w[7], b.bf16);
+  const at::Tensor conv = b.conv_state.select(0, k.layer), ssm = b.ssm_state.select(0, k.layer);
+  const int64_t T = h.size(0), H = ssm.size(1), d = ssm.size(2);
+  const at::Tensor slots = b.slots.to(at::kLong).contiguous();
+  const at::Tensor mixed = hs::conv1d_update_pool(at::cat({p[0], p[1], p[2]}, -1), conv,
+                                                  w[8].contiguous(), std::nullopt, slots, true);
+  const std::vector<at::Tensor> qkv = mixed.split({H * d, H * d, H * d}, -1);
+  // b and a as the eager step's column slices of [b | a]: ATen's elementwise ops may round a
+  // strided input otherwise than a contiguous one
+  const at::Tensor ba = at::cat({p[3], f}, -1);
+  const at::Tensor beta = ba.narrow(-1, 0, H).sigmoid();
+  const at::Tensor decay = -w[9].to(at::kFloat).reshape({H}).exp();
+  const at::Tensor a = ba.narrow(-1, H, H * d).to(at::kFloat);
+  const at::Tensor gate = decay.unsqueeze(-1) * at::softplus(a + w[10]).unflatten(-1, {H, -1});
+  const at::Tensor core = hs::gdr_recurrent_pool(
+      qkv[0].reshape({T, 1, H, d}).contiguous(), qkv[1].reshape({T, 1, H, d}).contiguous(),
+      qkv[2].reshape({T, 1, H, d}).contiguous(), gate.unsqueeze(1).contiguous(),
+      beta.unsqueeze(1).contiguous(), ssm, slots, std::pow(static_cast<double>(d), -0.5), true);
+  const at::Tensor xf = core.reshape({T * H, d}).to(at::kFloat);
+  const at::Tensor normed =
+      xf * at::rsqrt(xf.pow(2).mean(at::IntArrayRef{-1}, /*keepdim=*/true) + k.eps);
+  const at::Tensor zf = z.reshape({T * H, d}).to(at::kFloat);
+  const at::Tensor y = (w[11].to(at::kFloat) * normed * zf.sigmoid()).to(core.scalar_type());
+  return hs::linear(y.reshape({T, H * d}), w[12], b.bf16);
+}
+
+// models/mla_attention.py rope_interleaved: pairs (2j, 2j+1) de-interleaved, then apply_rope
+at::Tensor rope_interleaved(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  using at::indexing::None, at::indexing::Slice, at::indexing::Ellipsis;
+  const at::Tensor evens = x.index({Ellipsis, Slice(0, None, 2)});
+  const at::Tensor odds = x.index({Ellipsis, Slice(1, None, 2)});
+  return apply_rope(at::cat({evens, odds}, -1), cos, sin);
+}
+
+// models/mla_attention.py MLAAttention's decode: write_latent (the queries, the latent row
+// [rms(c) | k_r] at out_loc), attend_absorbed (q_n through W_UK, attention over the latent rows
+// with K = V = the row, the attended latent through W_UV), project_out (the head gate, o_proj)
+at::Tensor mla(const at::Tensor& h, const Mla& a, const Batch& b) {
+  const int64_t T = h.size(0), H = a.heads, r = a.rank, nope = a.nope;
+  at::Tensor q = a.q_proj.has_value()
+                     ? hs::linear(h, *a.q_proj, b.bf16)
+                     : hs::linear(rms_norm_plain(hs::linear(h, *a.q_a, b.bf16), *a.q_a_norm,
+                                                 a.q_eps),
+                                  *a.q_b, b.bf16);
+  q = q.view({T, H, nope + a.rope_dim});
+  const std::vector<at::Tensor> ck = hs::linear(h, a.kv_a, b.bf16).split({r, a.rope_dim}, -1);
+  const at::Tensor c = rms_norm_plain(ck[0], a.kv_a_norm, a.kv_eps);
+  at::Tensor k_r = ck[1].unsqueeze(1);
+  if (a.rope) {
+    const at::Tensor q_r =
+        rope_interleaved(q.narrow(-1, nope, a.rope_dim), b.cos, b.sin).to(q.scalar_type());
+    q = at::cat({q.narrow(-1, 0, nope), q_r}, -1);
+    k_r = rope_interleaved(k_r, b.cos, b.sin).to(c.scalar_type());
+  }
+  const at::Tensor latent = b.k_all.select(0, a.layer);  // [locs, 1, r + rope]
+  const at::Tensor row = at::cat({c.unsqueeze(1), k_r}, -1);
+  latent.index_copy_(0, b.out_loc.to(at::kLong), row.to(latent.scalar_type()));
+  const at::Tensor w = a.kv_b.view({H, nope + a.v_dim, r});
+  const at::Tensor w_uk = w.narrow(1, 0, nope), w_uv = w.narrow(1, nope, a.v_dim);
+  const at::Tensor q_lat =
+      at::bmm(q.narrow(-1, 0, nope).transpose(0, 1), w_uk.to(q.scalar_type()));  // [H, T, r]
+  const at::Tensor q_abs = at::cat({q_lat.transpose(0, 1), q.narrow(-1, nope, a.rope_dim)}, -1);
+  const int64_t L = b.max_seq_len > 0 ? b.max_seq_len : b.seq_lens.max().item<int64_t>();
+  const at::Tensor o =
+      decode_attention(q_abs, latent, latent, b.req_to_token, b.req_slots, b.seq_lens, a.scale, L);
+  const at::Tensor o_lat = o.narrow(-1, 0, r).transpose(0, 1);  // [H, T, r]
+  at::Tensor y = at::bmm(o_lat, w_uv.to(o.scalar_type()).transpose(1, 2)).transpose(0, 1);
+  if (a.g_proj.has_value()) {
+    const at::Tensor g = hs::linear(h, *a.g_proj, b.bf16).to(at::kFloat).sigmoid();
+    y = y * g.to(y.scalar_type()).unsqueeze(-1);
+  }
+  return hs::linear(y.reshape({T, -1}), a.o_proj, b.bf16);
+}
+
 at::Tensor mixer(const at::Tensor& h, const Block& l, const Batch& b) {
   switch (l.mixer_kind) {
     case kGdn: return gdn(h, *l.gdn, b);
@@ -573,6 +744,8 @@ at::Tensor mixer(const at::Tensor& h, const Block& l, const Batch& b) {
     case kAttention: return attention(h, *l.attn, b);
     case kGatedAttention: return gated_attention(h, *l.gated, b);
     case kShortConv: return short_conv(h, *l.conv, b);
+    case kKda: return kda(h, *l.kda, b);
+    case kMla: return mla(h, *l.mla, b);
     default: {  // kParallel: Mamba2 first, as the eager layer
       const at::Tensor ssm = mamba2(h, *l.mamba, b);
       return ssm + attention(h, *l.attn, b);
@@ -602,10 +775,9 @@ struct BlockStep : torch::CustomClassHolder {
       const int64_t mlp_kind = r.integer();
       TORCH_CHECK(l.norm_kind >= kDeferred && l.norm_kind <= kPost, "BlockStep: norm kind ",
                   l.norm_kind);
-      TORCH_CHECK(l.mixer_kind >= kNoMixer &&
-                      (l.mixer_kind <= kParallel || l.mixer_kind == kShortConv),
-                  "BlockStep: mixer kind ", l.mixer_kind, " has no layout yet");
-      TORCH_CHECK(mlp_kind >= kNoMlp && mlp_kind <= kSigmoidMoe, "BlockStep: MLP kind ",
+      TORCH_CHECK(l.mixer_kind >= kNoMixer && l.mixer_kind <= kMla, "BlockStep: mixer kind ",
+                  l.mixer_kind);
+      TORCH_CHECK(mlp_kind >= kNoMlp && mlp_kind <= kGroupedMoe, "BlockStep: MLP kind ",
                   mlp_kind);
       TORCH_CHECK(l.mixer_kind != kNoMixer || mlp_kind != kNoMlp, "BlockStep: an empty block");
       TORCH_CHECK(blocks.empty() || deferred == (l.norm_kind == kDeferred),
@@ -626,6 +798,8 @@ struct BlockStep : torch::CustomClassHolder {
           a.w = r.take(6);
           l.gated = std::move(a);
         }
+        if (l.mixer_kind == kKda) l.kda = read_kda(r);
+        if (l.mixer_kind == kMla) l.mla = read_mla(r);
         if (l.mixer_kind == kShortConv) {
           ShortConv s;
           s.layer = r.integer();
