@@ -29,6 +29,12 @@
 //   above (which are their reference): zero8x2, load64, join (two b32), dot, load_i32x8x2,
 //   dotu_add, to_float, fma,
 //   bcast8x2 (s[0] into the first 8 lanes, s[1] into the next), fold (the two f8 added).
+// - `q4x8`: one block of an int4 tile (weights.h: 8 weight rows by 32 k, 128 bytes of nibbles)
+//   unpacked for the dot: q4x8_unpack (quad j < 4 the low nibbles of bytes [32 j, 32 j + 32),
+//   quad j + 4 their high nibbles, byte 4 r + i of quad j holding row r's element 4 j + i as
+//   0..15), q4x8_dot (lane r = c + sum over j, i of that nibble times the activation q[4 j + i]:
+//   VNNI vpdpbusd or AVX2 maddubs on a broadcast of each quad, NEON sdot, or the scalar body:
+//   the same integers), load8_bf16 (8 bf16 widened exactly).
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
 //   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
@@ -210,6 +216,27 @@ inline i32x8 dotu_add(i32x8 c, b32 u, b32 a) {  // c + dot(u, a), u's bytes in [
 inline void widen(b32 q, float s, float* out) {  // out[j] = q[j] * s
   for (int j = 0; j < 32; ++j) out[j] = float(q.v[j]) * s;
 }
+struct q4x8 {
+  b32 quad[8];
+};
+inline q4x8 q4x8_unpack(const uint8_t* p) {
+  q4x8 r;
+  for (int j = 0; j < 8; ++j)
+    for (int t = 0; t < 32; ++t)
+      r.quad[j].v[t] = int8_t(j < 4 ? p[32 * j + t] & 15 : p[32 * (j - 4) + t] >> 4);
+  return r;
+}
+inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
+  return map<int32_t, 8>([&](int r) {
+    int32_t s = c;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) s += int32_t(w.quad[j].v[4 * r + i]) * int32_t(q[4 * j + i]);
+    return s;
+  });
+}
+inline f8 load8_bf16(const c10::BFloat16* p) {
+  return map<float, 8>([&](int i) { return float(p[i]); });
+}
 template <int N>  // the 4 bytes at p in each of N int32 lanes
 inline lanes<int8_t, 4 * N> bcast4(const int8_t* p) {
   return map<int8_t, 4 * N>([&](int i) { return p[i % 4]; });
@@ -286,7 +313,7 @@ using b32 = ref::b32;
 using vd = ref::vd;
 using ref::add, ref::sub, ref::mul, ref::div, ref::fma, ref::fnma, ref::min, ref::max;
 using ref::dot, ref::deinterleave3, ref::dotu_add, ref::hsum, ref::load32, ref::load_i32x8;
-using ref::pow2i, ref::q4_nibbles;
+using ref::pow2i, ref::q4_nibbles, ref::q4x8, ref::q4x8_dot, ref::q4x8_unpack, ref::load8_bf16;
 using ref::q4_unpack, ref::store32;
 using ref::quantize32, ref::round_even, ref::shift_in3, ref::to_float, ref::widen;
 inline vec zero() { return ref::splat<float, kLanes>(0.f); }

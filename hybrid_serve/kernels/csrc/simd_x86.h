@@ -84,6 +84,51 @@ inline i32x8 dotu_add(i32x8 c, b32 u, b32 a) {  // u's bytes in [0, 127]: maddub
   return {_mm256_add_epi32(c.v, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))};
 #endif
 }
+// int4 tiles: each quad of activations broadcast (a load) against 8 rows' nibbles of it. With
+// VNNI one vpdpbusd per quad; with AVX2 the quads' maddubs pairs summed in int16 (8 quads of
+// 15 x 127 pairs: at most 30480, no saturation) and widened once.
+struct q4x8 {
+  __m256i quad[8];
+};
+inline q4x8 q4x8_unpack(const uint8_t* p) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  q4x8 r;
+  for (int j = 0; j < 4; ++j) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+    r.quad[j] = _mm256_and_si256(b, m);
+    r.quad[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+  }
+  return r;
+}
+inline __m256i bcast_quad(const int8_t* q) {
+  int32_t bits;
+  std::memcpy(&bits, q, sizeof bits);
+  return _mm256_set1_epi32(bits);
+}
+inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
+#if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)
+  __m256i a = _mm256_set1_epi32(c), b = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j += 2) {
+#if defined(HS_VNNI_EVEX)
+    a = _mm256_dpbusd_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
+    b = _mm256_dpbusd_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
+#else
+    a = _mm256_dpbusd_avx_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
+    b = _mm256_dpbusd_avx_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
+#endif
+  }
+  return {_mm256_add_epi32(a, b)};
+#else
+  __m256i s = _mm256_maddubs_epi16(w.quad[0], bcast_quad(q));
+  for (int j = 1; j < 8; ++j)
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w.quad[j], bcast_quad(q + 4 * j)));
+  return {_mm256_add_epi32(_mm256_set1_epi32(c), _mm256_madd_epi16(s, _mm256_set1_epi16(1)))};
+#endif
+}
+inline f8 load8_bf16(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+}
 inline void widen(b32 q, float s, float* out) {
   const __m256 sv = _mm256_set1_ps(s);
   const auto put = [&](float* o, __m128i v) {  // the low 8 bytes' values, scaled
