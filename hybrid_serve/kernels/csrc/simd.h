@@ -2,8 +2,9 @@
 //
 // The library is compiled once per named ISA level (kernels/cpu_levels.py): generic, x86-64-v3
 // (AVX2 + FMA), x86-64-v3-vnni (+ AVX-VNNI), x86-64-v4 (AVX-512), x86-64-v4-vnni (+ AVX512-VNNI),
-// sapphirerapids (x86-64-v4-vnni's bodies tuned for Sapphire Rapids: nothing here reads its BF16,
-// FP16 or AMX macros, no AMX tiles) and, on aarch64, generic (NEON) and armv8.2-a+dotprod. This
+// x86-64-v4-bf16 (+ AVX512-BF16), sapphirerapids (x86-64-v4-bf16's bodies tuned for Sapphire
+// Rapids: nothing here reads its FP16 or AMX macros, no AMX tiles) and, on aarch64, generic
+// (NEON) and armv8.2-a+dotprod. This
 // header reads the compiler's target macros (the only place in kernels/csrc that does) and
 // includes the body of each entry for that target: simd_x86.h, simd_neon.h, or the scalar bodies
 // below, which are also every entry's reference (namespace hs::simd::ref, always compiled).
@@ -41,6 +42,11 @@
 //   with the first operand's bytes unsigned), to_vec (exact below 2^24). `kDotU8` says whether
 //   dotu_acc takes the whole u8 range (one VNNI vpdpbusd; the scalar body); without it (AVX2
 //   maddubs pairs, NEON sdot) the unsigned bytes must lie in [0, 127].
+// - `bpairs`: kLanes pairs of bf16 values (k and k + 1) as the bf16 dot takes them (the bf16
+//   GEMM's, bgemm.h): load_pairs (kLanes pairs), bcast_bpair (one pair into every lane),
+//   dot_pairs (acc lane i + a's pair i times b's, both products exact in fp32: one
+//   `vdpbf16ps` where the level has AVX512-BF16 (its two adds in its own order, denormal
+//   inputs read as zero), else the pair widened exactly and two FMAs, even element first).
 // - `vd`: the widest fp64 register (kLanesD): zero_d, load_d, store_d, bcast_d, add, mul, fma,
 //   fnma.
 // - deinterleave3 / shift_in3: eight channels' windows of 3 floats ([c][3] interleaved).
@@ -70,6 +76,9 @@
     defined(__AVX512VL__)
 #define HS_AVX512 1
 #endif
+#if defined(HS_AVX512) && defined(__AVX512BF16__)
+#define HS_BF16 1
+#endif
 #if defined(HS_AVX512) && defined(__AVX512VNNI__)
 #define HS_VNNI_EVEX 1
 #elif defined(__AVXVNNI__)
@@ -86,7 +95,9 @@ namespace hs::simd {
 
 // The features this build's vocabulary uses, for the start-up log and the level tests.
 inline const char* features() {
-#if defined(HS_AVX512) && defined(HS_VNNI_EVEX)
+#if defined(HS_AVX512) && defined(HS_VNNI_EVEX) && defined(HS_BF16)
+  return "avx512 avx512-vnni avx512-bf16";
+#elif defined(HS_AVX512) && defined(HS_VNNI_EVEX)
   return "avx512 avx512-vnni";
 #elif defined(HS_AVX512)
   return "avx512";
@@ -380,6 +391,25 @@ inline f8x2 to_float(i32x8x2 a) { return {to_float(a.lo), to_float(a.hi)}; }
 inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {fma(a.lo, b.lo, c.lo), fma(a.hi, b.hi, c.hi)}; }
 inline f8x2 bcast8x2(const float* s) { return {bcast8(s[0]), bcast8(s[1])}; }
 inline f8 fold(f8x2 a) { return add(a.lo, a.hi); }
+#endif
+
+#if !defined(HS_BF16)  // (simd_x86.h has them in vdpbf16ps's form)
+struct bpairs {
+  vec lo, hi;  // the even and the odd elements, widened
+};
+inline bpairs load_pairs(const c10::BFloat16* p) {
+  bpairs r;
+  load_w2(p, r.lo, r.hi);
+  return r;
+}
+inline bpairs bcast_bpair(const c10::BFloat16* p) {
+  bpairs r;
+  bcast_pair(p, r.lo, r.hi);
+  return r;
+}
+inline vec dot_pairs(vec acc, bpairs a, bpairs b) {
+  return fma(a.hi, b.hi, fma(a.lo, b.lo, acc));
+}
 #endif
 
 // a * b + c in one rounding where the level has an FMA instruction (every vector level), two at

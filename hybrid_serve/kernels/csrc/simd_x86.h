@@ -264,6 +264,22 @@ inline ivec dot_acc(ivec acc, bvec w, bvec a) {  // |w| times a with w's signs
 }
 inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return {dpbusd(acc.v, u.v, s.v)}; }
 
+#if defined(HS_BF16)
+// ---- bpairs: 16 bf16 pairs for vdpbf16ps ----
+struct bpairs {
+  __m512i v;
+};
+inline bpairs load_pairs(const c10::BFloat16* p) { return {_mm512_loadu_si512(p)}; }
+inline bpairs bcast_bpair(const c10::BFloat16* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return {_mm512_set1_epi32(bits)};
+}
+inline vec dot_pairs(vec acc, bpairs a, bpairs b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a.v), reinterpret_cast<__m512bh&>(b.v));
+}
+#endif
+
 // ---- f8x2, i32x8x2, b32x2: two blocks in one 512-bit register ----
 struct f8x2 {
   __m512 v;
