@@ -107,8 +107,8 @@ inline void pack_acts(const float* x, int64_t M, int64_t K, int32_t offset, Pane
 
 // Columns [k0, k0 + kn) of weight rows [n0, n0 + rows) of a matrix of N rows (K columns, row
 // stride ldw) -> dst [rows][KC] as the dot takes them (int8 bytes, plus 128 in the offset form;
-// int4 nibbles, read from its tiles by `q4_group`), a short last block padded with zeros (its
-// activations are zero); int4 also its group scales -> sc [rows][KB].
+// int4 nibbles: a whole tile at a time by `q4x8_rows`, other rows by `q4_group`), a short last
+// block padded with zeros (its activations are zero); int4 also its group scales -> sc [rows][KB].
 template <Form F>
 inline void stage(const int8_t* w, int64_t ldw, int64_t, int64_t n0, int64_t rows, int64_t,
                   int64_t k0, int64_t kn, int8_t* dst, float*) {
@@ -129,13 +129,25 @@ static_assert(kQ4Group == 32, "an int4 group is one b32 of nibbles (16 bytes)");
 template <Form F>
 inline void stage(const uint8_t* w, int64_t, int64_t N, int64_t n0, int64_t rows, int64_t K,
                   int64_t k0, int64_t kn, int8_t* dst, float* sc) {
+  const int64_t S = row_stride<uint8_t>(K), tiled = q4_tiled_rows(N), g0 = k0 / kQ4Group;
   uint8_t nib[kQ4Group / 2];
-  for (int64_t i = 0; i < rows; ++i) {
-    int8_t* out = dst + i * KC;
-    for (int64_t g = 0; g < kn / kQ4Group; ++g) {
-      sc[i * KB + g] = q4_group(w, N, K, n0 + i, k0 / kQ4Group + g, nib);
-      simd::store32(out + g * kQ4Group, simd::q4_nibbles(nib));
+  for (int64_t i = 0; i < rows;) {
+    const int64_t n = n0 + i;
+    if (n % kQ4Tile == 0 && n + kQ4Tile <= tiled && i + kQ4Tile <= rows) {  // a whole tile
+      for (int64_t g = 0; g < kn / kQ4Group; ++g) {
+        const uint8_t* blk = w + n * S + (g0 + g) * kQ4Block;
+        simd::q4x8_rows(simd::q4x8_unpack(blk), dst + i * KC + g * kQ4Group, KC);
+        const auto* scale = reinterpret_cast<const c10::BFloat16*>(blk + 128);
+        for (int64_t r = 0; r < kQ4Tile; ++r) sc[(i + r) * KB + g] = load1(scale + r);
+      }
+      i += kQ4Tile;
+      continue;
     }
+    for (int64_t g = 0; g < kn / kQ4Group; ++g) {  // a row by itself
+      sc[i * KB + g] = q4_group(w, N, K, n, g0 + g, nib);
+      simd::store32(dst + i * KC + g * kQ4Group, simd::q4_nibbles(nib));
+    }
+    ++i;
   }
 }
 

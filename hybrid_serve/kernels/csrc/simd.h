@@ -35,7 +35,8 @@
 //   quad j + 4 their high nibbles, byte 4 r + i of quad j holding row r's element 4 j + i as
 //   0..15), q4x8_dot (lane r = c + sum over j, i of that nibble times the activation q[4 j + i]:
 //   VNNI vpdpbusd or AVX2 maddubs on a broadcast of each quad, NEON sdot, or the scalar body:
-//   the same integers), load8_bf16 (8 bf16 widened exactly).
+//   the same integers), q4x8_rows (the 8 rows' 32 values each, in k order, to dst + r ld: the
+//   tiled GEMM's staging), load8_bf16 (8 bf16 widened exactly).
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
 //   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
@@ -245,6 +246,11 @@ inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
     return s;
   });
 }
+inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
+  for (int r = 0; r < 8; ++r)
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) dst[r * ld + 4 * j + i] = w.quad[j].v[4 * r + i];
+}
 inline f8 load8_bf16(const c10::BFloat16* p) {
   return map<float, 8>([&](int i) { return float(p[i]); });
 }
@@ -325,6 +331,7 @@ using vd = ref::vd;
 using ref::add, ref::sub, ref::mul, ref::div, ref::fma, ref::fnma, ref::min, ref::max;
 using ref::dot, ref::deinterleave3, ref::dotu_add, ref::hsum, ref::load32, ref::load_i32x8;
 using ref::pow2i, ref::q4_nibbles, ref::q4x8, ref::q4x8_dot, ref::q4x8_unpack, ref::load8_bf16;
+using ref::q4x8_rows;
 using ref::q4_unpack, ref::store32;
 using ref::quantize32, ref::round_even, ref::shift_in3, ref::to_float, ref::widen;
 inline vec zero() { return ref::splat<float, kLanes>(0.f); }

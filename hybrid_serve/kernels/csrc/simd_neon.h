@@ -111,6 +111,15 @@ inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
   }
   return {lo, vaddq_s32(hi, vdupq_n_s32(c))};
 }
+inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
+  int8_t q[8][32];
+  for (int j = 0; j < 8; ++j) {
+    vst1q_s8(q[j], w.quad[j][0]);
+    vst1q_s8(q[j] + 16, w.quad[j][1]);
+  }
+  for (int r = 0; r < 8; ++r)
+    for (int j = 0; j < 8; ++j) std::memcpy(dst + r * ld + 4 * j, q[j] + 4 * r, 4);
+}
 inline f8 load8_bf16(const c10::BFloat16* p) {
   const uint16x8_t h = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
   return {vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)),

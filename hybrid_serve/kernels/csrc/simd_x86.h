@@ -125,6 +125,28 @@ inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
   return {_mm256_add_epi32(_mm256_set1_epi32(c), _mm256_madd_epi16(s, _mm256_set1_epi16(1)))};
 #endif
 }
+// The 8 x 8 dwords (quad j, row r) transposed to (row r, quad j): two rounds of unpacks within
+// the 128-bit lanes, then the lanes swapped.
+inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
+  __m256i t[8], u[8];
+  for (int h = 0; h < 2; ++h) {  // quads 0-3, then 4-7
+    const __m256i* q = w.quad + 4 * h;
+    t[0] = _mm256_unpacklo_epi32(q[0], q[1]);
+    t[1] = _mm256_unpackhi_epi32(q[0], q[1]);
+    t[2] = _mm256_unpacklo_epi32(q[2], q[3]);
+    t[3] = _mm256_unpackhi_epi32(q[2], q[3]);
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[0], t[2]);  // rows 0 | 4
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[0], t[2]);  // rows 1 | 5
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[1], t[3]);  // rows 2 | 6
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[1], t[3]);  // rows 3 | 7
+  }
+  for (int r = 0; r < 4; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld),
+                        _mm256_permute2x128_si256(u[r], u[4 + r], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (r + 4) * ld),
+                        _mm256_permute2x128_si256(u[r], u[4 + r], 0x31));
+  }
+}
 inline f8 load8_bf16(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
