@@ -21,15 +21,13 @@
 //   window): zero8, load8, store8, bcast8, add, sub, mul, div, fma, fnma, min, max, round_even,
 //   pow2i, hsum, exp (composed below from the others).
 // - `b32` / `i32x8`: a block of 32 int8 values and 8 int32 lanes: load32, store32, q4_unpack
-//   (16 bytes of int4 nibbles, each - 8), q4_nibbles (the same nibbles as stored, 0..15), dot (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd,
-//   VNNI vpdpbusd, NEON sdot), load_i32x8, dotu_add (c + dot with the first operand's bytes in
-//   [0, 127]: one vpdpbusd or maddubs/madd, no sign trick), to_float, widen; quantize32 (Q8_0's
-//   rounding of 32 activations).
+//   (16 bytes of int4 nibbles, each - 8), q4_nibbles (the same nibbles as stored, 0..15), dot
+//   (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd, VNNI vpdpbusd,
+//   NEON sdot), to_float, widen; quantize32 (Q8_0's rounding of 32 activations).
 // - `f8x2` / `i32x8x2` / `b32x2`: two of f8 / i32x8 / b32 (two blocks of 32 int8 values side by
 //   side): one 512-bit register at the AVX-512 levels, else a pair composed from the entries
-//   above (which are their reference): zero8x2, load64, join (two b32), dot, load_i32x8x2,
-//   dotu_add, to_float, fma,
-//   bcast8x2 (s[0] into the first 8 lanes, s[1] into the next), fold (the two f8 added).
+//   above (which are their reference): zero8x2, load64, dot, to_float, fma, bcast8x2 (s[0] into
+//   the first 8 lanes, s[1] into the next), fold (the two f8 added).
 // - `q4x8`: one block of an int4 tile (weights.h: 8 weight rows by 32 k, 128 bytes of nibbles)
 //   unpacked for the dot: q4x8_unpack (quad j < 4 the low nibbles of bytes [32 j, 32 j + 32),
 //   quad j + 4 their high nibbles, byte 4 r + i of quad j holding row r's element 4 j + i as
@@ -221,10 +219,6 @@ inline i32x8 dot(b32 w, b32 a) {
     return s;
   });
 }
-inline i32x8 load_i32x8(const int32_t* p) { return load_n<int32_t, 8>(p); }
-inline i32x8 dotu_add(i32x8 c, b32 u, b32 a) {  // c + dot(u, a), u's bytes in [0, 127]
-  return add(c, dot(u, a));
-}
 inline void widen(b32 q, float s, float* out) {  // out[j] = q[j] * s
   for (int j = 0; j < 32; ++j) out[j] = float(q.v[j]) * s;
 }
@@ -329,7 +323,7 @@ using i32x8 = ref::i32x8;
 using b32 = ref::b32;
 using vd = ref::vd;
 using ref::add, ref::sub, ref::mul, ref::div, ref::fma, ref::fnma, ref::min, ref::max;
-using ref::dot, ref::deinterleave3, ref::dotu_add, ref::hsum, ref::load32, ref::load_i32x8;
+using ref::dot, ref::deinterleave3, ref::hsum, ref::load32;
 using ref::pow2i, ref::q4_nibbles, ref::q4x8, ref::q4x8_dot, ref::q4x8_unpack, ref::load8_bf16;
 using ref::q4x8_rows;
 using ref::q4_unpack, ref::store32;
@@ -388,12 +382,7 @@ struct b32x2 {
 };
 inline f8x2 zero8x2() { return {zero8(), zero8()}; }
 inline b32x2 load64(const int8_t* p) { return {load32(p), load32(p + 32)}; }
-inline b32x2 join(b32 lo, b32 hi) { return {lo, hi}; }
 inline i32x8x2 dot(b32x2 w, b32x2 a) { return {dot(w.lo, a.lo), dot(w.hi, a.hi)}; }
-inline i32x8x2 load_i32x8x2(const int32_t* p) { return {load_i32x8(p), load_i32x8(p + 8)}; }
-inline i32x8x2 dotu_add(i32x8x2 c, b32x2 u, b32x2 a) {
-  return {dotu_add(c.lo, u.lo, a.lo), dotu_add(c.hi, u.hi, a.hi)};
-}
 inline f8x2 to_float(i32x8x2 a) { return {to_float(a.lo), to_float(a.hi)}; }
 inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {fma(a.lo, b.lo, c.lo), fma(a.hi, b.hi, c.hi)}; }
 inline f8x2 bcast8x2(const float* s) { return {bcast8(s[0]), bcast8(s[1])}; }

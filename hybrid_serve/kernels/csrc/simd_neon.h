@@ -74,11 +74,6 @@ inline int32x4_t dot16(int8x16_t w, int8x16_t a) {  // lane i: bytes 4i..4i+3
 #endif
 }
 inline i32x8 dot(b32 w, b32 a) { return {dot16(w.lo, a.lo), dot16(w.hi, a.hi)}; }
-inline i32x8 load_i32x8(const int32_t* p) { return {vld1q_s32(p), vld1q_s32(p + 4)}; }
-inline i32x8 dotu_add(i32x8 c, b32 u, b32 a) {  // u's bytes in [0, 127] read signed alike
-  const i32x8 d = dot(u, a);
-  return {vaddq_s32(c.lo, d.lo), vaddq_s32(c.hi, d.hi)};
-}
 // int4 tiles: a quad's 8 rows in two registers (rows 0-3, 4-7), each against the quad's
 // activations in every lane (nibbles 0..15 read as signed bytes alike).
 struct q4x8 {

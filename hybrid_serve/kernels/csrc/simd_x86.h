@@ -71,19 +71,6 @@ inline i32x8 dot(b32 w, b32 a) {
   return {_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, a_signed), _mm256_set1_epi16(1))};
 #endif
 }
-inline i32x8 load_i32x8(const int32_t* p) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))};
-}
-inline i32x8 dotu_add(i32x8 c, b32 u, b32 a) {  // u's bytes in [0, 127]: maddubs cannot saturate
-#if defined(HS_VNNI_EVEX)
-  return {_mm256_dpbusd_epi32(c.v, u.v, a.v)};
-#elif defined(HS_VNNI_VEX)
-  return {_mm256_dpbusd_avx_epi32(c.v, u.v, a.v)};
-#else
-  const __m256i pairs = _mm256_maddubs_epi16(u.v, a.v);
-  return {_mm256_add_epi32(c.v, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))};
-#endif
-}
 // int4 tiles: each quad of activations broadcast (a load) against 8 rows' nibbles of it. With
 // VNNI one vpdpbusd per quad; with AVX2 the quads' maddubs pairs summed in int16 (8 quads of
 // 15 x 127 pairs: at most 30480, no saturation) and widened once.
@@ -314,16 +301,11 @@ struct b32x2 {
 };
 inline f8x2 zero8x2() { return {_mm512_setzero_ps()}; }
 inline b32x2 load64(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
-inline b32x2 join(b32 lo, b32 hi) {
-  return {_mm512_inserti64x4(_mm512_castsi256_si512(lo.v), hi.v, 1)};
-}
 inline i32x8x2 dot(b32x2 w, b32x2 a) {  // |w| times a with w's signs
   const __mmask64 neg = _mm512_movepi8_mask(w.v);
   const __m512i a_signed = _mm512_mask_sub_epi8(a.v, neg, _mm512_setzero_si512(), a.v);
   return {dpbusd(_mm512_setzero_si512(), _mm512_abs_epi8(w.v), a_signed)};
 }
-inline i32x8x2 load_i32x8x2(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
-inline i32x8x2 dotu_add(i32x8x2 c, b32x2 u, b32x2 a) { return {dpbusd(c.v, u.v, a.v)}; }
 inline f8x2 to_float(i32x8x2 a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline f8x2 bcast8x2(const float* s) {
