@@ -11,16 +11,17 @@ A level's `requires` are feature names as Linux writes them in /proc/cpuinfo (`f
 use and nothing more (`-march=x86-64-v4` plus extensions rather than `-march=sapphirerapids`, which
 would also let the compiler use ones the requirements do not list).
 
-`sapphirerapids` has no code of its own and is no AMX path: simd.h compiles it to the
-x86-64-v4-vnni vocabulary (the same `features`, the same sources), with flags that add the
-Sapphire Rapids extensions (AVX512-BF16, AVX512-FP16, AMX) as compiler targets and
+`x86-64-v4-bf16` adds AVX512-BF16: simd.h's `bpairs` are then `vdpbf16ps` (the bf16 GEMM of
+the bf16 route, bgemm.h). `sapphirerapids` has no code of its own and is no AMX path: simd.h
+compiles it to the x86-64-v4-bf16 vocabulary (the same `features`, the same sources), with flags
+that add the other Sapphire Rapids extensions (AVX512-FP16, AMX) as compiler targets and
 `-mtune=sapphirerapids`. The compiler schedules that code for Sapphire Rapids and may use
-AVX512-BF16/FP16 instructions where it chooses; no source uses AMX tiles, and compilers do not
-emit them unasked. Code of its own (AMX tiles, `vdpbf16ps`) would be a new vocabulary in simd.h.
+AVX512-FP16 instructions where it chooses; no source uses AMX tiles, and compilers do not emit
+them unasked. Code of its own (AMX tiles) would be a new vocabulary in simd.h.
 
 `multiplies_bf16` says whether the host multiplies bf16 in hardware, whatever level is loaded:
-torch's own bf16 products (oneDNN) dispatch on the CPU's features, not on our levels (Zen 4 has
-avx512_bf16 at the x86-64-v4-vnni level).
+the bf16 route (kernels/kernel_set.py) is taken on such hosts; below x86-64-v4-bf16 its GEMM
+widens the pairs and uses FMAs.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ LEVELS: tuple[Level, ...] = (
         "avx512 avx512-vnni",
     ),
     Level(
+        "x86-64-v4-bf16",
+        "x86_64",
+        ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+        _V4 | {"avx512_vnni", "avx512_bf16"},
+        "AVX-512 + VNNI + BF16 (Cooper Lake, Zen 4/5)",
+        "avx512 avx512-vnni avx512-bf16",
+    ),
+    Level(
         "sapphirerapids",
         "x86_64",
         (
@@ -103,9 +112,9 @@ LEVELS: tuple[Level, ...] = (
             "-mtune=sapphirerapids",
         ),
         _V4 | {"avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16"},
-        "x86-64-v4-vnni's AVX-512 + VNNI code tuned for Sapphire Rapids and later Xeons: "
-        "BF16/FP16 instructions where the compiler chooses them, no AMX tiles",
-        "avx512 avx512-vnni",  # x86-64-v4-vnni's: simd.h has no vocabulary of its own here
+        "x86-64-v4-bf16's AVX-512 + VNNI + BF16 code tuned for Sapphire Rapids and later Xeons: "
+        "FP16 instructions where the compiler chooses them, no AMX tiles",
+        "avx512 avx512-vnni avx512-bf16",  # x86-64-v4-bf16's: no vocabulary of its own here
     ),
     Level(
         "generic", "aarch64", ("-march=armv8-a",), frozenset({"asimd"}), "ARMv8-A with NEON", "neon"

@@ -14,9 +14,14 @@ row n holds q[n, 0..K) then the 4 bytes of its fp32 scale (native byte order), w
 
 int4 (torch.uint8): symmetric, one bf16 scale per group of 32 along K (K a multiple of 32), the
 4.5 bits per weight of llama.cpp's Q4_0 and its rule: a group's scale is d = -p / 8 for p its
-element of largest magnitude (so p maps to -8 exactly), q = clamp(round(w / d), -8, 7). Row n is
-K / 2 bytes of groups of 16 (group g's element j in byte 16 g + j's low nibble, element j + 16
-in its high nibble, each stored as q + 8) followed by the K / 32 scales' bf16 bytes. Groups of 32
+element of largest magnitude (so p maps to -8 exactly), q = clamp(round(w / d), -8, 7). In row
+order, row n is K / 2 bytes of groups of 16 (group g's element j in byte 16 g + j's low nibble,
+element j + 16 in its high nibble, each stored as q + 8) followed by the K / 32 scales' bf16
+bytes (`q4_rows`). As stored, the same bytes are laid out for the products once, here: rows in
+tiles of TILE = 8, a tile's group g one block of 144 bytes (the 8 rows' nibbles interleaved by
+quads of 4 elements, then their 8 scales), as llama.cpp's repacked Q4_0 interleaves its
+blocks; the rows past the last whole tile stay in row order (kernels/csrc/weights.h holds the
+byte map). The tensor keeps its shape [..., N, 9K/16] and its bytes. Groups of 32
 keep the step fine (a group of 64 would save 0.25 bit per weight for a coarser step at every
 group's extremes); bf16 scales widen with one shift and their rounding (< 0.4%) is small beside
 the 4-bit step. The loader keeps int8 for a matrix whose K is not a multiple of 32 (as
@@ -46,6 +51,7 @@ from hybrid_serve.kernels.weight_formats import (
 )
 
 QMAX = 127
+TILE = 8  # int4 rows per interleaved tile (weights.h's kQ4Tile)
 ACT_BLOCK = 32  # activations per int8 scale in a quantized matrix's products
 METHODS = QUANTIZATION_METHODS  # int8, int4 (hybrid_serve.kernels.weight_formats)
 CPP_DTYPES = tuple(getattr(torch, f.dtype) for f in FORMATS if f.cpp)  # what the C++ reads
@@ -104,13 +110,40 @@ def quantize_int4(w: torch.Tensor) -> torch.Tensor:
     q = (torch.round(g / d).clamp_(-8, 7) + 8).to(torch.uint8)
     nibbles = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)  # [..., N, K/32, 16]
     tail = d.squeeze(-1).bfloat16().contiguous().view(torch.uint8)  # [..., N, K/32 * 2]
-    return torch.cat([nibbles.reshape(*lead, n, k // 2), tail], dim=-1).contiguous()
+    return _tiled(torch.cat([nibbles.reshape(*lead, n, k // 2), tail], dim=-1))
+
+
+def _tiled(rows: torch.Tensor) -> torch.Tensor:
+    """An int4 matrix in row order [..., N, 9K/16] -> as stored (the module docstring)."""
+    *lead, n, width = rows.shape
+    k, t = width * GROUP // (GROUP // 2 + 2), n // TILE
+    g, d = k // GROUP, len(lead)
+    head = rows[..., : t * TILE, :]
+    nib = head[..., : k // 2].reshape(*lead, t, TILE, g, 4, 4)  # [.., tile, row, group, quad, 4]
+    nib = nib.permute(*range(d), d, d + 2, d + 3, d + 1, d + 4).reshape(*lead, t, g, 128)
+    sc = head[..., k // 2 :].reshape(*lead, t, TILE, g, 2).transpose(-3, -2)
+    blocks = torch.cat([nib, sc.reshape(*lead, t, g, 2 * TILE)], dim=-1)
+    return torch.cat([blocks.reshape(*lead, t * TILE, width), rows[..., t * TILE :, :]], dim=-2)
+
+
+def q4_rows(w: torch.Tensor) -> torch.Tensor:
+    """A stored int4 matrix [..., N, 9K/16] in row order: each row's K / 2 bytes of nibbles then
+    its K / 32 bf16 scales' bytes (the inverse of the tiling `quantize_int4` does)."""
+    *lead, n, width = w.shape
+    k, t = width * GROUP // (GROUP // 2 + 2), n // TILE
+    g, d = k // GROUP, len(lead)
+    head = w[..., : t * TILE, :].reshape(*lead, t, g, 144)
+    nib = head[..., :128].reshape(*lead, t, g, 4, TILE, 4)  # [.., tile, group, quad, row, 4]
+    nib = nib.permute(*range(d), d, d + 3, d + 1, d + 2, d + 4).reshape(*lead, t * TILE, k // 2)
+    sc = head[..., 128:].reshape(*lead, t, g, TILE, 2).transpose(-3, -2)
+    rows = torch.cat([nib, sc.reshape(*lead, t * TILE, 2 * g)], dim=-1)
+    return torch.cat([rows, w[..., t * TILE :, :]], dim=-2)
 
 
 def scales(w: torch.Tensor) -> torch.Tensor:
     """The fp32 scales of a quantized matrix: [..., N] (int8) or [..., N, K / GROUP] (int4)."""
     if w.dtype == torch.uint8:
-        return w[..., in_features(w) // 2 :].contiguous().view(torch.bfloat16).float()
+        return q4_rows(w)[..., in_features(w) // 2 :].contiguous().view(torch.bfloat16).float()
     return w[..., -SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
 
 
@@ -119,7 +152,7 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     if w.dtype == torch.uint8:
         *lead, n, _ = w.shape
         k = in_features(w)
-        nib = w[..., : k // 2].reshape(*lead, n, k // GROUP, GROUP // 2)
+        nib = q4_rows(w)[..., : k // 2].reshape(*lead, n, k // GROUP, GROUP // 2)
         q = torch.cat([nib & 15, nib >> 4], dim=-1).float() - 8  # [..., N, K/32, 32]
         return (q * scales(w).unsqueeze(-1)).reshape(*lead, n, k).to(dtype)
     q = w[..., :-SCALE_BYTES].float()

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "bgemm.h"
 #include "gemm.h"
 #include "gemv.h"
 #include "qgemv.h"
@@ -42,6 +43,12 @@ void probe_linear(int code, const float* x, const void* w, float* y, int64_t M, 
       hs::tiled::gemm_into(x, wp, y, M, N, K);
     }
   });
+}
+
+// y [M, N] = bf16(x) [M, K] w [N, K]^T in the bf16 route's GEMM (bgemm.h).
+void probe_bf16_gemm(const float* x, const c10::BFloat16* w, float* y, int64_t M, int64_t N,
+                     int64_t K) {
+  hs::bgemm::gemm_into(x, w, y, M, N, K);
 }
 
 float probe_quantize(const float* x, int64_t n, int8_t* q) { return hs::quantize_block(x, n, q); }

@@ -107,3 +107,21 @@ def test_fused_moe_routes_the_router_and_shared_expert(T) -> None:
     experts = partial(fused_experts, routed=cpp_ops.routed_experts)
     want = moe_step.sparse_moe(x, *weights, k, True, linear=linear_bf16, fused_experts=experts)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("M, N, K", [(16, 70, 192), (17, 9, 33), (40, 13, 255), (100, 50, 64)])
+def test_bf16_gemm_sums_exact_pair_products(M, N, K) -> None:
+    """Our bf16 GEMM (`bf16_linear`): x rounded to bf16 times w, each product exact, summed in
+    fp32 and rounded to bf16 once, so within one bf16 rounding of the float64 sum; at odd K (a
+    last pair padded with zero), N off the register tile, panels of one or two vectors of rows.
+    A row's result does not depend on the rows beside it."""
+    g = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+    got = torch.ops.hybrid_serve.bf16_linear(x, w)
+    assert torch.equal(got, got.bfloat16().float())  # rounded to bf16 once
+    exact = x.bfloat16().double() @ w.double().T
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=2**-7 * scale)
+    for lo in (0, 3, M - 9):
+        part = torch.ops.hybrid_serve.bf16_linear(x[lo : lo + 9].contiguous(), w)
+        assert torch.equal(part, got[lo : lo + 9]), lo

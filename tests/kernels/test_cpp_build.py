@@ -35,7 +35,7 @@ def cpuinfo(arch: str, flags: str) -> str:
         ("x86_64", AVX2_EPYC, "x86-64-v3"),
         ("x86_64", ALDER_LAKE, "x86-64-v3-vnni"),
         ("x86_64", SKYLAKE_SP, "x86-64-v4"),
-        ("x86_64", ZEN4, "x86-64-v4-vnni"),
+        ("x86_64", ZEN4, "x86-64-v4-bf16"),
         ("x86_64", SAPPHIRE, "sapphirerapids"),
         ("aarch64", "fp asimd evtstrm", "generic"),
         ("aarch64", GRAVITON3, "armv8.2-a+dotprod"),
@@ -51,7 +51,7 @@ def test_the_best_level_a_cpu_runs(arch, flags, level):
     [
         ("x86_64", AVX2_EPYC, False),
         ("x86_64", SKYLAKE_SP, False),
-        ("x86_64", ZEN4, True),  # avx512_bf16 at the x86-64-v4-vnni level
+        ("x86_64", ZEN4, True),
         ("x86_64", SAPPHIRE, True),
         ("aarch64", GRAVITON3, False),
     ],
@@ -71,13 +71,13 @@ def test_levels_only_add_features_and_never_use_native():
         assert not any("native" in f for lv in levels for f in lv.flags)
 
 
-def test_sapphirerapids_says_it_is_the_vnni_code_and_no_amx_path(monkeypatch, caplog):
-    """The sapphirerapids level compiles x86-64-v4-vnni's vocabulary with other flags, and its
+def test_sapphirerapids_says_it_is_the_bf16_code_and_no_amx_path(monkeypatch, caplog):
+    """The sapphirerapids level compiles x86-64-v4-bf16's vocabulary with other flags, and its
     description, which the start-up line prints, says so (a library that loads is faked here:
     no build, whatever the host)."""
     spr = cpu_levels.get("sapphirerapids", "x86_64")
-    assert spr.features == cpu_levels.get("x86-64-v4-vnni", "x86_64").features
-    assert "x86-64-v4-vnni's AVX-512 + VNNI code" in spr.summary
+    assert spr.features == cpu_levels.get("x86-64-v4-bf16", "x86_64").features
+    assert "x86-64-v4-bf16's AVX-512 + VNNI + BF16 code" in spr.summary
     assert "no AMX tiles" in spr.summary and "+ AMX" not in spr.summary
     library = SimpleNamespace(features=lambda: spr.features)
     ops = SimpleNamespace(load_library=lambda path: None, hybrid_serve=library)
@@ -87,7 +87,7 @@ def test_sapphirerapids_says_it_is_the_vnni_code_and_no_amx_path(monkeypatch, ca
     monkeypatch.setattr(cpp_build, "build", lambda level, cache: "/a/sapphirerapids.so")
     with caplog.at_level(logging.INFO, logger="hybrid_serve.kernels.cpp_build"):
         assert cpp_build.load("sapphirerapids") is library
-    assert f"level sapphirerapids ({spr.summary}; avx512 avx512-vnni)" in caplog.text
+    assert f"level sapphirerapids ({spr.summary}; avx512 avx512-vnni avx512-bf16)" in caplog.text
 
 
 def test_a_forced_level_must_exist_and_run_here():

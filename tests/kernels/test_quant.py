@@ -194,3 +194,45 @@ def test_the_format_table_is_what_weights_h_reads():
                                               widen(stored, torch.float32)))  # fmt: skip
         with pytest.raises(RuntimeError, match="shapes"):
             ops.linear(rand(3, 128), stored)
+
+
+def test_int4_tiles_hold_the_row_bytes_where_weights_h_says() -> None:
+    """The stored int4 matrix is its row-order bytes (`q4_rows`) rearranged: rows in tiles of
+    TILE, a tile's group g one block of 144 bytes, byte 32 p + 4 r + i the row r's byte 4 p + i
+    of that group, then the 8 rows' scales; the rows past the last tile in row order."""
+    from hybrid_serve.kernels.quant import TILE, q4_rows
+
+    n, k = 2 * TILE + 3, 96
+    q = quantize_int4(rand(n, k, seed=4))
+    rows = q4_rows(q)
+    assert rows.shape == q.shape and torch.equal(rows.flatten().sort()[0], q.flatten().sort()[0])
+    width = q.shape[1]
+    for t, r, g, p, i in [(0, 0, 0, 0, 0), (1, 5, 2, 3, 1), (0, 7, 1, 2, 3)]:
+        block = q[t * TILE : (t + 1) * TILE].flatten()[g * 144 : (g + 1) * 144]
+        assert block[32 * p + 4 * r + i] == rows[t * TILE + r, 16 * g + 4 * p + i]
+        scale = rows[t * TILE + r, k // 2 + 2 * g : k // 2 + 2 * g + 2]
+        assert torch.equal(block[128 + 2 * r : 130 + 2 * r], scale)
+    assert torch.equal(q[2 * TILE :], rows[2 * TILE :])  # the rows past the tiles
+    assert width * TILE == k // GROUP * 144
+
+
+@pytest.mark.parametrize("method", ["bfloat16", *METHODS])
+def test_resident_bytes_per_format(method: str) -> None:
+    """A matrix's bytes in each format, whatever its layout for the products: bf16 2 per
+    weight, int8 1 plus a 4-byte scale per row, int4 a half plus a 2-byte scale per 32."""
+    n, k = 43, 256
+    w = rand(n, k)
+    stored = w.bfloat16() if method == "bfloat16" else quantize(w, method)
+    want = {"bfloat16": 2 * n * k, "int8": n * (k + SCALE_BYTES), "int4": n * k // 2 + n * k // 16}
+    assert stored.nbytes == want[method] and stored.untyped_storage().nbytes() == want[method]
+
+
+@pytest.mark.parametrize("n", [8, 21, 40])
+def test_int4_gemv_rows_equal_the_gemm_rows(n: int) -> None:
+    """The int4 GEMV sums each row as the tiled GEMM does: the rows of a batch of up to 8 are
+    the same bits as those rows among 9 or more, tile rows and the rows past the tiles alike."""
+    q = quantize_int4(rand(n, 160, seed=n))
+    x = rand(12, 160, seed=3) * 2
+    full = cpp_ops.linear(x, q)
+    for rows in (1, 3, 8):
+        assert torch.equal(cpp_ops.linear(x[:rows].contiguous(), q), full[:rows]), rows

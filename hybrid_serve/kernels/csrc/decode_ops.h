@@ -37,8 +37,9 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
                          const std::vector<int64_t>& counts, float* y);
 // bf16 products at batch: with `bf16_products` (chosen once, at load, for CPUs that multiply bf16
 // in hardware: kernels/kernel_set.py), a bf16 weight at kBf16Rows rows or more multiplies x
-// rounded to bf16 in torch's bf16 product (oneDNN: AMX or avx512_bf16, fp32 accumulation), its
-// bf16 result widened to fp32 (linear_ops.cpp). Other formats, and fewer rows, are unchanged.
+// rounded to bf16 in our bf16 GEMM (bgemm.h: vdpbf16ps, fp32 accumulation, the weight read as it
+// lies), its result rounded to bf16 and widened to fp32 (linear_ops.cpp). Other formats, and
+// fewer rows, are unchanged.
 constexpr int64_t kBf16Rows = 16;
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 // x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous) ->

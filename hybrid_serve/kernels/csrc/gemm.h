@@ -150,41 +150,39 @@ inline void any_tile(int r, int64_t rows, const W* w, int64_t ldw, const float* 
   return tile_rows<W, 1>(r, w, ldw, xp, kn, c, first, next);
 }
 
-// Columns [k0, k0 + kn) of `rows` bf16 or quantized rows (row stride ldw) -> dst [rows][kn]
-// fp32: bf16 values, int8 rows' integers (their scales are applied to the sums), int4 rows'
-// values (group scales and all; k0 and kn multiples of its group).
-inline void widen_block(const int8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0,
-                        int64_t kn, float* dst) {
-  (void)K;
+// Columns [k0, k0 + kn) of the bf16 or quantized rows [n0, n0 + rows) of a matrix of N rows
+// (row stride ldw) -> dst [rows][kn] fp32: bf16 values, int8 rows' integers (their scales are
+// applied to the sums), int4 rows' values (group scales and all, read from its tiles by
+// `q4_group`; k0 and kn multiples of its group).
+inline void widen_block(const int8_t* w, int64_t ldw, int64_t, int64_t n0, int64_t rows,
+                        int64_t, int64_t k0, int64_t kn, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = static_cast<float>(w[i * ldw + k0 + k]);
+    for (int64_t k = 0; k < kn; ++k)
+      dst[i * kn + k] = static_cast<float>(w[(n0 + i) * ldw + k0 + k]);
 }
 
-inline void widen_block(const c10::BFloat16* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0,
-                        int64_t kn, float* dst) {
-  (void)K;
+inline void widen_block(const c10::BFloat16* w, int64_t ldw, int64_t, int64_t n0, int64_t rows,
+                        int64_t, int64_t k0, int64_t kn, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = hs::load1(w + i * ldw + k0 + k);
+    for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = hs::load1(w + (n0 + i) * ldw + k0 + k);
 }
 
-inline void widen_block(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0,
-                        int64_t kn, float* dst) {
+inline void widen_block(const uint8_t* w, int64_t, int64_t N, int64_t n0, int64_t rows,
+                        int64_t K, int64_t k0, int64_t kn, float* dst) {
   constexpr int64_t Q = hs::kQ4Group;
-  for (int64_t i = 0; i < rows; ++i) {
-    const uint8_t* row = w + i * ldw;
-    const auto* sc = reinterpret_cast<const c10::BFloat16*>(row + K / 2);
+  uint8_t nib[Q / 2];
+  for (int64_t i = 0; i < rows; ++i)
     for (int64_t g = k0 / Q; g < (k0 + kn) / Q; ++g) {
-      const float s = hs::load1(sc + g);
-      hs::simd::widen(hs::simd::q4_unpack(row + g * Q / 2), s, dst + i * kn + g * Q - k0);
+      const float s = hs::q4_group(w, N, K, n0 + i, g, nib);
+      hs::simd::widen(hs::simd::q4_unpack(nib), s, dst + i * kn + g * Q - k0);
     }
-  }
 }
 
-// Output columns [n0, n1) of y [M, ldy] = x w[n0:n1, :K]^T on the calling thread, x given as
-// its packed panels xp (pack_panels of M rows, K columns).
+// Output columns [n0, n1) of y [M, ldy] = x w[n0:n1, :K]^T on the calling thread, w of N rows,
+// x given as its packed panels xp (pack_panels of M rows, K columns).
 template <typename W>
-inline void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
-               int64_t K, int64_t n0, int64_t n1) {
+inline void gemm_cols(const float* xp, const W* w, int64_t ldw, int64_t N, float* y, int64_t ldy,
+                      int64_t M, int64_t K, int64_t n0, int64_t n1) {
   alignas(64) float cbuf[NC / NR * PC * NR * MR];  // [tile][panel][NR][MR]
   const int64_t P = panels(M);
   // A lone panel reuses no weight block: with AVX2 it takes whole rows per tile, long runs for
@@ -208,7 +206,7 @@ inline void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_
         const int64_t kn = std::min(kc, K - k0);
         const W* wb = w + b0 * ldw + k0;
         if constexpr (!std::is_same_v<W, float>)
-          if (widen) widen_block(w + b0 * ldw, ldw, b1 - b0, K, k0, kn, wide.get());
+          if (widen) widen_block(w, ldw, N, b0, b1 - b0, K, k0, kn, wide.get());
         for (int64_t p = p0; p < p1; ++p) {
           const float* xb = xp + (p * K + k0) * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
@@ -265,14 +263,14 @@ inline void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N
   if (tiles < 2 * at::get_num_threads() && P >= 2) {  // a few weight rows (a gate): split x
     at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {
       const int64_t m0 = q0 * MR, m1 = std::min(M, q1 * MR);
-      gemm_cols(xp.get() + q0 * K * MR, w, ldw, y + m0 * N, N, m1 - m0, K, 0, N);
+      gemm_cols(xp.get() + q0 * K * MR, w, ldw, N, y + m0 * N, N, m1 - m0, K, 0, N);
     });
     return;
   }
   // at least ~32 KB of weights per task, in whole tiles
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K * sizeof(W) * NR));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    gemm_cols(xp.get(), w, ldw, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
+    gemm_cols(xp.get(), w, ldw, N, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
   });
 }
 

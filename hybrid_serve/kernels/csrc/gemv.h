@@ -126,7 +126,12 @@ struct GemvJob {
   int64_t M, N, K;
 };
 
-inline int64_t weight_bytes(c10::ScalarType dtype) { return c10::elementSize(dtype); }
+// Weight rows per block of a job (`skinny_range`'s and `qskinny_range`'s).
+inline int64_t job_block_rows(const GemvJob& g) {
+  if (g.dtype == c10::kByte) return qblock_rows<uint8_t>(g.K);
+  if (g.dtype == c10::kChar) return qblock_rows<int8_t>(g.K);
+  return block_rows(g.K, c10::elementSize(g.dtype));
+}
 
 // Every job's weight rows in blocks of about 16 KB (`skinny_range`'s), all blocks split between
 // the threads in one parallel region: a layer's several small matrices cost one fork/join, and
@@ -157,7 +162,7 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
         stage_pairs(g.x, g.M, g.K, staged.emplace_back(g.M * g.K).data());
       }
     }
-    const int64_t nb = block_rows(g.K, weight_bytes(g.dtype));
+    const int64_t nb = job_block_rows(g);
     first[j + 1] = first[j] + (g.M == 0 ? 0 : (g.N + nb - 1) / nb);
   }
   // grain: about 64 KB of weights per task, so small matrices stay on one thread
@@ -166,7 +171,7 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
       const int64_t lo = std::max(b0, first[j]), hi = std::min(b1, first[j + 1]);
       if (lo >= hi) continue;
       const GemvJob& g = jobs[j];
-      const int64_t nb = block_rows(g.K, weight_bytes(g.dtype));
+      const int64_t nb = job_block_rows(g);
       const int64_t n0 = (lo - first[j]) * nb, n1 = std::min(g.N, (hi - first[j]) * nb);
       with_weight(g.dtype, g.w, [&](auto* w) {
         using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;

@@ -1,5 +1,5 @@
 // The CPU linear ops: `skinny_linear` (the weight-streaming GEMV, gemv.h, and the integer GEMV,
-// qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h), `bf16_linear` (torch's bf16 product) and
+// qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h), `bf16_linear` (the bf16 GEMM, bgemm.h) and
 // `linear`, the product by row count (decode_ops.h). x [M, K] fp32, w [N, K] fp32, bf16, int8 or
 // int4 (weights.h's formats), both contiguous -> y [M, N] fp32, accumulated in fp32.
 
@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "bgemm.h"
 #include "decode_ops.h"
 #include "gemm.h"
 #include "gemv.h"
@@ -29,25 +30,19 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
                    });
 }
 
-// x rounded to bf16 (nearest even) times a bf16 w in torch's own product, accumulated in fp32
-// inside oneDNN and rounded to bf16 once per output, then widened:
-// F.linear(x.bfloat16(), w).float(). The two conversions are plain loops on this thread: as
-// torch ops each would be a parallel region of its own, whose wake-up (with passive OpenMP
-// threads, hundreds of microseconds) costs more than the conversion.
-at::Tensor bf16_linear(const at::Tensor& x_, const at::Tensor& w) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16,
+// x rounded to bf16 (nearest even) times a bf16 w, each product exact, accumulated in fp32 and
+// rounded to bf16 once per output, then widened: F.linear(x.bfloat16(), w).float() up to the
+// order of the fp32 sums, in our own GEMM (bgemm.h: vdpbf16ps where the level has it), which
+// reads the weight as it lies.
+at::Tensor bf16_linear(const at::Tensor& x_, const at::Tensor& w_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kBFloat16,
               "bf16_linear: fp32 activations and bf16 weights expected");
-  TORCH_CHECK(x_.dim() == 2 && w.dim() == 2 && x_.size(1) == w.size(1), "bf16_linear: shapes");
-  const at::Tensor x = x_.contiguous();
-  at::Tensor xb = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  const float* xp = x.data_ptr<float>();
-  at::BFloat16* xbp = xb.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < x.numel(); ++i) xbp[i] = at::BFloat16(xp[i]);  // nearest even
-  const at::Tensor yb = at::linear(xb, w).contiguous();
-  at::Tensor y = at::empty(yb.sizes(), x.options());
-  const at::BFloat16* ybp = yb.data_ptr<at::BFloat16>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t i = 0; i < y.numel(); ++i) yp[i] = static_cast<float>(ybp[i]);
+  TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "bf16_linear: shapes");
+  const at::Tensor x = x_.contiguous(), w = w_.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  bgemm::gemm_into(x.data_ptr<float>(), reinterpret_cast<const c10::BFloat16*>(w.data_ptr()),
+                   y.data_ptr<float>(), M, N, K);
   return y;
 }
 

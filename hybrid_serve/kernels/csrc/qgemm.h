@@ -20,8 +20,8 @@
 // AVX2, 32 with AVX-512), per block the bytes [8 quads of k][MR rows][4], so one 4-byte
 // broadcast of a weight row's quad against a panel vector gives kLanes rows' partial dots; rows
 // past M are zero. A block of NC weight rows by KC columns is staged once per pass of up to PC
-// panels (`stage`: int4 nibbles unpacked, int8 bytes copied, a short last block padded), stays
-// in L1/L2 while the panels pass over it, and a register tile of R <= NR weight rows by one
+// panels (`stage`: int4 nibbles gathered from their tiles and unpacked, int8 bytes copied, a
+// short last block padded), stays in L1/L2 while the panels pass over it, and a register tile of R <= NR weight rows by one
 // panel (J = 2 vectors of rows, 1 for a last panel of at most kLanes rows) keeps R x J int32
 // accumulators for a block, then scales them into the fp32 sums (cbuf).
 //
@@ -105,15 +105,16 @@ inline void pack_acts(const float* x, int64_t M, int64_t K, int32_t offset, Pane
   });
 }
 
-// Columns [k0, k0 + kn) of weight rows [0, rows) (K columns, row stride ldw) -> dst [rows][KC]
-// as the dot takes them (int8 bytes, plus 128 in the offset form; int4 nibbles), a short last
+// Columns [k0, k0 + kn) of weight rows [n0, n0 + rows) of a matrix of N rows (K columns, row
+// stride ldw) -> dst [rows][KC] as the dot takes them (int8 bytes, plus 128 in the offset form;
+// int4 nibbles: a whole tile at a time by `q4x8_rows`, other rows by `q4_group`), a short last
 // block padded with zeros (its activations are zero); int4 also its group scales -> sc [rows][KB].
 template <Form F>
-inline void stage(const int8_t* w, int64_t ldw, int64_t rows, int64_t, int64_t k0, int64_t kn,
-                  int8_t* dst, float*) {
+inline void stage(const int8_t* w, int64_t ldw, int64_t, int64_t n0, int64_t rows, int64_t,
+                  int64_t k0, int64_t kn, int8_t* dst, float*) {
   const int64_t padded = (kn + kActBlock - 1) / kActBlock * kActBlock;
   for (int64_t i = 0; i < rows; ++i) {
-    const int8_t* src = w + i * ldw + k0;
+    const int8_t* src = w + (n0 + i) * ldw + k0;
     int8_t* out = dst + i * KC;
     if constexpr (F == Form::q8_offset) {
       for (int64_t k = 0; k < kn; ++k) out[k] = int8_t(uint8_t(src[k]) ^ 0x80u);
@@ -126,16 +127,27 @@ inline void stage(const int8_t* w, int64_t ldw, int64_t rows, int64_t, int64_t k
 
 static_assert(kQ4Group == 32, "an int4 group is one b32 of nibbles (16 bytes)");
 template <Form F>
-inline void stage(const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, int64_t k0, int64_t kn,
-                  int8_t* dst, float* sc) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const uint8_t* row = w + i * ldw;
-    const auto* scale = reinterpret_cast<const c10::BFloat16*>(row + K / 2);
-    int8_t* out = dst + i * KC;
-    for (int64_t g = 0; g < kn / kQ4Group; ++g) {
-      simd::store32(out + g * kQ4Group, simd::q4_nibbles(row + (k0 / kQ4Group + g) * (kQ4Group / 2)));
-      sc[i * KB + g] = load1(scale + k0 / kQ4Group + g);
+inline void stage(const uint8_t* w, int64_t, int64_t N, int64_t n0, int64_t rows, int64_t K,
+                  int64_t k0, int64_t kn, int8_t* dst, float* sc) {
+  const int64_t S = row_stride<uint8_t>(K), tiled = q4_tiled_rows(N), g0 = k0 / kQ4Group;
+  uint8_t nib[kQ4Group / 2];
+  for (int64_t i = 0; i < rows;) {
+    const int64_t n = n0 + i;
+    if (n % kQ4Tile == 0 && n + kQ4Tile <= tiled && i + kQ4Tile <= rows) {  // a whole tile
+      for (int64_t g = 0; g < kn / kQ4Group; ++g) {
+        const uint8_t* blk = w + n * S + (g0 + g) * kQ4Block;
+        simd::q4x8_rows(simd::q4x8_unpack(blk), dst + i * KC + g * kQ4Group, KC);
+        const auto* scale = reinterpret_cast<const c10::BFloat16*>(blk + 128);
+        for (int64_t r = 0; r < kQ4Tile; ++r) sc[(i + r) * KB + g] = load1(scale + r);
+      }
+      i += kQ4Tile;
+      continue;
     }
+    for (int64_t g = 0; g < kn / kQ4Group; ++g) {  // a row by itself
+      sc[i * KB + g] = q4_group(w, N, K, n, g0 + g, nib);
+      simd::store32(dst + i * KC + g * kQ4Group, simd::q4_nibbles(nib));
+    }
+    ++i;
   }
 }
 
@@ -198,11 +210,11 @@ inline void tile_rows(int r, const int8_t* ws, const float* wsc, const int8_t* a
   }
 }
 
-// Output columns [n0, n1) of y [M, ldy] on the calling thread: x given as panels [p_first,
-// p_first + panels(M)) of `xp` (y at their first row).
+// Output columns [n0, n1) of y [M, ldy] on the calling thread, w of N rows: x given as panels
+// [p_first, p_first + panels(M)) of `xp` (y at their first row).
 template <typename W>
-inline void gemm_cols(const Panels& xp, int64_t p_first, const W* w, int64_t ldw, float* y,
-                      int64_t ldy, int64_t M, int64_t K, int64_t n0, int64_t n1) {
+inline void gemm_cols(const Panels& xp, int64_t p_first, const W* w, int64_t ldw, int64_t N,
+                      float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0, int64_t n1) {
   constexpr Form F = form_of<W>;
   alignas(64) float cbuf[NC / NR * PC * NR * MR];  // [tile][panel][NR][MR]
   const auto ws = std::unique_ptr<int8_t[]>(new int8_t[NC * KC]);
@@ -214,7 +226,7 @@ inline void gemm_cols(const Panels& xp, int64_t p_first, const W* w, int64_t ldw
       const int64_t p1 = std::min(P, p0 + PC);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kn = std::min(KC, K - k0), nb = (kn + kActBlock - 1) / kActBlock;
-        stage<F>(w + b0 * ldw, ldw, b1 - b0, K, k0, kn, ws.get(), wsc.data());
+        stage<F>(w, ldw, N, b0, b1 - b0, K, k0, kn, ws.get(), wsc.data());
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t at = (p_first + p) * B + k0 / kActBlock;
           const int8_t* a = xp.q.data() + at * kPanelBlock;
@@ -268,14 +280,14 @@ inline void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N
   if (tiles < 2 * at::get_num_threads() && P >= 2) {
     at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {
       const int64_t m0 = q0 * MR, m1 = std::min(M, q1 * MR);
-      gemm_cols(xp, q0, w, ldw, y + m0 * N, N, m1 - m0, K, 0, N);
+      gemm_cols(xp, q0, w, ldw, N, y + m0 * N, N, m1 - m0, K, 0, N);
     });
     return;
   }
   // at least ~32 KB of weights per task, in whole tiles
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, ldw * NR));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    gemm_cols(xp, 0, w, ldw, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
+    gemm_cols(xp, 0, w, ldw, N, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
   });
 }
 

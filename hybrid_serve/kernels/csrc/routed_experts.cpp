@@ -120,8 +120,9 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
     const int64_t M = counts[t.e];
     const W* w = gate_up + t.e * 2 * I * ldg;
     float* hm = h + start[t.e] * 2 * I;
-    gemm_cols(xp.get() + pstart[t.e] * H * MR, w, ldg, hm, 2 * I, M, H, t.n0, t.n1);
-    gemm_cols(xp.get() + pstart[t.e] * H * MR, w + I * ldg, ldg, hm + I, 2 * I, M, H, t.n0, t.n1);
+    const float* x = xp.get() + pstart[t.e] * H * MR;
+    gemm_cols(x, w, ldg, 2 * I, hm, 2 * I, M, H, t.n0, t.n1);          // gate
+    gemm_cols(x, w, ldg, 2 * I, hm, 2 * I, M, H, I + t.n0, I + t.n1);  // up
     std::vector<float> row(t.n1 - t.n0);
     for (int64_t m = 0; m < panels(M) * MR; ++m) {
       float* a = ap.get() + (pstart[t.e] + m / MR) * I * MR + m % MR;
@@ -131,8 +132,8 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
   });
   if constexpr (is_quantized<W>) round_panel_rows(ap.get(), pstart, counts, I);
   run_balanced(expert_tasks(counts, H, I, NC, sizeof(W)), [&](const Task& t) {
-    gemm_cols(ap.get() + pstart[t.e] * I * MR, down + t.e * H * ldd, ldd, y + start[t.e] * H, H,
-              counts[t.e], I, t.n0, t.n1);
+    gemm_cols(ap.get() + pstart[t.e] * I * MR, down + t.e * H * ldd, ldd, H, y + start[t.e] * H,
+              H, counts[t.e], I, t.n0, t.n1);
   });
 }
 

@@ -2,8 +2,9 @@
 //
 // The library is compiled once per named ISA level (kernels/cpu_levels.py): generic, x86-64-v3
 // (AVX2 + FMA), x86-64-v3-vnni (+ AVX-VNNI), x86-64-v4 (AVX-512), x86-64-v4-vnni (+ AVX512-VNNI),
-// sapphirerapids (x86-64-v4-vnni's bodies tuned for Sapphire Rapids: nothing here reads its BF16,
-// FP16 or AMX macros, no AMX tiles) and, on aarch64, generic (NEON) and armv8.2-a+dotprod. This
+// x86-64-v4-bf16 (+ AVX512-BF16), sapphirerapids (x86-64-v4-bf16's bodies tuned for Sapphire
+// Rapids: nothing here reads its FP16 or AMX macros, no AMX tiles) and, on aarch64, generic
+// (NEON) and armv8.2-a+dotprod. This
 // header reads the compiler's target macros (the only place in kernels/csrc that does) and
 // includes the body of each entry for that target: simd_x86.h, simd_neon.h, or the scalar bodies
 // below, which are also every entry's reference (namespace hs::simd::ref, always compiled).
@@ -20,21 +21,31 @@
 //   window): zero8, load8, store8, bcast8, add, sub, mul, div, fma, fnma, min, max, round_even,
 //   pow2i, hsum, exp (composed below from the others).
 // - `b32` / `i32x8`: a block of 32 int8 values and 8 int32 lanes: load32, store32, q4_unpack
-//   (16 bytes of int4 nibbles, each - 8), q4_nibbles (the same nibbles as stored, 0..15), dot (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd,
-//   VNNI vpdpbusd, NEON sdot), load_i32x8, dotu_add (c + dot with the first operand's bytes in
-//   [0, 127]: one vpdpbusd or maddubs/madd, no sign trick), to_float, widen; quantize32 (Q8_0's
-//   rounding of 32 activations).
+//   (16 bytes of int4 nibbles, each - 8), q4_nibbles (the same nibbles as stored, 0..15), dot
+//   (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd, VNNI vpdpbusd,
+//   NEON sdot), to_float, widen; quantize32 (Q8_0's rounding of 32 activations).
 // - `f8x2` / `i32x8x2` / `b32x2`: two of f8 / i32x8 / b32 (two blocks of 32 int8 values side by
 //   side): one 512-bit register at the AVX-512 levels, else a pair composed from the entries
-//   above (which are their reference): zero8x2, load64, join (two b32), dot, load_i32x8x2,
-//   dotu_add, to_float, fma,
-//   bcast8x2 (s[0] into the first 8 lanes, s[1] into the next), fold (the two f8 added).
+//   above (which are their reference): zero8x2, load64, dot, to_float, fma, bcast8x2 (s[0] into
+//   the first 8 lanes, s[1] into the next), fold (the two f8 added).
+// - `q4x8`: one block of an int4 tile (weights.h: 8 weight rows by 32 k, 128 bytes of nibbles)
+//   unpacked for the dot: q4x8_unpack (quad j < 4 the low nibbles of bytes [32 j, 32 j + 32),
+//   quad j + 4 their high nibbles, byte 4 r + i of quad j holding row r's element 4 j + i as
+//   0..15), q4x8_dot (lane r = c + sum over j, i of that nibble times the activation q[4 j + i]:
+//   VNNI vpdpbusd or AVX2 maddubs on a broadcast of each quad, NEON sdot, or the scalar body:
+//   the same integers), q4x8_rows (the 8 rows' 32 values each, in k order, to dst + r ld: the
+//   tiled GEMM's staging), load8_bf16 (8 bf16 widened exactly).
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
 //   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
 //   with the first operand's bytes unsigned), to_vec (exact below 2^24). `kDotU8` says whether
 //   dotu_acc takes the whole u8 range (one VNNI vpdpbusd; the scalar body); without it (AVX2
 //   maddubs pairs, NEON sdot) the unsigned bytes must lie in [0, 127].
+// - `bpairs`: kLanes pairs of bf16 values (k and k + 1) as the bf16 dot takes them (the bf16
+//   GEMM's, bgemm.h): load_pairs (kLanes pairs), bcast_bpair (one pair into every lane),
+//   dot_pairs (acc lane i + a's pair i times b's, both products exact in fp32: one
+//   `vdpbf16ps` where the level has AVX512-BF16 (its two adds in its own order, denormal
+//   inputs read as zero), else the pair widened exactly and two FMAs, even element first).
 // - `vd`: the widest fp64 register (kLanesD): zero_d, load_d, store_d, bcast_d, add, mul, fma,
 //   fnma.
 // - deinterleave3 / shift_in3: eight channels' windows of 3 floats ([c][3] interleaved).
@@ -64,6 +75,9 @@
     defined(__AVX512VL__)
 #define HS_AVX512 1
 #endif
+#if defined(HS_AVX512) && defined(__AVX512BF16__)
+#define HS_BF16 1
+#endif
 #if defined(HS_AVX512) && defined(__AVX512VNNI__)
 #define HS_VNNI_EVEX 1
 #elif defined(__AVXVNNI__)
@@ -80,7 +94,9 @@ namespace hs::simd {
 
 // The features this build's vocabulary uses, for the start-up log and the level tests.
 inline const char* features() {
-#if defined(HS_AVX512) && defined(HS_VNNI_EVEX)
+#if defined(HS_AVX512) && defined(HS_VNNI_EVEX) && defined(HS_BF16)
+  return "avx512 avx512-vnni avx512-bf16";
+#elif defined(HS_AVX512) && defined(HS_VNNI_EVEX)
   return "avx512 avx512-vnni";
 #elif defined(HS_AVX512)
   return "avx512";
@@ -203,12 +219,34 @@ inline i32x8 dot(b32 w, b32 a) {
     return s;
   });
 }
-inline i32x8 load_i32x8(const int32_t* p) { return load_n<int32_t, 8>(p); }
-inline i32x8 dotu_add(i32x8 c, b32 u, b32 a) {  // c + dot(u, a), u's bytes in [0, 127]
-  return add(c, dot(u, a));
-}
 inline void widen(b32 q, float s, float* out) {  // out[j] = q[j] * s
   for (int j = 0; j < 32; ++j) out[j] = float(q.v[j]) * s;
+}
+struct q4x8 {
+  b32 quad[8];
+};
+inline q4x8 q4x8_unpack(const uint8_t* p) {
+  q4x8 r;
+  for (int j = 0; j < 8; ++j)
+    for (int t = 0; t < 32; ++t)
+      r.quad[j].v[t] = int8_t(j < 4 ? p[32 * j + t] & 15 : p[32 * (j - 4) + t] >> 4);
+  return r;
+}
+inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
+  return map<int32_t, 8>([&](int r) {
+    int32_t s = c;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) s += int32_t(w.quad[j].v[4 * r + i]) * int32_t(q[4 * j + i]);
+    return s;
+  });
+}
+inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
+  for (int r = 0; r < 8; ++r)
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) dst[r * ld + 4 * j + i] = w.quad[j].v[4 * r + i];
+}
+inline f8 load8_bf16(const c10::BFloat16* p) {
+  return map<float, 8>([&](int i) { return float(p[i]); });
 }
 template <int N>  // the 4 bytes at p in each of N int32 lanes
 inline lanes<int8_t, 4 * N> bcast4(const int8_t* p) {
@@ -285,8 +323,9 @@ using i32x8 = ref::i32x8;
 using b32 = ref::b32;
 using vd = ref::vd;
 using ref::add, ref::sub, ref::mul, ref::div, ref::fma, ref::fnma, ref::min, ref::max;
-using ref::dot, ref::deinterleave3, ref::dotu_add, ref::hsum, ref::load32, ref::load_i32x8;
-using ref::pow2i, ref::q4_nibbles;
+using ref::dot, ref::deinterleave3, ref::hsum, ref::load32;
+using ref::pow2i, ref::q4_nibbles, ref::q4x8, ref::q4x8_dot, ref::q4x8_unpack, ref::load8_bf16;
+using ref::q4x8_rows;
 using ref::q4_unpack, ref::store32;
 using ref::quantize32, ref::round_even, ref::shift_in3, ref::to_float, ref::widen;
 inline vec zero() { return ref::splat<float, kLanes>(0.f); }
@@ -343,16 +382,30 @@ struct b32x2 {
 };
 inline f8x2 zero8x2() { return {zero8(), zero8()}; }
 inline b32x2 load64(const int8_t* p) { return {load32(p), load32(p + 32)}; }
-inline b32x2 join(b32 lo, b32 hi) { return {lo, hi}; }
 inline i32x8x2 dot(b32x2 w, b32x2 a) { return {dot(w.lo, a.lo), dot(w.hi, a.hi)}; }
-inline i32x8x2 load_i32x8x2(const int32_t* p) { return {load_i32x8(p), load_i32x8(p + 8)}; }
-inline i32x8x2 dotu_add(i32x8x2 c, b32x2 u, b32x2 a) {
-  return {dotu_add(c.lo, u.lo, a.lo), dotu_add(c.hi, u.hi, a.hi)};
-}
 inline f8x2 to_float(i32x8x2 a) { return {to_float(a.lo), to_float(a.hi)}; }
 inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {fma(a.lo, b.lo, c.lo), fma(a.hi, b.hi, c.hi)}; }
 inline f8x2 bcast8x2(const float* s) { return {bcast8(s[0]), bcast8(s[1])}; }
 inline f8 fold(f8x2 a) { return add(a.lo, a.hi); }
+#endif
+
+#if !defined(HS_BF16)  // (simd_x86.h has them in vdpbf16ps's form)
+struct bpairs {
+  vec lo, hi;  // the even and the odd elements, widened
+};
+inline bpairs load_pairs(const c10::BFloat16* p) {
+  bpairs r;
+  load_w2(p, r.lo, r.hi);
+  return r;
+}
+inline bpairs bcast_bpair(const c10::BFloat16* p) {
+  bpairs r;
+  bcast_pair(p, r.lo, r.hi);
+  return r;
+}
+inline vec dot_pairs(vec acc, bpairs a, bpairs b) {
+  return fma(a.hi, b.hi, fma(a.lo, b.lo, acc));
+}
 #endif
 
 // a * b + c in one rounding where the level has an FMA instruction (every vector level), two at

@@ -74,10 +74,51 @@ inline int32x4_t dot16(int8x16_t w, int8x16_t a) {  // lane i: bytes 4i..4i+3
 #endif
 }
 inline i32x8 dot(b32 w, b32 a) { return {dot16(w.lo, a.lo), dot16(w.hi, a.hi)}; }
-inline i32x8 load_i32x8(const int32_t* p) { return {vld1q_s32(p), vld1q_s32(p + 4)}; }
-inline i32x8 dotu_add(i32x8 c, b32 u, b32 a) {  // u's bytes in [0, 127] read signed alike
-  const i32x8 d = dot(u, a);
-  return {vaddq_s32(c.lo, d.lo), vaddq_s32(c.hi, d.hi)};
+// int4 tiles: a quad's 8 rows in two registers (rows 0-3, 4-7), each against the quad's
+// activations in every lane (nibbles 0..15 read as signed bytes alike).
+struct q4x8 {
+  int8x16_t quad[8][2];
+};
+inline q4x8 q4x8_unpack(const uint8_t* p) {
+  const uint8x16_t m = vdupq_n_u8(0x0F);
+  q4x8 r;
+  for (int j = 0; j < 4; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const uint8x16_t b = vld1q_u8(p + 32 * j + 16 * h);
+      r.quad[j][h] = vreinterpretq_s8_u8(vandq_u8(b, m));
+      r.quad[j + 4][h] = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+    }
+  return r;
+}
+inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
+  int32x4_t lo = vdupq_n_s32(c), hi = vdupq_n_s32(0);
+  for (int j = 0; j < 8; ++j) {
+    int32_t bits;
+    std::memcpy(&bits, q + 4 * j, sizeof bits);
+    const int8x16_t a = vreinterpretq_s8_s32(vdupq_n_s32(bits));
+#if defined(HS_DOTPROD)
+    lo = vdotq_s32(lo, w.quad[j][0], a);
+    hi = vdotq_s32(hi, w.quad[j][1], a);
+#else
+    lo = vaddq_s32(lo, dot16(w.quad[j][0], a));
+    hi = vaddq_s32(hi, dot16(w.quad[j][1], a));
+#endif
+  }
+  return {lo, vaddq_s32(hi, vdupq_n_s32(c))};
+}
+inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
+  int8_t q[8][32];
+  for (int j = 0; j < 8; ++j) {
+    vst1q_s8(q[j], w.quad[j][0]);
+    vst1q_s8(q[j] + 16, w.quad[j][1]);
+  }
+  for (int r = 0; r < 8; ++r)
+    for (int j = 0; j < 8; ++j) std::memcpy(dst + r * ld + 4 * j, q[j] + 4 * r, 4);
+}
+inline f8 load8_bf16(const c10::BFloat16* p) {
+  const uint16x8_t h = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
+  return {vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)),
+          vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(h), 16))};
 }
 inline void widen(b32 q, float s, float* out) {
   const float32x4_t sv = vdupq_n_f32(s);

@@ -71,18 +71,72 @@ inline i32x8 dot(b32 w, b32 a) {
   return {_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, a_signed), _mm256_set1_epi16(1))};
 #endif
 }
-inline i32x8 load_i32x8(const int32_t* p) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))};
+// int4 tiles: each quad of activations broadcast (a load) against 8 rows' nibbles of it. With
+// VNNI one vpdpbusd per quad; with AVX2 the quads' maddubs pairs summed in int16 (8 quads of
+// 15 x 127 pairs: at most 30480, no saturation) and widened once.
+struct q4x8 {
+  __m256i quad[8];
+};
+inline q4x8 q4x8_unpack(const uint8_t* p) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  q4x8 r;
+  for (int j = 0; j < 4; ++j) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+    r.quad[j] = _mm256_and_si256(b, m);
+    r.quad[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+  }
+  return r;
 }
-inline i32x8 dotu_add(i32x8 c, b32 u, b32 a) {  // u's bytes in [0, 127]: maddubs cannot saturate
+inline __m256i bcast_quad(const int8_t* q) {
+  int32_t bits;
+  std::memcpy(&bits, q, sizeof bits);
+  return _mm256_set1_epi32(bits);
+}
+inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
+#if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)
+  __m256i a = _mm256_set1_epi32(c), b = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j += 2) {
 #if defined(HS_VNNI_EVEX)
-  return {_mm256_dpbusd_epi32(c.v, u.v, a.v)};
-#elif defined(HS_VNNI_VEX)
-  return {_mm256_dpbusd_avx_epi32(c.v, u.v, a.v)};
+    a = _mm256_dpbusd_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
+    b = _mm256_dpbusd_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
 #else
-  const __m256i pairs = _mm256_maddubs_epi16(u.v, a.v);
-  return {_mm256_add_epi32(c.v, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))};
+    a = _mm256_dpbusd_avx_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
+    b = _mm256_dpbusd_avx_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
 #endif
+  }
+  return {_mm256_add_epi32(a, b)};
+#else
+  __m256i s = _mm256_maddubs_epi16(w.quad[0], bcast_quad(q));
+  for (int j = 1; j < 8; ++j)
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w.quad[j], bcast_quad(q + 4 * j)));
+  return {_mm256_add_epi32(_mm256_set1_epi32(c), _mm256_madd_epi16(s, _mm256_set1_epi16(1)))};
+#endif
+}
+// The 8 x 8 dwords (quad j, row r) transposed to (row r, quad j): two rounds of unpacks within
+// the 128-bit lanes, then the lanes swapped.
+inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
+  __m256i t[8], u[8];
+  for (int h = 0; h < 2; ++h) {  // quads 0-3, then 4-7
+    const __m256i* q = w.quad + 4 * h;
+    t[0] = _mm256_unpacklo_epi32(q[0], q[1]);
+    t[1] = _mm256_unpackhi_epi32(q[0], q[1]);
+    t[2] = _mm256_unpacklo_epi32(q[2], q[3]);
+    t[3] = _mm256_unpackhi_epi32(q[2], q[3]);
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[0], t[2]);  // rows 0 | 4
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[0], t[2]);  // rows 1 | 5
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[1], t[3]);  // rows 2 | 6
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[1], t[3]);  // rows 3 | 7
+  }
+  for (int r = 0; r < 4; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld),
+                        _mm256_permute2x128_si256(u[r], u[4 + r], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (r + 4) * ld),
+                        _mm256_permute2x128_si256(u[r], u[4 + r], 0x31));
+  }
+}
+inline f8 load8_bf16(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
 }
 inline void widen(b32 q, float s, float* out) {
   const __m256 sv = _mm256_set1_ps(s);
@@ -219,6 +273,22 @@ inline ivec dot_acc(ivec acc, bvec w, bvec a) {  // |w| times a with w's signs
 }
 inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return {dpbusd(acc.v, u.v, s.v)}; }
 
+#if defined(HS_BF16)
+// ---- bpairs: 16 bf16 pairs for vdpbf16ps ----
+struct bpairs {
+  __m512i v;
+};
+inline bpairs load_pairs(const c10::BFloat16* p) { return {_mm512_loadu_si512(p)}; }
+inline bpairs bcast_bpair(const c10::BFloat16* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return {_mm512_set1_epi32(bits)};
+}
+inline vec dot_pairs(vec acc, bpairs a, bpairs b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a.v), reinterpret_cast<__m512bh&>(b.v));
+}
+#endif
+
 // ---- f8x2, i32x8x2, b32x2: two blocks in one 512-bit register ----
 struct f8x2 {
   __m512 v;
@@ -231,16 +301,11 @@ struct b32x2 {
 };
 inline f8x2 zero8x2() { return {_mm512_setzero_ps()}; }
 inline b32x2 load64(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
-inline b32x2 join(b32 lo, b32 hi) {
-  return {_mm512_inserti64x4(_mm512_castsi256_si512(lo.v), hi.v, 1)};
-}
 inline i32x8x2 dot(b32x2 w, b32x2 a) {  // |w| times a with w's signs
   const __mmask64 neg = _mm512_movepi8_mask(w.v);
   const __m512i a_signed = _mm512_mask_sub_epi8(a.v, neg, _mm512_setzero_si512(), a.v);
   return {dpbusd(_mm512_setzero_si512(), _mm512_abs_epi8(w.v), a_signed)};
 }
-inline i32x8x2 load_i32x8x2(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
-inline i32x8x2 dotu_add(i32x8x2 c, b32x2 u, b32x2 a) { return {dpbusd(c.v, u.v, a.v)}; }
 inline f8x2 to_float(i32x8x2 a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline f8x2 bcast8x2(const float* s) {
