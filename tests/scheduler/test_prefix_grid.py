@@ -155,3 +155,24 @@ def test_snapshot_a_token_or_two_into_a_round_is_reused_exactly(case, strategy, 
     assert out["meta_info"]["cached_tokens"] == shared // GRID * GRID
     assert out["output_ids"] == expected[1]
     assert engine.leak_report() == []
+
+
+@pytest.mark.parametrize("case", ["tiny"], indirect=True)
+@pytest.mark.parametrize("chunk", [37, 100])
+def test_gdn_chunked_reference_snapshots_on_the_grid(case, kernels_mode, chunk):
+    """The shared prefix with the pure-torch kernels: the chunked reference runs a tracked
+    round's leading piece of offset % 64 tokens on its own (the default CPU kernels step token by
+    token; the Triton kernel's masked leading rows: tests/kernels/test_triton_kernels.py)."""
+    path, _, _, prompts, expected = case
+    kernels_mode("torch")
+    engine, snapshots = engine_recording_snapshots(
+        path, mamba_scheduler_strategy="extra_buffer", chunked_prefill_size=chunk
+    )
+    ops = {m.ops.backend for m in engine.scheduler.runner.model.modules() if hasattr(m, "ops")}
+    assert ops == {"torch"}
+    assert engine.generate(prompts[0], GREEDY)["output_ids"] == expected[0]
+    out = engine.generate(prompts[1], GREEDY)
+    assert out["output_ids"] == expected[1]
+    assert out["meta_info"]["cached_tokens"] >= SHARED - GRID
+    assert snapshots and not off_grid(snapshots), sorted(snapshots)
+    assert engine.leak_report() == []
