@@ -10,7 +10,7 @@ outputs zeros for it). Sequences are always handled as a varlen pack; a dense [B
 the pack of B sequences of T tokens.
 
 Chunked form (chunks of C tokens, counted from each sequence's own start; in a sequence with a
-tracked offset, from `C - offset % C` tokens before it, so that the offset falls on a chunk
+tracked offset, from `-offset % C` tokens before its start, so that the offset falls on a chunk
 boundary: the first chunk's leading rows are masked out, k = v = beta = g = 0, which leaves the
 state and the other rows' results as they are), two kernels:
 1. `_chunk_prep_kernel`, one program per (chunk, value head): in-chunk decay cumsum G, the WY
