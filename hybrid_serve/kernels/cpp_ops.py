@@ -199,9 +199,7 @@ def chunk_gated_delta_rule(
     """The pool form (packed with `cu_seqlens`, or dense), states tracked as the reference."""
     if initial_state_indices is None:
         raise ValueError("C++ chunked delta rule: states on the pool only")
-    gated_delta_rule.check_tracking(
-        chunk_size, cu_seqlens, initial_state_indices, track_offsets, track_indices
-    )
+    gated_delta_rule.check_tracking(cu_seqlens, initial_state_indices, track_offsets, track_indices)
     B, T = q.shape[:2]
     if cu_seqlens is None:  # a dense batch of B sequences of T tokens, packed
         cu_seqlens = torch.arange(B + 1, dtype=torch.int64) * T

@@ -17,10 +17,13 @@ Signatures follow flash-linear-attention (`chunk_gated_delta_rule`,
 reads query/key head `h // (HV // H)`. All math is fp32; outputs come back in q's dtype.
 
 State tracking (prefix caching, pool form only): `chunk_gated_delta_rule` also takes
-`track_offsets` [N] and `track_indices` [N]. Where `track_offsets[i] > 0` (a multiple of the
-chunk size, at most sequence i's length) the state after that many tokens of sequence i is
-written to `pool[track_indices[i]]` as well. Chunks count from each sequence's own start, so
-this is a chunk-boundary state the chunked form computes anyway.
+`track_offsets` [N] and `track_indices` [N]. Where `track_offsets[i] > 0` (at most sequence i's
+length) the state after that many tokens of sequence i is written to `pool[track_indices[i]]` as
+well. Chunks count from each sequence's own start, except in a tracked sequence: there a leading
+piece of `track_offsets[i] % chunk_size` tokens comes first, so that every later chunk boundary,
+the tracked offset among them, lies a whole number of chunks past it (the scheduler asks for the
+state at a position on the absolute 64-token grid of a round that may start anywhere). The
+tracked state is then a chunk-boundary state the chunked form computes anyway.
 """
 
 from __future__ import annotations
@@ -182,6 +185,7 @@ def _run(
     initial_state_indices,
     track_offsets=None,
     track_indices=None,
+    chunk_size=0,
 ):
     in_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
@@ -207,16 +211,19 @@ def _run(
         offsets = [0] * (len(cu) - 1) if track_offsets is None else track_offsets.tolist()
         tracked, tracked_rows = [], []
         for i in range(len(cu) - 1):
-            # A tracked sequence runs as two pieces split at its (chunk-aligned) offset, which
-            # is exactly the one-piece computation with the boundary state made visible.
-            bounds = [cu[i], cu[i] + offsets[i], cu[i + 1]] if offsets[i] else [cu[i], cu[i + 1]]
+            # A tracked sequence runs as pieces split at its leading piece and at its offset:
+            # the chunked computation whose chunk boundaries include the offset (a chunk-aligned
+            # offset has no leading piece: the one-piece computation, its state made visible).
+            lead = offsets[i] % chunk_size if chunk_size else 0
+            cuts = [cu[i] + lead, cu[i] + offsets[i]] if offsets[i] else []
+            bounds = [cu[i], *cuts, cu[i + 1]]
             s = states[i : i + 1]
-            for piece, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            for lo, hi in itertools.pairwise(bounds):
                 if hi > lo:
                     o, s = step_fn(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi],
                                    g[:, :, lo:hi], beta[:, :, lo:hi], s)  # fmt: skip
                     out[:, :, lo:hi] = o
-                if offsets[i] and piece == 0:
+                if offsets[i] and hi == cu[i] + offsets[i]:
                     tracked.append(s.clone())
                     tracked_rows.append(i)
             finals[i : i + 1] = s
@@ -230,14 +237,15 @@ def _run(
     return out, (finals if output_final_state else None)
 
 
-def check_tracking(chunk_size, cu_seqlens, initial_state_indices, track_offsets, track_indices):
+def check_tracking(cu_seqlens, initial_state_indices, track_offsets, track_indices):
     """ValueError unless state tracking (if asked for) is in the pool form with cu_seqlens, at
-    chunk-aligned offsets."""
+    offsets from 0 (none) to each sequence's length."""
     if track_offsets is not None:
         if initial_state_indices is None or cu_seqlens is None or track_indices is None:
             raise ValueError("state tracking needs the pool form with cu_seqlens")
-        if bool((track_offsets % chunk_size).any()):
-            raise ValueError(f"track_offsets must be multiples of the chunk size {chunk_size}")
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(track_offsets.device)
+        if bool(((track_offsets < 0) | (track_offsets > lengths)).any()):
+            raise ValueError("track_offsets must lie between 0 and each sequence's length")
 
 
 def chunk_gated_delta_rule(
@@ -253,14 +261,14 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     initial_state_indices: torch.Tensor | None = None,  # [N] rows of the pool
     chunk_size: int = 64,
-    track_offsets: torch.Tensor | None = None,  # [N] 0 or a multiple of chunk_size
+    track_offsets: torch.Tensor | None = None,  # [N] 0 (none) up to each sequence's length
     track_indices: torch.Tensor | None = None,  # [N] pool rows receiving the tracked states
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked (WY) form for prefill.
 
     Returns (o [B,T,HV,V], final state [N,HV,K,V] fp32, or None).
     """
-    check_tracking(chunk_size, cu_seqlens, initial_state_indices, track_offsets, track_indices)
+    check_tracking(cu_seqlens, initial_state_indices, track_offsets, track_indices)
 
     dense = _chunk_dense_channels if per_channel_gate(g, k, v) else _chunk_dense
 
@@ -282,6 +290,7 @@ def chunk_gated_delta_rule(
         initial_state_indices,
         track_offsets,
         track_indices,
+        chunk_size,
     )
 
 

@@ -9,7 +9,10 @@ index marks a padding row: its state is neither read nor written (and the recurr
 outputs zeros for it). Sequences are always handled as a varlen pack; a dense [B, T] batch is
 the pack of B sequences of T tokens.
 
-Chunked form (chunks of C tokens, counted from each sequence's own start), two kernels:
+Chunked form (chunks of C tokens, counted from each sequence's own start; in a sequence with a
+tracked offset, from `-offset % C` tokens before its start, so that the offset falls on a chunk
+boundary: the first chunk's leading rows are masked out, k = v = beta = g = 0, which leaves the
+state and the other rows' results as they are), two kernels:
 1. `_chunk_prep_kernel`, one program per (chunk, value head): in-chunk decay cumsum G, the WY
    factors u = M^-1 (beta v) and w = M^-1 (beta e^G k) with M = I + strict_lower(beta k k^T e^{G_i
    - G_j}) inverted by forward substitution; stored fp32 in scratch.
@@ -31,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_serve.kernels.gated_delta_rule import per_channel_gate
+from hybrid_serve.kernels.gated_delta_rule import check_tracking, per_channel_gate
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
 
@@ -80,11 +83,12 @@ def _chunk_prep_kernel(
     GK: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n, c = tl.load(chunk_ptr + 2 * i_c), tl.load(chunk_ptr + 2 * i_c + 1)
-    t0 = tl.load(cu_ptr + i_n).to(tl.int64) + c * BT
+    i_n, start = tl.load(chunk_ptr + 2 * i_c), tl.load(chunk_ptr + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    t0 = bos + start  # start < 0: the leading chunk of a tracked sequence
     eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
     rt = tl.arange(0, BT)
-    rows, m_t = t0 + rt, t0 + rt < eos
+    rows, m_t = t0 + rt, (t0 + rt >= bos) & (t0 + rt < eos)
     kb = _load_qk(k_ptr, rows, m_t, i_hv // (HV // H), stride_kt, stride_kh, K, BK, L2)
     beta = tl.load(beta_ptr + rows * stride_bt + i_hv * stride_bh, mask=m_t, other=0.0)
     beta = beta.to(tl.float32)
@@ -117,7 +121,9 @@ def _chunk_prep_kernel(
     for v0 in range(0, V, BV):
         rv = v0 + tl.arange(0, BV)
         m = m_t[:, None] & (rv < V)[None, :]
-        vb = tl.load(v_ptr + rows[:, None] * stride_vt + i_hv * stride_vh + rv[None, :], mask=m)
+        vb = tl.load(
+            v_ptr + rows[:, None] * stride_vt + i_hv * stride_vh + rv[None, :], mask=m, other=0.0
+        )
         u = tl.dot(X, vb.to(tl.float32) * beta[:, None], input_precision=PREC)
         tl.store(u_ptr + (rows[:, None] * HV + i_hv) * V + rv[None, :], u, mask=m)
 
@@ -149,19 +155,21 @@ def _chunk_state_kernel(
     if HAS_H0:
         ptrs = _state_ptrs(h0_ptr, slot, i_hv, rk, rv, s0, s1, s2, s3)
         S = tl.load(ptrs, mask=m_live, other=0.0).to(tl.float32)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    shift = 0  # masked rows before the first token (a tracked offset on a chunk boundary)
     track_chunk = -1
     if TRACK:
-        track_chunk = tl.load(tro_ptr + i_n).to(tl.int64) // BT
-        track_chunk = tl.where(track_chunk > 0, track_chunk, -1)
+        offset = tl.load(tro_ptr + i_n).to(tl.int64)
+        shift = tl.where(offset > 0, (BT - offset % BT) % BT, 0)
+        track_chunk = tl.where(offset > 0, (offset + shift) // BT, -1)
         track_slot = tl.load(tri_ptr + i_n).to(tl.int64)
         track_ptrs = _state_ptrs(h0_ptr, track_slot, i_hv, rk, rv, s0, s1, s2, s3)
+    n_chunks = tl.cdiv(eos - bos + shift, BT)
     for c in range(0, n_chunks):
         if TRACK:
-            if c == track_chunk:  # the state after the first c * BT tokens
+            if c == track_chunk:  # the state after the first c * BT - shift tokens
                 tl.store(track_ptrs, S.to(h0_ptr.dtype.element_ty), mask=m_kv)
-        t0 = bos + c * BT
-        rows, m_t = t0 + rt, t0 + rt < eos
+        t0 = bos - shift + c * BT
+        rows, m_t = t0 + rt, (t0 + rt >= bos) & (t0 + rt < eos)
         qb = _load_qk(q_ptr, rows, m_t, i_h, stride_qt, stride_qh, K, BK, L2) * scale
         kb = _load_qk(k_ptr, rows, m_t, i_h, stride_kt, stride_kh, K, BK, L2)
         m_w = m_t[:, None] & (rk < K)[None, :]
@@ -303,13 +311,14 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     initial_state_indices: torch.Tensor | None = None,  # [N] rows of the pool
     chunk_size: int = 64,
-    track_offsets: torch.Tensor | None = None,  # [N] 0 or a multiple of chunk_size <= length
+    track_offsets: torch.Tensor | None = None,  # [N] 0 (none) up to each sequence's length
     track_indices: torch.Tensor | None = None,  # [N] pool slots for those snapshots
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked prefill. Returns (o [B,T,HV,V] in q's dtype, final state [N,HV,K,V] fp32 or None;
     None in the pool form, whose final states are written into the pool). With `track_offsets`
     (pool form only), sequence i with track_offsets[i] > 0 also writes its state after its
-    first track_offsets[i] tokens into pool[track_indices[i]]. Chunk indices are built on the
+    first track_offsets[i] tokens into pool[track_indices[i]] (its chunks then start
+    `-track_offsets[i] % chunk_size` tokens early, masked). Chunk indices are built on the
     host (one sync)."""
     assert chunk_size in (16, 32, 64), "chunk_size must be 16, 32 or 64"
     B, T, H, K = q.shape
@@ -319,11 +328,7 @@ def chunk_gated_delta_rule(
         q, k, v, initial_state, output_final_state, cu_seqlens, initial_state_indices
     )
     track = track_offsets is not None
-    if track:
-        if initial_state_indices is None or cu_seqlens is None or track_indices is None:
-            raise ValueError("state tracking needs the pool form with cu_seqlens")
-        if bool((track_offsets % chunk_size).any()):
-            raise ValueError(f"track_offsets must be multiples of the chunk size {chunk_size}")
+    check_tracking(cu_seqlens, initial_state_indices, track_offsets, track_indices)
     gk = per_channel_gate(g, k, v)
     qf, kf, vf, gf, bf = _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta)
     total = qf.shape[0]
@@ -331,7 +336,13 @@ def chunk_gated_delta_rule(
     if total == 0 or n == 0:
         return o.view(B, T, HV, V), ht
     lens = (cu[1:] - cu[:-1]).tolist()
-    chunks = [(i, c) for i, n_tok in enumerate(lens) for c in range(triton.cdiv(n_tok, chunk_size))]
+    offsets = track_offsets.tolist() if track else [0] * n
+    shifts = [-off % chunk_size if off > 0 else 0 for off in offsets]
+    chunks = [
+        (i, c * chunk_size - shift)  # (sequence, first row of the chunk past its start)
+        for i, (n_tok, shift) in enumerate(zip(lens, shifts, strict=True))
+        for c in range(triton.cdiv(n_tok + shift, chunk_size))
+    ]
     chunk_idx = torch.tensor(chunks, dtype=torch.int32).to(q.device, non_blocking=True)
     BK = max(16, triton.next_power_of_2(K))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models get exact fp32 dots

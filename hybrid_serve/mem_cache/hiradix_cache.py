@@ -216,7 +216,7 @@ class HiMambaRadixCache(MambaRadixCache):
         free = self.host.kv_pool.available_tokens()
         fits = [i for i in states if (i + 1) * bs - start <= free]  # state blocks host memory holds
         n = (fits[-1] + 1) * bs - start if fits else 0
-        if n < storage.prefetch_threshold:
+        if not fits or n < storage.prefetch_threshold:  # (a threshold of 0 lets n = 0 through)
             self.stats["prefetch_skipped"] += 1
             self._host_pin(end_node, -1)
             return None

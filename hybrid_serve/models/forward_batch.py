@@ -43,9 +43,10 @@ class ForwardBatch:
     return_all_logits: bool = False  # prefill: logits for every new token, not only the last
     # prefill: logits for exactly these packed token indices instead (prompt logprobs)
     logit_indices: torch.Tensor | None = None  # [K] int64
-    # prefill state tracking (extra_buffer): request i also leaves the conv and recurrent state
-    # after `mamba_track_offsets_cpu[i]` of its new tokens (0 = none; a multiple of the GDN
-    # chunk size) in Mamba slot `mamba_track_slots[i]`
+    # prefill state tracking (prefix cache): request i also leaves the conv and recurrent state
+    # after `mamba_track_offsets_cpu[i]` of its new tokens (0 = none; any offset up to its
+    # extend_len, in practice one ending on the sequence's 64-token grid: prefix_len + offset is
+    # a multiple of 64) in Mamba slot `mamba_track_slots[i]`
     mamba_track_slots: torch.Tensor | None = None  # [N] int64
     mamba_track_offsets_cpu: list[int] | None = None  # [N]
     # verify (speculative decoding): the Gated DeltaNet layers step each request's new tokens

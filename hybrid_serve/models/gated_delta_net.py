@@ -10,9 +10,10 @@ Per value head the layer keeps a recurrent state S [dk, dv] and a short causal-c
 
 Both states live in the Mamba pool and are addressed by `ForwardBatch.mamba_slots`; prefill
 continues from whatever the slot holds (zeros for a fresh request), decode steps it by one token.
-A prefill batch may also ask for snapshots at chunk-aligned offsets (`mamba_track_slots`): the
-conv window there is the Kc-1 raw inputs before the offset, the recurrent state a chunk-boundary
-state of the chunked kernel.
+A prefill batch may also ask for snapshots at tracked offsets (`mamba_track_slots`), positions
+on the sequence's 64-token grid: the conv window there is the Kc-1 raw inputs before the offset,
+the recurrent state a chunk-boundary state of the chunked kernel (whose chunks, in a round that
+starts off the grid, are laid out so that the offset is one).
 
 `DeltaRuleMixer` is what every delta-rule mixer shares (this one, and Kimi Delta Attention in
 `models.kda_mixer`, whose forget gate is one value per key channel): reading the batch and the
@@ -265,13 +266,21 @@ class GatedDeltaNet(DeltaRuleMixer):
 
 def track_conv_states(raw: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> None:
     """conv_state[track slot] = the Kc-1 raw (pre-conv) inputs just before each tracked offset
-    of a prefill batch (`ForwardBatch.mamba_track_offsets_cpu`); raw is [T, conv_dim]. Every
-    recurrent layer with a short conv snapshots its window this way."""
-    width = conv_state.shape[-1]  # Kc-1; offsets are >= one chunk, so all inside the extend
-    starts = batch.query_start_loc.tolist()
+    of a prefill batch (`ForwardBatch.mamba_track_offsets_cpu`); raw is [T, conv_dim]. An
+    offset shorter than the window (a round that starts just before a 64-token grid point)
+    takes the window's older columns from the request's slot, which still holds the window
+    before the round. Call it before the conv updates the slots. Every recurrent layer with a
+    short conv snapshots its window this way."""
+    width = conv_state.shape[-1]  # Kc-1
     rows = [i for i, off in enumerate(batch.mamba_track_offsets_cpu) if off]
-    ends = torch.tensor([starts[i] + batch.mamba_track_offsets_cpu[i] for i in rows])
-    pos = ends.unsqueeze(1) - width + torch.arange(width).unsqueeze(0)  # [n, Kc-1]
-    window = raw[pos.to(raw.device)].transpose(1, 2)  # [n, conv_dim, Kc-1]
-    dst = batch.mamba_track_slots[torch.tensor(rows, device=raw.device)]
-    conv_state.index_copy_(0, dst, window.to(conv_state.dtype))
+    starts = batch.query_start_loc.tolist()
+    offsets = torch.tensor([batch.mamba_track_offsets_cpu[i] for i in rows])
+    rel = offsets.unsqueeze(1) - width + torch.arange(width).unsqueeze(0)  # [n, Kc-1]
+    pos = torch.tensor([starts[i] for i in rows]).unsqueeze(1) + rel.clamp(min=0)
+    picked = torch.tensor(rows, device=raw.device)
+    new = raw[pos.to(raw.device)].to(conv_state.dtype)  # [n, Kc-1, conv_dim]
+    old = conv_state[batch.mamba_slots[picked]].transpose(1, 2)  # the window before the round
+    col = (rel + width).clamp(max=width - 1).to(raw.device)  # rel < 0: its column in `old`
+    old = old.gather(1, col.unsqueeze(-1).expand(-1, -1, old.shape[-1]))
+    window = torch.where((rel < 0).to(raw.device).unsqueeze(-1), old, new).transpose(1, 2)
+    conv_state.index_copy_(0, batch.mamba_track_slots[picked], window)

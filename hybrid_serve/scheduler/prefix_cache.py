@@ -1,13 +1,17 @@
 """How a request's KV and Mamba states enter and leave the radix tree, per Mamba strategy.
 
-Every strategy snapshots prefill: an extend of at least one chunk (64 tokens) also leaves the
-state at its last chunk-aligned offset (or at the branching point `match_prefix` reported) in a
-track slot, inserted after the round; so chunk-aligned prefixes (a system prompt) are shared and
-the storage tier (64-token blocks) gets them. Every strategy also keeps the end of each prompt:
-after the round that completes it, a copy of the running state is inserted under the whole
-prompt with the final hidden state at its last token (`MambaRadixCache.set_hidden`); the same
-prompt sent again takes that state and its first logits from that hidden, with no forward (a
-request that needs prompt logits matches at most up to its `logprob_start_len`).
+Every strategy snapshots prefill: a round that reaches a point of the sequence's 64-token grid
+(a length that is a multiple of the chunk, counted from the sequence's start, wherever the round
+starts: after a cached prefix or a session turn that ended off the grid, or in prefill chunks of
+any size) also leaves the state at the last such point (or at the branching point
+`match_prefix` reported) in a track slot, inserted after the round; so chunk-aligned prefixes (a
+system prompt) are shared and the storage tier (64-token blocks) gets them. The model takes
+the state at any offset into a round (`ForwardBatch.mamba_track_offsets_cpu`), so rounds need
+not be cut to the grid. Every strategy also keeps the end of each prompt: after the round that
+completes it, a copy of the running state is inserted under the whole prompt with the final
+hidden state at its last token (`MambaRadixCache.set_hidden`); the same prompt sent again takes
+that state and its first logits from that hidden, with no forward (a request that needs prompt
+logits matches at most up to its `logprob_start_len`).
 
 `no_buffer`: a request owns one Mamba slot, its running state; a prefill round that snapshots
 borrows one more, which goes to the tree right after the round. After each prefill round a copy
@@ -150,18 +154,23 @@ class PrefixCache:
     # ---- snapshots -----------------------------------------------------------------------
     def prefill_track(self, req: Req, extend_len: int) -> tuple[int, int]:
         """(offset into this extend, track slot) to snapshot, or (0, 0); records the length.
+        The snapshot's length is on the sequence's grid (a multiple of the chunk, counted from
+        the sequence's start, whatever the round's start): the last grid point the round
+        reaches, or the branching point `match_prefix` reported when the round reaches it.
         no_buffer takes a slot for it (none when the pool is dry even after evicting a tree
         state: no snapshot then), which `stash_snapshot` gives to the tree after the round."""
         if not self.enabled:
             return 0, 0
-        start, offset = req.kv_len, extend_len // self.chunk * self.chunk
+        start, end = req.kv_len, req.kv_len + extend_len
+        length = end // self.chunk * self.chunk
         branch = req.branching_len
-        if branch is not None and start < branch <= start + extend_len:
-            if (branch - start) % self.chunk == 0:
-                offset = branch - start
+        if branch is not None and start < branch <= end:
+            if branch % self.chunk == 0:
+                length = branch
             req.branching_len = None
-        if offset == 0:
+        if length <= start:
             return 0, 0
+        offset = length - start
         if not self.tracking:
             slot = self.alloc_slot(zero=False, sessions=False)
             if slot is None:
@@ -171,7 +180,7 @@ class PrefixCache:
             slot = req.track_slots[req.next_track]
             if not self.lazy:
                 req.next_track ^= 1
-        req.last_track_len = start + offset
+        req.last_track_len = length
         return offset, slot
 
     def stash_snapshot(self, req: Req) -> None:

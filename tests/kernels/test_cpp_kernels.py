@@ -93,6 +93,7 @@ def test_gdr_outside_the_contract_is_an_error() -> None:
     ("lengths", "H", "HV", "K", "V", "offsets"),
     [
         ([130, 64, 1, 0, 40, 128], 1, 2, 16, 24, [128, 64, 0, 0, 0, 64]),  # GQA 2, tracking
+        ([130, 64, 1, 40], 1, 2, 16, 24, [100, 27, 1, 40]),  # tracked off the chunks
         ([7, 70], 2, 2, 32, 16, None),  # ratio 1, no tracking
         ([200], 4, 8, 128, 128, [192]),  # the small preset's heads, one long prompt
     ],

@@ -31,10 +31,14 @@ def kda_inputs(B: int, T: int, H: int, HV: int, K: int, V: int, dtype, device):
     return [x.to(device, dtype) for x in (q, k, v)] + [g.to(device), beta.to(device, dtype)]
 
 
+@pytest.mark.parametrize(
+    "offsets", [[0, 16, 32, 32], [1, 5, 19, 37]], ids=["chunk-aligned", "off-grid"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_chunk_per_channel_pool_and_tracking(triton_device, dtype) -> None:
+def test_chunk_per_channel_pool_and_tracking(triton_device, dtype, offsets) -> None:
     """Ragged prefill (lengths the chunk does not divide) from pool states, final states in
-    place, a chunk-aligned snapshot mid-sequence and one at a sequence's end."""
+    place, snapshots mid-sequence and at a sequence's end: chunk-aligned, and off the chunks
+    (the sequence's first chunk then holds offset % 16 tokens, its leading rows masked)."""
     dev = triton_device
     torch.manual_seed(21)
     H, HV, K, V = 1, 2, 16, 24
@@ -46,8 +50,8 @@ def test_chunk_per_channel_pool_and_tracking(triton_device, dtype) -> None:
         cu_seqlens=torch.tensor([0, *lengths], device=dev).cumsum(0),
         use_qk_l2norm_in_kernel=True,
         chunk_size=16,
-        track_offsets=torch.tensor([0, 16, 32, 32], device=dev),
-        track_indices=torch.tensor([0, 5, 8, 9], device=dev),  # slot 0: offset 0, untouched
+        track_offsets=torch.tensor(offsets, device=dev),
+        track_indices=torch.tensor([6, 5, 8, 9], device=dev),  # offset 0: untouched
     )
     ref_pool, tri_pool = pool.clone(), pool.clone()
     ref, _ = gated_delta_rule.chunk_gated_delta_rule(
@@ -59,9 +63,11 @@ def test_chunk_per_channel_pool_and_tracking(triton_device, dtype) -> None:
     bound = 1e-5 if dtype == torch.float32 else 5e-3
     assert none is None and out.dtype == dtype
     assert rel_rms(out, ref) < bound
-    for slot in (3, 1, 7, 2, 5, 8, 9):
+    tracked = [slot for slot, off in zip((6, 5, 8, 9), offsets, strict=True) if off]
+    for slot in (3, 1, 7, 2, *tracked):
         assert rel_rms(tri_pool[slot], ref_pool[slot]) < bound, f"slot {slot}"
-    assert torch.equal(tri_pool[[0, 4, 6]], pool[[0, 4, 6]])
+    untouched = [s for s in range(10) if s not in (3, 1, 7, 2, *tracked)]
+    assert torch.equal(tri_pool[untouched], pool[untouched])
 
 
 def test_chunk_per_channel_dense_batch(triton_device) -> None:

@@ -103,10 +103,16 @@ def gdr_inputs(T: int, H: int, HV: int, K: int, V: int, dtype, device, B: int = 
     return [x.to(device, dtype) for x in (q, k, v)] + [g.to(device), beta.to(device, dtype)]
 
 
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 0, 64, 64], [0, 20, 27, 70], [1, 13, 0, 6]],
+    ids=["chunk-aligned", "off-grid", "off-grid-short"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_chunk_gated_delta_rule_pool_and_tracking(triton_device, dtype) -> None:
-    """Ragged prefill from pool states, final states in place, and chunk-aligned snapshots
-    (at a sequence's end and mid-sequence) into track slots."""
+def test_chunk_gated_delta_rule_pool_and_tracking(triton_device, dtype, offsets) -> None:
+    """Ragged prefill from pool states, final states in place, and snapshots into track slots:
+    at chunk boundaries (a sequence's end, mid-sequence) and off them (a round starting off the
+    64-token grid: the sequence's chunks then start early, their leading rows masked)."""
     dev = triton_device
     torch.manual_seed(2)
     H, HV, K, V = 1, 2, 16, 24
@@ -117,8 +123,8 @@ def test_chunk_gated_delta_rule_pool_and_tracking(triton_device, dtype) -> None:
         initial_state_indices=torch.tensor([3, 1, 7, 2], device=dev),
         cu_seqlens=cu_seqlens(lengths, dev),
         use_qk_l2norm_in_kernel=True,
-        track_offsets=torch.tensor([0, 0, 64, 64], device=dev),
-        track_indices=torch.tensor([0, 0, 8, 9], device=dev),  # slot 0: offset 0, untouched
+        track_offsets=torch.tensor(offsets, device=dev),
+        track_indices=torch.tensor([5, 6, 8, 9], device=dev),  # offset 0: untouched
     )
 
     ref_pool, tri_pool = pool.clone(), pool.clone()
@@ -131,11 +137,12 @@ def test_chunk_gated_delta_rule_pool_and_tracking(triton_device, dtype) -> None:
 
     assert none is None and out.dtype == dtype
     assert rel_rms(out, ref) < 5e-3
-    for slot in (3, 1, 7, 2, 8, 9):
+    tracked = [slot for slot, off in zip((5, 6, 8, 9), offsets, strict=True) if off]
+    for slot in (3, 1, 7, 2, *tracked):
         assert rel_rms(tri_pool[slot], ref_pool[slot]) < 5e-3, f"slot {slot}"
-    untouched = [0, 4, 5, 6]
+    untouched = [s for s in range(10) if s not in (3, 1, 7, 2, *tracked)]
     assert torch.equal(tri_pool[untouched], pool[untouched])
-    assert not torch.equal(ref_pool[[8, 9]], pool[[8, 9]])  # the reference did snapshot
+    assert not torch.equal(ref_pool[tracked], pool[tracked])  # the reference did snapshot
 
 
 def test_chunk_gated_delta_rule_dense_batch(triton_device) -> None:

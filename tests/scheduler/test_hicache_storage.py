@@ -104,6 +104,11 @@ def test_small_host_memory_truncates_the_prefetch_and_the_threshold_skips_it(sto
     out, stats = serve(path, folder, second, hicache_ratio=0.5, hicache_prefetch_threshold=400)
     assert out["output_ids"] == expected and out["meta_info"]["cached_tokens"] == 0
     assert stats["prefetch_skipped"] == 1 and stats["prefetches"] == 0
+    # 100 host KV tokens hold no stored state (the first is at 128): skipped with a threshold
+    # of 0 too
+    out, stats = serve(path, folder, second, hicache_ratio=0.1, hicache_prefetch_threshold=0)
+    assert out["output_ids"] == expected and out["meta_info"]["cached_tokens"] == 0
+    assert stats["prefetch_skipped"] == 1 and stats["prefetches"] == 0
 
 
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])

@@ -122,7 +122,7 @@ CASES = {
         ("kv_evicted", "mamba_evicted", "cache_hits", "host_loaded", "host_evicted"),
     ),
     "hicache-extra-buffer-write-back": Case(
-        92,
+        122,
         {
             **BASE,
             "max_total_tokens": 240,
