@@ -9,13 +9,16 @@ weights and op arguments, which `hybrid_serve::BlockStep` holds; its `forward` r
 by calling the same C++ functions and the same ATen ops with the same arguments, in the same
 order, as the eager step does, so its logits and pool updates are bit-identical to it:
 
-    x = embed(ids) * embedding multiplier;  cos, sin = rope(positions)    (here, in Python)
+    x = embed(ids) * embedding multiplier;  cos, sin = rope(positions)    (here, in Python;
+                                        LFM3's one set per attention kind, stacked)
     for each block:   Qwen3-Next   h, r = add_rmsnorm(pending, r);  pending = sublayer(h)
                       pre-norm     x = x + sublayer(rms_norm_plain(x))
                       post-norm    x = x + rms_norm_plain(sublayer(x))     (OLMo attention)
+                      sandwich     x = x + rms_norm_plain(sublayer(rms_norm_plain(x)))  (LFM3)
                       sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
-                      q/k norms, Qwen's gated attention, Falcon-H1's Mamba2 + attention, LFM2's
-                      gated short conv, Kimi's KDA and MLA over the latent rows), then the MLP
+                      q/k norms, over a sliding window, with LFM3's per-head output gate, Qwen's
+                      gated attention, Falcon-H1's Mamba2 + attention, LFM2's gated short
+                      conv, Kimi's KDA and MLA over the latent rows), then the MLP
                       (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's top-k MoE
                       with its shared MLP, LFM2-MoE's sigmoid-routed MoE, Kimi's grouped MoE),
                       with the families' multipliers
@@ -23,7 +26,7 @@ order, as the eager step does, so its logits and pool updates are bit-identical 
 
 The families (`BLOCKS`, by the class of the stack's layers, so a model is typed by its blocks,
 not by its family's class): Qwen3-Next and Qwen3.5 (their MTP head's layer too: `for_mtp`),
-NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE and Kimi-Linear. The
+NemotronH, Granite-4.0-H, Bamba, Falcon-H1, OLMo-Hybrid, LFM2, LFM2-MoE, LFM3 and Kimi-Linear. The
 plan applies where the model's kernel set is the C++ one with its fused decode ops
 (`kernels.kernel_set.cpp_set`), on one rank (no tensor parallelism), with no biases but the
 Mamba2 convs', fp32 norms, states and KV, fp32, bf16 or quantized matrices, and at most
@@ -62,6 +65,7 @@ from hybrid_serve.models.kimi_linear import KimiLinearDecoderLayer
 from hybrid_serve.models.kimi_moe import KimiMoE
 from hybrid_serve.models.layers import MLP, SparseMoE
 from hybrid_serve.models.lfm2 import Lfm2Attention, Lfm2DecoderLayer, Lfm2ShortConv, Lfm2SparseMoe
+from hybrid_serve.models.lfm3 import Lfm3Attention, Lfm3DecoderLayer
 from hybrid_serve.models.loader import matrices
 from hybrid_serve.models.mamba2_mixer import Mamba2Mixer
 from hybrid_serve.models.mla_attention import MLAAttention
@@ -77,7 +81,7 @@ MAX_ROWS = MOE_MAX_TOKENS  # the fused MoE's rows: decode batches
 MATRIX_DTYPES = CPP_DTYPES  # `hybrid_serve.models.loader.matrices`; all else fp32
 
 # The block kinds of kernels/csrc/block_step.cpp (its enums).
-DEFERRED, PRE, POST = 0, 1, 2  # norm placement
+DEFERRED, PRE, POST, SANDWICH = range(4)  # norm placement
 NO_MIXER, GDN, MAMBA2, GQA, GATED_ATTENTION, PARALLEL, KDA, SHORT_CONV, MLA = range(9)
 NO_MLP, SWIGLU, RELU2, SPARSE_MOE, RELU2_MOE, TOPK_MOE, SIGMOID_MOE, GROUPED_MOE = range(8)
 NO_QK_NORM, WHOLE_QK_NORM, PER_HEAD_QK_NORM = range(3)  # the attention's q/k norms
@@ -140,10 +144,16 @@ class Blocks:
         )  # fmt: skip
 
     def attention(
-        self, a: Attention, rope: bool, in_mult: float = 1.0, out_mult: float = 1.0
+        self, a: Attention, rope: bool | int, in_mult: float = 1.0, out_mult: float = 1.0
     ) -> None:
+        """`rope`: False (no angles), True (the step's), or 2 + s for set s of the step's
+        stacked angles (LFM3's, by attention kind)."""
+        gate = a.g_proj if isinstance(a, Lfm3Attention) else None
         if isinstance(a, Lfm2Attention):  # per-head q/k norms, transformers' names
             q_norm, k_norm, o_proj = a.q_layernorm, a.k_layernorm, a.out_proj
+            kind = PER_HEAD_QK_NORM
+        elif isinstance(a, Lfm3Attention):  # per-head q/k norms, Qwen3's names
+            q_norm, k_norm, o_proj = a.q_norm, a.k_norm, a.o_proj
             kind = PER_HEAD_QK_NORM
         else:
             q_norm, k_norm, o_proj = a.q_norm, a.k_norm, a.o_proj
@@ -151,8 +161,9 @@ class Blocks:
         norms = [] if q_norm is None else [q_norm.weight, k_norm.weight]
         eps = 0.0 if q_norm is None else q_norm.eps
         self.add(
-            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, o_proj.weight, *norms],
-            [a.kv_layer, a.num_heads, a.num_kv_heads, kind, rope],
+            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, o_proj.weight, *norms,
+             *([] if gate is None else [gate.weight])],
+            [a.kv_layer, a.num_heads, a.num_kv_heads, kind, rope, a.window, gate is not None],
             [a.scale, eps, a.key_multiplier, in_mult, out_mult],
         )  # fmt: skip
 
@@ -364,6 +375,29 @@ def lfm2_blocks(model: HybridForCausalLM, layers) -> Blocks:
     return out
 
 
+def lfm3_blocks(model: HybridForCausalLM, layers) -> Blocks:
+    """LFM3's layers (`models.lfm3`): LFM2's gated short conv or attention with per-head q/k
+    norms (its kind's angles, the sliding layers' window, the per-head output gate), then the
+    SwiGLU MLP, each sublayer pre-norm or, with the sandwich norms, normed on both sides."""
+    out, kinds = Blocks(), list(model.model.rotary.inv_freq)  # the angle sets' order (`_inputs`)
+    for layer in layers:
+        sandwich = layer.post_operator_norm is not None
+        out.block(SANDWICH if sandwich else PRE, SHORT_CONV if layer.is_conv else GQA, SWIGLU)
+        out.sublayer_norm(layer.operator_norm)
+        if sandwich:
+            out.sublayer_norm(layer.post_operator_norm)
+        if layer.is_conv:
+            out.short_conv(layer.conv)
+        else:
+            out.attention(layer.self_attn, rope=2 + kinds.index(layer.self_attn.kind))
+        out.sublayer_norm(layer.ffn_norm)
+        if sandwich:
+            out.sublayer_norm(layer.post_ffn_norm)
+        ff = layer.feed_forward
+        out.add([ff.w1.weight, ff.w3.weight, ff.w2.weight], [0], [1.0, 1.0])
+    return out
+
+
 def kimi_linear_blocks(model: HybridForCausalLM, layers) -> Blocks:
     """Kimi-Linear's layers (`models.kimi_linear`): pre-norm KDA or MLA (absorbed decode over
     the latent rows; RoPE where the stack has angles), then the SwiGLU MLP or the Kimi MoE
@@ -394,11 +428,12 @@ BLOCKS = {
     BambaDecoderLayer: bamba_blocks,
     OlmoHybridDecoderLayer: olmo_hybrid_blocks,
     Lfm2DecoderLayer: lfm2_blocks,
+    Lfm3DecoderLayer: lfm3_blocks,
     KimiLinearDecoderLayer: kimi_linear_blocks,
 }
 FAMILIES = (
-    "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's, OLMo-Hybrid's, LFM2's "
-    "and Kimi-Linear's"
+    "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's, OLMo-Hybrid's, LFM2's, "
+    "LFM3's and Kimi-Linear's"
 )
 
 
@@ -532,7 +567,8 @@ class CpuDecodePlan:
 
     def _inputs(self, batch: ForwardBatch, x: torch.Tensor | None = None) -> tuple:
         """The embedded tokens (with the family's multiplier) and the RoPE angles (empty
-        without positions), as the eager stack forms them."""
+        without positions; LFM3's sets, one per attention kind, stacked in their order), as the
+        eager stack forms them."""
         if x is None:
             x = self.embed(batch.input_ids)  # [B, hidden]
             if self.embedding_multiplier != 1.0:
@@ -540,7 +576,11 @@ class CpuDecodePlan:
         if self.rotary is None:
             none = x.new_empty(0)
             return x, none, none
-        cos, sin = self.rotary.cos_sin(batch.positions, self.rotary_dtype or x.dtype)
+        angles = self.rotary.cos_sin(batch.positions, self.rotary_dtype or x.dtype)
+        if isinstance(angles, dict):
+            cos = torch.stack([c for c, _ in angles.values()])
+            return x, cos, torch.stack([s for _, s in angles.values()])
+        cos, sin = angles
         return x, cos.contiguous(), sin.contiguous()
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -140,8 +140,8 @@ class Lfm3DecoderLayer(nn.Module):
 
 
 class Lfm3ForCausalLM(HybridForCausalLM):
-    """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract). The
-    CPU decode plan has no block kind for its layers and refuses it (decode runs eagerly)."""
+    """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract); the
+    CPU decode plan replays its layers (`models.cpu_decode.lfm3_blocks`)."""
 
     def build(self) -> None:
         self.build_stack(Lfm3DecoderLayer, norm_name="embedding_norm", rotary_dtype=torch.float32)

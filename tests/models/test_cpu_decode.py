@@ -21,11 +21,9 @@ from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
-# the family presets whose layers are of no block kind the plan knows (LFM3: the sandwich norms,
-# the attention gate, the sliding window; Ling-3: KDA's full-rank bounded gates, the clamped
-# SwiGLU): their model class and their layers' class
+# the family presets whose layers are of no block kind the plan knows (Ling-3: KDA's full-rank
+# bounded gates, the clamped SwiGLU): their model class and their layers' class
 OUTSIDE = {
-    "tiny-lfm3": ("Lfm3ForCausalLM", "Lfm3DecoderLayer"),
     "tiny-bailing-hybrid": ("BailingHybridForCausalLM", "BailingHybridDecoderLayer"),
 }
 PLANNED = tuple(p for p in FAMILY_PRESETS if p not in OUTSIDE)
@@ -92,6 +90,23 @@ def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dt
     products forced on, the bf16 route's from 16; int8 and int4 matrices quantized from bf16)
     give the eager step's logits and pools bit for bit, and the plan ran every one of them."""
     ckpt = write_checkpoint(tmp_path_factory.mktemp(preset), preset_config(preset), seed=5)
+    assert_plan_steps_alike(ckpt, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("changes", [{}, {"use_attention_gate": False, "use_sandwich_norm": False}])
+def test_lfm3_plan_equals_eager_over_a_short_window(tmp_path, changes, dtype):
+    """LFM3 with a 3-key window, which every prompt longer than 2 tokens runs past (a plan
+    that ignored the window would see more keys than the eager step), with and without the
+    output gate and the sandwich norms (pre-norm blocks): the plan's logits and pools are the
+    eager step's bit for bit."""
+    cfg = preset_config("tiny-lfm3") | {"sliding_window": 3} | changes
+    assert_plan_steps_alike(write_checkpoint(tmp_path / "lfm3", cfg, seed=6), dtype)
+
+
+def assert_plan_steps_alike(ckpt, dtype: str) -> None:
+    """Greedy steps of 1, 4, 16 and 4 of 24 requests, eager and through the plan (which runs
+    every one of them): identical logits and pools."""
     many = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]  # 24 requests
     on = KernelSettings(bf16_products="on")
     load = ("bfloat16", dtype) if dtype.startswith("int") else (dtype, None)

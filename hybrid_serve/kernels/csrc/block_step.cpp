@@ -21,6 +21,8 @@
 //                            (the first block's first norm: rmsnorm(x), r = x)
 //   kPre:                    x = x + sublayer(rms_norm_plain(x))
 //   kPost (OLMo attention):  x = x + rms_norm_plain(sublayer(x))
+//   kSandwich (LFM3):        x = x + rms_norm_plain(sublayer(rms_norm_plain(x)))   (two norm
+//                            weights per sublayer, the input's and the output's)
 //
 //   logits = lm_head(final norm)   (add_rmsnorm(pending, r) after kDeferred blocks, else plain)
 
@@ -42,7 +44,7 @@
 
 namespace hs::blocks {
 
-enum Norm : int64_t { kDeferred = 0, kPre = 1, kPost = 2 };
+enum Norm : int64_t { kDeferred = 0, kPre = 1, kPost = 2, kSandwich = 3 };
 enum MixerKind : int64_t {
   kNoMixer = 0, kGdn = 1, kMamba2 = 2, kAttention = 3, kGatedAttention = 4, kParallel = 5,
   kKda = 6, kShortConv = 7, kMla = 8,
@@ -60,7 +62,7 @@ constexpr int64_t kRoutedMaxRows = 256;
 
 // The constructor's flat lists, read in order. Per block: ints [norm kind, mixer kind, MLP
 // kind]; then for each sublayer present, mixer first: its norm's weight (tensors) and eps
-// (floats), then its own arguments:
+// (floats) (kSandwich: the input norm's, then the output norm's), then its own arguments:
 //
 //   GDN             ints [pool layer, key heads]; floats [norm eps, beta scale];
 //                   tensors [qkvz, ba, conv weight [D, W], A_log, dt_bias, norm, out_proj]
@@ -69,9 +71,13 @@ constexpr int64_t kRoutedMaxRows = 256;
 //                   floats [norm eps, dt_min, dt_max, input multiplier, output multiplier];
 //                   tensors [in_proj, conv weight [D, K], conv bias?, A_log, dt_bias, D, norm?,
 //                   out_proj, zxbcdt scale?]
-//   attention       ints [KV layer, heads, KV heads, q/k norm kind (QkNorm), rope]; floats
-//                   [scale, q/k norm eps, key multiplier, input multiplier, output multiplier];
-//                   tensors [q, k, v, o, q_norm?, k_norm?]   (GQA; rope: the step's cos/sin)
+//   attention       ints [KV layer, heads, KV heads, q/k norm kind (QkNorm), rope, window,
+//                   has output gate]; floats [scale, q/k norm eps, key multiplier, input
+//                   multiplier, output multiplier]; tensors [q, k, v, o, q_norm?, k_norm?, g?]
+//                   (GQA; rope 0: none, 1: the step's cos/sin [B, rot], 2 + s: set s of the
+//                   step's stacked cos/sin [sets, B, rot] (LFM3: one set per attention kind);
+//                   window > 0: the last `window` keys; g: LFM3's per-head sigmoid gate
+//                   [heads, hidden] on the heads' outputs)
 //   gated attention ints [KV layer, heads]; floats [q/k norm eps, scale];
 //                   tensors [q with its gate, k, v, q_norm, k_norm, o]   (Qwen3-Next)
 //   parallel        Mamba2's, then attention's (Falcon-H1: their outputs summed)
@@ -152,11 +158,11 @@ struct Mamba2 {
 };
 
 struct Attention {
-  int64_t layer, heads, kv_heads, qk_norm;
-  bool rope;
+  int64_t layer, heads, kv_heads, qk_norm, rope, window;
   double scale, qk_eps, key_mult, in_mult, out_mult;
   std::vector<at::Tensor> w;  // q, k, v, o
   at::Tensor q_norm, k_norm;  // undefined: no q/k norms
+  std::optional<at::Tensor> gate;
 };
 
 struct ShortConv {
@@ -196,6 +202,8 @@ struct Block {
   int64_t norm_kind, mixer_kind;
   at::Tensor mixer_norm, mlp_norm;
   double mixer_eps = 0.0, mlp_eps = 0.0;
+  at::Tensor mixer_out_norm, mlp_out_norm;  // kSandwich: the sublayers' output norms
+  double mixer_out_eps = 0.0, mlp_out_eps = 0.0;
   std::optional<Gdn> gdn;
   std::optional<Mamba2> mamba;
   std::optional<Attention> attn;
@@ -246,7 +254,10 @@ Attention read_attention(Reader& r) {
   a.qk_norm = r.integer();
   TORCH_CHECK(a.qk_norm >= kNoQkNorm && a.qk_norm <= kPerHeadQkNorm, "BlockStep: q/k norm kind ",
               a.qk_norm);
-  a.rope = r.integer() != 0;
+  a.rope = r.integer();
+  a.window = r.integer();
+  const bool gate = r.integer() != 0;
+  TORCH_CHECK(a.rope >= 0 && a.window >= 0, "BlockStep: rope ", a.rope, ", window ", a.window);
   a.scale = r.real();
   a.qk_eps = r.real();
   a.key_mult = r.real();
@@ -257,6 +268,7 @@ Attention read_attention(Reader& r) {
     a.q_norm = r.tensor();
     a.k_norm = r.tensor();
   }
+  a.gate = r.maybe(gate);
   return a;
 }
 
@@ -512,16 +524,17 @@ at::Tensor mlp(const at::Tensor& h, const Mlp& m, bool bf16) {
 }
 
 // kernels/attention.py decode_attention over seq_lens' keys (the first `L` columns of each
-// request's row of req_to_token)
+// request's row of req_to_token; with a window > 0, the last `window` of them)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_slots, const at::Tensor& seq_lens, double scale,
-                            int64_t L) {
+                            int64_t L, int64_t window = 0) {
   using at::indexing::None, at::indexing::Slice;
   const int64_t B = q.size(0), nH = q.size(1), D = q.size(2), nKV = k_buffer.size(1);
   const at::Tensor locs = req_to_token.index({req_slots, Slice(None, L)}).to(at::kLong);
-  const at::Tensor valid =
-      at::arange(L, seq_lens.options().dtype(at::kLong)).unsqueeze(0) < seq_lens.unsqueeze(1);
+  const at::Tensor pos = at::arange(L, seq_lens.options().dtype(at::kLong)).unsqueeze(0);
+  at::Tensor valid = pos < seq_lens.unsqueeze(1);
+  if (window > 0) valid.bitwise_and_(pos >= seq_lens.unsqueeze(1) - window);
   const at::Tensor k = k_buffer.index({locs}).to(q.scalar_type()).permute({0, 2, 1, 3});
   const at::Tensor v = v_buffer.index({locs}).to(q.scalar_type()).permute({0, 2, 1, 3});
   const at::Tensor qg = q.reshape({B, nKV, nH / nKV, D});
@@ -541,7 +554,9 @@ struct Batch {
 };
 
 // models/gqa_attention.py Attention: projections, q/k norms, key multiplier, rope, store_kv at
-// out_loc, decode_attention, o_proj; with the families' input and output multipliers
+// out_loc, decode_attention (over the window where the layer has one), o_proj; with the
+// families' input and output multipliers, and LFM3's per-head gate before o_proj
+// (models/lfm3.py Lfm3Attention.forward)
 at::Tensor attention(const at::Tensor& x, const Attention& a, const Batch& b) {
   const at::Tensor h = scaled(x, a.in_mult);
   const int64_t T = h.size(0);
@@ -559,18 +574,25 @@ at::Tensor attention(const at::Tensor& x, const Attention& a, const Batch& b) {
   k = k.view({T, a.kv_heads, hd});
   const at::Tensor v = qkv[2].view({T, a.kv_heads, hd});
   k = scaled(k, a.key_mult);
-  if (a.rope) {
-    q = apply_rope(q, b.cos, b.sin);
-    k = apply_rope(k, b.cos, b.sin);
+  if (a.rope > 0) {
+    const at::Tensor cos = a.rope == 1 ? b.cos : b.cos.select(0, a.rope - 2);
+    const at::Tensor sin = a.rope == 1 ? b.sin : b.sin.select(0, a.rope - 2);
+    q = apply_rope(q, cos, sin);
+    k = apply_rope(k, cos, sin);
   }
   const at::Tensor k_buf = b.k_all.select(0, a.layer), v_buf = b.v_all.select(0, a.layer);
   const at::Tensor loc = b.out_loc.to(at::kLong);
   k_buf.index_copy_(0, loc, k.to(k_buf.scalar_type()));
   v_buf.index_copy_(0, loc, v.to(v_buf.scalar_type()));
   const int64_t L = b.max_seq_len > 0 ? b.max_seq_len : b.seq_lens.max().item<int64_t>();
-  const at::Tensor o =
-      decode_attention(q, k_buf, v_buf, b.req_to_token, b.req_slots, b.seq_lens, a.scale, L);
-  return scaled(hs::linear(o.reshape({T, -1}), a.w[3], b.bf16), a.out_mult);
+  at::Tensor o = decode_attention(q, k_buf, v_buf, b.req_to_token, b.req_slots, b.seq_lens,
+                                  a.scale, L, a.window)
+                     .reshape({T, -1});
+  if (a.gate.has_value()) {
+    const at::Tensor gate = at::sigmoid(hs::linear(h, *a.gate, b.bf16)).unsqueeze(-1);
+    o = (o.view({T, a.heads, hd}) * gate).view({T, -1});
+  }
+  return scaled(hs::linear(o, a.w[3], b.bf16), a.out_mult);
 }
 
 // models/mamba2_mixer.py Mamba2Mixer's decode: the input multiplier, in_proj, the segments'
@@ -773,7 +795,7 @@ struct BlockStep : torch::CustomClassHolder {
       l.norm_kind = r.integer();
       l.mixer_kind = r.integer();
       const int64_t mlp_kind = r.integer();
-      TORCH_CHECK(l.norm_kind >= kDeferred && l.norm_kind <= kPost, "BlockStep: norm kind ",
+      TORCH_CHECK(l.norm_kind >= kDeferred && l.norm_kind <= kSandwich, "BlockStep: norm kind ",
                   l.norm_kind);
       TORCH_CHECK(l.mixer_kind >= kNoMixer && l.mixer_kind <= kMla, "BlockStep: mixer kind ",
                   l.mixer_kind);
@@ -786,6 +808,10 @@ struct BlockStep : torch::CustomClassHolder {
       if (l.mixer_kind != kNoMixer) {
         l.mixer_norm = r.tensor();
         l.mixer_eps = r.real();
+        if (l.norm_kind == kSandwich) {
+          l.mixer_out_norm = r.tensor();
+          l.mixer_out_eps = r.real();
+        }
         if (l.mixer_kind == kGdn) l.gdn = read_gdn(r);
         if (l.mixer_kind == kMamba2 || l.mixer_kind == kParallel) l.mamba = read_mamba(r);
         if (l.mixer_kind == kAttention || l.mixer_kind == kParallel) l.attn = read_attention(r);
@@ -812,6 +838,10 @@ struct BlockStep : torch::CustomClassHolder {
       if (mlp_kind != kNoMlp) {
         l.mlp_norm = r.tensor();
         l.mlp_eps = r.real();
+        if (l.norm_kind == kSandwich) {
+          l.mlp_out_norm = r.tensor();
+          l.mlp_out_eps = r.real();
+        }
         l.mlp = read_mlp(r, mlp_kind);
       }
       blocks.push_back(std::move(l));
@@ -819,8 +849,8 @@ struct BlockStep : torch::CustomClassHolder {
     r.done();
   }
 
-  // x [B, hidden] the embedded tokens; cos, sin [B, rot] (empty without positions); the pools
-  // as the model's (k_all, v_all [attention layers, locs, kv heads, head dim]; conv_state,
+  // x [B, hidden] the embedded tokens; cos, sin [B, rot] or [sets, B, rot] (empty without
+  // positions); the pools as the model's (k_all, v_all [attention layers, locs, kv heads, head dim]; conv_state,
   // ssm_state [recurrent layers, slots, ...]), updated in place; slots, out_loc, req_slots,
   // seq_lens [B] int64; req_to_token [rows, context]; max_seq_len the batch's (0: the largest
   // seq_len). Returns the logits [B, vocab].
@@ -878,6 +908,15 @@ struct BlockStep : torch::CustomClassHolder {
       } else if (l.norm_kind == kPre) {
         if (has_mixer) x = x + mixer(rms_norm_plain(x, l.mixer_norm, l.mixer_eps), l, b);
         if (has_mlp) x = x + mlp(rms_norm_plain(x, l.mlp_norm, l.mlp_eps), l.mlp, bf16_products);
+      } else if (l.norm_kind == kSandwich) {
+        if (has_mixer) {
+          const at::Tensor h = mixer(rms_norm_plain(x, l.mixer_norm, l.mixer_eps), l, b);
+          x = x + rms_norm_plain(h, l.mixer_out_norm, l.mixer_out_eps);
+        }
+        if (has_mlp) {
+          const at::Tensor h = mlp(rms_norm_plain(x, l.mlp_norm, l.mlp_eps), l.mlp, bf16_products);
+          x = x + rms_norm_plain(h, l.mlp_out_norm, l.mlp_out_eps);
+        }
       } else {
         if (has_mixer) x = x + rms_norm_plain(mixer(x, l, b), l.mixer_norm, l.mixer_eps);
         if (has_mlp) x = x + rms_norm_plain(mlp(x, l.mlp, bf16_products), l.mlp_norm, l.mlp_eps);
