@@ -84,8 +84,9 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
 def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dtype):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
     without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid, LFM2's short conv and
-    per-head-normed attention, LFM2-MoE's sigmoid-routed experts, Kimi-Linear's KDA, NoPE MLA
-    over the latent rows and grouped-router MoE) through the plan: greedy
+    per-head-normed attention, LFM2-MoE's sigmoid-routed experts, LFM3's sliding and full
+    attention with their own angles, output gate and sandwich norms, Kimi-Linear's KDA, NoPE
+    MLA over the latent rows and grouped-router MoE) through the plan: greedy
     steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's; with bf16 matrices, bf16
     products forced on, the bf16 route's from 16; int8 and int4 matrices quantized from bf16)
     give the eager step's logits and pools bit for bit, and the plan ran every one of them."""
