@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_serve.mem_cache.state_shape import one_shape
+
 
 @dataclass(frozen=True)
 class KVShape:
@@ -81,15 +83,5 @@ def kv_bytes_per_token(shapes: Sequence[KVShape], dtype: torch.dtype) -> int:
 
 
 def common_kv_shape(shapes: Sequence[KVShape]) -> KVShape | None:
-    """The one shape every layer has (None for no layers); a `ValueError` when layers differ
-    (the pool stacks all layers in one tensor per kind)."""
-    if not shapes:
-        return None
-    first = shapes[0]
-    for i, s in enumerate(shapes):
-        if s != first:
-            raise ValueError(
-                f"attention layer {i} keeps KV {s}, layer 0 {first}: one pool holds layers of "
-                "one KV shape"
-            )
-    return first
+    """The one shape every attention layer has (`state_shape.one_shape`'s rule)."""
+    return one_shape(shapes, "attention", "KV")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -55,16 +56,25 @@ def state_bytes_per_slot(
     return sum(s.nbytes(conv_dtype, ssm_dtype) for s in shapes)
 
 
-def common_shape(shapes: Sequence[MambaStateShape]) -> MambaStateShape | None:
-    """The one shape every layer has (None for no layers); a `ValueError` when layers differ
-    (the pool stacks all layers in one tensor per kind)."""
+S = TypeVar("S")
+
+
+def one_shape(shapes: Sequence[S], layers: str = "recurrent", kept: str = "state") -> S | None:
+    """The one shape every layer has (None for no layers); a `ValueError` naming the first layer
+    that differs ("`layers` layer i keeps `kept` ...") when they do (a pool stacks all its layers
+    in one tensor per kind). The KV pool's layers are checked by the same rule (`kv_shape`)."""
     if not shapes:
         return None
     first = shapes[0]
     for i, s in enumerate(shapes):
         if s != first:
             raise ValueError(
-                f"recurrent layer {i} keeps state {s}, layer 0 {first}: one pool holds layers "
-                "of one state shape"
+                f"{layers} layer {i} keeps {kept} {s}, layer 0 {first}: one pool holds layers "
+                f"of one {kept} shape"
             )
     return first
+
+
+def common_shape(shapes: Sequence[MambaStateShape]) -> MambaStateShape | None:
+    """`one_shape` of the recurrent layers' state shapes."""
+    return one_shape(shapes)

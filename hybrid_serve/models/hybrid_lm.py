@@ -171,8 +171,17 @@ class HybridForCausalLM(nn.Module):
     # ---- the contract ------------------------------------------------------------------------
     @property
     def num_kv_layers(self) -> int:
-        """Layers whose keys and values the KV pool holds."""
-        return len(self.config.full_attention_layers)
+        """Layers whose keys and values the KV pool holds: the stack's attention layers, then
+        its MTP head's (`mtp.num_kv_layers`) where it holds one."""
+        extra = self.mtp.num_kv_layers if self.mtp is not None else 0
+        return len(self.config.full_attention_layers) + extra
+
+    @torch.inference_mode()
+    def draft_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """The MTP head's predictions [K, vocab] fp32 from its outputs y (`mtp_hidden`): through
+        its own LM head where the loader gave it one (`draft_quantization`), else the model's."""
+        head: nn.Module = self.mtp.lm_head if self.mtp.lm_head is not None else self.lm_head
+        return head(y).float()
 
     @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, every_row: bool = False) -> torch.Tensor:

@@ -187,19 +187,6 @@ class NemotronHForCausalLM(HybridForCausalLM):
         return NemotronHMultiTokenPredictor(c, self.tp, self.ops, lambda: NemotronHMoE(
             c, self.ops, self.tp))  # fmt: skip
 
-    @property
-    def num_kv_layers(self) -> int:
-        """Attention layers whose keys and values the KV pool holds (the MTP head's last)."""
-        extra = self.mtp.num_kv_layers if self.mtp is not None else 0
-        return len(self.config.full_attention_layers) + extra
-
-    @torch.inference_mode()
-    def draft_logits(self, y: torch.Tensor) -> torch.Tensor:
-        """The MTP head's predictions [K, vocab] fp32 from its outputs y (`mtp_hidden`): through
-        its own LM head where the loader gave it one (`draft_quantization`), else the model's."""
-        head: nn.Module = self.mtp.lm_head if self.mtp.lm_head is not None else self.lm_head
-        return head(y).float()
-
     @torch.inference_mode()
     def mtp_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP head's output y [T, hidden] for every row of `batch`

@@ -15,7 +15,6 @@ returns its MLP output with the residual stream, which the next norm adds in
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hybrid_serve.kernels import KernelSet
 from hybrid_serve.models.forward_batch import ForwardBatch
@@ -52,19 +51,6 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         """The final norm of the last layer's MLP output plus the residual stream."""
         h, _ = self.model.norm.add_forward(*x)
         return h
-
-    @property
-    def num_kv_layers(self) -> int:
-        """Attention layers whose keys and values the KV pool holds (the MTP head's last)."""
-        extra = self.config.mtp_num_hidden_layers if self.mtp is not None else 0
-        return len(self.config.full_attention_layers) + extra
-
-    @torch.inference_mode()
-    def draft_logits(self, y: torch.Tensor) -> torch.Tensor:
-        """The MTP head's predictions [K, vocab] fp32 from its outputs y (`mtp_hidden`): through
-        its own LM head where the loader gave it one (`draft_quantization`), else the model's."""
-        head: nn.Module = self.mtp.lm_head if self.mtp.lm_head is not None else self.lm_head
-        return head(y).float()
 
     @torch.inference_mode()
     def mtp_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:

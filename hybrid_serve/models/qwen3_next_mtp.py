@@ -46,6 +46,11 @@ class MultiTokenPredictor(nn.Module):
         self.norm = RMSNorm(hid, eps, ops)
         self.lm_head: nn.Module | None = None  # its own LM head (quantized drafts), else shared
 
+    @property
+    def num_kv_layers(self) -> int:
+        """KV-pool layers the head adds: each of its layers is full attention."""
+        return len(self.layers)
+
     def tp_shards(self, config: Qwen3NextConfig) -> dict[str, None]:
         """`fc` whole on every rank (its layer's modules and the norms declare their own)."""
         return {"fc.weight": None}
