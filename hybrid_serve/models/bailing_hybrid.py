@@ -71,8 +71,8 @@ class BailingHybridDecoderLayer(nn.Module):
 
 
 class BailingHybridForCausalLM(KimiLinearForCausalLM):
-    """Ling-3 (`hybrid_serve.models.hybrid_lm`'s contract); the CPU decode plan refuses it as
-    it refuses Kimi-Linear (the KDA block kind has no C++ layout yet)."""
+    """Ling-3 (`hybrid_serve.models.hybrid_lm`'s contract); the CPU decode plan refuses its
+    layers by class (its full-rank bounded KDA gates and clamped SwiGLU have no block kind)."""
 
     def build(self) -> None:
         self.local_config = self.rank_config()
