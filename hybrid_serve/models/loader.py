@@ -272,7 +272,8 @@ def index_checkpoint(model: HybridForCausalLM, path: Path, config: HybridConfig)
     mtp = model.mtp is not None
     where = checkpoint_names(checkpoint_files(path))
     fp8 = Fp8Checkpoint.open(path, where, mtp)  # None unless block-FP8; a bad layout raises
-    unused = getattr(config, "skipped_prefixes", ())  # e.g. MTP layers stored after the stack
+    # e.g. MTP layers stored after the stack, the model's own when it holds its head
+    unused = () if mtp else getattr(config, "skipped_prefixes", ())
     skipped = sorted(n for n in where if is_skipped(n, mtp) or n.startswith(unused))
     if config.tie_word_embeddings and "lm_head.weight" in where:
         skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy
