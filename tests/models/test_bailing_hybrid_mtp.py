@@ -155,3 +155,19 @@ def test_tensor_parallel_head_equals_one_rank(ckpt) -> None:
     for key in ("extend", "decode"):
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=0)
     assert two["head_bytes"] < one["head_bytes"]
+
+
+def test_make_model_mtp_stores_the_layer_in_the_config(tmp_path) -> None:
+    """`make-model --mtp` on the config-only Ling-3.0-flash shape (which otherwise counts no MTP
+    layer): the config's `num_nextn_predict_layers` 1, which the config reader takes."""
+    from hybrid_serve.models.bailing_hybrid_config import BailingHybridConfig
+    from hybrid_serve.server.cli import main as cli_main
+
+    out = tmp_path / "flash"
+    cli_main(
+        ["make-model", "--preset", "ling-3.0-flash", "--config-only", "--mtp", "--out", str(out)]
+    )
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["num_nextn_predict_layers"] == 1
+    config = BailingHybridConfig.from_dict(raw)
+    assert config.num_mtp_layers == 1 and config.mtp_weight_prefix == "model.layers.42."

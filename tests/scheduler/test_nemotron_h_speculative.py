@@ -83,10 +83,10 @@ def test_greedy_speculation_equals_plain_decoding(any_ckpt, mode):
     assert engine.leak_report() == []
 
 
-def test_the_measured_draft_policy_runs_and_lands_plain_tokens(ckpt):
+def test_the_measured_draft_policy_runs_and_lands_plain_tokens(any_ckpt):
     """The draft-length policy with its own costs (timings scaled by the bytes a step reads,
     `models.step_bytes.weight_bytes_per_step`), not the tests' free drafting."""
-    path, prompts, expected, vocab = ckpt
+    _, (path, prompts, expected, vocab) = any_ckpt
     engine = Engine(path, **POOLS, **SPEC)
     spec = controlled(engine, prompts, expected, vocab, 0.0)
     outs = engine.generate(prompts, GREEDY)
