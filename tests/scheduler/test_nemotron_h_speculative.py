@@ -95,15 +95,22 @@ def test_the_measured_draft_policy_runs_and_lands_plain_tokens(any_ckpt):
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_draft_head_changes_drafts_not_outputs(ckpt, method):
+def test_quantized_draft_head_changes_drafts_not_outputs(any_ckpt, method):
     """--speculative-draft-model-quantization: the head's matrices (its fusion, attention and
-    latent projections) and its own LM head copy are quantized; the main model is untouched."""
-    path, prompts, expected, vocab = ckpt
+    latent projections; Ling-3's fusion, MLA projections and experts) and its own LM head copy
+    are quantized; the main model is untouched."""
+    name, (path, prompts, expected, vocab) = any_ckpt
     engine = Engine(path, **POOLS, **SPEC, speculative_draft_model_quantization=method)
     engine.scheduler.forward.policy.costs = FREE
     head, dtype = engine.runner.model.mtp, {"int8": torch.int8, "int4": torch.uint8}[method]
-    assert head.lm_head.weight.dtype == head.layers[0].eh_proj.weight.dtype == dtype
-    assert head.layers[1].mixer.fc1_latent_proj.weight.dtype == dtype
+    if name == HEADS[PRESET]:
+        assert head.lm_head.weight.dtype == head.layers[0].eh_proj.weight.dtype == dtype
+        assert head.layers[1].mixer.fc1_latent_proj.weight.dtype == dtype
+    else:
+        assert head.lm_head.weight.dtype == head.eh_proj.weight.dtype == dtype
+        assert head.self_attn.q_proj.weight.dtype == head.self_attn.o_proj.weight.dtype == dtype
+        assert head.mlp.experts.gate_up_proj.dtype == dtype
+        assert head.mlp.gate.weight.dtype == torch.float32  # the router's picks must not move
     assert engine.runner.model.lm_head.weight.dtype == torch.float32
     outs = engine.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in outs] == [e[:NEW] for e in expected]
