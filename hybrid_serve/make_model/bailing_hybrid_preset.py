@@ -12,13 +12,18 @@ from the joined conv, the forget gate's `f_proj`, `A_log`, `dt_bias` directly un
 layers' too; the release keeps `o_proj` there, which loads as well), `gate.expert_bias`, and
 per-expert `experts.{e}.{gate,up,down}_proj.weight`.
 
+The MTP layer the release stores after the main ones (`model.layers.{L}.*`: `enorm`, `hnorm`,
+`eh_proj`, transformers' own MLA + MoE decoder layer, `final_layernorm`) is declared by
+`mtp_head`, the row's `preset_extra`, and drawn after the main model's tensors, which stay as
+without it.
+
 `tiny-bailing-hybrid`: 6 layers in groups of 3 (MLA at layers 2 and 5, KDA elsewhere: 4 heads of
 32, conv kernel 4, the bounded gate at -5); MLA of 4 heads, no q LoRA (as released), latent
 32 + 16 with RoPE over the 16 at theta 10000 (the release's 6e6 would barely turn over a short
 test prompt); the first layer dense, then MoE blocks of 8 experts in 2 groups (top 2 from the best
 group, sigmoid scores with a correction bias, renormalised, scaled by 2.5) with one shared
 expert, and SwiGLU clamps small enough to bind on the random weights in the last layers (the
-release clamps its late layers).
+release clamps its late layers); one MTP layer, as released.
 
 `ling-3.0-flash` (config only: 124B): inclusionAI/Ling-3.0-flash's config.json, as transcribed in
 public repositories (a Rust port's pinned "Ling-3.0-flash-int4 config facts", hidden 2560,
@@ -34,6 +39,7 @@ which blocks: left at 0 here, which changes no shape and no byte count).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 _RELEASE_FIELDS = {  # as the release writes them (checked by the config reader)
     "no_kda_lora": True,
@@ -45,9 +51,6 @@ _RELEASE_FIELDS = {  # as the release writes them (checked by the config reader)
     "hidden_act": "silu",
     "norm_topk_prob": True,
     "tie_word_embeddings": False,
-    # the release stores 1 MTP layer (model.layers.{L}.*), which is not served: the presets
-    # write none, and say so (transformers' default is 1)
-    "num_nextn_predict_layers": 0,
 }
 
 BAILING_HYBRID_PRESETS: dict[str, dict] = {
@@ -82,6 +85,7 @@ BAILING_HYBRID_PRESETS: dict[str, dict] = {
         "share_expert_swiglu_limit_list": [0, 0, 0, 1.5, 1.5, 1.5],
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 4096,
+        "num_nextn_predict_layers": 1,  # the release's MTP layer (`mtp_head`)
     },
 }
 
@@ -115,11 +119,43 @@ BAILING_HYBRID_REAL_SHAPES: dict[str, dict] = {
         "routed_scaling_factor": 2.5,
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 262_144,
+        # the release stores 1 MTP layer; config-only, its count here is the main model's
+        "num_nextn_predict_layers": 0,
     },
 }
 
 # released name's figures: (total parameters, active parameters per token), the model card's
 PUBLISHED: dict[str, tuple[float, float]] = {"ling-3.0-flash": (124e9, 5.1e9)}
+
+
+def mtp_head(model: Any, config: dict) -> dict[str, Any]:
+    """Ling-3's MTP layer as the release stores it, for transformers' model `model` of completed
+    config `config` (call it on the meta device; transformers builds none: see
+    `models.bailing_hybrid_mtp`): {} without `num_nextn_predict_layers`, else
+    {"model.layers.{L}": layer}, L the number of main layers. The layer holds, in this order,
+    `enorm`, `hnorm` (the model's norm class), `eh_proj` [hidden, 2 * hidden], the modules of
+    transformers' own decoder layer of an MLA layer with a MoE block, and `final_layernorm`."""
+    from torch import nn
+
+    steps = int(config.get("num_nextn_predict_layers") or 0)
+    if not steps:
+        return {}
+    if steps != 1:
+        raise ValueError("num_nextn_predict_layers: the release stores one MTP layer")
+    hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+    norm = type(model.model.norm)
+    one = copy.copy(model.config)  # a one-layer stack: its layer 0 is the MTP layer's kind
+    one.num_hidden_layers = 1
+    one.layer_types, one.mlp_layer_types = ["full_attention"], ["sparse"]
+    one.swiglu_limits = one.swiglu_limits_shared = [0]  # the lists hold the main layers only
+    decoder = type(model.model.layers[0])(one, 0)
+    head = nn.Module()
+    head.enorm, head.hnorm = norm(hidden, eps), norm(hidden, eps)
+    head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+    for name, child in decoder.named_children():
+        setattr(head, name, child)
+    head.final_layernorm = norm(hidden, eps)
+    return {f"model.layers.{config['num_hidden_layers']}": head}
 
 
 def complete_config(config: dict, extra: dict) -> dict:

@@ -12,6 +12,9 @@ import time
 
 logger = logging.getLogger("hybrid-serve")
 
+# the model_types whose MTP layers the config counts as num_nextn_predict_layers
+NEXTN_TYPES = ("nemotron_h", "bailing_hybrid")
+
 
 def cmd_make_model(args: argparse.Namespace) -> None:
     import torch
@@ -29,10 +32,11 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     fit_options = _checked_options(args)
     config = preset_config(args.preset)
-    if config.get("model_type") == "nemotron_h" and (args.mtp or args.fit_mtp):
+    if config.get("model_type") in NEXTN_TYPES and (args.mtp or args.fit_mtp):
         if args.fit_mtp:
             raise ValueError("--fit-mtp fits Qwen3-Next and Qwen3.5 heads only")
-        config.setdefault("num_nextn_predict_layers", 1)  # one step, as Nemotron 3 Super's
+        # one step, as Nemotron 3 Super's head and Ling-3's MTP layer
+        config["num_nextn_predict_layers"] = config.get("num_nextn_predict_layers") or 1
     elif args.mtp or args.fit_mtp:  # the multi-token-prediction head, one layer as released
         config["mtp_num_hidden_layers"] = 1
     template = args.chat_template or CHAT_TEMPLATES.get(args.preset)
@@ -186,8 +190,9 @@ def _add_mtp_args(mk: argparse.ArgumentParser) -> None:
     mk.add_argument(
         "--mtp",
         action="store_true",
-        help="add the multi-token-prediction head (mtp.*, one layer; config "
-        "mtp_num_hidden_layers 1), drawn after the other weights, which stay as without it",
+        help="add the multi-token-prediction head (one layer: Qwen's mtp.* with config "
+        "mtp_num_hidden_layers 1; NemotronH's and Ling-3's with num_nextn_predict_layers 1), "
+        "drawn after the other weights, which stay as without it",
     )
     mk.add_argument(
         "--fit-mtp",

@@ -18,6 +18,8 @@ the KDA forget gate's parameters under the release's names (`self_attn.f_proj`, 
 release's spelling (`model.word_embeddings`, `attention.`, the MLA's `attention.dense`,
 `gate.expert_bias`, per-expert `gate_proj`/`up_proj`/`down_proj`, `q_conv1d`/`k_conv1d`/
 `v_conv1d`) and transformers' (`forget_gate.`) alike. Tensor parallelism splits as Kimi-Linear's.
+The MTP layer the release stores after the main ones (`models.bailing_hybrid_mtp`) makes the
+model a `models.protocol.DraftingModel`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from hybrid_serve.kernels import KernelSet
 from hybrid_serve.models.bailing_hybrid_config import BailingHybridConfig
+from hybrid_serve.models.bailing_hybrid_mtp import BailingHybridMultiTokenPredictor
 from hybrid_serve.models.forward_batch import ForwardBatch
 from hybrid_serve.models.kda_mixer import KimiDeltaAttention
 from hybrid_serve.models.kimi_linear import KimiLinearForCausalLM
@@ -72,9 +75,23 @@ class BailingHybridDecoderLayer(nn.Module):
 
 class BailingHybridForCausalLM(KimiLinearForCausalLM):
     """Ling-3 (`hybrid_serve.models.hybrid_lm`'s contract); the CPU decode plan refuses its
-    layers by class (its full-rank bounded KDA gates and clamped SwiGLU have no block kind)."""
+    layers by class (its full-rank bounded KDA gates and clamped SwiGLU have no block kind).
+    With `mtp` (the checkpoint stores its layer: `num_nextn_predict_layers`) the model also
+    holds its MTP head, `self.mtp` (else None)."""
 
     def build(self) -> None:
         self.local_config = self.rank_config()
         c = self.config
         self.build_stack(BailingHybridDecoderLayer, rotary_dim=c.qk_rope_head_dim)
+
+    def build_mtp(self) -> BailingHybridMultiTokenPredictor:
+        if not self.config.num_mtp_layers:
+            raise ValueError("this checkpoint has no MTP layer (config: num_nextn_predict_layers)")
+        return BailingHybridMultiTokenPredictor(self.config, self.tp, self.ops)
+
+    @torch.inference_mode()
+    def mtp_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head's output y [T, hidden] for every row of `batch`
+        (`models.bailing_hybrid_mtp`): `batch.input_ids` are the tokens after the positions
+        whose final hidden is `hidden`."""
+        return self.mtp(batch, hidden, self.embed_tokens, self.model.rotary)

@@ -17,7 +17,9 @@ How it differs from Kimi-Linear, as transformers' `BailingHybridConfig` and mode
   `share_expert_swiglu_limit_list`, 0 = none);
 - norms: plain-weight RMSNorms (`rms_norm_eps`), the MLA latent norms at 1e-6;
 - MTP: the checkpoint stores `num_nextn_predict_layers` more decoder layers after the main ones
-  (`model.layers.{L}.*`); transformers ignores them on load, and so do we (`skipped_prefixes`).
+  (`model.layers.{L}.*`, an MLA + MoE layer with DeepSeek's input fusion and output norm);
+  transformers ignores them on load, and so do we (`skipped_prefixes`) unless the model holds its
+  head (`models.bailing_hybrid_mtp`: our `mtp.*` is the checkpoint's `mtp_weight_prefix`).
 
 Release fields transformers' class does not read, checked where they would change the model:
 `no_kda_lora` (only true: full-rank gates), `gated_attention_proj_granularity_type` (only
@@ -63,7 +65,7 @@ class BailingHybridConfig(KimiLinearConfig):
     kda_lower_bound: float | None
     swiglu_limits: tuple[float, ...]  # routed experts, one per layer (0: none)
     shared_swiglu_limits: tuple[float, ...]  # the shared expert, one per layer
-    num_mtp_layers: int = 0  # decoder layers stored after the main ones, not served
+    num_mtp_layers: int = 0  # decoder layers stored after the main ones (the MTP head's)
     model_type: str = "bailing_hybrid"
 
     def __post_init__(self) -> None:
@@ -78,8 +80,17 @@ class BailingHybridConfig(KimiLinearConfig):
         n = self.num_hidden_layers
         return tuple(f"{self.weight_prefix}layers.{i}." for i in range(n, n + self.num_mtp_layers))
 
+    @property
+    def mtp_weight_prefix(self) -> str:
+        """Where the checkpoint stores the MTP head's one layer (`mtp.*` in our names): the
+        decoder layer after the main ones, as the releases store it."""
+        return f"{self.weight_prefix}layers.{self.num_hidden_layers}."
+
     def limits(self, layer_id: int) -> tuple[float, float]:
-        """(routed, shared) SwiGLU limits of layer `layer_id`'s MoE block."""
+        """(routed, shared) SwiGLU limits of layer `layer_id`'s MoE block; none (0) past the
+        lists, which hold the main layers only (the MTP layer's, as vLLM reads it)."""
+        if layer_id >= len(self.swiglu_limits):
+            return 0.0, 0.0
         return self.swiglu_limits[layer_id], self.shared_swiglu_limits[layer_id]
 
     @classmethod

@@ -30,8 +30,8 @@ A row reads:
     preset_rules   which kinds of `NameRules` the presets write in the released spelling (the
                    others stay as transformers names them)
     preset_extra   None, or the make_model function (dotted path) that declares the modules a
-                   release holds beside transformers' model (Qwen's and NemotronH's MTP heads,
-                   `mtp.*`), built from transformers' own classes and drawn after the model's
+                   release holds beside transformers' model (Qwen's, NemotronH's and Ling-3's MTP
+                   heads), built from transformers' own classes and drawn after the model's
                    tensors
 
 `python -m hybrid_serve.models.families --markdown` prints the family and `model_type` columns of
@@ -449,6 +449,7 @@ FAMILIES: tuple[Family, ...] = (
             ("conv1d.weight", "conv"),
             ("norm.weight", "norm1"),
         ),
+        preset_extra=f"{_MK}.bailing_hybrid_preset.mtp_head",
     ),
 )
 

@@ -13,8 +13,9 @@ checkpoint's blocks land whole on the parameter (`models.fp8_resident`); elsewhe
 CPU always, the weights are dequantized at load (`hybrid_serve.models.fp8`).
 
 `mtp=True` builds the model with its multi-token-prediction head (`models.qwen3_next_mtp`,
-`models.nemotron_h_mtp`; the checkpoint's config must describe one: `mtp_num_hidden_layers`,
-NemotronH's `num_nextn_predict_layers`) and makes the head's `mtp.*` tensors part
+`models.nemotron_h_mtp`, `models.bailing_hybrid_mtp`; the checkpoint's config must describe one:
+`mtp_num_hidden_layers`, NemotronH's and Ling-3's `num_nextn_predict_layers`) and makes the
+head's tensors (`mtp.*`; Ling-3's layer after the main ones, `skipped_prefixes` otherwise) part
 of the strict key set: from then on they load like any other tensor (FP8, tensor-parallel shards,
 dtype and quantization rules, dummy weights), and a missing one is an error. Without it they are
 skipped.
@@ -268,11 +269,12 @@ def index_checkpoint(model: HybridForCausalLM, path: Path, config: HybridConfig)
     """The strict key set of the checkpoint at `path` against `model` (meta is enough), from the
     headers: a missing or extra tensor, or a bad FP8 layout, is a `ValueError` naming it. The
     `mtp.*` tensors are the model's when it holds its MTP head, else skipped, as are those
-    under the config's `skipped_prefixes` where it has them."""
+    under the config's `skipped_prefixes` where it has them (Ling-3's MTP layer)."""
     mtp = model.mtp is not None
     where = checkpoint_names(checkpoint_files(path))
     fp8 = Fp8Checkpoint.open(path, where, mtp)  # None unless block-FP8; a bad layout raises
-    unused = getattr(config, "skipped_prefixes", ())  # e.g. MTP layers stored after the stack
+    # e.g. MTP layers stored after the stack, the model's own when it holds its head
+    unused = () if mtp else getattr(config, "skipped_prefixes", ())
     skipped = sorted(n for n in where if is_skipped(n, mtp) or n.startswith(unused))
     if config.tie_word_embeddings and "lm_head.weight" in where:
         skipped.append("lm_head.weight")  # some tied checkpoints still carry a copy

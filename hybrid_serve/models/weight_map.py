@@ -240,9 +240,13 @@ def spellings(pname: str, shape: torch.Size, c, rules: NameRules) -> list[Spelli
 
 
 def _stack_name(name: str, c) -> str:
-    """Our name `name` as the checkpoint's: the config's `weight_prefix` for our `model.`."""
+    """Our name `name` as the checkpoint's: the config's `weight_prefix` for our `model.`, and
+    its `mtp_weight_prefix` for our `mtp.` where it has one (Ling-3 stores its MTP layer as the
+    decoder layer after the main ones)."""
     if name.startswith("model."):
         return c.weight_prefix + name.removeprefix("model.")
+    if name.startswith(MTP_PREFIX) and hasattr(c, "mtp_weight_prefix"):
+        return c.mtp_weight_prefix + name.removeprefix(MTP_PREFIX)
     return name
 
 

@@ -1,5 +1,6 @@
 """Speculative decoding (NEXTN) with Nemotron 3 Super's MTP head (`models.nemotron_h_mtp`) on the
-tiny preset with latent MoE, through the Engine: greedy outputs are plain decoding's tokens with
+tiny preset with latent MoE, and with Ling-3's MTP layer (`models.bailing_hybrid_mtp`: MLA + MoE
+over KDA/MLA main layers), through the Engine: greedy outputs are plain decoding's tokens with
 the radix cache off and on (no_buffer, extra_buffer, chunked prefill), when the same prompts come
 back and hit the cache (the state the peers crash on: vLLM #39273, SGLang #28312), and the pools
 stay clean. The head's own random drafts are mostly rejected; `override_drafts` (controlled
@@ -16,6 +17,11 @@ from hybrid_serve.scheduler.engine import Engine
 from tests.scheduler.test_speculative import FREE, GREEDY, NEW, POOLS, SPEC, controlled
 
 PRESET = "tiny-nemotron-3-super"
+# preset -> its MTP head's class
+HEADS = {
+    PRESET: "NemotronHMultiTokenPredictor",
+    "tiny-bailing-hybrid": "BailingHybridMultiTokenPredictor",
+}
 MODES = {
     "no-radix": {"disable_radix_cache": True},
     "no_buffer": {},
@@ -24,10 +30,10 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    config = preset_config(PRESET)
-    path = str(write_checkpoint(tmp_path_factory.mktemp("super_mtp"), config, seed=5))
+def _checkpoint(tmp_path_factory, preset: str):
+    """The preset's checkpoint with its head, its prompts and plain decoding's tokens for them."""
+    config = preset_config(preset)
+    path = str(write_checkpoint(tmp_path_factory.mktemp("mtp"), config, seed=5))
     gen = torch.Generator().manual_seed(4)
     vocab = config["vocab_size"]
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (6, 19, 70, 33)]
@@ -37,12 +43,23 @@ def ckpt(tmp_path_factory):
     return path, prompts, expected, vocab
 
 
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, PRESET)
+
+
+@pytest.fixture(scope="module", params=list(HEADS))
+def any_ckpt(request, tmp_path_factory):
+    """Each preset of `HEADS`, with its head's class name."""
+    return HEADS[request.param], _checkpoint(tmp_path_factory, request.param)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_speculation_equals_plain_decoding(ckpt, mode):
-    path, prompts, expected, vocab = ckpt
+def test_greedy_speculation_equals_plain_decoding(any_ckpt, mode):
+    head, (path, prompts, expected, vocab) = any_ckpt
     engine = Engine(path, **POOLS, **SPEC, **MODES[mode])
     engine.scheduler.forward.policy.costs = FREE
-    assert type(engine.runner.model.mtp).__name__ == "NemotronHMultiTokenPredictor"
+    assert type(engine.runner.model.mtp).__name__ == head
     # the head's own drafts, one request at a time
     for p, e in zip(prompts[:2], expected, strict=False):
         assert engine.generate(p, GREEDY)["output_ids"] == e[:NEW]
@@ -66,10 +83,10 @@ def test_greedy_speculation_equals_plain_decoding(ckpt, mode):
     assert engine.leak_report() == []
 
 
-def test_the_measured_draft_policy_runs_and_lands_plain_tokens(ckpt):
+def test_the_measured_draft_policy_runs_and_lands_plain_tokens(any_ckpt):
     """The draft-length policy with its own costs (timings scaled by the bytes a step reads,
     `models.step_bytes.weight_bytes_per_step`), not the tests' free drafting."""
-    path, prompts, expected, vocab = ckpt
+    _, (path, prompts, expected, vocab) = any_ckpt
     engine = Engine(path, **POOLS, **SPEC)
     spec = controlled(engine, prompts, expected, vocab, 0.0)
     outs = engine.generate(prompts, GREEDY)
@@ -78,15 +95,22 @@ def test_the_measured_draft_policy_runs_and_lands_plain_tokens(ckpt):
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_draft_head_changes_drafts_not_outputs(ckpt, method):
+def test_quantized_draft_head_changes_drafts_not_outputs(any_ckpt, method):
     """--speculative-draft-model-quantization: the head's matrices (its fusion, attention and
-    latent projections) and its own LM head copy are quantized; the main model is untouched."""
-    path, prompts, expected, vocab = ckpt
+    latent projections; Ling-3's fusion, MLA projections and experts) and its own LM head copy
+    are quantized; the main model is untouched."""
+    name, (path, prompts, expected, vocab) = any_ckpt
     engine = Engine(path, **POOLS, **SPEC, speculative_draft_model_quantization=method)
     engine.scheduler.forward.policy.costs = FREE
     head, dtype = engine.runner.model.mtp, {"int8": torch.int8, "int4": torch.uint8}[method]
-    assert head.lm_head.weight.dtype == head.layers[0].eh_proj.weight.dtype == dtype
-    assert head.layers[1].mixer.fc1_latent_proj.weight.dtype == dtype
+    if name == HEADS[PRESET]:
+        assert head.lm_head.weight.dtype == head.layers[0].eh_proj.weight.dtype == dtype
+        assert head.layers[1].mixer.fc1_latent_proj.weight.dtype == dtype
+    else:
+        assert head.lm_head.weight.dtype == head.eh_proj.weight.dtype == dtype
+        assert head.self_attn.q_proj.weight.dtype == head.self_attn.o_proj.weight.dtype == dtype
+        assert head.mlp.experts.gate_up_proj.dtype == dtype
+        assert head.mlp.gate.weight.dtype == torch.float32  # the router's picks must not move
     assert engine.runner.model.lm_head.weight.dtype == torch.float32
     outs = engine.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in outs] == [e[:NEW] for e in expected]

@@ -160,14 +160,15 @@ def test_ranks_agree_after_every_kind_of_input(paths):
     assert last["t3"] == ("abort", f"session {out['sid']!r} timed out")
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-nemotron-3-super"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-nemotron-3-super", "tiny-bailing-hybrid"])
 def test_tp2_speculative_equals_tp1_speculative(tmp_path, preset):
     """NEXTN under tensor parallelism: every rank drafts the same tokens from the gathered
     logits (as many as rank 0's draft-length policy chose) and lands the same ones; sampled
     requests draft too, rank 0 drawing their drafts and running the rejection test for all
     ranks. The tokens are tp=1 NEXTN's: greedy ones plain decoding's (tests/scheduler/
     test_speculative.py, test_nemotron_h_speculative.py), seeded sampled ones drawn the same
-    way. Qwen3-Next's head and Nemotron 3 Super's (latent MoE, its preset has the head)."""
+    way. Qwen3-Next's head, Nemotron 3 Super's (latent MoE) and Ling-3's (MLA + MoE); the last two
+    presets have theirs."""
     cfg = preset_config(preset) | ({"mtp_num_hidden_layers": 1} if preset == "tiny" else {})
     path = str(write_checkpoint(tmp_path / "tp-mtp", cfg, seed=3))
     spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
