@@ -30,8 +30,10 @@ plan applies where `plan_refusal.refusal` and `pools_refusal` accept the model a
 C++ kernel set with its fused decode ops, one rank, fp32 norms, states and KV), and at most
 `MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at batch where
 it has one (`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs
-through the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the eager model for
-the others; so do their MTP heads' passes (`for_mtp`: Qwen3-Next's head only).
+through the plan (`BlockStep.verify`) where every block's mixer has a verify form
+(`plan_blocks.VERIFY_MIXERS`: Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's and
+Falcon-H1's layers), through the eager model for the others; the MTP heads' passes run through
+a plan for Qwen3-Next's head (`for_mtp`), through the eager head for NemotronH's.
 
 `CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
 per process that names why and the setting that would let a plan apply (`refusal`,
@@ -76,7 +78,7 @@ class CpuDecodePlan:
         self.rotary, self.rotary_dtype = stack.rotary, stack.rotary_dtype
         builder = block_builder(model)
         blocks = builder(model, stack.layers if layers is None else layers)
-        self.verifies = builder is qwen3_next_blocks  # the deferred-residual GDN layers
+        self.verifies = blocks.verifies
         self.rows = MAX_ROWS
         for module in model.modules():
             if isinstance(module, GraniteMoeHybridMoE):  # the routed experts' C++ op's rows
@@ -145,10 +147,12 @@ class CpuDecodePlan:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final hidden) of every row of a speculative verify batch
         (`ForwardBatch.mamba_step_slots_cpu`), as `model.final_hidden(batch, every_row=True)`
-        and its logits: each row a decode row at its position, the recurrent layers through
-        `gdn_verify` (Qwen3-Next's layers; the eager model's for the other families). With `x`
-        (the MTP plan: the head's layer input, `layer_input`), any batch whose rows sit at
-        consecutive positions per request, decode or extend."""
+        and its logits: the recurrent layers through `gdn_verify` / `mamba2_verify`, Qwen3-Next's
+        gated attention each row a decode row at its position (within fp32 rounding of the
+        eager extend; bit for bit its plain decode steps), GQA through the eager model's extend
+        attention (bit for bit the eager verify); the eager model's where a block's mixer has
+        no verify form. With `x` (the MTP plan: the head's layer input, `layer_input`), any
+        batch whose rows sit at consecutive positions per request, decode or extend."""
         if not self.verifies:
             if x is not None:
                 raise ValueError(f"{type(self.model).__name__} has no MTP head to plan")
