@@ -32,8 +32,8 @@ C++ kernel set with its fused decode ops, one rank, fp32 norms, states and KV), 
 it has one (`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs
 through the plan (`BlockStep.verify`) where every block's mixer has a verify form
 (`plan_blocks.VERIFY_MIXERS`: Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's and
-Falcon-H1's layers), through the eager model for the others; the MTP heads' passes run through
-a plan for Qwen3-Next's head (`for_mtp`), through the eager head for NemotronH's.
+Falcon-H1's layers), through the eager model for the others; so do the MTP heads' passes
+(`for_mtp`: Qwen3-Next's and NemotronH's heads).
 
 `CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
 per process that names why and the setting that would let a plan apply (`refusal`,
@@ -54,7 +54,7 @@ from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridMoE
 from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.kimi_moe import KimiMoE
 from hybrid_serve.models.lfm2 import Lfm2SparseMoe
-from hybrid_serve.models.plan_builders import block_builder, qwen3_next_blocks
+from hybrid_serve.models.plan_builders import block_builder, nemotron_h_blocks, qwen3_next_blocks
 from hybrid_serve.models.plan_refusal import PLAN_LOST, pools_refusal, refusal
 
 logger = logging.getLogger(__name__)
@@ -97,14 +97,17 @@ class CpuDecodePlan:
 
     @classmethod
     def for_mtp(cls, model: HybridForCausalLM) -> CpuDecodePlan | None:
-        """The plan over the MTP head's layer, its norm and its LM head (for `rows`); call
-        where the model's own plan applies. None for a head whose layers are not Qwen3-Next's
-        (NemotronH's head: its eager forward drafts)."""
-        if block_builder(model) is not qwen3_next_blocks:
-            return None
-        mtp = model.mtp
+        """The plan over the MTP head's layers, its output norm and its LM head (for `rows`);
+        call where the model's own plan applies: Qwen3-Next's and Qwen3.5's head (a Qwen3-Next
+        layer) and NemotronH's (main-model blocks, `models.nemotron_h_mtp`). None for any
+        other model."""
+        builder, mtp = block_builder(model), model.mtp
         head = (mtp.lm_head if mtp.lm_head is not None else model.lm_head).weight
-        return cls(model, mtp.layers, mtp.norm, head)
+        if builder is qwen3_next_blocks:
+            return cls(model, mtp.layers, mtp.norm, head)
+        if builder is nemotron_h_blocks:  # its blocks' kinds, the output norm in the last one
+            return cls(model, mtp.layers, mtp.layers[-1].final_layernorm, head)
+        return None
 
     @classmethod
     def build(
@@ -169,7 +172,8 @@ class CpuDecodePlan:
             x, cos, sin, kv.k_all, kv.v_all, mamba.conv_state, mamba.ssm_state,
             batch.mamba_slots.long().contiguous(), starts, steps,
             batch.out_loc.long().contiguous(), batch.req_to_token.contiguous(), req_slots,
-            (batch.positions + 1).long().contiguous(),
+            (batch.positions + 1).long().contiguous(), batch.max_seq_len or 0,
+            not batch.is_decode,
         )  # fmt: skip
 
     @torch.inference_mode()

@@ -12,8 +12,9 @@ import torch
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models import plan_refusal
 from hybrid_serve.models.cpu_decode import CpuDecodePlan
+from hybrid_serve.models.loader import load_model
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
-from hybrid_serve.scheduler.model_runner import ExtendInput
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models import plan_harness
 from tests.models.plan_harness import assert_steps_alike, pools
@@ -100,6 +101,44 @@ def test_plan_verify_equals_the_eager_verify_bit_for_bit(request, which, drafts)
         assert torch.equal(a, b)
     for a, b in zip(pools(eager), pools(fast), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("drafts", [2, 4])
+def test_mtp_plan_equals_the_eager_head_bit_for_bit(super_ckpt, drafts):
+    """Nemotron 3 Super's MTP head through its plan (`CpuDecodePlan.for_mtp`: its attention and
+    latent-MoE blocks, its output norm): an extend pass of drafts and drafts + 1 rows, then a
+    decode pass, give the eager head's logits and outputs and the same KV, bit for bit."""
+    hidden_size = preset_config("tiny-nemotron-3-super")["hidden_size"]
+    gen = torch.Generator().manual_seed(1)
+    lens = [drafts, drafts + 1]
+    hidden = torch.randn(sum(lens), hidden_size, generator=gen)
+    h2 = torch.randn(len(lens), hidden_size, generator=gen)
+    outs, kvs = [], []
+    for planned in (False, True):
+        model = load_model(super_ckpt, dtype="float32", mtp=True)
+        runner = ModelRunner(model, RunnerConfig(max_running_requests=4))
+        plan = CpuDecodePlan.for_mtp(model) if planned else None
+        rows = [(runner.req_pool.alloc(1)[0], n) for n in lens]
+        items = [ExtendInput(q, 0, 0, list(range(7, 7 + n))) for q, n in rows]
+        locs = [runner.alloc_kv(q, 0, n + 1) for q, n in rows]
+        heads = [loc[:n] for loc, (_, n) in zip(locs, rows, strict=True)]
+        tails = [loc[n:] for loc, (_, n) in zip(locs, rows, strict=True)]
+        batch = runner.build_prefill(items, heads)
+        dec = runner.build_decode([DecodeInput(q, 0, n, 3) for q, n in rows], torch.cat(tails))
+        if planned:
+            assert plan is not None and plan.verifies
+            with torch.inference_mode():
+                x1 = model.mtp.layer_input(batch.input_ids, hidden, model.embed_tokens)
+                x2 = model.mtp.layer_input(dec.input_ids, h2, model.embed_tokens)
+            outs.append((*plan.verify(batch, x1), *plan.verify(dec, x2)))
+        else:
+            y1, y2 = model.mtp_hidden(batch, hidden), model.mtp_hidden(dec, h2)
+            outs.append((model.draft_logits(y1), y1, model.draft_logits(y2), y2))
+        kvs.append(runner.kv_pool.k_all[-1].clone())
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(kvs[0], kvs[1])
+    assert kvs[0].abs().sum() > 0  # the head wrote its own KV layer
 
 
 def test_where_the_plan_does_not_apply(ckpt, kernels_mode):

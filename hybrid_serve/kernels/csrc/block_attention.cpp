@@ -102,7 +102,7 @@ at::Tensor attention(const at::Tensor& x, const Attention& a, const Batch& b) {
   k_buf.index_copy_(0, loc, k.to(k_buf.scalar_type()));
   v_buf.index_copy_(0, loc, v.to(v_buf.scalar_type()));
   at::Tensor o;
-  if (b.starts.defined()) {  // a verify batch: the eager model's extend
+  if (b.extend) {  // a verify batch of extend rows: the eager model's extend
     o = extend_attention(q, k_buf, v_buf, b, a.scale, a.window).reshape({T, -1});
   } else {
     const int64_t L = b.max_seq_len > 0 ? b.max_seq_len : b.seq_lens.max().item<int64_t>();
