@@ -84,11 +84,6 @@ def count_parameters(config: dict) -> int:
     return sum(math.prod(s) for s in checkpoint_shapes(config).values())
 
 
-def init_kind(name: str, rules: tuple[tuple[str, str], ...]) -> str:
-    """The kind of the first (suffix, kind) rule `name` ends with; "w" where none matches."""
-    return next((kind for suffix, kind in rules if name.endswith(suffix)), "w")
-
-
 def model_specs(config: dict) -> list[Spec]:
     """(name, shape, init kind) of every tensor of transformers' model for `config` (built on the
     meta device, nothing allocated), in its state_dict's order, under its names; a tensor tied
@@ -111,7 +106,7 @@ def model_specs(config: dict) -> list[Spec]:
     for name, tensor in named:
         if id(tensor) not in seen:
             seen.add(id(tensor))
-            specs.append((name, tuple(tensor.shape), init_kind(name, family.init_rules)))
+            specs.append((name, tuple(tensor.shape), family.init_kind(name)))
     return specs
 
 

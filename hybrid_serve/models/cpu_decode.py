@@ -30,8 +30,10 @@ plan applies where `plan_refusal.refusal` and `pools_refusal` accept the model a
 C++ kernel set with its fused decode ops, one rank, fp32 norms, states and KV), and at most
 `MAX_ROWS` rows (the fused MoE's). The products take the kernel set's bf16 route at batch where
 it has one (`KernelSet.bf16_products`), as the eager step's do. A speculative verify batch runs
-through the plan for Qwen3-Next's layers (`BlockStep.verify`) and through the eager model for
-the others; so do their MTP heads' passes (`for_mtp`: Qwen3-Next's head only).
+through the plan (`BlockStep.verify`) where every block's mixer has a verify form
+(`plan_blocks.VERIFY_MIXERS`: Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's and
+Falcon-H1's layers), through the eager model for the others; so do the MTP heads' passes
+(`for_mtp`: Qwen3-Next's and NemotronH's heads).
 
 `CpuDecodePlan.build` returns the plan, or None for any other model or setting, with one WARNING
 per process that names why and the setting that would let a plan apply (`refusal`,
@@ -52,7 +54,7 @@ from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridMoE
 from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.kimi_moe import KimiMoE
 from hybrid_serve.models.lfm2 import Lfm2SparseMoe
-from hybrid_serve.models.plan_builders import block_builder, qwen3_next_blocks
+from hybrid_serve.models.plan_builders import block_builder, nemotron_h_blocks, qwen3_next_blocks
 from hybrid_serve.models.plan_refusal import PLAN_LOST, pools_refusal, refusal
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ class CpuDecodePlan:
         self.rotary, self.rotary_dtype = stack.rotary, stack.rotary_dtype
         builder = block_builder(model)
         blocks = builder(model, stack.layers if layers is None else layers)
-        self.verifies = builder is qwen3_next_blocks  # the deferred-residual GDN layers
+        self.verifies = blocks.verifies
         self.rows = MAX_ROWS
         for module in model.modules():
             if isinstance(module, GraniteMoeHybridMoE):  # the routed experts' C++ op's rows
@@ -95,14 +97,17 @@ class CpuDecodePlan:
 
     @classmethod
     def for_mtp(cls, model: HybridForCausalLM) -> CpuDecodePlan | None:
-        """The plan over the MTP head's layer, its norm and its LM head (for `rows`); call
-        where the model's own plan applies. None for a head whose layers are not Qwen3-Next's
-        (NemotronH's head: its eager forward drafts)."""
-        if block_builder(model) is not qwen3_next_blocks:
-            return None
-        mtp = model.mtp
+        """The plan over the MTP head's layers, its output norm and its LM head (for `rows`);
+        call where the model's own plan applies: Qwen3-Next's and Qwen3.5's head (a Qwen3-Next
+        layer) and NemotronH's (main-model blocks, `models.nemotron_h_mtp`). None for any
+        other model."""
+        builder, mtp = block_builder(model), model.mtp
         head = (mtp.lm_head if mtp.lm_head is not None else model.lm_head).weight
-        return cls(model, mtp.layers, mtp.norm, head)
+        if builder is qwen3_next_blocks:
+            return cls(model, mtp.layers, mtp.norm, head)
+        if builder is nemotron_h_blocks:  # its blocks' kinds, the output norm in the last one
+            return cls(model, mtp.layers, mtp.layers[-1].final_layernorm, head)
+        return None
 
     @classmethod
     def build(
@@ -145,10 +150,12 @@ class CpuDecodePlan:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final hidden) of every row of a speculative verify batch
         (`ForwardBatch.mamba_step_slots_cpu`), as `model.final_hidden(batch, every_row=True)`
-        and its logits: each row a decode row at its position, the recurrent layers through
-        `gdn_verify` (Qwen3-Next's layers; the eager model's for the other families). With `x`
-        (the MTP plan: the head's layer input, `layer_input`), any batch whose rows sit at
-        consecutive positions per request, decode or extend."""
+        and its logits: the recurrent layers through `gdn_verify` / `mamba2_verify`, Qwen3-Next's
+        gated attention each row a decode row at its position (within fp32 rounding of the
+        eager extend; bit for bit its plain decode steps), GQA through the eager model's extend
+        attention (bit for bit the eager verify); the eager model's where a block's mixer has
+        no verify form. With `x` (the MTP plan: the head's layer input, `layer_input`), any
+        batch whose rows sit at consecutive positions per request, decode or extend."""
         if not self.verifies:
             if x is not None:
                 raise ValueError(f"{type(self.model).__name__} has no MTP head to plan")
@@ -165,7 +172,8 @@ class CpuDecodePlan:
             x, cos, sin, kv.k_all, kv.v_all, mamba.conv_state, mamba.ssm_state,
             batch.mamba_slots.long().contiguous(), starts, steps,
             batch.out_loc.long().contiguous(), batch.req_to_token.contiguous(), req_slots,
-            (batch.positions + 1).long().contiguous(),
+            (batch.positions + 1).long().contiguous(), batch.max_seq_len or 0,
+            not batch.is_decode,
         )  # fmt: skip
 
     @torch.inference_mode()

@@ -1,19 +1,19 @@
 """Random weights for `--load-format dummy`: each parameter filled in place, the presets' init.
 
-`fill_dummy(model)` draws each parameter where it already lives (its device, its dtype: the loader
-allocated it once, in the serving dtype), so peak memory is the model itself and no weight file is
-read. The distributions are those the presets' writer (`hybrid_serve.make_model.presets`) draws too:
+`fill_dummy(model, family)` draws each parameter where it already lives (its device, its dtype:
+the loader allocated it once, in the serving dtype), so peak memory is the model itself and no
+weight file is read. Each parameter's init kind is its family row's (`Family.init_kind`: the
+row's `init_rules` by name suffix, the one place that holds them), the kind the presets' writer
+(`hybrid_serve.make_model.tensor_specs`) gives the tensor of that name, drawn by `fill`, which
+the writer draws with too:
 
-    matrices, embeddings, LM head          N(0, init_range)
-    zero-centred RMSNorm weights           N(0, 0.1)   (layer norms, model.norm, q_norm, k_norm,
-                                                        the MTP head's norms)
-    GDN gated-norm weight                  1 + N(0, 0.1)
-    plain-weight norms, Mamba2 D           1 + N(0, 0.1)   (every `RMSNormPlain` and Mamba2
-                                                        gated norm: the Mamba2 hybrids' and
-                                                        OLMo-Hybrid's norms; D)
-    conv1d.weight                          N(0, 0.3)
-    A_log                                  log U(1, 16)
-    dt_bias                                softplus^-1(dt), dt = exp(U(log 1e-3, log 1e-1))
+    "w"        matrices, embeddings, LM head                N(0, init_range)
+    "norm0"    zero-centred RMSNorm weights (Qwen's)        N(0, 0.1)
+    "norm1"    plain-weight norms, gated norms, Mamba2 D    1 + N(0, 0.1)
+    "conv"     the convolutions' weights                    N(0, 0.3)
+    "a_log"    A_log                                        log U(1, 16)
+    "dt_bias"  dt_bias                                      softplus^-1(dt), dt = exp(U(log 1e-3,
+                                                            log 1e-1))
 
 A block-FP8 matrix kept in FP8 (`kernels.fp8.Fp8Weight`, `models.fp8_resident`) gets the same
 N(0, init_range) as its values times its scales: e4m3 values drawn N(0, FP8_STD) (in fp32, one
@@ -33,53 +33,11 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels.fp8 import is_fp8
+from hybrid_serve.models.families import Family
 
 NORM_STD = 0.1  # the zero-centred norms' spread (and the GDN gated norm's, around 1)
 CONV_STD = 0.3
 FP8_STD = 16.0  # e4m3 values of a dummy FP8 matrix: well inside its +-448, fine steps near 0
-
-ZERO_CENTRED_NORMS = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "q_norm.weight",
-    "k_norm.weight",
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
-)
-FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
-
-
-def init_kind(name: str) -> str:
-    """The presets' init kind of parameter `name` (the kinds of `make_model.tensor_specs`
-    and the Qwen rows' `init_rules`)."""
-    if name.endswith(".A_log"):
-        return "a_log"
-    if name.endswith(".dt_bias"):
-        return "dt_bias"
-    if name.endswith("conv1d.weight"):
-        return "conv"
-    if name.endswith("linear_attn.norm.weight"):
-        return "norm1"
-    if name.endswith(ZERO_CENTRED_NORMS) or name in FINAL_NORMS:
-        return "norm0"
-    return "w"
-
-
-def plain_weights(model: nn.Module) -> set[int]:
-    """ids of the parameters drawn around 1: plain-weight norms and the Mamba2 D skip."""
-    from hybrid_serve.models.kda_mixer import RMSNormSigmoidGated
-    from hybrid_serve.models.layers import RMSNormPlain
-    from hybrid_serve.models.mamba2_mixer import Mamba2Mixer, RMSNormGateFirst
-    from hybrid_serve.models.parallel_layers import ParallelRMSNormGateFirst
-
-    plain = (RMSNormPlain, RMSNormGateFirst, ParallelRMSNormGateFirst, RMSNormSigmoidGated)
-    found = set()
-    for m in model.modules():
-        if isinstance(m, plain):
-            found.add(id(m.weight))
-        elif isinstance(m, Mamba2Mixer):
-            found.add(id(m.D))
-    return found
 
 
 def fill(param: torch.Tensor, kind: str, gen: torch.Generator, init_range: float) -> None:
@@ -119,11 +77,11 @@ def _fill_fp8(param: torch.Tensor, gen: torch.Generator, init_range: float) -> N
 
 
 @torch.no_grad()
-def fill_dummy(model: nn.Module, seed: int = 0, init_range: float = 0.1) -> None:
-    """Fill every parameter of `model` in place with the presets' init (module docstring). A
-    parameter shared by two names (tied embeddings) is drawn once."""
+def fill_dummy(model: nn.Module, family: Family, seed: int = 0, init_range: float = 0.1) -> None:
+    """Fill every parameter of `model` in place with the presets' init, each by its kind in
+    `family`'s row (module docstring). A parameter shared by two names (tied embeddings) is
+    drawn once."""
     gens: dict[torch.device, torch.Generator] = {}
-    plain = plain_weights(model)
     for name, param in model.named_parameters():  # shared parameters are listed once
         if param.is_meta:  # shapes only (a model built to be measured, not run)
             continue
@@ -133,4 +91,4 @@ def fill_dummy(model: nn.Module, seed: int = 0, init_range: float = 0.1) -> None
         if is_fp8(param):
             _fill_fp8(param, gen, init_range)
         else:
-            fill(param.data, "norm1" if id(param) in plain else init_kind(name), gen, init_range)
+            fill(param.data, family.init_kind(name), gen, init_range)

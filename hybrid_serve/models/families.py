@@ -25,8 +25,9 @@ A row reads:
                    the formats the server's `--tool-call-parser auto` / `--reasoning-parser auto`
                    pick from that template (`server.formats`; reasoning None: none), as the
                    server serves the family's presets by default
-    init_rules     the presets' init kind by name suffix (first match, else "w") of the tensors of
-                   transformers' own model for the config, built on the meta device
+    init_rules     the init kind by name suffix (first match, else "w": `Family.init_kind`) of
+                   the tensors of transformers' own model for the config, built on the meta
+                   device (the presets), and of our model's parameters (`--load-format dummy`)
     preset_rules   which kinds of `NameRules` the presets write in the released spelling (the
                    others stay as transformers names them)
     preset_extra   None, or the make_model function (dotted path) that declares the modules a
@@ -106,6 +107,11 @@ class Family:
     @property
     def architectures(self) -> tuple[str, ...]:
         return tuple(t.architecture for t in self.types)
+
+    def init_kind(self, name: str) -> str:
+        """The kind of the first `init_rules` suffix `name` ends with; "w" where none does (the
+        kinds: `models.dummy_weights.fill`)."""
+        return next((kind for suffix, kind in self.init_rules if name.endswith(suffix)), "w")
 
     def model_type(self, name: str) -> ModelType:
         """The row's entry for `name`; KeyError if the row has none."""

@@ -67,7 +67,7 @@ from hybrid_serve.models.fp8_resident import (
 from hybrid_serve.models.fp8_resident import plan as resident_plan
 from hybrid_serve.models.hybrid_lm import HybridForCausalLM
 from hybrid_serve.models.parallel import ParallelContext
-from hybrid_serve.models.registry import model_class, read_config
+from hybrid_serve.models.registry import config_family, model_class, read_config
 from hybrid_serve.models.shard_loader import read_shard
 from hybrid_serve.models.weight_map import Target, checkpoint_map, is_skipped
 
@@ -207,7 +207,7 @@ def _fill(
     where it is None (`--load-format dummy`); with tensor parallelism the vocabulary shards'
     padding rows zeroed (after the draw, before the read)."""
     if source is None:
-        fill_dummy(model)
+        fill_dummy(model, config_family(config))
     if tp.enabled:  # the vocab shards' padding rows
         _, rows, _ = tp.vocab_range(config.vocab_size)
         model.embed_tokens.weight.data[rows:].zero_()

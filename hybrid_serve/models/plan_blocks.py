@@ -31,16 +31,19 @@ DEFERRED, PRE, POST, SANDWICH = range(4)  # norm placement
 NO_MIXER, GDN, MAMBA2, GQA, GATED_ATTENTION, PARALLEL, KDA, SHORT_CONV, MLA = range(9)
 NO_MLP, SWIGLU, RELU2, SPARSE_MOE, RELU2_MOE, TOPK_MOE, SIGMOID_MOE, GROUPED_MOE = range(8)
 NO_QK_NORM, WHOLE_QK_NORM, PER_HEAD_QK_NORM = range(3)  # the attention's q/k norms
+# The mixer kinds with a verify form (`BlockStep.verify`; GDN's without a beta scale only).
+VERIFY_MIXERS = (NO_MIXER, GDN, MAMBA2, GQA, GATED_ATTENTION, PARALLEL)
 
 
 @dataclass
 class Blocks:
     """The flat lists `BlockStep`'s constructor reads (its layout: kernels/csrc/block_layout.cpp),
-    appended to block by block."""
+    appended to block by block; `verifies`: every block's mixer has a verify form."""
 
     tensors: list[torch.Tensor] = field(default_factory=list)
     ints: list[int] = field(default_factory=list)
     floats: list[float] = field(default_factory=list)
+    verifies: bool = True
 
     def add(
         self,
@@ -54,6 +57,7 @@ class Blocks:
 
     def block(self, norm: int, mixer: int, mlp: int) -> None:
         self.ints += [norm, mixer, mlp]
+        self.verifies = self.verifies and mixer in VERIFY_MIXERS
 
     def sublayer_norm(self, norm: nn.Module) -> None:
         self.add([norm.weight], floats=[norm.eps])
@@ -65,6 +69,7 @@ class Blocks:
              g.out_proj.weight],
             [g.linear_layer_id, g.num_k_heads], [g.norm.eps, g.beta_scale],
         )  # fmt: skip
+        self.verifies = self.verifies and g.beta_scale == 1.0  # gdn_verify's
 
     def mamba2(self, m: Mamba2Mixer, out_multiplier: float = 1.0) -> None:
         c, bias, scale = m.config, m.conv1d.bias, m.zxbcdt_scale

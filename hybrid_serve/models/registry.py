@@ -18,7 +18,7 @@ from torch import nn
 from hybrid_serve.models.base_config import read_json
 from hybrid_serve.models.families import FAMILIES, Family, family_of_type, resolve
 
-__all__ = ["FAMILIES", "Config", "family_of", "model_class", "read_config"]
+__all__ = ["FAMILIES", "Config", "config_family", "family_of", "model_class", "read_config"]
 
 Config = Any  # an instance of one row's frozen config class (the rows name them)
 
@@ -48,13 +48,18 @@ def read_config(path: str | Path) -> Config:
     return resolve(family.config_class).from_dict(raw, generation_config=gen)
 
 
-def model_class(config: Config) -> type[nn.Module]:
-    """The model class that builds `config` (by its class, and its `model_type` where one config
-    class reads several families)."""
+def config_family(config: Config) -> Family:
+    """The row of a config read by `read_config` (by its class, and its `model_type` where one
+    config class reads several families)."""
     model_type = getattr(config, "model_type", None)
     for family in FAMILIES:
         if isinstance(config, resolve(family.config_class)) and (
             model_type is None or model_type in family.model_types
         ):
-            return resolve(family.model_class)
+            return family
     raise ValueError(f"no model class for {type(config).__name__}")
+
+
+def model_class(config: Config) -> type[nn.Module]:
+    """The model class that builds `config` (`config_family`'s)."""
+    return resolve(config_family(config).model_class)

@@ -21,6 +21,7 @@ from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.step_bytes import param_groups
 from hybrid_serve.scheduler.engine import Engine
 from hybrid_serve.server.cli import main as cli_main
+from tests.families import FAMILY_PRESETS
 from tests.models.test_load_memory import measure_load_peak
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,3 +154,54 @@ def test_generate_command_with_dummy_weights(tiny_config_only, caplog):
         + ["--dtype", "float32", "--max-new-tokens", "4", "--ignore-eos"]
     )
     assert "+ 4 new tokens" in caplog.text
+
+
+def module_kinds(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's init kind as its module says it is initialised: a zero-centred norm
+    (1 + w) around 0, a plain-weight or gated norm and Mamba2's D around 1, a convolution's
+    weight "conv", A_log and dt_bias theirs, every other tensor "w"."""
+    from hybrid_serve.models.kda_mixer import RMSNormSigmoidGated
+    from hybrid_serve.models.layers import RMSNorm, RMSNormGated, RMSNormPlain
+    from hybrid_serve.models.mamba2_mixer import Mamba2Mixer, RMSNormGateFirst
+    from hybrid_serve.models.parallel_layers import ParallelRMSNormGateFirst
+
+    plain = (RMSNormPlain, RMSNormGated, RMSNormGateFirst, ParallelRMSNormGateFirst)
+    kinds = {}
+    for prefix, module in model.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            kind = name if name in ("A_log", "dt_bias") else "w"
+            kind = "a_log" if kind == "A_log" else kind
+            if isinstance(module, RMSNorm):
+                kind = "norm0"
+            elif isinstance(module, (*plain, RMSNormSigmoidGated)):
+                kind = "norm1"
+            elif isinstance(module, Mamba2Mixer) and name == "D":
+                kind = "norm1"
+            elif isinstance(module, torch.nn.Conv1d) and name == "weight":
+                kind = "conv"
+            kinds[f"{prefix}.{name}" if prefix else name] = kind
+    return kinds
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5", *FAMILY_PRESETS])
+def test_dummy_init_kinds_are_the_rows_and_the_presets(tmp_path, monkeypatch, preset):
+    """The one set of init rules (`Family.init_kind`, the row's `init_rules`) gives every
+    parameter of our model the kind its module is initialised by, and the presets' writer gives
+    each tensor it shares with our model (the same name) that same kind."""
+    from hybrid_serve.make_model.tensor_specs import model_specs
+    from hybrid_serve.models.registry import config_family
+
+    _no_weight_files(monkeypatch)
+    cfg = preset_config(preset)
+    write_config_only(tmp_path, cfg)
+    model = load_model(tmp_path, dtype="float32", device="meta", load_format="dummy")
+    family = config_family(model.config)
+    expected = module_kinds(model)
+    drawn = {name: family.init_kind(name) for name, _ in model.named_parameters()}
+    assert drawn == {name: expected[name] for name in drawn}
+    # under the stack's prefix (transformers' `model.` is NemotronH's `backbone.` here)
+    written = {name.partition(".")[2]: kind for name, _, kind in model_specs(cfg)}
+    ours = {name.partition(".")[2]: kind for name, kind in drawn.items()}
+    shared = written.keys() & ours.keys()
+    assert len(shared) > len(ours) // 2  # mostly transformers' own names
+    assert {n: written[n] for n in shared} == {n: ours[n] for n in shared}

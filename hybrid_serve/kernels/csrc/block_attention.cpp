@@ -37,6 +37,39 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   return at::matmul(probs, v).reshape({B, nH, D});
 }
 
+// kernels/attention.py extend_attention over a verify batch's rows (b.starts: request n's rows
+// [starts[n], starts[n+1]), at consecutive positions from its prefix; b.seq_lens, b.req_slots
+// per row): each request's rows attend to its prefix and to its rows up to their own (over the
+// last `window` keys with a window > 0), through ATen's scaled_dot_product_attention as there
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                            const at::Tensor& v_buffer, const Batch& b, double scale,
+                            int64_t window) {
+  using at::indexing::None, at::indexing::Slice;
+  at::Tensor out = at::empty_like(q);
+  const int64_t n_rep = q.size(1) / k_buffer.size(1);
+  const at::Tensor starts = b.starts.to(at::kLong).contiguous();
+  const at::Tensor seq_lens = b.seq_lens.to(at::kLong).contiguous();
+  const at::Tensor req_slots = b.req_slots.to(at::kLong).contiguous();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  for (int64_t n = 0; n + 1 < starts.numel(); ++n) {
+    const int64_t first = start[n], extend = start[n + 1] - first;
+    if (extend == 0) continue;
+    const int64_t prefix = seq_lens.data_ptr<int64_t>()[first] - 1;
+    const int64_t slot = req_slots.data_ptr<int64_t>()[first], seq = prefix + extend;
+    const at::Tensor locs = b.req_to_token.index({slot, Slice(None, seq)}).to(at::kLong);
+    const at::Tensor k = k_buffer.index({locs}).transpose(0, 1);  // [nKV, seq, D]
+    const at::Tensor v = v_buffer.index({locs}).transpose(0, 1);
+    const at::Tensor qi = q.slice(0, first, first + extend).transpose(0, 1);  // [nH, extend, D]
+    at::Tensor mask = at::ones({extend, seq}, q.options().dtype(at::kBool)).tril(prefix);
+    if (window > 0) mask.bitwise_and_(at::ones_like(mask).tril(prefix - window).bitwise_not());
+    const at::Tensor o = at::scaled_dot_product_attention(
+        qi.unsqueeze(0), k.repeat_interleave(n_rep, 0).unsqueeze(0).to(q.scalar_type()),
+        v.repeat_interleave(n_rep, 0).unsqueeze(0).to(q.scalar_type()), mask, 0.0, false, scale);
+    out.slice(0, first, first + extend).copy_(o.select(0, 0).transpose(0, 1));
+  }
+  return out;
+}
+
 // models/gqa_attention.py Attention: projections, q/k norms, key multiplier, rope, store_kv at
 // out_loc, decode_attention (over the window where the layer has one), o_proj; with the
 // families' input and output multipliers, and LFM3's per-head gate before o_proj
@@ -68,10 +101,15 @@ at::Tensor attention(const at::Tensor& x, const Attention& a, const Batch& b) {
   const at::Tensor loc = b.out_loc.to(at::kLong);
   k_buf.index_copy_(0, loc, k.to(k_buf.scalar_type()));
   v_buf.index_copy_(0, loc, v.to(v_buf.scalar_type()));
-  const int64_t L = b.max_seq_len > 0 ? b.max_seq_len : b.seq_lens.max().item<int64_t>();
-  at::Tensor o = decode_attention(q, k_buf, v_buf, b.req_to_token, b.req_slots, b.seq_lens,
-                                  a.scale, L, a.window)
-                     .reshape({T, -1});
+  at::Tensor o;
+  if (b.extend) {  // a verify batch of extend rows: the eager model's extend
+    o = extend_attention(q, k_buf, v_buf, b, a.scale, a.window).reshape({T, -1});
+  } else {
+    const int64_t L = b.max_seq_len > 0 ? b.max_seq_len : b.seq_lens.max().item<int64_t>();
+    o = decode_attention(q, k_buf, v_buf, b.req_to_token, b.req_slots, b.seq_lens, a.scale, L,
+                         a.window)
+            .reshape({T, -1});
+  }
   if (a.gate.has_value()) {
     const at::Tensor gate = at::sigmoid(hs::linear(h, *a.gate, b.bf16)).unsqueeze(-1);
     o = (o.view({T, a.heads, hd}) * gate).view({T, -1});

@@ -16,14 +16,19 @@
 namespace hs::blocks {
 
 // models/mamba2_mixer.py Mamba2Mixer's decode: the input multiplier, in_proj, the segments'
-// multipliers, mamba2_decode, out_proj; then the family's output multiplier
+// multipliers, mamba2_decode (a verify batch: mamba2_verify, as the mixer's _verify), out_proj;
+// then the family's output multiplier
 at::Tensor mamba2(const at::Tensor& x, const Mamba2& m, const Batch& b) {
   at::Tensor zxbcdt = hs::linear(scaled(x, m.in_mult), m.in_proj, b.bf16);
   if (m.scale.has_value()) zxbcdt = zxbcdt * *m.scale;
-  const at::Tensor y = hs::mamba2_decode(
-      zxbcdt, b.conv_state.select(0, m.layer), m.conv_weight, m.conv_bias,
-      b.ssm_state.select(0, m.layer), m.A_log, m.dt_bias, m.D, m.norm, b.slots, m.groups, m.eps,
-      m.dt_min, m.dt_max);
+  const at::Tensor conv = b.conv_state.select(0, m.layer), ssm = b.ssm_state.select(0, m.layer);
+  const at::Tensor y =
+      b.starts.defined()
+          ? hs::mamba2_verify(zxbcdt.contiguous(), conv, m.conv_weight.contiguous(), m.conv_bias,
+                              ssm, m.A_log, m.dt_bias, m.D, m.norm, b.slots, b.starts, b.steps,
+                              m.groups, m.eps, m.dt_min, m.dt_max)
+          : hs::mamba2_decode(zxbcdt, conv, m.conv_weight, m.conv_bias, ssm, m.A_log, m.dt_bias,
+                              m.D, m.norm, b.slots, m.groups, m.eps, m.dt_min, m.dt_max);
   return scaled(hs::linear(y, m.out_proj, b.bf16), m.out_mult);
 }
 

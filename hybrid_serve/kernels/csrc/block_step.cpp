@@ -93,24 +93,29 @@ struct BlockStep : torch::CustomClassHolder {
     return hs::linear(run(x, b), lm_head, bf16_products);
   }
 
-  // Speculative verify (blocks of GDN without a beta scale and gated attention only): the B
-  // rows are N requests' few tokens each, request n's rows [starts[n], starts[n+1]) at
-  // consecutive positions (their seq_lens), its state in slots[n] [N] stepped through them in
-  // order, the state after each row but its last kept in steps[n] (gdn_verify); attention sees
-  // each row's earlier rows (attn_decode writes every row's K/V first). Returns (logits
-  // [B, vocab], final normed hidden [B, hidden]).
+  // Speculative verify (blocks whose mixers have a verify form: GDN without a beta scale, gated
+  // attention, Mamba2, GQA, and the two side by side): the B rows are N requests' few tokens
+  // each, request n's rows [starts[n], starts[n+1]) at consecutive positions (their seq_lens),
+  // its recurrent states in slots[n] [N] stepped through them in order, the states after each
+  // row but its last kept in steps[n] (gdn_verify, mamba2_verify); attention sees each row's
+  // earlier rows (gated attention: attn_decode writes every row's K/V first; GQA: with
+  // `extend`, the eager model's extend attention over the request's rows, else its decode
+  // attention with max_seq_len, as the eager model attends in a batch of that phase). Returns
+  // (logits [B, vocab], final normed hidden [B, hidden]).
   std::tuple<at::Tensor, at::Tensor> verify(
       at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_all, at::Tensor v_all,
       at::Tensor conv_state, at::Tensor ssm_state, at::Tensor slots, at::Tensor starts,
       at::Tensor steps, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor req_slots,
-      at::Tensor seq_lens) {
+      at::Tensor seq_lens, int64_t max_seq_len, bool extend) {
     TORCH_CHECK(starts.defined() && steps.defined(), "BlockStep.verify: starts and steps");
     for (const Block& l : blocks) {
-      TORCH_CHECK(l.mixer_kind == kGdn || l.mixer_kind == kGatedAttention,
-                  "BlockStep.verify: GDN and gated attention blocks only");
+      const int64_t k = l.mixer_kind;
+      TORCH_CHECK(k == kNoMixer || k == kGdn || k == kGatedAttention || k == kMamba2 ||
+                      k == kAttention || k == kParallel,
+                  "BlockStep.verify: a mixer kind without a verify form (", k, ")");
     }
     const Batch b{cos, sin, k_all, v_all, conv_state, ssm_state, slots, starts, steps, out_loc,
-                  req_to_token, req_slots, seq_lens, 0, bf16_products};
+                  req_to_token, req_slots, seq_lens, max_seq_len, bf16_products, extend};
     const at::Tensor h = run(x, b);
     return {hs::linear(h, lm_head, bf16_products), h};
   }

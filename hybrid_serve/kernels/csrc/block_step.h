@@ -105,6 +105,7 @@ struct Batch {
       req_to_token, req_slots, seq_lens;
   int64_t max_seq_len;  // 0: the largest seq_len
   bool bf16;
+  bool extend = false;  // verify: GQA attends as the eager extend (else as its decode)
 };
 
 // x * multiplier, as the families' `scaled` (no op at 1)
