@@ -1,6 +1,6 @@
 """Fidelity of the lossy CPU modes against fp32: `--dtype bfloat16` with exact products on the
 bf16 weights (`bfloat16`: bf16 matrices, fp32 everything else, `HYBRID_SERVE_BF16_PRODUCTS=off`),
-the same with bf16 products at batch (`bf16-products`: matrices at 16 rows or more multiply
+the same with the bf16 route (`bf16-products`: matrices at every row count multiply
 activations rounded to bf16, `HYBRID_SERVE_BF16_PRODUCTS=on`, on any CPU) and
 `--quantization int8|int4` (quantized matrices, loaded through bf16; their few bf16 matrices, the
 routers' gates, as the environment's `HYBRID_SERVE_BF16_PRODUCTS` says).

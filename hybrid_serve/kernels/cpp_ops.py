@@ -17,10 +17,11 @@ by rows.
   region.
 - `bf16_products=True` (keyword-only, on both): bf16 products at batch, which the set binds
   (`functools.partial`) where the CPU multiplies bf16 in hardware
-  (`kernels.kernel_set.bf16_products`): a bf16 matrix at `BF16_ROWS` rows or more multiplies the
-  activations rounded to bf16 in torch's bf16 product (oneDNN: AMX or avx512_bf16, fp32
-  accumulation), whose bf16 result is widened to fp32, i.e. `F.linear(x.bfloat16(), w).float()`
-  (+ bias in fp32). Fewer rows and other formats take the exact products. The choice by rows is
+  (`kernels.kernel_set.bf16_products`): a bf16 matrix at `BF16_ROWS` rows or more (every row
+  count) multiplies the activations rounded to bf16, each pair product exact, in fp32 sums, the
+  result rounded to bf16 and widened: `F.linear(x.bfloat16(), w).float()` (+ bias in fp32) up to
+  the sums' order (our GEMV up to 8 rows, our bf16 GEMM beyond; vdpbf16ps where the level has
+  it). Other formats take the exact products. The choice by rows is
   the C++ `hs::linear`'s, so the decode plan (`hybrid_serve.models.cpu_decode`) makes the same one.
 - `rms_norm`, `fused_add_rmsnorm`, `rms_norm_gated`: one pass per row (the gated norm rounds as
   the fused GDN decode's, so a prompt's prefill and its decode steps agree).
@@ -49,7 +50,7 @@ from hybrid_serve.kernels.causal_conv1d import PAD_SLOT_ID
 
 ops = torch.ops.hybrid_serve  # loaded before this set is chosen (hybrid_serve.kernels.cpp_build)
 ROUTED_MAX_ROWS = 256  # beyond, MKL's grouped GEMM (benchmarks/moe_experts.py)
-BF16_ROWS = 16  # hs::kBf16Rows (decode_ops.h): bf16 products from here, where the set has them
+BF16_ROWS = 1  # hs::kBf16Rows (decode_ops.h): the bf16 route at every row count, where on
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

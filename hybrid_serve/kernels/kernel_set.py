@@ -10,7 +10,7 @@ per call which implementation runs. `choose` builds one of three sets:
   (`hybrid_serve.kernels.fp8`); torch for the other dense products;
 - `cpp` (CPU tensors, fp32 activations, the C++ kernels built): the C++ kernels for every op
   that has one, and the fused decode blocks; with bf16 products at batch (`bf16_products`: bf16
-  matrices at 16 rows or more multiplied in bf16, `kernels.cpp_ops`) where the CPU multiplies
+  matrices multiplied in bf16 at every row count, `kernels.cpp_ops`) where the CPU multiplies
   bf16 in hardware, unless `KernelSettings.bf16_products` says otherwise;
 - `torch`: the pure-torch references, which call only references.
 
@@ -359,7 +359,7 @@ SCALAR_LEVEL = (
 def bf16_products(settings: KernelSettings) -> bool:
     """Whether the C++ set takes the bf16 route at batch: `KernelSettings.bf16_products` `on`,
     or `auto` on a CPU that multiplies bf16 in hardware (`cpu_levels.multiplies_bf16`: there
-    oneDNN's bf16 products outrun the widening fp32 GEMM from 16 rows: gemm_shapes.py)."""
+    the bf16 dots outrun the widening fp32 GEMV and GEMM: gemm_shapes.py)."""
     if settings.bf16_products == "auto":
         return cpu_levels.multiplies_bf16()
     return settings.bf16_products == "on"

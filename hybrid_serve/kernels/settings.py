@@ -8,8 +8,9 @@
   multi-weight GEMV, the Gated DeltaNet, Mamba2, attention and MoE decode blocks) on their
   compositions of the unfused kernels, so a benchmark can compare the fusions alone.
 - `HYBRID_SERVE_BF16_PRODUCTS`: bf16 matrices (`--dtype bfloat16`, and those the quantized
-  modes keep in bf16) at 16 rows or more multiply activations rounded to bf16 in torch's bf16
-  product (oneDNN, fp32 accumulation) instead of widening the weights to fp32: `auto` (the
+  modes keep in bf16) multiply activations rounded to bf16 in our bf16 products (exact pair
+  products, fp32 accumulation, the result rounded to bf16) instead of widening the weights to
+  fp32, at every row count: `auto` (the
   default) where the CPU multiplies bf16 in hardware (avx512_bf16 or AMX:
   `kernels.cpu_levels.multiplies_bf16`), `on` on any CPU (emulated where it has neither), `off`
   never (every product exact on the bf16 weights, as the fp32 mode's).

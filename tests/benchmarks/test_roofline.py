@@ -82,8 +82,9 @@ def test_expected_routed_experts_in_the_weights():
 def test_ceiling_kind_follows_the_products_by_rows():
     kind = roofline.ceiling_kind
     assert kind("float32", 1, "cpp", True) == "fp32_fma"
-    assert kind("bfloat16", 15, "cpp", True) == "fp32_fma"
+    assert kind("bfloat16", 1, "cpp", True) == "bf16_dot"  # the bf16 route at every row count
     assert kind("bfloat16", 16, "cpp", True) == "bf16_dot"
+    assert kind("bfloat16", 1, "cpp", False) == "fp32_fma"
     assert kind("bfloat16", 64, "cpp", False) == "fp32_fma"
     assert kind("int8", 8, "cpp", False) == "int8_dot"
     assert kind("int4", 64, "cpp", False) == "int8_dot"  # qgemm.h past the GEMV's rows

@@ -45,10 +45,15 @@ void probe_linear(int code, const float* x, const void* w, float* y, int64_t M, 
   });
 }
 
-// y [M, N] = bf16(x) [M, K] w [N, K]^T in the bf16 route's GEMM (bgemm.h).
+// y [M, N] = bf16(x) [M, K] w [N, K]^T in the bf16 route, as bf16_linear chooses: the GEMV's
+// `bgemv_rows` up to 8 rows (gemv.h), the GEMM beyond (bgemm.h).
 void probe_bf16_gemm(const float* x, const c10::BFloat16* w, float* y, int64_t M, int64_t N,
                      int64_t K) {
-  hs::bgemm::gemm_into(x, w, y, M, N, K);
+  if (M <= 8) {
+    hs::skinny_linear_into(x, w, y, M, N, K, true);
+  } else {
+    hs::bgemm::gemm_into(x, w, y, M, N, K);
+  }
 }
 
 float probe_quantize(const float* x, int64_t n, int8_t* q) { return hs::quantize_block(x, n, q); }

@@ -1,7 +1,9 @@
-"""bf16 products at batch (`bf16_products=True` on `kernels.cpp_ops.linear`, `linear_multi` and
+"""The bf16 route (`bf16_products=True` on `kernels.cpp_ops.linear`, `linear_multi` and
 `kernels.cpp_fused.sparse_moe`, the C++ `hs::linear`'s route): taken for bf16 matrices at
-`BF16_ROWS` rows or more and nowhere else, equal there to torch's own bf16 product of the
-activations rounded to bf16, and bit-identical to the exact products everywhere else. The ops
+`BF16_ROWS` rows or more (every row count) and nowhere else, equal there to torch's own bf16
+product of the activations rounded to bf16 (up to the order of the fp32 sums), and bit-identical
+to the exact products everywhere else. Up to `GEMV_ROWS` rows it is the GEMV's (`bgemv_rows`),
+beyond it the bf16 GEMM's (bgemm.h). The ops
 are called directly, so these run on any CPU (torch emulates bf16 products where the CPU has
 none); which CPUs get the route is tests/kernels/test_kernel_set.py's. Skips where the C++
 kernels cannot be built."""
@@ -20,7 +22,8 @@ from hybrid_serve.kernels.quant import quantize
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.kernels.test_moe_decode import moe_weights
 
-ROWS = (1, 8, 9, 15, 16, 17, 64, 300)  # the GEMV's, the tiled GEMM's, the route's from 16
+ROWS = (1, 3, 8, 9, 15, 16, 17, 64, 300)  # the GEMV's, then the GEMM's
+GEMV_ROWS = 8  # hs::kGemvRows: the route's GEMV up to here
 linear_bf16 = partial(cpp_ops.linear, bf16_products=True)  # as the kernel set binds it
 
 
@@ -42,8 +45,8 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=2**-8, atol=2**-8 * scale)
 
 
-def test_the_route_takes_bf16_matrices_from_16_rows() -> None:
-    assert cpp_ops.BF16_ROWS == 16
+def test_the_route_takes_bf16_matrices_at_every_row_count() -> None:
+    assert cpp_ops.BF16_ROWS == 1
     torch.manual_seed(0)
     w32 = torch.randn(70, 192) * 0.1  # K in int4's groups of 32
     for M in ROWS:
@@ -86,23 +89,21 @@ def test_linear_multi_routes_each_weight_as_linear(M) -> None:
     for y, w, b in zip(ys, weights, biases, strict=True):
         assert torch.equal(y, linear_bf16(x, w, b))
     exact = cpp_ops.linear_multi(x, weights, biases)
-    assert all(torch.equal(a, b) for a, b in zip(ys, exact, strict=True)) == (M < 16)
+    same = [torch.equal(a, b) for a, b in zip(ys, exact, strict=True)]
+    assert same == [w.dtype != torch.bfloat16 for w in weights]  # the route: bf16 weights only
 
 
-@pytest.mark.parametrize("T", [9, 15, 16, 64])
+@pytest.mark.parametrize("T", [1, 8, 9, 15, 16, 64])
 def test_fused_moe_routes_the_router_and_shared_expert(T) -> None:
-    """The fused MoE block at batch: from 16 tokens the router and the shared expert multiply
-    in bf16 (the reference block on `linear_bf16`'s products), below that it is the exact op's;
-    the routed experts stay exact."""
+    """The fused MoE block on the route: at every token count (its GEMV jobs up to 8 tokens,
+    `hs::linear` beyond) the router and the shared expert multiply in bf16 (the reference block
+    on `linear_bf16`'s products); the routed experts stay exact."""
     torch.manual_seed(T)
     E, k = 8, 2
     x = torch.randn(T, 128)
     weights = moe_weights(E, 128, 64, 48, torch.bfloat16)
     got = cpp_fused.sparse_moe(x, *weights, k, True, unfused=None, bf16_products=True)
     exact = cpp_fused.sparse_moe(x, *weights, k, True, unfused=None)
-    if T < 16:
-        assert torch.equal(got, exact)
-        return
     assert not torch.equal(got, exact)
     experts = partial(fused_experts, routed=cpp_ops.routed_experts)
     want = moe_step.sparse_moe(x, *weights, k, True, linear=linear_bf16, fused_experts=experts)
@@ -125,3 +126,28 @@ def test_bf16_gemm_sums_exact_pair_products(M, N, K) -> None:
     for lo in (0, 3, M - 9):
         part = torch.ops.hybrid_serve.bf16_linear(x[lo : lo + 9].contiguous(), w)
         assert torch.equal(part, got[lo : lo + 9]), lo
+
+
+@pytest.mark.parametrize("N, K", [(70, 192), (9, 33), (13, 255), (40, 64), (33, 1000), (5, 31)])
+def test_bf16_gemv_rows_do_not_depend_on_their_batch(N, K) -> None:
+    """The route's GEMV (`bf16_linear` up to 8 rows: vdpbf16ps where the level has it): rounded
+    to bf16 once, within one bf16 rounding of the float64 sum of the rounded activations' exact
+    products, at K off the vector chunks (odd, under one chunk, past whole ones); each row's
+    result is the same in every batch of 1 to 8 rows that holds it, and within one bf16
+    rounding of the same row in the GEMM's batches (the sums' order differs)."""
+    g = torch.Generator().manual_seed(N * K)
+    x, w = torch.randn(GEMV_ROWS, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+    full = torch.ops.hybrid_serve.bf16_linear(x, w)
+    assert torch.equal(full, full.bfloat16().float())
+    exact = x.bfloat16().double() @ w.double().T
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(full.double(), exact, rtol=2**-7, atol=2**-7 * scale)
+    for m in range(1, GEMV_ROWS + 1):
+        for lo in range(GEMV_ROWS - m + 1):
+            part = torch.ops.hybrid_serve.bf16_linear(x[lo : lo + m].contiguous(), w)
+            assert torch.equal(part, full[lo : lo + m]), (m, lo)
+    batch = torch.cat([x, torch.randn(GEMV_ROWS + 8, K, generator=g)])
+    gemm = torch.ops.hybrid_serve.bf16_linear(batch, w)[:GEMV_ROWS]
+    assert_bf16_close(full, gemm)
+    assert_bf16_close(full, bf16_product(x, w))
+    assert torch.equal(full, linear_bf16(x, w)) and torch.equal(full[:1], linear_bf16(x[:1], w))

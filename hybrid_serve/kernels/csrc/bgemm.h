@@ -1,4 +1,4 @@
-// The bf16 GEMM of the bf16 route (decode_ops.h's `bf16_linear`, from kBf16Rows rows on CPUs
+// The bf16 GEMM of the bf16 route (decode_ops.h's `bf16_linear`, beyond kGemvRows rows on CPUs
 // that multiply bf16 in hardware): y [M, N] = bf16(x) w^T for fp32 x [M, K] and a bf16 w [N, K],
 // x rounded to bf16 (nearest even), every product of two bf16 values exact in fp32, summed in
 // fp32, each output rounded to bf16 once and widened back to fp32: the contract torch's bf16

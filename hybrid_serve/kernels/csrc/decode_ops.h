@@ -26,7 +26,8 @@ at::Tensor rmsnorm_gated(const at::Tensor& x, const at::Tensor& z, const at::Ten
 constexpr int64_t kGemvRows = 8;
 // linear_ops.cpp, multi_linear.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
-std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights);
+std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights,
+                                            bool bf16_products = false);
 std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights,
                                      bool bf16_products);
 // linear_ops.cpp: tiled_linear; routed_experts.cpp: routed_experts_into writes y [T, H] for xs [T, H]
@@ -35,12 +36,14 @@ std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
                          const std::vector<int64_t>& counts, float* y);
-// bf16 products at batch: with `bf16_products` (chosen once, at load, for CPUs that multiply bf16
-// in hardware: kernels/kernel_set.py), a bf16 weight at kBf16Rows rows or more multiplies x
-// rounded to bf16 in our bf16 GEMM (bgemm.h: vdpbf16ps, fp32 accumulation, the weight read as it
-// lies), its result rounded to bf16 and widened to fp32 (linear_ops.cpp). Other formats, and
-// fewer rows, are unchanged.
-constexpr int64_t kBf16Rows = 16;
+// The bf16 route: with `bf16_products` (chosen once, at load, for CPUs that multiply bf16 in
+// hardware: kernels/kernel_set.py), a bf16 weight at kBf16Rows rows or more (every row count)
+// multiplies x rounded to bf16, each pair product exact, summed in fp32, each output rounded to
+// bf16 once and widened (`bf16_linear`, linear_ops.cpp: up to kGemvRows rows the GEMV's
+// `bgemv_rows`, gemv.h, beyond it our bf16 GEMM, bgemm.h; vdpbf16ps where the level has it). A
+// row's result depends on its batch only through that one choice (the two sum in different
+// orders: within one bf16 rounding of each other). Other formats are unchanged.
+constexpr int64_t kBf16Rows = 1;
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 // x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous) ->
 // y [M, N] fp32

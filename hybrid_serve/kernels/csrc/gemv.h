@@ -1,8 +1,10 @@
 // Weight-streaming GEMV / skinny GEMM on CPU: y[m, n] = sum_k x[m, k] w[n, k], fp32 activations,
 // fp32, bf16, int8 or int4-quantized weights (weights.h), fp32 accumulation; the quantized
-// weights multiply the activations rounded to int8 in integer dot products (qgemv.h). Shared by
-// the ops of every kernels/csrc/*.cpp file (`hs::skinny_linear_jobs`); `skinny_linear` in
-// linear_ops.cpp is its torch op (tensor_args.h: the tensor-side checks).
+// weights multiply the activations rounded to int8 in integer dot products (qgemv.h), and bf16
+// weights on the bf16 route (a job's `bf16_products`) the activations rounded to bf16 in bf16
+// pair dots (`bgemv_rows`: vdpbf16ps where the level has AVX512-BF16). Shared by the ops of
+// every kernels/csrc/*.cpp file (`hs::skinny_linear_jobs`); `skinny_linear` in linear_ops.cpp is
+// its torch op (tensor_args.h: the tensor-side checks).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -91,6 +93,77 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
   }
 }
 
+// The bf16 route's GEMV: y[m, n] = bf16(sum_k xb[m, k] w[n, k]) for M <= kBf16PassRows rows of
+// xb (x rounded to bf16, nearest even) and bf16 weight rows, read as they lie: 2 kLanes weights
+// are kLanes (k, k + 1) pairs, the order simd.h's `dot_pairs` takes (one vdpbf16ps at the levels
+// with AVX512-BF16, two FMAs on the exactly widened pairs elsewhere), so every product is exact
+// and the sums are fp32. Every row of xb is summed by the same operations whatever M: per chunk
+// of 4 kLanes weights an `a` and a `b` chain of pair dots; then one `a` step over a last chunk
+// of 2 kLanes; the chains added lane by lane and the lanes by `hsum`; then the rest of k in
+// order (FMAs of the exact products); the sum rounded to bf16 once (the contract of bgemm.h's
+// GEMM, which it shares: within one bf16 rounding of it, the sums' order aside). So a row's
+// result does not depend on how many rows share the pass, nor on M up to kGemvRows.
+constexpr int kBf16PassRows = simd::kLanes >= 16 ? 8 : 4;  // 2 chains a row; AVX2 has 16 registers
+
+template <int M>
+void bgemv_rows(const c10::BFloat16* xb, const c10::BFloat16* w, float* y, int64_t N, int64_t K,
+                int64_t n0, int64_t n1) {
+  static_assert(M >= 1 && M <= 8);  // (5-8 only run where kBf16PassRows is 8)
+  namespace v = simd;
+  constexpr int64_t C = 2 * v::kLanes;  // bf16 values per `bpairs`
+  for (int64_t n = n0; n < n1; ++n) {
+    const c10::BFloat16* wr = w + n * K;
+    v::vec a[M], b[M];
+    for (int m = 0; m < M; ++m) a[m] = b[m] = v::zero();
+    int64_t k = 0;
+    for (; k + 2 * C <= K; k += 2 * C) {
+      const char* ahead = reinterpret_cast<const char*>(wr + k) + kFetchAhead;
+      for (int64_t off = 0; off < 4 * C; off += 64) v::prefetch(ahead + off);
+      const v::bpairs w0 = v::load_pairs(wr + k), w1 = v::load_pairs(wr + k + C);
+      for (int m = 0; m < M; ++m) {
+        a[m] = v::dot_pairs(a[m], w0, v::load_pairs(xb + m * K + k));
+        b[m] = v::dot_pairs(b[m], w1, v::load_pairs(xb + m * K + k + C));
+      }
+    }
+    if (k + C <= K) {
+      const v::bpairs w0 = v::load_pairs(wr + k);
+      for (int m = 0; m < M; ++m) a[m] = v::dot_pairs(a[m], w0, v::load_pairs(xb + m * K + k));
+      k += C;
+    }
+    float sum[M];
+    for (int m = 0; m < M; ++m) sum[m] = v::hsum(v::add(a[m], b[m]));
+    for (; k < K; ++k) {
+      const float wk = float(wr[k]);
+      for (int m = 0; m < M; ++m) sum[m] = v::fma1(wk, float(xb[m * K + k]), sum[m]);
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = float(c10::BFloat16(sum[m]));  // nearest even
+  }
+}
+
+// Weight rows [n0, n1) of the bf16 route in blocks (`skinny_range`'s), each against the rows of
+// xb kBf16PassRows at a time.
+inline void bskinny_range(int64_t M, const c10::BFloat16* xb, const c10::BFloat16* w, float* y,
+                          int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t nb = block_rows(K, 2);
+  for (int64_t b0 = n0; b0 < n1; b0 += nb) {
+    const int64_t b1 = std::min(n1, b0 + nb);
+    for (int64_t m0 = 0; m0 < M; m0 += kBf16PassRows) {
+      const c10::BFloat16* xm = xb + m0 * K;
+      float* ym = y + m0 * N;
+      switch (std::min<int64_t>(kBf16PassRows, M - m0)) {
+        case 1: bgemv_rows<1>(xm, w, ym, N, K, b0, b1); break;
+        case 2: bgemv_rows<2>(xm, w, ym, N, K, b0, b1); break;
+        case 3: bgemv_rows<3>(xm, w, ym, N, K, b0, b1); break;
+        case 4: bgemv_rows<4>(xm, w, ym, N, K, b0, b1); break;
+        case 5: bgemv_rows<5>(xm, w, ym, N, K, b0, b1); break;
+        case 6: bgemv_rows<6>(xm, w, ym, N, K, b0, b1); break;
+        case 7: bgemv_rows<7>(xm, w, ym, N, K, b0, b1); break;
+        default: bgemv_rows<8>(xm, w, ym, N, K, b0, b1); break;
+      }
+    }
+  }
+}
+
 template <typename W>
 void gemv_dispatch(int64_t M, const float* x, const W* w, float* y, int64_t N, int64_t K,
                    int64_t n0, int64_t n1) {
@@ -117,14 +190,35 @@ void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, in
 }
 
 // One product y [M, N] = x [M, K] w [N, K]^T of a batch run in one parallel region; w holds
-// fp32, bf16, int8 or int4 rows (`dtype`), all contiguous.
+// fp32, bf16, int8 or int4 rows (`dtype`), all contiguous. `bf16_products`: a bf16 w takes the
+// bf16 route (`bgemv_rows`: x rounded to bf16, the result rounded to bf16); other weights ignore
+// it.
 struct GemvJob {
   const float* x;
   const void* w;
   c10::ScalarType dtype;
   float* y;
   int64_t M, N, K;
+  bool bf16_products = false;
 };
+
+// How a job's activations are prepared (once per distinct x and kind): as they are, rounded to
+// int8 (`quantize_rows`), staged in `load_w2`'s order (`stage_pairs`), or rounded to bf16.
+enum class Acts { kPlain, kInt8, kStaged, kBf16 };
+
+inline Acts acts_kind(const GemvJob& g) {
+  if (quantized(g.dtype)) return Acts::kInt8;
+  if (g.dtype != c10::kBFloat16) return Acts::kPlain;
+  if (g.bf16_products) return Acts::kBf16;
+  return kStaged<c10::BFloat16> ? Acts::kStaged : Acts::kPlain;
+}
+
+// x [M, K] rounded to bf16 (nearest even).
+inline std::vector<c10::BFloat16> round_bf16(const float* x, int64_t M, int64_t K) {
+  std::vector<c10::BFloat16> out(M * K);
+  for (int64_t i = 0; i < M * K; ++i) out[i] = c10::BFloat16(x[i]);
+  return out;
+}
 
 // Weight rows per block of a job (`skinny_range`'s and `qskinny_range`'s).
 inline int64_t job_block_rows(const GemvJob& g) {
@@ -136,30 +230,33 @@ inline int64_t job_block_rows(const GemvJob& g) {
 // Every job's weight rows in blocks of about 16 KB (`skinny_range`'s), all blocks split between
 // the threads in one parallel region: a layer's several small matrices cost one fork/join, and
 // each thread streams one long run of memory. Each output element is computed exactly as by a
-// job alone (the same `gemv_rows`), whatever the batch of jobs. The activations are prepared
-// first, once per distinct x: rounded to int8 for the jobs with quantized weights
-// (`quantize_rows`), staged for those with bf16 weights (`stage_pairs`). Nested inside another
+// job alone (the same `gemv_rows` / `bgemv_rows`), whatever the batch of jobs. The activations
+// are prepared first, once per distinct x and kind (`acts_kind`). Nested inside another
 // at::parallel_for it runs on the calling thread.
 inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
-  std::vector<int64_t> first(n_jobs + 1, 0);  // job j holds blocks [first[j], first[j + 1])
-  std::vector<QuantActs> acts;                 // the distinct rounded activations
-  std::vector<std::vector<float>> staged;      // the distinct staged activations
-  std::vector<int64_t> act_of(n_jobs, -1);     // job j's entry in acts or in staged
+  std::vector<int64_t> first(n_jobs + 1, 0);       // job j holds blocks [first[j], first[j + 1])
+  std::vector<QuantActs> acts;                      // the distinct rounded-to-int8 activations
+  std::vector<std::vector<float>> staged;           // the distinct staged activations
+  std::vector<std::vector<c10::BFloat16>> rounded;  // the distinct rounded-to-bf16 activations
+  std::vector<int64_t> act_of(n_jobs, -1);          // job j's entry in acts, staged or rounded
   auto same_x = [&](int64_t i, int64_t j) {
     return jobs[i].x == jobs[j].x && jobs[i].M == jobs[j].M && jobs[i].K == jobs[j].K;
   };
   for (int64_t j = 0; j < n_jobs; ++j) {
     const GemvJob& g = jobs[j];
-    const bool q = quantized(g.dtype), s = kStaged<c10::BFloat16> && g.dtype == c10::kBFloat16;
-    if ((q || s) && g.M > 0) {
+    const Acts kind = acts_kind(g);
+    if (kind != Acts::kPlain && g.M > 0) {
       for (int64_t i = 0; i < j && act_of[j] < 0; ++i)
-        if (act_of[i] >= 0 && quantized(jobs[i].dtype) == q && same_x(i, j)) act_of[j] = act_of[i];
-      if (act_of[j] < 0 && q) {
+        if (act_of[i] >= 0 && acts_kind(jobs[i]) == kind && same_x(i, j)) act_of[j] = act_of[i];
+      if (act_of[j] < 0 && kind == Acts::kInt8) {
         act_of[j] = static_cast<int64_t>(acts.size());
         quantize_rows(g.x, g.M, g.K, acts.emplace_back());
-      } else if (act_of[j] < 0) {
+      } else if (act_of[j] < 0 && kind == Acts::kStaged) {
         act_of[j] = static_cast<int64_t>(staged.size());
         stage_pairs(g.x, g.M, g.K, staged.emplace_back(g.M * g.K).data());
+      } else if (act_of[j] < 0) {
+        act_of[j] = static_cast<int64_t>(rounded.size());
+        rounded.push_back(round_bf16(g.x, g.M, g.K));
       }
     }
     const int64_t nb = job_block_rows(g);
@@ -177,8 +274,14 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
         using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
         if constexpr (std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>) {
           qskinny_range(g.M, acts[act_of[j]], w, g.y, g.N, n0, n1);
-        } else if constexpr (kStaged<W>) {
-          skinny_range(g.M, staged[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);
+        } else if constexpr (std::is_same_v<W, c10::BFloat16>) {
+          if (g.bf16_products) {
+            bskinny_range(g.M, rounded[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);
+          } else if constexpr (kStaged<W>) {
+            skinny_range(g.M, staged[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);
+          } else {
+            skinny_range(g.M, g.x, w, g.y, g.N, g.K, n0, n1);
+          }
         } else {
           skinny_range(g.M, g.x, w, g.y, g.N, g.K, n0, n1);
         }
@@ -189,8 +292,9 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
 
 // y [M, N] = x [M, K] w [N, K]^T, all contiguous (one job of the above).
 template <typename W>
-void skinny_linear_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const GemvJob job{x, w, c10::CppTypeToScalarType<W>::value, y, M, N, K};
+void skinny_linear_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K,
+                        bool bf16_products = false) {
+  const GemvJob job{x, w, c10::CppTypeToScalarType<W>::value, y, M, N, K, bf16_products};
   skinny_linear_jobs(&job, 1);
 }
 

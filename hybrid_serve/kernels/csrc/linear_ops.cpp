@@ -32,8 +32,8 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
 
 // x rounded to bf16 (nearest even) times a bf16 w, each product exact, accumulated in fp32 and
 // rounded to bf16 once per output, then widened: F.linear(x.bfloat16(), w).float() up to the
-// order of the fp32 sums, in our own GEMM (bgemm.h: vdpbf16ps where the level has it), which
-// reads the weight as it lies.
+// order of the fp32 sums. Up to kGemvRows rows the GEMV (gemv.h's `bgemv_rows`), beyond it our
+// GEMM (bgemm.h), both reading the weight as it lies (vdpbf16ps where the level has it).
 at::Tensor bf16_linear(const at::Tensor& x_, const at::Tensor& w_) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kBFloat16,
               "bf16_linear: fp32 activations and bf16 weights expected");
@@ -41,8 +41,12 @@ at::Tensor bf16_linear(const at::Tensor& x_, const at::Tensor& w_) {
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
-  bgemm::gemm_into(x.data_ptr<float>(), reinterpret_cast<const c10::BFloat16*>(w.data_ptr()),
-                   y.data_ptr<float>(), M, N, K);
+  const auto* wp = reinterpret_cast<const c10::BFloat16*>(w.data_ptr());
+  if (M <= kGemvRows) {
+    skinny_linear_into(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K, true);
+  } else {
+    bgemm::gemm_into(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K);
+  }
   return y;
 }
 

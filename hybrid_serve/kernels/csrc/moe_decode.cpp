@@ -2,9 +2,10 @@
 // the sigmoid-gated shared expert and the combine. Reference and contract: kernels/moe_step.py.
 // Up to hs::kGemvRows tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
 // experts' products in two parallel regions (input projections, then down projections); beyond,
-// the products are hs::linear's (the tiled GEMM at these sizes; with `bf16_products`, bf16 router
-// and shared-expert matrices from hs::kBf16Rows tokens in torch's bf16 product: decode_ops.h) and
-// all experts run in one `routed_experts_into` (routed_experts.cpp). fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
+// the products are hs::linear's (the tiled GEMM at these sizes) and all experts run in one
+// `routed_experts_into` (routed_experts.cpp). With `bf16_products`, bf16 router and shared-expert
+// matrices take the bf16 route at every size, as hs::linear does (decode_ops.h; the GEMV's jobs
+// with `bf16_products`); the routed experts stay exact. fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
 // activations and accumulation.
 //
 // The element-wise functions (softmax, silu, sigmoid) are torch's own kernels on the same
@@ -29,8 +30,9 @@ namespace {
 
 // y [M, N] = x [M, K] w [N, K]^T for a weight of any dtype (w may be a slice of a stack).
 void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
-                 int64_t M) {
-  const hs::GemvJob job = hs::job_of(x, w, y, M, offset_rows, N);
+                 int64_t M, bool bf16_products) {
+  hs::GemvJob job = hs::job_of(x, w, y, M, offset_rows, N);
+  job.bf16_products = bf16_products;
   hs::skinny_linear_jobs(&job, 1);
 }
 
@@ -88,7 +90,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   at::Tensor logits;
   if (gemv) {
     logits = at::empty({T, E}, x.options());
-    linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T);
+    linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T, bf16_products);
   } else {
     logits = hs::linear(x, router_w, bf16_products);
   }
@@ -136,9 +138,11 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
                                   gu.data() + start[e] * 2 * I, n, e * 2 * I, 2 * I));
       }
     }
+    const size_t shared = jobs.size();
     jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T));
     jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data_ptr<float>(), T));
     jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data_ptr<float>(), T));
+    for (size_t j = shared; j < jobs.size(); ++j) jobs[j].bf16_products = bf16_products;
     hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
     const at::Tensor act = swiglu(gu.data(), N, I, x.options());  // every row: one call
     const at::Tensor sact = at::silu(sgate).mul_(sup);
@@ -151,6 +155,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
       }
     }
     jobs.push_back(hs::job_of(sact.data_ptr<float>(), shared_down, sy.data_ptr<float>(), T));
+    jobs.back().bf16_products = bf16_products;
     hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   } else {
     std::vector<int64_t> counts(E);

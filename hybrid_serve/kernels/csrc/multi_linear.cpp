@@ -1,7 +1,7 @@
 // Several projections of one input in one op: y_i = x w_i^T, fp32 activations, fp32, bf16, int8
 // or int4 weights (gemv.h). Up to hs::kGemvRows rows the weight-streaming GEMV for all weights in
-// one parallel region (hs::skinny_linear_jobs); beyond, hs::linear per weight (with
-// `bf16_products`, bf16 weights from hs::kBf16Rows rows in torch's bf16 product: decode_ops.h).
+// one parallel region (hs::skinny_linear_jobs); beyond, hs::linear per weight. With
+// `bf16_products`, bf16 weights take the bf16 route at every size, as hs::linear's (decode_ops.h).
 // Reference and contract: kernels/multi_linear.py.
 
 #include <ATen/ATen.h>
@@ -16,7 +16,8 @@
 
 namespace hs {
 
-std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights) {
+std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights,
+                                            bool bf16_products) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "skinny_linear_multi: x [M, K] contiguous fp32 expected");
   const int64_t M = x.size(0), K = x.size(1);
@@ -29,6 +30,7 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
                 "skinny_linear_multi: contiguous [N, K] weights expected");
     out.push_back(at::empty({M, w.size(0)}, x.options()));
     jobs.push_back(hs::job_of(x.data_ptr<float>(), w, out.back().data_ptr<float>(), M));
+    jobs.back().bf16_products = bf16_products;
   }
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));  // one region
   return out;
@@ -36,7 +38,7 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
 
 std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights,
                                      bool bf16_products) {
-  if (x.size(0) <= kGemvRows) return skinny_linear_multi(x, weights);
+  if (x.size(0) <= kGemvRows) return skinny_linear_multi(x, weights, bf16_products);
   std::vector<at::Tensor> out;
   for (const at::Tensor& w : weights) out.push_back(hs::linear(x, w, bf16_products));
   return out;
@@ -50,6 +52,8 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
-  m.impl("skinny_linear_multi", &hs::skinny_linear_multi);
+  m.impl("skinny_linear_multi", [](const at::Tensor& x, at::TensorList weights) {
+    return hs::skinny_linear_multi(x, weights);
+  });
   m.impl("linear_multi", &hs::linear_multi);
 }
