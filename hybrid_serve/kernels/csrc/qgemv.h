@@ -40,10 +40,9 @@ constexpr int64_t kActBlock = 32;
 inline int64_t act_blocks(int64_t K) { return (K + kActBlock - 1) / kActBlock; }
 
 // Rows of activations rounded to int8: q [M, K] (row stride K), d [M, act_blocks(K)] and each
-// block's sum of q (sums, alike); tq [M, act_blocks(K), simd::kTileActs]: each whole block as
-// the tile dots take it (`simd::tile_acts`).
+// block's sum of q (sums, alike).
 struct QuantActs {
-  std::vector<int8_t> q, tq;
+  std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sums;
   int64_t K = 0, blocks = 0;
@@ -66,14 +65,11 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantActs& out) 
   out.q.resize(M * K);
   out.d.resize(M * out.blocks);
   out.sums.resize(M * out.blocks);
-  out.tq.resize(M * out.blocks * simd::kTileActs);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < out.blocks; ++b) {
       const int64_t k0 = b * kActBlock, n = std::min(kActBlock, K - k0);
       int8_t* q = out.q.data() + m * K + k0;
       out.d[m * out.blocks + b] = quantize_block(x + m * K + k0, n, q);
-      int8_t* tq = out.tq.data() + (m * out.blocks + b) * simd::kTileActs;
-      if (n == kActBlock) simd::tile_acts(q, tq);
       int32_t sum = 0;
       for (int64_t i = 0; i < n; ++i) sum += q[i];
       out.sums[m * out.blocks + b] = sum;
@@ -109,7 +105,6 @@ void qgemv_tiles_q8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, 
   const int64_t K = xa.K, B = xa.blocks, full = K / kActBlock, t = K - full * kActBlock;
   const int64_t S = row_stride<int8_t>(K);
   const int8_t* q = xa.q.data() + m0 * K;
-  const int8_t* tq = xa.tq.data() + m0 * B * simd::kTileActs;
   const float* d = xa.d.data() + m0 * B;
   const int32_t* sums = xa.sums.data() + m0 * B;
   for (int64_t n = n0; n < n1; n += kTile) {
@@ -121,8 +116,7 @@ void qgemv_tiles_q8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, 
       for (int64_t i = 0; i < kQ8Block; i += 64) simd::prefetch(blk + kFetchAhead + i);
       const simd::q8x8 wq = simd::q8x8_load(blk);
       for (int m = 0; m < M; ++m) {
-        const int8_t* a = tq + (m * B + b) * simd::kTileActs;
-        const simd::i32x8 dot = simd::q8x8_dot(wq, sums[m * B + b], a);
+        const simd::i32x8 dot = simd::q8x8_dot(wq, sums[m * B + b], q + m * K + b * kActBlock);
         acc[m] = simd::fma(simd::to_float(dot), simd::bcast8(d[m * B + b]), acc[m]);
       }
     }
@@ -168,7 +162,7 @@ void qgemv_tiles_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y,
                     int64_t n0, int64_t n1) {
   static_assert(kQ4Group == kActBlock, "an int4 group is one activation block");
   const int64_t K = xa.K, G = xa.blocks, S = row_stride<uint8_t>(K);
-  const int8_t* tq = xa.tq.data() + m0 * G * simd::kTileActs;
+  const int8_t* q = xa.q.data() + m0 * K;
   const float* d = xa.d.data() + m0 * G;
   const int32_t* sums = xa.sums.data() + m0 * G;
   for (int64_t n = n0; n < n1; n += kTile) {
@@ -181,8 +175,7 @@ void qgemv_tiles_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y,
       const simd::q4x8 wq = simd::q4x8_unpack(blk);
       const simd::f8 ws = simd::load8_bf16(reinterpret_cast<const c10::BFloat16*>(blk + 128));
       for (int m = 0; m < M; ++m) {
-        const int8_t* a = tq + (m * G + g) * simd::kTileActs;
-        const simd::i32x8 dot = simd::q4x8_dot(wq, -8 * sums[m * G + g], a);
+        const simd::i32x8 dot = simd::q4x8_dot(wq, -8 * sums[m * G + g], q + m * K + g * kActBlock);
         acc[m] = simd::fma(simd::to_float(dot), simd::mul(ws, simd::bcast8(d[m * G + g])), acc[m]);
       }
     }

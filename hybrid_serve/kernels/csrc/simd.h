@@ -34,11 +34,8 @@
 //   j, i of that byte times the activation q[4 j + i]; `sum` is the 32 activations' sum, which
 //   the VNNI bodies need: they offset the weights by 128 to make them unsigned for vpdpbusd and
 //   start the lanes at -128 sum; AVX2 maddubs with the signs moved to the activations, NEON
-//   sdot, or the scalar body: the same integers). Both dots take a block's activations as
-//   `tile_acts` lays them out (kTileActs bytes): the 32 bytes as they are, except with
-//   AVX512-VNNI, where both dots take a block in 512-bit registers, two quads of the 8 rows
-//   per register, against the activation quads 2h and 2h + 1 spread over the register's two
-//   halves (256 bytes, made once per row of x rather than once per tile).
+//   sdot, or the scalar body: the same integers). With AVX512-VNNI both dots take a block in
+//   512-bit registers, two quads of the 8 rows per register.
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
 //   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
@@ -394,11 +391,6 @@ inline bvec nib_hi(bvec a) { return ref::nib_hi(a); }
 #endif
 
 namespace hs::simd {
-
-#if !defined(HS_VNNI_EVEX)  // (simd_x86.h has the 512-bit layout)
-constexpr int64_t kTileActs = 32;
-inline void tile_acts(const int8_t* q, int8_t* out) { std::memcpy(out, q, 32); }
-#endif
 
 #if !defined(HS_BF16)  // (simd_x86.h has them in vdpbf16ps's form)
 struct bpairs {

@@ -70,8 +70,8 @@ inline __m256i bcast_quad(const int8_t* q) {
 // int8 and int4 tiles in 512-bit registers: register h holds quads 2h and 2h + 1 of the 8 rows
 // (an int8 tile's bytes [64 h, 64 h + 64) plus 128; an int4 tile's nibbles: h < 2 the low ones
 // of bytes [64 h, 64 h + 64), h >= 2 the high ones of bytes [64 (h - 2), ...)), against the
-// activation quads 2h (lanes 0-7) and 2h + 1 (lanes 8-15) (`tile_acts`: one permutation of the
-// block's 32 bytes each, made once per row of x); lanes r and r + 8 added last.
+// activation quads 2h (lanes 0-7) and 2h + 1 (lanes 8-15), one permutation of the block's 32
+// bytes each; lanes r and r + 8 added last.
 struct q8x8 {
   __m512i pair[4];
 };
@@ -92,18 +92,14 @@ inline q4x8 q4x8_unpack(const uint8_t* p) {
   }
   return r;
 }
-constexpr int64_t kTileActs = 256;
-inline void tile_acts(const int8_t* q, int8_t* out) {
+inline i32x8 pairs_dot(const q8x8& w, int32_t c, const int8_t* q) {
   const __m512i a =
       _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  for (int h = 0; h < 4; ++h) {
+  const auto quads = [&](int h) {
     const __m512i idx =
         _mm512_inserti64x4(_mm512_set1_epi32(2 * h), _mm256_set1_epi32(2 * h + 1), 1);
-    _mm512_storeu_si512(out + 64 * h, _mm512_permutexvar_epi32(idx, a));
-  }
-}
-inline i32x8 pairs_dot(const q8x8& w, int32_t c, const int8_t* q) {
-  const auto quads = [&](int h) { return _mm512_loadu_si512(q + 64 * h); };
+    return _mm512_permutexvar_epi32(idx, a);
+  };
   __m512i s0 = _mm512_maskz_set1_epi32(0x00FF, c), s1 = _mm512_setzero_si512();
   s0 = _mm512_dpbusd_epi32(s0, w.pair[0], quads(0));
   s1 = _mm512_dpbusd_epi32(s1, w.pair[1], quads(1));
