@@ -66,56 +66,11 @@ inline __m256i bcast_quad(const int8_t* q) {
   std::memcpy(&bits, q, sizeof bits);
   return _mm256_set1_epi32(bits);
 }
-#if defined(HS_VNNI_EVEX)
-// int8 and int4 tiles in 512-bit registers: register h holds quads 2h and 2h + 1 of the 8 rows
-// (an int8 tile's bytes [64 h, 64 h + 64) plus 128; an int4 tile's nibbles: h < 2 the low ones
-// of bytes [64 h, 64 h + 64), h >= 2 the high ones of bytes [64 (h - 2), ...)), against the
-// activation quads 2h (lanes 0-7) and 2h + 1 (lanes 8-15), one permutation of the block's 32
-// bytes each; lanes r and r + 8 added last.
-struct q8x8 {
-  __m512i pair[4];
-};
-using q4x8 = q8x8;
-inline q8x8 q8x8_load(const int8_t* p) {
-  const __m512i m = _mm512_set1_epi8(int8_t(0x80));
-  q8x8 r;
-  for (int h = 0; h < 4; ++h) r.pair[h] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * h), m);
-  return r;
-}
-inline q4x8 q4x8_unpack(const uint8_t* p) {
-  const __m512i m = _mm512_set1_epi8(0x0F);
-  q4x8 r;
-  for (int h = 0; h < 2; ++h) {
-    const __m512i b = _mm512_loadu_si512(p + 64 * h);
-    r.pair[h] = _mm512_and_si512(b, m);
-    r.pair[h + 2] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
-  }
-  return r;
-}
-inline i32x8 pairs_dot(const q8x8& w, int32_t c, const int8_t* q) {
-  const __m512i a =
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  const auto quads = [&](int h) {
-    const __m512i idx =
-        _mm512_inserti64x4(_mm512_set1_epi32(2 * h), _mm256_set1_epi32(2 * h + 1), 1);
-    return _mm512_permutexvar_epi32(idx, a);
-  };
-  __m512i s0 = _mm512_maskz_set1_epi32(0x00FF, c), s1 = _mm512_setzero_si512();
-  s0 = _mm512_dpbusd_epi32(s0, w.pair[0], quads(0));
-  s1 = _mm512_dpbusd_epi32(s1, w.pair[1], quads(1));
-  s0 = _mm512_dpbusd_epi32(s0, w.pair[2], quads(2));
-  s1 = _mm512_dpbusd_epi32(s1, w.pair[3], quads(3));
-  const __m512i s = _mm512_add_epi32(s0, s1);
-  return {_mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1))};
-}
-inline i32x8 q8x8_dot(const q8x8& w, int32_t sum, const int8_t* q) {
-  return pairs_dot(w, -128 * sum, q);
-}
-inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) { return pairs_dot(w, c, q); }
-#else
 // int4 tiles: each quad of activations broadcast (a load) against 8 rows' nibbles of it. With
 // VNNI one vpdpbusd per quad; with AVX2 the quads' maddubs pairs summed in int16 (8 quads of
-// 15 x 127 pairs: at most 30480, no saturation) and widened once.
+// 15 x 127 pairs: at most 30480, no saturation) and widened once. (A 512-bit body, two quads
+// per register against a permutation of the activations, ran no faster on Zen 4 at one row and
+// slower at four: 256-bit here at every level.)
 struct q4x8 {
   __m256i quad[8];
 };
@@ -129,12 +84,19 @@ inline q4x8 q4x8_unpack(const uint8_t* p) {
   }
   return r;
 }
+inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+#if defined(HS_VNNI_EVEX)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
 inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
-#if defined(HS_VNNI_VEX)
+#if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)
   __m256i a = _mm256_set1_epi32(c), b = _mm256_setzero_si256();
   for (int j = 0; j < 8; j += 2) {
-    a = _mm256_dpbusd_avx_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
-    b = _mm256_dpbusd_avx_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
+    a = dpbusd8(a, w.quad[j], bcast_quad(q + 4 * j));
+    b = dpbusd8(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
   }
   return {_mm256_add_epi32(a, b)};
 #else
@@ -144,6 +106,37 @@ inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
   return {_mm256_add_epi32(_mm256_set1_epi32(c), _mm256_madd_epi16(s, _mm256_set1_epi16(1)))};
 #endif
 }
+#if defined(HS_VNNI_EVEX)
+// int8 tiles in 512-bit registers: register h holds quads 2h and 2h + 1 of the 8 rows (the
+// tile's bytes [64 h, 64 h + 64) plus 128, unsigned) against the activation quads 2h (lanes
+// 0-7) and 2h + 1 (lanes 8-15), one permutation of the block's 32 bytes each, the lanes started
+// at -128 sum; lanes r and r + 8 added last.
+struct q8x8 {
+  __m512i pair[4];
+};
+inline q8x8 q8x8_load(const int8_t* p) {
+  const __m512i m = _mm512_set1_epi8(int8_t(0x80));
+  q8x8 r;
+  for (int h = 0; h < 4; ++h) r.pair[h] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * h), m);
+  return r;
+}
+inline i32x8 q8x8_dot(const q8x8& w, int32_t sum, const int8_t* q) {
+  const __m512i a =
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const auto quads = [&](int h) {
+    const __m512i idx =
+        _mm512_inserti64x4(_mm512_set1_epi32(2 * h), _mm256_set1_epi32(2 * h + 1), 1);
+    return _mm512_permutexvar_epi32(idx, a);
+  };
+  __m512i s0 = _mm512_maskz_set1_epi32(0x00FF, -128 * sum), s1 = _mm512_setzero_si512();
+  s0 = _mm512_dpbusd_epi32(s0, w.pair[0], quads(0));
+  s1 = _mm512_dpbusd_epi32(s1, w.pair[1], quads(1));
+  s0 = _mm512_dpbusd_epi32(s0, w.pair[2], quads(2));
+  s1 = _mm512_dpbusd_epi32(s1, w.pair[3], quads(3));
+  const __m512i s = _mm512_add_epi32(s0, s1);
+  return {_mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1))};
+}
+#else
 // int8 tiles: with AVX-VNNI the bytes plus 128 (unsigned) against each broadcast quad, the
 // lanes started at -128 sum; with AVX2 maddubs of |w| and the quad given w's signs (|w| and
 // |q| <= 127: a pair at most 32258, no saturation), widened to int32 per quad.
