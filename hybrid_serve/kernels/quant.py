@@ -7,10 +7,17 @@ expert like any stack.
 
 The formats' table (storage dtype, row layout, devices) is `hybrid_serve.kernels.weight_formats`.
 
-int8 (torch.int8): symmetric, one scale per output row. w [..., N, K] is stored as [..., N, K + 4]:
-row n holds q[n, 0..K) then the 4 bytes of its fp32 scale (native byte order), with
+int8 (torch.int8): symmetric, one scale per output row. w [..., N, K] is stored as [..., N, K + 4],
+with
 
     scale[n] = max_k |w[n, k]| / 127   (1 for an all-zero row),   q = round(w / scale)
+
+In row order, row n holds q[n, 0..K) then the 4 bytes of its fp32 scale (native byte order)
+(`q8_rows`). As stored, the same bytes are laid out for the products once, here, as int4's are:
+rows in tiles of TILE = 8, a tile's block b of ACT_BLOCK columns 256 bytes (the 8 rows' values
+interleaved by quads of 4, what one VNNI dot against a broadcast quad of activations takes),
+then the tile's last K % 32 columns row by row, then its 8 scales; the rows past the last whole
+tile stay in row order (kernels/csrc/weights.h holds the byte map).
 
 int4 (torch.uint8): symmetric, one bf16 scale per group of 32 along K (K a multiple of 32), the
 4.5 bits per weight of llama.cpp's Q4_0 and its rule: a group's scale is d = -p / 8 for p its
@@ -51,7 +58,7 @@ from hybrid_serve.kernels.weight_formats import (
 )
 
 QMAX = 127
-TILE = 8  # int4 rows per interleaved tile (weights.h's kQ4Tile)
+TILE = 8  # int8 and int4 rows per interleaved tile (weights.h's kTile)
 ACT_BLOCK = 32  # activations per int8 scale in a quantized matrix's products
 METHODS = QUANTIZATION_METHODS  # int8, int4 (hybrid_serve.kernels.weight_formats)
 CPP_DTYPES = tuple(getattr(torch, f.dtype) for f in FORMATS if f.cpp)  # what the C++ reads
@@ -93,7 +100,36 @@ def quantize_int8(w: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Te
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(wf / scale).clamp_(-QMAX, QMAX).to(torch.int8)
     tail = scale.contiguous().view(torch.int8)  # [..., N, 4]: the fp32 scale's bytes
-    return torch.cat([q, tail], dim=-1).contiguous()
+    return _tiled8(torch.cat([q, tail], dim=-1))
+
+
+def _tiled8(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 matrix in row order [..., N, K + 4] -> as stored (the module docstring)."""
+    *lead, n, width = rows.shape
+    k, t, d = width - SCALE_BYTES, n // TILE, len(lead)
+    g, k32 = k // ACT_BLOCK, k // ACT_BLOCK * ACT_BLOCK
+    head = rows[..., : t * TILE, :].reshape(*lead, t, TILE, width)
+    q = head[..., :k32].reshape(*lead, t, TILE, g, 8, 4)  # [.., tile, row, block, quad, 4]
+    q = q.permute(*range(d), d, d + 2, d + 3, d + 1, d + 4).reshape(*lead, t, 8 * k32)
+    rest = head[..., k32:k].reshape(*lead, t, TILE * (k - k32))  # the short block, row by row
+    sc = head[..., k:].reshape(*lead, t, TILE * SCALE_BYTES)
+    tiles = torch.cat([q, rest, sc], dim=-1).reshape(*lead, t * TILE, width)
+    return torch.cat([tiles, rows[..., t * TILE :, :]], dim=-2).contiguous()
+
+
+def q8_rows(w: torch.Tensor) -> torch.Tensor:
+    """A stored int8 matrix [..., N, K + 4] in row order: each row's K values then its fp32
+    scale's bytes (the inverse of the tiling `quantize_int8` does)."""
+    *lead, n, width = w.shape
+    k, t, d = width - SCALE_BYTES, n // TILE, len(lead)
+    g, k32 = k // ACT_BLOCK, k // ACT_BLOCK * ACT_BLOCK
+    head = w[..., : t * TILE, :].reshape(*lead, t, TILE * width)
+    q = head[..., : 8 * k32].reshape(*lead, t, g, 8, TILE, 4)  # [.., tile, block, quad, row, 4]
+    q = q.permute(*range(d), d, d + 3, d + 1, d + 2, d + 4).reshape(*lead, t, TILE, k32)
+    rest = head[..., 8 * k32 : 8 * k].reshape(*lead, t, TILE, k - k32)
+    sc = head[..., 8 * k :].reshape(*lead, t, TILE, SCALE_BYTES)
+    rows = torch.cat([q, rest, sc], dim=-1).reshape(*lead, t * TILE, width)
+    return torch.cat([rows, w[..., t * TILE :, :]], dim=-2)
 
 
 def quantize_int4(w: torch.Tensor) -> torch.Tensor:
@@ -144,7 +180,7 @@ def scales(w: torch.Tensor) -> torch.Tensor:
     """The fp32 scales of a quantized matrix: [..., N] (int8) or [..., N, K / GROUP] (int4)."""
     if w.dtype == torch.uint8:
         return q4_rows(w)[..., in_features(w) // 2 :].contiguous().view(torch.bfloat16).float()
-    return w[..., -SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
+    return q8_rows(w)[..., -SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
 
 
 def dequantize(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -155,7 +191,7 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
         nib = q4_rows(w)[..., : k // 2].reshape(*lead, n, k // GROUP, GROUP // 2)
         q = torch.cat([nib & 15, nib >> 4], dim=-1).float() - 8  # [..., N, K/32, 32]
         return (q * scales(w).unsqueeze(-1)).reshape(*lead, n, k).to(dtype)
-    q = w[..., :-SCALE_BYTES].float()
+    q = q8_rows(w)[..., :-SCALE_BYTES].float()
     return (q * scales(w).unsqueeze(-1)).to(dtype)
 
 

@@ -8,7 +8,8 @@ kernels read it (kernels/csrc/weights.h holds the same layout: tests/kernels/tes
 checks the two agree) and which devices serve it.
 
 - float32, bfloat16: plain values.
-- int8 (torch.int8): a row of K values then its fp32 scale's 4 bytes (`hybrid_serve.kernels.quant`).
+- int8 (torch.int8): a row of K values then its fp32 scale's 4 bytes, the rows interleaved in
+  tiles of 8 for the products (`hybrid_serve.kernels.quant`).
 - int4 (torch.uint8): K/2 bytes of nibbles in groups of 32, then K/32 bf16 scales per row,
   the rows interleaved in tiles of 8 for the products (`hybrid_serve.kernels.quant`).
 - fp8 (torch.float8_e4m3fn): e4m3 values with 128 x 128 block scales held beside them, not in

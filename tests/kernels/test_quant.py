@@ -216,23 +216,56 @@ def test_int4_tiles_hold_the_row_bytes_where_weights_h_says() -> None:
     assert width * TILE == k // GROUP * 144
 
 
+def test_int8_tiles_hold_the_row_bytes_where_weights_h_says() -> None:
+    """The stored int8 matrix is its row-order bytes (`q8_rows`) rearranged: rows in tiles of
+    TILE, a tile's block b of 32 columns 256 bytes, byte 32 p + 4 r + i the row r's element
+    32 b + 4 p + i; then the tile's last K % 32 columns row by row; then its 8 fp32 scales; the
+    rows past the last tile in row order. A stack tiles each matrix on its own."""
+    from hybrid_serve.kernels.quant import TILE, q8_rows
+
+    n, k = 2 * TILE + 5, 100  # three blocks of 32 and a short one of 4
+    w = rand(n, k, seed=4)
+    q = quantize_int8(w)
+    rows = q8_rows(q)
+    assert rows.shape == q.shape and torch.equal(rows.flatten().sort()[0], q.flatten().sort()[0])
+    assert torch.equal(rows[:, :k].float() * scales(q)[:, None], dequantize(q))
+    full, t, width = k // 32 * 32, k % 32, k + SCALE_BYTES
+    for tile, r, b, p, i in [(0, 0, 0, 0, 0), (1, 5, 2, 7, 1), (0, 7, 1, 3, 3)]:
+        flat = q[tile * TILE : (tile + 1) * TILE].flatten()
+        assert flat[256 * b + 32 * p + 4 * r + i] == rows[tile * TILE + r, 32 * b + 4 * p + i]
+        assert torch.equal(flat[8 * full + r * t : 8 * full + (r + 1) * t],
+                           rows[tile * TILE + r, full:k])  # fmt: skip
+        assert torch.equal(flat[8 * k + 4 * r : 8 * k + 4 * r + 4], rows[tile * TILE + r, k:])
+    assert torch.equal(q[2 * TILE :], rows[2 * TILE :])  # the rows past the tiles
+    assert q.shape[1] * TILE == width * TILE
+    stack = rand(3, n, k, seed=5)
+    assert torch.equal(quantize_int8(stack)[1], quantize_int8(stack[1]))
+    assert torch.equal(q8_rows(quantize_int8(stack))[1], q8_rows(quantize_int8(stack[1])))
+
+
 @pytest.mark.parametrize("method", ["bfloat16", *METHODS])
-def test_resident_bytes_per_format(method: str) -> None:
-    """A matrix's bytes in each format, whatever its layout for the products: bf16 2 per
-    weight, int8 1 plus a 4-byte scale per row, int4 a half plus a 2-byte scale per 32."""
-    n, k = 43, 256
+@pytest.mark.parametrize("shape", [(43, 256), (21, 100), (5, 64)])
+def test_resident_bytes_per_format(method: str, shape: tuple[int, int]) -> None:
+    """A matrix's bytes in each format, whatever its layout for the products (tiles, a short
+    last block, rows past the tiles): bf16 2 per weight, int8 1 plus a 4-byte scale per row,
+    int4 a half plus a 2-byte scale per 32 (int8 where K does not divide into groups)."""
+    n, k = shape
     w = rand(n, k)
     stored = w.bfloat16() if method == "bfloat16" else quantize(w, method)
-    want = {"bfloat16": 2 * n * k, "int8": n * (k + SCALE_BYTES), "int4": n * k // 2 + n * k // 16}
+    int8 = n * (k + SCALE_BYTES)
+    want = {"bfloat16": 2 * n * k, "int8": int8,
+            "int4": n * k // 2 + n * k // 16 if k % GROUP == 0 else int8}  # fmt: skip
     assert stored.nbytes == want[method] and stored.untyped_storage().nbytes() == want[method]
 
 
-@pytest.mark.parametrize("n", [8, 21, 40])
-def test_int4_gemv_rows_equal_the_gemm_rows(n: int) -> None:
-    """The int4 GEMV sums each row as the tiled GEMM does: the rows of a batch of up to 8 are
-    the same bits as those rows among 9 or more, tile rows and the rows past the tiles alike."""
-    q = quantize_int4(rand(n, 160, seed=n))
-    x = rand(12, 160, seed=3) * 2
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("n", "k"), [(8, 160), (21, 160), (40, 160), (21, 100), (43, 300)])
+def test_gemv_rows_equal_the_gemm_rows(n: int, k: int, method: str) -> None:
+    """The integer GEMV sums each row as the tiled GEMM does: the rows of a batch of up to 8 are
+    the same bits as those rows among 9 or more, tile rows and the rows past the tiles alike,
+    and an int8 matrix's short last block too (int4 falls back to int8 where K % 32 != 0)."""
+    q = quantize(rand(n, k, seed=n), method)
+    x = rand(40, k, seed=3) * 2
     full = cpp_ops.linear(x, q)
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 4, 5, 8, 9, 16):
         assert torch.equal(cpp_ops.linear(x[:rows].contiguous(), q), full[:rows]), rows

@@ -151,14 +151,16 @@ inline void any_tile(int r, int64_t rows, const W* w, int64_t ldw, const float* 
 }
 
 // Columns [k0, k0 + kn) of the bf16 or quantized rows [n0, n0 + rows) of a matrix of N rows
-// (row stride ldw) -> dst [rows][kn] fp32: bf16 values, int8 rows' integers (their scales are
-// applied to the sums), int4 rows' values (group scales and all, read from its tiles by
-// `q4_group`; k0 and kn multiples of its group).
-inline void widen_block(const int8_t* w, int64_t ldw, int64_t, int64_t n0, int64_t rows,
-                        int64_t, int64_t k0, int64_t kn, float* dst) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t k = 0; k < kn; ++k)
-      dst[i * kn + k] = static_cast<float>(w[(n0 + i) * ldw + k0 + k]);
+// (row stride ldw) -> dst [rows][kn] fp32: bf16 values, int8 rows' integers (read from its
+// tiles by `q8_row`; their scales are applied to the sums), int4 rows' values (group scales
+// and all, read from its tiles by `q4_group`; k0 and kn multiples of its group).
+inline void widen_block(const int8_t* w, int64_t, int64_t N, int64_t n0, int64_t rows,
+                        int64_t K, int64_t k0, int64_t kn, float* dst) {
+  std::vector<int8_t> row(kn);
+  for (int64_t i = 0; i < rows; ++i) {
+    hs::q8_row(w, N, K, n0 + i, k0, kn, row.data());
+    for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = static_cast<float>(row[k]);
+  }
 }
 
 inline void widen_block(const c10::BFloat16* w, int64_t ldw, int64_t, int64_t n0, int64_t rows,
@@ -230,7 +232,7 @@ inline void gemm_cols(const float* xp, const W* w, int64_t ldw, int64_t N, float
         const int64_t n = b0 + t * NR, r = std::min<int64_t>(NR, b1 - n);
         float scale[NR] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
         if constexpr (q8)
-          for (int64_t i = 0; i < r; ++i) scale[i] = hs::row_scale(w + (n + i) * ldw, K);
+          for (int64_t i = 0; i < r; ++i) scale[i] = hs::q8_row_scale(w, N, K, n + i);
         for (int64_t p = p0; p < p1; ++p) {
           const float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);

@@ -10,34 +10,33 @@
 // I_b the exact integer dot product of block b's weight values (int8 q, or int4 nibble - 8) and
 // rounded activations, s_b the block's activation scale d[m, b] (int8; r_n the row's scale) or
 // the fp32 product scale[n, b] * d[m, b] (int4; r_n = 1). These are the GEMV's integers, scales
-// and scaling steps; the GEMV adds partial block sums lane by lane and then across the lanes,
-// this sums whole blocks in k order, so the two agree within the GEMV's contract (fp32
-// summation order). An output depends only on its row of x and its weight row: the same bits
-// whatever M, the row's place in the batch and the ISA level (the integers are exact, and each
-// fp32 step is one rounding at every level).
+// and steps in the GEMV's order (qgemv.h), so a row's result is the same bits in both. An output
+// depends only on its row of x and its weight row: the same bits whatever M, the row's place in
+// the batch and the ISA level (the integers are exact, and each fp32 step is one rounding at
+// every level).
 //
 // Layout. x is rounded and packed once per call into panels of MR = 2 kLanes rows (16 with
 // AVX2, 32 with AVX-512), per block the bytes [8 quads of k][MR rows][4], so one 4-byte
 // broadcast of a weight row's quad against a panel vector gives kLanes rows' partial dots; rows
-// past M are zero. A block of NC weight rows by KC columns is staged once per pass of up to PC
-// panels (`stage`: int4 nibbles gathered from their tiles and unpacked, int8 bytes copied, a
-// short last block padded), stays in L1/L2 while the panels pass over it, and a register tile of R <= NR weight rows by one
-// panel (J = 2 vectors of rows, 1 for a last panel of at most kLanes rows) keeps R x J int32
-// accumulators for a block, then scales them into the fp32 sums (cbuf).
+// past M are zero. The weights are read where they lie, in the one layout the GEMV reads
+// (weights.h, `Rows`): a register tile of R <= NR weight rows (NR = 8 with AVX-512, a whole
+// weight tile; 4 elsewhere, half of one; or rows of the row-order rest) broadcasts each row's
+// quad straight from its tile (int4: the 4 bytes' low and high nibbles, two quads of k per
+// load), against one panel (J = 2 vectors of rows, 1 for a last panel of at most kLanes rows):
+// R x J int32 accumulators per block, then scaled into the fp32 sums (cbuf). A block of NC
+// weight rows by KC columns stays in L1/L2 while up to PC panels pass over it.
 //
 // The unsigned operand. int4 nibbles are already unsigned (0..15): dotu_acc(nibbles, q) and
-// the block's sum starts at -8 sum(q). int8 bytes plus 128 are unsigned too, and with VNNI
-// (simd::kDotU8) they take the same path, the sum starting at -128 sum(q): one instruction per
-// 4 x kLanes products. Without it (AVX2's maddubs pairs would saturate) int8 takes the signed
-// dot_acc. The integers are the same either way.
+// the block's sum starts at -8 sum(q). int8 bytes plus 128 (`flip`) are unsigned too, and with
+// VNNI (simd::kDotU8) they take the same path, the sum starting at -128 sum(q): one
+// instruction per 4 x kLanes products. Without it (AVX2's maddubs pairs would saturate) int8
+// takes the signed dot_acc. The integers are the same either way.
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -50,10 +49,11 @@ namespace hs::qtiled {
 namespace v = hs::simd;
 constexpr int L = v::kLanes;       // rows per vector
 constexpr int MR = 2 * L;          // rows per panel
-constexpr int NR = L >= 16 ? 6 : 4;  // weight rows per register tile (AVX2 has 16 registers)
+constexpr int NR = L >= 16 ? 8 : 4;  // weight rows per register tile (AVX2 has 16 registers)
+static_assert(kTile % NR == 0, "a register tile lies in one weight tile");
 constexpr int64_t KC = 256;        // k per cache block (a multiple of kActBlock)
 constexpr int64_t KB = KC / kActBlock;
-constexpr int64_t NC = 48;         // weight rows per cache block (a multiple of NR)
+constexpr int64_t NC = 48;         // weight rows per cache block (a multiple of kTile)
 constexpr int64_t PC = 4;          // panels per m block
 constexpr int64_t kPanelBlock = kActBlock * MR;  // bytes per panel per block
 
@@ -105,59 +105,47 @@ inline void pack_acts(const float* x, int64_t M, int64_t K, int32_t offset, Pane
   });
 }
 
-// Columns [k0, k0 + kn) of weight rows [n0, n0 + rows) of a matrix of N rows (K columns, row
-// stride ldw) -> dst [rows][KC] as the dot takes them (int8 bytes, plus 128 in the offset form;
-// int4 nibbles: a whole tile at a time by `q4x8_rows`, other rows by `q4_group`), a short last
-// block padded with zeros (its activations are zero); int4 also its group scales -> sc [rows][KB].
-template <Form F>
-inline void stage(const int8_t* w, int64_t ldw, int64_t, int64_t n0, int64_t rows, int64_t,
-                  int64_t k0, int64_t kn, int8_t* dst, float*) {
-  const int64_t padded = (kn + kActBlock - 1) / kActBlock * kActBlock;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int8_t* src = w + (n0 + i) * ldw + k0;
-    int8_t* out = dst + i * KC;
-    if constexpr (F == Form::q8_offset) {
-      for (int64_t k = 0; k < kn; ++k) out[k] = int8_t(uint8_t(src[k]) ^ 0x80u);
-    } else {
-      std::memcpy(out, src, kn);
-    }
-    std::fill(out + kn, out + padded, int8_t(0));
+// Where a register tile reads its weight rows (all in one weight tile, or all in row order):
+// row r's quad j (4 bytes) of block b at base + r row + b block + j quad (int4: j < 4, its low
+// nibbles quad j, its high ones quad j + 4); an int8 matrix's short last block at rest +
+// r rest_row + 4 j; row r's scale at scales + r srow + b sblock (int4: bf16, one per block;
+// int8: fp32, one per row).
+struct Rows {
+  const int8_t* base;
+  int64_t row, block, quad;
+  const int8_t* rest;
+  int64_t rest_row;
+  const uint8_t* scales;
+  int64_t srow, sblock;
+};
+
+template <typename W>
+inline Rows rows_at(const W* w, int64_t N, int64_t K, int64_t n) {
+  const auto* p = reinterpret_cast<const int8_t*>(w);
+  const auto* u = reinterpret_cast<const uint8_t*>(w);
+  const int64_t S = row_stride<W>(K), r = n % kTile, tile = (n - r) * S;
+  if constexpr (std::is_same_v<W, uint8_t>) {
+    if (n < tiled_rows(N))
+      return {p + tile + 4 * r, 4, kQ4Block, 32, nullptr, 0, u + tile + 128 + 2 * r, 2, kQ4Block};
+    return {p + n * S, S, kQ4Group / 2, 4, nullptr, 0, u + n * S + K / 2, S, 2};
+  } else {
+    const int64_t full = K / kActBlock * kActBlock, t = K - full;
+    if (n < tiled_rows(N))
+      return {p + tile + 4 * r, 4, kQ8Block, 32, p + tile + kTile * full + r * t, t,
+              u + tile + kTile * K + kScaleBytes * r, kScaleBytes, 0};
+    return {p + n * S, S, kActBlock, 4, p + n * S + full, S, u + n * S + K, S, 0};
   }
 }
 
-static_assert(kQ4Group == 32, "an int4 group is one b32 of nibbles (16 bytes)");
-template <Form F>
-inline void stage(const uint8_t* w, int64_t, int64_t N, int64_t n0, int64_t rows, int64_t K,
-                  int64_t k0, int64_t kn, int8_t* dst, float* sc) {
-  const int64_t S = row_stride<uint8_t>(K), tiled = q4_tiled_rows(N), g0 = k0 / kQ4Group;
-  uint8_t nib[kQ4Group / 2];
-  for (int64_t i = 0; i < rows;) {
-    const int64_t n = n0 + i;
-    if (n % kQ4Tile == 0 && n + kQ4Tile <= tiled && i + kQ4Tile <= rows) {  // a whole tile
-      for (int64_t g = 0; g < kn / kQ4Group; ++g) {
-        const uint8_t* blk = w + n * S + (g0 + g) * kQ4Block;
-        simd::q4x8_rows(simd::q4x8_unpack(blk), dst + i * KC + g * kQ4Group, KC);
-        const auto* scale = reinterpret_cast<const c10::BFloat16*>(blk + 128);
-        for (int64_t r = 0; r < kQ4Tile; ++r) sc[(i + r) * KB + g] = load1(scale + r);
-      }
-      i += kQ4Tile;
-      continue;
-    }
-    for (int64_t g = 0; g < kn / kQ4Group; ++g) {  // a row by itself
-      sc[i * KB + g] = q4_group(w, N, K, n, g0 + g, nib);
-      simd::store32(dst + i * KC + g * kQ4Group, simd::q4_nibbles(nib));
-    }
-    ++i;
-  }
-}
-
-// c [R][MR] (+)= the blocks [0, nb) of R staged weight rows (ws, row stride KC; int4 scales wsc,
-// row stride KB) by one panel's (a: its bytes from the first block on, ad its scales, ac its
-// sums' starts); the first J kLanes rows of the panel. `first`: c starts at zero.
+// c [R][MR] (+)= blocks [b0, b0 + nb) of R weight rows `w` by one panel's (a: its bytes from
+// block b0 on, ad its scales, ac its sums' starts); the first J kLanes rows of the panel.
+// `short_quads` < 8: the last of the blocks is an int8 matrix's short one, that many quads (its
+// activations past K are zero). `first`: c starts at zero.
 template <Form F, int R, int J>
-inline void tile(const int8_t* ws, const float* wsc, const int8_t* a, const float* ad,
-                 const int32_t* ac, int64_t nb, float* c, bool first) {
+inline void tile(const Rows& w, int64_t b0, int64_t nb, int short_quads, const int8_t* a,
+                 const float* ad, const int32_t* ac, float* c, bool first) {
   for (int64_t bb = 0; bb < nb; ++bb) {
+    const int64_t b = b0 + bb;
     const int8_t* ab = a + bb * kPanelBlock;
     v::ivec acc[R][J];
     for (int j = 0; j < J; ++j) {
@@ -165,16 +153,37 @@ inline void tile(const int8_t* ws, const float* wsc, const int8_t* a, const floa
       if constexpr (F != Form::q8_signed) start = v::load_i(ac + bb * MR + j * L);
       for (int r = 0; r < R; ++r) acc[r][j] = start;
     }
-    for (int q = 0; q < kActBlock / 4; ++q) {
-      v::bvec av[J];
-      for (int j = 0; j < J; ++j) av[j] = v::load_b(ab + (q * MR + j * L) * 4);
-      for (int r = 0; r < R; ++r) {
-        const v::bvec wv = v::bcast4(ws + r * KC + bb * kActBlock + 4 * q);
+    if constexpr (F == Form::q4) {
+      for (int q = 0; q < 4; ++q) {
+        v::bvec lo[J], hi[J];
         for (int j = 0; j < J; ++j) {
-          if constexpr (F == Form::q8_signed) {
-            acc[r][j] = v::dot_acc(acc[r][j], wv, av[j]);
-          } else {
-            acc[r][j] = v::dotu_acc(acc[r][j], wv, av[j]);
+          lo[j] = v::load_b(ab + (q * MR + j * L) * 4);
+          hi[j] = v::load_b(ab + ((q + 4) * MR + j * L) * 4);
+        }
+        for (int r = 0; r < R; ++r) {
+          const v::bvec raw = v::bcast4(w.base + r * w.row + b * w.block + q * w.quad);
+          const v::bvec wl = v::nib_lo(raw), wh = v::nib_hi(raw);
+          for (int j = 0; j < J; ++j) acc[r][j] = v::dotu_acc(acc[r][j], wl, lo[j]);
+          for (int j = 0; j < J; ++j) acc[r][j] = v::dotu_acc(acc[r][j], wh, hi[j]);
+        }
+      }
+    } else {
+      const bool rest = bb == nb - 1 && short_quads < 8;
+      const int quads = rest ? short_quads : 8;
+      for (int q = 0; q < quads; ++q) {
+        v::bvec av[J];
+        for (int j = 0; j < J; ++j) av[j] = v::load_b(ab + (q * MR + j * L) * 4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* src = rest ? w.rest + r * w.rest_row + 4 * q
+                                   : w.base + r * w.row + b * w.block + q * w.quad;
+          v::bvec wv = v::bcast4(src);
+          if constexpr (F == Form::q8_offset) wv = v::flip(wv);
+          for (int j = 0; j < J; ++j) {
+            if constexpr (F == Form::q8_signed) {
+              acc[r][j] = v::dot_acc(acc[r][j], wv, av[j]);
+            } else {
+              acc[r][j] = v::dotu_acc(acc[r][j], wv, av[j]);
+            }
           }
         }
       }
@@ -184,7 +193,10 @@ inline void tile(const int8_t* ws, const float* wsc, const int8_t* a, const floa
       const v::vec d = v::load(ad + bb * MR + j * L);
       for (int r = 0; r < R; ++r) {
         v::vec s = d;
-        if constexpr (F == Form::q4) s = v::mul(v::bcast(wsc[r * KB + bb]), d);
+        if constexpr (F == Form::q4) {
+          const uint8_t* sc = w.scales + r * w.srow + b * w.sblock;
+          s = v::mul(v::bcast(load1(reinterpret_cast<const c10::BFloat16*>(sc))), d);
+        }
         float* cp = c + r * MR + j * L;
         v::store(cp, v::fma(v::to_vec(acc[r][j]), s, zero ? v::zero() : v::load(cp)));
       }
@@ -193,55 +205,59 @@ inline void tile(const int8_t* ws, const float* wsc, const int8_t* a, const floa
 }
 
 template <Form F, int J>
-inline void tile_rows(int r, const int8_t* ws, const float* wsc, const int8_t* a, const float* ad,
-                      const int32_t* ac, int64_t nb, float* c, bool first) {
-  static_assert(NR == 4 || NR == 6, "tile_rows lists the row counts 1..6");
-  switch (r) {
-    case 6:
-      if constexpr (NR == 6) return tile<F, 6, J>(ws, wsc, a, ad, ac, nb, c, first);
-      break;
-    case 5:
-      if constexpr (NR == 6) return tile<F, 5, J>(ws, wsc, a, ad, ac, nb, c, first);
-      break;
-    case 4: return tile<F, 4, J>(ws, wsc, a, ad, ac, nb, c, first);
-    case 3: return tile<F, 3, J>(ws, wsc, a, ad, ac, nb, c, first);
-    case 2: return tile<F, 2, J>(ws, wsc, a, ad, ac, nb, c, first);
-    default: return tile<F, 1, J>(ws, wsc, a, ad, ac, nb, c, first);
+inline void tile_rows(int r, const Rows& w, int64_t b0, int64_t nb, int short_quads,
+                      const int8_t* a, const float* ad, const int32_t* ac, float* c, bool first) {
+  static_assert(NR == 4 || NR == 8, "tile_rows lists the row counts 1..8");
+#define HS_TILE(R) tile<F, R, J>(w, b0, nb, short_quads, a, ad, ac, c, first)
+  if constexpr (NR == 8) {
+    switch (r) {
+      case 8: return HS_TILE(8);
+      case 7: return HS_TILE(7);
+      case 6: return HS_TILE(6);
+      case 5: return HS_TILE(5);
+      default: break;
+    }
   }
+  switch (r) {
+    case 4: return HS_TILE(4);
+    case 3: return HS_TILE(3);
+    case 2: return HS_TILE(2);
+    default: return HS_TILE(1);
+  }
+#undef HS_TILE
 }
 
 // Output columns [n0, n1) of y [M, ldy] on the calling thread, w of N rows: x given as panels
 // [p_first, p_first + panels(M)) of `xp` (y at their first row).
 template <typename W>
-inline void gemm_cols(const Panels& xp, int64_t p_first, const W* w, int64_t ldw, int64_t N,
-                      float* y, int64_t ldy, int64_t M, int64_t K, int64_t n0, int64_t n1) {
+inline void gemm_cols(const Panels& xp, int64_t p_first, const W* w, int64_t N, float* y,
+                      int64_t ldy, int64_t M, int64_t K, int64_t n0, int64_t n1) {
   constexpr Form F = form_of<W>;
   alignas(64) float cbuf[NC / NR * PC * NR * MR];  // [tile][panel][NR][MR]
-  const auto ws = std::unique_ptr<int8_t[]>(new int8_t[NC * KC]);
-  std::vector<float> wsc(F == Form::q4 ? NC * KB : 0);
-  const int64_t P = panels(M), B = xp.B;
+  const int64_t P = panels(M), B = xp.B, full = K / kActBlock;
+  const int short_quads = K % kActBlock ? int((K % kActBlock + 3) / 4) : 8;
   for (int64_t b0 = n0; b0 < n1; b0 += NC) {
     const int64_t b1 = std::min(n1, b0 + NC), tiles = (b1 - b0 + NR - 1) / NR;
     for (int64_t p0 = 0; p0 < P; p0 += PC) {
       const int64_t p1 = std::min(P, p0 + PC);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kn = std::min(KC, K - k0), nb = (kn + kActBlock - 1) / kActBlock;
-        stage<F>(w, ldw, N, b0, b1 - b0, K, k0, kn, ws.get(), wsc.data());
+        const int64_t kb = k0 / kActBlock, nb = std::min(KB, B - kb);
+        const int quads = kb + nb > full ? short_quads : 8;
         for (int64_t p = p0; p < p1; ++p) {
-          const int64_t at = (p_first + p) * B + k0 / kActBlock;
+          const int64_t at = (p_first + p) * B + kb;
           const int8_t* a = xp.q.data() + at * kPanelBlock;
           const float* ad = xp.d.data() + at * MR;
           const int32_t* ac = xp.c.data() + at * MR;
           const bool half = M - p * MR <= L;
           for (int64_t t = 0; t < tiles; ++t) {
-            const int r = int(std::min<int64_t>(NR, b1 - b0 - t * NR));
+            const int64_t n = b0 + t * NR;
+            const int r = int(std::min<int64_t>(NR, b1 - n));
+            const Rows rw = rows_at(w, N, K, n);
             float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
-            const int8_t* wt = ws.get() + t * NR * KC;
-            const float* st = wsc.data() + t * NR * KB;
             if (half) {
-              tile_rows<F, 1>(r, wt, st, a, ad, ac, nb, c, k0 == 0);
+              tile_rows<F, 1>(r, rw, kb, nb, quads, a, ad, ac, c, k0 == 0);
             } else {
-              tile_rows<F, 2>(r, wt, st, a, ad, ac, nb, c, k0 == 0);
+              tile_rows<F, 2>(r, rw, kb, nb, quads, a, ad, ac, c, k0 == 0);
             }
           }
         }
@@ -253,7 +269,7 @@ inline void gemm_cols(const Panels& xp, int64_t p_first, const W* w, int64_t ldw
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
           for (int64_t i = 0; i < r; ++i) {
             float scale = 1.f;  // int4: the group scales are in the sums
-            if constexpr (F != Form::q4) scale = row_scale(w + (n + i) * ldw, K);
+            if constexpr (F != Form::q4) scale = q8_row_scale(w, N, K, n + i);
             for (int64_t l = 0; l < rows; ++l) {
               float& out = y[(p * MR + l) * ldy + n + i];
               if constexpr (F == Form::q4) {
@@ -280,14 +296,14 @@ inline void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N
   if (tiles < 2 * at::get_num_threads() && P >= 2) {
     at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {
       const int64_t m0 = q0 * MR, m1 = std::min(M, q1 * MR);
-      gemm_cols(xp, q0, w, ldw, N, y + m0 * N, N, m1 - m0, K, 0, N);
+      gemm_cols(xp, q0, w, N, y + m0 * N, N, m1 - m0, K, 0, N);
     });
     return;
   }
   // at least ~32 KB of weights per task, in whole tiles
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, ldw * NR));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    gemm_cols(xp, 0, w, ldw, N, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
+    gemm_cols(xp, 0, w, N, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
   });
 }
 

@@ -5,25 +5,21 @@
 //   d = max |x_block| / 127,   q = round_half_even(x * (127 / max |x_block|))   (0 for a zero block),
 //
 // and the GEMV sums integer dot products: per block, the 32 products of int8 (or int4) weights
-// and int8 activations summed exactly in int32 (simd.h's `dot` and `q4x8_dot`: AVX2
-// maddubs/madd, VNNI vpdpbusd, NEON sdot, or the scalar body: the same integers).
-// - int8: each block's int32 lanes converted to fp32 and multiplied by the block's activation
-//   scale into 8 fp32 lanes with one fused multiply-add per block, in two chains: even blocks
-//   and odd blocks, a pair per step (`f8x2`: one 512-bit register at the AVX-512 levels); then
-//   the two chains added, a last odd block, the lanes in simd.h's fixed order; the row's sum
-//   then scaled by its row scale.
-// - int4: a tile of 8 weight rows (weights.h) at a time, one fp32 lane per weight row: per
-//   block the 8 rows' exact dots (`q4x8_dot`, started at -8 x the block's activation sum for
-//   the nibbles' offset), converted to fp32 and summed in k order with one fused multiply-add
-//   by the weight scale times the activation scale: y = (I_0 s_0 + 0) + I_1 s_1 + ..., the
-//   tiled GEMM's sum (qgemm.h) exactly, so an int4 row's result is the same bits in the GEMV
-//   and in the GEMM. The rows past the last tile take the same steps one at a time.
+// and int8 activations summed exactly in int32 (simd.h's `q8x8_dot` and `q4x8_dot`: AVX2
+// maddubs/madd, VNNI vpdpbusd, NEON sdot, or the scalar body: the same integers), both formats
+// a tile of 8 weight rows (weights.h) at a time, one fp32 lane per weight row: per
+// block the 8 rows' exact dots (`q8x8_dot`; int4 `q4x8_dot`, started at -8 x the block's
+// activation sum for the nibbles' offset), converted to fp32 and summed in k order with one
+// fused multiply-add by the activation scale (int4: the weight scale times the activation
+// scale): y = r_n ((I_0 s_0 + 0) + I_1 s_1 + ...), r_n the int8 row scale (int4: 1), the tiled
+// GEMM's sum (qgemm.h) exactly, so a row's result is the same bits in the GEMV and in the GEMM.
+// An int8 matrix's short last block (K % 32) is one more such step. The rows past the last tile
+// take the same steps one at a time.
 // Every row of activations is summed so whatever the row count (a verify row equals the same
 // row decoded alone). So the product equals the dequantized weights times the rounded
 // activations up to fp32 summation order, and is bit-identical at every ISA level
-// (`test_cpu_levels.py`). The tiled integer GEMM past 8 rows (qgemm.h) rounds the activations
-// the same way and sums the same integers and scales block by block; the routed experts' GEMM
-// (gemm.h) multiplies the rounded values (`round_rows`) in fp32.
+// (`test_cpu_levels.py`). The routed experts' GEMM (gemm.h) multiplies the rounded values
+// (`round_rows`) in fp32.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -99,67 +95,66 @@ inline int32_t dot_tail(const A* w, const int8_t* a, int64_t n) {
   return s;
 }
 
-// acc[m] += the integer dots of the block pair `wv` (blocks b and b + 1) with row m's blocks,
-// times their scales s[m * ld + b] and s[m * ld + b + 1] (even blocks in the first f8, odd in
-// the second).
+// y[m, n] for the tiles of int8 weight rows [n0, n1) (multiples of kTile, n1 <= the tiled rows)
+// and M <= kPassRows rounded activation rows: each block's 256 bytes loaded once for all M rows
+// (`q8x8_load`) and fetched kFetchAhead ahead; a short last block (K % 32 columns, row by row
+// in the tile) summed a row at a time; the 8 row scales one load.
 template <int M>
-inline void pair_step(simd::f8x2 (&acc)[M], simd::b32x2 wv, const int8_t* q, int64_t K,
-                      const float* s, int64_t ld, int64_t b) {
-  for (int m = 0; m < M; ++m) {
-    const simd::i32x8x2 d = simd::dot(wv, simd::load64(q + m * K + b * kActBlock));
-    acc[m] = simd::fma(simd::to_float(d), simd::bcast8x2(s + m * ld + b), acc[m]);
-  }
-}
-
-// sum[m] = row m's two chains added, then (with `last`: the weights of whole block b, an odd
-// one out) that block's scaled dot, then the lanes.
-template <int M>
-inline void fold_rows(const simd::f8x2 (&acc)[M], const simd::b32* last, const int8_t* q,
-                      int64_t K, const float* s, int64_t ld, int64_t b, float* sum) {
-  for (int m = 0; m < M; ++m) {
-    simd::f8 t = simd::fold(acc[m]);
-    if (last != nullptr) {
-      const simd::i32x8 d = simd::dot(*last, simd::load32(q + m * K + b * kActBlock));
-      t = simd::fma(simd::to_float(d), simd::bcast8(s[m * ld + b]), t);
-    }
-    sum[m] = simd::hsum(t);
-  }
-}
-
-// y[m, n] for rows [n0, n1) of int8 weights and M <= kPassRows rounded activation rows.
-template <int M>
-void qgemv_rows_i8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
-                   int64_t n0, int64_t n1) {
-  const int64_t K = xa.K, B = xa.blocks, full = K / kActBlock, stride = row_stride<int8_t>(K);
+void qgemv_tiles_q8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
+                    int64_t n0, int64_t n1) {
+  const int64_t K = xa.K, B = xa.blocks, full = K / kActBlock, t = K - full * kActBlock;
+  const int64_t S = row_stride<int8_t>(K);
   const int8_t* q = xa.q.data() + m0 * K;
   const float* d = xa.d.data() + m0 * B;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wr = w + n * stride;
-    fetch_ahead(wr, K);
-    simd::f8x2 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = simd::zero8x2();
-    int64_t b = 0;
-    for (; b + 2 <= full; b += 2)
-      pair_step<M>(acc, simd::load64(wr + b * kActBlock), q, K, d, B, b);
-    float sum[M];
-    if (b < full) {
-      const simd::b32 last = simd::load32(wr + b * kActBlock);
-      fold_rows<M>(acc, &last, q, K, d, B, b, sum);
-      ++b;
-    } else {
-      fold_rows<M>(acc, nullptr, q, K, d, B, b, sum);
+  const int32_t* sums = xa.sums.data() + m0 * B;
+  for (int64_t n = n0; n < n1; n += kTile) {
+    const int8_t* tile = w + n * S;
+    simd::f8 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = simd::zero8();
+    for (int64_t b = 0; b < full; ++b) {
+      const int8_t* blk = tile + b * kQ8Block;
+      for (int64_t i = 0; i < kQ8Block; i += 64) simd::prefetch(blk + kFetchAhead + i);
+      const simd::q8x8 wq = simd::q8x8_load(blk);
+      for (int m = 0; m < M; ++m) {
+        const simd::i32x8 dot = simd::q8x8_dot(wq, sums[m * B + b], q + m * K + b * kActBlock);
+        acc[m] = simd::fma(simd::to_float(dot), simd::bcast8(d[m * B + b]), acc[m]);
+      }
     }
-    if (b < B) {  // a last block shorter than 32
-      const int64_t k0 = b * kActBlock, len = K - k0;
-      for (int m = 0; m < M; ++m)
-        sum[m] = simd::fma1(float(dot_tail(wr + k0, q + m * K + k0, len)), d[m * B + b], sum[m]);
+    if (t > 0) {  // the short last block
+      const int8_t* rest = tile + full * kQ8Block;
+      for (int m = 0; m < M; ++m) {
+        float dots[kTile];
+        for (int64_t r = 0; r < kTile; ++r)
+          dots[r] = float(dot_tail(rest + r * t, q + m * K + full * kActBlock, t));
+        acc[m] = simd::fma(simd::load8(dots), simd::bcast8(d[m * B + full]), acc[m]);
+      }
     }
-    const float scale = row_scale(wr, K);
-    for (int m = 0; m < M; ++m) y[m * N + n] = sum[m] * scale;
+    const simd::f8 scale = simd::load8(reinterpret_cast<const float*>(tile + kTile * K));
+    for (int m = 0; m < M; ++m) simd::store8(y + m * N + n, simd::mul(acc[m], scale));
   }
 }
 
-// y[m, n] for the tiles of int4 weight rows [n0, n1) (multiples of kQ4Tile, n1 <= the tiled
+// y[m, n] for the int8 rows [n0, n1) past the tiles and all M rows: the same integers and steps
+// as a tile's lane, a row at a time.
+inline void qgemv_tail_q8(const QuantActs& xa, int64_t M, const int8_t* w, float* y, int64_t N,
+                          int64_t n0, int64_t n1) {
+  const int64_t K = xa.K, B = xa.blocks, S = row_stride<int8_t>(K);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * S;
+    const float scale = q8_row_scale(w, N, K, n);
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t k0 = b * kActBlock, len = std::min(kActBlock, K - k0);
+        const int32_t dot = dot_tail(row + k0, xa.q.data() + m * K + k0, len);
+        sum = simd::fma1(float(dot), xa.d[m * B + b], sum);
+      }
+      y[m * N + n] = sum * scale;
+    }
+  }
+}
+
+// y[m, n] for the tiles of int4 weight rows [n0, n1) (multiples of kTile, n1 <= the tiled
 // rows) and M <= kPassRows rounded activation rows: each block's nibbles unpacked once for all
 // M rows, its 8 scales one load, its bytes fetched kFetchAhead ahead.
 template <int M>
@@ -170,7 +165,7 @@ void qgemv_tiles_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y,
   const int8_t* q = xa.q.data() + m0 * K;
   const float* d = xa.d.data() + m0 * G;
   const int32_t* sums = xa.sums.data() + m0 * G;
-  for (int64_t n = n0; n < n1; n += kQ4Tile) {
+  for (int64_t n = n0; n < n1; n += kTile) {
     const uint8_t* tile = w + n * S;
     simd::f8 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = simd::zero8();
@@ -209,18 +204,16 @@ inline void qgemv_tail_q4(const QuantActs& xa, int64_t M, const uint8_t* w, floa
     }
 }
 
-// Weight rows per block of the quantized GEMV (about 16 KB; int4 in whole tiles).
+// Weight rows per block of the quantized GEMV (about 16 KB, in whole tiles).
 template <typename W>
 inline int64_t qblock_rows(int64_t K) {
-  const int64_t nb = block_rows(K, 1);
-  if constexpr (std::is_same_v<W, uint8_t>) return (nb + kQ4Tile - 1) / kQ4Tile * kQ4Tile;
-  return nb;
+  return (block_rows(K, 1) + kTile - 1) / kTile * kTile;
 }
 
 template <int M>
 inline void qgemv_pass(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
                        int64_t n0, int64_t n1) {
-  qgemv_rows_i8<M>(xa, m0, w, y, N, n0, n1);
+  qgemv_tiles_q8<M>(xa, m0, w, y, N, n0, n1);
 }
 template <int M>
 inline void qgemv_pass(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, int64_t N,
@@ -228,14 +221,23 @@ inline void qgemv_pass(const QuantActs& xa, int64_t m0, const uint8_t* w, float*
   qgemv_tiles_q4<M>(xa, m0, w, y, N, n0, n1);
 }
 
-// skinny_range (gemv.h) for quantized weights: rows [n0, n1) in blocks (`qblock_rows`; int4:
-// n0 a multiple of kQ4Tile), rows of x kPassRows at a time; int4's rows past the tiles last.
+inline void qgemv_tail(const QuantActs& xa, int64_t M, const int8_t* w, float* y, int64_t N,
+                       int64_t n0, int64_t n1) {
+  qgemv_tail_q8(xa, M, w, y, N, n0, n1);
+}
+inline void qgemv_tail(const QuantActs& xa, int64_t M, const uint8_t* w, float* y, int64_t N,
+                       int64_t n0, int64_t n1) {
+  qgemv_tail_q4(xa, M, w, y, N, n0, n1);
+}
+
+// skinny_range (gemv.h) for quantized weights: rows [n0, n1) in blocks (`qblock_rows`; n0 a
+// multiple of kTile), the tiles' rows of x kPassRows at a time, the rows past the tiles last.
 template <typename W>
 void qskinny_range(int64_t M, const QuantActs& xa, const W* w, float* y, int64_t N, int64_t n0,
                    int64_t n1) {
   const int64_t nb = qblock_rows<W>(xa.K);
-  int64_t last = n1;  // the rows the passes take: int4's tiles only
-  if constexpr (std::is_same_v<W, uint8_t>) last = std::min(n1, q4_tiled_rows(N));
+  const int64_t last = std::min(n1, tiled_rows(N));  // the rows the passes take: the tiles'
+
   for (int64_t b0 = n0; b0 < last; b0 += nb) {
     const int64_t b1 = std::min(last, b0 + nb);
     for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
@@ -248,8 +250,7 @@ void qskinny_range(int64_t M, const QuantActs& xa, const W* w, float* y, int64_t
       }
     }
   }
-  if constexpr (std::is_same_v<W, uint8_t>)
-    if (n1 > last) qgemv_tail_q4(xa, M, w, y, N, std::max(n0, last), n1);
+  if (n1 > last) qgemv_tail(xa, M, w, y, N, std::max(n0, last), n1);
 }
 
 }  // namespace hs

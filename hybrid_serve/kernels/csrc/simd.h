@@ -21,26 +21,29 @@
 //   window): zero8, load8, store8, bcast8, add, sub, mul, div, fma, fnma, min, max, round_even,
 //   pow2i, hsum, exp (composed below from the others).
 // - `b32` / `i32x8`: a block of 32 int8 values and 8 int32 lanes: load32, store32, q4_unpack
-//   (16 bytes of int4 nibbles, each - 8), q4_nibbles (the same nibbles as stored, 0..15), dot
-//   (lane i = the exact sum of bytes 4i..4i+3's products: AVX2 maddubs/madd, VNNI vpdpbusd,
-//   NEON sdot), to_float, widen; quantize32 (Q8_0's rounding of 32 activations).
-// - `f8x2` / `i32x8x2` / `b32x2`: two of f8 / i32x8 / b32 (two blocks of 32 int8 values side by
-//   side): one 512-bit register at the AVX-512 levels, else a pair composed from the entries
-//   above (which are their reference): zero8x2, load64, dot, to_float, fma, bcast8x2 (s[0] into
-//   the first 8 lanes, s[1] into the next), fold (the two f8 added).
+//   (16 bytes of int4 nibbles, each - 8), q4_nibbles (the same nibbles as stored, 0..15),
+//   to_float, widen; quantize32 (Q8_0's rounding of 32 activations).
 // - `q4x8`: one block of an int4 tile (weights.h: 8 weight rows by 32 k, 128 bytes of nibbles)
 //   unpacked for the dot: q4x8_unpack (quad j < 4 the low nibbles of bytes [32 j, 32 j + 32),
 //   quad j + 4 their high nibbles, byte 4 r + i of quad j holding row r's element 4 j + i as
 //   0..15), q4x8_dot (lane r = c + sum over j, i of that nibble times the activation q[4 j + i]:
 //   VNNI vpdpbusd or AVX2 maddubs on a broadcast of each quad, NEON sdot, or the scalar body:
-//   the same integers), q4x8_rows (the 8 rows' 32 values each, in k order, to dst + r ld: the
-//   tiled GEMM's staging), load8_bf16 (8 bf16 widened exactly).
+//   the same integers), load8_bf16 (8 bf16 widened exactly).
+// - `q8x8`: one block of an int8 tile (weights.h: 8 weight rows by 32 k, 256 bytes, byte
+//   32 j + 4 r + i row r's element 4 j + i): q8x8_load, q8x8_dot (lane r = the exact sum over
+//   j, i of that byte times the activation q[4 j + i]; `sum` is the 32 activations' sum, which
+//   the VNNI bodies need: they offset the weights by 128 to make them unsigned for vpdpbusd and
+//   start the lanes at -128 sum; AVX2 maddubs with the signs moved to the activations, NEON
+//   sdot, or the scalar body: the same integers). With AVX512-VNNI q8x8 is held in 512-bit
+//   registers, two quads of the 8 rows per register.
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
 //   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
 //   with the first operand's bytes unsigned), to_vec (exact below 2^24). `kDotU8` says whether
 //   dotu_acc takes the whole u8 range (one VNNI vpdpbusd; the scalar body); without it (AVX2
-//   maddubs pairs, NEON sdot) the unsigned bytes must lie in [0, 127].
+//   maddubs pairs, NEON sdot) the unsigned bytes must lie in [0, 127]. flip (each byte + 128
+//   mod 256: int8 weights as unsigned bytes for dotu_acc), nib_lo / nib_hi (each byte's low /
+//   high nibble, 0..15: int4 weights read from their tiles).
 // - `bpairs`: kLanes pairs of bf16 values (k and k + 1) as the bf16 dot takes them (the bf16
 //   GEMM's, bgemm.h): load_pairs (kLanes pairs), bcast_bpair (one pair into every lane),
 //   dot_pairs (acc lane i + a's pair i times b's, both products exact in fp32: one
@@ -57,8 +60,8 @@
 // composition of entries gives the same bits at every level: the integer products (qgemv.h) and
 // the tiled GEMM (gemm.h) are bit-identical across levels, generic included. The fp32/bf16 GEMV
 // (gemv.h) runs its lanes along k, so its last bits depend on kLanes (a different summation
-// order, never a different result within one level). Preconditions: `dot` takes weights in
-// [-127, 127] and activations in [-127, 127] (AVX2's maddubs pairs then never saturate); so
+// order, never a different result within one level). Preconditions: `q8x8_dot` takes weights
+// in [-127, 127] and activations in [-127, 127] (AVX2's maddubs pairs then never saturate); so
 // does `dot_acc`; `dotu_acc` takes unsigned bytes as above and signed ones in [-127, 127].
 #pragma once
 
@@ -212,13 +215,6 @@ inline b32 q4_unpack(const uint8_t* p) {  // q4_nibbles, each - 8
     return int8_t(i < 16 ? int(p[i] & 15) - 8 : int(p[i - 16] >> 4) - 8);
   });
 }
-inline i32x8 dot(b32 w, b32 a) {
-  return map<int32_t, 8>([&](int i) {
-    int32_t s = 0;
-    for (int j = 4 * i; j < 4 * i + 4; ++j) s += int32_t(w.v[j]) * int32_t(a.v[j]);
-    return s;
-  });
-}
 inline void widen(b32 q, float s, float* out) {  // out[j] = q[j] * s
   for (int j = 0; j < 32; ++j) out[j] = float(q.v[j]) * s;
 }
@@ -240,13 +236,36 @@ inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
     return s;
   });
 }
-inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
-  for (int r = 0; r < 8; ++r)
-    for (int j = 0; j < 8; ++j)
-      for (int i = 0; i < 4; ++i) dst[r * ld + 4 * j + i] = w.quad[j].v[4 * r + i];
-}
 inline f8 load8_bf16(const c10::BFloat16* p) {
   return map<float, 8>([&](int i) { return float(p[i]); });
+}
+struct q8x8 {
+  b32 quad[8];
+};
+inline q8x8 q8x8_load(const int8_t* p) {
+  q8x8 r;
+  for (int j = 0; j < 8; ++j) r.quad[j] = load32(p + 32 * j);
+  return r;
+}
+inline i32x8 q8x8_dot(const q8x8& w, int32_t, const int8_t* q) {
+  return map<int32_t, 8>([&](int r) {
+    int32_t s = 0;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) s += int32_t(w.quad[j].v[4 * r + i]) * int32_t(q[4 * j + i]);
+    return s;
+  });
+}
+template <int N>
+inline lanes<int8_t, N> flip(lanes<int8_t, N> a) {
+  return map<int8_t, N>([&](int i) { return int8_t(uint8_t(a.v[i]) ^ 0x80u); });
+}
+template <int N>
+inline lanes<int8_t, N> nib_lo(lanes<int8_t, N> a) {
+  return map<int8_t, N>([&](int i) { return int8_t(uint8_t(a.v[i]) & 15); });
+}
+template <int N>
+inline lanes<int8_t, N> nib_hi(lanes<int8_t, N> a) {
+  return map<int8_t, N>([&](int i) { return int8_t(uint8_t(a.v[i]) >> 4); });
 }
 template <int N>  // the 4 bytes at p in each of N int32 lanes
 inline lanes<int8_t, 4 * N> bcast4(const int8_t* p) {
@@ -323,9 +342,9 @@ using i32x8 = ref::i32x8;
 using b32 = ref::b32;
 using vd = ref::vd;
 using ref::add, ref::sub, ref::mul, ref::div, ref::fma, ref::fnma, ref::min, ref::max;
-using ref::dot, ref::deinterleave3, ref::hsum, ref::load32;
+using ref::deinterleave3, ref::hsum, ref::load32;
 using ref::pow2i, ref::q4_nibbles, ref::q4x8, ref::q4x8_dot, ref::q4x8_unpack, ref::load8_bf16;
-using ref::q4x8_rows;
+using ref::q8x8, ref::q8x8_dot, ref::q8x8_load;
 using ref::q4_unpack, ref::store32;
 using ref::quantize32, ref::round_even, ref::shift_in3, ref::to_float, ref::widen;
 inline vec zero() { return ref::splat<float, kLanes>(0.f); }
@@ -365,29 +384,13 @@ inline ivec zero_i() { return ref::splat<int32_t, kLanes>(0); }
 inline ivec load_i(const int32_t* p) { return ref::load_n<int32_t, kLanes>(p); }
 inline bvec load_b(const int8_t* p) { return ref::load_n<int8_t, 4 * kLanes>(p); }
 inline bvec bcast4(const int8_t* p) { return ref::bcast4<kLanes>(p); }
+inline bvec flip(bvec a) { return ref::flip(a); }
+inline bvec nib_lo(bvec a) { return ref::nib_lo(a); }
+inline bvec nib_hi(bvec a) { return ref::nib_hi(a); }
 }  // namespace hs::simd
 #endif
 
 namespace hs::simd {
-
-#if !defined(HS_AVX512)  // (simd_x86.h has them in one register)
-struct f8x2 {
-  f8 lo, hi;
-};
-struct i32x8x2 {
-  i32x8 lo, hi;
-};
-struct b32x2 {
-  b32 lo, hi;
-};
-inline f8x2 zero8x2() { return {zero8(), zero8()}; }
-inline b32x2 load64(const int8_t* p) { return {load32(p), load32(p + 32)}; }
-inline i32x8x2 dot(b32x2 w, b32x2 a) { return {dot(w.lo, a.lo), dot(w.hi, a.hi)}; }
-inline f8x2 to_float(i32x8x2 a) { return {to_float(a.lo), to_float(a.hi)}; }
-inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {fma(a.lo, b.lo, c.lo), fma(a.hi, b.hi, c.hi)}; }
-inline f8x2 bcast8x2(const float* s) { return {bcast8(s[0]), bcast8(s[1])}; }
-inline f8 fold(f8x2 a) { return add(a.lo, a.hi); }
-#endif
 
 #if !defined(HS_BF16)  // (simd_x86.h has them in vdpbf16ps's form)
 struct bpairs {

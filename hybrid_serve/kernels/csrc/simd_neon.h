@@ -73,7 +73,6 @@ inline int32x4_t dot16(int8x16_t w, int8x16_t a) {  // lane i: bytes 4i..4i+3
   return vpaddq_s32(lo, hi);
 #endif
 }
-inline i32x8 dot(b32 w, b32 a) { return {dot16(w.lo, a.lo), dot16(w.hi, a.hi)}; }
 // int4 tiles: a quad's 8 rows in two registers (rows 0-3, 4-7), each against the quad's
 // activations in every lane (nibbles 0..15 read as signed bytes alike).
 struct q4x8 {
@@ -106,14 +105,32 @@ inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
   }
   return {lo, vaddq_s32(hi, vdupq_n_s32(c))};
 }
-inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
-  int8_t q[8][32];
+// int8 tiles: a quad's 8 rows in two registers (rows 0-3, 4-7), each against the quad's
+// activations in every lane, signed by signed.
+struct q8x8 {
+  int8x16_t quad[8][2];
+};
+inline q8x8 q8x8_load(const int8_t* p) {
+  q8x8 r;
+  for (int j = 0; j < 8; ++j)
+    for (int h = 0; h < 2; ++h) r.quad[j][h] = vld1q_s8(p + 32 * j + 16 * h);
+  return r;
+}
+inline i32x8 q8x8_dot(const q8x8& w, int32_t, const int8_t* q) {
+  int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);
   for (int j = 0; j < 8; ++j) {
-    vst1q_s8(q[j], w.quad[j][0]);
-    vst1q_s8(q[j] + 16, w.quad[j][1]);
+    int32_t bits;
+    std::memcpy(&bits, q + 4 * j, sizeof bits);
+    const int8x16_t a = vreinterpretq_s8_s32(vdupq_n_s32(bits));
+#if defined(HS_DOTPROD)
+    lo = vdotq_s32(lo, w.quad[j][0], a);
+    hi = vdotq_s32(hi, w.quad[j][1], a);
+#else
+    lo = vaddq_s32(lo, dot16(w.quad[j][0], a));
+    hi = vaddq_s32(hi, dot16(w.quad[j][1], a));
+#endif
   }
-  for (int r = 0; r < 8; ++r)
-    for (int j = 0; j < 8; ++j) std::memcpy(dst + r * ld + 4 * j, q[j] + 4 * r, 4);
+  return {lo, hi};
 }
 inline f8 load8_bf16(const c10::BFloat16* p) {
   const uint16x8_t h = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
@@ -227,5 +244,14 @@ inline ivec dot_acc(ivec acc, bvec w, bvec a) {
 #endif
 }
 inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return dot_acc(acc, u, s); }
+inline bvec flip(bvec a) {
+  return {vreinterpretq_s8_u8(veorq_u8(vreinterpretq_u8_s8(a.v), vdupq_n_u8(0x80)))};
+}
+inline bvec nib_lo(bvec a) {
+  return {vreinterpretq_s8_u8(vandq_u8(vreinterpretq_u8_s8(a.v), vdupq_n_u8(0x0F)))};
+}
+inline bvec nib_hi(bvec a) {
+  return {vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_s8(a.v), 4))};
+}
 
 }  // namespace hs::simd

@@ -61,19 +61,16 @@ inline b32 q4_nibbles(const uint8_t* p) {
 inline b32 q4_unpack(const uint8_t* p) {
   return {_mm256_sub_epi8(q4_nibbles(p).v, _mm256_set1_epi8(8))};
 }
-inline i32x8 dot(b32 w, b32 a) {
-  const __m256i w_abs = _mm256_sign_epi8(w.v, w.v), a_signed = _mm256_sign_epi8(a.v, w.v);
-#if defined(HS_VNNI_EVEX)
-  return {_mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, a_signed)};
-#elif defined(HS_VNNI_VEX)
-  return {_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w_abs, a_signed)};
-#else
-  return {_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, a_signed), _mm256_set1_epi16(1))};
-#endif
+inline __m256i bcast_quad(const int8_t* q) {
+  int32_t bits;
+  std::memcpy(&bits, q, sizeof bits);
+  return _mm256_set1_epi32(bits);
 }
 // int4 tiles: each quad of activations broadcast (a load) against 8 rows' nibbles of it. With
 // VNNI one vpdpbusd per quad; with AVX2 the quads' maddubs pairs summed in int16 (8 quads of
-// 15 x 127 pairs: at most 30480, no saturation) and widened once.
+// 15 x 127 pairs: at most 30480, no saturation) and widened once. (A 512-bit body, two quads
+// per register against a permutation of the activations, ran no faster on Zen 4 at one row and
+// slower at four: 256-bit here at every level.)
 struct q4x8 {
   __m256i quad[8];
 };
@@ -87,22 +84,19 @@ inline q4x8 q4x8_unpack(const uint8_t* p) {
   }
   return r;
 }
-inline __m256i bcast_quad(const int8_t* q) {
-  int32_t bits;
-  std::memcpy(&bits, q, sizeof bits);
-  return _mm256_set1_epi32(bits);
+inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+#if defined(HS_VNNI_EVEX)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
 }
 inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
 #if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)
   __m256i a = _mm256_set1_epi32(c), b = _mm256_setzero_si256();
   for (int j = 0; j < 8; j += 2) {
-#if defined(HS_VNNI_EVEX)
-    a = _mm256_dpbusd_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
-    b = _mm256_dpbusd_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
-#else
-    a = _mm256_dpbusd_avx_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
-    b = _mm256_dpbusd_avx_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
-#endif
+    a = dpbusd8(a, w.quad[j], bcast_quad(q + 4 * j));
+    b = dpbusd8(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
   }
   return {_mm256_add_epi32(a, b)};
 #else
@@ -112,28 +106,77 @@ inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
   return {_mm256_add_epi32(_mm256_set1_epi32(c), _mm256_madd_epi16(s, _mm256_set1_epi16(1)))};
 #endif
 }
-// The 8 x 8 dwords (quad j, row r) transposed to (row r, quad j): two rounds of unpacks within
-// the 128-bit lanes, then the lanes swapped.
-inline void q4x8_rows(const q4x8& w, int8_t* dst, int64_t ld) {
-  __m256i t[8], u[8];
-  for (int h = 0; h < 2; ++h) {  // quads 0-3, then 4-7
-    const __m256i* q = w.quad + 4 * h;
-    t[0] = _mm256_unpacklo_epi32(q[0], q[1]);
-    t[1] = _mm256_unpackhi_epi32(q[0], q[1]);
-    t[2] = _mm256_unpacklo_epi32(q[2], q[3]);
-    t[3] = _mm256_unpackhi_epi32(q[2], q[3]);
-    u[4 * h + 0] = _mm256_unpacklo_epi64(t[0], t[2]);  // rows 0 | 4
-    u[4 * h + 1] = _mm256_unpackhi_epi64(t[0], t[2]);  // rows 1 | 5
-    u[4 * h + 2] = _mm256_unpacklo_epi64(t[1], t[3]);  // rows 2 | 6
-    u[4 * h + 3] = _mm256_unpackhi_epi64(t[1], t[3]);  // rows 3 | 7
-  }
-  for (int r = 0; r < 4; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld),
-                        _mm256_permute2x128_si256(u[r], u[4 + r], 0x20));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (r + 4) * ld),
-                        _mm256_permute2x128_si256(u[r], u[4 + r], 0x31));
-  }
+#if defined(HS_VNNI_EVEX)
+// int8 tiles in 512-bit registers: register h holds quads 2h and 2h + 1 of the 8 rows (the
+// tile's bytes [64 h, 64 h + 64) plus 128, unsigned) against the activation quads 2h (lanes
+// 0-7) and 2h + 1 (lanes 8-15), one permutation of the block's 32 bytes each, the lanes started
+// at -128 sum; lanes r and r + 8 added last.
+struct q8x8 {
+  __m512i pair[4];
+};
+inline q8x8 q8x8_load(const int8_t* p) {
+  const __m512i m = _mm512_set1_epi8(int8_t(0x80));
+  q8x8 r;
+  for (int h = 0; h < 4; ++h) r.pair[h] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * h), m);
+  return r;
 }
+inline i32x8 q8x8_dot(const q8x8& w, int32_t sum, const int8_t* q) {
+  const __m512i a =
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const auto quads = [&](int h) {
+    const __m512i idx =
+        _mm512_inserti64x4(_mm512_set1_epi32(2 * h), _mm256_set1_epi32(2 * h + 1), 1);
+    return _mm512_permutexvar_epi32(idx, a);
+  };
+  __m512i s0 = _mm512_maskz_set1_epi32(0x00FF, -128 * sum), s1 = _mm512_setzero_si512();
+  s0 = _mm512_dpbusd_epi32(s0, w.pair[0], quads(0));
+  s1 = _mm512_dpbusd_epi32(s1, w.pair[1], quads(1));
+  s0 = _mm512_dpbusd_epi32(s0, w.pair[2], quads(2));
+  s1 = _mm512_dpbusd_epi32(s1, w.pair[3], quads(3));
+  const __m512i s = _mm512_add_epi32(s0, s1);
+  return {_mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1))};
+}
+#else
+// int8 tiles: with AVX-VNNI the bytes plus 128 (unsigned) against each broadcast quad, the
+// lanes started at -128 sum; with AVX2 maddubs of |w| and the quad given w's signs (|w| and
+// |q| <= 127: a pair at most 32258, no saturation), widened to int32 per quad.
+struct q8x8 {
+  __m256i quad[8];
+};
+inline q8x8 q8x8_load(const int8_t* p) {
+  q8x8 r;
+  for (int j = 0; j < 8; ++j) {
+    r.quad[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+#if defined(HS_VNNI_VEX)
+    r.quad[j] = _mm256_xor_si256(r.quad[j], _mm256_set1_epi8(int8_t(0x80)));
+#endif
+  }
+  return r;
+}
+inline i32x8 q8x8_dot(const q8x8& w, int32_t sum, const int8_t* q) {
+#if defined(HS_VNNI_VEX)
+  __m256i a = _mm256_set1_epi32(-128 * sum), b = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j += 2) {
+    a = _mm256_dpbusd_avx_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
+    b = _mm256_dpbusd_avx_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
+  }
+  return {_mm256_add_epi32(a, b)};
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j += 2) {
+    const __m256i w0 = w.quad[j], w1 = w.quad[j + 1];
+    const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0),
+                                            _mm256_sign_epi8(bcast_quad(q + 4 * j), w0));
+    const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1),
+                                            _mm256_sign_epi8(bcast_quad(q + 4 * j + 4), w1));
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(p0, ones));
+    b = _mm256_add_epi32(b, _mm256_madd_epi16(p1, ones));
+  }
+  return {_mm256_add_epi32(a, b)};
+#endif
+}
+#endif
 inline f8 load8_bf16(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
@@ -272,6 +315,11 @@ inline ivec dot_acc(ivec acc, bvec w, bvec a) {  // |w| times a with w's signs
   return {dpbusd(acc.v, _mm512_abs_epi8(w.v), a_signed)};
 }
 inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return {dpbusd(acc.v, u.v, s.v)}; }
+inline bvec flip(bvec a) { return {_mm512_xor_si512(a.v, _mm512_set1_epi8(int8_t(0x80)))}; }
+inline bvec nib_lo(bvec a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
+inline bvec nib_hi(bvec a) {
+  return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))};
+}
 
 #if defined(HS_BF16)
 // ---- bpairs: 16 bf16 pairs for vdpbf16ps ----
@@ -288,32 +336,6 @@ inline vec dot_pairs(vec acc, bpairs a, bpairs b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a.v), reinterpret_cast<__m512bh&>(b.v));
 }
 #endif
-
-// ---- f8x2, i32x8x2, b32x2: two blocks in one 512-bit register ----
-struct f8x2 {
-  __m512 v;
-};
-struct i32x8x2 {
-  __m512i v;
-};
-struct b32x2 {
-  __m512i v;
-};
-inline f8x2 zero8x2() { return {_mm512_setzero_ps()}; }
-inline b32x2 load64(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
-inline i32x8x2 dot(b32x2 w, b32x2 a) {  // |w| times a with w's signs
-  const __mmask64 neg = _mm512_movepi8_mask(w.v);
-  const __m512i a_signed = _mm512_mask_sub_epi8(a.v, neg, _mm512_setzero_si512(), a.v);
-  return {dpbusd(_mm512_setzero_si512(), _mm512_abs_epi8(w.v), a_signed)};
-}
-inline f8x2 to_float(i32x8x2 a) { return {_mm512_cvtepi32_ps(a.v)}; }
-inline f8x2 fma(f8x2 a, f8x2 b, f8x2 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline f8x2 bcast8x2(const float* s) {
-  return {_mm512_insertf32x8(_mm512_set1_ps(s[0]), _mm256_set1_ps(s[1]), 1)};
-}
-inline f8 fold(f8x2 a) {
-  return {_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1))};
-}
 #else
 constexpr int kLanes = 8;
 constexpr int kLanesD = 4;
@@ -384,6 +406,11 @@ inline ivec dot_acc(ivec acc, bvec w, bvec a) {  // |w| times a with w's signs
   return {dpbusd(acc.v, _mm256_sign_epi8(w.v, w.v), _mm256_sign_epi8(a.v, w.v))};
 }
 inline ivec dotu_acc(ivec acc, bvec u, bvec s) { return {dpbusd(acc.v, u.v, s.v)}; }
+inline bvec flip(bvec a) { return {_mm256_xor_si256(a.v, _mm256_set1_epi8(int8_t(0x80)))}; }
+inline bvec nib_lo(bvec a) { return {_mm256_and_si256(a.v, _mm256_set1_epi8(0x0F))}; }
+inline bvec nib_hi(bvec a) {
+  return {_mm256_and_si256(_mm256_srli_epi16(a.v, 4), _mm256_set1_epi8(0x0F))};
+}
 #endif
 
 #if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)

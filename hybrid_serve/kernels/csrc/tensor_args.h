@@ -19,8 +19,8 @@ inline int64_t in_features(const at::Tensor& w) {
 }
 
 // The job of `w` (a contiguous fp32, bf16, int8 or int4-format matrix, or `rows` rows of it from
-// `row0`; a stack [E, N, K] is rows of one matrix, except int4, whose experts are tiled each on
-// its own: one expert's rows, row0 = e N).
+// `row0`; a stack [E, N, K] is rows of one matrix, except int8 and int4, whose experts are tiled
+// each on its own: one expert's rows, row0 = e N).
 inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M, int64_t row0 = 0,
                       int64_t rows = -1) {
   TORCH_CHECK(weight_dtype(w.scalar_type()), "GEMV weights: fp32, bf16, int8 or int4");

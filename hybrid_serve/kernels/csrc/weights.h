@@ -15,28 +15,31 @@
 
 namespace hs {
 
-// The quantized weight formats (kernels/quant.py), one tensor per matrix [..., N, K]:
-// - int8 (torch.int8): rows of K + kScaleBytes bytes, q[n, 0..K) then the fp32 scale's bytes,
-//   w[n, k] = q[n, k] * scale[n].
+// The quantized weight formats (kernels/quant.py), one tensor per matrix [..., N, K], both laid
+// out for the products once, by the quantizer at load: the rows [0, N8), N8 = N rounded down to
+// kTile, in tiles of kTile = 8 rows, a tile the bytes of its 8 rows, so that one 32-byte load is
+// 4 elements (a quad) of each of the 8 rows, what one vpdpbusd against a broadcast quad of
+// activations takes; the last N - N8 rows (fewer than 8) in row order.
+// - int8 (torch.int8): w[n, k] = q[n, k] * scale[n], an fp32 scale per row, K + kScaleBytes bytes
+//   per row as [N, K + 4] shows. A tile: K / 32 blocks of kQ8Block = 256 bytes, block b holding
+//   columns [32 b, 32 b + 32): byte 32 p + 4 r + i = row r's element 32 b + 4 p + i (p < 8,
+//   i < 4); then the tile's last t = K % 32 columns row by row (row r's element 32 (K / 32) + j
+//   at r t + j); then the 8 rows' scales (row r at 4 r). A row in row order: q[n, 0..K) then
+//   the scale's bytes. `q8_row` and `q8_row_scale` read any row back.
 // - int4 (torch.uint8): K a multiple of kQ4Group, w[n, k] = (u - 8) * scale[n, k / kQ4Group]
 //   for u its nibble (0..15) and a bf16 scale per group, 9K/16 bytes per row as [N, 9K/16]
-//   shows, laid out for the products (made once, by the quantizer at load):
-//   - the rows [0, N8), N8 = N rounded down to kQ4Tile, in tiles of kQ4Tile = 8 rows, a tile the
-//     bytes of its 8 rows: K / kQ4Group blocks of kQ4Block = 144 bytes, block g holding the
-//     tile's group g: 128 bytes of nibbles, byte 32 p + 4 r + i = row r's element 4 p + i
-//     (low nibble) and element 16 + 4 p + i (high nibble), p < 4, i < 4; then the 8 rows'
-//     scales (bf16, row r at 2r). One 32-byte load is then 4 elements of each of the 8 rows
-//     (twice: low and high nibbles), what one vpdpbusd against a broadcast quad of activations
-//     takes (simd.h's `q4x8`), and a block's 8 scales are one load;
-//   - the last N - N8 rows (fewer than 8) as rows: K / 2 bytes of groups of 16 (group g's
-//     element j in byte 16 g + j's low nibble, element j + 16 in its high nibble) then the
-//     K / kQ4Group scales.
-//   `q4_group` reads any row's group back in the row order.
-// Their products (qgemv.h, gemm.h) multiply int8-rounded activations.
+//   shows. A tile: K / kQ4Group blocks of kQ4Block = 144 bytes, block g holding the tile's
+//   group g: 128 bytes of nibbles, byte 32 p + 4 r + i = row r's element 4 p + i (low nibble)
+//   and element 16 + 4 p + i (high nibble), p < 4, i < 4; then the 8 rows' scales (bf16, row r
+//   at 2r) (simd.h's `q4x8`; a block's 8 scales are one load). A row in row order: K / 2 bytes
+//   of groups of 16 (group g's element j in byte 16 g + j's low nibble, element j + 16 in its
+//   high nibble) then the K / kQ4Group scales. `q4_group` reads any row's group back.
+// Their products (qgemv.h, qgemm.h) multiply int8-rounded activations.
 constexpr int64_t kScaleBytes = 4;
+constexpr int64_t kTile = 8;
+constexpr int64_t kQ8Block = kTile * 32;  // bytes per tile per 32 columns
 constexpr int64_t kQ4Group = 32;
-constexpr int64_t kQ4Tile = 8;
-constexpr int64_t kQ4Block = kQ4Tile * (kQ4Group / 2 + 2);  // bytes per tile per group
+constexpr int64_t kQ4Block = kTile * (kQ4Group / 2 + 2);  // bytes per tile per group
 
 // Elements (bytes for the quantized formats) per stored row of a K-wide matrix.
 template <typename W>
@@ -46,15 +49,36 @@ constexpr int64_t row_stride(int64_t K) {
   return K;
 }
 
-// The scale of an int8 row of K values (read from its tail).
-inline float row_scale(const int8_t* row, int64_t K) {
+// Rows of a quantized matrix of N rows that lie in tiles.
+inline int64_t tiled_rows(int64_t N) { return N / kTile * kTile; }
+
+// The scale of row n of an int8 matrix w of N rows and K columns.
+inline float q8_row_scale(const int8_t* w, int64_t N, int64_t K, int64_t n) {
+  const int64_t S = row_stride<int8_t>(K);
+  const int8_t* p = w + n * S + K;  // a row in row order
+  if (n < tiled_rows(N)) p = w + (n - n % kTile) * S + kTile * K + kScaleBytes * (n % kTile);
   float s;
-  std::memcpy(&s, row + K, sizeof s);
+  std::memcpy(&s, p, sizeof s);
   return s;
 }
 
-// Rows of an int4 matrix of N rows that lie in tiles.
-inline int64_t q4_tiled_rows(int64_t N) { return N / kQ4Tile * kQ4Tile; }
+// Row n's values [k0, k0 + kn) of an int8 matrix w of N rows and K columns, in k order -> out.
+inline void q8_row(const int8_t* w, int64_t N, int64_t K, int64_t n, int64_t k0, int64_t kn,
+                   int8_t* out) {
+  const int64_t S = row_stride<int8_t>(K);
+  if (n >= tiled_rows(N)) {
+    std::memcpy(out, w + n * S + k0, kn);
+    return;
+  }
+  const int64_t r = n % kTile, full = K / 32 * 32, t = K - full;
+  const int8_t* tile = w + (n - r) * S;
+  int64_t k = k0;
+  for (; k % 4 == 0 && k + 4 <= std::min(k0 + kn, full); k += 4)  // whole quads
+    std::memcpy(out + k - k0, tile + k / 32 * kQ8Block + (k % 32) / 4 * 32 + 4 * r, 4);
+  for (; k < k0 + kn; ++k)
+    out[k - k0] = k < full ? tile[k / 32 * kQ8Block + (k % 32) / 4 * 32 + 4 * r + k % 4]
+                           : tile[full * kTile + r * t + (k - full)];
+}
 
 template <typename W>
 inline float load1(const W* p);
@@ -76,8 +100,8 @@ inline float q4_group(const uint8_t* w, int64_t N, int64_t K, int64_t n, int64_t
                       uint8_t* out) {
   const int64_t S = row_stride<uint8_t>(K);
   const auto scales = [](const uint8_t* p) { return reinterpret_cast<const c10::BFloat16*>(p); };
-  if (n < q4_tiled_rows(N)) {
-    const int64_t r = n % kQ4Tile;
+  if (n < tiled_rows(N)) {
+    const int64_t r = n % kTile;
     const uint8_t* blk = w + (n - r) * S + g * kQ4Block;
     for (int64_t p = 0; p < 4; ++p) std::memcpy(out + 4 * p, blk + 32 * p + 4 * r, 4);
     return load1(scales(blk + 128) + r);
