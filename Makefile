@@ -8,8 +8,8 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL_PATH  ?=
 PYTEST_ARGS ?=
-# pytest processes side by side (tests/shards.py deals the test files between them; each test
-# runs one torch thread): the CI machine's 2 cores. TEST_SHARDS=1: one plain pytest.
+# pytest processes side by side, sharing out the test files (tests/shards.py; each test runs one
+# torch thread): the CI machine's 2 cores. TEST_SHARDS=1: one plain pytest.
 TEST_SHARDS ?= 2
 SERVE_ARGS  ?=
 

@@ -1,12 +1,9 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
-
-from tests.shards import parse_shard, select
 
 # transformers must never reach a hub from the test suite.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,25 +17,7 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--shard",
-        default=None,
-        help="K/N: run only the test files of shard K of N (tests/shards.py deals them)",
-    )
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if shard := config.getoption("--shard"):
-        try:
-            k, n = parse_shard(shard)
-        except ValueError as e:
-            raise pytest.UsageError(str(e)) from None
-        files = [Path(os.path.relpath(item.path, config.rootpath)).as_posix() for item in items]
-        keep = select(files, k, n)
-        dropped = [item for item, ok in zip(items, keep, strict=True) if not ok]
-        items[:] = [item for item, ok in zip(items, keep, strict=True) if ok]
-        config.hook.pytest_deselected(items=dropped)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -1,73 +1,124 @@
-"""The suite on several cores: the test files dealt between N pytest processes run side by side.
+"""The suite on several cores: N pytest processes side by side sharing out the test files.
 
 Every test runs one torch thread (tests/conftest.py) and most wait on one process at a time, so
-one pytest keeps about one core busy; `make test` runs `python -m tests.shards`, N processes of
-`pytest --shard K/N` (N: TEST_SHARDS, default 2, the CI machine's cores).
+one pytest keeps about one core busy; `make test` runs `python -m tests.shards`, N pytest
+processes over the same collection (N: TEST_SHARDS, default 2, the CI machine's cores).
 
-Dealing (`deal`): each test file goes whole to one shard, so its module fixtures (a server, an
-engine, a checkpoint and transformers' reference) are built once. Files go heaviest first, each
-to the shard with the least weight so far; a file's weight is its seconds in WEIGHTS (measured on
-the 2-core machine) or SECONDS_PER_TEST per test it holds. The weights only balance the shards: a
-stale one makes one shard end earlier, and never changes which tests run. Every collected test is
-in exactly one shard; `--shard` deselects the others (pytest reports them as deselected).
+Sharing out: the processes walk the same list of test files, heaviest first (a file's weight:
+its seconds in WEIGHTS, else SECONDS_PER_TEST per test it holds), and each runs the next file no
+process has claimed yet (a claim: creating the file's name in a folder the runner gives them all,
+`--shard-claims`, which one process alone can do). So a process that drew slow files takes fewer,
+whatever the weights say: they only put the long files first, and a stale weight never changes
+which tests run. A file runs whole in one process (its module fixtures are built once); every
+collected test runs in exactly one process. Each process reports its own tests, and says how
+many ran elsewhere.
 
-The runner passes its arguments to every shard (paths, -k, -x, ...), gives each its own
---basetemp, streams shard 1 and prints the others' output after it, and exits with the first
-non-zero status (5, no test collected, only when no shard ran a test).
+The runner passes its arguments to every process (paths, -k, -x, ...), gives each its own
+--basetemp, streams the first and prints the others' output after it, and exits with the first
+non-zero status (5, no test collected, only when no process ran a test).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+import pytest
+from _pytest.runner import runtestprotocol
 
 NO_TESTS = 5  # pytest's exit status when nothing was collected (or all were deselected)
-SECONDS_PER_TEST = 0.4
-# seconds per file on the 2-core machine (`pytest --durations=0`, setup + call + teardown):
-# the files over 10 s
-WEIGHTS: dict[str, float] = {}
+SECONDS_PER_TEST = 0.2
+# the files that take longest on the 2-core CI machine, in seconds (rounded; setup, call and
+# teardown of all their tests): they go first
+WEIGHTS: dict[str, float] = {
+    "tests/kernels/test_cpu_levels.py": 100,
+    "tests/test_fresh_install.py": 55,
+    "tests/scheduler/test_hybrid_families_prefix_cache.py": 50,
+    "tests/scheduler/test_prefix_grid.py": 40,
+    "tests/scheduler/test_hybrid_families_engine.py": 35,
+    "tests/server/test_shutdown.py": 30,
+    "tests/server/test_ownership.py": 30,
+    "tests/scheduler/test_tensor_parallel_engine.py": 30,
+    "tests/server/test_tool_formats_server.py": 30,
+    "tests/models/test_tensor_parallel_families.py": 25,
+    "tests/server/test_hicache_server.py": 25,
+    "tests/server/test_security.py": 20,
+    "tests/server/test_launch.py": 17,
+    "tests/server/test_soak.py": 16,
+    "tests/server/test_family_chat.py": 15,
+    "tests/server/test_reasoning_server.py": 15,
+    "tests/models/test_fp8_resident.py": 15,
+    "tests/models/test_triton_model.py": 15,
+    "tests/server/test_tp_server.py": 14,
+    "tests/models/test_nemotron_h_triton.py": 12,
+    "tests/server/test_ling3_server.py": 12,
+    "tests/server/test_thinking_server.py": 12,
+    "tests/models/test_tensor_parallel.py": 12,
+    "tests/benchmarks/test_gpu_scale.py": 10,
+    "tests/server/test_tools.py": 10,
+    "tests/server/test_dp.py": 9,
+    "tests/server/test_connections.py": 8,
+    "tests/server/test_limits.py": 8,
+    "tests/server/test_faults.py": 8,
+    "tests/server/test_qwen3_5_server.py": 7,
+}
 
 
-def parse_shard(text: str) -> tuple[int, int]:
-    """`K/N` -> (K, N), 1 <= K <= N. Raises ValueError on anything else."""
-    k, sep, n = text.partition("/")
-    if not sep or not k.isdigit() or not n.isdigit() or not 1 <= int(k) <= int(n):
-        raise ValueError(f"--shard wants K/N with 1 <= K <= N, got {text!r}")
-    return int(k), int(n)
-
-
-def deal(tests_per_file: dict[str, int], shards: int) -> dict[str, int]:
-    """Each file's shard (0 .. shards-1): heaviest first to the lightest shard so far (ties: the
-    lower shard), files of equal weight by path, so every process deals the same way."""
+def order_files(tests_per_file: dict[str, int]) -> list[str]:
+    """The files heaviest first (ties: by path), the same list in every process."""
     weight = {f: WEIGHTS.get(f, SECONDS_PER_TEST * n) for f, n in tests_per_file.items()}
-    load = [0.0] * shards
-    out = {}
-    for f in sorted(weight, key=lambda f: (-weight[f], f)):
-        k = min(range(shards), key=lambda i: (load[i], i))
-        out[f] = k
-        load[k] += weight[f]
-    return out
+    return sorted(weight, key=lambda f: (-weight[f], f))
 
 
-def select(files: Sequence[str], shard: int, shards: int) -> list[bool]:
-    """For each test's file (`files`, one entry per collected test, relative to the repository
-    root with '/'), whether it runs in `shard` (1-based) of `shards`."""
-    owner = deal(Counter(files), shards)
-    return [owner[f] == shard - 1 for f in files]
+class Claims:
+    """Which of `files` (one entry per collected test, in run order) this process runs, decided
+    file by file as the run reaches them: the first process to create a file's entry in `folder`
+    runs it. `ours(i)` for the test at index i; `next_ours(i)`, the index of the next test this
+    process runs after i (claiming files on the way), None at the end."""
+
+    def __init__(self, folder: Path, files: list[str]) -> None:
+        self.folder, self.files = folder, files
+        self.owned: dict[str, bool] = {}
+        self.lost = Counter()  # tests per file another process runs
+
+    def _claim(self, name: str) -> bool:
+        if name not in self.owned:
+            entry = self.folder / name.replace("/", "__")
+            try:
+                os.close(os.open(entry, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                self.owned[name] = True
+            except FileExistsError:
+                self.owned[name] = False
+                self.lost[name] = self.files.count(name)
+        return self.owned[name]
+
+    def ours(self, i: int) -> bool:
+        return self._claim(self.files[i])
+
+    def next_ours(self, i: int) -> int | None:
+        for j in range(i + 1, len(self.files)):
+            if self.files[j] == self.files[i] or self.ours(j):
+                return j
+        return None
+
+
+def run_order(files: list[str]) -> list[int]:
+    """The indices of the tests (`files`: each one's file) in sharing order: file by file, the
+    heaviest first, each file's tests in their collected order."""
+    rank = {f: r for r, f in enumerate(order_files(Counter(files)))}
+    return sorted(range(len(files)), key=lambda i: (rank[files[i]], i))
 
 
 def combined_status(statuses: Iterable[int]) -> int:
-    """The first failing status; NO_TESTS only when every shard collected nothing."""
+    """The first failing status; NO_TESTS only when every process collected nothing."""
     statuses = list(statuses)
     failed = [s for s in statuses if s not in (0, NO_TESTS)]
     if failed:
@@ -76,12 +127,15 @@ def combined_status(statuses: Iterable[int]) -> int:
 
 
 def run(shards: int, pytest_args: list[str]) -> int:
-    """`pytest --shard K/N pytest_args` for every K at once; the combined exit status."""
+    """`shards` pytest processes over `pytest_args`, sharing out the files; the combined exit
+    status."""
     base = Path(tempfile.mkdtemp(prefix="hybrid-serve-shards-"))
+    claims = base / "claims"
+    claims.mkdir()
     procs, logs = [], []
     try:
         for k in range(1, shards + 1):
-            cmd = [sys.executable, "-m", "pytest", f"--shard={k}/{shards}"]
+            cmd = [sys.executable, "-m", "pytest", "-p", "tests.shards", f"--shard-claims={claims}"]
             cmd += [f"--basetemp={base / f'shard-{k}'}", *pytest_args]
             if k == 1:  # streamed, so a long run shows progress
                 procs.append(subprocess.Popen(cmd))
@@ -100,10 +154,10 @@ def run(shards: int, pytest_args: list[str]) -> int:
         for log in logs:
             log.close()
     for k in range(2, shards + 1):
-        print(f"\n---- shard {k}/{shards} ----", flush=True)
+        print(f"\n---- pytest process {k}/{shards} ----", flush=True)
         sys.stdout.write((base / f"shard-{k}.log").read_text(errors="replace"))
     status = combined_status(statuses)
-    print(f"\nshards' exit statuses: {statuses}", flush=True)
+    print(f"\nthe pytest processes' exit statuses: {statuses}", flush=True)
     if status in (0, NO_TESTS):
         shutil.rmtree(base, ignore_errors=True)
     else:
@@ -112,7 +166,7 @@ def run(shards: int, pytest_args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--shards", type=int, default=int(os.environ.get("TEST_SHARDS", 2)))
     args, pytest_args = parser.parse_known_args(argv)
     if args.shards < 1:
@@ -120,6 +174,72 @@ def main(argv: list[str] | None = None) -> int:
     if args.shards == 1:
         return subprocess.call([sys.executable, "-m", "pytest", *pytest_args])
     return run(args.shards, pytest_args)
+
+
+# ---- the plugin: `pytest -p tests.shards --shard-claims FOLDER` (the runner adds both) ----------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--shard-claims",
+        default=None,
+        help="a folder shared by the pytest processes of one `python -m tests.shards` run: each "
+        "runs the test files it claims there first",
+    )
+
+
+@dataclass
+class Sharing:
+    """This process's part of the run: the tests in sharing order, each one's place in it, and
+    the claims on their files."""
+
+    items: list[pytest.Item]
+    index: dict[int, int]  # id(item) -> its place in `items`
+    claims: Claims
+
+
+SHARING = pytest.StashKey[Sharing]()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own ordering by fixture
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    folder = config.getoption("--shard-claims")
+    if folder is None:
+        return
+    files = [Path(os.path.relpath(item.path, config.rootpath)).as_posix() for item in items]
+    order = run_order(files)
+    items[:] = [items[i] for i in order]
+    claims = Claims(Path(folder), [files[i] for i in order])
+    config.stash[SHARING] = Sharing(list(items), {id(t): i for i, t in enumerate(items)}, claims)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    """A test whose file another process claimed is passed over; one of ours runs as pytest
+    runs it, its fixtures torn down for the next test this process runs (not the next in the
+    list, which may be another's)."""
+    sharing = item.config.stash.get(SHARING, None)
+    if sharing is None:
+        return None
+    i, claims = sharing.index[id(item)], sharing.claims
+    if claims.ours(i):
+        after = claims.next_ours(i)
+        following = None if after is None else sharing.items[after]
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        runtestprotocol(item, nextitem=following)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    # the progress counts this process's tests
+    item.session.testscollected = len(sharing.items) - sum(claims.lost.values())
+    return True
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    sharing = config.stash.get(SHARING, None)
+    if sharing is not None and sharing.claims.lost:
+        lost = sharing.claims.lost
+        terminalreporter.write_line(
+            f"{sum(lost.values())} tests in {len(lost)} files ran in the other pytest processes"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""tests/shards.py: every collected test runs in exactly one shard, dealt the same way by every
-process, and the runner's status is the shards' first failure."""
+"""tests/shards.py: the files in the same order in every process, each claimed by one process
+alone, every collected test run exactly once, and the runner's status the first failure."""
 
 from __future__ import annotations
 
@@ -9,41 +9,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests import shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_parse_shard():
-    assert shards.parse_shard("1/2") == (1, 2) and shards.parse_shard("3/3") == (3, 3)
-    for bad in ("0/2", "3/2", "2", "a/b", "1/0", "-1/2", ""):
-        with pytest.raises(ValueError):
-            shards.parse_shard(bad)
-
-
-def test_every_file_dealt_once_heaviest_first_to_the_lightest_shard(monkeypatch):
+def test_files_go_heaviest_first(monkeypatch):
     monkeypatch.setattr(shards, "WEIGHTS", {"big.py": 100.0, "mid.py": 60.0})
     monkeypatch.setattr(shards, "SECONDS_PER_TEST", 1.0)
-    tests = {"big.py": 2, "mid.py": 3, "a.py": 30, "b.py": 20, "c.py": 5, "d.py": 5}
-    owner = shards.deal(tests, 2)
-    assert set(owner) == set(tests) and set(owner.values()) == {0, 1}
-    # big (100) -> 0; mid (60), a (30), b (20) -> 1 (110 in all); c (5), d (5) -> 0
-    assert owner == {"big.py": 0, "mid.py": 1, "a.py": 1, "b.py": 1, "c.py": 0, "d.py": 0}
-    assert shards.deal(dict(reversed(tests.items())), 2) == owner  # not by the order given
-    assert set(shards.deal(tests, 1).values()) == {0}
-    assert set(shards.deal(tests, 9).values()) == set(range(6))  # never more shards than files
+    tests = {"c.py": 5, "a.py": 30, "mid.py": 3, "d.py": 5, "big.py": 2, "b.py": 70}
+    assert shards.order_files(tests) == ["big.py", "b.py", "mid.py", "a.py", "c.py", "d.py"]
+    files = ["c.py", "a.py", "big.py", "a.py", "big.py", "c.py"]
+    assert shards.run_order(files) == [2, 4, 1, 3, 0, 5]  # file by file, in collected order
 
 
-def test_select_partitions_the_tests():
-    files = ["x.py"] * 4 + ["y.py"] * 3 + ["z.py"] * 7 + ["w.py"]
-    for n in (1, 2, 3, 5):
-        picked = [shards.select(files, k, n) for k in range(1, n + 1)]
-        assert all(sum(col) == 1 for col in zip(*picked, strict=True)), n
-        for mask in picked:  # a file's tests stay together
-            ran = {f for f, ok in zip(files, mask, strict=True) if ok}
-            assert not ran & {f for f, ok in zip(files, mask, strict=True) if not ok}
+def test_each_file_is_claimed_by_one_process_alone(tmp_path):
+    files = ["x.py"] * 3 + ["y.py"] * 2 + ["z.py"] * 4 + ["w.py"]
+    first, second = shards.Claims(tmp_path, files), shards.Claims(tmp_path, files)
+    assert first.ours(0) and first.ours(2)  # x: the first to ask
+    assert not second.ours(1) and second.next_ours(2) == 3  # y is the next file free
+    assert second.ours(3) and not first.ours(4)
+    assert first.next_ours(2) == 5  # passes over y (second's) to claim z
+    assert second.next_ours(4) == 9 and not first.ours(9)  # w: second's, z: first's
+    assert first.next_ours(8) is None
+    assert first.lost == {"y.py": 2, "w.py": 1} and second.lost == {"x.py": 3, "z.py": 4}
+    assert {p.name for p in tmp_path.iterdir()} == {"x.py", "y.py", "z.py", "w.py"}
 
 
 def test_combined_status():
@@ -54,31 +44,39 @@ def test_combined_status():
     assert shards.combined_status([0, 2]) == 2
 
 
-def test_the_runner_runs_every_test_once_and_reports_a_failing_shard(tmp_path):
-    """Two shards over four files, one test failing: each test runs once, each file in one
-    shard, and the runner's status is the failing shard's."""
-    sizes = {"a": 5, "b": 2, "c": 3, "d": 1}
+def test_the_runner_runs_every_test_once_and_reports_a_failing_process(tmp_path):
+    """Two processes over five files, one test failing, a module fixture per file that fails
+    when set up a second time: each test runs once, each file in one process with its fixture set
+    up once, and the runner's status is the failing process's."""
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture(scope='module')\n"
+        "def once(request, tmp_path_factory):\n"
+        "    mark = tmp_path_factory.getbasetemp().parent / request.module.__name__\n"
+        "    assert not mark.exists(), 'set up twice'\n"
+        "    mark.write_text('')\n"
+    )
+    sizes = {"a": 5, "b": 2, "c": 3, "d": 1, "e": 4}
     for x, n in sizes.items():
-        name = f"test_{x}.py"
-        body = "".join(f"def test_{i}():\n    pass\n" for i in range(n))
-        (tmp_path / name).write_text(body + ("def test_bad():\n    assert False\n" * (n == 2)))
+        body = "".join(f"def test_{i}(once):\n    pass\n" for i in range(n))
+        bad = "def test_bad():\n    assert False\n" if x == "b" else ""
+        (tmp_path / f"test_{x}.py").write_text(body + bad)
     out = subprocess.run(
-        [sys.executable, "-m", "tests.shards", "--shards", "2", "-p", "tests.conftest", "-v",
-         "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)],
+        [sys.executable, "-m", "tests.shards", "--shards", "2", "-v", "-p", "no:cacheprovider",
+         "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, check=False,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr
-    first, sep, second = out.stdout.partition("---- shard 2/2 ----")
+    first, sep, second = out.stdout.partition("---- pytest process 2/2 ----")
     assert sep, out.stdout
-    line = re.compile(r"(test_\w\.py)::(test_\w+) (PASSED|FAILED)")
+    line = re.compile(r"(test_\w\.py)::(test_\w+) (PASSED|FAILED|ERROR)")
     ran = [line.findall(part) for part in (first, second)]
     every = [(f, t) for f, t, _ in ran[0] + ran[1]]
-    assert sorted(every) == sorted(
-        [(f"test_{x}.py", f"test_{i}") for x, n in sizes.items() for i in range(n)]
-        + [("test_b.py", "test_bad")]
-    ), out.stdout
-    assert all(ran) and not {f for f, _, _ in ran[0]} & {f for f, _, _ in ran[1]}, out.stdout
-    assert [r for part in ran for r in part if r[2] == "FAILED"] == [
-        ("test_b.py", "test_bad", "FAILED")
-    ]
+    want = [(f"test_{x}.py", f"test_{i}") for x, n in sizes.items() for i in range(n)]
+    assert sorted(every) == sorted([*want, ("test_b.py", "test_bad")]), out.stdout
+    # which process takes which file depends on their pace; that each file goes to one does not
+    assert not {f for f, _, _ in ran[0]} & {f for f, _, _ in ran[1]}, out.stdout
+    failed = [r for part in ran for r in part if r[2] != "PASSED"]
+    assert failed == [("test_b.py", "test_bad", "FAILED")], out.stdout
+    assert "ran in the other pytest processes" in first + second
