@@ -80,3 +80,44 @@ def test_the_runner_runs_every_test_once_and_reports_a_failing_process(tmp_path)
     failed = [r for part in ran for r in part if r[2] != "PASSED"]
     assert failed == [("test_b.py", "test_bad", "FAILED")], out.stdout
     assert "ran in the other pytest processes" in first + second
+
+
+def test_a_process_passes_over_files_claimed_elsewhere(tmp_path):
+    """One process, the other's claim made beforehand: pkg_a/test_a runs, pkg_a/test_b (claimed)
+    is passed over, pkg_b/test_c runs. pkg_a's package fixture is torn down before pkg_b's test
+    (the next test this process runs, not pkg_a/test_b), and each file's module fixture is set
+    up once and torn down before the next file's."""
+    events = tmp_path / "events"
+    for pkg, files in (("pkg_a", {"test_a": 5, "test_b": 4}), ("pkg_b", {"test_c": 3})):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        (tmp_path / pkg / "conftest.py").write_text(
+            "import pytest\n"
+            f"def log(text):\n    open({str(events)!r}, 'a').write(text + '\\n')\n"
+            "@pytest.fixture(scope='package', autouse=True)\n"
+            f"def pkg():\n    log('+{pkg}')\n    yield\n    log('-{pkg}')\n"
+            "@pytest.fixture(scope='module', autouse=True)\n"
+            "def mod(request):\n    log('+' + request.module.__name__)\n    yield\n"
+            "    log('-' + request.module.__name__)\n"
+        )
+        for name, n in files.items():
+            body = "".join(f"def test_{i}():\n    pass\n" for i in range(n))
+            (tmp_path / pkg / f"{name}.py").write_text(body)
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    (claims / "pkg_a__test_b.py").write_text("")  # the other process's
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.shards", f"--shard-claims={claims}", "-q",
+         "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "8 passed" in out.stdout and "4 tests in 1 files ran in the other" in out.stdout
+    assert events.read_text().split() == [
+        "+pkg_a", "+pkg_a.test_a", "-pkg_a.test_a", "-pkg_a",
+        "+pkg_b", "+pkg_b.test_c", "-pkg_b.test_c", "-pkg_b",
+    ]  # fmt: skip
+    assert sorted(p.name for p in claims.iterdir()) == [
+        "pkg_a__test_a.py", "pkg_a__test_b.py", "pkg_b__test_c.py"
+    ]  # fmt: skip
