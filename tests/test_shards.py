@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,9 @@ def test_the_runner_runs_every_test_once_and_reports_a_failing_process(tmp_path)
         cwd=ROOT, capture_output=True, text=True, check=False,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
+    kept = re.search(r"directories are kept in (\S+)\)", out.stdout)
+    assert kept, out.stdout  # a failed run keeps them (for its logs); this one is expected
+    shutil.rmtree(kept.group(1))
     assert out.returncode == 1, out.stdout + out.stderr
     first, sep, second = out.stdout.partition("---- pytest process 2/2 ----")
     assert sep, out.stdout
