@@ -8,6 +8,9 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL_PATH  ?=
 PYTEST_ARGS ?=
+# pytest processes side by side, sharing out the test files (tests/shards.py; each test runs one
+# torch thread): the CI machine's 2 cores. TEST_SHARDS=1: one plain pytest.
+TEST_SHARDS ?= 2
 SERVE_ARGS  ?=
 
 PY := $(VENV)/bin/python
@@ -36,7 +39,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	touch $(STAMP)
 
 test: $(STAMP) cross-tools
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m tests.shards --shards $(TEST_SHARDS) -q $(PYTEST_ARGS)
 
 # Debian's cross compiler for the other architecture and qemu-user, installed where missing
 # (as root; elsewhere the level tests say what to install)

@@ -20,3 +20,18 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[l
             )
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+class GreedyJudge:
+    """`hf_greedy` of one model at one length, each prompt computed once: a test matrix that
+    runs the same prompts through several engine configurations asks transformers once."""
+
+    def __init__(self, hf_model, max_new_tokens: int) -> None:
+        self.hf_model, self.max_new_tokens = hf_model, max_new_tokens
+        self.done: dict[tuple[int, ...], list[int]] = {}
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        todo = [p for p in dict.fromkeys(map(tuple, prompts)) if p not in self.done]
+        outs = hf_greedy(self.hf_model, [list(p) for p in todo], self.max_new_tokens)
+        self.done.update(zip(todo, outs, strict=True))
+        return [list(self.done[tuple(p)]) for p in prompts]

@@ -14,7 +14,7 @@ import torch
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.scheduler.engine import Engine
 from tests.families import FAMILY_PRESETS, hf_reference
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import GreedyJudge
 
 NEW = 6
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
@@ -35,9 +35,10 @@ def case(request, tmp_path_factory):
 
     shared = rand(SHARED)
     prompts = [shared + rand(40), shared + rand(30), rand(HOST_PREFIX) + rand(20), rand(200)]
-    expected = hf_greedy(hf, prompts, NEW)
+    judge = GreedyJudge(hf, NEW)  # the session turns' conversations: once for both strategies
+    expected = judge(prompts)
     follow = prompts[2] + expected[2] + rand(8)
-    return str(path), [*prompts, follow], [*expected, *hf_greedy(hf, [follow], NEW)], hf
+    return str(path), [*prompts, follow], [*expected, *judge([follow])], judge
 
 
 @pytest.mark.parametrize("chunk", [None, 96], ids=["one-shot", "chunks-of-96"])
@@ -93,14 +94,14 @@ def test_prefix_evicted_from_device_is_loaded_back_from_host(case):
 def test_session_turns_equal_one_request(case, strategy):
     """Three turns of a session: each equals transformers on the whole conversation, and only
     the new tokens are prefilled (all but the previous turn's last sampled token is held)."""
-    path, prompts, _, hf = case
+    path, prompts, _, judge = case
     engine = Engine(path, mamba_scheduler_strategy=strategy, max_running_requests=4)
     sid = engine.open_session(capacity_of_str_len=2000)
     context: list[int] = []
     rid = None
     for i, new in enumerate([prompts[3][:150], prompts[3][150:159], prompts[0][:70]]):
         out = engine.generate(new, GREEDY, session_params={"id": sid, "rid": rid})
-        expected = hf_greedy(hf, [context + new], NEW)[0]
+        expected = judge([context + new])[0]
         assert out["output_ids"] == expected, f"turn {i + 1}"
         if i:
             assert out["meta_info"]["cached_tokens"] == len(context) - 1

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.scheduler.engine import Engine
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import GreedyJudge
 
 GRID = 64
 NEW = 6
@@ -43,7 +43,11 @@ def case(request, tmp_path_factory):
 
     shared = rand(SHARED)
     prompts = [shared + rand(40), shared + rand(30)]
-    return str(path), hf, rand, prompts, hf_greedy(hf, prompts, NEW)
+    # each strategy and chunk size serves the same session and branches: transformers once
+    judge = GreedyJudge(hf, NEW)
+    session = {"turns": [rand(100), rand(450)], "other": rand(20)}
+    branches = {"first": rand(300), "tail": rand(30)}
+    return str(path), judge, (session, branches), prompts, judge(prompts)
 
 
 def engine_recording_snapshots(path: str, **options) -> tuple[Engine, list[int]]:
@@ -108,7 +112,7 @@ def test_session_turn_continued_off_the_grid(case, strategy, chunk):
     with 450 tokens: its rounds start at 105 and its snapshots land at multiples of 64. A request
     without the session sharing the first 530 tokens of turn 2's context reuses at least 448.
     Each output equals transformers' on the whole conversation."""
-    path, hf, rand, _, _ = case
+    path, judge, (session, _), _, _ = case
     options = {"chunked_prefill_size": chunk} if chunk else {}
     engine, snapshots = engine_recording_snapshots(
         path, mamba_scheduler_strategy=strategy, **options
@@ -116,9 +120,9 @@ def test_session_turn_continued_off_the_grid(case, strategy, chunk):
     sid = engine.open_session(capacity_of_str_len=2000)
     context: list[int] = []
     rid = None
-    for i, new in enumerate([rand(100), rand(450)]):
+    for i, new in enumerate(session["turns"]):
         out = engine.generate(new, GREEDY, session_params={"id": sid, "rid": rid})
-        expected = hf_greedy(hf, [context + new], NEW)[0]
+        expected = judge([context + new])[0]
         assert out["output_ids"] == expected, f"turn {i + 1}"
         if i:
             assert out["meta_info"]["cached_tokens"] == len(context) - 1 == 105
@@ -126,9 +130,9 @@ def test_session_turn_continued_off_the_grid(case, strategy, chunk):
         rid = out["meta_info"]["id"]
     assert max(snapshots) >= 512 and not off_grid(snapshots), sorted(snapshots)
     assert engine.close_session(sid)
-    other = context[:530] + rand(20)
+    other = context[:530] + session["other"]
     res = engine.generate(other, GREEDY)
-    assert res["output_ids"] == hf_greedy(hf, [other], NEW)[0]
+    assert res["output_ids"] == judge([other])[0]
     assert res["meta_info"]["cached_tokens"] >= SHARED - GRID
     assert not off_grid(snapshots), sorted(snapshots)
     assert engine.leak_report() == []
@@ -142,13 +146,13 @@ def test_snapshot_a_token_or_two_into_a_round_is_reused_exactly(case, strategy, 
     tokens in, so the conv windows there reach back into the window the request's slot held
     before the round. A request that shares 100 (150) tokens resumes from the state at 64 (128)
     and equals transformers."""
-    path, hf, rand, _, _ = case
+    path, judge, (_, branches), _, _ = case
     engine, snapshots = engine_recording_snapshots(
         path, mamba_scheduler_strategy=strategy, chunked_prefill_size=63
     )
-    first = rand(300)
-    branch = first[:shared] + rand(30)
-    expected = hf_greedy(hf, [first, branch], NEW)
+    first = branches["first"]
+    branch = first[:shared] + branches["tail"]
+    expected = judge([first, branch])
     assert engine.generate(first, GREEDY)["output_ids"] == expected[0]
     assert {64, 128} <= set(snapshots)
     out = engine.generate(branch, GREEDY)

@@ -42,15 +42,18 @@ def test_keyless_server_refuses_browsers_and_foreign_hosts(http):
         assert r.status_code == 200, (host, r.text)
 
 
-@pytest.fixture
-def keyed_server(tiny_path, tmp_path):
-    key_file = tmp_path / "keys"
+@pytest.fixture(scope="module")
+def keyed_server(tiny_path, tmp_path_factory):
+    """One keyed server for the module's two tests: the keys' checks, then
+    `test_keys_are_not_visible`, which stops it to read its whole log (so it comes last)."""
+    tmp = tmp_path_factory.mktemp("keyed")
+    key_file = tmp / "keys"
     key_file.write_text("# two users\nuser-two-key\n\nuser-three-key\n")
     cmd = serve_command(
         tiny_path, "--api-key-file", str(key_file), "--allowed-origins", "http://ok.example"
     )
     env = {"HYBRID_SERVE_API_KEY": "env-key-one", "HYBRID_SERVE_ADMIN_API_KEY": "admin-key"}
-    srv = start(cmd, tmp_path / "keyed.log", {**env, **HOLD_ENV})
+    srv = start(cmd, tmp / "keyed.log", {**env, **HOLD_ENV})
     try:
         srv.wait_healthy()
         yield srv

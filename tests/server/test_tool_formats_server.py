@@ -1,10 +1,13 @@
 """LFM2's pythonic calls and Kimi's call section over HTTP, streamed and not, in OpenAI's shape.
 
-Three servers on the tiny LFM2 preset, one at a time: with its own template (`lfm2`, default
-flags: `auto` picks `pythonic`), with Kimi's template written into the same checkpoint
-(`kimi-linear`, default flags: `auto` picks `kimi_k2`), and with Kimi's template and the parsers
-named (`--tool-call-parser kimi_k2 --reasoning-parser kimi_k2`). The tool tags are single tokens
-of these tokenizers.
+Two servers on the tiny LFM2 preset, one at a time: with its own template (`lfm2`, default
+flags: `auto` picks `pythonic`), and with Kimi's template written into the same checkpoint and
+the parsers named (`--tool-call-parser kimi_k2 --reasoning-parser kimi_k2`). The tool tags are
+single tokens of these tokenizers. Kimi's checkpoint with default flags (`auto` picks `kimi_k2`
+calls and, the template having no `<think>`, no reasoning split) needs no third server: a
+request reads its formats from the flags and the template alone (`chat_format`), and
+`test_kimi_auto_flags_parse_outputs_as_the_named_server` holds auto's choice to the named
+server's messages and deltas for the outputs served here.
 
 A forced `tool_choice` returns one parsed call whose arguments satisfy the schema (the grammar
 writes the call in the format, so random weights still make one). The `auto` case forces the
@@ -19,18 +22,20 @@ import json
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from hybrid_serve.make_model.kimi_chat_template import KIMI_LINEAR
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.server.args import build_serve_parser, configs_from_args
+from hybrid_serve.server.chat_output import ChatFormat, ChoiceOutput, chat_format
+from hybrid_serve.server.formats.kimi_k2 import KimiK2
+from hybrid_serve.server.formats.reasoning import KimiK2Reasoning
 from tests.server.conftest import running, serve_command, wait_idle_and_clean
+from tests.server.test_chat_parsers import cuttings, stream
 from tests.server.test_reasoning_server import PING, WEATHER, chat, collect, forced, joined
 
 KIMI_FLAGS = ("--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2")
-SERVERS = {
-    "lfm2": ("lfm2", ()),
-    "kimi-auto": (KIMI_LINEAR, ()),
-    "kimi-named": (KIMI_LINEAR, KIMI_FLAGS),
-}
+SERVERS = {"lfm2": ("lfm2", ()), "kimi-named": (KIMI_LINEAR, KIMI_FLAGS)}
 SEC, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 # (forced output text, its content, its calls) per template
 AUTO_TEXT = {
@@ -145,3 +150,41 @@ def test_auto_calls_and_content_streamed_and_not(served):
     assert plain["choices"][0]["message"]["content"] == text
     assert plain["choices"][0]["message"].get("tool_calls") is None
     assert wait_idle_and_clean(http)["problems"] == []
+
+
+def served_formats(path, *flags: str) -> ChatFormat:
+    """The formats a server started with `flags` on the checkpoint at `path` gives a request."""
+    args = build_serve_parser().parse_args(["--model-path", str(path), *flags])
+    config = configs_from_args(args)[0]
+    template = AutoTokenizer.from_pretrained(path).chat_template
+    return chat_format(config.reasoning_parser, config.tool_call_parser, template)
+
+
+def test_kimi_auto_flags_parse_outputs_as_the_named_server(kimi_path):
+    """`auto` on Kimi's checkpoint: `kimi_k2` calls, no reasoning split (no `<think>` in the
+    template); the named flags add KimiK2Reasoning, which leaves these outputs (no `<think>`)
+    alone: each of the texts the servers above are made to write (a forced call, the `auto`
+    case's content and two calls) gives the same message and the same deltas, however cut."""
+    auto, named = served_formats(kimi_path), served_formats(kimi_path, *KIMI_FLAGS)
+    assert (auto.reasoning, auto.tool_call) == (None, KimiK2)
+    assert (named.reasoning, named.tool_call) == (KimiK2Reasoning, KimiK2)
+    tok = AutoTokenizer.from_pretrained(kimi_path)
+    prompt = tok.apply_chat_template(HISTORY, tools=[WEATHER, PING], tokenize=False,
+                                     add_generation_prompt=True)  # fmt: skip
+    mode = KimiK2Reasoning.mode(prompt, True, None)
+    assert mode != "off"  # the named server does split: what is compared is not nothing
+    forced_call = (
+        f"{SEC}<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>"
+        f'{{"unit": "f", "days": 3}}<|tool_call_end|>{END}'
+    )
+
+    def output(fmt: ChatFormat, history: int) -> ChoiceOutput:
+        m = mode if fmt.reasoning else "off"
+        return ChoiceOutput(m, fmt.reasoning, fmt.tool_call, [WEATHER, PING], True, history)
+
+    for text, history in ((AUTO_TEXT[KIMI_LINEAR][0], 0), (forced_call, 1)):
+        want = output(named, history).message(text)
+        assert want["tool_calls"] and output(auto, history).message(text) == want, text
+        for parts in cuttings(text, 20):
+            got = stream(output(auto, history), parts)
+            assert got == stream(output(named, history), parts), parts
