@@ -68,7 +68,7 @@ class KimiLinearDecoderLayer(nn.Module):
 
 class KimiLinearForCausalLM(HybridForCausalLM):
     """Kimi-Linear (`hybrid_serve.models.hybrid_lm`'s contract); its CPU decode plan is
-    `models.cpu_decode.kimi_linear_blocks`."""
+    `models.plan_builders.kimi_linear_blocks`."""
 
     def build(self) -> None:
         self.local_config = self.rank_config()

@@ -141,7 +141,7 @@ class Lfm3DecoderLayer(nn.Module):
 
 class Lfm3ForCausalLM(HybridForCausalLM):
     """The whole model, or rank `tp.rank`'s shard of it (`models.hybrid_lm`'s contract); the
-    CPU decode plan replays its layers (`models.cpu_decode.lfm3_blocks`)."""
+    CPU decode plan replays its layers (`models.plan_builders.lfm3_blocks`)."""
 
     def build(self) -> None:
         self.build_stack(Lfm3DecoderLayer, norm_name="embedding_norm", rotary_dtype=torch.float32)

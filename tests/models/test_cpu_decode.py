@@ -11,7 +11,7 @@ import torch
 
 from hybrid_serve.kernels import KernelSettings, choose
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.models import cpu_decode
+from hybrid_serve.models import plan_blocks, plan_builders, plan_refusal
 from hybrid_serve.models.cpu_decode import MAX_ROWS, CpuDecodePlan
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
@@ -130,8 +130,8 @@ def test_layers_without_a_block_builder_refuse_the_plan_naming_them(
     ckpt = write_checkpoint(tmp_path / "lfm2", preset_config("tiny-lfm2"), seed=5)
     runner, _, _ = prefilled(ckpt, "float32")
     assert DecodeGraphRunner(runner, [1, 4]).plan is not None
-    blocks = {k: v for k, v in cpu_decode.BLOCKS.items() if v is not cpu_decode.lfm2_blocks}
-    monkeypatch.setattr(cpu_decode, "BLOCKS", blocks)
+    blocks = {k: v for k, v in plan_builders.BLOCKS.items() if v is not plan_builders.lfm2_blocks}
+    monkeypatch.setattr(plan_builders, "BLOCKS", blocks)
     for _ in range(2):
         assert DecodeGraphRunner(runner, [1, 4]).plan is None
     texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
@@ -192,20 +192,20 @@ def test_where_the_plan_does_not_apply(ckpt):
     runner, _, _ = prefilled(ckpt, "float32")
     model, pools_args = runner.model, (runner.kv_pool, runner.mamba_pool,
                                        runner.req_pool.req_to_token)  # fmt: skip
-    assert cpu_decode.unsupported(model) is None
+    assert plan_refusal.unsupported(model) is None
     assert DecodeGraphRunner(runner, []).plan is None  # --disable-cuda-graph: no sizes
     head = model.lm_head
     head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
-    assert cpu_decode.unsupported(model) == "a bias (lm_head.bias)"
+    assert plan_refusal.unsupported(model) == "a bias (lm_head.bias)"
     head.bias = None
     norm = model.model.norm
     norm.weight.data = norm.weight.data.to(torch.bfloat16)
-    assert cpu_decode.unsupported(model) == "model.norm.weight is torch.bfloat16"
+    assert plan_refusal.unsupported(model) == "model.norm.weight is torch.bfloat16"
     norm.weight.data = norm.weight.data.float()
     kv = runner.kv_pool
     bf16_kv = SimpleNamespace(k_all=kv.k_all.to(torch.bfloat16), v_all=kv.v_all)
     bf16_args = (bf16_kv, *pools_args[1:])
-    assert cpu_decode.pools_unsupported(*bf16_args) == "the K pool is torch.bfloat16"
+    assert plan_refusal.pools_unsupported(*bf16_args) == "the K pool is torch.bfloat16"
     assert CpuDecodePlan.build(model, *bf16_args) is None
     assert CpuDecodePlan.build(model, *pools_args) is not None
 
@@ -254,7 +254,7 @@ def test_block_step_checks_its_layout(ckpt):
     model = load_model(ckpt, dtype="float32")
     norm, head = model.model.norm.weight, model.lm_head.weight
     step = torch.classes.hybrid_serve.BlockStep
-    relu2 = [cpu_decode.PRE, cpu_decode.NO_MIXER, cpu_decode.RELU2]
+    relu2 = [plan_blocks.PRE, plan_blocks.NO_MIXER, plan_blocks.RELU2]
     step([norm] * 3, relu2, [1e-6], norm, 1e-6, head, False)  # norm, up, down: the layout
     with pytest.raises(RuntimeError, match="too few ints"):
         step([norm] * 3, relu2[:2], [1e-6], norm, 1e-6, head, False)
@@ -263,11 +263,11 @@ def test_block_step_checks_its_layout(ckpt):
     with pytest.raises(RuntimeError, match="1 tensors, 0 ints and 1 floats left over"):
         step([norm] * 4, relu2, [1e-6] * 2, norm, 1e-6, head, False)
     with pytest.raises(RuntimeError, match="mixer kind 9"):
-        step([norm] * 3, [cpu_decode.PRE, cpu_decode.MLA + 1, 0], [], norm, 1e-6, head, False)
+        step([norm] * 3, [plan_blocks.PRE, plan_blocks.MLA + 1, 0], [], norm, 1e-6, head, False)
     with pytest.raises(RuntimeError, match="MLP kind 8"):
-        step([norm] * 3, [cpu_decode.PRE, 0, cpu_decode.GROUPED_MOE + 1], [], norm, 1e-6, head,
+        step([norm] * 3, [plan_blocks.PRE, 0, plan_blocks.GROUPED_MOE + 1], [], norm, 1e-6, head,
              False)  # fmt: skip
-    deferred = [cpu_decode.DEFERRED, *relu2[1:]]
+    deferred = [plan_blocks.DEFERRED, *relu2[1:]]
     with pytest.raises(RuntimeError, match="deferred-residual blocks mixed with others"):
         step([norm] * 6, relu2 + deferred, [1e-6] * 2, norm, 1e-6, head, False)
 

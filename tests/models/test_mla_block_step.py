@@ -1,4 +1,4 @@
-"""The C++ block step's MLA kind (kernels/csrc/block_step.cpp, `models.cpu_decode.Blocks.mla`)
+"""The C++ block step's MLA kind (kernels/csrc/block_attention.cpp, `models.plan_blocks.Blocks.mla`)
 in the forms the Kimi-Linear preset does not reach: `q_lora_rank` set, partial interleaved RoPE
 and the sigmoid head gate (Ling's `bailing_hybrid` attention), alone and together. One pre-norm
 MLA block, then the final norm and the LM head, over a paged pool of latent rows: decode steps
@@ -13,7 +13,7 @@ import torch
 from hybrid_serve.kernels import KernelSettings, choose
 from hybrid_serve.kernels.rmsnorm import rms_norm_plain
 from hybrid_serve.mem_cache.req_pool import ReqToTokenPool
-from hybrid_serve.models import cpu_decode
+from hybrid_serve.models import plan_blocks
 from hybrid_serve.models.layers import RMSNormPlain, RotaryEmbedding
 from hybrid_serve.models.mla_attention import MLAAttention
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
@@ -62,8 +62,8 @@ def test_mla_block_equals_the_eager_module_bit_for_bit(q_lora, rope, gate, dtype
     final.weight.data = 1 + 0.2 * torch.randn(HIDDEN)
     head = (0.3 * torch.randn(VOCAB, HIDDEN)).to(dtype)
     rotary = RotaryEmbedding(module.rope, THETA) if rope else None
-    blocks = cpu_decode.Blocks()
-    blocks.block(cpu_decode.PRE, cpu_decode.MLA, cpu_decode.NO_MLP)
+    blocks = plan_blocks.Blocks()
+    blocks.block(plan_blocks.PRE, plan_blocks.MLA, plan_blocks.NO_MLP)
     blocks.sublayer_norm(norm)
     blocks.mla(module, rope)
     step = torch.classes.hybrid_serve.BlockStep(

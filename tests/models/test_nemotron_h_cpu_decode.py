@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
-from hybrid_serve.models import cpu_decode
+from hybrid_serve.models import plan_refusal
 from hybrid_serve.models.cpu_decode import CpuDecodePlan
 from hybrid_serve.scheduler.graph_runner import DecodeGraphRunner
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
@@ -59,10 +59,10 @@ def test_where_the_plan_does_not_apply(ckpt, kernels_mode):
     runner, _, _ = prefilled(ckpt)
     model = runner.model
     args = (runner.kv_pool, runner.mamba_pool, runner.req_pool.req_to_token)
-    assert cpu_decode.unsupported(model) is None
+    assert plan_refusal.unsupported(model) is None
     proj = model.backbone.layers[0].mixer.out_proj
     proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))
-    assert cpu_decode.unsupported(model) == "a bias (backbone.layers.0.mixer.out_proj.bias)"
+    assert plan_refusal.unsupported(model) == "a bias (backbone.layers.0.mixer.out_proj.bias)"
     proj.bias = None
     assert isinstance(CpuDecodePlan.build(model, *args), CpuDecodePlan)
     kernels_mode("torch", model)

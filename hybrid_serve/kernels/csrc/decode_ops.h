@@ -1,4 +1,4 @@
-// The decode step's ops as C++ functions, for the step runner (block_step.cpp) to call without
+// The decode step's ops as C++ functions, for the step runner (block_*.cpp) to call without
 // the dispatcher. Each is also a torch op `hybrid_serve::<name>` with the same arguments; its
 // contract is in the file that defines it and in the Python reference named there.
 #pragma once
