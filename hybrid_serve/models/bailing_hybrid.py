@@ -71,8 +71,9 @@ class BailingHybridDecoderLayer(nn.Module):
 
 
 class BailingHybridForCausalLM(KimiLinearForCausalLM):
-    """Ling-3 (`hybrid_serve.models.hybrid_lm`'s contract); the CPU decode plan refuses its
-    layers by class (its full-rank bounded KDA gates and clamped SwiGLU have no block kind)."""
+    """Ling-3 (`hybrid_serve.models.hybrid_lm`'s contract); its CPU decode plan is Kimi-Linear's
+    block builder (`models.plan_builders`), with the KDA block's full-rank bounded gates and the
+    grouped MoE block's SwiGLU clamps."""
 
     def build(self) -> None:
         self.local_config = self.rank_config()
