@@ -9,9 +9,9 @@
 // (kernels/rmsnorm.py rms_norm_plain, kernels/attn_step.py apply_rope, kernels/attention.py
 // store_kv and decode_attention, kernels/gdn_step.py gates, kernels/relu2_moe.py relu2_moe,
 // kernels/experts.py fused_experts and the clamped swiglu, the LFM2 modules' elementwise gates
-// and router, and MLA's absorbed decode (models/mla_attention.py)). So its logits and pool updates are bit-identical to the
-// eager step's (the constructor's `bf16_products` is the kernel set's), without the trips
-// through Python and the dispatcher. A change to one of those references or to a family's layer
+// and router, and MLA's absorbed decode (models/mla_attention.py)). So its logits and pool
+// updates are bit-identical to the eager step's (the constructor's `bf16_products` is the
+// kernel set's), without the trips through Python and the dispatcher. A change to one of those references or to a family's layer
 // must be mirrored here: tests/models/test_cpu_decode.py compares the two bit for bit.
 //
 // A block has one or two sublayers, the mixer's and the MLP's (either may be absent: NemotronH's

@@ -1,6 +1,6 @@
 // The short causal conv's one-token update on a channel-first window, in place, and softplus:
-// shared by the fused recurrent decode ops (gdn_decode.cpp, kda_decode.cpp, mamba2_decode.cpp). Reference:
-// kernels/causal_conv1d.py `causal_conv1d_update` with silu.
+// shared by the fused recurrent decode ops (gdn_decode.cpp, kda_decode.cpp, mamba2_decode.cpp).
+// Reference: kernels/causal_conv1d.py `causal_conv1d_update` with silu.
 #pragma once
 
 #include <ATen/ATen.h>
