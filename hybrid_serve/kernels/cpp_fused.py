@@ -6,6 +6,10 @@ reference composes ~30-50 torch ops, each with its reference's signature and con
   (silu vectorised across channels), the gates, the l2 norms, the recurrent update in place on
   the pool (each head state read once, updated and read out while in cache) and the gated
   RMSNorm; the verify form runs each request's few rows in order, keeping every step's state.
+- `kda_decode`: Kimi Delta Attention's step after its projections (`gdn_decode`'s contract
+  with a per-key-channel forget gate, Kimi's or Ling-3's bounded one, and the sigmoid-gated
+  norm): the same conv update, l2 norms and in-place recurrent update, the gate computed per
+  channel in the head's job.
 - `attn_decode`: q/k RMSNorm and RoPE, the KV write, attention over each request's cached keys
   (read in place through `req_to_token`) and the output gate.
 - `sparse_moe`: the router, torch's own softmax and top-k (called from C++, so ties pick the same
@@ -50,6 +54,31 @@ def gdn_decode(
         qkvz.contiguous(), ba.contiguous(), conv_pool[layer], conv_weight.contiguous(),
         ssm_pool[layer], A_log, dt_bias, norm_weight, slots.long().contiguous(), num_k_heads,
         float(eps),
+    )  # fmt: skip
+
+
+def kda_decode(
+    qkvz: torch.Tensor,
+    ba: torch.Tensor,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    layer: int,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int,
+    eps: float,
+    *,
+    gate_lower_bound: float | None = None,
+) -> torch.Tensor:
+    """`gdn_step.gdn_decode` with KDA's gate (`gate_lower_bound`: `gdn_step.gates`') and
+    `rms_norm_gated_sigmoid`: qkvz [T, 4 H d] ([q | k | v | z]), ba [T, H + H d] ([b | f])."""
+    return ops.kda_decode(
+        qkvz.contiguous(), ba.contiguous(), conv_pool[layer], conv_weight.contiguous(),
+        ssm_pool[layer], A_log.contiguous(), dt_bias, norm_weight, slots.long().contiguous(),
+        float(eps), None if gate_lower_bound is None else float(gate_lower_bound),
     )  # fmt: skip
 
 

@@ -37,8 +37,9 @@ by rows.
   recurrence landed 1.6e-4 from transformers' logits on a 17-token prompt, double 7e-5), with
   the reference's state tracking. Both take the gate g as the reference does: [B, T, HV] or
   per key channel [B, T, HV, K] (KDA).
-- `routed_experts`: every active expert's gate/up GEMM, silu(gate) * up and down GEMM in two
-  parallel passes split among the threads by cost.
+- `routed_experts`: every active expert's gate/up GEMM, silu(gate) * up (clamped where a
+  `limit` is given: `kernels.experts.swiglu`) and down GEMM in two parallel passes split among
+  the threads by cost.
 """
 
 from __future__ import annotations
@@ -220,9 +221,14 @@ def chunk_gated_delta_rule(
 
 
 def routed_experts(
-    xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor
+    xs: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    limit: float = 0.0,
 ) -> torch.Tensor:
     if xs.shape[0] > ROUTED_MAX_ROWS:
-        return experts.routed_experts(xs, gate_up, down, counts)
+        return experts.routed_experts(xs, gate_up, down, counts, limit=limit)
     return ops.routed_experts(xs.contiguous(), gate_up.contiguous(), down.contiguous(),
-                              counts.contiguous())  # fmt: skip
+                              counts.contiguous(), float(limit))  # fmt: skip

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hybrid_serve.kernels import experts
 from hybrid_serve.kernels.fp8 import is_fp8, tile_k
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
@@ -125,10 +126,14 @@ def fused_experts(
     topk_w: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    *,
+    limit: float = 0.0,
 ) -> torch.Tensor:
     """`kernels.experts.fused_experts`' contract: x [T, hidden]; topk_ids / topk_w [T, k];
     gate_up [E, 2I, hidden], down [E, hidden, I] (float, or block-FP8 stacks) -> [T, hidden] in
-    x's dtype."""
+    x's dtype. The clamped SwiGLU (`limit` > 0) runs the reference."""
+    if limit:
+        return experts.fused_experts(x, topk_ids, topk_w, gate_up, down, limit=limit)
     T, k = topk_ids.shape
     if T == 0:
         return torch.zeros_like(x)

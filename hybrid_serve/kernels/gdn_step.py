@@ -17,7 +17,8 @@ negative slot, or one repeating an earlier row's (only the reserved padding slot
 padding: zero output, no state read or written. This reference composes the unfused decode
 ops it is given (by default the references of `causal_conv1d_update`,
 `fused_recurrent_gated_delta_rule` and `rms_norm_gated`); `kernels.cpp_fused.gdn_decode` does it all
-in one C++ call for the per-head gate and the silu-gated norm.
+in one C++ call for the per-head gate and the silu-gated norm, `kernels.cpp_fused.kda_decode` for
+KDA's per-channel gates and the sigmoid-gated norm.
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ class KernelSet:
     store_kv: Callable
     gdn_decode: Callable
     gdn_verify: Callable
+    kda_decode: Callable  # Kimi Delta Attention's (`gdn_step.gdn_decode` with KDA's gate, norm)
     attn_decode: Callable
     sparse_moe: Callable
     fused_experts: Callable
@@ -186,6 +187,7 @@ def assemble(
         fused_add_rmsnorm=partial(rmsnorm.fused_add_rmsnorm, rms_norm=rms_norm_fn),
         gdn_decode=gdn_decode,
         gdn_verify=partial(gdn_step.gdn_verify, decode=gdn_decode),
+        kda_decode=partial(gdn_decode, norm_gated=rmsnorm.rms_norm_gated_sigmoid),
         attn_decode=partial(
             attn_step.attn_decode,
             rms_norm=rms_norm_fn,
@@ -260,6 +262,7 @@ def cpp_set(fusions: bool, bf16_products: bool = False) -> KernelSet:
         fused_add_rmsnorm=cpp_ops.fused_add_rmsnorm,
         gdn_decode=cpp_fused.gdn_decode,
         gdn_verify=cpp_fused.gdn_verify,
+        kda_decode=cpp_fused.kda_decode,
         attn_decode=cpp_fused.attn_decode,
         mamba2_decode=cpp_fused.mamba2_decode,
         mamba2_verify=cpp_fused.mamba2_verify,
@@ -268,7 +271,7 @@ def cpp_set(fusions: bool, bf16_products: bool = False) -> KernelSet:
 
 
 RECURRENT = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gdn_decode",
-             "gdn_verify", "mamba2_decode", "mamba2_verify")  # fmt: skip
+             "gdn_verify", "kda_decode", "mamba2_decode", "mamba2_verify")  # fmt: skip
 
 
 def choose(

@@ -74,10 +74,10 @@ class BailingHybridDecoderLayer(nn.Module):
 
 
 class BailingHybridForCausalLM(KimiLinearForCausalLM):
-    """Ling-3 (`hybrid_serve.models.hybrid_lm`'s contract); the CPU decode plan refuses its
-    layers by class (its full-rank bounded KDA gates and clamped SwiGLU have no block kind).
-    With `mtp` (the checkpoint stores its layer: `num_nextn_predict_layers`) the model also
-    holds its MTP head, `self.mtp` (else None)."""
+    """Ling-3 (`hybrid_serve.models.hybrid_lm`'s contract); its CPU decode plan is Kimi-Linear's
+    block builder (`models.plan_builders`), with the KDA block's full-rank bounded gates and the
+    grouped MoE block's SwiGLU clamps. With `mtp` (the checkpoint stores its layer:
+    `num_nextn_predict_layers`) the model also holds its MTP head, `self.mtp` (else None)."""
 
     def build(self) -> None:
         self.local_config = self.rank_config()

@@ -19,10 +19,10 @@ eager step does, so its logits and pool updates are bit-identical to it:
                       sublayers: the mixer (GDN, Mamba2, attention with or without RoPE and
                       q/k norms, over a sliding window, with LFM3's per-head output gate, Qwen's
                       gated attention, Falcon-H1's Mamba2 + attention, LFM2's gated short
-                      conv, Kimi's KDA and MLA over the latent rows), then the MLP
-                      (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's top-k MoE
-                      with its shared MLP, LFM2-MoE's sigmoid-routed MoE, Kimi's grouped MoE),
-                      with the families' multipliers
+                      conv, Kimi's and Ling-3's KDA and MLA over the latent rows), then the
+                      MLP (SwiGLU, relu^2, sparse MoE, NemotronH's relu^2 MoE, Granite's top-k
+                      MoE with its shared MLP, LFM2-MoE's sigmoid-routed MoE, Kimi's grouped
+                      MoE, with Ling-3's SwiGLU clamps), with the families' multipliers
     logits = lm_head(final norm) * logits multiplier
 
 The families are those `plan_builders.BLOCKS` describes, by the class of the stack's layers. The

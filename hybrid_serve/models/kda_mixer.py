@@ -16,8 +16,9 @@ g = lb * sigmoid(exp(A_log[h]) * (f_proj(x) + dt_bias)), in (lb, 0). The per-cha
 runs on the delta-rule kernels Gated DeltaNet uses (`kernels.gated_delta_rule` and its Triton and
 C++ twins take g [.., H, d]); the pool plumbing (prefill from pool states with states at tracked
 offsets, decode, multi-row verify) is `DeltaRuleMixer`'s, the one Gated DeltaNet runs on, and the
-decode step is `kernels.gdn_step`'s reference over the kernel set's unfused ops (the fused C++
-GDN decode takes neither the per-channel gate nor the sigmoid-gated norm).
+decode step is the kernel set's `kda_decode`: one C++ op on the CPU (kernels/csrc/kda_decode.cpp,
+which the CPU decode plan calls too), `kernels.gdn_step`'s reference over the set's unfused ops
+elsewhere.
 
 Parameter names are the released checkpoints' (`f_a_proj`, `A_log` [1, 1, H, 1], `dt_bias`
 [H d], `o_norm`, `o_proj`; Ling's `f_proj`, `g_proj`, `A_log` [H]), except the conv: one
@@ -169,15 +170,10 @@ class KimiDeltaAttention(DeltaRuleMixer):
         return torch.cat([q, k, v], dim=-1), gate, b, f
 
     def decode_op(self) -> Callable:
-        """`gdn_step.gdn_decode` over the kernel set's unfused ops, with the sigmoid-gated norm
-        (the fused GDN decode ops take neither the per-channel gate nor this norm)."""
-        return partial(
-            gdn_step.gdn_decode,
-            conv_update=self.ops.causal_conv1d_update,
-            recurrent=self.ops.fused_recurrent_gated_delta_rule,
-            norm_gated=rms_norm_gated_sigmoid,
-            gate_lower_bound=self.gate_lower_bound,
-        )
+        """The kernel set's `kda_decode` with this layer's gate bound: on the C++ set one fused
+        op (`kernels.cpp_fused.kda_decode`), elsewhere `gdn_step.gdn_decode` over the set's
+        unfused ops with the sigmoid-gated norm."""
+        return partial(self.ops.kda_decode, gate_lower_bound=self.gate_lower_bound)
 
     def verify_op(self) -> Callable:
         return partial(gdn_step.gdn_verify, decode=self.decode_op())

@@ -11,8 +11,9 @@ MoE family shares:
 
 Ling-3 (`bailing_hybrid`) runs the same block, with a clamped SwiGLU in some layers (its
 `swiglu_limits`: silu(gate) capped at the limit, up clamped to +-limit, in the routed experts and,
-by a limit of its own, in the shared expert; `kernels.experts.swiglu`); a clamped layer's experts
-run the reference `fused_experts`, which takes the limit.
+by a limit of its own, in the shared expert; `kernels.experts.swiglu`); the kernel set's
+`fused_experts` takes the limit (the C++ routed experts clamp in place; the Triton set runs the
+reference for a clamped layer).
 
 Names are transformers' (`gate.weight`, `gate.e_score_correction_bias`, `experts.gate_up_proj`
 [E, 2I, H], `experts.down_proj` [E, H, I], `shared_experts.{gate,up,down}_proj`); the releases'
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from hybrid_serve.kernels import KernelSet
-from hybrid_serve.kernels.experts import fused_experts, swiglu
+from hybrid_serve.kernels.experts import swiglu
 from hybrid_serve.kernels.relu2_moe import route
 from hybrid_serve.models.kimi_linear_config import KimiLinearConfig
 from hybrid_serve.models.layers import MLP, REFERENCE, Experts
@@ -82,10 +83,7 @@ class KimiMoE(nn.Module):
         return self.tp.all_reduce(self._routed(x, ids, w) + self._shared(x))
 
     def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if not self.limit:
-            return self.experts(x, ids, w)
-        e = self.experts
-        return fused_experts(x, ids, w, e.gate_up_proj, e.down_proj, limit=self.limit)
+        return self.experts(x, ids, w, limit=self.limit)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         m = self.shared_experts

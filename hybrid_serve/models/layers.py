@@ -142,10 +142,14 @@ class Experts(nn.Module):
         self.ops = ops
 
     def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, limit: float = 0.0
     ) -> torch.Tensor:
-        """x [T, hidden]; topk_ids / topk_w [T, k] -> sum_k w_k * expert_{id_k}(x)."""
-        return self.ops.fused_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj)
+        """x [T, hidden]; topk_ids / topk_w [T, k] -> sum_k w_k * expert_{id_k}(x); `limit` > 0:
+        the clamped SwiGLU (`kernels.experts.swiglu`)."""
+        clamp = {"limit": limit} if limit else {}
+        return self.ops.fused_experts(
+            x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, **clamp
+        )
 
 
 class SparseMoE(nn.Module):

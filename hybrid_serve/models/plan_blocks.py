@@ -111,12 +111,17 @@ class Blocks:
         self.add([s.in_proj.weight, conv, s.out_proj.weight], [s.layer])
 
     def kda(self, k: KimiDeltaAttention) -> None:
+        """Kimi's low-rank gates (f_a, g_a, then the ups f_b, g_b) or Ling-3's full-rank ones
+        (f, g), and the bounded gate's lower bound where the layer has one."""
         conv = k.conv1d.weight.squeeze(1)  # [3 H d, W]
+        full, bound = k.full_rank_gates, k.gate_lower_bound
+        gates = [k.f_proj, k.g_proj] if full else [k.f_a_proj, k.g_a_proj, k.f_b_proj, k.g_b_proj]
         self.add(
             [k.q_proj.weight, k.k_proj.weight, k.v_proj.weight, k.b_proj.weight,
-             k.f_a_proj.weight, k.g_a_proj.weight, k.f_b_proj.weight, k.g_b_proj.weight, conv,
-             k.A_log, k.dt_bias, k.o_norm.weight, k.o_proj.weight],
-            [k.linear_layer_id], [k.o_norm.eps],
+             *(g.weight for g in gates), conv, k.A_log, k.dt_bias, k.o_norm.weight,
+             k.o_proj.weight],
+            [k.linear_layer_id, full, bound is not None],
+            [k.o_norm.eps, 0.0 if bound is None else bound],
         )  # fmt: skip
 
     def mla(self, a: MLAAttention, rope: bool) -> None:
@@ -143,7 +148,7 @@ class Blocks:
              shared.down_proj.weight],
             [c.num_experts_per_token, groups, topk_groups, c.moe_renormalize,
              scoring == "softmax"],
-            [c.routed_scaling_factor],
+            [c.routed_scaling_factor, m.limit, m.shared_limit],
         )  # fmt: skip
 
     def swiglu(self, mlp: MLP, gate_mult: float = 1.0, out_mult: float = 1.0) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from hybrid_serve.models.bailing_hybrid import BailingHybridDecoderLayer
 from hybrid_serve.models.bamba import BambaDecoderLayer
 from hybrid_serve.models.granite_moe_hybrid import GraniteMoeHybridDecoderLayer
 from hybrid_serve.models.hybrid_lm import HybridForCausalLM
@@ -241,9 +242,11 @@ def lfm3_blocks(model: HybridForCausalLM, layers) -> Blocks:
 
 
 def kimi_linear_blocks(model: HybridForCausalLM, layers) -> Blocks:
-    """Kimi-Linear's layers (`models.kimi_linear`): pre-norm KDA or MLA (absorbed decode over
-    the latent rows; RoPE where the stack has angles), then the SwiGLU MLP or the Kimi MoE
-    block (grouped router, SwiGLU experts, shared SwiGLU)."""
+    """Kimi-Linear's and Ling-3's layers (`models.kimi_linear`, `models.bailing_hybrid`):
+    pre-norm KDA (Kimi's low-rank gates or Ling-3's full-rank bounded ones) or MLA (absorbed
+    decode over the latent rows; RoPE where the stack has angles, Ling-3's head gate), then the
+    SwiGLU MLP or the Kimi MoE block (grouped router, SwiGLU experts, shared SwiGLU; Ling-3's
+    SwiGLU clamps)."""
     out, rope = Blocks(), model.model.rotary is not None
     for layer in layers:
         attn, ff = layer.self_attn, layer.mlp
@@ -272,10 +275,11 @@ BLOCKS = {
     Lfm2DecoderLayer: lfm2_blocks,
     Lfm3DecoderLayer: lfm3_blocks,
     KimiLinearDecoderLayer: kimi_linear_blocks,
+    BailingHybridDecoderLayer: kimi_linear_blocks,
 }
 FAMILIES = (
     "Qwen3-Next's, NemotronH's, Granite-4.0-H's, Bamba's, Falcon-H1's, OLMo-Hybrid's, LFM2's, "
-    "LFM3's and Kimi-Linear's"
+    "LFM3's, Kimi-Linear's and Ling-3's"
 )
 
 

@@ -136,6 +136,22 @@ def test_routed_experts_match_reference(H, I, counts, wdtype) -> None:
     torch.testing.assert_close(got.double(), want, atol=2e-6 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_clamped_routed_experts_match_reference(wdtype) -> None:
+    """The clamped SwiGLU (Ling-3's `limit`: silu(gate) capped, up clamped to +-limit) at a limit
+    that binds on these inputs: as the float64 reference with the limit, and not as the
+    unclamped op."""
+    from hybrid_serve.kernels.cpp_ops import routed_experts
+
+    torch.manual_seed(9)
+    xs, gate_up, down, cnt = expert_inputs(3, 40, 24, [5, 0, 11], wdtype)
+    got = routed_experts(xs, gate_up, down, cnt, limit=0.5)
+    want = reference_experts(xs.double(), gate_up.double(), down.double(), cnt, limit=0.5)
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.double(), want, atol=2e-6 * scale, rtol=0)
+    assert (routed_experts(xs, gate_up, down, cnt) - got).abs().max() > 1e-2
+
+
 def test_routed_experts_beyond_the_cpp_rows_run_the_reference() -> None:
     from hybrid_serve.kernels.cpp_ops import ROUTED_MAX_ROWS, routed_experts
 

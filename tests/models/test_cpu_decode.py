@@ -21,12 +21,6 @@ from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.models.plan_harness import PROMPTS, assert_steps_alike, pools, prefilled
 
 PLAN_ROWS = 10  # the runners' largest size below: beyond the GEMV's 8 rows, short of PROMPTS
-# the family presets whose layers are of no block kind the plan knows (Ling-3: KDA's full-rank
-# bounded gates, the clamped SwiGLU): their model class and their layers' class
-OUTSIDE = {
-    "tiny-bailing-hybrid": ("BailingHybridForCausalLM", "BailingHybridDecoderLayer"),
-}
-PLANNED = tuple(p for p in FAMILY_PRESETS if p not in OUTSIDE)
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +74,14 @@ def test_plan_equals_eager_bit_for_bit(request, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
-@pytest.mark.parametrize("preset", PLANNED)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
 def test_every_family_plan_equals_eager_bit_for_bit(tmp_path_factory, preset, dtype):
     """Each hybrid family's tiny preset (tests/families.py: NemotronH, Granite-4.0-H with and
     without experts, Bamba, Falcon-H1 and its multipliers, OLMo-Hybrid, LFM2's short conv and
     per-head-normed attention, LFM2-MoE's sigmoid-routed experts, LFM3's sliding and full
     attention with their own angles, output gate and sandwich norms, Kimi-Linear's KDA, NoPE
-    MLA over the latent rows and grouped-router MoE) through the plan: greedy
+    MLA over the latent rows and grouped-router MoE, Ling-3's full-rank bounded KDA gates, MLA
+    with partial RoPE and a head gate, and clamped SwiGLU experts) through the plan: greedy
     steps of 1, 4 and 16 rows (the GEMV's rows and the tiled GEMM's; with bf16 matrices, bf16
     products forced on, the bf16 route's from 16; int8 and int4 matrices quantized from bf16)
     give the eager step's logits and pools bit for bit, and the plan ran every one of them."""
@@ -138,23 +133,6 @@ def test_layers_without_a_block_builder_refuse_the_plan_naming_them(
     assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
     assert "of Lfm2DecoderLayer layers, which no block builder describes" in texts[0]
     assert "no setting avoids it" in texts[0]
-
-
-@pytest.mark.parametrize("preset", list(OUTSIDE))
-def test_a_family_of_no_block_kind_refuses_the_plan_naming_it(
-    tmp_path, preset, slow_path_warnings, caplog
-):
-    """A family whose layers the plan has no block kind for gets no plan: one WARNING names the
-    model class and its layers' class, and decode runs the eager step."""
-    ckpt = write_checkpoint(tmp_path / preset, preset_config(preset), seed=5)
-    runner, _, _ = prefilled(ckpt, "float32")
-    assert set(FAMILY_PRESETS) >= set(OUTSIDE)
-    for _ in range(2):
-        assert DecodeGraphRunner(runner, [1, 4]).plan is None
-    texts = [r.getMessage() for r in caplog.records if "no CPU decode plan" in r.getMessage()]
-    assert len(texts) == slow_path_warnings("no CPU decode plan") == 1
-    model, layer = OUTSIDE[preset]
-    assert f"a {model} of {layer} layers, which no block builder describes (the plan" in texts[0]
 
 
 @pytest.mark.parametrize("preset", ["tiny-granite-4.0-h", "tiny-lfm2-moe"])

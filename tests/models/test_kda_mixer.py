@@ -1,14 +1,18 @@
-"""The KDA mixer (`models.kda_mixer`) against transformers' `KimiLinearDeltaAttention` on one
-random tiny config, fp32, through the Mamba pool as the server drives it: ragged prefill from
-fresh slots, prefill continuing from the pool's states, decode steps, a 4-row verify against 4
-decode steps, and the states tracked at a chunk boundary. transformers runs each whole sequence
-without a cache; our outputs for any span of it must equal its outputs there."""
+"""The KDA mixer (`models.kda_mixer`) against transformers' `KimiLinearDeltaAttention` (and, for
+decode, Ling-3's `BailingHybridDeltaAttention`) on one random tiny config, fp32, through the
+Mamba pool as the server drives it: ragged prefill from fresh slots, prefill continuing from the
+pool's states, decode steps, a 4-row verify against 4 decode steps, and the states tracked at a
+chunk boundary. transformers runs each whole sequence without a cache; our outputs for any span
+of it must equal its outputs there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import KimiLinearConfig
+from transformers import BailingHybridConfig, KimiLinearConfig
+from transformers.models.bailing_hybrid.modeling_bailing_hybrid import (
+    BailingHybridDeltaAttention,
+)
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
 from hybrid_serve.kernels import choose, reference_set
@@ -175,6 +179,57 @@ def test_a_four_row_verify_is_four_decode_steps(kernels: str) -> None:
             conv, ssm = after[j]
             torch.testing.assert_close(pool.conv_state[:, slot], conv[:, i], atol=1e-5, rtol=0)
             torch.testing.assert_close(pool.ssm_state[:, slot], ssm[:, i], atol=1e-5, rtol=0)
+
+
+def ling_config() -> BailingHybridConfig:
+    """transformers' Ling-3 config at the tiny sizes: KDA of HEADS heads of HEAD_DIM."""
+    return BailingHybridConfig(
+        vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, layer_group_size=2,
+        num_attention_heads=HEADS, head_dim=HEAD_DIM, short_conv_kernel_size=KC,
+        rms_norm_eps=1e-5, kda_safe_gate=True, kda_lower_bound=-5.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_ling_decode_steps_match_transformers(kernels: str) -> None:
+    """Ling-3's KDA (full-rank gates, the bounded forget gate: transformers'
+    `BailingHybridDeltaAttention`) through prefill and decode steps, within ATOL."""
+    torch.manual_seed(6)
+    ref = BailingHybridDeltaAttention(ling_config(), layer_idx=0).float().eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            scale = {"A_log": 1.0, "dt_bias": 0.5}.get(name.rsplit(".", 1)[-1], 0.3)
+            p.copy_(torch.randn_like(p) * scale + (1.0 if name.endswith("o_norm.weight") else 0))
+    c = ling_config()
+    mixer = KimiDeltaAttention(c, 0, ops=kernel_set(kernels), full_rank_gates=True,
+                               gate_lower_bound=c.kda_lower_bound)  # fmt: skip
+    state = {k.removeprefix("forget_gate."): v for k, v in ref.state_dict().items()}
+    mixer.load_state_dict(state, strict=True)
+    prompt, steps = [9, 66], 5
+    xs = [torch.randn(n + steps, HIDDEN) for n in prompt]
+    expect = [reference(ref, x) for x in xs]
+    pool = new_pool(mixer)
+    slots = pool.alloc(2).tolist()
+    run_prefill(mixer, pool, xs, slots, [0, 0], prompt)
+    for j in range(steps):
+        pos = [n + j for n in prompt]
+        x = torch.stack([xs[i][p] for i, p in enumerate(pos)])
+        with torch.no_grad():
+            out = mixer(x, batch(pool, "decode", slots, [1, 1], pos))
+        for i, p in enumerate(pos):
+            torch.testing.assert_close(out[i], expect[i][p], atol=ATOL, rtol=0)
+
+
+def test_the_cpp_set_decodes_through_the_fused_op() -> None:
+    """On the C++ set the mixer's decode is the one fused op (the CPU decode plan calls the same
+    C++ function), with the layer's gate bound."""
+    mixer = KimiDeltaAttention(ling_config(), 0, ops=kernel_set("cpp"), full_rank_gates=True,
+                               gate_lower_bound=-5.0)  # fmt: skip
+    op = mixer.decode_op()
+    assert op.func.__module__ == "hybrid_serve.kernels.cpp_fused" and op.func.__name__ == (
+        "kda_decode"
+    )
+    assert op.keywords == {"gate_lower_bound": -5.0}
 
 
 def test_states_tracked_at_a_chunk_boundary_are_the_states_there() -> None:

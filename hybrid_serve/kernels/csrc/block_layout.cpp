@@ -22,9 +22,12 @@
 //   gated attention ints [KV layer, heads]; floats [q/k norm eps, scale];
 //                   tensors [q with its gate, k, v, q_norm, k_norm, o]   (Qwen3-Next)
 //   parallel        Mamba2's, then attention's (Falcon-H1: their outputs summed)
-//   KDA             ints [pool layer]; floats [norm eps]; tensors [q, k, v, b, f_a, g_a, f_b,
-//                   g_b, conv weight [3 H d, W], A_log, dt_bias [H d], norm, o_proj]
-//                   (Kimi Delta Attention: the delta rule with a per-channel forget gate)
+//   KDA             ints [pool layer, full-rank gates, bounded gate]; floats [norm eps, lower
+//                   bound (read, unused without the bound)]; tensors [q, k, v, b, f_a, g_a, f_b,
+//                   g_b] (Kimi's low-rank gates) or [q, k, v, b, f, g] (Ling-3's full-rank
+//                   ones), then [conv weight [3 H d, W], A_log, dt_bias [H d], norm, o_proj]
+//                   (Kimi Delta Attention: the delta rule with a per-channel forget gate, the
+//                   fused kda_decode)
 //   MLA             ints [KV layer, heads, kv_lora_rank, nope, rope, v head dim, has q LoRA,
 //                   has head gate, rope]; floats [scale, q LoRA norm eps, latent norm eps];
 //                   tensors [q] or [q_a, q_a norm, q_b], then [kv_a, kv_a norm, kv_b, o, g?]
@@ -49,9 +52,10 @@
 //                   tensors [router (fp32), expert bias?, experts' gate_up and down]
 //                   (LFM2-MoE: sigmoid scores, top-k of scores + bias, no shared expert)
 //   grouped MoE     ints [top_k, n_group, topk_group, norm_topk_prob, softmax scores];
-//                   floats [routed scaling]; tensors [router, its correction bias, experts'
-//                   gate_up and down, shared gate, up and down]   (Kimi-Linear: relu^2 MoE's
-//                   router, sigmoid or softmax scores, SwiGLU experts plus the shared SwiGLU)
+//                   floats [routed scaling, routed SwiGLU limit, shared SwiGLU limit (0: none)];
+//                   tensors [router, its correction bias, experts' gate_up and down, shared
+//                   gate, up and down]   (Kimi-Linear and Ling-3: relu^2 MoE's router, sigmoid
+//                   or softmax scores, SwiGLU experts plus the shared SwiGLU, Ling-3's clamped)
 
 #include <torch/library.h>
 
@@ -158,8 +162,12 @@ Attention read_attention(Reader& r) {
 Kda read_kda(Reader& r) {
   Kda k;
   k.layer = r.integer();
+  k.full_rank = r.integer() != 0;
+  const bool bounded = r.integer() != 0;
   k.eps = r.real();
-  k.w = r.take(13);
+  const double bound = r.real();
+  if (bounded) k.lower_bound = bound;
+  k.w = r.take(k.full_rank ? 11 : 13);
   return k;
 }
 
@@ -224,6 +232,10 @@ Mlp read_mlp(Reader& r, int64_t kind) {
     m.flag = r.integer() != 0;
     m.softmax = r.integer() != 0;
     m.out_mult = r.real();
+    m.limit = r.real();
+    m.shared_limit = r.real();
+    TORCH_CHECK(m.limit >= 0.0 && m.shared_limit >= 0.0, "BlockStep: SwiGLU limits ", m.limit,
+                ", ", m.shared_limit);
     m.w = r.take(7);
   } else {
     TORCH_CHECK(kind == kSigmoidMoe, "BlockStep: MLP kind ", kind);

@@ -94,7 +94,8 @@ at::Tensor swiglu(const at::Tensor& h, const Mlp& m, bool bf16) {
 // (token, expert) pairs sorted by expert, their rows through the experts, weighted and summed
 // back per token. ids, weights [T, k]; gate_up [E, 2I, H], down [E, H, I].
 at::Tensor fused_experts(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
-                         const at::Tensor& gate_up, const at::Tensor& down) {
+                         const at::Tensor& gate_up, const at::Tensor& down,
+                         double limit = 0.0) {
   const at::Tensor flat = ids.flatten();
   const at::Tensor order = at::argsort(flat, /*stable=*/true, -1, false);
   const at::Tensor counts = at::bincount(flat, {}, gate_up.size(0)).contiguous();
@@ -106,7 +107,7 @@ at::Tensor fused_experts(const at::Tensor& h, const at::Tensor& ids, const at::T
   const int64_t* count = counts.data_ptr<int64_t>();
   hs::routed_experts_into(xs.data_ptr<float>(), gate_up, down,
                           std::vector<int64_t>(count, count + counts.numel()),
-                          ys.data_ptr<float>());
+                          ys.data_ptr<float>(), static_cast<float>(limit));
   ys = ys * weights.flatten().index({order}).unsqueeze(1);
   return at::zeros_like(h).index_add_(0, token_of, ys);
 }
@@ -142,10 +143,17 @@ at::Tensor sigmoid_moe(const at::Tensor& h, const Mlp& m) {
 }
 
 // models/kimi_moe.py KimiMoE: the grouped router (`route`) over fused_experts, plus the shared
-// SwiGLU (models/layers.py MLP)
+// SwiGLU (models/layers.py MLP); with Ling-3's limits the routed experts' SwiGLU clamped in the
+// C++ op and the shared one as kernels/experts.py `swiglu` clamps it (`KimiMoE._shared`)
 at::Tensor grouped_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
   const auto [weights, ids] = route(h, m);
-  const at::Tensor moe = fused_experts(h, ids, weights, m.w[2], m.w[3]);
+  const at::Tensor moe = fused_experts(h, ids, weights, m.w[2], m.w[3], m.limit);
+  if (m.shared_limit > 0.0) {
+    const std::vector<at::Tensor> gate_up = hs::linear_multi(h, {m.w[4], m.w[5]}, bf16);
+    const double l = m.shared_limit;
+    const at::Tensor act = at::silu(gate_up[0]).clamp_max(l) * gate_up[1].clamp(-l, l);
+    return moe + hs::linear(act, m.w[6], bf16);
+  }
   Mlp shared;
   shared.w = {m.w[4], m.w[5], m.w[6]};
   return moe + swiglu(h, shared, bf16);

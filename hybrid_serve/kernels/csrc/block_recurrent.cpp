@@ -1,6 +1,7 @@
 // The block step's recurrent mixer kinds: GDN (the fused gdn_decode, its verify, or with a beta
 // scale the eager step's composition), Mamba2 (mamba2_decode), LFM2's gated short conv and
-// Kimi's KDA, each the eager step's ops in its order, the states updated in the pools' slots.
+// KDA (kda_decode: Kimi's gates or Ling-3's), each the eager step's ops in its order, the states
+// updated in the pools' slots.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -90,40 +91,27 @@ at::Tensor short_conv(const at::Tensor& h, const ShortConv& s, const Batch& b) {
   return hs::linear(bcx[1] * y, s.out_proj, b.bf16);
 }
 
-// models/kda_mixer.py KimiDeltaAttention's decode (DeltaRuleMixer._decode over
-// kernels/gdn_step.py gdn_decode with the C++ conv update and delta rule and
-// kernels/rmsnorm.py rms_norm_gated_sigmoid): the six products of h in one linear_multi, the
-// low-rank ups of the forget gate and the output gate, the conv update of [q | k | v], the
-// per-channel gate -exp(A_log[h]) softplus(f + dt_bias), the delta rule, the sigmoid-gated norm,
+// models/kda_mixer.py KimiDeltaAttention's decode (DeltaRuleMixer._decode over the fused
+// kda_decode, kda_decode.cpp): the six products of h in one linear_multi, Kimi's low-rank ups of
+// the forget gate and the output gate (Ling-3's full-rank gates have none), [q | k | v | z] and
+// [b | f] joined as `in_projections` joins them, the fused op with the layer's gate bound,
 // o_proj
 at::Tensor kda(const at::Tensor& h, const Kda& k, const Batch& b) {
   const std::vector<at::Tensor>& w = k.w;
   const std::vector<at::Tensor> p =
       hs::linear_multi(h, {w[0], w[1], w[2], w[3], w[4], w[5]}, b.bf16);
-  const at::Tensor f = hs::linear(p[4], w[6], b.bf16), z = hs::linear(p[5], w[7], b.bf16);
-  const at::Tensor conv = b.conv_state.select(0, k.layer), ssm = b.ssm_state.select(0, k.layer);
-  const int64_t T = h.size(0), H = ssm.size(1), d = ssm.size(2);
-  const at::Tensor slots = b.slots.to(at::kLong).contiguous();
-  const at::Tensor mixed = hs::conv1d_update_pool(at::cat({p[0], p[1], p[2]}, -1), conv,
-                                                  w[8].contiguous(), std::nullopt, slots, true);
-  const std::vector<at::Tensor> qkv = mixed.split({H * d, H * d, H * d}, -1);
-  // b and a as the eager step's column slices of [b | a]: ATen's elementwise ops may round a
-  // strided input otherwise than a contiguous one
-  const at::Tensor ba = at::cat({p[3], f}, -1);
-  const at::Tensor beta = ba.narrow(-1, 0, H).sigmoid();
-  const at::Tensor decay = -w[9].to(at::kFloat).reshape({H}).exp();
-  const at::Tensor a = ba.narrow(-1, H, H * d).to(at::kFloat);
-  const at::Tensor gate = decay.unsqueeze(-1) * at::softplus(a + w[10]).unflatten(-1, {H, -1});
-  const at::Tensor core = hs::gdr_recurrent_pool(
-      qkv[0].reshape({T, 1, H, d}).contiguous(), qkv[1].reshape({T, 1, H, d}).contiguous(),
-      qkv[2].reshape({T, 1, H, d}).contiguous(), gate.unsqueeze(1).contiguous(),
-      beta.unsqueeze(1).contiguous(), ssm, slots, std::pow(static_cast<double>(d), -0.5), true);
-  const at::Tensor xf = core.reshape({T * H, d}).to(at::kFloat);
-  const at::Tensor normed =
-      xf * at::rsqrt(xf.pow(2).mean(at::IntArrayRef{-1}, /*keepdim=*/true) + k.eps);
-  const at::Tensor zf = z.reshape({T * H, d}).to(at::kFloat);
-  const at::Tensor y = (w[11].to(at::kFloat) * normed * zf.sigmoid()).to(core.scalar_type());
-  return hs::linear(y.reshape({T, H * d}), w[12], b.bf16);
+  at::Tensor f = p[4], z = p[5];
+  size_t i = 6;  // the conv weight's index
+  if (!k.full_rank) {
+    f = hs::linear(p[4], w[6], b.bf16);
+    z = hs::linear(p[5], w[7], b.bf16);
+    i = 8;
+  }
+  const at::Tensor y = hs::kda_decode(
+      at::cat({p[0], p[1], p[2], z}, -1), at::cat({p[3], f}, -1),
+      b.conv_state.select(0, k.layer), w[i], b.ssm_state.select(0, k.layer), w[i + 1],
+      w[i + 2], w[i + 3], b.slots.to(at::kLong).contiguous(), k.eps, k.lower_bound);
+  return hs::linear(y, w[i + 4], b.bf16);
 }
 
 }  // namespace hs::blocks

@@ -3,16 +3,15 @@
 // its weights and op arguments (taken once by models/plan_builders.py), and `forward` runs them
 // with the eager step's own ops, in its order, called from C++: the C++ kernels where the eager
 // step (the C++ kernel set with its fusions) calls them (decode_ops.h: hs::linear,
-// hs::linear_multi, the norms, the fused GDN, Mamba2, gated-attention and MoE decode ops, the
-// unfused conv update (the short conv's too) and delta rule) and ATen's ops in the sequence of
-// the torch references where it calls those
+// hs::linear_multi, the norms, the fused GDN, KDA, Mamba2, gated-attention and MoE decode ops,
+// the unfused conv update (the short conv's too) and delta rule, the routed experts) and ATen's
+// ops in the sequence of the torch references where it calls those
 // (kernels/rmsnorm.py rms_norm_plain, kernels/attn_step.py apply_rope, kernels/attention.py
 // store_kv and decode_attention, kernels/gdn_step.py gates, kernels/relu2_moe.py relu2_moe,
-// kernels/experts.py fused_experts, the LFM2 modules' elementwise gates and router, Kimi's KDA
-// gates and sigmoid-gated norm (kernels/gdn_step.py, kernels/rmsnorm.py) and MLA's absorbed
-// decode (models/mla_attention.py)). So its logits and pool updates are bit-identical to the
-// eager step's (the constructor's `bf16_products` is the kernel set's), without the trips
-// through Python and the dispatcher. A change to one of those references or to a family's layer
+// kernels/experts.py fused_experts and the clamped swiglu, the LFM2 modules' elementwise gates
+// and router, and MLA's absorbed decode (models/mla_attention.py)). So its logits and pool
+// updates are bit-identical to the eager step's (the constructor's `bf16_products` is the
+// kernel set's), without the trips through Python and the dispatcher. A change to one of those references or to a family's layer
 // must be mirrored here: tests/models/test_cpu_decode.py compares the two bit for bit.
 //
 // A block has one or two sublayers, the mixer's and the MLP's (either may be absent: NemotronH's

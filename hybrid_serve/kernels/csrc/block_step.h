@@ -63,8 +63,11 @@ struct GatedAttention {
 
 struct Kda {
   int64_t layer;
+  bool full_rank;  // Ling-3's f and g projections, else Kimi's low-rank f_a/f_b, g_a/g_b
   double eps;
-  std::vector<at::Tensor> w;  // q, k, v, b, f_a, g_a, f_b, g_b, conv, A_log, dt_bias, norm, o
+  std::optional<double> lower_bound;  // Ling-3's bounded forget gate
+  // q, k, v, b, then f_a, g_a, f_b, g_b (or f, g), then conv, A_log, dt_bias, norm, o
+  std::vector<at::Tensor> w;
 };
 
 struct Mla {
@@ -80,6 +83,7 @@ struct Mlp {
   bool flag = false;     // SwiGLU: fused gate|up; the MoEs: norm_topk_prob
   bool softmax = false;  // grouped MoE: softmax scores over the experts (else sigmoid)
   double gate_mult = 1.0, out_mult = 1.0;  // relu^2 MoE: out_mult is the routed scaling
+  double limit = 0.0, shared_limit = 0.0;  // grouped MoE: the SwiGLU clamps (0: none)
   std::vector<at::Tensor> w;
 };
 

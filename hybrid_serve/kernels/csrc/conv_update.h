@@ -1,9 +1,10 @@
 // The short causal conv's one-token update on a channel-first window, in place, and softplus:
-// shared by the fused recurrent decode ops (gdn_decode.cpp, mamba2_decode.cpp). Reference:
-// kernels/causal_conv1d.py `causal_conv1d_update` with silu.
+// shared by the fused recurrent decode ops (gdn_decode.cpp, kda_decode.cpp, mamba2_decode.cpp).
+// Reference: kernels/causal_conv1d.py `causal_conv1d_update` with silu.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
@@ -51,6 +52,21 @@ inline void conv_update_row(const float* x, float* window, const float* wt, cons
     y[c] = bias != nullptr ? acc + bias[c] : acc;
   }
   silu_inplace(y, D);
+}
+
+// `conv_update_row` over the rows of a decode batch, in parallel: row b's first D columns of
+// x [T, row] on the window of its slot in `windows` [slots, D, W-1], into act [T, D]; rows whose
+// slot is negative (padding, pool_slots.h) are skipped.
+inline void conv_update_rows(const float* x, int64_t row, float* windows, const float* wt,
+                             const std::vector<int64_t>& slots, float* act, int64_t D,
+                             int64_t W) {
+  at::parallel_for(0, int64_t(slots.size()), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (slots[b] < 0) continue;
+      conv_update_row(x + b * row, windows + slots[b] * D * (W - 1), wt, nullptr, act + b * D, D,
+                      W);
+    }
+  });
 }
 
 // The conv weight [D, W] transposed, [W][D].

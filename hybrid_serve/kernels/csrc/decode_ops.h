@@ -32,10 +32,11 @@ std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights
                                      bool bf16_products);
 // linear_ops.cpp: tiled_linear; routed_experts.cpp: routed_experts_into writes y [T, H] for xs [T, H]
 // sorted by expert, counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I]
-// alike fp32, bf16, int8 or int4 (weights.h's formats)
+// alike fp32, bf16, int8 or int4 (weights.h's formats); a limit > 0 clamps the SwiGLU
+// (kernels/experts.py `swiglu`)
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
-                         const std::vector<int64_t>& counts, float* y);
+                         const std::vector<int64_t>& counts, float* y, float limit = 0.f);
 // The bf16 route: with `bf16_products` (chosen once, at load, for CPUs that multiply bf16 in
 // hardware: kernels/kernel_set.py), a bf16 weight at kBf16Rows rows or more (every row count)
 // multiplies x rounded to bf16, each pair product exact, summed in fp32, each output rounded to
@@ -70,6 +71,11 @@ at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
                       const at::Tensor& dt_bias, const at::Tensor& norm_weight,
                       const at::Tensor& slots_t, const at::Tensor& starts_t,
                       const at::Tensor& steps_t, int64_t num_k_heads, double eps);
+// kda_decode.cpp
+at::Tensor kda_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
+                      const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
+                      const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                      const at::Tensor& slots_t, double eps, std::optional<double> lower_bound);
 // mamba2_decode.cpp
 at::Tensor mamba2_decode(const at::Tensor& zxbcdt, at::Tensor conv_state,
                          const at::Tensor& conv_weight, const std::optional<at::Tensor>& conv_bias,

@@ -1,11 +1,13 @@
 // The gated delta rule on recurrent states, in place: one token on a head's fp32 state (the pool
-// decode kernels of delta_rule_pool.cpp and gdn_decode.cpp), and the prefill's per-token pass over a
-// double block of state columns (gdr_varlen_pool).
+// decode kernels of delta_rule_pool.cpp, gdn_decode.cpp and kda_decode.cpp), and the prefill's
+// per-token pass over a double block of state columns (gdr_varlen_pool).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
+#include "lanes.h"
 #include "prefetch.h"
 #include "simd.h"
 
@@ -48,6 +50,18 @@ inline void delta_rule_token_rows(float* state, const float* k, const float* q, 
       row[j] += ki * delta[j];
       o[j] += qi * row[j];
     }
+  }
+}
+
+// One head's q and k for the decode's update, l2-normalised as the references' `l2norm`
+// (1e-6 under the root) with q also scaled: qs = q * scale / |q|, ks = k / |k| (dk each).
+inline void normalise_qk(const float* q, const float* k, int64_t dk, float scale, float* qs,
+                         float* ks) {
+  const float qm = scale / std::sqrt(dot8(q, q, dk) + 1e-6f);
+  const float km = 1.f / std::sqrt(dot8(k, k, dk) + 1e-6f);
+  for (int64_t i = 0; i < dk; ++i) {
+    qs[i] = q[i] * qm;
+    ks[i] = k[i] * km;
   }
 }
 

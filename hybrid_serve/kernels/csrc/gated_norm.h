@@ -2,7 +2,7 @@
 // fused decode op (gdn_decode.cpp) and the prefill's norm op (norms.cpp), so a prompt's prefill
 // and its decode steps round alike. Reference: kernels/rmsnorm.py `rms_norm_gated`. And one
 // group of the Mamba2 output's gate-first norm (mamba2_decode.cpp), reference
-// `rms_norm_gate_first`.
+// `rms_norm_gate_first`. And KDA's sigmoid-gated output norm (kda_decode.cpp).
 #pragma once
 
 #include <algorithm>
@@ -19,6 +19,16 @@ inline void gated_rmsnorm_row(const float* x, const float* z, const float* w, fl
   const float r = 1.f / std::sqrt(dot8(x, x, D) / static_cast<float>(D) + eps);
   std::copy(z, z + D, y);
   silu_inplace(y, D);
+  for (int64_t i = 0; i < D; ++i) y[i] = (w[i] * (x[i] * r)) * y[i];
+}
+
+// KDA's output norm (kda_decode.cpp), y = w * (x / rms(x)) * sigmoid(z). Reference:
+// kernels/rmsnorm.py `rms_norm_gated_sigmoid`.
+inline void sigmoid_gated_rmsnorm_row(const float* x, const float* z, const float* w, float* y,
+                                      int64_t D, float eps) {
+  const float r = 1.f / std::sqrt(dot8(x, x, D) / static_cast<float>(D) + eps);
+  std::copy(z, z + D, y);
+  sigmoid_inplace(y, D);
   for (int64_t i = 0; i < D; ++i) y[i] = (w[i] * (x[i] * r)) * y[i];
 }
 

@@ -45,12 +45,7 @@ inline void head_token(const GdnLayer& L, int64_t b, int64_t hv, const float* a_
   const float* qr = a_row + hk * dk;
   const float* kr = a_row + L.key_dim + hk * dk;
   const float* vr = a_row + 2 * L.key_dim + hv * dv;
-  const float qm = L.scale / std::sqrt(hs::dot8(qr, qr, dk) + 1e-6f);
-  const float km = 1.f / std::sqrt(hs::dot8(kr, kr, dk) + 1e-6f);
-  for (int64_t i = 0; i < dk; ++i) {
-    qs[i] = qr[i] * qm;
-    ks[i] = kr[i] * km;
-  }
+  hs::normalise_qk(qr, kr, dk, L.scale, qs, ks);
   const float bt = 1.f / (1.f + std::exp(-L.ba[b * 2 * HV + hv]));
   const float g =
       -std::exp(L.A_log[hv]) * hs::softplus(L.ba[b * 2 * HV + HV + hv] + L.dt_bias[hv]);
@@ -115,15 +110,8 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
   const std::vector<int64_t> slots = hs::live_slots(slots_t, ssm_state.size(0));
   std::vector<float> act(T * conv_dim);  // silu(conv) of the live rows
   const std::vector<float> wt = hs::conv_weight_transposed(conv_weight);
-  float* csp = conv_state.data_ptr<float>();
-
-  at::parallel_for(0, T, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      if (slots[b] < 0) continue;
-      hs::conv_update_row(L.x + b * L.row, csp + slots[b] * conv_dim * (W - 1), wt.data(),
-                          nullptr, act.data() + b * conv_dim, conv_dim, W);
-    }
-  });
+  hs::conv_update_rows(L.x, L.row, conv_state.data_ptr<float>(), wt.data(), slots, act.data(),
+                       conv_dim, W);
 
   at::parallel_for(0, T * HV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(dk), ks(dk), delta(dv), acc(dv), o(dv);

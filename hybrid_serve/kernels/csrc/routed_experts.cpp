@@ -65,13 +65,20 @@ void run_balanced(const std::vector<Task>& tasks, const F& fn) {
 }
 
 // silu(gate) * up at columns [n0, n1) of a row [gate | up] of 2I gate and up outputs -> out
-// [n1 - n0], silu vectorised (silu.h: a polynomial exp within 2 ulp of expf).
-inline void swiglu_cols(const float* gate_up_row, int64_t I, int64_t n0, int64_t n1,
-                        float* out) {
+// [n1 - n0], silu vectorised (silu.h: a polynomial exp within 2 ulp of expf). A limit > 0 is
+// the clamped SwiGLU (kernels/experts.py `swiglu`): min(silu(gate), limit) * clamp(up, +-limit).
+inline void swiglu_cols(const float* gate_up_row, int64_t I, int64_t n0, int64_t n1, float* out,
+                        float limit) {
   const int64_t n = n1 - n0;
+  const float* up = gate_up_row + I + n0;
   std::copy_n(gate_up_row + n0, n, out);
   hs::silu_inplace(out, n);
-  for (int64_t i = 0; i < n; ++i) out[i] *= gate_up_row[I + n0 + i];
+  if (limit > 0.f) {
+    for (int64_t i = 0; i < n; ++i)
+      out[i] = std::min(out[i], limit) * std::clamp(up[i], -limit, limit);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] *= up[i];
 }
 
 // The activation rows (`counts[e]` of expert e from panel pstart[e]) in the panels `ap` of
@@ -94,7 +101,8 @@ inline void round_panel_rows(float* ap, const std::vector<int64_t>& pstart,
 // scratch for the gate and up outputs.
 template <typename W>
 void experts_into(const float* xs, const W* gate_up, const W* down,
-                  const std::vector<int64_t>& counts, float* h, float* y, int64_t H, int64_t I) {
+                  const std::vector<int64_t>& counts, float* h, float* y, int64_t H, int64_t I,
+                  float limit) {
   const int64_t E = int64_t(counts.size());
   std::vector<int64_t> start(E + 1, 0), pstart(E + 1, 0);  // each expert's first row, panel
   for (int64_t e = 0; e < E; ++e) {
@@ -126,7 +134,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
     std::vector<float> row(t.n1 - t.n0);
     for (int64_t m = 0; m < panels(M) * MR; ++m) {
       float* a = ap.get() + (pstart[t.e] + m / MR) * I * MR + m % MR;
-      if (m < M) swiglu_cols(hm + m * 2 * I, I, t.n0, t.n1, row.data());
+      if (m < M) swiglu_cols(hm + m * 2 * I, I, t.n0, t.n1, row.data(), limit);
       for (int64_t n = t.n0; n < t.n1; ++n) a[n * MR] = m < M ? row[n - t.n0] : 0.f;
     }
   });
@@ -142,7 +150,7 @@ void experts_into(const float* xs, const W* gate_up, const W* down,
 namespace hs {
 
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
-                         const std::vector<int64_t>& counts, float* y) {
+                         const std::vector<int64_t>& counts, float* y, float limit) {
   int64_t T = 0;
   for (int64_t c : counts) T += c;
   if (T == 0) return;
@@ -150,7 +158,8 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
   std::vector<float> h(T * 2 * I);
   hs::with_weight(gate_up.scalar_type(), gate_up.data_ptr(), [&](auto* gu) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(gu)>>;
-    experts_into(xs, gu, static_cast<const W*>(down.data_ptr()), counts, h.data(), y, H, I);
+    experts_into(xs, gu, static_cast<const W*>(down.data_ptr()), counts, h.data(), y, H, I,
+                 limit);
   });
 }
 
@@ -161,9 +170,9 @@ namespace {
 // xs [T, H] fp32 sorted by expert; gate_up [E, 2I, H], down [E, H, I] (fp32, bf16, int8 or
 // int4, alike);
 // counts [E] int64 summing to T -> [T, H] fp32: row t is down_e(silu(gate_e x_t) * up_e x_t)
-// for the expert e whose slice holds t.
+// for the expert e whose slice holds t (with a limit > 0, the clamped SwiGLU: swiglu_cols).
 at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const at::Tensor& down,
-                          const at::Tensor& counts) {
+                          const at::Tensor& counts, double limit) {
   TORCH_CHECK(xs.is_contiguous() && gate_up.is_contiguous() && down.is_contiguous() &&
                   counts.is_contiguous(),
               "routed_experts: contiguous inputs");
@@ -186,14 +195,16 @@ at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const
   }
   TORCH_CHECK(sum == T, "routed_experts: counts sum to ", sum, " for ", T, " rows");
   auto y = at::empty({T, H}, xs.options());
-  hs::routed_experts_into(xs.data_ptr<float>(), gate_up, down, cnt, y.data_ptr<float>());
+  hs::routed_experts_into(xs.data_ptr<float>(), gate_up, down, cnt, y.data_ptr<float>(),
+                          static_cast<float>(limit));
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
-  m.def("routed_experts(Tensor xs, Tensor gate_up, Tensor down, Tensor counts) -> Tensor");
+  m.def("routed_experts(Tensor xs, Tensor gate_up, Tensor down, Tensor counts, "
+        "float limit=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
