@@ -71,8 +71,8 @@ def build(family, mtp: bool):
     """`family`'s model (on the meta device) for its first tiny preset, with a one-layer MTP
     head when `mtp`; None where the family serves no MTP head (its model refuses one)."""
     raw = complete_config(family_presets(family)[tiny_presets(family)[0]])
-    if mtp:
-        raw["mtp_num_hidden_layers"] = 1
+    if mtp:  # one MTP layer under both configs' names (Qwen's; NemotronH's and Ling-3's)
+        raw["mtp_num_hidden_layers"] = raw["num_nextn_predict_layers"] = 1
     config = resolve(family.config_class).from_dict(raw)
     try:
         with torch.device("meta"):
@@ -96,6 +96,6 @@ def test_every_family_model_is_a_served_model(family):
             assert lacking == [], f"{type(cfg).__name__} lacks {lacking}"
 
 
-def test_the_qwen_families_draft():
+def test_the_families_with_a_released_mtp_head_draft():
     drafting = [f.name for f in FAMILIES if build(f, mtp=True) is not None]
-    assert drafting == ["Qwen3-Next", "Qwen3.5 (dense)", "Qwen3.5 (MoE)"]
+    assert drafting == ["Qwen3-Next", "Qwen3.5 (dense)", "Qwen3.5 (MoE)", "NemotronH", "Ling-3"]
