@@ -1,0 +1,163 @@
+"""Ling-3 (`bailing_hybrid`) from a block-FP8 checkpoint in inclusionAI/Ling-3.0-flash-fp8's
+layout (`make_model.bailing_hybrid_preset.fp8_ignored`), its MTP layer included: what
+`make-model --fp8` writes, the strict loader's reading of it, and parity with the bf16 twin of
+the dequantized weights (`tests.models.fp8_twin`): identical parameters, main-model logits and
+MTP outputs, at one rank and at two."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybrid_serve.make_model.fp8_writer import quantize
+from hybrid_serve.models.fp8 import E4M3, Fp8Config
+from hybrid_serve.models.loader import load_model
+from hybrid_serve.models.parallel import ParallelContext
+from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
+from hybrid_serve.server.cli import main as cli_main
+from tests.models.fp8_twin import write_dequantized
+from tests.tp_workers import mtp_outputs
+
+MTP = "model.layers.6."  # the tiny preset's MTP layer: 6 main layers, MLA at 2 and 5
+IGNORED = ["lm_head", "b_proj", "2.attention.g_proj", "5.attention.g_proj", "6.attention.g_proj"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    """`make-model --preset tiny-bailing-hybrid --fp8` and its bf16 dequantized twin."""
+    root = tmp_path_factory.mktemp("ling3fp8")
+    fp8 = root / "fp8"
+    cli_main(
+        ["make-model", "--preset", "tiny-bailing-hybrid", "--fp8", "--seed", "3", "--out", str(fp8)]
+    )
+    return fp8, write_dequantized(fp8, root / "twin")
+
+
+def _expected_fp8(name: str, t: torch.Tensor) -> bool:
+    """The release's rule, spelled out here: every 2-d linear or expert matrix is FP8 but the
+    embedding, the LM head, the routers, KDA's beta projection and the MLA head gates."""
+    if t.dim() != 2 or not name.endswith(".weight"):
+        return False
+    if name in ("model.word_embeddings.weight", "lm_head.weight"):
+        return False
+    if name.endswith((".mlp.gate.weight", ".attention.b_proj.weight")):
+        return False
+    layer = int(name.split(".")[2])
+    return not (name.endswith(".attention.g_proj.weight") and layer in (2, 5, 6))
+
+
+def test_make_model_writes_the_releases_fp8_layout(pair) -> None:
+    fp8, twin = pair
+    qc = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    assert qc == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": IGNORED,
+    }
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    plain = load_file(str(twin / "model.safetensors"))
+    assert set(tensors) - set(plain) == {n for n in tensors if n.endswith("_scale_inv")}
+    fp8_names = {n for n, t in tensors.items() if t.dtype == E4M3}
+    assert fp8_names == {n for n, t in plain.items() if _expected_fp8(n, t)}
+    assert {n + "_scale_inv" for n in fp8_names} == set(tensors) - set(plain)
+    for name in (  # the MTP layer's matrices are FP8 like a main MLA + MoE layer's
+        "eh_proj",
+        "attention.q_proj",
+        "attention.kv_a_proj_with_mqa",
+        "attention.kv_b_proj",
+        "attention.dense",
+        "mlp.experts.7.down_proj",
+        "mlp.shared_experts.up_proj",
+    ):
+        assert MTP + name + ".weight" in fp8_names, name
+    assert tensors[MTP + "eh_proj.weight_scale_inv"].shape == (1, 2)  # [128, 256]
+    assert tensors[MTP + "attention.kv_b_proj.weight_scale_inv"].shape == (2, 1)  # [256, 32]
+    assert tensors["model.layers.0.attention.q_conv1d.weight"].dtype == torch.bfloat16
+    ignores = Fp8Config.from_dict(qc).ignores
+    assert ignores("model.layers.3.attention.b_proj") and ignores(MTP + "attention.g_proj")
+    assert not ignores("model.layers.3.attention.g_proj")  # KDA's output gate is FP8
+    assert not any(ignores(n.removesuffix(".weight")) for n in fp8_names)
+
+
+def _copy(src: Path, dst: Path, edit) -> Path:
+    """Checkpoint `src` copied to `dst` with its tensors edited by `edit`."""
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.suffix != ".safetensors":
+            (dst / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def _fp8_b_proj(t: dict) -> None:
+    name = "model.layers.0.attention.b_proj.weight"
+    t[name], t[name + "_scale_inv"] = quantize(t[name], (128, 128))
+
+
+def test_the_loader_reads_the_layout_strictly(pair, tmp_path) -> None:
+    fp8, _ = pair
+    model = load_model(fp8, mtp=True)
+    assert model.mtp is not None and model.mtp.eh_proj.weight.dtype == torch.bfloat16
+    assert load_model(fp8).mtp is None  # without the head its FP8 layer is skipped, scales too
+    scale = MTP + "mlp.experts.3.down_proj.weight_scale_inv"
+    gone = _copy(fp8, tmp_path / "gone", lambda t: t.pop(scale))
+    with pytest.raises(ValueError, match=re.escape(f"missing tensor {scale}")):
+        load_model(gone, mtp=True)
+    wrong = _copy(fp8, tmp_path / "b_proj", _fp8_b_proj)
+    message = "model.layers.0.attention.b_proj.weight is FP8 but modules_to_not_convert"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_model(wrong, mtp=True)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_parameters_equal_the_twins_with_the_mtp_layer(pair, size) -> None:
+    """Every rank's parameters (the head's too) are the twin's, bit for bit; TP shards are cut
+    from the whole dequantized tensor, so a rank's slice need not follow the 128-row blocks."""
+    fp8, twin = pair
+    for rank in range(size):
+        tp = ParallelContext(rank, size)
+        a = load_model(fp8, "bfloat16", tp=tp, mtp=True)
+        b = load_model(twin, "bfloat16", tp=tp, mtp=True)
+        pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+        assert pa.keys() == pb.keys() and any(n.startswith("mtp.") for n in pa)
+        for name, x in pa.items():
+            assert x.dtype == pb[name].dtype and torch.equal(x, pb[name]), name
+
+
+def _logits(path: Path, prompt: list[int]) -> torch.Tensor:
+    """Prefill logits of `prompt` then one decode step's, at the checkpoint's dtype (bf16)."""
+    runner = ModelRunner(
+        load_model(path, mtp=True),
+        RunnerConfig(max_running_requests=2, max_total_tokens=256, max_context_len=128),
+    )
+    req, slot = runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])
+    loc = runner.alloc_kv(req, 0, len(prompt))
+    first = runner.forward(runner.build_prefill([ExtendInput(req, slot, 0, prompt)], [loc]))
+    out_loc = runner.alloc_kv(req, len(prompt), 1)
+    step = runner.forward(runner.build_decode([DecodeInput(req, slot, len(prompt), 7)], out_loc))
+    return torch.cat([first, step])
+
+
+def test_logits_and_mtp_outputs_equal_the_twins(pair, tmp_path) -> None:
+    """On the CPU the FP8 weights are dequantized at load (fp32 products, then the serving
+    dtype): the twin's numbers, so its logits (bf16) and its MTP layer's outputs (served in fp32,
+    extend then decode rows: judged by the fp32 twin, since a dequantized weight need not be a
+    bf16 number) exactly."""
+    fp8, twin = pair
+    got, want = _logits(fp8, list(range(3, 40))), _logits(twin, list(range(3, 40)))
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert torch.isfinite(got).all() and got.std() > 0
+    twin32 = write_dequantized(fp8, tmp_path / "twin32", torch.float32)
+    a = mtp_outputs(ParallelContext(), str(fp8), (5, 3), 0)
+    b = mtp_outputs(ParallelContext(), str(twin32), (5, 3), 0)
+    for key in ("extend", "decode"):
+        assert torch.equal(a[key], b[key]) and a[key].std() > 0, key
