@@ -2,7 +2,7 @@
 layout (`make_model.bailing_hybrid_preset.fp8_ignored`), its MTP layer included: what
 `make-model --fp8` writes, the strict loader's reading of it, and parity with the bf16 twin of
 the dequantized weights (`tests.models.fp8_twin`): identical parameters, main-model logits and
-MTP outputs, at one rank and at two."""
+MTP outputs, at one rank and at two; two ranks' MTP outputs equal one rank's."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from hybrid_serve.server.cli import main as cli_main
 from tests.models.fp8_twin import write_dequantized
+from tests.tp_harness import run_ranks
 from tests.tp_workers import mtp_outputs
 
 MTP = "model.layers.6."  # the tiny preset's MTP layer: 6 main layers, MLA at 2 and 5
@@ -161,3 +162,14 @@ def test_logits_and_mtp_outputs_equal_the_twins(pair, tmp_path) -> None:
     b = mtp_outputs(ParallelContext(), str(twin32), (5, 3), 0)
     for key in ("extend", "decode"):
         assert torch.equal(a[key], b[key]) and a[key].std() > 0, key
+
+
+def test_tensor_parallel_mtp_outputs_equal_one_ranks(pair) -> None:
+    """Two ranks (gloo) serving the FP8 checkpoint: the head's outputs are one rank's, within
+    the summation-order bound the bf16 head's TP test uses."""
+    fp8, _ = pair
+    one = mtp_outputs(ParallelContext(), str(fp8), (5, 3), 1)
+    two = run_ranks(mtp_outputs, 2, str(fp8), (5, 3), 1)
+    for key in ("extend", "decode"):
+        torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=0)
+    assert two["head_bytes"] < one["head_bytes"]
