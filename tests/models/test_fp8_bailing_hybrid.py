@@ -2,7 +2,9 @@
 layout (`make_model.bailing_hybrid_preset.fp8_ignored`), its MTP layer included: what
 `make-model --fp8` writes, the strict loader's reading of it, and parity with the bf16 twin of
 the dequantized weights (`tests.models.fp8_twin`): identical parameters, main-model logits and
-MTP outputs, at one rank and at two; two ranks' MTP outputs equal one rank's."""
+MTP outputs, at one rank and at two; two ranks' MTP outputs equal one rank's; and the matrices
+kept in FP8 (the CUDA default, forced here on the CPU's torch references) serve the same
+numbers."""
 
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_serve.make_model.fp8_writer import quantize
+from hybrid_serve.make_model.presets import preset_config, write_checkpoint
 from hybrid_serve.models.fp8 import E4M3, Fp8Config
 from hybrid_serve.models.loader import load_model
 from hybrid_serve.models.parallel import ParallelContext
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 from hybrid_serve.server.cli import main as cli_main
 from tests.models.fp8_twin import write_dequantized
+from tests.models.test_fp8_resident import assert_same_numbers, resident_names
+from tests.models.test_triton_model import greedy
 from tests.tp_harness import run_ranks
 from tests.tp_workers import mtp_outputs
 
@@ -173,3 +178,40 @@ def test_tensor_parallel_mtp_outputs_equal_one_ranks(pair) -> None:
     for key in ("extend", "decode"):
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=0)
     assert two["head_bytes"] < one["head_bytes"]
+
+
+@pytest.fixture(scope="module")
+def fp8_32(tmp_path_factory) -> Path:
+    """The preset in 32 x 32 blocks, so that every width lands blocks whole or splits them."""
+    return write_checkpoint(
+        tmp_path_factory.mktemp("ling3fp8-32"),
+        preset_config("tiny-bailing-hybrid"),
+        seed=5,
+        dtype=torch.bfloat16,
+        fp8_block=(32, 32),
+    )
+
+
+def test_resident_fp8_serves_the_dequantized_numbers(fp8_32, kernels_mode) -> None:
+    """The CUDA default (`fp8_resident`), forced on the CPU with the torch references: the
+    matrices stay FP8, the MTP layer's included, except MLA's kv_b_proj, which the absorbed decode
+    reads as per-head blocks of numbers (`Linear.keep_float`, as under weight-only quantization);
+    tokens, logits and the head's outputs are the dequantize-at-load model's."""
+    kernels_mode("torch")
+    kept = load_model(fp8_32, "float32", fp8_resident=True, mtp=True)
+    names = resident_names(kept)
+    head = {"mtp.eh_proj.weight", "mtp.self_attn.q_proj.weight", "mtp.mlp.experts.gate_up_proj"}
+    assert head <= names
+    assert "model.layers.3.self_attn.f_proj.weight" in names
+    assert not any(n.endswith("kv_b_proj.weight") for n in names)
+    plain = load_model(fp8_32, "float32", mtp=True)
+    assert_same_numbers(kept, plain)
+    prompts = [list(range(3, 24)), [7, 8, 9]]
+    tokens, logits = greedy(kept, prompts, "cpu")
+    ref_tokens, ref_logits = greedy(plain, prompts, "cpu")
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+    a = mtp_outputs(ParallelContext(), str(fp8_32), (5, 3), 0, fp8_resident=True)
+    b = mtp_outputs(ParallelContext(), str(fp8_32), (5, 3), 0)
+    for key in ("extend", "decode"):
+        torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=0)
