@@ -215,3 +215,18 @@ def test_resident_fp8_serves_the_dequantized_numbers(fp8_32, kernels_mode) -> No
     b = mtp_outputs(ParallelContext(), str(fp8_32), (5, 3), 0)
     for key in ("extend", "decode"):
         torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=0)
+
+
+def test_triton_kernels_serve_resident_fp8(fp8_32, triton_device, kernels_mode) -> None:
+    """The FP8 products through the Triton block GEMM and the FP8 fused MoE (the interpreter on
+    the CPU) against the torch references on the same resident model."""
+    dev = str(triton_device)
+    kernels_mode("torch")
+    kept = load_model(fp8_32, "float32", device=dev, fp8_resident=True, mtp=True)
+    prompts = [list(range(3, 17)), [7, 8, 9]]
+    ref_tokens, ref_logits = greedy(kept, prompts, dev)
+    kernels_mode("triton", kept)
+    assert kept.ops.linear.__module__ == "hybrid_serve.kernels.fp8_gemm_triton"
+    tokens, logits = greedy(kept, prompts, dev)
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max().item() < 1e-3
