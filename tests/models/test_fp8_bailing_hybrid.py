@@ -139,11 +139,13 @@ def test_parameters_equal_the_twins_with_the_mtp_layer(pair, size) -> None:
             assert x.dtype == pb[name].dtype and torch.equal(x, pb[name]), name
 
 
-def _logits(path: Path, prompt: list[int]) -> torch.Tensor:
+def _logits(path: Path, prompt: list[int], device: str = "cpu") -> torch.Tensor:
     """Prefill logits of `prompt` then one decode step's, at the checkpoint's dtype (bf16)."""
     runner = ModelRunner(
-        load_model(path, mtp=True),
-        RunnerConfig(max_running_requests=2, max_total_tokens=256, max_context_len=128),
+        load_model(path, device=device, mtp=True),
+        RunnerConfig(
+            max_running_requests=2, max_total_tokens=256, max_context_len=128, device=device
+        ),
     )
     req, slot = runner.req_pool.alloc(1)[0], int(runner.mamba_pool.alloc(1)[0])
     loc = runner.alloc_kv(req, 0, len(prompt))
@@ -230,3 +232,24 @@ def test_triton_kernels_serve_resident_fp8(fp8_32, triton_device, kernels_mode) 
     tokens, logits = greedy(kept, prompts, dev)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_fp8_on_cuda_stays_fp8_and_gives_its_bf16_twins_logits(pair) -> None:
+    """CUDA's default load keeps the FP8 matrices resident (the MTP layer's too): each holds the
+    twin's numbers before their rounding to bf16, and the logits are the twin's within the
+    bound of the other FP8 CUDA test (bf16 rounding of the products)."""
+    from hybrid_serve.kernels.fp8 import dequantize, is_fp8
+
+    fp8, twin = pair
+    a = load_model(fp8, "bfloat16", "cuda", mtp=True)
+    b = load_model(twin, "bfloat16", "cuda", mtp=True)
+    kept = 0
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        kept += is_fp8(x)
+        got = dequantize(x, torch.bfloat16) if is_fp8(x) else x
+        assert x.is_cuda and torch.equal(got, y), name
+    assert kept > 0 and is_fp8(a.mtp.eh_proj.weight)
+    del a, b
+    got, want = _logits(fp8, list(range(3, 40)), "cuda"), _logits(twin, list(range(3, 40)), "cuda")
+    assert (got - want).abs().max().item() < 0.05 * want.std().item()
