@@ -45,7 +45,7 @@ HYBRID_SERVE_TEST_DEVICE=cuda timeout "$T" $PYTEST tests/server/test_openai.py \
     tests/server/test_native.py >"$OUT/server_cuda.log" 2>&1 &
 p3=$!
 { timeout "$T" $PYTEST tests/kernels/test_fp8_kernels.py tests/models/test_fp8_resident.py \
-    tests/models/test_fp8.py -rs && timeout "$T" python3 -m benchmarks.gpu_scale --dry-run \
+    tests/models/test_fp8.py tests/models/test_fp8_bailing_hybrid.py -rs && timeout "$T" python3 -m benchmarks.gpu_scale --dry-run \
     --out "$OUT/fp8_plan"; } >"$OUT/fp8.log" 2>&1 &
 p4=$!
 rc=0

@@ -57,6 +57,7 @@ WEIGHTS: dict[str, float] = {
     "tests/server/test_family_chat.py": 15,
     "tests/server/test_reasoning_server.py": 15,
     "tests/models/test_fp8_resident.py": 15,
+    "tests/models/test_fp8_bailing_hybrid.py": 25,
     "tests/models/test_triton_model.py": 15,
     "tests/server/test_tp_server.py": 14,
     "tests/models/test_nemotron_h_triton.py": 12,

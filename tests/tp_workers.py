@@ -163,11 +163,14 @@ def mtp_outputs(
     lens: tuple[int, ...],
     seed: int,
     quantization: str | None = None,
+    fp8_resident: bool | None = None,
 ) -> dict:
     """The MTP head's y (`mtp_hidden`) for an extend batch of requests of `lens` tokens and then
     one decode row for each, on seeded random token ids and hidden states (the same on every
     rank)."""
-    model = load_model(path, dtype="float32", tp=tp, quantization=quantization, mtp=True)
+    model = load_model(
+        path, dtype="float32", tp=tp, quantization=quantization, mtp=True, fp8_resident=fp8_resident
+    )
     runner = ModelRunner(model, RunnerConfig(max_running_requests=4, max_total_tokens=64))
     gen = torch.Generator().manual_seed(seed)
     c = model.config

@@ -25,6 +25,9 @@ group, sigmoid scores with a correction bias, renormalised, scaled by 2.5) with 
 expert, and SwiGLU clamps small enough to bind on the random weights in the last layers (the
 release clamps its late layers); one MTP layer, as released.
 
+The FP8 form (`make-model --fp8`, `fp8_ignored`) is inclusionAI/Ling-3.0-flash-fp8's layout as
+the peers read it; see `fp8_ignored` for what stays bf16 and the sources.
+
 `ling-3.0-flash` (config only: 124B): inclusionAI/Ling-3.0-flash's config.json, as transcribed in
 public repositories (a Rust port's pinned "Ling-3.0-flash-int4 config facts", hidden 2560,
 42 layers in groups of 6, 32 heads of 128, MLA 512 + 64 with nope 128 / v 128 and no q LoRA,
@@ -39,6 +42,7 @@ which blocks: left at 0 here, which changes no shape and no byte count).
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 _RELEASE_FIELDS = {  # as the release writes them (checked by the config reader)
@@ -156,6 +160,41 @@ def mtp_head(model: Any, config: dict) -> dict[str, Any]:
         setattr(head, name, child)
     head.final_layernorm = norm(hidden, eps)
     return {f"model.layers.{config['num_hidden_layers']}": head}
+
+
+def fp8_ignored(names: Iterable[str]) -> tuple[str, ...]:
+    """`modules_to_not_convert` of the block-FP8 form of a checkpoint holding tensors `names`, in
+    the spelling of inclusionAI/Ling-3.0-flash-fp8: `b_proj` (every KDA layer's beta projection,
+    an abbreviated entry), `{i}.attention.g_proj` for every MLA layer i, the MTP layer's included
+    (the head-wise output gate, a rootless entry), and `lm_head`. Everything else that is a
+    linear layer's or an expert's matrix is FP8, the MTP layer's `eh_proj`, MLA and experts
+    included; the embedding, the routers (`mlp.gate`), the KDA convs, `A_log`, `dt_bias` and the
+    norms are never quantized (`make_model.fp8_writer.KEPT_UNQUANTIZED`).
+
+    Sources (2026-12): vLLM PR #51265 ("Add Ling-3.0-flash-fp8 support"): the release's ignore
+    list "contains abbreviated names such as b_proj and rootless paths such as
+    5.attention.g_proj", which vLLM matches by whole-component suffix (our `Fp8Config.ignores`
+    matches runs of whole components the same way); vLLM's `bailing_moe_v3.py` builds KDA's
+    `b_proj` apart from q/k/v when the list names it, builds the q/k/v convs, `A_log`, `dt_bias`
+    and the router (`BailingMoeV3Gate`, fp32) without a quantization config, and passes it to
+    every other projection (`q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `dense`, `f_proj`,
+    KDA's `g_proj`, `o_proj`, the experts); `bailing_moe_v3_mtp.py` passes it to the MTP layer's
+    `eh_proj`, MLA and MoE alike. SGLang's `bailing_moe_v3.py` builds the head-wise MLA gate with
+    no quantization config and its router as a plain bf16 parameter. Not found: the release's
+    complete list (other entries would name modules that are unquantized anyway) and whether it
+    sets `scale_fmt` (vLLM reads `ue8m0` scales if so; we write fp32 scales, as the Qwen
+    releases do)."""
+    out: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        if name.endswith(".attention.b_proj.weight"):
+            out.add("b_proj")
+        elif name.endswith(".attention.kv_a_proj_with_mqa.weight") and parts[:2] == [
+            "model",
+            "layers",
+        ]:
+            out.add(f"{parts[2]}.attention.g_proj")  # an MLA layer: its head gate
+    return ("lm_head", *sorted(out, key=lambda e: (len(e), e)))
 
 
 def complete_config(config: dict, extra: dict) -> dict:

@@ -131,7 +131,7 @@ def write_checkpoint(
         raise ValueError(f"multimodal layout needs a Qwen3.5 config, not {cfg['model_type']}")
     tensors = random_tensors(cfg, seed, init_range, expert_layout)
     if fp8_block is not None:
-        tensors = fp8_writer.quantize_tensors(tensors, fp8_block)
+        tensors = fp8_writer.quantize_tensors(tensors, fp8_block, cfg["model_type"])
     for key, t in tensors.items():
         keep = key.endswith((".A_log", ".dt_bias", "_scale_inv")) or t.dtype == fp8_writer.E4M3
         tensors[key] = t if keep else t.to(dtype)
@@ -139,7 +139,9 @@ def write_checkpoint(
     if multimodal:
         tensors, file_cfg = _wrap_multimodal(tensors, cfg, dtype)
     if fp8_block is not None:
-        file_cfg["quantization_config"] = fp8_writer.quantization_config(tensors, fp8_block)
+        file_cfg["quantization_config"] = fp8_writer.quantization_config(
+            tensors, fp8_block, cfg["model_type"]
+        )
 
     _write_weights(out, tensors, max_shard_bytes)
     n_tok = _write_side_files(out, cfg, file_cfg, chat_template)
@@ -227,7 +229,9 @@ def write_config_only(
     cfg = complete_config(config, dtype=dtype, init_range=init_range)
     if fp8_block is not None:
         shapes = checkpoint_shapes(config)
-        cfg["quantization_config"] = fp8_writer.config_quantization(shapes, fp8_block)
+        cfg["quantization_config"] = fp8_writer.config_quantization(
+            shapes, fp8_block, cfg.get("model_type")
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _clear_weights(out)

@@ -19,6 +19,10 @@ token after it; the row sits at position p (its RoPE angle and its KV location) 
 t_{p+2}. Chained drafting feeds y back as the next row's h. The MLA layer's latent rows are one
 more KV-pool layer after the main model's, at the same locations, as Qwen3-Next's head keeps its
 own (`models.qwen3_next_mtp`).
+
+In the block-FP8 release (Ling-3.0-flash-fp8) the layer's matrices are FP8 like a main layer's,
+`eh_proj` included, and its head gate bf16 (`make_model.bailing_hybrid_preset.fp8_ignored` gives
+the sources); the loader dequantizes them as any FP8 tensor, or keeps them FP8 on CUDA.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Block-quantized FP8 checkpoints: the layout of the official `-FP8` Qwen3-Next / Qwen3.5 releases.
+"""Block-quantized FP8 checkpoints: the layout of the official `-FP8` Qwen3-Next / Qwen3.5 releases
+and of inclusionAI's Ling-3.0-flash-fp8.
 
 On disk (config.json's `quantization_config`: `quant_method: "fp8"`, `fmt: "e4m3"`,
 `activation_scheme: "dynamic"`, `weight_block_size: [br, bc]`, and `modules_to_not_convert`, also
@@ -11,7 +12,11 @@ without the `.weight` suffix: `X_scale_inv`), and
 (the tail blocks of a side that is not a multiple of the block are simply shorter). Everything
 else (embeddings, norms, the GDN conv / A_log / dt_bias / small b,a projections, the MoE router
 and shared-expert gate, usually the LM head, and the MTP head's `mtp.fc`) is stored unquantized;
-the MTP head's decoder layer is quantized like a main layer.
+the MTP head's decoder layer is quantized like a main layer. Ling-3.0-flash-fp8 is the same
+format with its own ignore list, abbreviated (`b_proj`) and rootless (`5.attention.g_proj`)
+entries, which `Fp8Config.ignores` matches as runs of whole name components, as vLLM's suffix mode
+does; its MTP layer (`model.layers.{L}.*`) is FP8 like a main layer
+(`make_model.bailing_hybrid_preset.fp8_ignored` gives the sources).
 
 `Fp8Checkpoint.open` checks that layout strictly before any data is read: every FP8 tensor has
 its scale, with the block grid's shape; every scale has an FP8 weight; no module named by the

@@ -310,10 +310,16 @@ def plan_fp8(
 ) -> tuple[set[str], tuple[int, int] | None]:
     """(the parameters that stay FP8, the block) for the checkpoint `source`, or for dummy
     weights (`source` None) the config's `quantization_config`; records the checkpoint's
-    resident tensors in `source.resident`."""
+    resident tensors in `source.resident`. Matrices kept float under weight-only quantization
+    (`Linear.keep_float`) are dequantized at load here too."""
+    from hybrid_serve.models.layers import Linear
+
     params = dict(model.named_parameters())
     embedding = model.embed_tokens.weight
-    ids = {id(p) for p in matrices(model) if p is not embedding}
+    # a matrix its module reads as plain numbers stays float, as under weight-only quantization
+    # (`Linear.keep_float`: MLA's kv_b_proj, whose per-head blocks the absorbed decode multiplies)
+    floats = {id(m.weight) for m in model.modules() if isinstance(m, Linear) and m.keep_float}
+    ids = {id(p) for p in matrices(model) if p is not embedding and id(p) not in floats}
     mats = {n for n, p in params.items() if id(p) in ids}
     if source is None:
         qc = read_json(path / "config.json").get("quantization_config")
