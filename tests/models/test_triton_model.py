@@ -34,6 +34,8 @@ def greedy(model, prompts: list[list[int]], device: str) -> tuple[list[list[int]
             locs.append(runner.alloc_kv(req, done[i], len(ids)))
             owners.append(i)
             done[i] += len(ids)
+        if not items:  # every prompt fit in the first round
+            continue
         logits = runner.forward(runner.build_prefill(items, locs))
         last.update({i: logits[row] for row, i in enumerate(owners)})
     tokens = [int(last[i].argmax()) for i in range(len(prompts))]
