@@ -57,6 +57,7 @@ from hybrid_serve.kernels.quant import (
     quantize_int8,
     scales,
 )
+from hybrid_serve.models.layers import Linear
 from hybrid_serve.models.loader import load_model
 
 
@@ -98,7 +99,7 @@ def main() -> None:
             from hybrid_serve.server.model_path import default_model_path
 
             args.model_path = str(default_model_path(args.preset))
-        shapes = shapes_of(load_model(args.model_path, dtype="float32"))
+        shapes = list(shapes_of(load_model(args.model_path, dtype="float32"), Linear))
     ops = torch.ops.hybrid_serve
     llc = last_level_cache_bytes() or 256 << 20
     bandwidth = read_bandwidth(max(1024, 4 * llc >> 20), args.repeats) if args.streamed else None
@@ -153,7 +154,7 @@ def main() -> None:
                         if args.streamed:
                             times[v].append(time_streamed(fn, a, cold[v]))
                         else:
-                            times[v].append(time_linear(fn, a, b, inner))
+                            times[v].append(time_linear(fn, a, [b], inner))
                 for v, t in times.items():
                     total[v] = total.get(v, 0.0) + statistics.median(t)
                     nbytes[v] = nbytes.get(v, 0) + fns[v][2].nbytes

@@ -70,7 +70,12 @@ inline __m256i bcast_quad(const int8_t* q) {
 // VNNI one vpdpbusd per quad; with AVX2 the quads' maddubs pairs summed in int16 (8 quads of
 // 15 x 127 pairs: at most 30480, no saturation) and widened once. (A 512-bit body, two quads
 // per register against a permutation of the activations, ran no faster on Zen 4 at one row and
-// slower at four: 256-bit here at every level.)
+// slower at four; two tiles per 512-bit register, their quads against one broadcast, ran
+// faster from cache but reads two streams and ran slower from memory: 256-bit here at every
+// level.) The body's loads are what it is short of on Zen 4, so the unpack reads each 32 bytes
+// once (the compiler otherwise folds a load into each of the two nibbles' ops) and with
+// AVX512-VNNI the quad's broadcast rides in vpdpbusd's memory operand (EVEX embedded
+// broadcast, which the compiler does not form from the intrinsics): the same integers.
 struct q4x8 {
   __m256i quad[8];
 };
@@ -78,7 +83,8 @@ inline q4x8 q4x8_unpack(const uint8_t* p) {
   const __m256i m = _mm256_set1_epi8(0x0F);
   q4x8 r;
   for (int j = 0; j < 4; ++j) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+    asm("" : "+v"(b));  // b in a register: one load for both nibbles
     r.quad[j] = _mm256_and_si256(b, m);
     r.quad[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
   }
@@ -91,12 +97,25 @@ inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_dpbusd_avx_epi32(acc, u, s);
 #endif
 }
+#if defined(HS_VNNI_EVEX)
+// acc + vpdpbusd(u, the 4 bytes at q in every lane), the broadcast in the memory operand
+inline __m256i dpbusd8_quad(__m256i acc, __m256i u, const int8_t* q) {
+  asm("vpdpbusd %2%{1to8%}, %1, %0"
+      : "+v"(acc)
+      : "v"(u), "m"(*reinterpret_cast<const int32_t*>(q)));
+  return acc;
+}
+#else
+inline __m256i dpbusd8_quad(__m256i acc, __m256i u, const int8_t* q) {
+  return dpbusd8(acc, u, bcast_quad(q));
+}
+#endif
 inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
 #if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)
   __m256i a = _mm256_set1_epi32(c), b = _mm256_setzero_si256();
   for (int j = 0; j < 8; j += 2) {
-    a = dpbusd8(a, w.quad[j], bcast_quad(q + 4 * j));
-    b = dpbusd8(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
+    a = dpbusd8_quad(a, w.quad[j], q + 4 * j);
+    b = dpbusd8_quad(b, w.quad[j + 1], q + 4 * j + 4);
   }
   return {_mm256_add_epi32(a, b)};
 #else
