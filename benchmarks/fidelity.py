@@ -18,7 +18,8 @@ exactly `--max-new-tokens` output tokens. Reported per mode (`--modes`):
   - `decode`: each model's own decode steps, every step fed fp32's token, the requests decoded
     together in groups of `--decode-batch-sizes` (cycled; the GEMV's rows, up to 8, and the
     GEMM's beyond) through the Engine's decode seam (`benchmarks.decode_kl`): the logits
-    predicting fp32's output tokens 1 to n-1, under `decode_path` per mode, with the group
+    predicting fp32's output tokens 1 to n-1, under `decode_path` per mode (beside the
+    teacher-forced figures at those positions when both paths run), with the group
     sizes and fp32's own top-1 against its greedy output (1.0 where decoding is batch
     invariant) under the report's `decode_path`.
 
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
                 "tokens_before_divergence": sum(first_diff) / (n_out * len(first_diff)),
             }
             if refs:
-                report[mode] |= kl_figures(refs, teacher_forced(engines[mode], prompts, fp32_out))
+                tf_gots = teacher_forced(engines[mode], prompts, fp32_out)
+                report[mode] |= kl_figures(refs, tf_gots)
             if "decode" in paths:
                 gots, at = decoded(engines[mode]), 0
                 figures = kl_figures(dec_refs, gots)
@@ -216,6 +218,12 @@ def main(argv: list[str] | None = None) -> None:
                         {"rows": size, "kl_mean": part["kl_mean"], "top1": part["top1_agreement"]}
                     )
                     at += size
+                if refs:  # teacher-forced at the decode path's positions (all but the first)
+                    same = kl_figures([r[1:] for r in refs], [g[1:] for g in tf_gots])
+                    figures["teacher_forced_same_positions"] = {
+                        "kl_mean": same["kl_mean"],
+                        "top1": same["top1_agreement"],
+                    }
                 report[mode]["decode_path"] = figures
     report["load_average"] = os.getloadavg()[0]
     print(json.dumps(report, indent=2))

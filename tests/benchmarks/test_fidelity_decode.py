@@ -91,3 +91,4 @@ def test_fidelity_reports_both_paths(tiny_ckpt, gsm8k_dir, tmp_path):
     dec = mode["decode_path"]
     assert dec["positions"] == 4 * 3 and dec["kl_mean"] > 0.0
     assert [b["rows"] for b in dec["by_batch"]] == [1, 3]
+    assert dec["teacher_forced_same_positions"]["kl_mean"] > 0.0
