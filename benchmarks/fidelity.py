@@ -11,9 +11,17 @@ exactly `--max-new-tokens` output tokens. Reported per mode (`--modes`):
 
 - greedy agreement: the share of requests whose output equals fp32's token for token, the
   mean position of the first differing token, and the share of output tokens before it;
-- per-token KL(p_fp32 || p_mode) and top-1 agreement, teacher-forced on fp32's own output: one
-  prefill of prompt + fp32 output through each model's runner, logits at every output position
-  (`benchmarks.margins.all_logits`).
+- per-token KL(p_fp32 || p_mode) and top-1 agreement at fp32's output positions, on the paths
+  `--kl-path` names (comma-separated):
+  - `teacher-forced` (the default): one prefill of prompt + fp32 output through each model's
+    runner, logits at every output position (`benchmarks.margins.all_logits`);
+  - `decode`: each model's own decode steps, every step fed fp32's token, the requests decoded
+    together in groups of `--decode-batch-sizes` (cycled; the GEMV's rows, up to 8, and the
+    GEMM's beyond) through the Engine's decode seam (`benchmarks.decode_kl`): the logits
+    predicting fp32's output tokens 1 to n-1, under `decode_path` per mode (beside the
+    teacher-forced figures at those positions when both paths run), with the group
+    sizes and fp32's own top-1 against its greedy output (1.0 where decoding is batch
+    invariant) under the report's `decode_path`.
 
 Beside them, `float32_margins`: the margins those figures were measured at, fp32's top-1
 probability and top-1 minus top-2 gaps at the same positions (`benchmarks.margins.margin_stats`;
@@ -26,7 +34,7 @@ margins are small and every rounding is amplified through the layers, so these f
 overstate what a trained model loses.
 
 Example: python -m benchmarks.fidelity --preset small --num-prompts 100 \
-             --modes bfloat16,bf16-products,int8,int4
+             --modes bfloat16,bf16-products,int8,int4 --kl-path teacher-forced,decode
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import time
 
 import torch
 
+from benchmarks.decode_kl import divergence, forced_decode_logprobs, group_sizes
 from benchmarks.gsm8k_data import build_prompts, load_split
 from benchmarks.margins import agreement_by_gap, all_logits, logit_gaps, margin_stats
 from benchmarks.model_forward import resolve_model_path
@@ -80,6 +89,34 @@ def load_engine(path: str, mode: str, opts: dict) -> Engine:
             os.environ[BF16_PRODUCTS_ENV] = before
 
 
+KL_PATHS = ("teacher-forced", "decode")
+
+
+def kl_figures(refs: list[torch.Tensor], gots: list[torch.Tensor]) -> dict:
+    """Per-token KL(ref || got) and top-1 agreement over every row of the paired
+    log-probability tensors, the agreement also split by the reference's logit gap."""
+    pairs = [divergence(r, g) for r, g in zip(refs, gots, strict=True)]
+    kls = torch.cat([kl for kl, _ in pairs]).tolist()
+    top1 = torch.cat([agree for _, agree in pairs])
+    return {
+        "positions": len(kls),
+        "kl_mean": statistics.mean(kls),
+        "kl_median": statistics.median(kls),
+        "kl_p99": sorted(kls)[int(0.99 * (len(kls) - 1))],
+        "top1_agreement": float(top1.double().mean()),
+        "top1_agreement_by_fp32_logit_gap": agreement_by_gap(logit_gaps(torch.cat(refs)), top1),
+    }
+
+
+def teacher_forced(engine: Engine, prompts: list[list[int]], outs: list[list[int]]) -> list:
+    """Per request, the log-probabilities predicting each token of `outs` from one prefill of
+    prompt + output (all but its last token) through the engine's runner."""
+    return [
+        all_logits(engine.runner, prompt + out[:-1])[len(prompt) - 1 :].log_softmax(-1)
+        for prompt, out in zip(prompts, outs, strict=True)
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", help="checkpoint directory (default: write --preset)")
@@ -92,18 +129,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--modes", default="bfloat16", help=f"comma-separated: {', '.join(MODES)}")
+    p.add_argument("--kl-path", default="teacher-forced", help=f"comma-separated: {KL_PATHS}")
+    p.add_argument(
+        "--decode-batch-sizes", default="8,16", help="decode path: requests decoded together"
+    )
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    modes, paths = args.modes.split(","), args.kl_path.split(",")
+    if unknown := set(modes) - MODES.keys():
+        p.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose {', '.join(MODES)})")
+    if unknown := set(paths) - set(KL_PATHS):
+        p.error(f"--kl-path: unknown {', '.join(sorted(unknown))} (choose {', '.join(KL_PATHS)})")
+    sizes = [int(x) for x in args.decode_batch_sizes.split(",")]
+    if max(sizes) > args.max_running_requests:
+        p.error("--decode-batch-sizes: a size exceeds --max-running-requests")
     torch.set_num_threads(args.threads)
     path = str(resolve_model_path(args))
 
     train, test = load_split(args.data_path, "train"), load_split(args.data_path, "test")
     texts = build_prompts(train, test[: args.num_prompts], args.num_shots)
     opts = dict(max_running_requests=args.max_running_requests, max_context_len=4096)
-    modes = args.modes.split(",")
-    if unknown := set(modes) - MODES.keys():
-        p.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose {', '.join(MODES)})")
     engines = {m: load_engine(path, m, opts) for m in ["float32", *modes]}
     prompts = [engines["float32"].tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
@@ -123,42 +169,63 @@ def main(argv: list[str] | None = None) -> None:
         "max_new_tokens": n_out,
         "generate_wall_s": wall,
         "threads": args.threads,
-        "load_average": os.getloadavg()[0],
+        "kl_paths": paths,
         "cpu_multiplies_bf16": cpu_levels.multiplies_bf16(),
     }
+    fp32_out = outputs["float32"]
+
+    groups = group_sizes(len(prompts), sizes)  # the decode path's batches
+
+    def decoded(engine: Engine) -> list[torch.Tensor]:
+        return forced_decode_logprobs(engine.scheduler.graph_runner, prompts, fp32_out, sizes)
+
     with torch.inference_mode():
-        refs = [
-            all_logits(engines["float32"].runner, prompt + out[:-1])[len(prompt) - 1 :].log_softmax(
-                -1
-            )
-            for prompt, out in zip(prompts, outputs["float32"], strict=True)
-        ]  # the logits that predict each of fp32's output tokens
-        report["float32_margins"] = margin_stats(torch.cat(refs))
+        refs = teacher_forced(engines["float32"], prompts, fp32_out) if paths != ["decode"] else []
+        if refs:  # the logits that predict each of fp32's output tokens
+            report["float32_margins"] = margin_stats(torch.cat(refs))
+        if "decode" in paths:
+            dec_refs = decoded(engines["float32"])
+            agree = [
+                (r.argmax(-1) == torch.tensor(o[1:])).double()
+                for r, o in zip(dec_refs, fp32_out, strict=True)
+            ]
+            report["decode_path"] = {
+                "batch_sizes": groups,
+                "float32_top1_is_its_greedy_output": float(torch.cat(agree).mean()),
+                "float32_margins": margin_stats(torch.cat(dec_refs)),
+            }
         for mode in modes:
             first_diff = [
                 next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n_out)
-                for a, b in zip(outputs["float32"], outputs[mode], strict=True)
+                for a, b in zip(fp32_out, outputs[mode], strict=True)
             ]
-            kls, top1, gaps = [], [], []
-            for prompt, out, ref in zip(prompts, outputs["float32"], refs, strict=True):
-                ids = prompt + out[:-1]
-                got = all_logits(engines[mode].runner, ids)[len(prompt) - 1 :].log_softmax(-1)
-                kls += (ref.exp() * (ref - got)).sum(-1).tolist()
-                top1 += (ref.argmax(-1) == got.argmax(-1)).tolist()
-                gaps.append(logit_gaps(ref))
             report[mode] = {
                 "bf16_products": engines[mode].runner.model.ops.bf16_products,
                 "greedy_identical": sum(f == n_out for f in first_diff) / len(first_diff),
                 "mean_first_divergence": statistics.mean(first_diff),
                 "tokens_before_divergence": sum(first_diff) / (n_out * len(first_diff)),
-                "kl_mean": statistics.mean(kls),
-                "kl_median": statistics.median(kls),
-                "kl_p99": sorted(kls)[int(0.99 * (len(kls) - 1))],
-                "top1_agreement": sum(top1) / len(top1),
-                "top1_agreement_by_fp32_logit_gap": agreement_by_gap(
-                    torch.cat(gaps), torch.tensor(top1)
-                ),
             }
+            if refs:
+                tf_gots = teacher_forced(engines[mode], prompts, fp32_out)
+                report[mode] |= kl_figures(refs, tf_gots)
+            if "decode" in paths:
+                gots, at = decoded(engines[mode]), 0
+                figures = kl_figures(dec_refs, gots)
+                figures["decode_plan"] = engines[mode].scheduler.graph_runner.plan is not None
+                for size in groups:
+                    part = kl_figures(dec_refs[at : at + size], gots[at : at + size])
+                    figures.setdefault("by_batch", []).append(
+                        {"rows": size, "kl_mean": part["kl_mean"], "top1": part["top1_agreement"]}
+                    )
+                    at += size
+                if refs:  # teacher-forced at the decode path's positions (all but the first)
+                    same = kl_figures([r[1:] for r in refs], [g[1:] for g in tf_gots])
+                    figures["teacher_forced_same_positions"] = {
+                        "kl_mean": same["kl_mean"],
+                        "top1": same["top1_agreement"],
+                    }
+                report[mode]["decode_path"] = figures
+    report["load_average"] = os.getloadavg()[0]
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
