@@ -7,9 +7,11 @@
 // per region whatever its row count, its blocks split among the threads with all the others'
 // (`skinny_linear_jobs`); int8 and int4 weights multiply the rows rounded to int8 in integer dots,
 // their tiles read in place. With `bf16_products`, bf16 router and shared-expert matrices take
-// the bf16 route (the GEMV's `bgemv_rows`, as hs::linear does at these sizes: decode_ops.h); the
-// routed experts stay exact. fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
-// activations and accumulation.
+// the bf16 route in the GEMV's `bgemv_rows` at every size (hs::linear takes bgemm.h's GEMM past
+// 8 rows, within one bf16 rounding of it: decode_ops.h); the routed experts stay exact. fp32,
+// bf16, int8 or int4 weights (gemv.h's formats), fp32 activations and accumulation. Past 8 rows
+// the fp32 and bf16 products cost more arithmetic per weight than the tiled GEMM's (several
+// 4-row passes over each cached block), which shows at 64 rows; the weights are read once.
 //
 // Contract: the GEMV sums each row alone (a row's sum does not depend on the rows beside it),
 // softmax and top-k are torch's row by row, silu is silu.h's (a value's result does not depend
