@@ -11,7 +11,9 @@ contract (`hybrid_serve.kernels.experts`):
 Reported: the median of interleaved runs per strategy, in ms, and which one the C++ kernel set
 runs (`kernels.cpp_ops.routed_experts`: the C++ op up to `ROUTED_MAX_ROWS` rows, else the
 reference). Random top-k routing (uniform), fixed seed. `--dtype bfloat16` stores the expert
-weights in bf16 (fp32 rows).
+weights in bf16 (fp32 rows); `--dtype int8` / `int4` quantizes them (`kernels.quant`; `loop`,
+which would widen them per call, is left out, and `grouped` is the reference's widening loop).
+Also printed: the cpp op's GB/s over the active experts' weight bytes (each read once per call).
 
 Example: python -m benchmarks.moe_experts --threads 2 --tokens 1,4,8,16,64,512 --repeats 15
 """
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 
 from hybrid_serve.kernels import cpp_build, cpp_ops
 from hybrid_serve.kernels.experts import routed_experts
+from hybrid_serve.kernels.quant import quantize
 from hybrid_serve.make_model.presets import PRESETS
 
 
@@ -60,7 +63,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,512")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if cpp_build.load() is None:
@@ -69,30 +72,41 @@ def main() -> None:
     experts, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
     hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden) * 0.05).to(dtype)
-    down = (torch.randn(experts, hidden, inter) * 0.05).to(dtype)
+    gate_up = torch.randn(experts, 2 * inter, hidden) * 0.05
+    down = torch.randn(experts, hidden, inter) * 0.05
+    quantized = args.dtype in ("int8", "int4")
+    if quantized:
+        gate_up, down = quantize(gate_up, args.dtype), quantize(down, args.dtype)
+        strategies = {n: f for n, f in STRATEGIES.items() if n != "loop"}
+    else:
+        gate_up, down = gate_up.to(getattr(torch, args.dtype)), down.to(getattr(torch, args.dtype))
+        strategies = STRATEGIES
+    expert_bytes = (gate_up[0].numel() * gate_up.element_size()
+                    + down[0].numel() * down.element_size())  # fmt: skip
     print(f"{args.preset}: {experts} experts, top {top_k}, hidden {hidden}, intermediate {inter}")
-    print(f"{'tokens':>7}" + "".join(f"{n:>11}" for n in STRATEGIES) + "   cpp set runs")
+    print(f"{'tokens':>7}" + "".join(f"{n:>11}" for n in strategies) + "  cpp GB/s   cpp set runs")
     with torch.inference_mode():
         for tokens in (int(t) for t in args.tokens.split(",")):
             ids = torch.rand(tokens, experts).topk(top_k, dim=-1).indices.flatten()
             xs = torch.randn(tokens * top_k, hidden)
             counts = torch.bincount(ids, minlength=experts)
-            want = loop(xs, gate_up, down, counts)
-            times: dict[str, list[float]] = {n: [] for n in STRATEGIES}
-            for fn in STRATEGIES.values():  # check and warm up
-                torch.testing.assert_close(
-                    fn(xs, gate_up, down, counts), want, atol=1e-4, rtol=1e-4
-                )
+            want = routed_experts(xs, gate_up, down, counts)
+            times: dict[str, list[float]] = {n: [] for n in strategies}
+            for fn in strategies.values():  # check and warm up
+                got = fn(xs, gate_up, down, counts)
+                if quantized:  # an activation a rounding step apart: compare by norm
+                    assert (got - want).norm() <= 1e-3 * want.norm(), "off the reference"
+                else:
+                    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             for _ in range(args.repeats):
-                for name, fn in STRATEGIES.items():
+                for name, fn in strategies.items():
                     start = time.perf_counter()
                     fn(xs, gate_up, down, counts)
                     times[name].append((time.perf_counter() - start) * 1e3)
             row = "".join(f"{statistics.median(v):>11.3f}" for v in times.values())
             runs = "cpp_op" if xs.shape[0] <= cpp_ops.ROUTED_MAX_ROWS else "grouped"
-            print(f"{tokens:>7}{row}   {runs}", flush=True)
+            gbs = int((counts > 0).sum()) * expert_bytes / statistics.median(times["cpp_op"]) / 1e6
+            print(f"{tokens:>7}{row}{gbs:>10.1f}   {runs}", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ by rows.
   recurrence landed 1.6e-4 from transformers' logits on a 17-token prompt, double 7e-5), with
   the reference's state tracking. Both take the gate g as the reference does: [B, T, HV] or
   per key channel [B, T, HV, K] (KDA).
-- `routed_experts`: every active expert's gate/up GEMM, silu(gate) * up (clamped where a
-  `limit` is given: `kernels.experts.swiglu`) and down GEMM in two parallel passes split among
-  the threads by cost.
+- `routed_experts`: every active expert's gate/up GEMV, silu(gate) * up (clamped where a
+  `limit` is given: `kernels.experts.swiglu`) and down GEMV in two parallel regions, each
+  expert's weights streamed once; a row's result does not depend on the other rows.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@
 #include "gemm.h"
 #include "gemv.h"
 #include "qgemv.h"
+#include "routed_experts.h"
 #include "silu.h"
 #include "delta_rule.h"
 #include "simd.h"
@@ -54,6 +55,15 @@ void probe_bf16_gemm(const float* x, const c10::BFloat16* w, float* y, int64_t M
   } else {
     hs::bgemm::gemm_into(x, w, y, M, N, K);
   }
+}
+
+// routed_experts.h: xs [T, H] sorted by expert (counts [E]) through the experts gate_up
+// [E, 2I, H] and down [E, H, I] of format `code` -> y [T, H].
+void probe_routed(int code, const float* xs, const void* gate_up, const void* down,
+                  const int64_t* counts, int64_t E, int64_t H, int64_t I, float* y, float limit) {
+  static constexpr c10::ScalarType kDtypes[] = {c10::kFloat, c10::kBFloat16, c10::kChar,
+                                                c10::kByte};
+  hs::routed_experts_rows(xs, gate_up, down, kDtypes[code], counts, E, H, I, y, limit);
 }
 
 float probe_quantize(const float* x, int64_t n, int8_t* q) { return hs::quantize_block(x, n, q); }

@@ -101,6 +101,8 @@ def probes(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         lib.probe_quantize.restype = ctypes.c_float
         lib.probe_exp1.restype = ctypes.c_float
         lib.probe_exp1.argtypes = [ctypes.c_float]
+        lib.probe_routed.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3,
+                                     ctypes.c_void_p, ctypes.c_float]  # fmt: skip
         lib.probe_delta_pass.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_double] * 2 + [
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip
@@ -155,6 +157,38 @@ def test_integer_products_and_the_gemm_are_the_generic_levels_bit_for_bit(probes
             xr = quant.round_activations(x) if quant.is_quantized(wq) else x
             ref = xr @ quant.widen(wq, torch.float32).T
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def routed(lib: ctypes.CDLL, xs, gate_up, down, counts, limit: float) -> torch.Tensor:
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}[down.dtype]
+    E, H, I = gate_up.shape[0], xs.shape[1], quant.in_features(down)
+    y = torch.empty_like(xs)
+    i64 = ctypes.c_int64
+    lib.probe_routed(code, ptr(xs), ptr(gate_up), ptr(down), ptr(counts), i64(E), i64(H),
+                     i64(I), ptr(y), ctypes.c_float(limit))  # fmt: skip
+    return y
+
+
+@pytest.mark.parametrize("level", OTHERS)
+def test_routed_experts_keep_the_levels_contract(probes, level):
+    """The routed experts (routed_experts.h) past the GEMV's 8 rows: int8 and int4 experts the
+    generic level's bits, fp32 and bf16 ones within round-off; the clamped SwiGLU too."""
+    g = torch.Generator().manual_seed(2)
+    E, H, I = 4, 96, 64
+    counts = torch.tensor([9, 0, 20, 3])
+    xs = torch.randn(int(counts.sum()), H, generator=g)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) * 0.1
+    down = torch.randn(E, H, I, generator=g) * 0.1
+    for fmt in ("int8", "int4", "float32", "bfloat16"):
+        q = quant.quantize if fmt.startswith("int") else lambda w, f: w.to(getattr(torch, f))
+        gu, dn = q(gate_up, fmt), q(down, fmt)
+        for limit in (0.0, 0.3):
+            want = routed(probes["generic"], xs, gu, dn, counts, limit)
+            got = routed(probes[level], xs, gu, dn, counts, limit)
+            if fmt.startswith("int"):
+                assert torch.equal(got, want), (level, fmt, limit)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("level", OTHERS)

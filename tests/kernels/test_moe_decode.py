@@ -1,6 +1,6 @@
 """The fused MoE op (C++) against its pure-torch reference (kernels.moe_step): random shapes, 1-8
-tokens (the GEMV's products) and 9-64 (the GEMM's), fp32 and bf16 weights, routing ties, with
-and without renormalisation. Skips where the C++ kernels cannot be built."""
+tokens (one GEMV pass per expert) and 9-64 (several passes), fp32 and bf16 weights, routing ties,
+with and without renormalisation. Skips where the C++ kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def moe_weights(E: int, H: int, I: int, Is: int, dtype: torch.dtype) -> list[tor
         (8, 6, 3, 40, 24, 36, True, torch.float32),  # odd sizes: the GEMV's tails
         (5, 8, 2, 128, 64, 32, True, torch.bfloat16),
         (8, 4, 4, 64, 16, 16, True, torch.bfloat16),  # every expert on every token
-        (9, 8, 2, 96, 40, 24, True, torch.float32),  # the GEMM from here
+        (9, 8, 2, 96, 40, 24, True, torch.float32),  # past the GEMV's 8 rows
         (33, 6, 3, 40, 24, 36, False, torch.float32),  # a last panel of one row
         (64, 8, 2, 768, 256, 256, True, torch.float32),  # the small preset at batch 64
         (24, 8, 2, 128, 64, 32, True, torch.bfloat16),

@@ -1,11 +1,10 @@
-// The tiled GEMM for the decode batches above the GEMV's 8 rows, prefill, and each expert of the
-// routed experts (routed_experts.cpp); linear_ops.cpp holds its torch op.
+// The tiled GEMM for the decode batches above the GEMV's 8 rows and prefill; linear_ops.cpp
+// holds its torch op (the routed experts run the GEMV at every size: routed_experts.cpp).
 //
 // y[m, n] = sum_k x[m, k] w[n, k]: fp32 activations, fp32, bf16, int8 or int4 weights (weights.h's
 // formats), fp32 accumulation. `gemm_into` sends int8 and int4 matrices to the integer GEMM
-// (qgemm.h); here, for the routed experts' `gemm_cols`, quantized blocks are widened to fp32
-// first and multiply the activations rounded to int8 as the GEMV's are (qgemv.h's
-// `round_rows`); bf16 blocks are widened too once an m block spans PC panels.
+// (qgemm.h); here fp32 and bf16 ones run, bf16 blocks widened to fp32 once an m block spans PC
+// panels.
 // The weight keeps its [N, K] row-major layout (no packed copy). x is packed once per call into
 // panels of MR = 2 vectors of rows (8 with NEON, 16 with AVX2, 32 with AVX-512: simd.h), k-major
 // ([panel][k][MR], rows past M zero), so a register tile is an outer product: each k step loads
@@ -24,14 +23,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "qgemm.h"
-#include "qgemv.h"
 #include "simd.h"
 #include "weights.h"
 
@@ -150,54 +147,29 @@ inline void any_tile(int r, int64_t rows, const W* w, int64_t ldw, const float* 
   return tile_rows<W, 1>(r, w, ldw, xp, kn, c, first, next);
 }
 
-// Columns [k0, k0 + kn) of the bf16 or quantized rows [n0, n0 + rows) of a matrix of N rows
-// (row stride ldw) -> dst [rows][kn] fp32: bf16 values, int8 rows' integers (read from its
-// tiles by `q8_row`; their scales are applied to the sums), int4 rows' values (group scales
-// and all, read from its tiles by `q4_group`; k0 and kn multiples of its group).
-inline void widen_block(const int8_t* w, int64_t, int64_t N, int64_t n0, int64_t rows,
-                        int64_t K, int64_t k0, int64_t kn, float* dst) {
-  std::vector<int8_t> row(kn);
-  for (int64_t i = 0; i < rows; ++i) {
-    hs::q8_row(w, N, K, n0 + i, k0, kn, row.data());
-    for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = static_cast<float>(row[k]);
-  }
-}
-
-inline void widen_block(const c10::BFloat16* w, int64_t ldw, int64_t, int64_t n0, int64_t rows,
-                        int64_t, int64_t k0, int64_t kn, float* dst) {
+// Columns [k0, k0 + kn) of the bf16 rows [n0, n0 + rows) (row stride ldw) -> dst [rows][kn] fp32.
+inline void widen_block(const c10::BFloat16* w, int64_t ldw, int64_t n0, int64_t rows, int64_t k0,
+                        int64_t kn, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t k = 0; k < kn; ++k) dst[i * kn + k] = hs::load1(w + (n0 + i) * ldw + k0 + k);
 }
 
-inline void widen_block(const uint8_t* w, int64_t, int64_t N, int64_t n0, int64_t rows,
-                        int64_t K, int64_t k0, int64_t kn, float* dst) {
-  constexpr int64_t Q = hs::kQ4Group;
-  uint8_t nib[Q / 2];
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t g = k0 / Q; g < (k0 + kn) / Q; ++g) {
-      const float s = hs::q4_group(w, N, K, n0 + i, g, nib);
-      hs::simd::widen(hs::simd::q4_unpack(nib), s, dst + i * kn + g * Q - k0);
-    }
-}
-
-// Output columns [n0, n1) of y [M, ldy] = x w[n0:n1, :K]^T on the calling thread, w of N rows,
-// x given as its packed panels xp (pack_panels of M rows, K columns).
+// Output columns [n0, n1) of y [M, ldy] = x w[n0:n1, :K]^T on the calling thread, w fp32 or
+// bf16 (row stride ldw), x given as its packed panels xp (pack_panels of M rows, K columns).
 template <typename W>
-inline void gemm_cols(const float* xp, const W* w, int64_t ldw, int64_t N, float* y, int64_t ldy,
-                      int64_t M, int64_t K, int64_t n0, int64_t n1) {
+inline void gemm_cols(const float* xp, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
+                      int64_t K, int64_t n0, int64_t n1) {
+  static_assert(!is_quantized<W>, "int8 and int4 take qgemm.h's integer GEMM");
   alignas(64) float cbuf[NC / NR * PC * NR * MR];  // [tile][panel][NR][MR]
   const int64_t P = panels(M);
   // A lone panel reuses no weight block: with AVX2 it takes whole rows per tile, long runs for
   // the prefetcher. With AVX-512 its panel is twice as wide (a whole row of k is 96 KB at
-  // K = 768, past L1), so it takes KC blocks, which keep the panel's block in L1 (the MoE
-  // experts of a decode step are such lone panels). The sums are the same either way. The
-  // quantized formats are widened, one NC x KC block at a time, into `wide` (`widen_block`)
-  // and the tiles read that: one conversion per weight per pass, not one per weight per panel.
-  // So is bf16 once the m block spans PC panels (the pair broadcasts' shift and mask per weight
-  // and panel then cost more than one conversion per pass; widened or not, the sums are the
-  // same, so rows still do not depend on their batch).
-  constexpr bool q8 = std::is_same_v<W, int8_t>, quantized = is_quantized<W>;
-  const bool widen = quantized || (std::is_same_v<W, c10::BFloat16> && P >= PC);
+  // K = 768, past L1), so it takes KC blocks, which keep the panel's block in L1. The sums are
+  // the same either way. bf16 blocks are widened, one NC x KC block at a time, into `wide`
+  // (`widen_block`) once the m block spans PC panels (the pair broadcasts' shift and mask per
+  // weight and panel then cost more than one conversion per pass); widened or not, the sums
+  // are the same, so rows still do not depend on their batch.
+  const bool widen = std::is_same_v<W, c10::BFloat16> && P >= PC;
   const int64_t kc = P == 1 && hs::simd::kLanes <= 8 && !widen ? K : KC;
   std::unique_ptr<float[]> wide(widen ? new float[NC * KC] : nullptr);
   for (int64_t b0 = n0; b0 < n1; b0 += NC) {
@@ -207,8 +179,8 @@ inline void gemm_cols(const float* xp, const W* w, int64_t ldw, int64_t N, float
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t kn = std::min(kc, K - k0);
         const W* wb = w + b0 * ldw + k0;
-        if constexpr (!std::is_same_v<W, float>)
-          if (widen) widen_block(w, ldw, N, b0, b1 - b0, K, k0, kn, wide.get());
+        if constexpr (std::is_same_v<W, c10::BFloat16>)
+          if (widen) widen_block(w, ldw, b0, b1 - b0, k0, kn, wide.get());
         for (int64_t p = p0; p < p1; ++p) {
           const float* xb = xp + (p * K + k0) * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
@@ -218,7 +190,7 @@ inline void gemm_cols(const float* xp, const W* w, int64_t ldw, int64_t N, float
             if (widen) {
               any_tile<float>(r, rows, wide.get() + t * NR * kn, kn, xb, kn, c, k0 == 0,
                               nullptr);
-            } else if constexpr (!quantized) {
+            } else {
               // the weights come from memory on the first panel's pass: fetch the next tile's
               const W* next = nullptr;
               if (p == p0)
@@ -230,33 +202,21 @@ inline void gemm_cols(const float* xp, const W* w, int64_t ldw, int64_t N, float
       }
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n = b0 + t * NR, r = std::min<int64_t>(NR, b1 - n);
-        float scale[NR] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-        if constexpr (q8)
-          for (int64_t i = 0; i < r; ++i) scale[i] = hs::q8_row_scale(w, N, K, n + i);
         for (int64_t p = p0; p < p1; ++p) {
           const float* c = cbuf + (t * PC + (p - p0)) * NR * MR;
           const int64_t rows = std::min<int64_t>(MR, M - p * MR);
           for (int64_t l = 0; l < rows; ++l)
-            for (int64_t i = 0; i < r; ++i) {
-              if constexpr (q8) {
-                y[(p * MR + l) * ldy + n + i] = c[i * MR + l] * scale[i];
-              } else {
-                y[(p * MR + l) * ldy + n + i] = c[i * MR + l];
-              }
-            }
+            for (int64_t i = 0; i < r; ++i) y[(p * MR + l) * ldy + n + i] = c[i * MR + l];
         }
       }
     }
   }
 }
 
-// y [M, N] = x [M, K] w [N, K]^T, all contiguous, parallel over weight rows; int8 and int4
-// weights in integer products (qgemm.h).
+// y [M, N] = x [M, K] w [N, K]^T for fp32 or bf16 w, all contiguous, parallel over weight rows.
 template <typename W>
-inline void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
-  if constexpr (is_quantized<W>) {
-    return hs::qtiled::gemm_into(x, w, y, M, N, K);
-  }
+inline void float_gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N,
+                            int64_t K) {
   if (M == 0 || N == 0) return;
   const int64_t ldw = hs::row_stride<W>(K);
   const int64_t tiles = (N + NR - 1) / NR, P = panels(M);
@@ -265,15 +225,26 @@ inline void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N
   if (tiles < 2 * at::get_num_threads() && P >= 2) {  // a few weight rows (a gate): split x
     at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {
       const int64_t m0 = q0 * MR, m1 = std::min(M, q1 * MR);
-      gemm_cols(xp.get() + q0 * K * MR, w, ldw, N, y + m0 * N, N, m1 - m0, K, 0, N);
+      gemm_cols(xp.get() + q0 * K * MR, w, ldw, y + m0 * N, N, m1 - m0, K, 0, N);
     });
     return;
   }
   // at least ~32 KB of weights per task, in whole tiles
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K * sizeof(W) * NR));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    gemm_cols(xp.get(), w, ldw, N, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
+    gemm_cols(xp.get(), w, ldw, y, N, M, K, t0 * NR, std::min(N, t1 * NR));
   });
+}
+
+// y [M, N] = x [M, K] w [N, K]^T, all contiguous; int8 and int4 weights in integer products
+// (qgemm.h).
+template <typename W>
+inline void gemm_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if constexpr (is_quantized<W>) {
+    hs::qtiled::gemm_into(x, w, y, M, N, K);
+  } else {
+    float_gemm_into(x, w, y, M, N, K);
+  }
 }
 
 }  // namespace hs::tiled

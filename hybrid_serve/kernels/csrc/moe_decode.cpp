@@ -1,26 +1,36 @@
 // The sparse MoE block of a decode batch in one op: router, top-k routing, the active experts,
 // the sigmoid-gated shared expert and the combine. Reference and contract: kernels/moe_step.py.
-// Up to hs::kGemvRows tokens every matrix product is the weight-streaming GEMV (hs::gemv.h), the
-// experts' products in two parallel regions (input projections, then down projections); beyond,
-// the products are hs::linear's (the tiled GEMM at these sizes) and all experts run in one
-// `routed_experts_into` (routed_experts.cpp). With `bf16_products`, bf16 router and shared-expert
-// matrices take the bf16 route at every size, as hs::linear does (decode_ops.h; the GEMV's jobs
-// with `bf16_products`); the routed experts stay exact. fp32, bf16, int8 or int4 weights (gemv.h's formats), fp32
-// activations and accumulation.
+// Every matrix product is the weight-streaming GEMV (hs::gemv.h) at every batch size the op
+// takes (kernels/cpp_fused.py: up to MOE_MAX_TOKENS rows): the router, then two parallel regions,
+// every expert's run of rows and the shared expert's input projections, then (after the
+// activations) every down projection. Each active expert's weights are streamed from memory once
+// per region whatever its row count, its blocks split among the threads with all the others'
+// (`skinny_linear_jobs`); int8 and int4 weights multiply the rows rounded to int8 in integer dots,
+// their tiles read in place. With `bf16_products`, bf16 router and shared-expert matrices take
+// the bf16 route in the GEMV's `bgemv_rows` at every size (hs::linear takes bgemm.h's GEMM past
+// 8 rows, within one bf16 rounding of it: decode_ops.h); the routed experts stay exact. fp32,
+// bf16, int8 or int4 weights (gemv.h's formats), fp32 activations and accumulation. Past 8 rows
+// the fp32 and bf16 products cost more arithmetic per weight than the tiled GEMM's (several
+// 4-row passes over each cached block), which shows at 64 rows; the weights are read once.
 //
-// The element-wise functions (softmax, silu, sigmoid) are torch's own kernels on the same
-// layouts, and the combine rounds each product before its sum (no FMA contraction in this
-// file's own code), so a request's tokens do not depend on which rows share its batch within
-// either range; the reference (pure torch) agrees to rounding.
+// Contract: the GEMV sums each row alone (a row's sum does not depend on the rows beside it),
+// softmax and top-k are torch's row by row, silu is silu.h's (a value's result does not depend
+// on where it sits), and the combine rounds each product before its sum, in expert order (no FMA
+// contraction in this file's own code). So a token's output is the same bits whatever rows share
+// its batch, for every batch size up to MOE_MAX_TOKENS; int8 and int4 weights give the same bits
+// at every ISA level too (qgemv.h). The reference (pure torch) agrees to rounding.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "gemv.h"
+#include "routed_experts.h"
+#include "silu.h"
 #include "tensor_args.h"
 #include "decode_ops.h"
 
@@ -36,11 +46,20 @@ void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64
   hs::skinny_linear_jobs(&job, 1);
 }
 
-// silu(gate) * up for rows [n, 2I] = [gate | up] in `buf` (torch's kernels, as the reference
-// `F.silu(gate) * up` on the chunks) -> contiguous [n, I].
-at::Tensor swiglu(float* buf, int64_t n, int64_t I, const at::TensorOptions& opts) {
-  auto gu = at::from_blob(buf, {n, 2 * I}, opts);
-  return at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+// silu(gate) * up for n rows of I gates at `gate` and I ups at `up` (row stride ld) -> out
+// [n, I]: silu.h's vectorised silu, whose result for a value does not depend on where it sits,
+// so a row's activations are the same bits whatever n (torch's silu would split large inputs
+// among the threads at offsets that depend on n).
+void swiglu(const float* gate, const float* up, int64_t ld, int64_t n, int64_t I, float* out) {
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I));
+  at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* o = out + r * I;
+      std::copy_n(gate + r * ld, I, o);
+      hs::silu_inplace(o, I);
+      for (int64_t i = 0; i < I; ++i) o[i] *= up[r * ld + i];
+    }
+  });
 }
 
 void check_weight(const at::Tensor& w, const char* name) {
@@ -86,14 +105,8 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   if (T == 0) return out;
 
   // routing: the fp32 softmax and top-k are torch's own, so ties pick torch.topk's experts
-  const bool gemv = T <= hs::kGemvRows;
-  at::Tensor logits;
-  if (gemv) {
-    logits = at::empty({T, E}, x.options());
-    linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T, bf16_products);
-  } else {
-    logits = hs::linear(x, router_w, bf16_products);
-  }
+  at::Tensor logits = at::empty({T, E}, x.options());
+  linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T, bf16_products);
   auto [topk_w, topk_ids] = at::topk(at::_softmax(logits, -1, false), top_k, -1);
   if (norm_topk_prob) topk_w = topk_w / topk_w.sum(-1, true);
   topk_w = topk_w.contiguous();
@@ -122,50 +135,29 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   start[E] = N;
   std::vector<float> xs(N * H), ys(N * H);
   for (int64_t r = 0; r < N; ++r) std::copy_n(xp + row_tok[r] * H, H, xs.data() + r * H);
-  at::Tensor sg, sy;  // the shared expert's gate logit [T, 1] and output [T, H]
-  if (gemv) {
-    // the products in two parallel regions: every expert's and the shared expert's input
-    // projections, then (after the activations) every down projection
-    std::vector<float> gu(N * 2 * I);
-    sg = at::empty({T, 1}, x.options());
-    sy = at::empty({T, H}, x.options());
-    auto sgate = at::empty({T, Is}, x.options()), sup = at::empty({T, Is}, x.options());
-    std::vector<hs::GemvJob> jobs;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = start[e + 1] - start[e];
-      if (n > 0) {
-        jobs.push_back(hs::job_of(xs.data() + start[e] * H, experts_gate_up,
-                                  gu.data() + start[e] * 2 * I, n, e * 2 * I, 2 * I));
-      }
-    }
-    const size_t shared = jobs.size();
-    jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T));
-    jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data_ptr<float>(), T));
-    jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data_ptr<float>(), T));
-    for (size_t j = shared; j < jobs.size(); ++j) jobs[j].bf16_products = bf16_products;
-    hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
-    const at::Tensor act = swiglu(gu.data(), N, I, x.options());  // every row: one call
-    const at::Tensor sact = at::silu(sgate).mul_(sup);
-    jobs.clear();
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = start[e + 1] - start[e];
-      if (n > 0) {
-        jobs.push_back(hs::job_of(act.data_ptr<float>() + start[e] * I, experts_down,
-                                  ys.data() + start[e] * H, n, e * H, H));
-      }
-    }
-    jobs.push_back(hs::job_of(sact.data_ptr<float>(), shared_down, sy.data_ptr<float>(), T));
-    jobs.back().bf16_products = bf16_products;
-    hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
-  } else {
-    std::vector<int64_t> counts(E);
-    for (int64_t e = 0; e < E; ++e) counts[e] = start[e + 1] - start[e];
-    hs::routed_experts_into(xs.data(), experts_gate_up, experts_down, counts, ys.data());
-    sg = hs::linear(x, shared_gate_w, bf16_products);
-    const at::Tensor sact = at::silu(hs::linear(x, shared_gate_proj, bf16_products))
-                                .mul_(hs::linear(x, shared_up_proj, bf16_products));
-    sy = hs::linear(sact, shared_down, bf16_products);
-  }
+  // the products in two parallel regions: every expert's and the shared expert's input
+  // projections, then (after the activations) every down projection
+  std::vector<float> gu(N * 2 * I), act(N * I);
+  auto sg = at::empty({T, 1}, x.options()), sy = at::empty({T, H}, x.options());
+  std::vector<float> sgate(T * Is), sup(T * Is), sact(T * Is);
+  std::vector<int64_t> counts(E);
+  for (int64_t e = 0; e < E; ++e) counts[e] = start[e + 1] - start[e];
+  std::vector<hs::GemvJob> jobs = hs::expert_jobs(xs.data(), experts_gate_up.data_ptr(),
+                                                  experts_gate_up.scalar_type(), counts.data(),
+                                                  E, 2 * I, H, gu.data());
+  const size_t shared = jobs.size();
+  jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T));
+  jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data(), T));
+  jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data(), T));
+  for (size_t j = shared; j < jobs.size(); ++j) jobs[j].bf16_products = bf16_products;
+  hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
+  swiglu(gu.data(), gu.data() + I, 2 * I, N, I, act.data());
+  swiglu(sgate.data(), sup.data(), Is, T, Is, sact.data());
+  jobs = hs::expert_jobs(act.data(), experts_down.data_ptr(), experts_down.scalar_type(),
+                         counts.data(), E, H, I, ys.data());
+  jobs.push_back(hs::job_of(sact.data(), shared_down, sy.data_ptr<float>(), T));
+  jobs.back().bf16_products = bf16_products;
+  hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
     float* o = op + row_tok[r] * H;
     const float* y = ys.data() + r * H;
