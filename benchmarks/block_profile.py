@@ -1,18 +1,25 @@
-"""Where an engine wave's time goes, by forward kind and row count: the probe behind issue 56's
-16-row step regression.
+"""Where the 16-row decode step's time goes: the probe behind issue 56's C=16 regression.
 
 `phases` runs `benchmarks.engine_throughput`'s workload (C requests of `--prompt-len` random
-ids, `--output-len` greedy tokens each) through our `Engine` and wraps the model's forward and the
-decode plan to clock every forward call, keyed by (decode or extend, rows). It prints, per wave, the wall time,
-the time inside forwards by key (calls, total, median per call) and the rest (scheduling,
-sampling, the Python around the model). It reads only names every tree since the per-family
-steps has (`Engine`, `scheduler.graph_runner.plan`, `ForwardBatch.is_decode`), so the same file times
-an older checkout run from its own root (`PYTHONPATH=<old tree> python <this file>`); run both
-in turns to compare trees on a shared machine.
+ids, `--output-len` greedy tokens each) through our `Engine` and clocks every forward (the
+model's `forward` and `final_hidden`, and the decode plan's call), keyed by kind and rows. It
+prints, per wave, the wall time, the time inside forwards by key (calls, total, median per
+call) and the rest (scheduling, sampling, the Python around the model). It reads only names
+every tree since the per-family steps has (`Engine`, `scheduler.graph_runner.plan`,
+`ForwardBatch.is_decode`), so the same file times an older checkout run from that checkout's
+root (`cd <old> && PYTHONPATH=<old> python <this file> phases ...`); run the two in turns to
+compare trees on a shared machine.
 
-Example:
-    python -m benchmarks.block_profile phases --model-path /tmp/nh3b --concurrency 16 \\
+`products` times the step's products at its shapes (from config.json, random bf16 weights,
+enough copies to stream from memory) in one process, call by call in turns: our bf16 route
+(`hybrid_serve::linear`), torch's bf16 product (oneDNN, as the per-family steps ran it past 15
+rows) and (up to 16 rows) two calls of half the rows. `ops` times the
+products and the Mamba2 decode op alone, one after the other.
+
+Examples:
+    python -m benchmarks.block_profile phases --model-path /tmp/nh3b --concurrency 16 \
         --prompt-len 32 --output-len 32 --waves 3 --threads 2
+    python -m benchmarks.block_profile products --model-path /tmp/q35-2b --rows 16 --rounds 9
 """
 
 from __future__ import annotations
@@ -40,9 +47,10 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 class ForwardClock:
-    """Clocks every model forward: the model's own `forward` and `final_hidden` (prefill
-    and eager decode) and the decode plan's call where the engine has one (both wrapped as instance attributes), each
-    call's wall time under (kind, rows), kind "decode" or "extend" ("plan" for the plan)."""
+    """Clocks every model forward: the model's own `forward` and `final_hidden` (prefill and
+    eager decode) and the decode plan's call where the engine has one (each wrapped as an
+    instance attribute), each call's wall time under (kind, rows): kind "decode" or "extend",
+    "plan" for the plan; a call inside a clocked one is not clocked again."""
 
     def __init__(self, engine) -> None:
         self.times: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -248,8 +256,8 @@ def products(args: argparse.Namespace) -> None:
     """In one process, alternating call by call over `--rounds`: every product of the step at
     `--rows` rows through our bf16 route (`hybrid_serve::linear`, bgemm past 8 rows), through
     torch's bf16 product as the per-family steps' tree ran it (oneDNN:
-    `F.linear(x.bfloat16(), w).float()`), and as two calls of half the rows (the GEMV's
-    range). Prints each variant's median per product and per step, with the load average."""
+    `F.linear(x.bfloat16(), w).float()`), and (up to 16 rows) as two calls of half the rows.
+    Prints each variant's median per product and per step, with the load average."""
     from hybrid_serve.kernels import cpp_build
 
     hs = cpp_build.load()
@@ -266,6 +274,8 @@ def products(args: argparse.Namespace) -> None:
             [hs.linear(x[:half], w, True), hs.linear(x[half:], w, True)]
         ),  # fmt: skip
     }
+    if rows > 16:  # prefill sizes: the halves would only double the run
+        variants.pop("halves")
     times: dict[tuple[str, str], list[float]] = defaultdict(list)
     weights = {}
     for name, _, n, k in shapes:
