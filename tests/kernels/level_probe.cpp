@@ -46,8 +46,8 @@ void probe_linear(int code, const float* x, const void* w, float* y, int64_t M, 
   });
 }
 
-// y [M, N] = bf16(x) [M, K] w [N, K]^T in the bf16 route, as bf16_linear chooses: the GEMV's
-// `bgemv_rows` up to 8 rows (gemv.h), the GEMM beyond (bgemm.h).
+// y [M, N] = bf16(x) [M, K] w [N, K]^T by the bf16 route's own kernels, as bf16_linear chooses
+// up to 127 rows: the GEMV's `bgemv_rows` up to 8 rows (gemv.h), the GEMM beyond (bgemm.h).
 void probe_bf16_gemm(const float* x, const c10::BFloat16* w, float* y, int64_t M, int64_t N,
                      int64_t K) {
   if (M <= 8) {

@@ -3,7 +3,7 @@
 `BF16_ROWS` rows or more (every row count) and nowhere else, equal there to torch's own bf16
 product of the activations rounded to bf16 (up to the order of the fp32 sums), and bit-identical
 to the exact products everywhere else. Up to `GEMV_ROWS` rows it is the GEMV's (`bgemv_rows`),
-beyond it the bf16 GEMM's (bgemm.h). The ops
+then the bf16 GEMM's (bgemm.h), and from `LIBRARY_ROWS` rows torch's own. The ops
 are called directly, so these run on any CPU (torch emulates bf16 products where the CPU has
 none); which CPUs get the route is tests/kernels/test_kernel_set.py's. Skips where the C++
 kernels cannot be built."""
@@ -22,8 +22,9 @@ from hybrid_serve.kernels.quant import quantize
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.kernels.test_moe_decode import moe_weights
 
-ROWS = (1, 3, 8, 9, 15, 16, 17, 64, 300)  # the GEMV's, then the GEMM's
+ROWS = (1, 3, 8, 9, 15, 16, 17, 64, 300)  # the GEMV's, the GEMM's, then torch's
 GEMV_ROWS = 8  # hs::kGemvRows: the route's GEMV up to here
+LIBRARY_ROWS = 128  # hs::kBf16LibraryRows: torch's own bf16 product from here (prefill chunks)
 linear_bf16 = partial(cpp_ops.linear, bf16_products=True)  # as the kernel set binds it
 
 
@@ -130,6 +131,22 @@ def test_bf16_gemm_sums_exact_pair_products(M, N, K) -> None:
     for lo in (0, 3, M - 9):
         part = torch.ops.hybrid_serve.bf16_linear(x[lo : lo + 9].contiguous(), w)
         assert torch.equal(part, got[lo : lo + 9]), lo
+
+
+@pytest.mark.parametrize("M", [LIBRARY_ROWS - 1, LIBRARY_ROWS, 300])
+def test_prefill_chunks_take_torchs_bf16_product(M) -> None:
+    """From `LIBRARY_ROWS` rows the route is torch's bf16 product itself, bit for bit (at this
+    K the two orders of the fp32 sums leave a few outputs a bf16 rounding apart); below, our
+    GEMM's, whose rows do not depend on the rows beside them."""
+    g = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, 2560, generator=g), torch.randn(96, 2560, generator=g).bfloat16()
+    got = torch.ops.hybrid_serve.bf16_linear(x, w)
+    assert torch.equal(got, linear_bf16(x, w))
+    if M >= LIBRARY_ROWS:
+        assert torch.equal(got, bf16_product(x, w))
+    else:
+        assert torch.equal(got[:9], torch.ops.hybrid_serve.bf16_linear(x[:9].contiguous(), w))
+        assert_bf16_close(got, bf16_product(x, w))
 
 
 @pytest.mark.parametrize("N, K", [(70, 192), (9, 33), (13, 255), (40, 64), (33, 1000), (5, 31)])

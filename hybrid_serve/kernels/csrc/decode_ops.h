@@ -41,10 +41,13 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
 // hardware: kernels/kernel_set.py), a bf16 weight at kBf16Rows rows or more (every row count)
 // multiplies x rounded to bf16, each pair product exact, summed in fp32, each output rounded to
 // bf16 once and widened (`bf16_linear`, linear_ops.cpp: up to kGemvRows rows the GEMV's
-// `bgemv_rows`, gemv.h, beyond it our bf16 GEMM, bgemm.h; vdpbf16ps where the level has it). A
-// row's result depends on its batch only through that one choice (the two sum in different
-// orders: within one bf16 rounding of each other). Other formats are unchanged.
+// `bgemv_rows`, gemv.h, then our bf16 GEMM, bgemm.h, with vdpbf16ps where the level has it; from
+// kBf16LibraryRows rows, prefill chunks, torch's own bf16 product, oneDNN, whose copy of the
+// weight per call is paid back there and whose kernels beat bgemm's there). A row's result
+// depends on its batch only through that choice (they sum in different orders: within one bf16
+// rounding of each other). Other formats are unchanged.
 constexpr int64_t kBf16Rows = 1;
+constexpr int64_t kBf16LibraryRows = 128;
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 // x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous) ->
 // y [M, N] fp32

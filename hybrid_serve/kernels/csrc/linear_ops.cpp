@@ -32,8 +32,10 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
 
 // x rounded to bf16 (nearest even) times a bf16 w, each product exact, accumulated in fp32 and
 // rounded to bf16 once per output, then widened: F.linear(x.bfloat16(), w).float() up to the
-// order of the fp32 sums. Up to kGemvRows rows the GEMV (gemv.h's `bgemv_rows`), beyond it our
-// GEMM (bgemm.h), both reading the weight as it lies (vdpbf16ps where the level has it).
+// order of the fp32 sums. Up to kGemvRows rows the GEMV (gemv.h's `bgemv_rows`), then our GEMM
+// (bgemm.h), both reading the weight as it lies (vdpbf16ps where the level has it); from
+// kBf16LibraryRows rows that product itself, torch's (oneDNN), its two conversions plain loops
+// on this thread (as torch ops each would be a parallel region of its own).
 at::Tensor bf16_linear(const at::Tensor& x_, const at::Tensor& w_) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kBFloat16,
               "bf16_linear: fp32 activations and bf16 weights expected");
@@ -44,6 +46,15 @@ at::Tensor bf16_linear(const at::Tensor& x_, const at::Tensor& w_) {
   const auto* wp = reinterpret_cast<const c10::BFloat16*>(w.data_ptr());
   if (M <= kGemvRows) {
     skinny_linear_into(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K, true);
+  } else if (M >= kBf16LibraryRows) {
+    at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+    const float* xp = x.data_ptr<float>();
+    auto* xbp = xb.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) xbp[i] = at::BFloat16(xp[i]);  // nearest even
+    const at::Tensor yb = at::linear(xb, w).contiguous();
+    const auto* ybp = yb.data_ptr<at::BFloat16>();
+    float* yp = y.data_ptr<float>();
+    for (int64_t i = 0; i < M * N; ++i) yp[i] = static_cast<float>(ybp[i]);
   } else {
     bgemm::gemm_into(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K);
   }
