@@ -21,8 +21,9 @@ by rows.
   count) multiplies the activations rounded to bf16, each pair product exact, in fp32 sums, the
   result rounded to bf16 and widened: `F.linear(x.bfloat16(), w).float()` (+ bias in fp32) up to
   the sums' order (our GEMV up to 8 rows, our bf16 GEMM beyond, vdpbf16ps where the level has
-  it; torch's own product from 128 rows, prefill chunks). Other formats take the exact products. The choice by rows is
-  the C++ `hs::linear`'s, so the decode plan (`hybrid_serve.models.cpu_decode`) makes the same one.
+  it; torch's own product from 128 rows, prefill chunks). Other formats take the exact
+  products. The choice by rows is the C++ `hs::linear`'s, so the decode plan
+  (`hybrid_serve.models.cpu_decode`) makes the same one.
 - `rms_norm`, `fused_add_rmsnorm`, `rms_norm_gated`: one pass per row (the gated norm rounds as
   the fused GDN decode's, so a prompt's prefill and its decode steps agree).
 - `causal_conv1d_update`, `causal_conv1d_fn`: on the conv-state pool, in place, with or without
