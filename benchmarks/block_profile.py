@@ -6,9 +6,10 @@ model's `forward` and `final_hidden`, and the decode plan's call), keyed by kind
 prints, per wave, the wall time, the time inside forwards by key (calls, total, median per
 call) and the rest (scheduling, sampling, the Python around the model). It reads only names
 every tree since the per-family steps has (`Engine`, `scheduler.graph_runner.plan`,
-`ForwardBatch.is_decode`), so the same file times an older checkout run from that checkout's
-root (`cd <old> && PYTHONPATH=<old> python <this file> phases ...`); run the two in turns to
-compare trees on a shared machine.
+`ForwardBatch.is_decode`), so the same file times an older checkout: copy it into that
+checkout's benchmarks/ and run it there as a file (`python <old>/benchmarks/block_profile.py
+phases ...`: a script puts its own tree's root first); run the two in turns to compare trees
+on a shared machine.
 
 `products` times the step's products at its shapes (from config.json, random bf16 weights,
 enough copies to stream from memory) in one process, call by call in turns: our bf16 route
@@ -23,6 +24,12 @@ Examples:
 """
 
 from __future__ import annotations
+
+import sys  # noqa: I001  (the repo root goes on sys.path before our packages are imported)
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import json

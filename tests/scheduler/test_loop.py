@@ -50,13 +50,16 @@ def test_pipe_loop_matches_the_engine(setup):
     api_in, loop_out = Pipe(duplex=False)
     loop = SchedulerLoop(engine.scheduler, PipeIO(loop_in, loop_out))
     thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
     params = SamplingParams(**GREEDY, return_logprob=True)
     for i, p in enumerate(prompts):
         api_out.send(GenerateMsg(f"r{i}", p, params))
     api_out.send(GenerateMsg("gone", prompts[0], SamplingParams(**GREEDY)))
     api_out.send(AbortMsg("gone"))
     api_out.send(QueryMsg(qid=7, kind="ping"))
+    # the loop starts with every message waiting, so its first round batches the prompts as
+    # `Engine.generate` does: a batch's row count picks the products (GEMV or GEMM), and a
+    # request arriving a round late would batch differently, within one rounding
+    thread.start()
     outs = {f"r{i}": RequestOutput(f"r{i}") for i in range(len(prompts))} | {
         "gone": RequestOutput("gone")
     }
