@@ -2,7 +2,9 @@
 
 The machine (`benchmarks.roofline_peaks`, whose docstring names exactly what each ceiling runs):
 - read bandwidth: `torch.sum` over a `--bandwidth-mib` MiB fp32 buffer on `--threads` threads,
-  median of `--repeats`;
+  median of `--repeats`, at the start; and the same probe again (median of 3) right after
+  every concurrency's timed steps, because a shared VM's memory bandwidth drifts by up to 2x
+  over minutes: each row's fraction of the read bandwidth is against the probe beside it;
 - peak rates of fp32 FMA, bf16 dot (`vdpbf16ps`) and int8 dot (VNNI `vpdpbusd`, else AVX2's
   maddubs/madd): register-resident C++ probes on `--threads` threads, the hardware's issue rate
   of that instruction (not our kernels' rate); a kind this CPU has no probe for is reported as
@@ -38,13 +40,15 @@ summed instead):
             Softmax, norms' reductions, activations and routing are not counted.
 
 Each row: bytes and FLOPs per token (a step's over C), the arithmetic intensity (FLOPs / byte),
-the achieved bandwidth (bytes per step / step time) as a fraction of the read bandwidth, and the
+the achieved bandwidth (bytes per step / step time) as a fraction of the read bandwidth probed
+beside the row (the start's probe where there is none), and the
 achieved FLOP/s as a fraction of the ceiling of the instruction the step's products run on at C
 rows (`ceiling_kind`: fp32 FMA for float32; bf16 dot for bf16 matrices at `BF16_ROWS` rows and
 more where the kernel set multiplies bf16 in hardware, else fp32 FMA, the weights widened;
-int8 dot for int8/int4, whose dense matrices multiply int8-rounded activations in integer dot
-products at every row count (the GEMV, then qgemm.h's GEMM; routed experts with more than 8
-rows widen their blocks to fp32 instead); fp32 FMA wherever the torch references run). A step whose
+int8 dot for int8/int4, whose matrices, routed experts included, multiply int8-rounded
+activations in integer dot products at every row count (the GEMV, then qgemm.h's GEMM; the
+routed experts through the GEMV at every decode size); fp32 FMA wherever the torch references
+run). A step whose
 bytes fit in the last-level cache is marked "(in LLC)": its reads may not come from memory, and
 its fraction of the read bandwidth can pass 1 (the tiny preset's weights do fit).
 
@@ -83,6 +87,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, redirect_stdout
 from dataclasses import asdict, dataclass
 
@@ -113,6 +118,7 @@ LLAMA_NAMES = {"f32": "float32", "bf16": "bfloat16", "q8_0": "int8", "q4_0": "in
 # bf16 with its bf16 dot product and Q8_0/Q4_0 against Q8_0 activations in int8 dot products)
 LLAMA_CEILING = {"float32": "fp32_fma", "bfloat16": "bf16_dot", "int8": "int8_dot",
                  "int4": "int8_dot"}  # fmt: skip
+BESIDE_REPEATS = 3  # sums per read-bandwidth probe beside a row (module docstring)
 NO_LLAMA = "absent: no --llama-server / --gguf given"
 PLOT_NEEDS = "roofline: --plot needs matplotlib: pip install matplotlib"
 # the CPU features the report lists: those the probes look at
@@ -247,11 +253,14 @@ def roofline_row(
     ceilings: dict[str, roofline_peaks.Ceiling],
     kind: str,
     cache_bytes: int | None = None,
+    read_bw: float | None = None,
 ) -> dict:
     """One point: `concurrency` tokens per `step_s` seconds at `costs`' bytes and FLOPs, against
     the read bandwidth and ceiling `kind` of `ceilings`. `step_fits_cache`: whether the step's
     bytes fit in `cache_bytes` (the last-level cache: its reads may then come from there, and
-    the fraction of the memory read bandwidth can pass 1); None where that size is unknown."""
+    the fraction of the memory read bandwidth can pass 1); None where that size is unknown.
+    `read_bw`: the read bandwidth probed beside this row, which the bandwidth fraction is
+    against (None: the start's, `ceilings["read_bandwidth"]`)."""
     step_bytes = decode_bytes(costs, concurrency, context)
     flops = decode_flops(costs, concurrency, context)
     bandwidth = step_bytes.total / step_s
@@ -268,7 +277,8 @@ def roofline_row(
         "flops_per_token": flops.total / concurrency,
         "intensity": flops.total / step_bytes.total,
         "bandwidth": bandwidth,
-        "bandwidth_fraction": fraction(bandwidth, ceilings["read_bandwidth"].rate),
+        "read_bandwidth_beside": read_bw,
+        "bandwidth_fraction": fraction(bandwidth, read_bw or ceilings["read_bandwidth"].rate),
         "flop_s": flop_rate,
         "ceiling": kind,
         "ceiling_fraction": fraction(flop_rate, ceilings[kind].rate),
@@ -293,10 +303,17 @@ def load_format(path: Path, fmt: str, max_c: int, context: int, load: str) -> Mo
 
 
 def time_decode(
-    runner: ModelRunner, conc: list[int], context: int, warmup: int, repeats: int, seed: int
-) -> dict[int, tuple[str, list[float]]]:
+    runner: ModelRunner,
+    conc: list[int],
+    context: int,
+    warmup: int,
+    repeats: int,
+    seed: int,
+    probe: Callable[[], float] | None = None,
+) -> dict[int, tuple[str, list[float], float | None]]:
     """Per concurrency C: (the path the step ran: "plan" or "eager", every timed step's
-    seconds), steps as the server runs them (module docstring)."""
+    seconds, `probe()`'s read bandwidth right after them or None without a probe), steps as
+    the server runs them (module docstring)."""
     graphs = DecodeGraphRunner(runner, SchedulerConfig().decode_graph_sizes(max(conc)))
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -315,7 +332,7 @@ def time_decode(
                     times.append(time.perf_counter() - start)
             free()
             path = "plan" if graphs.plan is not None and c <= graphs.plan_rows else "eager"
-            out[c] = (path, times)
+            out[c] = (path, times, probe() if probe else None)
     return out
 
 
@@ -340,9 +357,11 @@ def llama_points(
     conc: list[int],
     costs: dict[str, ModelCosts],
     ceilings: dict[str, roofline_peaks.Ceiling],
+    probe: Callable[[], float] | None = None,
 ) -> list[dict]:
     """llama.cpp's rows: each GGUF served by llama-server, its HTTP output tok/s at each C
-    (median of `--llama-rounds` waves), at our bytes and FLOPs per token of its format."""
+    (median of `--llama-rounds` waves), at our bytes and FLOPs per token of its format, against
+    the median of `probe()`'s read bandwidths taken right after its waves (None: no probe)."""
     from benchmarks import cpu_tables, llama_cpp  # the HTTP client: the bench extra
 
     ggufs = parse_gguf(args.gguf, args.formats.split(","))
@@ -359,17 +378,21 @@ def llama_points(
     rows = []
     for name, fmt, _ in ggufs:
         runs: dict[int, list[float]] = {c: [] for c in conc}
+        beside: dict[int, list[float]] = {c: [] for c in conc}
         for r in range(args.llama_rounds):
             with cpu_tables.launched(cmds[f"llama {name}"], port, logs / f"{name}.log") as url:
                 for c in conc:
                     with redirect_stdout(io.StringIO()):  # the wave's own serving report
                         runs[c].append(llama_cpp.wave(url, ns, c, seed=r))
                     logger.info("llama.cpp %s C=%d: %.1f tok/s", name, c, runs[c][-1])
+                    if probe:
+                        beside[c].append(probe())
         for c in conc:
             tok_s = statistics.median(runs[c])
             row = roofline_row(f"llama.cpp {name}", fmt, c, c / tok_s, costs[fmt],
                                args.context_len, ceilings, LLAMA_CEILING[fmt],
-                               roofline_peaks.last_level_cache_bytes())  # fmt: skip
+                               roofline_peaks.last_level_cache_bytes(),
+                               statistics.median(beside[c]) if beside[c] else None)  # fmt: skip
             rows.append(row | {"tok_s_runs": runs[c], "gguf": name})
     return rows
 
@@ -397,7 +420,7 @@ def print_report(report: dict) -> None:
         print(f"| {key} | {_rate(c['rate'], unit)} | {what} |")
     print(f"\n{report['model']['name']}, context {report['model']['context_len']} tokens")
     head = ("| who | format | C | path | ms/step | tok/s | MB/token | MFLOP/token | FLOP/B "
-            "| GB/s | of read BW | GFLOP/s | ceiling | of ceiling |")  # fmt: skip
+            "| GB/s | read BW beside | of read BW | GFLOP/s | ceiling | of ceiling |")  # fmt: skip
     print(head + "\n" + "|---" * head.count(" | ") + "|---|")
     for r in report["ours"] + report["llama_cpp"]:
         path = r.get("step_path", "HTTP")
@@ -405,7 +428,8 @@ def print_report(report: dict) -> None:
             f"| {r['who']} | {r['format']} | {r['concurrency']} | {path} | {r['step_ms']:.2f} "
             f"| {r['tok_s']:,.1f} | {r['bytes_per_token'] / 1e6:.3f} "
             f"| {r['flops_per_token'] / 1e6:.3f} | {r['intensity']:.2f} "
-            f"| {r['bandwidth'] / 1e9:.2f} | {_share(r['bandwidth_fraction'])}"
+            f"| {r['bandwidth'] / 1e9:.2f} | {_rate(r.get('read_bandwidth_beside'), 'GB/s')} "
+            f"| {_share(r['bandwidth_fraction'])}"
             f"{' (in LLC)' if r['step_fits_cache'] else ''} "
             f"| {r['flop_s'] / 1e9:.2f} | {r['ceiling']} | {_share(r['ceiling_fraction'])} |"
         )
@@ -416,16 +440,24 @@ def print_report(report: dict) -> None:
         print(f"\nllama.cpp: {report['llama_cpp_note']}")
 
 
+def read_bandwidths(report: dict) -> list[float]:
+    """Every read-bandwidth probe of a report: the start's, then those beside its rows."""
+    rows = report["ours"] + report["llama_cpp"]
+    beside = [r["read_bandwidth_beside"] for r in rows if r.get("read_bandwidth_beside")]
+    return [report["ceilings"]["read_bandwidth"]["rate"], *beside]
+
+
 def plot_roofline(report: dict, path: str | Path) -> None:
-    """The roofline as a PNG: log-log FLOP/s against FLOPs/byte, the read-bandwidth slope
-    capped by each measured peak, ours (filled markers, joined by C) and llama.cpp's (hollow)
+    """The roofline as a PNG: log-log FLOP/s against FLOPs/byte, the read-bandwidth slope (the
+    median of the run's probes: the start's and those beside the rows) capped by each measured
+    peak, ours (filled markers, joined by C) and llama.cpp's (hollow)
     for each format, each point labelled with its C."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bw = report["ceilings"]["read_bandwidth"]["rate"]
+    bw = statistics.median(read_bandwidths(report))
     peaks = {k: c["rate"] for k, c in report["ceilings"].items() if k != "read_bandwidth"}
     peaks = {k: v for k, v in peaks.items() if v}
     points = report["ours"] + report["llama_cpp"]
@@ -535,6 +567,10 @@ def main(argv: list[str] | None = None) -> dict:
     ceilings = {"read_bandwidth": roofline_peaks.read_bandwidth(args.bandwidth_mib, args.repeats)}
     ceilings |= roofline_peaks.measure_peaks(args.threads, args.probe_seconds, args.repeats)
     llc = roofline_peaks.last_level_cache_bytes()
+
+    def probe() -> float:
+        return roofline_peaks.read_bandwidth(args.bandwidth_mib, BESIDE_REPEATS).rate
+
     with ExitStack() as stack:
         if args.model_path:
             path = Path(args.model_path)
@@ -550,17 +586,17 @@ def main(argv: list[str] | None = None) -> dict:
             costs[fmt] = model_costs(runner.model, runner.kv_pool, runner.mamba_pool)
             ops = runner.model.ops
             timed = time_decode(runner, conc, args.context_len, args.warmup, args.repeats,
-                                args.seed)  # fmt: skip
-            for c, (step_path, times) in timed.items():
+                                args.seed, probe)  # fmt: skip
+            for c, (step_path, times, bw) in timed.items():
                 kind = ceiling_kind(fmt, c, ops.backend, ops.bf16_products)
                 row = roofline_row("ours", fmt, c, statistics.median(times), costs[fmt],
-                                   args.context_len, ceilings, kind, llc)  # fmt: skip
+                                   args.context_len, ceilings, kind, llc, bw)  # fmt: skip
                 ours.append(row | {"step_path": step_path, "step_s_runs": times})
             del runner
             gc.collect()
         llama = []
         if args.llama_server:
-            llama = llama_points(args, path, conc, costs, ceilings)
+            llama = llama_points(args, path, conc, costs, ceilings, probe)
     level = cpp_build.loaded_level()
     report = {
         "args": vars(args),

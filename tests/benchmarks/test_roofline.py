@@ -60,6 +60,11 @@ def test_fraction_and_intensity_of_one_row():
     assert row["intensity"] == pytest.approx(step_flops / step_bytes)
     assert row["bandwidth"] == step_bytes / 0.5
     assert row["bandwidth_fraction"] == pytest.approx(step_bytes / 0.5 / 1e9)
+    assert row["read_bandwidth_beside"] is None  # no probe beside it: the start's ceiling
+    beside = roofline.roofline_row("ours", "float32", 2, 0.5, c, 3, ceilings(), "fp32_fma",
+                                   read_bw=4e9)  # fmt: skip
+    assert beside["read_bandwidth_beside"] == 4e9
+    assert beside["bandwidth_fraction"] == pytest.approx(step_bytes / 0.5 / 4e9)
     assert row["flop_s"] == step_flops / 0.5
     assert row["ceiling"] == "fp32_fma"
     assert row["ceiling_fraction"] == pytest.approx(step_flops / 0.5 / 1e10)
@@ -238,9 +243,8 @@ def test_cli_end_to_end_writes_the_json(cli_run: dict):
         assert r["who"] == "ours" and r["step_path"] in ("plan", "eager")
         assert r["tok_s"] > 0 and len(r["step_s_runs"]) == 1
         assert r["intensity"] == pytest.approx(r["flops_per_token"] / r["bytes_per_token"])
-        assert r["bandwidth_fraction"] == pytest.approx(
-            r["bandwidth"] / written["ceilings"]["read_bandwidth"]["rate"]
-        )
+        assert r["read_bandwidth_beside"] > 0  # probed right after the row's steps
+        assert r["bandwidth_fraction"] == pytest.approx(r["bandwidth"] / r["read_bandwidth_beside"])
         assert r["ceiling"] in roofline_peaks.KINDS
         rate = written["ceilings"][r["ceiling"]]["rate"]
         assert r["ceiling_fraction"] == (
@@ -323,6 +327,8 @@ def test_llama_rows_at_our_bytes_and_flops(monkeypatch, tmp_path: Path, capsys):
         assert theirs["bytes_per_token"] == ours["bytes_per_token"]
         assert theirs["flops_per_token"] == ours["flops_per_token"]
         assert theirs["tok_s"] > 0 and math.isclose(theirs["tok_s"], theirs["tok_s_runs"][0])
+        assert theirs["read_bandwidth_beside"] > 0  # probed after its wave
+    assert len(roofline.read_bandwidths(report)) == 1 + 2 * 2  # the start, then every row's
     out = capsys.readouterr().out
     assert "| llama.cpp q8_0 | int8 | 2 | HTTP |" in out and "llama.cpp: absent" not in out
 
