@@ -13,8 +13,12 @@ starts from exactly that state. Timed alternately, medians of `--repeats`:
   down projection; the LM head). A sparse-MoE layer's products count in the rest.
 
 The rest (GDN and conv updates, attention, norms, the embedding) is each pass less its
-products. Batches are built off the clock. Same-run ratios are the figures: the speed of a
-shared VM drifts between runs.
+products. With `--profile`, the GDN layers' fused mixer ops alone, on the model's own
+parameters and pools with random projections, clocked the same way: `gdn_decode` at 1 row and
+`gdn_verify` at `--rows` rows (one request, its states kept in the step slots), and the
+accepted state's copy back (`MambaPool.copy` of one step slot over the running one, as the
+speculative worker rolls back a rejected row). Batches are built off the clock. Same-run
+ratios are the figures: the speed of a shared VM drifts between runs.
 
 Example:
   python -m benchmarks.verify_cost --model-path /work/q2b/qwen3.5-2b --dtype bfloat16 --threads 1
@@ -77,6 +81,40 @@ def time_products(calls, rows: int, bf16_products: bool) -> dict[str, float]:
     return out
 
 
+def time_mixers(runner: ModelRunner, rows: int, seed: int) -> dict[str, float]:
+    """Seconds of the GDN layers' mixer ops over one pass: `gdn_decode` at 1 row, `gdn_verify`
+    at `rows` rows, and the rollback copy of a step slot over the running one (all layers)."""
+    model, pool, ops = runner.model, runner.mamba_pool, torch.ops.hybrid_serve
+    gen = torch.Generator().manual_seed(seed)
+    live, *steps = (int(s) for s in pool.alloc(rows))
+    slot = torch.tensor([live])
+    starts, kept = torch.tensor([0, rows]), torch.tensor([steps])
+    out: dict[str, float] = defaultdict(float)
+    for layer in model.model.layers:
+        if layer.is_full_attention:
+            continue
+        g = layer.linear_attn
+        conv = g.conv1d.weight.squeeze(1).contiguous()
+        i = g.linear_layer_id
+        args = (conv, pool.ssm_state[i], g.A_log, g.dt_bias, g.norm.weight)
+        for name, r in (("gdn_decode @1", 1), (f"gdn_verify @{rows}", rows)):
+            qkvz = torch.randn(r, g.in_proj_qkvz.weight.shape[0], generator=gen)
+            ba = torch.randn(r, g.in_proj_ba.weight.shape[0], generator=gen)
+            start = time.perf_counter()
+            if r == 1:
+                ops.gdn_decode(qkvz, ba, pool.conv_state[i], *args, slot, g.num_k_heads,
+                               g.norm.eps)  # fmt: skip
+            else:
+                ops.gdn_verify(qkvz, ba, pool.conv_state[i], *args, slot, starts, kept,
+                               g.num_k_heads, g.norm.eps)  # fmt: skip
+            out[name] += time.perf_counter() - start
+    start = time.perf_counter()
+    pool.copy([steps[0]], [live])
+    out["rollback copy"] = time.perf_counter() - start
+    pool.free([live, *steps])
+    return out
+
+
 def passes(runner: ModelRunner, plan: CpuDecodePlan, ctx: int, rows: int, seed: int):
     """(step, verify): callables that each restore the prefilled state off the clock and return
     the seconds of one pass."""
@@ -115,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", action="store_true",
+                   help="also time the GDN mixer ops and the rollback copy alone")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -123,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=2,
         max_total_tokens=ctx + rows + 64,
         max_context_len=ctx + rows + 1,
-        mamba_cache_size=rows + 3,
+        mamba_cache_size=2 * rows + 3,
         dtype=args.dtype,
         quantization=args.quantization,
     )
@@ -144,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
                 parts = time_products(calls, r, model.ops.bf16_products)
                 got |= {f"{name} @{r}": s for name, s in parts.items()}
                 got[f"products @{r}"] = sum(parts.values())
+            if args.profile:
+                got |= time_mixers(runner, rows, seed=rep)
             if rep:
                 for k, v in got.items():
                     t[k].append(v)
@@ -166,6 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         row(f"- {name}", med[f"{name} @1"], med[f"{name} @{rows}"])
     row("the rest", med["step"] - med["products @1"],
         med["verify"] - med[f"products @{rows}"])  # fmt: skip
+    if args.profile:
+        print(f"\n| ms (median), alone | 1 row | {rows} rows | ratio |\n|---|---|---|---|")
+        row("GDN mixer ops (decode / verify)", med["gdn_decode @1"], med[f"gdn_verify @{rows}"])
+        print(f"| rollback copy (a rejected row) | | {med['rollback copy']:.1f} | |")
     extra = med["verify"] - med["step"]
     products = med[f"products @{rows}"] - med["products @1"]
     print(f"\nverify - step: {extra:.1f} ms, of which products {products:.1f} ms")

@@ -62,6 +62,7 @@ def test_gdn_decode_matches_reference(B, H, HV, dk, dv, Kc, scale) -> None:
     ([4], 2, 4, 32, 32, 4),  # one request, three drafts
     ([1, 3, 2, 4], 2, 4, 16, 24, 4),  # ragged, one without drafts
     ([2, 2], 1, 3, 8, 40, 3),  # ratio 3, conv width 3
+    ([4, 2], 2, 2, 128, 128, 4),  # the 2B's head shape: states aligned for streaming stores
 ])  # fmt: skip
 def test_gdn_verify_is_decode_steps_keeping_each_state(lens, H, HV, dk, dv, Kc) -> None:
     """gdn_verify (C++ and reference) equals gdn_decode run row after row per request; the
@@ -104,3 +105,23 @@ def test_gdn_verify_is_decode_steps_keeping_each_state(lens, H, HV, dk, dv, Kc) 
         torch.testing.assert_close(ssm[1, slots], ssm_e[1, slots], rtol=1e-4, atol=1e-5)
         assert torch.equal(conv[1, slots], conv_e[1, slots])
         assert torch.equal(ssm[0], ssm_pool[0]) and torch.equal(conv[0], conv_pool[0])
+
+    # the C++ verify against the C++ decode, bit for bit: its outputs, the kept states (streamed
+    # to their slots) and the running ones are those of one decode step per row
+    conv_e, ssm_e = conv_pool.clone(), ssm_pool.clone()
+    y_e, kept_e, start = torch.empty(T, value_dim), {}, 0
+    for n, length in enumerate(lens):
+        for j in range(length):
+            r, idx = start + j, torch.tensor([slots[n]])
+            y_e[r] = cpp_fused.gdn_decode(qkvz[r : r + 1], ba[r : r + 1], conv_e, ssm_e, *params,
+                                          idx, H, 1e-6)[0]  # fmt: skip
+            if j < length - 1:
+                kept_e[steps[n][j]] = (conv_e[1, slots[n]].clone(), ssm_e[1, slots[n]].clone())
+        start += length
+    conv, ssm = conv_pool.clone(), ssm_pool.clone()
+    y = cpp_fused.gdn_verify(qkvz, ba, conv, ssm, *params, torch.tensor(slots), lens, steps, H,
+                             1e-6)  # fmt: skip
+    assert torch.equal(y, y_e)
+    for slot, (c, s) in kept_e.items():
+        conv_e[1, slot], ssm_e[1, slot] = c, s
+    assert torch.equal(conv, conv_e) and torch.equal(ssm, ssm_e)  # every other slot untouched
