@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "bgemm.h"
+#include "bpanel.h"
 #include "gemm.h"
 #include "gemv.h"
 #include "qgemv.h"
@@ -55,6 +56,18 @@ void probe_bf16_gemm(const float* x, const c10::BFloat16* w, float* y, int64_t M
   } else {
     hs::bgemm::gemm_into(x, w, y, M, N, K);
   }
+}
+
+// y [M, N] = bf16(x) [M, K] w [N, K]^T by the panel product (bpanel.h), w packed in K-pair
+// panels (weights.h), at every row count.
+void probe_bf16_panels(const float* x, const c10::BFloat16* w, float* y, int64_t M, int64_t N,
+                       int64_t K) {
+  hs::bpanel::linear_into(x, w, y, M, N, K);
+}
+
+// The element index of w[n, k] in a panel-packed N x K matrix (weights.h `bpanel_index`).
+int64_t probe_bpanel_index(int64_t N, int64_t K, int64_t n, int64_t k) {
+  return hs::bpanel_index(N, K, n, k);
 }
 
 // routed_experts.h: xs [T, H] sorted by expert (counts [E]) through the experts gate_up

@@ -49,6 +49,8 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
 constexpr int64_t kBf16Rows = 1;
 constexpr int64_t kBf16LibraryRows = 128;
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
+// linear_ops.cpp: the panel product of a panel-packed bf16 w (bpanel.h), every row count
+at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& w);
 // x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous) ->
 // y [M, N] fp32
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool bf16_products) {
