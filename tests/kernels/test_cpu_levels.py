@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from hybrid_serve.kernels import cpp_build, cpu_levels, quant
+from hybrid_serve.kernels.bf16_pack import pack_bf16
 
 HERE = Path(__file__).parent
 ARCHES = ("x86_64", "aarch64")
@@ -233,6 +234,41 @@ def test_the_bf16_gemm_agrees_within_a_bf16_rounding(probes, level):
                 assert torch.equal(run(probes[other], x, w), got), (level, other)
 
 
+def panels(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The bf16 panel product (bpanel.h) of x and w packed in K-pair panels."""
+    (M, K), N = x.shape, w.shape[0]
+    y, packed = torch.empty(M, N), pack_bf16(w)
+    i64 = ctypes.c_int64
+    lib.probe_bf16_panels(ptr(x), ptr(packed), ptr(y), i64(M), i64(N), i64(K))
+    return y
+
+
+PANEL_SHAPES = [(1, 37, 33), (3, 16, 64), (9, 70, 300), (20, 5, 7), (40, 33, 129)]
+
+
+@pytest.mark.parametrize("level", ["generic", *OTHERS])
+def test_the_panel_product_keeps_its_contract_at_every_level(probes, level):
+    """bpanel.h sums every output in one chain, lanes along N: at each level a row is the same
+    bits at every row count; the levels whose pair dot is two FMAs (all but AVX512-BF16's) are
+    the generic level bit for bit, whatever their width; vdpbf16ps levels agree among
+    themselves and within one bf16 rounding of the generic level."""
+    g = torch.Generator().manual_seed(11)
+    dot = "bf16" in cpu_levels.get(level).features
+    for M, N, K in PANEL_SHAPES:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+        got, want = panels(probes[level], x, w), panels(probes["generic"], x, w)
+        for m in {1, 2, M // 2 + 1, M - 1} - {0}:
+            assert torch.equal(panels(probes[level], x[:m].contiguous(), w), got[:m]), (M, m)
+        if not dot:
+            assert torch.equal(got, want), (level, M, N, K)
+            continue
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale)
+        for other in OTHERS:
+            if "bf16" in cpu_levels.get(other).features:
+                assert torch.equal(panels(probes[other], x, w), got), (level, other)
+
+
 @pytest.mark.parametrize("level", OTHERS)
 def test_rounding_exp_silu_and_windows_are_the_generic_levels(probes, level):
     g = torch.Generator().manual_seed(2)
@@ -393,6 +429,12 @@ class Emulated:
         self.run("linear", code, M, N, K, self.file("x", x), self.file("w", w), self.file("y"))
         return self.read("y", torch.float32, (M, N))
 
+    def panels(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        (M, K), N = x.shape, w.shape[0]
+        self.run("panels", M, N, K, self.file("x", x), self.file("w", pack_bf16(w)),
+                 self.file("y"))  # fmt: skip
+        return self.read("y", torch.float32, (M, N))
+
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory) -> dict[str, Emulated]:
@@ -435,6 +477,9 @@ def test_the_other_architecture_keeps_the_contract(probes, emulated, level):
             for wf in (w, w.bfloat16()):
                 torch.testing.assert_close(emu.linear(x, wf), linear(host, x, wf), rtol=1e-5,
                                            atol=1e-5)  # fmt: skip
+    for M, N, K in PANEL_SHAPES:  # the panel product's FMA form: the host's generic bits
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+        assert torch.equal(emu.panels(x, w), panels(host, x, w)), (level, M, N, K)
     x = torch.randn(32, generator=g) * 3
     emu.run("quantize", 32, emu.file("qx", x), emu.file("q"))
     q_host = torch.empty(32, dtype=torch.int8)
