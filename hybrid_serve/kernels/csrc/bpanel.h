@@ -8,13 +8,15 @@
 // pair elsewhere) adds 16 outputs' products, with no horizontal sum: a register tile of MP rows
 // of x by TT tiles keeps MP * TT * 16 / kLanes independent chains. The same kernel serves every
 // row count: up to kPassRows rows one pass streams each tile once over the whole of K (the
-// GEMV); beyond, the tiles are blocked by KP pairs, which stay in L1 while the passes of
-// kPassRows rows go over them (the GEMM). Threads split the tiles (the rows of x where there
-// are too few tiles to share).
+// GEMV); beyond, blocks of TB tiles by KP pairs (128 KB) stay in L2 while the passes of
+// kPassRows rows go over them (the GEMM). x is packed once per call as pair panels, so a
+// pass's broadcasts are one run of memory (`pack_acts`). Threads split the tiles (the passes of
+// x where there are too few tiles to share).
 //
 // Contract: every output is ONE chain: from zero, its pairs p = 0, 1, ... in order, each one
 // `dot_pairs` step, then for an odd K one fma of the last column; then rounded to bf16. A K
-// block's partial sums are stored to y and loaded back, which rounds nothing. So an output is
+// block's partial sums are stored to the block's fp32 buffer and loaded back, which rounds
+// nothing. So an output is
 // the same bits whatever M, its row's place in the batch, the register tile, the blocking or
 // the threads: the 1-row GEMV, a verify's rows and the GEMM agree bit for bit. Across levels its
 // last bits follow the dot's form (vdpbf16ps, or the FMAs), within one bf16 rounding.
