@@ -79,6 +79,13 @@ void probe_routed(int code, const float* xs, const void* gate_up, const void* do
   hs::routed_experts_rows(xs, gate_up, down, kDtypes[code], counts, E, H, I, y, limit);
 }
 
+// routed_experts.h with bf16 experts packed in K-pair panels (the panel product).
+void probe_routed_panels(const float* xs, const void* gate_up, const void* down,
+                         const int64_t* counts, int64_t E, int64_t H, int64_t I, float* y,
+                         float limit) {
+  hs::routed_experts_rows(xs, gate_up, down, c10::kBFloat16, counts, E, H, I, y, limit, true);
+}
+
 float probe_quantize(const float* x, int64_t n, int8_t* q) { return hs::quantize_block(x, n, q); }
 
 void probe_silu(float* y, int64_t n) { hs::silu_inplace(y, n); }

@@ -269,6 +269,57 @@ def test_the_panel_product_keeps_its_contract_at_every_level(probes, level):
                 assert torch.equal(panels(probes[other], x, w), got), (level, other)
 
 
+def routed_panels(lib, xs, gate_up, down, counts, limit=0.0) -> torch.Tensor:
+    """routed_experts.h on bf16 experts packed in K-pair panels (`pack_bf16` per expert)."""
+    (E, H, I), T = down.shape, xs.shape[0]
+    y, gu, dn = torch.empty(T, H), pack_bf16(gate_up), pack_bf16(down)
+    i64 = ctypes.c_int64
+    lib.probe_routed_panels(ptr(xs), ptr(gu), ptr(dn), ptr(counts), i64(E), i64(H), i64(I),
+                            ptr(y), ctypes.c_float(limit))  # fmt: skip
+    return y
+
+
+@pytest.mark.parametrize("level", ["generic", *OTHERS])
+def test_routed_experts_read_the_panels_to_the_panel_contract(probes, level):
+    """Panel-packed bf16 experts (a short last tile and an odd K in both matrices): each row is
+    the same bits routed alone as in its batch; the expert's products are the panel product's
+    (within a rounding of the torch composition); FMA levels equal the generic level bit for
+    bit, vdpbf16ps levels within one bf16 rounding."""
+    g = torch.Generator().manual_seed(5)
+    E, H, I = 4, 100, 37
+    counts = torch.tensor([9, 0, 20, 3])
+    xs = torch.randn(int(counts.sum()), H, generator=g)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+    lib = probes[level]
+    for limit in (0.0, 0.3):
+        got = routed_panels(lib, xs, gate_up, down, counts, limit)
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            for t in range(start, start + c, 4):
+                alone = torch.zeros(E, dtype=torch.int64)
+                alone[e] = 1
+                one = routed_panels(lib, xs[t : t + 1].contiguous(), gate_up, down, alone, limit)
+                assert torch.equal(one, got[t : t + 1]), (level, e, t)
+            rows = xs[start : start + c]
+            if c:
+                gate, up = panels(lib, rows, gate_up[e]).chunk(2, dim=-1)
+                act = torch.nn.functional.silu(gate)
+                if limit:  # the clamped SwiGLU (kernels/experts.py `swiglu`)
+                    act, up = act.clamp(max=limit), up.clamp(-limit, limit)
+                want = panels(lib, (act * up).contiguous(), down[e])
+                scale = want.abs().max().item()
+                torch.testing.assert_close(got[start : start + c], want, rtol=2**-6,
+                                           atol=2**-6 * scale)  # fmt: skip
+            start += c
+        ref = routed_panels(probes["generic"], xs, gate_up, down, counts, limit)
+        if "bf16" not in cpu_levels.get(level).features:
+            assert torch.equal(got, ref), (level, limit)
+        else:
+            scale = ref.abs().max().item()
+            torch.testing.assert_close(got, ref, rtol=2**-6, atol=2**-6 * scale)
+
+
 @pytest.mark.parametrize("level", OTHERS)
 def test_rounding_exp_silu_and_windows_are_the_generic_levels(probes, level):
     g = torch.Generator().manual_seed(2)
