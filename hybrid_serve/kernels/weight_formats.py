@@ -7,7 +7,11 @@ where its scales live, whether `--quantization` makes it from float weights, whe
 kernels read it (kernels/csrc/weights.h holds the same layout: tests/kernels/test_quant.py
 checks the two agree) and which devices serve it.
 
-- float32, bfloat16: plain values.
+- float32, bfloat16: plain values, in row order. bf16 has a second order of the same bytes, K-pair
+  panels (`hybrid_serve.kernels.bf16_pack`: tiles of 16 rows, a tile's pair p the 16 rows'
+  (k, k + 1) pairs), which the panel product `hybrid_serve::bf16_panel_linear` reads; nothing
+  in a served model is stored that way yet (the loader keeps row order, and every bf16 reader
+  takes rows), so a bf16 tensor's dtype still names one layout.
 - int8 (torch.int8): a row of K values then its fp32 scale's 4 bytes, the rows interleaved in
   tiles of 8 for the products (`hybrid_serve.kernels.quant`).
 - int4 (torch.uint8): K/2 bytes of nibbles in groups of 32, then K/32 bf16 scales per row,

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "bgemm.h"
+#include "bpanel.h"
 #include "gemm.h"
 #include "gemv.h"
 #include "qgemv.h"
@@ -57,6 +58,18 @@ void probe_bf16_gemm(const float* x, const c10::BFloat16* w, float* y, int64_t M
   }
 }
 
+// y [M, N] = bf16(x) [M, K] w [N, K]^T by the panel product (bpanel.h), w packed in K-pair
+// panels (weights.h), at every row count.
+void probe_bf16_panels(const float* x, const c10::BFloat16* w, float* y, int64_t M, int64_t N,
+                       int64_t K) {
+  hs::bpanel::linear_into(x, w, y, M, N, K);
+}
+
+// The element index of w[n, k] in a panel-packed N x K matrix (weights.h `bpanel_index`).
+int64_t probe_bpanel_index(int64_t N, int64_t K, int64_t n, int64_t k) {
+  return hs::bpanel_index(N, K, n, k);
+}
+
 // routed_experts.h: xs [T, H] sorted by expert (counts [E]) through the experts gate_up
 // [E, 2I, H] and down [E, H, I] of format `code` -> y [T, H].
 void probe_routed(int code, const float* xs, const void* gate_up, const void* down,
@@ -64,6 +77,13 @@ void probe_routed(int code, const float* xs, const void* gate_up, const void* do
   static constexpr c10::ScalarType kDtypes[] = {c10::kFloat, c10::kBFloat16, c10::kChar,
                                                 c10::kByte};
   hs::routed_experts_rows(xs, gate_up, down, kDtypes[code], counts, E, H, I, y, limit);
+}
+
+// routed_experts.h with bf16 experts packed in K-pair panels (the panel product).
+void probe_routed_panels(const float* xs, const void* gate_up, const void* down,
+                         const int64_t* counts, int64_t E, int64_t H, int64_t I, float* y,
+                         float limit) {
+  hs::routed_experts_rows(xs, gate_up, down, c10::kBFloat16, counts, E, H, I, y, limit, true);
 }
 
 float probe_quantize(const float* x, int64_t n, int8_t* q) { return hs::quantize_block(x, n, q); }

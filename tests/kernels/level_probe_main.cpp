@@ -3,6 +3,7 @@
 // travel as raw files of their bytes:
 //   features
 //   linear CODE M N K x w y        (y written)
+//   panels M N K x w y             (y written: the bf16 panel product, w packed)
 //   quantize N x q                 (q written: the fp32 scale, then N int8)
 //   silu N y                       (in place)
 //   window p x h                   (p in place, h written)
@@ -52,6 +53,12 @@ int main(int argc, char** argv) {
     std::vector<float> y(M * N);
     probe_linear(std::atoi(argv[2]), as<float>(x), w.data(), y.data(), M, N, K);
     spill(argv[8], y.data(), y.size() * sizeof(float));
+  } else if (op == "panels" && argc == 8) {
+    const int64_t M = std::atoll(argv[2]), N = std::atoll(argv[3]), K = std::atoll(argv[4]);
+    auto x = slurp(argv[5]), w = slurp(argv[6]);
+    std::vector<float> y(M * N);
+    probe_bf16_panels(as<float>(x), as<c10::BFloat16>(w), y.data(), M, N, K);
+    spill(argv[7], y.data(), y.size() * sizeof(float));
   } else if (op == "quantize" && argc == 5) {
     const int64_t n = std::atoll(argv[2]);
     auto x = slurp(argv[3]);

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from hybrid_serve.kernels import cpp_build, cpu_levels, quant
+from hybrid_serve.kernels.bf16_pack import pack_bf16
 
 HERE = Path(__file__).parent
 ARCHES = ("x86_64", "aarch64")
@@ -233,6 +234,92 @@ def test_the_bf16_gemm_agrees_within_a_bf16_rounding(probes, level):
                 assert torch.equal(run(probes[other], x, w), got), (level, other)
 
 
+def panels(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The bf16 panel product (bpanel.h) of x and w packed in K-pair panels."""
+    (M, K), N = x.shape, w.shape[0]
+    y, packed = torch.empty(M, N), pack_bf16(w)
+    i64 = ctypes.c_int64
+    lib.probe_bf16_panels(ptr(x), ptr(packed), ptr(y), i64(M), i64(N), i64(K))
+    return y
+
+
+PANEL_SHAPES = [(1, 37, 33), (3, 16, 64), (9, 70, 300), (20, 5, 7), (40, 33, 129)]
+
+
+@pytest.mark.parametrize("level", ["generic", *OTHERS])
+def test_the_panel_product_keeps_its_contract_at_every_level(probes, level):
+    """bpanel.h sums every output in one chain, lanes along N: at each level a row is the same
+    bits at every row count; the levels whose pair dot is two FMAs (all but AVX512-BF16's) are
+    the generic level bit for bit, whatever their width; vdpbf16ps levels agree among
+    themselves and within one bf16 rounding of the generic level."""
+    g = torch.Generator().manual_seed(11)
+    dot = "bf16" in cpu_levels.get(level).features
+    for M, N, K in PANEL_SHAPES:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+        got, want = panels(probes[level], x, w), panels(probes["generic"], x, w)
+        for m in {1, 2, M // 2 + 1, M - 1} - {0}:
+            assert torch.equal(panels(probes[level], x[:m].contiguous(), w), got[:m]), (M, m)
+        if not dot:
+            assert torch.equal(got, want), (level, M, N, K)
+            continue
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale)
+        for other in OTHERS:
+            if "bf16" in cpu_levels.get(other).features:
+                assert torch.equal(panels(probes[other], x, w), got), (level, other)
+
+
+def routed_panels(lib, xs, gate_up, down, counts, limit=0.0) -> torch.Tensor:
+    """routed_experts.h on bf16 experts packed in K-pair panels (`pack_bf16` per expert)."""
+    (E, H, I), T = down.shape, xs.shape[0]
+    y, gu, dn = torch.empty(T, H), pack_bf16(gate_up), pack_bf16(down)
+    i64 = ctypes.c_int64
+    lib.probe_routed_panels(ptr(xs), ptr(gu), ptr(dn), ptr(counts), i64(E), i64(H), i64(I),
+                            ptr(y), ctypes.c_float(limit))  # fmt: skip
+    return y
+
+
+@pytest.mark.parametrize("level", ["generic", *OTHERS])
+def test_routed_experts_read_the_panels_to_the_panel_contract(probes, level):
+    """Panel-packed bf16 experts (a short last tile and an odd K in both matrices): each row is
+    the same bits routed alone as in its batch; the expert's products are the panel product's
+    (within a rounding of the torch composition); FMA levels equal the generic level bit for
+    bit, vdpbf16ps levels within one bf16 rounding."""
+    g = torch.Generator().manual_seed(5)
+    E, H, I = 4, 100, 37
+    counts = torch.tensor([9, 0, 20, 3])
+    xs = torch.randn(int(counts.sum()), H, generator=g)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+    lib = probes[level]
+    for limit in (0.0, 0.3):
+        got = routed_panels(lib, xs, gate_up, down, counts, limit)
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            for t in range(start, start + c, 4):
+                alone = torch.zeros(E, dtype=torch.int64)
+                alone[e] = 1
+                one = routed_panels(lib, xs[t : t + 1].contiguous(), gate_up, down, alone, limit)
+                assert torch.equal(one, got[t : t + 1]), (level, e, t)
+            rows = xs[start : start + c]
+            if c:
+                gate, up = panels(lib, rows, gate_up[e]).chunk(2, dim=-1)
+                act = torch.nn.functional.silu(gate)
+                if limit:  # the clamped SwiGLU (kernels/experts.py `swiglu`)
+                    act, up = act.clamp(max=limit), up.clamp(-limit, limit)
+                want = panels(lib, (act * up).contiguous(), down[e])
+                scale = want.abs().max().item()
+                torch.testing.assert_close(got[start : start + c], want, rtol=2**-6,
+                                           atol=2**-6 * scale)  # fmt: skip
+            start += c
+        ref = routed_panels(probes["generic"], xs, gate_up, down, counts, limit)
+        if "bf16" not in cpu_levels.get(level).features:
+            assert torch.equal(got, ref), (level, limit)
+        else:
+            scale = ref.abs().max().item()
+            torch.testing.assert_close(got, ref, rtol=2**-6, atol=2**-6 * scale)
+
+
 @pytest.mark.parametrize("level", OTHERS)
 def test_rounding_exp_silu_and_windows_are_the_generic_levels(probes, level):
     g = torch.Generator().manual_seed(2)
@@ -393,6 +480,12 @@ class Emulated:
         self.run("linear", code, M, N, K, self.file("x", x), self.file("w", w), self.file("y"))
         return self.read("y", torch.float32, (M, N))
 
+    def panels(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        (M, K), N = x.shape, w.shape[0]
+        self.run("panels", M, N, K, self.file("x", x), self.file("w", pack_bf16(w)),
+                 self.file("y"))  # fmt: skip
+        return self.read("y", torch.float32, (M, N))
+
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory) -> dict[str, Emulated]:
@@ -435,6 +528,9 @@ def test_the_other_architecture_keeps_the_contract(probes, emulated, level):
             for wf in (w, w.bfloat16()):
                 torch.testing.assert_close(emu.linear(x, wf), linear(host, x, wf), rtol=1e-5,
                                            atol=1e-5)  # fmt: skip
+    for M, N, K in PANEL_SHAPES:  # the panel product's FMA form: the host's generic bits
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+        assert torch.equal(emu.panels(x, w), panels(host, x, w)), (level, M, N, K)
     x = torch.randn(32, generator=g) * 3
     emu.run("quantize", 32, emu.file("qx", x), emu.file("q"))
     q_host = torch.empty(32, dtype=torch.int8)

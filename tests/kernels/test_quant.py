@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_serve.kernels import cpp_fused, cpp_ops, experts, moe_step
+from hybrid_serve.kernels.bf16_pack import pack_bf16
 from hybrid_serve.kernels.quant import (
     GROUP,
     SCALE_BYTES,
@@ -243,17 +244,20 @@ def test_int8_tiles_hold_the_row_bytes_where_weights_h_says() -> None:
     assert torch.equal(q8_rows(quantize_int8(stack))[1], q8_rows(quantize_int8(stack[1])))
 
 
-@pytest.mark.parametrize("method", ["bfloat16", *METHODS])
-@pytest.mark.parametrize("shape", [(43, 256), (21, 100), (5, 64)])
+@pytest.mark.parametrize("method", ["bfloat16", "bf16-panels", *METHODS])
+@pytest.mark.parametrize("shape", [(43, 256), (21, 100), (5, 64), (40, 33)])
 def test_resident_bytes_per_format(method: str, shape: tuple[int, int]) -> None:
     """A matrix's bytes in each format, whatever its layout for the products (tiles, a short
-    last block, rows past the tiles): bf16 2 per weight, int8 1 plus a 4-byte scale per row,
-    int4 a half plus a 2-byte scale per 32 (int8 where K does not divide into groups)."""
+    last block, rows past the tiles, bf16's K-pair panels with a short last tile and an odd K's
+    last column): bf16 2 per weight, int8 1 plus a 4-byte scale per row, int4 a half plus a
+    2-byte scale per 32 (int8 where K does not divide into groups)."""
     n, k = shape
     w = rand(n, k)
-    stored = w.bfloat16() if method == "bfloat16" else quantize(w, method)
+    stored = {"bfloat16": w.bfloat16, "bf16-panels": lambda: pack_bf16(w.bfloat16())}.get(
+        method, lambda: quantize(w, method)
+    )()
     int8 = n * (k + SCALE_BYTES)
-    want = {"bfloat16": 2 * n * k, "int8": int8,
+    want = {"bfloat16": 2 * n * k, "bf16-panels": 2 * n * k, "int8": int8,
             "int4": n * k // 2 + n * k // 16 if k % GROUP == 0 else int8}  # fmt: skip
     assert stored.nbytes == want[method] and stored.untyped_storage().nbytes() == want[method]
 

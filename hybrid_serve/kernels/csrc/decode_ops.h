@@ -49,6 +49,11 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
 constexpr int64_t kBf16Rows = 1;
 constexpr int64_t kBf16LibraryRows = 128;
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
+// linear_ops.cpp: the bf16 route's contract on a w packed in K-pair panels (weights.h,
+// kernels/bf16_pack.py) by the panel product (bpanel.h): each output one chain in k order at
+// every row count, so a row's result does not depend on its batch at all (not yet the route's:
+// the loader keeps bf16 matrices in row order)
+at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& w);
 // x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous) ->
 // y [M, N] fp32
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool bf16_products) {

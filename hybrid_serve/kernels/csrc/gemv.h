@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bpanel.h"
 #include "qgemv.h"
 #include "simd.h"
 #include "weights.h"
@@ -192,7 +193,9 @@ void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, in
 // One product y [M, N] = x [M, K] w [N, K]^T of a batch run in one parallel region; w holds
 // fp32, bf16, int8 or int4 rows (`dtype`), all contiguous. `bf16_products`: a bf16 w takes the
 // bf16 route (`bgemv_rows`: x rounded to bf16, the result rounded to bf16); other weights ignore
-// it.
+// it. `panels`: a bf16 w packed in K-pair panels (weights.h), read by the panel product
+// (bpanel.h: the bf16 route's contract, one chain per output at every M) whatever
+// `bf16_products` says.
 struct GemvJob {
   const float* x;
   const void* w;
@@ -200,15 +203,20 @@ struct GemvJob {
   float* y;
   int64_t M, N, K;
   bool bf16_products = false;
+  bool panels = false;
 };
 
 // How a job's activations are prepared (once per distinct x and kind): as they are, rounded to
-// int8 (`quantize_rows`), staged in `load_w2`'s order (`stage_pairs`), or rounded to bf16.
-enum class Acts { kPlain, kInt8, kStaged, kBf16 };
+// int8 (`quantize_rows`), staged in `load_w2`'s order (`stage_pairs`), rounded to bf16, or
+// rounded to bf16 as pair panels (`bpanel::pack_acts`).
+enum class Acts { kPlain, kInt8, kStaged, kBf16, kPanels };
+
+inline bool panel_job(const GemvJob& g) { return g.panels && g.dtype == c10::kBFloat16; }
 
 inline Acts acts_kind(const GemvJob& g) {
   if (quantized(g.dtype)) return Acts::kInt8;
   if (g.dtype != c10::kBFloat16) return Acts::kPlain;
+  if (g.panels) return Acts::kPanels;
   if (g.bf16_products) return Acts::kBf16;
   return kStaged<c10::BFloat16> ? Acts::kStaged : Acts::kPlain;
 }
@@ -220,8 +228,10 @@ inline std::vector<c10::BFloat16> round_bf16(const float* x, int64_t M, int64_t 
   return out;
 }
 
-// Weight rows per block of a job (`skinny_range`'s and `qskinny_range`'s).
+// Weight rows per block of a job (`skinny_range`'s and `qskinny_range`'s; a panel job's blocks
+// are bpanel.h's TB tiles).
 inline int64_t job_block_rows(const GemvJob& g) {
+  if (panel_job(g)) return bpanel::TB * kPanel;
   if (g.dtype == c10::kByte) return qblock_rows<uint8_t>(g.K);
   if (g.dtype == c10::kChar) return qblock_rows<int8_t>(g.K);
   return block_rows(g.K, c10::elementSize(g.dtype));
@@ -238,6 +248,8 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
   std::vector<QuantActs> acts;                      // the distinct rounded-to-int8 activations
   std::vector<std::vector<float>> staged;           // the distinct staged activations
   std::vector<std::vector<c10::BFloat16>> rounded;  // the distinct rounded-to-bf16 activations
+  std::vector<bpanel::Acts> paired;                 // the distinct pair-panel activations
+  std::vector<std::vector<c10::BFloat16>> tails(n_jobs);  // panel jobs' short tiles, padded
   std::vector<int64_t> act_of(n_jobs, -1);          // job j's entry in acts, staged or rounded
   auto same_x = [&](int64_t i, int64_t j) {
     return jobs[i].x == jobs[j].x && jobs[i].M == jobs[j].M && jobs[i].K == jobs[j].K;
@@ -251,6 +263,9 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
       if (act_of[j] < 0 && kind == Acts::kInt8) {
         act_of[j] = static_cast<int64_t>(acts.size());
         quantize_rows(g.x, g.M, g.K, acts.emplace_back());
+      } else if (act_of[j] < 0 && kind == Acts::kPanels) {
+        act_of[j] = static_cast<int64_t>(paired.size());
+        paired.push_back(bpanel::pack_acts(g.x, g.M, g.K));
       } else if (act_of[j] < 0 && kind == Acts::kStaged) {
         act_of[j] = static_cast<int64_t>(staged.size());
         stage_pairs(g.x, g.M, g.K, staged.emplace_back(g.M * g.K).data());
@@ -258,6 +273,11 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
         act_of[j] = static_cast<int64_t>(rounded.size());
         rounded.push_back(round_bf16(g.x, g.M, g.K));
       }
+    }
+    if (panel_job(g) && g.M > 0 && g.N % kPanel) {
+      const int64_t T = g.N / kPanel;
+      tails[j] = bpanel::pad_tile(static_cast<const c10::BFloat16*>(g.w) + T * kPanel * g.K,
+                                  g.N - T * kPanel, g.K);
     }
     const int64_t nb = job_block_rows(g);
     first[j + 1] = first[j] + (g.M == 0 ? 0 : (g.N + nb - 1) / nb);
@@ -275,7 +295,10 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
         if constexpr (std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>) {
           qskinny_range(g.M, acts[act_of[j]], w, g.y, g.N, n0, n1);
         } else if constexpr (std::is_same_v<W, c10::BFloat16>) {
-          if (g.bf16_products) {
+          if (g.panels) {
+            bpanel::tiles_range(paired[act_of[j]], 0, w, tails[j].data(), g.y, g.M, g.N, g.K,
+                                n0 / kPanel, (n1 + kPanel - 1) / kPanel);
+          } else if (g.bf16_products) {
             bskinny_range(g.M, rounded[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);
           } else if constexpr (kStaged<W>) {
             skinny_range(g.M, staged[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);

@@ -57,17 +57,19 @@ inline int64_t expert_bytes(c10::ScalarType dtype, int64_t N, int64_t K) {
 }
 
 // One GEMV job per expert with rows: x [T, K] rows sorted by expert (counts[e] of expert e)
-// against expert e's N rows of the stack w [E, N, K] -> y [T, N], the same order.
+// against expert e's N rows of the stack w [E, N, K] -> y [T, N], the same order. `panels`: bf16
+// experts each packed in K-pair panels (weights.h), read by the panel product.
 inline std::vector<GemvJob> expert_jobs(const float* x, const void* w, c10::ScalarType dtype,
                                         const int64_t* counts, int64_t E, int64_t N, int64_t K,
-                                        float* y) {
+                                        float* y, bool panels = false) {
   const int64_t bytes = expert_bytes(dtype, N, K);
   std::vector<GemvJob> jobs;
   int64_t start = 0;
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] > 0) {
       const void* we = static_cast<const char*>(w) + e * bytes;
-      jobs.push_back({x + start * K, we, dtype, y + start * N, counts[e], N, K});
+      jobs.push_back(
+          {x + start * K, we, dtype, y + start * N, counts[e], N, K, panels, panels});
     }
     start += counts[e];
   }
@@ -77,21 +79,25 @@ inline std::vector<GemvJob> expert_jobs(const float* x, const void* w, c10::Scal
 // xs [T, H] rows sorted by expert, counts[e] of expert e (summing to T); gate_up [E, 2I, H] and
 // down [E, H, I] of one `dtype` (fp32, bf16, int8 or int4) -> y [T, H]: row t is
 // down_e(swiglu(gate_e x_t, up_e x_t)) for its expert e (`swiglu_row`, clamped by a limit > 0).
+// `panels`: bf16 experts packed in K-pair panels, multiplied by the panel product (bpanel.h:
+// x rounded to bf16, each output one chain, rounded to bf16), so a row is the same bits
+// whatever its batch there too.
 inline void routed_experts_rows(const float* xs, const void* gate_up, const void* down,
                                 c10::ScalarType dtype, const int64_t* counts, int64_t E,
-                                int64_t H, int64_t I, float* y, float limit) {
+                                int64_t H, int64_t I, float* y, float limit, bool panels = false) {
   int64_t T = 0;
   for (int64_t e = 0; e < E; ++e) T += counts[e];
   if (T == 0) return;
   std::vector<float> h(T * 2 * I), act(T * I);
-  std::vector<GemvJob> jobs = expert_jobs(xs, gate_up, dtype, counts, E, 2 * I, H, h.data());
+  std::vector<GemvJob> jobs =
+      expert_jobs(xs, gate_up, dtype, counts, E, 2 * I, H, h.data(), panels);
   skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I));
   at::parallel_for(0, T, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       swiglu_row(h.data() + r * 2 * I, I, act.data() + r * I, limit);
   });
-  jobs = expert_jobs(act.data(), down, dtype, counts, E, H, I, y);
+  jobs = expert_jobs(act.data(), down, dtype, counts, E, H, I, y, panels);
   skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
 }
 

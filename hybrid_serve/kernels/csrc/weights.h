@@ -80,6 +80,21 @@ inline void q8_row(const int8_t* w, int64_t N, int64_t K, int64_t n, int64_t k0,
                            : tile[full * kTile + r * t + (k - full)];
 }
 
+// bf16 matrices in K-pair panels (kernels/bf16_pack.py), read by the panel products (bpanel.h):
+// one tensor [..., N, K], the rows in tiles of kPanel = 16 (the last tile the N % 16 rows left
+// over, a short tile of h < 16 rows). A tile of h rows from row n0 lies where its rows lie in row
+// order, elements [n0 K, (n0 + h) K): first, for each pair p < K / 2, row i's (w[n0 + i, 2p],
+// w[n0 + i, 2p + 1]) at 2hp + 2i (a whole tile's pair is 64 bytes, one vector of 16 pairs); then,
+// for an odd K, row i's w[n0 + i, K - 1] at 2h (K / 2) + i. `bpanel_index` is the map.
+constexpr int64_t kPanel = 16;
+
+// The element index of w[n, k] in a panel-packed matrix of N rows and K columns.
+inline int64_t bpanel_index(int64_t N, int64_t K, int64_t n, int64_t k) {
+  const int64_t n0 = n / kPanel * kPanel, h = std::min(kPanel, N - n0), i = n - n0;
+  const int64_t base = n0 * K, K2 = K / 2;
+  return k < 2 * K2 ? base + 2 * h * (k / 2) + 2 * i + k % 2 : base + 2 * h * K2 + i;
+}
+
 template <typename W>
 inline float load1(const W* p);
 template <>

@@ -1,0 +1,77 @@
+"""bf16 matrices in K-pair panels: the layout the CPU's panel products read (kernels/csrc/
+bpanel.h), made once from plain rows (`pack_bf16`) and read back as plain rows (`bf16_rows`).
+
+A bf16 matrix w [..., N, K] keeps its shape, dtype and bytes; only the order of its elements
+changes. Its rows are cut into tiles of PANEL = 16 rows, the last tile holding the N % 16 rows
+left over (a short tile of h < 16 rows; none where 16 divides N). A tile of h rows that starts
+at row n0 occupies the elements [n0 K, (n0 + h) K) of the matrix, as its rows did in row order,
+and holds
+
+- for each pair p < K // 2, 2h elements: row i's (w[n0 + i, 2p], w[n0 + i, 2p + 1]) at 2hp + 2i,
+  so a whole tile's pair is 64 bytes, 16 rows' (k, k + 1) pairs: one vector of 16 bf16 pairs,
+  which one `vdpbf16ps` against a broadcast pair of activations adds to 16 outputs at once;
+- then, for an odd K, the h values w[n0 + i, K - 1], row i at 2h (K // 2) + i.
+
+So every tile boundary is a row boundary in both layouts: a range of whole tiles (rows [16 a,
+16 b)) is the same range of elements packed or not, and slices as one. kernels/csrc/weights.h
+holds the same byte map (`bpanel_index`; tests/kernels/test_bf16_pack.py checks the two agree).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PANEL = 16  # rows per tile (weights.h's kPanel)
+
+
+def _pack_tiles(rows: torch.Tensor, h: int) -> torch.Tensor:
+    """Whole tiles of h rows in row order [..., T h, K] -> the same tiles packed."""
+    *lead, n, k = rows.shape
+    t, k2 = n // h, k // 2
+    tiles = rows.reshape(*lead, t, h, k)
+    pairs = tiles[..., : 2 * k2].reshape(*lead, t, h, k2, 2).transpose(-3, -2)  # [.., t, p, h, 2]
+    parts = [pairs.reshape(*lead, t, 2 * k2 * h)]
+    if k % 2:
+        parts.append(tiles[..., k - 1])  # [..., t, h]: the odd K's last column
+    return torch.cat(parts, dim=-1).reshape(*lead, n, k)
+
+
+def _unpack_tiles(packed: torch.Tensor, h: int) -> torch.Tensor:
+    """Whole packed tiles of h rows [..., T h, K] -> the same rows in row order."""
+    *lead, n, k = packed.shape
+    t, k2 = n // h, k // 2
+    flat = packed.reshape(*lead, t, h * k)
+    pairs = flat[..., : 2 * k2 * h].reshape(*lead, t, k2, h, 2).transpose(-3, -2)  # [.., h, p, 2]
+    parts = [pairs.reshape(*lead, t, h, 2 * k2)]
+    if k % 2:
+        parts.append(flat[..., 2 * k2 * h :].unsqueeze(-1))  # [..., t, h, 1]
+    return torch.cat(parts, dim=-1).reshape(*lead, n, k)
+
+
+def _by_tiles(w: torch.Tensor, fn) -> torch.Tensor:
+    n = w.shape[-2]
+    whole = n // PANEL * PANEL
+    parts = []
+    if whole:
+        parts.append(fn(w[..., :whole, :], PANEL))
+    if n > whole:
+        parts.append(fn(w[..., whole:, :], n - whole))
+    if not parts:
+        return w.clone()
+    return torch.cat(parts, dim=-2).contiguous()
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 matrix [..., N, K] in row order -> the same values in panels (module docstring):
+    same shape, dtype and bytes, a new contiguous tensor."""
+    if w.dtype != torch.bfloat16:
+        raise TypeError(f"pack_bf16 takes a bf16 matrix, got {w.dtype}")
+    return _by_tiles(w, _pack_tiles)
+
+
+def bf16_rows(w: torch.Tensor) -> torch.Tensor:
+    """A panel-packed bf16 matrix [..., N, K] -> its rows in row order (the inverse of
+    `pack_bf16`), for readers that take plain rows (torch's products, shards, dequantization)."""
+    if w.dtype != torch.bfloat16:
+        raise TypeError(f"bf16_rows takes a bf16 matrix, got {w.dtype}")
+    return _by_tiles(w, _unpack_tiles)

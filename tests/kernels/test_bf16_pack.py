@@ -1,0 +1,96 @@
+"""bf16 matrices in K-pair panels (`kernels.bf16_pack`) and the panel product that reads them
+(`hybrid_serve::bf16_panel_linear`, kernels/csrc/bpanel.h).
+
+- The layout: `bf16_rows` undoes `pack_bf16` for every shape (a short last tile, an odd K, a
+  stack of experts), a tile's pair p is its 16 rows' (k, k + 1) pairs, tile boundaries are row
+  boundaries in both layouts, and the C++ byte map (weights.h `bpanel_index`) reads the same
+  elements back through the product against the identity.
+- The product: x rounded to bf16 times the weights, within one bf16 rounding of the fp32 product
+  of the rounded operands, and every row the same bits at every row count (1-40 and 512): the
+  GEMV, a verify's rows and the GEMM sum each output in one order.
+The product's tests need the C++ kernels (`require_cpp`: a failure, never a skip, where they
+are unavailable); the layout's own run everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_serve.kernels.bf16_pack import PANEL, bf16_rows, pack_bf16
+from tests.kernels.cpp_required import require_cpp
+
+SHAPES = [(16, 64), (37, 33), (5, 7), (70, 300), (48, 1), (33, 2), (0, 8), (130, 129)]
+
+
+def rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_bf16_rows_undo_the_packing(n: int, k: int) -> None:
+    w = rand(n, k, seed=n + k).bfloat16()
+    packed = pack_bf16(w)
+    assert packed.shape == w.shape and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    assert packed.nbytes == w.nbytes
+    assert torch.equal(bf16_rows(packed), w)
+    assert torch.equal(packed.flatten().sort()[0], w.flatten().sort()[0])
+    if n >= 2 * PANEL and k >= 2:  # a whole tile's pair p: 16 rows' (k, k + 1), row by row
+        flat = packed[PANEL : 2 * PANEL].flatten()
+        for p in (0, k // 2 - 1):
+            want = w[PANEL : 2 * PANEL, 2 * p : 2 * p + 2].flatten()
+            assert torch.equal(flat[2 * PANEL * p : 2 * PANEL * (p + 1)], want)
+        if k % 2:
+            assert torch.equal(flat[2 * PANEL * (k // 2) :], w[PANEL : 2 * PANEL, k - 1])
+
+
+def test_tiles_slice_as_rows_and_stacks_pack_per_matrix() -> None:
+    w = rand(70, 45, seed=1).bfloat16()
+    packed = pack_bf16(w)
+    assert torch.equal(packed[16:48], pack_bf16(w[16:48]))  # whole tiles: the same elements
+    assert torch.equal(packed[64:], pack_bf16(w[64:]))  # the short last tile
+    stack = rand(3, 21, 10, seed=2).bfloat16()
+    assert torch.equal(pack_bf16(stack)[1], pack_bf16(stack[1]))
+    assert torch.equal(bf16_rows(pack_bf16(stack)), stack)
+    with pytest.raises(TypeError):
+        pack_bf16(w.float())
+
+
+# ---- the panel product (C++) -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def panel_linear():
+    return require_cpp().bf16_panel_linear
+
+
+@pytest.mark.parametrize(("n", "k"), [s for s in SHAPES if s[0]])
+def test_the_byte_map_reads_every_element(panel_linear, n: int, k: int) -> None:
+    """Against the identity each output is one weight, exactly: the C++ reads w[n, k] where
+    `pack_bf16` put it, short tile and odd K included."""
+    w = rand(n, k, seed=3).bfloat16()
+    assert torch.equal(panel_linear(torch.eye(k), pack_bf16(w)), w.float().t())
+
+
+def test_within_one_bf16_rounding_and_the_same_bits_at_every_row_count(panel_linear) -> None:
+    for n, k in [(37, 33), (70, 300), (16, 64), (130, 129), (9, 1)]:
+        w = rand(n, k, seed=n).bfloat16()
+        packed = pack_bf16(w)
+        x = rand(512, k, seed=k) * 2
+        full = panel_linear(x, packed)
+        exact = x.bfloat16().double() @ w.double().t()  # the rounded operands' product
+        scale = exact.abs().max().item()
+        torch.testing.assert_close(full.double(), exact, rtol=2**-8, atol=2**-8 * scale)
+        assert torch.equal(full, full.bfloat16().float())  # rounded to bf16 once
+        for m in range(1, 41):
+            assert torch.equal(panel_linear(x[:m].contiguous(), packed), full[:m]), (n, k, m)
+        for m0 in (3, 17):  # a row's place in the batch
+            assert torch.equal(panel_linear(x[m0 : m0 + 5].contiguous(), packed), full[m0 : m0 + 5])
+
+
+def test_the_panel_product_checks_its_inputs(panel_linear) -> None:
+    with pytest.raises(RuntimeError, match="bf16 weights"):
+        panel_linear(torch.randn(2, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="shapes"):
+        panel_linear(torch.randn(2, 8), torch.randn(4, 9).bfloat16())
+    assert panel_linear(torch.randn(0, 8), torch.randn(4, 8).bfloat16()).shape == (0, 4)
