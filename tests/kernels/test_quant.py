@@ -261,11 +261,17 @@ def test_resident_bytes_per_format(method: str, shape: tuple[int, int]) -> None:
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(("n", "k"), [(8, 160), (21, 160), (40, 160), (21, 100), (43, 300)])
 def test_gemv_rows_equal_the_gemm_rows(n: int, k: int, method: str) -> None:
-    """The integer GEMV sums each row as the tiled GEMM does: the rows of a batch of up to 8 are
-    the same bits as those rows among 9 or more, tile rows and the rows past the tiles alike,
-    and an int8 matrix's short last block too (int4 falls back to int8 where K % 32 != 0)."""
+    """The integer GEMV sums each row as the tiled GEMM does: the rows of a batch the GEMV takes
+    (up to 8, or 16 at the levels whose passes hold 16) are the same bits as those rows among
+    more, tile rows and the rows past the tiles alike, and an int8 matrix's short last block too
+    (int4 falls back to int8 where K % 32 != 0). The GEMV itself at 17-40 rows (two or more
+    passes at every level) gives the GEMM's bits too."""
     q = quantize(rand(n, k, seed=n), method)
     x = rand(40, k, seed=3) * 2
     full = cpp_ops.linear(x, q)
-    for rows in (1, 3, 4, 5, 8, 9, 16):
+    assert torch.equal(full, torch.ops.hybrid_serve.tiled_linear(x, q))
+    for rows in (1, 3, 4, 5, 8, 9, 12, 15, 16, 17, 24):
         assert torch.equal(cpp_ops.linear(x[:rows].contiguous(), q), full[:rows]), rows
+    for rows in (17, 33, 40):
+        gemv = torch.ops.hybrid_serve.skinny_linear(x[:rows].contiguous(), q)
+        assert torch.equal(gemv, full[:rows]), rows
