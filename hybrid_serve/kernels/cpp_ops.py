@@ -11,7 +11,7 @@ reference: an input outside the contract is the op's one-line error. The one cho
 size is the routed experts' (`ROUTED_MAX_ROWS`), as `hybrid_serve::linear` chooses GEMV or GEMM
 by rows.
 
-- `linear`, `linear_multi`: the weight-streaming GEMV up to 8 rows (int8/int4: 16 at the
+- `linear`, `linear_multi`: the weight-streaming GEMV up to 8 rows (int8/int4: 64 at the
   AVX-512 levels), the tiled GEMM beyond (decode_ops.h); bf16 widened in registers, int8/int4
   multiplying the activations rounded to int8 per block of 32 (`kernels.quant`).
   `linear_multi` streams every weight in one parallel region.
