@@ -34,7 +34,7 @@ extern "C" {
 const char* probe_features() { return hs::simd::features(); }
 
 // y [M, N] = x [M, K] w [N, K]^T: the GEMV up to 8 rows (the integer GEMV for int8/int4 up to
-// the level's kQGemvRows: 64 at AVX-512, 8 elsewhere), the tiled GEMM beyond, as hs::linear
+// the level's kQGemvRows: 64 at AVX-512, 16 at AVX2, 8 with NEON), the tiled GEMM beyond, as hs::linear
 // chooses.
 void probe_linear(int code, const float* x, const void* w, float* y, int64_t M, int64_t N,
                   int64_t K) {

@@ -25,8 +25,8 @@ from hybrid_serve.kernels.quant import (
 )
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
-ROWS = [1, 2, 5, 8, 9, 17, 40, 70]  # the GEMV's row counts (<= 8; int8/int4 <= 64 at
-# AVX-512) and the tiled GEMM's
+ROWS = [1, 2, 5, 8, 9, 17, 40, 70]  # the GEMV's row counts (<= 8; int8/int4 <= 16 or
+# 64 by level) and the tiled GEMM's
 METHODS = ["int8", "int4"]
 
 
@@ -268,7 +268,7 @@ def test_resident_bytes_per_format(method: str, shape: tuple[int, int]) -> None:
 @pytest.mark.parametrize(("n", "k"), [(8, 160), (21, 160), (40, 160), (21, 100), (43, 300)])
 def test_gemv_rows_equal_the_gemm_rows(n: int, k: int, method: str) -> None:
     """The integer GEMV sums each row as the tiled GEMM does: the rows of a batch the GEMV takes
-    (up to 8, or 64 at the levels whose passes hold 16 rows) are the same bits as those rows
+    (up to 8, 16 or 64 by level: qgemv.h's kQGemvRows) are the same bits as those rows
     among the GEMM's, tile rows and the rows past the tiles alike, and an int8 matrix's short
     last block too (int4 falls back to int8 where K % 32 != 0). The GEMV itself at 17-80 rows
     (several passes at every level) gives the GEMM's bits too."""

@@ -24,7 +24,7 @@ at::Tensor rmsnorm_gated(const at::Tensor& x, const at::Tensor& z, const at::Ten
 // result depends neither on its batch nor on how a prefill is chunked (benchmarks/gemm_shapes.py
 // compares it with MKL by row count: BENCHMARKS.md, "The hand-written products against MKL").
 // int8/int4 weights take the integer GEMV further, up to `gemv_rows` (qgemv.h's kQGemvRows:
-// 64 at the levels whose passes hold 16 rows), where it beats the GEMM; the two give the same
+// 64 at the AVX-512 levels, 16 at AVX2), where it beats the GEMM; the two give the same
 // bits (qgemm.h), so the choice is speed only.
 constexpr int64_t kGemvRows = 8;
 int64_t quant_gemv_rows();  // linear_ops.cpp

@@ -229,11 +229,15 @@ inline int64_t qblock_rows(int64_t K) {
 // registers (AVX2, and NEON, whose block takes 16 of its 32) 4 rows, further passes finding the
 // block in L1/L2. The sums do not depend on the pass (each row's lanes are its own).
 constexpr int kQPassRows = simd::kLanes >= 16 ? 16 : 4;
-// The integer GEMV's rows (decode_ops.h's `gemv_rows`), the tiled GEMM (qgemm.h) beyond: where
-// a pass holds 16 rows, up to 64 (measured on Zen 4, one thread, weights streamed: 2x the GEMM
-// at 9-17 rows, 1.25x at 64 and still at 256; the prefill chunks beyond keep the GEMM, whose
-// activations are rounded in parallel); else decode_ops.h's kGemvRows (8).
-constexpr int64_t kQGemvRows = kQPassRows >= 16 ? 64 : 8;
+// The integer GEMV's rows (decode_ops.h's `gemv_rows`), the tiled GEMM (qgemm.h) beyond,
+// measured on Zen 4 (one thread, weights streamed, benchmarks.quant_linear's shapes):
+// - where a pass holds 16 rows (AVX-512), up to 64: the GEMV ran 2x the GEMM at 9-17 rows,
+//   1.25x at 64 and still at 256 with VNNI, 1.1-2.5x at 9-64 without; the prefill chunks
+//   beyond keep the GEMM, whose activations are rounded in parallel;
+// - with AVX2 (8 lanes, passes of 4), up to 16: 1.2-2.6x at 9-16 rows, even at 32, the GEMM
+//   ahead for int8 at 64;
+// - NEON (not measured): decode_ops.h's kGemvRows, 8.
+constexpr int64_t kQGemvRows = kQPassRows >= 16 ? 64 : simd::kLanes == 8 ? 16 : 8;
 
 template <int M>
 inline void qgemv_pass(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
