@@ -34,8 +34,8 @@
 //   j, i of that byte times the activation q[4 j + i]; `sum` is the 32 activations' sum, which
 //   the VNNI bodies need: they offset the weights by 128 to make them unsigned for vpdpbusd and
 //   start the lanes at -128 sum; AVX2 maddubs with the signs moved to the activations, NEON
-//   sdot, or the scalar body: the same integers). With AVX512-VNNI q8x8 is held in 512-bit
-//   registers, two quads of the 8 rows per register.
+//   sdot, or the scalar body: the same integers). A q8x8 is 8 registers of 256 bits (16 of 128
+//   bits with NEON): the GEMV's passes hold one beside kQPassRows accumulators (qgemv.h).
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
 //   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
