@@ -411,6 +411,29 @@ inline vec dot_pairs(vec acc, bpairs a, bpairs b) {
 }
 #endif
 
+// dst = src (n floats) for data the caller will not read again soon: where the level has
+// streaming stores and dst is aligned for them, written past the caches (no read of dst's lines
+// first, no lines evicted from what the caller still works on), else std::copy. The values
+// stored are the same either way.
+inline void stream_copy(const float* src, float* dst, int64_t n) {
+#if defined(HS_AVX512) || defined(HS_AVX2)
+  if (reinterpret_cast<std::uintptr_t>(dst) % (kLanes * sizeof(float)) == 0) {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+#if defined(HS_AVX512)
+      _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#else
+      _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    }
+    std::copy(src + i, src + n, dst + i);
+    _mm_sfence();  // the streamed lines are visible before the caller goes on
+    return;
+  }
+#endif
+  std::copy(src, src + n, dst);
+}
+
 // a * b + c in one rounding where the level has an FMA instruction (every vector level), two at
 // generic x86: what GCC makes of `y += a * b` at each level, for a plain loop that must round as
 // a vectorized one beside it does.
