@@ -62,6 +62,13 @@ a lower bound of its decode rate), placed at our bytes and FLOPs per token of th
 format, against the peak ggml's products of that format run at any batch (`LLAMA_CEILING`).
 Without the flags there are no llama.cpp rows (the table says so).
 
+Our rows come first: their table is printed, and `--json-out` and `--plot` (our points only)
+written, before any llama-server starts; llama.cpp's rows then follow in a second table and both
+files are written again with them. A llama-server that exits or never answers /health (a GGUF
+it cannot load), or fails during its waves, becomes a note (`llama_cpp_failures`: llama.cpp's
+own error line and its log's last lines) instead of rows; the other GGUFs go on, and the run
+ends normally with our rows kept.
+
 `--plot FILE.png` draws the roofline (matplotlib, the `bench` extra); `--json-out` writes all.
 The figures of a shared machine drift: compare rows of one run.
 
@@ -120,6 +127,10 @@ LLAMA_CEILING = {"float32": "fp32_fma", "bfloat16": "bf16_dot", "int8": "int8_do
                  "int4": "int8_dot"}  # fmt: skip
 BESIDE_REPEATS = 3  # sums per read-bandwidth probe beside a row (module docstring)
 NO_LLAMA = "absent: no --llama-server / --gguf given"
+LLAMA_PENDING = "pending: its servers start after our rows"
+LLAMA_MEASURED = "HTTP output throughput (prefill included)"
+LOG_TAIL = 8  # lines of a failed llama-server's log kept in its note
+ERROR_SEARCH = 40  # its last lines searched for the error line
 PLOT_NEEDS = "roofline: --plot needs matplotlib: pip install matplotlib"
 # the CPU features the report lists: those the probes look at
 PROBE_FEATURES = frozenset().union(*roofline_peaks.PROBES.values()) | roofline_peaks.AMX
@@ -351,6 +362,34 @@ def parse_gguf(text: str, formats: list[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def error_line(lines: list[str]) -> str:
+    """A failed server's own error line: the first of `lines` (its log's last lines) that says
+    "error" in any case (llama.cpp logs the cause first, then "failed to load model" and
+    "exiting due to model loading error"), else the last line; "(no output)" for none."""
+    for line in lines:
+        if "error" in line.lower():
+            return line
+    return lines[-1] if lines else "(no output)"
+
+
+def log_lines(log: Path, n: int = ERROR_SEARCH) -> list[str]:
+    """The last `n` non-empty lines of a server's log, stripped (none if it was never written)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip()][-n:]
+
+
+def llama_failure(name: str, file: str, stage: str, log: Path, exc: Exception) -> dict:
+    """The note of a GGUF whose llama-server failed at `stage` ("start": it exited or never
+    answered /health; "waves": it failed while measured): its error line and its log's last
+    `LOG_TAIL` lines (the exception's text where the log has none)."""
+    lines = log_lines(log) or [ln for ln in str(exc).splitlines() if ln.strip()][-ERROR_SEARCH:]
+    return {"gguf": name, "file": file, "stage": stage, "error": error_line(lines),
+            "log_tail": lines[-LOG_TAIL:], "log": str(log)}  # fmt: skip
+
+
 def llama_points(
     args: argparse.Namespace,
     path: Path,
@@ -358,10 +397,12 @@ def llama_points(
     costs: dict[str, ModelCosts],
     ceilings: dict[str, roofline_peaks.Ceiling],
     probe: Callable[[], float] | None = None,
-) -> list[dict]:
-    """llama.cpp's rows: each GGUF served by llama-server, its HTTP output tok/s at each C
-    (median of `--llama-rounds` waves), at our bytes and FLOPs per token of its format, against
-    the median of `probe()`'s read bandwidths taken right after its waves (None: no probe)."""
+) -> tuple[list[dict], list[dict]]:
+    """llama.cpp's rows and failures. Rows: each GGUF served by llama-server, its HTTP output
+    tok/s at each C (median of `--llama-rounds` waves), at our bytes and FLOPs per token of its
+    format, against the median of `probe()`'s read bandwidths taken right after its waves
+    (None: no probe). A GGUF whose server fails to start or during its waves (RuntimeError) has
+    no rows but one `llama_failure` note, and the next GGUF goes on."""
     from benchmarks import cpu_tables, llama_cpp  # the HTTP client: the bench extra
 
     ggufs = parse_gguf(args.gguf, args.formats.split(","))
@@ -375,18 +416,34 @@ def llama_points(
     port = cpu_tables._free_port()
     cmds = llama_cpp.commands(ns, port)  # ours too, unused: only the llama-server lines
     logs = Path(tempfile.mkdtemp(prefix="roofline_llama_"))
-    rows = []
-    for name, fmt, _ in ggufs:
+    rows, failures = [], []
+    for name, fmt, file in ggufs:
         runs: dict[int, list[float]] = {c: [] for c in conc}
         beside: dict[int, list[float]] = {c: [] for c in conc}
+        log = logs / f"{name}.log"
+        failure = None
         for r in range(args.llama_rounds):
-            with cpu_tables.launched(cmds[f"llama {name}"], port, logs / f"{name}.log") as url:
-                for c in conc:
-                    with redirect_stdout(io.StringIO()):  # the wave's own serving report
-                        runs[c].append(llama_cpp.wave(url, ns, c, seed=r))
-                    logger.info("llama.cpp %s C=%d: %.1f tok/s", name, c, runs[c][-1])
-                    if probe:
-                        beside[c].append(probe())
+            with ExitStack() as stack:
+                try:
+                    url = stack.enter_context(cpu_tables.launched(cmds[f"llama {name}"], port, log))
+                except RuntimeError as e:
+                    failure = llama_failure(name, file, "start", log, e)
+                    break
+                try:
+                    for c in conc:
+                        with redirect_stdout(io.StringIO()):  # the wave's own serving report
+                            runs[c].append(llama_cpp.wave(url, ns, c, seed=r))
+                        logger.info("llama.cpp %s C=%d: %.1f tok/s", name, c, runs[c][-1])
+                        if probe:
+                            beside[c].append(probe())
+                except RuntimeError as e:
+                    failure = llama_failure(name, file, "waves", log, e)
+                    break
+        if failure:
+            logger.warning("llama.cpp %s failed (%s): %s", name, failure["stage"],
+                           failure["error"])  # fmt: skip
+            failures.append(failure)
+            continue
         for c in conc:
             tok_s = statistics.median(runs[c])
             row = roofline_row(f"llama.cpp {name}", fmt, c, c / tok_s, costs[fmt],
@@ -394,7 +451,7 @@ def llama_points(
                                roofline_peaks.last_level_cache_bytes(),
                                statistics.median(beside[c]) if beside[c] else None)  # fmt: skip
             rows.append(row | {"tok_s_runs": runs[c], "gguf": name})
-    return rows
+    return rows, failures
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -406,8 +463,41 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+ROW_HEAD = ("| who | format | C | path | ms/step | tok/s | MB/token | MFLOP/token | FLOP/B "
+            "| GB/s | read BW beside | of read BW | GFLOP/s | ceiling | of ceiling |")  # fmt: skip
+
+
+def print_rows(rows: list[dict]) -> None:
+    """Roofline rows as one markdown table."""
+    print(ROW_HEAD + "\n" + "|---" * ROW_HEAD.count(" | ") + "|---|")
+    for r in rows:
+        path = r.get("step_path", "HTTP")
+        print(
+            f"| {r['who']} | {r['format']} | {r['concurrency']} | {path} | {r['step_ms']:.2f} "
+            f"| {r['tok_s']:,.1f} | {r['bytes_per_token'] / 1e6:.3f} "
+            f"| {r['flops_per_token'] / 1e6:.3f} | {r['intensity']:.2f} "
+            f"| {r['bandwidth'] / 1e9:.2f} | {_rate(r.get('read_bandwidth_beside'), 'GB/s')} "
+            f"| {_share(r['bandwidth_fraction'])}"
+            f"{' (in LLC)' if r['step_fits_cache'] else ''} "
+            f"| {r['flop_s'] / 1e9:.2f} | {r['ceiling']} | {_share(r['ceiling_fraction'])} |"
+        )
+
+
+def print_llama(report: dict) -> None:
+    """llama.cpp's part of `main`'s report, after ours: its rows as a second table (none: the
+    note), then one line per failed GGUF with llama.cpp's own error line."""
+    if report["llama_cpp"]:
+        print(f"\nllama.cpp on {report['model']['name']} ({report['llama_cpp_note']})")
+        print_rows(report["llama_cpp"])
+    else:
+        print(f"\nllama.cpp: {report['llama_cpp_note']}")
+    for f in report["llama_cpp_failures"]:
+        when = "to start" if f["stage"] == "start" else "during its waves"
+        print(f"llama.cpp {f['gguf']} ({f['file']}): llama-server failed {when}: {f['error']}")
+
+
 def print_report(report: dict) -> None:
-    """The tables of `main`'s report, as markdown."""
+    """Our part of `main`'s report, as markdown: the host, the ceilings and our rows."""
     host = report["host"]
     print(f"\n{host['cpu']} ({host['machine']}), {n_threads(host['threads'])}, C++ level "
           f"{host['cpu_level']}, torch {host['torch']}, load average "
@@ -419,25 +509,10 @@ def print_report(report: dict) -> None:
         what = "; ".join(filter(None, (c["what"], c["note"])))
         print(f"| {key} | {_rate(c['rate'], unit)} | {what} |")
     print(f"\n{report['model']['name']}, context {report['model']['context_len']} tokens")
-    head = ("| who | format | C | path | ms/step | tok/s | MB/token | MFLOP/token | FLOP/B "
-            "| GB/s | read BW beside | of read BW | GFLOP/s | ceiling | of ceiling |")  # fmt: skip
-    print(head + "\n" + "|---" * head.count(" | ") + "|---|")
-    for r in report["ours"] + report["llama_cpp"]:
-        path = r.get("step_path", "HTTP")
-        print(
-            f"| {r['who']} | {r['format']} | {r['concurrency']} | {path} | {r['step_ms']:.2f} "
-            f"| {r['tok_s']:,.1f} | {r['bytes_per_token'] / 1e6:.3f} "
-            f"| {r['flops_per_token'] / 1e6:.3f} | {r['intensity']:.2f} "
-            f"| {r['bandwidth'] / 1e9:.2f} | {_rate(r.get('read_bandwidth_beside'), 'GB/s')} "
-            f"| {_share(r['bandwidth_fraction'])}"
-            f"{' (in LLC)' if r['step_fits_cache'] else ''} "
-            f"| {r['flop_s'] / 1e9:.2f} | {r['ceiling']} | {_share(r['ceiling_fraction'])} |"
-        )
+    print_rows(report["ours"])
     if any(r["step_fits_cache"] for r in report["ours"]):
         print("\n(in LLC): the step's bytes fit in the last-level cache, so its reads may not "
               "come from memory")  # fmt: skip
-    if not report["llama_cpp"]:
-        print(f"\nllama.cpp: {report['llama_cpp_note']}")
 
 
 def read_bandwidths(report: dict) -> list[float]:
@@ -556,8 +631,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_outputs(report: dict, args: argparse.Namespace) -> None:
+    """`--plot` and `--json-out` of `report` as it stands (rewritten when llama.cpp's rows come)."""
+    if args.plot:
+        plot_roofline(report, args.plot)
+        logger.info("wrote %s", args.plot)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        logger.info("wrote %s", args.json_out)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Measure, print the tables, write `--plot` and `--json-out`; returns the report."""
+    """Measure ours, print their tables and write `--plot` and `--json-out`; then, with the
+    llama.cpp flags, its rows (or failure notes): printed after ours, both files rewritten.
+    Returns the report."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -594,42 +681,44 @@ def main(argv: list[str] | None = None) -> dict:
                 ours.append(row | {"step_path": step_path, "step_s_runs": times})
             del runner
             gc.collect()
-        llama = []
-        if args.llama_server:
-            llama = llama_points(args, path, conc, costs, ceilings, probe)
-    level = cpp_build.loaded_level()
-    report = {
-        "args": vars(args),
-        "host": {
-            "cpu": cpu_name(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "last_level_cache_bytes": llc,
-            "threads": args.threads,
-            "cpu_level": level.name if level else None,
-            "features": sorted(cpu_levels.host_features() & PROBE_FEATURES),
-            "torch": torch.__version__,
-            "load_average": [load_before, os.getloadavg()[0]],
-        },
-        "ceilings": {k: c.as_dict() for k, c in ceilings.items()},
-        "model": {
-            "name": path.name,
-            "path": str(path) if args.model_path else None,
-            "preset": None if args.model_path else args.preset,
-            "context_len": args.context_len,
-            "costs": {fmt: asdict(c) for fmt, c in costs.items()},
-        },
-        "ours": ours,
-        "llama_cpp": llama,
-        "llama_cpp_note": "HTTP output throughput (prefill included)" if llama else NO_LLAMA,
-    }
-    print_report(report)
-    if args.plot:
-        plot_roofline(report, args.plot)
-        logger.info("wrote %s", args.plot)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
-        logger.info("wrote %s", args.json_out)
+        level = cpp_build.loaded_level()
+        report = {
+            "args": vars(args),
+            "host": {
+                "cpu": cpu_name(),
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "last_level_cache_bytes": llc,
+                "threads": args.threads,
+                "cpu_level": level.name if level else None,
+                "features": sorted(cpu_levels.host_features() & PROBE_FEATURES),
+                "torch": torch.__version__,
+                "load_average": [load_before, os.getloadavg()[0]],
+            },
+            "ceilings": {k: c.as_dict() for k, c in ceilings.items()},
+            "model": {
+                "name": path.name,
+                "path": str(path) if args.model_path else None,
+                "preset": None if args.model_path else args.preset,
+                "context_len": args.context_len,
+                "costs": {fmt: asdict(c) for fmt, c in costs.items()},
+            },
+            "ours": ours,
+            "llama_cpp": [],
+            "llama_cpp_note": LLAMA_PENDING if args.llama_server else NO_LLAMA,
+            "llama_cpp_failures": [],
+        }
+        print_report(report)
+        write_outputs(report, args)  # ours kept whatever llama.cpp does next
+        if not args.llama_server:
+            print_llama(report)
+            return report
+        llama, failures = llama_points(args, path, conc, costs, ceilings, probe)
+    report["llama_cpp"], report["llama_cpp_failures"] = llama, failures
+    report["llama_cpp_note"] = LLAMA_MEASURED if llama else "no rows: every llama-server failed"
+    report["host"]["load_average"][1] = os.getloadavg()[0]
+    print_llama(report)
+    write_outputs(report, args)
     return report
 
 

@@ -1,5 +1,7 @@
 """benchmarks.llama_cpp_convert against a stand-in llama.cpp tree: a converter whose
-`TextModel.get_vocab_base_pre` knows one tokenizer and refuses the others, as llama.cpp's does."""
+`TextModel.get_vocab_base_pre` knows one tokenizer and refuses the others, and whose
+`ModelBase.load_hparams` takes transformers' `AutoConfig` dict, falling back to config.json as
+written when that raises, as llama.cpp's do."""
 
 from __future__ import annotations
 
@@ -10,6 +12,28 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 BASE = """
+import json
+
+
+class AutoConfig:  # transformers' class re-serialising the config (a stand-in)
+    @staticmethod
+    def from_pretrained(dir_model, trust_remote_code=False):
+        class Config:
+            def to_dict(self):
+                return {"from": "transformers", "num_experts_per_tok": 2}
+
+        return Config()
+
+
+class ModelBase:
+    @staticmethod
+    def load_hparams(dir_model, is_mistral_format=False):
+        try:
+            return AutoConfig.from_pretrained(dir_model).to_dict()
+        except Exception:
+            return json.loads((dir_model / "config.json").read_text())
+
+
 class TextModel:
     def get_vocab_base_pre(self, tokenizer):
         if tokenizer == "known":
@@ -18,8 +42,10 @@ class TextModel:
 """
 CONVERTER = """
 import sys
-from conversion.base import TextModel
+from pathlib import Path
+from conversion.base import ModelBase, TextModel
 print(TextModel().get_vocab_base_pre(sys.argv[1]), *sys.argv[2:])
+print("hparams:", sorted(ModelBase.load_hparams(Path(__file__).parent, False).items()))
 """
 
 
@@ -28,6 +54,7 @@ def fake_tree(tmp_path: Path) -> Path:
     (tmp_path / "conversion" / "__init__.py").write_text("")
     (tmp_path / "conversion" / "base.py").write_text(BASE)
     (tmp_path / "convert_hf_to_gguf.py").write_text(CONVERTER)
+    (tmp_path / "config.json").write_text('{"from": "config.json"}')
     return tmp_path
 
 
@@ -43,14 +70,14 @@ def test_an_unrecognised_pre_tokenizer_gets_the_given_name(tmp_path):
         fake_tree(tmp_path), "--pre-tokenizer", "gpt-2", "--", "ours", "--outtype", "bf16"
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["gpt-2", "--outtype", "bf16"]
+    assert out.stdout.splitlines()[0].split() == ["gpt-2", "--outtype", "bf16"]
     assert "not in llama.cpp's list" in out.stderr
 
 
 def test_a_recognised_pre_tokenizer_keeps_the_converters_answer(tmp_path):
     out = convert(fake_tree(tmp_path), "--pre-tokenizer", "gpt-2", "--", "known")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["llama-bpe"]
+    assert out.stdout.splitlines()[0].split() == ["llama-bpe"]
 
 
 def test_without_the_flag_a_refusal_stays_a_refusal(tmp_path):
@@ -64,3 +91,15 @@ def test_a_tree_without_the_converter_is_a_one_line_error(tmp_path):
     assert (
         out.stderr.strip().splitlines()[-1].startswith("llama_cpp_convert: no convert_hf_to_gguf")
     )
+
+
+def test_config_json_makes_the_converter_read_config_json_as_written(tmp_path):
+    tree = fake_tree(tmp_path)
+    plain = convert(tree, "--", "known")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.splitlines()[1] == (
+        "hparams: [('from', 'transformers'), ('num_experts_per_tok', 2)]"
+    )
+    out = convert(tree, "--config-json", "--", "known")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["llama-bpe", "hparams: [('from', 'config.json')]"]

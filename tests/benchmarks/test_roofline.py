@@ -1,7 +1,8 @@
 """`benchmarks.roofline`: the arithmetic (fractions, intensity, bytes and FLOPs per token of the
 tiny preset against hand counts from its config), the command line end to end on the tiny
 preset, the JSON it writes, the plot (or the one-line error without matplotlib), and the
-llama.cpp rows (absent without the flags; with them, against a fake server). Nothing here
+llama.cpp rows (absent without the flags; with them, against a fake server; a llama-server
+that fails to start or during its waves is a note, our rows written before it starts). Nothing here
 depends on this CPU's speed or ISA: rates are only checked to be positive where measured."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import importlib.util
 import io
 import json
 import math
+import os
+import subprocess
 import sys
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
@@ -225,7 +228,8 @@ def test_cli_end_to_end_writes_the_json(cli_run: dict):
     written = json.loads((cli_run["dir"] / "r.json").read_text())
     assert written == json.loads(json.dumps(report))
     assert set(written) == {
-        "args", "host", "ceilings", "model", "ours", "llama_cpp", "llama_cpp_note"
+        "args", "host", "ceilings", "model", "ours", "llama_cpp", "llama_cpp_note",
+        "llama_cpp_failures",
     }  # fmt: skip
     assert list(written["ceilings"]) == ["read_bandwidth", *roofline_peaks.KINDS]
     for c in written["ceilings"].values():
@@ -260,6 +264,7 @@ def test_cli_end_to_end_writes_the_json(cli_run: dict):
 def test_llama_rows_absent_without_the_flags(cli_run: dict):
     assert cli_run["report"]["llama_cpp"] == []
     assert cli_run["report"]["llama_cpp_note"] == roofline.NO_LLAMA
+    assert cli_run["report"]["llama_cpp_failures"] == []
     assert f"llama.cpp: {roofline.NO_LLAMA}" in cli_run["stdout"]
     assert "| llama.cpp" not in cli_run["stdout"]
 
@@ -331,6 +336,104 @@ def test_llama_rows_at_our_bytes_and_flops(monkeypatch, tmp_path: Path, capsys):
     assert len(roofline.read_bandwidths(report)) == 1 + 2 * 2  # the start, then every row's
     out = capsys.readouterr().out
     assert "| llama.cpp q8_0 | int8 | 2 | HTTP |" in out and "llama.cpp: absent" not in out
+
+
+REPO = Path(__file__).resolve().parents[2]
+# a llama-server that cannot load its GGUF: it says what it saw of our JSON, then llama.cpp's own
+# lines for a refused GGUF, and exits 1
+FAKE_LLAMA = """#!{python}
+import json, os, sys
+report = json.loads(open(os.environ["ROOFLINE_TEST_JSON"]).read())
+print(f"fake: our rows before me: {{len(report['ours'])}}, note: {{report['llama_cpp_note']}}",
+      flush=True)
+print("E llama_model_load: error loading model: check_tensor_dims: tensor 'blk.1.ssm_in.weight'"
+      " not found", file=sys.stderr)
+print("E llama_model_load_from_file_impl: failed to load model", file=sys.stderr)
+print("E srv  llama_server: exiting due to model loading error", file=sys.stderr)
+sys.exit(1)
+"""
+REFUSAL = (
+    "E llama_model_load: error loading model: check_tensor_dims: tensor 'blk.1.ssm_in.weight'"
+    " not found"
+)
+
+
+def test_a_llama_server_that_fails_to_start_keeps_our_rows(tmp_path: Path):
+    """The command line end to end with a llama-server that exits 1 on load: our rows are
+    printed and written before it starts (it reads them from the JSON), its failure becomes a
+    note with llama.cpp's error line, and the run exits 0."""
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE_LLAMA.format(python=sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "r.json"
+    argv = f"--preset tiny --concurrency 1 --formats float32 {FAST} --threads 1".split()
+    argv += ["--llama-server", str(fake), "--gguf", f"f32={tmp_path / 'm-f32.gguf'}"]
+    argv += ["--json-out", str(out)] + (["--plot", str(tmp_path / "r.png")] if HAS_MPL else [])
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "ROOFLINE_TEST_JSON": str(out)}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.roofline", *argv], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["who"], r["format"], r["concurrency"]) for r in report["ours"]] == [
+        ("ours", "float32", 1)
+    ]
+    assert report["llama_cpp"] == [] and report["llama_cpp_note"].startswith("no rows")
+    (failure,) = report["llama_cpp_failures"]
+    assert failure["gguf"] == "f32" and failure["stage"] == "start"
+    assert failure["error"] == REFUSAL
+    assert failure["log_tail"][-1].endswith("exiting due to model loading error")
+    # what the server saw: our row already in the JSON, llama.cpp's still pending
+    assert f"fake: our rows before me: 1, note: {roofline.LLAMA_PENDING}" in failure["log_tail"]
+    stdout = run.stdout
+    assert stdout.index("| ours | float32 | 1 |") < stdout.index("llama.cpp f32 (")
+    assert f"llama-server failed to start: {REFUSAL}" in stdout
+    if HAS_MPL:
+        assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_llama_server_failing_in_its_waves_is_a_note_and_the_next_gguf_goes_on(
+    monkeypatch, tmp_path: Path, capsys
+):
+    """Two GGUFs: the first's server dies during its wave (its log says why), the second's
+    answers; the first is a note, the second has its rows, ours are kept."""
+    from benchmarks import cpu_tables, llama_cpp
+
+    @contextmanager
+    def fake_launched(cmd: list[str], port: int, log: Path):
+        with FakeOpenAIServer() as server:
+            log.write_text("ggml: illegal instruction\n" if "bad.gguf" in cmd else "ok\n")
+            yield "dead" if "bad.gguf" in cmd else server.url
+
+    real_wave = llama_cpp.wave
+
+    def wave(url, args, c, seed):
+        if url == "dead":
+            raise RuntimeError("wave at concurrency 1: [connection refused]")
+        return real_wave(url, args, c, seed)
+
+    monkeypatch.setattr(cpu_tables, "launched", fake_launched)
+    monkeypatch.setattr(llama_cpp, "wave", wave)
+    argv = f"--preset tiny --concurrency 1 --formats int8 {FAST} --threads 1".split()
+    argv += ["--llama-server", "/opt/llama/llama-server", "--gguf", "q8_0=bad.gguf,int8=ok.gguf"]
+    argv += "--prompt-len 4 --output-len 3 --num-prompts-factor 1".split()
+    report = roofline.main(argv)
+    assert [r["who"] for r in report["ours"]] == ["ours"]
+    assert [r["who"] for r in report["llama_cpp"]] == ["llama.cpp int8"]
+    assert report["llama_cpp_note"] == roofline.LLAMA_MEASURED
+    (failure,) = report["llama_cpp_failures"]
+    assert (failure["gguf"], failure["file"], failure["stage"]) == ("q8_0", "bad.gguf", "waves")
+    assert failure["error"] == "ggml: illegal instruction"  # no "error" line: the last one
+    out = capsys.readouterr().out
+    assert "llama.cpp q8_0 (bad.gguf): llama-server failed during its waves" in out
+    assert "| llama.cpp int8 | int8 | 1 | HTTP |" in out
+
+
+def test_error_line_is_the_cause_not_the_exit():
+    lines = ["I load_tensors: ...", REFUSAL, "E failed to load model", "E exiting due to error"]
+    assert roofline.error_line(lines) == REFUSAL
+    assert roofline.error_line(["a", "b"]) == "b"
+    assert roofline.error_line([]) == "(no output)"
 
 
 def test_peaks_choose_the_widest_probe_the_features_allow():
