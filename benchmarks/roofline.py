@@ -59,7 +59,8 @@ llama.cpp's f32, bf16, q8_0, q4_0, and its format among `--formats`): each GGUF 
 ids and `--output-len` greedy tokens, C in flight) at the same concurrencies, median of
 `--llama-rounds`. Its tok/s is HTTP output throughput (its prefill and the HTTP path included, so
 a lower bound of its decode rate), placed at our bytes and FLOPs per token of the matching
-format, against the peak ggml's products of that format run at any batch (`LLAMA_CEILING`).
+format, against the peak ggml's products of that format run at any batch
+(`roofline_llama.LLAMA_CEILING`).
 Without the flags there are no llama.cpp rows (the table says so).
 
 Our rows come first: their table is printed, and `--json-out` and `--plot` (our points only)
@@ -85,7 +86,6 @@ if not __package__:  # run as `python benchmarks/x.py`: the repo root first, not
 
 import argparse
 import gc
-import io
 import json
 import logging
 import math
@@ -95,13 +95,20 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import ExitStack, redirect_stdout
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
 import torch
 
 from benchmarks import roofline_peaks
 from benchmarks.model_forward import ours_decode
+from benchmarks.roofline_llama import (
+    LLAMA_MEASURED,
+    LLAMA_PENDING,
+    NO_LLAMA,
+    llama_points,
+    parse_gguf,
+)
 from benchmarks.roofline_peaks import n_threads
 from hybrid_serve.kernels import cpp_build, cpu_levels
 from hybrid_serve.kernels.cpp_ops import BF16_ROWS
@@ -120,17 +127,7 @@ FORMATS = ("float32", "bfloat16", "int8", "int4")
 QUANTIZED = ("int8", "int4")  # --quantization matrices, loaded through bf16
 # FLOPs per recurrent-state element per token, by mixer (module docstring)
 STATE_FLOPS: tuple[tuple[type, int], ...] = ((GatedDeltaNet, 7), (Mamba2Mixer, 5))
-LLAMA_NAMES = {"f32": "float32", "bf16": "bfloat16", "q8_0": "int8", "q4_0": "int4"}
-# the peak llama.cpp's products of a format run at, any batch (ggml's CPU backend multiplies
-# bf16 with its bf16 dot product and Q8_0/Q4_0 against Q8_0 activations in int8 dot products)
-LLAMA_CEILING = {"float32": "fp32_fma", "bfloat16": "bf16_dot", "int8": "int8_dot",
-                 "int4": "int8_dot"}  # fmt: skip
 BESIDE_REPEATS = 3  # sums per read-bandwidth probe beside a row (module docstring)
-NO_LLAMA = "absent: no --llama-server / --gguf given"
-LLAMA_PENDING = "pending: its servers start after our rows"
-LLAMA_MEASURED = "HTTP output throughput (prefill included)"
-LOG_TAIL = 8  # lines of a failed llama-server's log kept in its note
-ERROR_SEARCH = 40  # its last lines searched for the error line
 PLOT_NEEDS = "roofline: --plot needs matplotlib: pip install matplotlib"
 # the CPU features the report lists: those the probes look at
 PROBE_FEATURES = frozenset().union(*roofline_peaks.PROBES.values()) | roofline_peaks.AMX
@@ -345,113 +342,6 @@ def time_decode(
             path = "plan" if graphs.plan is not None and c <= graphs.plan_rows else "eager"
             out[c] = (path, times, probe() if probe else None)
     return out
-
-
-def parse_gguf(text: str, formats: list[str]) -> list[tuple[str, str, str]]:
-    """`--gguf` NAME=FILE items -> (name, our format, file); ValueError for a name that maps to
-    none of our formats or to one not in `formats`."""
-    out = []
-    for item in filter(None, text.split(",")):
-        name, sep, file = item.partition("=")
-        fmt = LLAMA_NAMES.get(name.lower(), name)
-        if not sep or fmt not in FORMATS:
-            raise ValueError(f"--gguf {item!r}: NAME=FILE with NAME in {FORMATS} or {LLAMA_NAMES}")
-        if fmt not in formats:
-            raise ValueError(f"--gguf {item!r}: its format {fmt} is not in --formats")
-        out.append((name, fmt, file))
-    return out
-
-
-def error_line(lines: list[str]) -> str:
-    """A failed server's own error line: the first of `lines` (its log's last lines) that says
-    "error" in any case (llama.cpp logs the cause first, then "failed to load model" and
-    "exiting due to model loading error"), else the last line; "(no output)" for none."""
-    for line in lines:
-        if "error" in line.lower():
-            return line
-    return lines[-1] if lines else "(no output)"
-
-
-def log_lines(log: Path, n: int = ERROR_SEARCH) -> list[str]:
-    """The last `n` non-empty lines of a server's log, stripped (none if it was never written)."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return []
-    return [line.strip() for line in text.splitlines() if line.strip()][-n:]
-
-
-def llama_failure(name: str, file: str, stage: str, log: Path, exc: Exception) -> dict:
-    """The note of a GGUF whose llama-server failed at `stage` ("start": it exited or never
-    answered /health; "waves": it failed while measured): its error line and its log's last
-    `LOG_TAIL` lines (the exception's text where the log has none)."""
-    lines = log_lines(log) or [ln for ln in str(exc).splitlines() if ln.strip()][-ERROR_SEARCH:]
-    return {"gguf": name, "file": file, "stage": stage, "error": error_line(lines),
-            "log_tail": lines[-LOG_TAIL:], "log": str(log)}  # fmt: skip
-
-
-def llama_points(
-    args: argparse.Namespace,
-    path: Path,
-    conc: list[int],
-    costs: dict[str, ModelCosts],
-    ceilings: dict[str, roofline_peaks.Ceiling],
-    probe: Callable[[], float] | None = None,
-) -> tuple[list[dict], list[dict]]:
-    """llama.cpp's rows and failures. Rows: each GGUF served by llama-server, its HTTP output
-    tok/s at each C (median of `--llama-rounds` waves), at our bytes and FLOPs per token of its
-    format, against the median of `probe()`'s read bandwidths taken right after its waves
-    (None: no probe). A GGUF whose server fails to start or during its waves (RuntimeError) has
-    no rows but one `llama_failure` note, and the next GGUF goes on."""
-    from benchmarks import cpu_tables, llama_cpp  # the HTTP client: the bench extra
-
-    ggufs = parse_gguf(args.gguf, args.formats.split(","))
-    argv = [
-        "--model-path", str(path), "--ours", "float32", "--llama-server", args.llama_server,
-        "--gguf", ",".join(f"{n}={f}" for n, _, f in ggufs), "--concurrency", args.concurrency,
-        "--num-prompts-factor", str(args.num_prompts_factor), "--prompt-len",
-        str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(args.threads),
-    ]  # fmt: skip
-    ns = llama_cpp.parse_args(argv)
-    port = cpu_tables._free_port()
-    cmds = llama_cpp.commands(ns, port)  # ours too, unused: only the llama-server lines
-    logs = Path(tempfile.mkdtemp(prefix="roofline_llama_"))
-    rows, failures = [], []
-    for name, fmt, file in ggufs:
-        runs: dict[int, list[float]] = {c: [] for c in conc}
-        beside: dict[int, list[float]] = {c: [] for c in conc}
-        log = logs / f"{name}.log"
-        failure = None
-        for r in range(args.llama_rounds):
-            with ExitStack() as stack:
-                try:
-                    url = stack.enter_context(cpu_tables.launched(cmds[f"llama {name}"], port, log))
-                except RuntimeError as e:
-                    failure = llama_failure(name, file, "start", log, e)
-                    break
-                try:
-                    for c in conc:
-                        with redirect_stdout(io.StringIO()):  # the wave's own serving report
-                            runs[c].append(llama_cpp.wave(url, ns, c, seed=r))
-                        logger.info("llama.cpp %s C=%d: %.1f tok/s", name, c, runs[c][-1])
-                        if probe:
-                            beside[c].append(probe())
-                except RuntimeError as e:
-                    failure = llama_failure(name, file, "waves", log, e)
-                    break
-        if failure:
-            logger.warning("llama.cpp %s failed (%s): %s", name, failure["stage"],
-                           failure["error"])  # fmt: skip
-            failures.append(failure)
-            continue
-        for c in conc:
-            tok_s = statistics.median(runs[c])
-            row = roofline_row(f"llama.cpp {name}", fmt, c, c / tok_s, costs[fmt],
-                               args.context_len, ceilings, LLAMA_CEILING[fmt],
-                               roofline_peaks.last_level_cache_bytes(),
-                               statistics.median(beside[c]) if beside[c] else None)  # fmt: skip
-            rows.append(row | {"tok_s_runs": runs[c], "gguf": name})
-    return rows, failures
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -713,7 +603,14 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.llama_server:
             print_llama(report)
             return report
-        llama, failures = llama_points(args, path, conc, costs, ceilings, probe)
+
+        def make_row(who: str, fmt: str, c: int, step_s: float, ceiling: str,
+                     beside: float | None) -> dict:  # fmt: skip
+            llc = roofline_peaks.last_level_cache_bytes()
+            return roofline_row(who, fmt, c, step_s, costs[fmt], args.context_len, ceilings,
+                                ceiling, llc, beside)  # fmt: skip
+
+        llama, failures = llama_points(args, path, conc, make_row, probe)
     report["llama_cpp"], report["llama_cpp_failures"] = llama, failures
     report["llama_cpp_note"] = LLAMA_MEASURED if llama else "no rows: every llama-server failed"
     report["host"]["load_average"][1] = os.getloadavg()[0]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import roofline, roofline_peaks
+from benchmarks import roofline, roofline_llama, roofline_peaks
 from benchmarks.roofline_peaks import Ceiling
 from hybrid_serve.make_model.presets import PRESETS
 from hybrid_serve.models.qwen3_next_config import Qwen3NextConfig
@@ -263,9 +263,9 @@ def test_cli_end_to_end_writes_the_json(cli_run: dict):
 
 def test_llama_rows_absent_without_the_flags(cli_run: dict):
     assert cli_run["report"]["llama_cpp"] == []
-    assert cli_run["report"]["llama_cpp_note"] == roofline.NO_LLAMA
+    assert cli_run["report"]["llama_cpp_note"] == roofline_llama.NO_LLAMA
     assert cli_run["report"]["llama_cpp_failures"] == []
-    assert f"llama.cpp: {roofline.NO_LLAMA}" in cli_run["stdout"]
+    assert f"llama.cpp: {roofline_llama.NO_LLAMA}" in cli_run["stdout"]
     assert "| llama.cpp" not in cli_run["stdout"]
 
 
@@ -296,7 +296,9 @@ def test_flag_errors(capsys):
         with pytest.raises(SystemExit) as e:
             roofline.parse_args(argv)
         assert e.value.code == 2, argv
-    assert roofline.parse_gguf("q8_0=a.gguf,bf16=b.gguf,int4=c", ["bfloat16", "int8", "int4"]) == [
+    formats = ["bfloat16", "int8", "int4"]
+    parsed = roofline_llama.parse_gguf("q8_0=a.gguf,bf16=b.gguf,int4=c", formats)
+    assert parsed == [
         ("q8_0", "int8", "a.gguf"), ("bf16", "bfloat16", "b.gguf"), ("int4", "int4", "c")
     ]  # fmt: skip
 
@@ -384,7 +386,8 @@ def test_a_llama_server_that_fails_to_start_keeps_our_rows(tmp_path: Path):
     assert failure["error"] == REFUSAL
     assert failure["log_tail"][-1].endswith("exiting due to model loading error")
     # what the server saw: our row already in the JSON, llama.cpp's still pending
-    assert f"fake: our rows before me: 1, note: {roofline.LLAMA_PENDING}" in failure["log_tail"]
+    pending = roofline_llama.LLAMA_PENDING
+    assert f"fake: our rows before me: 1, note: {pending}" in failure["log_tail"]
     stdout = run.stdout
     assert stdout.index("| ours | float32 | 1 |") < stdout.index("llama.cpp f32 (")
     assert f"llama-server failed to start: {REFUSAL}" in stdout
@@ -420,7 +423,7 @@ def test_a_llama_server_failing_in_its_waves_is_a_note_and_the_next_gguf_goes_on
     report = roofline.main(argv)
     assert [r["who"] for r in report["ours"]] == ["ours"]
     assert [r["who"] for r in report["llama_cpp"]] == ["llama.cpp int8"]
-    assert report["llama_cpp_note"] == roofline.LLAMA_MEASURED
+    assert report["llama_cpp_note"] == roofline_llama.LLAMA_MEASURED
     (failure,) = report["llama_cpp_failures"]
     assert (failure["gguf"], failure["file"], failure["stage"]) == ("q8_0", "bad.gguf", "waves")
     assert failure["error"] == "ggml: illegal instruction"  # no "error" line: the last one
@@ -431,9 +434,9 @@ def test_a_llama_server_failing_in_its_waves_is_a_note_and_the_next_gguf_goes_on
 
 def test_error_line_is_the_cause_not_the_exit():
     lines = ["I load_tensors: ...", REFUSAL, "E failed to load model", "E exiting due to error"]
-    assert roofline.error_line(lines) == REFUSAL
-    assert roofline.error_line(["a", "b"]) == "b"
-    assert roofline.error_line([]) == "(no output)"
+    assert roofline_llama.error_line(lines) == REFUSAL
+    assert roofline_llama.error_line(["a", "b"]) == "b"
+    assert roofline_llama.error_line([]) == "(no output)"
 
 
 def test_peaks_choose_the_widest_probe_the_features_allow():
