@@ -12,6 +12,12 @@ and holds
   which one `vdpbf16ps` against a broadcast pair of activations adds to 16 outputs at once;
 - then, for an odd K, the h values w[n0 + i, K - 1], row i at 2h (K // 2) + i.
 
+Where the layout is used: under the bf16 route (`KernelSet.bf16_products`, chosen at load on
+CPUs that multiply bf16 in hardware) every bf16 matrix on the CPU is panels (the loader packs
+them: `models.loader.pack_matrices`); without the route (e.g. the widening fp32 products of an
+AVX2 CPU) bf16 matrices stay in row order. `in_panels` is that rule, and `plain_rows` gives a
+reader that takes rows (torch's products, per-head views) the rows either way.
+
 So every tile boundary is a row boundary in both layouts: a range of whole tiles (rows [16 a,
 16 b)) is the same range of elements packed or not, and slices as one. kernels/csrc/weights.h
 holds the same byte map (`bpanel_index`; tests/kernels/test_bf16_pack.py checks the two agree).
@@ -69,9 +75,36 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     return _by_tiles(w, _pack_tiles)
 
 
+def pack_bf16_(w: torch.Tensor, chunk_bytes: int = 1 << 20) -> torch.Tensor:
+    """`pack_bf16` in place, for the loader: a contiguous bf16 matrix [..., N, K] rewritten in
+    panels in its own storage, one matrix of the stack and about `chunk_bytes` of whole tiles at
+    a time (a range of whole tiles is the same elements in both orders), so packing a model
+    holds one chunk beside its weights, not a copy of a matrix. Returns `w`."""
+    if w.dtype != torch.bfloat16 or not w.is_contiguous():
+        raise TypeError(f"pack_bf16_ takes a contiguous bf16 matrix, got {w.dtype}")
+    n, k = w.shape[-2], w.shape[-1]
+    step = max(1, chunk_bytes // max(1, 2 * k * PANEL)) * PANEL
+    for m in w.reshape(-1, n, k):
+        for r0 in range(0, n, step):
+            part = m[r0 : r0 + step]
+            part.copy_(pack_bf16(part))
+    return w
+
+
 def bf16_rows(w: torch.Tensor) -> torch.Tensor:
     """A panel-packed bf16 matrix [..., N, K] -> its rows in row order (the inverse of
     `pack_bf16`), for readers that take plain rows (torch's products, shards, dequantization)."""
     if w.dtype != torch.bfloat16:
         raise TypeError(f"bf16_rows takes a bf16 matrix, got {w.dtype}")
     return _by_tiles(w, _unpack_tiles)
+
+
+def in_panels(w: torch.Tensor, bf16_products: bool) -> bool:
+    """Whether `w` lies in panels under the one rule (module docstring): a bf16 tensor on the
+    CPU where the bf16 route is on."""
+    return bf16_products and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+
+
+def plain_rows(w: torch.Tensor, bf16_products: bool) -> torch.Tensor:
+    """`w`'s rows in row order: unpacked (a new tensor) where `in_panels`, else `w` itself."""
+    return bf16_rows(w) if in_panels(w, bf16_products) else w

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_serve.kernels.bf16_pack import PANEL, bf16_rows, pack_bf16
+from hybrid_serve.kernels.bf16_pack import PANEL, bf16_rows, pack_bf16, pack_bf16_
 from tests.kernels.cpp_required import require_cpp
 
 SHAPES = [(16, 64), (37, 33), (5, 7), (70, 300), (48, 1), (33, 2), (0, 8), (130, 129)]
@@ -94,3 +94,15 @@ def test_the_panel_product_checks_its_inputs(panel_linear) -> None:
     with pytest.raises(RuntimeError, match="shapes"):
         panel_linear(torch.randn(2, 8), torch.randn(4, 9).bfloat16())
     assert panel_linear(torch.randn(0, 8), torch.randn(4, 8).bfloat16()).shape == (0, 4)
+
+
+@pytest.mark.parametrize("shape", [(3, 70, 33), (40, 64), (5, 8)])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, 1 << 20])
+def test_pack_in_place_equals_pack_in_its_own_storage(shape, chunk_bytes) -> None:
+    """The loader's in-place pack (`pack_bf16_`), a chunk of whole tiles at a time down to one
+    tile per chunk: the same elements as `pack_bf16`, in the matrix's own storage."""
+    w = torch.randn(*shape).bfloat16()
+    want = pack_bf16(w)
+    ptr = w.data_ptr()
+    assert pack_bf16_(w, chunk_bytes) is w and w.data_ptr() == ptr
+    assert torch.equal(w, want)
