@@ -11,10 +11,10 @@ reference: an input outside the contract is the op's one-line error. The one cho
 size is the routed experts' (`ROUTED_MAX_ROWS`), as `hybrid_serve::linear` chooses GEMV or GEMM
 by rows.
 
-- `linear`, `linear_multi`: the weight-streaming GEMV up to 8 rows, the tiled GEMM beyond
-  (decode_ops.h); bf16 widened in registers, int8/int4 multiplying the activations rounded to
-  int8 per block of 32 (`kernels.quant`). `linear_multi` streams every weight in one parallel
-  region.
+- `linear`, `linear_multi`: the weight-streaming GEMV up to 8 rows (int8/int4: 64 at the
+  AVX-512 levels, 16 at AVX2), the tiled GEMM beyond (decode_ops.h); bf16 widened in
+  registers, int8/int4 multiplying the activations rounded to int8 per block of 32
+  (`kernels.quant`). `linear_multi` streams every weight in one parallel region.
 - `bf16_products=True` (keyword-only, on both): bf16 products at batch, which the set binds
   (`functools.partial`) where the CPU multiplies bf16 in hardware
   (`kernels.kernel_set.bf16_products`): a bf16 matrix, which under the route is K-pair panels

@@ -34,12 +34,13 @@ extern "C" {
 
 const char* probe_features() { return hs::simd::features(); }
 
-// y [M, N] = x [M, K] w [N, K]^T: the GEMV (integer GEMV for int8/int4) up to 8 rows, the tiled
-// GEMM beyond, as hs::linear chooses.
+// y [M, N] = x [M, K] w [N, K]^T: the GEMV up to 8 rows (the integer GEMV for int8/int4 up to
+// the level's kQGemvRows: 64 at AVX-512, 16 at AVX2, 8 with NEON), the tiled GEMM beyond, as hs::linear
+// chooses.
 void probe_linear(int code, const float* x, const void* w, float* y, int64_t M, int64_t N,
                   int64_t K) {
   with_code(code, w, [&](auto* wp) {
-    if (M <= 8) {
+    if (M <= (code >= 2 ? hs::kQGemvRows : 8)) {
       hs::skinny_linear_into(x, wp, y, M, N, K);
     } else {
       hs::tiled::gemm_into(x, wp, y, M, N, K);

@@ -142,8 +142,8 @@ def test_each_level_compiled_to_its_features(probes):
 def test_integer_products_and_the_gemm_are_the_generic_levels_bit_for_bit(probes, level):
     g = torch.Generator().manual_seed(0)
     for M, N, K in [(1, 7, 96), (2, 50, 64), (3, 9, 100), (5, 33, 256), (8, 13, 160),
-                    (9, 50, 96), (17, 13, 100), (40, 48, 288), (33, 7, 300),
-                    (70, 61, 544)]:  # fmt: skip
+                    (9, 50, 96), (12, 21, 100), (16, 40, 256), (17, 13, 100), (40, 48, 288),
+                    (33, 7, 300), (70, 61, 544)]:  # fmt: skip
         x = torch.randn(M, K, generator=g)
         w = torch.randn(N, K, generator=g)
         weights = [quant.quantize(w, "int8")]
@@ -517,7 +517,8 @@ def test_the_other_architecture_keeps_the_contract(probes, emulated, level):
     emu, host = emulated[level], probes["generic"]
     assert emu.run("features") == cpu_levels.get(level, OTHER).features
     g = torch.Generator().manual_seed(4)
-    for M, N, K in [(1, 7, 96), (3, 9, 100), (8, 13, 160), (17, 13, 100), (40, 20, 288)]:
+    for M, N, K in [(1, 7, 96), (3, 9, 100), (8, 13, 160), (16, 40, 256), (17, 13, 100),
+                    (40, 20, 288)]:  # fmt: skip
         x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
         exact = [quant.quantize(w, "int8")] + ([quant.quantize(w, "int4")] if K % 32 == 0 else [])
         if M > 8:

@@ -26,7 +26,8 @@ from hybrid_serve.kernels.quant import (
 )
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
-ROWS = [1, 2, 5, 8, 9, 17, 40]  # the GEMV's row counts (<= 8) and the tiled GEMM's
+ROWS = [1, 2, 5, 8, 9, 17, 40, 70]  # the GEMV's row counts (<= 8; int8/int4 <= 16 or
+# 64 by level) and the tiled GEMM's
 METHODS = ["int8", "int4"]
 
 
@@ -99,15 +100,20 @@ def test_linear(rows: int, shape: tuple[int, int], method: str) -> None:
     close(cpp_ops.linear(x.view(1, rows, k), q, b), want.view(1, rows, n))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 20])
 def test_linear_multi_mixed_forms(rows: int) -> None:
-    """int4, int8, bf16 and fp32 weights in one call, each as its own product gives it."""
+    """int4, int8, bf16 and fp32 weights in one call, each as its own product gives it; the
+    quantized ones alone (one GEMV region where the level's GEMV takes that many rows) give
+    each one's own bits."""
     x = rand(rows, 64, seed=rows)
     ws = [quantize_int8(rand(19, 64, seed=1)), rand(7, 64, seed=2).bfloat16(), rand(30, 64, seed=3),
           quantize_int4(rand(11, 64, seed=4))]  # fmt: skip
     for y, w in zip(cpp_ops.linear_multi(x, ws, [None] * 4), ws, strict=True):
         xr = round_activations(x) if w.dtype in (torch.int8, torch.uint8) else x
         close(y, F.linear(xr, widen(w, torch.float32)))
+    quantized = [ws[0], ws[3]]
+    for y, w in zip(cpp_ops.linear_multi(x, quantized, [None] * 2), quantized, strict=True):
+        assert torch.equal(y, cpp_ops.linear(x, w))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -265,11 +271,16 @@ def test_resident_bytes_per_format(method: str, shape: tuple[int, int]) -> None:
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(("n", "k"), [(8, 160), (21, 160), (40, 160), (21, 100), (43, 300)])
 def test_gemv_rows_equal_the_gemm_rows(n: int, k: int, method: str) -> None:
-    """The integer GEMV sums each row as the tiled GEMM does: the rows of a batch of up to 8 are
-    the same bits as those rows among 9 or more, tile rows and the rows past the tiles alike,
-    and an int8 matrix's short last block too (int4 falls back to int8 where K % 32 != 0)."""
+    """The integer GEMV sums each row as the tiled GEMM does: the rows of a batch the GEMV takes
+    (up to 8, 16 or 64 by level: qgemv.h's kQGemvRows) are the same bits as those rows
+    among the GEMM's, tile rows and the rows past the tiles alike, and an int8 matrix's short
+    last block too (int4 falls back to int8 where K % 32 != 0). The GEMV itself at 17-80 rows
+    (several passes at every level) gives the GEMM's bits too."""
     q = quantize(rand(n, k, seed=n), method)
-    x = rand(40, k, seed=3) * 2
-    full = cpp_ops.linear(x, q)
-    for rows in (1, 3, 4, 5, 8, 9, 16):
-        assert torch.equal(cpp_ops.linear(x[:rows].contiguous(), q), full[:rows]), rows
+    x = rand(80, k, seed=3) * 2
+    gemm = torch.ops.hybrid_serve.tiled_linear(x, q)
+    for rows in (1, 3, 4, 5, 8, 9, 12, 15, 16, 17, 24, 40, 64, 65, 80):
+        assert torch.equal(cpp_ops.linear(x[:rows].contiguous(), q), gemm[:rows]), rows
+    for rows in (17, 33, 80):
+        gemv = torch.ops.hybrid_serve.skinny_linear(x[:rows].contiguous(), q)
+        assert torch.equal(gemv, gemm[:rows]), rows

@@ -20,10 +20,18 @@ at::Tensor rmsnorm_gated(const at::Tensor& x, const at::Tensor& z, const at::Ten
                          double eps);
 // The CPU linear layer's product by row count, the one place that choice is made (the torch op
 // hybrid_serve::linear, the fused decode ops and the decode step all call `linear`): the
-// weight-streaming GEMV up to kGemvRows rows, the tiled GEMM beyond, prefill included, so a row's
+// weight-streaming GEMV up to kGemvRows rows (int8/int4: `gemv_rows`), the tiled GEMM beyond, prefill included, so a row's
 // result depends neither on its batch nor on how a prefill is chunked (benchmarks/gemm_shapes.py
 // compares it with MKL by row count: BENCHMARKS.md, "The hand-written products against MKL").
+// int8/int4 weights take the integer GEMV further, up to `gemv_rows` (qgemv.h's kQGemvRows:
+// 64 at the AVX-512 levels, 16 at AVX2), where it beats the GEMM; the two give the same
+// bits (qgemm.h), so the choice is speed only.
 constexpr int64_t kGemvRows = 8;
+int64_t quant_gemv_rows();  // linear_ops.cpp
+inline int64_t gemv_rows(const at::Tensor& w) {
+  const at::ScalarType t = w.scalar_type();
+  return t == at::kChar || t == at::kByte ? quant_gemv_rows() : kGemvRows;
+}
 // linear_ops.cpp, multi_linear.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList weights,
@@ -64,7 +72,7 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool bf16_pro
   if (bf16_products && x.size(0) >= kBf16Rows && w.scalar_type() == at::kBFloat16) {
     return bf16_panel_linear(x, w);
   }
-  return x.size(0) <= kGemvRows ? skinny_linear(x, w) : tiled_linear(x, w);
+  return x.size(0) <= gemv_rows(w) ? skinny_linear(x, w) : tiled_linear(x, w);
 }
 // conv_pool.cpp, delta_rule_pool.cpp: the unfused GDN decode's conv update and recurrence
 at::Tensor conv1d_update_pool(const at::Tensor& x, at::Tensor conv_state,

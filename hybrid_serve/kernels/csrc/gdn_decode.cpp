@@ -55,34 +55,6 @@ inline void head_token(const GdnLayer& L, int64_t b, int64_t hv, const float* a_
                         L.out + b * L.value_dim + hv * dv, dv, L.eps);  // with z
 }
 
-// dst = src (n floats) for a state the pass keeps but does not read again: where the ISA
-// has streaming stores and dst is aligned for them, written past the caches (no read of dst's
-// lines first, no cache lines taken from the states the pass still steps), else std::copy.
-// The values stored are the same either way.
-inline void copy_kept(const float* src, float* dst, int64_t n) {
-#if defined(HS_AVX512) || defined(HS_AVX2)
-#if defined(HS_AVX512)
-  constexpr int64_t kLanes = 16;
-#else
-  constexpr int64_t kLanes = 8;
-#endif
-  if (reinterpret_cast<std::uintptr_t>(dst) % (kLanes * sizeof(float)) == 0) {
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-#if defined(HS_AVX512)
-      _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
-#else
-      _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-#endif
-    }
-    std::copy(src + i, src + n, dst + i);
-    _mm_sfence();  // the streamed lines are visible before the op returns
-    return;
-  }
-#endif
-  std::copy(src, src + n, dst);
-}
-
 }  // namespace
 
 namespace hs {
@@ -159,8 +131,8 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
 // Speculative verify: request n's rows [starts[n], starts[n+1]) run in order on its state in
 // slot slots[n], each token continuing from the last; after each of its rows but the last, the
 // conv window and recurrent state are also copied to slot steps[n][j] (steps: [N, width], -1
-// past a request's rows), by streaming stores where the ISA has them (`copy_kept`): those
-// states are read only after the pass (a rejected row's rollback, a prefix snapshot), and
+// past a request's rows), by streaming stores where the level has them (simd.h's
+// `stream_copy`): those states are read only after the pass (a rejected row's rollback, a prefix snapshot), and
 // writing 3 states past the caches saves reading their slots' old lines first. Reference and
 // contract: kernels/gdn_step.py gdn_verify.
 at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
@@ -201,7 +173,7 @@ at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
         hs::conv_update_row(L.x + b * L.row, win, wt.data(), nullptr, act.data() + b * conv_dim,
                             conv_dim, W);
         if (b + 1 < starts[n + 1]) {
-          copy_kept(win, csp + steps[n * width + b - starts[n]] * window, window);
+          hs::simd::stream_copy(win, csp + steps[n * width + b - starts[n]] * window, window);
         }
       }
     }
@@ -221,7 +193,8 @@ at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
         head_token(L, b, hv, act.data() + b * conv_dim, st, last ? next : nullptr, qs.data(),
                    ks.data(), acc.data(), delta.data(), o.data());
         if (!last) {
-          copy_kept(st, L.ssm + (steps[n * width + b - starts[n]] * HV + hv) * state, state);
+          float* kept = L.ssm + (steps[n * width + b - starts[n]] * HV + hv) * state;
+          hs::simd::stream_copy(st, kept, state);
         }
       }
     }

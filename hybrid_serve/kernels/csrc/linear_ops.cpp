@@ -17,6 +17,8 @@
 
 namespace hs {
 
+int64_t quant_gemv_rows() { return kQGemvRows; }
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   return linear_op("skinny_linear", x, w,
                    [](const float* xp, auto* wp, float* yp, int64_t M, int64_t N, int64_t K) {

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -40,7 +41,9 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
 
 std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights,
                                      bool bf16_products) {
-  if (x.size(0) <= kGemvRows) return skinny_linear_multi(x, weights, bf16_products);
+  const bool gemv = std::all_of(weights.begin(), weights.end(),
+                                [&](const at::Tensor& w) { return x.size(0) <= gemv_rows(w); });
+  if (gemv) return skinny_linear_multi(x, weights, bf16_products);
   std::vector<at::Tensor> out;
   for (const at::Tensor& w : weights) out.push_back(hs::linear(x, w, bf16_products));
   return out;

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -39,13 +40,18 @@ constexpr int64_t kActBlock = 32;
 
 inline int64_t act_blocks(int64_t K) { return (K + kActBlock - 1) / kActBlock; }
 
-// Rows of activations rounded to int8: q [M, K] (row stride K), d [M, act_blocks(K)] and each
-// block's sum of q (sums, alike).
+// Rows of activations rounded to int8, block-major so that one block of every row lies
+// together and a pass reaches row m's block at a fixed offset (32 m bytes) from one pointer:
+// q [blocks][M][kActBlock] (a short last block's bytes past K zero), its scales d and sums of q
+// [blocks][M].
 struct QuantActs {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sums;
-  int64_t K = 0, blocks = 0;
+  int64_t M = 0, K = 0, blocks = 0;
+
+  const int8_t* block(int64_t m, int64_t b) const { return q.data() + (b * M + m) * kActBlock; }
+  float scale(int64_t m, int64_t b) const { return d[b * M + m]; }
 };
 
 // n <= kActBlock values x -> q[0..n) and the block's scale (the rule above).
@@ -60,19 +66,20 @@ inline float quantize_block(const float* x, int64_t n, int8_t* q) {
 
 // x [M, K] -> its rounded rows.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantActs& out) {
+  out.M = M;
   out.K = K;
   out.blocks = act_blocks(K);
-  out.q.resize(M * K);
+  out.q.assign(out.blocks * M * kActBlock, 0);
   out.d.resize(M * out.blocks);
   out.sums.resize(M * out.blocks);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < out.blocks; ++b) {
       const int64_t k0 = b * kActBlock, n = std::min(kActBlock, K - k0);
-      int8_t* q = out.q.data() + m * K + k0;
-      out.d[m * out.blocks + b] = quantize_block(x + m * K + k0, n, q);
+      int8_t* q = out.q.data() + (b * M + m) * kActBlock;
+      out.d[b * M + m] = quantize_block(x + m * K + k0, n, q);
       int32_t sum = 0;
       for (int64_t i = 0; i < n; ++i) sum += q[i];
-      out.sums[m * out.blocks + b] = sum;
+      out.sums[b * M + m] = sum;
     }
 }
 
@@ -96,28 +103,30 @@ inline int32_t dot_tail(const A* w, const int8_t* a, int64_t n) {
 }
 
 // y[m, n] for the tiles of int8 weight rows [n0, n1) (multiples of kTile, n1 <= the tiled rows)
-// and M <= kPassRows rounded activation rows: each block's 256 bytes loaded once for all M rows
+// and M <= kQPassRows rounded activation rows: each block's 256 bytes loaded once for all M rows
 // (`q8x8_load`) and fetched kFetchAhead ahead; a short last block (K % 32 columns, row by row
 // in the tile) summed a row at a time; the 8 row scales one load.
 template <int M>
 void qgemv_tiles_q8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
                     int64_t n0, int64_t n1) {
-  const int64_t K = xa.K, B = xa.blocks, full = K / kActBlock, t = K - full * kActBlock;
+  const int64_t K = xa.K, R = xa.M, full = K / kActBlock, t = K - full * kActBlock;
   const int64_t S = row_stride<int8_t>(K);
-  const int8_t* q = xa.q.data() + m0 * K;
-  const float* d = xa.d.data() + m0 * B;
-  const int32_t* sums = xa.sums.data() + m0 * B;
   for (int64_t n = n0; n < n1; n += kTile) {
     const int8_t* tile = w + n * S;
-    simd::f8 acc[M];
+    simd::f8 acc[M];  // registers: the row loops unrolled (GCC keeps 16 rows in memory otherwise)
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) acc[m] = simd::zero8();
-    for (int64_t b = 0; b < full; ++b) {
+    const int8_t* q = xa.block(m0, 0);  // block b's rows from q + b R kActBlock on
+    const float* d = xa.d.data() + m0;
+    const int32_t* sums = xa.sums.data() + m0;
+    for (int64_t b = 0; b < full; ++b, q += R * kActBlock, d += R, sums += R) {
       const int8_t* blk = tile + b * kQ8Block;
       for (int64_t i = 0; i < kQ8Block; i += 64) simd::prefetch(blk + kFetchAhead + i);
       const simd::q8x8 wq = simd::q8x8_load(blk);
+#pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
-        const simd::i32x8 dot = simd::q8x8_dot(wq, sums[m * B + b], q + m * K + b * kActBlock);
-        acc[m] = simd::fma(simd::to_float(dot), simd::bcast8(d[m * B + b]), acc[m]);
+        const simd::i32x8 dot = simd::q8x8_dot(wq, sums[m], q + m * kActBlock);
+        acc[m] = simd::fma(simd::to_float(dot), simd::bcast8(d[m]), acc[m]);
       }
     }
     if (t > 0) {  // the short last block
@@ -125,11 +134,12 @@ void qgemv_tiles_q8(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, 
       for (int m = 0; m < M; ++m) {
         float dots[kTile];
         for (int64_t r = 0; r < kTile; ++r)
-          dots[r] = float(dot_tail(rest + r * t, q + m * K + full * kActBlock, t));
-        acc[m] = simd::fma(simd::load8(dots), simd::bcast8(d[m * B + full]), acc[m]);
+          dots[r] = float(dot_tail(rest + r * t, xa.block(m0 + m, full), t));
+        acc[m] = simd::fma(simd::load8(dots), simd::bcast8(xa.scale(m0 + m, full)), acc[m]);
       }
     }
     const simd::f8 scale = simd::load8(reinterpret_cast<const float*>(tile + kTile * K));
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) simd::store8(y + m * N + n, simd::mul(acc[m], scale));
   }
 }
@@ -146,8 +156,8 @@ inline void qgemv_tail_q8(const QuantActs& xa, int64_t M, const int8_t* w, float
       float sum = 0.f;
       for (int64_t b = 0; b < B; ++b) {
         const int64_t k0 = b * kActBlock, len = std::min(kActBlock, K - k0);
-        const int32_t dot = dot_tail(row + k0, xa.q.data() + m * K + k0, len);
-        sum = simd::fma1(float(dot), xa.d[m * B + b], sum);
+        const int32_t dot = dot_tail(row + k0, xa.block(m, b), len);
+        sum = simd::fma1(float(dot), xa.scale(m, b), sum);
       }
       y[m * N + n] = sum * scale;
     }
@@ -155,30 +165,33 @@ inline void qgemv_tail_q8(const QuantActs& xa, int64_t M, const int8_t* w, float
 }
 
 // y[m, n] for the tiles of int4 weight rows [n0, n1) (multiples of kTile, n1 <= the tiled
-// rows) and M <= kPassRows rounded activation rows: each block's nibbles unpacked once for all
+// rows) and M <= kQPassRows rounded activation rows: each block's nibbles unpacked once for all
 // M rows, its 8 scales one load, its bytes fetched kFetchAhead ahead.
 template <int M>
 void qgemv_tiles_q4(const QuantActs& xa, int64_t m0, const uint8_t* w, float* y, int64_t N,
                     int64_t n0, int64_t n1) {
   static_assert(kQ4Group == kActBlock, "an int4 group is one activation block");
-  const int64_t K = xa.K, G = xa.blocks, S = row_stride<uint8_t>(K);
-  const int8_t* q = xa.q.data() + m0 * K;
-  const float* d = xa.d.data() + m0 * G;
-  const int32_t* sums = xa.sums.data() + m0 * G;
+  const int64_t K = xa.K, G = xa.blocks, R = xa.M, S = row_stride<uint8_t>(K);
   for (int64_t n = n0; n < n1; n += kTile) {
     const uint8_t* tile = w + n * S;
     simd::f8 acc[M];
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) acc[m] = simd::zero8();
-    for (int64_t g = 0; g < G; ++g) {
+    const int8_t* q = xa.block(m0, 0);  // group g's rows from q + g R kActBlock on
+    const float* d = xa.d.data() + m0;
+    const int32_t* sums = xa.sums.data() + m0;
+    for (int64_t g = 0; g < G; ++g, q += R * kActBlock, d += R, sums += R) {
       const uint8_t* blk = tile + g * kQ4Block;
       for (int64_t b = 0; b < kQ4Block; b += 64) simd::prefetch(blk + kFetchAhead + b);
       const simd::q4x8 wq = simd::q4x8_unpack(blk);
       const simd::f8 ws = simd::load8_bf16(reinterpret_cast<const c10::BFloat16*>(blk + 128));
+#pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
-        const simd::i32x8 dot = simd::q4x8_dot(wq, -8 * sums[m * G + g], q + m * K + g * kActBlock);
-        acc[m] = simd::fma(simd::to_float(dot), simd::mul(ws, simd::bcast8(d[m * G + g])), acc[m]);
+        const simd::i32x8 dot = simd::q4x8_dot(wq, -8 * sums[m], q + m * kActBlock);
+        acc[m] = simd::fma(simd::to_float(dot), simd::mul(ws, simd::bcast8(d[m])), acc[m]);
       }
     }
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) simd::store8(y + m * N + n, acc[m]);
   }
 }
@@ -194,11 +207,11 @@ inline void qgemv_tail_q4(const QuantActs& xa, int64_t M, const uint8_t* w, floa
       for (int64_t g = 0; g < G; ++g) {
         uint8_t nib[kQ4Group / 2];
         const float scale = q4_group(w, N, K, n, g, nib);
-        const int8_t* a = xa.q.data() + m * K + g * kActBlock;
+        const int8_t* a = xa.block(m, g);
         int32_t dot = 0;
         for (int64_t j = 0; j < kQ4Group / 2; ++j)
           dot += (int32_t(nib[j] & 15) - 8) * a[j] + (int32_t(nib[j] >> 4) - 8) * a[j + 16];
-        sum = simd::fma1(float(dot), scale * xa.d[m * G + g], sum);
+        sum = simd::fma1(float(dot), scale * xa.scale(m, g), sum);
       }
       y[m * N + n] = sum;
     }
@@ -209,6 +222,22 @@ template <typename W>
 inline int64_t qblock_rows(int64_t K) {
   return (block_rows(K, 1) + kTile - 1) / kTile * kTile;
 }
+
+// Rows of x per pass over a block of weight rows: a pass holds one block of a tile (a q8x8 or
+// q4x8: 8 registers of 256 bits) and one 8-lane accumulator per row. With AVX-512's 32
+// registers 16 rows fit, so up to 16 rows read each weight block once, from memory; with 16
+// registers (AVX2, and NEON, whose block takes 16 of its 32) 4 rows, further passes finding the
+// block in L1/L2. The sums do not depend on the pass (each row's lanes are its own).
+constexpr int kQPassRows = simd::kLanes >= 16 ? 16 : 4;
+// The integer GEMV's rows (decode_ops.h's `gemv_rows`), the tiled GEMM (qgemm.h) beyond,
+// measured on Zen 4 (one thread, weights streamed, benchmarks.quant_linear's shapes):
+// - where a pass holds 16 rows (AVX-512), up to 64: the GEMV ran 2x the GEMM at 9-17 rows,
+//   1.25x at 64 and still at 256 with VNNI, 1.1-2.5x at 9-64 without; the prefill chunks
+//   beyond keep the GEMM, whose activations are rounded in parallel;
+// - with AVX2 (8 lanes, passes of 4), up to 16: 1.2-2.6x at 9-16 rows, even at 32, the GEMM
+//   ahead for int8 at 64;
+// - NEON (not measured): decode_ops.h's kGemvRows, 8.
+constexpr int64_t kQGemvRows = kQPassRows >= 16 ? 64 : simd::kLanes == 8 ? 16 : 8;
 
 template <int M>
 inline void qgemv_pass(const QuantActs& xa, int64_t m0, const int8_t* w, float* y, int64_t N,
@@ -230,8 +259,17 @@ inline void qgemv_tail(const QuantActs& xa, int64_t M, const uint8_t* w, float* 
   qgemv_tail_q4(xa, M, w, y, N, n0, n1);
 }
 
+// qgemv_pass<rows> for rows in [1, kQPassRows] (Ms: 0, 1, ..., kQPassRows - 1).
+template <typename W, int... Ms>
+inline void qgemv_pass_rows(int rows, std::integer_sequence<int, Ms...>, const QuantActs& xa,
+                            int64_t m0, const W* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  using Pass = void (*)(const QuantActs&, int64_t, const W*, float*, int64_t, int64_t, int64_t);
+  static constexpr Pass passes[] = {static_cast<Pass>(&qgemv_pass<Ms + 1>)...};
+  passes[rows - 1](xa, m0, w, y, N, n0, n1);
+}
+
 // skinny_range (gemv.h) for quantized weights: rows [n0, n1) in blocks (`qblock_rows`; n0 a
-// multiple of kTile), the tiles' rows of x kPassRows at a time, the rows past the tiles last.
+// multiple of kTile), the tiles' rows of x kQPassRows at a time, the rows past the tiles last.
 template <typename W>
 void qskinny_range(int64_t M, const QuantActs& xa, const W* w, float* y, int64_t N, int64_t n0,
                    int64_t n1) {
@@ -240,14 +278,10 @@ void qskinny_range(int64_t M, const QuantActs& xa, const W* w, float* y, int64_t
 
   for (int64_t b0 = n0; b0 < last; b0 += nb) {
     const int64_t b1 = std::min(last, b0 + nb);
-    for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
-      float* ym = y + m0 * N;
-      switch (std::min(kPassRows, M - m0)) {
-        case 1: qgemv_pass<1>(xa, m0, w, ym, N, b0, b1); break;
-        case 2: qgemv_pass<2>(xa, m0, w, ym, N, b0, b1); break;
-        case 3: qgemv_pass<3>(xa, m0, w, ym, N, b0, b1); break;
-        default: qgemv_pass<4>(xa, m0, w, ym, N, b0, b1);
-      }
+    for (int64_t m0 = 0; m0 < M; m0 += kQPassRows) {
+      const int rows = int(std::min<int64_t>(kQPassRows, M - m0));
+      qgemv_pass_rows<W>(rows, std::make_integer_sequence<int, kQPassRows>{}, xa, m0, w,
+                         y + m0 * N, N, b0, b1);
     }
   }
   if (n1 > last) qgemv_tail(xa, M, w, y, N, std::max(n0, last), n1);

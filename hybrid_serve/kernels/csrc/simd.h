@@ -34,8 +34,8 @@
 //   j, i of that byte times the activation q[4 j + i]; `sum` is the 32 activations' sum, which
 //   the VNNI bodies need: they offset the weights by 128 to make them unsigned for vpdpbusd and
 //   start the lanes at -128 sum; AVX2 maddubs with the signs moved to the activations, NEON
-//   sdot, or the scalar body: the same integers). With AVX512-VNNI q8x8 is held in 512-bit
-//   registers, two quads of the 8 rows per register.
+//   sdot, or the scalar body: the same integers). A q8x8 is 8 registers of 256 bits (16 of 128
+//   bits with NEON): the GEMV's passes hold one beside kQPassRows accumulators (qgemv.h).
 // - `ivec` / `bvec`: the widest integer register as kLanes int32 lanes / 4 kLanes bytes (the
 //   tiled integer GEMM's, qgemm.h): zero_i, load_i, load_b, bcast4 (4 bytes into every lane),
 //   dot_acc (lane i += the exact sum of bytes 4i..4i+3's signed products), dotu_acc (the same
@@ -410,6 +410,29 @@ inline vec dot_pairs(vec acc, bpairs a, bpairs b) {
   return fma(a.hi, b.hi, fma(a.lo, b.lo, acc));
 }
 #endif
+
+// dst = src (n floats) for data the caller will not read again soon: where the level has
+// streaming stores and dst is aligned for them, written past the caches (no read of dst's lines
+// first, no lines evicted from what the caller still works on), else std::copy. The values
+// stored are the same either way.
+inline void stream_copy(const float* src, float* dst, int64_t n) {
+#if defined(HS_AVX512) || defined(HS_AVX2)
+  if (reinterpret_cast<std::uintptr_t>(dst) % (kLanes * sizeof(float)) == 0) {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+#if defined(HS_AVX512)
+      _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#else
+      _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    }
+    std::copy(src + i, src + n, dst + i);
+    _mm_sfence();  // the streamed lines are visible before the caller goes on
+    return;
+  }
+#endif
+  std::copy(src, src + n, dst);
+}
 
 // a * b + c in one rounding where the level has an FMA instruction (every vector level), two at
 // generic x86: what GCC makes of `y += a * b` at each level, for a plain loop that must round as

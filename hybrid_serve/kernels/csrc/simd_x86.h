@@ -125,40 +125,13 @@ inline i32x8 q4x8_dot(const q4x8& w, int32_t c, const int8_t* q) {
   return {_mm256_add_epi32(_mm256_set1_epi32(c), _mm256_madd_epi16(s, _mm256_set1_epi16(1)))};
 #endif
 }
-#if defined(HS_VNNI_EVEX)
-// int8 tiles in 512-bit registers: register h holds quads 2h and 2h + 1 of the 8 rows (the
-// tile's bytes [64 h, 64 h + 64) plus 128, unsigned) against the activation quads 2h (lanes
-// 0-7) and 2h + 1 (lanes 8-15), one permutation of the block's 32 bytes each, the lanes started
-// at -128 sum; lanes r and r + 8 added last.
-struct q8x8 {
-  __m512i pair[4];
-};
-inline q8x8 q8x8_load(const int8_t* p) {
-  const __m512i m = _mm512_set1_epi8(int8_t(0x80));
-  q8x8 r;
-  for (int h = 0; h < 4; ++h) r.pair[h] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * h), m);
-  return r;
-}
-inline i32x8 q8x8_dot(const q8x8& w, int32_t sum, const int8_t* q) {
-  const __m512i a =
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  const auto quads = [&](int h) {
-    const __m512i idx =
-        _mm512_inserti64x4(_mm512_set1_epi32(2 * h), _mm256_set1_epi32(2 * h + 1), 1);
-    return _mm512_permutexvar_epi32(idx, a);
-  };
-  __m512i s0 = _mm512_maskz_set1_epi32(0x00FF, -128 * sum), s1 = _mm512_setzero_si512();
-  s0 = _mm512_dpbusd_epi32(s0, w.pair[0], quads(0));
-  s1 = _mm512_dpbusd_epi32(s1, w.pair[1], quads(1));
-  s0 = _mm512_dpbusd_epi32(s0, w.pair[2], quads(2));
-  s1 = _mm512_dpbusd_epi32(s1, w.pair[3], quads(3));
-  const __m512i s = _mm512_add_epi32(s0, s1);
-  return {_mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1))};
-}
-#else
-// int8 tiles: with AVX-VNNI the bytes plus 128 (unsigned) against each broadcast quad, the
-// lanes started at -128 sum; with AVX2 maddubs of |w| and the quad given w's signs (|w| and
-// |q| <= 127: a pair at most 32258, no saturation), widened to int32 per quad.
+// int8 tiles: with VNNI the bytes plus 128 (unsigned) against each broadcast quad (with
+// AVX512-VNNI in vpdpbusd's memory operand, as int4's), the lanes started at -128 sum; with
+// AVX2 maddubs of |w| and the quad given w's signs (|w| and |q| <= 127: a pair at most 32258,
+// no saturation), widened to int32 per quad. (A 512-bit body, two quads of the 8 rows per
+// register against a permutation of the activations per pair, spent 4 permutes and a fold per
+// row and block: twice the 256-bit body's work per row on Zen 4, where a 512-bit op takes two
+// 256-bit slots.)
 struct q8x8 {
   __m256i quad[8];
 };
@@ -166,18 +139,18 @@ inline q8x8 q8x8_load(const int8_t* p) {
   q8x8 r;
   for (int j = 0; j < 8; ++j) {
     r.quad[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
-#if defined(HS_VNNI_VEX)
+#if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)
     r.quad[j] = _mm256_xor_si256(r.quad[j], _mm256_set1_epi8(int8_t(0x80)));
 #endif
   }
   return r;
 }
 inline i32x8 q8x8_dot(const q8x8& w, int32_t sum, const int8_t* q) {
-#if defined(HS_VNNI_VEX)
+#if defined(HS_VNNI_EVEX) || defined(HS_VNNI_VEX)
   __m256i a = _mm256_set1_epi32(-128 * sum), b = _mm256_setzero_si256();
   for (int j = 0; j < 8; j += 2) {
-    a = _mm256_dpbusd_avx_epi32(a, w.quad[j], bcast_quad(q + 4 * j));
-    b = _mm256_dpbusd_avx_epi32(b, w.quad[j + 1], bcast_quad(q + 4 * j + 4));
+    a = dpbusd8_quad(a, w.quad[j], q + 4 * j);
+    b = dpbusd8_quad(b, w.quad[j + 1], q + 4 * j + 4);
   }
   return {_mm256_add_epi32(a, b)};
 #else
@@ -195,7 +168,6 @@ inline i32x8 q8x8_dot(const q8x8& w, int32_t sum, const int8_t* q) {
   return {_mm256_add_epi32(a, b)};
 #endif
 }
-#endif
 inline f8 load8_bf16(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
