@@ -243,7 +243,8 @@ def panels(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-PANEL_SHAPES = [(1, 37, 33), (3, 16, 64), (9, 70, 300), (20, 5, 7), (40, 33, 129)]
+PANEL_SHAPES = [(1, 37, 33), (3, 16, 64), (9, 70, 300), (20, 5, 7), (40, 33, 129), (6, 150, 520),
+                (1, 130, 517)]  # fmt: skip
 
 
 @pytest.mark.parametrize("level", ["generic", *OTHERS])
@@ -281,7 +282,7 @@ def routed_panels(lib, xs, gate_up, down, counts, limit=0.0) -> torch.Tensor:
 
 @pytest.mark.parametrize("level", ["generic", *OTHERS])
 def test_routed_experts_read_the_panels_to_the_panel_contract(probes, level):
-    """Panel-packed bf16 experts (a short last tile and an odd K in both matrices): each row is
+    """Panel-packed bf16 experts (a short last panel and an odd K in both matrices): each row is
     the same bits routed alone as in its batch; the expert's products are the panel product's
     (within a rounding of the torch composition); FMA levels equal the generic level bit for
     bit, vdpbf16ps levels within one bf16 rounding."""

@@ -229,7 +229,7 @@ inline std::vector<c10::BFloat16> round_bf16(const float* x, int64_t M, int64_t 
 }
 
 // Weight rows per block of a job (`skinny_range`'s and `qskinny_range`'s; a panel job's blocks
-// are bpanel.h's TB tiles).
+// are bpanel.h's TB panels).
 inline int64_t job_block_rows(const GemvJob& g) {
   if (panel_job(g)) return bpanel::TB * kPanel;
   if (g.dtype == c10::kByte) return qblock_rows<uint8_t>(g.K);
@@ -249,7 +249,6 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
   std::vector<std::vector<float>> staged;           // the distinct staged activations
   std::vector<std::vector<c10::BFloat16>> rounded;  // the distinct rounded-to-bf16 activations
   std::vector<bpanel::Acts> paired;                 // the distinct pair-panel activations
-  std::vector<std::vector<c10::BFloat16>> tails(n_jobs);  // panel jobs' short tiles, padded
   std::vector<int64_t> act_of(n_jobs, -1);          // job j's entry in acts, staged or rounded
   auto same_x = [&](int64_t i, int64_t j) {
     return jobs[i].x == jobs[j].x && jobs[i].M == jobs[j].M && jobs[i].K == jobs[j].K;
@@ -274,11 +273,6 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
         rounded.push_back(round_bf16(g.x, g.M, g.K));
       }
     }
-    if (panel_job(g) && g.M > 0 && g.N % kPanel) {
-      const int64_t T = g.N / kPanel;
-      tails[j] = bpanel::pad_tile(static_cast<const c10::BFloat16*>(g.w) + T * kPanel * g.K,
-                                  g.N - T * kPanel, g.K);
-    }
     const int64_t nb = job_block_rows(g);
     first[j + 1] = first[j] + (g.M == 0 ? 0 : (g.N + nb - 1) / nb);
   }
@@ -296,8 +290,8 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
           qskinny_range(g.M, acts[act_of[j]], w, g.y, g.N, n0, n1);
         } else if constexpr (std::is_same_v<W, c10::BFloat16>) {
           if (g.panels) {
-            bpanel::tiles_range(paired[act_of[j]], 0, w, tails[j].data(), g.y, g.M, g.N, g.K,
-                                n0 / kPanel, (n1 + kPanel - 1) / kPanel);
+            bpanel::panels_range(paired[act_of[j]], 0, w, g.y, g.M, g.N, g.K, n0 / kPanel,
+                                 (n1 + kPanel - 1) / kPanel);
           } else if (g.bf16_products) {
             bskinny_range(g.M, rounded[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);
           } else if constexpr (kStaged<W>) {
