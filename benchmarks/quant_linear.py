@@ -6,9 +6,6 @@ layers (the LM head included), the median time of, interleaved:
 
 - `bf16`: our product on bf16 weights (`hybrid_serve::linear`: the GEMV up to 8 rows, the tiled
   GEMM beyond), the mode int8 must beat;
-- `bf16route`: the bf16 route's former product on the same weights in row order
-  (`hybrid_serve::bf16_linear`: x rounded to bf16, pair dots on the plain rows, torch's product
-  from 128 rows);
 - `bf16panel`: the panel product (`hybrid_serve::bf16_panel_linear`, the bf16 route's since the
   loader packs bf16 matrices under it) on the same weights packed in K-pair panels
   (`kernels.bf16_pack`);
@@ -132,7 +129,6 @@ def main() -> None:
                 xb = x.bfloat16()
                 fns = {
                     "bf16": (ops.linear, x, w.bfloat16()),
-                    "bf16route": (ops.bf16_linear, x, w.bfloat16()),
                     "bf16panel": (ops.bf16_panel_linear, x, pack_bf16(w.bfloat16())),
                     "int8": (ops.linear, x, q),
                     "int8pack": (partial(torch._weight_int8pack_mm, scales=s16), xb, ints),

@@ -5,11 +5,10 @@ them), at `BF16_ROWS` rows or more (every row count) and nowhere else. There it 
 product (`bf16_panel_linear`): equal to torch's own bf16 product of the activations rounded to
 bf16 up to the order of the fp32 sums, and a row's result is the same bits at every row count
 (the GEMV's, a verify's, a prefill chunk's). Everywhere else it is bit-identical to the exact
-products. The row-order bf16 product (`bf16_linear`: GEMV up to `GEMV_ROWS` rows, bgemm.h, then
-torch's from `LIBRARY_ROWS`) stays an op for the benchmarks and is tested here too. The ops are
-called directly, so these run on any CPU (the panel product's levels without AVX512-BF16 take two
-FMAs per pair; torch emulates bf16 products where the CPU has none); which CPUs get the route is
-tests/kernels/test_kernel_set.py's. Skips where the C++ kernels cannot be built."""
+products. The ops are called directly, so these run on any CPU (the panel product's levels
+without AVX512-BF16 take two FMAs per pair; torch emulates bf16 products where the CPU has
+none); which CPUs get the route is tests/kernels/test_kernel_set.py's. Skips where the C++ kernels
+cannot be built."""
 
 from __future__ import annotations
 
@@ -27,8 +26,6 @@ from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 from tests.kernels.test_moe_decode import moe_weights
 
 ROWS = (1, 3, 8, 9, 15, 16, 17, 64, 300)  # the GEMV's, the GEMM's, then torch's
-GEMV_ROWS = 8  # hs::kGemvRows: the route's GEMV up to here
-LIBRARY_ROWS = 128  # hs::kBf16LibraryRows: torch's own bf16 product from here (prefill chunks)
 linear_bf16 = partial(cpp_ops.linear, bf16_products=True)  # as the kernel set binds it
 
 
@@ -79,7 +76,7 @@ def test_the_route_takes_bf16_matrices_at_every_row_count() -> None:
 @pytest.mark.parametrize("N, K", [(70, 192), (9, 33), (40, 255)])
 def test_route_rows_equal_across_batch_sizes(N, K) -> None:
     """A row's result on the route is the same bits at every row count: alone, in a verify's
-    few rows, in the GEMM's batches and in a prefill chunk past `LIBRARY_ROWS`."""
+    few rows, in the GEMM's batches and in a prefill chunk of 128 rows."""
     g = torch.Generator().manual_seed(N + K)
     x, w = torch.randn(300, K, generator=g), pack_bf16(torch.randn(N, K, generator=g).bfloat16())
     full = linear_bf16(x, w)
@@ -95,14 +92,6 @@ def test_bias_leading_dims_and_empty_inputs() -> None:
     assert got.shape == (4, 5, 24) and got.dtype == torch.float32
     assert_bf16_close(got, bf16_product(x, w) + b)
     assert linear_bf16(torch.randn(0, 48), pack_bf16(w)).shape == (0, 24)
-
-
-def test_bf16_linear_checks_its_inputs() -> None:
-    x, w = torch.randn(16, 8), torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match="bf16 weights"):
-        torch.ops.hybrid_serve.bf16_linear(x, w)
-    with pytest.raises(RuntimeError, match="shapes"):
-        torch.ops.hybrid_serve.bf16_linear(x, torch.randn(4, 9).bfloat16())
 
 
 @pytest.mark.parametrize("M", [8, 12, 16, 40])
@@ -161,62 +150,3 @@ def test_routed_experts_route_reads_panels_past_the_op_rows(T) -> None:
     first[0] = 1
     alone = cpp_ops.routed_experts(xs[:1], pg, pd, first, bf16_products=True)
     assert torch.equal(alone, got[:1])
-
-
-@pytest.mark.parametrize("M, N, K", [(16, 70, 192), (17, 9, 33), (40, 13, 255), (100, 50, 64)])
-def test_bf16_gemm_sums_exact_pair_products(M, N, K) -> None:
-    """Our bf16 GEMM (`bf16_linear`): x rounded to bf16 times w, each product exact, summed in
-    fp32 and rounded to bf16 once, so within one bf16 rounding of the float64 sum; at odd K (a
-    last pair padded with zero), N off the register tile, panels of one or two vectors of rows.
-    A row's result does not depend on the rows beside it."""
-    g = torch.Generator().manual_seed(M)
-    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
-    got = torch.ops.hybrid_serve.bf16_linear(x, w)
-    assert torch.equal(got, got.bfloat16().float())  # rounded to bf16 once
-    exact = x.bfloat16().double() @ w.double().T
-    scale = exact.abs().max().item()
-    torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=2**-7 * scale)
-    for lo in (0, 3, M - 9):
-        part = torch.ops.hybrid_serve.bf16_linear(x[lo : lo + 9].contiguous(), w)
-        assert torch.equal(part, got[lo : lo + 9]), lo
-
-
-@pytest.mark.parametrize("M", [LIBRARY_ROWS - 1, LIBRARY_ROWS, 300])
-def test_row_order_prefill_chunks_take_torchs_bf16_product(M) -> None:
-    """The row-order product (`bf16_linear`, off the serving path): from `LIBRARY_ROWS` rows
-    torch's bf16 product itself, bit for bit; below, our GEMM's, whose rows do not depend on the
-    rows beside them. The route's panel product agrees with both within one bf16 rounding."""
-    g = torch.Generator().manual_seed(M)
-    x, w = torch.randn(M, 2560, generator=g), torch.randn(96, 2560, generator=g).bfloat16()
-    got = torch.ops.hybrid_serve.bf16_linear(x, w)
-    assert_bf16_close(linear_bf16(x, pack_bf16(w)), got)
-    if M >= LIBRARY_ROWS:
-        assert torch.equal(got, bf16_product(x, w))
-    else:
-        assert torch.equal(got[:9], torch.ops.hybrid_serve.bf16_linear(x[:9].contiguous(), w))
-        assert_bf16_close(got, bf16_product(x, w))
-
-
-@pytest.mark.parametrize("N, K", [(70, 192), (9, 33), (13, 255), (40, 64), (33, 1000), (5, 31)])
-def test_bf16_gemv_rows_do_not_depend_on_their_batch(N, K) -> None:
-    """The route's GEMV (`bf16_linear` up to 8 rows: vdpbf16ps where the level has it): rounded
-    to bf16 once, within one bf16 rounding of the float64 sum of the rounded activations' exact
-    products, at K off the vector chunks (odd, under one chunk, past whole ones); each row's
-    result is the same in every batch of 1 to 8 rows that holds it, and within one bf16
-    rounding of the same row in the GEMM's batches (the sums' order differs)."""
-    g = torch.Generator().manual_seed(N * K)
-    x, w = torch.randn(GEMV_ROWS, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
-    full = torch.ops.hybrid_serve.bf16_linear(x, w)
-    assert torch.equal(full, full.bfloat16().float())
-    exact = x.bfloat16().double() @ w.double().T
-    scale = exact.abs().max().item()
-    torch.testing.assert_close(full.double(), exact, rtol=2**-7, atol=2**-7 * scale)
-    for m in range(1, GEMV_ROWS + 1):
-        for lo in range(GEMV_ROWS - m + 1):
-            part = torch.ops.hybrid_serve.bf16_linear(x[lo : lo + m].contiguous(), w)
-            assert torch.equal(part, full[lo : lo + m]), (m, lo)
-    batch = torch.cat([x, torch.randn(GEMV_ROWS + 8, K, generator=g)])
-    gemm = torch.ops.hybrid_serve.bf16_linear(batch, w)[:GEMV_ROWS]
-    assert_bf16_close(full, gemm)
-    assert_bf16_close(full, bf16_product(x, w))
-    assert_bf16_close(full, linear_bf16(x, pack_bf16(w)))

@@ -208,32 +208,6 @@ def test_the_gemv_agrees_within_round_off(probes, level):
                     assert torch.equal(linear(probes[other], x, w), got), (level, other)
 
 
-@pytest.mark.parametrize("level", OTHERS)
-def test_the_bf16_gemm_agrees_within_a_bf16_rounding(probes, level):
-    """The bf16 route's GEMV (up to 8 rows) and GEMM: their pair dot is vdpbf16ps or two FMAs
-    (simd.h), so a level's outputs are within one bf16 rounding of the generic level's; levels
-    of one form agree bit for bit (the GEMV's lanes run along k: of one form and one width)."""
-    g = torch.Generator().manual_seed(7)
-    width = {lv: cpu_levels.get(lv).features.startswith("avx512") for lv in OTHERS}
-    form = {lv: ("bf16" in cpu_levels.get(lv).features, width[lv]) for lv in OTHERS}
-
-    def run(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        (M, K), N = x.shape, w.shape[0]
-        y = torch.empty(M, N)
-        i64 = ctypes.c_int64
-        lib.probe_bf16_gemm(ptr(x), ptr(w), ptr(y), i64(M), i64(N), i64(K))
-        return y
-
-    for M, N, K in [(16, 20, 300), (40, 9, 33), (1, 20, 300), (3, 9, 33), (8, 5, 1000)]:
-        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
-        got, want = run(probes[level], x, w), run(probes["generic"], x, w)
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale)
-        for other in OTHERS:
-            if form[other] == form[level] or (M > 8 and form[other][0] == form[level][0]):
-                assert torch.equal(run(probes[other], x, w), got), (level, other)
-
-
 def panels(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The bf16 panel product (bpanel.h) of x and w packed in K-pair panels."""
     (M, K), N = x.shape, w.shape[0]

@@ -59,11 +59,6 @@ void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::T
 // second, plain copy of the weights (or rows unpacked per call) and would break the row
 // contract. Other formats are unchanged.
 constexpr int64_t kBf16Rows = 1;
-// linear_ops.cpp: the route's former product on a bf16 w in row order (`bgemv_rows` up to
-// kGemvRows rows, bgemm.h, oneDNN from kBf16LibraryRows): kept as an op for the benchmarks
-// (benchmarks/quant_linear.py's bf16route), no longer on the serving path
-constexpr int64_t kBf16LibraryRows = 128;
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 // linear_ops.cpp: the bf16 route's product on a w packed in K-pair panels (bpanel.h)
 at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& w);
 // x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous; a bf16 w

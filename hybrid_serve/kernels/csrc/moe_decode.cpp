@@ -42,7 +42,7 @@ namespace {
 void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
                  int64_t M, bool bf16_products) {
   hs::GemvJob job = hs::job_of(x, w, y, M, offset_rows, N);
-  job.bf16_products = job.panels = bf16_products;
+  job.panels = bf16_products;
   hs::skinny_linear_jobs(&job, 1);
 }
 
@@ -150,7 +150,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data(), T));
   jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data(), T));
   for (size_t j = shared; j < jobs.size(); ++j) {
-    jobs[j].bf16_products = jobs[j].panels = bf16_products;
+    jobs[j].panels = bf16_products;
   }
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   swiglu(gu.data(), gu.data() + I, 2 * I, N, I, act.data());
@@ -158,7 +158,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   jobs = hs::expert_jobs(act.data(), experts_down.data_ptr(), experts_down.scalar_type(),
                          counts.data(), E, H, I, ys.data(), bf16_products);
   jobs.push_back(hs::job_of(sact.data(), shared_down, sy.data_ptr<float>(), T));
-  jobs.back().bf16_products = jobs.back().panels = bf16_products;
+  jobs.back().panels = bf16_products;
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
     float* o = op + row_tok[r] * H;

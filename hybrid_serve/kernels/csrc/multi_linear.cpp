@@ -32,7 +32,6 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
                 "skinny_linear_multi: contiguous [N, K] weights expected");
     out.push_back(at::empty({M, w.size(0)}, x.options()));
     jobs.push_back(hs::job_of(x.data_ptr<float>(), w, out.back().data_ptr<float>(), M));
-    jobs.back().bf16_products = bf16_products;
     jobs.back().panels = bf16_products;
   }
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));  // one region

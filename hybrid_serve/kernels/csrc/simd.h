@@ -47,7 +47,7 @@
 //   mod 256: int8 weights as unsigned bytes for dotu_acc), nib_lo / nib_hi (each byte's low /
 //   high nibble, 0..15: int4 weights read from their tiles).
 // - `bpairs`: kLanes pairs of bf16 values (k and k + 1) as the bf16 dot takes them (the bf16
-//   GEMM's, bgemm.h; the panel product's, bpanel.h): load_pairs (kLanes pairs), load_pairs_n
+//   panel product's, bpanel.h): load_pairs (kLanes pairs), load_pairs_n
 //   (the first n pairs, 1 <= n <= kLanes, lanes past n zero, nothing past them read),
 //   bcast_bpair (one pair into every lane),
 //   dot_pairs (acc lane i + a's pair i times b's, both products exact in fp32: one
