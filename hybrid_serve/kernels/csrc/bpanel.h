@@ -50,8 +50,11 @@ constexpr int kPassRows = L >= 16 ? 8 : 4;  // rows of x per pass (registers: 32
 constexpr int64_t KP = 256;                 // pairs per K block (a panel's: 64 KB)
 constexpr int64_t TB = 2;                   // panels per cache block (128 KB by KP pairs)
 static_assert(kPanel % L == 0, "a panel's pair is whole vectors");
-// The panels are one stream: a kernel asks for their pairs kFetchAhead bytes ahead, into L2 (at
-// one row the best of the three tried: into L1, into L2, none).
+// The panels are one stream: a kernel asks for their pairs ahead, into L2 (at one row the best
+// of the three tried: into L1, into L2, none): kFetchAhead bytes ahead at one row, three times
+// that beyond, where the dots of several rows take longer per pair (at 4 rows the farther
+// distance was the better of the two).
+constexpr int64_t fetch_ahead(int mp) { return mp == 1 ? kFetchAhead : 3 * kFetchAhead; }
 
 // Vectors of a panel's pair per sub-pass of MP rows (a power of two dividing VP). One row takes
 // the whole pair (each vector is used once: the weights stream through a register or two). More
@@ -102,9 +105,9 @@ enum Read { kWhole, kShort, kPartial };
 
 // c[m, L j0 + i] (row stride ldc; i < L VJ) += the pairs [kp0, kp1) of vectors [j0, j0 + VJ) of
 // a panel of h rows (`Read`) times the MP rows of a pass (xp: its words, pair p's at p MP,
-// `pack_acts`; xl: its rows' last columns). `first`: c starts at zero; `last`: an odd K's last column (the panel's
-// h values after its K2 pairs) is added after the pairs; `fetch`: ask for the whole pairs ahead
-// (the first slice's sub-pass; the later ones find them in cache).
+// `pack_acts`; xl: its rows' last columns). `first`: c starts at zero; `last`: an odd K's last
+// column (the panel's h values after its K2 pairs) is added after the pairs; `fetch`: ask for
+// the whole pairs ahead (the first slice's sub-pass; the later ones find them in cache).
 template <int MP, int VJ, Read R>
 inline void kernel(const bf16* panel, int64_t h, int j0, int n_last, const uint32_t* xp,
                    const float* xl, int64_t K2, int64_t kp0, int64_t kp1, float* c, int64_t ldc,
@@ -118,7 +121,7 @@ inline void kernel(const bf16* panel, int64_t h, int j0, int n_last, const uint3
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     const bf16* p = w + stride * kp;
     if (fetch) {
-      const char* ahead = reinterpret_cast<const char*>(panel + stride * kp) + kFetchAhead;
+      const char* ahead = reinterpret_cast<const char*>(panel + stride * kp) + fetch_ahead(MP);
       for (int64_t b = 0; b < stride * int64_t(sizeof(bf16)); b += 64) v::prefetch_l2(ahead + b);
     }
     v::bpairs wv[VJ];
