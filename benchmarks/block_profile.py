@@ -261,7 +261,7 @@ def ops(args: argparse.Namespace) -> None:
 
 def products(args: argparse.Namespace) -> None:
     """In one process, alternating call by call over `--rounds`: every product of the step at
-    `--rows` rows through our bf16 route (`hybrid_serve::linear`, bgemm past 8 rows), through
+    `--rows` rows through our bf16 route (`hybrid_serve::linear`: the panel product), through
     torch's bf16 product as the per-family steps' tree ran it (oneDNN:
     `F.linear(x.bfloat16(), w).float()`), and (up to 16 rows) as two calls of half the rows.
     Prints each variant's median per product and per step, with the load average."""

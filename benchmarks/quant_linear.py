@@ -6,10 +6,9 @@ layers (the LM head included), the median time of, interleaved:
 
 - `bf16`: our product on bf16 weights (`hybrid_serve::linear`: the GEMV up to 8 rows, the tiled
   GEMM beyond), the mode int8 must beat;
-- `bf16route`: the bf16 route on the same weights (`hybrid_serve::linear` with `bf16_products`:
-  x rounded to bf16, pair dots on the plain rows, torch's product from 128 rows);
-- `bf16panel`: the panel product (`hybrid_serve::bf16_panel_linear`) on the same weights packed
-  in K-pair panels (`kernels.bf16_pack`);
+- `bf16panel`: the panel product (`hybrid_serve::bf16_panel_linear`, the bf16 route's since the
+  loader packs bf16 matrices under it) on the same weights packed in K-pair panels
+  (`kernels.bf16_pack`);
 - `int8`: the same op on the int8 format (`hybrid_serve.kernels.quant`);
 - `int8pack`: `torch._weight_int8pack_mm` on the same integers and scales (bf16 activations, its
   fastest form on CPU; the fp32 form is several times slower);
@@ -130,7 +129,6 @@ def main() -> None:
                 xb = x.bfloat16()
                 fns = {
                     "bf16": (ops.linear, x, w.bfloat16()),
-                    "bf16route": (partial(ops.linear, bf16_products=True), x, w.bfloat16()),
                     "bf16panel": (ops.bf16_panel_linear, x, pack_bf16(w.bfloat16())),
                     "int8": (ops.linear, x, q),
                     "int8pack": (partial(torch._weight_int8pack_mm, scales=s16), xb, ints),

@@ -15,9 +15,10 @@ reference composes ~30-50 torch ops, each with its reference's signature and con
 - `sparse_moe`: the router, torch's own softmax and top-k (called from C++, so ties pick the same
   experts), the active experts, the shared expert and its gate, and the combine; up to
   `MOE_MAX_TOKENS` rows (decode batches), longer inputs run the set's unfused block.
-  With `bf16_products=True` (the set binds it where the CPU has them) the router and the shared
-  expert take the bf16 route at every token count (`kernels.cpp_ops.linear`'s rule with the
-  same flag).
+  With `bf16_products=True` (the set binds it where the CPU has them) every bf16 matrix of the
+  block, router, routed and shared experts, is K-pair panels (the loader's) and takes the bf16
+  route's panel product at every token count (`kernels.cpp_ops.linear`'s rule with the same
+  flag).
 - `mamba2_decode` / `mamba2_verify`: the Mamba2 step after its input projection: the conv update
   with its bias, dt's softplus and limit, the state update in place on the pool, the D skip and
   the gate-first grouped RMSNorm.

@@ -17,13 +17,14 @@ by rows.
   (`kernels.quant`). `linear_multi` streams every weight in one parallel region.
 - `bf16_products=True` (keyword-only, on both): bf16 products at batch, which the set binds
   (`functools.partial`) where the CPU multiplies bf16 in hardware
-  (`kernels.kernel_set.bf16_products`): a bf16 matrix at `BF16_ROWS` rows or more (every row
-  count) multiplies the activations rounded to bf16, each pair product exact, in fp32 sums, the
-  result rounded to bf16 and widened: `F.linear(x.bfloat16(), w).float()` (+ bias in fp32) up to
-  the sums' order (our GEMV up to 8 rows, our bf16 GEMM beyond, vdpbf16ps where the level has
-  it; torch's own product from 128 rows, prefill chunks). Other formats take the exact
-  products. The choice by rows is the C++ `hs::linear`'s, so the decode plan
-  (`hybrid_serve.models.cpu_decode`) makes the same one.
+  (`kernels.kernel_set.bf16_products`): a bf16 matrix, which under the route is K-pair panels
+  (`kernels.bf16_pack`, packed by the loader), at `BF16_ROWS` rows or more (every row count)
+  multiplies the activations rounded to bf16, each pair product exact, in fp32 sums, the result
+  rounded to bf16 and widened: `F.linear(x.bfloat16(), rows).float()` (+ bias in fp32) up to the
+  sums' order, by the panel product (bpanel.h, vdpbf16ps where the level has it), whose rows are
+  the same bits at every row count. Other formats take the exact products. The choice by rows
+  is the C++ `hs::linear`'s, so the decode plan (`hybrid_serve.models.cpu_decode`) makes the
+  same one.
 - `rms_norm`, `fused_add_rmsnorm`, `rms_norm_gated`: one pass per row (the gated norm rounds as
   the fused GDN decode's, so a prompt's prefill and its decode steps agree).
 - `causal_conv1d_update`, `causal_conv1d_fn`: on the conv-state pool, in place, with or without
@@ -41,6 +42,9 @@ by rows.
 - `routed_experts`: every active expert's gate/up GEMV, silu(gate) * up (clamped where a
   `limit` is given: `kernels.experts.swiglu`) and down GEMV in two parallel regions, each
   expert's weights streamed once; a row's result does not depend on the other rows.
+  With `bf16_products`, bf16 experts are K-pair panels (the loader's, under the route) and take
+  the panel product at every row count, past `ROUTED_MAX_ROWS` too (no plain rows to hand to
+  torch).
 """
 
 from __future__ import annotations
@@ -228,8 +232,10 @@ def routed_experts(
     counts: torch.Tensor,
     *,
     limit: float = 0.0,
+    bf16_products: bool = False,
 ) -> torch.Tensor:
-    if xs.shape[0] > ROUTED_MAX_ROWS:
+    panels = bf16_products and gate_up.dtype == torch.bfloat16  # K-pair panels: the op's, always
+    if xs.shape[0] > ROUTED_MAX_ROWS and not panels:
         return experts.routed_experts(xs, gate_up, down, counts, limit=limit)
     return ops.routed_experts(xs.contiguous(), gate_up.contiguous(), down.contiguous(),
-                              counts.contiguous(), float(limit))  # fmt: skip
+                              counts.contiguous(), float(limit), bf16_products)  # fmt: skip

@@ -11,8 +11,8 @@ A level's `requires` are feature names as Linux writes them in /proc/cpuinfo (`f
 use and nothing more (`-march=x86-64-v4` plus extensions rather than `-march=sapphirerapids`, which
 would also let the compiler use ones the requirements do not list).
 
-`x86-64-v4-bf16` adds AVX512-BF16: simd.h's `bpairs` are then `vdpbf16ps` (the bf16 GEMM of
-the bf16 route, bgemm.h). `sapphirerapids` has no code of its own and is no AMX path: simd.h
+`x86-64-v4-bf16` adds AVX512-BF16: simd.h's `bpairs` are then `vdpbf16ps` (the panel product
+of the bf16 route, bpanel.h). `sapphirerapids` has no code of its own and is no AMX path: simd.h
 compiles it to the x86-64-v4-bf16 vocabulary (the same `features`, the same sources), with flags
 that add the other Sapphire Rapids extensions (AVX512-FP16, AMX) as compiler targets and
 `-mtune=sapphirerapids`. The compiler schedules that code for Sapphire Rapids and may use

@@ -237,8 +237,10 @@ def cpp_set(fusions: bool, bf16_products: bool = False) -> KernelSet:
     fp32 activations, C++ weight formats, fp32 states); with `fusions`, the fused decode ops'
     own C++ kernels in place of the compositions (the residual-add norm and the plain norm
     among them, as `HYBRID_SERVE_FUSIONS` switches them); with `bf16_products`, the products'
-    bf16 route at batch: `cpp_ops.linear`, `linear_multi` and `cpp_fused.sparse_moe` with their
-    keyword `bf16_products=True` bound (without it, those functions themselves)."""
+    bf16 route at batch: `cpp_ops.linear`, `linear_multi`, `routed_experts` and
+    `cpp_fused.sparse_moe` with their keyword `bf16_products=True` bound (without it, those
+    functions themselves). Under the route the loader packs every bf16 matrix in K-pair panels
+    (`models.loader.pack_matrices`, `kernels.bf16_pack`), which those products then read."""
     from hybrid_serve.kernels import cpp_fused, cpp_ops
 
     def routed(fn: Callable, **bound: object) -> Callable:
@@ -250,7 +252,7 @@ def cpp_set(fusions: bool, bf16_products: bool = False) -> KernelSet:
     unfused = assemble(
         "cpp", linear_fn, cpp_ops.rms_norm if fusions else rmsnorm.rms_norm,
         cpp_ops.rms_norm_gated, cpp_ops, cpp_ops, attention,
-        partial(experts.fused_experts, routed=cpp_ops.routed_experts),
+        partial(experts.fused_experts, routed=routed(cpp_ops.routed_experts)),
     )  # fmt: skip
     unfused = replace(unfused, bf16_products=bf16_products)
     if not fusions:

@@ -8,10 +8,12 @@ kernels read it (kernels/csrc/weights.h holds the same layout: tests/kernels/tes
 checks the two agree) and which devices serve it.
 
 - float32, bfloat16: plain values, in row order. bf16 has a second order of the same bytes, K-pair
-  panels (`hybrid_serve.kernels.bf16_pack`: tiles of 16 rows, a tile's pair p the 16 rows'
-  (k, k + 1) pairs), which the panel product `hybrid_serve::bf16_panel_linear` reads; nothing
-  in a served model is stored that way yet (the loader keeps row order, and every bf16 reader
-  takes rows), so a bf16 tensor's dtype still names one layout.
+  panels (`hybrid_serve.kernels.bf16_pack`: panels of 64 rows, a panel's pair p the 64 rows'
+  (k, k + 1) pairs, the short last panel the N % 64 rows left), which the panel product
+  `hybrid_serve::bf16_panel_linear` reads. One rule says which: under the bf16 route
+  (`KernelSet.bf16_products`) every bf16 matrix on the CPU is panels (the loader packs them:
+  `models.loader.pack_matrices`); elsewhere bf16 is row order.
+  Readers that take rows go through `bf16_pack.plain_rows` (`Linear.rows`).
 - int8 (torch.int8): a row of K values then its fp32 scale's 4 bytes, the rows interleaved in
   tiles of 8 for the products (`hybrid_serve.kernels.quant`).
 - int4 (torch.uint8): K/2 bytes of nibbles in groups of 32, then K/32 bf16 scales per row,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_serve.kernels import KernelSet, reference_set
+from hybrid_serve.kernels.bf16_pack import plain_rows
 
 REFERENCE = reference_set()
 
@@ -37,6 +38,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
+
+    def rows(self) -> torch.Tensor:
+        """The weight [N, K] in row order, for readers other than the kernel set's products
+        (under the bf16 route a bf16 weight is K-pair panels: `kernels.bf16_pack`)."""
+        return plain_rows(self.weight, self.ops.bf16_products)
 
 
 class RMSNorm(nn.Module):

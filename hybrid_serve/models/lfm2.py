@@ -182,7 +182,7 @@ class Lfm2SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
         c = self.config
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [T, E]
+        scores = F.linear(x.float(), self.gate.rows().float()).sigmoid()  # [T, E]
         if self.expert_bias is not None:
             ids = (scores + self.expert_bias.float()).topk(c.num_experts_per_tok, dim=-1).indices
             w = scores.gather(1, ids)

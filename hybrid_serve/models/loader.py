@@ -52,6 +52,7 @@ from safetensors import safe_open
 
 from hybrid_serve.kernels import KernelSet
 from hybrid_serve.kernels import choose as choose_kernels
+from hybrid_serve.kernels.bf16_pack import in_panels, pack_bf16_
 from hybrid_serve.kernels.quant import quantize, row_peaks
 from hybrid_serve.kernels.weight_formats import check_quantization
 from hybrid_serve.models.base_config import HybridConfig, read_json
@@ -178,6 +179,8 @@ def load_model(
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.to(torch_dtype))
     _quantize(model, tp, quantization, draft_quantization)
+    if model.ops.bf16_products:
+        pack_matrices(model)
     logger.info(
         "loaded %s (%s%s%s, %s%s%s)",
         path,
@@ -420,6 +423,24 @@ def quantize_matrices(model: HybridForCausalLM, method: str, tp: ParallelContext
             peak = tp.all_reduce_max(row_peaks(w)) if id(getattr(module, name)) in split else None
             q = quantize(w, method, peak)
             setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
+
+
+def pack_matrices(model: HybridForCausalLM) -> int:
+    """Under the bf16 route (`KernelSet.bf16_products`) every bf16 matrix on the CPU
+    (`matrices`: the linear layers', the LM head's own copy, the expert stacks', each expert
+    packed alone, the MTP head's) in K-pair panels (`kernels.bf16_pack`), in place of its rows:
+    same shape, dtype and bytes, rewritten in its own storage a chunk at a time (`pack_bf16_`:
+    the load's peak memory stays one copy of the weights); every product of the route reads that
+    layout, and readers that take rows unpack (`Linear.rows`). Returns how many were packed."""
+    seen: set[int] = set()
+    for param in matrices(model):
+        if id(param) in seen or not in_panels(param.data, True):
+            continue
+        seen.add(id(param))
+        pack_bf16_(param.data)
+    if seen:
+        logger.info("%d bf16 matrices packed in K-pair panels for the bf16 route", len(seen))
+    return len(seen)
 
 
 def cast_matrices(model: HybridForCausalLM, dtype: torch.dtype) -> None:

@@ -203,7 +203,7 @@ class MLAAttention(nn.Module):
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as per-head blocks: W_UK [H, nope, r] and W_UV [H, v, r]."""
         H, r = self.num_heads, self.kv_lora_rank
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_head_dim, r)
+        w = self.kv_b_proj.rows().view(H, self.nope + self.v_head_dim, r)
         return w[:, : self.nope], w[:, self.nope :]
 
     def attend_absorbed(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -129,7 +129,7 @@ class Blocks:
         q = [a.q_a_proj.weight, a.q_a_layernorm.weight, a.q_b_proj.weight] if lora else [
             a.q_proj.weight]  # fmt: skip
         self.add(
-            [*q, a.kv_a_proj_with_mqa.weight, a.kv_a_layernorm.weight, a.kv_b_proj.weight,
+            [*q, a.kv_a_proj_with_mqa.weight, a.kv_a_layernorm.weight, a.kv_b_proj.rows(),
              a.o_proj.weight, *([a.g_proj.weight] if gate else [])],
             [a.kv_layer, a.num_heads, a.kv_lora_rank, a.nope, a.rope, a.v_head_dim, lora, gate,
              rope],

@@ -208,7 +208,7 @@ def lfm2_blocks(model: HybridForCausalLM, layers) -> Blocks:
         if moe:
             c, bias = ff.config, ff.expert_bias
             out.add(
-                [ff.gate.weight, *([] if bias is None else [bias]), ff.experts.gate_up_proj,
+                [ff.gate.rows(), *([] if bias is None else [bias]), ff.experts.gate_up_proj,
                  ff.experts.down_proj],
                 [c.num_experts_per_tok, bias is not None, c.norm_topk_prob],
                 [c.routed_scaling_factor],

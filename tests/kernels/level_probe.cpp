@@ -5,7 +5,6 @@
 
 #include <cstdint>
 
-#include "bgemm.h"
 #include "bpanel.h"
 #include "gemm.h"
 #include "gemv.h"
@@ -46,17 +45,6 @@ void probe_linear(int code, const float* x, const void* w, float* y, int64_t M, 
       hs::tiled::gemm_into(x, wp, y, M, N, K);
     }
   });
-}
-
-// y [M, N] = bf16(x) [M, K] w [N, K]^T by the bf16 route's own kernels, as bf16_linear chooses
-// up to 127 rows: the GEMV's `bgemv_rows` up to 8 rows (gemv.h), the GEMM beyond (bgemm.h).
-void probe_bf16_gemm(const float* x, const c10::BFloat16* w, float* y, int64_t M, int64_t N,
-                     int64_t K) {
-  if (M <= 8) {
-    hs::skinny_linear_into(x, w, y, M, N, K, true);
-  } else {
-    hs::bgemm::gemm_into(x, w, y, M, N, K);
-  }
 }
 
 // y [M, N] = bf16(x) [M, K] w [N, K]^T by the panel product (bpanel.h), w packed in K-pair

@@ -208,32 +208,6 @@ def test_the_gemv_agrees_within_round_off(probes, level):
                     assert torch.equal(linear(probes[other], x, w), got), (level, other)
 
 
-@pytest.mark.parametrize("level", OTHERS)
-def test_the_bf16_gemm_agrees_within_a_bf16_rounding(probes, level):
-    """The bf16 route's GEMV (up to 8 rows) and GEMM: their pair dot is vdpbf16ps or two FMAs
-    (simd.h), so a level's outputs are within one bf16 rounding of the generic level's; levels
-    of one form agree bit for bit (the GEMV's lanes run along k: of one form and one width)."""
-    g = torch.Generator().manual_seed(7)
-    width = {lv: cpu_levels.get(lv).features.startswith("avx512") for lv in OTHERS}
-    form = {lv: ("bf16" in cpu_levels.get(lv).features, width[lv]) for lv in OTHERS}
-
-    def run(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        (M, K), N = x.shape, w.shape[0]
-        y = torch.empty(M, N)
-        i64 = ctypes.c_int64
-        lib.probe_bf16_gemm(ptr(x), ptr(w), ptr(y), i64(M), i64(N), i64(K))
-        return y
-
-    for M, N, K in [(16, 20, 300), (40, 9, 33), (1, 20, 300), (3, 9, 33), (8, 5, 1000)]:
-        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
-        got, want = run(probes[level], x, w), run(probes["generic"], x, w)
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale)
-        for other in OTHERS:
-            if form[other] == form[level] or (M > 8 and form[other][0] == form[level][0]):
-                assert torch.equal(run(probes[other], x, w), got), (level, other)
-
-
 def panels(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The bf16 panel product (bpanel.h) of x and w packed in K-pair panels."""
     (M, K), N = x.shape, w.shape[0]
@@ -243,7 +217,8 @@ def panels(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-PANEL_SHAPES = [(1, 37, 33), (3, 16, 64), (9, 70, 300), (20, 5, 7), (40, 33, 129)]
+PANEL_SHAPES = [(1, 37, 33), (3, 16, 64), (9, 70, 300), (20, 5, 7), (40, 33, 129), (6, 150, 520),
+                (1, 130, 517)]  # fmt: skip
 
 
 @pytest.mark.parametrize("level", ["generic", *OTHERS])
@@ -281,7 +256,7 @@ def routed_panels(lib, xs, gate_up, down, counts, limit=0.0) -> torch.Tensor:
 
 @pytest.mark.parametrize("level", ["generic", *OTHERS])
 def test_routed_experts_read_the_panels_to_the_panel_contract(probes, level):
-    """Panel-packed bf16 experts (a short last tile and an odd K in both matrices): each row is
+    """Panel-packed bf16 experts (a short last panel and an odd K in both matrices): each row is
     the same bits routed alone as in its batch; the expert's products are the panel product's
     (within a rounding of the torch composition); FMA levels equal the generic level bit for
     bit, vdpbf16ps levels within one bf16 rounding."""

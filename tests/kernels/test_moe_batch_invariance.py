@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hybrid_serve.kernels import cpp_fused, cpp_ops
+from hybrid_serve.kernels.bf16_pack import pack_bf16
 from hybrid_serve.kernels.quant import quantize
 from tests.kernels.cpp_required import built  # noqa: F401  (autouse)
 
@@ -49,9 +50,11 @@ def test_fused_moe_row_equals_the_row_alone(T: int, fmt: str) -> None:
     E, k, H, I, Is = 8, 2, 128, 96, 64
     weights = moe_weights(E, H, I, Is, fmt.removesuffix("-route"))
     route = fmt.endswith("-route")
+    if route:  # the route's bf16 matrices are K-pair panels, as the loader leaves them
+        weights = [pack_bf16(w) if w.dtype == torch.bfloat16 else w for w in weights]
     x = rand(T, H, seed=100 + T) * H**0.5
     y = fused(x, *weights, k, True, bf16_products=route)
-    ids = torch.topk(x @ weights[0].t(), k, dim=-1).indices
+    ids = torch.topk(x @ weights[0].t(), k, dim=-1).indices  # the fp32 router
     for r in (0, T // 2, T - 1):
         shared = (ids.unsqueeze(-1) == ids[r].view(1, 1, k)).any(-1).any(-1).sum().item()
         assert shared > 1  # the row's experts also run other rows of the batch

@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 
 from hybrid_serve.kernels import KernelSettings, choose
+from hybrid_serve.kernels.bf16_pack import pack_bf16, plain_rows
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
+from hybrid_serve.models.layers import Linear
 from hybrid_serve.models.loader import cast_matrices, load_model
 from hybrid_serve.scheduler.model_runner import DecodeInput, ExtendInput, ModelRunner, RunnerConfig
 
@@ -61,3 +63,37 @@ def test_bf16_weights_fp32_rest(tmp_path) -> None:
     assert out.dtype == torch.float32
     assert (out - ref).norm() / ref.norm() < 1e-4  # fp32 accumulation: only the weights differ
     assert not torch.allclose(out, full, atol=1e-3)  # and they do differ from fp32's
+
+
+def test_the_bf16_route_loads_every_bf16_matrix_in_panels(tmp_path) -> None:
+    """One rule (`kernels.bf16_pack`): with the bf16 route (forced on, so on any CPU) every bf16
+    parameter is its matrix in K-pair panels, the tied head's own copy and the float-kept
+    routers included, in the same bytes; without it, the same matrices in row order. The two
+    loads then serve logits about as far apart as the exact bf16 products are from fp32's
+    (random weights amplify every rounding; their flat logits leave near-ties that rounding may
+    flip, so no greedy token is compared here: the route's fidelity on trained weights is
+    benchmarks/fidelity.py's)."""
+    cfg = {**preset_config("tiny"), "tie_word_embeddings": True}
+    path = write_checkpoint(tmp_path, cfg)
+    on = choose("cpu", settings=KernelSettings(bf16_products="on"))
+    off = choose("cpu", settings=KernelSettings(bf16_products="off"))
+    packed, rows = load_model(path, "bfloat16", ops=on), load_model(path, "bfloat16", ops=off)
+    n = 0
+    pairs = zip(packed.named_parameters(), rows.named_parameters(), strict=True)
+    for (name, p), (name2, q) in pairs:
+        assert name == name2 and p.dtype == q.dtype and p.shape == q.shape, name
+        assert p.untyped_storage().nbytes() == q.untyped_storage().nbytes(), name
+        if p.dtype == torch.bfloat16:
+            n += 1
+            assert torch.equal(p, pack_bf16(q)), name
+            assert torch.equal(plain_rows(p, True), q) and plain_rows(q, False) is q
+        else:
+            assert torch.equal(p, q), name
+    assert n > 20 and packed.lm_head.weight.dtype == torch.bfloat16
+    assert any(m.keep_float for m in packed.modules() if isinstance(m, Linear))
+    cfg_run = RunnerConfig(max_running_requests=2, max_total_tokens=256, max_context_len=128)
+    prompt = list(range(3, 40))
+    got = _logits(ModelRunner(packed, cfg_run), prompt, 5)
+    want = _logits(ModelRunner(rows, cfg_run), prompt, 5)
+    full = _logits(ModelRunner(load_model(path, "float32"), cfg_run), prompt, 5)
+    assert (got - want).norm() < 3 * (want - full).norm()  # as far as bf16 weights are from fp32

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_serve.kernels import KernelSettings, choose, cpp_build
+from hybrid_serve.kernels.bf16_pack import pack_bf16_
 from hybrid_serve.kernels.experts import grouped_mm_fits, static_experts
 from hybrid_serve.models.layers import Experts
 
@@ -59,14 +60,24 @@ def test_every_path_matches_the_per_token_sum(
     torch.testing.assert_close(static, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("route", ["off", "on"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_weights_under_fp32_rows(backend) -> None:
-    moe = Experts(4, 16, 8, choose("cpu", settings=KernelSettings(backend))).to(torch.bfloat16)
+def test_bf16_weights_under_fp32_rows(backend, route) -> None:
+    """bf16 stacks under fp32 rows: widened (exact products), or on the C++ set's bf16 route
+    (`on`: the stacks packed in panels as the loader leaves them, x and the products rounded to
+    bf16, so within the route's rounding)."""
+    ops = choose("cpu", settings=KernelSettings(backend, bf16_products=route))
+    moe = Experts(4, 16, 8, ops).to(torch.bfloat16)
     torch.nn.init.normal_(moe.gate_up_proj, std=0.2)
     torch.nn.init.normal_(moe.down_proj, std=0.2)
     x = torch.randn(12, 16)
     ids = torch.stack([torch.randperm(4)[:2] for _ in range(12)])
     w = torch.rand(12, 2)
+    want = per_token_reference(moe, x, ids, w)
+    if ops.bf16_products:
+        for stack in (moe.gate_up_proj, moe.down_proj):
+            pack_bf16_(stack.data)
     with torch.inference_mode():
         got = moe(x, ids, w)
-    torch.testing.assert_close(got, per_token_reference(moe, x, ids, w), atol=1e-4, rtol=1e-4)
+    tol = 3e-2 if ops.bf16_products else 1e-4
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from hybrid_serve.kernels.bf16_pack import plain_rows
 from hybrid_serve.kernels.kernel_set import reference_set
 from hybrid_serve.kernels.quant import GROUP, dequantize, in_features, quantize, round_activations
 from hybrid_serve.make_model.presets import preset_config, write_checkpoint
@@ -262,9 +263,11 @@ def test_fp8_checkpoint_quantizes_its_dequantized_weights(tmp_path) -> None:
     FP8 loader serves (dequantized, then the serving dtype)."""
     path = write_checkpoint(tmp_path, preset_config("tiny"), seed=5, dtype=torch.bfloat16,
                             fp8_block=(32, 64))  # fmt: skip
-    plain = dict(load_model(path, dtype="bfloat16").named_parameters())
+    served = load_model(path, dtype="bfloat16")
+    route = served.ops.bf16_products  # its bf16 matrices in panels (`kernels.bf16_pack`)
+    plain = {n: plain_rows(p.detach(), route) for n, p in served.named_parameters()}
     for method in ("int8", "int4"):
         model = load_model(path, dtype="bfloat16", quantization=method)
         for name, p in model.named_parameters():
             if p.dtype in (torch.int8, torch.uint8):
-                assert torch.equal(p, quantize(plain[name].detach(), method)), name
+                assert torch.equal(p, quantize(plain[name], method)), name

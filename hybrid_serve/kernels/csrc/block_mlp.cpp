@@ -92,10 +92,11 @@ at::Tensor swiglu(const at::Tensor& h, const Mlp& m, bool bf16) {
 
 // kernels/experts.py fused_experts with the kernel set's routed experts (the C++ op): the
 // (token, expert) pairs sorted by expert, their rows through the experts, weighted and summed
-// back per token. ids, weights [T, k]; gate_up [E, 2I, H], down [E, H, I].
+// back per token. ids, weights [T, k]; gate_up [E, 2I, H], down [E, H, I]; `bf16`: the bf16 route
+// (bf16 experts in K-pair panels, decode_ops.h).
 at::Tensor fused_experts(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
                          const at::Tensor& gate_up, const at::Tensor& down,
-                         double limit = 0.0) {
+                         bool bf16, double limit = 0.0) {
   const at::Tensor flat = ids.flatten();
   const at::Tensor order = at::argsort(flat, /*stable=*/true, -1, false);
   const at::Tensor counts = at::bincount(flat, {}, gate_up.size(0)).contiguous();
@@ -107,7 +108,7 @@ at::Tensor fused_experts(const at::Tensor& h, const at::Tensor& ids, const at::T
   const int64_t* count = counts.data_ptr<int64_t>();
   hs::routed_experts_into(xs.data_ptr<float>(), gate_up, down,
                           std::vector<int64_t>(count, count + counts.numel()),
-                          ys.data_ptr<float>(), static_cast<float>(limit));
+                          ys.data_ptr<float>(), static_cast<float>(limit), bf16);
   ys = ys * weights.flatten().index({order}).unsqueeze(1);
   return at::zeros_like(h).index_add_(0, token_of, ys);
 }
@@ -117,7 +118,8 @@ at::Tensor fused_experts(const at::Tensor& h, const at::Tensor& ids, const at::T
 at::Tensor topk_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
   const at::Tensor logits = hs::linear(h, m.w[0], bf16);
   const auto [top_logits, top_ids] = logits.topk(m.top_k, -1);
-  const at::Tensor moe = fused_experts(h, top_ids, at::softmax(top_logits, -1), m.w[1], m.w[2]);
+  const at::Tensor moe =
+      fused_experts(h, top_ids, at::softmax(top_logits, -1), m.w[1], m.w[2], bf16);
   Mlp shared;
   shared.flag = true;
   shared.w = {m.w[3], m.w[4]};
@@ -126,8 +128,9 @@ at::Tensor topk_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
 
 // models/lfm2.py Lfm2SparseMoe: the fp32 router's sigmoid scores, the top-k of the scores plus
 // the expert bias (of the scores alone without one), the picked scores renormalised
-// (norm_topk_prob) and times the routed scaling, over fused_experts
-at::Tensor sigmoid_moe(const at::Tensor& h, const Mlp& m) {
+// (norm_topk_prob) and times the routed scaling, over fused_experts; the router w[0] in row
+// order (the plan hands its rows over: models/plan_builders.py)
+at::Tensor sigmoid_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
   const bool bias = m.w.size() == 4;
   const at::Tensor scores = at::linear(h.to(at::kFloat), m.w[0].to(at::kFloat)).sigmoid();
   at::Tensor weights, ids;
@@ -139,7 +142,7 @@ at::Tensor sigmoid_moe(const at::Tensor& h, const Mlp& m) {
   }
   if (m.flag) weights = weights / (weights.sum(at::IntArrayRef{-1}, /*keepdim=*/true) + 1e-6);
   weights = weights * m.out_mult;
-  return fused_experts(h, ids, weights, m.w[bias ? 2 : 1], m.w[bias ? 3 : 2]);
+  return fused_experts(h, ids, weights, m.w[bias ? 2 : 1], m.w[bias ? 3 : 2], bf16);
 }
 
 // models/kimi_moe.py KimiMoE: the grouped router (`route`) over fused_experts, plus the shared
@@ -147,7 +150,7 @@ at::Tensor sigmoid_moe(const at::Tensor& h, const Mlp& m) {
 // C++ op and the shared one as kernels/experts.py `swiglu` clamps it (`KimiMoE._shared`)
 at::Tensor grouped_moe(const at::Tensor& h, const Mlp& m, bool bf16) {
   const auto [weights, ids] = route(h, m);
-  const at::Tensor moe = fused_experts(h, ids, weights, m.w[2], m.w[3], m.limit);
+  const at::Tensor moe = fused_experts(h, ids, weights, m.w[2], m.w[3], bf16, m.limit);
   if (m.shared_limit > 0.0) {
     const std::vector<at::Tensor> gate_up = hs::linear_multi(h, {m.w[4], m.w[5]}, bf16);
     const double l = m.shared_limit;
@@ -169,7 +172,7 @@ at::Tensor mlp(const at::Tensor& h, const Mlp& m, bool bf16) {
     case kRelu2Moe: return relu2_moe(h, m, bf16);
     case kTopkMoe: return topk_moe(h, m, bf16);
     case kGroupedMoe: return grouped_moe(h, m, bf16);
-    default: return sigmoid_moe(h, m);
+    default: return sigmoid_moe(h, m, bf16);
   }
 }
 

@@ -41,32 +41,31 @@ std::vector<at::Tensor> linear_multi(const at::Tensor& x, at::TensorList weights
 // linear_ops.cpp: tiled_linear; routed_experts.cpp: routed_experts_into writes y [T, H] for xs [T, H]
 // sorted by expert, counts[e] rows each (summing to T), gate_up [E, 2I, H] and down [E, H, I]
 // alike fp32, bf16, int8 or int4 (weights.h's formats); a limit > 0 clamps the SwiGLU
-// (kernels/experts.py `swiglu`)
+// (kernels/experts.py `swiglu`); `bf16_products`: bf16 experts are panels (the bf16 route,
+// below), multiplied by the panel product
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w);
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
-                         const std::vector<int64_t>& counts, float* y, float limit = 0.f);
+                         const std::vector<int64_t>& counts, float* y, float limit = 0.f,
+                         bool bf16_products = false);
 // The bf16 route: with `bf16_products` (chosen once, at load, for CPUs that multiply bf16 in
-// hardware: kernels/kernel_set.py), a bf16 weight at kBf16Rows rows or more (every row count)
-// multiplies x rounded to bf16, each pair product exact, summed in fp32, each output rounded to
-// bf16 once and widened (`bf16_linear`, linear_ops.cpp: up to kGemvRows rows the GEMV's
-// `bgemv_rows`, gemv.h, then our bf16 GEMM, bgemm.h, with vdpbf16ps where the level has it; from
-// kBf16LibraryRows rows, prefill chunks, torch's own bf16 product, oneDNN, whose copy of the
-// weight per call is paid back there and whose kernels beat bgemm's there). A row's result
-// depends on its batch only through that choice (they sum in different orders: within one bf16
-// rounding of each other). Other formats are unchanged.
+// hardware: kernels/kernel_set.py), every bf16 matrix on the CPU is packed at load in K-pair
+// panels (weights.h, kernels/bf16_pack.py; models/loader.py `pack_matrices`) and every product
+// of one reads it through the panel product (`bf16_panel_linear`, bpanel.h): x rounded to bf16,
+// each pair product exact, each output one fp32 chain in k order rounded to bf16 once and
+// widened, at every row count, so a row's result does not depend on its batch at all (the
+// 1-row GEMV, a verify's rows and prefill chunks agree bit for bit). `bf16_products` therefore
+// also says the bf16 weights handed over are panels. No oneDNN on this path: at 128-512 rows
+// the panel product measured 0.91-0.97x torch's oneDNN product (issue 58), which would need a
+// second, plain copy of the weights (or rows unpacked per call) and would break the row
+// contract. Other formats are unchanged.
 constexpr int64_t kBf16Rows = 1;
-constexpr int64_t kBf16LibraryRows = 128;
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
-// linear_ops.cpp: the bf16 route's contract on a w packed in K-pair panels (weights.h,
-// kernels/bf16_pack.py) by the panel product (bpanel.h): each output one chain in k order at
-// every row count, so a row's result does not depend on its batch at all (not yet the route's:
-// the loader keeps bf16 matrices in row order)
+// linear_ops.cpp: the bf16 route's product on a w packed in K-pair panels (bpanel.h)
 at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& w);
-// x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous) ->
-// y [M, N] fp32
+// x [M, K] fp32, w [N, K] fp32, bf16, int8 or int4 (gemv.h's formats; both contiguous; a bf16 w
+// in panels where `bf16_products`) -> y [M, N] fp32
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool bf16_products) {
   if (bf16_products && x.size(0) >= kBf16Rows && w.scalar_type() == at::kBFloat16) {
-    return bf16_linear(x, w);
+    return bf16_panel_linear(x, w);
   }
   return x.size(0) <= gemv_rows(w) ? skinny_linear(x, w) : tiled_linear(x, w);
 }

@@ -1,8 +1,8 @@
 // Weight-streaming GEMV / skinny GEMM on CPU: y[m, n] = sum_k x[m, k] w[n, k], fp32 activations,
 // fp32, bf16, int8 or int4-quantized weights (weights.h), fp32 accumulation; the quantized
 // weights multiply the activations rounded to int8 in integer dot products (qgemv.h), and bf16
-// weights on the bf16 route (a job's `bf16_products`) the activations rounded to bf16 in bf16
-// pair dots (`bgemv_rows`: vdpbf16ps where the level has AVX512-BF16). Shared by the ops of
+// weights on the bf16 route (a job's `panels`: K-pair panels) the activations rounded to bf16
+// in the panel product's pair dots (bpanel.h). Shared by the ops of
 // every kernels/csrc/*.cpp file (`hs::skinny_linear_jobs`); `skinny_linear` in linear_ops.cpp is
 // its torch op (tensor_args.h: the tensor-side checks).
 #pragma once
@@ -94,77 +94,6 @@ void gemv_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64
   }
 }
 
-// The bf16 route's GEMV: y[m, n] = bf16(sum_k xb[m, k] w[n, k]) for M <= kBf16PassRows rows of
-// xb (x rounded to bf16, nearest even) and bf16 weight rows, read as they lie: 2 kLanes weights
-// are kLanes (k, k + 1) pairs, the order simd.h's `dot_pairs` takes (one vdpbf16ps at the levels
-// with AVX512-BF16, two FMAs on the exactly widened pairs elsewhere), so every product is exact
-// and the sums are fp32. Every row of xb is summed by the same operations whatever M: per chunk
-// of 4 kLanes weights an `a` and a `b` chain of pair dots; then one `a` step over a last chunk
-// of 2 kLanes; the chains added lane by lane and the lanes by `hsum`; then the rest of k in
-// order (FMAs of the exact products); the sum rounded to bf16 once (the contract of bgemm.h's
-// GEMM, which it shares: within one bf16 rounding of it, the sums' order aside). So a row's
-// result does not depend on how many rows share the pass, nor on M up to kGemvRows.
-constexpr int kBf16PassRows = simd::kLanes >= 16 ? 8 : 4;  // 2 chains a row; AVX2 has 16 registers
-
-template <int M>
-void bgemv_rows(const c10::BFloat16* xb, const c10::BFloat16* w, float* y, int64_t N, int64_t K,
-                int64_t n0, int64_t n1) {
-  static_assert(M >= 1 && M <= 8);  // (5-8 only run where kBf16PassRows is 8)
-  namespace v = simd;
-  constexpr int64_t C = 2 * v::kLanes;  // bf16 values per `bpairs`
-  for (int64_t n = n0; n < n1; ++n) {
-    const c10::BFloat16* wr = w + n * K;
-    v::vec a[M], b[M];
-    for (int m = 0; m < M; ++m) a[m] = b[m] = v::zero();
-    int64_t k = 0;
-    for (; k + 2 * C <= K; k += 2 * C) {
-      const char* ahead = reinterpret_cast<const char*>(wr + k) + kFetchAhead;
-      for (int64_t off = 0; off < 4 * C; off += 64) v::prefetch(ahead + off);
-      const v::bpairs w0 = v::load_pairs(wr + k), w1 = v::load_pairs(wr + k + C);
-      for (int m = 0; m < M; ++m) {
-        a[m] = v::dot_pairs(a[m], w0, v::load_pairs(xb + m * K + k));
-        b[m] = v::dot_pairs(b[m], w1, v::load_pairs(xb + m * K + k + C));
-      }
-    }
-    if (k + C <= K) {
-      const v::bpairs w0 = v::load_pairs(wr + k);
-      for (int m = 0; m < M; ++m) a[m] = v::dot_pairs(a[m], w0, v::load_pairs(xb + m * K + k));
-      k += C;
-    }
-    float sum[M];
-    for (int m = 0; m < M; ++m) sum[m] = v::hsum(v::add(a[m], b[m]));
-    for (; k < K; ++k) {
-      const float wk = float(wr[k]);
-      for (int m = 0; m < M; ++m) sum[m] = v::fma1(wk, float(xb[m * K + k]), sum[m]);
-    }
-    for (int m = 0; m < M; ++m) y[m * N + n] = float(c10::BFloat16(sum[m]));  // nearest even
-  }
-}
-
-// Weight rows [n0, n1) of the bf16 route in blocks (`skinny_range`'s), each against the rows of
-// xb kBf16PassRows at a time.
-inline void bskinny_range(int64_t M, const c10::BFloat16* xb, const c10::BFloat16* w, float* y,
-                          int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t nb = block_rows(K, 2);
-  for (int64_t b0 = n0; b0 < n1; b0 += nb) {
-    const int64_t b1 = std::min(n1, b0 + nb);
-    for (int64_t m0 = 0; m0 < M; m0 += kBf16PassRows) {
-      const c10::BFloat16* xm = xb + m0 * K;
-      float* ym = y + m0 * N;
-      switch (std::min<int64_t>(kBf16PassRows, M - m0)) {
-        case 1: bgemv_rows<1>(xm, w, ym, N, K, b0, b1); break;
-        case 2: bgemv_rows<2>(xm, w, ym, N, K, b0, b1); break;
-        case 3: bgemv_rows<3>(xm, w, ym, N, K, b0, b1); break;
-        case 4: bgemv_rows<4>(xm, w, ym, N, K, b0, b1); break;
-        case 5: bgemv_rows<5>(xm, w, ym, N, K, b0, b1); break;
-        case 6: bgemv_rows<6>(xm, w, ym, N, K, b0, b1); break;
-        case 7: bgemv_rows<7>(xm, w, ym, N, K, b0, b1); break;
-        default: bgemv_rows<8>(xm, w, ym, N, K, b0, b1); break;
-      }
-    }
-  }
-}
-
 template <typename W>
 void gemv_dispatch(int64_t M, const float* x, const W* w, float* y, int64_t N, int64_t K,
                    int64_t n0, int64_t n1) {
@@ -191,25 +120,22 @@ void skinny_range(int64_t M, const float* x, const W* w, float* y, int64_t N, in
 }
 
 // One product y [M, N] = x [M, K] w [N, K]^T of a batch run in one parallel region; w holds
-// fp32, bf16, int8 or int4 rows (`dtype`), all contiguous. `bf16_products`: a bf16 w takes the
-// bf16 route (`bgemv_rows`: x rounded to bf16, the result rounded to bf16); other weights ignore
-// it. `panels`: a bf16 w packed in K-pair panels (weights.h), read by the panel product
-// (bpanel.h: the bf16 route's contract, one chain per output at every M) whatever
-// `bf16_products` says.
+// fp32, bf16, int8 or int4 rows (`dtype`), all contiguous. `panels`: the bf16 route, a bf16 w
+// packed in K-pair panels (weights.h), read by the panel product (bpanel.h: x rounded to bf16,
+// one chain per output at every M, rounded to bf16); other weights ignore it.
 struct GemvJob {
   const float* x;
   const void* w;
   c10::ScalarType dtype;
   float* y;
   int64_t M, N, K;
-  bool bf16_products = false;
   bool panels = false;
 };
 
 // How a job's activations are prepared (once per distinct x and kind): as they are, rounded to
-// int8 (`quantize_rows`), staged in `load_w2`'s order (`stage_pairs`), rounded to bf16, or
-// rounded to bf16 as pair panels (`bpanel::pack_acts`).
-enum class Acts { kPlain, kInt8, kStaged, kBf16, kPanels };
+// int8 (`quantize_rows`), staged in `load_w2`'s order (`stage_pairs`), or rounded to bf16 as
+// pair panels (`bpanel::pack_acts`).
+enum class Acts { kPlain, kInt8, kStaged, kPanels };
 
 inline bool panel_job(const GemvJob& g) { return g.panels && g.dtype == c10::kBFloat16; }
 
@@ -217,19 +143,11 @@ inline Acts acts_kind(const GemvJob& g) {
   if (quantized(g.dtype)) return Acts::kInt8;
   if (g.dtype != c10::kBFloat16) return Acts::kPlain;
   if (g.panels) return Acts::kPanels;
-  if (g.bf16_products) return Acts::kBf16;
   return kStaged<c10::BFloat16> ? Acts::kStaged : Acts::kPlain;
 }
 
-// x [M, K] rounded to bf16 (nearest even).
-inline std::vector<c10::BFloat16> round_bf16(const float* x, int64_t M, int64_t K) {
-  std::vector<c10::BFloat16> out(M * K);
-  for (int64_t i = 0; i < M * K; ++i) out[i] = c10::BFloat16(x[i]);
-  return out;
-}
-
 // Weight rows per block of a job (`skinny_range`'s and `qskinny_range`'s; a panel job's blocks
-// are bpanel.h's TB tiles).
+// are bpanel.h's TB panels).
 inline int64_t job_block_rows(const GemvJob& g) {
   if (panel_job(g)) return bpanel::TB * kPanel;
   if (g.dtype == c10::kByte) return qblock_rows<uint8_t>(g.K);
@@ -240,17 +158,15 @@ inline int64_t job_block_rows(const GemvJob& g) {
 // Every job's weight rows in blocks of about 16 KB (`skinny_range`'s), all blocks split between
 // the threads in one parallel region: a layer's several small matrices cost one fork/join, and
 // each thread streams one long run of memory. Each output element is computed exactly as by a
-// job alone (the same `gemv_rows` / `bgemv_rows`), whatever the batch of jobs. The activations
+// job alone (the same `gemv_rows`, integer GEMV or `bpanel::panels_range`), whatever the jobs. The activations
 // are prepared first, once per distinct x and kind (`acts_kind`). Nested inside another
 // at::parallel_for it runs on the calling thread.
 inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
   std::vector<int64_t> first(n_jobs + 1, 0);       // job j holds blocks [first[j], first[j + 1])
   std::vector<QuantActs> acts;                      // the distinct rounded-to-int8 activations
   std::vector<std::vector<float>> staged;           // the distinct staged activations
-  std::vector<std::vector<c10::BFloat16>> rounded;  // the distinct rounded-to-bf16 activations
   std::vector<bpanel::Acts> paired;                 // the distinct pair-panel activations
-  std::vector<std::vector<c10::BFloat16>> tails(n_jobs);  // panel jobs' short tiles, padded
-  std::vector<int64_t> act_of(n_jobs, -1);          // job j's entry in acts, staged or rounded
+  std::vector<int64_t> act_of(n_jobs, -1);          // job j's entry in acts, staged or paired
   auto same_x = [&](int64_t i, int64_t j) {
     return jobs[i].x == jobs[j].x && jobs[i].M == jobs[j].M && jobs[i].K == jobs[j].K;
   };
@@ -266,18 +182,10 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
       } else if (act_of[j] < 0 && kind == Acts::kPanels) {
         act_of[j] = static_cast<int64_t>(paired.size());
         paired.push_back(bpanel::pack_acts(g.x, g.M, g.K));
-      } else if (act_of[j] < 0 && kind == Acts::kStaged) {
+      } else if (act_of[j] < 0) {
         act_of[j] = static_cast<int64_t>(staged.size());
         stage_pairs(g.x, g.M, g.K, staged.emplace_back(g.M * g.K).data());
-      } else if (act_of[j] < 0) {
-        act_of[j] = static_cast<int64_t>(rounded.size());
-        rounded.push_back(round_bf16(g.x, g.M, g.K));
       }
-    }
-    if (panel_job(g) && g.M > 0 && g.N % kPanel) {
-      const int64_t T = g.N / kPanel;
-      tails[j] = bpanel::pad_tile(static_cast<const c10::BFloat16*>(g.w) + T * kPanel * g.K,
-                                  g.N - T * kPanel, g.K);
     }
     const int64_t nb = job_block_rows(g);
     first[j + 1] = first[j] + (g.M == 0 ? 0 : (g.N + nb - 1) / nb);
@@ -296,10 +204,8 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
           qskinny_range(g.M, acts[act_of[j]], w, g.y, g.N, n0, n1);
         } else if constexpr (std::is_same_v<W, c10::BFloat16>) {
           if (g.panels) {
-            bpanel::tiles_range(paired[act_of[j]], 0, w, tails[j].data(), g.y, g.M, g.N, g.K,
-                                n0 / kPanel, (n1 + kPanel - 1) / kPanel);
-          } else if (g.bf16_products) {
-            bskinny_range(g.M, rounded[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);
+            bpanel::panels_range(paired[act_of[j]], 0, w, g.y, g.M, g.N, g.K, n0 / kPanel,
+                                 (n1 + kPanel - 1) / kPanel);
           } else if constexpr (kStaged<W>) {
             skinny_range(g.M, staged[act_of[j]].data(), w, g.y, g.N, g.K, n0, n1);
           } else {
@@ -315,9 +221,8 @@ inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
 
 // y [M, N] = x [M, K] w [N, K]^T, all contiguous (one job of the above).
 template <typename W>
-void skinny_linear_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K,
-                        bool bf16_products = false) {
-  const GemvJob job{x, w, c10::CppTypeToScalarType<W>::value, y, M, N, K, bf16_products};
+void skinny_linear_into(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const GemvJob job{x, w, c10::CppTypeToScalarType<W>::value, y, M, N, K};
   skinny_linear_jobs(&job, 1);
 }
 

@@ -1,6 +1,6 @@
 // The CPU linear ops: `skinny_linear` (the weight-streaming GEMV, gemv.h, and the integer GEMV,
-// qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h), `bf16_linear` (the bf16 GEMM, bgemm.h) and
-// `linear`, the product by row count (decode_ops.h). x [M, K] fp32, w [N, K] fp32, bf16, int8 or
+// qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h), `bf16_panel_linear` (the bf16 route's panel
+// product, bpanel.h) and `linear`, the product by row count (decode_ops.h). x [M, K] fp32, w [N, K] fp32, bf16, int8 or
 // int4 (weights.h's formats), both contiguous -> y [M, N] fp32, accumulated in fp32.
 
 #include <ATen/ATen.h>
@@ -8,7 +8,6 @@
 
 #include <cstdint>
 
-#include "bgemm.h"
 #include "bpanel.h"
 #include "decode_ops.h"
 #include "gemm.h"
@@ -33,37 +32,6 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& w) {
                    });
 }
 
-// x rounded to bf16 (nearest even) times a bf16 w, each product exact, accumulated in fp32 and
-// rounded to bf16 once per output, then widened: F.linear(x.bfloat16(), w).float() up to the
-// order of the fp32 sums. Up to kGemvRows rows the GEMV (gemv.h's `bgemv_rows`), then our GEMM
-// (bgemm.h), both reading the weight as it lies (vdpbf16ps where the level has it); from
-// kBf16LibraryRows rows that product itself, torch's (oneDNN), its two conversions plain loops
-// on this thread (as torch ops each would be a parallel region of its own).
-at::Tensor bf16_linear(const at::Tensor& x_, const at::Tensor& w_) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kBFloat16,
-              "bf16_linear: fp32 activations and bf16 weights expected");
-  TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "bf16_linear: shapes");
-  const at::Tensor x = x_.contiguous(), w = w_.contiguous();
-  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const auto* wp = reinterpret_cast<const c10::BFloat16*>(w.data_ptr());
-  if (M <= kGemvRows) {
-    skinny_linear_into(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K, true);
-  } else if (M >= kBf16LibraryRows) {
-    at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
-    const float* xp = x.data_ptr<float>();
-    auto* xbp = xb.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) xbp[i] = at::BFloat16(xp[i]);  // nearest even
-    const at::Tensor yb = at::linear(xb, w).contiguous();
-    const auto* ybp = yb.data_ptr<at::BFloat16>();
-    float* yp = y.data_ptr<float>();
-    for (int64_t i = 0; i < M * N; ++i) yp[i] = static_cast<float>(ybp[i]);
-  } else {
-    bgemm::gemm_into(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K);
-  }
-  return y;
-}
-
 // The panel product (bpanel.h): x rounded to bf16 times a bf16 w packed in K-pair panels
 // (kernels/bf16_pack.py), each output one chain in k order at every row count, rounded to bf16
 // and widened: the same bits for a row whatever M.
@@ -85,7 +53,6 @@ at::Tensor bf16_panel_linear(const at::Tensor& x_, const at::Tensor& w_) {
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
   m.def("tiled_linear(Tensor x, Tensor w) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("bf16_panel_linear(Tensor x, Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor w, bool bf16_products=False) -> Tensor");
 }
@@ -93,7 +60,6 @@ TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {
   m.impl("skinny_linear", &hs::skinny_linear);
   m.impl("tiled_linear", &hs::tiled_linear);
-  m.impl("bf16_linear", &hs::bf16_linear);
   m.impl("bf16_panel_linear", &hs::bf16_panel_linear);
   m.impl("linear", [](const at::Tensor& x, const at::Tensor& w, bool bf16_products) {
     return hs::linear(x, w, bf16_products);

@@ -6,9 +6,9 @@
 // activations) every down projection. Each active expert's weights are streamed from memory once
 // per region whatever its row count, its blocks split among the threads with all the others'
 // (`skinny_linear_jobs`); int8 and int4 weights multiply the rows rounded to int8 in integer dots,
-// their tiles read in place. With `bf16_products`, bf16 router and shared-expert matrices take
-// the bf16 route in the GEMV's `bgemv_rows` at every size (hs::linear takes bgemm.h's GEMM past
-// 8 rows, within one bf16 rounding of it: decode_ops.h); the routed experts stay exact. fp32,
+// their tiles read in place. With `bf16_products`, every bf16 matrix here (router, routed and
+// shared experts) is K-pair panels read by the panel product (bpanel.h, through the GEMV jobs'
+// `panels`): the bf16 route, the same bits as hs::linear's at every size (decode_ops.h). fp32,
 // bf16, int8 or int4 weights (gemv.h's formats), fp32 activations and accumulation. Past 8 rows
 // the fp32 and bf16 products cost more arithmetic per weight than the tiled GEMM's (several
 // 4-row passes over each cached block), which shows at 64 rows; the weights are read once.
@@ -42,7 +42,7 @@ namespace {
 void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
                  int64_t M, bool bf16_products) {
   hs::GemvJob job = hs::job_of(x, w, y, M, offset_rows, N);
-  job.bf16_products = bf16_products;
+  job.panels = bf16_products;
   hs::skinny_linear_jobs(&job, 1);
 }
 
@@ -144,19 +144,21 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   for (int64_t e = 0; e < E; ++e) counts[e] = start[e + 1] - start[e];
   std::vector<hs::GemvJob> jobs = hs::expert_jobs(xs.data(), experts_gate_up.data_ptr(),
                                                   experts_gate_up.scalar_type(), counts.data(),
-                                                  E, 2 * I, H, gu.data());
+                                                  E, 2 * I, H, gu.data(), bf16_products);
   const size_t shared = jobs.size();
   jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T));
   jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data(), T));
   jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data(), T));
-  for (size_t j = shared; j < jobs.size(); ++j) jobs[j].bf16_products = bf16_products;
+  for (size_t j = shared; j < jobs.size(); ++j) {
+    jobs[j].panels = bf16_products;
+  }
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   swiglu(gu.data(), gu.data() + I, 2 * I, N, I, act.data());
   swiglu(sgate.data(), sup.data(), Is, T, Is, sact.data());
   jobs = hs::expert_jobs(act.data(), experts_down.data_ptr(), experts_down.scalar_type(),
-                         counts.data(), E, H, I, ys.data());
+                         counts.data(), E, H, I, ys.data(), bf16_products);
   jobs.push_back(hs::job_of(sact.data(), shared_down, sy.data_ptr<float>(), T));
-  jobs.back().bf16_products = bf16_products;
+  jobs.back().panels = bf16_products;
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
     float* o = op + row_tok[r] * H;

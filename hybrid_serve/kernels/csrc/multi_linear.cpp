@@ -1,7 +1,8 @@
 // Several projections of one input in one op: y_i = x w_i^T, fp32 activations, fp32, bf16, int8
 // or int4 weights (gemv.h). Up to hs::kGemvRows rows the weight-streaming GEMV for all weights in
 // one parallel region (hs::skinny_linear_jobs); beyond, hs::linear per weight. With
-// `bf16_products`, bf16 weights take the bf16 route at every size, as hs::linear's (decode_ops.h).
+// `bf16_products`, bf16 weights are K-pair panels and take the panel product at every size, as
+// hs::linear's (decode_ops.h: the bf16 route).
 // Reference and contract: kernels/multi_linear.py.
 
 #include <ATen/ATen.h>
@@ -31,7 +32,7 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
                 "skinny_linear_multi: contiguous [N, K] weights expected");
     out.push_back(at::empty({M, w.size(0)}, x.options()));
     jobs.push_back(hs::job_of(x.data_ptr<float>(), w, out.back().data_ptr<float>(), M));
-    jobs.back().bf16_products = bf16_products;
+    jobs.back().panels = bf16_products;
   }
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));  // one region
   return out;

@@ -18,10 +18,11 @@
 namespace hs {
 
 void routed_experts_into(const float* xs, const at::Tensor& gate_up, const at::Tensor& down,
-                         const std::vector<int64_t>& counts, float* y, float limit) {
+                         const std::vector<int64_t>& counts, float* y, float limit,
+                         bool bf16_products) {
   routed_experts_rows(xs, gate_up.data_ptr(), down.data_ptr(), gate_up.scalar_type(),
                       counts.data(), static_cast<int64_t>(counts.size()),
-                      hs::in_features(gate_up), hs::in_features(down), y, limit);
+                      hs::in_features(gate_up), hs::in_features(down), y, limit, bf16_products);
 }
 
 }  // namespace hs
@@ -31,9 +32,10 @@ namespace {
 // xs [T, H] fp32 sorted by expert; gate_up [E, 2I, H], down [E, H, I] (fp32, bf16, int8 or
 // int4, alike); counts [E] int64 summing to T -> [T, H] fp32: row t is
 // down_e(silu(gate_e x_t) * up_e x_t) for the expert e whose slice holds t (with a limit > 0,
-// the clamped SwiGLU: routed_experts.h `swiglu_row`).
+// the clamped SwiGLU: routed_experts.h `swiglu_row`). `bf16_products`: bf16 experts are K-pair
+// panels (the bf16 route, decode_ops.h), multiplied by the panel product.
 at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const at::Tensor& down,
-                          const at::Tensor& counts, double limit) {
+                          const at::Tensor& counts, double limit, bool bf16_products) {
   TORCH_CHECK(xs.is_contiguous() && gate_up.is_contiguous() && down.is_contiguous() &&
                   counts.is_contiguous(),
               "routed_experts: contiguous inputs");
@@ -57,7 +59,7 @@ at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const
   TORCH_CHECK(sum == T, "routed_experts: counts sum to ", sum, " for ", T, " rows");
   auto y = at::empty({T, H}, xs.options());
   hs::routed_experts_into(xs.data_ptr<float>(), gate_up, down, cnt, y.data_ptr<float>(),
-                          static_cast<float>(limit));
+                          static_cast<float>(limit), bf16_products);
   return y;
 }
 
@@ -65,7 +67,7 @@ at::Tensor routed_experts(const at::Tensor& xs, const at::Tensor& gate_up, const
 
 TORCH_LIBRARY_FRAGMENT(hybrid_serve, m) {
   m.def("routed_experts(Tensor xs, Tensor gate_up, Tensor down, Tensor counts, "
-        "float limit=0.0) -> Tensor");
+        "float limit=0.0, bool bf16_products=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybrid_serve, CPU, m) {

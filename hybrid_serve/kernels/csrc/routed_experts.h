@@ -69,7 +69,7 @@ inline std::vector<GemvJob> expert_jobs(const float* x, const void* w, c10::Scal
     if (counts[e] > 0) {
       const void* we = static_cast<const char*>(w) + e * bytes;
       jobs.push_back(
-          {x + start * K, we, dtype, y + start * N, counts[e], N, K, panels, panels});
+          {x + start * K, we, dtype, y + start * N, counts[e], N, K, panels});
     }
     start += counts[e];
   }

@@ -14,7 +14,9 @@
 //   scalar lanes at generic x86): zero, load, store, add, mul, fma, bcast, bcast_pair (two bf16
 //   widened exactly), load_w (kLanes fp32 or bf16 weights), load_w2 (2 kLanes weights in two
 //   registers: fp32 as they lie, the first kLanes then the next; bf16 as pairs, lo lane i =
-//   p[2i] and hi lane i = p[2i + 1], one load and two integer ops per 2 kLanes), hsum.
+//   p[2i] and hi lane i = p[2i + 1], one load and two integer ops per 2 kLanes), load_w2_n
+//   (bf16 pairs as load_w2, only the first n of them read, the lanes past n zero: a masked
+//   load at AVX2 and AVX-512, a zeroed copy at NEON), hsum.
 //   `kVector` says whether it is a hardware register (a kernel may then prefer a plain loop,
 //   which the compiler vectorizes).
 // - `f8`: 8 fp32 lanes at every level (the integer products' accumulators, exp, the conv
@@ -45,7 +47,9 @@
 //   mod 256: int8 weights as unsigned bytes for dotu_acc), nib_lo / nib_hi (each byte's low /
 //   high nibble, 0..15: int4 weights read from their tiles).
 // - `bpairs`: kLanes pairs of bf16 values (k and k + 1) as the bf16 dot takes them (the bf16
-//   GEMM's, bgemm.h): load_pairs (kLanes pairs), bcast_bpair (one pair into every lane),
+//   panel product's, bpanel.h): load_pairs (kLanes pairs), load_pairs_n
+//   (the first n pairs, 1 <= n <= kLanes, lanes past n zero, nothing past them read),
+//   bcast_bpair (one pair into every lane),
 //   dot_pairs (acc lane i + a's pair i times b's, both products exact in fp32: one
 //   `vdpbf16ps` where the level has AVX512-BF16 (its two adds in its own order, denormal
 //   inputs read as zero), else the pair widened exactly and two FMAs, even element first).
@@ -363,6 +367,10 @@ inline void load_w2(const c10::BFloat16* p, vec& lo, vec& hi) {
   lo = ref::map<float, kLanes>([&](int i) { return float(p[2 * i]); });
   hi = ref::map<float, kLanes>([&](int i) { return float(p[2 * i + 1]); });
 }
+inline void load_w2_n(const c10::BFloat16* p, int n, vec& lo, vec& hi) {
+  lo = ref::map<float, kLanes>([&](int i) { return i < n ? float(p[2 * i]) : 0.f; });
+  hi = ref::map<float, kLanes>([&](int i) { return i < n ? float(p[2 * i + 1]) : 0.f; });
+}
 inline void bcast_pair(const void* p, vec& lo, vec& hi) {
   const auto* b = static_cast<const c10::BFloat16*>(p);
   lo = bcast(float(b[0]));
@@ -399,6 +407,11 @@ struct bpairs {
 inline bpairs load_pairs(const c10::BFloat16* p) {
   bpairs r;
   load_w2(p, r.lo, r.hi);
+  return r;
+}
+inline bpairs load_pairs_n(const c10::BFloat16* p, int n) {
+  bpairs r;
+  load_w2_n(p, n, r.lo, r.hi);
   return r;
 }
 inline bpairs bcast_bpair(const c10::BFloat16* p) {

@@ -209,6 +209,13 @@ inline void load_w2(const c10::BFloat16* p, vec& lo, vec& hi) {  // 4 pairs: p[2
   lo = vreinterpretq_f32_u32(vshlq_n_u32(pairs, 16));
   hi = vreinterpretq_f32_u32(vandq_u32(pairs, vdupq_n_u32(0xFFFF0000u)));
 }
+inline void load_w2_n(const c10::BFloat16* p, int n, vec& lo, vec& hi) {  // n pairs
+  uint32_t buf[4] = {0u, 0u, 0u, 0u};  // no masked loads: the n pairs through a zeroed copy
+  std::memcpy(buf, p, 4 * size_t(n));
+  const uint32x4_t pairs = vld1q_u32(buf);
+  lo = vreinterpretq_f32_u32(vshlq_n_u32(pairs, 16));
+  hi = vreinterpretq_f32_u32(vandq_u32(pairs, vdupq_n_u32(0xFFFF0000u)));
+}
 inline float hsum(vec v) { return hsum4(v); }
 inline vd zero_d() { return vdupq_n_f64(0.0); }
 inline vd load_d(const double* p) { return vld1q_f64(p); }

@@ -265,6 +265,11 @@ inline void load_w2(const c10::BFloat16* p, vec& lo, vec& hi) {  // 16 pairs: p[
   lo = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
   hi = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
+inline void load_w2_n(const c10::BFloat16* p, int n, vec& lo, vec& hi) {  // n pairs, masked
+  const __m512i pairs = _mm512_maskz_loadu_epi32(__mmask16((1u << n) - 1u), p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
 inline float hsum(vec v) {  // halves first, then simd.h's 8-lane tree
   return hsum(f8{_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))});
 }
@@ -318,6 +323,9 @@ struct bpairs {
   __m512i v;
 };
 inline bpairs load_pairs(const c10::BFloat16* p) { return {_mm512_loadu_si512(p)}; }
+inline bpairs load_pairs_n(const c10::BFloat16* p, int n) {
+  return {_mm512_maskz_loadu_epi32(__mmask16((1u << n) - 1u), p)};
+}
 inline bpairs bcast_bpair(const c10::BFloat16* p) {
   int32_t bits;
   std::memcpy(&bits, p, sizeof bits);
@@ -357,6 +365,13 @@ inline void load_w2(const float* p, vec& lo, vec& hi) {
 }
 inline void load_w2(const c10::BFloat16* p, vec& lo, vec& hi) {  // 8 pairs: p[2i] low half
   const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline void load_w2_n(const c10::BFloat16* p, int n, vec& lo, vec& hi) {  // n pairs, masked
+  const __m256i keep =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i pairs = _mm256_maskload_epi32(reinterpret_cast<const int*>(p), keep);
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
   hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
 }

@@ -81,12 +81,13 @@ inline void q8_row(const int8_t* w, int64_t N, int64_t K, int64_t n, int64_t k0,
 }
 
 // bf16 matrices in K-pair panels (kernels/bf16_pack.py), read by the panel products (bpanel.h):
-// one tensor [..., N, K], the rows in tiles of kPanel = 16 (the last tile the N % 16 rows left
-// over, a short tile of h < 16 rows). A tile of h rows from row n0 lies where its rows lie in row
-// order, elements [n0 K, (n0 + h) K): first, for each pair p < K / 2, row i's (w[n0 + i, 2p],
-// w[n0 + i, 2p + 1]) at 2hp + 2i (a whole tile's pair is 64 bytes, one vector of 16 pairs); then,
-// for an odd K, row i's w[n0 + i, K - 1] at 2h (K / 2) + i. `bpanel_index` is the map.
-constexpr int64_t kPanel = 16;
+// one tensor [..., N, K], the rows in panels of kPanel = 64 (the last panel the N % 64 rows left
+// over, a short panel of h < 64 rows). A panel of h rows from row n0 lies where its rows lie in
+// row order, elements [n0 K, (n0 + h) K): first, for each pair p < K / 2, row i's
+// (w[n0 + i, 2p], w[n0 + i, 2p + 1]) at 2hp + 2i (a whole panel's pair is 256 bytes, the 64 rows'
+// pairs: 4 vectors of 16 pairs at AVX-512, 8 of 8 at AVX2, 16 of 4 at NEON); then, for an odd K,
+// row i's w[n0 + i, K - 1] at 2h (K / 2) + i. `bpanel_index` is the map.
+constexpr int64_t kPanel = 64;
 
 // The element index of w[n, k] in a panel-packed matrix of N rows and K columns.
 inline int64_t bpanel_index(int64_t N, int64_t K, int64_t n, int64_t k) {
