@@ -13,7 +13,8 @@ on a shared machine.
 
 `products` times the step's products at its shapes (from config.json, random bf16 weights,
 enough copies to stream from memory) in one process, call by call in turns: our bf16 route
-(`hybrid_serve::linear`), torch's bf16 product (oneDNN, as the per-family steps ran it past 15
+(`hybrid_serve::linear` on the copies packed in K-pair panels, as the loader packs them), torch's
+bf16 product (oneDNN, as the per-family steps ran it past 15
 rows) and (up to 16 rows) two calls of half the rows. `ops` times the
 products and the Mamba2 decode op alone, one after the other.
 
@@ -44,6 +45,8 @@ from hybrid_serve.scheduler.cpu_env import apply_cpu_defaults
 apply_cpu_defaults()  # the server's OpenMP spin and huge pages, also when run as a file
 
 import torch  # noqa: E402
+
+from hybrid_serve.kernels.bf16_pack import pack_bf16  # noqa: E402
 
 logger = logging.getLogger("benchmarks.block_profile")
 
@@ -206,7 +209,10 @@ def ops(args: argparse.Namespace) -> None:
     x_of = {}
     timed: list[tuple[str, int, object]] = []
     for name, layers, n, k in products:
-        ws = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for _ in range(_copies(n * k))]
+        ws = [
+            pack_bf16((torch.randn(n, k, generator=gen) * 0.02).bfloat16())
+            for _ in range(_copies(n * k))
+        ]  # the route's layout: K-pair panels, as the loader packs them
         x = x_of.setdefault(k, torch.randn(rows, k, generator=gen))
         ring = iter(range(1 << 62))
         timed.append(
@@ -275,10 +281,10 @@ def products(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     rows, half = args.rows, args.rows // 2
     variants = {
-        "ours": lambda x, w: hs.linear(x, w, True),
-        "onednn": lambda x, w: torch.nn.functional.linear(x.bfloat16(), w).float(),
+        "ours": lambda x, w: hs.linear(x, w[1], True),  # w: (rows, panels)
+        "onednn": lambda x, w: torch.nn.functional.linear(x.bfloat16(), w[0]).float(),
         "halves": lambda x, w: torch.cat(
-            [hs.linear(x[:half], w, True), hs.linear(x[half:], w, True)]
+            [hs.linear(x[:half], w[1], True), hs.linear(x[half:], w[1], True)]
         ),  # fmt: skip
     }
     if rows > 16:  # prefill sizes: the halves would only double the run
@@ -286,9 +292,10 @@ def products(args: argparse.Namespace) -> None:
     times: dict[tuple[str, str], list[float]] = defaultdict(list)
     weights = {}
     for name, _, n, k in shapes:
-        weights[name] = [
+        plain = [
             (torch.randn(n, k, generator=gen) * 0.02).bfloat16() for _ in range(_copies(n * k))
         ]
+        weights[name] = [(w, pack_bf16(w)) for w in plain]  # torch reads rows, ours panels
     xs = {k: torch.randn(rows, k, generator=gen) for _, _, _, k in shapes}
     loads = []
     for r in range(args.rounds + 1):  # round 0 warms up
