@@ -1,7 +1,8 @@
 // The CPU linear ops: `skinny_linear` (the weight-streaming GEMV, gemv.h, and the integer GEMV,
 // qgemv.h), `tiled_linear` (the tiled GEMM, gemm.h), `bf16_panel_linear` (the bf16 route's panel
-// product, bpanel.h) and `linear`, the product by row count (decode_ops.h). x [M, K] fp32, w [N, K] fp32, bf16, int8 or
-// int4 (weights.h's formats), both contiguous -> y [M, N] fp32, accumulated in fp32.
+// product, bpanel.h) and `linear`, the product by row count (decode_ops.h). x [M, K] fp32,
+// w [N, K] fp32, bf16, int8 or int4 (weights.h's formats), both contiguous -> y [M, N] fp32,
+// accumulated in fp32.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
