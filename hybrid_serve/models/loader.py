@@ -179,8 +179,7 @@ def load_model(
     if weights_only and config.tie_word_embeddings:  # the LM head: its own copy of the embedding
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.to(torch_dtype))
     _quantize(model, tp, quantization, draft_quantization)
-    if model.ops.bf16_products:
-        pack_matrices(model)
+    pack_matrices(model)  # under the bf16 route only (its rule: `in_panels`)
     logger.info(
         "loaded %s (%s%s%s, %s%s%s)",
         path,
@@ -434,7 +433,7 @@ def pack_matrices(model: HybridForCausalLM) -> int:
     layout, and readers that take rows unpack (`Linear.rows`). Returns how many were packed."""
     seen: set[int] = set()
     for param in matrices(model):
-        if id(param) in seen or not in_panels(param.data, True):
+        if id(param) in seen or not in_panels(param.data, model.ops.bf16_products):
             continue
         seen.add(id(param))
         pack_bf16_(param.data)

@@ -132,9 +132,9 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor c
 // slot slots[n], each token continuing from the last; after each of its rows but the last, the
 // conv window and recurrent state are also copied to slot steps[n][j] (steps: [N, width], -1
 // past a request's rows), by streaming stores where the level has them (simd.h's
-// `stream_copy`): those states are read only after the pass (a rejected row's rollback, a prefix snapshot), and
-// writing 3 states past the caches saves reading their slots' old lines first. Reference and
-// contract: kernels/gdn_step.py gdn_verify.
+// `stream_copy`): those states are read only after the pass (a rejected row's rollback, a
+// prefix snapshot), and writing 3 states past the caches saves reading their slots' old lines
+// first. Reference and contract: kernels/gdn_step.py gdn_verify.
 at::Tensor gdn_verify(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor conv_state,
                       const at::Tensor& conv_weight, at::Tensor ssm_state, const at::Tensor& A_log,
                       const at::Tensor& dt_bias, const at::Tensor& norm_weight,

@@ -158,9 +158,9 @@ inline int64_t job_block_rows(const GemvJob& g) {
 // Every job's weight rows in blocks of about 16 KB (`skinny_range`'s), all blocks split between
 // the threads in one parallel region: a layer's several small matrices cost one fork/join, and
 // each thread streams one long run of memory. Each output element is computed exactly as by a
-// job alone (the same `gemv_rows`, integer GEMV or `bpanel::panels_range`), whatever the jobs. The activations
-// are prepared first, once per distinct x and kind (`acts_kind`). Nested inside another
-// at::parallel_for it runs on the calling thread.
+// job alone (the same `gemv_rows`, integer GEMV or `bpanel::panels_range`), whatever the jobs.
+// The activations are prepared first, once per distinct x and kind (`acts_kind`). Nested inside
+// another at::parallel_for it runs on the calling thread.
 inline void skinny_linear_jobs(const GemvJob* jobs, int64_t n_jobs) {
   std::vector<int64_t> first(n_jobs + 1, 0);       // job j holds blocks [first[j], first[j + 1])
   std::vector<QuantActs> acts;                      // the distinct rounded-to-int8 activations

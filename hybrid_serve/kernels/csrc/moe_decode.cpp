@@ -38,14 +38,6 @@
 
 namespace {
 
-// y [M, N] = x [M, K] w [N, K]^T for a weight of any dtype (w may be a slice of a stack).
-void linear_into(const float* x, const at::Tensor& w, int64_t offset_rows, int64_t N, float* y,
-                 int64_t M, bool bf16_products) {
-  hs::GemvJob job = hs::job_of(x, w, y, M, offset_rows, N);
-  job.panels = bf16_products;
-  hs::skinny_linear_jobs(&job, 1);
-}
-
 // silu(gate) * up for n rows of I gates at `gate` and I ups at `up` (row stride ld) -> out
 // [n, I]: silu.h's vectorised silu, whose result for a value does not depend on where it sits,
 // so a row's activations are the same bits whatever n (torch's silu would split large inputs
@@ -106,7 +98,8 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
 
   // routing: the fp32 softmax and top-k are torch's own, so ties pick torch.topk's experts
   at::Tensor logits = at::empty({T, E}, x.options());
-  linear_into(xp, router_w, 0, E, logits.data_ptr<float>(), T, bf16_products);
+  const hs::GemvJob router = hs::job_of(xp, router_w, logits.data_ptr<float>(), T, bf16_products);
+  hs::skinny_linear_jobs(&router, 1);
   auto [topk_w, topk_ids] = at::topk(at::_softmax(logits, -1, false), top_k, -1);
   if (norm_topk_prob) topk_w = topk_w / topk_w.sum(-1, true);
   topk_w = topk_w.contiguous();
@@ -145,20 +138,15 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& router_w,
   std::vector<hs::GemvJob> jobs = hs::expert_jobs(xs.data(), experts_gate_up.data_ptr(),
                                                   experts_gate_up.scalar_type(), counts.data(),
                                                   E, 2 * I, H, gu.data(), bf16_products);
-  const size_t shared = jobs.size();
-  jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T));
-  jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data(), T));
-  jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data(), T));
-  for (size_t j = shared; j < jobs.size(); ++j) {
-    jobs[j].panels = bf16_products;
-  }
+  jobs.push_back(hs::job_of(xp, shared_gate_w, sg.data_ptr<float>(), T, bf16_products));
+  jobs.push_back(hs::job_of(xp, shared_gate_proj, sgate.data(), T, bf16_products));
+  jobs.push_back(hs::job_of(xp, shared_up_proj, sup.data(), T, bf16_products));
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   swiglu(gu.data(), gu.data() + I, 2 * I, N, I, act.data());
   swiglu(sgate.data(), sup.data(), Is, T, Is, sact.data());
   jobs = hs::expert_jobs(act.data(), experts_down.data_ptr(), experts_down.scalar_type(),
                          counts.data(), E, H, I, ys.data(), bf16_products);
-  jobs.push_back(hs::job_of(sact.data(), shared_down, sy.data_ptr<float>(), T));
-  jobs.back().panels = bf16_products;
+  jobs.push_back(hs::job_of(sact.data(), shared_down, sy.data_ptr<float>(), T, bf16_products));
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));
   for (int64_t r = 0; r < N; ++r) {  // in expert order, as the reference's index_add_
     float* o = op + row_tok[r] * H;

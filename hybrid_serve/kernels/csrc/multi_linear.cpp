@@ -31,8 +31,8 @@ std::vector<at::Tensor> skinny_linear_multi(const at::Tensor& x, at::TensorList 
     TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && hs::in_features(w) == K,
                 "skinny_linear_multi: contiguous [N, K] weights expected");
     out.push_back(at::empty({M, w.size(0)}, x.options()));
-    jobs.push_back(hs::job_of(x.data_ptr<float>(), w, out.back().data_ptr<float>(), M));
-    jobs.back().panels = bf16_products;
+    jobs.push_back(hs::job_of(x.data_ptr<float>(), w, out.back().data_ptr<float>(), M,
+                              bf16_products));
   }
   hs::skinny_linear_jobs(jobs.data(), static_cast<int64_t>(jobs.size()));  // one region
   return out;

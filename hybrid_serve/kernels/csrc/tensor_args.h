@@ -18,15 +18,14 @@ inline int64_t in_features(const at::Tensor& w) {
   return w.size(-1);
 }
 
-// The job of `w` (a contiguous fp32, bf16, int8 or int4-format matrix, or `rows` rows of it from
-// `row0`; a stack [E, N, K] is rows of one matrix, except int8 and int4, whose experts are tiled
-// each on its own: one expert's rows, row0 = e N).
-inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M, int64_t row0 = 0,
-                      int64_t rows = -1) {
+// The job of the whole of `w` (a contiguous fp32, bf16, int8 or int4-format matrix); `panels`:
+// the bf16 route (a bf16 `w` is K-pair panels, gemv.h's `GemvJob::panels`; other formats ignore
+// it). Experts' slices of a stack are routed_experts.h's `expert_jobs`.
+inline GemvJob job_of(const float* x, const at::Tensor& w, float* y, int64_t M,
+                      bool panels = false) {
   TORCH_CHECK(weight_dtype(w.scalar_type()), "GEMV weights: fp32, bf16, int8 or int4");
-  const int64_t K = in_features(w), stride = w.size(-1);
-  const char* base = static_cast<const char*>(w.data_ptr()) + row0 * stride * w.element_size();
-  return {x, base, w.scalar_type(), y, M, rows < 0 ? w.numel() / stride - row0 : rows, K};
+  const int64_t stride = w.size(-1);
+  return {x, w.data_ptr(), w.scalar_type(), y, M, w.numel() / stride, in_features(w), panels};
 }
 
 // The torch op y [M, N] = x [M, K] w [N, K]^T (x fp32, w fp32, bf16, int8 or int4-format, both 2-D
